@@ -18,16 +18,19 @@ backward the gradient of logits is dz / T with dz_j = g_logp (1[j == t] - p_j) -
          entry is formed in fp32 as g_logp (1 - p_t) (no bf16 cancellation). dH = dlogits @ W needs a reduction
          over V and dW = dlogits^T @ H one over N; doing both inside one tile kernel needs float atomics (CCE's
          choice, not bitwise repeatable) or [BLOCK, D] accumulators (D is up to 8192, too big for registers).
-         We instead process the [N, V] plane in blocks of at most BACKWARD_BLOCK_ELEMENTS (vocabulary blocks
-         outer, row blocks inner): `_grad_logits_kernel` recomputes the block's logits with `tl.dot` and writes
-         dlogits for that block only (bf16 for bf16 inputs, fp32 for fp16 and fp32 inputs: fp16 would flush the
-         tiny g p / T entries to zero), then `_matmul_accumulate_kernel` adds
-         dlogits @ W_block into an fp32 dH buffer and dlogits^T @ H_block into the vocabulary block's fp32 dW
-         buffer; every output element is owned by exactly one program per launch and launches run in a fixed
-         order, so the result is deterministic (no atomics) and accumulated in fp32. The extra memory is the
-         block (O(tile)), the fp32 dH accumulator when hidden is not fp32, and [block_vocab, D] fp32 for dW.
+         We instead walk the [N, V] plane in row chunks (outer) and vocabulary blocks (inner): for each block
+         `_grad_logits_kernel` recomputes its logits with `tl.dot` and writes its dlogits (bf16 for bf16 inputs,
+         fp32 for fp16 and fp32 inputs: fp16 would flush the tiny g p / T entries to zero), then
+         `_matmul_kernel` adds dlogits @ W_block into the chunk's fp32 dH accumulator (cast to dH once, when
+         the chunk's whole vocabulary is done) and dlogits^T @ H_chunk into dW[block] in dW's own dtype (each
+         launch reduces over the chunk's rows in fp32; a bf16 dW is rounded once per row chunk, at most a few
+         times: `backward_chunk_rows`). Every output element is owned by exactly one program per launch and
+         launches run in a fixed order, so the result is deterministic (no atomics).
+         Extra memory (the workspace): one [rows, block_vocab] dlogits block and one [rows, D] fp32 dH
+         accumulator (none when hidden is fp32), sized together to about 1/64 of the bf16 logits (clamped to
+         [BACKWARD_WORKSPACE_MIN, BACKWARD_WORKSPACE_MAX] bytes), plus O(N + V) vectors.
          The cost over the FLOP floor (3 GEMMs: recompute, dH, dW) is one write and two reads of each dlogits
-         block (bf16), about 6 N V bytes in all. There is no faster non-deterministic (atomic) mode.
+         block, about 6 N V bytes in all. There is no faster non-deterministic (atomic) mode.
 
 Autotuning: the forward and dlogits kernels are keyed on D and V (never on N), so within a process a row's
 log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and power-of-two buckets of
@@ -46,14 +49,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_linear import block_shape, merge_partials
+from .fused_linear import merge_partials
 from .triton_logits import grad_of_logits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FORWARD_SPLIT_MIN = 8192  # vocabulary ids per forward split at least (a multiple of every BLOCK_N)
 FORWARD_MAX_SPLITS = 32  # at most this many splits, so the partial buffers stay O(N)
-BACKWARD_BLOCK_ELEMENTS = 1 << 26  # entries of one dlogits block (128 MiB in bf16)
-BACKWARD_VOCAB_BLOCK_MAX = 16384
+BACKWARD_VOCAB_BLOCK = 4096  # vocabulary ids per backward dlogits block (the dH GEMM's reduction depth)
+BACKWARD_WORKSPACE_FRACTION = 1 / 64  # backward workspace, as a fraction of the bf16 logits size N * V * 2
+BACKWARD_WORKSPACE_MIN = 16 << 20  # bytes
+BACKWARD_WORKSPACE_MAX = 256 << 20  # bytes
+BACKWARD_MIN_CHUNK_ROWS = 256  # a row chunk is at least this (or N): the dW GEMM's reduction depth
+CHUNK_ROW_MULTIPLE = 64
 
 
 # Candidate tiles for H100-class GPUs (bf16 operands; the autotuner drops any that exceed shared memory for fp32).
@@ -184,13 +191,14 @@ def _grad_logits_kernel(
 
 @triton.autotune(configs=MATMUL_CONFIGS, key=["N", "m_bucket", "k_bucket"], restore_value=["c_ptr"])
 @triton.jit
-def _matmul_accumulate_kernel(
+def _matmul_kernel(
     a_ptr, stride_am, stride_ak, b_ptr, stride_bk, stride_bn, c_ptr, stride_cm, stride_cn, M, N, K,
     m_bucket, k_bucket,  # autotuning keys only: M and K rounded up to powers of two (they follow the row count)
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """c (fp32) += a @ b, one program per BLOCK_M x BLOCK_N tile of c (grouped order for L2 reuse)."""
+    """c = a @ b (ACCUMULATE: c += a @ b), summed in fp32 and stored in c's dtype; one program per
+    BLOCK_M x BLOCK_N tile of c (grouped order for L2 reuse)."""
     pid = tl.program_id(0)
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -219,7 +227,9 @@ def _matmul_accumulate_kernel(
         b_ptrs += BLOCK_K * stride_bk
     c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(c, tl.load(c, mask=mask, other=0.0) + acc, mask=mask)
+    if ACCUMULATE:
+        acc += tl.load(c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -261,51 +271,72 @@ def _size_bucket(size: int) -> int:
     return min(triton.next_power_of_2(size), 1 << 16)
 
 
-def _accumulate_matmul(a, b, c, input_dtype: torch.dtype):
-    """c [M, N] fp32 += a [M, K] @ b [K, N] (any strides), deterministic; operands of two dtypes (fp32 dlogits of
-    fp16 inputs) are both cast to fp32 for the dot."""
+def _matmul(a, b, c, *, accumulate: bool, input_dtype: torch.dtype):
+    """c [M, N] = a [M, K] @ b [K, N] (accumulate: c += a @ b), any strides, summed in fp32, deterministic;
+    operands of two dtypes (fp32 dlogits of fp16 inputs) are both cast to fp32 for the dot."""
     M, K = a.shape
     N = b.shape[1]
-    if M == 0 or N == 0 or K == 0:
+    if M == 0 or N == 0:
         return
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _matmul_accumulate_kernel[grid](a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
-                                    c, c.stride(0), c.stride(1), M, N, K, _size_bucket(M), _size_bucket(K),
-                                    UPCAST=INTERPRET or a.dtype != b.dtype, DOT_PRECISION=_dot_precision(input_dtype))
+    _matmul_kernel[grid](a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
+                         c, c.stride(0), c.stride(1), M, N, K, _size_bucket(M), _size_bucket(K),
+                         ACCUMULATE=accumulate, UPCAST=INTERPRET or a.dtype != b.dtype,
+                         DOT_PRECISION=_dot_precision(input_dtype))
+
+
+def backward_chunk_rows(num_rows: int, vocab_size: int, bytes_per_row: int) -> int:
+    """Rows per backward chunk: the most whose workspace (`bytes_per_row` each: a dlogits block row plus an fp32 dH
+    accumulator row) fits BACKWARD_WORKSPACE_FRACTION of the bf16 logits size N * V * 2 (clamped to
+    [BACKWARD_WORKSPACE_MIN, BACKWARD_WORKSPACE_MAX] bytes), at least BACKWARD_MIN_CHUNK_ROWS; then evened out
+    over the chunks and rounded up to a multiple of CHUNK_ROW_MULTIPLE, never above num_rows."""
+    budget = min(max(num_rows * vocab_size * 2 * BACKWARD_WORKSPACE_FRACTION, BACKWARD_WORKSPACE_MIN),
+                 BACKWARD_WORKSPACE_MAX)
+    rows = max(int(budget // bytes_per_row), BACKWARD_MIN_CHUNK_ROWS, 1)
+    chunks = triton.cdiv(num_rows, rows)
+    even = triton.cdiv(num_rows, chunks)
+    return max(1, min(num_rows, triton.cdiv(even, CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
 
 
 def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: float, lse, entropy,
                                  grad_logp, grad_entropy, needs_hidden: bool, needs_weight: bool, needs_bias: bool):
     """Gradients (d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy);
-    each is None when not needed. Deterministic; accumulated in fp32; see the module docstring for the scheme."""
+    each is None when not needed. Deterministic; see the module docstring for the scheme and its workspace."""
     num_rows, hidden_dim = hidden.shape
     vocab_size = weight.shape[0]
     bias = None if bias is None else bias.contiguous()
-    grad_hidden = torch.zeros(num_rows, hidden_dim, dtype=torch.float32, device=hidden.device) if needs_hidden else None
-    grad_weight = torch.empty_like(weight) if needs_weight else None
-    grad_bias = torch.empty_like(bias) if needs_bias else None
-    block_rows, block_vocab = block_shape(num_rows, vocab_size, BACKWARD_BLOCK_ELEMENTS, BACKWARD_VOCAB_BLOCK_MAX)
+    device = hidden.device
+    if num_rows == 0:
+        return (torch.zeros_like(hidden) if needs_hidden else None,
+                torch.zeros_like(weight) if needs_weight else None,
+                torch.zeros_like(bias) if needs_bias else None)
     # dlogits are as small as g * p / T (g ~ 1 / tokens): fp16 would flush them to zero, bf16 / fp32 keep them.
     block_dtype = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
-    block = torch.empty(block_rows, block_vocab, dtype=block_dtype, device=hidden.device)
-    weight_block_grad = (torch.empty(block_vocab, hidden_dim, dtype=torch.float32, device=hidden.device)
-                         if needs_weight else None)
-    bias_block_grad = torch.empty(block_vocab, dtype=torch.float32, device=hidden.device) if needs_bias else None
-    for col_start in range(0, vocab_size, block_vocab):
-        col_end = min(col_start + block_vocab, vocab_size)
-        cols = col_end - col_start
-        if needs_weight:
-            weight_block_grad.zero_()
-        if needs_bias:
-            bias_block_grad.zero_()
-        for row_start in range(0, num_rows, block_rows):
-            row_end = min(row_start + block_rows, num_rows)
-            dlogits = block[: row_end - row_start, :cols]
+    block_vocab = min(vocab_size, BACKWARD_VOCAB_BLOCK)
+    hidden_in_place = hidden.dtype == torch.float32  # dH accumulates in its own fp32 rows
+    bytes_per_row = block_vocab * block_dtype.itemsize + (0 if hidden_in_place or not needs_hidden else 4 * hidden_dim)
+    chunk_rows = backward_chunk_rows(num_rows, vocab_size, bytes_per_row)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    hidden_accumulator = (torch.empty(chunk_rows, hidden_dim, dtype=torch.float32, device=device)
+                          if needs_hidden and not hidden_in_place else None)
+    grad_weight = torch.empty_like(weight) if needs_weight else None
+    bias_accumulator = torch.zeros(vocab_size, dtype=torch.float32, device=device) if needs_bias else None
+    block = torch.empty(chunk_rows, block_vocab, dtype=block_dtype, device=device)
+    for row_start in range(0, num_rows, chunk_rows):
+        row_end = min(row_start + chunk_rows, num_rows)
+        rows = row_end - row_start
+        chunk_grad_hidden = None
+        if needs_hidden:
+            chunk_grad_hidden = grad_hidden[row_start:row_end] if hidden_in_place else hidden_accumulator[:rows]
+        for col_start in range(0, vocab_size, block_vocab):
+            col_end = min(col_start + block_vocab, vocab_size)
+            cols = col_end - col_start
+            dlogits = block[:rows, :cols]
 
-            def grid(meta, rows=row_end - row_start):
+            def grid(meta, rows=rows, cols=cols):
                 return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
 
             _grad_logits_kernel[grid](
@@ -315,15 +346,14 @@ def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: flo
                 hidden_dim, 1.0 / temperature,
                 HAS_BIAS=bias is not None, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype))
             if needs_hidden:
-                _accumulate_matmul(dlogits, weight[col_start:col_end], grad_hidden[row_start:row_end], hidden.dtype)
+                _matmul(dlogits, weight[col_start:col_end], chunk_grad_hidden, accumulate=col_start > 0,
+                        input_dtype=hidden.dtype)
             if needs_weight:
-                _accumulate_matmul(dlogits.t(), hidden[row_start:row_end], weight_block_grad[:cols], hidden.dtype)
+                _matmul(dlogits.t(), hidden[row_start:row_end], grad_weight[col_start:col_end],
+                        accumulate=row_start > 0, input_dtype=hidden.dtype)
             if needs_bias:
-                bias_block_grad[:cols] += dlogits.sum(0, dtype=torch.float32)
-        if needs_weight:
-            grad_weight[col_start:col_end] = weight_block_grad[:cols]
-        if needs_bias:
-            grad_bias[col_start:col_end] = bias_block_grad[:cols]
-    if needs_hidden:
-        grad_hidden = grad_hidden.to(hidden.dtype)
+                bias_accumulator[col_start:col_end] += dlogits.sum(0, dtype=torch.float32)
+        if needs_hidden and not hidden_in_place:
+            grad_hidden[row_start:row_end] = chunk_grad_hidden
+    grad_bias = bias_accumulator.to(bias.dtype) if needs_bias else None
     return grad_hidden, grad_weight, grad_bias

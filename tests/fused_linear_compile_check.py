@@ -1,8 +1,8 @@
 """Compile every GPU autotune config of the fused-linear kernels for sm_90 (run without TRITON_INTERPRET; used by
 tests/test_fused_linear.py). Each config is compiled the way the JIT specializes a real call: unit strides are
 constants, and pointers, leading strides and sizes are 16-divisible, so loads are vectorized and pipelined.
-bf16: every config, checked to use wgmma and async copies; fp32 (slow to compile): the first config whose stages
-fit shared memory; and the fp32 dlogits x fp16 GEMM of fp16 inputs.
+bf16: every config, checked to use wgmma and async copies (the GEMM both into a bf16 and an fp32 output); fp32 (slow
+to compile): the first config whose stages fit shared memory; and the fp32 dlogits x fp16 GEMM of fp16 inputs.
 Prints one 'compiled ...' line per kernel and config."""
 import triton
 from triton.compiler import ASTSource
@@ -18,13 +18,16 @@ GRAD = dict(LINEAR, lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32",
             out_ptr="*DT", stride_on="i32", stride_ov="i32", row_start="i32", row_end="i32", col_start="i32",
             col_end="i32", block_cols="i32")
 MATMUL = dict(a_ptr="*DT", stride_am="i32", stride_ak="i32", b_ptr="*DT", stride_bk="i32", stride_bn="i32",
-              c_ptr="*fp32", stride_cm="i32", stride_cn="i32", M="i32", N="i32", K="i32", m_bucket="i32",
+              c_ptr="*DT", stride_cm="i32", stride_cn="i32", M="i32", N="i32", K="i32", m_bucket="i32",
               k_bucket="i32")
 UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True)
 CASES = [("forward", kernels._forward_partials_kernel, FORWARD, UNIT, kernels.GPU_FORWARD_CONFIGS),
          ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1), kernels.GPU_FORWARD_CONFIGS),
-         ("matmul", kernels._matmul_accumulate_kernel, MATMUL, dict(stride_ak=1, stride_bn=1, stride_cn=1),
+         ("matmul", kernels._matmul_kernel, MATMUL, dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True),
           kernels.GPU_MATMUL_CONFIGS)]
+# d hidden of bf16 / fp16 inputs accumulates in an fp32 buffer (d weight, above, in the weight's own dtype).
+FP32_ACCUMULATOR = ("matmul-fp32-accumulator", kernels._matmul_kernel, dict(MATMUL, c_ptr="*fp32"),
+                    CASES[-1][3], kernels.GPU_MATMUL_CONFIGS)
 
 
 def stage_bytes(config, dtype_bytes: int) -> int:
@@ -52,7 +55,7 @@ def compile_config(kernel, signature, constexprs, config, dtype: str, upcast: bo
 
 def main():
     for dtype, dtype_bytes in (("bf16", 2), ("fp32", 4)):
-        for name, kernel, signature, constexprs, configs in CASES:
+        for name, kernel, signature, constexprs, configs in CASES + ([FP32_ACCUMULATOR] if dtype == "bf16" else []):
             fitting = [c for c in configs if stage_bytes(c, dtype_bytes) * c.num_stages <= SHARED_MEMORY_LIMIT]
             for config in fitting if dtype == "bf16" else fitting[:1]:
                 compiled = compile_config(kernel, signature, constexprs, config, dtype)
@@ -60,8 +63,8 @@ def main():
                       f"shared={compiled.metadata.shared}", flush=True)
     # fp16 inputs: fp32 dlogits (a) against fp16 weight / hidden (b), both cast to fp32 for a TF32 dot.
     config = next(c for c in kernels.GPU_MATMUL_CONFIGS if stage_bytes(c, 4) * c.num_stages <= SHARED_MEMORY_LIMIT)
-    compiled = compile_config(kernels._matmul_accumulate_kernel, dict(MATMUL, a_ptr="*fp32"),
-                              dict(stride_ak=1, stride_bn=1, stride_cn=1), config, "fp16", upcast=True)
+    compiled = compile_config(kernels._matmul_kernel, dict(MATMUL, a_ptr="*fp32"),
+                              dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True), config, "fp16", upcast=True)
     print(f"compiled mixed-matmul fp32 x fp16 {config.kwargs} shared={compiled.metadata.shared}", flush=True)
 
 

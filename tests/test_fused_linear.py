@@ -17,6 +17,10 @@ from helpers import loss_inputs, random_batch  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
 
 BACKENDS = ["torch", "triton"]
+# The backward's sizing constants as shipped (the autouse fixture below shrinks them for every test).
+BACKWARD_SIZING = {name: getattr(triton_fused_linear, name) for name in (
+    "BACKWARD_VOCAB_BLOCK", "BACKWARD_WORKSPACE_MIN", "BACKWARD_WORKSPACE_MAX", "BACKWARD_MIN_CHUNK_ROWS",
+    "CHUNK_ROW_MULTIPLE")}
 GRAD_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=2e-2),
                   torch.float16: dict(rtol=5e-3, atol=5e-3)}
 
@@ -27,8 +31,11 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(fused_linear, "TORCH_BLOCK_ELEMENTS", 16 * 64)
     monkeypatch.setattr(fused_linear, "TORCH_VOCAB_BLOCK_MAX", 64)
     monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 128)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_BLOCK_ELEMENTS", 40 * 96)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_VOCAB_BLOCK_MAX", 96)
+    monkeypatch.setattr(triton_fused_linear, "BACKWARD_VOCAB_BLOCK", 96)
+    monkeypatch.setattr(triton_fused_linear, "BACKWARD_WORKSPACE_MIN", 0)
+    monkeypatch.setattr(triton_fused_linear, "BACKWARD_WORKSPACE_MAX", 0)  # so each chunk has the minimum rows
+    monkeypatch.setattr(triton_fused_linear, "BACKWARD_MIN_CHUNK_ROWS", 13)
+    monkeypatch.setattr(triton_fused_linear, "CHUNK_ROW_MULTIPLE", 1)
 
 
 def make_linear(num_rows, hidden_dim, vocab, dtype, bias=True, seed=1):
@@ -193,6 +200,31 @@ def test_erpo_loss_triton_backend(dtype):
     (out, grads), (expected, expected_grads) = erpo_both_ways(batch, hidden, weight, bias, "triton", **options)
     assert_outputs_close(out, expected)
     assert_grads_close(grads, expected_grads, dtype)
+
+
+@pytest.mark.parametrize("hidden_dim", [3584, 5120])  # the Qwen2.5-7B and -32B lm_heads (V = 152064)
+@pytest.mark.parametrize("num_rows", [4096, 16384, 65536])
+def test_backward_workspace_fits_the_benchmark_target(monkeypatch, num_rows, hidden_dim):
+    """bench/ asks the fused-linear fwd+bwd for at most 2% of the bf16 logits size above its gradients. The
+    backward's workspace (a bf16 dlogits block plus an fp32 d-hidden accumulator, per row chunk) is planned to stay
+    under 1.6% at every benchmarked shape, leaving room for the O(N) vectors, with at most 8 row chunks (each a
+    rounding of a bf16 d weight)."""
+    for name, value in BACKWARD_SIZING.items():
+        monkeypatch.setattr(triton_fused_linear, name, value)
+    vocab = 152064
+    block_vocab = min(vocab, triton_fused_linear.BACKWARD_VOCAB_BLOCK)
+    bytes_per_row = block_vocab * 2 + hidden_dim * 4
+    rows = triton_fused_linear.backward_chunk_rows(num_rows, vocab, bytes_per_row)
+    assert rows >= triton_fused_linear.BACKWARD_MIN_CHUNK_ROWS and rows % triton_fused_linear.CHUNK_ROW_MULTIPLE == 0
+    assert rows * bytes_per_row <= 0.016 * num_rows * vocab * 2
+    assert -(-num_rows // rows) <= 8
+
+
+@pytest.mark.parametrize("num_rows,expected_rows", [(1, 1), (13, 13), (14, 7), (40, 10), (100, 13)])
+def test_backward_chunks_are_even_and_cover_every_row(num_rows, expected_rows):
+    """With the fixture's sizing (13-row minimum, nothing else), rows are spread evenly over the fewest chunks."""
+    rows = triton_fused_linear.backward_chunk_rows(num_rows, 300, bytes_per_row=1000)
+    assert rows == expected_rows and -(-num_rows // rows) * rows >= num_rows
 
 
 class MaxAllocation(TorchDispatchMode):
@@ -400,4 +432,5 @@ def test_kernels_compile_for_hopper():
                           ("matmul", triton_fused_linear.GPU_MATMUL_CONFIGS)):
         assert stdout.count(f"compiled {name} bf16") == len(configs)
         assert stdout.count(f"compiled {name} fp32") == 1
+    assert stdout.count("compiled matmul-fp32-accumulator bf16") == len(triton_fused_linear.GPU_MATMUL_CONFIGS)
     assert "compiled mixed-matmul fp32 x fp16" in stdout
