@@ -48,12 +48,13 @@ def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
 
 
 def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages, ref_query_logp, query_weight,
-                   old_logp, ref_logp, options: LossOptions, use_triton: bool) -> LossOutput:
+                   old_logp, ref_logp, token_weight=None, options: LossOptions, use_triton: bool) -> LossOutput:
     """ERPO loss from token_logp [N] fp32 and entropy [N] fp32 (both may require grad).
 
     token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows,
     advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
-    (= on-policy), ref_logp [N] or None. `use_triton` picks the deterministic Triton per-sample sums.
+    (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s).
+    `use_triton` picks the deterministic Triton per-sample sums.
     """
     opts = options
     num_samples = advantages.shape[0]
@@ -94,6 +95,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
         pg = torch.where(advantage < 0, torch.minimum(pg, -advantage * opts.dual_clip), pg)
     if query_weight is not None:
         pg = query_weight.float()[sample] * pg
+    if token_weight is not None:
+        pg = token_weight.float() * pg
     term = pg
     policy_kl = None if ref_logp is None else k3_against_reference(is_response)
     if opts.policy_kl_coef != 0:

@@ -142,7 +142,8 @@ def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch
 
 
 def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, targets, token_kind, sample_index,
-                      advantages, ref_query_logp, query_weight, old_logp, ref_logp, options: dict):
+                      advantages, ref_query_logp, query_weight, old_logp, ref_logp, options: dict,
+                      token_weight=None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`.
 
     Returns `(scored_targets [N] int64 with -100 on rows of kind 0, LossOptions)`.
@@ -166,7 +167,7 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
         if tensor is not None:
             check_tensor(name, tensor, ndim=1, length=num_samples, device=device, floating=True,
                          length_name=" (S, the length of advantages)")
-    for name, tensor in {"old_logp": old_logp, "ref_logp": ref_logp}.items():
+    for name, tensor in {"old_logp": old_logp, "ref_logp": ref_logp, "token_weight": token_weight}.items():
         if tensor is not None:
             check_tensor(name, tensor, ndim=1, length=n, device=device, floating=True,
                          length_name=" (the number of rows N)")
@@ -187,5 +188,9 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
          lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on scored rows; "
                      f"row {row} holds {int(sample_index[row])}"),
         target_range_check(targets, scored, vocab_size),
+        *([] if token_weight is None else [(
+            scored & ~(torch.isfinite(token_weight) & (token_weight >= 0)),
+            lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
+                        f"{float(token_weight[row])}")]),
     ])
     return scored_targets_of(targets, scored), opts

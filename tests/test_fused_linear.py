@@ -197,7 +197,9 @@ def test_erpo_loss_triton_backend(dtype):
                "temperature": 0.6, "entropy_coef": 0.05, "loss_agg": "seq-mean-token-mean"}
     batch = random_batch(num_rows=48, vocab=300)
     hidden, weight, bias = make_linear(48, 40, 300, dtype)
-    (out, grads), (expected, expected_grads) = erpo_both_ways(batch, hidden, weight, bias, "triton", **options)
+    token_weight = torch.rand(48, generator=torch.Generator().manual_seed(2)) * 2
+    (out, grads), (expected, expected_grads) = erpo_both_ways(batch, hidden, weight, bias, "triton",
+                                                              token_weight=token_weight, **options)
     assert_outputs_close(out, expected)
     assert_grads_close(grads, expected_grads, dtype)
 

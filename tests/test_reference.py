@@ -37,6 +37,33 @@ def test_reference_matches_float64_formula(options):
     torch.testing.assert_close(ours_logits.grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_weight_scales_each_response_rows_policy_gradient(backend):
+    """token_weight [N] (e.g. a truncated importance-sampling ratio against the rollout engine's log-probs)
+    multiplies pg_t next to w_s; query rows and the Query-KL ignore it, and rows of kind 0 may hold anything."""
+    batch = random_batch()
+    token_weight = torch.rand(48, generator=torch.Generator().manual_seed(7)) * 2
+    token_weight[batch["token_kind"] == 0] = float("nan")  # never read
+    options = {"policy_kl_coef": 0.1, "entropy_coef": 0.05}
+    logits = batch["logits"].double().requires_grad_(True)
+    expected = plain_erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"],
+                               token_weight=token_weight, **loss_inputs(batch), **options)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    ours_logits = batch["logits"].clone().requires_grad_(True)
+    out = erpo_loss(ours_logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                    token_weight=token_weight, **loss_inputs(batch), **options)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_logits.grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
+    unweighted = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"],
+                           backend=backend, **loss_inputs(batch), **options)
+    ones = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                     token_weight=torch.ones(48), **loss_inputs(batch), **options)
+    assert torch.equal(ones.loss, unweighted.loss)
+    assert not torch.allclose(out.metrics["pg_loss"], unweighted.metrics["pg_loss"], rtol=1e-2)
+    assert torch.equal(out.metrics["qkl"], unweighted.metrics["qkl"])
+
+
 def test_on_policy_without_old_logp_has_ratio_one():
     batch = random_batch()
     out = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
