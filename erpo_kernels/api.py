@@ -57,10 +57,11 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, return_entropy:
 
 
 def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
-              old_logp=None, ref_logp=None, token_weight=None, backend: str = "auto", inplace_backward: bool = False,
-              **options) -> LossOutput:
+              old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, backend: str = "auto",
+              inplace_backward: bool = False, **options) -> LossOutput:
     """The ERPO loss on logits [N, V] over packed token rows (API.md): targets, token_kind, sample_index [N];
-    advantages, ref_query_logp, query_weight [S]; old_logp, ref_logp, token_weight [N]; options as API.md's table.
+    advantages, ref_query_logp, query_weight [S]; old_logp, ref_logp, token_weight, rollout_logp [N]; options as
+    API.md's table (and docs/API.md's additions).
 
     Returns a LossOutput whose `loss` is differentiable with respect to `logits`.
     """
@@ -73,7 +74,8 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
         targets=targets, token_kind=token_kind, sample_index=sample_index, options=options,
         tensors=dict(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
-                     old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight))
+                     old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight,
+                     rollout_logp=rollout_logp))
 
 
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
@@ -81,7 +83,7 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     """The body shared by `erpo_loss` and `fused_linear_erpo_loss` once their [N, V] source is checked: validate
     the other inputs, run `token_pass(scored_targets [N] int64, temperature, triton) -> (logp [N], entropy [N])`
     on the chosen backend and form the loss. `tensors`: advantages, ref_query_logp, query_weight, old_logp,
-    ref_logp, token_weight."""
+    ref_logp, token_weight, rollout_logp."""
     scored_targets, opts = check_loss_inputs(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, options=options, **tensors)

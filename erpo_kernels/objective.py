@@ -8,6 +8,7 @@ kernels turn into dlogits.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,12 +49,15 @@ def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
 
 
 def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages, ref_query_logp, query_weight,
-                   old_logp, ref_logp, token_weight=None, options: LossOptions, use_triton: bool) -> LossOutput:
+                   old_logp, ref_logp, token_weight=None, rollout_logp=None, options: LossOptions,
+                   use_triton: bool) -> LossOutput:
     """ERPO loss from token_logp [N] fp32 and entropy [N] fp32 (both may require grad).
 
     token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows,
     advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
-    (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s).
+    (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s), rollout_logp
+    [N] or None (the rollout engine's sampling log-probs: pg_t is then also multiplied by the truncated
+    importance-sampling weight min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)).
     `use_triton` picks the deterministic Triton per-sample sums.
     """
     opts = options
@@ -70,6 +74,9 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
 
     def response_mean(values):
         return torch.where(is_response, values, zero).sum() / num_response.clamp_min(1)
+
+    def response_max(values):  # of values >= 0; 0 without response rows
+        return torch.where(is_response, values, zero).amax() if values.numel() else zero
 
     def k3_against_reference(rows):  # per-token k3(ref_logp - logp) on `rows`, 0 elsewhere
         log_ratio = torch.where(rows, ref_logp.float() - token_logp, zero)
@@ -97,6 +104,11 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
         pg = query_weight.float()[sample] * pg
     if token_weight is not None:
         pg = token_weight.float() * pg
+    rollout_is_weight = rollout_gap = None
+    if rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
+        rollout_gap = torch.where(is_response, old - rollout_logp.float(), zero)
+        rollout_is_weight = torch.exp(rollout_gap.clamp(max=math.log(opts.rollout_is_cap)))
+        pg = rollout_is_weight * pg
     term = pg
     policy_kl = None if ref_logp is None else k3_against_reference(is_response)
     if opts.policy_kl_coef != 0:
@@ -149,6 +161,9 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
             "pg_loss": aggregate(pg.detach()),
             "ratio_mean": response_mean(ratio.detach()),
             "query_logp_mean": (query_logp.detach() * has_query).sum() / has_query.sum().clamp_min(1),
+            "rollout_is_weight": nan if rollout_is_weight is None else response_mean(rollout_is_weight),
+            "rollout_logp_gap_abs": nan if rollout_gap is None else response_mean(rollout_gap.abs()),
+            "rollout_logp_gap_max": nan if rollout_gap is None else response_max(rollout_gap.abs()),
             "response_tokens": num_response,
             "nonfinite_rows": nonfinite.sum(),
         }

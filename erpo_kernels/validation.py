@@ -35,6 +35,7 @@ class LossOptions:
     log_ratio_clamp: float = 20.0
     num_items: float | None = None
     num_seqs: float | None = None
+    rollout_is_cap: float = 2.0
 
     def __post_init__(self):
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
@@ -50,6 +51,8 @@ class LossOptions:
         for name in ("qkl_coef", "policy_kl_coef", "entropy_coef"):
             if not _is_finite_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not _is_finite_number(self.rollout_is_cap) or self.rollout_is_cap <= 0:
+            raise ValueError(f"rollout_is_cap must be a finite number > 0, got {self.rollout_is_cap!r}")
         if not _is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be a number > 0, got {self.log_ratio_clamp!r}")
         for name in ("num_items", "num_seqs"):
@@ -143,7 +146,7 @@ def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch
 
 def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, targets, token_kind, sample_index,
                       advantages, ref_query_logp, query_weight, old_logp, ref_logp, options: dict,
-                      token_weight=None):
+                      token_weight=None, rollout_logp=None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`.
 
     Returns `(scored_targets [N] int64 with -100 on rows of kind 0, LossOptions)`.
@@ -167,7 +170,8 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
         if tensor is not None:
             check_tensor(name, tensor, ndim=1, length=num_samples, device=device, floating=True,
                          length_name=" (S, the length of advantages)")
-    for name, tensor in {"old_logp": old_logp, "ref_logp": ref_logp, "token_weight": token_weight}.items():
+    for name, tensor in {"old_logp": old_logp, "ref_logp": ref_logp, "token_weight": token_weight,
+                         "rollout_logp": rollout_logp}.items():
         if tensor is not None:
             check_tensor(name, tensor, ndim=1, length=n, device=device, floating=True,
                          length_name=" (the number of rows N)")
@@ -192,5 +196,8 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
             scored & ~(torch.isfinite(token_weight) & (token_weight >= 0)),
             lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
                         f"{float(token_weight[row])}")]),
+        *([] if rollout_logp is None else [(
+            (token_kind == 2) & rollout_logp.isnan(),
+            lambda row: f"rollout_logp is NaN on response row {row}")]),
     ])
     return scored_targets_of(targets, scored), opts

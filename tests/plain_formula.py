@@ -7,7 +7,7 @@ def k_estimator(r, name):
 
 
 def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
-                    old_logp=None, ref_logp=None, token_weight=None, qkl_coef=0.01, qkl_estimator="k3", policy_kl_coef=0.0,
+                    old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, rollout_is_cap=2.0, qkl_coef=0.01, qkl_estimator="k3", policy_kl_coef=0.0,
                     clip_low=0.2, clip_high=0.2, dual_clip=None, ratio_level="token", temperature=1.0,
                     entropy_coef=0.0, loss_agg="token-mean", log_ratio_clamp=20.0, num_items=None, num_seqs=None):
     z = logits.double() / temperature
@@ -37,6 +37,9 @@ def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, re
             if dual_clip is not None and a < 0:
                 pg = torch.minimum(pg, -a * dual_clip)
             term = w * pg if token_weight is None else w * token_weight[row].double() * pg
+            if rollout_logp is not None:
+                old = logp[row].detach() if old_logp is None else old_logp[row].double()
+                term = term * torch.exp(old - rollout_logp[row].double()).clamp(max=rollout_is_cap)
             if policy_kl_coef:
                 term = term + policy_kl_coef * k_estimator((ref_logp[row].double() - logp[row]).clamp(-c, c), "k3")
             term = term - entropy_coef * entropy[row]

@@ -1,4 +1,6 @@
 """The torch reference (backend="torch") against float64 autograd of API.md's plain formula."""
+import math
+
 import pytest
 import torch
 
@@ -62,6 +64,41 @@ def test_token_weight_scales_each_response_rows_policy_gradient(backend):
     assert torch.equal(ones.loss, unweighted.loss)
     assert not torch.allclose(out.metrics["pg_loss"], unweighted.metrics["pg_loss"], rtol=1e-2)
     assert torch.equal(out.metrics["qkl"], unweighted.metrics["qkl"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("on_policy", [True, False], ids=["on-policy", "old_logp"])
+def test_rollout_logp_applies_truncated_importance_sampling(backend, on_policy):
+    """With the rollout engine's log-probs, pg_t is weighted by min(exp(old_t - rollout_t), rollout_is_cap), old_t
+    being old_logp or (on-policy) the current log-prob, detached; metrics report the weight and the gap."""
+    batch = random_batch()
+    g = torch.Generator().manual_seed(11)
+    inputs = loss_inputs(batch, ("advantages", "ref_query_logp", "query_weight") + (() if on_policy else ("old_logp",)))
+    old = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"],
+                    backend="torch", **inputs).token_logp if on_policy else batch["old_logp"]
+    rollout_logp = old + 0.8 * torch.randn(48, generator=g)  # some weights above the cap, some below 1
+    rollout_logp[batch["token_kind"] != 2] = float("nan")  # read on response rows only
+    options = {"rollout_is_cap": 1.5}
+    logits = batch["logits"].double().requires_grad_(True)
+    expected = plain_erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"],
+                               rollout_logp=rollout_logp, **inputs, **options)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    ours_logits = batch["logits"].clone().requires_grad_(True)
+    out = erpo_loss(ours_logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                    rollout_logp=rollout_logp, **inputs, **options)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_logits.grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
+    response = batch["token_kind"] == 2
+    gap = (old - rollout_logp)[response]
+    assert bool((gap > math.log(1.5)).any()) and bool((gap < 0).any())
+    torch.testing.assert_close(out.metrics["rollout_is_weight"], gap.exp().clamp(max=1.5).mean())
+    torch.testing.assert_close(out.metrics["rollout_logp_gap_abs"], gap.abs().mean())
+    torch.testing.assert_close(out.metrics["rollout_logp_gap_max"], gap.abs().max())
+    plain = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                      **inputs)
+    assert math.isnan(plain.metrics["rollout_is_weight"])
+    assert not torch.allclose(plain.metrics["pg_loss"], out.metrics["pg_loss"], rtol=1e-2)
 
 
 def test_on_policy_without_old_logp_has_ratio_one():
