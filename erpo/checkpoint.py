@@ -5,6 +5,7 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-N/`:
     rng/rank-R.pt      python / numpy / torch / CUDA RNG states of rank R
     engine/...         DeepSpeed engine: DeepSpeed's own files (model, ZeRO optimizer shards, scheduler)
     model.pt, optimizer.pt, scheduler.pt     plain torch bundle (TorchBundle)
+    hf/                the model (+ tokenizer) in Hugging Face format, when saved with `export=True`
 
 A checkpoint is built in `checkpoints/.tmp-step-N/`, every file fsynced, then renamed to `step-N` in one
 atomic rename: a process killed at any moment leaves either no `step-N` or a complete one, and the
@@ -40,6 +41,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 DEEPSPEED_TAG = "engine"
+HF_DIR = "hf"
 
 
 @dataclass
@@ -159,11 +161,13 @@ class CheckpointManager:
         return str(found[-1][1]) if found else None
 
     # -- save
-    def save(self, step: int, engine: Any, state: dict) -> str:
+    def save(self, step: int, engine: Any, state: dict, *, export: bool = False, tokenizer: Any = None) -> str:
         """Write checkpoint `step` atomically and return its path; collective under DeepSpeed.
 
         engine: DeepSpeedEngine or TorchBundle (see module doc). state: the trainer's JSON-serializable
         progress (e.g. {"step": 7, "prompts_consumed": 448, "reference_cache_id": "ab12..."}).
+        export: also write the model (a transformers model) and `tokenizer` with `export_hf` into `hf/`,
+        loadable by `from_pretrained` and `erpo eval`; part of the same atomic commit.
         Saving a step that already has a complete checkpoint returns it unchanged; saving a step lower than
         an existing checkpoint's is a ValueError (a different run's checkpoints are in the directory).
         """
@@ -200,6 +204,8 @@ class CheckpointManager:
                 torch.save(engine.optimizer.state_dict(), tmp / "optimizer.pt")
             if engine.scheduler is not None:
                 torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
+        if export:
+            export_hf(engine if kind == "deepspeed" else engine.model, tokenizer, tmp / HF_DIR)
         dist_utils.barrier()
 
         if dist_utils.is_main():

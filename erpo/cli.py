@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train":
                 trainer.train(cfg, resume=args.resume)
             else:
-                _, path = trainer.precompute_reference(cfg, overwrite=args.overwrite)
+                _, path, _ = trainer.precompute_reference(cfg, overwrite=args.overwrite)
                 print(path)
         finally:
             distributed.destroy_distributed()  # every rank, also after an error (a live group can abort at exit)

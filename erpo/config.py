@@ -65,6 +65,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5       # vLLM only
     tensor_parallel_size: int = 1             # vLLM only
     enable_sleep_mode: bool = False           # vLLM only: free its KV cache and offload its weights while training
+    # Truncated importance sampling against the engine's sampling log-probs (TRL's vllm_importance_sampling_correction):
+    # pg_t *= min(exp(trainer logp - engine logp), cap). None: on with vllm, off with hf (the same model samples).
+    importance_sampling_correction: bool | None = None
+    importance_sampling_cap: float = 2.0
 
 
 @dataclass
@@ -114,6 +118,7 @@ class TrainerConfig:
     on_nonfinite: str = "skip"                # skip (warn, count, no update) | stop (clear error, checkpoint kept)
     save_steps: int = 0                       # checkpoint every N rollout steps (0: only at the end)
     keep_last: int = 3
+    save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
     cpu_threads: int | None = 1               # torch CPU threads (None: torch's default); 1 is fastest for tiny models
 
@@ -320,6 +325,10 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"trainer.lr must be > 0, got {t.lr}")
     if cfg.rollout.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+    if cfg.rollout.importance_sampling_correction is None:
+        cfg.rollout.importance_sampling_correction = cfg.rollout.backend == "vllm"
+    if not cfg.rollout.importance_sampling_cap > 0:
+        raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {cfg.rollout.importance_sampling_cap}")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):
         raise ValueError(f"reward.weights has {len(cfg.reward.weights)} entries but reward.functions has "
                          f"{len(cfg.reward.functions)}")

@@ -71,6 +71,27 @@ def _is_run_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.yaml"))
 
 
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def resolve_checkpoint(target: str, label: str) -> ModelSpec:
+    """A training checkpoint (``RUN_DIR/checkpoints/step-N``): its Hugging Face export ``hf/``, with the run's
+    prompt settings; labelled ``RUN@step-N`` unless ``label`` is given."""
+    from erpo.checkpoint import HF_DIR
+
+    model = os.path.join(target, HF_DIR)
+    if not _is_hf_model_dir(model):
+        raise ValueError(f"--model {target}: this checkpoint holds no Hugging Face export ({HF_DIR}/config.json): "
+                         "it was saved with trainer.save_hf=false or by an older erpo; evaluate a checkpoint saved "
+                         "with trainer.save_hf=true, or the run's final/ model")
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(target)))
+    run_dir = run_dir if _is_run_dir(run_dir) else None
+    step = os.path.basename(os.path.abspath(target))
+    name = label or (f"{os.path.basename(run_dir)}@{step}" if run_dir else step)
+    return ModelSpec(name, model, run_dir)
+
+
 def load_run_config(run_dir: str):
     """The resolved ``erpo.config.Config`` a training run was started with (``RUN_DIR/config.yaml``)."""
     from erpo.config import load_config
@@ -87,7 +108,8 @@ def run_start_model(run_dir: str) -> str:
 
 def resolve_model(spec: str) -> ModelSpec:
     """Resolve ``[LABEL=]TARGET``. TARGET is an HF model dir, a Hub name, a training output dir (its
-    ``final/`` model) or ``RUN_DIR@start`` (the model that run started from, before RL)."""
+    ``final/`` model), a checkpoint dir of one (``RUN_DIR/checkpoints/step-N``, its ``hf/`` model) or
+    ``RUN_DIR@start`` (the model that run started from, before RL)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--model must be a non-empty path or name, got {spec!r}")
     label, eq, target = spec.strip().partition("=")
@@ -107,9 +129,12 @@ def resolve_model(spec: str) -> ModelSpec:
             return ModelSpec(name, final, target if _is_run_dir(target) else None)
         if _is_hf_model_dir(target):
             return ModelSpec(name, target, None)
+        if _is_checkpoint_dir(target):
+            return resolve_checkpoint(target, label)
         raise ValueError(
-            f"--model {target}: neither an HF model dir (config.json) nor a finished training run "
-            f"(final/config.json); for an unfinished run pass one of its saved model dirs"
+            f"--model {target}: neither an HF model dir (config.json), a finished training run "
+            f"(final/config.json) nor a checkpoint (meta.json); for an unfinished run pass one of its "
+            f"checkpoints (RUN_DIR/checkpoints/step-N)"
         )
     if os.path.exists(target) or target.startswith((".", "/")):
         raise ValueError(f"--model {target}: not a directory")
@@ -528,8 +553,9 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``erpo eval`` options on a (sub)parser."""
     parser.add_argument("--model", action="append", required=True, metavar="[LABEL=]PATH_OR_RUN_DIR",
-                        help="HF model dir, Hub name, training output dir (its final/ model) or RUN_DIR@start "
-                             "(the model the run started from); repeatable or comma-separated to compare models")
+                        help="HF model dir, Hub name, training output dir (its final/ model), one of its "
+                             "checkpoints (RUN_DIR/checkpoints/step-N) or RUN_DIR@start (the model the run started "
+                             "from); repeatable or comma-separated to compare models")
     parser.add_argument("--benchmarks", default="synthetic",
                         help="comma-separated benchmark specs [NAME=]SOURCE[#problem=F#answer=F#split=S#limit=N]; "
                              "SOURCE: synthetic (default, offline), a .jsonl/.json/.parquet file, "

@@ -6,8 +6,10 @@ included), the first token excluded. Entries are keyed by a hash of the prompt's
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,7 @@ from erpo.sequences import pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 
 FORMAT_VERSION = 1
+log = logging.getLogger("erpo")
 
 
 def prompt_hash(ids: list[int]) -> str:
@@ -26,24 +29,113 @@ def prompt_hash(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()[:32]
 
 
+HASH_CHUNK = 8 << 20                     # bytes read at a time when hashing a weight file
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_digests: dict[tuple[str, int, int], str] = {}   # (absolute path, size, mtime_ns) -> sha256 hex, this process
+
+
+def fingerprint_cache_path() -> Path:
+    """The persisted weight-file digests: $XDG_CACHE_HOME/erpo/fingerprints.json (~/.cache/erpo/ by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "erpo" / "fingerprints.json"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of a file's full content, streamed in HASH_CHUNK-byte pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_digest_cache(path: Path) -> dict:
+    """{absolute path: [size, mtime_ns, sha256]} from the side cache; {} when absent or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _matches(entry, path: str) -> bool:
+    """Whether a side-cache entry [size, mtime_ns, sha256] still describes the file at `path`."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return isinstance(entry, list) and len(entry) == 3 and entry[:2] == [stat.st_size, stat.st_mtime_ns]
+
+
+def _persist_digests(fresh: dict[str, list]) -> None:
+    """Merge `fresh` into the side cache (dropping entries of deleted or changed files) and write it atomically;
+    skipped, with a debug log line, where its directory cannot be written."""
+    target = fingerprint_cache_path()
+    entries = {k: v for k, v in {**_read_digest_cache(target), **fresh}.items() if _matches(v, k)}
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, target)
+    except OSError as exc:
+        log.debug("model fingerprint: weight digests not persisted to %s (%s)", target, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def weight_digests(files: list[Path]) -> list[str]:
+    """sha256 (hex) of each file's content: memoized in this process and persisted in `fingerprint_cache_path()`
+    keyed by (absolute path, size, mtime_ns), so only new or changed files are read again."""
+    side, fresh, out = None, {}, []
+    for file in files:
+        real = file.resolve()
+        stat = real.stat()
+        key = (str(real), stat.st_size, stat.st_mtime_ns)
+        if key not in _digests:
+            side = _read_digest_cache(fingerprint_cache_path()) if side is None else side
+            entry = side.get(key[0])
+            if _matches(entry, key[0]):
+                _digests[key] = entry[2]
+            else:
+                _digests[key] = file_sha256(real)
+                fresh[key[0]] = [key[1], key[2], _digests[key]]
+        out.append(_digests[key])
+    if fresh:
+        _persist_digests(fresh)
+    return out
+
+
+def hub_revision(name: str) -> str | None:
+    """Commit hash that `name`'s "main" resolves to in the local Hugging Face cache (offline, no download), or None
+    when it is not cached there or is no valid repo id."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        resolved = try_to_load_from_cache(name, "config.json")
+    except (ImportError, ValueError):
+        return None
+    return Path(resolved).parent.name if isinstance(resolved, str) else None
+
+
 def model_fingerprint(name_or_path: str) -> str:
-    """Identity of a model's weights: for a local directory, a hash of config.json and of each weight file's name,
-    size and first/last MiB; for a hub name, the name itself."""
+    """Identity of a model's weights. A local directory: sha256 over config.json, every *.index.json and the full
+    content of every weight file (top-level *.safetensors / *.bin and every file an index's weight_map names,
+    sub-folders included; digests cached by `weight_digests`). A hub name: "name:<name>@<commit>" when the local
+    Hugging Face cache resolves its revision, else "name:<name>"."""
     path = Path(name_or_path)
     if not path.is_dir():
-        return f"name:{name_or_path}"
+        commit = hub_revision(name_or_path)
+        return f"name:{name_or_path}" + (f"@{commit}" if commit else "")
     digest = hashlib.sha256()
     config = path / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
-    weight_files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
-    for file in weight_files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as handle:
-            digest.update(handle.read(1 << 20))
-            handle.seek(max(0, size - (1 << 20)))
-            digest.update(handle.read(1 << 20))
+    names = {p.name for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
+    for index in sorted(path.glob("*.index.json")):
+        text = index.read_bytes()
+        digest.update(f"\0{index.name}\0".encode() + text)
+        names.update(json.loads(text).get("weight_map", {}).values())
+    names = sorted(names)
+    for name, sha in zip(names, weight_digests([path / n for n in names])):
+        digest.update(f"\0{name}:{sha}".encode())
     return "sha256:" + digest.hexdigest()[:32]
 
 
@@ -88,7 +180,7 @@ class ReferenceCache:
         return str(target)
 
     @classmethod
-    def load(cls, path: str) -> "ReferenceCache":
+    def load(cls, path: str) -> ReferenceCache:
         data = json.loads(Path(path).read_text())
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"reference cache {path}: format version {data.get('format_version')}, expected "
@@ -145,8 +237,10 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
 
 
 def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, model_id: str, template: str,
-                          batch_size: int, temperature: float = 1.0) -> ReferenceCache:
-    """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0)."""
+                          batch_size: int, temperature: float = 1.0, model_fp: str | None = None,
+                          tokenizer_fp: str | None = None) -> ReferenceCache:
+    """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0).
+    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here)."""
     unique = list({prompt_hash(p): p for p in prompt_ids}.items())
     local = D.shard(unique, D.rank(), D.world_size()) if len(unique) >= D.world_size() else unique
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -160,7 +254,7 @@ def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, mode
     keys = [k for k, _ in pairs]
     ell = torch.tensor([v for _, v in pairs], dtype=torch.float64)
     weights = query_weights(ell)
-    return ReferenceCache(model_id=model_id, model_fingerprint=model_fingerprint(model_id),
+    return ReferenceCache(model_id=model_id, model_fingerprint=model_fp or model_fingerprint(model_id),
                           tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
-                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), template=template,
+                          tokenizer_fingerprint=tokenizer_fp or tokenizer_fingerprint(tokenizer), template=template,
                           entries={k: (float(e), float(w)) for k, e, w in zip(keys, ell, weights)})

@@ -24,12 +24,15 @@ class PackedBatch:
     targets: torch.Tensor          # [R]
     token_kind: torch.Tensor       # [R] 1 query, 2 response
     sample_index: torch.Tensor     # [R] in [0, B)
+    rollout_logp: torch.Tensor | None = None  # [R] fp32: the rollout engine's log-probs on response rows, else 0
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
-         response_scored: list[bool] | None = None) -> PackedBatch:
+         response_scored: list[bool] | None = None,
+         response_logp: list[list[float]] | None = None) -> PackedBatch:
     """Right-pad prompt + response token lists into a PackedBatch on `device`. A sample whose
-    `response_scored` entry is False keeps its query rows but its response rows are not scored."""
+    `response_scored` entry is False keeps its query rows but its response rows are not scored.
+    `response_logp` (one log-prob per response token, from the rollout engine) becomes `rollout_logp`."""
     if len(prompt_ids) != len(response_ids) or not prompt_ids:
         raise ValueError(f"prompt_ids and response_ids must be non-empty and of equal length, got "
                          f"{len(prompt_ids)} and {len(response_ids)}")
@@ -38,17 +41,23 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     ids = torch.full((batch, width), pad_id, dtype=torch.long)
     attn = torch.zeros((batch, width), dtype=torch.long)
     resp = torch.zeros((batch, width), dtype=torch.long)
+    sampled_logp = None if response_logp is None else torch.zeros((batch, width), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
         attn[i, :len(p) + len(r)] = 1
         resp[i, len(p):len(p) + len(r)] = 1
+        if sampled_logp is not None:  # the row at position t predicts token t + 1
+            if len(response_logp[i]) != len(r):
+                raise ValueError(f"sample {i}: {len(response_logp[i])} rollout log-probs for {len(r)} response tokens")
+            sampled_logp[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(response_logp[i], dtype=torch.float32)
     packed = from_padded(ids, attn, resp)
     if response_scored is not None:   # masked responses stay in the input but their rows are not scored
         masked = ~torch.tensor(response_scored, dtype=torch.bool)
         packed.token_kind[(packed.token_kind == 2) & masked[packed.sample_index]] = 0
     rows = packed.token_kind != 0
     return PackedBatch(ids.to(device), attn.to(device), rows.to(device), packed.targets[rows].to(device),
-                       packed.token_kind[rows].to(device), packed.sample_index[rows].to(device))
+                       packed.token_kind[rows].to(device), packed.sample_index[rows].to(device),
+                       None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device))
 
 
 def final_hidden(model, batch: PackedBatch) -> torch.Tensor:

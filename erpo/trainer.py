@@ -97,31 +97,34 @@ def reference_identity(cfg: Config, model_path: str, tokenizer) -> dict:
 
 
 def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, model_path: str | None = None,
-                         tokenizer=None, prompt_set: PromptSet | None = None) -> tuple[ReferenceCache, str]:
+                         tokenizer=None, prompt_set: PromptSet | None = None
+                         ) -> tuple[ReferenceCache, str, tuple[torch.Tensor, torch.Tensor]]:
     """Load the reference cache at `reference_cache_path(cfg)` and check it against this run, or build it with
-    theta0 when it does not exist (or `overwrite`). Returns (cache, path)."""
+    theta0 when it does not exist (or `overwrite`). Returns (cache, path, (ell_theta0 [Q], w [Q])): the cache's
+    fp32 values for the prompt set's Q prompts (`cache.lookup`, done once here)."""
     D.init_distributed()
     model_path = model_path or model_path_for(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg, model_path)
     prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
     path = reference_cache_path(cfg)
-    identity = reference_identity(cfg, model_path, tokenizer)
     if os.path.exists(path) and not overwrite:
         cache = ReferenceCache.load(path)
-        cache.check_compatible(**identity, path=path)
-        cache.lookup(prompt_set.prompt_ids, path=path)
+        cache.check_compatible(**reference_identity(cfg, model_path, tokenizer), path=path)
+        values = cache.lookup(prompt_set.prompt_ids, path=path)
         log.info("reference cache: %s (%d prompts)", path, len(cache.entries))
-        return cache, path
+        return cache, path, values
     log.info("reference cache: computing ell_theta0(q) for %d prompts with %s", len(prompt_set.prompt_ids), model_path)
     theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
+    identity = reference_identity(cfg, model_path, tokenizer)   # after the load: a hub model's revision is cached
     cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
                                   template=identity["template"], batch_size=cfg.reference.batch_size,
-                                  temperature=cfg.rollout.temperature)
+                                  temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
+                                  tokenizer_fp=identity["tokenizer_fp"])
     if D.is_main():
         cache.save(path)
     D.barrier()
     log.info("reference cache: wrote %s", path)
-    return cache, path
+    return cache, path, cache.lookup(prompt_set.prompt_ids, path=path)
 
 
 def choose_backend(cfg: Config) -> str:
@@ -296,6 +299,7 @@ class Sample:
     truncated: bool
     advantage: float = 0.0
     keep: bool = True          # False: its group was filtered out (all rewards equal, filter_groups)
+    rollout_logp: list[float] | None = None  # the rollout engine's log-prob of each response token
 
 
 def score_rollout(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns) -> list[Sample]:
@@ -313,8 +317,13 @@ def score_rollout(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], 
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     advantages = compute_advantages(reward_t, n, estimator=a.advantage, scale_rewards=a.scale_rewards)
     flat = equal_reward_groups(reward_t, n).repeat_interleave(n).tolist() if a.filter_groups else [False] * len(rewards)
-    return [Sample(p, r, c, rw, cr, tr, float(adv), not f) for p, r, c, rw, cr, tr, adv, f in
-            zip(prompts, batch.response_ids, completions, rewards, correct, batch.truncated, advantages.tolist(), flat)]
+    if cfg.rollout.importance_sampling_correction and batch.response_logp is None:
+        raise ValueError("rollout.importance_sampling_correction needs the rollout engine's sampling log-probs, but "
+                         f"{cfg.rollout.backend!r} returned none; set rollout.importance_sampling_correction=false")
+    rollout_logp = batch.response_logp if cfg.rollout.importance_sampling_correction else [None] * len(rewards)
+    return [Sample(p, r, c, rw, cr, tr, float(adv), not f, lp) for p, r, c, rw, cr, tr, adv, f, lp in
+            zip(prompts, batch.response_ids, completions, rewards, correct, batch.truncated, advantages.tolist(), flat,
+                rollout_logp)]
 
 
 def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
@@ -328,7 +337,9 @@ def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
 
 def pack_samples(cfg: Config, mb: list[Sample], ps: PromptSet, pad_id: int, device):
     scored = [not (cfg.algorithm.mask_truncated and s.truncated) for s in mb]
-    return pack([ps.prompt_ids[s.prompt] for s in mb], [s.response_ids for s in mb], pad_id, device, scored)
+    rollout_logp = [s.rollout_logp for s in mb] if cfg.rollout.importance_sampling_correction else None
+    return pack([ps.prompt_ids[s.prompt] for s in mb], [s.response_ids for s in mb], pad_id, device, scored,
+                rollout_logp)
 
 
 def global_mean(total: float, count: float) -> float | None:
@@ -388,9 +399,8 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     updater = Updater(model, cfg, backend, total_steps=t.max_steps * updates, ds_config=ds_config)
     if ref_model is not None and ds_config is not None:
         ref_model = D.prepare_reference_model(ref_model, ds_config)  # ZeRO-3: partitioned inference engine
-    cache, cache_path = precompute_reference(cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer,
-                                             prompt_set=ps)
-    ref_query_logp, static_weight = cache.lookup(ps.prompt_ids, path=cache_path)
+    cache, cache_path, (ref_query_logp, static_weight) = precompute_reference(
+        cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
     reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]
 
     rollout = make_rollout_engine(cfg, updater.module, tokenizer, model_path)
@@ -398,15 +408,27 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     loss_options = dict(qkl_coef=a.qkl_coef, qkl_estimator=a.qkl_estimator, policy_kl_coef=a.policy_kl_coef,
                         clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                         temperature=r.temperature, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
-                        log_ratio_clamp=a.log_ratio_clamp)
+                        log_ratio_clamp=a.log_ratio_clamp, rollout_is_cap=r.importance_sampling_cap)
 
+    schedule_steps = t.max_steps * updates   # the LR schedule's length, in optimizer steps
     state = {"rollout_step": 0, "opt_step": 0, "epoch": 0, "cursor": 0, "nonfinite_skipped": 0,
-             "reference_cache_id": cache.cache_id}
+             "reference_cache_id": cache.cache_id, "lr_schedule_steps": schedule_steps}
     if resume:
         state = checkpoints.load(updater.checkpoint_target)
         if state["reference_cache_id"] != cache.cache_id:
             raise ValueError(f"--resume: the checkpoint was trained against reference cache {state['reference_cache_id']}"
                              f", but {cache_path} is {cache.cache_id}; resume with the original cache")
+        saved_steps = state.get("lr_schedule_steps")   # None: a checkpoint from before it was recorded, not checked
+        constant_lr = t.warmup_ratio == 0 and t.min_lr_ratio == 1   # the only schedule independent of its length
+        if saved_steps is not None and saved_steps != schedule_steps and not constant_lr:
+            original = (f"--max-steps {saved_steps // updates}" if saved_steps % updates == 0
+                        else "the original trainer.max_steps and batch sizes")
+            raise ValueError(f"--resume: the checkpoint's LR schedule (warmup + cosine) spans {saved_steps} optimizer "
+                             f"steps, but this config's spans {schedule_steps} (trainer.max_steps={t.max_steps} x "
+                             f"{updates} updates per rollout step): the run would not continue on its original "
+                             f"schedule. Resume with {original}; only a constant LR (trainer.warmup_ratio=0, "
+                             "trainer.min_lr_ratio=1) lets a run be extended")
+        state["lr_schedule_steps"] = schedule_steps
         rollout.sync_weights(updater.module)
         log.info("resumed from %s at rollout step %d", checkpoints.latest(), state["rollout_step"])
     sampler = PromptSampler(len(ps.prompt_ids), seed, state["epoch"], state["cursor"])
@@ -426,7 +448,8 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     def save_checkpoint(progress: dict | None = None) -> str:
         """Checkpoint the model with `progress` (default: the current state and sampler position)."""
         progress = progress or {**state, **sampler.state}
-        return checkpoints.save(progress["rollout_step"], updater.checkpoint_target, progress)
+        return checkpoints.save(progress["rollout_step"], updater.checkpoint_target, progress, export=t.save_hf,
+                                tokenizer=tokenizer)
 
     with GracefulStop() as stop:
         while state["rollout_step"] < t.max_steps:
@@ -550,7 +573,9 @@ def optimizer_step(cfg: Config, updater: Updater, ref_model, samples: list[Sampl
     weight_sum = sum(float(w.sum()) for mb, w in zip(mbs, mb_weights) if mb and w is not None)
 
     sums = {"loss": 0.0, "qkl": 0.0, "pg_loss": 0.0}
-    token_weighted = {"entropy": 0.0, "clip_ratio": 0.0, "policy_kl": 0.0, "ratio_mean": 0.0}
+    token_weighted = {"entropy": 0.0, "clip_ratio": 0.0, "policy_kl": 0.0, "ratio_mean": 0.0,
+                      "rollout_is_weight": 0.0, "rollout_logp_gap_abs": 0.0}
+    rollout_gap_max = 0.0
     nonfinite = 0
     for m, (mb, batch) in enumerate(zip(mbs, packed)):
         run = mb or samples[:1]
@@ -563,7 +588,7 @@ def optimizer_step(cfg: Config, updater: Updater, ref_model, samples: list[Sampl
                 ref_query_logp=ref_query_logp[prompts[m]].to(device),
                 query_weight=None if mb_weights[m] is None else mb_weights[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
-                num_items=num_items, num_seqs=num_seqs, **loss_options)
+                rollout_logp=batch.rollout_logp, num_items=num_items, num_seqs=num_seqs, **loss_options)
             if nonfinite or not torch.isfinite(out.loss):
                 nonfinite += 1
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
@@ -578,8 +603,10 @@ def optimizer_step(cfg: Config, updater: Updater, ref_model, samples: list[Sampl
         sums["qkl"] += float(out.metrics["qkl"])
         sums["pg_loss"] += float(out.metrics["pg_loss"])
         for key, metric in (("entropy", "entropy"), ("clip_ratio", "clip_frac"), ("policy_kl", "policy_kl"),
-                            ("ratio_mean", "ratio_mean")):
+                            ("ratio_mean", "ratio_mean"), ("rollout_is_weight", "rollout_is_weight"),
+                            ("rollout_logp_gap_abs", "rollout_logp_gap_abs")):
             token_weighted[key] += float(out.metrics[metric]) * tokens
+        rollout_gap_max = max(rollout_gap_max, float(out.metrics["rollout_logp_gap_max"]))
         del hidden, out
 
     lr_used = updater.lr
@@ -609,6 +636,11 @@ def optimizer_step(cfg: Config, updater: Updater, ref_model, samples: list[Sampl
         "pg_loss": finite_or_none(D.all_reduce_sum(sums["pg_loss"])),
         "clip_ratio": finite_or_none(D.all_reduce_sum(token_weighted["clip_ratio"]) / max(num_items, 1)),
         "ratio_mean": finite_or_none(D.all_reduce_sum(token_weighted["ratio_mean"]) / max(num_items, 1)),
+        "rollout_is_weight": finite_or_none(D.all_reduce_sum(token_weighted["rollout_is_weight"]) / max(num_items, 1)),
+        "rollout_logp_gap_abs": finite_or_none(D.all_reduce_sum(token_weighted["rollout_logp_gap_abs"])
+                                               / max(num_items, 1)),
+        "rollout_logp_gap_max": (finite_or_none(D.all_reduce_max(rollout_gap_max))
+                                 if cfg.rollout.importance_sampling_correction else None),
         "query_weight_mean": global_mean(weight_sum, num_seqs) if a.query_weight != "none" else None,
         "grad_norm": finite_or_none(grad_norm),
         "lr_used": lr_used,

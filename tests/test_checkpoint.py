@@ -213,6 +213,33 @@ def test_sigterm_finishes_step_and_saves(tmp_path):
     assert meta["state"]["stopped_at"] == meta["step"] >= 1
 
 
+def test_checkpoints_hold_a_loadable_hf_export(tmp_path):
+    """`export=True` puts a `from_pretrained`-loadable model + tokenizer in `step-N/hf/`, written inside the
+    temporary directory before the commit rename; retention still keeps the newest `keep_last`."""
+    tokenizer = build_tokenizer()
+    bundle = tiny_bundle()
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    root = tmp_path / "checkpoints"
+    before_rename = []
+    manager.before_commit = lambda: before_rename.append(
+        ((root / ".tmp-step-1" / "hf" / "model.safetensors").is_file(), (root / "step-1").exists()))
+    path = Path(manager.save(1, bundle, {}, export=True, tokenizer=tokenizer))
+    assert before_rename == [(True, False)]
+    manager.before_commit = None
+    ids = torch.tensor([[5, 6, 7, 8]])
+    loaded = AutoModelForCausalLM.from_pretrained(path / "hf")
+    torch.testing.assert_close(loaded(input_ids=ids).logits, bundle.model(input_ids=ids).logits)
+    assert (path / "hf" / "tokenizer.json").is_file()
+    for step in (2, 3):
+        train_step(bundle, step)
+        manager.save(step, bundle, {}, export=True, tokenizer=tokenizer)
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-3"]
+    newest = AutoModelForCausalLM.from_pretrained(root / "step-3" / "hf")
+    for name, value in bundle.model.state_dict().items():
+        assert torch.equal(newest.state_dict()[name], value), name
+    assert not (Path(manager.save(4, bundle, {})) / "hf").exists()   # export=False: training state only
+
+
 def test_export_hf_loads_in_transformers(tmp_path):
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1)

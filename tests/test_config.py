@@ -77,6 +77,7 @@ def test_yaml_round_trip():
     (["reward.weights=[1, 2]"], "reward.weights"),
     (["trainer.zero_stage=4"], "zero_stage"),
     (["rollout.temperature=0"], "temperature"),
+    (["rollout.importance_sampling_cap=0"], "importance_sampling_cap"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -98,6 +99,13 @@ def test_paper_recipes():
     # the algorithm flag switches a paper config completely (its preset fields are left unset in the file)
     switched = resolve(apply_overrides(load_config(shipped_config("qwen25_math_7b_erpo")), ["algorithm.name=grpo"]))
     assert switched.algorithm == grpo.algorithm
+
+
+def test_importance_sampling_correction_defaults_to_the_rollout_backend():
+    assert resolve(Config()).rollout.importance_sampling_correction is False
+    assert resolve(apply_overrides(Config(), ["rollout.backend=vllm"])).rollout.importance_sampling_correction is True
+    cfg = resolve(apply_overrides(Config(), ["rollout.backend=vllm", "rollout.importance_sampling_correction=false"]))
+    assert cfg.rollout.importance_sampling_correction is False
 
 
 def test_offload_and_sleep_mode_settings():

@@ -11,6 +11,7 @@ import yaml
 
 from erpo import evaluation
 from erpo.benchmarks import load_benchmark, load_benchmarks
+from erpo.checkpoint import CheckpointManager, TorchBundle
 from erpo.config import Config, to_dict
 from erpo.evaluation import (
     BENCHMARK_AVERAGE,
@@ -80,6 +81,26 @@ def test_resolve_model_paths(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="unique"):
         parse_models([f"{tiny_model_dir},{tiny_model_dir}"])
     assert [m.label for m in parse_models([f"a={tiny_model_dir},b={tiny_model_dir}", run])] == ["a", "b", "my-run"]
+
+
+def test_checkpoint_dirs_resolve_to_their_hf_export(tmp_path, tiny_model_dir):
+    run = _run_dir(tmp_path / "my-run", tiny_model_dir, max_new_tokens=3, with_final=False)
+    tokenizer = build_tokenizer()
+    manager = CheckpointManager(run, keep_last=None)
+    bundle = TorchBundle(build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1))
+    step2 = manager.save(2, bundle, {}, export=True, tokenizer=tokenizer)
+    spec = resolve_model(step2 + "/")
+    assert (spec.label, spec.path, spec.run_dir) == ("my-run@step-2", os.path.join(step2, "hf"), run)
+    assert prompt_settings(spec, None, None).max_new_tokens == 3          # the run's settings
+    assert resolve_model(f"ck={step2}").label == "ck"
+    with pytest.raises(ValueError, match=r"no Hugging Face export \(hf/config.json\).*trainer.save_hf=false"):
+        resolve_model(manager.save(3, bundle, {}))
+    with pytest.raises(ValueError, match="checkpoints/step-N"):
+        resolve_model(run)                                                 # unfinished: no final/
+    result = evaluate([spec], [load_benchmark("synthetic#n=2")], temperatures=[1.0], k=2,
+                      output_dir=str(tmp_path / "out"), progress=False)
+    assert {r["model"] for r in result["rows"]} == {"my-run@step-2"}
+    assert all(r["mean_response_tokens"] <= 3 for r in result["rows"])
 
 
 def test_prompt_settings_follow_the_run(tmp_path, tiny_model_dir):

@@ -1,13 +1,27 @@
 """erpo.reference_cache: ell_theta0(q) through the fused-linear path, w(q), identity checks, persistence."""
 import json
+import os
 
+import huggingface_hub.constants
 import pytest
 import torch
 
-from erpo.reference_cache import (ReferenceCache, build_reference_cache, compute_query_logp, model_fingerprint,
-                                  prompt_hash, tokenizer_fingerprint)
+import erpo.reference_cache as rc
+import erpo.trainer as trainer_module
+from erpo.config import Config, apply_overrides, resolve
+from erpo.data import PromptSet
+from erpo.reference_cache import (ReferenceCache, build_reference_cache, compute_query_logp, fingerprint_cache_path,
+                                  model_fingerprint, prompt_hash, tokenizer_fingerprint)
 from erpo.tiny import build_model, build_tokenizer
 from erpo_kernels import query_weights
+
+
+@pytest.fixture(autouse=True)
+def _private_caches(tmp_path, monkeypatch):
+    """Each test starts with no weight digests (in memory or on disk) and an empty Hugging Face cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(rc, "_digests", {})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +72,8 @@ def test_incompatible_cache_is_refused_with_a_clear_message(setup, tmp_path):
     model.save_pretrained(tmp_path / "m")
     cache = build_reference_cache(model, tokenizer, prompts, model_id=str(tmp_path / "m"), template="paper|chat=True",
                                   batch_size=4)
-    same = dict(model_id=str(tmp_path / "m"), model_fp=model_fingerprint(str(tmp_path / "m")),
-                tokenizer_id="t", tokenizer_fp=tokenizer_fingerprint(tokenizer), template="paper|chat=True")
+    same = {"model_id": str(tmp_path / "m"), "model_fp": model_fingerprint(str(tmp_path / "m")),
+            "tokenizer_id": "t", "tokenizer_fp": tokenizer_fingerprint(tokenizer), "template": "paper|chat=True"}
     cache.check_compatible(**same)
     other = build_model(tokenizer, seed=1, hidden_size=32, intermediate_size=64, num_layers=1)
     other.save_pretrained(tmp_path / "other")
@@ -83,3 +97,134 @@ def test_fingerprints_and_hashes(setup, tmp_path):
     bad.write_text(json.dumps({"format_version": 0}))
     with pytest.raises(ValueError, match="format version 0"):
         ReferenceCache.load(str(bad))
+
+
+def rewrite(file, data: bytes, mtime_ns: int) -> None:
+    """Write `data` with an explicit mtime (a coarse filesystem clock must not hide the change)."""
+    file.write_bytes(data)
+    os.utime(file, ns=(mtime_ns, mtime_ns))
+
+
+def flip_byte(file, offset: int, mtime_ns: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 1
+    rewrite(file, bytes(data), mtime_ns)
+
+
+def test_model_fingerprint_hashes_every_byte_of_every_weight_file(tmp_path):
+    model = tmp_path / "m"
+    (model / "shards").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    rewrite(model / "model.safetensors", bytes(3 << 20), 1)   # 3 MiB: its middle is past the first/last MiB
+    rewrite(model / "shards" / "part-1.safetensors", b"shard", 1)
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "shards/part-1.safetensors"}}))
+    fingerprints = [model_fingerprint(str(model))]
+    flip_byte(model / "model.safetensors", 3 << 19, 2)   # fine-tuned: same name, size, head and tail
+    fingerprints.append(model_fingerprint(str(model)))
+    flip_byte(model / "shards" / "part-1.safetensors", 2, 2)   # a shard in a sub-folder, named by the index
+    fingerprints.append(model_fingerprint(str(model)))
+    index.write_text(json.dumps({"metadata": {"total_size": 5}, "weight_map": {"w": "shards/part-1.safetensors"}}))
+    fingerprints.append(model_fingerprint(str(model)))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    fingerprints.append(model_fingerprint(str(model)))
+    assert len(set(fingerprints)) == len(fingerprints) and all(f.startswith("sha256:") for f in fingerprints)
+    flip_byte(model / "model.safetensors", 3 << 19, 3)   # back to the original bytes
+    assert model_fingerprint(str(model)) != fingerprints[0]   # (config and index still differ)
+    (model / "shards" / "part-1.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="part-1.safetensors"):
+        model_fingerprint(str(model))
+
+
+def test_weight_digests_are_memoized_and_persisted(tmp_path, monkeypatch):
+    hashed = []
+    real_sha256 = rc.file_sha256
+    monkeypatch.setattr(rc, "file_sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    rewrite(weights, b"weights", 1)
+    fingerprint = model_fingerprint(str(model))
+    assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"]   # memoized
+    side = json.loads(fingerprint_cache_path().read_text())
+    assert side == {str(weights.resolve()): [7, 1, real_sha256(weights)]}
+    monkeypatch.setattr(rc, "_digests", {})   # a new process reads the persisted digest
+    assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"]
+    os.utime(weights, ns=(2, 2))   # touched: hashed again, same content, same fingerprint
+    assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"] * 2
+    other = tmp_path / "other"
+    other.mkdir()
+    rewrite(other / "model.safetensors", b"other", 1)
+    model_fingerprint(str(other))
+    weights.unlink()
+    rewrite(other / "model.safetensors", b"other!", 2)
+    model_fingerprint(str(other))   # entries of deleted or changed files are dropped when the side cache is written
+    assert json.loads(fingerprint_cache_path().read_text()) == {
+        str((other / "model.safetensors").resolve()): [6, 2, real_sha256(other / "model.safetensors")]}
+
+
+def test_fingerprint_without_a_writable_or_valid_side_cache(tmp_path, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    rewrite(model / "model.safetensors", b"weights", 1)
+    expected = model_fingerprint(str(model))
+    monkeypatch.setattr(rc, "_digests", {})
+    fingerprint_cache_path().write_text("not json")
+    assert model_fingerprint(str(model)) == expected
+    assert json.loads(fingerprint_cache_path().read_text())   # rewritten
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))   # no directory can be made there
+    monkeypatch.setattr(rc, "_digests", {})
+    assert model_fingerprint(str(model)) == expected and not fingerprint_cache_path().parent.exists()
+
+
+def test_hub_name_fingerprint_records_the_revision_cached_offline(tmp_path):
+    assert model_fingerprint("org/model") == "name:org/model"
+    assert model_fingerprint("not/a/repo id") == "name:not/a/repo id"
+    repo, commit = tmp_path / "hub" / "models--org--model", "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert model_fingerprint("org/model") == "name:org/model"   # config.json not downloaded: revision unknown
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    assert model_fingerprint("org/model") == f"name:org/model@{commit}"
+
+
+def test_build_cache_takes_precomputed_fingerprints(setup, monkeypatch):
+    model, tokenizer, prompts = setup
+
+    def recomputed(*args):
+        raise AssertionError("fingerprint recomputed")
+
+    monkeypatch.setattr(rc, "model_fingerprint", recomputed)
+    monkeypatch.setattr(rc, "tokenizer_fingerprint", recomputed)
+    cache = build_reference_cache(model, tokenizer, prompts, model_id="m", template="t", batch_size=4,
+                                  model_fp="sha256:m", tokenizer_fp="sha256:t")
+    assert (cache.model_fingerprint, cache.tokenizer_fingerprint) == ("sha256:m", "sha256:t")
+
+
+def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, monkeypatch):
+    """Built or loaded: the model is fingerprinted once, the prompts looked up once, and the values returned."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    prompt_set = PromptSet([{}] * len(prompts), ["p"] * len(prompts), prompts, ["a"] * len(prompts))
+    calls = []
+    real_fingerprint, real_lookup = rc.model_fingerprint, ReferenceCache.lookup
+
+    def counted_fingerprint(name):
+        return calls.append("fingerprint") or real_fingerprint(name)
+
+    monkeypatch.setattr(rc, "model_fingerprint", counted_fingerprint)
+    monkeypatch.setattr(trainer_module, "model_fingerprint", counted_fingerprint)
+    monkeypatch.setattr(ReferenceCache, "lookup", lambda self, ids, path="": calls.append("lookup") or
+                        real_lookup(self, ids, path))
+    for _ in ("build", "load"):
+        calls.clear()
+        cache, path, (ell, w) = trainer_module.precompute_reference(
+            cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer, prompt_set=prompt_set)
+        assert sorted(calls) == ["fingerprint", "lookup"] and path == str(tmp_path / "run" / "reference_cache.json")
+        expected = real_lookup(cache, prompts)
+        torch.testing.assert_close(ell, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(w, expected[1], rtol=0, atol=0)

@@ -6,7 +6,8 @@
   reproduces the uninterrupted run.
 
 The LR schedule is constant (trainer.min_lr_ratio=1) because a cosine schedule's length depends on
---max-steps, which legitimately differs between the two halves of the interrupted run.
+--max-steps, which legitimately differs between the two halves of the interrupted run; with a cosine schedule
+such a resume is refused. Every checkpoint holds a Hugging Face export of its model (`step-N/hf/`).
 """
 import json
 import os
@@ -37,10 +38,13 @@ def env():
                 OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
-def erpo_train(out: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(out), *extra, *small_run_args(cache_dir)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def erpo_train(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = (),
+               succeed: bool = True) -> subprocess.CompletedProcess:
+    """`erpo train` with the small settings; `sets`: more --set overrides, applied after them."""
+    cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(out), *extra, *small_run_args(cache_dir),
+           *sets]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, check=False)
+    assert (proc.returncode == 0) == succeed, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
@@ -91,6 +95,32 @@ def test_stop_after_two_steps_then_resume_matches(uninterrupted):
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert_same_model(run / "final", root / "full" / "final")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-3", "step-4"]   # keep_last=2
+    assert_same_model(run / "checkpoints" / "step-4" / "hf", run / "final")
+    assert (run / "checkpoints" / "step-3" / "hf" / "config.json").is_file()
+
+
+def checkpoint_state(run: Path, step: int) -> dict:
+    return json.loads((run / "checkpoints" / f"step-{step}" / "meta.json").read_text())["state"]
+
+
+def test_resume_refuses_another_cosine_schedule_length(uninterrupted):
+    root = uninterrupted
+    run = root / "cosine"
+    cosine = ("trainer.min_lr_ratio=0.1",)
+    erpo_train(run, root / "cache", "--max-steps", "1", sets=cosine)
+    assert checkpoint_state(run, 1)["lr_schedule_steps"] == 2                 # 1 rollout step x 2 updates
+    proc = erpo_train(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine, succeed=False)
+    assert "ValueError: --resume: the checkpoint's LR schedule (warmup + cosine) spans 2 optimizer steps, but " \
+           "this config's spans 4 (trainer.max_steps=2" in proc.stderr
+    assert "Resume with --max-steps 1" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    # a checkpoint written before the length was recorded resumes unchecked, and records it from then on
+    meta_file = run / "checkpoints" / "step-1" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["state"]["lr_schedule_steps"]
+    meta_file.write_text(json.dumps(meta))
+    erpo_train(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine)
+    assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4
 
 
 def test_sigterm_saves_and_resume_matches(uninterrupted):

@@ -88,9 +88,10 @@ def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_di
 
 def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
     out = tmp_path / "resume"
-    train(small_cfg(out, cache_dir, "trainer.save_steps=1"))
+    # A constant learning rate, so that the run may be extended (a cosine schedule's length is fixed at the start).
+    train(small_cfg(out, cache_dir, "trainer.save_steps=1", "trainer.min_lr_ratio=1.0"))
     first = read_metrics(out)
-    train(small_cfg(out, cache_dir, "trainer.max_steps=3"), resume=True)
+    train(small_cfg(out, cache_dir, "trainer.max_steps=3", "trainer.min_lr_ratio=1.0"), resume=True)
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
     assert (out / "checkpoints" / "step-3" / "meta.json").exists()
@@ -250,6 +251,31 @@ def test_pack_scores_prompt_and_response_rows_and_masks_truncated_responses():
     assert batch.targets.tolist() == [6, 7, 10, 11, 9]
     assert batch.token_kind.tolist() == [1, 1, 2, 2, 1]
     assert batch.sample_index.tolist() == [0, 0, 0, 0, 1]
+    assert batch.rollout_logp is None
+    # the engine's log-prob of response token j lands on the row that predicts it
+    batch = pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5]])
+    assert batch.token_kind.tolist() == [1, 1, 2, 2, 1, 2]
+    assert batch.targets.tolist() == [6, 7, 10, 11, 9, 12]
+    assert batch.rollout_logp.tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.5]
+    with pytest.raises(ValueError, match="sample 1: 2 rollout log-probs for 1 response tokens"):
+        pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5, -1.0]])
+
+
+def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, cache_dir):
+    """HF rollouts sample with the training model itself, so the sampling log-prob of every response token equals
+    the trainer's own (for the on-policy first update and, through old_logp, the second): gaps ~0 and weights ~1
+    show the engine's log-probs reach the loss on the right rows. Off by default with HF rollouts."""
+    out = tmp_path / "tis"
+    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2"))
+    records = read_metrics(out)
+    assert len(records) == 4
+    for record in records:
+        assert record["rollout_logp_gap_max"] < 1e-4 and abs(record["rollout_logp_gap_abs"]) < 1e-5
+        assert abs(record["rollout_is_weight"] - 1) < 1e-5
+    default = tmp_path / "default"
+    train(small_cfg(default, cache_dir, "trainer.max_steps=1"))
+    assert [read_metrics(default)[0][k] for k in ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")] \
+        == [None, None, None]
 
 
 def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypatch):
