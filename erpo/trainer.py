@@ -89,8 +89,10 @@ def reference_cache_path(cfg: Config) -> str:
 
 def reference_identity(cfg: Config, model_path: str, tokenizer) -> dict:
     """What a reference cache must have been built with for this run: `ReferenceCache.check_compatible`'s
-    keyword arguments (model and tokenizer ids and fingerprints, prompt template and sampling temperature)."""
-    return {"model_id": model_path, "model_fp": model_fingerprint(model_path),
+    keyword arguments (model and tokenizer ids and fingerprints, prompt template and sampling temperature).
+    Collective: rank 0 alone reads the weights for the model fingerprint and hands it to every rank."""
+    model_fp = D.all_gather_object(model_fingerprint(model_path) if D.is_main() else None)[0]
+    return {"model_id": model_path, "model_fp": model_fp,
             "tokenizer_id": str(tokenizer.name_or_path), "tokenizer_fp": tokenizer_fingerprint(tokenizer),
             "template": template_id(cfg.data.template, cfg.data.use_chat_template) +
             f"|temperature={cfg.rollout.temperature}"}

@@ -228,3 +228,24 @@ def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, mo
         expected = real_lookup(cache, prompts)
         torch.testing.assert_close(ell, expected[0], rtol=0, atol=0)
         torch.testing.assert_close(w, expected[1], rtol=0, atol=0)
+
+
+def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_path):
+    """Every rank needs the run's identity, but hashing a 15 GB model on each of 8 ranks at once would stall the
+    start: rank 0 hashes and the others receive its fingerprint."""
+    from erpo import distributed
+    from erpo import trainer
+    from erpo.config import Config
+
+    def must_not_hash(path):
+        raise AssertionError("a rank other than 0 hashed the weights")
+
+    class Tokenizer:
+        name_or_path = "tok"
+        chat_template = None
+
+    monkeypatch.setattr(distributed, "is_main", lambda: False)
+    monkeypatch.setattr(distributed, "all_gather_object", lambda obj: ["sha256:from-rank-0", obj])
+    monkeypatch.setattr(trainer, "model_fingerprint", must_not_hash)
+    identity = trainer.reference_identity(Config(), str(tmp_path), Tokenizer())
+    assert identity["model_fp"] == "sha256:from-rank-0"
