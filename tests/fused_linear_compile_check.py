@@ -1,8 +1,10 @@
 """Compile every GPU autotune config of the fused-linear kernels for sm_90 (run without TRITON_INTERPRET; used by
 tests/test_fused_linear.py). Each config is compiled the way the JIT specializes a real call: unit strides are
 constants, and pointers, leading strides and sizes are 16-divisible, so loads are vectorized and pipelined.
-bf16: every config, checked to use wgmma and async copies (the GEMM both into a bf16 and an fp32 output); fp32 (slow
-to compile): the first config whose stages fit shared memory; and the fp32 dlogits x fp16 GEMM of fp16 inputs.
+The backward's GEMM is compiled in both of its layouts: d hidden += dlogits @ W (A row-major, C the fp32
+accumulator, or hidden's own rows when fp32) and d weight (+)= dlogits^T @ H (A column-major, C in the weight's dtype).
+bf16: every config, checked to use wgmma and async copies; fp32 (slow to compile): the first config whose stages
+fit shared memory; and the fp32 dlogits x fp16 d-weight GEMM of fp16 inputs.
 Prints one 'compiled ...' line per kernel and config."""
 import triton
 from triton.compiler import ASTSource
@@ -23,11 +25,10 @@ MATMUL = dict(a_ptr="*DT", stride_am="i32", stride_ak="i32", b_ptr="*DT", stride
 UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True)
 CASES = [("forward", kernels._forward_partials_kernel, FORWARD, UNIT, kernels.GPU_FORWARD_CONFIGS),
          ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1), kernels.GPU_FORWARD_CONFIGS),
-         ("matmul", kernels._matmul_kernel, MATMUL, dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True),
-          kernels.GPU_MATMUL_CONFIGS)]
-# d hidden of bf16 / fp16 inputs accumulates in an fp32 buffer (d weight, above, in the weight's own dtype).
-FP32_ACCUMULATOR = ("matmul-fp32-accumulator", kernels._matmul_kernel, dict(MATMUL, c_ptr="*fp32"),
-                    CASES[-1][3], kernels.GPU_MATMUL_CONFIGS)
+         ("matmul", kernels._matmul_kernel, dict(MATMUL, c_ptr="*fp32"),
+          dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True), kernels.GPU_MATMUL_CONFIGS)]
+D_WEIGHT_LAYOUT = dict(stride_am=1, stride_bn=1, stride_cn=1, ACCUMULATE=True)
+D_WEIGHT = ("matmul-dweight", kernels._matmul_kernel, MATMUL, D_WEIGHT_LAYOUT, kernels.GPU_MATMUL_CONFIGS)
 
 
 def stage_bytes(config, dtype_bytes: int) -> int:
@@ -55,16 +56,16 @@ def compile_config(kernel, signature, constexprs, config, dtype: str, upcast: bo
 
 def main():
     for dtype, dtype_bytes in (("bf16", 2), ("fp32", 4)):
-        for name, kernel, signature, constexprs, configs in CASES + ([FP32_ACCUMULATOR] if dtype == "bf16" else []):
+        for name, kernel, signature, constexprs, configs in CASES + ([D_WEIGHT] if dtype == "bf16" else []):
             fitting = [c for c in configs if stage_bytes(c, dtype_bytes) * c.num_stages <= SHARED_MEMORY_LIMIT]
             for config in fitting if dtype == "bf16" else fitting[:1]:
                 compiled = compile_config(kernel, signature, constexprs, config, dtype)
                 print(f"compiled {name} {dtype} {config.kwargs} warps={config.num_warps} stages={config.num_stages} "
                       f"shared={compiled.metadata.shared}", flush=True)
-    # fp16 inputs: fp32 dlogits (a) against fp16 weight / hidden (b), both cast to fp32 for a TF32 dot.
+    # fp16 inputs: fp32 dlogits^T (a) against fp16 hidden (b) into the fp16 d weight, cast to fp32 for a TF32 dot.
     config = next(c for c in kernels.GPU_MATMUL_CONFIGS if stage_bytes(c, 4) * c.num_stages <= SHARED_MEMORY_LIMIT)
-    compiled = compile_config(kernels._matmul_kernel, dict(MATMUL, a_ptr="*fp32"),
-                              dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True), config, "fp16", upcast=True)
+    compiled = compile_config(kernels._matmul_kernel, dict(MATMUL, a_ptr="*fp32"), D_WEIGHT_LAYOUT, config, "fp16",
+                              upcast=True)
     print(f"compiled mixed-matmul fp32 x fp16 {config.kwargs} shared={compiled.metadata.shared}", flush=True)
 
 

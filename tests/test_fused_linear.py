@@ -434,5 +434,5 @@ def test_kernels_compile_for_hopper():
                           ("matmul", triton_fused_linear.GPU_MATMUL_CONFIGS)):
         assert stdout.count(f"compiled {name} bf16") == len(configs)
         assert stdout.count(f"compiled {name} fp32") == 1
-    assert stdout.count("compiled matmul-fp32-accumulator bf16") == len(triton_fused_linear.GPU_MATMUL_CONFIGS)
+    assert stdout.count("compiled matmul-dweight bf16") == len(triton_fused_linear.GPU_MATMUL_CONFIGS)
     assert "compiled mixed-matmul fp32 x fp16" in stdout
