@@ -157,4 +157,4 @@ def _measure(contender, problem, row: dict, config: BenchConfig, log) -> None:
         log(f"{tag}: ERROR {_short_error(error)}")
         log(traceback.format_exc(limit=-3))
     finally:
-        del prepared
+        prepared = None  # drop the case's tensors (the closures above share this variable) before the next one

@@ -375,16 +375,47 @@ def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
     module = unwrap_model(model)
     if not hasattr(module, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel (or wrap one), got {type(module).__name__}")
-    out = Path(out_dir)
     state_dict = gathered_state_dict(module)
+
+    def write(tmp: Path) -> None:
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return write_dir_atomically(out_dir, write)
+
+
+def publish_hf(export_dir: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """Make `out_dir` hold the same files as the Hugging Face export `export_dir` (a checkpoint's `hf/`) without a
+    second gather or a second copy on disk: each file is a hard link, or a copy where the file system has no
+    links. Pruning the checkpoint later leaves `out_dir` whole. Rank 0 writes; atomic like `export_hf`; a
+    collective barrier. Returns out_dir."""
+    source = Path(export_dir)
+    if dist_utils.is_main() and not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is not a Hugging Face export (no config.json)")
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(source, tmp, copy_function=link_or_copy)
+    return write_dir_atomically(out_dir, write)
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """Hard-link `source` to `target`; copy it (with metadata) where linking is refused (other device, no links)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> str:
+    """Rank 0 calls `write(tmp)` on a fresh sibling temporary directory, fsyncs it and renames it over `out_dir`
+    (a crash leaves the old `out_dir` or the new one, never half of one); then every rank meets at a barrier."""
+    out = Path(out_dir)
     if dist_utils.is_main():
         tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write(tmp)
         fsync_tree(tmp)
         if out.exists():
             remove_tree(out)

@@ -22,7 +22,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.advantages import compute_advantages, equal_reward_groups
-from erpo.checkpoint import CheckpointManager, GracefulStop, TorchBundle, export_hf
+from erpo.checkpoint import HF_DIR, CheckpointManager, GracefulStop, TorchBundle, export_hf, publish_hf
 from erpo.config import Config, dump_yaml, updates_per_rollout
 from erpo.data import PromptSet, load_prompt_set
 from erpo.reference_cache import (ReferenceCache, build_reference_cache, compute_query_logp, model_fingerprint,
@@ -226,7 +226,8 @@ class Updater:
         if self.backend == "deepspeed":
             norm = None
             if self.zero_stage == 0:  # gradients are whole (already all-reduced) on every rank
-                norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                norm = float(torch.nn.utils.get_total_norm(grads))
                 if not math.isfinite(norm):
                     self.discard()
                     return norm, False
@@ -418,8 +419,9 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     if resume:
         state = checkpoints.load(updater.checkpoint_target)
         if state["reference_cache_id"] != cache.cache_id:
-            raise ValueError(f"--resume: the checkpoint was trained against reference cache {state['reference_cache_id']}"
-                             f", but {cache_path} is {cache.cache_id}; resume with the original cache")
+            raise ValueError(f"--resume: the checkpoint was trained against reference cache "
+                             f"{state['reference_cache_id']}, but {cache_path} is {cache.cache_id}; "
+                             f"resume with the original cache")
         saved_steps = state.get("lr_schedule_steps")   # None: a checkpoint from before it was recorded, not checked
         constant_lr = t.warmup_ratio == 0 and t.min_lr_ratio == 1   # the only schedule independent of its length
         if saved_steps is not None and saved_steps != schedule_steps and not constant_lr:
@@ -521,8 +523,12 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     if metrics_file is not None:
         metrics_file.close()
     if not stop.requested:
-        save_checkpoint()
-        export_hf(updater.model, tokenizer, out_dir / "final")
+        exported = Path(save_checkpoint()) / HF_DIR
+        # The checkpoint's own export (rank 0 wrote it; ranks must agree) is linked, not gathered and written again.
+        if D.all_gather_object(exported.joinpath("config.json").is_file())[0]:
+            publish_hf(exported, out_dir / "final")
+        else:
+            export_hf(updater.model, tokenizer, out_dir / "final")
         if cfg.logging.plot and D.is_main():
             from erpo.plotting import plot_runs
             png = plot_runs([str(out_dir)], str(out_dir / "plots" / "training.png"))

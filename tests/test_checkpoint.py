@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from erpo.checkpoint import CheckpointManager, GracefulStop, TorchBundle, export_hf
+from erpo.checkpoint import CheckpointManager, GracefulStop, TorchBundle, export_hf, link_or_copy, publish_hf
 from erpo.tiny import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,3 +256,34 @@ def test_export_hf_loads_in_transformers(tmp_path):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_hf(torch.nn.Linear(1, 1), None, tmp_path / "bad")
+
+
+def test_publish_hf_links_the_checkpoint_export_and_survives_its_pruning(tmp_path):
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1)
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=1)
+    export = Path(manager.save(1, TorchBundle(model), {}, export=True, tokenizer=tokenizer)) / "hf"
+    final = Path(publish_hf(export, tmp_path / "final"))
+    names = sorted(p.name for p in export.iterdir())
+    assert sorted(p.name for p in final.iterdir()) == names
+    for name in names:   # the same files, not copies: no second 15 GB on disk for a 7B model
+        assert os.path.samefile(final / name, export / name), name
+    manager.save(2, TorchBundle(model), {})          # keep_last=1 deletes step-1 and its hf/
+    assert not export.exists()
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face export"):
+        publish_hf(tmp_path / "checkpoints" / "step-2", tmp_path / "other")
+
+
+def test_link_or_copy_copies_where_links_are_refused(tmp_path, monkeypatch):
+    source = tmp_path / "a.bin"
+    source.write_bytes(b"weights")
+
+    def refuse(*args):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(os, "link", refuse)
+    link_or_copy(str(source), str(tmp_path / "b.bin"))
+    assert (tmp_path / "b.bin").read_bytes() == b"weights" and not os.path.samefile(source, tmp_path / "b.bin")

@@ -2,6 +2,7 @@
 checkpoint/resume, cache mismatch, failing reward functions, non-finite losses."""
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,18 @@ def test_erpo_run_writes_everything(tmp_path, cache_dir):
                  "checkpoints/step-2/meta.json"):
         assert (out / name).exists(), name
     assert list((out / "tb").iterdir())
+    # final/ is the last checkpoint's hf/ export, linked rather than written twice
+    assert os.path.samefile(out / "final" / "model.safetensors", out / "checkpoints/step-2/hf/model.safetensors")
 
 
 def test_grpo_logs_policy_kl_and_qkl(tmp_path, cache_dir):
     out = tmp_path / "grpo"
-    train(small_cfg(out, cache_dir, "algorithm.name=grpo"))
+    train(small_cfg(out, cache_dir, "algorithm.name=grpo", "trainer.save_hf=false"))
     records = read_metrics(out)
     assert all(r["policy_kl"] is not None and r["qkl"] is not None for r in records)
     assert records[0]["policy_kl"] == pytest.approx(0.0, abs=1e-6)
+    # no export in the checkpoints: final/ is written from the model itself
+    assert not (out / "checkpoints/step-2/hf").exists() and (out / "final/model.safetensors").is_file()
 
 
 def test_several_updates_per_rollout_and_variants(tmp_path, cache_dir):
@@ -274,8 +279,8 @@ def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, 
         assert abs(record["rollout_is_weight"] - 1) < 1e-5
     default = tmp_path / "default"
     train(small_cfg(default, cache_dir, "trainer.max_steps=1"))
-    assert [read_metrics(default)[0][k] for k in ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")] \
-        == [None, None, None]
+    keys = ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")
+    assert [read_metrics(default)[0][k] for k in keys] == [None, None, None]
 
 
 def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypatch):
@@ -379,14 +384,16 @@ def test_fresh_run_replaces_a_stale_metrics_log(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
-def test_deepspeed_skips_a_nonfinite_step_without_poisoning_the_next(tmp_path, cache_dir, nan_on_first_call, zero_stage):
+def test_deepspeed_skips_a_nonfinite_step_without_poisoning_the_next(tmp_path, cache_dir, nan_on_first_call,
+                                                                     zero_stage):
     """The first optimizer step's loss is NaN: DeepSpeed applies nothing, and the next step gets clean gradients
     (ZeRO keeps partitioned gradient buffers that a bare zero_grad leaves behind) and moves the weights."""
     pytest.importorskip("deepspeed")
     from transformers import AutoModelForCausalLM
     out = tmp_path / f"zero{zero_stage}"
     reward = tmp_path / "reward.py"  # rewards that differ within a group, so the second step has a gradient
-    reward.write_text("def by_length(prompts, completions, **kw):\n    return [float(len(c) % 3) for c in completions]\n")
+    reward.write_text("def by_length(prompts, completions, **kw):\n"
+                      "    return [float(len(c) % 3) for c in completions]\n")
     train(small_cfg(out, cache_dir, "trainer.backend=deepspeed", f"trainer.zero_stage={zero_stage}",
                     "trainer.update_batch_size=2", "trainer.max_steps=1", f"reward.functions=[{reward}:by_length]"))
     first, second = read_metrics(out)
