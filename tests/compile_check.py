@@ -4,6 +4,11 @@ Triton ships ptxas, so `triton.compile` lowers a kernel to a cubin with no GPU p
 interpreter cannot (type errors in loop-carried values, ops without a GPU lowering, shared-memory overflow)
 on the Triton version CI installs, which is the GPU image's (3.6). Works whether or not TRITON_INTERPRET is set.
 """
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -23,6 +28,22 @@ def compile_for_hopper(kernel, signature: dict, constexprs: dict, **options):
     assert compiled.asm["cubin"], "no cubin produced"
     assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"shared memory {compiled.metadata.shared} B"
     return compiled
+
+
+def register_usage(compiled) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) of a compiled kernel, from `ptxas -v` on its PTX (Triton runs the
+    same ptxas but keeps its report only on a cache miss). Spills to local memory cost a kernel its speed."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(HOPPER.arch).path, "-v", f"--gpu-name=sm_{HOPPER.arch}a", str(ptx),
+                                 "-o", str(Path(folder) / "kernel.cubin")], capture_output=True, text=True,
+                                check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return registers, spills
 
 
 def run_compile_script(script: str) -> str:

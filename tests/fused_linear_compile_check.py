@@ -9,7 +9,7 @@ Prints one 'compiled ...' line per kernel and config."""
 import triton
 from triton.compiler import ASTSource
 
-from compile_check import HOPPER, SHARED_MEMORY_LIMIT
+from compile_check import HOPPER, SHARED_MEMORY_LIMIT, register_usage
 from erpo_kernels import triton_fused_linear as kernels
 
 LINEAR = dict(hidden_ptr="*DT", stride_hn="i32", stride_hd="i32", weight_ptr="*DT", stride_wv="i32",
@@ -60,8 +60,9 @@ def main():
             fitting = [c for c in configs if stage_bytes(c, dtype_bytes) * c.num_stages <= SHARED_MEMORY_LIMIT]
             for config in fitting if dtype == "bf16" else fitting[:1]:
                 compiled = compile_config(kernel, signature, constexprs, config, dtype)
+                registers, spills = register_usage(compiled)
                 print(f"compiled {name} {dtype} {config.kwargs} warps={config.num_warps} stages={config.num_stages} "
-                      f"shared={compiled.metadata.shared}", flush=True)
+                      f"shared={compiled.metadata.shared} registers={registers} spill_bytes={spills}", flush=True)
     # fp16 inputs: fp32 dlogits^T (a) against fp16 hidden (b) into the fp16 d weight, cast to fp32 for a TF32 dot.
     config = next(c for c in kernels.GPU_MATMUL_CONFIGS if stage_bytes(c, 4) * c.num_stages <= SHARED_MEMORY_LIMIT)
     compiled = compile_config(kernels._matmul_kernel, dict(MATMUL, a_ptr="*fp32"), D_WEIGHT_LAYOUT, config, "fp16",
