@@ -21,7 +21,7 @@ import torch
 
 from .api import loss_on_token_rows, use_triton
 from .objective import LossOutput
-from .reference import index_slices
+from .reference import index_slices, rows_receiving_gradient
 from .validation import FLOAT_DTYPES, IGNORE_INDEX, check_tensor, check_token_inputs
 
 TORCH_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per torch block (16 MiB)
@@ -101,6 +101,7 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: floa
     vocab_size = weight.shape[0]
     block_rows, block_vocab = block_shape(num_rows, vocab_size, TORCH_BLOCK_ELEMENTS, TORCH_VOCAB_BLOCK_MAX)
     grad_logp = torch.where(targets != IGNORE_INDEX, grad_logp, 0.0)
+    receives_gradient = rows_receiving_gradient(targets, grad_logp, grad_entropy)
     grad_hidden = torch.zeros(num_rows, hidden_dim, dtype=torch.float32, device=hidden.device) if needs_hidden else None
     grad_weight = torch.empty_like(weight) if needs_weight else None
     grad_bias = torch.empty_like(bias) if needs_bias else None
@@ -110,7 +111,8 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: floa
         bias_block_grad = (torch.zeros(weight_block.shape[0], dtype=torch.float32, device=hidden.device)
                            if needs_bias else None)
         for rows in index_slices(num_rows, block_rows):
-            hidden_rows = hidden[rows].float()
+            # rows that receive no gradient: zero dlogits and zero hidden rows (no 0 * NaN in d weight)
+            hidden_rows = torch.where(receives_gradient[rows].unsqueeze(1), hidden[rows].float(), 0.0)
             log_p = _logits_block(hidden_rows, weight, bias, cols, temperature) - lse[rows].unsqueeze(1)
             p = log_p.exp()
             g_logp, g_entropy = grad_logp[rows].unsqueeze(1), grad_entropy[rows].unsqueeze(1)
@@ -119,7 +121,7 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: floa
             index, inside = _target_columns(targets[rows], cols)
             target_dz = g_logp * (1.0 - p.gather(1, index)) - entropy_part.gather(1, index)
             dz.scatter_(1, index, torch.where(inside, target_dz, dz.gather(1, index)))
-            dlogits = dz / temperature
+            dlogits = torch.where(receives_gradient[rows].unsqueeze(1), dz, 0.0) / temperature
             if needs_hidden:
                 grad_hidden[rows] += dlogits @ weight_block
             if needs_weight:

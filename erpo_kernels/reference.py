@@ -4,6 +4,10 @@
     logp_t = log_softmax(z_t)[targets_t]         (0 where targets_t == -100)
     H_t    = -sum_j p_tj * log p_tj,  p_t = softmax(z_t)
 
+A row that receives no gradient (d loss / d logp_t = d loss / d H_t = 0: padding, a zero advantage, a clipped
+ratio) gets an exactly zero gradient row, whatever its logits: a non-finite padding row must not turn the
+update into NaN through 0 * NaN.
+
 All math is in fp32. Rows are processed in chunks so that no fp32 copy of the whole [N, V] logits exists at
 once; the backward recomputes each chunk and lets autograd differentiate the same equations, so this module is
 an independent oracle for the hand-derived gradients of the Triton kernels.
@@ -51,14 +55,21 @@ class _ChunkedLogpEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets = ctx.saved_tensors
+        receives_gradient = rows_receiving_gradient(targets, grad_logp, grad_entropy)
         grad_logits = torch.empty_like(logits)
         for rows in row_chunks(logits.shape[0], logits.shape[1]):
             with torch.enable_grad():
                 chunk = logits[rows].detach().requires_grad_(True)
                 logp, entropy = logp_and_entropy(chunk, targets[rows], ctx.temperature)
                 (grad_chunk,) = torch.autograd.grad((logp, entropy), chunk, (grad_logp[rows], grad_entropy[rows]))
-            grad_logits[rows] = grad_chunk
+            grad_logits[rows] = torch.where(receives_gradient[rows, None], grad_chunk, 0.0)
         return grad_logits, None, None
+
+
+def rows_receiving_gradient(targets: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+    """[N] bool: rows whose logits gradient is not identically zero (a scored row with d loss / d logp_t != 0, or
+    d loss / d H_t != 0); every other row gets an exactly zero gradient (module docstring)."""
+    return ((targets != IGNORE_INDEX) & (grad_logp != 0)) | (grad_entropy != 0)
 
 
 def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

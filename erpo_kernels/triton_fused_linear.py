@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .fused_linear import merge_partials
+from .reference import rows_receiving_gradient
 from .triton_logits import grad_of_logits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -192,13 +193,14 @@ def _grad_logits_kernel(
 @triton.autotune(configs=MATMUL_CONFIGS, key=["N", "m_bucket", "k_bucket"], restore_value=["c_ptr"])
 @triton.jit
 def _matmul_kernel(
-    a_ptr, stride_am, stride_ak, b_ptr, stride_bk, stride_bn, c_ptr, stride_cm, stride_cn, M, N, K,
+    a_ptr, stride_am, stride_ak, b_ptr, stride_bk, stride_bn, c_ptr, stride_cm, stride_cn, k_valid_ptr, M, N, K,
     m_bucket, k_bucket,  # autotuning keys only: M and K rounded up to powers of two (they follow the row count)
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_K_VALID: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = a @ b (ACCUMULATE: c += a @ b), summed in fp32 and stored in c's dtype; one program per
-    BLOCK_M x BLOCK_N tile of c (grouped order for L2 reuse)."""
+    BLOCK_M x BLOCK_N tile of c (grouped order for L2 reuse). HAS_K_VALID: rows k of b whose k_valid[k] is 0 are
+    read as zeros (whatever they hold: a NaN there must not reach c through 0 * NaN)."""
     pid = tl.program_id(0)
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -218,7 +220,10 @@ def _matmul_kernel(
     for k_start in range(0, K, BLOCK_K):
         k_mask = ks < K - k_start
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        b_k_mask = k_mask
+        if HAS_K_VALID:
+            b_k_mask = b_k_mask & (tl.load(k_valid_ptr + k_start + ks, mask=k_mask, other=0) != 0)
+        b = tl.load(b_ptrs, mask=b_k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -271,9 +276,10 @@ def _size_bucket(size: int) -> int:
     return min(triton.next_power_of_2(size), 1 << 16)
 
 
-def _matmul(a, b, c, *, accumulate: bool, input_dtype: torch.dtype):
+def _matmul(a, b, c, *, accumulate: bool, input_dtype: torch.dtype, k_valid=None):
     """c [M, N] = a [M, K] @ b [K, N] (accumulate: c += a @ b), any strides, summed in fp32, deterministic;
-    operands of two dtypes (fp32 dlogits of fp16 inputs) are both cast to fp32 for the dot."""
+    operands of two dtypes (fp32 dlogits of fp16 inputs) are both cast to fp32 for the dot. k_valid: [K] bool,
+    rows of b read as zeros where False."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
@@ -283,8 +289,9 @@ def _matmul(a, b, c, *, accumulate: bool, input_dtype: torch.dtype):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _matmul_kernel[grid](a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
-                         c, c.stride(0), c.stride(1), M, N, K, _size_bucket(M), _size_bucket(K),
-                         ACCUMULATE=accumulate, UPCAST=INTERPRET or a.dtype != b.dtype,
+                         c, c.stride(0), c.stride(1), a if k_valid is None else k_valid, M, N, K,
+                         _size_bucket(M), _size_bucket(K), ACCUMULATE=accumulate, HAS_K_VALID=k_valid is not None,
+                         UPCAST=INTERPRET or a.dtype != b.dtype,
                          DOT_PRECISION=_dot_precision(input_dtype))
 
 
@@ -325,6 +332,8 @@ def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: flo
     grad_weight = torch.empty_like(weight) if needs_weight else None
     bias_accumulator = torch.zeros(vocab_size, dtype=torch.float32, device=device) if needs_bias else None
     block = torch.empty(chunk_rows, block_vocab, dtype=block_dtype, device=device)
+    # Rows that receive no gradient have zero dlogits (grad_of_logits); d weight also reads their hidden rows as 0.
+    receives_gradient = rows_receiving_gradient(targets, grad_logp, grad_entropy).to(torch.int8)
     for row_start in range(0, num_rows, chunk_rows):
         row_end = min(row_start + chunk_rows, num_rows)
         rows = row_end - row_start
@@ -350,7 +359,8 @@ def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: flo
                         input_dtype=hidden.dtype)
             if needs_weight:
                 _matmul(dlogits.t(), hidden[row_start:row_end], grad_weight[col_start:col_end],
-                        accumulate=row_start > 0, input_dtype=hidden.dtype)
+                        accumulate=row_start > 0, input_dtype=hidden.dtype,
+                        k_valid=receives_gradient[row_start:row_end])
             if needs_bias:
                 bias_accumulator[col_start:col_end] += dlogits.sum(0, dtype=torch.float32)
         if needs_hidden and not hidden_in_place:

@@ -61,12 +61,13 @@ def _logp_entropy_forward_kernel(
 def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, inv_temperature):
     """dlogits of scaled logits z = logits / T (fp32, any shape broadcasting with the per-row lse, entropy,
     g_logp, g_entropy): dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), returned as dz / T. The target
-    entry is g_logp * (1 - p_t) formed in fp32."""
+    entry is g_logp * (1 - p_t) formed in fp32. Rows with g_logp = g_H = 0 get exact zeros, whatever z (no 0 * NaN
+    from a non-finite padding row: reference.rows_receiving_gradient)."""
     log_p = z - lse
     p = tl.exp(log_p)
     entropy_part = tl.where(p > 0, g_entropy * p * (log_p + entropy), 0.0)
     dz = tl.where(is_target, g_logp * (1.0 - p), -g_logp * p) - entropy_part
-    return dz * inv_temperature
+    return tl.where((g_logp != 0) | (g_entropy != 0), dz * inv_temperature, 0.0)
 
 
 @triton.jit
@@ -83,10 +84,13 @@ def _logp_entropy_backward_kernel(
     entropy = tl.load(entropy_ptr + row)
     g_logp = tl.where(target != -100, tl.load(grad_logp_ptr + row), 0.0)
     g_entropy = tl.load(grad_entropy_ptr + row)
+    # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
+    read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
-        z = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
+        z = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit,
+                    other=-float("inf")).to(tl.float32) * inv_temperature
         grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, inv_temperature)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 

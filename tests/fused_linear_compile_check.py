@@ -2,7 +2,7 @@
 tests/test_fused_linear.py). Each config is compiled the way the JIT specializes a real call: unit strides are
 constants, and pointers, leading strides and sizes are 16-divisible, so loads are vectorized and pipelined.
 The backward's GEMM is compiled in both of its layouts: d hidden += dlogits @ W (A row-major, C the fp32
-accumulator, or hidden's own rows when fp32) and d weight (+)= dlogits^T @ H (A column-major, C in the weight's dtype).
+accumulator, or hidden's own rows when fp32) and d weight (+)= dlogits^T @ H (A column-major, C in the weight's dtype, rows of H masked by k_valid).
 bf16: every config, checked to use wgmma and async copies; fp32 (slow to compile): the first config whose stages
 fit shared memory; and the fp32 dlogits x fp16 d-weight GEMM of fp16 inputs.
 Prints one 'compiled ...' line per kernel and config."""
@@ -20,14 +20,14 @@ GRAD = dict(LINEAR, lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32",
             out_ptr="*DT", stride_on="i32", stride_ov="i32", row_start="i32", row_end="i32", col_start="i32",
             col_end="i32", block_cols="i32")
 MATMUL = dict(a_ptr="*DT", stride_am="i32", stride_ak="i32", b_ptr="*DT", stride_bk="i32", stride_bn="i32",
-              c_ptr="*DT", stride_cm="i32", stride_cn="i32", M="i32", N="i32", K="i32", m_bucket="i32",
-              k_bucket="i32")
+              c_ptr="*DT", stride_cm="i32", stride_cn="i32", k_valid_ptr="*i8", M="i32", N="i32", K="i32",
+              m_bucket="i32", k_bucket="i32")
 UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True)
 CASES = [("forward", kernels._forward_partials_kernel, FORWARD, UNIT, kernels.GPU_FORWARD_CONFIGS),
          ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1), kernels.GPU_FORWARD_CONFIGS),
          ("matmul", kernels._matmul_kernel, dict(MATMUL, c_ptr="*fp32"),
-          dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True), kernels.GPU_MATMUL_CONFIGS)]
-D_WEIGHT_LAYOUT = dict(stride_am=1, stride_bn=1, stride_cn=1, ACCUMULATE=True)
+          dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True, HAS_K_VALID=False), kernels.GPU_MATMUL_CONFIGS)]
+D_WEIGHT_LAYOUT = dict(stride_am=1, stride_bn=1, stride_cn=1, ACCUMULATE=True, HAS_K_VALID=True)
 D_WEIGHT = ("matmul-dweight", kernels._matmul_kernel, MATMUL, D_WEIGHT_LAYOUT, kernels.GPU_MATMUL_CONFIGS)
 
 

@@ -204,6 +204,29 @@ def test_erpo_loss_triton_backend(dtype):
     assert_grads_close(grads, expected_grads, dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_padding_hidden_state_leaves_the_gradients_finite(backend):
+    """A padding row (kind 0) whose hidden state is NaN (fully masked attention) receives no gradient: d hidden is
+    exactly zero there, and d weight, d bias and the other rows are what they are with that row zeroed."""
+    batch = random_batch(num_rows=48, vocab=300)
+    hidden, weight, bias = make_linear(48, 40, 300, torch.float32)
+    padding = int((batch["token_kind"] == 0).nonzero()[0])
+    results = []
+    for filler in (0.0, float("nan")):
+        h, w, b = leaves(hidden, weight, bias)
+        with torch.no_grad():
+            h[padding] = filler
+        out = fused_linear_erpo_loss(h, w, batch["targets"], batch["token_kind"], batch["sample_index"], bias=b,
+                                     backend=backend, **loss_inputs(batch))
+        assert torch.isfinite(out.loss)
+        out.loss.backward()
+        results.append(grads_of([h, w, b]))
+    for clean, got in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, clean, rtol=1e-6, atol=1e-7)
+    assert torch.all(results[1][0][padding] == 0)
+
+
 @pytest.mark.parametrize("hidden_dim", [3584, 5120])  # the Qwen2.5-7B and -32B lm_heads (V = 152064)
 @pytest.mark.parametrize("num_rows", [4096, 16384, 65536])
 def test_backward_workspace_fits_the_benchmark_target(monkeypatch, num_rows, hidden_dim):

@@ -160,5 +160,34 @@ def test_nonfinite_logits_give_nan_loss_and_a_flag():
     assert torch.isnan(out.loss) and out.metrics["nonfinite_rows"].item() == 1
 
 
+def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits():
+    """Padding rows (kind 0) and the response rows of a zero-advantage sample receive no gradient. Non-finite
+    logits in padding rows (e.g. fully masked attention) must leave the update finite: their gradient rows are
+    exactly zero (no 0 * NaN) and every other row's gradient is what it is with clean logits."""
+    batch = random_batch()
+    batch["advantages"][1] = 0.0
+    padding = (batch["token_kind"] == 0).nonzero().flatten()
+    silent = ((batch["token_kind"] == 2) & (batch["sample_index"] == 1)).nonzero().flatten()
+    assert len(padding) >= 2 and len(silent) >= 1
+    dirty = batch["logits"].clone()
+    dirty[padding[0], 0] = float("inf")
+    dirty[padding[1]] = float("nan")
+    others = torch.ones(len(dirty), dtype=torch.bool)
+    others[padding] = False
+    for backend in ("torch", "triton"):
+        grads = []
+        for logits in (batch["logits"], dirty):
+            x = logits.clone().requires_grad_(True)
+            out = erpo_loss(x, batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                            **loss_inputs(batch))
+            assert torch.isfinite(out.loss)
+            out.loss.backward()
+            grads.append(x.grad)
+        clean, got = grads
+        assert torch.isfinite(got).all(), backend
+        assert torch.all(got[padding] == 0) and torch.all(clean[silent] == 0), backend
+        torch.testing.assert_close(got[others], clean[others], rtol=0, atol=0)
+
+
 def test_block_size_depends_on_vocabulary_only():
     assert block_size_for(37) == 64 and block_size_for(4096) == 4096 and block_size_for(152064) == 4096
