@@ -2,10 +2,10 @@
 tests/test_fused_linear.py). Each config is compiled the way the JIT specializes a real call: unit strides are
 constants, and pointers, leading strides and sizes are 16-divisible, so loads are vectorized and pipelined.
 The backward's GEMM is compiled in both of its layouts: d hidden += dlogits @ W (A row-major, C the fp32
-accumulator, or hidden's own rows when fp32) and d weight (+)= dlogits^T @ H (A column-major, C in the weight's dtype, rows of H masked by k_valid).
-bf16: every config, checked to use wgmma and async copies; fp32 (slow to compile): the first config whose stages
-fit shared memory; and the fp32 dlogits x fp16 d-weight GEMM of fp16 inputs.
-Prints one 'compiled ...' line per kernel and config."""
+accumulator, or hidden's own rows when fp32) and d weight (+)= dlogits^T @ H (A column-major, C in the weight's
+dtype, rows of H masked by k_valid). bf16: every config, checked to use wgmma and async copies; fp32 (slow to
+compile): the first config whose stages fit shared memory; and the fp32 dlogits x fp16 d-weight GEMM of fp16 inputs.
+Prints one 'compiled ...' line per kernel and config, with its registers per thread and spill bytes (ptxas)."""
 import triton
 from triton.compiler import ASTSource
 
