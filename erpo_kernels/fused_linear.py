@@ -232,8 +232,8 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
                            token_weight=None, rollout_logp=None, backend: str = "auto", **options) -> LossOutput:
     """The ERPO loss (API.md) from hidden [N, D] and the lm_head weight [V, D] (+ bias [V]) without the [N, V]
     logits: targets, token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S]; old_logp,
-    ref_logp, token_weight [N]; options as API.md's table. Returns a LossOutput whose `loss` is differentiable with respect to
-    hidden, weight and bias.
+    ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions). Returns a
+    LossOutput whose `loss` is differentiable with respect to hidden, weight and bias.
     """
     check_linear_inputs(hidden, weight, bias)
 
