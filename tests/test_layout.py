@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from erpo_kernels import erpo_loss, from_padded
+from erpo_kernels import erpo_loss, from_padded, token_logprobs
 
 
 def test_right_padded_rows():
@@ -65,3 +65,51 @@ def test_from_padded_errors():
         from_padded(ids, torch.tensor([[1, 1, 0]]), torch.tensor([[0, 0, 1]]))
     with pytest.raises(ValueError, match="input_ids"):
         from_padded(torch.tensor([1, 2, 3]), torch.ones(3), torch.zeros(3))
+
+
+def multi_turn_batch():
+    """One sample: prompt 11 12 13, model turn 21 22, tool output 31 32, model turn 23 24, then padding."""
+    input_ids = torch.tensor([[11, 12, 13, 21, 22, 31, 32, 23, 24, 0]])
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
+    response = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 1, 1, 0]])
+    return input_ids, attention, response
+
+
+def test_tool_outputs_inside_the_completion_are_not_query_rows():
+    rows = from_padded(*multi_turn_batch())
+    # rows predicting 31 and 32 (the tool output) score nothing; only 12 and 13 are query rows
+    assert rows.token_kind.tolist() == [1, 1, 2, 2, 0, 0, 2, 2, 0, 0]
+    assert rows.targets.tolist() == [12, 13, 21, 22, -100, -100, 23, 24, -100, -100]
+
+
+def test_query_mask_chooses_the_query_tokens():
+    input_ids, attention, response = multi_turn_batch()
+    query = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0, 0]])  # the caller also counts the tool output as query
+    rows = from_padded(input_ids, attention, response, query_mask=query)
+    assert rows.token_kind.tolist() == [1, 1, 2, 2, 1, 1, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="query_mask and response_mask"):
+        from_padded(input_ids, attention, response, query_mask=response)
+    with pytest.raises(ValueError, match="query_mask marks a token that attention_mask marks as padding"):
+        from_padded(input_ids, attention, response, query_mask=torch.ones_like(attention))
+    with pytest.raises(ValueError, match="query_mask must have"):
+        from_padded(input_ids, attention, response, query_mask=query[:, :-1])
+
+
+def test_multi_turn_query_kl_is_zero_at_theta0_and_tool_rows_get_no_gradient():
+    """At theta = theta0 the Query-KL of a multi-turn sample is exactly 0, whatever the tool outputs are: ell(q)
+    is the prompt's log-likelihood alone, as the reference cache computes it from the prompt by itself."""
+    torch.manual_seed(0)
+    input_ids, attention, response = multi_turn_batch()
+    table = torch.randn(40, 40)  # logits of position t depend only on token t
+    logits = table[input_ids.reshape(-1)].requires_grad_(True)
+    prompt = input_ids[:, :3]
+    prompt_rows = from_padded(prompt, torch.ones_like(prompt), torch.zeros_like(prompt))
+    ref_query_logp = token_logprobs(table[prompt.reshape(-1)], prompt_rows.targets, backend="torch").sum()[None]
+    rows = from_padded(input_ids, attention, response)
+    out = erpo_loss(logits, rows.targets, rows.token_kind, rows.sample_index, backend="torch",
+                    advantages=torch.tensor([1.0]), ref_query_logp=ref_query_logp, qkl_coef=1.0)
+    assert out.metrics["qkl"].item() == 0.0
+    out.loss.backward()
+    tool_rows = [4, 5]  # the rows that predict the tool output 31 32
+    assert torch.count_nonzero(logits.grad[tool_rows]) == 0
+    assert torch.count_nonzero(logits.grad[[2, 3, 6, 7]], dim=1).min() > 0  # the response rows do learn
