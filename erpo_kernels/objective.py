@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .segment import SegmentSum
-from .validation import LossOptions
+from .validation import LossInputs, LossOptions
 
 
 @dataclass
@@ -48,25 +48,25 @@ def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
     return numerator / max(float(denominator), 1.0)
 
 
-def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages, ref_query_logp, query_weight,
-                   old_logp, ref_logp, token_weight=None, rollout_logp=None, options: LossOptions,
-                   use_triton: bool) -> LossOutput:
+def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options: LossOptions,
+                   segment_sum=SegmentSum) -> LossOutput:
     """ERPO loss from token_logp [N] fp32 and entropy [N] fp32 (both may require grad).
 
-    token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows,
-    advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
+    token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows; `inputs`
+    (validated): advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
     (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s), rollout_logp
     [N] or None (the rollout engine's sampling log-probs: pg_t is then also multiplied by the truncated
     importance-sampling weight min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)).
-    `use_triton` picks the deterministic Triton per-sample sums.
+    `segment_sum(sample_index, num_samples)` builds the per-sample sums (`SegmentSum`'s interface).
     """
     opts = options
+    advantages, ref_query_logp, ref_logp = inputs.advantages, inputs.ref_query_logp, inputs.ref_logp
     num_samples = advantages.shape[0]
     is_query = token_kind == 1
     is_response = token_kind == 2
     sample = torch.where(token_kind != 0, sample_index.long(), torch.zeros_like(sample_index, dtype=torch.long))
     zero = torch.zeros((), dtype=torch.float32, device=token_logp.device)
-    sample_sum = SegmentSum(sample, num_samples, use_triton=use_triton)
+    sample_sum = segment_sum(sample, num_samples)
     num_response = is_response.sum()
 
     def per_sample_sum(values, rows):
@@ -89,7 +89,7 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
 
     # Policy-gradient term on response rows.
     advantage = advantages.float()[sample]
-    old = token_logp.detach() if old_logp is None else old_logp.float()
+    old = token_logp.detach() if inputs.old_logp is None else inputs.old_logp.float()
     log_ratio = torch.where(is_response, token_logp - old, zero)
     if opts.ratio_level == "sequence":  # GSPO: one ratio per sample, from the mean log-ratio over its response rows
         mean_log_ratio = per_sample_sum(log_ratio, is_response) / response_rows.clamp_min(1)
@@ -100,13 +100,13 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
     pg = torch.maximum(unclipped, clipped)
     if opts.dual_clip is not None:
         pg = torch.where(advantage < 0, torch.minimum(pg, -advantage * opts.dual_clip), pg)
-    if query_weight is not None:
-        pg = query_weight.float()[sample] * pg
-    if token_weight is not None:
-        pg = token_weight.float() * pg
+    if inputs.query_weight is not None:
+        pg = inputs.query_weight.float()[sample] * pg
+    if inputs.token_weight is not None:
+        pg = inputs.token_weight.float() * pg
     rollout_is_weight = rollout_gap = None
-    if rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
-        rollout_gap = torch.where(is_response, old - rollout_logp.float(), zero)
+    if inputs.rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
+        rollout_gap = torch.where(is_response, old - inputs.rollout_logp.float(), zero)
         rollout_is_weight = torch.exp(rollout_gap.clamp(max=math.log(opts.rollout_is_cap)))
         pg = rollout_is_weight * pg
     term = pg
