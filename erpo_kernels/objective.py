@@ -78,9 +78,12 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     def response_max(values):  # of values >= 0; 0 without response rows
         return torch.where(is_response, values, zero).amax() if values.numel() else zero
 
+    def kl_value(log_ratio, estimator):  # the log-ratio clamped, then the estimate clamped when kl_clamp is set
+        kl = kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), estimator)
+        return kl if opts.kl_clamp is None else kl.clamp(-opts.kl_clamp, opts.kl_clamp)
+
     def k3_against_reference(rows):  # per-token k3(ref_logp - logp) on `rows`, 0 elsewhere
-        log_ratio = torch.where(rows, ref_logp.float() - token_logp, zero)
-        return kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), "k3")
+        return kl_value(torch.where(rows, ref_logp.float() - token_logp, zero), "k3")
 
     query_logp = per_sample_sum(token_logp, is_query)          # ell_theta(q)
     response_logp = per_sample_sum(token_logp, is_response)
@@ -94,6 +97,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     if opts.ratio_level == "sequence":  # GSPO: one ratio per sample, from the mean log-ratio over its response rows
         mean_log_ratio = per_sample_sum(log_ratio, is_response) / response_rows.clamp_min(1)
         log_ratio = torch.where(is_response, mean_log_ratio[sample], zero)
+    if opts.pg_log_ratio_clamp is not None:  # verl's clamp of log(ratio) to [-20, 20] before exp
+        log_ratio = log_ratio.clamp(-opts.pg_log_ratio_clamp, opts.pg_log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     unclipped = -advantage * ratio
     clipped = -advantage * ratio.clamp(1.0 - opts.clip_low, 1.0 + opts.clip_high)
@@ -111,9 +116,11 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
         pg = rollout_is_weight * pg
     term = pg
     policy_kl = None if ref_logp is None else k3_against_reference(is_response)
+    if policy_kl is not None and opts.policy_kl_bias_correction:  # TRL's use_bias_correction_kl: times the ratio,
+        policy_kl = ratio * policy_kl                                 # not detached
     if opts.policy_kl_coef != 0:
         term = term + opts.policy_kl_coef * policy_kl
-    if opts.entropy_coef != 0:
+    if opts.entropy_coef != 0 and opts.entropy_agg == "loss-agg":
         term = term - opts.entropy_coef * entropy
 
     # Aggregation over response rows.
@@ -130,6 +137,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
                 per_sample = per_sample / response_rows.clamp_min(1)
             return _safe_div(torch.where(has_response, per_sample, zero).sum(), num_seqs)
     pg_part = aggregate(term)
+    if opts.entropy_coef != 0 and opts.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg
+        pg_part = pg_part - opts.entropy_coef * response_mean(entropy)
 
     # Query-KL on samples that have query rows.
     has_query = query_rows > 0
@@ -140,8 +149,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
             qkl_per_sample = per_sample_sum(k3_against_reference(is_query), is_query) / query_rows.clamp_min(1)
             qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     elif ref_query_logp is not None:
-        r = (ref_query_logp.float() - query_logp).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
-        qkl = _safe_div(torch.where(has_query, kl_estimate(r, opts.qkl_estimator), zero).sum(), num_query_seqs)
+        qkl_per_sample = kl_value(ref_query_logp.float() - query_logp, opts.qkl_estimator)
+        qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     loss = pg_part
     if opts.qkl_coef != 0:
         loss = loss + opts.qkl_coef * qkl

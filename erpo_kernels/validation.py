@@ -15,10 +15,12 @@ IGNORE_INDEX = -100
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QKL_ESTIMATORS = ("k1", "k2", "k3", "k3-token")
 RATIO_LEVELS = ("token", "sequence")
+ENTROPY_AGGREGATIONS = ("loss-agg", "token-mean")
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {  # the loss options that take one of a few strings: name -> allowed
     "qkl_estimator": QKL_ESTIMATORS,
     "loss_agg": LOSS_AGGREGATIONS,
     "ratio_level": RATIO_LEVELS,
+    "entropy_agg": ENTROPY_AGGREGATIONS,
 }
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes of logits / hidden / weight
@@ -42,6 +44,10 @@ class LossOptions:
     num_items: float | None = None
     num_seqs: float | None = None
     rollout_is_cap: float = 2.0
+    policy_kl_bias_correction: bool = False
+    kl_clamp: float | None = None
+    pg_log_ratio_clamp: float | None = None
+    entropy_agg: str = "loss-agg"
 
     def __post_init__(self):
         for name, choices in OPTION_CHOICES.items():
@@ -60,6 +66,12 @@ class LossOptions:
             raise ValueError(f"rollout_is_cap must be a finite number > 0, got {self.rollout_is_cap!r}")
         if not _is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be a number > 0, got {self.log_ratio_clamp!r}")
+        for name in ("kl_clamp", "pg_log_ratio_clamp"):
+            value = getattr(self, name)
+            if value is not None and (not _is_finite_number(value) or value <= 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+        if not isinstance(self.policy_kl_bias_correction, bool):
+            raise TypeError(f"policy_kl_bias_correction must be True or False, got {self.policy_kl_bias_correction!r}")
         for name in ("num_items", "num_seqs"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):

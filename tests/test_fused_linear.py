@@ -204,6 +204,18 @@ def test_erpo_loss_triton_backend(dtype):
     assert_grads_close(grads, expected_grads, dtype)
 
 
+def test_erpo_loss_triton_backend_parity_options():
+    """The options for parity with TRL / verl (in the shared objective) on the fused Triton path."""
+    options = {"policy_kl_coef": 0.1, "policy_kl_bias_correction": True, "kl_clamp": 2.0, "qkl_coef": 0.5,
+               "pg_log_ratio_clamp": 1.0, "entropy_coef": 0.05, "entropy_agg": "token-mean",
+               "loss_agg": "seq-mean-token-sum"}
+    batch = random_batch(num_rows=48, vocab=300)
+    hidden, weight, bias = make_linear(48, 40, 300, torch.float32)
+    (out, grads), (expected, expected_grads) = erpo_both_ways(batch, hidden, weight, bias, "triton", **options)
+    assert_outputs_close(out, expected)
+    assert_grads_close(grads, expected_grads, torch.float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_padding_hidden_state_leaves_the_gradients_finite(backend):
     """A padding row (kind 0) whose hidden state is NaN (fully masked attention) receives no gradient: d hidden is

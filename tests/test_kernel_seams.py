@@ -68,10 +68,20 @@ def test_loss_inputs_object_is_the_keyword_call():
 
 
 def test_option_choices_are_what_loss_options_accepts():
-    assert set(OPTION_CHOICES) == {"qkl_estimator", "loss_agg", "ratio_level"}
+    assert set(OPTION_CHOICES) == {"qkl_estimator", "loss_agg", "ratio_level", "entropy_agg"}
     for name, choices in OPTION_CHOICES.items():
         assert getattr(LossOptions(), name) in choices
         for value in choices:
             assert getattr(LossOptions(**{name: value}), name) == value
         with pytest.raises(ValueError, match=name):
             LossOptions(**{name: "nonsense"})
+
+
+@pytest.mark.parametrize("options,error,match", [
+    ({"kl_clamp": 0.0}, ValueError, "kl_clamp must be None or a finite number > 0"),
+    ({"pg_log_ratio_clamp": float("inf")}, ValueError, "pg_log_ratio_clamp must be None or a finite number > 0"),
+    ({"policy_kl_bias_correction": 1}, TypeError, "policy_kl_bias_correction must be True or False"),
+])
+def test_parity_options_are_checked(options, error, match):
+    with pytest.raises(error, match=match):
+        LossOptions(**options)
