@@ -149,8 +149,7 @@ def _forward_partials_kernel(
                          HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         z = tl.where(col_mask[None, :], z, -float("inf"))
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
-        is_target = (cols[None, :] == targets[:, None]) & col_mask[None, :]  # a tail id may be the next split's
-        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        target_logit += tl.sum(tl.where(cols[None, :] == targets[:, None], z, 0.0), axis=1)
     out = split.to(tl.int64) * num_rows + rows
     tl.store(max_ptr + out, running_max, mask=row_mask)
     tl.store(sum_exp_ptr + out, sum_exp, mask=row_mask)
@@ -248,8 +247,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def forward_split_size(vocab_size: int) -> int:
-    """Vocabulary ids per forward split: a function of V only (batch invariance), at most FORWARD_MAX_SPLITS."""
-    return max(FORWARD_SPLIT_MIN, triton.cdiv(vocab_size, FORWARD_MAX_SPLITS))
+    """Vocabulary ids per forward split: a function of V only (batch invariance), at most FORWARD_MAX_SPLITS, and a
+    multiple of every forward BLOCK_N, so no tile straddles two splits (the kernel picks the target logit out of
+    its tile without the column mask, which would cost registers: a target among a tile's masked ids would read
+    -inf)."""
+    tile = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
+    size = max(FORWARD_SPLIT_MIN, triton.cdiv(vocab_size, FORWARD_MAX_SPLITS))
+    return triton.cdiv(size, tile) * tile
 
 
 def triton_fused_linear_forward(hidden, weight, bias, targets, temperature: float):

@@ -474,10 +474,14 @@ def test_kernels_compile_for_hopper():
 
 
 def test_forward_split_not_a_multiple_of_the_tile(monkeypatch):
-    """Above 32 * FORWARD_SPLIT_MIN ids the split size is V / 32, not a multiple of BLOCK_N: the last tile of a split
-    then holds ids of the next split, masked. A target among them must not be read from the masked tile (it was:
-    logp fell to about -3e38 for those rows)."""
-    monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 100)  # 300 ids: splits [0, 100), [100, 200), ...
+    """Above 32 * FORWARD_SPLIT_MIN ids V / 32 sets the split size, which need not be a multiple of BLOCK_N. Splits
+    are rounded up to one, so no tile holds (masked) ids of the next split: a target among those was read as the
+    mask value (logp about -3e38 for those rows)."""
+    for vocab in (262145, 300007, 1000003):
+        split = triton_fused_linear.forward_split_size(vocab)
+        assert split >= vocab / 32
+        assert all(split % config.kwargs["BLOCK_N"] == 0 for config in triton_fused_linear.FORWARD_CONFIGS)
+    monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 100)  # 300 ids: splits of 100 before the rounding
     hidden, weight, bias = make_linear(24, 32, 300, torch.float32)
     targets = torch.arange(90, 114)  # around the first split boundary, inside the first split's masked tail
     logp, entropy = fused_linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
