@@ -99,20 +99,6 @@ def init_distributed(communicator: str | None = None) -> bool:
     else:
         deepspeed.init_distributed(dist_backend=communicator)
     return True
-    if not launched_distributed():
-        return False
-    backend = backend or default_backend()
-    if backend not in ("nccl", "gloo", "mpi", "ccl", "hccl"):
-        raise ValueError(f"backend must be one of nccl, gloo, mpi, ccl, hccl, got {backend!r}")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank())
-    try:
-        import deepspeed
-    except ImportError:
-        dist.init_process_group(backend=backend)
-    else:
-        deepspeed.init_distributed(dist_backend=backend)
-    return True
 
 
 def destroy_distributed() -> None:

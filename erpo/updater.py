@@ -47,15 +47,14 @@ class Updater(Protocol):
 
 def choose_updater(cfg: Config) -> str:
     """"deepspeed" or "torch" for trainer.updater, with one log line saying which and why. "auto" is DeepSpeed on
-    CUDA, with several ranks (the torch updater is single-process) and when ZeRO is asked for (zero_stage > 0 or
-    an offload); ZeRO-0 in one CPU process is what the torch updater computes."""
+    CUDA, with several ranks (the torch updater is single-process) and when ZeRO is asked for (zero_stage > 0, which
+    CPU offload needs); ZeRO-0 in one CPU process is what the torch updater computes."""
     t = cfg.trainer
     kind = t.updater
     if kind == "auto":
         reasons = [why for why, yes in (("CUDA available", torch.cuda.is_available()),
                                         (f"{D.world_size()} ranks", D.world_size() > 1),
-                                        (f"trainer.zero_stage={t.zero_stage}", t.zero_stage > 0),
-                                        ("CPU offload", t.offload_optimizer or t.offload_params)) if yes]
+                                        (f"trainer.zero_stage={t.zero_stage}", t.zero_stage > 0)) if yes]
         kind = "deepspeed" if reasons else "torch"
         log.info("optimizer updater: %s (%s)", kind, ", ".join(reasons) if reasons else
                  "one process, no CUDA device: plain torch AdamW with the same warmup + cosine schedule and "
