@@ -26,9 +26,9 @@ import zlib
 
 from tqdm.auto import tqdm
 
-from erpo.benchmarks import Benchmark, load_benchmarks
 from erpo.data import encode_prompt
 from erpo.metrics import default_pass_ks, summarize_correctness
+from erpo.problem_sets import Benchmark, load_benchmarks
 from erpo.records import iter_jsonl
 from erpo.rewards import grade
 
@@ -101,7 +101,7 @@ def load_run_config(run_dir: str):
 
 def run_start_model(run_dir: str) -> str:
     """Path or Hub name of the pre-RL model a run started from (for the tiny default: its SFT warm start)."""
-    from erpo.trainer import model_path_for
+    from erpo.models import model_path_for
 
     return model_path_for(load_run_config(run_dir))
 
@@ -261,25 +261,20 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
     batch_size: prompts per HF generate call. gpu_memory_utilization: vLLM's share of the GPU.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from erpo.config import Config
-    from erpo.trainer import load_tokenizer
+    from erpo.models import load_causal_lm, load_tokenizer, make_rollout_engine
 
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"--backend must be auto, hf or vllm, got {backend!r}")
     use_vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
-    tokenizer = load_tokenizer(Config(), model_path)  # exactly as the trainer loads it
+    tokenizer = load_tokenizer(model_path)  # exactly as the trainer loads it
     if use_vllm:
-        from erpo.rollout_vllm import VLLMRollout
-
-        engine = VLLMRollout(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        engine = make_rollout_engine("vllm", model_path=model_path, dtype=dtype, seed=seed,
+                                     gpu_memory_utilization=gpu_memory_utilization)
         return engine, tokenizer
-    from erpo.rollout import HFRollout
-
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
-    return HFRollout(model, tokenizer, batch_size=batch_size), tokenizer
+    model = load_causal_lm(model_path, dtype="auto" if dtype == "auto" else getattr(torch, dtype), device=device)
+    return make_rollout_engine("hf", model_path=model_path, model=model, tokenizer=tokenizer,
+                               batch_size=batch_size), tokenizer
 
 
 def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, temperature: float, k: int,

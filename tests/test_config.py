@@ -101,10 +101,10 @@ def test_paper_recipes():
     assert switched.algorithm == grpo.algorithm
 
 
-def test_importance_sampling_correction_defaults_to_the_rollout_backend():
+def test_importance_sampling_correction_defaults_to_the_rollout_engine():
     assert resolve(Config()).rollout.importance_sampling_correction is False
-    assert resolve(apply_overrides(Config(), ["rollout.backend=vllm"])).rollout.importance_sampling_correction is True
-    cfg = resolve(apply_overrides(Config(), ["rollout.backend=vllm", "rollout.importance_sampling_correction=false"]))
+    assert resolve(apply_overrides(Config(), ["rollout.engine=vllm"])).rollout.importance_sampling_correction is True
+    cfg = resolve(apply_overrides(Config(), ["rollout.engine=vllm", "rollout.importance_sampling_correction=false"]))
     assert cfg.rollout.importance_sampling_correction is False
 
 

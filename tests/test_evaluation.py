@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from erpo import evaluation
-from erpo.benchmarks import load_benchmark, load_benchmarks
+from erpo.problem_sets import load_benchmark, load_benchmarks
 from erpo.checkpoint import CheckpointManager, TorchBundle
 from erpo.config import Config, to_dict
 from erpo.evaluation import (

@@ -1,4 +1,4 @@
-"""erpo.benchmarks: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
+"""erpo.problem_sets: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from erpo.benchmarks import (
+from erpo.problem_sets import (
     load_benchmark,
     load_benchmarks,
     parse_benchmark_spec,
