@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from erpo_kernels.validation import LOSS_AGGREGATIONS, QKL_ESTIMATORS, RATIO_LEVELS, LossOptions
+from erpo_kernels.validation import OPTION_CHOICES, LossOptions
 
 _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
 
@@ -170,11 +170,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
     "algorithm.query_weight": ("static", "current", "none"),
-    "algorithm.qkl_estimator": QKL_ESTIMATORS,
+    "algorithm.qkl_estimator": OPTION_CHOICES["qkl_estimator"],
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
-    "algorithm.ratio_level": RATIO_LEVELS,
-    "algorithm.loss_agg": LOSS_AGGREGATIONS,
+    "algorithm.ratio_level": OPTION_CHOICES["ratio_level"],
+    "algorithm.loss_agg": OPTION_CHOICES["loss_agg"],
     "trainer.updater": ("auto", "deepspeed", "torch"),
     "trainer.on_nonfinite": ("skip", "stop"),
 }

@@ -9,6 +9,7 @@ import torch
 from erpo_kernels import fused_linear_token_logprobs
 from erpo_kernels.layout import from_padded
 from erpo_kernels.segment import SegmentSum
+from erpo_kernels.triton_segment import TritonSegmentSum
 from erpo_kernels.zero3 import gathered_lm_head
 
 
@@ -85,5 +86,6 @@ def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch
     path on CUDA, where `index_add_` would be a float atomic; a sequential sum on the CPU), so the result does
     not change from run to run."""
     rows = torch.where(batch.token_kind == kind, values.float(), torch.zeros((), device=values.device))
-    sums = SegmentSum(batch.sample_index, batch.input_ids.shape[0], use_triton=values.is_cuda)
+    segment_sum = TritonSegmentSum if values.is_cuda else SegmentSum
+    sums = segment_sum(batch.sample_index, batch.input_ids.shape[0])
     return sums(rows).double()
