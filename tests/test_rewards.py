@@ -8,8 +8,8 @@ import time
 import pytest
 
 from erpo import rewards
-from erpo.rewards import (ANSWER_TIMEOUT_S, answers_match, compute_rewards, extract_boxed, fallback_match, format_reward,
-                          grade, load_reward_function, math_reward, normalize_answer)
+from erpo.rewards import (ANSWER_TIMEOUT_S, answers_match, compute_rewards, extract_boxed, fallback_match,
+                          format_reward, grade, load_reward_function, math_reward, normalize_answer)
 
 
 @pytest.mark.parametrize("text,expected", [
