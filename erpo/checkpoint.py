@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
+from .atomic import TMP_PREFIX, fsync_dir, fsync_tree, publish
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
-TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 DEEPSPEED_TAG = "engine"
 HF_DIR = "hf"
@@ -91,27 +91,6 @@ def restore_rng_state(state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------- durable files
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for filename in filenames:
-            fsync_file(Path(dirpath) / filename)
-        fsync_dir(Path(dirpath))
-
 
 def remove_tree(path: Path) -> None:
     """Delete a directory by first renaming it out of sight, so a crash mid-delete leaves no half-gone
@@ -407,19 +386,10 @@ def link_or_copy(source: str, target: str) -> None:
 
 
 def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> str:
-    """Rank 0 calls `write(tmp)` on a fresh sibling temporary directory, fsyncs it and renames it over `out_dir`
-    (a crash leaves the old `out_dir` or the new one, never half of one); then every rank meets at a barrier."""
-    out = Path(out_dir)
+    """Rank 0 publishes `out_dir` with `erpo.atomic.publish` (`write(tmp)` fills a temporary directory unique to
+    this call, which replaces `out_dir` in one rename: concurrent exports to one place never mix, a crash leaves
+    the old `out_dir` or the new one); then every rank meets at a barrier."""
     if dist_utils.is_main():
-        tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        fsync_tree(tmp)
-        if out.exists():
-            remove_tree(out)
-        tmp.rename(out)
-        fsync_dir(out.parent)
+        publish(out_dir, write)
     dist_utils.barrier()
-    return str(out)
+    return str(out_dir)

@@ -17,6 +17,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import fcntl
 import gc
 import hashlib
 import importlib.util
@@ -26,6 +27,7 @@ import zlib
 
 from tqdm.auto import tqdm
 
+from erpo.atomic import publish
 from erpo.data import encode_prompt
 from erpo.metrics import default_pass_ks, summarize_correctness
 from erpo.problem_sets import Benchmark, load_benchmarks
@@ -209,36 +211,36 @@ def _append_lines(path: str, records: list[dict]) -> None:
     """Append records as JSON lines and fsync; a torn last line left by a crash is cut off first (the file is
     read whole only then: each chunk's append costs its own size, not the cache's)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.isfile(path):
-        with open(path, "rb+") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            if size:
-                handle.seek(size - 1)
-                if handle.read(1) != b"\n":  # torn: only then is the whole file read, to find its last newline
-                    handle.seek(0)
-                    handle.truncate(handle.read().rfind(b"\n") + 1)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    with open(path, "ab+") as handle:
+        # An append-only log cannot be published whole without rewriting it: evaluations sharing an output dir
+        # take turns instead, so none cuts off as torn the lines another is still writing.
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        size = handle.seek(0, os.SEEK_END)
+        if size:
+            handle.seek(size - 1)
+            if handle.read(1) != b"\n":  # torn: only then is the whole file read, to find its last newline
+                handle.seek(0)
+                handle.truncate(handle.read().rfind(b"\n") + 1)
+        handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def _check_cache_meta(directory: str, meta: dict) -> None:
-    """Write the sampling settings next to the cache, or refuse to mix samples made with others."""
+    """Write the sampling settings next to the cache, or refuse to mix samples made with others. Of evaluations
+    starting at once, the first to publish its settings sets them for all (`erpo.atomic.publish`)."""
     path = os.path.join(directory, "cache_meta.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            old = json.load(handle)
-        changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
-        if changed:
-            raise ValueError(
-                f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
-                "use another --output-dir or delete that directory"
-            )
-        return
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(meta, handle, indent=1, sort_keys=True)
+    if not os.path.isfile(path):
+        publish(path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8"),
+                keep=os.path.isfile)
+    with open(path, encoding="utf-8") as handle:
+        old = json.load(handle)
+    changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
+    if changed:
+        raise ValueError(
+            f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
+            "use another --output-dir or delete that directory"
+        )
 
 
 def _problems_fingerprint(bench: Benchmark) -> str:
