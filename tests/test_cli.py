@@ -43,7 +43,7 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys):
             "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "# resolved config" in printed and str(out / "reference_cache.json") in printed
+    assert printed.strip() == str(out / "reference_cache.json")   # the config is not dumped on the terminal
     cache = json.loads((out / "reference_cache.json").read_text())
     assert cache["entries"] and cache["template"].startswith("plain|chat=True")
     assert main(argv) == 0  # an existing matching cache is reused
@@ -84,6 +84,7 @@ def fake_training(monkeypatch):
     def destroy():
         calls["destroy"] += 1
     monkeypatch.setattr(erpo.trainer, "train", train)
+    monkeypatch.setattr("erpo.run_dir.check_run_dir", lambda cfg, resume: None)   # no run directory to check
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return calls
