@@ -121,7 +121,7 @@ class TrainerConfig:
     keep_last: int = 3
     save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
-    cpu_threads: int | None = None            # torch CPU threads; None: resolved to default_cpu_threads() (config.yaml records it)
+    cpu_threads: int | None = None            # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
 
 
 @dataclass
@@ -291,8 +291,10 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def default_cpu_threads() -> int:
-    """The cores this process may use, shared among the ranks on this node (LOCAL_WORLD_SIZE): one fixed count per
-    run, so a run repeats on the same machine."""
+    """OMP_NUM_THREADS when set, else the cores this process may use shared among the ranks on this node
+    (LOCAL_WORLD_SIZE): one fixed count per run, recorded in config.yaml, so a run repeats on the same machine."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     return max(1, len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
