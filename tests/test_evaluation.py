@@ -290,10 +290,12 @@ def test_cli_two_models_writes_tables_and_png(tmp_path, tiny_model_dir, capsys):
                               "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out),
                               "--seed", "3", "--no-progress", "--device", "cpu"])
     run_eval(args)
-    printed = capsys.readouterr().out.split()
-    assert sorted(os.path.basename(p) for p in printed) == [
-        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
+    printed = capsys.readouterr().out
     markdown = (out / "results.md").read_text()
+    table, paths = printed[:len(markdown)], printed[len(markdown):].split()
+    assert table == markdown   # the results table on the terminal, then the files' paths
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
     for text in ["**Mean Avg@2**", "**Mean Pass@2**", "**Mean Pass@1**", "| Model | synthetic | aime | Avg. |",
                  "| run@start |", "| run |", "temperatures <= 1.0 (0.6)", "temperatures 1.2-1.5 (1.2)",
                  "| Model | Metric | T=0.6 | T=1.2 | mean all | mean <=1.0 | mean 1.2-1.5 |"]:
