@@ -3,8 +3,9 @@
     erpo compare [--config FILE] [--algorithms erpo grpo] [--seeds 1 2 3] [--max-steps N] [--window 20]
                  [--output-dir runs/compare] [--set key=value ...]
 
-Each (algorithm, seed) trains into OUTPUT_DIR/ALGORITHM-seedSEED (a finished run with the same resolved config is
-reused, so an interrupted comparison continues where it stopped). OUTPUT_DIR/comparison.md and .json then hold,
+Each (algorithm, seed) trains into OUTPUT_DIR/ALGORITHM-seedSEED; a finished run with the same resolved config is
+reused and an unfinished one resumed from its newest checkpoint, so an interrupted comparison continues where it
+stopped. OUTPUT_DIR/comparison.md and .json then hold,
 per algorithm, the mean and standard deviation over seeds of reward, accuracy and Query-KL averaged over the first
 and the last `window` optimizer steps, each seed's values, and the paired difference of every other algorithm from
 the first one (same seed: same prompts and rollout seeds), with the machine, date, commit and command.
@@ -20,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 from erpo.config import PRESETS, dump_yaml
 from erpo.errors import UserError
@@ -114,7 +116,7 @@ def render(results: dict, algorithms: list[str], seeds: list[int], window: int, 
         for s in seeds:
             row = results[a][s]
             cells = ["n/a" if row[c] is None else f"{row[c]:.4f}" for c, _ in columns]
-            wall = "reused" if row["wall_s"] is None else f"{row['wall_s']:.0f}"
+            wall = "reused" if row["wall_s"] is None else f"{row['wall_s']:.0f}"   # a resumed run: its last part
             lines.append(f"| {a} seed {s} | " + " | ".join(cells) + f" | {wall} |")
     return "\n".join(lines) + "\n"
 
@@ -123,6 +125,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
     """Entry point of `erpo compare`: train the missing runs, write comparison.md / .json, print the table.
     Returns their paths."""
     from erpo import distributed, trainer
+    from erpo.checkpoint import CheckpointManager
     from erpo.cli import check_model_sources, config_from_args
     from erpo.plotting import read_metrics
     from erpo.run_dir import check_run_dir
@@ -139,18 +142,19 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
             config_file = os.path.join(run_dir, "config.yaml")
             finished = os.path.isfile(os.path.join(run_dir, "final", "config.json"))
             wall = None
-            if finished and open(config_file).read() == dump_yaml(cfg):
+            if finished and Path(config_file).read_text() == dump_yaml(cfg):
                 log.info("erpo compare: %s seed %d: reusing the finished run %s", a, s, run_dir)
             elif finished:
                 raise UserError(f"{run_dir}: holds a finished run with another config ({config_file}); use another "
                                 "--output-dir, or delete that run")
             else:
                 check_model_sources(cfg)
-                check_run_dir(cfg, resume=False)
-                log.info("erpo compare: training %s seed %d -> %s", a, s, run_dir)
+                resume = CheckpointManager(run_dir, keep_last=None).latest() is not None
+                check_run_dir(cfg, resume=resume)
+                log.info("erpo compare: %s %s seed %d -> %s", "resuming" if resume else "training", a, s, run_dir)
                 started = time.time()
                 try:
-                    trainer.train(cfg)
+                    trainer.train(cfg, resume=resume)
                 finally:
                     distributed.destroy_distributed()
                 wall = time.time() - started

@@ -11,7 +11,7 @@ SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1"
          "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8",
          "trainer.rollout_batch_size=2", "trainer.update_batch_size=2", "trainer.micro_batch_size=4", "rollout.n=2",
          "rollout.max_new_tokens=4", "logging.tensorboard=false", "logging.progress_bar=false", "logging.plot=false",
-         "trainer.save_hf=false"]
+         "trainer.save_hf=false", "trainer.save_steps=1", "trainer.keep_last=2"]
 
 
 def test_window_means():
@@ -53,6 +53,17 @@ def test_compare_two_algorithms_two_seeds(tmp_path, capsys):
     assert all(again[a][s]["wall_s"] is None for a in again for s in again[a])
     assert {a: {s: {k: v for k, v in r.items() if k != "wall_s"} for s, r in by.items()} for a, by in again.items()} \
         == {a: {s: {k: v for k, v in r.items() if k != "wall_s"} for s, r in by.items()} for a, by in runs.items()}
+    # an interrupted run is resumed from its newest checkpoint and ends as the uninterrupted one did
+    import shutil
+    interrupted = out / "grpo-seed2"
+    shutil.rmtree(interrupted / "final")
+    shutil.rmtree(interrupted / "checkpoints" / "step-2")
+    assert main(argv) == 0
+    resumed = json.loads((out / "comparison.json").read_text())["runs"]
+    assert resumed["grpo"]["2"]["wall_s"] is not None and resumed["erpo"]["1"]["wall_s"] is None
+    for key, value in runs["grpo"]["2"].items():
+        if key != "wall_s":
+            assert resumed["grpo"]["2"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     capsys.readouterr()
     # a finished run made with another config is not silently mixed in
     assert main(argv[:-1] + ["rollout.max_new_tokens=5"]) == 1
