@@ -137,12 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_plot_arguments(plot)
     except ImportError as exc:
         plot.set_defaults(unavailable=f"erpo plot is unavailable: {exc}")
+    parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
     return parser
-
-
-def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The parser of subcommand `name` of `parser` (for its usage line in errors)."""
-    return next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[name]
 
 
 def quiet_third_party_output() -> None:
@@ -201,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # the subcommand's usage, not the top-level one
-        subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
