@@ -1,5 +1,6 @@
 """A user's mistake is one line on stderr naming the culprit and what to do, exit status 1 (2 for config and option
-errors), no traceback; --debug or ERPO_DEBUG=1 shows the traceback. Model names, data files, run directories, options."""
+errors), no traceback; --debug or ERPO_DEBUG=1 shows the traceback. Model names, data files, run directories and
+options."""
 import json
 import os
 import re
@@ -56,8 +57,10 @@ def test_hub_names_online_take_one_request(monkeypatch):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr("erpo.model_source._in_hub_cache", lambda name: False)
     asked = []
-    monkeypatch.setattr("erpo.model_source._hub_problem",
-                        lambda name: asked.append(name) or (None if name == "org/real" else "no Hub model of that name"))
+    def hub_problem(name):
+        asked.append(name)
+        return None if name == "org/real" else "no Hub model of that name"
+    monkeypatch.setattr("erpo.model_source._hub_problem", hub_problem)
     assert resolve_model_source("org/real") == "org/real"
     with pytest.raises(UserError, match="--model org/typo: no such local directory, and no Hub model of that name"):
         resolve_model_source("org/typo")
@@ -144,7 +147,8 @@ def test_config_errors_exit_2_without_a_config_dump(capsys):
 
 # ------------------------------------------------------------------------------------------------------ options
 def test_options_cannot_be_abbreviated_and_errors_show_the_subcommand_usage(capsys):
-    for argv in (["train", "--max-step", "5"], ["train", "--no-such-option"], ["eval", "--model", "x", "--temperature", "1"]):
+    for argv in (["train", "--max-step", "5"], ["train", "--no-such-option"],
+                 ["eval", "--model", "x", "--temperature", "1"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2
