@@ -8,6 +8,7 @@ cross-field constraints. `to_dict(cfg)` gives plain data for YAML dumping.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class TrainerConfig:
     keep_last: int = 3
     save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
-    cpu_threads: int | None = 1               # torch CPU threads (None: torch's default); 1 is fastest for tiny models
+    cpu_threads: int | None = None            # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
 
 
 @dataclass
@@ -307,6 +308,14 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def default_cpu_threads() -> int:
+    """OMP_NUM_THREADS when set, else the cores this process may use shared among the ranks on this node
+    (LOCAL_WORLD_SIZE): one fixed count per run, recorded in config.yaml, so a run repeats on the same machine."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def updates_per_rollout(cfg: Config) -> int:
     return cfg.trainer.rollout_batch_size // cfg.trainer.update_batch_size
 
@@ -323,6 +332,8 @@ def resolve(cfg: Config) -> Config:
         if getattr(cfg.algorithm, key) is None:
             setattr(cfg.algorithm, key, value)
     t = cfg.trainer
+    if t.cpu_threads is None:
+        t.cpu_threads = default_cpu_threads()
     positive = {"trainer.max_steps": t.max_steps, "trainer.rollout_batch_size": t.rollout_batch_size,
                 "trainer.update_batch_size": t.update_batch_size, "trainer.micro_batch_size": t.micro_batch_size,
                 "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,

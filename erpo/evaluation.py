@@ -138,9 +138,9 @@ def resolve_model(spec: str) -> ModelSpec:
             f"(final/config.json) nor a checkpoint (meta.json); for an unfinished run pass one of its "
             f"checkpoints (RUN_DIR/checkpoints/step-N)"
         )
-    if os.path.exists(target) or target.startswith((".", "/")):
-        raise ValueError(f"--model {target}: not a directory")
-    return ModelSpec(label or target.replace("/", "--"), target, None)
+    from erpo.model_source import resolve_model_source
+
+    return ModelSpec(label or target.replace("/", "--"), resolve_model_source(target, "--model"), None)
 
 
 def parse_models(values: list[str]) -> list[ModelSpec]:
@@ -580,7 +580,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    """Entry point of ``erpo eval``: evaluate, write the results and print their paths.
+    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown table and the files' paths.
 
     Bad arguments or inputs exit with ``erpo eval: <message>`` (status 1) instead of a traceback.
     """
@@ -601,5 +601,7 @@ def run_eval(args: argparse.Namespace) -> None:
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       template=args.template, backend=args.backend, device=device, dtype=args.dtype,
                       gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)
+    with open(result["paths"]["md"], encoding="utf-8") as handle:
+        print(handle.read())
     for path in result["paths"].values():
         print(path)

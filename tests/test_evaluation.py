@@ -61,7 +61,7 @@ def _run_dir(root, model_path, *, template="plain", max_new_tokens=6, with_final
 # --------------------------------------------------------------------------------------------------
 # Model resolution
 # --------------------------------------------------------------------------------------------------
-def test_resolve_model_paths(tmp_path, tiny_model_dir):
+def test_resolve_model_paths(tmp_path, tiny_model_dir, monkeypatch):
     run = _run_dir(tmp_path / "my-run", tiny_model_dir)
     spec = resolve_model(run)
     assert (spec.label, spec.path, spec.run_dir) == ("my-run", os.path.join(run, "final"), run)
@@ -69,12 +69,13 @@ def test_resolve_model_paths(tmp_path, tiny_model_dir):
     assert (start.label, start.path, start.run_dir) == ("my-run@start", tiny_model_dir, run)
     plain = resolve_model(f"base={tiny_model_dir}")
     assert (plain.label, plain.path, plain.run_dir) == ("base", tiny_model_dir, None)
+    monkeypatch.setattr("erpo.model_source._hub_problem", lambda name: None)   # as if the Hub served it
     assert resolve_model("Qwen/Qwen2.5-Math-7B").path == "Qwen/Qwen2.5-Math-7B"  # Hub name, loaded later
 
     unfinished = _run_dir(tmp_path / "unfinished", tiny_model_dir, with_final=False)
     with pytest.raises(ValueError, match="final/config.json"):
         resolve_model(unfinished)
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="no such local directory"):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.yaml"):
         resolve_model(tiny_model_dir + "@start")
@@ -289,10 +290,12 @@ def test_cli_two_models_writes_tables_and_png(tmp_path, tiny_model_dir, capsys):
                               "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out),
                               "--seed", "3", "--no-progress", "--device", "cpu"])
     run_eval(args)
-    printed = capsys.readouterr().out.split()
-    assert sorted(os.path.basename(p) for p in printed) == [
-        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
+    printed = capsys.readouterr().out
     markdown = (out / "results.md").read_text()
+    table, paths = printed[:len(markdown)], printed[len(markdown):].split()
+    assert table == markdown   # the results table on the terminal, then the files' paths
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
     for text in ["**Mean Avg@2**", "**Mean Pass@2**", "**Mean Pass@1**", "| Model | synthetic | aime | Avg. |",
                  "| run@start |", "| run |", "temperatures <= 1.0 (0.6)", "temperatures 1.2-1.5 (1.2)",
                  "| Model | Metric | T=0.6 | T=1.2 | mean all | mean <=1.0 | mean 1.2-1.5 |"]:
@@ -313,7 +316,7 @@ def test_cli_bad_arguments_exit_with_a_message(tmp_path, tiny_model_dir):
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
     cases = [
-        (["--model", str(tmp_path / "nope")], "not a directory"),
+        (["--model", str(tmp_path / "nope")], "no such local directory"),
         (["--model", tiny_model_dir, "--benchmarks", "x.csv"], "is not a file"),
         (["--model", tiny_model_dir, "--temperatures", "0.5,hot"], "--temperatures"),
         (["--model", tiny_model_dir, "--pass-k", "1.5"], "--pass-k"),
