@@ -327,6 +327,15 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if cfg.rollout.importance_sampling_correction is None:
         cfg.rollout.importance_sampling_correction = cfg.rollout.backend == "vllm"
+    if cfg.rollout.backend == "vllm":
+        from erpo.rollout_vllm import check_vllm_temperature
+        check_vllm_temperature(cfg.rollout.temperature, "rollout.temperature")
+    if cfg.rollout.importance_sampling_correction and cfg.rollout.top_p < 1:
+        # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
+        # their ratio would be biased below 1
+        raise ValueError(f"rollout.top_p={cfg.rollout.top_p} with rollout.importance_sampling_correction: the engine "
+                         "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
+                         "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
     if not cfg.rollout.importance_sampling_cap > 0:
         raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {cfg.rollout.importance_sampling_cap}")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):

@@ -78,10 +78,20 @@ def test_yaml_round_trip():
     (["trainer.zero_stage=4"], "zero_stage"),
     (["rollout.temperature=0"], "temperature"),
     (["rollout.importance_sampling_cap=0"], "importance_sampling_cap"),
+    (["rollout.backend=vllm", "rollout.temperature=2.5"], r"rollout.temperature=2.5 is outside"),
+    (["rollout.backend=vllm", "rollout.temperature=0.005"], r"rollout.temperature=0.005 is outside"),
+    (["rollout.backend=vllm", "rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.importance_sampling"),
+    (["rollout.importance_sampling_correction=true", "rollout.top_p=0.9"], "top_p"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
         resolve(apply_overrides(Config(), overrides))
+
+
+def test_top_p_and_high_temperature_allowed_where_scored_alike():
+    resolve(apply_overrides(Config(), ["rollout.backend=vllm", "rollout.top_p=0.9",
+                                       "rollout.importance_sampling_correction=false"]))
+    resolve(apply_overrides(Config(), ["rollout.temperature=2.5"]))     # hf samples at exactly T
 
 
 def test_paper_recipes():

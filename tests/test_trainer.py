@@ -302,7 +302,7 @@ def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypa
 
 
 def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatch):
-    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights offloaded), its
+    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level 2), its
     weights wake before the first weight sync, and the KV cache wakes right before the next generate."""
     import fake_vllm
     fake_vllm.install(monkeypatch)
@@ -313,8 +313,8 @@ def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatc
     calls = [call if call[0] in ("sleep", "wake_up") else call[0] for call in llm.calls[1:]]
     calls = [c for i, c in enumerate(calls) if c != "load_weights" or calls[i - 1] != "load_weights"]
     sync = ["load_weights", "reset_prefix_cache"]
-    step1 = ["generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
-    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
+    step1 = ["generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
+    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
     assert calls == step1 + step2
 
 
