@@ -242,7 +242,7 @@ def _check_cache_meta(directory: str, meta: dict) -> None:
 
 
 def _problems_fingerprint(bench: Benchmark) -> str:
-    text = json.dumps([[p["id"], p["problem"], p["answer"]] for p in bench.problems], ensure_ascii=False)
+    text = json.dumps([[p["id"], p["problem"], p["answers"]] for p in bench.problems], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -282,6 +282,16 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
     return HFRollout(model, tokenizer, batch_size=batch_size), tokenizer
 
 
+def grade_alternatives(completion: str, answers: list[str]) -> tuple[str | None, bool]:
+    """`erpo.rewards.grade` against gold alternatives: (extracted answer, whether it matches any of them)."""
+    pred, correct = None, False
+    for gold in answers:
+        pred, correct = grade(completion, gold)
+        if correct:
+            break
+    return pred, correct
+
+
 def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, temperature: float, k: int,
                      top_p: float, settings: PromptSettings, batch_size: int, seed: int, output_dir: str,
                      progress: bool = True) -> list[list[dict]]:
@@ -313,7 +323,7 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
             if problem["id"] in done:
                 continue
             text = tokenizer.decode(batch.response_ids[row], skip_special_tokens=True)
-            pred, correct = grade(text, problem["answer"])
+            pred, correct = grade_alternatives(text, problem["answers"])
             records.append({"id": problem["id"], "sample": j, "completion": text, "pred": pred,
                             "correct": correct, "num_tokens": len(batch.response_ids[row]),
                             "truncated": bool(batch.truncated[row])})

@@ -180,6 +180,33 @@ def test_scores_match_hand_computation(tmp_path, tiny_model_dir, monkeypatch):
     assert every["avg@4"] == pytest.approx(low["avg@4"] / 2)
 
 
+class ConstantEngine(RolloutEngine):
+    """Answers every prompt with the same boxed text."""
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer = tokenizer, answer
+
+    def generate(self, prompt_ids, *, n, temperature, top_p=1.0, max_new_tokens, seed=None):
+        ids = self.tokenizer(f"<think>.</think>\\boxed{{{self.answer}}}", add_special_tokens=False)["input_ids"]
+        rows = [(i, p) for i, p in enumerate(prompt_ids) for _ in range(n)]
+        return RolloutBatch([i for i, _ in rows], [p for _, p in rows], [list(ids)] * len(rows), None,
+                            [False] * len(rows))
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_any_gold_alternative_counts(tmp_path, tiny_model_dir, monkeypatch):
+    """Minerva (Dr.GRPO's suite) lists alternatives: '0.02' is right for ['0.01', '0.02'], wrong for ['500']."""
+    tokenizer = build_tokenizer()
+    monkeypatch.setattr(evaluation, "build_engine", lambda *a, **kw: (ConstantEngine(tokenizer, "0.02"), tokenizer))
+    bench = load_benchmark(os.path.join(FIXTURES, "minerva_alternatives.jsonl"))
+    result = evaluate(parse_models([f"m={tiny_model_dir}"]), [bench], temperatures=[1.0], k=2,
+                      output_dir=str(tmp_path), progress=False)
+    row = next(r for r in result["rows"] if r["benchmark"] == "minerva_alternatives" and r["temperature"] == 1.0)
+    assert row["avg@2"] == pytest.approx(0.5) and row["pass@1"] == pytest.approx(0.5)
+
+
 def test_aggregate_hand_rows():
     rows = [{"model": "m", "benchmark": b, "temperature": t, "x": x}
             for b, t, x in [("a", 0.5, 0.2), ("a", 1.5, 0.0), ("b", 0.5, 0.6), ("b", 1.5, 0.4)]]
