@@ -83,7 +83,8 @@ class AlgorithmConfig:
     # Fields left None take the value of the preset for `name` (see PRESETS).
     qkl_coef: float | None = None            # alpha
     policy_kl_coef: float | None = None      # beta
-    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step) | none
+    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step, clipped to [0, 2])
+    #                                          | current-unclipped (the official code's per-step weight) | none
     qkl_estimator: str = "k3"                 # k1 | k2 | k3 | k3-token (against a live reference model)
     advantage: str = "grpo"                   # grpo | rloo | reinforce
     scale_rewards: str = "group"              # group | batch | none (grpo: divide by the std, as TRL)
@@ -162,7 +163,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.backend": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
-    "algorithm.query_weight": ("static", "current", "none"),
+    "algorithm.query_weight": ("static", "current", "current-unclipped", "none"),
     "algorithm.qkl_estimator": ("k1", "k2", "k3", "k3-token"),
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),

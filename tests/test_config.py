@@ -102,7 +102,10 @@ def test_paper_recipes():
         assert (cfg.rollout.n, cfg.rollout.temperature) == (8, 1.0)
         assert (cfg.trainer.rollout_batch_size, cfg.trainer.update_batch_size, cfg.trainer.max_steps) == (512, 128, 240)
         assert cfg.trainer.lr == 1e-6 and updates_per_rollout(cfg) == 4
-        assert cfg.data.max_prompt_length + cfg.rollout.max_new_tokens == 3072
+        assert (cfg.data.max_prompt_length, cfg.rollout.max_new_tokens) == (1024, 3000)   # Dr.GRPO's 3K
+        assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.dual_clip) == (0.2, 0.3, 3.0)
+        assert (cfg.reward.functions, cfg.reward.weights) == (["math", "format"], [0.9, 0.1])   # EasyR1's
+        assert cfg.rollout.top_p == 1.0 and cfg.rollout.importance_sampling_correction
         assert cfg.data.template == "paper" and cfg.algorithm.loss_agg == "token-mean"
     assert (erpo.algorithm.qkl_coef, erpo.algorithm.policy_kl_coef, erpo.algorithm.query_weight) == (0.01, 0.0, "static")
     assert (grpo.algorithm.qkl_coef, grpo.algorithm.policy_kl_coef, grpo.algorithm.query_weight) == (0.0, 0.01, "none")
