@@ -17,6 +17,8 @@ Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU
 - tensor_parallel_size=k > 1: consecutive groups of k ranks share one engine sharded over their k GPUs;
   each rank contributes its prompts, the group generates them all (same seed, same requests on every member,
   as vLLM requires), and every rank keeps its own samples.
+- colocated=False (evaluation): one process drives an engine whose tensor_parallel_size workers vLLM starts
+  itself (its default executor), for models too large for one GPU.
 """
 from __future__ import annotations
 
@@ -68,7 +70,9 @@ class VLLMRollout(RolloutEngine):
 
     model_path: an HF directory (or hub name) with the *initial* policy; the trainer must export its model
     there first (`erpo.checkpoint.export_hf`) when it starts from weights that are not on disk.
-    tensor_parallel_size: GPUs per engine (must divide the world size). gpu_memory_utilization: fraction of
+    tensor_parallel_size: GPUs per engine (colocated: must divide the world size). colocated: the engine lives
+    in the launcher's processes (external_launcher, the training layouts above); False lets vLLM start its own
+    workers for one calling process (evaluation). gpu_memory_utilization: fraction of
     each GPU vLLM may take (weights + KV cache), leave the rest to training. enable_sleep_mode/sleep_level:
     `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2, the default, discards them and
     the next `sync_weights` reloads them: the trainer overwrites every weight after each update anyway, so
@@ -86,11 +90,12 @@ class VLLMRollout(RolloutEngine):
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, sleep_level: int = 2,
-                 logprobs_mode: str | None = "processed_logprobs", llm_kwargs: dict | None = None):
+                 logprobs_mode: str | None = "processed_logprobs", colocated: bool = True,
+                 llm_kwargs: dict | None = None):
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if D.world_size() % tensor_parallel_size:
+        if colocated and D.world_size() % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size "
                              f"{D.world_size()}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -101,19 +106,21 @@ class VLLMRollout(RolloutEngine):
         check_free_gpu_memory(gpu_memory_utilization)
         self.sampling_params_cls = vllm.SamplingParams
         self.tensor_parallel_size = tensor_parallel_size
+        self.colocated = colocated
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
-        self.dp_rank = D.rank() // tensor_parallel_size
+        self.dp_rank = D.rank() // tensor_parallel_size if colocated else 0
         kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
                                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                       seed=seed + self.dp_rank, enable_prefix_caching=enable_prefix_caching,
                                       enable_sleep_mode=enable_sleep_mode)
         if logprobs_mode is not None:
             kwargs["logprobs_mode"] = logprobs_mode
-        # In-process engine (as TRL's colocate mode): vLLM joins the launcher's torch.distributed world, and
-        # the model stays reachable for in-place weight updates. A single process gets a world of 1.
-        D.set_launcher_env()
-        kwargs["distributed_executor_backend"] = "external_launcher"
+        if colocated:
+            # In-process engine (as TRL's colocate mode): vLLM joins the launcher's torch.distributed world, and
+            # the model stays reachable for in-place weight updates. A single process gets a world of 1.
+            D.set_launcher_env()
+            kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self.asleep: set[str] = set()      # parts of the engine currently released: "weights", "kv_cache"
@@ -132,7 +139,7 @@ class VLLMRollout(RolloutEngine):
                                "before generate")
         self.wake_up()
         local = [list(map(int, p)) for p in prompt_ids]
-        if self.tensor_parallel_size > 1:
+        if self.colocated and self.tensor_parallel_size > 1:
             # vLLM needs identical requests on every member: all prompts, and the first member's seed.
             per_rank = tp_all_gather_object((local, seed))
             member = D.rank() % self.tensor_parallel_size

@@ -80,6 +80,16 @@ def test_colocated_engine_per_rank_uses_external_launcher(vllm, monkeypatch):
     assert tp.llm.kwargs["seed"] == 11 and tp.llm.kwargs["tensor_parallel_size"] == 2  # same within a TP group
 
 
+def test_evaluation_engine_lets_vllm_start_its_tensor_parallel_workers(vllm, monkeypatch):
+    """colocated=False (erpo eval --tensor-parallel-size): one process, vLLM's own executor, no group gather."""
+    engine = VLLMRollout("m", tensor_parallel_size=4, colocated=False)   # world of 1: no divisibility check
+    assert "distributed_executor_backend" not in engine.llm.kwargs and engine.llm.kwargs["tensor_parallel_size"] == 4
+    assert "RANK" not in os.environ                                       # the launcher env is left alone
+    monkeypatch.setattr(rollout_vllm, "tp_all_gather_object", lambda obj: pytest.fail("gathered"))
+    batch = engine.generate([[1, 2]], n=2, temperature=1.0, max_new_tokens=3, seed=5)
+    assert batch.prompt_index == [0, 0]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "divide the world size"),
