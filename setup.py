@@ -31,7 +31,7 @@ setup(
         "test": ["pytest>=7", "triton==3.6.0", "numpy<2.4", "deepspeed", "accelerate", "pandas", "pyarrow"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
-        "vllm": ["vllm>=0.10.2"],
+        "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout_vllm uses, checked against 0.10.2 and 0.33.0
         "data": ["datasets", "pyarrow"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"]},

@@ -90,7 +90,8 @@ class AlgorithmConfig:
     # Fields left None take the value of the preset for `name` (see PRESETS).
     qkl_coef: float | None = None            # alpha
     policy_kl_coef: float | None = None      # beta
-    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step) | none
+    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step, clipped to [0, 2])
+    #                                          | current-unclipped (the official code's per-step weight) | none
     qkl_estimator: str = _KERNEL.qkl_estimator  # k1 | k2 | k3 | k3-token (against a live reference model)
     advantage: str = "grpo"                   # grpo | rloo | reinforce
     scale_rewards: str = "group"              # group | batch | none (grpo: divide by the std, as TRL)
@@ -170,7 +171,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
-    "algorithm.query_weight": ("static", "current", "none"),
+    "algorithm.query_weight": ("static", "current", "current-unclipped", "none"),
     "algorithm.qkl_estimator": OPTION_CHOICES["qkl_estimator"],
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
@@ -356,6 +357,15 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if cfg.rollout.importance_sampling_correction is None:
         cfg.rollout.importance_sampling_correction = cfg.rollout.engine == "vllm"
+    if cfg.rollout.engine == "vllm":
+        from erpo.rollout_vllm import check_vllm_temperature
+        check_vllm_temperature(cfg.rollout.temperature, "rollout.temperature")
+    if cfg.rollout.importance_sampling_correction and cfg.rollout.top_p < 1:
+        # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
+        # their ratio would be biased below 1
+        raise ValueError(f"rollout.top_p={cfg.rollout.top_p} with rollout.importance_sampling_correction: the engine "
+                         "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
+                         "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
     if not cfg.rollout.importance_sampling_cap > 0:
         raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {cfg.rollout.importance_sampling_cap}")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):

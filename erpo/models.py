@@ -79,15 +79,16 @@ def device_for_rank() -> torch.device:
 def make_rollout_engine(engine: str, *, model_path: str, model=None, tokenizer=None, batch_size: int = 1,
                         dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
-                        max_model_len: int | None = None):
+                        max_model_len: int | None = None, colocated: bool = True):
     """A rollout engine: "hf" generates with `model` / `tokenizer` in `batch_size` prompts per call; "vllm" loads
-    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's)."""
+    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's; colocated=False
+    lets vLLM start its own tensor-parallel workers, for evaluation outside a training run)."""
     if engine == "vllm":
         from erpo.rollout_vllm import VLLMRollout
         llm_kwargs = {"max_model_len": max_model_len} if max_model_len is not None else None
         return VLLMRollout(model_path, tensor_parallel_size=tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
-                           enable_sleep_mode=enable_sleep_mode, llm_kwargs=llm_kwargs)
+                           enable_sleep_mode=enable_sleep_mode, llm_kwargs=llm_kwargs, colocated=colocated)
     from erpo.rollout import HFRollout
     return HFRollout(model, tokenizer, batch_size=batch_size)
 

@@ -70,13 +70,13 @@ def old_logprobs(plan: StepPlan, model, temperature: float) -> list[torch.Tensor
 def plan_query_weights(cfg: Config, plan: StepPlan, model, ps: PromptSet, pad_id: int,
                        static_weight: torch.Tensor) -> list[torch.Tensor | None]:
     """w(q) [B] of each micro-batch (None each when algorithm.query_weight is "none"): the cached static weights, or
-    ("current") weights recomputed from `model` over the step's samples on all ranks (collective). A stand-in gets
-    any valid weight."""
+    ("current", clipped to [0, 2]; "current-unclipped", the official code's weight) weights recomputed from `model`
+    over the step's samples on all ranks (collective). A stand-in gets any valid weight."""
     mode = cfg.algorithm.query_weight
     prompts = [plan.rollout.prompts[mb.index] for mb in plan.micro_batches]
     if mode == "static":
         return [static_weight[p] for p in prompts]
-    if mode != "current":
+    if mode not in ("current", "current-unclipped"):
         return [None] * len(prompts)
     # ell(q) needs the prompt rows only: one forward over the prompts of each micro-batch (stand-ins too)
     current = [compute_query_logp(model, [ps.prompt_ids[i] for i in p.tolist()], pad_id=pad_id, batch_size=len(p),
@@ -84,7 +84,8 @@ def plan_query_weights(cfg: Config, plan: StepPlan, model, ps: PromptSet, pad_id
     local = torch.cat([c for mb, c in zip(plan.micro_batches, current) if mb.weight]
                       or [torch.zeros(0, dtype=torch.float64)])
     everyone = D.all_gather_object(local.tolist())
-    all_w = query_weights(torch.tensor([v for part in everyone for v in part], dtype=torch.float64))
+    all_w = query_weights(torch.tensor([v for part in everyone for v in part], dtype=torch.float64),
+                          max_weight=None if mode == "current-unclipped" else 2.0)
     offset = sum(len(part) for part in everyone[:D.rank()])
     sizes = [len(mb.index) if mb.weight else 0 for mb in plan.micro_batches]
     return [w if mb.weight else torch.ones(1)

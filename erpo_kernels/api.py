@@ -94,10 +94,11 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
                           segment_sum=TritonSegmentSum if triton else SegmentSum)
 
 
-def query_weights(ref_query_logp: torch.Tensor) -> torch.Tensor:
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
-    ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). Returns w [Q] fp32.
+    ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
+    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). Returns w [Q] fp32.
     """
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
@@ -109,4 +110,8 @@ def query_weights(ref_query_logp: torch.Tensor) -> torch.Tensor:
     surprisal = -ref_query_logp.double()
     if not bool((surprisal > 0).any()):
         raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are undefined")
-    return (surprisal.mean() / surprisal).clamp(0.0, 2.0).float()
+    if max_weight is None:
+        if not bool((surprisal > 0).all()):
+            raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")
+        return (surprisal.mean() / surprisal).float()
+    return (surprisal.mean() / surprisal).clamp(0.0, max_weight).float()

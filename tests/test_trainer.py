@@ -78,6 +78,15 @@ def test_several_updates_per_rollout_and_variants(tmp_path, cache_dir):
     assert all(r["query_weight_mean"] is not None for r in records)
 
 
+def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, cache_dir):
+    """query_weight=current-unclipped: w_i = mean_j s_j / s_i over the step's samples, unclipped, so its mean over
+    those samples is mean(s) * mean(1/s) >= 1 (Cauchy-Schwarz); a missing wiring would log no weight at all."""
+    train(small_cfg(tmp_path / "unclipped", cache_dir, "trainer.max_steps=2",
+                    "algorithm.query_weight=current-unclipped"))
+    records = read_metrics(tmp_path / "unclipped")
+    assert all(r["query_weight_mean"] is not None and r["query_weight_mean"] >= 1 - 1e-6 for r in records)
+
+
 def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_dir, monkeypatch):
     """The first update is on-policy (old log-probs = the current ones, no extra forward); the later ones use the
     log-probs of the model that sampled the rollout."""
@@ -304,7 +313,7 @@ def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypa
 
 
 def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatch):
-    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights offloaded), its
+    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level 2), its
     weights wake before the first weight sync, and the KV cache wakes right before the next generate."""
     import fake_vllm
     fake_vllm.install(monkeypatch)
@@ -315,8 +324,8 @@ def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatc
     calls = [call if call[0] in ("sleep", "wake_up") else call[0] for call in llm.calls[1:]]
     calls = [c for i, c in enumerate(calls) if c != "load_weights" or calls[i - 1] != "load_weights"]
     sync = ["load_weights", "reset_prefix_cache"]
-    step1 = ["generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
-    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
+    step1 = ["generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
+    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
     assert calls == step1 + step2
 
 
