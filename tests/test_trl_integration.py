@@ -95,9 +95,20 @@ def loss_and_grads(trainer, compute_loss, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+def logged(trainer, compute_loss, inputs):
+    """(loss, gradients, the metrics this call logged)."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode].clear()
+    loss, grads = loss_and_grads(trainer, compute_loss, inputs)
+    return loss, grads, {k: v[-1] for k, v in trainer._metrics[mode].items()}
+
+
 def assert_parity(trainer, inputs):
-    ours_loss, ours = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
-    trl_loss, theirs = loss_and_grads(trainer, trl.GRPOTrainer._compute_loss, inputs)
+    ours_loss, ours, our_metrics = logged(trainer, ERPOTrainer._compute_loss, inputs)
+    trl_loss, theirs, trl_metrics = logged(trainer, trl.GRPOTrainer._compute_loss, inputs)
+    assert set(trl_metrics) <= set(our_metrics)          # TRL's own loss metrics, same names and values
+    for name, value in trl_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), name
     assert trl_loss.abs() > 1e-4  # a loss that is not trivially zero
     torch.testing.assert_close(ours_loss, trl_loss, rtol=1e-5, atol=0)
     assert ours.keys() == theirs.keys() and len(theirs) == len(list(trainer.model.parameters()))
@@ -191,3 +202,19 @@ def test_missing_prompt_is_a_clear_error(tiny, tmp_path):
     inputs = trl_inputs(trainer)   # plain-text prompts: not in the cache of the conversational dataset
     with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0"):
         trainer._compute_loss(trainer.model, with_logps(trainer, inputs, old=False))
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_current_query_weight(tiny, tmp_path, fused_linear):
+    """query_weight='current': w(q) from the current policy's ell_theta(q) over the micro-batch. Equal prompts give
+    w = 1 (TRL's loss exactly); different prompts give other weights (a different loss)."""
+    trainer = make_trainer(tiny, tmp_path, loss_type="dapo", qkl_coef=0.0, query_weight="current",
+                           fused_linear=fused_linear)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    ours = ERPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    assert abs(ours - trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()) > 1e-4
+    same = dict(inputs, prompt_ids=inputs["prompt_ids"][[3, 3, 3, 3]], prompt_mask=inputs["prompt_mask"][[3, 3, 3, 3]])
+    assert logged(trainer, ERPOTrainer._compute_loss, same)[2]["query_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert_parity(trainer, same)
