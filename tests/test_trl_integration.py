@@ -218,3 +218,12 @@ def test_current_query_weight(tiny, tmp_path, fused_linear):
     same = dict(inputs, prompt_ids=inputs["prompt_ids"][[3, 3, 3, 3]], prompt_mask=inputs["prompt_mask"][[3, 3, 3, 3]])
     assert logged(trainer, ERPOTrainer._compute_loss, same)[2]["query_weight_mean"] == pytest.approx(1.0, abs=1e-6)
     assert_parity(trainer, same)
+
+
+def test_cache_of_another_model_is_refused(tiny, tmp_path):
+    make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)          # writes the cache for this model
+    other = tmp_path / "other"
+    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(other)
+    with pytest.raises(ValueError, match="does not match this run: model"):
+        make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)

@@ -18,13 +18,14 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOConfig, GRPOTrainer
 
 from erpo.reference_cache import ReferenceCache, build_reference_cache, prompt_hash, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, final_hidden
 from erpo_kernels import (erpo_loss, from_padded, fused_linear_erpo_loss, fused_linear_token_logprobs,
                           query_weights, token_logprobs)
-from erpo_kernels.zero3 import gathered_lm_head, is_zero3_partitioned
+from erpo_kernels.zero3 import gathered_lm_head
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the TRL loss types our loss expresses exactly
 QUERY_WEIGHTS = ("static", "current", "none")
@@ -167,7 +168,7 @@ class ERPOTrainer(GRPOTrainer):
         if scaled:
             raise ValueError(f"fused_linear=True scores hidden @ lm_head.T, but this model also applies {scaled[0]} "
                              "to its logits; set ERPOConfig(fused_linear=False)")
-        if any(is_zero3_partitioned(p) for p in self.model.parameters()):
+        if is_deepspeed_zero3_enabled():
             raise ValueError("fused_linear=True is not supported under DeepSpeed ZeRO-3 in ERPOTrainer (TRL runs the "
                              "backward after the loss returns, outside gathered_lm_head); set fused_linear=False")
 
@@ -176,15 +177,15 @@ class ERPOTrainer(GRPOTrainer):
     def _train_prompt_ids(self) -> list[list[int]]:
         """Token ids of every prompt of train_dataset, tokenized by TRL's own `_tokenize_prompts`."""
         if self.rollout_func is not None or self.environment_factories is not None:
-            raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory; "
-                             "set qkl_coef=0 and query_weight='none', or pass ERPOConfig(ref_cache=...)")
+            raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory, so "
+                             "it has no ell_theta0(q) for them; set qkl_coef=0 and query_weight='none'")
         if not hasattr(self.train_dataset, "__len__"):
             raise ValueError("ERPOTrainer needs ell_theta0(q) of every training prompt: train_dataset must be a "
-                             "map-style Dataset, not an IterableDataset (or pass ERPOConfig(ref_cache=...))")
+                             "map-style Dataset, not an IterableDataset (or set qkl_coef=0 and query_weight='none')")
         prompts = list(self.train_dataset["prompt"])
         prompt_ids = []
         for start in range(0, len(prompts), PROMPT_CHUNK):
-            ids, images, multimodal_fields = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])
+            ids = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])[0]
             prompt_ids.extend(list(map(int, p)) for p in ids)
         return prompt_ids
 
