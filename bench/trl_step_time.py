@@ -1,12 +1,14 @@
 """Seconds per training step of erpo's ERPOTrainer against TRL's GRPOTrainer, side by side on one tiny setup.
 
-    python -m bench.trl_step_time [--steps 8] [--threads 2]
+    python -m bench.trl_step_time [--steps 8] [--repeats 2] [--threads 2]
 
-Four runs in this order, each a fresh tiny Qwen2 (erpo.tiny, same seed) on the same arithmetic prompts: GRPO
-beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q), fused_linear). A step is
+Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.tiny, same seed) on the same
+arithmetic prompts: GRPO beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q),
+fused_linear; TRL's defaults otherwise, so use_bias_correction_kl=True at beta=0.04). A step is
 TRL's own `step_time` metric (generation, reward, old / reference log-probs when needed, loss, backward,
-optimizer); the first step is dropped as warm-up and the median of the others is reported. ERPO's one-off
-ell_theta0(q) computation at start is timed separately.
+optimizer); the first step of each run is dropped as warm-up, the median of the others is the run's s/step,
+and the median over runs is reported. The setup column is the trainer's construction, which for ERPO includes the
+one-off ell_theta0(q) computation over the 28 prompts.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenize
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is dropped)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -58,16 +61,21 @@ def main() -> None:
     model_dir = tempfile.mkdtemp()
     build_model(tokenizer, seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    rows = [one_run(name, beta, args.steps, model_dir, tokenizer)
-            for beta in (0.0, 0.04) for name in ("GRPO", "ERPO")]
-    print("| trainer | beta | s/step (median) | setup s |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['trainer']} | {row['beta']} | {row['s_per_step']:.3f} | {row['setup_s']:.1f} |")
-    by = {(r["trainer"], r["beta"]): r["s_per_step"] for r in rows}
-    print(f"ERPO/GRPO at beta=0: {by['ERPO', 0.0] / by['GRPO', 0.0]:.2f}; "
-          f"at beta=0.04: {by['ERPO', 0.04] / by['GRPO', 0.04]:.2f}; "
-          f"ERPO beta=0 / GRPO beta=0.04: {by['ERPO', 0.0] / by['GRPO', 0.04]:.2f}")
+    configs = [(name, beta) for beta in (0.0, 0.04) for name in ("GRPO", "ERPO")]
+    runs = [one_run(name, beta, args.steps, model_dir, tokenizer) for _ in range(args.repeats)
+            for name, beta in configs]
+    print("| trainer | beta | s/step (median over runs) | per run | setup s |")
+    print("|---|---|---|---|---|")
+    median = {}
+    for name, beta in configs:
+        mine = [r for r in runs if (r["trainer"], r["beta"]) == (name, beta)]
+        median[name, beta] = statistics.median(r["s_per_step"] for r in mine)
+        per_run = ", ".join(f"{r['s_per_step']:.3f}" for r in mine)
+        print(f"| {name} | {beta} | {median[name, beta]:.3f} | {per_run} | "
+              f"{statistics.median(r['setup_s'] for r in mine):.2f} |")
+    print(f"ERPO/GRPO at beta=0: {median['ERPO', 0.0] / median['GRPO', 0.0]:.2f}; "
+          f"at beta=0.04: {median['ERPO', 0.04] / median['GRPO', 0.04]:.2f}; "
+          f"ERPO beta=0 / GRPO beta=0.04: {median['ERPO', 0.0] / median['GRPO', 0.04]:.2f}")
 
 
 if __name__ == "__main__":
