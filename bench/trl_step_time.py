@@ -1,10 +1,11 @@
 """Seconds per training step of erpo's ERPOTrainer against TRL's GRPOTrainer, side by side on one tiny setup.
 
-    python -m bench.trl_step_time [--steps 8] [--repeats 2] [--threads 2]
+    python -m bench.trl_step_time [--steps 8] [--repeats 2] [--threads 2] [--no-bias-correction]
 
 Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.tiny, same seed) on the same
 arithmetic prompts: GRPO beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q),
-fused_linear; TRL's defaults otherwise, so use_bias_correction_kl=True at beta=0.04). A step is
+fused_linear; TRL's defaults otherwise, so use_bias_correction_kl=True at beta=0.04 unless --no-bias-correction).
+A step is
 TRL's own `step_time` metric (generation, reward, old / reference log-probs when needed, loss, backward,
 optimizer); the first step of each run is dropped as warm-up, the median of the others is the run's s/step,
 and the median over runs is reported. The setup column is the trainer's construction, which for ERPO includes the
@@ -20,7 +21,7 @@ import time
 import torch
 
 
-def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenizer) -> dict:
+def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenizer, bias_correction: bool) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -33,7 +34,8 @@ def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenize
 
     settings = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=4,
                     max_completion_length=24, max_steps=steps, learning_rate=1e-3, beta=beta, report_to=[],
-                    logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_dropout=True)
+                    logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_dropout=True,
+                    use_bias_correction_kl=bias_correction)
     config, trainer_class = ((ERPOConfig(qkl_coef=0.01, query_weight="static", **settings), ERPOTrainer)
                              if trainer_name == "ERPO" else (GRPOConfig(**settings), GRPOTrainer))
     start = time.perf_counter()
@@ -52,6 +54,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is dropped)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--no-bias-correction", action="store_true",
+                        help="use_bias_correction_kl=False for both trainers (TRL's default is True; it changes the "
+                             "KL's gradient, not the work)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -62,7 +67,8 @@ def main() -> None:
     build_model(tokenizer, seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     configs = [(name, beta) for beta in (0.0, 0.04) for name in ("GRPO", "ERPO")]
-    runs = [one_run(name, beta, args.steps, model_dir, tokenizer) for _ in range(args.repeats)
+    runs = [one_run(name, beta, args.steps, model_dir, tokenizer, not args.no_bias_correction)
+            for _ in range(args.repeats)
             for name, beta in configs]
     print("| trainer | beta | s/step (median over runs) | per run | setup s |")
     print("|---|---|---|---|---|")
