@@ -1,12 +1,12 @@
 """Seconds per training step of erpo's ERPOTrainer against TRL's GRPOTrainer, side by side on one tiny setup.
 
-    python -m bench.trl_step_time [--steps 8] [--repeats 2] [--threads 2] [--no-bias-correction]
+    python -m bench.trl_step_time [--steps 6] [--repeats 2] [--threads 2] [--no-bias-correction]
 
 Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.tiny, same seed) on the same
 arithmetic prompts: GRPO beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q),
 fused_linear; TRL's defaults otherwise, so use_bias_correction_kl=True at beta=0.04 unless --no-bias-correction).
-A step is
-TRL's own `step_time` metric (generation, reward, old / reference log-probs when needed, loss, backward,
+Every completion is 24 tokens long (min_new_tokens), so every step has the same shapes whatever the model learned.
+A step is TRL's own `step_time` metric (generation, reward, old / reference log-probs when needed, loss, backward,
 optimizer); the first step of each run is dropped as warm-up, the median of the others is the run's s/step,
 and the median over runs is reported. The setup column is the trainer's construction, which for ERPO includes the
 one-off ell_theta0(q) computation over the 28 prompts.
@@ -35,7 +35,7 @@ def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenize
     settings = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=4,
                     max_completion_length=24, max_steps=steps, learning_rate=1e-3, beta=beta, report_to=[],
                     logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_dropout=True,
-                    use_bias_correction_kl=bias_correction)
+                    use_bias_correction_kl=bias_correction, generation_kwargs={"min_new_tokens": 24})
     config, trainer_class = ((ERPOConfig(qkl_coef=0.01, query_weight="static", **settings), ERPOTrainer)
                              if trainer_name == "ERPO" else (GRPOConfig(**settings), GRPOTrainer))
     start = time.perf_counter()
@@ -51,7 +51,7 @@ def one_run(trainer_name: str, beta: float, steps: int, model_dir: str, tokenize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is dropped)")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--no-bias-correction", action="store_true",
