@@ -135,16 +135,19 @@ def test_loss_and_gradients_equal_trl(tiny, tmp_path, loss_type, kl, fused_linea
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
 
 
-@pytest.mark.parametrize("case", ["on_policy", "sequence_level", "delta_epsilon_high", "vllm_is", "eval"])
+@pytest.mark.parametrize("case", ["on_policy", "sequence_level", "delta_epsilon_high", "vllm_is", "eval",
+                                  "entropy_grpo", "entropy_dapo_beta"])
 def test_trl_features_equal_trl(tiny, tmp_path, case):
-    """On-policy (no old log-probs), GSPO's sequence-level ratio, two-sided clipping (delta) with an asymmetric clip
-    range, vLLM's importance-sampling correction, and eval mode (no accumulation normalizer)."""
+    """On-policy (no old log-probs), GSPO's sequence-level ratio (with the bias-corrected KL), two-sided clipping
+    (delta) with an asymmetric clip range, vLLM's importance-sampling correction, eval mode (no accumulation
+    normalizer), and TRL's entropy bonus (a token mean whatever the loss type)."""
     settings = {"on_policy": dict(loss_type="dapo"),
-                "sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
-                                       use_bias_correction_kl=False),
+                "sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
                 "delta_epsilon_high": dict(loss_type="dapo", delta=1.5, epsilon=0.1, epsilon_high=0.28),
                 "vllm_is": dict(loss_type="bnpo"),
-                "eval": dict(loss_type="grpo")}[case]
+                "eval": dict(loss_type="grpo"),
+                "entropy_grpo": dict(loss_type="grpo", entropy_coef=0.05),
+                "entropy_dapo_beta": dict(loss_type="dapo", entropy_coef=0.05, beta=0.04)}[case]
     trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight="none", gradient_accumulation_steps=2,
                            **settings)
     trainer.current_gradient_accumulation_steps = 2

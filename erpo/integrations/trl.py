@@ -237,13 +237,12 @@ class ERPOTrainer(GRPOTrainer):
         num = inputs["prompt_ids"].shape[0]
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         options = dict(qkl_coef=self.args.qkl_coef, qkl_estimator=self.args.qkl_estimator, policy_kl_coef=self.beta,
-                       clip_low=self.epsilon_low, clip_high=self.epsilon_high, dual_clip=self.args.delta,
+                       policy_kl_bias_correction=self.args.use_bias_correction_kl, clip_low=self.epsilon_low,
+                       clip_high=self.epsilon_high, dual_clip=self.args.delta,
                        ratio_level=self.importance_sampling_level, temperature=self.temperature,
+                       # TRL's entropy bonus: a token mean over the micro-batch, divided by the accumulation steps
+                       entropy_coef=self.entropy_coef / accumulation, entropy_agg="token-mean",
                        num_seqs=num * accumulation)  # per-sample means (grpo, the Query-KL) over the optimizer step
-        if self._entropy_bonus_enabled:
-            raise ValueError("entropy_coef != 0 is not supported by ERPOTrainer yet")
-        if self.beta != 0 and self.args.use_bias_correction_kl:
-            raise ValueError("use_bias_correction_kl=True is not supported by ERPOTrainer yet")
         if self.loss_type == "grpo":
             return dict(options, loss_agg="seq-mean-token-mean")
         if self.loss_type == "bnpo":
@@ -308,12 +307,12 @@ class ERPOTrainer(GRPOTrainer):
                                                                   temperature=self.temperature))
             out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
                             **tensors, **options)
-        self._log_loss_metrics(mode, inputs, rows, out, query_weight, options["num_seqs"])
+        self._log_loss_metrics(mode, inputs, rows, out, query_weight, options)
         return out.loss
 
     # Logging: TRL's own loss metrics (same names and reductions), then ERPO's
 
-    def _log_loss_metrics(self, mode: str, inputs: dict, rows: CompletionRows, out, query_weight, num_seqs) -> None:
+    def _log_loss_metrics(self, mode: str, inputs: dict, rows: CompletionRows, out, query_weight, options) -> None:
         metrics = self._metrics[mode]
         mask = rows.response_mask
         logp = rows.gather(out.token_logp)
@@ -330,7 +329,8 @@ class ERPOTrainer(GRPOTrainer):
 
         if self.beta != 0:
             ref = inputs["ref_per_token_logps"]
-            metrics["kl"].append(global_mean(torch.expm1(ref - logp) - (ref - logp)))
+            kl = torch.expm1(ref - logp) - (ref - logp)
+            metrics["kl"].append(global_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
         metrics["entropy"].append(global_mean(rows.gather(out.entropy)))
         low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
@@ -346,9 +346,17 @@ class ERPOTrainer(GRPOTrainer):
             gathered = gathered[~gathered.isnan()]
             metrics[f"clip_ratio/{name}"].append(reduce(gathered).item() if gathered.numel() else float("nan"))
 
+        qkl_part = options["qkl_coef"] * out.metrics["qkl"] if options["qkl_coef"] != 0 else 0.0
+        if self._entropy_bonus_enabled:  # TRL's loss before the bonus, on TRL's scale (per micro-batch, except dapo)
+            policy_loss = out.loss.detach() + options["entropy_coef"] * out.metrics["entropy"] - qkl_part
+            if mode == "train" and self.loss_type != "dapo":
+                policy_loss = policy_loss * self.current_gradient_accumulation_steps
+            metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                metrics["entropy_coef"].append(self.entropy_coef)
         num = inputs["prompt_ids"].shape[0]
         if not out.metrics["qkl"].isnan():  # the loss's qkl is a sum over samples / num_seqs
-            metrics["qkl"].append(self.accelerator.gather(out.metrics["qkl"] * num_seqs / num).mean().item())
+            metrics["qkl"].append(self.accelerator.gather(out.metrics["qkl"] * options["num_seqs"] / num).mean().item())
         metrics["query_logp"].append(self.accelerator.gather(out.query_logp.mean()).mean().item())
         if query_weight is not None:
             metrics["query_weight_mean"].append(self.accelerator.gather(query_weight.float().mean()).mean().item())
