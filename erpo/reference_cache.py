@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from erpo import distributed as D
 from erpo.atomic import publish
@@ -209,9 +210,9 @@ class ReferenceCache:
 
 
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
-                       temperature: float = 1.0) -> torch.Tensor:
+                       temperature: float = 1.0, progress: bool = False) -> torch.Tensor:
     """ell(q) [Q] float64 (nats) of each prompt under `model` (logits / temperature, as the loss sees them),
-    batched through fused_linear_token_logprobs."""
+    batched through fused_linear_token_logprobs; `progress` shows a progress bar over the batches."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     device = next(model.parameters()).device
@@ -219,7 +220,8 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
     model.eval()
     out = []
     try:
-        for start in range(0, len(prompt_ids), batch_size):
+        starts = range(0, len(prompt_ids), batch_size)
+        for start in tqdm(starts, desc="ell_theta0(q)", unit="batch", disable=not progress):
             chunk = prompt_ids[start:start + batch_size]
             batch = pack(chunk, [[] for _ in chunk], pad_id, device)
             out.append(per_sample_sum(scored_token_logp(model, batch, temperature), batch, kind=1).cpu())
@@ -230,14 +232,15 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
 
 def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, model_id: str, template: str,
                           batch_size: int, temperature: float = 1.0, model_fp: str | None = None,
-                          tokenizer_fp: str | None = None) -> ReferenceCache:
+                          tokenizer_fp: str | None = None, progress: bool = False) -> ReferenceCache:
     """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0).
-    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here)."""
+    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here); `progress`: a
+    progress bar."""
     unique = list({prompt_hash(p): p for p in prompt_ids}.items())
     local = D.shard(unique, D.rank(), D.world_size()) if len(unique) >= D.world_size() else unique
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ell_local = compute_query_logp(model, [p for _, p in local], pad_id=pad_id, batch_size=batch_size,
-                                   temperature=temperature) \
+                                   temperature=temperature, progress=progress and D.is_main()) \
         if local else torch.zeros(0, dtype=torch.float64)
     pairs = [pair for part in D.all_gather_object([(k, float(v)) for (k, _), v in zip(local, ell_local)])
              for pair in part]
