@@ -232,9 +232,9 @@ def test_cache_of_another_model_is_refused(tiny, tmp_path):
         make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)
 
 
-def precompute_ref_cache(model_path, run_dir, temperature=1.0):
-    """`erpo precompute-ref`'s cache of PROMPTS as one user turn through the chat template (data.template=plain):
-    the same token ids as TRL's conversational prompts."""
+def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=True):
+    """`erpo precompute-ref`'s cache of PROMPTS (data.template=plain), as one user turn through the chat template
+    (the token ids of TRL's conversational prompts) or as bare text (those of TRL's plain-text prompts)."""
     from erpo.config import Config, apply_overrides, resolve
     from erpo.reference_setup import precompute_reference
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -242,33 +242,37 @@ def precompute_ref_cache(model_path, run_dir, temperature=1.0):
     source.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in PROMPTS))
     cfg = resolve(apply_overrides(Config(), [
         f"output_dir={run_dir}", f"model.name_or_path={model_path}", f"data.source={source}", "data.template=plain",
-        "data.use_chat_template=true", f"rollout.temperature={temperature}"]))
+        f"data.use_chat_template={str(conversational).lower()}", f"rollout.temperature={temperature}"]))
     return precompute_reference(cfg)[1]
 
 
-def test_precompute_ref_cache_is_used(tiny, tmp_path):
+@pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "text"])
+def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
     """A cache of `erpo precompute-ref` for the same model directory and prompts is read, not rebuilt; one at
     another temperature or of another model is refused. The tokenizer is loaded from the model directory, as erpo
     does (transformers then gives the Qwen2 tokenizer, whose pre-tokenizer differs from erpo.tiny's in memory)."""
     from erpo.models import load_tokenizer
-    path = precompute_ref_cache(tiny[0], tmp_path / "pre")
+    path = precompute_ref_cache(tiny[0], tmp_path / "pre", conversational=conversational)
     tiny = (tiny[0], load_tokenizer(tiny[0]))
     data = json.loads(open(path).read())
     key = next(iter(data["entries"]))
     data["entries"][key][0] = -123.0          # a marker: a rebuilt cache would not hold it
     open(path, "w").write(json.dumps(data))
-    trainer = make_trainer(tiny, tmp_path / "run", conversational=True, qkl_coef=0.5, ref_cache=path)
+    trainer = make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path)
     assert trainer.reference_cache.entries[key][0] == -123.0
     with pytest.raises(ValueError, match="does not match this run: temperature"):
-        make_trainer(tiny, tmp_path / "run", conversational=True, qkl_coef=0.5, ref_cache=path, temperature=0.7)
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path,
+                     temperature=0.7)
+    with pytest.raises(ValueError, match="has no ell_theta0"):   # the other rendering's token ids
+        make_trainer(tiny, tmp_path / "run", conversational=not conversational, qkl_coef=0.5, ref_cache=path)
 
     other = tmp_path / "other"
     build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                 intermediate_size=64).save_pretrained(other)
     tiny[1].save_pretrained(other)
-    other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other")
+    other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other", conversational=conversational)
     with pytest.raises(ValueError, match="does not match this run: model"):
-        make_trainer(tiny, tmp_path / "run", conversational=True, qkl_coef=0.5, ref_cache=other_cache)
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)
 
 
 def test_evaluate_with_the_query_kl(tiny, tmp_path):
