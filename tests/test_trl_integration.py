@@ -230,3 +230,83 @@ def test_cache_of_another_model_is_refused(tiny, tmp_path):
                 intermediate_size=64).save_pretrained(other)
     with pytest.raises(ValueError, match="does not match this run: model"):
         make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)
+
+
+def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=True):
+    """`erpo precompute-ref`'s cache of PROMPTS (data.template=plain), as one user turn through the chat template
+    (the token ids of TRL's conversational prompts) or as bare text (those of TRL's plain-text prompts)."""
+    from erpo.config import Config, apply_overrides, resolve
+    from erpo.reference_setup import precompute_reference
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = run_dir / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in PROMPTS))
+    cfg = resolve(apply_overrides(Config(), [
+        f"output_dir={run_dir}", f"model.name_or_path={model_path}", f"data.source={source}", "data.template=plain",
+        f"data.use_chat_template={str(conversational).lower()}", f"rollout.temperature={temperature}"]))
+    return precompute_reference(cfg)[1]
+
+
+@pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "text"])
+def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
+    """A cache of `erpo precompute-ref` for the same model directory and prompts is read, not rebuilt; one at
+    another temperature or of another model is refused. The tokenizer is loaded from the model directory, as erpo
+    does (transformers then gives the Qwen2 tokenizer, whose pre-tokenizer differs from erpo.tiny's in memory)."""
+    from erpo.models import load_tokenizer
+    path = precompute_ref_cache(tiny[0], tmp_path / "pre", conversational=conversational)
+    tiny = (tiny[0], load_tokenizer(tiny[0]))
+    data = json.loads(open(path).read())
+    key = next(iter(data["entries"]))
+    data["entries"][key][0] = -123.0          # a marker: a rebuilt cache would not hold it
+    open(path, "w").write(json.dumps(data))
+    trainer = make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path)
+    assert trainer.reference_cache.entries[key][0] == -123.0
+    with pytest.raises(ValueError, match="does not match this run: temperature"):
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path,
+                     temperature=0.7)
+    with pytest.raises(ValueError, match="has no ell_theta0"):   # the other rendering's token ids
+        make_trainer(tiny, tmp_path / "run", conversational=not conversational, qkl_coef=0.5, ref_cache=path)
+
+    other = tmp_path / "other"
+    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(other)
+    tiny[1].save_pretrained(other)
+    other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other", conversational=conversational)
+    with pytest.raises(ValueError, match="does not match this run: model"):
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)
+
+
+def test_evaluate_with_the_query_kl(tiny, tmp_path):
+    """Eval prompts (TRL's dict of eval datasets) get ell_theta0(q) at start, in the same cache, with the training
+    prompts' entries unchanged and w(q) scaled by the training prompts' mean surprisal; evaluation then runs the
+    ERPO loss on them (before training: those cached values, Query-KL 0; during train(): a Query-KL > 0)."""
+    plain = make_trainer(tiny, tmp_path / "train-only", conversational=True, qkl_coef=0.5)
+    held_out = ["5+5=", "8*2="]
+    eval_rows = {"a": datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in held_out]),
+                 "b": datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPTS[0]}]}])}
+    path, tokenizer = tiny
+    args = ERPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, per_device_eval_batch_size=2,
+                      num_generations=2, max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no",
+                      seed=0, bf16=False, qkl_coef=0.5, query_weight="static", learning_rate=3e-2, max_steps=2,
+                      eval_strategy="steps", eval_steps=1, logging_steps=1)
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+    trainer = ERPOTrainer(model=path, reward_funcs=reward_length, args=args,
+                          train_dataset=datasets.Dataset.from_list(rows), eval_dataset=eval_rows,
+                          processing_class=tokenizer)
+    entries = trainer.reference_cache.entries
+    assert len(entries) == len(PROMPTS) + 2
+    assert {k: v for k, v in entries.items() if k in plain.reference_cache.entries} == plain.reference_cache.entries
+    assert set(ReferenceCache.load(str(tmp_path / "run" / CACHE_FILE)).entries) == set(entries)   # saved
+    ids = trainer._tokenize_prompts([[{"role": "user", "content": p}] for p in held_out])[0]
+    ell, w = torch.tensor([entries[prompt_hash(list(p))] for p in ids], dtype=torch.float64).unbind(1)
+    train_surprisal = -torch.tensor([v[0] for v in plain.reference_cache.entries.values()], dtype=torch.float64)
+    torch.testing.assert_close(w, (train_surprisal.mean() / -ell).clamp(0, 2))
+
+    trainer.evaluate(eval_rows["a"], metric_key_prefix="eval_a")
+    logs = trainer.state.log_history[-1]
+    assert logs["eval_query_logp"] == pytest.approx(ell.mean().item(), rel=1e-5)
+    assert logs["eval_query_weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
+    assert abs(logs["eval_qkl"]) < 1e-6 and math.isfinite(logs["eval_a_loss"])
+    trainer.train()
+    evaluated = [entry for entry in trainer.state.log_history[1:] if "eval_qkl" in entry]
+    assert {"eval_a_loss", "eval_b_loss"} <= {key for entry in evaluated for key in entry}
+    assert evaluated[-1]["eval_qkl"] > 1e-6

@@ -6,9 +6,10 @@ completion, then erpo_kernels' loss over the prompt rows (the Query-KL against t
 completion rows (TRL's clipped policy gradient with TRL's normalizers, KL and importance-sampling weights). With
 `qkl_coef=0` and `query_weight="none"` it equals `GRPOTrainer._compute_loss` on the same inputs.
 
-ell_theta0(q) is computed at start for every prompt of `train_dataset`, with the model as passed (theta0) and the
-prompts tokenized by TRL's own `_tokenize_prompts`, and cached under `output_dir` (or at `ref_cache`); entries are
-keyed by the prompt's token ids, which is what reaches the loss.
+ell_theta0(q) is computed at start for every prompt of `train_dataset` and `eval_dataset`, with the model as passed
+(theta0) and the prompts tokenized by TRL's own `_tokenize_prompts`, and cached under `output_dir` (or at
+`ref_cache`, which may also be a cache of `erpo precompute-ref`); entries are keyed by the prompt's token ids, which
+is what reaches the loss.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOConfig, GRPOTrainer
 
-from erpo.reference_cache import ReferenceCache, build_reference_cache, prompt_hash, tokenizer_fingerprint
+from erpo.reference_cache import (ReferenceCache, build_reference_cache, model_fingerprint, prompt_hash,
+                                  tokenizer_fingerprint, with_temperature)
 from erpo.sequences import PackedBatch, final_hidden
 from erpo_kernels import (erpo_loss, from_padded, fused_linear_erpo_loss, fused_linear_token_logprobs,
                           query_weights, token_logprobs)
@@ -31,7 +33,9 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the TRL loss types our loss
 QUERY_WEIGHTS = ("static", "current", "none")
 QKL_ESTIMATORS = ("k1", "k2", "k3")
 CACHE_FILE = "erpo_reference_cache.json"
+REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
+MAX_QUERY_WEIGHT = 2.0  # the clip of a held-out prompt's static w(q), as query_weights' default
 
 
 @dataclass
@@ -45,7 +49,8 @@ class ERPOConfig(GRPOConfig):
         "help": "w(q) on each query's policy-gradient term: static (from ell_theta0, cached), current (from the "
                 "current policy over the micro-batch's prompts, all processes) or none"})
     ref_cache: str | None = field(default=None, metadata={
-        "help": "ell_theta0(q) cache to read, or to write when absent; default <output_dir>/" + CACHE_FILE})
+        "help": "ell_theta0(q) cache to read (written by this trainer or by `erpo precompute-ref`), or to write when "
+                "absent; default <output_dir>/" + CACHE_FILE})
     fused_linear: bool = field(default=True, metadata={
         "help": "score hidden states x lm_head without the [N, V] logits (False: the model's own logits)"})
 
@@ -174,43 +179,76 @@ class ERPOTrainer(GRPOTrainer):
 
     # ell_theta0(q): the cached reference
 
-    def _train_prompt_ids(self) -> list[list[int]]:
-        """Token ids of every prompt of train_dataset, tokenized by TRL's own `_tokenize_prompts`."""
+    def _prompt_ids(self, dataset, name: str) -> list[list[int]]:
+        """Token ids of every prompt of `dataset` (called `name` in errors), tokenized by TRL's `_tokenize_prompts`."""
         if self.rollout_func is not None or self.environment_factories is not None:
             raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory, so "
                              "it has no ell_theta0(q) for them; set qkl_coef=0 and query_weight='none'")
-        if not hasattr(self.train_dataset, "__len__"):
-            raise ValueError("ERPOTrainer needs ell_theta0(q) of every training prompt: train_dataset must be a "
-                             "map-style Dataset, not an IterableDataset (or set qkl_coef=0 and query_weight='none')")
-        prompts = list(self.train_dataset["prompt"])
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(f"ERPOTrainer needs ell_theta0(q) of every prompt: {name} must be a map-style Dataset, "
+                             "not an IterableDataset (or set qkl_coef=0 and query_weight='none')")
+        prompts = list(dataset["prompt"])
         prompt_ids = []
         for start in range(0, len(prompts), PROMPT_CHUNK):
             ids = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])[0]
             prompt_ids.extend(list(map(int, p)) for p in ids)
         return prompt_ids
 
+    def _eval_prompt_ids(self) -> list[list[int]]:
+        """Token ids of every prompt of eval_dataset (a Dataset, or TRL's dict of named Datasets; none if absent)."""
+        datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        return [ids for key, dataset in datasets.items() if dataset is not None
+                for ids in self._prompt_ids(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]")]
+
+    def _theta0_fingerprints(self) -> tuple[str, ...]:
+        """Every fingerprint naming theta0 as passed: the hash of its state dict, and, when it was loaded from a
+        local directory or a hub name, erpo's `model_fingerprint` of that (what `erpo precompute-ref` records)."""
+        name = str(self.model.config._name_or_path or "")
+        return (weights_fingerprint(self.model),) + ((model_fingerprint(name),) if name else ())
+
     def _load_or_build_reference(self) -> ReferenceCache:
         """Load the cache at `reference_cache_path` (checked against this model, tokenizer and temperature, and
-        against every training prompt), or compute ell_theta0(q) with the model as passed and save it there."""
+        against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
+        model as passed; then add the eval prompts it lacks, and save it there when it changed."""
         path = self.reference_cache_path
-        identity = dict(model_id=str(self.model.config._name_or_path), model_fp=weights_fingerprint(self.model),
-                        tokenizer_id=str(self._tokenizer.name_or_path),
-                        tokenizer_fp=tokenizer_fingerprint(self._tokenizer),
-                        template=f"trl|temperature={self.temperature}")
-        prompt_ids = self._train_prompt_ids()
+        train_ids, eval_ids = self._prompt_ids(self.train_dataset, "train_dataset"), self._eval_prompt_ids()
+        identity = dict(model_id=str(self.model.config._name_or_path), tokenizer_id=str(self._tokenizer.name_or_path),
+                        tokenizer_fp=tokenizer_fingerprint(self._tokenizer))
         if os.path.exists(path):
             cache = ReferenceCache.load(path)
-            cache.check_compatible(**identity, path=path)
-            self._check_cached(cache, prompt_ids)
-            return cache
-        cache = build_reference_cache(
-            self.model, self._tokenizer, prompt_ids, model_id=identity["model_id"], template=identity["template"],
-            batch_size=self.args.per_device_train_batch_size, temperature=self.temperature,
-            model_fp=identity["model_fp"], tokenizer_fp=identity["tokenizer_fp"], progress=True)
-        if self.accelerator.is_main_process:
+            cache.check_compatible(**identity, model_fp=self._theta0_fingerprints(), template=None,
+                                   temperature=self.temperature, path=path, remedy=REBUILD)
+            self._check_cached(cache, train_ids)
+            changed = False
+        else:
+            cache = build_reference_cache(
+                self.model, self._tokenizer, train_ids, model_id=identity["model_id"],
+                template=with_temperature("trl", self.temperature), batch_size=self.args.per_device_train_batch_size,
+                temperature=self.temperature, model_fp=weights_fingerprint(self.model),
+                tokenizer_fp=identity["tokenizer_fp"], progress=True)
+            changed = True
+        changed |= self._add_held_out(cache, train_ids, eval_ids)
+        if changed and self.accelerator.is_main_process:
             cache.save(path)
         self.accelerator.wait_for_everyone()
         return cache
+
+    def _add_held_out(self, cache: ReferenceCache, train_ids: list[list[int]], prompt_ids: list[list[int]]) -> bool:
+        """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), with the static w(q) of appendix C
+        scaled by the training prompts' mean surprisal (so training weights stay as they are); whether any."""
+        missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
+        if not missing:
+            return False
+        held_out = build_reference_cache(
+            self.model, self._tokenizer, missing, model_id=cache.model_id, template=cache.template,
+            batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
+            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True)
+        train_ell = torch.tensor([cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}],
+                                 dtype=torch.float64)
+        ell = torch.tensor([value[0] for value in held_out.entries.values()], dtype=torch.float64)
+        weights = (-train_ell.mean() / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+        cache.entries.update({key: (float(e), float(w)) for key, e, w in zip(held_out.entries, ell, weights)})
+        return True
 
     def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> None:
         """ValueError naming the first prompt whose ell_theta0 the cache lacks."""
@@ -219,7 +257,7 @@ class ERPOTrainer(GRPOTrainer):
                 text = self._tokenizer.decode(ids)
                 raise ValueError(f"prompt {text[:300]!r} has no ell_theta0(q) in the reference cache "
                                  f"{self.reference_cache_path} (the dataset, tokenization or chat template changed "
-                                 "since it was built); delete it to rebuild, or set ERPOConfig(ref_cache=...)")
+                                 "since it was built). " + REBUILD)
 
     def _reference_of(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids."""
