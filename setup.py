@@ -24,10 +24,12 @@ setup(
     ],
     extras_require={
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
-        "test": ["pytest>=7", "triton==3.6.0", "numpy<2.4", "deepspeed", "accelerate", "pandas", "pyarrow"],
+        "test": ["pytest>=7", "triton==3.6.0", "numpy<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
+                 "peft==0.21.2"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
         "vllm": ["vllm>=0.10.2"],
+        "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with
         "data": ["datasets", "pyarrow"],
         "math": ["math-verify"],
     },

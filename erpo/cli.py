@@ -48,7 +48,8 @@ def config_from_args(args) -> Config:
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file, or the name of a shipped config (tiny, "
-                                    "qwen25_math_7b_erpo, qwen25_math_7b_grpo); default: the built-in tiny run")
+                                    "qwen25_math_7b_erpo, qwen25_math_7b_grpo, qwen25_math_7b_erpo_lora); default: the "
+                                    "built-in tiny run")
     p.add_argument("--output-dir", help="run directory (config output_dir)")
     p.add_argument("--set", nargs="+", action="extend", metavar="KEY=VALUE", default=[],
                    help="override any config key, e.g. --set trainer.lr=1e-5 algorithm.qkl_coef=0.05")

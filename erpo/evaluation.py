@@ -64,7 +64,10 @@ RUN_START_SUFFIX = "@start"
 
 
 def _is_hf_model_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))
+    """A Hugging Face model (config.json) or a LoRA adapter on one (adapter_config.json, `erpo.lora`)."""
+    from erpo.lora import is_adapter_dir
+
+    return os.path.isfile(os.path.join(path, "config.json")) or is_adapter_dir(path)
 
 
 def _is_run_dir(path: str) -> bool:
@@ -261,14 +264,18 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
     batch_size: prompts per HF generate call. gpu_memory_utilization: vLLM's share of the GPU.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from erpo.config import Config
+    from erpo.lora import MERGED_DIR, is_adapter_dir, load_causal_lm
     from erpo.trainer import load_tokenizer
 
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"--backend must be auto, hf or vllm, got {backend!r}")
-    use_vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
+    adapter = is_adapter_dir(model_path)
+    if adapter and backend == "vllm":
+        raise ValueError(f"--model {model_path} is a LoRA adapter, which --backend vllm does not load: pass the merged "
+                         f"model ({MERGED_DIR}/ of a run trained with model.lora.export_merged=true) or --backend hf")
+    use_vllm = backend == "vllm" or (backend == "auto" and not adapter and importlib.util.find_spec("vllm") is not None)
     tokenizer = load_tokenizer(Config(), model_path)  # exactly as the trainer loads it
     if use_vllm:
         from erpo.rollout_vllm import VLLMRollout
@@ -278,7 +285,7 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
     from erpo.rollout import HFRollout
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+    model = load_causal_lm(model_path, dtype=torch_dtype).to(device).eval()   # an adapter: merged into its base
     return HFRollout(model, tokenizer, batch_size=batch_size), tokenizer
 
 
