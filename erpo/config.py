@@ -27,7 +27,7 @@ class LoraConfig:
     # lm_head (and a tied input embedding) is refused: the fused-linear loss reads the head's weight directly.
     target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    export_merged: bool = False               # final/merged/: base + adapters as one HF model (final/ holds the adapter)
+    export_merged: bool = False               # also final/merged/: base + adapters as one HF model
 
 
 @dataclass
