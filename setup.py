@@ -21,6 +21,10 @@ setup(
         "tqdm",
         "matplotlib",
         "tensorboard",
+        # The math reward's and `erpo eval`'s answer check (pure Python). math-verify pins latex2sympy2_extended
+        # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2: pinned to the one tested.
+        "math-verify==0.9.0",
+        "antlr4-python3-runtime==4.13.2",
     ],
     extras_require={
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
@@ -28,10 +32,9 @@ setup(
                  "peft==0.21.2"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
-        "vllm": ["vllm>=0.10.2"],
+        "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout_vllm uses, checked against 0.10.2 and 0.33.0
         "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with
         "data": ["datasets", "pyarrow"],
-        "math": ["math-verify"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
 )

@@ -5,7 +5,12 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-N/`:
     rng/rank-R.pt      python / numpy / torch / CUDA RNG states of rank R
     engine/...         DeepSpeed engine: DeepSpeed's own files (model, ZeRO optimizer shards, scheduler)
     model.pt, optimizer.pt, scheduler.pt     plain torch bundle (TorchBundle)
-    hf/                the model (+ tokenizer) in Hugging Face format, when saved with `export=True`
+    hf/                the model (+ tokenizer) in Hugging Face format, when saved with `export=True`; for a LoRA
+                       model its adapters (`erpo.lora.export_adapter`)
+
+The model's frozen parameters (a LoRA model's base weights) are not saved: they are the weights it was loaded
+with, and a resumed run loads them again (the trainer checks they are the same through the reference cache's
+model fingerprint). A checkpoint whose saved parameters are not exactly the trainable ones is refused on load.
 
 A checkpoint is built in `checkpoints/.tmp-step-N/`, every file fsynced, then renamed to `step-N` in one
 atomic rename: a process killed at any moment leaves either no `step-N` or a complete one, and the
@@ -33,12 +38,12 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
+from .atomic import TMP_PREFIX, fsync_dir, fsync_tree, publish
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
-TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 DEEPSPEED_TAG = "engine"
 HF_DIR = "hf"
@@ -91,27 +96,6 @@ def restore_rng_state(state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------- durable files
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for filename in filenames:
-            fsync_file(Path(dirpath) / filename)
-        fsync_dir(Path(dirpath))
-
 
 def remove_tree(path: Path) -> None:
     """Delete a directory by first renaming it out of sight, so a crash mid-delete leaves no half-gone
@@ -197,9 +181,11 @@ class CheckpointManager:
 
         torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt")
         if kind == "deepspeed":
-            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                                   exclude_frozen_parameters=bool(frozen_parameter_names(engine.module)))
         elif dist_utils.is_main():
-            torch.save(engine.model.state_dict(), tmp / "model.pt")
+            frozen = frozen_parameter_names(engine.model)
+            torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, tmp / "model.pt")
             if engine.optimizer is not None:
                 torch.save(engine.optimizer.state_dict(), tmp / "optimizer.pt")
             if engine.scheduler is not None:
@@ -259,7 +245,8 @@ class CheckpointManager:
                              f"a {kind} engine")
         if kind == "deepspeed":
             load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True,
+                                                  load_module_strict=not frozen_parameter_names(engine.module))
             if load_path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
         else:
@@ -275,7 +262,13 @@ class CheckpointManager:
 
     @staticmethod
     def load_torch_bundle(bundle: TorchBundle, path: Path) -> None:
-        bundle.model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+        frozen = frozen_parameter_names(bundle.model)
+        missing, unexpected = bundle.model.load_state_dict(
+            torch.load(path / "model.pt", map_location="cpu", weights_only=True), strict=not frozen)
+        if set(missing) != frozen or unexpected:
+            raise ValueError(f"checkpoint {path}: model.pt does not hold exactly this model's trainable parameters "
+                             f"(missing {sorted(set(missing) - frozen)[:3]}, not in the model {unexpected[:3]}); "
+                             "resume with the model.lora settings it was saved with")
         for name, obj in (("optimizer", bundle.optimizer), ("scheduler", bundle.scheduler)):
             if obj is None:
                 continue
@@ -339,6 +332,12 @@ class GracefulStop:
 
 # -------------------------------------------------------------------------------------------- export
 
+def frozen_parameter_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names of `model`'s parameters that do not train (tied names included), e.g. a LoRA model's base
+    weights: what checkpoints leave out."""
+    return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
 def unwrap_model(model: Any) -> torch.nn.Module:
     """The underlying transformers model of a DeepSpeed engine, DDP wrapper or torch.compile'd module."""
     while True:
@@ -368,11 +367,15 @@ def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | Non
 
 def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
     """Write `model` (+ `tokenizer` when not None) with `save_pretrained` (safetensors) into `out_dir`,
-    loadable by `transformers.AutoModelForCausalLM.from_pretrained` and by vLLM. Collective under
-    DeepSpeed (ZeRO-3 parameters are gathered one by one); rank 0 writes. Atomic: written to a sibling
-    temporary directory, then renamed over `out_dir`. Returns out_dir.
+    loadable by `transformers.AutoModelForCausalLM.from_pretrained` and by vLLM; a LoRA model's adapters alone
+    (`erpo.lora.export_adapter`). Collective under DeepSpeed (ZeRO-3 parameters are gathered one by one); rank 0
+    writes. Atomic: written to a sibling temporary directory, then renamed over `out_dir`. Returns out_dir.
     """
+    from erpo.lora import export_adapter, is_lora_model   # erpo.lora builds on this module
+
     module = unwrap_model(model)
+    if is_lora_model(module):
+        return export_adapter(model, tokenizer, out_dir)
     if not hasattr(module, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel (or wrap one), got {type(module).__name__}")
     state_dict = gathered_state_dict(module)
@@ -384,14 +387,21 @@ def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
     return write_dir_atomically(out_dir, write)
 
 
+def is_hf_export(path: str | os.PathLike) -> bool:
+    """Whether `path` holds an `export_hf` result: a model (config.json) or LoRA adapters (adapter_config.json)."""
+    from erpo.lora import is_adapter_dir
+
+    return (Path(path) / "config.json").is_file() or is_adapter_dir(path)
+
+
 def publish_hf(export_dir: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """Make `out_dir` hold the same files as the Hugging Face export `export_dir` (a checkpoint's `hf/`) without a
     second gather or a second copy on disk: each file is a hard link, or a copy where the file system has no
     links. Pruning the checkpoint later leaves `out_dir` whole. Rank 0 writes; atomic like `export_hf`; a
     collective barrier. Returns out_dir."""
     source = Path(export_dir)
-    if dist_utils.is_main() and not (source / "config.json").is_file():
-        raise FileNotFoundError(f"{source} is not a Hugging Face export (no config.json)")
+    if dist_utils.is_main() and not is_hf_export(source):
+        raise FileNotFoundError(f"{source} is not a Hugging Face export (no config.json or adapter_config.json)")
 
     def write(tmp: Path) -> None:
         shutil.copytree(source, tmp, copy_function=link_or_copy)
@@ -407,19 +417,10 @@ def link_or_copy(source: str, target: str) -> None:
 
 
 def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> str:
-    """Rank 0 calls `write(tmp)` on a fresh sibling temporary directory, fsyncs it and renames it over `out_dir`
-    (a crash leaves the old `out_dir` or the new one, never half of one); then every rank meets at a barrier."""
-    out = Path(out_dir)
+    """Rank 0 publishes `out_dir` with `erpo.atomic.publish` (`write(tmp)` fills a temporary directory unique to
+    this call, which replaces `out_dir` in one rename: concurrent exports to one place never mix, a crash leaves
+    the old `out_dir` or the new one); then every rank meets at a barrier."""
     if dist_utils.is_main():
-        tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        fsync_tree(tmp)
-        if out.exists():
-            remove_tree(out)
-        tmp.rename(out)
-        fsync_dir(out.parent)
+        publish(out_dir, write)
     dist_utils.barrier()
-    return str(out)
+    return str(out_dir)

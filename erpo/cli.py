@@ -1,21 +1,25 @@
-"""The `erpo` command line: train, precompute-ref, eval, plot.
+"""The `erpo` command line: train, precompute-ref, eval, plot, compare.
 
     erpo train [--config FILE] [--output-dir DIR] [--max-steps N] [--algorithm NAME] [--seed S]
                [--zero-stage K] [--save-steps N] [--resume] [--set key=value ...]
     erpo precompute-ref [--config FILE] [--output-dir DIR] [--overwrite] [--set key=value ...]
-    erpo eval ...   (erpo.evaluation)       erpo plot ...   (erpo.plotting)
+    erpo eval ...   (erpo.evaluation)       erpo plot ...   (erpo.plotting)      erpo compare ...   (erpo.compare)
 
-`erpo train` with no --config runs the built-in tiny default (CPU, a few minutes).
+`erpo train` with no --config runs the built-in tiny default (CPU, a few minutes). A user's mistake (erpo.errors.
+UserError) is one line on stderr and exit status 1 (2 for config and option errors); `--debug` or ERPO_DEBUG=1
+shows its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shlex
 import sys
 from importlib import resources
 
-from erpo.config import PRESETS, Config, apply_overrides, dump_yaml, load_config, resolve
+from erpo.config import PRESETS, Config, apply_overrides, load_config, resolve
+from erpo.errors import MissingInputError, UserError
 
 log = logging.getLogger("erpo")
 
@@ -25,32 +29,59 @@ def shipped_config(name: str) -> str:
     file = resources.files("erpo") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
     if not file.is_file():
         available = sorted(p.name for p in (resources.files("erpo") / "configs").iterdir() if p.name.endswith(".yaml"))
-        raise FileNotFoundError(f"--config {name}: no such file, and not a shipped config ({', '.join(available)})")
+        raise MissingInputError(f"--config {name}: no such file, and not a shipped config ({', '.join(available)})")
     return str(file)
 
 
-def config_from_args(args) -> Config:
-    """Config file (or the built-in default) + the dedicated flags + --set overrides, resolved."""
-    path = args.config
-    if path is not None and not os.path.exists(path):
-        path = shipped_config(path)
-    cfg = load_config(path)
-    flags = []
-    for flag, key in (("output_dir", "output_dir"), ("max_steps", "trainer.max_steps"),
-                      ("algorithm", "algorithm.name"), ("seed", "trainer.seed"), ("zero_stage", "trainer.zero_stage"),
-                      ("save_steps", "trainer.save_steps")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            flags.append(f"{key}={value}")
-    apply_overrides(cfg, flags + list(args.set or []))
-    return resolve(cfg)
+def config_from_args(args, overrides: tuple[str, ...] = ()) -> Config:
+    """Config file (or the built-in default) + the dedicated flags + --set overrides + `overrides` (key=value, last
+    wins), resolved. Any problem is a UserError with exit code 2 naming the key or file."""
+    try:
+        path = args.config
+        if path is not None and not os.path.exists(path):
+            path = shipped_config(path)
+        cfg = load_config(path)
+        flags = []
+        for flag, key in (("output_dir", "output_dir"), ("max_steps", "trainer.max_steps"),
+                          ("algorithm", "algorithm.name"), ("seed", "trainer.seed"),
+                          ("zero_stage", "trainer.zero_stage"), ("save_steps", "trainer.save_steps")):
+            value = getattr(args, flag, None)
+            if value is not None:
+                flags.append(f"{key}={value}")
+        apply_overrides(cfg, flags + list(args.set or []) + list(overrides))
+        return resolve(cfg)
+    except (ValueError, TypeError, OSError) as exc:   # the config module's errors all name the key or file
+        raise UserError(f"config error: {exc}", exit_code=2) from exc
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
+def check_model_sources(cfg: Config) -> None:
+    """UserError at once when `model.name_or_path` or `model.tokenizer` is neither a local directory nor a Hub model
+    that can be had (erpo.model_source); "tiny" is the built-in model."""
+    from erpo.model_source import resolve_model_source
+    if cfg.model.name_or_path != "tiny":
+        resolve_model_source(cfg.model.name_or_path, "model.name_or_path")
+    if cfg.model.tokenizer is not None:
+        resolve_model_source(cfg.model.tokenizer, "model.tokenizer")
+
+
+def summary(cfg: Config) -> str:
+    """One line on what a run does; the whole resolved config goes to OUTPUT_DIR/config.yaml."""
+    t = cfg.trainer
+    return (f"{cfg.algorithm.name} on {cfg.model.name_or_path}, data {cfg.data.source}, {t.max_steps} steps of "
+            f"{t.rollout_batch_size} prompts x {cfg.rollout.n}, seed {t.seed}, {t.cpu_threads} CPU threads -> "
+            f"{cfg.output_dir} (resolved config: {os.path.join(cfg.output_dir, 'config.yaml')})")
+
+
+def add_debug_argument(p: argparse.ArgumentParser, default=argparse.SUPPRESS) -> None:
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="show the traceback of an error (also: ERPO_DEBUG=1)")
+
+
+def add_config_arguments(p: argparse.ArgumentParser, output_help: str = "run directory (config output_dir)") -> None:
     p.add_argument("--config", help="YAML config file, or the name of a shipped config (tiny, "
                                     "qwen25_math_7b_erpo, qwen25_math_7b_grpo, qwen25_math_7b_erpo_lora); default: the "
                                     "built-in tiny run")
-    p.add_argument("--output-dir", help="run directory (config output_dir)")
+    p.add_argument("--output-dir", help=output_help)
     p.add_argument("--set", nargs="+", action="extend", metavar="KEY=VALUE", default=[],
                    help="override any config key, e.g. --set trainer.lr=1e-5 algorithm.qkl_coef=0.05")
 
@@ -62,11 +93,19 @@ def add_local_rank_argument(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization")
+    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`)."""
+    parser = argparse.ArgumentParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
+                                     allow_abbrev=False)
     add_local_rank_argument(parser)
+    add_debug_argument(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a policy with ERPO (or a baseline)")
+    def add_command(name: str, help: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help, allow_abbrev=False)
+        add_debug_argument(command)
+        return command
+
+    train = add_command("train", help="train a policy with ERPO (or a baseline)")
     add_config_arguments(train)
     train.add_argument("--max-steps", type=int, help="rollout steps (trainer.max_steps)")
     train.add_argument("--algorithm", choices=sorted(PRESETS), help="algorithm.name")
@@ -76,13 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     add_local_rank_argument(train)
 
-    pre = sub.add_parser("precompute-ref", help="cache ell_theta0(q) and w(q) for every training prompt")
+    pre = add_command("precompute-ref", help="cache ell_theta0(q) and w(q) for every training prompt")
     add_config_arguments(pre)
     pre.add_argument("--overwrite", action="store_true", help="rebuild the cache even if it exists")
     add_local_rank_argument(pre)
 
-    evaluation = sub.add_parser("eval", help="evaluate models over temperatures (Avg@k, Pass@k)")
-    plot = sub.add_parser("plot", help="plot training runs' metrics.jsonl")
+    compare = add_command("compare", help="train several algorithms over several seeds; table of mean and spread")
+    add_config_arguments(compare, output_help="parent of the runs (OUTPUT_DIR/ALGORITHM-seedSEED) and of "
+                                              "comparison.md (default: runs/compare)")
+    from erpo.compare import add_compare_arguments
+    add_compare_arguments(compare)
+
+    evaluation = add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)")
+    plot = add_command("plot", help="plot training runs' metrics.jsonl")
     try:
         from erpo.evaluation import add_eval_arguments
         add_eval_arguments(evaluation)
@@ -93,25 +138,36 @@ def build_parser() -> argparse.ArgumentParser:
         add_plot_arguments(plot)
     except ImportError as exc:
         plot.set_defaults(unavailable=f"erpo plot is unavailable: {exc}")
+    parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    args = build_parser().parse_args(argv)
-    if hasattr(args, "local_rank"):
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    if getattr(args, "unavailable", None):
-        print(args.unavailable, file=sys.stderr)
-        return 2
+def quiet_third_party_output() -> None:
+    """Hide what users did not ask for: HF's weight loading / shard writing bars, the second copy of each
+    huggingface_hub warning (its own handler and the root logger's), and DeepSpeed's "Setting accelerator to CPU"
+    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
+    logging.getLogger("huggingface_hub").propagate = False
+    try:
+        import huggingface_hub.utils
+        import transformers.utils.logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand; returns the exit status."""
     if args.command in ("train", "precompute-ref"):
-        try:
-            cfg = config_from_args(args)
-        except (ValueError, TypeError, FileNotFoundError) as exc:
-            print(f"erpo {args.command}: config error: {exc}", file=sys.stderr)
-            return 2
-        print(f"# resolved config\n{dump_yaml(cfg)}", flush=True)
+        cfg = config_from_args(args)
+        check_model_sources(cfg)
+        if args.command == "train":
+            from erpo.run_dir import check_run_dir
+            check_run_dir(cfg, resume=args.resume)
+        log.info("erpo %s: %s", args.command, summary(cfg))
         from erpo import distributed, trainer
         try:
             if args.command == "train":
@@ -122,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             distributed.destroy_distributed()  # every rank, also after an error (a live group can abort at exit)
         return 0
+    if args.command == "compare":
+        from erpo.compare import run_compare
+        run_compare(args)
+        return 0
     if args.command == "eval":
         from erpo.evaluation import run_eval
         run_eval(args)
@@ -129,6 +189,32 @@ def main(argv: list[str] | None = None) -> int:
     from erpo.plotting import run_plot
     run_plot(args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # the subcommand's usage, not the top-level one
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.command_line = shlex.join(["erpo", *argv])
+    if hasattr(args, "local_rank"):
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if getattr(args, "unavailable", None):
+        print(args.unavailable, file=sys.stderr)
+        return 2
+    debug = args.debug or os.environ.get("ERPO_DEBUG", "").strip() not in ("", "0")
+    if not debug:
+        quiet_third_party_output()
+    try:
+        return run_command(args)
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"erpo {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

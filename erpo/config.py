@@ -8,6 +8,7 @@ cross-field constraints. `to_dict(cfg)` gives plain data for YAML dumping.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from erpo_kernels.validation import OPTION_CHOICES, LossOptions
+
+_KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
 
 
 @dataclass
@@ -71,7 +76,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"                       # hf | vllm
+    engine: str = "hf"                        # hf | vllm (the rollout engine that generates responses)
     n: int = 8                                # responses per prompt (K)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,7 +87,7 @@ class RolloutConfig:
     # Truncated importance sampling against the engine's sampling log-probs (TRL's vllm_importance_sampling_correction):
     # pg_t *= min(exp(trainer logp - engine logp), cap). None: on with vllm, off with hf (the same model samples).
     importance_sampling_correction: bool | None = None
-    importance_sampling_cap: float = 2.0
+    importance_sampling_cap: float = _KERNEL.rollout_is_cap
 
 
 @dataclass
@@ -93,28 +98,32 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The RL algorithm. `resolve` fills the preset and sets `loss_options`: the kernel's `LossOptions` built once
+    from these fields (with rollout.temperature and rollout.importance_sampling_cap), passed whole to the loss."""
     name: str = "erpo"                        # erpo | grpo | grpo+qw | grpo+qkl
     # Fields left None take the value of the preset for `name` (see PRESETS).
     qkl_coef: float | None = None            # alpha
     policy_kl_coef: float | None = None      # beta
-    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step) | none
-    qkl_estimator: str = "k3"                 # k1 | k2 | k3 | k3-token (against a live reference model)
+    query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step, clipped to [0, 2])
+    #                                          | current-unclipped (the official code's per-step weight) | none
+    qkl_estimator: str = _KERNEL.qkl_estimator  # k1 | k2 | k3 | k3-token (against a live reference model)
     advantage: str = "grpo"                   # grpo | rloo | reinforce
     scale_rewards: str = "group"              # group | batch | none (grpo: divide by the std, as TRL)
-    clip_low: float = 0.2
-    clip_high: float = 0.2                    # > clip_low: DAPO clip-higher
-    dual_clip: float | None = None
-    ratio_level: str = "token"               # token | sequence (GSPO)
-    loss_agg: str = "token-mean"
-    entropy_coef: float = 0.0
-    log_ratio_clamp: float = 20.0
+    clip_low: float = _KERNEL.clip_low
+    clip_high: float = _KERNEL.clip_high      # > clip_low: DAPO clip-higher
+    dual_clip: float | None = _KERNEL.dual_clip
+    ratio_level: str = _KERNEL.ratio_level    # token | sequence (GSPO)
+    loss_agg: str = _KERNEL.loss_agg
+    entropy_coef: float = _KERNEL.entropy_coef
+    log_ratio_clamp: float = _KERNEL.log_ratio_clamp
     filter_groups: bool = False               # DAPO: drop groups whose rewards are all equal
     mask_truncated: bool = False              # DAPO overlong masking: truncated responses carry no loss
 
 
 @dataclass
 class TrainerConfig:
-    backend: str = "auto"                     # auto (deepspeed on CUDA, torch on CPU) | deepspeed | torch
+    updater: str = "auto"                     # auto | deepspeed | torch: what applies the optimizer step (auto:
+                                              # DeepSpeed on CUDA, with several ranks or zero_stage > 0, else torch)
     max_steps: int = 200                      # rollout steps (the paper's "training steps")
     rollout_batch_size: int = 32              # prompts rolled out per rollout step
     update_batch_size: int = 32               # prompts per optimizer step (several updates per rollout)
@@ -134,7 +143,7 @@ class TrainerConfig:
     keep_last: int = 3
     save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
-    cpu_threads: int | None = 1               # torch CPU threads (None: torch's default); 1 is fastest for tiny models
+    cpu_threads: int | None = None            # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
 
 
 @dataclass
@@ -174,17 +183,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "rollout.backend": ("hf", "vllm"),
+    "rollout.engine": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
-    "algorithm.query_weight": ("static", "current", "none"),
-    "algorithm.qkl_estimator": ("k1", "k2", "k3", "k3-token"),
+    "algorithm.query_weight": ("static", "current", "current-unclipped", "none"),
+    "algorithm.qkl_estimator": OPTION_CHOICES["qkl_estimator"],
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
-    "algorithm.ratio_level": ("token", "sequence"),
-    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "trainer.backend": ("auto", "deepspeed", "torch"),
+    "algorithm.ratio_level": OPTION_CHOICES["ratio_level"],
+    "algorithm.loss_agg": OPTION_CHOICES["loss_agg"],
+    "trainer.updater": ("auto", "deepspeed", "torch"),
     "trainer.on_nonfinite": ("skip", "stop"),
 }
+
+
+# Old spellings of renamed keys, still read (each name now says one thing: the rollout engine, the updater).
+RENAMED_KEYS = {"rollout.backend": "rollout.engine", "trainer.backend": "trainer.updater"}
+
+
+def _current_key(dotted: str) -> str:
+    """`dotted` under its current name (see RENAMED_KEYS)."""
+    return RENAMED_KEYS.get(dotted, dotted)
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -244,7 +262,8 @@ def _update(obj: Any, data: dict, prefix: str = "") -> None:
         raise TypeError(f"config section '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
     hints = _field_types(type(obj))
     for key, value in data.items():
-        dotted = f"{prefix}{key}"
+        dotted = _current_key(f"{prefix}{key}")
+        key = dotted[len(prefix):]
         if key not in hints:
             valid = ", ".join(sorted(hints))
             raise ValueError(f"unknown config key '{dotted}'; valid keys here: {valid}")
@@ -276,7 +295,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
         dotted, raw = item.split("=", 1)
-        parts = dotted.strip().split(".")
+        dotted = _current_key(dotted.strip())
+        parts = dotted.split(".")
         obj = cfg
         for depth, part in enumerate(parts):
             hints = _field_types(type(obj))
@@ -303,6 +323,14 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def default_cpu_threads() -> int:
+    """OMP_NUM_THREADS when set, else the cores this process may use shared among the ranks on this node
+    (LOCAL_WORLD_SIZE): one fixed count per run, recorded in config.yaml, so a run repeats on the same machine."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def updates_per_rollout(cfg: Config) -> int:
     return cfg.trainer.rollout_batch_size // cfg.trainer.update_batch_size
 
@@ -319,6 +347,8 @@ def resolve(cfg: Config) -> Config:
         if getattr(cfg.algorithm, key) is None:
             setattr(cfg.algorithm, key, value)
     t = cfg.trainer
+    if t.cpu_threads is None:
+        t.cpu_threads = default_cpu_threads()
     positive = {"trainer.max_steps": t.max_steps, "trainer.rollout_batch_size": t.rollout_batch_size,
                 "trainer.update_batch_size": t.update_batch_size, "trainer.micro_batch_size": t.micro_batch_size,
                 "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
@@ -340,7 +370,16 @@ def resolve(cfg: Config) -> Config:
     if cfg.rollout.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if cfg.rollout.importance_sampling_correction is None:
-        cfg.rollout.importance_sampling_correction = cfg.rollout.backend == "vllm"
+        cfg.rollout.importance_sampling_correction = cfg.rollout.engine == "vllm"
+    if cfg.rollout.engine == "vllm":
+        from erpo.rollout_vllm import check_vllm_temperature
+        check_vllm_temperature(cfg.rollout.temperature, "rollout.temperature")
+    if cfg.rollout.importance_sampling_correction and cfg.rollout.top_p < 1:
+        # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
+        # their ratio would be biased below 1
+        raise ValueError(f"rollout.top_p={cfg.rollout.top_p} with rollout.importance_sampling_correction: the engine "
+                         "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
+                         "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
     if not cfg.rollout.importance_sampling_cap > 0:
         raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {cfg.rollout.importance_sampling_cap}")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):
@@ -361,4 +400,9 @@ def resolve(cfg: Config) -> Config:
         raise ValueError("algorithm.qkl_coef and algorithm.policy_kl_coef must be >= 0")
     if a.advantage == "rloo" and cfg.rollout.n < 2:
         raise ValueError("algorithm.advantage 'rloo' needs rollout.n >= 2")
+    a.loss_options = LossOptions(
+        qkl_coef=a.qkl_coef, qkl_estimator=a.qkl_estimator, policy_kl_coef=a.policy_kl_coef, clip_low=a.clip_low,
+        clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level, temperature=cfg.rollout.temperature,
+        entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, log_ratio_clamp=a.log_ratio_clamp,
+        rollout_is_cap=cfg.rollout.importance_sampling_cap)
     return cfg

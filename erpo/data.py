@@ -6,7 +6,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
+from erpo.errors import UserError
+from erpo.records import RECORD_SUFFIXES, read_hub_records, read_located_records
 
 # Paper appendix A: appended to the problem, then the whole message goes through the chat template.
 PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the "
@@ -29,23 +30,24 @@ def arithmetic_dataset(n: int, seed: int, max_operand: int = 10) -> list[dict]:
 
 
 def load_dataset_records(source: str, split: str = "train", problem_field: str = "problem",
-                         answer_field: str = "answer") -> list[dict]:
-    """Records from a .jsonl/.json/.parquet file or an HF `datasets` name; every record keeps all its columns.
+                         answer_field: str = "answer") -> tuple[list[dict], list[str]]:
+    """(records, where) from a .jsonl/.json/.parquet file or an HF `datasets` name; every record keeps all its
+    columns, and where[i] says where record i is ("line N" of a .jsonl, from 1; see `read_located_records`).
 
-    Raises ValueError naming the record and the missing field when `problem_field`/`answer_field` is absent.
+    Raises a UserError naming the line and the missing field when `problem_field`/`answer_field` is absent.
     """
     if Path(source).suffix in RECORD_SUFFIXES:
-        records = read_records(source)
+        located = read_located_records(source)
     else:
-        records = read_hub_records(source, split=split)
-    for i, record in enumerate(records):
+        located = [(f"row {i}", row) for i, row in enumerate(read_hub_records(source, split=split), 1)]
+    for where, record in located:
         if not isinstance(record, dict):
-            raise ValueError(f"{source}: record {i} is not an object: {record!r:.80}")
+            raise UserError(f"{source}: {where} is not an object: {record!r:.80}")
         for name, key in (("data.problem_field", problem_field), ("data.answer_field", answer_field)):
             if key not in record:
-                raise ValueError(f"{source}: record {i} has no field {key!r} ({name}); its fields are "
-                                 f"{sorted(record)}")
-    return records
+                raise UserError(f"{source}: {where} has no field {key!r} ({name}); its fields are {sorted(record)}; "
+                                f"fix the data or set {name}")
+    return [record for _, record in located], [where for where, _ in located]
 
 
 def build_prompt(tokenizer, problem: str, template: str = "paper", use_chat_template: bool = True) -> str:
@@ -78,24 +80,27 @@ class PromptSet:
 
 
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
-                     use_chat_template: bool, max_prompt_length: int, skip_invalid: bool) -> PromptSet:
+                     use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
+                     where: list[str] | None = None) -> PromptSet:
     """Render and tokenize every record. Empty problems and prompts longer than `max_prompt_length` tokens are
-    an error listing the first offenders, or dropped with one warning when `skip_invalid`."""
+    a UserError listing the first offenders, or dropped with one warning when `skip_invalid`. where[i] names
+    record i in messages (default "record i+1")."""
+    where = where or [f"record {i}" for i in range(1, len(records) + 1)]
     kept, problems = PromptSet([], [], [], []), []
-    for i, record in enumerate(records):
+    for i, record in zip(where, records):
         problem = record.get(problem_field)
         if not isinstance(problem, str) or not problem.strip():
-            problems.append(f"record {i}: empty or non-text {problem_field!r} ({problem!r:.40})")
+            problems.append(f"{i}: empty or non-text {problem_field!r} ({problem!r:.40})")
             continue
         if record.get(answer_field) is None:
-            problems.append(f"record {i}: missing {answer_field!r}")
+            problems.append(f"{i}: missing {answer_field!r}")
             continue
         prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
         if len(ids) > max_prompt_length:
-            problems.append(f"record {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
+            problems.append(f"{i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
             continue
         if len(ids) < 2:
-            problems.append(f"record {i}: prompt has {len(ids)} token(s); at least 2 are needed for ell(q)")
+            problems.append(f"{i}: prompt has {len(ids)} token(s); at least 2 are needed for ell(q)")
             continue
         kept.records.append(record)
         kept.prompts.append(prompt)
@@ -104,11 +109,11 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
     if problems:
         summary = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
         if not skip_invalid:
-            raise ValueError(f"{len(problems)} invalid training record(s): {summary}. Fix the data or set "
+            raise UserError(f"{len(problems)} invalid training record(s): {summary}. Fix the data or set "
                              "data.skip_invalid=true to drop them.")
         warnings.warn(f"dropped {len(problems)} invalid training record(s): {summary}")
     if not kept.prompts:
-        raise ValueError("no valid training prompts left")
+        raise UserError("no valid training prompts left; check data.source and data.max_prompt_length")
     return kept
 
 
@@ -117,12 +122,14 @@ def load_prompt_set(cfg, tokenizer) -> PromptSet:
     d = cfg.data
     if d.source == "arithmetic":
         records = arithmetic_dataset(d.num_examples or 1000, seed=cfg.trainer.seed, max_operand=d.arithmetic_max_operand)
+        where = None
         problem_field, answer_field = "problem", "answer"
     else:
-        records = load_dataset_records(d.source, d.split, d.problem_field, d.answer_field)
+        records, where = load_dataset_records(d.source, d.split, d.problem_field, d.answer_field)
         if d.num_examples is not None:
-            records = records[:d.num_examples]
+            records, where = records[:d.num_examples], where[:d.num_examples]
+        where = [f"{d.source} {w}" for w in where]
         problem_field, answer_field = d.problem_field, d.answer_field
     return tokenize_prompts(tokenizer, records, problem_field=problem_field, answer_field=answer_field,
                             template=d.template, use_chat_template=d.use_chat_template,
-                            max_prompt_length=d.max_prompt_length, skip_invalid=d.skip_invalid)
+                            max_prompt_length=d.max_prompt_length, skip_invalid=d.skip_invalid, where=where)

@@ -17,8 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from erpo_kernels.zero3 import is_zero3_partitioned
-
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -72,33 +70,34 @@ def set_launcher_env() -> None:
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
 
 
-def default_backend() -> str:
-    """"nccl" when CUDA is available, else "gloo" (CPU runs and CI)."""
+def default_communicator() -> str:
+    """The process group's communication library: "nccl" when CUDA is available, else "gloo" (CPU runs and CI)."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None) -> bool:
+def init_distributed(communicator: str | None = None) -> bool:
     """Create the process group from the launcher's environment if WORLD_SIZE > 1; idempotent.
 
     Uses `deepspeed.init_distributed` when DeepSpeed is installed (it also sets up DeepSpeed's own comm
     layer), else `torch.distributed.init_process_group`. On CUDA, binds this process to GPU LOCAL_RANK.
-    `backend`: "nccl" / "gloo" / None (nccl with CUDA, gloo on CPU). Returns True when a group exists.
+    `communicator`: torch.distributed's backend, "nccl" / "gloo" / None (nccl with CUDA, gloo on CPU).
+    Returns True when a group exists.
     """
     if is_initialized():
         return True
     if not launched_distributed():
         return False
-    backend = backend or default_backend()
-    if backend not in ("nccl", "gloo", "mpi", "ccl", "hccl"):
-        raise ValueError(f"backend must be one of nccl, gloo, mpi, ccl, hccl, got {backend!r}")
+    communicator = communicator or default_communicator()
+    if communicator not in ("nccl", "gloo", "mpi", "ccl", "hccl"):
+        raise ValueError(f"communicator must be one of nccl, gloo, mpi, ccl, hccl, got {communicator!r}")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     try:
         import deepspeed
     except ImportError:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=communicator)
     else:
-        deepspeed.init_distributed(dist_backend=backend)
+        deepspeed.init_distributed(dist_backend=communicator)
     return True
 
 
@@ -297,13 +296,15 @@ def is_deepspeed_engine(obj: Any) -> bool:
     return deepspeed is not None and isinstance(obj, deepspeed.DeepSpeedEngine)
 
 
-# True when `param` is partitioned by DeepSpeed ZeRO-3 (has a `ds_id`); it then needs gathering.
-is_zero3_param = is_zero3_partitioned
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """True when `param` is partitioned by DeepSpeed ZeRO-3 (it carries a `ds_id`); it then needs `gathered`."""
+    return hasattr(param, "ds_id")
 
 
 def gathered(params: Sequence[torch.nn.Parameter]):
-    """Context manager that materializes ZeRO-3 partitioned `params` on every rank (read-only);
-    a no-op context for ordinary tensors. Collective: every rank must enter it with the same params."""
+    """Context manager that materializes ZeRO-3 partitioned `params` on every rank (read-only); a no-op context
+    for ordinary tensors. Collective: every rank must enter it with the same params. erpo's one wrapper of
+    DeepSpeed's `GatheredParameters(modifier_rank=None)` (the kernels gather their lm_head with their own)."""
     partitioned = [p for p in params if is_zero3_param(p)]
     if not partitioned:
         return contextlib.nullcontext()

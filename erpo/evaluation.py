@@ -17,6 +17,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import fcntl
 import gc
 import hashlib
 import importlib.util
@@ -26,15 +27,29 @@ import zlib
 
 from tqdm.auto import tqdm
 
-from erpo.benchmarks import Benchmark, load_benchmarks
+from erpo.atomic import publish
 from erpo.data import encode_prompt
 from erpo.metrics import default_pass_ks, summarize_correctness
+from erpo.problem_sets import Benchmark, load_benchmarks
 from erpo.records import iter_jsonl
 from erpo.rewards import grade
 
-DEFAULT_TEMPERATURES = (0.1, 0.6, 1.0, 1.2, 1.5)
+# Named temperature grids for --temperatures. "paper": the grid the paper's range means are formed over (its
+# Table 2: every "<= 1.0" mean is a mean of 10 temperatures 0.1..1.0 and most "1.2-1.5" means one of 1.2..1.5;
+# docs/evaluation.md). "quick": five points of it, the columns the paper prints.
+TEMPERATURE_GRIDS = {
+    "paper": (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5),
+    "quick": (0.1, 0.6, 1.0, 1.2, 1.5),
+}
+DEFAULT_TEMPERATURES = "paper"
 DEFAULT_K = 32
-DEFAULT_MAX_NEW_TOKENS = 3072  # the paper's 3K-token budget
+DEFAULT_MAX_NEW_TOKENS = 3000  # one budget for every model of a comparison: Dr.GRPO's evaluation budget
+# Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
+# evaluation prompt for base models (its apply_qwen_math_template), which the paper's base-model numbers follow.
+RAW_TEMPLATES = {
+    "qwen-math": ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+                  "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"),
+}
 ALL_TEMPERATURES = "all"
 # Temperature ranges of the paper's tables: label -> membership test.
 TEMPERATURE_RANGES = {
@@ -104,7 +119,7 @@ def load_run_config(run_dir: str):
 
 def run_start_model(run_dir: str) -> str:
     """Path or Hub name of the pre-RL model a run started from (for the tiny default: its SFT warm start)."""
-    from erpo.trainer import model_path_for
+    from erpo.models import model_path_for
 
     return model_path_for(load_run_config(run_dir))
 
@@ -139,9 +154,9 @@ def resolve_model(spec: str) -> ModelSpec:
             f"(final/config.json) nor a checkpoint (meta.json); for an unfinished run pass one of its "
             f"checkpoints (RUN_DIR/checkpoints/step-N)"
         )
-    if os.path.exists(target) or target.startswith((".", "/")):
-        raise ValueError(f"--model {target}: not a directory")
-    return ModelSpec(label or target.replace("/", "--"), target, None)
+    from erpo.model_source import resolve_model_source
+
+    return ModelSpec(label or target.replace("/", "--"), resolve_model_source(target, "--model"), None)
 
 
 def parse_models(values: list[str]) -> list[ModelSpec]:
@@ -164,17 +179,34 @@ class PromptSettings:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
 
 
-def prompt_settings(model: ModelSpec, template: str | None, max_new_tokens: int | None) -> PromptSettings:
-    """Settings for one model: explicit arguments, else its training run's config, else the defaults."""
-    settings = PromptSettings()
+def prompt_settings(model: ModelSpec, template: str | None, max_new_tokens: int) -> PromptSettings:
+    """Settings for one model: `template` (a name of RAW_TEMPLATES, "paper", "plain" or a format string), else
+    its training run's prompt format, else the paper's; `max_new_tokens` is the comparison's single budget."""
+    settings = PromptSettings(max_new_tokens=max_new_tokens)
     if model.run_dir is not None:
         cfg = load_run_config(model.run_dir)
-        settings = PromptSettings(cfg.data.template, cfg.data.use_chat_template, cfg.rollout.max_new_tokens)
-    if template is not None:
+        settings.template, settings.use_chat_template = cfg.data.template, cfg.data.use_chat_template
+    if template in RAW_TEMPLATES:
+        settings.template, settings.use_chat_template = RAW_TEMPLATES[template], False
+    elif template is not None:
         settings.template = template
-    if max_new_tokens is not None:
-        settings.max_new_tokens = max_new_tokens
     return settings
+
+
+def parse_templates(values: list[str] | None, labels: list[str]) -> dict[str, str]:
+    """``--template`` values -> {model label: template}. ``LABEL=TEMPLATE`` sets one model's template (LABEL one
+    of `labels`), a value without a known label prefix sets the template of every model not named."""
+    per_model, every = {}, None
+    for value in values or []:
+        label, eq, template = value.partition("=")
+        if eq and label in labels:
+            per_model[label] = template
+        elif every is None:
+            every = value
+        else:
+            raise ValueError(f"--template: two templates for every model ({every!r}, {value!r}); prefix one with "
+                             f"a model label ({', '.join(labels)}) as LABEL=TEMPLATE")
+    return {label: per_model.get(label, every) for label in labels if per_model.get(label, every) is not None}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,40 +244,40 @@ def _append_lines(path: str, records: list[dict]) -> None:
     """Append records as JSON lines and fsync; a torn last line left by a crash is cut off first (the file is
     read whole only then: each chunk's append costs its own size, not the cache's)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.isfile(path):
-        with open(path, "rb+") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            if size:
-                handle.seek(size - 1)
-                if handle.read(1) != b"\n":  # torn: only then is the whole file read, to find its last newline
-                    handle.seek(0)
-                    handle.truncate(handle.read().rfind(b"\n") + 1)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    with open(path, "ab+") as handle:
+        # An append-only log cannot be published whole without rewriting it: evaluations sharing an output dir
+        # take turns instead, so none cuts off as torn the lines another is still writing.
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        size = handle.seek(0, os.SEEK_END)
+        if size:
+            handle.seek(size - 1)
+            if handle.read(1) != b"\n":  # torn: only then is the whole file read, to find its last newline
+                handle.seek(0)
+                handle.truncate(handle.read().rfind(b"\n") + 1)
+        handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def _check_cache_meta(directory: str, meta: dict) -> None:
-    """Write the sampling settings next to the cache, or refuse to mix samples made with others."""
+    """Write the sampling settings next to the cache, or refuse to mix samples made with others. Of evaluations
+    starting at once, the first to publish its settings sets them for all (`erpo.atomic.publish`)."""
     path = os.path.join(directory, "cache_meta.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            old = json.load(handle)
-        changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
-        if changed:
-            raise ValueError(
-                f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
-                "use another --output-dir or delete that directory"
-            )
-        return
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(meta, handle, indent=1, sort_keys=True)
+    if not os.path.isfile(path):
+        publish(path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8"),
+                keep=os.path.isfile)
+    with open(path, encoding="utf-8") as handle:
+        old = json.load(handle)
+    changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
+    if changed:
+        raise ValueError(
+            f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
+            "use another --output-dir or delete that directory"
+        )
 
 
 def _problems_fingerprint(bench: Benchmark) -> str:
-    text = json.dumps([[p["id"], p["problem"], p["answer"]] for p in bench.problems], ensure_ascii=False)
+    text = json.dumps([[p["id"], p["problem"], p["answers"]] for p in bench.problems], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -258,16 +290,16 @@ def chunk_seed(seed: int, benchmark: str, temperature: float, start: int) -> int
 # Generation and grading
 # ----------------------------------------------------------------------------------------------------
 def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed: int, batch_size: int,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1):
     """(RolloutEngine, tokenizer) for one model: vLLM when installed (backend auto/vllm), else HF generate.
 
-    batch_size: prompts per HF generate call. gpu_memory_utilization: vLLM's share of the GPU.
+    batch_size: prompts per HF generate call. gpu_memory_utilization: vLLM's share of each GPU.
+    tensor_parallel_size: GPUs vLLM shards the model over (its own worker processes; vLLM only).
     """
     import torch
 
-    from erpo.config import Config
-    from erpo.lora import MERGED_DIR, is_adapter_dir, load_causal_lm
-    from erpo.trainer import load_tokenizer
+    from erpo.lora import MERGED_DIR, is_adapter_dir
+    from erpo.models import load_causal_lm, load_tokenizer, make_rollout_engine
 
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"--backend must be auto, hf or vllm, got {backend!r}")
@@ -276,17 +308,28 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
         raise ValueError(f"--model {model_path} is a LoRA adapter, which --backend vllm does not load: pass the merged "
                          f"model ({MERGED_DIR}/ of a run trained with model.lora.export_merged=true) or --backend hf")
     use_vllm = backend == "vllm" or (backend == "auto" and not adapter and importlib.util.find_spec("vllm") is not None)
-    tokenizer = load_tokenizer(Config(), model_path)  # exactly as the trainer loads it
+    if tensor_parallel_size > 1 and not use_vllm:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs the vLLM backend (--backend vllm, "
+                         "pip install 'erpo[vllm]')")
+    tokenizer = load_tokenizer(model_path)  # exactly as the trainer loads it
     if use_vllm:
-        from erpo.rollout_vllm import VLLMRollout
-
-        engine = VLLMRollout(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        engine = make_rollout_engine("vllm", model_path=model_path, dtype=dtype, seed=seed,
+                                     gpu_memory_utilization=gpu_memory_utilization,
+                                     tensor_parallel_size=tensor_parallel_size, colocated=False)
         return engine, tokenizer
-    from erpo.rollout import HFRollout
+    model = load_causal_lm(model_path, dtype="auto" if dtype == "auto" else getattr(torch, dtype), device=device)
+    return make_rollout_engine("hf", model_path=model_path, model=model, tokenizer=tokenizer,
+                               batch_size=batch_size), tokenizer
 
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = load_causal_lm(model_path, dtype=torch_dtype).to(device).eval()   # an adapter: merged into its base
-    return HFRollout(model, tokenizer, batch_size=batch_size), tokenizer
+
+def grade_alternatives(completion: str, answers: list[str]) -> tuple[str | None, bool]:
+    """`erpo.rewards.grade` against gold alternatives: (extracted answer, whether it matches any of them)."""
+    pred, correct = None, False
+    for gold in answers:
+        pred, correct = grade(completion, gold)
+        if correct:
+            break
+    return pred, correct
 
 
 def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, temperature: float, k: int,
@@ -320,7 +363,7 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
             if problem["id"] in done:
                 continue
             text = tokenizer.decode(batch.response_ids[row], skip_special_tokens=True)
-            pred, correct = grade(text, problem["answer"])
+            pred, correct = grade_alternatives(text, problem["answers"])
             records.append({"id": problem["id"], "sample": j, "completion": text, "pred": pred,
                             "correct": correct, "num_tokens": len(batch.response_ids[row]),
                             "truncated": bool(batch.truncated[row])})
@@ -501,13 +544,15 @@ def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int
 
 def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatures: list[float], k: int,
              output_dir: str, pass_ks: list[int] | None = None, top_p: float = 1.0,
-             max_new_tokens: int | None = None, batch_size: int = 8, seed: int = 0, template=None,
-             backend: str = "auto", device: str = "cpu", dtype: str = "auto",
-             gpu_memory_utilization: float = 0.9, progress: bool = True) -> dict:
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = 8, seed: int = 0,
+             templates: dict[str, str] | None = None, backend: str = "auto", device: str = "cpu",
+             dtype: str = "auto", gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+             progress: bool = True) -> dict:
     """Evaluate every model on every benchmark at every temperature; write and return the results.
 
     Returns ``{"rows": [...], "paths": {"md", "json", "csv", "png"}}``. Rows hold per-temperature,
-    benchmark-average and temperature-range scores (see ``aggregate``).
+    benchmark-average and temperature-range scores (see ``aggregate``). Every model gets the same response
+    budget `max_new_tokens`; `templates` maps model labels to their prompt templates (`parse_templates`).
     """
     import torch
 
@@ -517,9 +562,10 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
     per_temperature = []
     model_lines = []
     for model in models:
-        settings = prompt_settings(model, template, max_new_tokens)
+        settings = prompt_settings(model, (templates or {}).get(model.label), max_new_tokens)
         engine, tokenizer = build_engine(model.path, backend=backend, device=device, dtype=dtype, seed=seed,
-                                         batch_size=batch_size, gpu_memory_utilization=gpu_memory_utilization)
+                                         batch_size=batch_size, gpu_memory_utilization=gpu_memory_utilization,
+                                         tensor_parallel_size=tensor_parallel_size)
         model_lines.append(f"{model.label} = {model.path} (template {settings.template!r}, chat template "
                            f"{settings.use_chat_template}, max_new_tokens {settings.max_new_tokens}, "
                            f"{type(engine).__name__})")
@@ -548,7 +594,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         "models": "; ".join(model_lines),
         "benchmarks": ", ".join(f"{b.name} ({len(b.problems)} problems)" for b in benchmarks),
         "samples per problem (k)": k, "temperatures": ", ".join(f"{t:g}" for t in temperatures),
-        "top_p": top_p, "seed": seed, "device": device,
+        "max_new_tokens (every model)": max_new_tokens, "top_p": top_p, "seed": seed, "device": device,
         "Pass@1": "accuracy of the first sample of each problem",
     }
     paths = write_results(output_dir, rows, models=[m.label for m in models],
@@ -567,30 +613,37 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated benchmark specs [NAME=]SOURCE[#problem=F#answer=F#split=S#limit=N]; "
                              "SOURCE: synthetic (default, offline), a .jsonl/.json/.parquet file, "
                              "math500/aime24/aime25/amc/minerva/olympiadbench or owner/name on the Hub")
-    parser.add_argument("--temperatures", default=",".join(f"{t:g}" for t in DEFAULT_TEMPERATURES),
-                        help="comma-separated sampling temperatures (default: %(default)s)")
+    parser.add_argument("--temperatures", default=DEFAULT_TEMPERATURES,
+                        help="comma-separated sampling temperatures, or a named grid: "
+                             + "; ".join(f"{name} = {','.join(f'{t:g}' for t in grid)}"
+                                         for name, grid in TEMPERATURE_GRIDS.items()) + " (default: %(default)s)")
     parser.add_argument("--k", type=int, default=DEFAULT_K, help="samples per problem (default: %(default)s)")
     parser.add_argument("--pass-k", default=None,
                         help="comma-separated k values for Pass@k (default: powers of two up to --k)")
     parser.add_argument("--output-dir", default="eval_results", help="results and sample cache (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help=f"response budget (default: the run's rollout.max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help="response budget of every model of the comparison (default: %(default)s, Dr.GRPO's)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed (default: %(default)s)")
-    parser.add_argument("--template", default=None,
-                        help="prompt template for erpo.data.build_prompt (default: the run's, else the paper's)")
+    parser.add_argument("--template", action="append", default=None, metavar="[LABEL=]TEMPLATE",
+                        help="prompt template: paper, plain, qwen-math (Dr.GRPO's base-model prompt, no chat "
+                             "template) or a string with {problem}; LABEL=TEMPLATE for one model (repeatable); "
+                             "default: a run's own, else the paper's")
     parser.add_argument("--backend", choices=("auto", "hf", "vllm"), default="auto",
                         help="generation backend; auto = vLLM when installed, else HF generate")
     parser.add_argument("--device", default=None, help="torch device for HF generate (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="vLLM only: fraction of the GPU it may take (default: %(default)s)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM only: GPUs each model is sharded over, for models too large for one GPU "
+                             "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    """Entry point of ``erpo eval``: evaluate, write the results and print their paths.
+    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown table and the files' paths.
 
     Bad arguments or inputs exit with ``erpo eval: <message>`` (status 1) instead of a traceback.
     """
@@ -600,7 +653,12 @@ def run_eval(args: argparse.Namespace) -> None:
         models = parse_models(args.model)
         benchmarks = load_benchmarks([s for s in args.benchmarks.split(",") if s.strip()])
         pass_ks = _numbers(args.pass_k, "--pass-k", int) if args.pass_k else None
-        temperatures = _numbers(args.temperatures, "--temperatures", float)
+        temperatures = list(TEMPERATURE_GRIDS.get(args.temperatures, ())) or _numbers(args.temperatures,
+                                                                                      "--temperatures", float)
+        templates = parse_templates(args.template, [m.label for m in models])
+        if args.max_new_tokens < 1 or args.tensor_parallel_size < 1:
+            raise ValueError(f"--max-new-tokens and --tensor-parallel-size must be >= 1, got {args.max_new_tokens} "
+                             f"and {args.tensor_parallel_size}")
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
                              top_p=args.top_p)
     except (ValueError, FileNotFoundError, ImportError) as exc:
@@ -609,7 +667,10 @@ def run_eval(args: argparse.Namespace) -> None:
     result = evaluate(models, benchmarks, temperatures=temperatures, k=args.k,
                       output_dir=args.output_dir, pass_ks=pass_ks, top_p=args.top_p,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                      template=args.template, backend=args.backend, device=device, dtype=args.dtype,
-                      gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)
+                      templates=templates, backend=args.backend, device=device, dtype=args.dtype,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      tensor_parallel_size=args.tensor_parallel_size, progress=not args.no_progress)
+    with open(result["paths"]["md"], encoding="utf-8") as handle:
+        print(handle.read())
     for path in result["paths"].values():
         print(path)

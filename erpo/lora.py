@@ -92,6 +92,22 @@ def reference_model(model):
         yield model
 
 
+class AdaptersDisabled:
+    """The policy `model` (a PEFT model, or a DeepSpeed engine around one) seen with its adapters switched off, where
+    the trainer takes a reference model: calling it runs the policy's forward under `reference_model`, and its
+    `get_output_embeddings()` is the policy's lm_head (which adapters never touch)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with reference_model(self.model):
+            return self.model(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return unwrap_model(self.model).get_output_embeddings()
+
+
 def parameter_count(param: torch.Tensor) -> int:
     """Elements of a parameter, also when DeepSpeed ZeRO-3 holds only this rank's shard of it."""
     return int(getattr(param, "ds_numel", param.numel()))
@@ -141,7 +157,7 @@ def inference_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 def export_adapter(model, tokenizer, out_dir: str | os.PathLike) -> str:
     """Write the adapters (PEFT `save_pretrained`: adapter_config.json + adapter_model.safetensors) and `tokenizer`
-    into `out_dir`, loadable by `load_causal_lm` and `erpo eval`. Collective under ZeRO-3; rank 0 writes;
+    into `out_dir`, loadable by `erpo.models.load_causal_lm` and `erpo eval`. Collective under ZeRO-3; rank 0 writes;
     atomic. Returns out_dir."""
     peft_model = peft_model_of(model)
     adapter_params = [(n, p) for n, p in peft_model.named_parameters() if peft_model.prefix in n]
@@ -182,12 +198,10 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
-def load_causal_lm(path: str, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`; for an adapter directory, its base model (the
-    adapter config's base_model_name_or_path) with the adapters loaded and merged in (a plain causal LM)."""
+def load_merged_adapter(path: str, **kwargs):
+    """The adapter directory `path` as one plain causal LM: its base model (the adapter config's
+    base_model_name_or_path, `from_pretrained(..., **kwargs)`) with the adapters loaded and merged in."""
     from transformers import AutoModelForCausalLM
-    if not is_adapter_dir(path):
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     base_path = json.loads(Path(path, ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base_path:
         raise ValueError(f"{path}: {ADAPTER_CONFIG} names no base_model_name_or_path; cannot load the adapter")

@@ -64,11 +64,14 @@ def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return steps, values
 
 
-def _ema(values: list[float], weight: float) -> list[float]:
-    out, last = [], None
-    for value in values:
-        last = value if last is None else weight * last + (1.0 - weight) * value
-        out.append(last)
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: the exponential moving average with weight `weight` in [0, 1), debiased. After k
+    values the running sum is divided by 1 - weight**k (the total weight it holds), so early points are averages of
+    the values so far, not pulled toward 0 or toward the first value."""
+    out, running = [], 0.0
+    for k, value in enumerate(values, 1):
+        running = weight * running + (1.0 - weight) * value
+        out.append(running / (1.0 - weight ** k))
     return out
 
 
@@ -110,7 +113,7 @@ def plot_runs(run_dirs: list[str], out_png: str, *, labels: list[str] | None = N
             color = colors[index % len(colors)]
             if smooth > 0:
                 ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-                values = _ema(values, smooth)
+                values = ema(values, smooth)
             ax.plot(steps, values, color=color, linewidth=1.8, label=label,
                     marker="o" if len(steps) <= 30 else None, markersize=3)
         ax.set_title(title + (f"  (not logged: {', '.join(missing)})" if missing else ""))
@@ -157,7 +160,7 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
                              "./training_dynamics.png for several)")
     parser.add_argument("--labels", default=None, help="comma-separated legend names, one per run")
     parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing weight in [0, 1) as in TensorBoard (default 0: raw)")
+                        help="EMA smoothing weight in [0, 1), debiased as in TensorBoard (default 0: raw)")
 
 
 def run_plot(args: argparse.Namespace) -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 
+from erpo.errors import MissingInputError, UserError
+
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the local file formats `read_records` reads
 
 
 def iter_jsonl(path: str, *, torn_tail_ok: bool = False):
     """Yield (line number, record) for each non-empty line of a JSONL file.
 
-    With `torn_tail_ok`, an unparsable *last* line (a crash mid-write) is skipped; any other bad line raises a
-    ValueError naming `path:line`.
+    Line numbers count from 1. With `torn_tail_ok`, an unparsable *last* line (a crash mid-write) is skipped; any
+    other bad line raises a UserError naming `path:line`.
     """
     with open(path, encoding="utf-8") as handle:
         # Split on "\n" only: str.splitlines also breaks at U+2028, U+0085 and the like, which JSON strings may
@@ -28,31 +30,41 @@ def iter_jsonl(path: str, *, torn_tail_ok: bool = False):
         except json.JSONDecodeError as err:
             if torn_tail_ok and line_no == len(lines):
                 return
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+            raise UserError(f"{path}:{line_no}: not valid JSON ({err.msg}); fix or remove that line") from err
         yield line_no, record
 
 
-def read_records(path: str) -> list:
-    """Rows of a local `.jsonl` (one object a line), `.json` (a list of objects) or `.parquet` file."""
+def read_located_records(path: str) -> list[tuple[str, object]]:
+    """(where, row) for each row of a local `.jsonl` (one object a line), `.json` (a list of objects) or `.parquet`
+    file; `where` says where the row is for error messages, counting from 1: "line N" (.jsonl), "record N"
+    (the Nth item of a .json list) or "row N" (.parquet). Missing or unreadable files are a UserError."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file {path}")
+        raise MissingInputError(f"no such file {path}; check the path")
     if not os.path.isfile(path):
-        raise ValueError(f"{path} is not a file")
+        raise UserError(f"{path} is not a file")
     if path.endswith(".jsonl"):
-        return [record for _, record in iter_jsonl(path)]
+        return [(f"line {line_no}", record) for line_no, record in iter_jsonl(path)]
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as handle:
-            rows = json.load(handle)
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from err
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: expected a JSON list of records")
-        return rows
+            raise UserError(f"{path}: expected a JSON list of records")
+        return [(f"record {i}", row) for i, row in enumerate(rows, 1)]
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
             raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"{path} must end in .jsonl, .json or .parquet")
+        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    raise UserError(f"{path} must end in .jsonl, .json or .parquet")
+
+
+def read_records(path: str) -> list:
+    """Rows of a local `.jsonl`, `.json` or `.parquet` file (see `read_located_records`)."""
+    return [row for _, row in read_located_records(path)]
 
 
 def read_hub_records(name: str, *, split: str, config: str | None = None) -> list[dict]:

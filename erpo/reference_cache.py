@@ -6,7 +6,6 @@ included), the first token excluded. Entries are keyed by a hash of the prompt's
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from erpo import distributed as D
+from erpo.atomic import publish
 from erpo.sequences import pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 
@@ -71,15 +71,10 @@ def _persist_digests(fresh: dict[str, list]) -> None:
     skipped, with a debug log line, where its directory cannot be written."""
     target = fingerprint_cache_path()
     entries = {k: v for k, v in {**_read_digest_cache(target), **fresh}.items() if _matches(v, k)}
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, target)
+        publish(target, lambda tmp: tmp.write_text(json.dumps(entries)))
     except OSError as exc:
         log.debug("model fingerprint: weight digests not persisted to %s (%s)", target, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def weight_digests(files: list[Path]) -> list[str]:
@@ -167,17 +162,14 @@ class ReferenceCache:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def save(self, path: str) -> str:
-        """Write as JSON atomically (temporary file, then rename)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        """Write as JSON with `erpo.atomic.publish`: a reader never sees half a file, and runs saving to one path
+        at once (each under its own temporary name) leave one whole cache, the last one saved."""
         payload = {"format_version": FORMAT_VERSION, "model_id": self.model_id,
                    "model_fingerprint": self.model_fingerprint, "tokenizer_id": self.tokenizer_id,
                    "tokenizer_fingerprint": self.tokenizer_fingerprint, "template": self.template,
                    "entries": {k: list(v) for k, v in self.entries.items()}}
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, target)
-        return str(target)
+        publish(path, lambda tmp: tmp.write_text(json.dumps(payload)))
+        return str(path)
 
     @classmethod
     def load(cls, path: str) -> ReferenceCache:

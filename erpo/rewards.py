@@ -5,12 +5,22 @@ Every reward function has the TRL signature `fn(prompts, completions, **dataset_
 """
 from __future__ import annotations
 
-import functools
+import atexit
 import importlib.util
+import json
+import logging
 import math
+import os
 import re
+import select
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
+
+from erpo.answer_worker import TEXT_COMMANDS
 
 RewardFn = Callable[..., list]
 
@@ -33,12 +43,122 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+ANSWER_TIMEOUT_S = 5.0          # wall-clock seconds math-verify may spend on one answer; past it the answer is wrong
+WORKER_START_TIMEOUT_S = 300.0  # importing sympy and math-verify in the checking process, on a loaded machine
+log = logging.getLogger("erpo")
+
+
+class AnswerChecker:
+    """math-verify in one child process (`erpo.answer_worker`), one answer at a time, each bounded to
+    `timeout_s` seconds of wall-clock time: an answer that takes longer (a huge or deeply nested expression) counts
+    as wrong, and the process is killed and started again on the next answer. Works from any thread (a lock
+    serializes them) and after a fork (the forked process starts its own)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._owner = 0                      # the pid that started `_proc`
+        self._pending = b""                  # bytes read from the process after the last full line
+        self.import_error: str | None = None  # set when math-verify cannot be imported (then never retried)
+
+    def match(self, pred: str, gold: str, timeout_s: float) -> bool | None:
+        """math-verify's verdict on `pred` against `gold`; None when math-verify cannot be imported."""
+        with self._lock:
+            if self.import_error is not None or not self._running():
+                return None
+            request = (json.dumps([pred, gold]) + "\n").encode()
+            try:
+                self._proc.stdin.write(request)
+                self._proc.stdin.flush()
+                reply = self._read_line(timeout_s)
+            except BrokenPipeError:
+                reply = None
+            if reply is None:
+                state = "did not answer" if self._proc.poll() is None else f"exited ({self._proc.returncode})"
+                log.warning("math answer check: math-verify %s within %g s on the answer %r; counted as wrong",
+                            state, timeout_s, pred[:200])
+                self.close()
+                return False
+            return bool(reply)
+
+    def _running(self) -> bool:
+        """Start the process when there is none (or it was started by the process this one was forked from);
+        False when math-verify cannot be imported there."""
+        if self._proc is not None and self._owner == os.getpid():
+            return True
+        self._proc, self._owner, self._pending = None, os.getpid(), b""
+        package_root = str(Path(__file__).resolve().parent.parent)   # where `erpo` imports from, for the child
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "erpo.answer_worker"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env)
+        ready = self._read_line(WORKER_START_TIMEOUT_S)
+        if not isinstance(ready, dict) or "ready" not in ready:
+            self.close()
+            if isinstance(ready, dict) and "import_error" in ready:
+                self.import_error = ready["import_error"]
+                return False
+            raise RuntimeError(f"math answer check: the math-verify process ({sys.executable} -m erpo.answer_worker)"
+                               f" did not start within {WORKER_START_TIMEOUT_S:g} s; run it by hand to see why")
+        return True
+
+    def _read_line(self, timeout_s: float):
+        """The next JSON line from the process, or None when it is not complete within `timeout_s` (or it exited)."""
+        deadline = time.monotonic() + timeout_s
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        """Kill the process (the next answer starts a new one)."""
+        if self._proc is not None and self._owner == os.getpid():
+            self._proc.kill()
+            self._proc.wait()
+            self._proc.stdin.close()
+            self._proc.stdout.close()
+        self._proc = None
+
+
+_checker = AnswerChecker()
+atexit.register(_checker.close)
+_warned_fallback = False
+
+
+def answers_match(pred: str | None, gold: str, *, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
+    """True when `pred` equals the reference answer `gold`, judged by math-verify (`AnswerChecker`: within
+    `timeout_s` seconds, else False). Where math-verify cannot be imported, by `fallback_match`, with one loud
+    warning per process."""
+    global _warned_fallback
+    if pred is None:
+        return False
+    verdict = _checker.match(pred, gold, timeout_s)
+    if verdict is not None:
+        return verdict
+    if not _warned_fallback:
+        _warned_fallback = True
+        log.warning("!" * 100 + "\nmath answer check: math-verify cannot be imported (%s), so answers are compared "
+                    "by erpo.rewards.fallback_match instead. It misjudges equal answers written differently: "
+                    "2\\sqrt{2} vs \\sqrt{8}, 2^{10} vs 1024, \\frac{\\pi}{2} vs \\pi/2, \\{1,2\\} vs \\{2,1\\}, "
+                    "x \\in [1,3] vs [1,3], (x+1)^2 vs x^2+2x+1 all count as wrong, so rewards and evaluation "
+                    "scores are too low. Install it: pip install math-verify==0.9.0\n" + "!" * 100,
+                    _checker.import_error)
+    return fallback_match(pred, gold)
+
+
+# Used only where math-verify cannot be imported (`answers_match`): string rules for the common forms.
 # Escaped forms come before their bare characters: removing "$" first would turn "\$5" into "\5".
 _REMOVE = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\quad", r"\qquad", "^\\circ", "^{\\circ}",
            r"\displaystyle", r"\%", "%", r"\$", "$"]
 
 
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_TEXT_WRAPPER = re.compile(r"\\(?:%s)\{([^{}]*)\}" % "|".join(TEXT_COMMANDS))
 
 
 def _strip_text_units(s: str) -> str:
@@ -50,9 +170,9 @@ def _strip_text_units(s: str) -> str:
 
 
 def normalize_answer(s: str) -> str:
-    """Canonical string for comparing final answers: strips spaces, $, \\left/\\right, \\text{}, trailing '.',
-    `x =` prefixes, thousands separators; \\dfrac/\\tfrac -> \\frac, \\frac12 -> \\frac{1}{2}, a/b -> \\frac{a}{b}
-    for integers, 0.50 -> 0.5, 2.0 -> 2."""
+    """Canonical string for comparing final answers (`fallback_match`): strips spaces, $, \\left/\\right, \\text{},
+    trailing '.', `x =` prefixes, thousands separators; \\dfrac/\\tfrac -> \\frac, \\frac12 -> \\frac{1}{2},
+    a/b -> \\frac{a}{b} for integers, 0.50 -> 0.5, 2.0 -> 2."""
     s = str(s).strip()
     s = _strip_text_units(s)
     for token in _REMOVE:
@@ -89,27 +209,9 @@ def _as_number(s: str) -> float | None:
         return None
 
 
-@functools.cache
-def _math_verify():
-    """The `math_verify` module, or None when it is not installed (looked up once, not on every answer)."""
-    try:
-        import math_verify
-    except ImportError:
-        return None
-    return math_verify
-
-
-def answers_match(pred: str | None, gold: str) -> bool:
-    """True when `pred` equals the reference answer `gold`: math-verify when installed, else normalized string
-    equality or equal numeric value (fractions and decimals compared within 1e-9)."""
-    if pred is None:
-        return False
-    math_verify = _math_verify()
-    if math_verify is not None:
-        gold_parsed = math_verify.parse(f"${gold}$")
-        pred_parsed = math_verify.parse(f"${pred}$")
-        if gold_parsed and pred_parsed and math_verify.verify(gold_parsed, pred_parsed):
-            return True
+def fallback_match(pred: str, gold: str) -> bool:
+    """Normalized string equality or equal numeric value (fractions and decimals within 1e-9): the answer check
+    where math-verify cannot be imported."""
     a, b = normalize_answer(pred), normalize_answer(gold)
     if a == b:
         return True

@@ -2,9 +2,14 @@
 
 Optional dependency: `pip install "erpo[vllm]"`; vLLM is imported when a `VLLMRollout` is created, never at
 package import. Only vLLM's public Python API is used: `vllm.LLM`, `vllm.SamplingParams`,
-`LLM.generate`, `LLM.reset_prefix_cache`, `LLM.sleep` / `LLM.wake_up`, and for weight updates the
-in-process model (`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`, the path
-TRL's colocate mode uses) or, where that attribute chain does not exist, `LLM.apply_model`.
+`LLM.generate`, `LLM.reset_prefix_cache`, `LLM.sleep` / `LLM.wake_up`, and for weight updates
+`LLM.apply_model` (vLLM's public way to reach the in-process model) or, in versions without it, the
+attribute chain `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (the path TRL's
+colocate mode uses). Checked against vLLM 0.10.2 and 0.33.0 (setup.py bounds the extra to that range).
+vLLM's weight-transfer engines (`vllm.distributed.weight_transfer`, `init_weight_transfer_engine` /
+`update_weights`) are not used: they move weights between processes (NCCL, CUDA IPC), need a
+`WeightTransferConfig` at engine creation, and their protocol changed between 0.22, 0.29 and 0.32; here the
+model lives in the trainer's own process.
 
 Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU):
 - tensor_parallel_size=1: every rank runs its own engine on its own prompts
@@ -12,6 +17,8 @@ Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU
 - tensor_parallel_size=k > 1: consecutive groups of k ranks share one engine sharded over their k GPUs;
   each rank contributes its prompts, the group generates them all (same seed, same requests on every member,
   as vLLM requires), and every rank keeps its own samples.
+- colocated=False (evaluation): one process drives an engine whose tensor_parallel_size workers vLLM starts
+  itself (its default executor), for models too large for one GPU.
 """
 from __future__ import annotations
 
@@ -25,6 +32,18 @@ from .lora import inference_weights
 from .rollout import RolloutBatch, RolloutEngine
 
 SEED_STRIDE = 1_000_003  # per-prompt seeds: base + data-parallel rank * stride + prompt * n + sample
+# Temperatures vLLM samples at as asked: SamplingParams raises the temperature of 0 < T < 0.01 to 0.01 without
+# error (vllm/sampling_params.py, _MAX_TEMP) and vLLM 0.33 rejects T > 2 at generate. Outside this range the
+# sampled distribution is not the one erpo scores at T.
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+
+
+def check_vllm_temperature(temperature: float, name: str = "temperature") -> None:
+    """ValueError naming `name` unless vLLM samples at exactly `temperature` (VLLM_TEMPERATURE_RANGE)."""
+    low, high = VLLM_TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ValueError(f"{name}={temperature} is outside [{low}, {high}], the range in which vLLM samples at the "
+                         "temperature it is given (it clamps lower values to 0.01 and rejects higher ones)")
 
 
 def import_vllm():
@@ -32,7 +51,7 @@ def import_vllm():
     try:
         return importlib.import_module("vllm")
     except ImportError as exc:
-        raise ImportError("rollout.backend 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
+        raise ImportError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
                           f"(import failed: {exc})") from exc
 
 
@@ -51,22 +70,32 @@ class VLLMRollout(RolloutEngine):
 
     model_path: an HF directory (or hub name) with the *initial* policy; the trainer must export its model
     there first (`erpo.checkpoint.export_hf`) when it starts from weights that are not on disk.
-    tensor_parallel_size: GPUs per engine (must divide the world size). gpu_memory_utilization: fraction of
+    tensor_parallel_size: GPUs per engine (colocated: must divide the world size). colocated: the engine lives
+    in the launcher's processes (external_launcher, the training layouts above); False lets vLLM start its own
+    workers for one calling process (evaluation). gpu_memory_utilization: fraction of
     each GPU vLLM may take (weights + KV cache), leave the rest to training. enable_sleep_mode/sleep_level:
-    `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2 discards them and the next
-    `sync_weights` reloads them). logprobs_mode "processed_logprobs" (vLLM >= 0.10.2) makes the returned
+    `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2, the default, discards them and
+    the next `sync_weights` reloads them: the trainer overwrites every weight after each update anyway, so
+    moving them back from CPU first would be wasted traffic). logprobs_mode "processed_logprobs" (vLLM >= 0.10.2) makes the returned
     log-probs those of the distribution actually sampled from (after temperature), as the loss's old_logp
-    needs. llm_kwargs: any further `vllm.LLM` arguments (max_model_len, enforce_eager, ...).
+    needs; they are renormalized over the top-p nucleus when top_p < 1 (erpo.config refuses top_p < 1 with the
+    importance-sampling correction for that reason). llm_kwargs: any further `vllm.LLM` arguments
+    (max_model_len, enforce_eager, ...).
+
+    Create the engine before the trainer allocates GPU memory (DeepSpeed, optimizer states): vLLM reserves
+    gpu_memory_utilization x total memory up front, and the constructor raises a ValueError naming
+    rollout.gpu_memory_utilization when less than that is free.
     """
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, enable_prefix_caching: bool = True,
-                 enable_sleep_mode: bool = False, sleep_level: int = 1,
-                 logprobs_mode: str | None = "processed_logprobs", llm_kwargs: dict | None = None):
+                 enable_sleep_mode: bool = False, sleep_level: int = 2,
+                 logprobs_mode: str | None = "processed_logprobs", colocated: bool = True,
+                 llm_kwargs: dict | None = None):
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if D.world_size() % tensor_parallel_size:
+        if colocated and D.world_size() % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size "
                              f"{D.world_size()}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -74,21 +103,24 @@ class VLLMRollout(RolloutEngine):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         vllm = import_vllm()
+        check_free_gpu_memory(gpu_memory_utilization)
         self.sampling_params_cls = vllm.SamplingParams
         self.tensor_parallel_size = tensor_parallel_size
+        self.colocated = colocated
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
-        self.dp_rank = D.rank() // tensor_parallel_size
+        self.dp_rank = D.rank() // tensor_parallel_size if colocated else 0
         kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
                                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                       seed=seed + self.dp_rank, enable_prefix_caching=enable_prefix_caching,
                                       enable_sleep_mode=enable_sleep_mode)
         if logprobs_mode is not None:
             kwargs["logprobs_mode"] = logprobs_mode
-        # In-process engine (as TRL's colocate mode): vLLM joins the launcher's torch.distributed world, and
-        # the model stays reachable for in-place weight updates. A single process gets a world of 1.
-        D.set_launcher_env()
-        kwargs["distributed_executor_backend"] = "external_launcher"
+        if colocated:
+            # In-process engine (as TRL's colocate mode): vLLM joins the launcher's torch.distributed world, and
+            # the model stays reachable for in-place weight updates. A single process gets a world of 1.
+            D.set_launcher_env()
+            kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self.asleep: set[str] = set()      # parts of the engine currently released: "weights", "kv_cache"
@@ -98,15 +130,16 @@ class VLLMRollout(RolloutEngine):
     def generate(self, prompt_ids, *, n, temperature, top_p=1.0, max_new_tokens, seed=None) -> RolloutBatch:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of non-empty token lists")
-        if n <= 0 or max_new_tokens <= 0 or temperature <= 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need n > 0, max_new_tokens > 0, temperature > 0, 0 < top_p <= 1; got n={n}, "
-                             f"max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}")
+        if n <= 0 or max_new_tokens <= 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need n > 0, max_new_tokens > 0, 0 < top_p <= 1; got n={n}, "
+                             f"max_new_tokens={max_new_tokens}, top_p={top_p}")
+        check_vllm_temperature(temperature)
         if self.weights_discarded:
             raise RuntimeError("VLLMRollout: weights were discarded by sleep(level=2); call sync_weights(model) "
                                "before generate")
         self.wake_up()
         local = [list(map(int, p)) for p in prompt_ids]
-        if self.tensor_parallel_size > 1:
+        if self.colocated and self.tensor_parallel_size > 1:
             # vLLM needs identical requests on every member: all prompts, and the first member's seed.
             per_rank = tp_all_gather_object((local, seed))
             member = D.rank() % self.tensor_parallel_size
@@ -143,15 +176,15 @@ class VLLMRollout(RolloutEngine):
 
     # -- weights
     def model_loader(self):
-        """`load_weights(iterable of (hf_name, tensor))` of the in-process vLLM model."""
-        try:
-            model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        except AttributeError:
-            if not hasattr(self.llm, "apply_model"):
-                raise RuntimeError("this vLLM version exposes neither llm_engine.model_executor.driver_worker."
-                                   "model_runner.model nor LLM.apply_model; cannot update weights in place") from None
+        """`load_weights(iterable of (hf_name, tensor))` of the in-process vLLM model: through the public
+        `LLM.apply_model` where this vLLM has it, else through the executor's attribute chain."""
+        if hasattr(self.llm, "apply_model"):
             return lambda weights: self.llm.apply_model(lambda model: model.load_weights(weights))
-        return model.load_weights
+        try:
+            return self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
+        except AttributeError:
+            raise RuntimeError("this vLLM version exposes neither LLM.apply_model nor llm_engine.model_executor."
+                               "driver_worker.model_runner.model; cannot update weights in place") from None
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
@@ -166,7 +199,9 @@ class VLLMRollout(RolloutEngine):
         for name, weight in inference_weights(model):
             load_weights([(name, weight)])
         self.weights_discarded = False
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests still hold "
+                               "cached blocks); its cached KV of the old weights would be reused")
 
     # -- memory
     def sleep(self) -> None:
@@ -184,6 +219,19 @@ class VLLMRollout(RolloutEngine):
             return
         self.llm.wake_up(tags=sorted(self.asleep))
         self.asleep.clear()
+
+
+def check_free_gpu_memory(gpu_memory_utilization: float) -> None:
+    """ValueError when this rank's GPU has less free memory than vLLM will reserve
+    (gpu_memory_utilization x total); a no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    free, total = torch.cuda.mem_get_info()
+    if gpu_memory_utilization * total > free:
+        raise ValueError(f"rollout.gpu_memory_utilization={gpu_memory_utilization} asks vLLM for "
+                         f"{gpu_memory_utilization * total / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of "
+                         f"{total / 2**30:.1f} GiB are free: create the vLLM engine before the trainer allocates, "
+                         f"or set rollout.gpu_memory_utilization <= {int(free / total * 100) / 100:.2f}")
 
 
 def sampled_logprobs(tokens: list[int], logprobs: Any) -> list[float]:

@@ -8,6 +8,8 @@ import torch
 
 from erpo_kernels import fused_linear_token_logprobs
 from erpo_kernels.layout import from_padded
+from erpo_kernels.segment import SegmentSum
+from erpo_kernels.triton_segment import TritonSegmentSum
 from erpo_kernels.zero3 import gathered_lm_head
 
 
@@ -78,8 +80,12 @@ def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0) -> to
 
 
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:
-    """Sum of `values` [R] over the rows of token kind `kind` of each sample, [B] float64."""
-    num = batch.input_ids.shape[0]
-    keep = batch.token_kind == kind
-    out = torch.zeros(num, dtype=torch.float64, device=values.device)
-    return out.index_add_(0, batch.sample_index[keep], values[keep].double())
+    """Sum of `values` [R] over the rows of token kind `kind` of each sample, [B] (fp32 sums, as float64).
+
+    The kernels' segment sums, as the loss sums ell_theta(q): each sample's rows in a fixed order (the Triton
+    path on CUDA, where `index_add_` would be a float atomic; a sequential sum on the CPU), so the result does
+    not change from run to run."""
+    rows = torch.where(batch.token_kind == kind, values.float(), torch.zeros((), device=values.device))
+    segment_sum = TritonSegmentSum if values.is_cuda else SegmentSum
+    sums = segment_sum(batch.sample_index, batch.input_ids.shape[0])
+    return sums(rows).double()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from erpo.atomic import publish
 from erpo.data import arithmetic_dataset, build_prompt
 
 log = logging.getLogger("erpo")
@@ -69,7 +70,7 @@ def tiny_theta0(cfg) -> str:
            "use_chat_template": d.use_chat_template, "max_operand": d.arithmetic_max_operand, "seed": cfg.trainer.seed}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cfg.model.cache_dir).expanduser() / f"tiny-theta0-{digest}"
-    if (path / "config.json").exists():
+    if is_complete_model_dir(path):
         log.info("tiny theta0: using cached SFT warm start %s", path)
         return str(path)
     log.info("tiny theta0: building the tiny model and running %d SFT steps (cached in %s)", t.sft_steps, path)
@@ -82,8 +83,17 @@ def tiny_theta0(cfg) -> str:
     losses = sft_warm_start(model, tokenizer, examples, steps=t.sft_steps, batch_size=t.sft_batch_size, lr=t.sft_lr,
                             seed=cfg.trainer.seed)
     log.info("tiny theta0: SFT loss %.3f -> %.3f", losses[0], losses[-1])
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(path)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    # Runs started side by side (a seed sweep, ERPO vs GRPO) may all build it: the first one published is used by
+    # every run, the others discard their own copy (the same weights: same config, same seed).
+    if not publish(path, write, keep=is_complete_model_dir):
+        log.info("tiny theta0: another run published %s first; using it", path)
     return str(path)
+
+
+def is_complete_model_dir(path: Path) -> bool:
+    """Whether `path` holds what `from_pretrained` needs of a tiny theta0: config, weights and tokenizer."""
+    return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer_config.json"))

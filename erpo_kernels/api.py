@@ -7,8 +7,11 @@ import torch
 
 from .objective import LossOutput, erpo_objective
 from .reference import reference_token_logprobs
+from .segment import SegmentSum
 from .triton_logits import triton_token_logprobs
-from .validation import FLOAT_DTYPES, check_backend, check_loss_inputs, check_tensor, check_token_inputs
+from .triton_segment import TritonSegmentSum
+from .validation import (FLOAT_DTYPES, LossInputs, check_backend, check_loss_inputs, check_tensor,
+                         check_token_inputs)
 
 
 def use_triton(backend: str, device: torch.device) -> bool:
@@ -70,32 +73,32 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
     def token_pass(scored_targets, temperature, triton):
         return per_token_logp_entropy(logits, scored_targets, temperature, triton, inplace_backward)
 
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     return loss_on_token_rows(
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
-        targets=targets, token_kind=token_kind, sample_index=sample_index, options=options,
-        tensors=dict(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
-                     old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight,
-                     rollout_logp=rollout_logp))
+        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options)
 
 
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
-                       token_kind, sample_index, options: dict, tensors: dict) -> LossOutput:
+                       token_kind, sample_index, inputs: LossInputs, options: dict) -> LossOutput:
     """The body shared by `erpo_loss` and `fused_linear_erpo_loss` once their [N, V] source is checked: validate
     the other inputs, run `token_pass(scored_targets [N] int64, temperature, triton) -> (logp [N], entropy [N])`
-    on the chosen backend and form the loss. `tensors`: advantages, ref_query_logp, query_weight, old_logp,
-    ref_logp, token_weight, rollout_logp."""
+    on the chosen backend and form the loss (per-sample sums: the Triton path's deterministic ones with Triton)."""
     scored_targets, opts = check_loss_inputs(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
-        sample_index=sample_index, options=options, **tensors)
+        sample_index=sample_index, inputs=inputs, options=options)
     triton = use_triton(backend, device)
     token_logp, entropy = token_pass(scored_targets, opts.temperature, triton)
-    return erpo_objective(token_logp, entropy, token_kind, sample_index, options=opts, use_triton=triton, **tensors)
+    return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+                          segment_sum=TritonSegmentSum if triton else SegmentSum)
 
 
-def query_weights(ref_query_logp: torch.Tensor) -> torch.Tensor:
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
-    ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). Returns w [Q] fp32.
+    ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
+    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). Returns w [Q] fp32.
     """
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
@@ -107,4 +110,8 @@ def query_weights(ref_query_logp: torch.Tensor) -> torch.Tensor:
     surprisal = -ref_query_logp.double()
     if not bool((surprisal > 0).any()):
         raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are undefined")
-    return (surprisal.mean() / surprisal).clamp(0.0, 2.0).float()
+    if max_weight is None:
+        if not bool((surprisal > 0).all()):
+            raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")
+        return (surprisal.mean() / surprisal).float()
+    return (surprisal.mean() / surprisal).clamp(0.0, max_weight).float()

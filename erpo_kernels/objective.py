@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .segment import SegmentSum
-from .validation import LossOptions
+from .validation import LossInputs, LossOptions
 
 
 @dataclass
@@ -48,25 +48,25 @@ def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
     return numerator / max(float(denominator), 1.0)
 
 
-def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages, ref_query_logp, query_weight,
-                   old_logp, ref_logp, token_weight=None, rollout_logp=None, options: LossOptions,
-                   use_triton: bool) -> LossOutput:
+def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options: LossOptions,
+                   segment_sum=SegmentSum) -> LossOutput:
     """ERPO loss from token_logp [N] fp32 and entropy [N] fp32 (both may require grad).
 
-    token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows,
-    advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
+    token_kind [N] (0 not scored, 1 query, 2 response), sample_index [N] in [0, S) on scored rows; `inputs`
+    (validated): advantages [S], ref_query_logp [S] or None, query_weight [S] or None (= 1), old_logp [N] or None
     (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s), rollout_logp
     [N] or None (the rollout engine's sampling log-probs: pg_t is then also multiplied by the truncated
     importance-sampling weight min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)).
-    `use_triton` picks the deterministic Triton per-sample sums.
+    `segment_sum(sample_index, num_samples)` builds the per-sample sums (`SegmentSum`'s interface).
     """
     opts = options
+    advantages, ref_query_logp, ref_logp = inputs.advantages, inputs.ref_query_logp, inputs.ref_logp
     num_samples = advantages.shape[0]
     is_query = token_kind == 1
     is_response = token_kind == 2
     sample = torch.where(token_kind != 0, sample_index.long(), torch.zeros_like(sample_index, dtype=torch.long))
     zero = torch.zeros((), dtype=torch.float32, device=token_logp.device)
-    sample_sum = SegmentSum(sample, num_samples, use_triton=use_triton)
+    sample_sum = segment_sum(sample, num_samples)
     num_response = is_response.sum()
 
     def per_sample_sum(values, rows):
@@ -78,9 +78,12 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
     def response_max(values):  # of values >= 0; 0 without response rows
         return torch.where(is_response, values, zero).amax() if values.numel() else zero
 
+    def kl_value(log_ratio, estimator):  # the log-ratio clamped, then the estimate clamped when kl_clamp is set
+        kl = kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), estimator)
+        return kl if opts.kl_clamp is None else kl.clamp(-opts.kl_clamp, opts.kl_clamp)
+
     def k3_against_reference(rows):  # per-token k3(ref_logp - logp) on `rows`, 0 elsewhere
-        log_ratio = torch.where(rows, ref_logp.float() - token_logp, zero)
-        return kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), "k3")
+        return kl_value(torch.where(rows, ref_logp.float() - token_logp, zero), "k3")
 
     query_logp = per_sample_sum(token_logp, is_query)          # ell_theta(q)
     response_logp = per_sample_sum(token_logp, is_response)
@@ -89,31 +92,35 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
 
     # Policy-gradient term on response rows.
     advantage = advantages.float()[sample]
-    old = token_logp.detach() if old_logp is None else old_logp.float()
+    old = token_logp.detach() if inputs.old_logp is None else inputs.old_logp.float()
     log_ratio = torch.where(is_response, token_logp - old, zero)
     if opts.ratio_level == "sequence":  # GSPO: one ratio per sample, from the mean log-ratio over its response rows
         mean_log_ratio = per_sample_sum(log_ratio, is_response) / response_rows.clamp_min(1)
         log_ratio = torch.where(is_response, mean_log_ratio[sample], zero)
+    if opts.pg_log_ratio_clamp is not None:  # verl's clamp of log(ratio) to [-20, 20] before exp
+        log_ratio = log_ratio.clamp(-opts.pg_log_ratio_clamp, opts.pg_log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     unclipped = -advantage * ratio
     clipped = -advantage * ratio.clamp(1.0 - opts.clip_low, 1.0 + opts.clip_high)
     pg = torch.maximum(unclipped, clipped)
     if opts.dual_clip is not None:
         pg = torch.where(advantage < 0, torch.minimum(pg, -advantage * opts.dual_clip), pg)
-    if query_weight is not None:
-        pg = query_weight.float()[sample] * pg
-    if token_weight is not None:
-        pg = token_weight.float() * pg
+    if inputs.query_weight is not None:
+        pg = inputs.query_weight.float()[sample] * pg
+    if inputs.token_weight is not None:
+        pg = inputs.token_weight.float() * pg
     rollout_is_weight = rollout_gap = None
-    if rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
-        rollout_gap = torch.where(is_response, old - rollout_logp.float(), zero)
+    if inputs.rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
+        rollout_gap = torch.where(is_response, old - inputs.rollout_logp.float(), zero)
         rollout_is_weight = torch.exp(rollout_gap.clamp(max=math.log(opts.rollout_is_cap)))
         pg = rollout_is_weight * pg
     term = pg
     policy_kl = None if ref_logp is None else k3_against_reference(is_response)
+    if policy_kl is not None and opts.policy_kl_bias_correction:  # TRL's use_bias_correction_kl: times the ratio,
+        policy_kl = ratio * policy_kl                                 # not detached
     if opts.policy_kl_coef != 0:
         term = term + opts.policy_kl_coef * policy_kl
-    if opts.entropy_coef != 0:
+    if opts.entropy_coef != 0 and opts.entropy_agg == "loss-agg":
         term = term - opts.entropy_coef * entropy
 
     # Aggregation over response rows.
@@ -130,6 +137,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
                 per_sample = per_sample / response_rows.clamp_min(1)
             return _safe_div(torch.where(has_response, per_sample, zero).sum(), num_seqs)
     pg_part = aggregate(term)
+    if opts.entropy_coef != 0 and opts.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg
+        pg_part = pg_part - opts.entropy_coef * response_mean(entropy)
 
     # Query-KL on samples that have query rows.
     has_query = query_rows > 0
@@ -140,8 +149,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, advantages,
             qkl_per_sample = per_sample_sum(k3_against_reference(is_query), is_query) / query_rows.clamp_min(1)
             qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     elif ref_query_logp is not None:
-        r = (ref_query_logp.float() - query_logp).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
-        qkl = _safe_div(torch.where(has_query, kl_estimate(r, opts.qkl_estimator), zero).sum(), num_query_seqs)
+        qkl_per_sample = kl_value(ref_query_logp.float() - query_logp, opts.qkl_estimator)
+        qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     loss = pg_part
     if opts.qkl_coef != 0:
         loss = loss + opts.qkl_coef * qkl

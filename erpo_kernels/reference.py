@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import index_slices, rows_receiving_gradient
 from .validation import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk (64 MiB)
@@ -29,11 +30,6 @@ def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     scored = targets != IGNORE_INDEX
     target_logp = log_probs.gather(-1, torch.where(scored, targets, 0).unsqueeze(-1)).squeeze(-1)
     return torch.where(scored, target_logp, 0.0), entropy
-
-
-def index_slices(size: int, step: int) -> list[slice]:
-    """[0, size) cut into consecutive slices of `step` indices (the last may be shorter)."""
-    return [slice(start, min(start + step, size)) for start in range(0, size, step)]
 
 
 def row_chunks(num_rows: int, row_width: int):
@@ -64,12 +60,6 @@ class _ChunkedLogpEntropy(torch.autograd.Function):
                 (grad_chunk,) = torch.autograd.grad((logp, entropy), chunk, (grad_logp[rows], grad_entropy[rows]))
             grad_logits[rows] = torch.where(receives_gradient[rows, None], grad_chunk, 0.0)
         return grad_logits, None, None
-
-
-def rows_receiving_gradient(targets: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
-    """[N] bool: rows whose logits gradient is not identically zero (a scored row with d loss / d logp_t != 0, or
-    d loss / d H_t != 0); every other row gets an exactly zero gradient (module docstring)."""
-    return ((targets != IGNORE_INDEX) & (grad_logp != 0)) | (grad_entropy != 0)
 
 
 def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

@@ -3,17 +3,17 @@
 No [N, V] tensor ever exists: the forward keeps every logits tile in registers, and the backward writes the
 gradient of the logits to global memory one bounded block at a time.
 
-forward  `_forward_partials_kernel`: one program owns BLOCK_M rows and one vocabulary split (a contiguous range
-         of at most `split_size` ids). It walks the split in BLOCK_N tiles; each logits tile is a BLOCK_M x BLOCK_N
-         fp32 accumulator built with `tl.dot` over BLOCK_K slices of D (bf16/fp16 operands on tensor cores), then
-         scaled by 1/temperature and folded into an online logsumexp: running max m, s = sum exp(z - m) and
-         u = sum exp(z - m) * (z - m) (so H = log s - u / s has no cancellation). The target logit is picked out
-         of the same tile, so logp = z_t - lse uses the very values that built lse (logp <= 0 by construction,
-         no positive log-probs from two differently-rounded dot products). Each program writes its 4 partials
-         per row to [num_splits, N] buffers, merged in a fixed order on the host side. The split size depends
-         on V only, so a row's result never depends on N (batch invariance) and the grid has enough programs
-         when N is small. The grid is 1-D (row tile fastest, so programs running together stream the same
-         weight tiles through L2).
+forward  `_forward_partials_kernel`: one program owns BLOCK_M rows and one vocabulary split (a contiguous range of at
+         most `split_size` ids). It walks the split in BLOCK_N tiles; each logits tile is a BLOCK_M x BLOCK_N fp32
+         accumulator built with `tl.dot` over BLOCK_K slices of D (bf16/fp16 operands on tensor cores), then scaled by
+         1/temperature and folded into the online log-sum-exp of `triton_common`: running max m, s = sum exp(z - m) and
+         u = sum exp(z - m) * (z - m) (so H = log s - u / s has no cancellation). The target logit is picked out of the
+         same tile, so logp = z_t - lse uses the very values that built lse (logp <= 0 by construction, no positive
+         log-probs from two differently-rounded dot products). Each program writes its 4 partials per row to
+         [num_splits, N] buffers, merged in a fixed order on the host side (`common.merge_partials`). The split size
+         depends on V only, so a row's result never depends on N (batch invariance) and the grid has enough programs
+         when N is small. The grid is 1-D (row tile fastest, so programs running together stream the same weight tiles
+         through L2).
 backward the gradient of logits is dz / T with dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H); the target
          entry is formed in fp32 as g_logp (1 - p_t) (no bf16 cancellation). dH = dlogits @ W needs a reduction
          over V and dW = dlogits^T @ H one over N; doing both inside one tile kernel needs float atomics (CCE's
@@ -32,10 +32,10 @@ backward the gradient of logits is dz / T with dz_j = g_logp (1[j == t] - p_j) -
          The cost over the FLOP floor (3 GEMMs: recompute, dH, dW) is one write and two reads of each dlogits
          block, about 6 N V bytes in all. There is no faster non-deterministic (atomic) mode.
 
-Autotuning: the forward and dlogits kernels are keyed on D and V (never on N), so within a process a row's
-log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and power-of-two buckets of
-their row / reduction sizes so a changing N does not re-tune every step. Two processes may still pick different
-tiles (the autotuner times them), which can change the last bits of results between processes.
+Autotuning (each kernel over its own candidate tiles): the forward and dlogits kernels are keyed on D and V (never on
+N), so within a process a row's log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and
+power-of-two buckets of their row / reduction sizes so a changing N does not re-tune every step. Two processes may still
+pick different tiles (the autotuner times them), which can change the last bits of results between processes.
 
 Offsets are int64 wherever row * stride can pass 2^31. The interpreter (TRITON_INTERPRET=1) cannot do bf16
 arithmetic, so there every loaded tile is cast to fp32 (UPCAST); on GPUs bf16/fp16 tiles go to `tl.dot` as is.
@@ -49,9 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_linear import merge_partials
-from .reference import rows_receiving_gradient
-from .triton_logits import grad_of_logits
+from .common import merge_partials, rows_receiving_gradient
+from .triton_common import grad_of_logits, online_softmax_start, online_softmax_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FORWARD_SPLIT_MIN = 8192  # vocabulary ids per forward split at least (a multiple of every BLOCK_N)
@@ -71,6 +70,15 @@ GPU_FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32}, num_warps=8, num_stages=3),
 ]
+# dlogits: the forward's tile GEMM with an elementwise epilogue and a [BLOCK_M, BLOCK_N] store instead of the
+# running softmax state; a candidate list of its own, so tuning one kernel never moves the other.
+GPU_GRAD_LOGITS_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+]
 GPU_MATMUL_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
@@ -81,8 +89,10 @@ GPU_MATMUL_CONFIGS = [
 ]
 # The interpreter runs one small tile shape (masks at every edge of the test shapes; nothing to tune).
 INTERPRETER_FORWARD_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})]
+INTERPRETER_GRAD_LOGITS_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})]
 INTERPRETER_MATMUL_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})]
 FORWARD_CONFIGS = INTERPRETER_FORWARD_CONFIGS if INTERPRET else GPU_FORWARD_CONFIGS
+GRAD_LOGITS_CONFIGS = INTERPRETER_GRAD_LOGITS_CONFIGS if INTERPRET else GPU_GRAD_LOGITS_CONFIGS
 MATMUL_CONFIGS = INTERPRETER_MATMUL_CONFIGS if INTERPRET else GPU_MATMUL_CONFIGS
 
 
@@ -115,7 +125,7 @@ def _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride
 @triton.jit
 def _forward_partials_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
-    max_ptr, sum_ptr, shifted_ptr, target_logit_ptr,
+    max_ptr, sum_exp_ptr, sum_exp_shifted_ptr, target_logit_ptr,
     num_rows, hidden_dim, vocab_size, split_size, inv_temperature,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -129,10 +139,7 @@ def _forward_partials_kernel(
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-100)
     vocab_start = split * split_size
     vocab_end = tl.minimum(vocab_start + split_size, vocab_size)
-    # m starts at a finite floor so that the rescale (m_old - m_new) * s never forms 0 * inf.
-    running_max = tl.full([BLOCK_M], -3.0e38, tl.float32)
-    sum_exp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    sum_shifted = tl.zeros([BLOCK_M], dtype=tl.float32)  # u = sum exp(z - m) * (z - m)
+    running_max, sum_exp, sum_exp_shifted = online_softmax_start(BLOCK_M)
     target_logit = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n_start in range(vocab_start, vocab_end, BLOCK_N):
         cols = (n_start + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -140,25 +147,17 @@ def _forward_partials_kernel(
         z = _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
                          rows, row_mask, cols, col_mask, hidden_dim, inv_temperature,
                          HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        z = tl.where(col_mask[None, :], z, -3.0e38)  # finite: exp gives 0 and 0 * (z - m) stays 0
-        new_max = tl.maximum(running_max, tl.max(z, axis=1))
-        scale = tl.exp(running_max - new_max)
-        sum_shifted = scale * (sum_shifted + (running_max - new_max) * sum_exp)
-        sum_exp = scale * sum_exp
-        shifted = z - new_max[:, None]
-        e = tl.exp(shifted)
-        sum_exp += tl.sum(e, axis=1)
-        sum_shifted += tl.sum(tl.where(e > 0, e * shifted, 0.0), axis=1)
-        running_max = new_max
+        z = tl.where(col_mask[None, :], z, -float("inf"))
+        running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
         target_logit += tl.sum(tl.where(cols[None, :] == targets[:, None], z, 0.0), axis=1)
     out = split.to(tl.int64) * num_rows + rows
     tl.store(max_ptr + out, running_max, mask=row_mask)
-    tl.store(sum_ptr + out, sum_exp, mask=row_mask)
-    tl.store(shifted_ptr + out, sum_shifted, mask=row_mask)
+    tl.store(sum_exp_ptr + out, sum_exp, mask=row_mask)
+    tl.store(sum_exp_shifted_ptr + out, sum_exp_shifted, mask=row_mask)
     tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS"])
+@triton.autotune(configs=GRAD_LOGITS_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS"])
 @triton.jit
 def _grad_logits_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
@@ -248,8 +247,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def forward_split_size(vocab_size: int) -> int:
-    """Vocabulary ids per forward split: a function of V only (batch invariance), at most FORWARD_MAX_SPLITS."""
-    return max(FORWARD_SPLIT_MIN, triton.cdiv(vocab_size, FORWARD_MAX_SPLITS))
+    """Vocabulary ids per forward split: a function of V only (batch invariance), at most FORWARD_MAX_SPLITS, and a
+    multiple of every forward BLOCK_N, so no tile straddles two splits (the kernel picks the target logit out of
+    its tile without the column mask, which would cost registers: a target among a tile's masked ids would read
+    -inf)."""
+    tile = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
+    size = max(FORWARD_SPLIT_MIN, triton.cdiv(vocab_size, FORWARD_MAX_SPLITS))
+    return triton.cdiv(size, tile) * tile
 
 
 def triton_fused_linear_forward(hidden, weight, bias, targets, temperature: float):

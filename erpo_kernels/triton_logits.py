@@ -2,8 +2,8 @@
 
 One program handles one row and walks its vocabulary in blocks of BLOCK_V:
 
-forward  (one read of the row): an online logsumexp (running max m, s = sum exp(z - m)) and the entropy
-         accumulator u = sum exp(z - m) * (z - m), rescaled whenever m grows; then
+forward  (one read of the row): the online log-sum-exp with entropy of `triton_common` (running max m,
+         s = sum exp(z - m), u = sum exp(z - m) * (z - m), rescaled whenever m grows); then
          lse = m + log s, H = log s - u / s, and logp = z_target - lse. No fp32 copy of the logits is written.
 backward (one read, one write): with p = exp(z - lse),
          dz_j = g_logp * (1[j == target] - p_j) - g_H * p_j * (log p_j + H),   dlogits = dz / temperature,
@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import grad_of_logits, online_softmax_finish, online_softmax_start, online_softmax_step
+
 
 @triton.jit
 def _logp_entropy_forward_kernel(
@@ -27,27 +29,15 @@ def _logp_entropy_forward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    running_max = tl.full([], -float("inf"), tl.float32)
-    sum_exp = tl.full([], 0.0, tl.float32)
-    sum_exp_shifted = tl.full([], 0.0, tl.float32)  # u = sum exp(z - m) * (z - m)
+    # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
+    running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=-float("inf"))
-        z = z.to(tl.float32) * inv_temperature
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # an all -inf prefix keeps s = u = 0
-        scale = tl.exp(running_max - shift)
-        # u rescales as exp(m_old - m_new) * (u + (m_old - m_new) * s); the product is 0 while s is 0.
-        sum_exp_shifted = scale * (sum_exp_shifted + tl.where(sum_exp > 0, running_max - shift, 0.0) * sum_exp)
-        sum_exp = scale * sum_exp
-        d = z - shift
-        e = tl.exp(d)
-        sum_exp += tl.sum(e, axis=0)
-        sum_exp_shifted += tl.sum(tl.where(e > 0, e * d, 0.0), axis=0)
-        running_max = new_max
-    log_sum_exp = tl.log(sum_exp)
-    lse = running_max + log_sum_exp
-    entropy = log_sum_exp - sum_exp_shifted / sum_exp
+        z = z.to(tl.float32)[None, :] * inv_temperature
+        running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
+    lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
+                                         tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
     target = tl.load(targets_ptr + row)
     scored = target != -100
     safe_target = tl.where(scored, target, 0)
@@ -55,19 +45,6 @@ def _logp_entropy_forward_kernel(
     tl.store(logp_ptr + row, tl.where(scored, z_target - lse, 0.0))
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
-
-
-@triton.jit
-def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, inv_temperature):
-    """dlogits of scaled logits z = logits / T (fp32, any shape broadcasting with the per-row lse, entropy,
-    g_logp, g_entropy): dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), returned as dz / T. The target
-    entry is g_logp * (1 - p_t) formed in fp32. Rows with g_logp = g_H = 0 get exact zeros, whatever z (no 0 * NaN
-    from a non-finite padding row: reference.rows_receiving_gradient)."""
-    log_p = z - lse
-    p = tl.exp(log_p)
-    entropy_part = tl.where(p > 0, g_entropy * p * (log_p + entropy), 0.0)
-    dz = tl.where(is_target, g_logp * (1.0 - p), -g_logp * p) - entropy_part
-    return tl.where((g_logp != 0) | (g_entropy != 0), dz * inv_temperature, 0.0)
 
 
 @triton.jit

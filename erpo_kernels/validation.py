@@ -1,4 +1,5 @@
-"""Input checks shared by every entry point, and the resolved loss options.
+"""Input checks shared by every entry point, the loss options (`LossOptions`, `OPTION_CHOICES`) and the optional
+per-sample / per-row tensors of the loss (`LossInputs`).
 
 Everything in API.md's Errors section that is not about the logits / hidden / weight tensors lives here, so
 the logits path and the fused-linear path reject bad input with the same messages.
@@ -6,7 +7,7 @@ the logits path and the fused-linear path reject bad input with the same message
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -14,6 +15,13 @@ IGNORE_INDEX = -100
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QKL_ESTIMATORS = ("k1", "k2", "k3", "k3-token")
 RATIO_LEVELS = ("token", "sequence")
+ENTROPY_AGGREGATIONS = ("loss-agg", "token-mean")
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {  # the loss options that take one of a few strings: name -> allowed
+    "qkl_estimator": QKL_ESTIMATORS,
+    "loss_agg": LOSS_AGGREGATIONS,
+    "ratio_level": RATIO_LEVELS,
+    "entropy_agg": ENTROPY_AGGREGATIONS,
+}
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes of logits / hidden / weight
 
@@ -36,11 +44,14 @@ class LossOptions:
     num_items: float | None = None
     num_seqs: float | None = None
     rollout_is_cap: float = 2.0
+    policy_kl_bias_correction: bool = False
+    kl_clamp: float | None = None
+    pg_log_ratio_clamp: float | None = None
+    entropy_agg: str = "loss-agg"
 
     def __post_init__(self):
-        _check_choice("loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
-        _check_choice("qkl_estimator", self.qkl_estimator, QKL_ESTIMATORS)
-        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        for name, choices in OPTION_CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
         check_temperature(self.temperature)
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
@@ -55,6 +66,12 @@ class LossOptions:
             raise ValueError(f"rollout_is_cap must be a finite number > 0, got {self.rollout_is_cap!r}")
         if not _is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be a number > 0, got {self.log_ratio_clamp!r}")
+        for name in ("kl_clamp", "pg_log_ratio_clamp"):
+            value = getattr(self, name)
+            if value is not None and (not _is_finite_number(value) or value <= 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+        if not isinstance(self.policy_kl_bias_correction, bool):
+            raise TypeError(f"policy_kl_bias_correction must be True or False, got {self.policy_kl_bias_correction!r}")
         for name in ("num_items", "num_seqs"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
@@ -71,6 +88,33 @@ class LossOptions:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
         return cls(**options)
+
+
+def _per(length: str):
+    """An optional tensor field of LossInputs, of length S ("sample") or N ("row")."""
+    return field(default=None, metadata={"per": length})
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The tensors of `erpo_loss` / `fused_linear_erpo_loss` besides the rows themselves (API.md), carried as one
+    object from the public functions through validation to the objective. None means absent (see API.md).
+
+    advantages [S] (required); ref_query_logp [S] = ell_theta0(q); query_weight [S] = w(q); old_logp [N], ref_logp
+    [N], token_weight [N], rollout_logp [N]. A trainer holding one calls `erpo_loss(..., **inputs.as_kwargs())`.
+    """
+
+    advantages: torch.Tensor | None
+    ref_query_logp: torch.Tensor | None = _per("sample")
+    query_weight: torch.Tensor | None = _per("sample")
+    old_logp: torch.Tensor | None = _per("row")
+    ref_logp: torch.Tensor | None = _per("row")
+    token_weight: torch.Tensor | None = _per("row")
+    rollout_logp: torch.Tensor | None = _per("row")
+
+    def as_kwargs(self) -> dict:
+        """The keyword arguments of `erpo_loss` / `fused_linear_erpo_loss` (tensors are not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _is_finite_number(value) -> bool:
@@ -145,8 +189,7 @@ def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch
 
 
 def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, targets, token_kind, sample_index,
-                      advantages, ref_query_logp, query_weight, old_logp, ref_logp, options: dict,
-                      token_weight=None, rollout_logp=None):
+                      inputs: LossInputs, options: dict):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`.
 
     Returns `(scored_targets [N] int64 with -100 on rows of kind 0, LossOptions)`.
@@ -158,6 +201,7 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
                  length_name=" (the number of rows N)")
     check_tensor("sample_index", sample_index, ndim=1, length=n, device=device, floating=False,
                  length_name=" (the number of rows N)")
+    advantages = inputs.advantages
     if advantages is None:
         raise ValueError("advantages is required: a [S] tensor, one advantage per sample")
     check_tensor("advantages", advantages, ndim=1, device=device, floating=True)
@@ -165,16 +209,15 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
     if num_samples == 0 and n > 0:  # even rows of kind 0 are mapped to a sample (0) by the loss
         raise ValueError(f"advantages must hold at least one sample (S >= 1) when there are rows (N = {n}), "
                          f"got shape {tuple(advantages.shape)}")
-    per_sample = {"ref_query_logp": ref_query_logp, "query_weight": query_weight}
-    for name, tensor in per_sample.items():
-        if tensor is not None:
-            check_tensor(name, tensor, ndim=1, length=num_samples, device=device, floating=True,
-                         length_name=" (S, the length of advantages)")
-    for name, tensor in {"old_logp": old_logp, "ref_logp": ref_logp, "token_weight": token_weight,
-                         "rollout_logp": rollout_logp}.items():
-        if tensor is not None:
-            check_tensor(name, tensor, ndim=1, length=n, device=device, floating=True,
-                         length_name=" (the number of rows N)")
+    lengths = {"sample": (num_samples, " (S, the length of advantages)"), "row": (n, " (the number of rows N)")}
+    for f in fields(inputs):
+        tensor = getattr(inputs, f.name)
+        if "per" in f.metadata and tensor is not None:
+            length, length_name = lengths[f.metadata["per"]]
+            check_tensor(f.name, tensor, ndim=1, length=length, device=device, floating=True,
+                         length_name=length_name)
+    ref_query_logp, ref_logp = inputs.ref_query_logp, inputs.ref_logp
+    token_weight, rollout_logp = inputs.token_weight, inputs.rollout_logp
 
     if opts.qkl_coef != 0 and opts.qkl_estimator != "k3-token" and ref_query_logp is None:
         raise ValueError(f"ref_query_logp (the cached ell_theta0(q), shape [S]) is required when qkl_coef != 0 "

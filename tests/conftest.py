@@ -2,6 +2,9 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+# One torch thread per test process (trainer.cpu_threads defaults to OMP_NUM_THREADS, else all cores): tests run
+# tiny matrices, often several processes at once, where more threads only contend.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

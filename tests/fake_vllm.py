@@ -3,8 +3,16 @@
 It mirrors the public surface erpo uses: `LLM(**kwargs)`, `SamplingParams(**kwargs)`, `LLM.generate`
 returning RequestOutput-like objects (`.outputs[j]` with `index`, `token_ids`, `logprobs` as
 {token_id: Logprob}, `finish_reason`), `reset_prefix_cache`, `sleep(level)`, `wake_up(tags)`, the
-in-process model at `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`,
+in-process model at `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`
+(`LLM`, as vLLM versions without `apply_model`) or through `LLM.apply_model` (`ApplyModelLLM`),
 and `vllm.distributed.parallel_state.get_tp_group`.
+
+It rejects what real vLLM (0.10.2 .. 0.33, vllm/sampling_params.py and vllm/entrypoints/llm.py) rejects:
+SamplingParams keywords outside the real signature (TypeError), a top_p outside (0, 1], a temperature
+below 0, a params list whose length differs from the prompts', a temperature above 2 at generate
+(0.33's check), and generation while any part of the engine sleeps or after a level-2 sleep discarded the
+weights without a reload. Like real SamplingParams it raises 0 < temperature < 0.01 to 0.01 silently; with
+logprobs=0 each position holds the sampled token's entry only.
 
 Generation is deterministic: sample j of a prompt emits tokens (last prompt token + j + 1 + t) % 50 for
 t < length, length = 2 + (j + seed) % max_tokens capped at max_tokens (finish "length" when capped,
@@ -23,11 +31,34 @@ class Logprob:
     decoded_token: str | None = None
 
 
+# Keyword arguments of vllm.SamplingParams present in both 0.10.2 and 0.33.0 (read from their sampling_params.py).
+SAMPLING_PARAMS_KEYWORDS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "bad_words", "include_stop_str_in_output", "ignore_eos", "max_tokens",
+    "min_tokens", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "output_kind", "logit_bias", "allowed_token_ids", "extra_args",
+})
+MIN_TEMPERATURE = 0.01   # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+MAX_TEMPERATURE = 2.0    # vLLM 0.33 rejects larger temperatures when the request is processed
+
+
 class SamplingParams:
     def __init__(self, **kwargs):
+        unknown = sorted(set(kwargs) - SAMPLING_PARAMS_KEYWORDS)
+        if unknown:
+            raise TypeError(f"SamplingParams got unexpected keyword arguments {unknown}")
         self.kwargs = kwargs
-        for key, value in kwargs.items():
+        defaults = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None)
+        for key, value in {**defaults, **kwargs}.items():
             setattr(self, key, value)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE  # silently, as vLLM does (it only logs a warning)
 
 
 class FakeModel:
@@ -52,10 +83,25 @@ class LLM:
         self.model = FakeModel(self.calls)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
             driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.model))))
+        self.asleep: set[str] = set()        # released parts: "weights", "kv_cache"
+        self.weights_discarded = False       # level-2 sleep: weights must be loaded again
+        self.prefix_cache_resets = True      # what reset_prefix_cache returns (False: requests hold blocks)
         LLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True):
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if self.asleep:
+            raise RuntimeError(f"generate while the engine sleeps ({sorted(self.asleep)} released)")
+        if self.weights_discarded and not self.model.loaded:
+            raise RuntimeError("generate after a level-2 sleep without loading weights")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("The lengths of prompts and sampling_params must be the same.")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        for sp in params:
+            if sp.temperature > MAX_TEMPERATURE:
+                raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {sp.temperature}")
         self.calls.append(("generate", prompts, params))
         outputs = []
         for prompt, sp in zip(prompts, params):
@@ -64,8 +110,10 @@ class LLM:
             for j in reversed(range(sp.n)):  # out of order on purpose: callers must sort by index
                 length = min(2 + (j + (sp.seed or 0)) % sp.max_tokens, sp.max_tokens)
                 tokens = [(last + j + 1 + t) % 50 for t in range(length)]
-                logprobs = [{tok: Logprob(-(t + 1) / 10), 99: Logprob(-9.0, rank=2)}
-                            for t, tok in enumerate(tokens)]
+                # logprobs=k: the sampled token plus the k most likely others (here a fixed token 99)
+                logprobs = None if sp.logprobs is None else [
+                    {tok: Logprob(-(t + 1) / 10), **({99: Logprob(-9.0, rank=2)} if sp.logprobs > 0 else {})}
+                    for t, tok in enumerate(tokens)]
                 completions.append(SimpleNamespace(index=j, token_ids=tuple(tokens), logprobs=logprobs,
                                                    finish_reason="length" if length == sp.max_tokens else "stop"))
             outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=completions))
@@ -73,13 +121,22 @@ class LLM:
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
-        return True
+        return self.prefix_cache_resets
 
     def sleep(self, level=1):
+        if not self.kwargs.get("enable_sleep_mode"):
+            raise ValueError("sleep mode is not enabled (LLM(enable_sleep_mode=True))")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.calls.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self.weights_discarded = True
+            self.model.loaded.clear()
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
+        self.asleep -= set(tags or ("weights", "kv_cache"))
 
     def call_names(self):
         return [call[0] for call in self.calls]

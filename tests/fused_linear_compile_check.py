@@ -14,8 +14,8 @@ from erpo_kernels import triton_fused_linear as kernels
 
 LINEAR = dict(hidden_ptr="*DT", stride_hn="i32", stride_hd="i32", weight_ptr="*DT", stride_wv="i32",
               stride_wd="i32", bias_ptr="*DT", targets_ptr="*i64", hidden_dim="i32", inv_temperature="fp32")
-FORWARD = dict(LINEAR, max_ptr="*fp32", sum_ptr="*fp32", shifted_ptr="*fp32", target_logit_ptr="*fp32",
-               num_rows="i32", vocab_size="i32", split_size="i32")
+FORWARD = dict(LINEAR, max_ptr="*fp32", sum_exp_ptr="*fp32", sum_exp_shifted_ptr="*fp32",
+               target_logit_ptr="*fp32", num_rows="i32", vocab_size="i32", split_size="i32")
 GRAD = dict(LINEAR, lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32",
             out_ptr="*DT", stride_on="i32", stride_ov="i32", row_start="i32", row_end="i32", col_start="i32",
             col_end="i32", block_cols="i32")
@@ -24,7 +24,8 @@ MATMUL = dict(a_ptr="*DT", stride_am="i32", stride_ak="i32", b_ptr="*DT", stride
               m_bucket="i32", k_bucket="i32")
 UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True)
 CASES = [("forward", kernels._forward_partials_kernel, FORWARD, UNIT, kernels.GPU_FORWARD_CONFIGS),
-         ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1), kernels.GPU_FORWARD_CONFIGS),
+         ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1),
+          kernels.GPU_GRAD_LOGITS_CONFIGS),
          ("matmul", kernels._matmul_kernel, dict(MATMUL, c_ptr="*fp32"),
           dict(stride_ak=1, stride_bn=1, stride_cn=1, ACCUMULATE=True, HAS_K_VALID=False), kernels.GPU_MATMUL_CONFIGS)]
 D_WEIGHT_LAYOUT = dict(stride_am=1, stride_bn=1, stride_cn=1, ACCUMULATE=True, HAS_K_VALID=True)

@@ -1,7 +1,7 @@
 """Compile the logits-path kernels for sm_90 (run without TRITON_INTERPRET; used by tests/test_compile_hopper.py).
 Prints one 'compiled ...' line per kernel and dtype, with its registers per thread and spill bytes (ptxas)."""
 from compile_check import compile_for_hopper, register_usage
-from erpo_kernels import segment, triton_logits
+from erpo_kernels import triton_logits, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
 
@@ -20,7 +20,7 @@ def main():
                                            grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32"),
                                       {"BLOCK_V": BLOCK_V}, num_warps=8)
         print(f"compiled backward {dtype} registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
-    compile_for_hopper(segment._segment_sum_kernel,
+    compile_for_hopper(triton_segment._segment_sum_kernel,
                        {"values_ptr": "*fp32", "order_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"},
                        {"BLOCK": 256})
     print("compiled segment_sum fp32", flush=True)

@@ -43,7 +43,7 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys):
             "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "# resolved config" in printed and str(out / "reference_cache.json") in printed
+    assert printed.strip() == str(out / "reference_cache.json")   # the config is not dumped on the terminal
     cache = json.loads((out / "reference_cache.json").read_text())
     assert cache["entries"] and cache["template"].startswith("plain|chat=True")
     assert main(argv) == 0  # an existing matching cache is reused
@@ -84,6 +84,7 @@ def fake_training(monkeypatch):
     def destroy():
         calls["destroy"] += 1
     monkeypatch.setattr(erpo.trainer, "train", train)
+    monkeypatch.setattr("erpo.run_dir.check_run_dir", lambda cfg, resume: None)   # no run directory to check
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return calls
@@ -111,3 +112,18 @@ def test_local_rank_flag_does_not_override_the_launcher_environment(fake_trainin
     assert main(["--local_rank=1", "train", "--output-dir", "r"]) == 0
     assert fake_training["train"] == [("r", False, "3")]
     assert "local_rank" not in vars(build_parser().parse_args(["train"]))
+
+
+def test_cpu_threads_default_to_the_cores_and_are_recorded(monkeypatch):
+    from erpo.config import dump_yaml
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    cfg = config_from_args(build_parser().parse_args(["train"]))
+    assert cfg.trainer.cpu_threads == cores and f"cpu_threads: {cores}\n" in dump_yaml(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                      # two ranks on this node share the cores
+    assert config_from_args(build_parser().parse_args(["train"])).trainer.cpu_threads == max(1, cores // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert config_from_args(build_parser().parse_args(["train"])).trainer.cpu_threads == 3
+    args = build_parser().parse_args(["train", "--set", "trainer.cpu_threads=1"])
+    assert config_from_args(args).trainer.cpu_threads == 1

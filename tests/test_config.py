@@ -78,10 +78,20 @@ def test_yaml_round_trip():
     (["trainer.zero_stage=4"], "zero_stage"),
     (["rollout.temperature=0"], "temperature"),
     (["rollout.importance_sampling_cap=0"], "importance_sampling_cap"),
+    (["rollout.engine=vllm", "rollout.temperature=2.5"], r"rollout.temperature=2.5 is outside"),
+    (["rollout.engine=vllm", "rollout.temperature=0.005"], r"rollout.temperature=0.005 is outside"),
+    (["rollout.engine=vllm", "rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.importance_sampling"),
+    (["rollout.importance_sampling_correction=true", "rollout.top_p=0.9"], "top_p"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
         resolve(apply_overrides(Config(), overrides))
+
+
+def test_top_p_and_high_temperature_allowed_where_scored_alike():
+    resolve(apply_overrides(Config(), ["rollout.engine=vllm", "rollout.top_p=0.9",
+                                       "rollout.importance_sampling_correction=false"]))
+    resolve(apply_overrides(Config(), ["rollout.temperature=2.5"]))     # hf samples at exactly T
 
 
 def test_paper_recipes():
@@ -92,7 +102,10 @@ def test_paper_recipes():
         assert (cfg.rollout.n, cfg.rollout.temperature) == (8, 1.0)
         assert (cfg.trainer.rollout_batch_size, cfg.trainer.update_batch_size, cfg.trainer.max_steps) == (512, 128, 240)
         assert cfg.trainer.lr == 1e-6 and updates_per_rollout(cfg) == 4
-        assert cfg.data.max_prompt_length + cfg.rollout.max_new_tokens == 3072
+        assert (cfg.data.max_prompt_length, cfg.rollout.max_new_tokens) == (1024, 3000)   # Dr.GRPO's 3K
+        assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.dual_clip) == (0.2, 0.3, 3.0)
+        assert (cfg.reward.functions, cfg.reward.weights) == (["math", "format"], [0.9, 0.1])   # EasyR1's
+        assert cfg.rollout.top_p == 1.0 and cfg.rollout.importance_sampling_correction
         assert cfg.data.template == "paper" and cfg.algorithm.loss_agg == "token-mean"
     assert (erpo.algorithm.qkl_coef, erpo.algorithm.policy_kl_coef, erpo.algorithm.query_weight) == (0.01, 0.0, "static")
     assert (grpo.algorithm.qkl_coef, grpo.algorithm.policy_kl_coef, grpo.algorithm.query_weight) == (0.0, 0.01, "none")
@@ -101,10 +114,10 @@ def test_paper_recipes():
     assert switched.algorithm == grpo.algorithm
 
 
-def test_importance_sampling_correction_defaults_to_the_rollout_backend():
+def test_importance_sampling_correction_defaults_to_the_rollout_engine():
     assert resolve(Config()).rollout.importance_sampling_correction is False
-    assert resolve(apply_overrides(Config(), ["rollout.backend=vllm"])).rollout.importance_sampling_correction is True
-    cfg = resolve(apply_overrides(Config(), ["rollout.backend=vllm", "rollout.importance_sampling_correction=false"]))
+    assert resolve(apply_overrides(Config(), ["rollout.engine=vllm"])).rollout.importance_sampling_correction is True
+    cfg = resolve(apply_overrides(Config(), ["rollout.engine=vllm", "rollout.importance_sampling_correction=false"]))
     assert cfg.rollout.importance_sampling_correction is False
 
 

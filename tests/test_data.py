@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from erpo.data import (PAPER_SUFFIX, arithmetic_dataset, build_prompt, encode_prompt, load_dataset_records,
                        tokenize_prompts)
+from erpo.errors import UserError
 from erpo.tiny import build_model, build_tokenizer
 
 
@@ -33,32 +34,41 @@ def test_load_jsonl_json_parquet(tmp_path):
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     for name in ("d.jsonl", "d.json", "d.parquet"):
-        assert load_dataset_records(str(tmp_path / name)) == rows
+        assert load_dataset_records(str(tmp_path / name))[0] == rows
+    assert load_dataset_records(str(tmp_path / "d.json"))[1] == ["record 1", "record 2"]
+    assert load_dataset_records(str(tmp_path / "d.parquet"))[1] == ["row 1", "row 2"]
 
 
 def test_jsonl_text_may_hold_unicode_line_separators(tmp_path):
     rows = [{"problem": "one\u2028two", "answer": "1"}, {"problem": "three", "answer": "3"}]
     path = tmp_path / "sep.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
-    assert load_dataset_records(str(path)) == rows
+    assert load_dataset_records(str(path)) == (rows, ["line 1", "line 2"])
 
 
 def test_custom_fields_and_missing_field_errors(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"question": "q", "solution": "s"}) + "\n" + json.dumps({"question": "q2"}) + "\n")
-    with pytest.raises(ValueError, match=r"record 1 has no field 'solution' \(data.answer_field\).*\['question'\]"):
+    # lines count from 1, blank lines included
+    path.write_text(json.dumps({"question": "q", "solution": "s"}) + "\n\n" + json.dumps({"question": "q2"}) + "\n")
+    with pytest.raises(UserError, match=r"d.jsonl: line 3 has no field 'solution' \(data.answer_field\).*\['question'\]"
+                                        r".*set data.answer_field"):
         load_dataset_records(str(path), problem_field="question", answer_field="solution")
-    with pytest.raises(ValueError, match="record 0 has no field 'problem'"):
+    with pytest.raises(UserError, match="line 1 has no field 'problem'"):
         load_dataset_records(str(path))
 
 
 def test_bad_sources(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match="no such file") as missing:
         load_dataset_records(str(tmp_path / "missing.jsonl"))
+    assert isinstance(missing.value, UserError)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "x", "answer": "1"}\n{not json\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+    with pytest.raises(UserError, match="bad.jsonl:2: not valid JSON"):
         load_dataset_records(str(bad))
+    bad_list = tmp_path / "bad.json"
+    bad_list.write_text('[\n{"problem": "x", "answer": "1"},\n{oops}\n]')
+    with pytest.raises(UserError, match="bad.json:3: not valid JSON"):
+        load_dataset_records(str(bad_list))
     try:
         import datasets  # noqa: F401
     except ImportError:
@@ -84,9 +94,12 @@ def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):
                {"problem": "9" * 80, "answer": "9"}, {"problem": "3+3=?", "answer": None}]
     kwargs = dict(problem_field="problem", answer_field="answer", template="plain", use_chat_template=True,
                   max_prompt_length=64)
-    with pytest.raises(ValueError, match=r"3 invalid training record\(s\): record 1: empty.*record 2: prompt has "
-                                         r"\d+ tokens > data.max_prompt_length=64.*record 3: missing 'answer'"):
+    with pytest.raises(UserError, match=r"3 invalid training record\(s\): record 2: empty.*record 3: prompt has "
+                                        r"\d+ tokens > data.max_prompt_length=64.*record 4: missing 'answer'"):
         tokenize_prompts(tokenizer, records, skip_invalid=False, **kwargs)
+    with pytest.raises(UserError, match=r"d.jsonl line 9: empty"):
+        tokenize_prompts(tokenizer, records[:2], skip_invalid=False, where=["d.jsonl line 7", "d.jsonl line 9"],
+                         **kwargs)
     with pytest.warns(UserWarning, match="dropped 3 invalid"):
         kept = tokenize_prompts(tokenizer, records, skip_invalid=True, **kwargs)
     assert kept.answers == ["2"] and kept.records == records[:1]

@@ -119,6 +119,16 @@ def test_query_weights():
         query_weights(torch.zeros(3))
 
 
+def test_query_weights_unclipped():
+    """max_weight=None: the official code's per-step weight mean(s) / s_i, without the [0, 2] clip."""
+    logp = torch.tensor([-1.0, -100.0, -1000.0, -50.0])
+    w = query_weights(logp, max_weight=None)
+    torch.testing.assert_close(w, (1151.0 / 4) / torch.tensor([1.0, 100.0, 1000.0, 50.0]))
+    assert w[0] > 2.0 and query_weights(logp)[0] == 2.0
+    with pytest.raises(ValueError, match="unbounded"):
+        query_weights(torch.tensor([-1.0, 0.0]), max_weight=None)
+
+
 def test_backend_resolution(monkeypatch):
     from erpo_kernels.api import use_triton
     cpu = torch.device("cpu")

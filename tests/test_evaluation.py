@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from erpo import evaluation
-from erpo.benchmarks import load_benchmark, load_benchmarks
+from erpo.problem_sets import load_benchmark, load_benchmarks
 from erpo.checkpoint import CheckpointManager, TorchBundle
 from erpo.config import Config, to_dict
 from erpo.evaluation import (
@@ -61,7 +61,7 @@ def _run_dir(root, model_path, *, template="plain", max_new_tokens=6, with_final
 # --------------------------------------------------------------------------------------------------
 # Model resolution
 # --------------------------------------------------------------------------------------------------
-def test_resolve_model_paths(tmp_path, tiny_model_dir):
+def test_resolve_model_paths(tmp_path, tiny_model_dir, monkeypatch):
     run = _run_dir(tmp_path / "my-run", tiny_model_dir)
     spec = resolve_model(run)
     assert (spec.label, spec.path, spec.run_dir) == ("my-run", os.path.join(run, "final"), run)
@@ -69,12 +69,13 @@ def test_resolve_model_paths(tmp_path, tiny_model_dir):
     assert (start.label, start.path, start.run_dir) == ("my-run@start", tiny_model_dir, run)
     plain = resolve_model(f"base={tiny_model_dir}")
     assert (plain.label, plain.path, plain.run_dir) == ("base", tiny_model_dir, None)
+    monkeypatch.setattr("erpo.model_source._hub_problem", lambda name: None)   # as if the Hub served it
     assert resolve_model("Qwen/Qwen2.5-Math-7B").path == "Qwen/Qwen2.5-Math-7B"  # Hub name, loaded later
 
     unfinished = _run_dir(tmp_path / "unfinished", tiny_model_dir, with_final=False)
     with pytest.raises(ValueError, match="final/config.json"):
         resolve_model(unfinished)
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="no such local directory"):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.yaml"):
         resolve_model(tiny_model_dir + "@start")
@@ -91,26 +92,60 @@ def test_checkpoint_dirs_resolve_to_their_hf_export(tmp_path, tiny_model_dir):
     step2 = manager.save(2, bundle, {}, export=True, tokenizer=tokenizer)
     spec = resolve_model(step2 + "/")
     assert (spec.label, spec.path, spec.run_dir) == ("my-run@step-2", os.path.join(step2, "hf"), run)
-    assert prompt_settings(spec, None, None).max_new_tokens == 3          # the run's settings
+    assert prompt_settings(spec, None, 3).template == "plain"              # the run's prompt format
     assert resolve_model(f"ck={step2}").label == "ck"
     with pytest.raises(ValueError, match=r"no Hugging Face export \(hf/config.json\).*trainer.save_hf=false"):
         resolve_model(manager.save(3, bundle, {}))
     with pytest.raises(ValueError, match="checkpoints/step-N"):
         resolve_model(run)                                                 # unfinished: no final/
-    result = evaluate([spec], [load_benchmark("synthetic#n=2")], temperatures=[1.0], k=2,
+    result = evaluate([spec], [load_benchmark("synthetic#n=2")], temperatures=[1.0], k=2, max_new_tokens=3,
                       output_dir=str(tmp_path / "out"), progress=False)
     assert {r["model"] for r in result["rows"]} == {"my-run@step-2"}
     assert all(r["mean_response_tokens"] <= 3 for r in result["rows"])
 
 
-def test_prompt_settings_follow_the_run(tmp_path, tiny_model_dir):
+def test_prompt_settings_follow_the_run_and_one_budget(tmp_path, tiny_model_dir):
+    """The run's prompt format, unless overridden; one response budget for every model, whatever a run used."""
     run = resolve_model(_run_dir(tmp_path / "run", tiny_model_dir, template="plain", max_new_tokens=7))
-    settings = prompt_settings(run, None, None)
-    assert (settings.template, settings.use_chat_template, settings.max_new_tokens) == ("plain", True, 7)
+    settings = prompt_settings(run, None, 3000)
+    assert (settings.template, settings.use_chat_template, settings.max_new_tokens) == ("plain", True, 3000)
     settings = prompt_settings(run, "paper", 9)
     assert (settings.template, settings.max_new_tokens) == ("paper", 9)
-    default = prompt_settings(resolve_model(tiny_model_dir), None, None)
-    assert (default.template, default.max_new_tokens) == ("paper", evaluation.DEFAULT_MAX_NEW_TOKENS)
+    default = prompt_settings(resolve_model(tiny_model_dir), None, 3000)
+    assert (default.template, default.use_chat_template) == ("paper", True)
+    base = prompt_settings(resolve_model(tiny_model_dir), "qwen-math", 3000)   # Dr.GRPO's base-model prompt
+    assert base.template.startswith("<|im_start|>system\nPlease reason step by step") and not base.use_chat_template
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    defaults = parser.parse_args(["--model", "m"])
+    assert defaults.max_new_tokens == 3000 and evaluation.DEFAULT_MAX_NEW_TOKENS == 3000
+
+
+def test_templates_per_model():
+    labels = ["base", "erpo", "grpo"]
+    assert evaluation.parse_templates(["base=qwen-math"], labels) == {"base": "qwen-math"}
+    assert evaluation.parse_templates(["base=qwen-math", "paper"], labels) == {
+        "base": "qwen-math", "erpo": "paper", "grpo": "paper"}
+    assert evaluation.parse_templates(["Q: {problem} = ?"], labels) == {label: "Q: {problem} = ?" for label in labels}
+    with pytest.raises(ValueError, match="LABEL=TEMPLATE"):
+        evaluation.parse_templates(["paper", "plain"], labels)
+
+
+def test_paper_temperature_grid():
+    """The paper's grid: 10 temperatures 0.1..1.0 (the "<= 1.0" mean) and 1.2..1.5 (the "1.2-1.5" mean)."""
+    grid = evaluation.TEMPERATURE_GRIDS["paper"]
+    ranges = evaluation.range_members(grid)
+    assert ranges["<=1.0"] == [round(0.1 * i, 1) for i in range(1, 11)]
+    assert ranges["1.2-1.5"] == [1.2, 1.3, 1.4, 1.5] and ranges["all"] == list(grid)
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).temperatures == "paper"
+
+
+def test_tensor_parallel_needs_vllm(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs the vLLM backend"):
+        evaluation.build_engine(tiny_model_dir, backend="hf", device="cpu", dtype="auto", seed=0, batch_size=1,
+                                tensor_parallel_size=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,6 +213,33 @@ def test_scores_match_hand_computation(tmp_path, tiny_model_dir, monkeypatch):
     assert low["avg@4"] == pytest.approx((rows[("m", BENCHMARK_AVERAGE, "0.6")]["avg@4"]
                                           + rows[("m", BENCHMARK_AVERAGE, "1.0")]["avg@4"]) / 2)
     assert every["avg@4"] == pytest.approx(low["avg@4"] / 2)
+
+
+class ConstantEngine(RolloutEngine):
+    """Answers every prompt with the same boxed text."""
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer = tokenizer, answer
+
+    def generate(self, prompt_ids, *, n, temperature, top_p=1.0, max_new_tokens, seed=None):
+        ids = self.tokenizer(f"<think>.</think>\\boxed{{{self.answer}}}", add_special_tokens=False)["input_ids"]
+        rows = [(i, p) for i, p in enumerate(prompt_ids) for _ in range(n)]
+        return RolloutBatch([i for i, _ in rows], [p for _, p in rows], [list(ids)] * len(rows), None,
+                            [False] * len(rows))
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_any_gold_alternative_counts(tmp_path, tiny_model_dir, monkeypatch):
+    """Minerva (Dr.GRPO's suite) lists alternatives: '0.02' is right for ['0.01', '0.02'], wrong for ['500']."""
+    tokenizer = build_tokenizer()
+    monkeypatch.setattr(evaluation, "build_engine", lambda *a, **kw: (ConstantEngine(tokenizer, "0.02"), tokenizer))
+    bench = load_benchmark(os.path.join(FIXTURES, "minerva_alternatives.jsonl"))
+    result = evaluate(parse_models([f"m={tiny_model_dir}"]), [bench], temperatures=[1.0], k=2,
+                      output_dir=str(tmp_path), progress=False)
+    row = next(r for r in result["rows"] if r["benchmark"] == "minerva_alternatives" and r["temperature"] == 1.0)
+    assert row["avg@2"] == pytest.approx(0.5) and row["pass@1"] == pytest.approx(0.5)
 
 
 def test_aggregate_hand_rows():
@@ -286,13 +348,15 @@ def test_cli_two_models_writes_tables_and_png(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "out"
     args = parser.parse_args(["--model", run + "@start", "--model", run,
                               "--benchmarks", f"synthetic#n=3,aime={FIXTURES}/aime24.parquet",
-                              "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out),
+                              "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out), "--max-new-tokens", "4",
                               "--seed", "3", "--no-progress", "--device", "cpu"])
     run_eval(args)
-    printed = capsys.readouterr().out.split()
-    assert sorted(os.path.basename(p) for p in printed) == [
-        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
+    printed = capsys.readouterr().out
     markdown = (out / "results.md").read_text()
+    table, paths = printed[:len(markdown)], printed[len(markdown):].split()
+    assert table == markdown   # the results table on the terminal, then the files' paths
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "accuracy_vs_temperature.png", "results.csv", "results.json", "results.md"]
     for text in ["**Mean Avg@2**", "**Mean Pass@2**", "**Mean Pass@1**", "| Model | synthetic | aime | Avg. |",
                  "| run@start |", "| run |", "temperatures <= 1.0 (0.6)", "temperatures 1.2-1.5 (1.2)",
                  "| Model | Metric | T=0.6 | T=1.2 | mean all | mean <=1.0 | mean 1.2-1.5 |"]:
@@ -304,7 +368,7 @@ def test_cli_two_models_writes_tables_and_png(tmp_path, tiny_model_dir, capsys):
         table = list(csv.DictReader(handle))
     assert len(table) == len(data["rows"])
     assert {"model", "benchmark", "temperature", "avg@2", "pass@1", "pass@2", "mean_response_tokens"} <= set(table[0])
-    # the run's response budget (rollout.max_new_tokens = 4) was used
+    # the one budget of the comparison (--max-new-tokens 4) was used
     assert all(float(r["mean_response_tokens"]) <= 4 for r in table)
     assert (out / "accuracy_vs_temperature.png").stat().st_size > 10_000
 
@@ -313,7 +377,7 @@ def test_cli_bad_arguments_exit_with_a_message(tmp_path, tiny_model_dir):
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
     cases = [
-        (["--model", str(tmp_path / "nope")], "not a directory"),
+        (["--model", str(tmp_path / "nope")], "no such local directory"),
         (["--model", tiny_model_dir, "--benchmarks", "x.csv"], "is not a file"),
         (["--model", tiny_model_dir, "--temperatures", "0.5,hot"], "--temperatures"),
         (["--model", tiny_model_dir, "--pass-k", "1.5"], "--pass-k"),

@@ -7,7 +7,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import erpo_kernels.fused_linear as fused_linear  # noqa: E402
+import erpo_kernels.torch_fused_linear as torch_fused_linear  # noqa: E402
 import erpo_kernels.triton_fused_linear as triton_fused_linear  # noqa: E402
 from erpo_kernels.api import erpo_loss  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs  # noqa: E402
@@ -28,8 +28,8 @@ GRAD_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dic
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     """Blocks far smaller than N x V, so every loop (row blocks, vocabulary blocks, forward splits, tails) runs."""
-    monkeypatch.setattr(fused_linear, "TORCH_BLOCK_ELEMENTS", 16 * 64)
-    monkeypatch.setattr(fused_linear, "TORCH_VOCAB_BLOCK_MAX", 64)
+    monkeypatch.setattr(torch_fused_linear, "TORCH_BLOCK_ELEMENTS", 16 * 64)
+    monkeypatch.setattr(torch_fused_linear, "TORCH_VOCAB_BLOCK_MAX", 64)
     monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 128)
     monkeypatch.setattr(triton_fused_linear, "BACKWARD_VOCAB_BLOCK", 96)
     monkeypatch.setattr(triton_fused_linear, "BACKWARD_WORKSPACE_MIN", 0)
@@ -202,6 +202,18 @@ def test_erpo_loss_triton_backend(dtype):
                                                               token_weight=token_weight, **options)
     assert_outputs_close(out, expected)
     assert_grads_close(grads, expected_grads, dtype)
+
+
+def test_erpo_loss_triton_backend_parity_options():
+    """The options for parity with TRL / verl (in the shared objective) on the fused Triton path."""
+    options = {"policy_kl_coef": 0.1, "policy_kl_bias_correction": True, "kl_clamp": 2.0, "qkl_coef": 0.5,
+               "pg_log_ratio_clamp": 1.0, "entropy_coef": 0.05, "entropy_agg": "token-mean",
+               "loss_agg": "seq-mean-token-sum"}
+    batch = random_batch(num_rows=48, vocab=300)
+    hidden, weight, bias = make_linear(48, 40, 300, torch.float32)
+    (out, grads), (expected, expected_grads) = erpo_both_ways(batch, hidden, weight, bias, "triton", **options)
+    assert_outputs_close(out, expected)
+    assert_grads_close(grads, expected_grads, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -453,9 +465,27 @@ def test_kernels_compile_for_hopper():
     TRITON_INTERPRET: under the interpreter, triton.language's own @jit helpers cannot be compiled."""
     stdout = run_compile_script("fused_linear_compile_check.py")
     for name, configs in (("forward", triton_fused_linear.GPU_FORWARD_CONFIGS),
-                          ("grad_logits", triton_fused_linear.GPU_FORWARD_CONFIGS),
+                          ("grad_logits", triton_fused_linear.GPU_GRAD_LOGITS_CONFIGS),
                           ("matmul", triton_fused_linear.GPU_MATMUL_CONFIGS)):
         assert stdout.count(f"compiled {name} bf16") == len(configs)
         assert stdout.count(f"compiled {name} fp32") == 1
     assert stdout.count("compiled matmul-dweight bf16") == len(triton_fused_linear.GPU_MATMUL_CONFIGS)
     assert "compiled mixed-matmul fp32 x fp16" in stdout
+
+
+def test_forward_split_not_a_multiple_of_the_tile(monkeypatch):
+    """Above 32 * FORWARD_SPLIT_MIN ids V / 32 sets the split size, which need not be a multiple of BLOCK_N. Splits
+    are rounded up to one, so no tile holds (masked) ids of the next split: a target among those was read as the
+    mask value (logp about -3e38 for those rows)."""
+    for vocab in (262145, 300007, 1000003):
+        split = triton_fused_linear.forward_split_size(vocab)
+        assert split >= vocab / 32
+        assert all(split % config.kwargs["BLOCK_N"] == 0 for config in triton_fused_linear.FORWARD_CONFIGS)
+    monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 100)  # 300 ids: splits of 100 before the rounding
+    hidden, weight, bias = make_linear(24, 32, 300, torch.float32)
+    targets = torch.arange(90, 114)  # around the first split boundary, inside the first split's masked tail
+    logp, entropy = fused_linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                                backend="triton")
+    ref_logp, ref_entropy = reference_token_logprobs(logits_of(hidden, weight, bias), targets)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=2e-5)

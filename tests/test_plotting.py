@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from erpo.plotting import add_plot_arguments, plot_runs, plot_temperature_curves, read_metrics, run_plot
+from erpo.plotting import add_plot_arguments, ema, plot_runs, plot_temperature_curves, read_metrics, run_plot
 
 
 def _write_run(run_dir, steps, *, policy_kl=True, scale=1.0, torn_tail=False):
@@ -43,6 +43,20 @@ def test_plot_runs_overlays_runs_and_writes_png(tmp_path):
     assert both.std() > 0.01  # not a blank canvas
     single = _png(plot_runs([grpo_run], str(tmp_path / "single.png")))
     assert both.shape == single.shape and not np.array_equal(both, single)  # the second run is drawn
+
+
+def test_smoothing_is_the_debiased_ema_of_tensorboard():
+    """Point k is the average of the values so far, value i weighted by (1 - w) w^(k - i): no pull toward the first
+    value (an EMA started at it) nor toward 0 (an EMA started at 0 and not debiased)."""
+    values, w = [1.0, 3.0, 2.0, 5.0, -1.0], 0.6
+    expected = []
+    for k in range(1, len(values) + 1):
+        weights = [(1 - w) * w ** (k - i) for i in range(1, k + 1)]
+        expected.append(sum(wt * v for wt, v in zip(weights, values)) / sum(weights))
+    assert ema(values, w) == pytest.approx(expected, rel=1e-12)
+    assert ema(values, w)[1] == pytest.approx(2.25)   # (0.4 * 0.6 * 1 + 0.4 * 3) / (1 - 0.6 ** 2)
+    assert ema([4.0] * 6, 0.9) == pytest.approx([4.0] * 6)
+    assert ema(values, 0.0) == values
 
 
 def test_plot_runs_smoothing_and_labels(tmp_path):

@@ -21,6 +21,12 @@ OPTION_CASES = [
     {"loss_agg": "seq-mean-token-mean", "qkl_coef": 0.2},
     {"loss_agg": "seq-mean-token-sum", "num_seqs": 7},
     {"num_items": 100, "log_ratio_clamp": 5.0, "qkl_coef": 1.0},
+    {"policy_kl_coef": 0.1, "policy_kl_bias_correction": True},
+    {"policy_kl_coef": 0.1, "policy_kl_bias_correction": True, "ratio_level": "sequence"},
+    {"policy_kl_coef": 0.1, "kl_clamp": 0.5, "qkl_estimator": "k2", "qkl_coef": 0.5},
+    {"kl_clamp": 2.0, "qkl_estimator": "k3-token", "qkl_coef": 0.3},
+    {"pg_log_ratio_clamp": 1.0, "dual_clip": 3.0},
+    {"entropy_coef": 0.05, "entropy_agg": "token-mean", "loss_agg": "seq-mean-token-sum", "num_seqs": 7},
 ]
 
 
@@ -170,3 +176,46 @@ def test_masked_vocabulary_entries_are_handled():
     expected = torch.log_softmax(logits.detach()[:, [0, 1, 2, 4, 5, 6, 7, 8]], -1)
     torch.testing.assert_close(logp, expected[torch.arange(4), torch.tensor([0, 1, 2, 3])])
     assert torch.isfinite(entropy).all() and torch.isfinite(logits.grad).all()
+
+
+PARITY_OPTIONS = {"policy_kl_bias_correction": True, "kl_clamp": 0.5, "pg_log_ratio_clamp": 1.0,
+                  "entropy_agg": "token-mean"}
+
+
+@pytest.mark.parametrize("name", list(PARITY_OPTIONS))
+def test_parity_option_changes_loss_and_gradient(name):
+    """Each option for parity with TRL / verl is active on the test batch (so the float64 comparisons above are not
+    vacuous): turning it on changes the loss or, for the bias correction at old = current, only the gradient."""
+    batch = random_batch()
+    base = {"policy_kl_coef": 0.1 if "kl" in name else 0.0, "entropy_coef": 0.05, "loss_agg": "seq-mean-token-mean",
+            "log_ratio_clamp": 5.0}
+    on_policy = name == "policy_kl_bias_correction"
+    inputs = loss_inputs(batch, ("advantages", "ref_query_logp", "query_weight", "ref_logp")
+                         + (() if on_policy else ("old_logp",)))
+
+    def loss_and_grad(**options):
+        logits = batch["logits"].clone().requires_grad_(True)
+        out = erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
+                        **inputs, **base, **options)
+        out.loss.backward()
+        return out.loss.detach(), logits.grad
+
+    (loss_off, grad_off), (loss_on, grad_on) = loss_and_grad(), loss_and_grad(**{name: PARITY_OPTIONS[name]})
+    assert not torch.allclose(grad_on, grad_off, rtol=1e-4, atol=1e-6)
+    if on_policy:  # TRL: the ratio is 1 in value, so the loss is the same, but its gradient is not
+        torch.testing.assert_close(loss_on, loss_off)
+    else:
+        assert not torch.allclose(loss_on, loss_off, rtol=1e-4)
+
+
+def test_pg_log_ratio_clamp_is_not_log_ratio_clamp():
+    """log_ratio_clamp clamps the KL log-ratios only; the PG ratio is clamped by pg_log_ratio_clamp (verl: 20)."""
+    batch = random_batch()
+    old_logp = batch["old_logp"].clone()
+    old_logp[batch["token_kind"] == 2] -= 60.0  # log-ratios above 40 on every response row
+    inputs = dict(loss_inputs(batch), old_logp=old_logp)
+    rows = (batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"])
+    ratio_mean = {clamp: erpo_loss(*rows, **inputs, backend="torch", pg_log_ratio_clamp=clamp).metrics["ratio_mean"]
+                  for clamp in (None, 20.0)}
+    assert ratio_mean[None] > torch.exp(torch.tensor(25.0))
+    torch.testing.assert_close(ratio_mean[20.0], torch.exp(torch.tensor(20.0)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import erpo.reference_cache as rc
-import erpo.trainer as trainer_module
+import erpo.reference_setup as reference_setup
 from erpo.config import Config, apply_overrides, resolve
 from erpo.data import PromptSet
 from erpo.reference_cache import (ReferenceCache, build_reference_cache, compute_query_logp, fingerprint_cache_path,
@@ -217,12 +217,12 @@ def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, mo
         return calls.append("fingerprint") or real_fingerprint(name)
 
     monkeypatch.setattr(rc, "model_fingerprint", counted_fingerprint)
-    monkeypatch.setattr(trainer_module, "model_fingerprint", counted_fingerprint)
+    monkeypatch.setattr(reference_setup, "model_fingerprint", counted_fingerprint)
     monkeypatch.setattr(ReferenceCache, "lookup", lambda self, ids, path="": calls.append("lookup") or
                         real_lookup(self, ids, path))
     for _ in ("build", "load"):
         calls.clear()
-        cache, path, (ell, w) = trainer_module.precompute_reference(
+        cache, path, (ell, w) = reference_setup.precompute_reference(
             cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer, prompt_set=prompt_set)
         assert sorted(calls) == ["fingerprint", "lookup"] and path == str(tmp_path / "run" / "reference_cache.json")
         expected = real_lookup(cache, prompts)
@@ -234,7 +234,6 @@ def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_p
     """Every rank needs the run's identity, but hashing a 15 GB model on each of 8 ranks at once would stall the
     start: rank 0 hashes and the others receive its fingerprint."""
     from erpo import distributed
-    from erpo import trainer
     from erpo.config import Config
 
     def must_not_hash(path):
@@ -246,6 +245,6 @@ def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_p
 
     monkeypatch.setattr(distributed, "is_main", lambda: False)
     monkeypatch.setattr(distributed, "all_gather_object", lambda obj: ["sha256:from-rank-0", obj])
-    monkeypatch.setattr(trainer, "model_fingerprint", must_not_hash)
-    identity = trainer.reference_identity(Config(), str(tmp_path), Tokenizer())
+    monkeypatch.setattr(reference_setup, "model_fingerprint", must_not_hash)
+    identity = reference_setup.reference_identity(Config(), str(tmp_path), Tokenizer())
     assert identity["model_fp"] == "sha256:from-rank-0"

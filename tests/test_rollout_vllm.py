@@ -80,6 +80,16 @@ def test_colocated_engine_per_rank_uses_external_launcher(vllm, monkeypatch):
     assert tp.llm.kwargs["seed"] == 11 and tp.llm.kwargs["tensor_parallel_size"] == 2  # same within a TP group
 
 
+def test_evaluation_engine_lets_vllm_start_its_tensor_parallel_workers(vllm, monkeypatch):
+    """colocated=False (erpo eval --tensor-parallel-size): one process, vLLM's own executor, no group gather."""
+    engine = VLLMRollout("m", tensor_parallel_size=4, colocated=False)   # world of 1: no divisibility check
+    assert "distributed_executor_backend" not in engine.llm.kwargs and engine.llm.kwargs["tensor_parallel_size"] == 4
+    assert "RANK" not in os.environ                                       # the launcher env is left alone
+    monkeypatch.setattr(rollout_vllm, "tp_all_gather_object", lambda obj: pytest.fail("gathered"))
+    batch = engine.generate([[1, 2]], n=2, temperature=1.0, max_new_tokens=3, seed=5)
+    assert batch.prompt_index == [0, 0]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "divide the world size"),
@@ -115,6 +125,8 @@ def test_generate_builds_grouped_batch(vllm):
     (dict(prompt_ids=[], n=1), "prompt_ids"), (dict(prompt_ids=[[]], n=1), "prompt_ids"),
     (dict(prompt_ids=[[1]], n=0), "n > 0"), (dict(prompt_ids=[[1]], n=1, temperature=0.0), "temperature"),
     (dict(prompt_ids=[[1]], n=1, top_p=0.0), "top_p"),
+    (dict(prompt_ids=[[1]], n=1, temperature=2.5), r"outside \[0.01, 2.0\]"),      # vLLM rejects it mid-run
+    (dict(prompt_ids=[[1]], n=1, temperature=0.005), r"outside \[0.01, 2.0\]"),    # vLLM samples at 0.01
 ])
 def test_generate_rejects_bad_input(vllm, kwargs, match):
     engine = VLLMRollout("m")
@@ -133,6 +145,25 @@ def test_tensor_parallel_group_generates_all_and_keeps_own_share(vllm, monkeypat
     assert [p.seed for p in params] == [50, 52, 54]          # member 0's seed: identical requests on both
     assert batch.prompt_index == [0, 0, 1, 1] and batch.prompt_ids == [[1, 2], [1, 2], [3], [3]]
     assert batch.response_ids[0][0] == 3 and batch.response_ids[2][0] == 4
+
+
+def test_fake_vllm_is_as_strict_as_vllm(vllm):
+    """The fake rejects what real vLLM rejects, so the tests above would catch such calls."""
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        vllm.SamplingParams(n=1, max_new_tokens=4)
+    assert vllm.SamplingParams(temperature=0.001).temperature == 0.01      # silently raised, as vLLM does
+    llm = vllm.LLM(model="m")
+    params = vllm.SamplingParams(n=1, max_tokens=2, logprobs=0)
+    with pytest.raises(ValueError, match="lengths of prompts and sampling_params"):
+        llm.generate([{"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}], sampling_params=[params])
+    out = llm.generate([{"prompt_token_ids": [1]}], sampling_params=[params])
+    assert all(len(entry) == 1 for entry in out[0].outputs[0].logprobs)  # logprobs=0: the sampled token only
+    with pytest.raises(ValueError, match="sleep mode"):
+        llm.sleep(level=1)
+    sleepy = vllm.LLM(model="m", enable_sleep_mode=True)
+    sleepy.sleep(level=1)
+    with pytest.raises(RuntimeError, match="sleeps"):
+        sleepy.generate([{"prompt_token_ids": [1]}], sampling_params=[params])
 
 
 def test_sampled_logprobs_checks_vllm_output():
@@ -179,6 +210,33 @@ def test_sync_weights_gathers_zero3_parameters_one_by_one(vllm, monkeypatch):
     assert events == [e for name, p in params for e in (("gather", [p.shape]), ("load", [name]), ("release",))]
 
 
+def test_sync_weights_fails_when_prefix_cache_is_not_reset(vllm):
+    engine = VLLMRollout("m")
+    engine.llm.prefix_cache_resets = False           # vLLM returns False while requests hold cached blocks
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engine.sync_weights(tiny_model())
+
+
+def test_apply_model_is_preferred_over_the_attribute_chain(monkeypatch):
+    class BothLLM(fake_vllm.ApplyModelLLM):          # a vLLM with the public API and the executor chain
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.llm_engine = fake_vllm.LLM(model="other").llm_engine
+
+    fake_vllm.install(monkeypatch, llm_cls=BothLLM)
+    engine = VLLMRollout("m")
+    engine.sync_weights(tiny_model())
+    assert "apply_model" in engine.llm.call_names() and engine.llm.model.loaded
+
+
+def test_engine_refuses_when_gpu_memory_is_taken(vllm, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * 2**30, 80 * 2**30))
+    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization <= 0.37"):
+        VLLMRollout("m", gpu_memory_utilization=0.5)
+    assert VLLMRollout("m", gpu_memory_utilization=0.3).llm.kwargs["gpu_memory_utilization"] == 0.3
+
+
 def test_sync_weights_through_apply_model(monkeypatch):
     fake_vllm.install(monkeypatch, llm_cls=fake_vllm.ApplyModelLLM)
     engine = VLLMRollout("m")
@@ -204,8 +262,9 @@ def test_sleep_and_wake_up(vllm):
 
 
 def test_level2_sleep_requires_sync_before_generate(vllm):
-    engine = VLLMRollout("m", enable_sleep_mode=True, sleep_level=2)
+    engine = VLLMRollout("m", enable_sleep_mode=True)      # level 2 by default: weights are overwritten anyway
     engine.sleep()
+    assert ("sleep", 2) in engine.llm.calls
     with pytest.raises(RuntimeError, match="sync_weights"):
         engine.generate([[1]], n=1, temperature=1.0, max_new_tokens=2)
     engine.sync_weights(tiny_model())

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import erpo.trainer as trainer_module
+import erpo.update_step as update_step
 from erpo.config import Config, apply_overrides, resolve
-from erpo.trainer import PromptSampler, lr_lambda, train
+from erpo.trainer import PromptSampler, train
+from erpo.updater import deepspeed_config_for, lr_lambda
 
 REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio", "response_length",
             "grad_norm", "lr"]
@@ -76,15 +78,24 @@ def test_several_updates_per_rollout_and_variants(tmp_path, cache_dir):
     assert all(r["query_weight_mean"] is not None for r in records)
 
 
+def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, cache_dir):
+    """query_weight=current-unclipped: w_i = mean_j s_j / s_i over the step's samples, unclipped, so its mean over
+    those samples is mean(s) * mean(1/s) >= 1 (Cauchy-Schwarz); a missing wiring would log no weight at all."""
+    train(small_cfg(tmp_path / "unclipped", cache_dir, "trainer.max_steps=2",
+                    "algorithm.query_weight=current-unclipped"))
+    records = read_metrics(tmp_path / "unclipped")
+    assert all(r["query_weight_mean"] is not None and r["query_weight_mean"] >= 1 - 1e-6 for r in records)
+
+
 def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_dir, monkeypatch):
     """The first update is on-policy (old log-probs = the current ones, no extra forward); the later ones use the
     log-probs of the model that sampled the rollout."""
-    real, seen = trainer_module.fused_linear_erpo_loss, []
+    real, seen = update_step.fused_linear_erpo_loss, []
 
     def recording(*args, **kwargs):
         seen.append(kwargs["old_logp"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(trainer_module, "fused_linear_erpo_loss", recording)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
     train(small_cfg(tmp_path / "old", cache_dir, "trainer.max_steps=1", "trainer.update_batch_size=2",
                     "trainer.micro_batch_size=8"))
     assert len(seen) == 2 and seen[0] is None
@@ -137,7 +148,7 @@ def test_a_raising_reward_function_stops_with_the_sample_named(tmp_path, cache_d
 
 @pytest.fixture
 def nan_on_first_call(monkeypatch):
-    real = trainer_module.fused_linear_erpo_loss
+    real = update_step.fused_linear_erpo_loss
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -146,7 +157,7 @@ def nan_on_first_call(monkeypatch):
         if calls["n"] == 1:
             out.loss = out.loss * float("nan")
         return out
-    monkeypatch.setattr(trainer_module, "fused_linear_erpo_loss", flaky)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", flaky)
 
 
 def test_nonfinite_loss_is_skipped_and_counted(tmp_path, cache_dir, nan_on_first_call):
@@ -213,7 +224,7 @@ def test_deepspeed_backend_matches_plain_torch(tmp_path, cache_dir):
     runs = {}
     for backend in ("torch", "deepspeed"):
         out = tmp_path / backend
-        train(small_cfg(out, cache_dir, f"trainer.backend={backend}", "trainer.update_batch_size=2",
+        train(small_cfg(out, cache_dir, f"trainer.updater={backend}", "trainer.update_batch_size=2",
                         "trainer.max_steps=1"))
         runs[backend] = read_metrics(out)
     assert len(runs["torch"]) == len(runs["deepspeed"]) == 2  # two optimizer steps from one rollout
@@ -284,12 +295,12 @@ def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, 
 
 
 def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypatch):
-    """rollout.backend=vllm against the recording fake vLLM of tests/fake_vllm.py: the engine is built on theta0 with
+    """rollout.engine=vllm against the recording fake vLLM of tests/fake_vllm.py: the engine is built on theta0 with
     the run's lengths, its samples train the policy, and the weights are synced after every optimizer step."""
     import fake_vllm
     fake_vllm.install(monkeypatch)
     out = tmp_path / "vllm"
-    train(small_cfg(out, cache_dir, "rollout.backend=vllm", "trainer.update_batch_size=2"))
+    train(small_cfg(out, cache_dir, "rollout.engine=vllm", "trainer.update_batch_size=2"))
     llm = fake_vllm.LLM.instances[-1]
     assert "tiny-theta0-" in llm.kwargs["model"]
     assert llm.kwargs["enable_sleep_mode"] is False and "sleep" not in llm.call_names()
@@ -302,34 +313,34 @@ def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypa
 
 
 def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatch):
-    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights offloaded), its
+    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level 2), its
     weights wake before the first weight sync, and the KV cache wakes right before the next generate."""
     import fake_vllm
     fake_vllm.install(monkeypatch)
-    train(small_cfg(tmp_path / "sleep", cache_dir, "rollout.backend=vllm", "rollout.enable_sleep_mode=true",
+    train(small_cfg(tmp_path / "sleep", cache_dir, "rollout.engine=vllm", "rollout.enable_sleep_mode=true",
                     "trainer.update_batch_size=2"))
     llm = fake_vllm.LLM.instances[-1]
     assert llm.kwargs["enable_sleep_mode"] is True
     calls = [call if call[0] in ("sleep", "wake_up") else call[0] for call in llm.calls[1:]]
     calls = [c for i, c in enumerate(calls) if c != "load_weights" or calls[i - 1] != "load_weights"]
     sync = ["load_weights", "reset_prefix_cache"]
-    step1 = ["generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
-    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 1), ("wake_up", ["weights"]), *sync, *sync]
+    step1 = ["generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
+    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
     assert calls == step1 + step2
 
 
 def test_offload_settings_reach_the_deepspeed_config(monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)    # deepspeed_config_for fills them for a one-rank group
-    off = trainer_module.deepspeed_config_for(resolve(apply_overrides(Config(), ["trainer.zero_stage=3"])))
+    off = deepspeed_config_for(resolve(apply_overrides(Config(), ["trainer.zero_stage=3"])))
     assert "offload_optimizer" not in off["zero_optimization"] and "offload_param" not in off["zero_optimization"]
     cfg = resolve(apply_overrides(Config(), ["trainer.zero_stage=3", "trainer.offload_optimizer=true",
                                              "trainer.offload_params=true", "trainer.lr=2e-5"]))
-    ds = trainer_module.deepspeed_config_for(cfg)
+    ds = deepspeed_config_for(cfg)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "weight_decay": 0.0}}
-    zero2 = trainer_module.deepspeed_config_for(resolve(apply_overrides(
+    zero2 = deepspeed_config_for(resolve(apply_overrides(
         Config(), ["trainer.zero_stage=2", "trainer.offload_optimizer=true"])))
     assert "offload_optimizer" in zero2["zero_optimization"] and "offload_param" not in zero2["zero_optimization"]
 
@@ -357,7 +368,7 @@ def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path
     runs = {}
     for backend, stage in (("torch", 0), ("deepspeed", 3)):
         out = tmp_path / backend
-        train(small_cfg(out, cache_dir, f"trainer.backend={backend}", f"trainer.zero_stage={stage}",
+        train(small_cfg(out, cache_dir, f"trainer.updater={backend}", f"trainer.zero_stage={stage}",
                         "algorithm.name=grpo", "trainer.max_steps=1"))
         runs[backend] = read_metrics(out)[0]
     assert created == [(True, False), (False, False), (True, True), (False, True)]
@@ -394,7 +405,7 @@ def test_deepspeed_skips_a_nonfinite_step_without_poisoning_the_next(tmp_path, c
     reward = tmp_path / "reward.py"  # rewards that differ within a group, so the second step has a gradient
     reward.write_text("def by_length(prompts, completions, **kw):\n"
                       "    return [float(len(c) % 3) for c in completions]\n")
-    train(small_cfg(out, cache_dir, "trainer.backend=deepspeed", f"trainer.zero_stage={zero_stage}",
+    train(small_cfg(out, cache_dir, "trainer.updater=deepspeed", f"trainer.zero_stage={zero_stage}",
                     "trainer.update_batch_size=2", "trainer.max_steps=1", f"reward.functions=[{reward}:by_length]"))
     first, second = read_metrics(out)
     assert first["nonfinite_skipped"] == 1 and first["grad_norm"] is None

@@ -19,13 +19,26 @@ Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nes
 ``answer=reward_model.ground_truth``), ``split=``, ``config=`` (Hub only), ``limit=N``, ``n=N`` and
 ``seed=S``, ``max_operand=M`` (synthetic only). Without ``problem``/``answer`` the fields are detected from the common
 formats (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
+
+Gold answers are a list of alternatives, any of which counts as correct:
+- a list answer (Minerva in Dr.GRPO's evaluation suite) holds alternatives, except where the row says
+  ``is_multiple_answer: true`` (OlympiadBench), whose list is the parts of one answer, joined with ", ";
+- a string that is a Python list of strings (the official ERPO JSONL files' ``ground_truth``, e.g.
+  ``"['9.6\\n', '9.7']"``) is read as that list of alternatives;
+- OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to the problem (the gold answer
+  is the bare value, as OlympiadBench's own prompt asks for it).
+Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
+verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it:
+the evaluation template adds one instruction, the model's own.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import dataclass, field
 
+from erpo.data import PAPER_SUFFIX
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
 from erpo.rewards import extract_boxed
 
@@ -35,6 +48,14 @@ ANSWER_FIELDS = (
     "answer", "final_answer", "Answer", "expected_answer", "ground_truth", "reward_model.ground_truth",
     "target", "solution",
 )
+
+# Instructions a benchmark file may already carry at the end of its problem text; removed on load.
+INSTRUCTION_SUFFIXES = (
+    PAPER_SUFFIX.strip(),                                                                    # official ERPO files
+    "Let's think step by step and output the final answer within \\boxed{}.",             # verl's math preprocessing
+    "Please reason step by step, and put your final answer within \\boxed{}.",            # Qwen2.5-Math's prompt
+)
+UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
 
 # Short names of the paper's six benchmarks -> (Hub dataset, config, split).
 HUB_BENCHMARKS = {
@@ -53,7 +74,8 @@ _OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "m
 
 @dataclass
 class Benchmark:
-    """A named list of problems; each problem is ``{"id": int, "problem": str, "answer": str}``."""
+    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold
+    answer alternatives, any of which is correct)."""
 
     name: str
     source: str
@@ -100,6 +122,7 @@ def _get_field(record: dict, dotted: str):
 
 
 def _problem_text(value, fieldname: str) -> str:
+    """The problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES."""
     if isinstance(value, list):  # chat format: the last user message
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
@@ -107,18 +130,17 @@ def _problem_text(value, fieldname: str) -> str:
         value = users[-1]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"field {fieldname!r} must be a non-empty string, got {value!r}")
-    return value.strip()
+    text = value.strip()
+    for suffix in INSTRUCTION_SUFFIXES:
+        if text.endswith(suffix) and text != suffix:
+            return text[: -len(suffix)].strip()
+    return text
 
 
 def _answer_text(value, fieldname: str) -> str:
-    """Gold answer as a string: ints/integral floats printed as ints, one-item lists unwrapped,
-    several answers joined with ", " (OlympiadBench), surrounding ``$`` removed, last \\boxed{} of a
-    full solution taken."""
-    if isinstance(value, list):
-        if not value:
-            raise ValueError(f"field {fieldname!r} is an empty list")
-        return ", ".join(_answer_text(v, fieldname) for v in value)
-    if isinstance(value, bool) or value is None:
+    """One gold answer as a string: ints/integral floats printed as ints, surrounding ``$`` removed, last
+    \\boxed{} of a full solution taken."""
+    if isinstance(value, bool) or value is None or isinstance(value, list):
         raise ValueError(f"field {fieldname!r} must be a string or a number, got {value!r}")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -135,6 +157,32 @@ def _answer_text(value, fieldname: str) -> str:
     return text
 
 
+def _string_list_literal(value) -> list[str] | None:
+    """The list a string like "['2', '3\\n']" spells (a Python list of strings), else None."""
+    if not (isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]")):
+        return None
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return None
+    return parsed if isinstance(parsed, list) and parsed and all(isinstance(v, str) for v in parsed) else None
+
+
+def _gold_answers(record: dict, value, fieldname: str) -> list[str]:
+    """Gold answer alternatives of one row (module docstring): a list or a Python-list string gives several,
+    unless the row says is_multiple_answer (one answer of several parts, joined with ", ")."""
+    if not isinstance(value, list):
+        value = _string_list_literal(value) or value
+    if not isinstance(value, list):
+        return [_answer_text(value, fieldname)]
+    if not value:
+        raise ValueError(f"field {fieldname!r} is an empty list")
+    parts = [_answer_text(v, fieldname) for v in value]
+    if record.get("is_multiple_answer") is True:
+        return [", ".join(parts)]
+    return list(dict.fromkeys(parts))
+
+
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
     for name in candidates:
         if _get_field(record, name) is not None:
@@ -148,7 +196,7 @@ def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -
 def records_to_problems(
     records: list[dict], source: str, problem_field: str | None = None, answer_field: str | None = None
 ) -> list[dict]:
-    """Map raw rows to ``{"id", "problem", "answer"}`` using the given or detected field names."""
+    """Map raw rows to ``{"id", "problem", "answers"}`` using the given or detected field names."""
     if not records:
         raise ValueError(f"{source}: holds no records")
     problem_field = problem_field or _detect(records[0], PROBLEM_FIELDS, "problem", source)
@@ -157,10 +205,12 @@ def records_to_problems(
     for index, record in enumerate(records):
         try:
             problem = _problem_text(_get_field(record, problem_field), problem_field)
-            answer = _answer_text(_get_field(record, answer_field), answer_field)
+            answers = _gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
-        problems.append({"id": index, "problem": problem, "answer": answer})
+        if isinstance(record.get("unit"), str) and record["unit"].strip():
+            problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
+        problems.append({"id": index, "problem": problem, "answers": answers})
     return problems
 
 

@@ -1,4 +1,4 @@
-"""erpo.benchmarks: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
+"""erpo.problem_sets: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from erpo.benchmarks import (
+from erpo.problem_sets import (
     load_benchmark,
     load_benchmarks,
     parse_benchmark_spec,
@@ -18,20 +18,39 @@ from erpo.benchmarks import (
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "benchmarks")
 
-# (problem, gold answer) the loader must produce from each fixture, whichever the file format.
+# (problem, gold answer alternatives) the loader must produce from each fixture, whichever the file format.
+UNIT = "\n\nThe unit of the answer is m/s; put only its value, without the unit, in \\boxed{}."
 EXPECTED = {
-    "math500": [("What is $2+3$?", "5"), ("Simplify $\\frac{6}{8}$.", "\\frac{3}{4}"),
-                ("Solve $x^2=9$ for $x>0$.", "3")],
-    "aime24": [("Find the remainder when $7^{4}$ is divided by $1000$.", "401"),
-               ("How many positive divisors does $36$ have?", "9")],
-    "aime25": [("Compute $12 \\cdot 12$.", "144"), ("Compute $2^{10}$.", "1024")],
-    "amc": [("What is $10\\%$ of $250$?", "25"),  # float 25.0 in the public AMC set
-            ("What is $\\frac{1}{2}+\\frac{1}{4}$ as a decimal?", "0.75")],
-    "minerva": [("A car moves at $20 \\mathrm{~m/s}$ for $3 \\mathrm{~s}$. How far does it go, in meters?", "60"),
-                ("What is the frequency in Hz of a wave with period $0.5 \\mathrm{~s}$?", "2")],
-    "olympiadbench": [("Find all real $x$ with $x^2=4$.", "2, -2"),  # list of $-wrapped answers
-                      ("Compute $\\frac{1}{2}+\\frac{1}{3}$.", "\\frac{5}{6}")],
-    "verl": [("What is $4+4$?", "8"), ("What is $9-3$?", "6")],  # chat prompt + reward_model.ground_truth
+    "math500": [("What is $2+3$?", ["5"]), ("Simplify $\\frac{6}{8}$.", ["\\frac{3}{4}"]),
+                ("Solve $x^2=9$ for $x>0$.", ["3"])],
+    "aime24": [("Find the remainder when $7^{4}$ is divided by $1000$.", ["401"]),
+               ("How many positive divisors does $36$ have?", ["9"])],
+    "aime25": [("Compute $12 \\cdot 12$.", ["144"]), ("Compute $2^{10}$.", ["1024"])],
+    "amc": [("What is $10\\%$ of $250$?", ["25"]),  # float 25.0 in the public AMC set
+            ("What is $\\frac{1}{2}+\\frac{1}{4}$ as a decimal?", ["0.75"])],
+    "minerva": [("A car moves at $20 \\mathrm{~m/s}$ for $3 \\mathrm{~s}$. How far does it go, in meters?", ["60"]),
+                ("What is the frequency in Hz of a wave with period $0.5 \\mathrm{~s}$?", ["2"])],
+    "olympiadbench": [("Find all real $x$ with $x^2=4$.", ["2, -2"]),  # is_multiple_answer: one answer, two parts
+                      ("Compute $\\frac{1}{2}+\\frac{1}{3}$.", ["\\frac{5}{6}"])],
+    "verl": [("What is $4+4$?", ["8"]), ("What is $9-3$?", ["6"])],  # chat prompt + reward_model.ground_truth
+    # official ERPO JSONL: the paper's suffix already in 'prompt' (removed: the template adds it once),
+    # ground_truth a Python-repr list string of alternatives
+    "erpo_minerva": [("Estimate the wavelength in Angstroms, to two significant figures.", ["9.6"]),
+                     ("What is the angular resolution of a single dish, in radians?", ["0.01", "0.02"]),
+                     ("Compute the luminosity in erg/s.", ["7 \\times 10^{37}"])],
+    "erpo_olympiad_bench": [("How many moves does Sergey need?", ["2"]),
+                            ("Find the largest real number $\\mu$.", ["\\frac{1}{2 n+2}"]),
+                            ("Determine all triples $(p, x, y)$.", ["(1,8,19), (2,7,13), (4,5,7)"])],
+    "erpo_math": [("What is $1+1$?", ["2"]), ("Simplify $\\frac{2}{4}$.", ["\\frac{1}{2}"])],
+    # Dr.GRPO's Minerva: a list of alternatives
+    "minerva_alternatives": [("What is the angular resolution of a single dish, in radians?", ["0.01", "0.02"]),
+                             ("Give the wavelength in nm.", ["500"])],
+    # OlympiadBench physics: the unit is named in the problem, the gold answer is the bare value
+    "olympiadbench_unit": [("A ball falls for $2 \\mathrm{~s}$ from rest. How fast is it then? "
+                            "Take $g=10 \\mathrm{~m/s^2}$." + UNIT, ["20"]),
+                           ("Compute $3 \\cdot 4$.", ["12"])],
+    # verl-style prompts that already hold verl's or Qwen2.5-Math's instruction (removed)
+    "verl_instruction": [("What is $4+4$?", ["8"]), ("What is $9-3$?", ["6"])],
 }
 
 
@@ -41,7 +60,7 @@ def test_fixture_formats_load(name, ext):
     path = os.path.join(FIXTURES, f"{name}.{ext}")
     bench = load_benchmark(path)
     assert bench.name == name
-    assert [(p["problem"], p["answer"]) for p in bench.problems] == EXPECTED[name]
+    assert [(p["problem"], p["answers"]) for p in bench.problems] == EXPECTED[name]
     assert [p["id"] for p in bench.problems] == list(range(len(EXPECTED[name])))
 
 
@@ -57,16 +76,16 @@ def test_json_list_file(tmp_path):
     path.write_text(json.dumps(rows))
     bench = load_benchmark(f"my_aime={path}")
     assert bench.name == "my_aime"
-    assert [(p["problem"], p["answer"]) for p in bench.problems] == EXPECTED["aime25"]
+    assert [(p["problem"], p["answers"]) for p in bench.problems] == EXPECTED["aime25"]
 
 
 def test_field_mapping_overrides_detection():
     # MATH500 rows hold both 'answer' and 'solution': map the answer from the \boxed{} of the solution,
     # and the problem from a nested/dotted field in the verl format.
     bench = load_benchmark(os.path.join(FIXTURES, "math500.jsonl") + "#answer=solution#limit=2")
-    assert [p["answer"] for p in bench.problems] == ["5", "\\frac{3}{4}"]
+    assert [p["answers"] for p in bench.problems] == [["5"], ["\\frac{3}{4}"]]
     verl = load_benchmark("v=" + os.path.join(FIXTURES, "verl.parquet") + "#answer=reward_model.ground_truth#problem=prompt")
-    assert [p["answer"] for p in verl.problems] == ["8", "6"]
+    assert [p["answers"] for p in verl.problems] == [["8"], ["6"]]
 
 
 def test_missing_field_names_the_option(tmp_path):
@@ -75,7 +94,7 @@ def test_missing_field_names_the_option(tmp_path):
     with pytest.raises(ValueError, match="#problem=FIELD"):
         load_benchmark(str(path))
     bench = load_benchmark(f"{path}#problem=text#answer=label")
-    assert bench.problems == [{"id": 0, "problem": "1+1?", "answer": "2"}]
+    assert bench.problems == [{"id": 0, "problem": "1+1?", "answers": ["2"]}]
     with pytest.raises(ValueError, match="record 0"):
         load_benchmark(f"{path}#problem=label#answer=missing_field")
 
@@ -115,9 +134,19 @@ def test_parse_benchmark_spec():
 
 def test_answer_normalisation():
     rows = [{"q": "a", "a": 7}, {"q": "b", "a": 3.0}, {"q": "c", "a": "$x+1$"}, {"q": "d", "a": ["4"]}]
-    assert [p["answer"] for p in records_to_problems(rows, "t", "q", "a")] == ["7", "3", "x+1", "4"]
+    assert [p["answers"] for p in records_to_problems(rows, "t", "q", "a")] == [["7"], ["3"], ["x+1"], ["4"]]
     with pytest.raises(ValueError, match="without"):
         records_to_problems([{"problem": "a", "solution": "no box"}], "t", None, "solution")
+
+
+def test_list_literals_and_instructions_are_read_narrowly():
+    """Only a Python list of strings is unpacked (an interval or a list of numbers is an answer); an instruction
+    is removed only at the end of a problem, and a problem that is nothing but an instruction is kept."""
+    rows = [{"q": "a", "a": "[0, 1]"}, {"q": "b", "a": "[2, 5)"}, {"q": "c", "a": "['1', '1', ' 2 ']"}]
+    assert [p["answers"] for p in records_to_problems(rows, "t", "q", "a")] == [["[0, 1]"], ["[2, 5)"], ["1", "2"]]
+    suffix = "Please reason step by step, and put your final answer within \\boxed{}."
+    rows = [{"q": suffix + " Then add 1.", "a": "1"}, {"q": suffix, "a": "1"}]
+    assert [p["problem"] for p in records_to_problems(rows, "t", "q", "a")] == [suffix + " Then add 1.", suffix]
 
 
 def test_synthetic_default_is_offline_and_deterministic():
@@ -129,12 +158,12 @@ def test_synthetic_default_is_offline_and_deterministic():
     assert first.problems == again.problems
     assert first.problems != other.problems
     assert len(first.problems) == 12
-    assert all(p["problem"] and p["answer"] for p in first.problems)
+    assert all(p["problem"] and p["answers"] for p in first.problems)
     limited = load_benchmark("arith=synthetic#n=20#seed=3#limit=5")
     assert limited.name == "arith" and len(limited.problems) == 5
     small = load_benchmark("synthetic#n=50#max_operand=2")
-    assert all(-2 <= int(p["answer"]) <= 4 for p in small.problems)
-    assert {p["answer"] for p in small.problems} >= {"-2", "4"}  # the extremes occur in 50 draws
+    assert all(-2 <= int(p["answers"][0]) <= 4 for p in small.problems)
+    assert {p["answers"][0] for p in small.problems} >= {"-2", "4"}  # the extremes occur in 50 draws
 
 
 def test_hub_names_go_through_datasets(monkeypatch):
@@ -146,7 +175,7 @@ def test_hub_names_go_through_datasets(monkeypatch):
         return [{"question": "What is $1+1$?", "final_answer": ["$2$"]}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert load_benchmark("math500").problems == [{"id": 0, "problem": "What is $1+1$?", "answer": "2"}]
+    assert load_benchmark("math500").problems == [{"id": 0, "problem": "What is $1+1$?", "answers": ["2"]}]
     load_benchmark("ob=someone/olympiad#config=OE_TO_maths_en_COMP#split=train")
     assert calls == [("HuggingFaceH4/MATH-500", None, "test"), ("someone/olympiad", "OE_TO_maths_en_COMP", "train")]
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed

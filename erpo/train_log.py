@@ -1,0 +1,98 @@
+"""The training metrics: each name defined once, reduced over ranks once, and written by one writer to
+metrics.jsonl, TensorBoard (tb/, as train/NAME) and the progress bar.
+
+Names follow TRL / verl where they have one (`clip_ratio` is the kernel's `clip_frac`). Sample statistics are
+means over the step's samples on all ranks; loss terms are sums of the micro-batch losses, which are already
+normalized by the global counts; token statistics are means over the step's response tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from erpo import distributed as D
+from erpo.config import Config
+
+# metrics.jsonl name -> the kernel's `LossOutput.metrics` name, for the token-weighted means
+TOKEN_MEAN_METRICS = {"policy_kl": "policy_kl", "entropy": "entropy", "clip_ratio": "clip_frac",
+                      "ratio_mean": "ratio_mean", "rollout_is_weight": "rollout_is_weight",
+                      "rollout_logp_gap_abs": "rollout_logp_gap_abs"}
+
+
+def finite_or_none(x) -> float | None:
+    """float(x), or None (JSON null) when it is nan or infinite."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float, weight_sum: float, *, grad_norm: float,
+                lr: float, nonfinite_skipped: int) -> dict:
+    """The metrics of one optimizer step over all ranks (one sum and, with importance sampling, one max over
+    ranks). loss_sums: this rank's sums from `update_step.accumulate_loss`; weight_sum: its sum of w(q) over its
+    samples; plan: the step's `StepPlan` (its counts are already global)."""
+    rollout = plan.rollout
+    rewards = rollout.rewards.tolist()
+    local = {"samples": len(rollout), "reward": sum(rewards), "reward_sq": sum(x * x for x in rewards),
+             "accuracy": sum(rollout.correct.tolist()),
+             "response_length": sum(len(ids) for ids in rollout.response_ids),
+             "truncated_frac": sum(rollout.truncated.tolist()), "filtered_frac": len(rollout) - int(rollout.keep.sum()),
+             "query_weight": weight_sum, **loss_sums}
+    total = dict(zip(local, D.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
+    tokens = max(plan.num_items, 1)
+    record = {key: total[key] / total["samples"] for key in
+              ("reward", "accuracy", "response_length", "truncated_frac", "filtered_frac")}
+    record["reward_std"] = math.sqrt(max(0.0, total["reward_sq"] / total["samples"] - record["reward"] ** 2))
+    record.update({
+        **{name: finite_or_none(total[name]) for name in ("qkl", "loss", "pg_loss")},
+        **{name: finite_or_none(total[name] / tokens) for name in TOKEN_MEAN_METRICS},
+        "rollout_logp_gap_max": (finite_or_none(D.all_reduce_max(gap_max))
+                                 if cfg.rollout.importance_sampling_correction else None),
+        # num_seqs is already global: the weight sum alone is reduced
+        "query_weight_mean": total["query_weight"] / plan.num_seqs if cfg.algorithm.query_weight != "none" else None,
+        "grad_norm": finite_or_none(grad_norm),
+        "num_samples": plan.num_seqs,
+        "response_tokens": plan.num_items,
+        "nonfinite_skipped": nonfinite_skipped,
+        "lr": lr,
+    })
+    return record
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON record per optimizer step), TensorBoard and the progress bar, on rank 0 only.
+
+    A fresh run starts its own log (a crash before the first checkpoint leaves nothing to continue); a resumed one
+    appends, and readers keep the last record of a step logged twice."""
+
+    def __init__(self, cfg: Config, out_dir: Path, *, resume: bool, total_steps: int, done_steps: int):
+        main = D.is_main()
+        self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w") if main else None
+        self.tensorboard = None
+        if cfg.logging.tensorboard and main:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(str(out_dir / "tb"))
+        self.progress = None
+        if cfg.logging.progress_bar and main:
+            from tqdm.auto import tqdm
+            self.progress = tqdm(total=total_steps, initial=done_steps, desc=f"{cfg.algorithm.name} train", unit="step")
+
+    def write(self, record: dict) -> None:
+        """Log one optimizer step's record (it holds "step")."""
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+
+    def close(self) -> None:
+        for sink in (self.progress, self.tensorboard, self.file):
+            if sink is not None:
+                sink.close()

@@ -1,0 +1,57 @@
+"""@triton.jit helpers shared by every Triton kernel: the online log-sum-exp with entropy, and dlogits.
+
+The online log-sum-exp follows `common`'s docstring (the torch side): running_max m starts at the finite
+LSE_FLOOR, logits outside the row are -inf, sum_exp s = sum exp(z - m), sum_exp_shifted u = sum exp(z - m)(z - m),
+lse = m + log s and H = log s - u / s.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LSE_FLOOR
+
+_LSE_FLOOR = tl.constexpr(LSE_FLOOR)
+
+
+@triton.jit
+def online_softmax_start(BLOCK_M: tl.constexpr):
+    """(running_max, sum_exp, sum_exp_shifted), each [BLOCK_M] fp32, before any logit is seen."""
+    return (tl.full([BLOCK_M], _LSE_FLOOR, tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M], dtype=tl.float32))
+
+
+@triton.jit
+def online_softmax_step(running_max, sum_exp, sum_exp_shifted, z):
+    """Fold the fp32 logits tile z [BLOCK_M, BLOCK_N] (-inf outside the row) into the running values, each
+    [BLOCK_M] fp32; returns the new (running_max, sum_exp, sum_exp_shifted). u rescales as
+    exp(m_old - m_new) (u + (m_old - m_new) s), finite because m never falls below LSE_FLOOR."""
+    new_max = tl.maximum(running_max, tl.max(z, axis=1))
+    scale = tl.exp(running_max - new_max)
+    sum_exp_shifted = scale * (sum_exp_shifted + (running_max - new_max) * sum_exp)
+    sum_exp = scale * sum_exp
+    shifted = z - new_max[:, None]
+    e = tl.exp(shifted)
+    sum_exp += tl.sum(e, axis=1)
+    sum_exp_shifted += tl.sum(tl.where(e > 0, e * shifted, 0.0), axis=1)
+    return new_max, sum_exp, sum_exp_shifted
+
+
+@triton.jit
+def online_softmax_finish(running_max, sum_exp, sum_exp_shifted):
+    """(lse, entropy) from the running values (any shape, fp32)."""
+    log_sum_exp = tl.log(sum_exp)
+    return running_max + log_sum_exp, log_sum_exp - sum_exp_shifted / sum_exp
+
+
+@triton.jit
+def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, inv_temperature):
+    """dlogits of scaled logits z = logits / T (fp32, any shape broadcasting with the per-row lse, entropy,
+    g_logp, g_entropy): dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), returned as dz / T. The target
+    entry is g_logp * (1 - p_t) formed in fp32. Rows with g_logp = g_H = 0 get exact zeros, whatever z (no 0 * NaN
+    from a non-finite padding row: common.rows_receiving_gradient)."""
+    log_p = z - lse
+    p = tl.exp(log_p)
+    entropy_part = tl.where(p > 0, g_entropy * p * (log_p + entropy), 0.0)
+    dz = tl.where(is_target, g_logp * (1.0 - p), -g_logp * p) - entropy_part
+    return tl.where((g_logp != 0) | (g_entropy != 0), dz * inv_temperature, 0.0)

@@ -1,0 +1,70 @@
+"""`erpo compare`: several algorithms x seeds in one command, a table of mean and spread, finished runs reused."""
+import json
+import statistics
+
+import pytest
+
+from erpo.cli import main
+from erpo.compare import window_means
+
+SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
+         "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8",
+         "trainer.rollout_batch_size=2", "trainer.update_batch_size=2", "trainer.micro_batch_size=4", "rollout.n=2",
+         "rollout.max_new_tokens=4", "logging.tensorboard=false", "logging.progress_bar=false", "logging.plot=false",
+         "trainer.save_hf=false", "trainer.save_steps=1", "trainer.keep_last=2"]
+
+
+def test_window_means():
+    records = [{"reward": r, "accuracy": r, "qkl": None if i == 0 else r / 10} for i, r in enumerate([1.0, 2, 3, 4])]
+    means = window_means(records, 2)
+    assert means["reward first"] == 1.5 and means["reward last"] == 3.5
+    assert means["qkl first"] == pytest.approx(0.25) and means["qkl last"] == pytest.approx(0.35)  # None skipped
+    assert window_means(records, 10)["reward first"] == window_means(records, 10)["reward last"] == 2.5
+
+
+def test_compare_two_algorithms_two_seeds(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--seeds", "1", "2", "--algorithms", "erpo", "grpo", "--max-steps", "2", "--window", "1",
+            "--output-dir", str(out), "--set", f"model.cache_dir={tmp_path / 'cache'}", *SMALL]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    table = (out / "comparison.md").read_text()
+    assert table in printed
+    data = json.loads((out / "comparison.json").read_text())
+    runs = data["runs"]
+    assert sorted(runs) == ["erpo", "grpo"] and sorted(runs["erpo"]) == ["1", "2"]
+    for algorithm in ("erpo", "grpo"):
+        for seed in ("1", "2"):
+            metrics = [json.loads(line) for line in (out / f"{algorithm}-seed{seed}" / "metrics.jsonl").open()]
+            assert len(metrics) == 2
+            assert runs[algorithm][seed]["reward first"] == metrics[0]["reward"]
+            assert runs[algorithm][seed]["reward last"] == metrics[-1]["reward"]
+        cfg = (out / f"{algorithm}-seed2" / "config.yaml").read_text()
+        assert f"name: {algorithm}" in cfg and "seed: 2" in cfg
+    last = [runs["erpo"][s]["qkl last"] for s in ("1", "2")]
+    assert f"{statistics.fmean(last):.4f} ± {statistics.stdev(last):.4f}" in table
+    diffs = [runs["erpo"][s]["reward last"] - runs["grpo"][s]["reward last"] for s in ("1", "2")]
+    assert f"{statistics.fmean(diffs):+.4f}" in table
+    assert "- command: erpo compare --seeds 1 2" in table and "- commit: " in table and "- machine: " in table
+
+    # run again: every run is reused (nothing retrained), same numbers
+    assert main(argv) == 0
+    again = json.loads((out / "comparison.json").read_text())["runs"]
+    assert all(again[a][s]["wall_s"] is None for a in again for s in again[a])
+    assert {a: {s: {k: v for k, v in r.items() if k != "wall_s"} for s, r in by.items()} for a, by in again.items()} \
+        == {a: {s: {k: v for k, v in r.items() if k != "wall_s"} for s, r in by.items()} for a, by in runs.items()}
+    # an interrupted run is resumed from its newest checkpoint and ends as the uninterrupted one did
+    import shutil
+    interrupted = out / "grpo-seed2"
+    shutil.rmtree(interrupted / "final")
+    shutil.rmtree(interrupted / "checkpoints" / "step-2")
+    assert main(argv) == 0
+    resumed = json.loads((out / "comparison.json").read_text())["runs"]
+    assert resumed["grpo"]["2"]["wall_s"] is not None and resumed["erpo"]["1"]["wall_s"] is None
+    for key, value in runs["grpo"]["2"].items():
+        if key != "wall_s":
+            assert resumed["grpo"]["2"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    capsys.readouterr()
+    # a finished run made with another config is not silently mixed in
+    assert main(argv[:-1] + ["rollout.max_new_tokens=5"]) == 1
+    assert "holds a finished run with another config" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""The trainer's pieces without a model: the updater choice, the step plan and the metrics record under
+(simulated) several ranks, and the per-sample sums of the reference cache."""
+import pytest
+import torch
+
+from erpo import distributed as D
+from erpo.config import Config, apply_overrides, resolve
+from erpo.rollout_stage import Rollout
+from erpo.sequences import PackedBatch, per_sample_sum
+from erpo.step_plan import StepPlan
+from erpo.train_log import TOKEN_MEAN_METRICS, step_record
+from erpo.updater import choose_updater
+
+
+def rollout_of(rewards) -> Rollout:
+    n = len(rewards)
+    return Rollout(prompts=torch.arange(n), response_ids=[[1] * (i + 1) for i in range(n)],
+                   rewards=torch.tensor(rewards, dtype=torch.float64), correct=torch.tensor(rewards, dtype=torch.float64),
+                   truncated=torch.tensor([i == 0 for i in range(n)]), advantages=torch.zeros(n),
+                   keep=torch.ones(n, dtype=torch.bool), rollout_logp=None)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
+    """`world` ranks holding the same samples log the one-rank means (counts multiplied by `world`): every
+    metric is reduced over ranks exactly once (query_weight_mean was divided by the world size)."""
+    cfg = resolve(Config())
+    rollout = rollout_of([1.0, 0.0, 0.5, 1.0])
+    local_tokens = 10
+    sums = {"loss": 0.3, "qkl": 0.02, "pg_loss": 0.25, **{name: 0.5 * local_tokens for name in TOKEN_MEAN_METRICS}}
+    weight_sum = 3.0    # w(q) summed over the 4 samples: mean 0.75
+    monkeypatch.setattr(D, "all_reduce_sum", lambda x: x * world)   # `world` ranks with the same values
+    monkeypatch.setattr(D, "all_reduce_max", lambda x: x)
+    plan = StepPlan(rollout, [], num_items=local_tokens * world, num_seqs=len(rollout) * world)
+    record = step_record(cfg, plan, sums, 0.0, weight_sum, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+    assert record["query_weight_mean"] == pytest.approx(0.75)
+    assert record["reward"] == pytest.approx(0.625) and record["accuracy"] == pytest.approx(0.625)
+    assert record["response_length"] == pytest.approx(2.5) and record["truncated_frac"] == pytest.approx(0.25)
+    assert record["filtered_frac"] == 0.0
+    assert record["reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5, 1.0]).std(unbiased=False).item())
+    for name in TOKEN_MEAN_METRICS:
+        assert record[name] == pytest.approx(0.5)
+    # loss terms are already normalized by the global counts: their sum over ranks is the full-batch value
+    assert record["loss"] == pytest.approx(0.3 * world) and record["qkl"] == pytest.approx(0.02 * world)
+    assert (record["num_samples"], record["response_tokens"]) == (4 * world, 10 * world)
+
+
+def test_the_automatic_updater_is_deepspeed_with_several_ranks_or_zero(monkeypatch):
+    """trainer.updater=auto on a CPU machine: torch in one process; DeepSpeed with several ranks (the torch
+    updater is single-process) or when ZeRO is asked for."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_updater(resolve(Config())) == "torch"
+    assert choose_updater(resolve(apply_overrides(Config(), ["trainer.zero_stage=3"]))) == "deepspeed"
+    monkeypatch.setattr(D, "world_size", lambda: 2)
+    assert choose_updater(resolve(Config())) == "deepspeed"
+    with pytest.raises(ValueError, match="trainer.updater 'torch' is single-process"):
+        choose_updater(resolve(apply_overrides(Config(), ["trainer.updater=torch"])))
+
+
+def test_the_old_key_names_still_set_the_renamed_keys():
+    cfg = resolve(apply_overrides(Config(), ["trainer.backend=deepspeed", "rollout.backend=vllm"]))
+    assert (cfg.trainer.updater, cfg.rollout.engine) == ("deepspeed", "vllm")
+
+
+def test_loss_options_are_built_once_from_the_config():
+    cfg = resolve(apply_overrides(Config(), ["algorithm.name=grpo", "algorithm.clip_high=0.28",
+                                             "rollout.temperature=0.7"]))
+    options = cfg.algorithm.loss_options
+    assert (options.qkl_coef, options.policy_kl_coef, options.clip_high, options.temperature) == (0.0, 0.01, 0.28, 0.7)
+    with pytest.raises(ValueError, match="dual_clip"):
+        resolve(apply_overrides(Config(), ["algorithm.dual_clip=0.5"]))
+
+
+def test_per_sample_sum_is_a_fixed_order_sum_without_atomics(monkeypatch):
+    """The reference cache's ell(q) sums each sample's rows in row order (as the loss's own segment sums do), never
+    with index_add_ (a float atomic on CUDA, whose result changes from run to run)."""
+    def atomic(*args, **kwargs):
+        raise AssertionError("index_add_ is a float atomic on CUDA")
+    monkeypatch.setattr(torch.Tensor, "index_add_", atomic)
+    gen = torch.Generator().manual_seed(0)
+    sample_index = torch.tensor([0, 0, 1, 1, 1, 0, 2, 2])
+    token_kind = torch.tensor([1, 1, 1, 2, 1, 2, 1, 1])
+    values = torch.randn(8, generator=gen) * 30
+    batch = PackedBatch(input_ids=torch.zeros(3, 4, dtype=torch.long), attention_mask=torch.ones(3, 4),
+                        rows=torch.ones(12, dtype=torch.bool), targets=torch.zeros(8, dtype=torch.long),
+                        token_kind=token_kind, sample_index=sample_index)
+    expected = torch.zeros(3)
+    for v, s, k in zip(values, sample_index, token_kind):   # fp32, row order
+        if k == 1:
+            expected[s] += v
+    got = per_sample_sum(values, batch, kind=1)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected.double(), rtol=0, atol=0)
+
