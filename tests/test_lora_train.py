@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 import erpo.trainer as trainer_module
+import fake_vllm
 from erpo.config import Config, apply_overrides, resolve
-from erpo.lora import MERGED_DIR, is_adapter_dir, peft_model_of
+from erpo.lora import MERGED_DIR, inference_weights, is_adapter_dir, peft_model_of
 from erpo.models import load_causal_lm, model_path_for
 from erpo.trainer import train
 
@@ -121,3 +122,21 @@ def test_resume_refuses_other_lora_settings(tmp_path, cache_dir):
     train(lora_cfg(out, cache_dir, "trainer.max_steps=1"))
     with pytest.raises(ValueError, match="resume with the model.lora settings it was saved with"):
         train(lora_cfg(out, cache_dir, "model.lora.target_modules=[q_proj,v_proj]"), resume=True)
+
+
+def test_vllm_engine_holds_the_merged_policy(tmp_path, cache_dir, kept_updater, monkeypatch):
+    """rollout.engine=vllm (a recording fake): after the optimizer steps the engine holds every weight of the plain
+    model with the trained adapters merged in (what sampling then uses), under the plain model's names."""
+    fake_vllm.install(monkeypatch)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):   # VLLMRollout sets them
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    cfg = lora_cfg(tmp_path / "run", cache_dir, "rollout.engine=vllm", "trainer.max_steps=1")
+    train(cfg)
+    loaded = fake_vllm.LLM.instances[-1].model.loaded
+    merged = {name: tensor.clone() for name, tensor in inference_weights(kept_updater["updater"].model)}
+    theta0 = dict(load_causal_lm(model_path_for(cfg), dtype=torch.float32, device="cpu").named_parameters())
+    assert loaded.keys() == merged.keys() == theta0.keys()
+    assert all(torch.equal(loaded[n], merged[n]) for n in merged)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(loaded[name], theta0[name])                    # the trained adapters, merged
