@@ -10,7 +10,7 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-N/`:
 
 The model's frozen parameters (a LoRA model's base weights) are not saved: they are the weights it was loaded
 with, and a resumed run loads them again (the trainer checks they are the same through the reference cache's
-model fingerprint). A checkpoint whose saved parameters are not exactly the trainable ones is refused on load.
+model fingerprint). meta.json lists the trainable parameters; a model that trains others is refused on load.
 
 A checkpoint is built in `checkpoints/.tmp-step-N/`, every file fsynced, then renamed to `step-N` in one
 atomic rename: a process killed at any moment leaves either no `step-N` or a complete one, and the
@@ -182,9 +182,9 @@ class CheckpointManager:
         torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt")
         if kind == "deepspeed":
             engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                                   exclude_frozen_parameters=bool(frozen_parameter_names(engine.module)))
+                                   exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
         elif dist_utils.is_main():
-            frozen = frozen_parameter_names(engine.model)
+            frozen = set(parameter_names(engine.model, trainable=False))
             torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, tmp / "model.pt")
             if engine.optimizer is not None:
                 torch.save(engine.optimizer.state_dict(), tmp / "optimizer.pt")
@@ -196,7 +196,8 @@ class CheckpointManager:
 
         if dist_utils.is_main():
             meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": dist_utils.world_size(),
-                    "engine": kind, "state": json.loads(state_json)}
+                    "engine": kind, "state": json.loads(state_json),
+                    "trainable_parameters": parameter_names(trained_model(engine), trainable=True)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             fsync_tree(tmp)
             if self.before_commit is not None:
@@ -243,10 +244,17 @@ class CheckpointManager:
         if meta["engine"] != kind:
             raise ValueError(f"checkpoint {path} was saved from a {meta['engine']} engine, cannot load it into "
                              f"a {kind} engine")
+        saved, here = meta.get("trainable_parameters"), parameter_names(trained_model(engine), trainable=True)
+        if saved is not None and saved != here:   # None: saved before the list was recorded, not checked
+            differ = sorted(set(saved) ^ set(here))
+            raise ValueError(f"checkpoint {path} trains other parameters than this model ({len(saved)} saved, "
+                             f"{len(here)} here; e.g. {differ[:2]}): resume with the model settings (model.lora) "
+                             "it was saved with")
         if kind == "deepspeed":
             load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True,
-                                                  load_module_strict=not frozen_parameter_names(engine.module))
+                                                  load_module_strict=not parameter_names(engine.module,
+                                                                                         trainable=False))
             if load_path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
         else:
@@ -262,13 +270,9 @@ class CheckpointManager:
 
     @staticmethod
     def load_torch_bundle(bundle: TorchBundle, path: Path) -> None:
-        frozen = frozen_parameter_names(bundle.model)
-        missing, unexpected = bundle.model.load_state_dict(
-            torch.load(path / "model.pt", map_location="cpu", weights_only=True), strict=not frozen)
-        if set(missing) != frozen or unexpected:
-            raise ValueError(f"checkpoint {path}: model.pt does not hold exactly this model's trainable parameters "
-                             f"(missing {sorted(set(missing) - frozen)[:3]}, not in the model {unexpected[:3]}); "
-                             "resume with the model.lora settings it was saved with")
+        frozen = parameter_names(bundle.model, trainable=False)   # not in model.pt: loaded with the model
+        bundle.model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True),
+                                     strict=not frozen)
         for name, obj in (("optimizer", bundle.optimizer), ("scheduler", bundle.scheduler)):
             if obj is None:
                 continue
@@ -332,10 +336,16 @@ class GracefulStop:
 
 # -------------------------------------------------------------------------------------------- export
 
-def frozen_parameter_names(model: torch.nn.Module) -> set[str]:
-    """State-dict names of `model`'s parameters that do not train (tied names included), e.g. a LoRA model's base
-    weights: what checkpoints leave out."""
-    return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+def trained_model(engine: Any) -> torch.nn.Module:
+    """The model a DeepSpeed engine or a TorchBundle holds."""
+    return engine.module if engine_kind(engine) == "deepspeed" else engine.model
+
+
+def parameter_names(model: torch.nn.Module, *, trainable: bool) -> list[str]:
+    """Sorted state-dict names (tied names included) of `model`'s trainable or of its frozen parameters. Frozen
+    ones (a LoRA model's base weights) are what checkpoints leave out."""
+    return sorted(name for name, param in model.named_parameters(remove_duplicate=False)
+                  if param.requires_grad == trainable)
 
 
 def unwrap_model(model: Any) -> torch.nn.Module:

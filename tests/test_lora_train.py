@@ -117,11 +117,14 @@ def test_lora_resume_matches_the_uninterrupted_run(tmp_path, cache_dir, updater)
     assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
-def test_resume_refuses_other_lora_settings(tmp_path, cache_dir):
+@pytest.mark.parametrize("updater", ["torch", "deepspeed"])
+def test_resume_refuses_other_lora_settings(tmp_path, cache_dir, updater):
     out = tmp_path / "run"
-    train(lora_cfg(out, cache_dir, "trainer.max_steps=1"))
-    with pytest.raises(ValueError, match="resume with the model.lora settings it was saved with"):
-        train(lora_cfg(out, cache_dir, "model.lora.target_modules=[q_proj,v_proj]"), resume=True)
+    train(lora_cfg(out, cache_dir, "trainer.max_steps=1", f"trainer.updater={updater}"))
+    with pytest.raises(ValueError, match=r"trains other parameters than this model \(14 saved, 4 here; .*\): resume "
+                                         r"with the model settings \(model.lora\) it was saved with"):
+        train(lora_cfg(out, cache_dir, "model.lora.target_modules=[q_proj,v_proj]", f"trainer.updater={updater}"),
+              resume=True)
 
 
 def test_vllm_engine_holds_the_merged_policy(tmp_path, cache_dir, kept_updater, monkeypatch):
