@@ -18,7 +18,7 @@ import shlex
 import sys
 from importlib import resources
 
-from erpo.config import PRESETS, Config, apply_overrides, load_config, resolve
+from erpo.config import PRESETS, Config, apply_overrides, load_config, resolve, run_summary
 from erpo.errors import MissingInputError, UserError
 
 log = logging.getLogger("erpo")
@@ -52,24 +52,6 @@ def config_from_args(args, overrides: tuple[str, ...] = ()) -> Config:
         return resolve(cfg)
     except (ValueError, TypeError, OSError) as exc:   # the config module's errors all name the key or file
         raise UserError(f"config error: {exc}", exit_code=2) from exc
-
-
-def check_model_sources(cfg: Config) -> None:
-    """UserError at once when `model.name_or_path` or `model.tokenizer` is neither a local directory nor a Hub model
-    that can be had (erpo.model_source); "tiny" is the built-in model."""
-    from erpo.model_source import resolve_model_source
-    if cfg.model.name_or_path != "tiny":
-        resolve_model_source(cfg.model.name_or_path, "model.name_or_path")
-    if cfg.model.tokenizer is not None:
-        resolve_model_source(cfg.model.tokenizer, "model.tokenizer")
-
-
-def summary(cfg: Config) -> str:
-    """One line on what a run does; the whole resolved config goes to OUTPUT_DIR/config.yaml."""
-    t = cfg.trainer
-    return (f"{cfg.algorithm.name} on {cfg.model.name_or_path}, data {cfg.data.source}, {t.max_steps} steps of "
-            f"{t.rollout_batch_size} prompts x {cfg.rollout.n}, seed {t.seed}, {t.cpu_threads} CPU threads -> "
-            f"{cfg.output_dir} (resolved config: {os.path.join(cfg.output_dir, 'config.yaml')})")
 
 
 def add_debug_argument(p: argparse.ArgumentParser, default=argparse.SUPPRESS) -> None:
@@ -163,11 +145,8 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; returns the exit status."""
     if args.command in ("train", "precompute-ref"):
         cfg = config_from_args(args)
-        check_model_sources(cfg)
-        if args.command == "train":
-            from erpo.run_dir import check_run_dir
-            check_run_dir(cfg, resume=args.resume)
-        log.info("erpo %s: %s", args.command, summary(cfg))
+        if args.command == "precompute-ref":   # train logs it itself, once its output directory is checked
+            log.info("erpo %s: %s", args.command, run_summary(cfg))
         from erpo import distributed, trainer
         try:
             if args.command == "train":

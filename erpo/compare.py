@@ -126,9 +126,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
     Returns their paths."""
     from erpo import distributed, trainer
     from erpo.checkpoint import CheckpointManager
-    from erpo.cli import check_model_sources, config_from_args
+    from erpo.cli import config_from_args
     from erpo.plotting import read_metrics
-    from erpo.run_dir import check_run_dir
 
     if args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}", exit_code=2)
@@ -148,9 +147,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
                 raise UserError(f"{run_dir}: holds a finished run with another config ({config_file}); use another "
                                 "--output-dir, or delete that run")
             else:
-                check_model_sources(cfg)
                 resume = CheckpointManager(run_dir, keep_last=None).latest() is not None
-                check_run_dir(cfg, resume=resume)
                 log.info("erpo compare: %s %s seed %d -> %s", "resuming" if resume else "training", a, s, run_dir)
                 started = time.time()
                 try:

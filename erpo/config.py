@@ -406,3 +406,11 @@ def resolve(cfg: Config) -> Config:
         entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, log_ratio_clamp=a.log_ratio_clamp,
         rollout_is_cap=cfg.rollout.importance_sampling_cap)
     return cfg
+
+
+def run_summary(cfg: Config) -> str:
+    """One line on what a run does; the whole resolved config goes to OUTPUT_DIR/config.yaml."""
+    t = cfg.trainer
+    return (f"{cfg.algorithm.name} on {cfg.model.name_or_path}, data {cfg.data.source}, {t.max_steps} steps of "
+            f"{t.rollout_batch_size} prompts x {cfg.rollout.n}, seed {t.seed}, {t.cpu_threads} CPU threads -> "
+            f"{cfg.output_dir} (resolved config: {os.path.join(cfg.output_dir, 'config.yaml')})")

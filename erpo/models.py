@@ -10,16 +10,18 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
+from erpo.model_source import resolve_model_source
 
 
 def model_path_for(cfg: Config) -> str:
-    """The pre-RL model theta0: the tiny model's cached SFT warm start, or `model.name_or_path`."""
+    """The pre-RL model theta0: the tiny model's cached SFT warm start, or `model.name_or_path` (a local directory
+    or a Hub model that can be had, else a one-line UserError)."""
     if cfg.model.name_or_path == "tiny":
         from erpo.sft import tiny_theta0
         path = tiny_theta0(cfg) if D.is_main() else None
         D.barrier()
         return path or tiny_theta0(cfg)
-    return cfg.model.name_or_path
+    return resolve_model_source(cfg.model.name_or_path, "model.name_or_path")
 
 
 def load_tokenizer(path: str):
@@ -32,8 +34,10 @@ def load_tokenizer(path: str):
 
 
 def tokenizer_for(cfg: Config, model_path: str):
-    """The run's tokenizer: `model.tokenizer`, else the model's own."""
-    return load_tokenizer(cfg.model.tokenizer or model_path)
+    """The run's tokenizer: `model.tokenizer` (checked as model.name_or_path is), else the model's own."""
+    if cfg.model.tokenizer is None:
+        return load_tokenizer(model_path)
+    return load_tokenizer(resolve_model_source(cfg.model.tokenizer, "model.tokenizer"))
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from erpo import distributed as D
 from erpo.atomic import publish
@@ -21,6 +22,7 @@ from erpo.sequences import pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 
 FORMAT_VERSION = 1
+REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
 log = logging.getLogger("erpo")
 
 
@@ -145,6 +147,23 @@ def template_id(template: str, use_chat_template: bool) -> str:
     return f"{template}|chat={use_chat_template}"
 
 
+TEMPERATURE_TAG = "|temperature="
+
+
+def with_temperature(template: str, temperature: float) -> str:
+    """The template a cache records: the prompt template's id and the temperature ell_theta0 was computed at."""
+    return f"{template}{TEMPERATURE_TAG}{temperature}"
+
+
+def recorded_temperature(template: str) -> float | None:
+    """The temperature a cache's template records (`with_temperature`), None when it records none."""
+    _, tag, value = template.rpartition(TEMPERATURE_TAG)
+    try:
+        return float(value) if tag else None
+    except ValueError:
+        return None
+
+
 @dataclass
 class ReferenceCache:
     """ell_theta0 and w per prompt hash, plus what the cache was built with."""
@@ -180,21 +199,28 @@ class ReferenceCache:
         return cls(data["model_id"], data["model_fingerprint"], data["tokenizer_id"], data["tokenizer_fingerprint"],
                    data["template"], {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()})
 
-    def check_compatible(self, *, model_id: str, model_fp: str, tokenizer_id: str, tokenizer_fp: str, template: str,
-                         path: str = "the reference cache") -> None:
-        """ValueError naming what differs when the cache was built with another model, tokenizer or template."""
+    def check_compatible(self, *, model_id: str, model_fp: str | tuple[str, ...], tokenizer_id: str,
+                         tokenizer_fp: str, template: str | None, temperature: float | None = None,
+                         path: str = "the reference cache", remedy: str = REBUILD) -> None:
+        """ValueError naming what differs when the cache was built with another model, tokenizer or template.
+        `model_fp`: the fingerprint, or every fingerprint that identifies the run's model. `template` None: the
+        template is not compared (the caller checks the prompts' token ids), only the recorded `temperature`.
+        `remedy`: the error's last sentence, what to do."""
+        accepted = (model_fp,) if isinstance(model_fp, str) else model_fp
         problems = []
-        if self.model_fingerprint != model_fp:
+        if self.model_fingerprint not in accepted:
             problems.append(f"model: cache built with {self.model_id} ({self.model_fingerprint}), training uses "
-                            f"{model_id} ({model_fp})")
+                            f"{model_id} ({' or '.join(accepted)})")
         if self.tokenizer_fingerprint != tokenizer_fp:
             problems.append(f"tokenizer: cache built with {self.tokenizer_id} ({self.tokenizer_fingerprint}), "
                             f"training uses {tokenizer_id} ({tokenizer_fp})")
-        if self.template != template:
+        if template is not None and self.template != template:
             problems.append(f"prompt template: cache built with {self.template!r}, training uses {template!r}")
+        if temperature is not None and recorded_temperature(self.template) != float(temperature):
+            problems.append(f"temperature: cache built with template {self.template!r}, training uses "
+                            f"temperature={temperature}")
         if problems:
-            raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". Rebuild it with "
-                             "`erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere.")
+            raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
 
     def lookup(self, prompt_ids: list[list[int]], path: str = "the reference cache") -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [Q] fp32, w [Q] fp32) for these prompts; ValueError when some are not in the cache."""
@@ -209,9 +235,9 @@ class ReferenceCache:
 
 
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
-                       temperature: float = 1.0) -> torch.Tensor:
+                       temperature: float = 1.0, progress: bool = False) -> torch.Tensor:
     """ell(q) [Q] float64 (nats) of each prompt under `model` (logits / temperature, as the loss sees them),
-    batched through fused_linear_token_logprobs."""
+    batched through fused_linear_token_logprobs; `progress` shows a progress bar over the batches."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     device = next(model.parameters()).device
@@ -219,7 +245,8 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
     model.eval()
     out = []
     try:
-        for start in range(0, len(prompt_ids), batch_size):
+        starts = range(0, len(prompt_ids), batch_size)
+        for start in tqdm(starts, desc="ell_theta0(q)", unit="batch", disable=not progress):
             chunk = prompt_ids[start:start + batch_size]
             batch = pack(chunk, [[] for _ in chunk], pad_id, device)
             out.append(per_sample_sum(scored_token_logp(model, batch, temperature), batch, kind=1).cpu())
@@ -230,14 +257,15 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
 
 def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, model_id: str, template: str,
                           batch_size: int, temperature: float = 1.0, model_fp: str | None = None,
-                          tokenizer_fp: str | None = None) -> ReferenceCache:
+                          tokenizer_fp: str | None = None, progress: bool = False) -> ReferenceCache:
     """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0).
-    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here)."""
+    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here); `progress`: a
+    progress bar."""
     unique = list({prompt_hash(p): p for p in prompt_ids}.items())
     local = D.shard(unique, D.rank(), D.world_size()) if len(unique) >= D.world_size() else unique
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ell_local = compute_query_logp(model, [p for _, p in local], pad_id=pad_id, batch_size=batch_size,
-                                   temperature=temperature) \
+                                   temperature=temperature, progress=progress and D.is_main()) \
         if local else torch.zeros(0, dtype=torch.float64)
     pairs = [pair for part in D.all_gather_object([(k, float(v)) for (k, _), v in zip(local, ell_local)])
              for pair in part]

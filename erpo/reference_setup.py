@@ -12,7 +12,7 @@ from erpo.config import Config
 from erpo.data import PromptSet, load_prompt_set
 from erpo.models import device_for_rank, load_model, model_path_for, tokenizer_for
 from erpo.reference_cache import (ReferenceCache, build_reference_cache, model_fingerprint, template_id,
-                                  tokenizer_fingerprint)
+                                  tokenizer_fingerprint, with_temperature)
 
 log = logging.getLogger("erpo")
 
@@ -29,8 +29,8 @@ def reference_identity(cfg: Config, model_path: str, tokenizer) -> dict:
     model_fp = D.all_gather_object(model_fingerprint(model_path) if D.is_main() else None)[0]
     return {"model_id": model_path, "model_fp": model_fp,
             "tokenizer_id": str(tokenizer.name_or_path), "tokenizer_fp": tokenizer_fingerprint(tokenizer),
-            "template": template_id(cfg.data.template, cfg.data.use_chat_template) +
-            f"|temperature={cfg.rollout.temperature}"}
+            "template": with_temperature(template_id(cfg.data.template, cfg.data.use_chat_template),
+                                         cfg.rollout.temperature)}
 
 
 def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, model_path: str | None = None,

@@ -20,12 +20,14 @@ import torch
 
 from erpo import distributed as D
 from erpo.checkpoint import HF_DIR, CheckpointManager, GracefulStop, export_hf, is_hf_export, publish_hf
-from erpo.config import Config, dump_yaml, updates_per_rollout
+from erpo.config import Config, dump_yaml, run_summary, updates_per_rollout
 from erpo.data import PromptSet, load_prompt_set
+from erpo.errors import UserError
 from erpo.lora import MERGED_DIR, AdaptersDisabled, export_merged, held_parameters_line
 from erpo.models import device_for_rank, load_model, model_path_for, rollout_engine_for, tokenizer_for
 from erpo.reference_setup import precompute_reference
 from erpo.rewards import load_reward_function
+from erpo.run_dir import check_run_dir, schedule_mismatch
 from erpo.rollout_stage import rollout_stage
 from erpo.step_plan import old_logprobs, plan_query_weights, plan_step
 from erpo.train_log import MetricsWriter
@@ -89,11 +91,12 @@ def check_batch_sizes(cfg: Config, num_prompts: int) -> None:
     """Batch-size constraints that depend on the data and the world size."""
     t = cfg.trainer
     if t.rollout_batch_size > num_prompts:
-        raise ValueError(f"trainer.rollout_batch_size ({t.rollout_batch_size}) exceeds the {num_prompts} "
-                         "training prompts")
+        raise UserError(f"trainer.rollout_batch_size ({t.rollout_batch_size}) exceeds the {num_prompts} "
+                        "training prompts; lower it or add data", exit_code=2)
     if t.update_batch_size % D.world_size():
-        raise ValueError(f"trainer.update_batch_size ({t.update_batch_size}) must be a multiple of the world size "
-                         f"({D.world_size()}): every rank gets the same number of prompts per optimizer step")
+        raise UserError(f"trainer.update_batch_size ({t.update_batch_size}) must be a multiple of the world size "
+                        f"({D.world_size()}): every rank gets the same number of prompts per optimizer step",
+                        exit_code=2)
 
 
 def build_models(cfg: Config, model_path: str, device) -> tuple[Updater, torch.nn.Module | AdaptersDisabled | None]:
@@ -123,24 +126,15 @@ def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater,
                   cache_path: str) -> dict:
     """The state of the newest checkpoint (model, optimizer and schedule restored into `updater`), checked against
     this run: same reference cache, and an LR schedule of the same length unless it is constant."""
-    t, updates = cfg.trainer, updates_per_rollout(cfg)
-    schedule_steps = t.max_steps * updates   # the LR schedule's length, in optimizer steps
     state = checkpoints.load(updater.checkpoint_target)
     if state["reference_cache_id"] != cache_id:
-        raise ValueError(f"--resume: the checkpoint was trained against reference cache "
-                         f"{state['reference_cache_id']}, but {cache_path} is {cache_id}; "
-                         f"resume with the original cache")
-    saved_steps = state.get("lr_schedule_steps")   # None: a checkpoint from before it was recorded, not checked
-    constant_lr = t.warmup_ratio == 0 and t.min_lr_ratio == 1   # the only schedule independent of its length
-    if saved_steps is not None and saved_steps != schedule_steps and not constant_lr:
-        original = (f"--max-steps {saved_steps // updates}" if saved_steps % updates == 0
-                    else "the original trainer.max_steps and batch sizes")
-        raise ValueError(f"--resume: the checkpoint's LR schedule (warmup + cosine) spans {saved_steps} optimizer "
-                         f"steps, but this config's spans {schedule_steps} (trainer.max_steps={t.max_steps} x "
-                         f"{updates} updates per rollout step): the run would not continue on its original "
-                         f"schedule. Resume with {original}; only a constant LR (trainer.warmup_ratio=0, "
-                         "trainer.min_lr_ratio=1) lets a run be extended")
-    state["lr_schedule_steps"] = schedule_steps
+        raise UserError(f"--resume: the checkpoint was trained against reference cache "
+                        f"{state['reference_cache_id']}, but {cache_path} is {cache_id}; "
+                        f"resume with the original cache")
+    problem = schedule_mismatch(state.get("lr_schedule_steps"), cfg)   # also checked by check_run_dir, up front
+    if problem:
+        raise UserError(f"--resume {cfg.output_dir}: {problem}")
+    state["lr_schedule_steps"] = cfg.trainer.max_steps * updates_per_rollout(cfg)
     log.info("resumed from %s at rollout step %d", checkpoints.latest(), state["rollout_step"])
     return state
 
@@ -148,13 +142,10 @@ def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater,
 def start_run(cfg: Config, resume: bool) -> Run:
     """Check the output dir, set up ranks and seeds, load the data, models, reference cache and rollout engine,
     and restore the newest checkpoint when resuming."""
+    check_run_dir(cfg, resume=resume)
+    log.info("erpo train: %s", run_summary(cfg))
     out_dir = Path(cfg.output_dir)
     checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last)
-    if resume and checkpoints.latest() is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {out_dir / 'checkpoints'}")
-    if not resume and checkpoints.latest() is not None:
-        raise FileExistsError(f"{out_dir} already holds checkpoints (newest: {checkpoints.latest()}); continue that "
-                              "run with --resume, or start a fresh one with another --output-dir")
     D.init_distributed()
     if D.is_main():
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,11 +156,13 @@ def start_run(cfg: Config, resume: bool) -> Run:
     ps = load_prompt_set(cfg, tokenizer)
     check_batch_sizes(cfg, len(ps.prompt_ids))
     device = device_for_rank()
+    # vLLM loads its own copy of the weights and sizes its memory from what is free: before DeepSpeed allocates.
+    engine = rollout_engine_for(cfg, None, tokenizer, model_path) if cfg.rollout.engine == "vllm" else None
     updater, ref_model = build_models(cfg, model_path, device)
     cache, cache_path, (ref_query_logp, static_weight) = precompute_reference(
         cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
     reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]
-    engine = rollout_engine_for(cfg, updater.module, tokenizer, model_path)
+    engine = engine or rollout_engine_for(cfg, updater.module, tokenizer, model_path)
     state = {"rollout_step": 0, "opt_step": 0, "epoch": 0, "cursor": 0, "nonfinite_skipped": 0,
              "reference_cache_id": cache.cache_id, "lr_schedule_steps": cfg.trainer.max_steps * updates_per_rollout(cfg)}
     if resume:

@@ -84,7 +84,6 @@ def fake_training(monkeypatch):
     def destroy():
         calls["destroy"] += 1
     monkeypatch.setattr(erpo.trainer, "train", train)
-    monkeypatch.setattr("erpo.run_dir.check_run_dir", lambda cfg, resume: None)   # no run directory to check
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return calls

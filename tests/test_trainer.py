@@ -11,6 +11,7 @@ import torch
 import erpo.trainer as trainer_module
 import erpo.update_step as update_step
 from erpo.config import Config, apply_overrides, resolve
+from erpo.errors import UserError
 from erpo.trainer import PromptSampler, train
 from erpo.updater import deepspeed_config_for, lr_lambda
 
@@ -120,7 +121,7 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, cache_dir):
     out = tmp_path / "used"
     train(small_cfg(out, cache_dir, "trainer.max_steps=1"))
     before = {name: (out / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
-    with pytest.raises(FileExistsError, match=r"already holds checkpoints .*step-1.*--resume.*another --output-dir"):
+    with pytest.raises(UserError, match=r"holds a finished run \(final/\); choose another --output-dir"):
         train(small_cfg(out, cache_dir, "trainer.max_steps=2", "trainer.seed=5"))
     assert {name: (out / name).read_bytes() for name in before} == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]

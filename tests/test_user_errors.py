@@ -110,8 +110,11 @@ def fake_run(run: Path, *, finished: bool, schedule_steps: int = 5) -> Path:
 
 @pytest.fixture
 def no_training(monkeypatch):
-    import erpo.trainer
-    monkeypatch.setattr(erpo.trainer, "train", lambda cfg, resume=False: pytest.fail("training must not start"))
+    """The run directory is checked first thing in train(): nothing after it (process group, seeds, data,
+    models) may start."""
+    import erpo.distributed
+    monkeypatch.setattr(erpo.distributed, "init_distributed",
+                        lambda *args, **kwargs: pytest.fail("training must not start"))
 
 
 def test_run_directory_errors(capsys, tmp_path, no_training):

@@ -1,0 +1,312 @@
+"""erpo.integrations.trl: ERPOTrainer's loss equals TRL's GRPOTrainer._compute_loss (loss and every gradient) when
+ERPO's terms are off, and a few real train() steps log the Query-KL and write / reuse the reference cache.
+Tiny Qwen2 and character tokenizer built locally (erpo.tiny); CPU only."""
+import json
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from erpo.integrations.trl import CACHE_FILE, ERPOConfig, ERPOTrainer  # noqa: E402
+from erpo.reference_cache import ReferenceCache, prompt_hash  # noqa: E402
+from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+
+PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
+
+
+def reward_length(completions, **kwargs):
+    """A reward the tiny model can move quickly: longer completions score higher."""
+    return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path of a saved tiny Qwen2 + tokenizer, the tokenizer). A path, so that TRL can load a reference model."""
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny")
+    build_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def make_trainer(tiny, output_dir, conversational=False, **overrides):
+    path, tokenizer = tiny
+    rows = [{"prompt": [{"role": "user", "content": p}] if conversational else p} for p in PROMPTS]
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
+                    max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+                    seed=0, disable_dropout=True, bf16=False)  # fp32: TRL computes its head in the autocast dtype
+    args = ERPOConfig(**{**settings, **overrides})
+    return ERPOTrainer(model=path, reward_funcs=reward_length, args=args,
+                       train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+
+
+def trl_inputs(trainer, seed=0):
+    """A GRPOTrainer micro-batch as `_generate_and_score_completions` builds it, with every optional tensor:
+    left-padded prompts, right-padded completions (one fully masked, as mask_truncated_completions leaves it),
+    a tool output inside a completion (tool_mask 0), old and reference log-probs off the current policy,
+    vLLM importance-sampling ratios and num_items_in_batch."""
+    g = torch.Generator().manual_seed(seed)
+    tokenizer = trainer.processing_class
+    prompts = [tokenizer(p)["input_ids"] for p in ["1+1=", "22+3=", "7*8=", "3*33="]]
+    width = max(map(len, prompts))
+    prompt_ids = torch.full((4, width), tokenizer.pad_token_id)
+    prompt_mask = torch.zeros((4, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, width - len(p):] = torch.tensor(p)
+        prompt_mask[i, width - len(p):] = 1
+    completion_ids = torch.randint(3, len(tokenizer), (4, 6), generator=g)
+    completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [0] * 6, [1] * 5 + [0]])
+    completion_ids[completion_mask == 0] = tokenizer.pad_token_id
+    tool_mask = torch.ones_like(completion_mask)
+    tool_mask[0, 2:4] = 0
+    mask = (completion_mask * tool_mask).float()
+    return dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=completion_mask, tool_mask=tool_mask, advantages=torch.tensor([1.0, -0.7, 0.4, -1.3]),
+        num_items_in_batch=mask.sum() * 3,
+        noise_old=0.3 * torch.randn(4, 6, generator=g), noise_ref=0.3 * torch.randn(4, 6, generator=g),
+        importance_sampling_ratio=(torch.rand(4, 6, generator=g) * 1.5 + 0.25),
+    )
+
+
+def with_logps(trainer, inputs, old: bool):
+    """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range)."""
+    inputs = dict(inputs)
+    noise_old, noise_ref = inputs.pop("noise_old"), inputs.pop("noise_ref")
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention,
+                                                                 inputs["completion_ids"].shape[1])
+    if old:
+        inputs["old_per_token_logps"] = logps + noise_old
+    inputs["ref_per_token_logps"] = logps + noise_ref
+    return inputs
+
+
+def loss_and_grads(trainer, compute_loss, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = compute_loss(trainer, trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def logged(trainer, compute_loss, inputs):
+    """(loss, gradients, the metrics this call logged)."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode].clear()
+    loss, grads = loss_and_grads(trainer, compute_loss, inputs)
+    return loss, grads, {k: v[-1] for k, v in trainer._metrics[mode].items()}
+
+
+def assert_parity(trainer, inputs):
+    ours_loss, ours, our_metrics = logged(trainer, ERPOTrainer._compute_loss, inputs)
+    trl_loss, theirs, trl_metrics = logged(trainer, trl.GRPOTrainer._compute_loss, inputs)
+    assert set(trl_metrics) <= set(our_metrics)          # TRL's own loss metrics, same names and values
+    for name, value in trl_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), name
+    assert trl_loss.abs() > 1e-4  # a loss that is not trivially zero
+    torch.testing.assert_close(ours_loss, trl_loss, rtol=1e-5, atol=0)
+    assert ours.keys() == theirs.keys() and len(theirs) == len(list(trainer.model.parameters()))
+    for name, grad in theirs.items():
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+KL_SETTINGS = {"beta0": dict(beta=0.0), "beta_bias_correction": dict(beta=0.04, use_bias_correction_kl=True),
+               "beta_plain": dict(beta=0.04, use_bias_correction_kl=False)}
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+@pytest.mark.parametrize("kl", list(KL_SETTINGS))
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_and_gradients_equal_trl(tiny, tmp_path, loss_type, kl, fused_linear):
+    """qkl_coef=0, query_weight='none': gradient accumulation 2, num_iterations 2 (old log-probs present)."""
+    trainer = make_trainer(tiny, tmp_path, loss_type=loss_type, fused_linear=fused_linear, qkl_coef=0.0,
+                           query_weight="none", gradient_accumulation_steps=2, num_iterations=2,
+                           **KL_SETTINGS[kl])
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+
+
+@pytest.mark.parametrize("case", ["on_policy", "sequence_level", "delta_epsilon_high", "vllm_is", "eval",
+                                  "entropy_grpo", "entropy_dapo_beta"])
+def test_trl_features_equal_trl(tiny, tmp_path, case):
+    """On-policy (no old log-probs), GSPO's sequence-level ratio (with the bias-corrected KL), two-sided clipping
+    (delta) with an asymmetric clip range, vLLM's importance-sampling correction, eval mode (no accumulation
+    normalizer), and TRL's entropy bonus (a token mean whatever the loss type)."""
+    settings = {"on_policy": dict(loss_type="dapo"),
+                "sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+                "delta_epsilon_high": dict(loss_type="dapo", delta=1.5, epsilon=0.1, epsilon_high=0.28),
+                "vllm_is": dict(loss_type="bnpo"),
+                "eval": dict(loss_type="grpo"),
+                "entropy_grpo": dict(loss_type="grpo", entropy_coef=0.05),
+                "entropy_dapo_beta": dict(loss_type="dapo", entropy_coef=0.05, beta=0.04)}[case]
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight="none", gradient_accumulation_steps=2,
+                           **settings)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train(case != "eval")
+    if case == "vllm_is":  # what GRPOTrainer sets with use_vllm=True (vLLM itself is not needed for the loss)
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=case != "on_policy"))
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(loss_type="cispo"), "loss_type='cispo'"), (dict(query_weight="dynamic"), "query_weight"),
+    (dict(qkl_estimator="k3-token"), "k3-token"), (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+    (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high")])
+def test_unsupported_settings_raise(tmp_path, setting, message):
+    with pytest.raises(ValueError, match=message):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **setting)
+
+
+def test_grpo_config_is_refused(tiny, tmp_path):
+    with pytest.raises(TypeError, match="ERPOConfig"):
+        ERPOTrainer(model=tiny[0], reward_funcs=reward_length,
+                    args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
+
+
+def train_run(tiny, output_dir, max_steps):
+    trainer = make_trainer(tiny, output_dir, conversational=True, qkl_coef=0.5, query_weight="static",
+                           learning_rate=3e-2, max_steps=max_steps, temperature=1.0)
+    trainer.train()
+    return trainer, [entry for entry in trainer.state.log_history if "qkl" in entry]
+
+
+def test_train_logs_qkl_and_reuses_the_reference_cache(tiny, tmp_path):
+    trainer, logs = train_run(tiny, tmp_path, max_steps=3)
+    assert len(logs) == 3
+    assert abs(logs[0]["qkl"]) < 1e-6                    # theta = theta0 at the first step
+    assert logs[-1]["qkl"] > 1e-4                        # the model has moved
+    assert all(math.isfinite(entry["query_logp"]) and entry["query_weight_mean"] > 0 for entry in logs)
+    assert "clip_ratio/region_mean" in logs[0] and "entropy" in logs[0]   # TRL's own metrics still logged
+
+    path = tmp_path / CACHE_FILE
+    cache = ReferenceCache.load(str(path))
+    ids = trainer._tokenize_prompts([[{"role": "user", "content": p}] for p in PROMPTS])[0]
+    assert set(cache.entries) == {prompt_hash(list(p)) for p in ids}
+    # A second run with the same model reads the cache instead of rebuilding it: mark an entry and see it back.
+    data = json.loads(path.read_text())
+    key = prompt_hash(list(ids[0]))
+    data["entries"][key][0] = -123.0
+    path.write_text(json.dumps(data))
+    second = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    assert second.reference_cache.entries[key][0] == -123.0
+
+
+def test_missing_prompt_is_a_clear_error(tiny, tmp_path):
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    inputs = trl_inputs(trainer)   # plain-text prompts: not in the cache of the conversational dataset
+    with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0"):
+        trainer._compute_loss(trainer.model, with_logps(trainer, inputs, old=False))
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_current_query_weight(tiny, tmp_path, fused_linear):
+    """query_weight='current': w(q) from the current policy's ell_theta(q) over the micro-batch. Equal prompts give
+    w = 1 (TRL's loss exactly); different prompts give other weights (a different loss)."""
+    trainer = make_trainer(tiny, tmp_path, loss_type="dapo", qkl_coef=0.0, query_weight="current",
+                           fused_linear=fused_linear)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    ours = ERPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    assert abs(ours - trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()) > 1e-4
+    same = dict(inputs, prompt_ids=inputs["prompt_ids"][[3, 3, 3, 3]], prompt_mask=inputs["prompt_mask"][[3, 3, 3, 3]])
+    assert logged(trainer, ERPOTrainer._compute_loss, same)[2]["query_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert_parity(trainer, same)
+
+
+def test_cache_of_another_model_is_refused(tiny, tmp_path):
+    make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)          # writes the cache for this model
+    other = tmp_path / "other"
+    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(other)
+    with pytest.raises(ValueError, match="does not match this run: model"):
+        make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)
+
+
+def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=True):
+    """`erpo precompute-ref`'s cache of PROMPTS (data.template=plain), as one user turn through the chat template
+    (the token ids of TRL's conversational prompts) or as bare text (those of TRL's plain-text prompts)."""
+    from erpo.config import Config, apply_overrides, resolve
+    from erpo.reference_setup import precompute_reference
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = run_dir / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in PROMPTS))
+    cfg = resolve(apply_overrides(Config(), [
+        f"output_dir={run_dir}", f"model.name_or_path={model_path}", f"data.source={source}", "data.template=plain",
+        f"data.use_chat_template={str(conversational).lower()}", f"rollout.temperature={temperature}"]))
+    return precompute_reference(cfg)[1]
+
+
+@pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "text"])
+def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
+    """A cache of `erpo precompute-ref` for the same model directory and prompts is read, not rebuilt; one at
+    another temperature or of another model is refused. The tokenizer is loaded from the model directory, as erpo
+    does (transformers then gives the Qwen2 tokenizer, whose pre-tokenizer differs from erpo.tiny's in memory)."""
+    from erpo.models import load_tokenizer
+    path = precompute_ref_cache(tiny[0], tmp_path / "pre", conversational=conversational)
+    tiny = (tiny[0], load_tokenizer(tiny[0]))
+    data = json.loads(open(path).read())
+    key = next(iter(data["entries"]))
+    data["entries"][key][0] = -123.0          # a marker: a rebuilt cache would not hold it
+    open(path, "w").write(json.dumps(data))
+    trainer = make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path)
+    assert trainer.reference_cache.entries[key][0] == -123.0
+    with pytest.raises(ValueError, match="does not match this run: temperature"):
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=path,
+                     temperature=0.7)
+    with pytest.raises(ValueError, match="has no ell_theta0"):   # the other rendering's token ids
+        make_trainer(tiny, tmp_path / "run", conversational=not conversational, qkl_coef=0.5, ref_cache=path)
+
+    other = tmp_path / "other"
+    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(other)
+    tiny[1].save_pretrained(other)
+    other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other", conversational=conversational)
+    with pytest.raises(ValueError, match="does not match this run: model"):
+        make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)
+
+
+def test_evaluate_with_the_query_kl(tiny, tmp_path):
+    """Eval prompts (TRL's dict of eval datasets) get ell_theta0(q) at start, in the same cache, with the training
+    prompts' entries unchanged and w(q) scaled by the training prompts' mean surprisal; evaluation then runs the
+    ERPO loss on them (before training: those cached values, Query-KL 0; during train(): a Query-KL > 0)."""
+    plain = make_trainer(tiny, tmp_path / "train-only", conversational=True, qkl_coef=0.5)
+    held_out = ["5+5=", "8*2="]
+    eval_rows = {"a": datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in held_out]),
+                 "b": datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPTS[0]}]}])}
+    path, tokenizer = tiny
+    args = ERPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, per_device_eval_batch_size=2,
+                      num_generations=2, max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no",
+                      seed=0, bf16=False, qkl_coef=0.5, query_weight="static", learning_rate=3e-2, max_steps=2,
+                      eval_strategy="steps", eval_steps=1, logging_steps=1)
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+    trainer = ERPOTrainer(model=path, reward_funcs=reward_length, args=args,
+                          train_dataset=datasets.Dataset.from_list(rows), eval_dataset=eval_rows,
+                          processing_class=tokenizer)
+    entries = trainer.reference_cache.entries
+    assert len(entries) == len(PROMPTS) + 2
+    assert {k: v for k, v in entries.items() if k in plain.reference_cache.entries} == plain.reference_cache.entries
+    assert set(ReferenceCache.load(str(tmp_path / "run" / CACHE_FILE)).entries) == set(entries)   # saved
+    ids = trainer._tokenize_prompts([[{"role": "user", "content": p}] for p in held_out])[0]
+    ell, w = torch.tensor([entries[prompt_hash(list(p))] for p in ids], dtype=torch.float64).unbind(1)
+    train_surprisal = -torch.tensor([v[0] for v in plain.reference_cache.entries.values()], dtype=torch.float64)
+    torch.testing.assert_close(w, (train_surprisal.mean() / -ell).clamp(0, 2))
+
+    trainer.evaluate(eval_rows["a"], metric_key_prefix="eval_a")
+    logs = trainer.state.log_history[-1]
+    assert logs["eval_query_logp"] == pytest.approx(ell.mean().item(), rel=1e-5)
+    assert logs["eval_query_weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
+    assert abs(logs["eval_qkl"]) < 1e-6 and math.isfinite(logs["eval_a_loss"])
+    trainer.train()
+    evaluated = [entry for entry in trainer.state.log_history[1:] if "eval_qkl" in entry]
+    assert {"eval_a_loss", "eval_b_loss"} <= {key for entry in evaluated for key in entry}
+    assert evaluated[-1]["eval_qkl"] > 1e-6
