@@ -30,11 +30,12 @@ setup(
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
         # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly).
         "test": ["pytest>=7", "triton==3.6.0", "numpy<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
-                 "trl==1.16.0"],
+                 "trl==1.16.0", "peft==0.21.2"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
         "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout_vllm uses, checked against 0.10.2 and 0.33.0
         "trl": ["trl==1.16.0"],
+        "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with
         "data": ["datasets", "pyarrow"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"]},

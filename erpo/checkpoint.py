@@ -5,7 +5,12 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-N/`:
     rng/rank-R.pt      python / numpy / torch / CUDA RNG states of rank R
     engine/...         DeepSpeed engine: DeepSpeed's own files (model, ZeRO optimizer shards, scheduler)
     model.pt, optimizer.pt, scheduler.pt     plain torch bundle (TorchBundle)
-    hf/                the model (+ tokenizer) in Hugging Face format, when saved with `export=True`
+    hf/                the model (+ tokenizer) in Hugging Face format, when saved with `export=True`; for a LoRA
+                       model its adapters (`erpo.lora.export_adapter`)
+
+The model's frozen parameters (a LoRA model's base weights) are not saved: they are the weights it was loaded
+with, and a resumed run loads them again (the trainer checks they are the same through the reference cache's
+model fingerprint). meta.json lists the trainable parameters; a model that trains others is refused on load.
 
 A checkpoint is built in `checkpoints/.tmp-step-N/`, every file fsynced, then renamed to `step-N` in one
 atomic rename: a process killed at any moment leaves either no `step-N` or a complete one, and the
@@ -176,9 +181,11 @@ class CheckpointManager:
 
         torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt")
         if kind == "deepspeed":
-            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                                   exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
         elif dist_utils.is_main():
-            torch.save(engine.model.state_dict(), tmp / "model.pt")
+            frozen = set(parameter_names(engine.model, trainable=False))
+            torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, tmp / "model.pt")
             if engine.optimizer is not None:
                 torch.save(engine.optimizer.state_dict(), tmp / "optimizer.pt")
             if engine.scheduler is not None:
@@ -189,7 +196,8 @@ class CheckpointManager:
 
         if dist_utils.is_main():
             meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": dist_utils.world_size(),
-                    "engine": kind, "state": json.loads(state_json)}
+                    "engine": kind, "state": json.loads(state_json),
+                    "trainable_parameters": parameter_names(trained_model(engine), trainable=True)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             fsync_tree(tmp)
             if self.before_commit is not None:
@@ -236,9 +244,17 @@ class CheckpointManager:
         if meta["engine"] != kind:
             raise ValueError(f"checkpoint {path} was saved from a {meta['engine']} engine, cannot load it into "
                              f"a {kind} engine")
+        saved, here = meta.get("trainable_parameters"), parameter_names(trained_model(engine), trainable=True)
+        if saved is not None and saved != here:   # None: saved before the list was recorded, not checked
+            differ = sorted(set(saved) ^ set(here))
+            raise ValueError(f"checkpoint {path} trains other parameters than this model ({len(saved)} saved, "
+                             f"{len(here)} here; e.g. {differ[:2]}): resume with the model settings (model.lora) "
+                             "it was saved with")
         if kind == "deepspeed":
             load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True,
+                                                  load_module_strict=not parameter_names(engine.module,
+                                                                                         trainable=False))
             if load_path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
         else:
@@ -254,7 +270,9 @@ class CheckpointManager:
 
     @staticmethod
     def load_torch_bundle(bundle: TorchBundle, path: Path) -> None:
-        bundle.model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+        frozen = parameter_names(bundle.model, trainable=False)   # not in model.pt: loaded with the model
+        bundle.model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True),
+                                     strict=not frozen)
         for name, obj in (("optimizer", bundle.optimizer), ("scheduler", bundle.scheduler)):
             if obj is None:
                 continue
@@ -318,6 +336,18 @@ class GracefulStop:
 
 # -------------------------------------------------------------------------------------------- export
 
+def trained_model(engine: Any) -> torch.nn.Module:
+    """The model a DeepSpeed engine or a TorchBundle holds."""
+    return engine.module if engine_kind(engine) == "deepspeed" else engine.model
+
+
+def parameter_names(model: torch.nn.Module, *, trainable: bool) -> list[str]:
+    """Sorted state-dict names (tied names included) of `model`'s trainable or of its frozen parameters. Frozen
+    ones (a LoRA model's base weights) are what checkpoints leave out."""
+    return sorted(name for name, param in model.named_parameters(remove_duplicate=False)
+                  if param.requires_grad == trainable)
+
+
 def unwrap_model(model: Any) -> torch.nn.Module:
     """The underlying transformers model of a DeepSpeed engine, DDP wrapper or torch.compile'd module."""
     while True:
@@ -347,11 +377,15 @@ def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | Non
 
 def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
     """Write `model` (+ `tokenizer` when not None) with `save_pretrained` (safetensors) into `out_dir`,
-    loadable by `transformers.AutoModelForCausalLM.from_pretrained` and by vLLM. Collective under
-    DeepSpeed (ZeRO-3 parameters are gathered one by one); rank 0 writes. Atomic: written to a sibling
-    temporary directory, then renamed over `out_dir`. Returns out_dir.
+    loadable by `transformers.AutoModelForCausalLM.from_pretrained` and by vLLM; a LoRA model's adapters alone
+    (`erpo.lora.export_adapter`). Collective under DeepSpeed (ZeRO-3 parameters are gathered one by one); rank 0
+    writes. Atomic: written to a sibling temporary directory, then renamed over `out_dir`. Returns out_dir.
     """
+    from erpo.lora import export_adapter, is_lora_model   # erpo.lora builds on this module
+
     module = unwrap_model(model)
+    if is_lora_model(module):
+        return export_adapter(model, tokenizer, out_dir)
     if not hasattr(module, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel (or wrap one), got {type(module).__name__}")
     state_dict = gathered_state_dict(module)
@@ -363,14 +397,21 @@ def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
     return write_dir_atomically(out_dir, write)
 
 
+def is_hf_export(path: str | os.PathLike) -> bool:
+    """Whether `path` holds an `export_hf` result: a model (config.json) or LoRA adapters (adapter_config.json)."""
+    from erpo.lora import is_adapter_dir
+
+    return (Path(path) / "config.json").is_file() or is_adapter_dir(path)
+
+
 def publish_hf(export_dir: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """Make `out_dir` hold the same files as the Hugging Face export `export_dir` (a checkpoint's `hf/`) without a
     second gather or a second copy on disk: each file is a hard link, or a copy where the file system has no
     links. Pruning the checkpoint later leaves `out_dir` whole. Rank 0 writes; atomic like `export_hf`; a
     collective barrier. Returns out_dir."""
     source = Path(export_dir)
-    if dist_utils.is_main() and not (source / "config.json").is_file():
-        raise FileNotFoundError(f"{source} is not a Hugging Face export (no config.json)")
+    if dist_utils.is_main() and not is_hf_export(source):
+        raise FileNotFoundError(f"{source} is not a Hugging Face export (no config.json or adapter_config.json)")
 
     def write(tmp: Path) -> None:
         shutil.copytree(source, tmp, copy_function=link_or_copy)

@@ -61,7 +61,8 @@ def add_debug_argument(p: argparse.ArgumentParser, default=argparse.SUPPRESS) ->
 
 def add_config_arguments(p: argparse.ArgumentParser, output_help: str = "run directory (config output_dir)") -> None:
     p.add_argument("--config", help="YAML config file, or the name of a shipped config (tiny, "
-                                    "qwen25_math_7b_erpo, qwen25_math_7b_grpo); default: the built-in tiny run")
+                                    "qwen25_math_7b_erpo, qwen25_math_7b_grpo, qwen25_math_7b_erpo_lora); default: the "
+                                    "built-in tiny run")
     p.add_argument("--output-dir", help=output_help)
     p.add_argument("--set", nargs="+", action="extend", metavar="KEY=VALUE", default=[],
                    help="override any config key, e.g. --set trainer.lr=1e-5 algorithm.qkl_coef=0.05")

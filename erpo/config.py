@@ -23,6 +23,19 @@ _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defau
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (erpo.lora, PEFT: pip install 'erpo[lora]'); rank 0 trains all weights."""
+    rank: int = 0                             # r; 0: LoRA off (full fine-tuning)
+    alpha: float = 32.0                       # the update is (alpha / rank) * B A
+    dropout: float = 0.0                      # on the adapters' input; > 0 makes the policy's forward stochastic
+    # Qwen2 / Llama / Mistral names (attention and MLP projections); [all-linear]: every linear layer but lm_head.
+    # lm_head (and a tied input embedding) is refused: the fused-linear loss reads the head's weight directly.
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    export_merged: bool = False               # also final/merged/: base + adapters as one HF model
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = "tiny"               # "tiny": the built-in Qwen2-architecture model, else an HF path
     tokenizer: str | None = None             # defaults to name_or_path
@@ -30,6 +43,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None    # e.g. "sdpa", "flash_attention_2"
     cache_dir: str = "~/.cache/erpo"          # where the tiny model's SFT warm start (theta0) is kept
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -373,6 +387,14 @@ def resolve(cfg: Config) -> Config:
                          f"{len(cfg.reward.functions)}")
     if not cfg.reward.functions:
         raise ValueError("reward.functions is empty; give at least one reward function")
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise ValueError(f"model.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
+    if not lora.alpha > 0 or not 0 <= lora.dropout < 1:
+        raise ValueError(f"model.lora needs alpha > 0 and 0 <= dropout < 1, got alpha={lora.alpha}, "
+                         f"dropout={lora.dropout}")
+    if not lora.target_modules:
+        raise ValueError("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj]")
     a = cfg.algorithm
     if a.qkl_coef < 0 or a.policy_kl_coef < 0:
         raise ValueError("algorithm.qkl_coef and algorithm.policy_kl_coef must be >= 0")

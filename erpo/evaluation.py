@@ -79,7 +79,10 @@ RUN_START_SUFFIX = "@start"
 
 
 def _is_hf_model_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))
+    """A Hugging Face model (config.json) or a LoRA adapter on one (adapter_config.json, `erpo.lora`)."""
+    from erpo.lora import is_adapter_dir
+
+    return os.path.isfile(os.path.join(path, "config.json")) or is_adapter_dir(path)
 
 
 def _is_run_dir(path: str) -> bool:
@@ -295,11 +298,16 @@ def build_engine(model_path: str, *, backend: str, device: str, dtype: str, seed
     """
     import torch
 
+    from erpo.lora import MERGED_DIR, is_adapter_dir
     from erpo.models import load_causal_lm, load_tokenizer, make_rollout_engine
 
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"--backend must be auto, hf or vllm, got {backend!r}")
-    use_vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
+    adapter = is_adapter_dir(model_path)
+    if adapter and backend == "vllm":
+        raise ValueError(f"--model {model_path} is a LoRA adapter, which --backend vllm does not load: pass the merged "
+                         f"model ({MERGED_DIR}/ of a run trained with model.lora.export_merged=true) or --backend hf")
+    use_vllm = backend == "vllm" or (backend == "auto" and not adapter and importlib.util.find_spec("vllm") is not None)
     if tensor_parallel_size > 1 and not use_vllm:
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs the vLLM backend (--backend vllm, "
                          "pip install 'erpo[vllm]')")

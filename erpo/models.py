@@ -50,12 +50,16 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 def load_causal_lm(path: str, *, dtype, device, trainable: bool = False, gradient_checkpointing: bool = False,
                    attn_implementation: str | None = None):
     """A transformers causal LM on `device`: in train mode (no KV cache, optional non-reentrant gradient
-    checkpointing) when `trainable`, else frozen in eval mode. dtype: a torch dtype or "auto" (the checkpoint's)."""
+    checkpointing) when `trainable`, else frozen in eval mode. dtype: a torch dtype or "auto" (the checkpoint's).
+    `path` may be a LoRA adapter directory: its base model with the adapters merged in (`erpo.lora`)."""
     from transformers import AutoModelForCausalLM
+
+    from erpo.lora import is_adapter_dir, load_merged_adapter
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    load = load_merged_adapter if is_adapter_dir(path) else AutoModelForCausalLM.from_pretrained
+    model = load(path, **kwargs)
     if trainable:
         if gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.x name
@@ -69,10 +73,15 @@ def load_causal_lm(path: str, *, dtype, device, trainable: bool = False, gradien
 
 
 def load_model(cfg: Config, model_path: str, device, *, trainable: bool):
-    """The run's model (policy when `trainable`, else a frozen reference) with cfg.model's dtype and options."""
-    return load_causal_lm(model_path, dtype=torch_dtype(cfg), device=device, trainable=trainable,
-                          gradient_checkpointing=cfg.model.gradient_checkpointing,
-                          attn_implementation=cfg.model.attn_implementation)
+    """The run's model (policy when `trainable`, else a frozen reference) with cfg.model's dtype and options; the
+    policy carries LoRA adapters when model.lora.rank > 0 (only they are trainable)."""
+    model = load_causal_lm(model_path, dtype=torch_dtype(cfg), device=device, trainable=trainable,
+                           gradient_checkpointing=cfg.model.gradient_checkpointing,
+                           attn_implementation=cfg.model.attn_implementation)
+    if trainable and cfg.model.lora.rank:
+        from erpo.lora import apply_lora
+        model = apply_lora(model, cfg.model.lora)
+    return model
 
 
 def device_for_rank() -> torch.device:

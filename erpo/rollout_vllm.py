@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import distributed as D
-from .checkpoint import unwrap_model
+from .lora import inference_weights
 from .rollout import RolloutBatch, RolloutEngine
 
 SEED_STRIDE = 1_000_003  # per-prompt seeds: base + data-parallel rank * stride + prompt * n + sample
@@ -190,14 +190,14 @@ class VLLMRollout(RolloutEngine):
     def sync_weights(self, model) -> None:
         """Copy the trainer's current parameters into vLLM, one parameter at a time (gathered from the
         ZeRO-3 shards when partitioned: collective, every rank calls it), then reset the prefix cache
-        (cached KV of the old weights is stale). Wakes the weights first if the engine sleeps."""
+        (cached KV of the old weights is stale). A LoRA model's adapters are merged on the way
+        (`erpo.lora.inference_weights`): vLLM holds the plain model. Wakes the weights first if the engine sleeps."""
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
         load_weights = self.model_loader()
-        for name, param in unwrap_model(model).named_parameters():
-            with D.gathered([param]):
-                load_weights([(name, param.data)])
+        for name, weight in inference_weights(model):
+            load_weights([(name, weight)])
         self.weights_discarded = False
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests still hold "

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from erpo import distributed as D
-from erpo.checkpoint import HF_DIR, CheckpointManager, GracefulStop, export_hf, publish_hf
+from erpo.checkpoint import HF_DIR, CheckpointManager, GracefulStop, export_hf, is_hf_export, publish_hf
 from erpo.config import Config, dump_yaml, run_summary, updates_per_rollout
 from erpo.data import PromptSet, load_prompt_set
 from erpo.errors import UserError
+from erpo.lora import MERGED_DIR, AdaptersDisabled, export_merged, held_parameters_line
 from erpo.models import device_for_rank, load_model, model_path_for, rollout_engine_for, tokenizer_for
 from erpo.reference_setup import precompute_reference
 from erpo.rewards import load_reward_function
@@ -66,7 +67,8 @@ class Run:
     tokenizer: object
     prompts: PromptSet
     updater: Updater
-    ref_model: torch.nn.Module | None   # the live reference for policy KL / k3-token (None when not needed)
+    ref_model: torch.nn.Module | AdaptersDisabled | None   # the live reference for policy KL / k3-token (None when
+                                                         # not needed; with LoRA: the policy, adapters off)
     engine: object                      # the rollout engine (erpo.rollout.RolloutEngine)
     reward_fns: list
     ref_query_logp: torch.Tensor        # [Q] ell_theta0(q) of every training prompt (reference cache)
@@ -97,20 +99,24 @@ def check_batch_sizes(cfg: Config, num_prompts: int) -> None:
                         exit_code=2)
 
 
-def build_models(cfg: Config, model_path: str, device) -> tuple[Updater, torch.nn.Module | None]:
+def build_models(cfg: Config, model_path: str, device) -> tuple[Updater, torch.nn.Module | AdaptersDisabled | None]:
     """The policy inside its updater, and the live reference model when the loss needs one (policy KL or the
-    k3-token estimator). Under DeepSpeed at ZeRO-3 both are created partitioned over ranks."""
+    k3-token estimator). Under DeepSpeed at ZeRO-3 both are created partitioned over ranks. With LoRA
+    (model.lora.rank > 0) the reference is the policy itself with its adapters switched off: no second model."""
     kind = choose_updater(cfg)
     ds_config = deepspeed_config_for(cfg) if kind == "deepspeed" else None
     # At ZeRO-3 the models are created partitioned (never whole on one GPU) while this object is alive.
     zero3_init = D.hf_deepspeed_config(ds_config) if ds_config is not None else None
     model = load_model(cfg, model_path, device, trainable=True)
-    a = cfg.algorithm
+    a, lora = cfg.algorithm, cfg.model.lora.rank > 0
     needs_ref_model = a.policy_kl_coef > 0 or a.qkl_estimator == "k3-token"
-    ref_model = load_model(cfg, model_path, device, trainable=False) if needs_ref_model else None
+    ref_model = load_model(cfg, model_path, device, trainable=False) if needs_ref_model and not lora else None
     del zero3_init
     # DeepSpeed before any forward: at ZeRO-3 its hooks gather the partitioned weights.
     updater = make_updater(kind, model, cfg, cfg.trainer.max_steps * updates_per_rollout(cfg), ds_config)
+    if lora:
+        log.info(held_parameters_line(updater.model, reference_needed=needs_ref_model))
+        return updater, AdaptersDisabled(updater.model) if needs_ref_model else None
     if ref_model is not None and ds_config is not None:
         ref_model = D.prepare_reference_model(ref_model, ds_config)  # ZeRO-3: partitioned inference engine
     return updater, ref_model
@@ -178,10 +184,12 @@ def finish_run(cfg: Config, run: Run) -> None:
     """The final checkpoint, its model exported to OUTPUT_DIR/final, and the training plot."""
     exported = Path(save_checkpoint(cfg, run)) / HF_DIR
     # The checkpoint's own export (rank 0 wrote it; ranks must agree) is linked, not gathered and written again.
-    if D.all_gather_object(exported.joinpath("config.json").is_file())[0]:
+    if D.all_gather_object(is_hf_export(exported))[0]:
         publish_hf(exported, run.out_dir / "final")
     else:
         export_hf(run.updater.model, run.tokenizer, run.out_dir / "final")
+    if cfg.model.lora.rank and cfg.model.lora.export_merged:   # final/ holds the adapters, final/merged/ the model
+        export_merged(run.updater.model, run.tokenizer, run.out_dir / "final" / MERGED_DIR)
     if cfg.logging.plot and D.is_main():
         from erpo.plotting import plot_runs
         png = plot_runs([str(run.out_dir)], str(run.out_dir / "plots" / "training.png"))

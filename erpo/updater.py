@@ -110,7 +110,8 @@ class TorchUpdater:
         t = cfg.trainer
         self.model = model
         self.max_grad_norm = t.max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), **adamw_hyperparameters(cfg))
+        self.params = [p for p in model.parameters() if p.requires_grad]   # with LoRA: the adapters
+        self.optimizer = torch.optim.AdamW(self.params, **adamw_hyperparameters(cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(total_steps, t.warmup_ratio, t.min_lr_ratio))
 
@@ -130,7 +131,7 @@ class TorchUpdater:
         loss.backward()
 
     def step(self) -> tuple[float, bool]:
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf")))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf")))
         if not math.isfinite(norm):
             self.discard()
             return norm, False

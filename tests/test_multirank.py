@@ -225,3 +225,26 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
     records = metrics(out)
     assert records[1]["nonfinite_skipped"] == 1 and records[1]["grad_norm"] is None
     assert records[2]["nonfinite_skipped"] == 1 and records[2]["grad_norm"] is not None
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_lora_grpo_on_two_ranks(tmp_path, zero_stage):
+    """LoRA under DeepSpeed ZeRO-2 / ZeRO-3 on 2 ranks, with GRPO's Policy-KL against the policy's adapters switched
+    off: it trains, the adapters are exported, and the merged model is theta0 wherever no adapter sits."""
+    reward = tmp_path / "varied_reward.py"   # the barely warm-started model is never correct: a reward that varies
+    reward.write_text("def varied(prompts, completions, **columns):\n"
+                      "    return [sum(map(ord, c)) % 7 / 7 for c in completions]\n")
+    out = tmp_path / "run"
+    erpo_train_2ranks("torchrun", out, tmp_path / "cache", "--max-steps", "1", "--algorithm", "grpo", "--set",
+                      "model.lora.rank=4", "model.lora.export_merged=true", f"trainer.zero_stage={zero_stage}",
+                      "trainer.lr=0.01", f"reward.functions=[{reward}:varied]")
+    records = metrics(out)
+    assert sorted(records) == [1, 2] and records[1]["policy_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert records[2]["policy_kl"] > 0 and records[2]["qkl"] is not None and records[2]["reward"] is not None
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    theta0 = dict(AutoModelForCausalLM.from_pretrained(adapter["base_model_name_or_path"]).named_parameters())
+    merged = dict(AutoModelForCausalLM.from_pretrained(out / "final" / "merged").named_parameters())
+    adapted = {name for name in theta0 if name.split(".")[-2] in adapter["target_modules"]
+               and name.endswith(".weight")}
+    assert adapted and all(not torch.equal(merged[n], theta0[n]) for n in adapted)
+    assert all(torch.equal(merged[n], theta0[n]) for n in theta0.keys() - adapted)
