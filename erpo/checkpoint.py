@@ -388,10 +388,15 @@ def export_hf(model: Any, tokenizer: Any, out_dir: str | os.PathLike) -> str:
         return export_adapter(model, tokenizer, out_dir)
     if not hasattr(module, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel (or wrap one), got {type(module).__name__}")
-    state_dict = gathered_state_dict(module)
+    return save_pretrained_atomically(module, gathered_state_dict(module), tokenizer, out_dir)
 
+
+def save_pretrained_atomically(model, state_dict: dict | None, tokenizer, out_dir: str | os.PathLike,
+                               **save_kwargs) -> str:
+    """`model.save_pretrained(state_dict=...)` (a transformers or PEFT model; safetensors) and the tokenizer, if
+    any, into `out_dir`, published by `write_dir_atomically`. Returns out_dir."""
     def write(tmp: Path) -> None:
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return write_dir_atomically(out_dir, write)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from erpo import distributed as D
-from erpo.checkpoint import unwrap_model, write_dir_atomically
+from erpo.checkpoint import save_pretrained_atomically, unwrap_model
 from erpo.config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"   # what marks a directory as a PEFT adapter
@@ -167,13 +167,8 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike) -> str:
             if D.is_main():
                 state_dict[name] = param.data.detach().to("cpu", copy=True)
 
-    def write(tmp: Path) -> None:
-        # save_embedding_layers=False: PEFT's "auto" would ask the Hub whether the vocabulary was resized
-        peft_model.save_pretrained(tmp, state_dict=state_dict, save_embedding_layers=False,
-                                   safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    return write_dir_atomically(out_dir, write)
+    # save_embedding_layers=False: PEFT's "auto" would ask the Hub whether the vocabulary was resized
+    return save_pretrained_atomically(peft_model, state_dict, tokenizer, out_dir, save_embedding_layers=False)
 
 
 def export_merged(model, tokenizer, out_dir: str | os.PathLike) -> str:
@@ -185,12 +180,7 @@ def export_merged(model, tokenizer, out_dir: str | os.PathLike) -> str:
     for name, tensor in inference_weights(model):
         if D.is_main():
             state_dict[name] = tensor.detach().to("cpu", copy=True)
-
-    def write(tmp: Path) -> None:
-        base.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    return write_dir_atomically(out_dir, write)
+    return save_pretrained_atomically(base, state_dict, tokenizer, out_dir)
 
 
 def is_adapter_dir(path: str | os.PathLike) -> bool:
