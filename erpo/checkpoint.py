@@ -109,6 +109,21 @@ def remove_tree(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ manager
 
+def write_training_state(engine: Any, kind: str, directory: Path) -> None:
+    """The model's trainable weights (frozen ones, e.g. a LoRA base, are left out), optimizer and scheduler into
+    `directory`: DeepSpeed's own collective save, or rank 0's torch.save of the TorchBundle's parts."""
+    if kind == "deepspeed":
+        engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                               exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
+    elif dist_utils.is_main():
+        frozen = set(parameter_names(engine.model, trainable=False))
+        torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, directory / "model.pt")
+        if engine.optimizer is not None:
+            torch.save(engine.optimizer.state_dict(), directory / "optimizer.pt")
+        if engine.scheduler is not None:
+            torch.save(engine.scheduler.state_dict(), directory / "scheduler.pt")
+
+
 class CheckpointManager:
     """Saves, finds and restores training checkpoints under `output_dir/checkpoints/`.
 
@@ -180,16 +195,7 @@ class CheckpointManager:
         dist_utils.barrier()
 
         torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt")
-        if kind == "deepspeed":
-            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                                   exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
-        elif dist_utils.is_main():
-            frozen = set(parameter_names(engine.model, trainable=False))
-            torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, tmp / "model.pt")
-            if engine.optimizer is not None:
-                torch.save(engine.optimizer.state_dict(), tmp / "optimizer.pt")
-            if engine.scheduler is not None:
-                torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
+        write_training_state(engine, kind, tmp)
         if export:
             export_hf(engine if kind == "deepspeed" else engine.model, tokenizer, tmp / HF_DIR)
         dist_utils.barrier()

@@ -335,6 +335,36 @@ def updates_per_rollout(cfg: Config) -> int:
     return cfg.trainer.rollout_batch_size // cfg.trainer.update_batch_size
 
 
+def resolve_rollout(r: RolloutConfig) -> None:
+    """Fill `importance_sampling_correction` (on with vLLM) and check the sampling settings against the engine."""
+    if r.temperature <= 0:
+        raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if r.importance_sampling_correction is None:
+        r.importance_sampling_correction = r.engine == "vllm"
+    if r.engine == "vllm":
+        from erpo.rollout_vllm import check_vllm_temperature
+        check_vllm_temperature(r.temperature, "rollout.temperature")
+    if r.importance_sampling_correction and r.top_p < 1:
+        # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
+        # their ratio would be biased below 1
+        raise ValueError(f"rollout.top_p={r.top_p} with rollout.importance_sampling_correction: the engine "
+                         "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
+                         "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
+    if not r.importance_sampling_cap > 0:
+        raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {r.importance_sampling_cap}")
+
+
+def check_lora(lora: LoraConfig) -> None:
+    """model.lora's values (rank 0 is LoRA off)."""
+    if lora.rank < 0:
+        raise ValueError(f"model.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
+    if not lora.alpha > 0 or not 0 <= lora.dropout < 1:
+        raise ValueError(f"model.lora needs alpha > 0 and 0 <= dropout < 1, got alpha={lora.alpha}, "
+                         f"dropout={lora.dropout}")
+    if not lora.target_modules:
+        raise ValueError("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj]")
+
+
 def resolve(cfg: Config) -> Config:
     """Fill the algorithm preset into unset fields and check values and cross-field constraints."""
     for dotted, allowed in CHOICES.items():
@@ -367,34 +397,13 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"trainer.offload_params needs trainer.zero_stage=3, got {t.zero_stage}")
     if t.lr <= 0:
         raise ValueError(f"trainer.lr must be > 0, got {t.lr}")
-    if cfg.rollout.temperature <= 0:
-        raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
-    if cfg.rollout.importance_sampling_correction is None:
-        cfg.rollout.importance_sampling_correction = cfg.rollout.engine == "vllm"
-    if cfg.rollout.engine == "vllm":
-        from erpo.rollout_vllm import check_vllm_temperature
-        check_vllm_temperature(cfg.rollout.temperature, "rollout.temperature")
-    if cfg.rollout.importance_sampling_correction and cfg.rollout.top_p < 1:
-        # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
-        # their ratio would be biased below 1
-        raise ValueError(f"rollout.top_p={cfg.rollout.top_p} with rollout.importance_sampling_correction: the engine "
-                         "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
-                         "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
-    if not cfg.rollout.importance_sampling_cap > 0:
-        raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {cfg.rollout.importance_sampling_cap}")
+    resolve_rollout(cfg.rollout)
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):
         raise ValueError(f"reward.weights has {len(cfg.reward.weights)} entries but reward.functions has "
                          f"{len(cfg.reward.functions)}")
     if not cfg.reward.functions:
         raise ValueError("reward.functions is empty; give at least one reward function")
-    lora = cfg.model.lora
-    if lora.rank < 0:
-        raise ValueError(f"model.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
-    if not lora.alpha > 0 or not 0 <= lora.dropout < 1:
-        raise ValueError(f"model.lora needs alpha > 0 and 0 <= dropout < 1, got alpha={lora.alpha}, "
-                         f"dropout={lora.dropout}")
-    if not lora.target_modules:
-        raise ValueError("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj]")
+    check_lora(cfg.model.lora)
     a = cfg.algorithm
     if a.qkl_coef < 0 or a.policy_kl_coef < 0:
         raise ValueError("algorithm.qkl_coef and algorithm.policy_kl_coef must be >= 0")
