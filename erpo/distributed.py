@@ -103,9 +103,15 @@ def init_distributed(communicator: str | None = None) -> bool:
 
 def destroy_distributed() -> None:
     """Tear the process group down (call once at the end of a run, on every rank); no-op without one.
-    Without it some backends abort at interpreter exit and the launcher reports a failed rank."""
+    Without it some backends abort at interpreter exit and the launcher reports a failed rank. DeepSpeed's cached
+    copies of the world group are dropped with it, so a later run in the same process (`erpo compare`, tests)
+    builds its engine on the new group instead of the destroyed one."""
     if is_initialized():
         dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")   # only when DeepSpeed was used in this process
+    if groups is not None:
+        groups._WORLD_GROUP = None
+        groups._DATA_PARALLEL_GROUP = None
 
 
 def reduction_device() -> torch.device:

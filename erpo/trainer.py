@@ -147,12 +147,12 @@ def start_run(cfg: Config, resume: bool) -> Run:
     out_dir = Path(cfg.output_dir)
     checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last)
     D.init_distributed()
+    seed_everything(cfg)
+    model_path = model_path_for(cfg)   # a mistyped model name stops here, before the run directory is written
+    tokenizer = tokenizer_for(cfg, model_path)
     if D.is_main():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-    seed_everything(cfg)
-    model_path = model_path_for(cfg)
-    tokenizer = tokenizer_for(cfg, model_path)
     ps = load_prompt_set(cfg, tokenizer)
     check_batch_sizes(cfg, len(ps.prompt_ids))
     device = device_for_rank()

@@ -18,7 +18,8 @@ def _seed():
 
 @pytest.fixture(autouse=True, scope="module")
 def _no_process_group_across_files():
-    """A single-rank DeepSpeed run leaves a torch.distributed group behind; never let it leak into the next file."""
+    """A single-rank DeepSpeed run leaves a torch.distributed group (and DeepSpeed's copies of it) behind; never let
+    it leak into the next file."""
     yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    from erpo.distributed import destroy_distributed
+    destroy_distributed()

@@ -73,10 +73,12 @@ def test_eval_with_a_mistyped_path_is_one_line(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch):
+def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["train", "--set", "model.name_or_path=runs/missing-model"]) == 1
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "model.name_or_path=runs/missing-model"]) == 1
     assert "model.name_or_path runs/missing-model: no such local directory" in one_error_line(capsys, "train")
+    assert not run.exists()   # nothing written for a run that cannot start
 
 
 # ------------------------------------------------------------------------------------------------------ data
