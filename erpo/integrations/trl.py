@@ -24,7 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from erpo.reference_cache import (ReferenceCache, build_reference_cache, model_fingerprint, prompt_hash,
                                   tokenizer_fingerprint, with_temperature)
-from erpo.sequences import PackedBatch, final_hidden
+from erpo.sequences import PackedBatch, final_hidden, per_sample_sum
 from erpo_kernels import (erpo_loss, from_padded, fused_linear_erpo_loss, fused_linear_token_logprobs,
                           query_weights, token_logprobs)
 from erpo_kernels.zero3 import gathered_lm_head
@@ -323,8 +323,9 @@ class ERPOTrainer(GRPOTrainer):
             if self.args.query_weight != "current":
                 return static_weight if self.args.query_weight == "static" else None
             with torch.no_grad():
-                ell = torch.zeros(advantages.shape[0], dtype=torch.float32, device=advantages.device)
-                ell.index_add_(0, batch.sample_index[query_rows], query_token_logp(batch.targets[query_rows]))
+                logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
+                logp[query_rows] = query_token_logp(batch.targets[query_rows])
+                ell = per_sample_sum(logp, batch, kind=1)   # the kernels' fixed-order sums, as erpo's trainer
             return self._current_query_weights(ell)
 
         with self.accelerator.autocast():
