@@ -1,0 +1,311 @@
+"""ERPO inside verl 0.9 (the model-engine workers): the actor loss, the cached ell_theta0(q), the trainer mode.
+
+verl's actor engine (`FSDPEngineWithLMHead.prepare_model_outputs`) already scores every token of prompt + response:
+`model_output["log_probs"]` is a jagged [B, prompt + response] tensor whose row j scores token j + 1, and verl's
+`ppo_loss` keeps only the response rows. `erpo_ppo_loss` keeps the prompt rows too: their sum is ell_theta(q), of the
+same forward. It then forms, through erpo_kernels' loss on per-token vectors,
+
+    loss = dp_size * [ aggregate(w(q) * pg_t * is_t + beta * k3_t - c_H * H_t) + alpha * sum_s k3(r_s) / G ]
+
+with verl's vanilla clipped policy gradient pg_t (clip_ratio_low / high, dual clip clip_ratio_c on negative
+advantages, log-ratio clamped to +-20), its rollout importance-sampling weights is_t, its `use_kl_loss` term
+(low_var_kl: k3 clamped to +-10) and entropy bonus, all aggregated by `loss_agg_mode` exactly as verl's `agg_loss`
+does over the global mini-batch (token counts and sequence counts over every dp rank and micro-batch), plus the
+Query-KL r_s = ell_theta0(q_s) - ell_theta(q_s) averaged over the mini-batch's G sequences. With qkl_coef = 0 and
+w(q) = 1 it is verl's `ppo_loss` (tests/test_verl_integration.py, on verl's real FSDP engine).
+
+ell_theta0(q) and w(q) come from erpo's reference cache, looked up by the prompt's token ids (what reaches the
+loss); a prompt the cache lacks is an error naming it.
+
+Wiring. `erpo_loss_fn(actor_config, settings, reference)` is the `loss_fn` of `ActorRolloutRefWorker.set_loss_fn`
+(verl's default is `partial(ppo_loss, config=actor_config)`). The trainer mode `erpo` (registered when verl loads
+its `verl.plugins` entry points) is verl's synchronous trainer that builds or reads the cache at start and sets
+that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+# erpo's internals this integration uses, all here (the reference cache, its fingerprints; the loss on per-token
+# vectors that erpo_loss and fused_linear_erpo_loss share, and its per-sample sums).
+from erpo.reference_cache import (ReferenceCache, build_reference_cache, model_fingerprint, prompt_hash,
+                                  tokenizer_fingerprint, with_temperature)
+from erpo_kernels import LossInputs, LossOptions
+from erpo_kernels.objective import erpo_objective
+from erpo_kernels.segment import SegmentSum
+from erpo_kernels.triton_segment import TritonSegmentSum
+
+VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
+QUERY_WEIGHTS = ("static", "none")
+QKL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
+VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
+VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
+CACHE_FILE = "erpo_reference_cache.json"
+REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
+
+
+@dataclass(frozen=True)
+class ERPOSettings:
+    """ERPO's options, the `erpo:` block of a verl launch (`+erpo.qkl_coef=0.01`); the loss's defaults (API.md)."""
+
+    qkl_coef: float = 0.01          # alpha, weight of the Query-KL
+    qkl_estimator: str = "k3"       # on r = ell_theta0(q) - ell_theta(q)
+    query_weight: str = "static"    # w(q) on each sample's policy-gradient term: static (cached) or none
+    ref_cache: str | None = None    # cache to read (or write when absent); default <default_local_dir>/CACHE_FILE
+
+    def __post_init__(self):
+        if not (isinstance(self.qkl_coef, (int, float)) and math.isfinite(self.qkl_coef)):
+            raise ValueError(f"erpo.qkl_coef must be a finite number, got {self.qkl_coef!r}")
+        if self.qkl_estimator not in QKL_ESTIMATORS:
+            raise ValueError(f"erpo.qkl_estimator must be one of {list(QKL_ESTIMATORS)}, got {self.qkl_estimator!r}")
+        if self.query_weight not in QUERY_WEIGHTS:
+            raise ValueError(f"erpo.query_weight must be one of {list(QUERY_WEIGHTS)}, got {self.query_weight!r}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads ell_theta0(q): for the Query-KL or for the static w(q)."""
+        return self.qkl_coef != 0 or self.query_weight == "static"
+
+
+@dataclass
+class QueryReference:
+    """ell_theta0(q) and w(q) by prompt hash (a `ReferenceCache`'s entries), sent with the loss to every worker.
+
+    `tokenizer` (optional) only decodes a missing prompt for the error message."""
+
+    entries: dict[str, tuple[float, float]]
+    path: str
+    tokenizer: object = field(default=None, repr=False)
+
+    @classmethod
+    def from_cache(cls, cache: ReferenceCache, path: str, tokenizer=None) -> QueryReference:
+        return cls(dict(cache.entries), str(path), tokenizer)
+
+    def lookup(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts; ValueError naming the first prompt not cached."""
+        keys = [prompt_hash(ids) for ids in prompt_ids]
+        for ids, key in zip(prompt_ids, keys):
+            if key not in self.entries:
+                shown = repr(self.tokenizer.decode(ids)[:300]) if self.tokenizer is not None else f"token ids {ids[:40]}"
+                raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache {self.path} (the data, "
+                                 f"chat template or tokenizer changed since it was built). {REBUILD}")
+        values = torch.tensor([self.entries[key] for key in keys], dtype=torch.float64).reshape(-1, 2)
+        return values[:, 0].float(), values[:, 1].float()
+
+
+def check_actor_config(config) -> None:
+    """Refuse, in one line naming the setting, what this loss does not reproduce of verl's actor (an ActorConfig)."""
+    loss_mode = config.policy_loss.get("loss_mode", "vanilla")
+    if loss_mode != "vanilla":
+        raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not supported with ERPO; use 'vanilla'")
+    if config.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"actor.loss_agg_mode={config.loss_agg_mode!r} is not supported with ERPO; use one of "
+                         f"{list(LOSS_AGG_MODES)}")
+    if config.use_kl_loss and config.kl_loss_type not in KL_LOSS_TYPES:
+        raise ValueError(f"actor.kl_loss_type={config.kl_loss_type!r} is not supported with ERPO; use low_var_kl "
+                         "(or set actor.use_kl_loss=false: the Query-KL replaces the Policy-KL)")
+
+
+@dataclass
+class ActorRows:
+    """One micro-batch of verl's actor as erpo_kernels' rows: row i of the engine's full-sequence log-probs (the
+    jagged tensor's values, sample after sample) scores token i + 1 of its sample. Query rows score prompt tokens
+    2..P, response rows the response tokens that response_mask keeps (not tool outputs); the last row of each
+    sample scores nothing."""
+
+    token_kind: torch.Tensor      # [N] int64: 0 not scored, 1 query, 2 response
+    sample_index: torch.Tensor    # [N] int64
+    response_slot: torch.Tensor   # [N] int64: the response position k a row scores (0 where none)
+    prompt_ids: list[list[int]]   # B prompts, unpadded
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[B, R] response-aligned values (verl's padded layout) -> [N] fp32 on response rows, 0 elsewhere."""
+        picked = values.float()[self.sample_index, self.response_slot]
+        return torch.where(self.token_kind == 2, picked, torch.zeros((), device=picked.device))
+
+
+def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
+    """The rows of a micro-batch `data` (verl's TensorDict: `prompts` and `responses` jagged or padded with
+    `attention_mask`, as `no_padding_2_padding` reads them), response_mask [B, R] padded."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+        prompt_ids = [p.tolist() for p in prompts.unbind()]
+    else:
+        real = data["attention_mask"]
+        width = prompts.shape[1]
+        prompt_mask = real[:, :width].bool()
+        prompt_lens, response_lens = prompt_mask.sum(1), real[:, width:].sum(1)
+        prompt_ids = [p[m].tolist() for p, m in zip(prompts, prompt_mask)]
+    device = response_mask.device
+    prompt_lens, response_lens = prompt_lens.to(device), response_lens.to(device)
+    lengths = prompt_lens + response_lens
+    if int(lengths.sum()) != num_rows:
+        raise ValueError(f"the engine's log-probs hold {num_rows} rows, the micro-batch's prompts + responses "
+                         f"{int(lengths.sum())} tokens")
+    if bool((prompt_lens == 0).any()):
+        raise ValueError("a sample has an empty prompt; ERPO needs at least one prompt token per sample")
+    sample = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths)
+    position = torch.arange(num_rows, device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    slot = position - (prompt_lens[sample] - 1)          # row P - 1 + k scores response token k
+    in_response = (slot >= 0) & (slot < response_lens[sample])
+    slot = torch.where(in_response, slot, 0).clamp(max=max(response_mask.shape[1] - 1, 0))
+    scored_response = in_response & response_mask.bool()[sample, slot]
+    kind = torch.where(scored_response, 2, torch.where(position < prompt_lens[sample] - 1, 1, 0))
+    return ActorRows(kind.long(), sample.long(), slot.long(), prompt_ids)
+
+
+def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's token-level advantages [B, R] -> one per sample [B]: the outcome estimators (GRPO, RLOO, REINFORCE++,
+    ...) broadcast one value over the response; a per-token advantage (GAE) is refused."""
+    mask = response_mask.bool()
+    first = torch.where(mask.any(1), mask.float().argmax(1), 0)
+    per_sample = torch.where(mask.any(1), advantages.float().gather(1, first[:, None]).squeeze(1), 0.0)
+    if bool((mask & (advantages.float() != per_sample[:, None])).any()):
+        raise ValueError("ERPO needs one advantage per sample (an outcome estimator such as grpo or rloo); these "
+                         "advantages vary along the response (algorithm.adv_estimator=gae?)")
+    return per_sample
+
+
+def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSettings,
+                  reference: QueryReference | None):
+    """The ERPO actor loss of one micro-batch, verl's `ppo_loss` contract: (loss, metrics).
+
+    `config`: verl's ActorConfig; `model_output["log_probs"]` (and `["entropy"]` when computed): jagged
+    [B, prompt + response] from the engine's forward; `data`: the micro-batch TensorDict (prompts, responses,
+    response_mask, old_log_probs, advantages, optional rollout_is_weights and ref_log_prob, and the global batch
+    info dp_size / batch_num_tokens / global_batch_size verl's engine sets)."""
+    from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    check_actor_config(config)
+    log_probs, entropy = model_output["log_probs"], model_output.get("entropy", None)
+    token_logp = (log_probs.values() if log_probs.is_nested else log_probs).float()
+    dp_size, batch_num_tokens, global_batch_size = data["dp_size"], data["batch_num_tokens"], data["global_batch_size"]
+    info = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                loss_scale_factor=config.loss_scale_factor)
+    config.global_batch_info.update(info)   # as ppo_loss: verl's policy-loss functions read it
+    if dp_size > 1 and (batch_num_tokens is None or global_batch_size is None):
+        raise ValueError("with dp_size > 1 verl's batch_num_tokens and global_batch_size are required")
+    global_batch = dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None \
+        or config.loss_scale_factor is not None
+    aggregation = AggregationType.SUM if global_batch else AggregationType.MEAN
+
+    fields = ["response_mask", "old_log_probs", "advantages"] + [
+        name for name in ("rollout_is_weights", "ref_log_prob") if name in data]
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].bool()
+    rows = actor_rows(data, response_mask, token_logp.shape[0])
+    rollout_is_weights = padded.get("rollout_is_weights", None)
+    if config.entropy_coeff != 0 and entropy is None:
+        raise ValueError("actor.entropy_coeff != 0 but the engine computed no entropy (calculate_entropy)")
+    row_entropy = (entropy.values() if entropy.is_nested else entropy).float() if entropy is not None \
+        else torch.zeros_like(token_logp)
+
+    ref_query_logp = query_weight = None
+    if reference is not None and settings.needs_reference:
+        ell, weight = reference.lookup(rows.prompt_ids)
+        ref_query_logp = ell.to(token_logp.device) if settings.qkl_coef != 0 else None
+        query_weight = weight.to(token_logp.device) if settings.query_weight == "static" else None
+    elif settings.needs_reference:
+        raise ValueError("erpo_ppo_loss needs the reference cache (ell_theta0, w) for qkl_coef != 0 or "
+                         "query_weight='static'")
+
+    # verl's agg_loss: x / count * dp_size over the global mini-batch; seq-mean-token-sum-norm divides the
+    # response terms by a horizon L as well, so the Query-KL's coefficient is multiplied by L to stay alpha.
+    mode = config.loss_agg_mode
+    horizon = 1.0
+    if mode == "seq-mean-token-sum-norm":
+        horizon = float(config.loss_scale_factor or response_mask.shape[-1])
+    options = dict(
+        qkl_coef=settings.qkl_coef * horizon, qkl_estimator=settings.qkl_estimator,
+        clip_low=config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio,
+        clip_high=config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio,
+        dual_clip=config.clip_ratio_c, pg_log_ratio_clamp=VERL_LOG_RATIO_CLAMP, log_ratio_clamp=VERL_LOG_RATIO_CLAMP,
+        policy_kl_coef=config.kl_loss_coef if config.use_kl_loss else 0.0, kl_clamp=VERL_KL_CLAMP,
+        entropy_coef=config.entropy_coeff, entropy_agg="loss-agg",
+        loss_agg={"token-sum": "token-mean", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(mode, mode),
+        num_items=1 if mode == "token-sum" else batch_num_tokens, num_seqs=global_batch_size)
+    inputs = LossInputs(
+        advantages=sample_advantages(padded["advantages"], response_mask), ref_query_logp=ref_query_logp,
+        query_weight=query_weight, old_logp=rows.scatter(padded["old_log_probs"]),
+        ref_logp=rows.scatter(padded["ref_log_prob"]) if config.use_kl_loss else None,
+        token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights))
+    out = erpo_objective(token_logp, row_entropy, rows.token_kind, rows.sample_index, inputs=inputs,
+                         options=LossOptions.from_kwargs(options),
+                         segment_sum=TritonSegmentSum if token_logp.is_cuda else SegmentSum)
+    scale = dp_size / horizon
+    loss = out.loss * scale
+
+    # verl's metrics, under verl's names and by verl's own functions (detached), then ERPO's.
+    with torch.no_grad():
+        log_prob = no_padding_2_padding(token_logp.detach(), data)
+        _, pg_metrics = get_policy_loss_fn("vanilla")(
+            old_log_prob=padded["old_log_probs"], log_prob=log_prob, advantages=padded["advantages"],
+            response_mask=response_mask, loss_agg_mode=mode, config=config, rollout_is_weights=rollout_is_weights)
+        metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+        metrics["actor/pg_loss"] = Metric(value=out.metrics["pg_loss"] * scale, aggregation=aggregation)
+        if entropy is not None:
+            entropy_loss = agg_loss(loss_mat=no_padding_2_padding(row_entropy.detach(), data), loss_mask=response_mask,
+                                    loss_agg_mode=mode, **config.global_batch_info)
+            metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=aggregation)
+        if config.use_kl_loss:
+            kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
+            metrics["kl_loss"] = Metric(value=agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=mode,
+                                                       **config.global_batch_info), aggregation=aggregation)
+            metrics["kl_coef"] = config.kl_loss_coef
+        queries = sum(len(ids) > 1 for ids in rows.prompt_ids)   # samples with query rows
+        if ref_query_logp is not None and queries:
+            # the loss's qkl is sum_s qkl_s / num_seqs; logged as the mean over this micro-batch's queries
+            qkl_mean = out.metrics["qkl"] * (global_batch_size if global_batch_size is not None else queries) / queries
+            metrics["actor/qkl"] = Metric(value=qkl_mean, aggregation=AggregationType.MEAN)
+        metrics["actor/query_logp"] = Metric(value=out.metrics["query_logp_mean"], aggregation=AggregationType.MEAN)
+        if query_weight is not None:
+            metrics["actor/query_weight_mean"] = Metric(value=query_weight.mean(), aggregation=AggregationType.MEAN)
+    return loss, metrics
+
+
+def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference | None):
+    """The `loss_fn` for `ActorRolloutRefWorker.set_loss_fn` / `TrainingWorker.set_loss_fn` (picklable): verl's
+    `partial(ppo_loss, config=actor_config)` with ERPO's terms."""
+    check_actor_config(actor_config)
+    if settings.needs_reference and reference is None:
+        raise ValueError("ERPO needs ell_theta0(q) for qkl_coef != 0 or query_weight='static': pass a QueryReference")
+    return partial(erpo_ppo_loss, config=actor_config, settings=settings, reference=reference)
+
+
+def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
+                            temperature: float, batch_size: int = 16, model=None) -> QueryReference:
+    """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
+
+    The cache at `path` (written here or by `erpo precompute-ref`) is read when it was built with this model
+    directory's weights, this tokenizer and `temperature`, and holds every prompt; otherwise a ValueError names
+    what differs. Without a cache, ell_theta0 is computed with the initial actor (`model`, or the HF model at
+    `model_path` in fp32; a progress bar) and saved at `path`."""
+    identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
+                    tokenizer_fp=tokenizer_fingerprint(tokenizer))
+    model_fp = model_fingerprint(str(model_path))
+    if os.path.exists(path):
+        cache = ReferenceCache.load(path)
+        cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature, path=path,
+                               remedy=REBUILD)
+    else:
+        if model is None:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        cache = build_reference_cache(model, tokenizer, prompt_ids, model_id=identity["model_id"],
+                                      template=with_temperature("verl", temperature), batch_size=batch_size,
+                                      temperature=temperature, model_fp=model_fp,
+                                      tokenizer_fp=identity["tokenizer_fp"], progress=True)
+        cache.save(path)
+    reference = QueryReference.from_cache(cache, path, tokenizer)
+    reference.lookup(prompt_ids)          # every training prompt is there, or an error naming the first missing
+    return reference

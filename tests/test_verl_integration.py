@@ -1,0 +1,298 @@
+"""erpo.integrations.verl on verl's real FSDP engine (FSDP2, gloo, world size 1, fp32, a CPU platform; see
+tests/verl_engine.py): with ERPO's terms off the loss is verl's `ppo_loss` (loss, every gradient, verl's metrics),
+ell_theta(q) is the prompt's log-likelihood of the engine's own forward, the Query-KL and w(q) match `erpo_loss`
+(torch backend) on an independent HF forward, and a real `train_batch` step trains with a Query-KL."""
+import math
+from functools import partial
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+pytest.importorskip("tensordict")
+
+import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
+from transformers import AutoModelForCausalLM  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from erpo.integrations.verl import (ERPOSettings, QueryReference, check_actor_config, erpo_loss_fn,  # noqa: E402
+                                    load_or_build_reference)
+from erpo.reference_cache import prompt_hash  # noqa: E402
+from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded  # noqa: E402
+
+PROMPTS = ["1+1=", "22+3=", "7*8=", "3*33="]
+RESPONSE_LENGTHS = (6, 4, 5, 3)
+OFF = ERPOSettings(qkl_coef=0.0, query_weight="none")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory of a tiny Qwen2 + its tokenizer, tokenizer, the HF model theta0)."""
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny")
+    build_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer, AutoModelForCausalLM.from_pretrained(path)
+
+
+ENGINES = {}
+
+
+def engine_for(tiny, **settings):
+    """One engine per setting for the whole file (building one costs seconds); tests never step them, except
+    the train_batch test, which builds its own."""
+    key = tuple(sorted(settings.items()))
+    if key not in ENGINES:
+        ENGINES[key] = verl_engine.build_engine(tiny[0], **settings)
+    return ENGINES[key]
+
+
+def batch(tiny, engine, *, seed=0, nested=True, entropy=True, **kwargs):
+    path, tokenizer, model = tiny
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    responses = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
+    data = verl_engine.actor_batch(model, prompts, responses, pad_id=tokenizer.pad_token_id, seed=seed,
+                                   nested=nested, **kwargs)
+    return verl_engine.set_engine_keys(engine, data, calculate_entropy=entropy)
+
+
+def actor_config(**overrides):
+    settings = dict(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                    use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, clip_ratio_c=1.3)
+    return ActorConfig(**{**settings, **overrides})
+
+
+def metric_values(outputs) -> dict:
+    """{name: [value per micro-batch]} of the engine's outputs."""
+    def values(metric):   # a verl Metric (its values), a plain list or a number
+        metric = metric.values if hasattr(metric, "values") else metric
+        return [float(v) for v in metric] if isinstance(metric, list) else [float(metric)]
+    return {name: values(metric) for name, metric in outputs["metrics"].items()}
+
+
+def assert_same(ours, theirs, rel=1e-6):
+    (our_out, our_grads), (their_out, their_grads) = ours, theirs
+    assert our_grads.keys() == their_grads.keys() and len(their_grads) > 5
+    torch.testing.assert_close(torch.tensor(our_out["loss"]), torch.tensor(their_out["loss"]), rtol=rel, atol=0)
+    for name, grad in their_grads.items():
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(our_grads[name], grad, rtol=rel, atol=rel * scale, msg=name)
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["rmpad", "padded"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_equals_verl_ppo_loss(tiny, mode, use_remove_padding):
+    """qkl_coef=0, w=1: loss, every gradient and verl's metrics equal ppo_loss on the same engine, with a tool
+    output masked inside a response, rollout IS weights, the KL loss, the entropy bonus and the dual clip active."""
+    engine = engine_for(tiny, use_remove_padding=use_remove_padding)
+    config = actor_config(loss_agg_mode=mode)
+    data = batch(tiny, engine)
+    theirs = verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config))
+    ours = verl_engine.loss_and_grads(engine, data, erpo_loss_fn(config, OFF, None))
+    assert_same(ours, theirs)
+    their_metrics, our_metrics = metric_values(theirs[0]), metric_values(ours[0])
+    assert set(their_metrics) <= set(our_metrics)
+    for name, values in their_metrics.items():
+        assert our_metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-7), name
+    assert max(their_metrics["actor/pg_clipfrac_lower"]) > 0      # the dual clip bites
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "padded-fields"])
+def test_dynamic_batch_size_equals_verl(tiny, nested):
+    """use_dynamic_bsz: micro-batches by token budget (3 here, reordered); v1's jagged fields or padded ones."""
+    engine = engine_for(tiny, use_dynamic_bsz=True, max_token_len=24)
+    config = actor_config(loss_agg_mode="seq-mean-token-mean", use_dynamic_bsz=True)
+    data = batch(tiny, engine, seed=1, nested=nested, with_is=False)
+    theirs = verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config))
+    assert len(metric_values(theirs[0])["actor/pg_loss"]) >= 2
+    assert_same(verl_engine.loss_and_grads(engine, data, erpo_loss_fn(config, OFF, None)), theirs)
+
+
+def padded_reference(tiny, data):
+    """From `data`'s padded fields: (input_ids, attention_mask, response mask [B, P + R], query mask, prompt width)."""
+    prompts, responses = data["prompts"], data["responses"]
+    attention = data["attention_mask"]
+    width = prompts.shape[1]
+    response = torch.cat([torch.zeros_like(prompts), data["response_mask"]], 1)
+    query = torch.cat([attention[:, :width], torch.zeros_like(responses)], 1)
+    return torch.cat([prompts, responses], 1), attention, response, query, width
+
+
+def prompt_ids_of(data):
+    width = data["prompts"].shape[1]
+    return [p[m.bool()].tolist() for p, m in zip(data["prompts"], data["attention_mask"][:, :width])]
+
+
+def test_query_logp_equals_an_independent_hf_forward(tiny):
+    """ell_theta(q) summed from the engine's prompt rows (remove-padding, packed) = the HF model's own."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    seen = {}
+
+    def probe(config, model_output, data, dp_group=None):
+        loss, metrics = erpo_loss_fn(config, OFF, None)(model_output=model_output, data=data, dp_group=dp_group)
+        seen.setdefault("query_logp", []).extend(metrics["actor/query_logp"].values)
+        return loss, metrics
+
+    verl_engine.loss_and_grads(engine, data, partial(probe, actor_config()))
+    input_ids, attention, _, query, _ = padded_reference(tiny, data)
+    logp = verl_engine.hf_token_logp(tiny[2], input_ids, attention)
+    rows = from_padded(input_ids, attention, torch.zeros_like(input_ids), query_mask=query)
+    ell = torch.zeros(len(PROMPTS)).index_add_(0, rows.sample_index, torch.where(rows.token_kind == 1,
+                                                                                 logp.reshape(-1), 0.0))
+    expected = [ell[:2].mean().item(), ell[2:].mean().item()]    # two micro-batches of two samples
+    assert seen["query_logp"] == pytest.approx(expected, rel=1e-5)
+    assert all(value < -1.0 for value in expected)
+
+
+def erpo_reference_loss(tiny, data, config, reference, settings):
+    """erpo_loss (torch backend) on an independent HF forward of `data` with verl's global normalizers:
+    (loss, {parameter name: gradient})."""
+    model = tiny[2]
+    input_ids, attention, response, query, width = padded_reference(tiny, data)
+    rows = from_padded(input_ids, attention, response, query_mask=query)
+    length = data["responses"].shape[1]
+
+    def scatter(values):  # [B, R] response-aligned -> rows of the padded [B, P + R] layout
+        full = torch.zeros(input_ids.shape)
+        full[:, width - 1:width - 1 + length] = values.float()
+        return full.reshape(-1)
+
+    ell, weight = reference.lookup(prompt_ids_of(data))
+    model.zero_grad(set_to_none=True)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
+    out = erpo_loss(logits.reshape(-1, logits.shape[-1]), rows.targets, rows.token_kind, rows.sample_index,
+                    advantages=data["advantages"][:, 0].float(), ref_query_logp=ell, query_weight=weight,
+                    old_logp=scatter(data["old_log_probs"]), ref_logp=scatter(data["ref_log_prob"]),
+                    token_weight=scatter(data["rollout_is_weights"]), backend="torch",
+                    qkl_coef=settings.qkl_coef, clip_low=0.2, clip_high=0.2, dual_clip=config.clip_ratio_c,
+                    pg_log_ratio_clamp=20.0, policy_kl_coef=config.kl_loss_coef, kl_clamp=10.0,
+                    entropy_coef=config.entropy_coeff, loss_agg="token-mean",
+                    num_items=int(data["response_mask"].sum()), num_seqs=len(PROMPTS))
+    out.loss.backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def reference_of(tiny, data, offset=None, seed=0):
+    """A QueryReference for `data`'s prompts: ell_theta0 = the HF model's ell(q) + `offset` (random when None),
+    random w(q)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids, attention, _, query, _ = padded_reference(tiny, data)
+    logp = verl_engine.hf_token_logp(tiny[2], input_ids, attention)
+    rows = from_padded(input_ids, attention, torch.zeros_like(input_ids), query_mask=query)
+    ell = torch.zeros(len(PROMPTS), dtype=torch.float64).index_add_(
+        0, rows.sample_index, torch.where(rows.token_kind == 1, logp.reshape(-1), 0.0).double())
+    shift = torch.rand(len(PROMPTS), generator=g) * 3 - 1.5 if offset is None else torch.full((len(PROMPTS),), offset)
+    weight = torch.rand(len(PROMPTS), generator=g) * 2
+    entries = {prompt_hash(ids): (float(e + s), float(w))
+               for ids, e, s, w in zip(prompt_ids_of(data), ell, shift, weight)}
+    return QueryReference(entries, "test-cache.json", tiny[1])
+
+
+def test_query_kl_equals_erpo_loss_on_an_hf_forward(tiny):
+    """qkl_coef > 0, random w(q), ell_theta0 != ell_theta: loss and every gradient equal erpo_loss's (torch
+    backend) on an independent HF forward of the same batch."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    config = actor_config()
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data)
+    settings = ERPOSettings(qkl_coef=0.5, query_weight="static")
+    outputs, grads = verl_engine.loss_and_grads(engine, data, erpo_loss_fn(config, settings, reference))
+    out, expected = erpo_reference_loss(tiny, data, config, reference, settings)
+    assert out.metrics["qkl"] > 1e-2
+    assert sum(outputs["loss"]) == pytest.approx(out.loss.item(), rel=1e-5)
+    for name, grad in expected.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_query_kl_is_zero_at_theta0(tiny):
+    """ell_theta0 = ell_theta (w = 1): the Query-KL is 0 (fp32 rounding) and the gradient is verl's."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    config = actor_config()
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data, offset=0.0)
+    reference.entries = {key: (ell, 1.0) for key, (ell, _) in reference.entries.items()}
+    ours = verl_engine.loss_and_grads(engine, data, erpo_loss_fn(config, ERPOSettings(qkl_coef=0.5), reference))
+    assert max(abs(v) for v in metric_values(ours[0])["actor/qkl"]) < 1e-10
+    assert_same(ours, verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config)), rel=1e-5)
+
+
+def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
+    """verl's own train_batch (zero_grad, forward/backward over micro-batches, optimizer step) with the ERPO loss
+    and a cache built at start from the model directory: theta moves, the Query-KL becomes > 0."""
+    engine = verl_engine.build_engine(tiny[0], lr=1e-2)
+    config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
+    data = batch(tiny, engine, entropy=False)
+    reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(batch(tiny, engine, nested=False)),
+                                        path=str(tmp_path / "cache.json"), temperature=1.0)
+    loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=0.5), reference)
+    before = {n: p.full_tensor().clone() for n, p in engine.module.named_parameters()}
+    with engine.train_mode():
+        first = engine.train_batch(data.clone(), loss_fn)
+        second = engine.train_batch(data.clone(), loss_fn)
+    moved = [n for n, p in engine.module.named_parameters() if not torch.equal(p.full_tensor(), before[n])]
+    assert len(moved) == len(before)
+    assert max(abs(v) for v in metric_values(first)["actor/qkl"]) < 1e-6          # theta0
+    assert min(metric_values(second)["actor/qkl"]) > 1e-6
+    assert math.isfinite(second["metrics"]["grad_norm"])
+
+
+def test_missing_prompt_is_a_clear_error(tiny):
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data)
+    reference.entries.pop(prompt_hash(prompt_ids_of(data)[1]))
+    with pytest.raises(ValueError, match="prompt '22\\+3=' has no ell_theta0\\(q\\) in the reference cache"):
+        verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), ERPOSettings(), reference))
+
+
+def test_cache_of_another_model_or_tokenizer_is_refused(tiny, tmp_path):
+    path, tokenizer, _ = tiny
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = str(tmp_path / "cache.json")
+    reference = load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0)
+    assert reference.lookup(prompts)[0].lt(0).all()
+    other = tmp_path / "other"
+    build_model(tokenizer, seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                intermediate_size=64).save_pretrained(other)
+    with pytest.raises(ValueError, match="does not match this run: model"):
+        load_or_build_reference(str(other), tokenizer, prompts, path=cache, temperature=1.0)
+    changed = build_tokenizer()
+    changed.chat_template = "{{ messages }}"
+    with pytest.raises(ValueError, match="does not match this run: tokenizer"):
+        load_or_build_reference(path, changed, prompts, path=cache, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=0.7)
+    with pytest.raises(ValueError, match="has no ell_theta0"):
+        load_or_build_reference(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]], path=cache,
+                                temperature=1.0)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(policy_loss={"loss_mode": "gspo"}), "loss_mode='gspo'"), (dict(kl_loss_type="mse"), "kl_loss_type='mse'")])
+def test_unsupported_actor_settings_are_refused(setting, message):
+    with pytest.raises(ValueError, match=message):
+        check_actor_config(actor_config(**setting))
+
+
+def test_per_token_advantages_are_refused(tiny):
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    data["advantages"] = data["advantages"] + torch.linspace(0, 1, data["advantages"].shape[1])
+    with pytest.raises(ValueError, match="one advantage per sample"):
+        verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), OFF, None))
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="erpo.query_weight"):
+        ERPOSettings(query_weight="current")
+    with pytest.raises(ValueError, match="erpo.qkl_estimator"):
+        ERPOSettings(qkl_estimator="k3-token")

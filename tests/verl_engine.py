@@ -1,0 +1,213 @@
+"""verl's real FSDP model engine on a CPU, for tests/test_verl_integration.py and bench/verl_step_time.py.
+
+verl 0.9 knows no CPU platform: without an accelerator it falls back to 'nvidia' and fails in torch.cuda. A small
+platform (device "cpu", backend gloo, no-op device calls) registered under "cpu" and selected with VERL_PLATFORM=cpu
+lets `FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32) build and train a tiny Qwen2 exactly as a worker
+does on a GPU. `actor_batch` builds the TensorDict verl's actor receives (left-right padded rollout, then
+`left_right_2_no_padding`), with old / reference / rollout log-probs and advantages.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+
+os.environ["VERL_PLATFORM"] = "cpu"          # read once, at the first get_platform()
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # tests import what they use
+
+from tensordict import TensorDict  # noqa: E402
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
+
+
+@PlatformRegistry.register(platform="cpu")
+class CPUPlatform(PlatformBase):
+    """verl's platform interface on the host CPU: tensors stay on "cpu", collectives go through gloo."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = torch.cpu
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self):
+        return "cpu"                                  # `tensor.to(get_device_id())` keeps tensors on the CPU
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index) -> None:
+        pass
+
+    def synchronize(self, device_index=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+def init_process_group() -> None:
+    """A gloo process group of world size 1 (once per process)."""
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
+                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, use_fused_kernels=False):
+    """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir`, fp32, as verl's actor worker
+    configures it (remove-padding, dynamic batch size, micro-batch size, token budget), initialized."""
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.trainer.config import CheckpointConfig
+    from verl.models.transformers import monkey_patch
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    init_process_group()
+    # verl 0.9.1 patches TRL's AutoModelForCausalLMWithValueHead whenever TRL is importable, and TRL >= 1.0 no
+    # longer has that class: the engine's model build would fail with an ImportError. The patch concerns value
+    # heads (critics) only, so the actor is built as without TRL.
+    monkey_patch.is_trl_available = lambda: False
+    model = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding, enable_gradient_checkpointing=False,
+                          use_fused_kernels=use_fused_kernels, override_config={"attn_implementation": "sdpa"})
+    engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
+                              use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
+                              max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
+                              use_fused_kernels=use_fused_kernels, mixed_precision={"param_dtype": "fp32",
+                                                                                    "reduce_dtype": "fp32",
+                                                                                    "buffer_dtype": "fp32"})
+    optim = FSDPOptimizerConfig(lr=lr, clip_grad=1e9, total_training_steps=10, weight_decay=0.0)
+    built = FSDPEngineWithLMHead(model_config=model, engine_config=engine, optimizer_config=optim,
+                                 checkpoint_config=CheckpointConfig())
+    built.initialize()
+    return built
+
+
+def hf_token_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] log p(token t + 1 | ..t) of a padded batch under an HF causal LM (0 in the last column), no grad."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits.float()
+    logp = torch.zeros(input_ids.shape, dtype=torch.float32)
+    logp[:, :-1] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logp
+
+
+def actor_batch(model, prompts: list[list[int]], responses: list[list[int]], *, pad_id: int, seed: int = 0,
+                tool_span: tuple[int, int, int] | None = (0, 1, 3), nested: bool = False,
+                with_ref: bool = True, with_is: bool = True) -> TensorDict:
+    """The TensorDict verl's actor receives for an update (as `ray_trainer._update_actor` builds it): prompts
+    left-padded [B, P], responses right-padded [B, R], response_mask 0 after each response and on
+    `tool_span` = (sample, start, stop) (a tool output), old / reference log-probs = `model`'s own plus noise (so
+    ratios leave the clip range on both sides), per-sample advantages broadcast over the response, rollout
+    importance-sampling weights; then `left_right_2_no_padding`. `nested`: prompts, responses and the response-aligned
+    fields jagged, as verl's v1 trainer keeps them."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, response_to_nested
+
+    g = torch.Generator().manual_seed(seed)
+    num, width, length = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.full((num, width), pad_id)
+    response_ids = torch.full((num, length), pad_id)
+    attention = torch.zeros((num, width + length), dtype=torch.long)
+    response_mask = torch.zeros((num, length), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        prompt_ids[i, width - len(p):] = torch.tensor(p)
+        response_ids[i, :len(r)] = torch.tensor(r)
+        attention[i, width - len(p):width + len(r)] = 1
+        response_mask[i, :len(r)] = 1
+    if tool_span is not None:
+        response_mask[tool_span[0], tool_span[1]:tool_span[2]] = 0
+    input_ids = torch.cat([prompt_ids, response_ids], 1)
+    current = hf_token_logp(model, input_ids, attention)[:, width - 1:width + length - 1]
+    advantages = torch.randn(num, generator=g)[:, None] * response_mask
+    fields = dict(prompts=prompt_ids, responses=response_ids, input_ids=input_ids, attention_mask=attention,
+                  position_ids=(attention.cumsum(1) - 1).clamp(min=0), response_mask=response_mask,
+                  advantages=advantages, old_log_probs=current + 0.5 * torch.randn(num, length, generator=g))
+    if with_ref:
+        fields["ref_log_prob"] = current + 0.3 * torch.randn(num, length, generator=g)
+    if with_is:
+        fields["rollout_is_weights"] = torch.rand(num, length, generator=g) * 1.5 + 0.25
+    data = left_right_2_no_padding(TensorDict(fields, batch_size=num))
+    if nested:   # each response-aligned field cut to its response's length, as the v1 trainer's response_to_nested
+        def jagged(tensor, lengths):
+            return torch.nested.as_nested_tensor([row[:n] for row, n in zip(tensor, lengths)], layout=torch.jagged)
+        response_lens = [len(r) for r in responses]
+        for name in ("advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights", "response_mask",
+                     "responses"):
+            if name in data.keys():
+                data[name] = jagged(data[name], response_lens)
+        data["prompts"] = torch.nested.as_nested_tensor([p[width - len(q):] for p, q in zip(prompt_ids, prompts)],
+                                                        layout=torch.jagged)
+        del data["max_response_len"]   # the v1 trainer sets none: ppo_loss pads to the micro-batch's longest
+    tu.assign_non_tensor(data, global_batch_size=num, temperature=1.0)
+    return data
+
+
+def set_engine_keys(engine, data: TensorDict, *, calculate_entropy: bool) -> TensorDict:
+    """The non-tensor keys `TrainingWorker.train_batch` injects from the engine's config."""
+    from verl.utils import tensordict_utils as tu
+    config = engine.engine_config
+    tu.assign_non_tensor(data, calculate_entropy=calculate_entropy, use_remove_padding=config.use_remove_padding,
+                         use_dynamic_bsz=config.use_dynamic_bsz, max_token_len_per_gpu=config.max_token_len_per_gpu,
+                         micro_batch_size_per_gpu=config.micro_batch_size_per_gpu,
+                         use_fused_kernels=config.use_fused_kernels)
+    return data
+
+
+def loss_and_grads(engine, data: TensorDict, loss_fn) -> tuple[dict, dict]:
+    """verl's forward + backward over the micro-batches of `data` with `loss_fn`, no optimizer step: (the engine's
+    outputs: per-micro-batch losses and metrics, {parameter name: full gradient})."""
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        outputs = engine.forward_backward_batch(data.clone(), loss_fn, forward_only=False)
+        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for name, p in engine.module.named_parameters() if p.grad is not None}
+        engine.optimizer_zero_grad()
+    return outputs, grads
