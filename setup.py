@@ -22,21 +22,28 @@ setup(
         "matplotlib",
         "tensorboard",
         # The math reward's and `erpo eval`'s answer check (pure Python). math-verify pins latex2sympy2_extended
-        # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2: pinned to the one tested.
+        # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2; both ends are tested (4.13.2 by default, 4.9.3
+        # beside verl, whose hydra-core / omegaconf 2.3 require antlr4 4.9.*).
         "math-verify==0.9.0",
-        "antlr4-python3-runtime==4.13.2",
+        "antlr4-python3-runtime>=4.9.3,<=4.13.2",
     ],
     extras_require={
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
-        # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly).
-        "test": ["pytest>=7", "triton==3.6.0", "numpy<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
-                 "trl==1.16.0", "peft==0.21.2"],
+        # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly);
+        # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
+        # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import.
+        "test": ["pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
+                 "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11", "cachetools",
+                 "fastapi"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
         "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout_vllm uses, checked against 0.10.2 and 0.33.0
         "trl": ["trl==1.16.0"],
+        "verl": ["verl==0.9.1"],        # erpo.integrations.verl (and its trainer mode `erpo`) is tested against it
         "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with
         "data": ["datasets", "pyarrow"],
     },
-    entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
+    entry_points={"console_scripts": ["erpo=erpo.cli:main"],
+                  # verl imports these on `import verl`: registers the trainer mode `trainer.v1.trainer_mode=erpo`
+                  "verl.plugins": ["erpo=erpo.integrations.verl_trainer"]},
 )

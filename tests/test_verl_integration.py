@@ -3,11 +3,13 @@ tests/verl_engine.py): with ERPO's terms off the loss is verl's `ppo_loss` (loss
 ell_theta(q) is the prompt's log-likelihood of the engine's own forward, the Query-KL and w(q) match `erpo_loss`
 (torch backend) on an independent HF forward, and a real `train_batch` step trains with a Query-KL."""
 import math
+import os
 from functools import partial
 
 import pytest
 import torch
 
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # before verl: its plugins (ours too) load on import
 verl = pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
@@ -296,3 +298,67 @@ def test_settings_are_checked():
         ERPOSettings(query_weight="current")
     with pytest.raises(ValueError, match="erpo.qkl_estimator"):
         ERPOSettings(qkl_estimator="k3-token")
+
+
+def run_config(tiny, tmp_path, **erpo):
+    """verl's full default PPO config (its generated yaml) for the tiny model, ERPO's options under `erpo`."""
+    from omegaconf import OmegaConf
+    config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"))
+    config.actor_rollout_ref.model.path = tiny[0]
+    config.actor_rollout_ref.actor.strategy = "fsdp2"
+    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
+    config.algorithm.adv_estimator = "grpo"
+    config.trainer.default_local_dir = str(tmp_path / "ckpt")
+    config.trainer.v1.trainer_mode = "erpo"
+    config.erpo = erpo
+    return config
+
+
+def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatch):
+    """`trainer.v1.trainer_mode=erpo` is registered with verl; after verl's own setup the trainer builds the cache
+    for the training prompts (tokenized as verl's agent loop does) and sets the ERPO loss on the actor workers.
+    verl's Ray / TransferQueue setup is replaced by a stand-in here; the loss itself is tested above."""
+    pytest.importorskip("transfer_queue")
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from erpo.integrations.verl import erpo_ppo_loss
+    from erpo.integrations.verl_trainer import ERPOTrainer
+    assert get_trainer_cls("erpo") is ERPOTrainer
+    loss_fns = []
+
+    def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
+        self.tokenizer, self.processor = tiny[1], None
+        self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+        self.actor_rollout_wg = type("WorkerGroup", (), {"set_loss_fn": lambda _, fn: loss_fns.append(fn)})()
+
+    monkeypatch.setattr(PPOTrainerSync, "_setup", verl_setup)
+    trainer = object.__new__(ERPOTrainer)
+    trainer.config = run_config(tiny, tmp_path, qkl_coef=0.02)
+    trainer.erpo_settings = ERPOSettings(qkl_coef=0.02)
+    trainer._setup()
+    (loss_fn,) = loss_fns
+    assert loss_fn.func is erpo_ppo_loss and loss_fn.keywords["settings"].qkl_coef == 0.02
+    assert loss_fn.keywords["config"].loss_agg_mode == trainer.config.actor_rollout_ref.actor.loss_agg_mode
+    prompts = [tiny[1].apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=True)["input_ids"] for p in PROMPTS]
+    ell, weight = loss_fn.keywords["reference"].lookup(prompts)
+    assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
+    assert os.path.exists(tmp_path / "ckpt" / "erpo_reference_cache.json")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("algorithm.adv_estimator=gae", "adv_estimator=gae"),
+    ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'")])
+def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+
+    from erpo.integrations.verl_trainer import check_run_config
+    config = run_config(tiny, tmp_path)
+    check_run_config(config, ERPOSettings())
+    config = OmegaConf.merge(config, OmegaConf.from_dotlist([setting]))
+    with pytest.raises(ValueError, match=message):
+        check_run_config(config, ERPOSettings())

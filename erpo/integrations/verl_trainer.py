@@ -1,0 +1,92 @@
+"""The verl trainer mode `erpo`: verl 0.9's synchronous PPO trainer with the ERPO actor loss.
+
+verl imports this module on `import verl` (the `verl.plugins` entry point of the erpo distribution; or
+`VERL_USE_EXTERNAL_MODULES=erpo.integrations.verl_trainer`), which registers it with `register_trainer`. A verl
+launch then selects it with one setting, ERPO's options going under `erpo`:
+
+    python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01
+
+At start it checks the run's settings, computes ell_theta0(q) of every training prompt with the initial actor
+(or reads the cache of an earlier run or of `erpo precompute-ref`), and sets `erpo_ppo_loss` as the actor's loss;
+everything else (rollout, rewards, advantages, old and reference log-probs, checkpoints, logging) is verl's.
+"""
+from __future__ import annotations
+
+import os
+
+from omegaconf import OmegaConf, open_dict
+from verl.trainer.ppo.v1 import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.config import omega_conf_to_dataclass
+
+from erpo.integrations.verl import (CACHE_FILE, ERPOSettings, check_actor_config, erpo_loss_fn,
+                                    load_or_build_reference)
+
+ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
+
+
+def check_run_config(config, settings: ERPOSettings) -> None:
+    """Refuse, in one line naming the setting, what verl can run but ERPO's loss cannot reproduce."""
+    actor = config.actor_rollout_ref.actor
+    check_actor_config(actor)
+    if actor.strategy not in ENGINE_STRATEGIES:
+        raise ValueError(f"actor_rollout_ref.actor.strategy={actor.strategy!r} is not supported with ERPO; use fsdp "
+                         "or fsdp2")
+    if config.algorithm.adv_estimator == "gae":
+        raise ValueError("algorithm.adv_estimator=gae gives per-token advantages; ERPO weights each sample's "
+                         "policy gradient by w(q): use an outcome estimator (grpo, rloo, reinforce_plus_plus, ...)")
+    if config.get("distillation") and config.distillation.get("enabled", False):
+        raise ValueError("distillation.enabled=true replaces the actor loss; it cannot be combined with ERPO")
+    if settings.needs_reference and config.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ValueError("actor_rollout_ref.rollout.multi_turn.enable=true: prompts built with tools cannot be "
+                         "tokenized ahead for ell_theta0(q); set +erpo.qkl_coef=0 +erpo.query_weight=none")
+
+
+def training_prompt_ids(dataset, tokenizer, *, hf_model_type: str | None, chat_template_kwargs: dict,
+                        prompt_length: int) -> list[list[int]]:
+    """Token ids of every prompt of `dataset` (verl's RLHFDataset: items with `raw_prompt` messages) as verl's
+    single-turn agent loop builds them: its Continuous Token builder with the generation prompt, left-truncated to
+    `prompt_length`."""
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+    builder = create_continuous_token_builder(tokenizer, hf_model_type=hf_model_type,
+                                              chat_template_kwargs=chat_template_kwargs)
+    prompts = []
+    for index in range(len(dataset)):
+        ids = list(builder.build_initial_tokens(list(dataset[index]["raw_prompt"])))
+        prompts.append(ids[-prompt_length:])
+    return prompts
+
+
+@register_trainer("erpo")
+class ERPOTrainer(PPOTrainerSync):
+    """verl's synchronous trainer (`trainer.v1.trainer_mode=sync`) with the ERPO actor loss; options under `erpo`."""
+
+    def __init__(self, config):
+        settings = ERPOSettings(**OmegaConf.to_container(config.get("erpo") or OmegaConf.create({}), resolve=True))
+        check_run_config(config, settings)
+        with open_dict(config):   # verl's own code branches on the mode name: run as "sync"
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config)
+        self.erpo_settings = settings
+
+    def _setup(self):
+        super()._setup()
+        if self.processor is not None:
+            raise ValueError("ERPO in verl supports text-only models (this model has a multimodal processor)")
+        actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        reference = self._reference() if self.erpo_settings.needs_reference else None
+        self.actor_rollout_wg.set_loss_fn(erpo_loss_fn(actor_config, self.erpo_settings, reference))
+
+    def _reference(self):
+        """ell_theta0(q), w(q) of every training prompt: the cache at +erpo.ref_cache (default
+        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor."""
+        model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
+        rollout = self.config.actor_rollout_ref.rollout
+        prompt_ids = training_prompt_ids(
+            self.train_dataset, self.tokenizer, hf_model_type=getattr(model.hf_config, "model_type", None),
+            chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),
+            prompt_length=rollout.prompt_length)
+        path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
+                                       temperature=rollout.temperature)
