@@ -1,5 +1,5 @@
 """erpo.integrations.verl on verl's real FSDP engine (FSDP2, gloo, world size 1, fp32, a CPU platform; see
-tests/verl_engine.py): with ERPO's terms off the loss is verl's `ppo_loss` (loss, every gradient, verl's metrics),
+bench/verl_engine.py): with ERPO's terms off the loss is verl's `ppo_loss` (loss, every gradient, verl's metrics),
 ell_theta(q) is the prompt's log-likelihood of the engine's own forward, the Query-KL and w(q) match `erpo_loss`
 (torch backend) on an independent HF forward, and a real `train_batch` step trains with a Query-KL."""
 import math
@@ -13,7 +13,7 @@ os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # before verl: its 
 verl = pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
+from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
 from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402

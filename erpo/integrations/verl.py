@@ -300,7 +300,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     else:
         if model is None:
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         cache = build_reference_cache(model, tokenizer, prompt_ids, model_id=identity["model_id"],
                                       template=with_temperature("verl", temperature), batch_size=batch_size,
                                       temperature=temperature, model_fp=model_fp,
