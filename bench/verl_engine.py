@@ -147,7 +147,7 @@ def actor_batch(model, prompts: list[list[int]], responses: list[list[int]], *, 
     importance-sampling weights; then `left_right_2_no_padding`. `nested`: prompts, responses and the response-aligned
     fields jagged, as verl's v1 trainer keeps them."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, response_to_nested
+    from verl.workers.utils.padding import left_right_2_no_padding
 
     g = torch.Generator().manual_seed(seed)
     num, width, length = len(prompts), max(map(len, prompts)), max(map(len, responses))
@@ -179,7 +179,7 @@ def actor_batch(model, prompts: list[list[int]], responses: list[list[int]], *, 
         response_lens = [len(r) for r in responses]
         for name in ("advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights", "response_mask",
                      "responses"):
-            if name in data.keys():
+            if name in data.keys():  # noqa: SIM118 (a TensorDict)
                 data[name] = jagged(data[name], response_lens)
         data["prompts"] = torch.nested.as_nested_tensor([p[width - len(q):] for p, q in zip(prompt_ids, prompts)],
                                                         layout=torch.jagged)

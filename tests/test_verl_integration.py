@@ -53,7 +53,7 @@ def engine_for(tiny, **settings):
 
 
 def batch(tiny, engine, *, seed=0, nested=True, entropy=True, **kwargs):
-    path, tokenizer, model = tiny
+    _, tokenizer, model = tiny
     g = torch.Generator().manual_seed(seed)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     responses = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
@@ -362,3 +362,32 @@ def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, 
     config = OmegaConf.merge(config, OmegaConf.from_dotlist([setting]))
     with pytest.raises(ValueError, match=message):
         check_run_config(config, ERPOSettings())
+
+
+def test_precompute_ref_cache_is_read(tiny, tmp_path):
+    """A cache of `erpo precompute-ref` (data.template=plain, one user turn through the chat template) for the same
+    model directory serves verl's prompts, tokenized as verl's agent loop does with the tokenizer verl loads from
+    that directory: read, not rebuilt."""
+    import json
+
+    from erpo.config import Config, apply_overrides, resolve
+    from erpo.models import load_tokenizer
+    from erpo.reference_setup import precompute_reference
+    pytest.importorskip("transfer_queue")
+    from erpo.integrations.verl_trainer import training_prompt_ids
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in PROMPTS))
+    cfg = resolve(apply_overrides(Config(), [
+        f"output_dir={tmp_path / 'pre'}", f"model.name_or_path={tiny[0]}", f"data.source={source}",
+        "data.template=plain", "data.use_chat_template=true", "rollout.temperature=1.0"]))
+    path = precompute_reference(cfg)[1]
+    data = json.loads(open(path).read())
+    key = next(iter(data["entries"]))
+    data["entries"][key][0] = -123.0          # a marker: a rebuilt cache would not hold it
+    open(path, "w").write(json.dumps(data))
+    tokenizer = load_tokenizer(tiny[0])
+    prompts = training_prompt_ids([{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS], tokenizer,
+                                  hf_model_type="qwen2", chat_template_kwargs={}, prompt_length=1024)
+    reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0)
+    assert reference.entries[key][0] == -123.0

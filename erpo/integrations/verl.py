@@ -93,7 +93,8 @@ class QueryReference:
         keys = [prompt_hash(ids) for ids in prompt_ids]
         for ids, key in zip(prompt_ids, keys):
             if key not in self.entries:
-                shown = repr(self.tokenizer.decode(ids)[:300]) if self.tokenizer is not None else f"token ids {ids[:40]}"
+                shown = repr(self.tokenizer.decode(ids)[:300]) if self.tokenizer is not None \
+                    else f"with token ids {ids[:40]}"
                 raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache {self.path} (the data, "
                                  f"chat template or tokenizer changed since it was built). {REBUILD}")
         values = torch.tensor([self.entries[key] for key in keys], dtype=torch.float64).reshape(-1, 2)

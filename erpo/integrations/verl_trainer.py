@@ -34,7 +34,7 @@ def check_run_config(config, settings: ERPOSettings) -> None:
                          "or fsdp2")
     if config.algorithm.adv_estimator == "gae":
         raise ValueError("algorithm.adv_estimator=gae gives per-token advantages; ERPO weights each sample's "
-                         "policy gradient by w(q): use an outcome estimator (grpo, rloo, reinforce_plus_plus, ...)")
+                         "policy gradient by w(q): use an outcome estimator (grpo, rloo, ...)")
     if config.get("distillation") and config.distillation.get("enabled", False):
         raise ValueError("distillation.enabled=true replaces the actor loss; it cannot be combined with ERPO")
     if settings.needs_reference and config.actor_rollout_ref.rollout.multi_turn.enable:
