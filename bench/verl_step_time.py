@@ -1,15 +1,15 @@
 """Seconds per `train_batch` step of verl's actor engine with erpo's loss against verl's own `ppo_loss`, side by side.
 
-    python -m bench.verl_step_time [--steps 8] [--repeats 3] [--threads 2]
+    python -m bench.verl_step_time [--pairs 20] [--threads 2]
 
 One verl `FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32, on the CPU platform of bench/verl_engine.py)
 around a tiny Qwen2 (erpo.tiny: hidden 64, 2 layers), use_remove_padding on, 16 samples of prompt ~10 tokens +
 response 32 tokens, micro-batches of 4, verl's default actor loss settings (token-mean, clip 0.2, dual clip 3,
-no KL loss, no entropy). Per run and loss: `steps` calls of verl's `engine.train_batch` (zero_grad, forward and
-backward over the 4 micro-batches, optimizer step), the first dropped as warm-up, median of the rest. The two
-losses alternate run by run (`repeats` runs each) on the same engine and batch; ERPO is the paper's setting
-(qkl_coef=0.01, static w(q) from a cache built once before timing). Reported: each loss's median s/step over its
-runs with the min-max of its runs, and the ratio of medians.
+no KL loss, no entropy). A step is one call of verl's `engine.train_batch` (zero_grad, forward and backward over
+the 4 micro-batches, optimizer step) on the same engine and batch. The two losses alternate step by step in pairs
+(the order flips every pair, the first pair is warm-up and dropped), so a load change on a shared machine hits
+both alike; ERPO is the paper's setting (qkl_coef=0.01, static w(q) from a cache built once before timing).
+Reported: each loss's median s/step and min-max, and the median and quartiles of the per-pair ratio erpo / verl.
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="train_batch calls per run (the first is dropped)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per loss, alternating")
+    parser.add_argument("--pairs", type=int, default=20, help="timed step pairs (one step of each loss)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,25 +55,24 @@ def main() -> None:
                                          temperature=1.0)
     losses = {"verl ppo_loss": partial(ppo_loss, config=config),
               "erpo_ppo_loss": erpo_loss_fn(config, ERPOSettings(qkl_coef=0.01), reference)}
-    runs = {name: [] for name in losses}
+    times = {name: [] for name in losses}
     with engine.train_mode():
-        for repeat in range(args.repeats):
-            for name, loss_fn in losses.items():
-                times = []
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    engine.train_batch(data.clone(), loss_fn)
-                    times.append(time.perf_counter() - start)
-                runs[name].append(statistics.median(times[1:]))
-                print(f"run {repeat + 1} {name}: {runs[name][-1]:.4f} s/step", flush=True)
-    print(f"\nverl {__import__('verl').__version__}, torch {torch.__version__}, {args.threads} threads, "
-          f"{args.steps} steps x {args.repeats} runs per loss")
-    print("| loss | median s/step | min-max over runs |\n|---|---|---|")
-    for name, values in runs.items():
+        for pair in range(args.pairs + 1):
+            order = list(losses) if pair % 2 == 0 else list(reversed(losses))
+            for name in order:
+                start = time.perf_counter()
+                engine.train_batch(data.clone(), losses[name])
+                if pair:                         # pair 0: warm-up
+                    times[name].append(time.perf_counter() - start)
+    ratios = sorted(ours / theirs for ours, theirs in zip(times["erpo_ppo_loss"], times["verl ppo_loss"]))
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(f"verl {__import__('verl').__version__}, torch {torch.__version__}, {args.threads} threads, "
+          f"{args.pairs} timed pairs")
+    print("| loss | median s/step | min-max |\n|---|---|---|")
+    for name, values in times.items():
         print(f"| {name} | {statistics.median(values):.4f} | {min(values):.4f}-{max(values):.4f} |")
-    ratio = statistics.median(runs["erpo_ppo_loss"]) / statistics.median(runs["verl ppo_loss"])
-    print(f"ratio erpo / verl (medians): {ratio:.3f}")
-
+    print(f"per-pair ratio erpo / verl: median {statistics.median(ratios):.3f}, quartiles "
+          f"{quartiles[0]:.3f}-{quartiles[2]:.3f}, min-max {ratios[0]:.3f}-{ratios[-1]:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -276,7 +277,11 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
 
 def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference | None):
     """The `loss_fn` for `ActorRolloutRefWorker.set_loss_fn` / `TrainingWorker.set_loss_fn` (picklable): verl's
-    `partial(ppo_loss, config=actor_config)` with ERPO's terms."""
+    `partial(ppo_loss, config=actor_config)` with ERPO's terms. Warns on a verl release other than the tested one."""
+    import verl
+    if verl.__version__ != VERL_VERSION:
+        warnings.warn(f"erpo.integrations.verl is tested against verl {VERL_VERSION}, this is verl {verl.__version__}: "
+                      "run tests/test_verl_integration.py with it before trusting the parity", stacklevel=2)
     check_actor_config(actor_config)
     if settings.needs_reference and reference is None:
         raise ValueError("ERPO needs ell_theta0(q) for qkl_coef != 0 or query_weight='static': pass a QueryReference")
