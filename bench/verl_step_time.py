@@ -10,6 +10,9 @@ the 4 micro-batches, optimizer step) on the same engine and batch. The two losse
 (the order flips every pair, the first pair is warm-up and dropped), so a load change on a shared machine hits
 both alike; ERPO is the paper's setting (qkl_coef=0.01, static w(q) from a cache built once before timing).
 Reported: each loss's median s/step and min-max, and the median and quartiles of the per-pair ratio erpo / verl.
+Then the loss alone: each loss function's forward and backward on one micro-batch's captured engine outputs
+(its log-probs a leaf tensor), `pairs` x 10 interleaved calls, median milliseconds: what the loss adds to a step,
+less exposed to a shared machine's noise than a whole step.
 """
 from __future__ import annotations
 
@@ -73,6 +76,30 @@ def main() -> None:
         print(f"| {name} | {statistics.median(values):.4f} | {min(values):.4f}-{max(values):.4f} |")
     print(f"per-pair ratio erpo / verl: median {statistics.median(ratios):.3f}, quartiles "
           f"{quartiles[0]:.3f}-{quartiles[2]:.3f}, min-max {ratios[0]:.3f}-{ratios[-1]:.3f}")
+    loss_alone(engine, data, losses, 10 * args.pairs)
+
+
+def loss_alone(engine, data, losses: dict, calls: int) -> None:
+    """Median ms of each loss function's forward + backward on the first micro-batch's engine outputs."""
+    captured = {}
+
+    def capture(model_output, data, dp_group=None):
+        captured.setdefault("inputs", ({k: v.detach() for k, v in model_output.items()}, data))
+        return model_output["log_probs"].values().sum() * 0.0, {}
+
+    engine.forward_backward_batch(data.clone(), capture, forward_only=True)
+    model_output, micro_batch = captured["inputs"]
+    times = {name: [] for name in losses}
+    for call in range(calls + 1):
+        for name in list(losses) if call % 2 == 0 else list(reversed(losses)):
+            log_probs = model_output["log_probs"].clone().requires_grad_(True)
+            start = time.perf_counter()
+            loss, _ = losses[name](model_output={**model_output, "log_probs": log_probs}, data=micro_batch)
+            loss.backward()
+            if call:
+                times[name].append(time.perf_counter() - start)
+    print(f"loss alone, one micro-batch of {micro_batch.batch_size[0]} samples, {calls} calls each: " + ", ".join(
+        f"{name} {1e3 * statistics.median(values):.2f} ms" for name, values in times.items()))
 
 if __name__ == "__main__":
     main()

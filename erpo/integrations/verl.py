@@ -154,8 +154,10 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
                          f"{int(lengths.sum())} tokens")
     if bool((prompt_lens == 0).any()):
         raise ValueError("a sample has an empty prompt; ERPO needs at least one prompt token per sample")
-    sample = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths)
-    position = torch.arange(num_rows, device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    ends = lengths.cumsum(0)
+    rows = torch.arange(num_rows, device=device)
+    sample = torch.searchsorted(ends, rows, right=True)     # the sample whose [start, end) holds the row
+    position = rows - (ends - lengths)[sample]
     slot = position - (prompt_lens[sample] - 1)          # row P - 1 + k scores response token k
     in_response = (slot >= 0) & (slot < response_lens[sample])
     slot = torch.where(in_response, slot, 0).clamp(max=max(response_mask.shape[1] - 1, 0))
