@@ -139,13 +139,15 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
     prompts, responses = data["prompts"], data["responses"]
     if prompts.is_nested:
         prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
-        prompt_ids = [p.tolist() for p in prompts.unbind()]
+        flat = prompts.values().tolist()           # one device -> host copy for the whole micro-batch
     else:
         real = data["attention_mask"]
         width = prompts.shape[1]
         prompt_mask = real[:, :width].bool()
         prompt_lens, response_lens = prompt_mask.sum(1), real[:, width:].sum(1)
-        prompt_ids = [p[m].tolist() for p, m in zip(prompts, prompt_mask)]
+        flat = prompts[prompt_mask].tolist()       # left padding: each row's real tokens, in order
+    bounds = [0] + prompt_lens.cumsum(0).tolist()
+    prompt_ids = [flat[start:end] for start, end in zip(bounds, bounds[1:])]
     device = response_mask.device
     prompt_lens, response_lens = prompt_lens.to(device), response_lens.to(device)
     lengths = prompt_lens + response_lens
@@ -167,8 +169,8 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
 
 
 def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """verl's token-level advantages [B, R] -> one per sample [B]: the outcome estimators (GRPO, RLOO, REINFORCE++,
-    ...) broadcast one value over the response; a per-token advantage (GAE) is refused."""
+    """verl's token-level advantages [B, R] -> one per sample [B]: the outcome estimators (GRPO, RLOO, ...)
+    broadcast one value over the response; a per-token advantage (GAE) is refused."""
     mask = response_mask.bool()
     first = torch.where(mask.any(1), mask.float().argmax(1), 0)
     per_sample = torch.where(mask.any(1), advantages.float().gather(1, first[:, None]).squeeze(1), 0.0)
