@@ -101,9 +101,10 @@ def init_process_group() -> None:
 
 
 def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
-                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3):
-    """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir`, fp32, as verl's actor worker
-    configures it (remove-padding, dynamic batch size, micro-batch size, token budget), initialized."""
+                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32"):
+    """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir` (fp32 master weights; `param_dtype`
+    "bf16": verl's mixed precision, the forward under bf16 autocast), as verl's actor worker configures it
+    (remove-padding, dynamic batch size, micro-batch size, token budget), initialized."""
     from verl.models.transformers import monkey_patch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -119,7 +120,8 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
                               use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                               max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
-                              mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+                              mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32",
+                                               "buffer_dtype": "fp32"})
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=1e9, total_training_steps=10, weight_decay=0.0)
     built = FSDPEngineWithLMHead(model_config=model, engine_config=engine, optimizer_config=optim,
                                  checkpoint_config=CheckpointConfig())

@@ -76,14 +76,15 @@ def metric_values(outputs) -> dict:
     return {name: values(metric) for name, metric in outputs["metrics"].items()}
 
 
-def assert_same(ours, theirs, rel=1e-6):
+def assert_same(ours, theirs, rel=1e-6, grad_rel=None):
     (our_out, our_grads), (their_out, their_grads) = ours, theirs
     assert our_grads.keys() == their_grads.keys() and len(their_grads) > 5
     torch.testing.assert_close(torch.tensor(our_out["loss"]), torch.tensor(their_out["loss"]), rtol=rel, atol=0)
     for name, grad in their_grads.items():
         scale = grad.abs().max().item()
         assert scale > 0, name
-        torch.testing.assert_close(our_grads[name], grad, rtol=rel, atol=rel * scale, msg=name)
+        tolerance = rel if grad_rel is None else grad_rel
+        torch.testing.assert_close(our_grads[name], grad, rtol=tolerance, atol=tolerance * scale, msg=name)
 
 
 @pytest.mark.parametrize("use_remove_padding", [True, False], ids=["rmpad", "padded"])
@@ -103,6 +104,19 @@ def test_equals_verl_ppo_loss(tiny, mode, use_remove_padding):
     for name, values in their_metrics.items():
         assert our_metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-7), name
     assert max(their_metrics["actor/pg_clipfrac_lower"]) > 0      # the dual clip bites
+
+
+def test_bf16_mixed_precision_equals_verl(tiny):
+    """verl's bf16 mixed precision (the forward and the loss under bf16 autocast): still verl's loss and gradients.
+    (No entropy bonus: verl sums bf16 entropies in bf16, ours in fp32, a difference of bf16 rounding.)"""
+    engine = engine_for(tiny, param_dtype="bf16")
+    config = actor_config(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.0)
+    data = batch(tiny, engine)
+    theirs = verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config))
+    # the loss to fp32 rounding; the gradients to bf16's: each token's d loss / d logp, equal up to fp32 rounding,
+    # is rounded to bf16 on its way into the bf16 graph, where one ulp flips now and then (measured: <= 1.1%)
+    assert_same(verl_engine.loss_and_grads(engine, data, erpo_loss_fn(config, OFF, None)), theirs, rel=1e-5,
+                grad_rel=2e-2)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "padded-fields"])
