@@ -42,6 +42,29 @@ def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def kl_slope(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """d estimator / d r of `kl_estimate`: k1 -> -1, k2 -> r, k3 -> exp(r) - 1."""
+    if estimator == "k1":
+        return torch.full_like(log_ratio, -1.0)
+    if estimator == "k2":
+        return log_ratio
+    return torch.expm1(log_ratio)
+
+
+def linear_beyond(log_ratio: torch.Tensor, estimator: str, limit: float) -> torch.Tensor:
+    """The sequence-level Query-KL estimator: exact for |r| <= limit, continued along its tangent beyond (value and
+    slope matched at +-limit, so C1):
+
+        f(r) = k(r)                                   |r| <= limit
+        f(r) = k(+-limit) + k'(+-limit) (r -+ limit)  beyond
+
+    Its slope is bounded by k'(+-limit) for any drift (k3: e^limit - 1 above, 1 - e^-limit below; k2: limit; k1 is
+    already linear, so unchanged), never 0 beyond the limit the way a clamp of r is, and its value stays finite and
+    monotone in |r|."""
+    inside = log_ratio.clamp(-limit, limit)
+    return kl_estimate(inside, estimator) + kl_slope(inside, estimator) * (log_ratio - inside)
+
+
 def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
     if isinstance(denominator, torch.Tensor):
         return numerator / denominator.to(numerator).clamp_min(1)
@@ -78,12 +101,12 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     def response_max(values):  # of values >= 0; 0 without response rows
         return torch.where(is_response, values, zero).amax() if values.numel() else zero
 
-    def kl_value(log_ratio, estimator):  # the log-ratio clamped, then the estimate clamped when kl_clamp is set
-        kl = kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), estimator)
+    def kl_value(kl):  # the estimate clamped when kl_clamp is set
         return kl if opts.kl_clamp is None else kl.clamp(-opts.kl_clamp, opts.kl_clamp)
 
-    def k3_against_reference(rows):  # per-token k3(ref_logp - logp) on `rows`, 0 elsewhere
-        return kl_value(torch.where(rows, ref_logp.float() - token_logp, zero), "k3")
+    def k3_against_reference(rows):  # per-token k3(ref_logp - logp clamped to +-log_ratio_clamp) on `rows`, 0 else
+        log_ratio = torch.where(rows, ref_logp.float() - token_logp, zero)
+        return kl_value(kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), "k3"))
 
     query_logp = per_sample_sum(token_logp, is_query)          # ell_theta(q)
     response_logp = per_sample_sum(token_logp, is_response)
@@ -149,7 +172,10 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
             qkl_per_sample = per_sample_sum(k3_against_reference(is_query), is_query) / query_rows.clamp_min(1)
             qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     elif ref_query_logp is not None:
-        qkl_per_sample = kl_value(ref_query_logp.float() - query_logp, opts.qkl_estimator)
+        # A whole prompt's log-ratio: not clamped (a clamp zeroes the gradient once the prompt drifts that far),
+        # but its estimator continued linearly beyond qkl_linear_beyond (bounded, never zero, restoring gradient).
+        qkl_per_sample = kl_value(linear_beyond(ref_query_logp.float() - query_logp, opts.qkl_estimator,
+                                                opts.qkl_linear_beyond))
         qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
     loss = pg_part
     if opts.qkl_coef != 0:

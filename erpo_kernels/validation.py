@@ -1,5 +1,6 @@
-"""Input checks shared by every entry point, the loss options (`LossOptions`, `OPTION_CHOICES`) and the optional
-per-sample / per-row tensors of the loss (`LossInputs`).
+"""Input checks shared by every entry point, the loss options (`LossOptions`, `OPTION_CHOICES`), the transform of
+the logits before the softmax (`LogitTransform`) and the optional per-sample / per-row tensors of the loss
+(`LossInputs`).
 
 Everything in API.md's Errors section that is not about the logits / hidden / weight tensors lives here, so
 the logits path and the fused-linear path reject bad input with the same messages.
@@ -27,6 +28,29 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes of logit
 
 
 @dataclass(frozen=True)
+class LogitTransform:
+    """What every path applies to the logits before the softmax, in this order (defined here once):
+
+        z = logits * logit_scale                        (Cohere's `logit_scale`; Granite's 1 / `logits_scaling`)
+        z = logit_softcap * tanh(z / logit_softcap)     (when logit_softcap is set: Gemma 2's final-logit soft-cap)
+        z = z / temperature
+
+    The fields are the loss options of the same names; the constructor checks them (messages name the option).
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+
+    def __post_init__(self):
+        check_temperature(self.temperature)
+        if not _is_finite_number(self.logit_scale) or self.logit_scale <= 0:
+            raise ValueError(f"logit_scale must be a finite number > 0, got {self.logit_scale!r}")
+        if self.logit_softcap is not None and (not _is_finite_number(self.logit_softcap) or self.logit_softcap <= 0):
+            raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
+
+
+@dataclass(frozen=True)
 class LossOptions:
     """The keyword options of `erpo_loss` with API.md's defaults."""
 
@@ -48,11 +72,16 @@ class LossOptions:
     kl_clamp: float | None = None
     pg_log_ratio_clamp: float | None = None
     entropy_agg: str = "loss-agg"
+    qkl_linear_beyond: float = 5.0  # the sequence-level Query-KL estimator is continued linearly beyond |r| > this
+    logit_scale: float = 1.0  # LogitTransform: logits * logit_scale before the soft-cap and the temperature
+    logit_softcap: float | None = None  # LogitTransform: final-logit soft-cap c * tanh(z / c)
 
     def __post_init__(self):
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
-        check_temperature(self.temperature)
+        LogitTransform(self.temperature, self.logit_scale, self.logit_softcap)  # checks the three
+        if not _is_finite_number(self.qkl_linear_beyond) or self.qkl_linear_beyond <= 0:
+            raise ValueError(f"qkl_linear_beyond must be a finite number > 0, got {self.qkl_linear_beyond!r}")
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
@@ -79,6 +108,11 @@ class LossOptions:
                     raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
             elif value is not None and (not _is_finite_number(value) or value <= 0):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        """temperature, logit_scale and logit_softcap as the one object the token pass (every backend) takes."""
+        return LogitTransform(self.temperature, self.logit_scale, self.logit_softcap)
 
     @classmethod
     def from_kwargs(cls, options: dict) -> "LossOptions":
@@ -131,6 +165,9 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
+NO_TRANSFORM = LogitTransform()  # the identity: logits as they are
+
+
 def check_backend(backend) -> None:
     _check_choice("backend", backend, BACKENDS)
 
@@ -174,15 +211,13 @@ def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tens
     return torch.where(scored, targets.long(), IGNORE_INDEX)
 
 
-def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device, temperature,
+def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,
                        rows_name: str) -> torch.Tensor:
-    """Validate `targets` [N] and `temperature` of `token_logprobs` / `fused_linear_token_logprobs`.
-
-    Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
+    """Validate `targets` [N] of `token_logprobs` / `fused_linear_token_logprobs` (their `LogitTransform` checks
+    itself). Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
     """
     check_tensor("targets", targets, ndim=1, length=num_rows, device=device, floating=False,
                  length_name=f" (rows of {rows_name})")
-    check_temperature(temperature)
     scored = targets != IGNORE_INDEX
     check_rows([target_range_check(targets, scored, vocab_size)])
     return scored_targets_of(targets, scored)

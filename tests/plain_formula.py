@@ -6,11 +6,24 @@ def k_estimator(r, name):
     return {"k1": -r, "k2": r * r / 2, "k3": torch.exp(r) - r - 1}[name]
 
 
+def k_slope(r, name):
+    return {"k1": -torch.ones_like(r), "k2": r, "k3": torch.exp(r) - 1}[name]
+
+
+def sequence_k_estimator(r, name, limit):
+    """The sequence-level Query-KL: the estimator inside [-limit, limit], its tangent line at the edge beyond."""
+    if abs(float(r.detach())) <= limit:
+        return k_estimator(r, name)
+    edge = torch.tensor(limit if float(r.detach()) > 0 else -limit, dtype=torch.float64)
+    return k_estimator(edge, name) + k_slope(edge, name) * (r - edge)
+
+
 def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
                     old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, rollout_is_cap=2.0, qkl_coef=0.01, qkl_estimator="k3", policy_kl_coef=0.0,
                     clip_low=0.2, clip_high=0.2, dual_clip=None, ratio_level="token", temperature=1.0,
                     entropy_coef=0.0, loss_agg="token-mean", log_ratio_clamp=20.0, num_items=None, num_seqs=None,
-                    policy_kl_bias_correction=False, kl_clamp=None, pg_log_ratio_clamp=None, entropy_agg="loss-agg"):
+                    policy_kl_bias_correction=False, kl_clamp=None, pg_log_ratio_clamp=None, entropy_agg="loss-agg",
+                    qkl_linear_beyond=5.0):
     z = logits.double() / temperature
     log_probs = torch.log_softmax(z, -1)
     probs = log_probs.exp()
@@ -18,9 +31,11 @@ def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, re
     logp = log_probs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     c = log_ratio_clamp
 
-    def kl(r, name):
-        value = k_estimator(r.clamp(-c, c), name)
+    def clamped(value):
         return value if kl_clamp is None else value.clamp(-kl_clamp, kl_clamp)
+
+    def kl(r, name):  # per token: r clamped to [-c, c]
+        return clamped(k_estimator(r.clamp(-c, c), name))
     terms_by_sample, qkl_by_sample = {}, {}
     resp_log_ratio = {}
     response_entropy = []
@@ -61,7 +76,8 @@ def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, re
             if qkl_estimator == "k3-token":
                 qkl_by_sample[s] = kl(ref_logp[qrows].double() - logp[qrows], "k3").mean()
             elif ref_query_logp is not None:
-                qkl_by_sample[s] = kl(ref_query_logp[s].double() - logp[qrows].sum(), qkl_estimator)
+                r = ref_query_logp[s].double() - logp[qrows].sum()
+                qkl_by_sample[s] = clamped(sequence_k_estimator(r, qkl_estimator, qkl_linear_beyond))
     if not terms_by_sample:
         pg_part = torch.zeros((), dtype=torch.float64)
     elif loss_agg == "token-mean":
