@@ -1,8 +1,7 @@
 """Triton kernels for per-token log-probabilities and entropies on materialized logits.
 
-One program handles one row and walks its vocabulary in blocks of BLOCK_V:
-
-Each loaded logit is first transformed (`triton_common.transformed_logits`: logit_scale, soft-cap, temperature).
+One program handles one row and walks its vocabulary in blocks of BLOCK_V; every loaded logit is first transformed
+into z (`triton_common.transformed_logits`: logit_scale, soft-cap, temperature):
 
 forward  (one read of the row): the online log-sum-exp with entropy of `triton_common` (running max m,
          s = sum exp(z - m), u = sum exp(z - m) * (z - m), rescaled whenever m grows); then
