@@ -34,10 +34,11 @@ backward the gradient of logits is dz * (d z / d logits) with dz_j = g_logp (1[j
          The cost over the FLOP floor (3 GEMMs: recompute, dH, dW) is one write and two reads of each dlogits
          block, about 6 N V bytes in all. There is no faster non-deterministic (atomic) mode.
 
-Autotuning (each kernel over its own candidate tiles): the forward and dlogits kernels are keyed on D and V (never on
-N), so within a process a row's log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and
-power-of-two buckets of their row / reduction sizes so a changing N does not re-tune every step. Two processes may still
-pick different tiles (the autotuner times them), which can change the last bits of results between processes.
+Autotuning (each kernel over its own candidate tiles): the forward and dlogits kernels are keyed on D and V (and on
+whether a soft-cap is set: its epilogue changes the register pressure, so the best tile), never on N, so within a
+process a row's log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and power-of-two
+buckets of their row / reduction sizes so a changing N does not re-tune every step. Two processes may still pick
+different tiles (the autotuner times them), which can change the last bits of results between processes.
 
 Offsets are int64 wherever row * stride can pass 2^31. The interpreter (TRITON_INTERPRET=1) cannot do bf16
 arithmetic, so there every loaded tile is cast to fp32 (UPCAST); on GPUs bf16/fp16 tiles go to `tl.dot` as is.
@@ -131,7 +132,7 @@ def _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride
     return acc
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=["hidden_dim", "vocab_size", "split_size", "HAS_BIAS"])
+@triton.autotune(configs=FORWARD_CONFIGS, key=["hidden_dim", "vocab_size", "split_size", "HAS_BIAS", "SOFTCAP"])
 @triton.jit
 def _forward_partials_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
@@ -168,7 +169,7 @@ def _forward_partials_kernel(
     tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
 
 
-@triton.autotune(configs=GRAD_LOGITS_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS"])
+@triton.autotune(configs=GRAD_LOGITS_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS", "SOFTCAP"])
 @triton.jit
 def _grad_logits_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
