@@ -58,9 +58,9 @@ def linear_beyond(log_ratio: torch.Tensor, estimator: str, limit: float) -> torc
         f(r) = k(r)                                   |r| <= limit
         f(r) = k(+-limit) + k'(+-limit) (r -+ limit)  beyond
 
-    Its slope is bounded by k'(+-limit) for any drift (k3: e^limit - 1 above, 1 - e^-limit below; k2: limit; k1 is
-    already linear, so unchanged), never 0 beyond the limit the way a clamp of r is, and its value stays finite and
-    monotone in |r|."""
+    Its slope is bounded by |k'(+-limit)| for any drift (k3: e^limit - 1 above, 1 - e^-limit below; k2: limit; k1 is
+    already linear, so unchanged), never 0 beyond the limit the way a clamp of r is, and its value stays finite
+    (k2, k3: growing linearly in |r| beyond the limit)."""
     inside = log_ratio.clamp(-limit, limit)
     return kl_estimate(inside, estimator) + kl_slope(inside, estimator) * (log_ratio - inside)
 
