@@ -1,7 +1,8 @@
 """Crash-safe training checkpoints, graceful SIGTERM handling and the final Hugging Face export.
 
 Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-N/`:
-    meta.json          step, world size, engine kind, the trainer's `state` (JSON); written last
+    meta.json          step, world size, engine kind, the trainer's `state` (JSON) and the manifest of every other
+                       file (size, SHA-256: `erpo.checkpoint_manifest`); written last
     rng/rank-R.pt      python / numpy / torch / CUDA RNG states of rank R
     engine/...         DeepSpeed engine: DeepSpeed's own files (model, ZeRO optimizer shards, scheduler)
     model.pt, optimizer.pt, scheduler.pt     plain torch bundle (TorchBundle)
@@ -39,6 +40,7 @@ import torch
 
 from . import distributed as dist_utils
 from .atomic import TMP_PREFIX, fsync_dir, fsync_tree, publish
+from .checkpoint_manifest import build_manifest, newest_intact, require_intact, sealed_json
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +201,13 @@ class CheckpointManager:
         if export:
             export_hf(engine if kind == "deepspeed" else engine.model, tokenizer, tmp / HF_DIR)
         dist_utils.barrier()
+        files = build_manifest(tmp)   # collective: every rank digests a share
 
         if dist_utils.is_main():
             meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": dist_utils.world_size(),
                     "engine": kind, "state": json.loads(state_json),
-                    "trainable_parameters": parameter_names(trained_model(engine), trainable=True)}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                    "trainable_parameters": parameter_names(trained_model(engine), trainable=True), "files": files}
+            (tmp / "meta.json").write_text(sealed_json(meta))
             fsync_tree(tmp)
             if self.before_commit is not None:
                 self.before_commit()
@@ -231,17 +234,20 @@ class CheckpointManager:
 
     # -- load
     def load(self, engine: Any, path: str | os.PathLike | None = None) -> dict:
-        """Restore `engine` and this rank's RNG states from `path` (default: `latest()`); collective under
-        DeepSpeed. Returns the saved `state` dict, with "step" set to the checkpoint's step.
+        """Restore `engine` and this rank's RNG states from `path` (default: the newest checkpoint whose files are
+        intact, `erpo.checkpoint_manifest.newest_intact`); collective under DeepSpeed. Returns the saved `state`
+        dict, with "step" set to the checkpoint's step.
 
-        FileNotFoundError when there is no complete checkpoint; ValueError when the checkpoint was written
-        by a different kind of engine.
+        FileNotFoundError when there is no complete checkpoint; DamagedCheckpointError (a UserError) when none
+        is intact, or `path` is damaged; ValueError when the checkpoint was written by a different kind of engine.
         """
         kind = engine_kind(engine)
-        if path is None:
-            path = self.latest()
+        if path is None:   # collective: the newest one intact on every rank; newer damaged ones set aside
+            path = newest_intact([p for _, p in self.complete_checkpoints()])
             if path is None:
                 raise FileNotFoundError(f"no complete checkpoint under {self.root}")
+        else:
+            require_intact(Path(path))
         path = Path(path)
         meta_path = path / "meta.json"
         if not meta_path.is_file():

@@ -1,7 +1,7 @@
 """The `erpo` command line: train, precompute-ref, eval, plot, compare.
 
     erpo train [--config FILE] [--output-dir DIR] [--max-steps N] [--algorithm NAME] [--seed S]
-               [--zero-stage K] [--save-steps N] [--resume] [--set key=value ...]
+               [--zero-stage K] [--save-steps N] [--resume] [--force] [--set key=value ...]
     erpo precompute-ref [--config FILE] [--output-dir DIR] [--overwrite] [--set key=value ...]
     erpo eval ...   (erpo.evaluation)       erpo plot ...   (erpo.plotting)      erpo compare ...   (erpo.compare)
 
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (trainer.zero_stage)")
     train.add_argument("--save-steps", type=int, help="checkpoint every N rollout steps (trainer.save_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
+    train.add_argument("--force", action="store_true",
+                       help="take over the output dir's lock (run.lock) even if its holder on another machine may be "
+                            "alive; only when that run is surely dead")
     add_local_rank_argument(train)
 
     pre = add_command("precompute-ref", help="cache ell_theta0(q) and w(q) for every training prompt")
@@ -150,7 +153,7 @@ def run_command(args: argparse.Namespace) -> int:
         from erpo import distributed, trainer
         try:
             if args.command == "train":
-                trainer.train(cfg, resume=args.resume)
+                trainer.train(cfg, resume=args.resume, force=args.force)
             else:
                 _, path, _ = trainer.precompute_reference(cfg, overwrite=args.overwrite)
                 print(path)

@@ -98,7 +98,10 @@ def resolve_checkpoint(target: str, label: str) -> ModelSpec:
     prompt settings; labelled ``RUN@step-N`` unless ``label`` is given."""
     from erpo.checkpoint import HF_DIR
 
+    from erpo.checkpoint_manifest import require_intact
+
     model = os.path.join(target, HF_DIR)
+    require_intact(target, only=f"{HF_DIR}/")   # its manifest: sizes and digests of hf/'s files
     if not _is_hf_model_dir(model):
         raise ValueError(f"--model {target}: this checkpoint holds no Hugging Face export ({HF_DIR}/config.json): "
                          "it was saved with trainer.save_hf=false or by an older erpo; evaluate a checkpoint saved "

@@ -5,10 +5,10 @@ length: each is a UserError naming the directory and what to do.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from erpo.checkpoint import CheckpointManager
+from erpo.checkpoint_manifest import newest_sound_meta
 from erpo.config import Config, updates_per_rollout
 from erpo.errors import MissingInputError, UserError
 
@@ -34,12 +34,14 @@ def check_run_dir(cfg: Config, *, resume: bool) -> None:
     """UserError unless `cfg.output_dir` can start a fresh run (no checkpoints) or, with `resume`, holds a checkpoint
     this config can continue."""
     out_dir = Path(cfg.output_dir)
-    latest = CheckpointManager(out_dir, keep_last=None).latest()
+    checkpoints = CheckpointManager(out_dir, keep_last=None)
+    latest = checkpoints.latest()
     if resume:
         if latest is None:
             raise MissingInputError(f"--resume: no complete checkpoint under {out_dir / 'checkpoints'}; "
                                     "drop --resume to start a fresh run there")
-        state = json.loads((Path(latest) / "meta.json").read_text())["state"]
+        # the newest one whose meta.json and file sizes are sound (digests are checked on load, by every rank)
+        state = newest_sound_meta([path for _, path in checkpoints.complete_checkpoints()])["state"]
         problem = schedule_mismatch(state.get("lr_schedule_steps"), cfg)
         if problem:
             raise UserError(f"--resume {out_dir}: {problem}")

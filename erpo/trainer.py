@@ -28,8 +28,10 @@ from erpo.models import device_for_rank, load_model, model_path_for, rollout_eng
 from erpo.reference_setup import precompute_reference
 from erpo.rewards import load_reward_function
 from erpo.run_dir import check_run_dir, schedule_mismatch
+from erpo.run_lock import RunLock, hold_run_dir
 from erpo.rollout_stage import rollout_stage
 from erpo.step_plan import old_logprobs, plan_query_weights, plan_step
+from erpo.storage_errors import stop_on_storage_failure
 from erpo.train_log import MetricsWriter
 from erpo.update_step import optimizer_step
 from erpo.updater import Updater, choose_updater, deepspeed_config_for, make_updater
@@ -76,6 +78,7 @@ class Run:
     state: dict                         # counters saved in checkpoints
     sampler: PromptSampler
     device: torch.device                # where this rank's micro-batches live
+    lock: RunLock | None                # the run directory's lock (rank 0; None on the other ranks)
 
 
 def seed_everything(cfg: Config) -> None:
@@ -139,9 +142,10 @@ def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater,
     return state
 
 
-def start_run(cfg: Config, resume: bool) -> Run:
-    """Check the output dir, set up ranks and seeds, load the data, models, reference cache and rollout engine,
-    and restore the newest checkpoint when resuming."""
+def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
+    """Check the output dir, set up ranks and seeds, lock the output dir (`force`: take the lock from a run that
+    may be alive), load the data, models, reference cache and rollout engine, and restore the newest intact
+    checkpoint when resuming."""
     check_run_dir(cfg, resume=resume)
     log.info("erpo train: %s", run_summary(cfg))
     out_dir = Path(cfg.output_dir)
@@ -150,6 +154,7 @@ def start_run(cfg: Config, resume: bool) -> Run:
     seed_everything(cfg)
     model_path = model_path_for(cfg)   # a mistyped model name stops here, before the run directory is written
     tokenizer = tokenizer_for(cfg, model_path)
+    lock = hold_run_dir(out_dir, force=force)   # before anything is written there; released at the end or exit
     if D.is_main():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -170,14 +175,16 @@ def start_run(cfg: Config, resume: bool) -> Run:
         engine.sync_weights(updater.module)
     sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, state["epoch"], state["cursor"])
     return Run(out_dir, checkpoints, tokenizer, ps, updater, ref_model, engine, reward_fns, ref_query_logp,
-               static_weight, state, sampler, device)
+               static_weight, state, sampler, device, lock)
 
 
 def save_checkpoint(cfg: Config, run: Run, progress: dict | None = None) -> str:
     """Checkpoint the model with `progress` (default: the current state and sampler position)."""
     progress = progress or {**run.state, **run.sampler.state}
-    return run.checkpoints.save(progress["rollout_step"], run.updater.checkpoint_target, progress,
-                                export=cfg.trainer.save_hf, tokenizer=run.tokenizer)
+    with stop_on_storage_failure(f"saving checkpoint step-{progress['rollout_step']}", run.checkpoints.root,
+                                 cleanup=run.checkpoints.remove_stale):
+        return run.checkpoints.save(progress["rollout_step"], run.updater.checkpoint_target, progress,
+                                    export=cfg.trainer.save_hf, tokenizer=run.tokenizer)
 
 
 def finish_run(cfg: Config, run: Run) -> None:
@@ -196,10 +203,11 @@ def finish_run(cfg: Config, run: Run) -> None:
         log.info("training curves: %s", png)
 
 
-def train(cfg: Config, *, resume: bool = False) -> str:
+def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
     """Run ERPO (or a baseline, per cfg.algorithm) and return the output dir. Writes config.yaml,
-    reference_cache.json, metrics.jsonl, tb/, checkpoints/, final/ and plots/training.png there."""
-    run = start_run(cfg, resume)
+    reference_cache.json, metrics.jsonl, tb/, checkpoints/, final/ and plots/training.png there, holding its
+    run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.run_lock)."""
+    run = start_run(cfg, resume, force)
     t, state, sampler, model = cfg.trainer, run.state, run.sampler, run.updater.model
     metrics = MetricsWriter(cfg, run.out_dir, resume=resume, total_steps=t.max_steps * updates_per_rollout(cfg),
                             done_steps=state["opt_step"])
@@ -248,5 +256,7 @@ def train(cfg: Config, *, resume: bool = False) -> str:
     metrics.close()
     if not stop.requested:
         finish_run(cfg, run)
+    if run.lock is not None:
+        run.lock.release()
     log.info("done: %s", run.out_dir)
     return str(run.out_dir)
