@@ -88,8 +88,8 @@ def sealed_json(meta: dict) -> str:
 
 
 def read_meta(checkpoint: Path) -> tuple[dict | None, str | None]:
-    """(meta, None) when meta.json reads and its seal matches (an unsealed, older meta.json is taken as it is);
-    (None, "meta.json: WHY") otherwise."""
+    """(meta, None) when meta.json reads and its seal matches (an older meta.json, without manifest or seal, is taken
+    as it is); (None, "meta.json: WHY") otherwise."""
     try:
         meta = json.loads((checkpoint / META).read_text())
     except FileNotFoundError:
@@ -98,6 +98,8 @@ def read_meta(checkpoint: Path) -> tuple[dict | None, str | None]:
         return None, f"{META}: unreadable ({exc})"
     if not isinstance(meta, dict):
         return None, f"{META}: not a JSON object"
+    if SEAL not in meta and "files" in meta:   # both are written together: a damaged key
+        return None, f"{META}: its digest ({SEAL}) is missing"
     if SEAL in meta and meta[SEAL] != seal_digest(meta):
         return None, f"{META}: its content does not match its digest (altered after it was written)"
     return meta, None

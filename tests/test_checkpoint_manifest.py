@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from erpo.checkpoint import CheckpointManager, TorchBundle
-from erpo.checkpoint_manifest import DamagedCheckpointError, newest_sound_meta, rank_share, require_intact
+from erpo.checkpoint_manifest import (DamagedCheckpointError, newest_sound_meta, rank_share, read_meta,
+                                      require_intact)
 from erpo.errors import UserError
 from erpo.evaluation import resolve_model
 from erpo.storage_errors import StorageError, stop_on_storage_failure, storage_problem
@@ -121,9 +122,12 @@ def test_a_missing_file_and_an_older_checkpoint_without_manifest(two_checkpoints
     manager, _, _ = two_checkpoints
     (manager.root / "step-2" / "scheduler.pt").unlink()
     assert newest_sound_meta([manager.root / "step-1", manager.root / "step-2"])["state"] == {"at": 1}
-    meta_file = manager.root / "step-1" / "meta.json"        # as an erpo without manifests wrote it
+    meta_file = manager.root / "step-1" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    del meta["files"], meta["meta_sha256"]
+    del meta["meta_sha256"]                                  # a manifest without its seal: damaged
+    meta_file.write_text(json.dumps(meta))
+    assert read_meta(manager.root / "step-1") == (None, "meta.json: its digest (meta_sha256) is missing")
+    del meta["files"]                                        # as an erpo without manifests wrote it
     meta_file.write_text(json.dumps(meta))
     with caplog.at_level(logging.WARNING):
         assert manager.load(tiny_bundle(seed=1)) == {"at": 1, "step": 1}
