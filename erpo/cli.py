@@ -151,9 +151,13 @@ def run_command(args: argparse.Namespace) -> int:
         if args.command == "precompute-ref":   # train logs it itself, once its output directory is checked
             log.info("erpo %s: %s", args.command, run_summary(cfg))
         from erpo import distributed, trainer
+        from erpo.storage_errors import stop_on_storage_failure
         try:
-            if args.command == "train":
-                trainer.train(cfg, resume=args.resume, force=args.force)
+            if args.command == "train":   # a refused read or write (metrics, export) is one line, as a save's is
+                with stop_on_storage_failure("a file operation", cfg.output_dir,
+                                             advice="fix the storage (space, permissions), then run again; --resume "
+                                                    "continues from the newest checkpoint"):
+                    trainer.train(cfg, resume=args.resume, force=args.force)
             else:
                 _, path, _ = trainer.precompute_reference(cfg, overwrite=args.overwrite)
                 print(path)

@@ -97,7 +97,6 @@ def resolve_checkpoint(target: str, label: str) -> ModelSpec:
     """A training checkpoint (``RUN_DIR/checkpoints/step-N``): its Hugging Face export ``hf/``, with the run's
     prompt settings; labelled ``RUN@step-N`` unless ``label`` is given."""
     from erpo.checkpoint import HF_DIR
-
     from erpo.checkpoint_manifest import require_intact
 
     model = os.path.join(target, HF_DIR)

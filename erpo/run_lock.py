@@ -128,7 +128,7 @@ class RunLock:
         return None
 
     # -- taking and giving back
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(TAKEOVER_ATTEMPTS):
             if self._create():

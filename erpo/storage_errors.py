@@ -70,14 +70,20 @@ def free_bytes(directory: Path) -> int | None:
     return None
 
 
+SAVE_ADVICE = "the previous checkpoints are intact: free space or fix the storage, then continue with --resume"
+
+
 @contextmanager
-def stop_on_storage_failure(what: str, directory: str | os.PathLike,
-                            cleanup: Callable[[], None] | None = None) -> Iterator[None]:
-    """Run the block; a storage failure in it becomes StorageError("WHAT failed: PATH: CAUSE; ..."), after rank 0
-    ran `cleanup` (e.g. removing the half-written checkpoint, best effort: the disk may still refuse)."""
+def stop_on_storage_failure(what: str, directory: str | os.PathLike, cleanup: Callable[[], None] | None = None,
+                            advice: str = SAVE_ADVICE) -> Iterator[None]:
+    """Run the block; a storage failure in it becomes StorageError("WHAT failed: PATH: CAUSE; ADVICE"), after rank 0
+    ran `cleanup` (e.g. removing the half-written checkpoint, best effort: the disk may still refuse). A UserError
+    raised in the block (an inner block's StorageError too) passes unchanged."""
     directory = Path(directory)
     try:
         yield
+    except UserError:
+        raise                 # already one line (an inner block's StorageError among them)
     except Exception as exc:
         problem = storage_problem(exc, directory)
         if problem is None:
@@ -87,5 +93,4 @@ def stop_on_storage_failure(what: str, directory: str | os.PathLike,
                 cleanup()
             except OSError as cleanup_error:
                 logger.warning("could not remove the partial save under %s: %s", directory, cleanup_error)
-        raise StorageError(f"{what} failed: {problem}; the previous checkpoints are intact: free space or fix "
-                           "the storage, then continue with --resume") from exc
+        raise StorageError(f"{what} failed: {problem}; {advice}") from exc

@@ -27,9 +27,9 @@ from erpo.lora import MERGED_DIR, AdaptersDisabled, export_merged, held_paramete
 from erpo.models import device_for_rank, load_model, model_path_for, rollout_engine_for, tokenizer_for
 from erpo.reference_setup import precompute_reference
 from erpo.rewards import load_reward_function
+from erpo.rollout_stage import rollout_stage
 from erpo.run_dir import check_run_dir, schedule_mismatch
 from erpo.run_lock import RunLock, hold_run_dir
-from erpo.rollout_stage import rollout_stage
 from erpo.step_plan import old_logprobs, plan_query_weights, plan_step
 from erpo.storage_errors import stop_on_storage_failure
 from erpo.train_log import MetricsWriter

@@ -23,7 +23,7 @@ from erpo.checkpoint_manifest import (DamagedCheckpointError, newest_sound_meta,
 from erpo.errors import UserError
 from erpo.evaluation import resolve_model
 from erpo.storage_errors import StorageError, stop_on_storage_failure, storage_problem
-from erpo.tiny import build_model, build_tokenizer
+from erpo.tiny import build_tokenizer
 from test_checkpoint import tiny_bundle, train_step
 
 
@@ -162,9 +162,13 @@ def test_storage_problem_reads_the_three_ways_libraries_report_a_full_disk(tmp_p
     assert "torch.save could not write (" in storage_problem(torch_error, tmp_path)
     assert storage_problem(ValueError("a bug"), tmp_path) is None
     assert storage_problem(OSError(errno.ENOENT, "No such file"), tmp_path) is None
-    with pytest.raises(ValueError, match="a bug"):            # not a storage failure: the traceback stays
-        with stop_on_storage_failure("saving", tmp_path):
-            raise ValueError("a bug")
+    with pytest.raises(ValueError, match="a bug"), stop_on_storage_failure("saving", tmp_path):
+        raise ValueError("a bug")                            # not a storage failure: the traceback stays
+    with pytest.raises(StorageError, match="^saving step-2 failed: .*x.pt: No space") as info, \
+            stop_on_storage_failure("a file operation", tmp_path, advice="x"), \
+            stop_on_storage_failure("saving step-2", tmp_path):
+        raise enospc                                         # the innermost block names it; the outer ones pass it
+    assert info.value.__cause__ is enospc
 
 
 @pytest.fixture
@@ -173,7 +177,7 @@ def small_tmpfs(tmp_path):
     mount = tmp_path / "tmpfs"
     mount.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", f"erpo-test-{uuid.uuid4().hex[:8]}", str(mount)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     if proc.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     yield mount
@@ -192,9 +196,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_loads
     (small_tmpfs / "filler").write_bytes(b"\0" * (free - 100_000))   # room for part of the next save only
     with torch.no_grad():
         model.weight.add_(1.0)
-    with pytest.raises(StorageError) as info:
-        with stop_on_storage_failure("saving checkpoint step-2", manager.root, cleanup=manager.remove_stale):
-            manager.save(2, bundle, {"at": 2})
+    with pytest.raises(StorageError) as info, stop_on_storage_failure("saving checkpoint step-2", manager.root,
+                                                                      cleanup=manager.remove_stale):
+        manager.save(2, bundle, {"at": 2})
     message = str(info.value)
     assert message.startswith("saving checkpoint step-2 failed: ") and "No space left on device" in message
     assert str(manager.root) in message and "\n" not in message

@@ -76,7 +76,7 @@ def fake_training(monkeypatch):
     import erpo.trainer
     calls = {"train": [], "destroy": 0, "raise": None}
 
-    def train(cfg, resume=False):
+    def train(cfg, resume=False, force=False):
         calls["train"].append((cfg.output_dir, resume, os.environ.get("LOCAL_RANK")))
         if calls["raise"]:
             raise calls["raise"]

@@ -180,7 +180,8 @@ def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> sub
 def torchrun_until_checkpoint(out: Path, cache: Path, step: int, log: Path) -> tuple[subprocess.Popen, list[int]]:
     """A 3-step `erpo train` under torchrun, once its checkpoint `step` exists: the launcher and its 2 ranks' pids."""
     cmd, env = train_command_2ranks("torchrun", out, cache, "--max-steps", "3")
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    with open(log, "w") as stderr:   # the launcher keeps its own copy of the descriptor
+        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + 300
     while not (out / "checkpoints" / f"step-{step}").is_dir():
         assert launcher.poll() is None, log.read_text()[-6000:]

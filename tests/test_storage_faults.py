@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -65,9 +64,9 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_resum
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     assert error_lines(proc.stderr) == [
-        f"erpo train: saving checkpoint step-3 failed: {run / 'checkpoints' / '.tmp-step-3' / 'rng' / 'rank-0.pt'}: "
-        "No space left on device; the previous checkpoints are intact: free space or fix the storage, then continue "
-        "with --resume"]
+        (f"erpo train: saving checkpoint step-3 failed: {run / 'checkpoints' / '.tmp-step-3' / 'rng' / 'rank-0.pt'}: "
+         "No space left on device; the previous checkpoints are intact: free space or fix the storage, then continue "
+         "with --resume")]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]   # .tmp-step-3 removed
     assert not (run / "run.lock").exists()
     erpo_train(run, root / "cache", "--max-steps", "3", "--resume")
@@ -98,9 +97,9 @@ def test_no_intact_checkpoint_is_one_line_and_exit_1(runs):
     proc = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", succeed=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert error_lines(proc.stderr) == [
-        f"erpo train: no intact checkpoint under {run / 'checkpoints'}: step-2: model.pt: its content does not "
-        "match its sha256 (bit rot or an overwritten file); step-1: model.pt: its content does not match its sha256 "
-        "(bit rot or an overwritten file); restore them from a copy, or start a fresh run in another --output-dir"]
+        (f"erpo train: no intact checkpoint under {run / 'checkpoints'}: step-2: model.pt: its content does not "
+         "match its sha256 (bit rot or an overwritten file); step-1: model.pt: its content does not match its sha256 "
+         "(bit rot or an overwritten file); restore them from a copy, or start a fresh run in another --output-dir")]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
 
