@@ -9,10 +9,10 @@ Digest: SHA-256 streamed in 8 MiB chunks. OpenSSL computes it with the CPU's SHA
 crypto), faster than BLAKE2b where those exist (the 2-core dev machine, AMD EPYC with sha_ni, 2026-11-23:
 hashlib over 256 MiB in memory, sha256 0.78 GB/s vs blake2b 0.43 GB/s, machine shared), and `sha256sum` lets
 a user check a file by hand. The ranks split the work: the files are dealt out by size, so each of N ranks
-reads about 1/N of the bytes (a 7B ZeRO checkpoint, ~100 GB on 8 ranks: ~12 GB and ~15 s per rank at that
-speed, plus the read). Saving digests the files right after they were written (from the page cache); resuming
-checks every size on every rank (a stat) and every digest once (the rank's share), and the ranks agree
-(all_gather) before anything is loaded.
+reads about 1/N of the bytes (estimated, not measured: a 7B checkpoint, ~100 GB at 14 bytes a parameter, on 8
+ranks: ~12 GB and ~15 s per rank at that speed, plus the read). Saving digests the files right after they were
+written (from the page cache); resuming checks every size on every rank (a stat) and every digest once (the rank's
+share), and the ranks agree (all_gather) before anything is loaded.
 
 A checkpoint saved before manifests existed (no "files") is loaded unchecked, with a warning.
 """
