@@ -7,7 +7,8 @@ def k_estimator(r, name):
 
 
 def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
-                    old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, rollout_is_cap=2.0, qkl_coef=0.01, qkl_estimator="k3", policy_kl_coef=0.0,
+                    old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, rollout_is_cap=2.0,
+                    qkl_coef=0.01, qkl_estimator="k3", policy_kl_coef=0.0,
                     clip_low=0.2, clip_high=0.2, dual_clip=None, ratio_level="token", temperature=1.0,
                     entropy_coef=0.0, loss_agg="token-mean", log_ratio_clamp=20.0, num_items=None, num_seqs=None,
                     policy_kl_bias_correction=False, kl_clamp=None, pg_log_ratio_clamp=None, entropy_agg="loss-agg"):
@@ -74,6 +75,7 @@ def plain_erpo_loss(logits, targets, token_kind, sample_index, *, advantages, re
     if entropy_agg == "token-mean" and response_entropy:  # TRL: mean over the response tokens, whatever loss_agg
         loss = loss - entropy_coef * torch.stack(response_entropy).mean()
     if qkl_coef and qkl_by_sample:
-        qkl = torch.stack(list(qkl_by_sample.values())).sum() / (num_seqs if num_seqs is not None else len(qkl_by_sample))
+        divisor = num_seqs if num_seqs is not None else len(qkl_by_sample)
+        qkl = torch.stack(list(qkl_by_sample.values())).sum() / divisor
         loss = loss + qkl_coef * qkl
     return loss

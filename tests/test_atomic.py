@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from erpo.atomic import publish
-from erpo.evaluation import _append_lines, _check_cache_meta, read_cache
-from erpo.reference_cache import ReferenceCache
+from erpo.eval.sample_cache import _append_lines, _check_cache_meta, read_cache
+from erpo.reference.cache import ReferenceCache
 
 
 def write_dir(content: str):
@@ -89,7 +89,7 @@ THETA0_SCRIPT = """
 import hashlib, json, sys, time
 from pathlib import Path
 from erpo.config import Config, apply_overrides, resolve
-from erpo.sft import tiny_theta0
+from erpo.models.sft import tiny_theta0
 cfg = resolve(apply_overrides(Config(), ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1",
     "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.sft_steps=20", "tiny.sft_examples=64"]))
 print("ready", flush=True)
@@ -101,7 +101,7 @@ print(json.dumps([str(path), hashlib.sha256((path / "model.safetensors").read_by
 
 
 def test_three_runs_building_the_same_cold_tiny_theta0_all_succeed_and_agree(tmp_path):
-    # erpo.sft keeps theta0 under model.cache_dir, ~/.cache/erpo by default: a fresh HOME is a cold cache.
+    # erpo.models.sft keeps theta0 under model.cache_dir, ~/.cache/erpo by default: a fresh HOME is a cold cache.
     home, go = tmp_path / "home", tmp_path / "go"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join(

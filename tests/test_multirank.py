@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from multirank_worker import make_optimizer, rank_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
