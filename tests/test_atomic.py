@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from erpo.atomic import publish
-from erpo.eval.sample_cache import _append_lines, _check_cache_meta, read_cache
+from erpo.eval.sample_cache import append_lines, check_cache_meta, read_cache
 from erpo.reference.cache import ReferenceCache
 
 
@@ -71,15 +71,15 @@ def test_reference_cache_saves_leave_one_whole_file(tmp_path):
 
 def test_eval_sample_cache_appends_and_settings_from_two_writers(tmp_path):
     directory = tmp_path / "samples"
-    _check_cache_meta(str(directory), {"k": 2})
-    _check_cache_meta(str(directory), {"k": 2})     # the second run finds the same settings
+    check_cache_meta(str(directory), {"k": 2})
+    check_cache_meta(str(directory), {"k": 2})     # the second run finds the same settings
     with pytest.raises(ValueError, match="different settings"):
-        _check_cache_meta(str(directory), {"k": 4})
+        check_cache_meta(str(directory), {"k": 4})
     path = str(directory / "temp-1.jsonl")
     with open(path, "w") as handle:
         handle.write('{"id": 0, "sample": 0}\n{"id": 0, "sa')     # a writer killed mid-line
-    _append_lines(path, [{"id": 0, "sample": 1}])
-    _append_lines(path, [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}])
+    append_lines(path, [{"id": 0, "sample": 1}])
+    append_lines(path, [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}])
     assert read_cache(path, 2) == {0: [{"id": 0, "sample": 0}, {"id": 0, "sample": 1}],
                                    1: [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}]}
 

@@ -17,7 +17,7 @@ from erpo.eval.evaluate import evaluate
 from erpo.eval.metrics import pass_at_k
 from erpo.eval.model_specs import parse_models, parse_templates, prompt_settings, resolve_model
 from erpo.eval.problem_sets import load_benchmark, load_benchmarks
-from erpo.eval.sample_cache import _append_lines, read_cache
+from erpo.eval.sample_cache import append_lines, read_cache
 from erpo.eval.tables import BENCHMARK_AVERAGE, aggregate, range_members
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
@@ -300,13 +300,13 @@ def test_interrupted_eval_resumes_to_the_same_result(tmp_path, tiny_model_dir, m
 
 def test_append_cuts_a_torn_tail_after_complete_lines(tmp_path):
     path = str(tmp_path / "samples" / "temp-1.jsonl")
-    _append_lines(path, [{"id": 0, "sample": 0}])
+    append_lines(path, [{"id": 0, "sample": 0}])
     with open(path, "a") as handle:
         handle.write('{"id": 1, "sam')  # a crash mid-write
-    _append_lines(path, [{"id": 1, "sample": 0}])
+    append_lines(path, [{"id": 1, "sample": 0}])
     with open(path) as handle:
         assert handle.read() == '{"id": 0, "sample": 0}\n{"id": 1, "sample": 0}\n'
-    _append_lines(path, [{"id": 2, "sample": 0}])  # an intact file is only appended to
+    append_lines(path, [{"id": 2, "sample": 0}])  # an intact file is only appended to
     assert read_cache(path, 1) == {i: [{"id": i, "sample": 0}] for i in range(3)}
 
 
@@ -315,7 +315,7 @@ def test_cache_keeps_completions_with_unicode_line_separators(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 unescaped; they must not split a cache line.
     path = str(tmp_path / "temp-1.jsonl")
     records = [{"id": 0, "sample": 0, "completion": "a\u2028b\x85c\u2029"}, {"id": 1, "sample": 0, "completion": "d"}]
-    _append_lines(path, records)
+    append_lines(path, records)
     assert read_cache(path, 1) == {0: [records[0]], 1: [records[1]]}
 
 

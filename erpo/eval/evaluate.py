@@ -23,7 +23,7 @@ import torch
 from erpo.eval.metrics import default_pass_ks
 from erpo.eval.model_specs import DEFAULT_MAX_NEW_TOKENS, ModelSpec, prompt_settings
 from erpo.eval.problem_sets import Benchmark
-from erpo.eval.sample_cache import _check_cache_meta, _problems_fingerprint, cache_dir
+from erpo.eval.sample_cache import cache_dir, check_cache_meta, problems_fingerprint
 from erpo.eval.sampling import build_engine, sample_benchmark
 from erpo.eval.tables import aggregate, score_samples, write_results
 
@@ -87,10 +87,10 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
                            f"{type(rollout).__name__})")
         for bench in benchmarks:
             meta = {"model_path": os.path.abspath(model.path) if os.path.isdir(model.path) else model.path,
-                    "benchmark_source": bench.source, "problems_sha256": _problems_fingerprint(bench),
+                    "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
                     "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size,
                     **dataclasses.asdict(settings)}
-            _check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)
+            check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)
             for t in temperatures:
                 samples = sample_benchmark(
                     rollout, tokenizer, bench, model_label=model.label, temperature=t, k=k, top_p=top_p,

@@ -42,7 +42,7 @@ def read_cache(path: str, k: int) -> dict[int, list[dict]]:
             if all(j in by_index for j in range(k))}
 
 
-def _append_lines(path: str, records: list[dict]) -> None:
+def append_lines(path: str, records: list[dict]) -> None:
     """Append records as JSON lines and fsync; a torn last line left by a crash is cut off first (the file is
     read whole only then: each chunk's append costs its own size, not the cache's)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -61,7 +61,7 @@ def _append_lines(path: str, records: list[dict]) -> None:
         os.fsync(handle.fileno())
 
 
-def _check_cache_meta(directory: str, meta: dict) -> None:
+def check_cache_meta(directory: str, meta: dict) -> None:
     """Write the sampling settings next to the cache, or refuse to mix samples made with others. Of evaluations
     starting at once, the first to publish its settings sets them for all (`erpo.atomic.publish`)."""
     path = os.path.join(directory, "cache_meta.json")
@@ -78,7 +78,7 @@ def _check_cache_meta(directory: str, meta: dict) -> None:
         )
 
 
-def _problems_fingerprint(bench: Benchmark) -> str:
+def problems_fingerprint(bench: Benchmark) -> str:
     text = json.dumps([[p["id"], p["problem"], p["answers"]] for p in bench.problems], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

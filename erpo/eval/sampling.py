@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from erpo.eval.model_specs import PromptSettings
 from erpo.eval.problem_sets import Benchmark
-from erpo.eval.sample_cache import _append_lines, cache_path, chunk_seed, read_cache
+from erpo.eval.sample_cache import append_lines, cache_path, chunk_seed, read_cache
 from erpo.models.loading import load_causal_lm, load_tokenizer
 from erpo.models.lora import MERGED_DIR, is_adapter_dir
 from erpo.rollout import make_rollout_engine
@@ -92,7 +92,7 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
                             "truncated": bool(batch.truncated[row])})
         if any(count != k for count in next_sample):
             raise RuntimeError(f"rollout engine returned {next_sample} samples per prompt, expected {k}")
-        _append_lines(path, records)
+        append_lines(path, records)
         for record in records:
             done.setdefault(record["id"], [None] * k)[record["sample"]] = record
         bar.update(len({r["id"] for r in records}))
