@@ -196,7 +196,8 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
     """
     opts = LossOptions.from_kwargs(options)
     n = num_rows
-    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False, length_name=" (the number of rows N)")
+    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
+                 length_name=" (the number of rows N)")
     check_tensor("token_kind", token_kind, ndim=1, length=n, device=device, floating=False,
                  length_name=" (the number of rows N)")
     check_tensor("sample_index", sample_index, ndim=1, length=n, device=device, floating=False,
