@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from erpo_kernels import LossInputs, LossOptions, OPTION_CHOICES, erpo_loss, token_logprobs
+from erpo_kernels import (LossInputs, LossOptions, OPTION_CHOICES, erpo_loss, fused_linear_erpo_loss,
+                          token_logprobs)
 from erpo_kernels.objective import erpo_objective, high_entropy_mask
 from helpers import loss_inputs, random_batch
 from plain_formula import plain_erpo_loss
@@ -90,6 +91,31 @@ def test_policy_terms_match_float64_formula(case, rollout):
 @pytest.mark.parametrize("case", ["cispo", "vespo", "everything-vespo"])
 def test_policy_terms_on_the_triton_path(case):
     assert_formula(near_policy_batch(seed=1), FORMULA_CASES[case], "rollout-is", backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_linear_path_equals_the_logits_path(backend):
+    """The objective is shared: hidden @ weight (fused, never the whole logits) gives the logits path's loss and
+    gradients with every new option on at once."""
+    batch = near_policy_batch()
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(48, 16, generator=g), torch.randn(37, 16, generator=g) * 0.5
+    batch["logits"] = hidden @ weight.t()
+    options = dict(FORMULA_CASES["everything-vespo"], qkl_coef=0.3, rollout_is_cap=1.5)
+    inputs = dict(loss_inputs(batch, ("advantages", "ref_query_logp", "query_weight", "old_logp", "ref_logp",
+                                      "token_weight", "rollout_logp")))
+    rows = (batch["targets"], batch["token_kind"], batch["sample_index"])
+    fused_leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    fused = fused_linear_erpo_loss(*fused_leaves, *rows, backend=backend, **inputs, **options)
+    fused.loss.backward()
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    expected = erpo_loss(leaves[0] @ leaves[1].t(), *rows, backend="torch", **inputs, **options)
+    expected.loss.backward()
+    torch.testing.assert_close(fused.loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    for name in ("kept_tokens", "kept_entropy", "off_policy_masked_frac", "vespo_phi_mean"):
+        torch.testing.assert_close(fused.metrics[name].float(), expected.metrics[name].float(), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(fused_leaves, leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_on_policy_policy_terms_match_float64_formula():
