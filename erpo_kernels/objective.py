@@ -68,7 +68,7 @@ def sapo_term(advantage, ratio, temperature_pos: float, temperature_neg: float):
     """SAPO: -A * (4 / tau) * sigmoid(tau * (ratio - 1)), tau = temperature_pos if A > 0 else temperature_neg: a soft
     gate whose gradient, -A * 4 sigmoid (1 - sigmoid) * ratio per d logp, is -A * ratio at ratio = 1 and decays
     smoothly away from it. Never clipped."""
-    tau = torch.where(advantage > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    tau = torch.where(advantage > 0, ratio.new_tensor(temperature_pos), ratio.new_tensor(temperature_neg))
     return -advantage * torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau, torch.zeros_like(ratio, dtype=torch.bool)
 
 
@@ -81,8 +81,8 @@ def vespo_gamma_weight(advantage_s, log_weight_s, k_pos: float, lambda_pos: floa
     where A_s >= 0 else (k_neg, lambda_neg); log_weight_s [S] = log w, already clamped. Detached, non-finite -> 0
     (as TRL's get_gamma_weights)."""
     nonneg = advantage_s >= 0
-    k = torch.where(nonneg, k_pos, k_neg).to(log_weight_s.dtype)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_weight_s.dtype)
+    k = torch.where(nonneg, log_weight_s.new_tensor(k_pos), log_weight_s.new_tensor(k_neg))
+    lam = torch.where(nonneg, log_weight_s.new_tensor(lambda_pos), log_weight_s.new_tensor(lambda_neg))
     log_phi = lam + k * log_weight_s - lam * torch.exp(log_weight_s)
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 

@@ -245,8 +245,8 @@ def trl_batch(dtype, seed=0):
 
 def trl_args(**overrides):
     """The GRPOConfig fields _compute_loss reads, at GRPOConfig's defaults (TRL 1.16) unless overridden."""
-    args = dict(loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
-                use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+    args = dict(loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, delta=None,
+                importance_sampling_level="token", use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
                 vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask_threshold=None,
                 top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, entropy_coef_min=0.0,
                 entropy_coef_max=1.0, entropy_coef_delta=0.005, entropy_target=0.2,
@@ -398,6 +398,7 @@ TRL_CASES = {
                               vespo_lambda_neg=0.0, beta=0.04),
     "vespo-vllm-is": dict(loss_type="vespo", use_vllm=True),
     "vespo-sequence-level": dict(loss_type="vespo", importance_sampling_level="sequence", beta=0.04),
+    "vespo-eval": dict(loss_type="vespo", training=False, entropy_coef=0.05),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "luspo-token-delta": dict(loss_type="luspo", delta=1.5, epsilon_high=0.28),
     "off-policy-mask-dapo": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
