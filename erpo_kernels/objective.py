@@ -203,6 +203,7 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
         entropy_kept = high_entropy_mask(entropy, is_response, opts.top_entropy_quantile,  # top entropy rows only
                                          opts.top_entropy_gather)
         pg = entropy_kept * pg
+    kept_rows = entropy_kept.sum()  # the rows keeping pg_t and the entropy bonus (all response rows without a filter)
     term = pg
     policy_kl = None if ref_logp is None else k3_against_reference(is_response)
     if policy_kl is not None and opts.policy_kl_bias_correction:  # TRL's use_bias_correction_kl: times the ratio,
@@ -226,8 +227,8 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
                 per_sample = per_sample / response_rows.clamp_min(1)
             return _safe_div(torch.where(has_response, per_sample, zero).sum(), num_seqs)
     pg_part = aggregate(term)
-    if opts.entropy_coef != 0 and opts.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg
-        kept_rows = entropy_kept.sum()  # TRL: the mean over the rows the entropy filter keeps (all response rows)
+    if opts.entropy_coef != 0 and opts.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg: the
+        # mean of H_t over the rows the entropy filter keeps
         pg_part = pg_part - opts.entropy_coef * torch.where(entropy_kept, entropy, zero).sum() / kept_rows.clamp_min(1)
 
     # Query-KL on samples that have query rows.
@@ -253,7 +254,6 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     with torch.no_grad():
         clip_taken = is_response & clip_taken
         has_response_rows = response_rows > 0
-        kept_rows = entropy_kept.sum()
         metrics = {
             "qkl": nan if qkl is None else qkl.detach(),
             "policy_kl": nan if policy_kl is None else response_mean(policy_kl.detach()),
