@@ -25,7 +25,7 @@ def test_loss_inputs_object_is_the_keyword_call():
 
 
 def test_option_choices_are_what_loss_options_accepts():
-    assert set(OPTION_CHOICES) == {"qkl_estimator", "loss_agg", "ratio_level", "entropy_agg"}
+    assert set(OPTION_CHOICES) == {"qkl_estimator", "loss_agg", "ratio_level", "entropy_agg", "pg_objective"}
     for name, choices in OPTION_CHOICES.items():
         assert getattr(LossOptions(), name) in choices
         for value in choices:
