@@ -1,4 +1,4 @@
-"""erpo.checkpoint_manifest and erpo.storage_errors at the CheckpointManager level (one process, plain torch):
+"""erpo.manifest and erpo.storage_errors at the CheckpointManager level (one process, plain torch):
 every checkpoint lists its files with size and SHA-256 in meta.json; a truncated or bit-flipped file in the newest
 checkpoint (model, optimizer, RNG state, meta.json, the HF export) is skipped with one warning naming it and the
 previous checkpoint restores training exactly; all damaged: one DamagedCheckpointError; a save the storage
@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from erpo.checkpoint import CheckpointManager, TorchBundle
-from erpo.checkpoint_manifest import (DamagedCheckpointError, newest_sound_meta, rank_share, read_meta,
-                                      require_intact)
 from erpo.errors import UserError
-from erpo.evaluation import resolve_model
+from erpo.eval.model_specs import resolve_model
+from erpo.manifest import DamagedCheckpointError, newest_sound_meta, rank_share, read_meta, require_intact
+from erpo.models.tiny import build_tokenizer
 from erpo.storage_errors import StorageError, stop_on_storage_failure, storage_problem
-from erpo.tiny import build_tokenizer
+from erpo.train.checkpoint import CheckpointManager, TorchBundle
 from test_checkpoint import tiny_bundle, train_step
 
 

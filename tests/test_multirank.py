@@ -25,7 +25,7 @@ pytest.importorskip("deepspeed")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from multirank_worker import make_optimizer, rank_loss  # noqa: E402
 from test_checkpoint_manifest import truncate  # noqa: E402
 

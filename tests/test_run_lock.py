@@ -1,4 +1,4 @@
-"""erpo.run_lock: one writer per run directory. A live holder on this machine is refused in one line naming it; a
+"""erpo.train.run_lock: one writer per run directory. A live holder on this machine is refused in one line naming it; a
 dead one (pid gone, or reused) is taken over with a warning; another machine's lock only after its heartbeat is
 older than the staleness interval, or with force. The end-to-end case (`erpo train --resume` beside a live run,
 then after it was SIGKILLed) is in tests/test_storage_faults.py."""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from erpo.errors import UserError
-from erpo.run_lock import LOCK_NAME, RunDirLocked, RunLock, hold_run_dir, process_start
+from erpo.train.run_lock import LOCK_NAME, RunDirLocked, RunLock, hold_run_dir, process_start
 
 
 def write_lock(run_dir, **fields):
