@@ -10,8 +10,15 @@ from .reference import reference_token_logprobs
 from .segment import SegmentSum
 from .triton_logits import triton_token_logprobs
 from .triton_segment import TritonSegmentSum
-from .validation import (FLOAT_DTYPES, LogitTransform, LossInputs, check_backend, check_loss_inputs, check_tensor,
-                         check_token_inputs)
+from .validation import (
+    FLOAT_DTYPES,
+    LogitTransform,
+    LossInputs,
+    check_backend,
+    check_loss_inputs,
+    check_tensor,
+    check_token_inputs,
+)
 
 
 def use_triton(backend: str, device: torch.device) -> bool:
@@ -99,7 +106,10 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
                           segment_sum=TritonSegmentSum if triton else SegmentSum)
 
 
-def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) -> torch.Tensor:
+MAX_QUERY_WEIGHT = 2.0   # the upper clip of the static w(q) (paper appendix C); one source for every caller
+
+
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
     ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
@@ -114,7 +124,8 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) 
         raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
     surprisal = -ref_query_logp.double()
     if not bool((surprisal > 0).any()):
-        raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are undefined")
+        raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are "
+                         "undefined")
     if max_weight is None:
         if not bool((surprisal > 0).all()):
             raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")

@@ -11,8 +11,9 @@ backward (one read, one write): with p = exp(z - lse),
          written straight to the output (optionally the logits buffer itself). The target entry is formed in
          fp32 as g_logp * (1 - p_t) + ..., so bf16 rounding never cancels it.
 
-Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V, and each row is reduced in a fixed order, so results are deterministic and a row's
-values do not depend on which other rows share the call (batch invariance).
+Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V,
+and each row is reduced in a fixed order, so results are deterministic and a row's values do not depend on which
+other rows share the call (batch invariance).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ the logits path and the fused-linear path reject bad input with the same message
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -17,12 +18,15 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QKL_ESTIMATORS = ("k1", "k2", "k3", "k3-token")
 RATIO_LEVELS = ("token", "sequence")
 ENTROPY_AGGREGATIONS = ("loss-agg", "token-mean")
+PG_OBJECTIVES = ("ppo-clip", "cispo", "sapo", "vespo")  # the per-token policy term (TRL 1.16's loss types' terms)
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {  # the loss options that take one of a few strings: name -> allowed
     "qkl_estimator": QKL_ESTIMATORS,
     "loss_agg": LOSS_AGGREGATIONS,
     "ratio_level": RATIO_LEVELS,
     "entropy_agg": ENTROPY_AGGREGATIONS,
+    "pg_objective": PG_OBJECTIVES,
 }
+VESPO_LAMBDA_MIN = 1e-4  # TRL's get_gamma_weights clamps lambda from below at 1e-4
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes of logits / hidden / weight
 
@@ -52,7 +56,13 @@ class LogitTransform:
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The keyword options of `erpo_loss` with API.md's defaults."""
+    """The keyword options of `erpo_loss` with API.md's defaults (API.md's options table says what each does).
+
+    The policy term: `pg_objective` picks PPO's clipped surrogate ("ppo-clip", with clip_low / clip_high /
+    dual_clip) or TRL 1.16's CISPO ("cispo", cispo_clip_max), SAPO ("sapo", sapo_temperature_pos / _neg) or VESPO
+    ("vespo", vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg); `off_policy_mask_threshold` is TRL's off-policy
+    sequence mask and `top_entropy_quantile` (with `top_entropy_gather` under data parallelism) TRL's entropy filter.
+    """
 
     qkl_coef: float = 0.01
     qkl_estimator: str = "k3"
@@ -67,7 +77,7 @@ class LossOptions:
     log_ratio_clamp: float = 20.0
     num_items: float | None = None
     num_seqs: float | None = None
-    rollout_is_cap: float = 2.0
+    rollout_is_cap: float | None = 2.0
     policy_kl_bias_correction: bool = False
     kl_clamp: float | None = None
     pg_log_ratio_clamp: float | None = None
@@ -75,6 +85,18 @@ class LossOptions:
     qkl_linear_beyond: float = 5.0  # the sequence-level Query-KL estimator is continued linearly beyond |r| > this
     logit_scale: float = 1.0  # LogitTransform: logits * logit_scale before the soft-cap and the temperature
     logit_softcap: float | None = None  # LogitTransform: final-logit soft-cap c * tanh(z / c)
+    # The policy term (pg_objective) and TRL's masks on it.
+    pg_objective: str = "ppo-clip"
+    cispo_clip_max: float = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    top_entropy_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         for name, choices in OPTION_CHOICES.items():
@@ -91,8 +113,8 @@ class LossOptions:
         for name in ("qkl_coef", "policy_kl_coef", "entropy_coef"):
             if not _is_finite_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if not _is_finite_number(self.rollout_is_cap) or self.rollout_is_cap <= 0:
-            raise ValueError(f"rollout_is_cap must be a finite number > 0, got {self.rollout_is_cap!r}")
+        if self.rollout_is_cap is not None and (not _is_finite_number(self.rollout_is_cap) or self.rollout_is_cap <= 0):
+            raise ValueError(f"rollout_is_cap must be None or a finite number > 0, got {self.rollout_is_cap!r}")
         if not _is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be a number > 0, got {self.log_ratio_clamp!r}")
         for name in ("kl_clamp", "pg_log_ratio_clamp"):
@@ -108,6 +130,33 @@ class LossOptions:
                     raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
             elif value is not None and (not _is_finite_number(value) or value <= 0):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+        self._check_policy_term()
+
+    def _check_policy_term(self):
+        """The options of the policy term and of TRL's masks on it."""
+        if self.dual_clip is not None and self.pg_objective != "ppo-clip":
+            raise ValueError(f"dual_clip applies to pg_objective='ppo-clip' only (TRL's delta: the grpo / bnpo / "
+                             f"dr_grpo / dapo / luspo losses), got it with pg_objective={self.pg_objective!r}")
+        for name, low in (("cispo_clip_max", 0.0), ("sapo_temperature_pos", 0.0), ("sapo_temperature_neg", 0.0)):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value <= low:
+                raise ValueError(f"{name} must be a finite number > {low:g}, got {value!r}")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):  # TRL clamps lambda to >= 1e-4: pass max(lambda, 1e-4)
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value < VESPO_LAMBDA_MIN:
+                raise ValueError(f"{name} must be a finite number >= {VESPO_LAMBDA_MIN:g}, got {value!r}")
+        if self.off_policy_mask_threshold is not None and not _is_finite_number(self.off_policy_mask_threshold):
+            raise ValueError(f"off_policy_mask_threshold must be None or a finite number, got "
+                             f"{self.off_policy_mask_threshold!r}")
+        if not _is_finite_number(self.top_entropy_quantile) or not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be a number in [0, 1], got {self.top_entropy_quantile!r}")
+        if self.top_entropy_gather is not None and not callable(self.top_entropy_gather):
+            raise TypeError(f"top_entropy_gather must be None or a function [n] -> [m], got "
+                            f"{type(self.top_entropy_gather).__name__}")
 
     @property
     def logit_transform(self) -> LogitTransform:
@@ -231,7 +280,8 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
     """
     opts = LossOptions.from_kwargs(options)
     n = num_rows
-    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False, length_name=" (the number of rows N)")
+    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
+                 length_name=" (the number of rows N)")
     check_tensor("token_kind", token_kind, ndim=1, length=n, device=device, floating=False,
                  length_name=" (the number of rows N)")
     check_tensor("sample_index", sample_index, ndim=1, length=n, device=device, floating=False,

@@ -9,11 +9,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.torch_fused_linear as torch_fused_linear  # noqa: E402
 import erpo_kernels.triton_fused_linear as triton_fused_linear  # noqa: E402
+from compile_check import run_compile_script  # noqa: E402
 from erpo_kernels.api import erpo_loss  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs  # noqa: E402
 from erpo_kernels.reference import reference_token_logprobs  # noqa: E402
 from erpo_kernels.validation import LogitTransform  # noqa: E402
-from compile_check import run_compile_script  # noqa: E402
 from helpers import loss_inputs, random_batch  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
 

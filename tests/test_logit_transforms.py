@@ -3,8 +3,6 @@
 backward against the explicit formula differentiated by autograd in float64; and the Hugging Face config reader."""
 import pytest
 import torch
-from helpers import loss_inputs, random_batch
-from plain_formula import plain_erpo_loss
 
 from erpo_kernels import (
     ERPOLoss,
@@ -17,6 +15,8 @@ from erpo_kernels import (
     torch_fused_linear,
     triton_fused_linear,
 )
+from helpers import loss_inputs, random_batch
+from plain_formula import plain_erpo_loss
 
 BACKENDS = ["torch", "triton"]
 TRANSFORMS = [  # (logit_scale, logit_softcap, temperature)

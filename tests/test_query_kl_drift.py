@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from plain_formula import plain_erpo_loss
 
 from erpo_kernels import LossOptions, erpo_loss
+from plain_formula import plain_erpo_loss
 
 ALPHA = 0.01
 LIMIT = LossOptions().qkl_linear_beyond
