@@ -3,12 +3,14 @@ from setuptools import find_packages, setup
 setup(
     name="erpo",
     version="0.1.0",
-    description="ERPO (Environment-Regularized Policy Optimization): a fused Triton loss and a lean RL trainer for LLMs",
+    description=("ERPO (Environment-Regularized Policy Optimization): a fused Triton loss and a lean RL trainer "
+                 "for LLMs"),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["erpo", "erpo.*", "erpo_kernels", "erpo_kernels.*", "bench", "bench.*"]),
+    # bench/ is a repository tool (`python -m bench` from a checkout), not an installed package
+    packages=find_packages(include=["erpo", "erpo.*", "erpo_kernels", "erpo_kernels.*"]),
     package_data={"erpo": ["configs/*.yaml"]},
     install_requires=[
         "torch>=2.4",
@@ -32,12 +34,13 @@ setup(
         # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly);
         # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
         # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import.
+        # ruff and import-linter: tests/test_lint.py (style and the import contract), pinned so CI's verdict is stable.
         "test": ["pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
                  "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11", "cachetools",
-                 "fastapi"],
+                 "fastapi", "ruff==0.17.6", "import-linter==2.16"],
         "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": ["deepspeed", "accelerate"],
-        "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout_vllm uses, checked against 0.10.2 and 0.33.0
+        "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout.vllm uses, checked against 0.10.2 and 0.33.0
         "trl": ["trl==1.16.0"],
         "verl": ["verl==0.9.1"],        # erpo.integrations.verl (and its trainer mode `erpo`) is tested against it
         "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with

@@ -2,7 +2,7 @@
 
     python -m bench.trl_step_time [--steps 6] [--repeats 2] [--threads 2] [--no-bias-correction]
 
-Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.tiny, same seed) on the same
+Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.models.tiny, same seed) on the same
 arithmetic prompts: GRPO beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q),
 fused_linear; TRL's defaults otherwise, so use_bias_correction_kl=True at beta=0.04 unless --no-bias-correction).
 Every completion is 24 tokens long (min_new_tokens), so every step has the same shapes whatever the model learned.
@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from erpo.tiny import build_model, build_tokenizer
+    from erpo.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model_dir = tempfile.mkdtemp()

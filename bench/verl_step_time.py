@@ -3,7 +3,7 @@
     python -m bench.verl_step_time [--pairs 20] [--threads 2]
 
 One verl `FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32, on the CPU platform of bench/verl_engine.py)
-around a tiny Qwen2 (erpo.tiny: hidden 64, 2 layers), use_remove_padding on, 16 samples of prompt ~10 tokens +
+around a tiny Qwen2 (erpo.models.tiny: hidden 64, 2 layers), use_remove_padding on, 16 samples of prompt ~10 tokens +
 response 32 tokens, micro-batches of 4, verl's default actor loss settings (token-mean, clip 0.2, dual clip 3,
 no KL loss, no entropy). A step is one call of verl's `engine.train_batch` (zero_grad, forward and backward over
 the 4 micro-batches, optimizer step) on the same engine and batch. The two losses alternate step by step in pairs
@@ -32,12 +32,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from bench import verl_engine
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
+    from bench import verl_engine
     from erpo.integrations.verl import ERPOSettings, erpo_loss_fn, load_or_build_reference
-    from erpo.tiny import build_model, build_tokenizer
+    from erpo.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model_dir = tempfile.mkdtemp()

@@ -1,4 +1,5 @@
-"""Typed training configuration (defaults = the built-in tiny CPU run): dataclasses, YAML loading, `--set a.b=c` overrides, algorithm presets.
+"""Typed training configuration (defaults = the built-in tiny CPU run): dataclasses, YAML loading, `--set a.b=c`
+overrides, algorithm presets.
 
 A config is a tree of dataclasses. `load_config(path)` reads YAML onto the tree (unknown keys are an
 error naming the key and listing the valid ones), `apply_overrides(cfg, ["a.b=c"])` sets leaves with
@@ -24,7 +25,7 @@ _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defau
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on the policy (erpo.lora, PEFT: pip install 'erpo[lora]'); rank 0 trains all weights."""
+    """LoRA adapters on the policy (erpo.models.lora, PEFT: pip install 'erpo[lora]'); rank 0 trains all weights."""
     rank: int = 0                             # r; 0: LoRA off (full fine-tuning)
     alpha: float = 32.0                       # the update is (alpha / rank) * B A
     dropout: float = 0.0                      # on the adapters' input; > 0 makes the policy's forward stochastic
@@ -62,7 +63,8 @@ class TinyConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "arithmetic"                # "arithmetic" (built in), a .jsonl/.json/.parquet path, or an HF dataset name
+    # "arithmetic" (built in), a .jsonl/.json/.parquet path, or an HF dataset name
+    source: str = "arithmetic"
     split: str = "train"
     problem_field: str = "problem"
     answer_field: str = "answer"
@@ -71,7 +73,8 @@ class DataConfig:
     template: str = "plain"                   # "paper" (appendix A), "plain", or a format string with {problem}
     use_chat_template: bool = True
     max_prompt_length: int = 64               # in tokens, template included
-    skip_invalid: bool = False                # drop empty / too-long / incomplete records with a warning instead of stopping
+    # drop empty / too-long / incomplete records with a warning instead of stopping
+    skip_invalid: bool = False
 
 
 @dataclass
@@ -143,7 +146,8 @@ class TrainerConfig:
     keep_last: int = 3
     save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
-    cpu_threads: int | None = None            # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
+    # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
+    cpu_threads: int | None = None
 
 
 @dataclass
@@ -335,6 +339,20 @@ def updates_per_rollout(cfg: Config) -> int:
     return cfg.trainer.rollout_batch_size // cfg.trainer.update_batch_size
 
 
+# Temperatures vLLM samples at as asked: SamplingParams raises the temperature of 0 < T < 0.01 to 0.01 without
+# error (vllm/sampling_params.py, _MAX_TEMP) and vLLM 0.33 rejects T > 2 at generate. Outside this range the
+# sampled distribution is not the one erpo scores at T.
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+
+
+def check_vllm_temperature(temperature: float, name: str = "temperature") -> None:
+    """ValueError naming `name` unless vLLM samples at exactly `temperature` (VLLM_TEMPERATURE_RANGE)."""
+    low, high = VLLM_TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ValueError(f"{name}={temperature} is outside [{low}, {high}], the range in which vLLM samples at the "
+                         "temperature it is given (it clamps lower values to 0.01 and rejects higher ones)")
+
+
 def resolve_rollout(r: RolloutConfig) -> None:
     """Fill `importance_sampling_correction` (on with vLLM) and check the sampling settings against the engine."""
     if r.temperature <= 0:
@@ -342,7 +360,6 @@ def resolve_rollout(r: RolloutConfig) -> None:
     if r.importance_sampling_correction is None:
         r.importance_sampling_correction = r.engine == "vllm"
     if r.engine == "vllm":
-        from erpo.rollout_vllm import check_vllm_temperature
         check_vllm_temperature(r.temperature, "rollout.temperature")
     if r.importance_sampling_correction and r.top_p < 1:
         # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:

@@ -1,7 +1,7 @@
 """`UserError`: an error the user caused (config, data, paths, options), shown as one line without a traceback.
 
 Raise it where the user's input is checked, with a message that names the culprit and says what to do.
-`erpo.cli.main` prints it as `erpo COMMAND: MESSAGE` on stderr and exits with `exit_code`; `--debug` or
+`erpo.cli.commands` prints it as `erpo COMMAND: MESSAGE` on stderr and exits with `exit_code`; `--debug` or
 ERPO_DEBUG=1 shows the traceback instead. Every other exception is a bug of ours and keeps its traceback.
 """
 from __future__ import annotations

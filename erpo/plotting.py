@@ -7,7 +7,6 @@ Temperature" (one line per model). Both use matplotlib's Agg backend (no display
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -149,31 +148,3 @@ def plot_temperature_curves(curves: dict[str, dict[str, dict[float, float]]], ou
     axes[0][0].set_ylabel("accuracy")
     fig.suptitle(title)
     return _save(fig, out_png)
-
-
-def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``erpo plot`` options on a (sub)parser."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="training output dirs holding metrics.jsonl (several are overlaid)")
-    parser.add_argument("--output", "-o", default=None,
-                        help="PNG path (default: RUN_DIR/plots/training_dynamics.png for one run, "
-                             "./training_dynamics.png for several)")
-    parser.add_argument("--labels", default=None, help="comma-separated legend names, one per run")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing weight in [0, 1), debiased as in TensorBoard (default 0: raw)")
-
-
-def run_plot(args: argparse.Namespace) -> None:
-    """Entry point of ``erpo plot``: draw the training-dynamics PNG and print its path.
-
-    Bad arguments or unreadable metrics exit with ``erpo plot: <message>`` (status 1).
-    """
-    output = args.output
-    if output is None:
-        output = (os.path.join(args.run_dirs[0], "plots", "training_dynamics.png") if len(args.run_dirs) == 1
-                  else "training_dynamics.png")
-    labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
-    try:
-        print(plot_runs(list(args.run_dirs), output, labels=labels, smooth=args.smooth))
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"erpo plot: {exc}") from exc

@@ -10,8 +10,15 @@ from .reference import reference_token_logprobs
 from .segment import SegmentSum
 from .triton_logits import triton_token_logprobs
 from .triton_segment import TritonSegmentSum
-from .validation import (FLOAT_DTYPES, LossInputs, check_backend, check_loss_inputs, check_tensor,
-                         check_token_inputs)
+from .validation import (
+    FLOAT_DTYPES,
+    LogitTransform,
+    LossInputs,
+    check_backend,
+    check_loss_inputs,
+    check_tensor,
+    check_token_inputs,
+)
 
 
 def use_triton(backend: str, device: torch.device) -> bool:
@@ -36,25 +43,30 @@ def check_logits(logits) -> None:
                          f"{tuple(logits.shape)}")
 
 
-def per_token_logp_entropy(logits, scored_targets, temperature: float, triton: bool, inplace_backward: bool = False):
-    """(logp [N] fp32, entropy [N] fp32) on the chosen backend; targets [N] int64 with -100 on ignored rows."""
+def per_token_logp_entropy(logits, scored_targets, transform: LogitTransform, triton: bool,
+                           inplace_backward: bool = False):
+    """(logp [N] fp32, entropy [N] fp32) of the transformed logits on the chosen backend; targets [N] int64 with
+    -100 on ignored rows."""
     if triton:
-        return triton_token_logprobs(logits, scored_targets, temperature, inplace_backward)
-    return reference_token_logprobs(logits, scored_targets, temperature)
+        return triton_token_logprobs(logits, scored_targets, transform, inplace_backward)
+    return reference_token_logprobs(logits, scored_targets, transform)
 
 
-def token_logprobs(logits, targets, *, temperature: float = 1.0, return_entropy: bool = False,
-                   backend: str = "auto", inplace_backward: bool = False):
+def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: float = 1.0,
+                   logit_softcap: float | None = None, return_entropy: bool = False, backend: str = "auto",
+                   inplace_backward: bool = False):
     """Per-token log-probabilities of the targets.
 
-    logits [N, V] fp32/bf16/fp16, targets [N] int (in [0, V), or -100 for ignored rows).
+    logits [N, V] fp32/bf16/fp16, targets [N] int (in [0, V), or -100 for ignored rows); the logits are multiplied by
+    logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature (`LogitTransform`).
     Returns logp [N] fp32 (0 where target == -100), and entropy [N] fp32 (nats) when return_entropy.
     Differentiable with respect to logits. `inplace_backward` (Triton) writes the gradient into `logits`.
     """
     check_logits(logits)
+    transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
-                                        device=logits.device, temperature=temperature, rows_name="logits")
-    logp, entropy = per_token_logp_entropy(logits, scored_targets, temperature,
+                                        device=logits.device, rows_name="logits")
+    logp, entropy = per_token_logp_entropy(logits, scored_targets, transform,
                                            use_triton(backend, logits.device), inplace_backward)
     return (logp, entropy) if return_entropy else logp
 
@@ -70,8 +82,8 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
     """
     check_logits(logits)
 
-    def token_pass(scored_targets, temperature, triton):
-        return per_token_logp_entropy(logits, scored_targets, temperature, triton, inplace_backward)
+    def token_pass(scored_targets, transform, triton):
+        return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
 
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
@@ -83,18 +95,21 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
                        token_kind, sample_index, inputs: LossInputs, options: dict) -> LossOutput:
     """The body shared by `erpo_loss` and `fused_linear_erpo_loss` once their [N, V] source is checked: validate
-    the other inputs, run `token_pass(scored_targets [N] int64, temperature, triton) -> (logp [N], entropy [N])`
+    the other inputs, run `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])`
     on the chosen backend and form the loss (per-sample sums: the Triton path's deterministic ones with Triton)."""
     scored_targets, opts = check_loss_inputs(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options)
     triton = use_triton(backend, device)
-    token_logp, entropy = token_pass(scored_targets, opts.temperature, triton)
+    token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
                           segment_sum=TritonSegmentSum if triton else SegmentSum)
 
 
-def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) -> torch.Tensor:
+MAX_QUERY_WEIGHT = 2.0   # the upper clip of the static w(q) (paper appendix C); one source for every caller
+
+
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
     ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
@@ -109,7 +124,8 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = 2.0) 
         raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
     surprisal = -ref_query_logp.double()
     if not bool((surprisal > 0).any()):
-        raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are undefined")
+        raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are "
+                         "undefined")
     if max_weight is None:
         if not bool((surprisal > 0).all()):
             raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")

@@ -31,6 +31,25 @@ def rows_receiving_gradient(targets: torch.Tensor, grad_logp: torch.Tensor, grad
     return ((targets != IGNORE_INDEX) & (grad_logp != 0)) | (grad_entropy != 0)
 
 
+def transform_logits(logits: torch.Tensor, transform) -> torch.Tensor:
+    """z = softcap(logits * logit_scale) / temperature (`validation.LogitTransform`) on fp32 logits, as torch ops
+    (autograd differentiates them in the reference; the torch fused backward takes `transform_slope`)."""
+    z = logits * transform.logit_scale
+    if transform.logit_softcap is not None:
+        z = transform.logit_softcap * torch.tanh(z / transform.logit_softcap)
+    return z / transform.temperature
+
+
+def transform_slope(logits: torch.Tensor, transform):
+    """d z / d logits of `transform_logits`, element-wise: logit_scale / temperature, times
+    1 - tanh^2(x) = 1 / cosh^2(x) at x = logits * logit_scale / logit_softcap with a soft-cap (no cancellation
+    near saturation; 0 once cosh overflows). A float without a soft-cap."""
+    slope = transform.logit_scale / transform.temperature
+    if transform.logit_softcap is None:
+        return slope
+    return slope * torch.cosh(logits * (transform.logit_scale / transform.logit_softcap)).square().reciprocal()
+
+
 def softmax_partials(z: torch.Tensor):
     """Online-softmax partials of one block of fp32 logits z [n, v]: (running_max, sum_exp, sum_exp_shifted),
     each [n] fp32, under the module docstring's -inf convention."""

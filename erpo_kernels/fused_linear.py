@@ -1,13 +1,17 @@
 """The fused linear -> ERPO loss: per-token log-probs and entropies straight from hidden states and the lm_head
 weight, never materializing the [N, V] logits (forward or backward).
 
-    z_t   = (hidden_t @ weight.T + bias) / temperature           (never stored whole)
+    z_t   = transform(hidden_t @ weight.T + bias)                (never stored whole)
     logp_t = z_t[target_t] - logsumexp(z_t),   H_t = entropy of softmax(z_t)
+
+transform (`validation.LogitTransform`): times logit_scale, then logit_softcap * tanh(. / logit_softcap) when set,
+then / temperature.
 
 One autograd function serves both backends; a backend (`FusedLinearKernels`) supplies a forward (logp, entropy,
 lse) and a backward (d hidden, d weight, d bias) that recomputes the logits block by block. The backward uses
-    dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits = dz / temperature,
-with the target entry formed in fp32 as g_logp (1 - p_t).
+    dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits_j = dz_j * slope_j,
+with the target entry formed in fp32 as g_logp (1 - p_t), and slope_j = d z_j / d logits_j = logit_scale / temperature,
+times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap.
 
 The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.py (Triton kernels).
 """
@@ -22,16 +26,16 @@ from .api import loss_on_token_rows, use_triton
 from .objective import LossOutput
 from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
 from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
-from .validation import FLOAT_DTYPES, LossInputs, check_tensor, check_token_inputs
+from .validation import FLOAT_DTYPES, LogitTransform, LossInputs, check_tensor, check_token_inputs
 
 
 @dataclass(frozen=True)
 class FusedLinearKernels:
     """One backend of the fused linear pass.
 
-    forward(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (-100 = ignored), temperature)
+    forward(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (-100 = ignored), LogitTransform)
         -> (logp [N] fp32, entropy [N] fp32, lse [N] fp32)
-    backward(hidden, weight, bias, targets, temperature, lse, entropy, grad_logp [N] fp32, grad_entropy [N] fp32,
+    backward(hidden, weight, bias, targets, LogitTransform, lse, entropy, grad_logp [N] fp32, grad_entropy [N] fp32,
              needs_hidden, needs_weight, needs_bias) -> (d hidden, d weight, d bias), each None when not needed
     """
 
@@ -45,13 +49,13 @@ TRITON_KERNELS = FusedLinearKernels("triton", triton_fused_linear_forward, trito
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """(hidden, weight, bias, targets, temperature, FusedLinearKernels) -> (logp [N] fp32, entropy [N] fp32)."""
+    """(hidden, weight, bias, targets, LogitTransform, FusedLinearKernels) -> (logp [N] fp32, entropy [N] fp32)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, kernels: FusedLinearKernels):
-        logp, entropy, lse = kernels.forward(hidden, weight, bias, targets, temperature)
+    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, kernels: FusedLinearKernels):
+        logp, entropy, lse = kernels.forward(hidden, weight, bias, targets, transform)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature = temperature
+        ctx.transform = transform
         ctx.kernels = kernels
         ctx.weight_shape = weight.shape
         return logp, entropy
@@ -64,7 +68,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                                f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
                                f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
         grad_hidden, grad_weight, grad_bias = ctx.kernels.backward(
-            hidden, weight, bias, targets, ctx.temperature, lse, entropy,
+            hidden, weight, bias, targets, ctx.transform, lse, entropy,
             grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
             ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         return grad_hidden, grad_weight, grad_bias, None, None, None
@@ -98,31 +102,34 @@ def check_linear_inputs(hidden, weight, bias) -> None:
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
 
 
-def fused_linear_logp_entropy(hidden, weight, bias, scored_targets, temperature: float, triton: bool):
-    """(logp [N] fp32, entropy [N] fp32) of (hidden @ weight.T + bias) / temperature on validated inputs;
+def fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform: LogitTransform, triton: bool):
+    """(logp [N] fp32, entropy [N] fp32) of transform(hidden @ weight.T + bias) on validated inputs;
     scored_targets [N] int64 with -100 on ignored rows. Saves nothing for backward when no gradient is needed."""
     kernels = TRITON_KERNELS if triton else TORCH_KERNELS
     targets = scored_targets.long().contiguous()
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad))
     if not wants_grad:
-        logp, entropy, _ = kernels.forward(hidden, weight, bias, targets, float(temperature))
+        logp, entropy, _ = kernels.forward(hidden, weight, bias, targets, transform)
         return logp, entropy
-    return _FusedLinearLogprobs.apply(hidden, weight, bias, targets, float(temperature), kernels)
+    return _FusedLinearLogprobs.apply(hidden, weight, bias, targets, transform, kernels)
 
 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,
+                                logit_scale: float = 1.0, logit_softcap: float | None = None,
                                 return_entropy: bool = False, backend: str = "auto"):
-    """Per-token log-probabilities of the targets under logits = hidden @ weight.T + bias, never materialized.
+    """Per-token log-probabilities of the targets under logits = hidden @ weight.T + bias, never materialized; the
+    logits are multiplied by logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature.
 
     hidden [N, D], weight [V, D] (the lm_head, may be tied), bias [V] or None, all fp32/bf16/fp16 of one dtype;
     targets [N] int (in [0, V), or -100 for ignored rows). Returns logp [N] fp32 (nats, 0 where target == -100)
     and, when return_entropy, entropy [N] fp32 (nats). Differentiable in hidden, weight and bias.
     """
     check_linear_inputs(hidden, weight, bias)
+    transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=hidden.shape[0], vocab_size=weight.shape[0],
-                                        device=hidden.device, temperature=temperature, rows_name="hidden")
-    logp, entropy = fused_linear_logp_entropy(hidden, weight, bias, scored_targets, temperature,
+                                        device=hidden.device, rows_name="hidden")
+    logp, entropy = fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform,
                                               use_triton(backend, hidden.device))
     return (logp, entropy) if return_entropy else logp
 
@@ -137,8 +144,8 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
     """
     check_linear_inputs(hidden, weight, bias)
 
-    def token_pass(scored_targets, temperature, triton):
-        return fused_linear_logp_entropy(hidden, weight, bias, scored_targets, temperature, triton)
+    def token_pass(scored_targets, transform, triton):
+        return fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform, triton)
 
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)

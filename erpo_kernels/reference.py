@@ -1,6 +1,6 @@
 """The torch reference: per-token log-probabilities and entropies, written as the equations read.
 
-    z_t    = logits_t / temperature
+    z_t    = softcap(logits_t * logit_scale) / temperature    (`LogitTransform`; softcap(x) = c tanh(x / c))
     logp_t = log_softmax(z_t)[targets_t]         (0 where targets_t == -100)
     H_t    = -sum_j p_tj * log p_tj,  p_t = softmax(z_t)
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from .common import index_slices, rows_receiving_gradient
-from .validation import IGNORE_INDEX
+from .common import index_slices, rows_receiving_gradient, transform_logits
+from .validation import IGNORE_INDEX, NO_TRANSFORM, LogitTransform
 
 CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk (64 MiB)
 
 
-def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform):
     """Per-row target log-prob and entropy of one chunk: logits [n, V] -> ([n] fp32, [n] fp32)."""
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_probs = torch.log_softmax(transform_logits(logits.float(), transform), dim=-1)
     probs = log_probs.exp()
     entropy = -(probs * log_probs.masked_fill(probs == 0, 0.0)).sum(-1)
     scored = targets != IGNORE_INDEX
@@ -39,13 +39,13 @@ def row_chunks(num_rows: int, row_width: int):
 
 class _ChunkedLogpEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, targets, transform):
         logp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(logp)
         for rows in row_chunks(logits.shape[0], logits.shape[1]):
-            logp[rows], entropy[rows] = logp_and_entropy(logits[rows], targets[rows], temperature)
+            logp[rows], entropy[rows] = logp_and_entropy(logits[rows], targets[rows], transform)
         ctx.save_for_backward(logits, targets)
-        ctx.temperature = temperature
+        ctx.transform = transform
         return logp, entropy
 
     @staticmethod
@@ -56,15 +56,17 @@ class _ChunkedLogpEntropy(torch.autograd.Function):
         for rows in row_chunks(logits.shape[0], logits.shape[1]):
             with torch.enable_grad():
                 chunk = logits[rows].detach().requires_grad_(True)
-                logp, entropy = logp_and_entropy(chunk, targets[rows], ctx.temperature)
+                logp, entropy = logp_and_entropy(chunk, targets[rows], ctx.transform)
                 (grad_chunk,) = torch.autograd.grad((logp, entropy), chunk, (grad_logp[rows], grad_entropy[rows]))
             grad_logits[rows] = torch.where(receives_gradient[rows, None], grad_chunk, 0.0)
         return grad_logits, None, None
 
 
-def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """logits [N, V] (any float dtype), targets [N] int64 (-100 = ignored) -> (logp [N] fp32, entropy [N] fp32).
+def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                             transform: LogitTransform = NO_TRANSFORM):
+    """logits [N, V] (any float dtype), targets [N] int64 (-100 = ignored) -> (logp [N] fp32, entropy [N] fp32)
+    of the transformed logits (`LogitTransform`: scale, soft-cap, temperature; the identity by default).
 
     Differentiable with respect to `logits`; the gradient has the dtype of `logits`.
     """
-    return _ChunkedLogpEntropy.apply(logits, targets, temperature)
+    return _ChunkedLogpEntropy.apply(logits, targets, transform)

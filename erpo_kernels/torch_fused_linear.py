@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import index_slices, merge_partials, rows_receiving_gradient, softmax_partials
+from .common import (
+    index_slices,
+    merge_partials,
+    rows_receiving_gradient,
+    softmax_partials,
+    transform_logits,
+    transform_slope,
+)
 from .validation import IGNORE_INDEX
 
 TORCH_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per torch block (16 MiB)
@@ -24,12 +31,12 @@ def block_shape(num_rows: int, vocab_size: int, max_elements: int, max_vocab: in
     return block_rows, block_vocab
 
 
-def _logits_block(hidden_rows, weight, bias, cols: slice, temperature: float):
-    """fp32 z = (hidden_rows @ weight[cols].T + bias[cols]) / temperature; hidden_rows is already fp32."""
+def _logits_block(hidden_rows, weight, bias, cols: slice):
+    """fp32 logits = hidden_rows @ weight[cols].T + bias[cols] (before the transform); hidden_rows is already fp32."""
     logits = hidden_rows @ weight[cols].float().t()
     if bias is not None:
         logits = logits + bias[cols].float()
-    return logits / temperature
+    return logits
 
 
 def _target_columns(targets, cols: slice):
@@ -39,9 +46,10 @@ def _target_columns(targets, cols: slice):
     return index.unsqueeze(1), inside.unsqueeze(1)
 
 
-def torch_fused_linear_forward(hidden, weight, bias, targets, temperature: float):
+def torch_fused_linear_forward(hidden, weight, bias, targets, transform):
     """hidden [N, D], weight [V, D], bias [V] or None, targets [N] int64 (-100 = ignored) ->
-    (logp [N] fp32, entropy [N] fp32, lse [N] fp32), computed in fp32 block by block."""
+    (logp [N] fp32, entropy [N] fp32, lse [N] fp32) of the transformed logits (`LogitTransform`), computed in fp32
+    block by block."""
     num_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     block_rows, block_vocab = block_shape(num_rows, vocab_size, TORCH_BLOCK_ELEMENTS, TORCH_VOCAB_BLOCK_MAX)
@@ -51,7 +59,7 @@ def torch_fused_linear_forward(hidden, weight, bias, targets, temperature: float
         row_targets = targets[rows]
         partials = []
         for cols in index_slices(vocab_size, block_vocab):
-            z = _logits_block(hidden_rows, weight, bias, cols, temperature)
+            z = transform_logits(_logits_block(hidden_rows, weight, bias, cols), transform)
             index, inside = _target_columns(row_targets, cols)
             target_logit = torch.where(inside, z.gather(1, index), 0.0).squeeze(1)
             partials.append((*softmax_partials(z), target_logit))
@@ -60,7 +68,7 @@ def torch_fused_linear_forward(hidden, weight, bias, targets, temperature: float
     return logp, entropy, lse
 
 
-def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: float, lse, entropy,
+def torch_fused_linear_backward(hidden, weight, bias, targets, transform, lse, entropy,
                                 grad_logp, grad_entropy, needs_hidden: bool, needs_weight: bool, needs_bias: bool):
     """(d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy), each None
     when not needed; logits recomputed per block in fp32, gradients accumulated in fp32."""
@@ -80,7 +88,8 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: floa
         for rows in index_slices(num_rows, block_rows):
             # rows that receive no gradient: zero dlogits and zero hidden rows (no 0 * NaN in d weight)
             hidden_rows = torch.where(receives_gradient[rows].unsqueeze(1), hidden[rows].float(), 0.0)
-            log_p = _logits_block(hidden_rows, weight, bias, cols, temperature) - lse[rows].unsqueeze(1)
+            logits = _logits_block(hidden_rows, weight, bias, cols)
+            log_p = transform_logits(logits, transform) - lse[rows].unsqueeze(1)
             p = log_p.exp()
             g_logp, g_entropy = grad_logp[rows].unsqueeze(1), grad_entropy[rows].unsqueeze(1)
             entropy_part = torch.where(p > 0, g_entropy * p * (log_p + entropy[rows].unsqueeze(1)), 0.0)
@@ -88,7 +97,7 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, temperature: floa
             index, inside = _target_columns(targets[rows], cols)
             target_dz = g_logp * (1.0 - p.gather(1, index)) - entropy_part.gather(1, index)
             dz.scatter_(1, index, torch.where(inside, target_dz, dz.gather(1, index)))
-            dlogits = torch.where(receives_gradient[rows].unsqueeze(1), dz, 0.0) / temperature
+            dlogits = torch.where(receives_gradient[rows].unsqueeze(1), dz * transform_slope(logits, transform), 0.0)
             if needs_hidden:
                 grad_hidden[rows] += dlogits @ weight_block
             if needs_weight:

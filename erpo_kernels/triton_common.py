@@ -1,4 +1,5 @@
-"""@triton.jit helpers shared by every Triton kernel: the online log-sum-exp with entropy, and dlogits.
+"""@triton.jit helpers shared by every Triton kernel: the logit transform (and its host-side arguments), the online
+log-sum-exp with entropy, and dlogits.
 
 The online log-sum-exp follows `common`'s docstring (the torch side): running_max m starts at the finite
 LSE_FLOOR, logits outside the row are -inf, sum_exp s = sum exp(z - m), sum_exp_shifted u = sum exp(z - m)(z - m),
@@ -10,8 +11,40 @@ import triton
 import triton.language as tl
 
 from .common import LSE_FLOOR
+from .validation import LogitTransform
 
 _LSE_FLOOR = tl.constexpr(LSE_FLOOR)
+
+
+def transform_arguments(transform: LogitTransform):
+    """The kernels' arguments (logit_scale, logit_softcap, inv_temperature, SOFTCAP) for `transform`: SOFTCAP, a
+    constexpr, compiles the soft-cap only when a cap is set (logit_softcap is then 1.0, never read)."""
+    softcap = transform.logit_softcap
+    return (float(transform.logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / transform.temperature,
+            softcap is not None)
+
+
+@triton.jit
+def transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr):
+    """(z, slope) for fp32 logits of any shape: z = softcap(logits * logit_scale) * inv_temperature
+    (`validation.LogitTransform`, softcap(x) = c tanh(x / c) when SOFTCAP) and slope = d z / d logits (a scalar
+    without the soft-cap). tanh from exp alone (libdevice is not in the interpreter), without cancellation: with
+    e = exp(-2|x|), tanh|x| = -expm1(-2|x|) / (2 + expm1(-2|x|)) and 1 - tanh^2 x = 4 e / (1 + e)^2, expm1 of
+    y = -2|x| in (-1, 0) by Kahan's (e - 1) y / log(e) and by e - 1 below -1. x = +-inf gives +-c; NaN stays NaN."""
+    if SOFTCAP:
+        x = logits * (logit_scale / logit_softcap)  # scalar factors folded: one multiply per logit
+        y = -2.0 * tl.abs(x)
+        e = tl.exp(y)
+        near_one = (y >= -1.0) & (e != 1.0)
+        kahan = (e - 1.0) * (y / tl.log(tl.where(near_one, e, 0.5)))
+        expm1 = tl.where(near_one, kahan, tl.where(e == 1.0, y, e - 1.0))
+        tanh_abs = -expm1 / (2.0 + expm1)
+        z = (logit_softcap * inv_temperature) * tl.where(x < 0, -tanh_abs, tanh_abs)
+        slope = (logit_scale * inv_temperature) * (4.0 * e / ((1.0 + e) * (1.0 + e)))
+    else:
+        slope = logit_scale * inv_temperature
+        z = logits * slope
+    return z, slope
 
 
 @triton.jit
@@ -45,13 +78,14 @@ def online_softmax_finish(running_max, sum_exp, sum_exp_shifted):
 
 
 @triton.jit
-def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, inv_temperature):
-    """dlogits of scaled logits z = logits / T (fp32, any shape broadcasting with the per-row lse, entropy,
-    g_logp, g_entropy): dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), returned as dz / T. The target
-    entry is g_logp * (1 - p_t) formed in fp32. Rows with g_logp = g_H = 0 get exact zeros, whatever z (no 0 * NaN
-    from a non-finite padding row: common.rows_receiving_gradient)."""
+def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, slope):
+    """dlogits of transformed logits z (`transformed_logits`: fp32, any shape broadcasting with the per-row lse,
+    entropy, g_logp, g_entropy): dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), returned as
+    dz * slope (slope = d z / d logits). The target entry is g_logp * (1 - p_t) formed in fp32. Rows with
+    g_logp = g_H = 0 get exact zeros, whatever z (no 0 * NaN from a non-finite padding row:
+    common.rows_receiving_gradient)."""
     log_p = z - lse
     p = tl.exp(log_p)
     entropy_part = tl.where(p > 0, g_entropy * p * (log_p + entropy), 0.0)
     dz = tl.where(is_target, g_logp * (1.0 - p), -g_logp * p) - entropy_part
-    return tl.where((g_logp != 0) | (g_entropy != 0), dz * inv_temperature, 0.0)
+    return tl.where((g_logp != 0) | (g_entropy != 0), dz * slope, 0.0)

@@ -5,8 +5,9 @@ gradient of the logits to global memory one bounded block at a time.
 
 forward  `_forward_partials_kernel`: one program owns BLOCK_M rows and one vocabulary split (a contiguous range of at
          most `split_size` ids). It walks the split in BLOCK_N tiles; each logits tile is a BLOCK_M x BLOCK_N fp32
-         accumulator built with `tl.dot` over BLOCK_K slices of D (bf16/fp16 operands on tensor cores), then scaled by
-         1/temperature and folded into the online log-sum-exp of `triton_common`: running max m, s = sum exp(z - m) and
+         accumulator built with `tl.dot` over BLOCK_K slices of D (bf16/fp16 operands on tensor cores), then transformed
+         (`triton_common.transformed_logits`: logit_scale, soft-cap, 1/temperature) and folded into the online
+         log-sum-exp of `triton_common`: running max m, s = sum exp(z - m) and
          u = sum exp(z - m) * (z - m) (so H = log s - u / s has no cancellation). The target logit is picked out of the
          same tile, so logp = z_t - lse uses the very values that built lse (logp <= 0 by construction, no positive
          log-probs from two differently-rounded dot products). Each program writes its 4 partials per row to
@@ -14,7 +15,8 @@ forward  `_forward_partials_kernel`: one program owns BLOCK_M rows and one vocab
          depends on V only, so a row's result never depends on N (batch invariance) and the grid has enough programs
          when N is small. The grid is 1-D (row tile fastest, so programs running together stream the same weight tiles
          through L2).
-backward the gradient of logits is dz / T with dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H); the target
+backward the gradient of logits is dz * (d z / d logits) with dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H)
+         (d z / d logits = logit_scale / T, times 1 - tanh^2 under a soft-cap); the target
          entry is formed in fp32 as g_logp (1 - p_t) (no bf16 cancellation). dH = dlogits @ W needs a reduction
          over V and dW = dlogits^T @ H one over N; doing both inside one tile kernel needs float atomics (CCE's
          choice, not bitwise repeatable) or [BLOCK, D] accumulators (D is up to 8192, too big for registers).
@@ -32,10 +34,11 @@ backward the gradient of logits is dz / T with dz_j = g_logp (1[j == t] - p_j) -
          The cost over the FLOP floor (3 GEMMs: recompute, dH, dW) is one write and two reads of each dlogits
          block, about 6 N V bytes in all. There is no faster non-deterministic (atomic) mode.
 
-Autotuning (each kernel over its own candidate tiles): the forward and dlogits kernels are keyed on D and V (never on
-N), so within a process a row's log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and
-power-of-two buckets of their row / reduction sizes so a changing N does not re-tune every step. Two processes may still
-pick different tiles (the autotuner times them), which can change the last bits of results between processes.
+Autotuning (each kernel over its own candidate tiles): the forward and dlogits kernels are keyed on D and V (and on
+whether a soft-cap is set: its epilogue changes the register pressure, so the best tile), never on N, so within a
+process a row's log-prob does not depend on the batch it came in; the dH / dW GEMMs are keyed on D and power-of-two
+buckets of their row / reduction sizes so a changing N does not re-tune every step. Two processes may still pick
+different tiles (the autotuner times them), which can change the last bits of results between processes.
 
 Offsets are int64 wherever row * stride can pass 2^31. The interpreter (TRITON_INTERPRET=1) cannot do bf16
 arithmetic, so there every loaded tile is cast to fp32 (UPCAST); on GPUs bf16/fp16 tiles go to `tl.dot` as is.
@@ -50,7 +53,14 @@ import triton
 import triton.language as tl
 
 from .common import merge_partials, rows_receiving_gradient
-from .triton_common import grad_of_logits, online_softmax_start, online_softmax_step
+from .triton_common import (
+    grad_of_logits,
+    online_softmax_start,
+    online_softmax_step,
+    transform_arguments,
+    transformed_logits,
+)
+from .validation import LogitTransform
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FORWARD_SPLIT_MIN = 8192  # vocabulary ids per forward split at least (a multiple of every BLOCK_N)
@@ -98,10 +108,11 @@ MATMUL_CONFIGS = INTERPRETER_MATMUL_CONFIGS if INTERPRET else GPU_MATMUL_CONFIGS
 
 @triton.jit
 def _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
-                 rows, row_mask, cols, col_mask, hidden_dim, inv_temperature,
+                 rows, row_mask, cols, col_mask, hidden_dim,
                  HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """z = (hidden[rows] @ weight[cols].T + bias[cols]) / T as a [BLOCK_M, BLOCK_N] fp32 tile (rows/cols int64)."""
+    """logits = hidden[rows] @ weight[cols].T + bias[cols] (before the transform) as a [BLOCK_M, BLOCK_N] fp32 tile
+    (rows/cols int64)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hd
@@ -118,15 +129,15 @@ def _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride
         w_ptrs += BLOCK_K * stride_wd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc * inv_temperature
+    return acc
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=["hidden_dim", "vocab_size", "split_size", "HAS_BIAS"])
+@triton.autotune(configs=FORWARD_CONFIGS, key=["hidden_dim", "vocab_size", "split_size", "HAS_BIAS", "SOFTCAP"])
 @triton.jit
 def _forward_partials_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
     max_ptr, sum_exp_ptr, sum_exp_shifted_ptr, target_logit_ptr,
-    num_rows, hidden_dim, vocab_size, split_size, inv_temperature,
+    num_rows, hidden_dim, vocab_size, split_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -144,9 +155,10 @@ def _forward_partials_kernel(
     for n_start in range(vocab_start, vocab_end, BLOCK_N):
         cols = (n_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_mask = cols < vocab_end
-        z = _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
-                         rows, row_mask, cols, col_mask, hidden_dim, inv_temperature,
-                         HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        logits = _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
+                              rows, row_mask, cols, col_mask, hidden_dim,
+                              HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, _ = transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         z = tl.where(col_mask[None, :], z, -float("inf"))
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
         target_logit += tl.sum(tl.where(cols[None, :] == targets[:, None], z, 0.0), axis=1)
@@ -157,13 +169,13 @@ def _forward_partials_kernel(
     tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
 
 
-@triton.autotune(configs=GRAD_LOGITS_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS"])
+@triton.autotune(configs=GRAD_LOGITS_CONFIGS, key=["hidden_dim", "block_cols", "HAS_BIAS", "SOFTCAP"])
 @triton.jit
 def _grad_logits_kernel(
     hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr, targets_ptr,
     lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr, stride_on, stride_ov,
-    row_start, row_end, col_start, col_end, block_cols, hidden_dim, inv_temperature,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    row_start, row_end, col_start, col_end, block_cols, hidden_dim, logit_scale, logit_softcap, inv_temperature,
+    SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dlogits of rows [row_start, row_end) x ids [col_start, col_end), stored at out[r - row_start, c - col_start]."""
@@ -177,16 +189,17 @@ def _grad_logits_kernel(
     cols = col_start + local_cols
     row_mask = rows < row_end
     col_mask = cols < col_end
-    z = _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
-                     rows, row_mask, cols, col_mask, hidden_dim, inv_temperature,
-                     HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    logits = _logits_tile(hidden_ptr, stride_hn, stride_hd, weight_ptr, stride_wv, stride_wd, bias_ptr,
+                          rows, row_mask, cols, col_mask, hidden_dim,
+                          HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    z, slope = transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-100)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     entropy = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)
     g_logp = tl.where(targets != -100, tl.load(grad_logp_ptr + rows, mask=row_mask, other=0.0), 0.0)
     g_entropy = tl.load(grad_entropy_ptr + rows, mask=row_mask, other=0.0)
     grad = grad_of_logits(z, lse[:, None], entropy[:, None], g_logp[:, None], g_entropy[:, None],
-                          cols[None, :] == targets[:, None], inv_temperature)
+                          cols[None, :] == targets[:, None], slope)
     out = out_ptr + local_rows[:, None] * stride_on + local_cols[None, :] * stride_ov
     tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -256,9 +269,9 @@ def forward_split_size(vocab_size: int) -> int:
     return triton.cdiv(size, tile) * tile
 
 
-def triton_fused_linear_forward(hidden, weight, bias, targets, temperature: float):
+def triton_fused_linear_forward(hidden, weight, bias, targets, transform: LogitTransform):
     """hidden [N, D], weight [V, D], bias [V] or None, targets [N] int64 (-100 = ignored) ->
-    (logp [N] fp32, entropy [N] fp32, lse [N] fp32) of (hidden @ weight.T + bias) / temperature; logp is 0 on
+    (logp [N] fp32, entropy [N] fp32, lse [N] fp32) of transform(hidden @ weight.T + bias); logp is 0 on
     ignored rows. Nothing of size N x V is allocated."""
     num_rows, hidden_dim = hidden.shape
     vocab_size = weight.shape[0]
@@ -273,7 +286,7 @@ def triton_fused_linear_forward(hidden, weight, bias, targets, temperature: floa
         _forward_partials_kernel[grid](
             hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
             hidden if bias is None else bias, targets, partials[0], partials[1], partials[2], partials[3],
-            num_rows, hidden_dim, vocab_size, split_size, 1.0 / temperature,
+            num_rows, hidden_dim, vocab_size, split_size, *transform_arguments(transform),
             HAS_BIAS=bias is not None, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype))
     return merge_partials(partials[0], partials[1], partials[2], partials[3], targets)
 
@@ -314,7 +327,7 @@ def backward_chunk_rows(num_rows: int, vocab_size: int, bytes_per_row: int) -> i
     return max(1, min(num_rows, triton.cdiv(even, CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
 
 
-def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: float, lse, entropy,
+def triton_fused_linear_backward(hidden, weight, bias, targets, transform: LogitTransform, lse, entropy,
                                  grad_logp, grad_entropy, needs_hidden: bool, needs_weight: bool, needs_bias: bool):
     """Gradients (d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy);
     each is None when not needed. Deterministic; see the module docstring for the scheme and its workspace."""
@@ -358,7 +371,7 @@ def triton_fused_linear_backward(hidden, weight, bias, targets, temperature: flo
                 hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
                 hidden if bias is None else bias, targets, lse, entropy, grad_logp, grad_entropy,
                 dlogits, dlogits.stride(0), dlogits.stride(1), row_start, row_end, col_start, col_end, cols,
-                hidden_dim, 1.0 / temperature,
+                hidden_dim, *transform_arguments(transform),
                 HAS_BIAS=bias is not None, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype))
             if needs_hidden:
                 _matmul(dlogits, weight[col_start:col_end], chunk_grad_hidden, accumulate=col_start > 0,

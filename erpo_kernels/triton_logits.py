@@ -1,17 +1,19 @@
 """Triton kernels for per-token log-probabilities and entropies on materialized logits.
 
-One program handles one row and walks its vocabulary in blocks of BLOCK_V:
+One program handles one row and walks its vocabulary in blocks of BLOCK_V; every loaded logit is first transformed
+into z (`triton_common.transformed_logits`: logit_scale, soft-cap, temperature):
 
 forward  (one read of the row): the online log-sum-exp with entropy of `triton_common` (running max m,
          s = sum exp(z - m), u = sum exp(z - m) * (z - m), rescaled whenever m grows); then
          lse = m + log s, H = log s - u / s, and logp = z_target - lse. No fp32 copy of the logits is written.
 backward (one read, one write): with p = exp(z - lse),
-         dz_j = g_logp * (1[j == target] - p_j) - g_H * p_j * (log p_j + H),   dlogits = dz / temperature,
+         dz_j = g_logp * (1[j == target] - p_j) - g_H * p_j * (log p_j + H),   dlogits = dz * d z / d logits,
          written straight to the output (optionally the logits buffer itself). The target entry is formed in
          fp32 as g_logp * (1 - p_t) + ..., so bf16 rounding never cancels it.
 
-Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V, and each row is reduced in a fixed order, so results are deterministic and a row's
-values do not depend on which other rows share the call (batch invariance).
+Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V,
+and each row is reduced in a fixed order, so results are deterministic and a row's values do not depend on which
+other rows share the call (batch invariance).
 """
 from __future__ import annotations
 
@@ -19,13 +21,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import grad_of_logits, online_softmax_finish, online_softmax_start, online_softmax_step
+from .triton_common import (
+    grad_of_logits,
+    online_softmax_finish,
+    online_softmax_start,
+    online_softmax_step,
+    transform_arguments,
+    transformed_logits,
+)
+from .validation import NO_TRANSFORM, LogitTransform
 
 
 @triton.jit
 def _logp_entropy_forward_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    vocab_size, inv_temperature, BLOCK_V: tl.constexpr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -33,15 +43,18 @@ def _logp_entropy_forward_kernel(
     running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=-float("inf"))
-        z = z.to(tl.float32)[None, :] * inv_temperature
+        logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0)
+        z, _ = transformed_logits(logits.to(tl.float32)[None, :], logit_scale, logit_softcap, inv_temperature,
+                                  SOFTCAP)
+        z = tl.where(cols[None, :] < vocab_size, z, -float("inf"))  # after the transform (a soft-cap bounds -inf)
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
     lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
                                          tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
     target = tl.load(targets_ptr + row)
     scored = target != -100
     safe_target = tl.where(scored, target, 0)
-    z_target = tl.load(row_ptr + safe_target * stride_col).to(tl.float32) * inv_temperature
+    z_target, _ = transformed_logits(tl.load(row_ptr + safe_target * stride_col).to(tl.float32), logit_scale,
+                                     logit_softcap, inv_temperature, SOFTCAP)
     tl.store(logp_ptr + row, tl.where(scored, z_target - lse, 0.0))
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
@@ -51,7 +64,7 @@ def _logp_entropy_forward_kernel(
 def _logp_entropy_backward_kernel(
     logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
     targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    vocab_size, inv_temperature, BLOCK_V: tl.constexpr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -66,9 +79,9 @@ def _logp_entropy_backward_kernel(
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
-        z = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit,
-                    other=-float("inf")).to(tl.float32) * inv_temperature
-        grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, inv_temperature)
+        logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit, other=0.0)
+        z, slope = transformed_logits(logits.to(tl.float32), logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+        grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, slope)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -82,10 +95,10 @@ def _num_warps(block_v: int) -> int:
 
 
 class TritonLogpEntropy(torch.autograd.Function):
-    """(logits [N, V], targets [N], temperature, inplace_backward) -> (logp [N] fp32, entropy [N] fp32)."""
+    """(logits [N, V], targets [N], LogitTransform, inplace_backward) -> (logp [N] fp32, entropy [N] fp32)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, inplace_backward):
+    def forward(ctx, logits, targets, transform, inplace_backward):
         num_rows, vocab_size = logits.shape
         logp = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(logp)
@@ -94,9 +107,9 @@ class TritonLogpEntropy(torch.autograd.Function):
         if num_rows > 0:
             _logp_entropy_forward_kernel[(num_rows,)](
                 logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
-                vocab_size, 1.0 / temperature, BLOCK_V=block_v, num_warps=_num_warps(block_v))
+                vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature = temperature
+        ctx.transform = transform
         ctx.inplace_backward = inplace_backward
         return logp, entropy
 
@@ -112,16 +125,16 @@ class TritonLogpEntropy(torch.autograd.Function):
             _logp_entropy_backward_kernel[(num_rows,)](
                 logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
                 targets, lse, entropy, grad_logp, grad_entropy,
-                vocab_size, 1.0 / ctx.temperature, BLOCK_V=block_v, num_warps=_num_warps(block_v))
+                vocab_size, *transform_arguments(ctx.transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
         return grad_logits, None, None, None
 
 
-def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform = NO_TRANSFORM,
                           inplace_backward: bool = False):
-    """Triton per-token (logp [N] fp32, entropy [N] fp32); targets [N] int64 with -100 (hard-coded in the
-    kernels) on ignored rows.
+    """Triton per-token (logp [N] fp32, entropy [N] fp32) of the transformed logits; targets [N] int64 with -100
+    (hard-coded in the kernels) on ignored rows.
 
     With inplace_backward=True the gradient is written into `logits` itself (no second [N, V] tensor);
     `logits` must then not be needed by anything else after the backward.
     """
-    return TritonLogpEntropy.apply(logits, targets.long().contiguous(), float(temperature), bool(inplace_backward))
+    return TritonLogpEntropy.apply(logits, targets.long().contiguous(), transform, bool(inplace_backward))

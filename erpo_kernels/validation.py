@@ -1,5 +1,6 @@
-"""Input checks shared by every entry point, the loss options (`LossOptions`, `OPTION_CHOICES`) and the optional
-per-sample / per-row tensors of the loss (`LossInputs`).
+"""Input checks shared by every entry point, the loss options (`LossOptions`, `OPTION_CHOICES`), the transform of
+the logits before the softmax (`LogitTransform`) and the optional per-sample / per-row tensors of the loss
+(`LossInputs`).
 
 Everything in API.md's Errors section that is not about the logits / hidden / weight tensors lives here, so
 the logits path and the fused-linear path reject bad input with the same messages.
@@ -7,6 +8,7 @@ the logits path and the fused-linear path reject bad input with the same message
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -16,19 +18,51 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QKL_ESTIMATORS = ("k1", "k2", "k3", "k3-token")
 RATIO_LEVELS = ("token", "sequence")
 ENTROPY_AGGREGATIONS = ("loss-agg", "token-mean")
+PG_OBJECTIVES = ("ppo-clip", "cispo", "sapo", "vespo")  # the per-token policy term (TRL 1.16's loss types' terms)
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {  # the loss options that take one of a few strings: name -> allowed
     "qkl_estimator": QKL_ESTIMATORS,
     "loss_agg": LOSS_AGGREGATIONS,
     "ratio_level": RATIO_LEVELS,
     "entropy_agg": ENTROPY_AGGREGATIONS,
+    "pg_objective": PG_OBJECTIVES,
 }
+VESPO_LAMBDA_MIN = 1e-4  # TRL's get_gamma_weights clamps lambda from below at 1e-4
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes of logits / hidden / weight
 
 
 @dataclass(frozen=True)
+class LogitTransform:
+    """What every path applies to the logits before the softmax, in this order (defined here once):
+
+        z = logits * logit_scale                        (Cohere's `logit_scale`; Granite's 1 / `logits_scaling`)
+        z = logit_softcap * tanh(z / logit_softcap)     (when logit_softcap is set: Gemma 2's final-logit soft-cap)
+        z = z / temperature
+
+    The fields are the loss options of the same names; the constructor checks them (messages name the option).
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+
+    def __post_init__(self):
+        check_temperature(self.temperature)
+        if not _is_finite_number(self.logit_scale) or self.logit_scale <= 0:
+            raise ValueError(f"logit_scale must be a finite number > 0, got {self.logit_scale!r}")
+        if self.logit_softcap is not None and (not _is_finite_number(self.logit_softcap) or self.logit_softcap <= 0):
+            raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
+
+
+@dataclass(frozen=True)
 class LossOptions:
-    """The keyword options of `erpo_loss` with API.md's defaults."""
+    """The keyword options of `erpo_loss` with API.md's defaults (API.md's options table says what each does).
+
+    The policy term: `pg_objective` picks PPO's clipped surrogate ("ppo-clip", with clip_low / clip_high /
+    dual_clip) or TRL 1.16's CISPO ("cispo", cispo_clip_max), SAPO ("sapo", sapo_temperature_pos / _neg) or VESPO
+    ("vespo", vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg); `off_policy_mask_threshold` is TRL's off-policy
+    sequence mask and `top_entropy_quantile` (with `top_entropy_gather` under data parallelism) TRL's entropy filter.
+    """
 
     qkl_coef: float = 0.01
     qkl_estimator: str = "k3"
@@ -43,16 +77,33 @@ class LossOptions:
     log_ratio_clamp: float = 20.0
     num_items: float | None = None
     num_seqs: float | None = None
-    rollout_is_cap: float = 2.0
+    rollout_is_cap: float | None = 2.0
     policy_kl_bias_correction: bool = False
     kl_clamp: float | None = None
     pg_log_ratio_clamp: float | None = None
     entropy_agg: str = "loss-agg"
+    qkl_linear_beyond: float = 5.0  # the sequence-level Query-KL estimator is continued linearly beyond |r| > this
+    logit_scale: float = 1.0  # LogitTransform: logits * logit_scale before the soft-cap and the temperature
+    logit_softcap: float | None = None  # LogitTransform: final-logit soft-cap c * tanh(z / c)
+    # The policy term (pg_objective) and TRL's masks on it.
+    pg_objective: str = "ppo-clip"
+    cispo_clip_max: float = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    top_entropy_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
-        check_temperature(self.temperature)
+        LogitTransform(self.temperature, self.logit_scale, self.logit_softcap)  # checks the three
+        if not _is_finite_number(self.qkl_linear_beyond) or self.qkl_linear_beyond <= 0:
+            raise ValueError(f"qkl_linear_beyond must be a finite number > 0, got {self.qkl_linear_beyond!r}")
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
@@ -62,8 +113,8 @@ class LossOptions:
         for name in ("qkl_coef", "policy_kl_coef", "entropy_coef"):
             if not _is_finite_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if not _is_finite_number(self.rollout_is_cap) or self.rollout_is_cap <= 0:
-            raise ValueError(f"rollout_is_cap must be a finite number > 0, got {self.rollout_is_cap!r}")
+        if self.rollout_is_cap is not None and (not _is_finite_number(self.rollout_is_cap) or self.rollout_is_cap <= 0):
+            raise ValueError(f"rollout_is_cap must be None or a finite number > 0, got {self.rollout_is_cap!r}")
         if not _is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be a number > 0, got {self.log_ratio_clamp!r}")
         for name in ("kl_clamp", "pg_log_ratio_clamp"):
@@ -79,6 +130,38 @@ class LossOptions:
                     raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
             elif value is not None and (not _is_finite_number(value) or value <= 0):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+        self._check_policy_term()
+
+    def _check_policy_term(self):
+        """The options of the policy term and of TRL's masks on it."""
+        if self.dual_clip is not None and self.pg_objective != "ppo-clip":
+            raise ValueError(f"dual_clip applies to pg_objective='ppo-clip' only (TRL's delta: the grpo / bnpo / "
+                             f"dr_grpo / dapo / luspo losses), got it with pg_objective={self.pg_objective!r}")
+        for name, low in (("cispo_clip_max", 0.0), ("sapo_temperature_pos", 0.0), ("sapo_temperature_neg", 0.0)):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value <= low:
+                raise ValueError(f"{name} must be a finite number > {low:g}, got {value!r}")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):  # TRL clamps lambda to >= 1e-4: pass max(lambda, 1e-4)
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value < VESPO_LAMBDA_MIN:
+                raise ValueError(f"{name} must be a finite number >= {VESPO_LAMBDA_MIN:g}, got {value!r}")
+        if self.off_policy_mask_threshold is not None and not _is_finite_number(self.off_policy_mask_threshold):
+            raise ValueError(f"off_policy_mask_threshold must be None or a finite number, got "
+                             f"{self.off_policy_mask_threshold!r}")
+        if not _is_finite_number(self.top_entropy_quantile) or not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be a number in [0, 1], got {self.top_entropy_quantile!r}")
+        if self.top_entropy_gather is not None and not callable(self.top_entropy_gather):
+            raise TypeError(f"top_entropy_gather must be None or a function [n] -> [m], got "
+                            f"{type(self.top_entropy_gather).__name__}")
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        """temperature, logit_scale and logit_softcap as the one object the token pass (every backend) takes."""
+        return LogitTransform(self.temperature, self.logit_scale, self.logit_softcap)
 
     @classmethod
     def from_kwargs(cls, options: dict) -> "LossOptions":
@@ -131,6 +214,9 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
+NO_TRANSFORM = LogitTransform()  # the identity: logits as they are
+
+
 def check_backend(backend) -> None:
     _check_choice("backend", backend, BACKENDS)
 
@@ -174,15 +260,13 @@ def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tens
     return torch.where(scored, targets.long(), IGNORE_INDEX)
 
 
-def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device, temperature,
+def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,
                        rows_name: str) -> torch.Tensor:
-    """Validate `targets` [N] and `temperature` of `token_logprobs` / `fused_linear_token_logprobs`.
-
-    Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
+    """Validate `targets` [N] of `token_logprobs` / `fused_linear_token_logprobs` (their `LogitTransform` checks
+    itself). Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
     """
     check_tensor("targets", targets, ndim=1, length=num_rows, device=device, floating=False,
                  length_name=f" (rows of {rows_name})")
-    check_temperature(temperature)
     scored = targets != IGNORE_INDEX
     check_rows([target_range_check(targets, scored, vocab_size)])
     return scored_targets_of(targets, scored)
@@ -196,7 +280,8 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
     """
     opts = LossOptions.from_kwargs(options)
     n = num_rows
-    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False, length_name=" (the number of rows N)")
+    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
+                 length_name=" (the number of rows N)")
     check_tensor("token_kind", token_kind, ndim=1, length=n, device=device, floating=False,
                  length_name=" (the number of rows N)")
     check_tensor("sample_index", sample_index, ndim=1, length=n, device=device, floating=False,

@@ -1,4 +1,4 @@
-"""A stand-in `vllm` package that records every call, for testing erpo.rollout_vllm without a GPU.
+"""A stand-in `vllm` package that records every call, for testing erpo.rollout.vllm without a GPU.
 
 It mirrors the public surface erpo uses: `LLM(**kwargs)`, `SamplingParams(**kwargs)`, `LLM.generate`
 returning RequestOutput-like objects (`.outputs[j]` with `index`, `token_ids`, `logprobs` as

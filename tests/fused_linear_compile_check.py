@@ -13,7 +13,8 @@ from compile_check import HOPPER, SHARED_MEMORY_LIMIT, register_usage
 from erpo_kernels import triton_fused_linear as kernels
 
 LINEAR = dict(hidden_ptr="*DT", stride_hn="i32", stride_hd="i32", weight_ptr="*DT", stride_wv="i32",
-              stride_wd="i32", bias_ptr="*DT", targets_ptr="*i64", hidden_dim="i32", inv_temperature="fp32")
+              stride_wd="i32", bias_ptr="*DT", targets_ptr="*i64", hidden_dim="i32", logit_scale="fp32",
+              logit_softcap="fp32", inv_temperature="fp32")
 FORWARD = dict(LINEAR, max_ptr="*fp32", sum_exp_ptr="*fp32", sum_exp_shifted_ptr="*fp32",
                target_logit_ptr="*fp32", num_rows="i32", vocab_size="i32", split_size="i32")
 GRAD = dict(LINEAR, lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32",
@@ -22,7 +23,7 @@ GRAD = dict(LINEAR, lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32",
 MATMUL = dict(a_ptr="*DT", stride_am="i32", stride_ak="i32", b_ptr="*DT", stride_bk="i32", stride_bn="i32",
               c_ptr="*DT", stride_cm="i32", stride_cn="i32", k_valid_ptr="*i8", M="i32", N="i32", K="i32",
               m_bucket="i32", k_bucket="i32")
-UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True)
+UNIT = dict(stride_hd=1, stride_wd=1, HAS_BIAS=True, SOFTCAP=False)
 CASES = [("forward", kernels._forward_partials_kernel, FORWARD, UNIT, kernels.GPU_FORWARD_CONFIGS),
          ("grad_logits", kernels._grad_logits_kernel, GRAD, dict(UNIT, stride_ov=1),
           kernels.GPU_GRAD_LOGITS_CONFIGS),
@@ -64,6 +65,12 @@ def main():
                 registers, spills = register_usage(compiled)
                 print(f"compiled {name} {dtype} {config.kwargs} warps={config.num_warps} stages={config.num_stages} "
                       f"shared={compiled.metadata.shared} registers={registers} spill_bytes={spills}", flush=True)
+    # The soft-cap variant (a constexpr branch in the epilogue) of the forward and dlogits kernels: first bf16 config.
+    for name, kernel, signature, constexprs, configs in CASES[:2]:
+        compiled = compile_config(kernel, signature, dict(constexprs, SOFTCAP=True), configs[0], "bf16")
+        registers, spills = register_usage(compiled)
+        print(f"compiled {name}-softcap bf16 {configs[0].kwargs} registers={registers} spill_bytes={spills}",
+              flush=True)
     # fp16 inputs: fp32 dlogits^T (a) against fp16 hidden (b) into the fp16 d weight, cast to fp32 for a TF32 dot.
     config = next(c for c in kernels.GPU_MATMUL_CONFIGS if stage_bytes(c, 4) * c.num_stages <= SHARED_MEMORY_LIMIT)
     compiled = compile_config(kernels._matmul_kernel, dict(MATMUL, a_ptr="*fp32"), D_WEIGHT_LAYOUT, config, "fp16",

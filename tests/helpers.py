@@ -2,9 +2,9 @@
 import torch
 
 
-def random_batch(num_rows=48, vocab=37, num_samples=5, dtype=torch.float32, seed=0, scale=3.0):
+def random_batch(num_rows=48, vocab=37, num_samples=5, dtype=torch.float32, seed=0, scale=3.0, device="cpu"):
     """A packed batch with query and response rows, a few rows of kind 0 holding target -100, and every input
-    tensor of API.md filled."""
+    tensor of API.md filled; drawn on the CPU (the same numbers everywhere), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(num_rows, vocab, generator=g) * scale).to(dtype)
     kind = torch.randint(0, 3, (num_rows,), generator=g)
@@ -13,7 +13,7 @@ def random_batch(num_rows=48, vocab=37, num_samples=5, dtype=torch.float32, seed
     targets = torch.randint(0, vocab, (num_rows,), generator=g)
     targets[kind == 0] = -100
     logp_guess = -torch.rand(num_rows, generator=g) * 4 - 0.5
-    return dict(
+    batch = dict(
         logits=logits, targets=targets, token_kind=kind, sample_index=sample_index,
         advantages=torch.randn(num_samples, generator=g),
         ref_query_logp=-torch.rand(num_samples, generator=g) * 20 - 10,
@@ -21,6 +21,7 @@ def random_batch(num_rows=48, vocab=37, num_samples=5, dtype=torch.float32, seed
         old_logp=logp_guess + 0.3 * torch.randn(num_rows, generator=g),
         ref_logp=logp_guess + 0.3 * torch.randn(num_rows, generator=g),
     )
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def loss_inputs(batch, with_tensors=("advantages", "ref_query_logp", "query_weight", "old_logp", "ref_logp")):

@@ -4,21 +4,23 @@ Each rank takes whole prompt groups of the global batch (erpo.distributed.shard)
 advantages locally, all-reduces the token-mean normalizers and scales its loss for DeepSpeed's gradient
 averaging. Rank 0 writes the updated full parameters, the global loss and the gradient norm to --out.
 With --ckpt-dir it then checks the checkpoint round trip: save after update 1, run update 2, load, run
-update 2 again (both results written), and exports the final model with erpo.checkpoint.export_hf.
-The weight sync of erpo.rollout_vllm.VLLMRollout is exercised against tests/fake_vllm.py.
+update 2 again (both results written), and exports the final model with erpo.models.export.export_hf.
+The weight sync of erpo.rollout.vllm.VLLMRollout is exercised against tests/fake_vllm.py.
 """
 import argparse
 import os
 
 import deepspeed
-import fake_vllm
 import torch
 from transformers import AutoModelForCausalLM
 
+import fake_vllm
 from erpo import distributed as D
-from erpo.advantages import compute_advantages
-from erpo.checkpoint import CheckpointManager, export_hf, gathered_state_dict
-from erpo.rollout_vllm import VLLMRollout
+from erpo.models.export import export_hf
+from erpo.models.weights import gathered_state_dict
+from erpo.rollout.vllm import VLLMRollout
+from erpo.train.advantages import compute_advantages
+from erpo.train.checkpoint import CheckpointManager
 from erpo_kernels import erpo_loss, from_padded
 
 

@@ -2,8 +2,8 @@
 import os
 import sys
 
-import erpo.update_step as update_step
-from erpo.cli import main
+import erpo.train.update_step as update_step
+from erpo.cli.commands import main
 
 real_loss = update_step.fused_linear_erpo_loss
 calls = {"n": 0}

@@ -1,8 +1,8 @@
-"""erpo.advantages: GRPO (with / without std), RLOO, REINFORCE baseline, DAPO equal-reward groups."""
+"""erpo.train.advantages: GRPO (with / without std), RLOO, REINFORCE baseline, DAPO equal-reward groups."""
 import pytest
 import torch
 
-from erpo.advantages import compute_advantages, equal_reward_groups
+from erpo.train.advantages import compute_advantages, equal_reward_groups
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])  # two groups of 4
 

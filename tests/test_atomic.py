@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from erpo.atomic import publish
-from erpo.evaluation import _append_lines, _check_cache_meta, read_cache
-from erpo.reference_cache import ReferenceCache
+from erpo.eval.sample_cache import append_lines, check_cache_meta, read_cache
+from erpo.reference.cache import ReferenceCache
 
 
 def write_dir(content: str):
@@ -71,15 +71,15 @@ def test_reference_cache_saves_leave_one_whole_file(tmp_path):
 
 def test_eval_sample_cache_appends_and_settings_from_two_writers(tmp_path):
     directory = tmp_path / "samples"
-    _check_cache_meta(str(directory), {"k": 2})
-    _check_cache_meta(str(directory), {"k": 2})     # the second run finds the same settings
+    check_cache_meta(str(directory), {"k": 2})
+    check_cache_meta(str(directory), {"k": 2})     # the second run finds the same settings
     with pytest.raises(ValueError, match="different settings"):
-        _check_cache_meta(str(directory), {"k": 4})
+        check_cache_meta(str(directory), {"k": 4})
     path = str(directory / "temp-1.jsonl")
     with open(path, "w") as handle:
         handle.write('{"id": 0, "sample": 0}\n{"id": 0, "sa')     # a writer killed mid-line
-    _append_lines(path, [{"id": 0, "sample": 1}])
-    _append_lines(path, [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}])
+    append_lines(path, [{"id": 0, "sample": 1}])
+    append_lines(path, [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}])
     assert read_cache(path, 2) == {0: [{"id": 0, "sample": 0}, {"id": 0, "sample": 1}],
                                    1: [{"id": 1, "sample": 0}, {"id": 1, "sample": 1}]}
 
@@ -89,7 +89,7 @@ THETA0_SCRIPT = """
 import hashlib, json, sys, time
 from pathlib import Path
 from erpo.config import Config, apply_overrides, resolve
-from erpo.sft import tiny_theta0
+from erpo.models.sft import tiny_theta0
 cfg = resolve(apply_overrides(Config(), ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1",
     "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.sft_steps=20", "tiny.sft_examples=64"]))
 print("ready", flush=True)
@@ -101,7 +101,7 @@ print(json.dumps([str(path), hashlib.sha256((path / "model.safetensors").read_by
 
 
 def test_three_runs_building_the_same_cold_tiny_theta0_all_succeed_and_agree(tmp_path):
-    # erpo.sft keeps theta0 under model.cache_dir, ~/.cache/erpo by default: a fresh HOME is a cold cache.
+    # erpo.models.sft keeps theta0 under model.cache_dir, ~/.cache/erpo by default: a fresh HOME is a cold cache.
     home, go = tmp_path / "home", tmp_path / "go"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join(

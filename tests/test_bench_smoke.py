@@ -113,7 +113,6 @@ def _tiny_logits_problem():
 
 def _torch_contender(problem, **overrides):
     import erpo_kernels
-
     from bench.contenders import ERPO_OPTIONS, Prepared
 
     def run():

@@ -1,4 +1,4 @@
-"""erpo.checkpoint: atomic saves, retention, exact restore (weights, optimizer, scheduler, RNG), crash
+"""erpo.train.checkpoint: atomic saves, retention, exact restore (weights, optimizer, scheduler, RNG), crash
 safety under SIGKILL, graceful SIGTERM, and the Hugging Face export."""
 import json
 import os
@@ -14,8 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from erpo.checkpoint import CheckpointManager, GracefulStop, TorchBundle, export_hf, link_or_copy, publish_hf
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.export import export_hf, publish_hf
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.models.weights import link_or_copy
+from erpo.train.checkpoint import CheckpointManager, TorchBundle
+from erpo.train.stop import GracefulStop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +114,7 @@ def test_bad_arguments(tmp_path):
 KILL_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path
-from erpo.checkpoint import CheckpointManager, TorchBundle
+from erpo.train.checkpoint import CheckpointManager, TorchBundle
 out = Path(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 64)
@@ -179,7 +182,8 @@ def test_graceful_stop_sets_flag_and_restores_handler():
 SIGTERM_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path
-from erpo.checkpoint import CheckpointManager, GracefulStop, TorchBundle
+from erpo.train.checkpoint import CheckpointManager, TorchBundle
+from erpo.train.stop import GracefulStop
 out = Path(sys.argv[1])
 model = torch.nn.Linear(2, 2)
 manager = CheckpointManager(out)

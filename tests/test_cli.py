@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from erpo.cli import build_parser, config_from_args, main, shipped_config
+from erpo.cli.args import config_from_args, shipped_config
+from erpo.cli.commands import build_parser, main
 
 
 def test_train_flags_map_onto_the_config(tmp_path):
@@ -71,19 +72,19 @@ def test_shipped_config_paths():
 
 @pytest.fixture
 def fake_training(monkeypatch):
-    """erpo.trainer.train replaced by a recorder (optionally raising) and the process-group teardown recorded."""
+    """erpo.train.loop.train replaced by a recorder (optionally raising) and the process-group teardown recorded."""
     import erpo.distributed
-    import erpo.trainer
+    import erpo.train.loop
     calls = {"train": [], "destroy": 0, "raise": None}
 
-    def train(cfg, resume=False):
+    def train(cfg, resume=False, force=False):
         calls["train"].append((cfg.output_dir, resume, os.environ.get("LOCAL_RANK")))
         if calls["raise"]:
             raise calls["raise"]
 
     def destroy():
         calls["destroy"] += 1
-    monkeypatch.setattr(erpo.trainer, "train", train)
+    monkeypatch.setattr(erpo.train.loop, "train", train)
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return calls

@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from erpo.cli import main
-from erpo.compare import window_means
+from erpo.cli.commands import main
+from erpo.cli.compare import window_means
 
 SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
          "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8",

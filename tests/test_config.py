@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from erpo.cli import shipped_config
+from erpo.cli.args import shipped_config
 from erpo.config import Config, apply_overrides, dump_yaml, from_dict, load_config, resolve, updates_per_rollout
 
 
@@ -107,7 +107,8 @@ def test_paper_recipes():
         assert (cfg.reward.functions, cfg.reward.weights) == (["math", "format"], [0.9, 0.1])   # EasyR1's
         assert cfg.rollout.top_p == 1.0 and cfg.rollout.importance_sampling_correction
         assert cfg.data.template == "paper" and cfg.algorithm.loss_agg == "token-mean"
-    assert (erpo.algorithm.qkl_coef, erpo.algorithm.policy_kl_coef, erpo.algorithm.query_weight) == (0.01, 0.0, "static")
+    algorithm = erpo.algorithm
+    assert (algorithm.qkl_coef, algorithm.policy_kl_coef, algorithm.query_weight) == (0.01, 0.0, "static")
     assert (grpo.algorithm.qkl_coef, grpo.algorithm.policy_kl_coef, grpo.algorithm.query_weight) == (0.0, 0.01, "none")
     # the algorithm flag switches a paper config completely (its preset fields are left unset in the file)
     switched = resolve(apply_overrides(load_config(shipped_config("qwen25_math_7b_erpo")), ["algorithm.name=grpo"]))

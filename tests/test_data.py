@@ -1,13 +1,20 @@
-"""erpo.data and erpo.tiny: arithmetic generator, JSONL/JSON/Parquet loading, the paper's prompt, tokenization."""
+"""erpo.tasks.data and erpo.models.tiny: arithmetic generator, JSONL/JSON/Parquet loading, the paper's prompt,
+tokenization."""
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
-from erpo.data import (PAPER_SUFFIX, arithmetic_dataset, build_prompt, encode_prompt, load_dataset_records,
-                       tokenize_prompts)
 from erpo.errors import UserError
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.tasks.data import (
+    PAPER_SUFFIX,
+    arithmetic_dataset,
+    build_prompt,
+    encode_prompt,
+    load_dataset_records,
+    tokenize_prompts,
+)
 
 
 @pytest.fixture(scope="module")

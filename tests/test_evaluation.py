@@ -1,4 +1,4 @@
-"""erpo.evaluation: model resolution, the sample cache and resume, scores, tables, the `erpo eval` entry."""
+"""erpo.eval.evaluate: model resolution, the sample cache and resume, scores, tables, the `erpo eval` entry."""
 
 import argparse
 import csv
@@ -9,25 +9,20 @@ import re
 import pytest
 import yaml
 
-from erpo import evaluation
-from erpo.problem_sets import load_benchmark, load_benchmarks
-from erpo.checkpoint import CheckpointManager, TorchBundle
+from erpo.cli.eval import add_eval_arguments, run_eval
 from erpo.config import Config, to_dict
-from erpo.evaluation import (
-    BENCHMARK_AVERAGE,
-    add_eval_arguments,
-    aggregate,
-    evaluate,
-    parse_models,
-    prompt_settings,
-    read_cache,
-    resolve_model,
-    run_eval,
-)
-from erpo.metrics import pass_at_k
-from erpo.rollout import HFRollout, RolloutBatch, RolloutEngine
-from erpo.tiny import build_model, build_tokenizer
-
+from erpo.errors import UserError
+from erpo.eval import evaluate as evaluation
+from erpo.eval.evaluate import evaluate
+from erpo.eval.metrics import pass_at_k
+from erpo.eval.model_specs import parse_models, parse_templates, prompt_settings, resolve_model
+from erpo.eval.problem_sets import load_benchmark, load_benchmarks
+from erpo.eval.sample_cache import append_lines, read_cache
+from erpo.eval.tables import BENCHMARK_AVERAGE, aggregate, range_members
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.rollout.engine import RolloutBatch, RolloutEngine
+from erpo.rollout.hf import HFRollout
+from erpo.train.checkpoint import CheckpointManager, TorchBundle
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "benchmarks")
 
@@ -69,7 +64,7 @@ def test_resolve_model_paths(tmp_path, tiny_model_dir, monkeypatch):
     assert (start.label, start.path, start.run_dir) == ("my-run@start", tiny_model_dir, run)
     plain = resolve_model(f"base={tiny_model_dir}")
     assert (plain.label, plain.path, plain.run_dir) == ("base", tiny_model_dir, None)
-    monkeypatch.setattr("erpo.model_source._hub_problem", lambda name: None)   # as if the Hub served it
+    monkeypatch.setattr("erpo.models.source._hub_problem", lambda name: None)   # as if the Hub served it
     assert resolve_model("Qwen/Qwen2.5-Math-7B").path == "Qwen/Qwen2.5-Math-7B"  # Hub name, loaded later
 
     unfinished = _run_dir(tmp_path / "unfinished", tiny_model_dir, with_final=False)
@@ -123,18 +118,18 @@ def test_prompt_settings_follow_the_run_and_one_budget(tmp_path, tiny_model_dir)
 
 def test_templates_per_model():
     labels = ["base", "erpo", "grpo"]
-    assert evaluation.parse_templates(["base=qwen-math"], labels) == {"base": "qwen-math"}
-    assert evaluation.parse_templates(["base=qwen-math", "paper"], labels) == {
+    assert parse_templates(["base=qwen-math"], labels) == {"base": "qwen-math"}
+    assert parse_templates(["base=qwen-math", "paper"], labels) == {
         "base": "qwen-math", "erpo": "paper", "grpo": "paper"}
-    assert evaluation.parse_templates(["Q: {problem} = ?"], labels) == {label: "Q: {problem} = ?" for label in labels}
+    assert parse_templates(["Q: {problem} = ?"], labels) == {label: "Q: {problem} = ?" for label in labels}
     with pytest.raises(ValueError, match="LABEL=TEMPLATE"):
-        evaluation.parse_templates(["paper", "plain"], labels)
+        parse_templates(["paper", "plain"], labels)
 
 
 def test_paper_temperature_grid():
     """The paper's grid: 10 temperatures 0.1..1.0 (the "<= 1.0" mean) and 1.2..1.5 (the "1.2-1.5" mean)."""
     grid = evaluation.TEMPERATURE_GRIDS["paper"]
-    ranges = evaluation.range_members(grid)
+    ranges = range_members(grid)
     assert ranges["<=1.0"] == [round(0.1 * i, 1) for i in range(1, 11)]
     assert ranges["1.2-1.5"] == [1.2, 1.3, 1.4, 1.5] and ranges["all"] == list(grid)
     parser = argparse.ArgumentParser()
@@ -143,8 +138,8 @@ def test_paper_temperature_grid():
 
 
 def test_tensor_parallel_needs_vllm(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs the vLLM backend"):
-        evaluation.build_engine(tiny_model_dir, backend="hf", device="cpu", dtype="auto", seed=0, batch_size=1,
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs the vLLM engine"):
+        evaluation.build_engine(tiny_model_dir, engine="hf", device="cpu", dtype="auto", seed=0, batch_size=1,
                                 tensor_parallel_size=2)
 
 
@@ -305,13 +300,13 @@ def test_interrupted_eval_resumes_to_the_same_result(tmp_path, tiny_model_dir, m
 
 def test_append_cuts_a_torn_tail_after_complete_lines(tmp_path):
     path = str(tmp_path / "samples" / "temp-1.jsonl")
-    evaluation._append_lines(path, [{"id": 0, "sample": 0}])
+    append_lines(path, [{"id": 0, "sample": 0}])
     with open(path, "a") as handle:
         handle.write('{"id": 1, "sam')  # a crash mid-write
-    evaluation._append_lines(path, [{"id": 1, "sample": 0}])
+    append_lines(path, [{"id": 1, "sample": 0}])
     with open(path) as handle:
         assert handle.read() == '{"id": 0, "sample": 0}\n{"id": 1, "sample": 0}\n'
-    evaluation._append_lines(path, [{"id": 2, "sample": 0}])  # an intact file is only appended to
+    append_lines(path, [{"id": 2, "sample": 0}])  # an intact file is only appended to
     assert read_cache(path, 1) == {i: [{"id": i, "sample": 0}] for i in range(3)}
 
 
@@ -320,7 +315,7 @@ def test_cache_keeps_completions_with_unicode_line_separators(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 unescaped; they must not split a cache line.
     path = str(tmp_path / "temp-1.jsonl")
     records = [{"id": 0, "sample": 0, "completion": "a\u2028b\x85c\u2029"}, {"id": 1, "sample": 0, "completion": "d"}]
-    evaluation._append_lines(path, records)
+    append_lines(path, records)
     assert read_cache(path, 1) == {0: [records[0]], 1: [records[1]]}
 
 
@@ -348,8 +343,8 @@ def test_cli_two_models_writes_tables_and_png(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "out"
     args = parser.parse_args(["--model", run + "@start", "--model", run,
                               "--benchmarks", f"synthetic#n=3,aime={FIXTURES}/aime24.parquet",
-                              "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out), "--max-new-tokens", "4",
-                              "--seed", "3", "--no-progress", "--device", "cpu"])
+                              "--temperatures", "0.6,1.2", "--k", "2", "--output-dir", str(out),
+                              "--max-new-tokens", "4", "--seed", "3", "--no-progress", "--device", "cpu"])
     run_eval(args)
     printed = capsys.readouterr().out
     markdown = (out / "results.md").read_text()
@@ -384,7 +379,20 @@ def test_cli_bad_arguments_exit_with_a_message(tmp_path, tiny_model_dir):
         (["--model", tiny_model_dir, "--k", "4", "--pass-k", "8"], "pass_ks"),
     ]
     for argv, message in cases:
-        with pytest.raises(SystemExit, match=re.escape(message)) as info:
+        with pytest.raises(UserError, match=re.escape(message)):
             run_eval(parser.parse_args(argv + ["--output-dir", str(tmp_path / "out")]))
-        assert str(info.value).startswith("erpo eval: ")
     assert not (tmp_path / "out").exists()  # nothing was generated or written
+
+
+def test_backend_is_the_deprecated_spelling_of_engine(tmp_path, capsys):
+    """`--engine` names the rollout engine as the trainer's `rollout.engine` does; `--backend` still works, with
+    one deprecation line on stderr."""
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).engine == "auto"
+    assert parser.parse_args(["--model", "m", "--engine", "hf"]).engine == "hf"
+    args = parser.parse_args(["--model", str(tmp_path / "nope"), "--backend", "hf"])
+    with pytest.raises(UserError, match="no such local directory"):
+        run_eval(args)
+    assert args.engine == "hf"
+    assert capsys.readouterr().err == "erpo eval: --backend is deprecated, use --engine (same values)\n"

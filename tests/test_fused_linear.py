@@ -9,10 +9,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.torch_fused_linear as torch_fused_linear  # noqa: E402
 import erpo_kernels.triton_fused_linear as triton_fused_linear  # noqa: E402
+from compile_check import run_compile_script  # noqa: E402
 from erpo_kernels.api import erpo_loss  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs  # noqa: E402
 from erpo_kernels.reference import reference_token_logprobs  # noqa: E402
-from compile_check import run_compile_script  # noqa: E402
+from erpo_kernels.validation import LogitTransform  # noqa: E402
 from helpers import loss_inputs, random_batch  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
 
@@ -87,7 +88,7 @@ def test_token_logprobs_and_gradients_match_logits_path(backend, dtype, bias):
     ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
 
     ref = leaves(hidden.float(), weight.float(), None if b is None else b.float())
-    ref_logp, ref_entropy = reference_token_logprobs(logits_of(*ref), targets, 0.7)
+    ref_logp, ref_entropy = reference_token_logprobs(logits_of(*ref), targets, LogitTransform(temperature=0.7))
     ((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum()).backward()
 
     assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == (num_rows,)
@@ -471,6 +472,7 @@ def test_kernels_compile_for_hopper():
         assert stdout.count(f"compiled {name} fp32") == 1
     assert stdout.count("compiled matmul-dweight bf16") == len(triton_fused_linear.GPU_MATMUL_CONFIGS)
     assert "compiled mixed-matmul fp32 x fp16" in stdout
+    assert "compiled forward-softcap bf16" in stdout and "compiled grad_logits-softcap bf16" in stdout
 
 
 def test_forward_split_not_a_multiple_of_the_tile(monkeypatch):

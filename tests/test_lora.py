@@ -1,4 +1,5 @@
-"""erpo.lora on the tiny model: adapters, the adapter-free reference, merged weights (vLLM sync, export), eval."""
+"""erpo.models.lora on the tiny model: adapters, the adapter-free reference, merged weights (vLLM sync, export),
+eval."""
 import dataclasses
 import json
 import sys
@@ -8,15 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fake_vllm
-from erpo import lora as L
+from erpo.cli.args import shipped_config
 from erpo.config import Config, LoraConfig, apply_overrides, load_config, resolve
-from erpo.cli import shipped_config
-from erpo.evaluation import build_engine, resolve_model
-from erpo.models import load_causal_lm
-from erpo.rollout import HFRollout
-from erpo.rollout_vllm import VLLMRollout
+from erpo.eval.model_specs import resolve_model
+from erpo.eval.sampling import build_engine
+from erpo.models import lora as L
+from erpo.models.loading import load_causal_lm
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.rollout.hf import HFRollout
+from erpo.rollout.vllm import VLLMRollout
 from erpo.sequences import final_hidden, pack, scored_token_logp
-from erpo.tiny import build_model, build_tokenizer
 from erpo_kernels import fused_linear_erpo_loss
 from erpo_kernels.zero3 import gathered_lm_head
 
@@ -219,15 +221,15 @@ def test_eval_accepts_an_adapter_dir(base_dir, tokenizer, tmp_path):
     adapter_dir = L.export_adapter(model, tokenizer, tmp_path / "adapter")
     spec = resolve_model(f"lora={adapter_dir}")
     assert (spec.label, spec.path) == ("lora", adapter_dir)
-    engine, eval_tokenizer = build_engine(adapter_dir, backend="auto", device="cpu", dtype="float32", seed=0,
+    engine, eval_tokenizer = build_engine(adapter_dir, engine="auto", device="cpu", dtype="float32", seed=0,
                                           batch_size=4)
     assert isinstance(engine, HFRollout) and eval_tokenizer.get_vocab() == tokenizer.get_vocab()
     ids = some_batch(tokenizer).input_ids
     with torch.no_grad():
         torch.testing.assert_close(engine.model(input_ids=ids).logits, model(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="LoRA adapter, which --backend vllm does not load"):
-        build_engine(adapter_dir, backend="vllm", device="cpu", dtype="float32", seed=0, batch_size=4)
+    with pytest.raises(ValueError, match="LoRA adapter, which --engine vllm does not load"):
+        build_engine(adapter_dir, engine="vllm", device="cpu", dtype="float32", seed=0, batch_size=4)
 
 
 def test_lora_config_keys():

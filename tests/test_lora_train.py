@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import erpo.trainer as trainer_module
+import erpo.train.loop as trainer_module
 import fake_vllm
 from erpo.config import Config, apply_overrides, resolve
-from erpo.lora import MERGED_DIR, inference_weights, is_adapter_dir, peft_model_of
-from erpo.models import load_causal_lm, model_path_for
-from erpo.trainer import train
+from erpo.models.loading import load_causal_lm, model_path_for
+from erpo.models.lora import MERGED_DIR, inference_weights, is_adapter_dir, peft_model_of
+from erpo.train.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""erpo.metrics: Avg@k, unbiased Pass@k and benchmark summaries on hand-computed cases."""
+"""erpo.eval.metrics: Avg@k, unbiased Pass@k and benchmark summaries on hand-computed cases."""
 
 import itertools
 import math
 
 import pytest
 
-from erpo.metrics import avg_at_k, default_pass_ks, pass_at_k, summarize_correctness
+from erpo.eval.metrics import avg_at_k, default_pass_ks, pass_at_k, summarize_correctness
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,19 @@ Each case launches tests/multirank_worker.py with torchrun (2 processes) on a ti
 locally and compares it with the same update done in this process by plain torch on the whole batch.
 The 2-rank run also checks the frozen reference model (a partitioned inference engine at ZeRO-3), the vLLM
 weight sync against a fake vLLM, the DeepSpeed checkpoint round trip (model, ZeRO optimizer state, LR
-scheduler, RNG) and the ZeRO-3 gathered Hugging Face export. The last test runs `erpo train` itself under
-the deepspeed launcher.
+scheduler, RNG) and the ZeRO-3 gathered Hugging Face export. The later tests run `erpo train` itself under
+the deepspeed launcher and torchrun: exact resume, a SIGKILLed launcher (its ranks run on; a second writer is
+refused) and a SIGKILLed rank (the job ends; a truncated shard of rank 1 is skipped on resume).
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +25,9 @@ pytest.importorskip("deepspeed")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from multirank_worker import make_optimizer, rank_loss  # noqa: E402
+from test_checkpoint_manifest import truncate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multirank_worker.py")
@@ -150,8 +155,8 @@ TRAIN_SETTINGS = ["--zero-stage", "3", "--seed", "3", "--save-steps", "1", "--se
                   "logging.progress_bar=false", "logging.plot=false"]
 
 
-def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str):
-    """`erpo train` on 2 CPU ranks at ZeRO-3, with the documented launch command of `launcher`."""
+def train_command_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> tuple[list[str], dict]:
+    """Command and environment of `erpo train` on 2 CPU ranks at ZeRO-3, launched as documented for `launcher`."""
     if launcher == "deepspeed":  # without --no_local_rank: the launcher inserts --local_rank=N before `train`
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--module", "erpo"]
@@ -161,8 +166,62 @@ def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str):
     cmd += ["train", "--output-dir", str(out), *extra, *TRAIN_SETTINGS, f"model.cache_dir={cache}"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return cmd, env
+
+
+def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`erpo train` on 2 CPU ranks at ZeRO-3, with the documented launch command of `launcher`; it must succeed."""
+    cmd, env = train_command_2ranks(launcher, out, cache, *extra)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def torchrun_until_checkpoint(out: Path, cache: Path, step: int, log: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A 3-step `erpo train` under torchrun, once its checkpoint `step` exists: the launcher and its 2 ranks' pids."""
+    cmd, env = train_command_2ranks("torchrun", out, cache, "--max-steps", "3")
+    with open(log, "w") as stderr:   # the launcher keeps its own copy of the descriptor
+        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / f"step-{step}").is_dir():
+        assert launcher.poll() is None, log.read_text()[-6000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    ranks = child_pids(launcher.pid)
+    assert len(ranks) == 2, ranks
+    return launcher, sorted(ranks, key=rank_of)
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+def rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(item for item in environ if item.startswith(b"RANK=")).split(b"=")[1])
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> float:
+    """Seconds until none of `pids` runs any more (AssertionError after `timeout`)."""
+    start = time.monotonic()
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() - start < timeout, [pid for pid in pids if running(pid)]
+        time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def metrics(out: Path) -> dict[int, dict]:
@@ -182,6 +241,41 @@ def two_step_run(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def three_step_run(two_step_run):
+    """The uninterrupted 3-step run (under torchrun) the resumed ones must reproduce: `.dir`. Its launcher is
+    SIGKILLed once step 1 is saved; torchrun's ranks outlive it and run on undisturbed to the end. While they are
+    held (SIGSTOP), a second `erpo train --resume` of that directory is tried: `.second` (the CompletedProcess),
+    `.ranks` (pids, in rank order)."""
+    root = two_step_run
+    out = root / "full"
+    launcher, ranks = torchrun_until_checkpoint(out, root / "cache", 1, root / "full.log")
+    launcher.kill()
+    assert launcher.wait(timeout=30) == -signal.SIGKILL
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)      # alive and holding the lock: no race with the run's own end
+    try:
+        cmd, env = train_command_2ranks("torchrun", out, root / "cache", "--max-steps", "3", "--resume")
+        second = subprocess.run([sys.executable, "-m", "erpo", *cmd[cmd.index("train"):]], env=env,
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+    wait_gone(ranks, timeout=300)
+    assert (out / "final" / "config.json").is_file(), (root / "full.log").read_text()[-6000:]
+    return SimpleNamespace(dir=out, second=second, ranks=ranks)
+
+
+def assert_same_metrics(resumed: dict, full: dict):
+    assert sorted(resumed) == sorted(full) == list(range(1, 7))
+    for step, record in full.items():
+        for key, value in record.items():
+            if isinstance(value, float):
+                assert resumed[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+            else:
+                assert resumed[step][key] == value, (step, key)
+
+
 def test_erpo_train_under_deepspeed_launcher_zero3(two_step_run):
     """The documented launch trains, checkpoints with DeepSpeed and exports a whole model."""
     out = two_step_run / "run"
@@ -195,20 +289,51 @@ def test_erpo_train_under_deepspeed_launcher_zero3(two_step_run):
     assert all(p.numel() > 0 for p in final.parameters())      # gathered, not ZeRO-3 placeholders
 
 
-def test_two_rank_zero3_resume_is_exact(two_step_run):
+def test_two_rank_zero3_resume_is_exact(two_step_run, three_step_run):
     """Resuming the 2-step run to 3 steps (under torchrun) logs what an uninterrupted 3-step run logs:
     DeepSpeed's partitioned model/optimizer/scheduler state, every rank's RNG and the data position."""
     root = two_step_run
     erpo_train_2ranks("torchrun", root / "run", root / "cache", "--max-steps", "3", "--resume")
-    erpo_train_2ranks("torchrun", root / "full", root / "cache", "--max-steps", "3")
-    resumed, full = metrics(root / "run"), metrics(root / "full")
-    assert sorted(resumed) == sorted(full) == list(range(1, 7))
-    for step, record in full.items():
-        for key, value in record.items():
-            if isinstance(value, float):
-                assert resumed[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-            else:
-                assert resumed[step][key] == value, (step, key)
+    assert_same_metrics(metrics(root / "run"), metrics(three_step_run.dir))
+
+
+def test_killing_the_launcher_leaves_its_ranks_running_and_a_second_writer_out(three_step_run):
+    """torchrun SIGKILLed: its ranks do not die with it (they finished the run: see the fixture), so a re-submitted
+    `erpo train --resume` meanwhile must not write the same directory: refused in one line naming rank 0."""
+    second = three_step_run.second
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-4000:]
+    [line] = [line for line in second.stderr.splitlines() if line.startswith("erpo train:")]
+    assert f"erpo train: --output-dir {three_step_run.dir}: another run is writing it (host " in line
+    assert f", pid {three_step_run.ranks[0]}, since " in line
+    assert sorted(metrics(three_step_run.dir)) == list(range(1, 7))
+    assert not (three_step_run.dir / "run.lock").exists()
+
+
+def test_a_killed_rank_ends_the_job_and_a_truncated_shard_of_rank_1_is_skipped(two_step_run, three_step_run):
+    """Rank 1 SIGKILLed after checkpoint step 2: torchrun ends the whole job within seconds. Then rank 1's ZeRO
+    optimizer shard of step 2 is cut in half (what a full disk or a preempted copy leaves): on --resume both ranks
+    check their share of the files before DeepSpeed loads anything, agree, and resume from step 1 with one warning
+    line naming the file; the run then logs what the uninterrupted one logs."""
+    root = two_step_run
+    run = root / "killed"
+    launcher, ranks = torchrun_until_checkpoint(run, root / "cache", 2, root / "killed.log")
+    try:
+        os.kill(ranks[1], signal.SIGKILL)
+        assert launcher.wait(timeout=60) != 0
+        assert wait_gone(ranks, timeout=60) < 60
+    finally:
+        launcher.kill()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == [
+        "step-1", "step-2"]
+    [shard] = (run / "checkpoints" / "step-2" / "engine").glob("*rank_1*optim_states.pt")
+    truncate(shard)
+    proc = erpo_train_2ranks("torchrun", run, root / "cache", "--max-steps", "3", "--resume")
+    warnings = [line for line in proc.stderr.splitlines() if " is damaged " in line]
+    assert len(warnings) == 1, warnings                          # rank 0 says it, once
+    assert f"checkpoint {run / 'checkpoints' / 'step-2'} is damaged (engine/{shard.name}: " in warnings[0]
+    assert "Traceback" not in proc.stderr
+    assert_same_metrics(metrics(run), metrics(three_step_run.dir))
+    assert not (run / "run.lock").exists()                       # rank 0 held it, and released it
 
 
 def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):

@@ -8,7 +8,10 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from erpo.plotting import add_plot_arguments, ema, plot_runs, plot_temperature_curves, read_metrics, run_plot
+from erpo.cli import main
+from erpo.cli.plot import add_plot_arguments, run_plot
+from erpo.errors import UserError
+from erpo.plotting import ema, plot_runs, plot_temperature_curves, read_metrics
 
 
 def _write_run(run_dir, steps, *, policy_kl=True, scale=1.0, torn_tail=False):
@@ -113,16 +116,19 @@ def test_plot_temperature_curves(tmp_path):
 
 
 def test_erpo_plot_command(tmp_path):
-    from erpo.cli import main
-
     run = _write_run(tmp_path / "run", 8)
     out = tmp_path / "from_cli.png"
     assert main(["plot", run, "--output", str(out)]) == 0
     _png(out)
 
 
-def test_erpo_plot_missing_run_exits_with_a_message(tmp_path):
+def test_erpo_plot_missing_run_is_a_user_error(tmp_path, capsys):
+    """A missing run is erpo's one user-error path: one line from `erpo plot`, the traceback with --debug."""
     parser = argparse.ArgumentParser()
     add_plot_arguments(parser)
-    with pytest.raises(SystemExit, match="erpo plot: no metrics file"):
+    with pytest.raises(UserError, match="no metrics file"):
         run_plot(parser.parse_args([str(tmp_path / "absent")]))
+    assert main(["plot", str(tmp_path / "absent")]) == 1
+    assert capsys.readouterr().err.startswith("erpo plot: no metrics file")
+    with pytest.raises(UserError, match="no metrics file"):
+        main(["plot", str(tmp_path / "absent"), "--debug"])

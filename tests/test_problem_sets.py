@@ -1,4 +1,4 @@
-"""erpo.problem_sets: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
+"""erpo.eval.problem_sets: loaders for the common public formats (JSONL and Parquet) and the built-in set."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from erpo.problem_sets import (
+from erpo.eval.problem_sets import (
     load_benchmark,
     load_benchmarks,
     parse_benchmark_spec,
@@ -84,7 +84,8 @@ def test_field_mapping_overrides_detection():
     # and the problem from a nested/dotted field in the verl format.
     bench = load_benchmark(os.path.join(FIXTURES, "math500.jsonl") + "#answer=solution#limit=2")
     assert [p["answers"] for p in bench.problems] == [["5"], ["\\frac{3}{4}"]]
-    verl = load_benchmark("v=" + os.path.join(FIXTURES, "verl.parquet") + "#answer=reward_model.ground_truth#problem=prompt")
+    verl = load_benchmark("v=" + os.path.join(FIXTURES, "verl.parquet")
+                          + "#answer=reward_model.ground_truth#problem=prompt")
     assert [p["answers"] for p in verl.problems] == [["8"], ["6"]]
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_model, build_tokenizer
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)

@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
-from erpo_kernels import erpo_loss, token_logprobs
-from erpo_kernels import reference
-from plain_formula import plain_erpo_loss
+from erpo_kernels import erpo_loss, reference, token_logprobs
 from helpers import loss_inputs, random_batch
+from plain_formula import plain_erpo_loss
 
 OPTION_CASES = [
     {},

@@ -1,4 +1,4 @@
-"""erpo.reference_cache: ell_theta0(q) through the fused-linear path, w(q), identity checks, persistence."""
+"""erpo.reference.cache: ell_theta0(q) through the fused-linear path, w(q), identity checks, persistence."""
 import json
 import os
 
@@ -6,13 +6,14 @@ import huggingface_hub.constants
 import pytest
 import torch
 
-import erpo.reference_cache as rc
-import erpo.reference_setup as reference_setup
+import erpo.reference.cache as rc
+import erpo.reference.fingerprint as fingerprints
+import erpo.reference.setup as reference_setup
 from erpo.config import Config, apply_overrides, resolve
-from erpo.data import PromptSet
-from erpo.reference_cache import (ReferenceCache, build_reference_cache, compute_query_logp, fingerprint_cache_path,
-                                  model_fingerprint, prompt_hash, tokenizer_fingerprint)
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.reference.cache import ReferenceCache, build_reference_cache, compute_query_logp, prompt_hash
+from erpo.reference.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
+from erpo.tasks.data import PromptSet
 from erpo_kernels import query_weights
 
 
@@ -20,7 +21,7 @@ from erpo_kernels import query_weights
 def _private_caches(tmp_path, monkeypatch):
     """Each test starts with no weight digests (in memory or on disk) and an empty Hugging Face cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(rc, "_digests", {})
+    monkeypatch.setattr(fingerprints, "_digests", {})
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
@@ -138,8 +139,8 @@ def test_model_fingerprint_hashes_every_byte_of_every_weight_file(tmp_path):
 
 def test_weight_digests_are_memoized_and_persisted(tmp_path, monkeypatch):
     hashed = []
-    real_sha256 = rc.file_sha256
-    monkeypatch.setattr(rc, "file_sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+    real_sha256 = fingerprints.file_sha256
+    monkeypatch.setattr(fingerprints, "file_sha256", lambda path: hashed.append(path.name) or real_sha256(path))
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -149,7 +150,7 @@ def test_weight_digests_are_memoized_and_persisted(tmp_path, monkeypatch):
     assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"]   # memoized
     side = json.loads(fingerprint_cache_path().read_text())
     assert side == {str(weights.resolve()): [7, 1, real_sha256(weights)]}
-    monkeypatch.setattr(rc, "_digests", {})   # a new process reads the persisted digest
+    monkeypatch.setattr(fingerprints, "_digests", {})   # a new process reads the persisted digest
     assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"]
     os.utime(weights, ns=(2, 2))   # touched: hashed again, same content, same fingerprint
     assert model_fingerprint(str(model)) == fingerprint and hashed == ["model.safetensors"] * 2
@@ -169,13 +170,13 @@ def test_fingerprint_without_a_writable_or_valid_side_cache(tmp_path, monkeypatc
     model.mkdir()
     rewrite(model / "model.safetensors", b"weights", 1)
     expected = model_fingerprint(str(model))
-    monkeypatch.setattr(rc, "_digests", {})
+    monkeypatch.setattr(fingerprints, "_digests", {})
     fingerprint_cache_path().write_text("not json")
     assert model_fingerprint(str(model)) == expected
     assert json.loads(fingerprint_cache_path().read_text())   # rewritten
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))   # no directory can be made there
-    monkeypatch.setattr(rc, "_digests", {})
+    monkeypatch.setattr(fingerprints, "_digests", {})
     assert model_fingerprint(str(model)) == expected and not fingerprint_cache_path().parent.exists()
 
 
@@ -211,7 +212,7 @@ def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, mo
     cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
     prompt_set = PromptSet([{}] * len(prompts), ["p"] * len(prompts), prompts, ["a"] * len(prompts))
     calls = []
-    real_fingerprint, real_lookup = rc.model_fingerprint, ReferenceCache.lookup
+    real_fingerprint, real_lookup = fingerprints.model_fingerprint, ReferenceCache.lookup
 
     def counted_fingerprint(name):
         return calls.append("fingerprint") or real_fingerprint(name)

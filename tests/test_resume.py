@@ -117,10 +117,11 @@ def test_resume_refuses_another_cosine_schedule_length(uninterrupted):
            "but this config's spans 4 (trainer.max_steps=2" in proc.stderr
     assert "resume with --max-steps 1" in proc.stderr and "Traceback" not in proc.stderr   # one line, exit 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
-    # a checkpoint written before the length was recorded resumes unchecked, and records it from then on
+    # a checkpoint written before the length was recorded (and before manifests) resumes unchecked, and records it
+    # from then on
     meta_file = run / "checkpoints" / "step-1" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    del meta["state"]["lr_schedule_steps"]
+    del meta["state"]["lr_schedule_steps"], meta["files"], meta["meta_sha256"]
     meta_file.write_text(json.dumps(meta))
     erpo_train(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine)
     assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4

@@ -1,4 +1,5 @@
-"""erpo.rewards: boxed extraction, answer checking (math-verify, its time bound, the fallback), reward functions."""
+"""erpo.tasks.rewards: boxed extraction, answer checking (math-verify, its time bound, the fallback), reward
+functions."""
 import logging
 import math
 import os
@@ -7,9 +8,19 @@ import time
 
 import pytest
 
-from erpo import rewards
-from erpo.rewards import (ANSWER_TIMEOUT_S, answers_match, compute_rewards, extract_boxed, fallback_match,
-                          format_reward, grade, load_reward_function, math_reward, normalize_answer)
+from erpo.tasks import rewards
+from erpo.tasks.rewards import (
+    ANSWER_TIMEOUT_S,
+    answers_match,
+    compute_rewards,
+    extract_boxed,
+    fallback_match,
+    format_reward,
+    grade,
+    load_reward_function,
+    math_reward,
+    normalize_answer,
+)
 
 
 @pytest.mark.parametrize("text,expected", [

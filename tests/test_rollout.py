@@ -1,9 +1,10 @@
-"""erpo.rollout.HFRollout: grouping, EOS handling, seeds, and sampling log-probs that match the model."""
+"""erpo.rollout.hf.HFRollout: grouping, EOS handling, seeds, and sampling log-probs that match the model."""
 import pytest
 import torch
 
-from erpo.rollout import HFRollout, RolloutBatch, RolloutEngine
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.rollout.engine import RolloutBatch, RolloutEngine
+from erpo.rollout.hf import HFRollout
 
 
 @pytest.fixture(scope="module")

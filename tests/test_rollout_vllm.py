@@ -1,4 +1,4 @@
-"""erpo.rollout_vllm.VLLMRollout against a recording fake `vllm` (vLLM itself needs CUDA)."""
+"""erpo.rollout.vllm.VLLMRollout against a recording fake `vllm` (vLLM itself needs CUDA)."""
 import contextlib
 import os
 import subprocess
@@ -10,10 +10,10 @@ import torch
 
 import fake_vllm
 from erpo import distributed as D
-from erpo import rollout_vllm
-from erpo.rollout import RolloutEngine
-from erpo.rollout_vllm import VLLMRollout, sampled_logprobs
-from erpo.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.rollout import vllm as rollout_vllm
+from erpo.rollout.engine import RolloutEngine
+from erpo.rollout.vllm import VLLMRollout, sampled_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def fake_world(monkeypatch, rank, world):
 def test_importing_erpo_does_not_import_vllm(tmp_path):
     """vLLM is imported only when a VLLMRollout is created: a `vllm` that fails on import is harmless."""
     (tmp_path / "vllm.py").write_text("raise RuntimeError('vllm imported eagerly')\n")
-    code = "import erpo.distributed, erpo.checkpoint, erpo.rollout, erpo.rollout_vllm"
+    code = "import erpo.distributed, erpo.train.checkpoint, erpo.rollout.hf, erpo.rollout.vllm"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

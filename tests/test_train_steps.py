@@ -5,17 +5,18 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config, apply_overrides, resolve
-from erpo.rollout_stage import Rollout
 from erpo.sequences import PackedBatch, per_sample_sum
-from erpo.step_plan import StepPlan
-from erpo.train_log import TOKEN_MEAN_METRICS, step_record
-from erpo.updater import choose_updater
+from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
+from erpo.train.rollout_stage import Rollout
+from erpo.train.step_plan import StepPlan
+from erpo.train.updater import choose_updater
 
 
 def rollout_of(rewards) -> Rollout:
     n = len(rewards)
     return Rollout(prompts=torch.arange(n), response_ids=[[1] * (i + 1) for i in range(n)],
-                   rewards=torch.tensor(rewards, dtype=torch.float64), correct=torch.tensor(rewards, dtype=torch.float64),
+                   rewards=torch.tensor(rewards, dtype=torch.float64),
+                   correct=torch.tensor(rewards, dtype=torch.float64),
                    truncated=torch.tensor([i == 0 for i in range(n)]), advantages=torch.zeros(n),
                    keep=torch.ones(n, dtype=torch.bool), rollout_logp=None)
 

@@ -1,4 +1,4 @@
-"""erpo.trainer end to end on a very small tiny-model run: metrics, algorithms, several updates per rollout,
+"""erpo.train.loop end to end on a very small tiny-model run: metrics, algorithms, several updates per rollout,
 checkpoint/resume, cache mismatch, failing reward functions, non-finite losses."""
 import json
 import math
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import erpo.trainer as trainer_module
-import erpo.update_step as update_step
+import erpo.train.loop as trainer_module
+import erpo.train.update_step as update_step
 from erpo.config import Config, apply_overrides, resolve
 from erpo.errors import UserError
-from erpo.trainer import PromptSampler, train
-from erpo.updater import deepspeed_config_for, lr_lambda
+from erpo.train.loop import PromptSampler, train
+from erpo.train.updater import deepspeed_config_for, lr_lambda
 
 REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio", "response_length",
             "grad_norm", "lr"]
@@ -237,7 +237,7 @@ def test_deepspeed_backend_matches_plain_torch(tmp_path, cache_dir):
 
 
 def test_sft_warm_start_is_cached_and_learns(tmp_path):
-    from erpo.sft import tiny_theta0
+    from erpo.models.sft import tiny_theta0
     cfg = small_cfg(tmp_path / "unused", str(tmp_path / "cache"), "tiny.sft_steps=40")
     path = tiny_theta0(cfg)
     weights = Path(path) / "model.safetensors"
@@ -249,8 +249,8 @@ def test_sft_warm_start_is_cached_and_learns(tmp_path):
 
 
 def test_sft_loss_decreases():
-    from erpo.sft import sft_warm_start, worked_response
-    from erpo.tiny import build_model, build_tokenizer
+    from erpo.models.sft import sft_warm_start, worked_response
+    from erpo.models.tiny import build_model, build_tokenizer
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1)
     examples = [("1+1=?", worked_response("2", tokenizer.eos_token))] * 4
@@ -314,7 +314,8 @@ def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypa
 
 
 def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatch):
-    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level 2), its
+    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level
+    2), its
     weights wake before the first weight sync, and the KV cache wakes right before the next generate."""
     import fake_vllm
     fake_vllm.install(monkeypatch)

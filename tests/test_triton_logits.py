@@ -1,4 +1,5 @@
-"""Triton kernels (interpreter on CPU) against the torch reference: values, gradients, options, dtypes."""
+"""Triton kernels against the torch reference: values, gradients, options, dtypes. On the `device` fixture's device:
+compiled on a GPU when one is present, the interpreter on CPU."""
 import pytest
 import torch
 
@@ -24,14 +25,14 @@ def both_backends(batch, **options):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 2), (7, 5), (48, 37), (9, 4096 + 37)], ids=str)
-def test_token_logprobs_match_reference(dtype, shape):
+def test_token_logprobs_match_reference(dtype, shape, device):
     n, v = shape
-    logits = (torch.randn(n, v) * 4).to(dtype)
-    targets = torch.randint(0, v, (n,))
+    logits = (torch.randn(n, v) * 4).to(device, dtype)
+    targets = torch.randint(0, v, (n,)).to(device)
     targets[::3] = -100
     grads = []
     outs = []
-    g_logp, g_entropy = torch.randn(n), torch.randn(n)
+    g_logp, g_entropy = torch.randn(n).to(device), torch.randn(n).to(device)
     for backend in ("torch", "triton"):
         x = logits.clone().requires_grad_(True)
         logp, entropy = token_logprobs(x, targets, temperature=0.8, return_entropy=True, backend=backend)
@@ -48,8 +49,8 @@ def test_token_logprobs_match_reference(dtype, shape):
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_erpo_loss_matches_reference(options):
-    (ref, ref_grad), (tri, tri_grad) = both_backends(random_batch(), **options)
+def test_erpo_loss_matches_reference(options, device):
+    (ref, ref_grad), (tri, tri_grad) = both_backends(random_batch(device=device), **options)
     torch.testing.assert_close(tri.loss, ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(tri_grad, ref_grad, rtol=1e-4, atol=1e-6)
     for name in ("token_logp", "query_logp", "response_logp", "entropy"):
@@ -59,11 +60,11 @@ def test_erpo_loss_matches_reference(options):
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_samples_without_rows_match_reference(loss_agg):
+def test_samples_without_rows_match_reference(loss_agg, device):
     """Samples 0, 2, 4, 6, 7 own no row (empty segments at the start, middle and end of the Triton per-sample sums);
     query_logp / response_logp are 0 there on both backends."""
-    batch = random_batch(num_samples=8)
-    odd = torch.randint(0, 3, batch["sample_index"].shape, generator=torch.Generator().manual_seed(1))
+    batch = random_batch(device=device, num_samples=8)
+    odd = torch.randint(0, 3, batch["sample_index"].shape, generator=torch.Generator().manual_seed(1)).to(device)
     batch["sample_index"] = 2 * odd + 1
     (torch_out, torch_grad), (triton_out, triton_grad) = both_backends(batch, loss_agg=loss_agg,
                                                                          ratio_level="sequence")
@@ -75,28 +76,28 @@ def test_samples_without_rows_match_reference(loss_agg):
     torch.testing.assert_close(triton_grad, torch_grad, **TOLERANCE[torch.float32])
 
 
-def test_bf16_logits_with_bf16_gradient():
-    (ref, ref_grad), (tri, tri_grad) = both_backends(random_batch(dtype=torch.bfloat16), qkl_coef=0.1)
+def test_bf16_logits_with_bf16_gradient(device):
+    (ref, ref_grad), (tri, tri_grad) = both_backends(random_batch(device=device, dtype=torch.bfloat16), qkl_coef=0.1)
     torch.testing.assert_close(tri.loss, ref.loss, rtol=1e-5, atol=1e-5)
     assert tri_grad.dtype == torch.bfloat16
     torch.testing.assert_close(tri_grad.float(), ref_grad.float(), rtol=2e-2, atol=1e-4)
 
 
-def test_target_gradient_exact_in_bf16():
+def test_target_gradient_exact_in_bf16(device):
     """A confident row (p_target ~ 1 - 1e-3): the target's gradient g * (1 - p) is formed in fp32 and rounded
     once, not read back from a bf16 softmax and subtracted (which would give 0 or a 100% error)."""
     logits = torch.zeros(1, 64)
     logits[0, 5] = 10.0
-    logits = logits.to(torch.bfloat16).requires_grad_(True)
-    logp = token_logprobs(logits, torch.tensor([5]), backend="triton")
+    logits = logits.to(device, torch.bfloat16).requires_grad_(True)
+    logp = token_logprobs(logits, torch.tensor([5], device=device), backend="triton")
     logp.sum().backward()
     z = logits.detach().double()
     expected = 1 - torch.softmax(z, -1)[0, 5]
     assert logits.grad[0, 5].double().item() == pytest.approx(expected.item(), rel=1e-2)
 
 
-def test_inplace_backward_writes_gradient_into_logits():
-    batch = random_batch()
+def test_inplace_backward_writes_gradient_into_logits(device):
+    batch = random_batch(device=device)
     (_, ref_grad), _ = both_backends(batch)
     logits = batch["logits"].clone().requires_grad_(True)
     buffer = logits * 1.0  # a non-leaf, as logits are in a model
@@ -107,10 +108,10 @@ def test_inplace_backward_writes_gradient_into_logits():
     torch.testing.assert_close(buffer.detach(), ref_grad, rtol=1e-4, atol=1e-6)  # the buffer now holds dlogits
 
 
-def test_non_contiguous_logits():
-    base = torch.randn(40, 2 * 37)
+def test_non_contiguous_logits(device):
+    base = torch.randn(40, 2 * 37).to(device)
     logits = base[::2, ::2]  # both strides non-unit
-    targets = torch.randint(0, 37, (20,))
+    targets = torch.randint(0, 37, (20,)).to(device)
     ref = token_logprobs(logits.contiguous(), targets, backend="torch")
     tri = token_logprobs(logits, targets, backend="triton")
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
@@ -121,8 +122,8 @@ def test_non_contiguous_logits():
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_deterministic_and_batch_invariant():
-    batch = random_batch(dtype=torch.bfloat16)
+def test_deterministic_and_batch_invariant(device):
+    batch = random_batch(device=device, dtype=torch.bfloat16)
     runs = [both_backends(batch, qkl_coef=0.1)[1] for _ in range(2)]
     assert torch.equal(runs[0][0].loss, runs[1][0].loss) and torch.equal(runs[0][1], runs[1][1])
     for name in ("token_logp", "query_logp", "entropy"):
@@ -130,14 +131,14 @@ def test_deterministic_and_batch_invariant():
     # A row's log-prob and entropy do not change when other rows join the call.
     logits, targets = batch["logits"], batch["targets"]
     alone_logp, alone_entropy = token_logprobs(logits[:5], targets[:5], return_entropy=True, backend="triton")
-    more = torch.cat([logits[:5], torch.randn(30, logits.shape[1]).to(logits.dtype)])
-    more_targets = torch.cat([targets[:5], torch.randint(0, logits.shape[1], (30,))])
+    more = torch.cat([logits[:5], torch.randn(30, logits.shape[1]).to(device, logits.dtype)])
+    more_targets = torch.cat([targets[:5], torch.randint(0, logits.shape[1], (30,)).to(device)])
     all_logp, all_entropy = token_logprobs(more, more_targets, return_entropy=True, backend="triton")
     assert torch.equal(all_logp[:5], alone_logp) and torch.equal(all_entropy[:5], alone_entropy)
 
 
-def test_no_grad_saves_nothing_and_matches():
-    batch = random_batch()
+def test_no_grad_saves_nothing_and_matches(device):
+    batch = random_batch(device=device)
     logits = batch["logits"].clone().requires_grad_(True)
     with torch.no_grad():
         logp = token_logprobs(logits, batch["targets"], backend="triton")
@@ -145,8 +146,8 @@ def test_no_grad_saves_nothing_and_matches():
     torch.testing.assert_close(logp, token_logprobs(batch["logits"], batch["targets"], backend="torch"))
 
 
-def test_nonfinite_logits_give_nan_loss_and_a_flag():
-    batch = random_batch()
+def test_nonfinite_logits_give_nan_loss_and_a_flag(device):
+    batch = random_batch(device=device)
     batch["logits"][1, 4] = float("nan")  # row 1 is a response row
     batch["logits"][2, 0] = float("inf")  # row 2 is not scored: ignored
     for backend in ("torch", "triton"):
@@ -160,11 +161,11 @@ def test_nonfinite_logits_give_nan_loss_and_a_flag():
     assert torch.isnan(out.loss) and out.metrics["nonfinite_rows"].item() == 1
 
 
-def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits():
+def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device):
     """Padding rows (kind 0) and the response rows of a zero-advantage sample receive no gradient. Non-finite
     logits in padding rows (e.g. fully masked attention) must leave the update finite: their gradient rows are
     exactly zero (no 0 * NaN) and every other row's gradient is what it is with clean logits."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     batch["advantages"][1] = 0.0
     padding = (batch["token_kind"] == 0).nonzero().flatten()
     silent = ((batch["token_kind"] == 2) & (batch["sample_index"] == 1)).nonzero().flatten()
@@ -172,7 +173,7 @@ def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits():
     dirty = batch["logits"].clone()
     dirty[padding[0], 0] = float("inf")
     dirty[padding[1]] = float("nan")
-    others = torch.ones(len(dirty), dtype=torch.bool)
+    others = torch.ones(len(dirty), dtype=torch.bool, device=device)
     others[padding] = False
     for backend in ("torch", "triton"):
         grads = []

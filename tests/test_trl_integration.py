@@ -1,6 +1,6 @@
 """erpo.integrations.trl: ERPOTrainer's loss equals TRL's GRPOTrainer._compute_loss (loss and every gradient) when
 ERPO's terms are off, and a few real train() steps log the Query-KL and write / reuse the reference cache.
-Tiny Qwen2 and character tokenizer built locally (erpo.tiny); CPU only."""
+Tiny Qwen2 and character tokenizer built locally (erpo.models.tiny); CPU only."""
 import json
 import math
 
@@ -10,9 +10,10 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from erpo.integrations.trl import CACHE_FILE, ERPOConfig, ERPOTrainer  # noqa: E402
-from erpo.reference_cache import ReferenceCache, prompt_hash  # noqa: E402
-from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
+from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
+from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.reference.cache import ReferenceCache, prompt_hash
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
 
@@ -236,7 +237,7 @@ def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=Tr
     """`erpo precompute-ref`'s cache of PROMPTS (data.template=plain), as one user turn through the chat template
     (the token ids of TRL's conversational prompts) or as bare text (those of TRL's plain-text prompts)."""
     from erpo.config import Config, apply_overrides, resolve
-    from erpo.reference_setup import precompute_reference
+    from erpo.reference.setup import precompute_reference
     run_dir.mkdir(parents=True, exist_ok=True)
     source = run_dir / "prompts.jsonl"
     source.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in PROMPTS))
@@ -250,8 +251,9 @@ def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=Tr
 def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
     """A cache of `erpo precompute-ref` for the same model directory and prompts is read, not rebuilt; one at
     another temperature or of another model is refused. The tokenizer is loaded from the model directory, as erpo
-    does (transformers then gives the Qwen2 tokenizer, whose pre-tokenizer differs from erpo.tiny's in memory)."""
-    from erpo.models import load_tokenizer
+    does (transformers then gives the Qwen2 tokenizer, whose pre-tokenizer differs from erpo.models.tiny's in
+    memory)."""
+    from erpo.models.loading import load_tokenizer
     path = precompute_ref_cache(tiny[0], tmp_path / "pre", conversational=conversational)
     tiny = (tiny[0], load_tokenizer(tiny[0]))
     data = json.loads(open(path).read())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from erpo.cli import main
+from erpo.cli.commands import main
 from erpo.errors import UserError
-from erpo.model_source import resolve_model_source
+from erpo.models.source import resolve_model_source
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
@@ -42,25 +42,25 @@ def test_a_name_that_is_no_directory_and_no_hub_name_fails_at_once(tmp_path):
 
 def test_hub_names_offline_fail_fast_unless_cached(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("erpo.model_source._hub_problem", lambda name: pytest.fail("no Hub request when offline"))
+    monkeypatch.setattr("erpo.models.source._hub_problem", lambda name: pytest.fail("no Hub request when offline"))
     started = time.time()
     with pytest.raises(UserError, match=r"model.name_or_path runs/erpo-tny: no such local directory, and the Hub is "
                                         r"offline \(HF_HUB_OFFLINE\)"):
         resolve_model_source("runs/erpo-tny", "model.name_or_path")
     assert time.time() - started < 5
-    monkeypatch.setattr("erpo.model_source._in_hub_cache", lambda name: name == "org/cached")
+    monkeypatch.setattr("erpo.models.source._in_hub_cache", lambda name: name == "org/cached")
     assert resolve_model_source("org/cached") == "org/cached"
 
 
 def test_hub_names_online_take_one_request(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr("erpo.model_source._in_hub_cache", lambda name: False)
+    monkeypatch.setattr("erpo.models.source._in_hub_cache", lambda name: False)
     asked = []
     def hub_problem(name):
         asked.append(name)
         return None if name == "org/real" else "no Hub model of that name"
-    monkeypatch.setattr("erpo.model_source._hub_problem", hub_problem)
+    monkeypatch.setattr("erpo.models.source._hub_problem", hub_problem)
     assert resolve_model_source("org/real") == "org/real"
     with pytest.raises(UserError, match="--model org/typo: no such local directory, and no Hub model of that name"):
         resolve_model_source("org/typo")
@@ -68,8 +68,12 @@ def test_hub_names_online_take_one_request(monkeypatch):
 
 
 def test_eval_with_a_mistyped_path_is_one_line(capsys, tmp_path):
-    with pytest.raises(SystemExit, match=r"^erpo eval: --model nonexistent-model: no such local directory"):
-        main(["eval", "--model", "nonexistent-model", "--output-dir", str(tmp_path / "out")])
+    """`erpo eval` goes through the one user-error path: one line and status 1, the traceback with --debug."""
+    argv = ["eval", "--model", "nonexistent-model", "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 1
+    assert re.match(r"^erpo eval: --model nonexistent-model: no such local directory[^\n]*\n$", capsys.readouterr().err)
+    with pytest.raises(UserError, match="--model nonexistent-model: no such local directory"):
+        main(argv + ["--debug"])
     assert not (tmp_path / "out").exists()
 
 

@@ -13,15 +13,20 @@ os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # before verl: its 
 verl = pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
 from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from erpo.integrations.verl import (ERPOSettings, QueryReference, check_actor_config, erpo_loss_fn,  # noqa: E402
-                                    load_or_build_reference)
-from erpo.reference_cache import prompt_hash  # noqa: E402
-from erpo.tiny import build_model, build_tokenizer  # noqa: E402
+from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
+from erpo.integrations.verl import (  # noqa: E402
+    ERPOSettings,
+    QueryReference,
+    check_actor_config,
+    erpo_loss_fn,
+    load_or_build_reference,
+)
+from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.reference.cache import prompt_hash  # noqa: E402
 from erpo_kernels import erpo_loss, from_padded  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "3*33="]
@@ -385,8 +390,8 @@ def test_precompute_ref_cache_is_read(tiny, tmp_path):
     import json
 
     from erpo.config import Config, apply_overrides, resolve
-    from erpo.models import load_tokenizer
-    from erpo.reference_setup import precompute_reference
+    from erpo.models.loading import load_tokenizer
+    from erpo.reference.setup import precompute_reference
     pytest.importorskip("transfer_queue")
     from erpo.integrations.verl_trainer import training_prompt_ids
 

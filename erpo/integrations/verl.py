@@ -34,8 +34,8 @@ import torch
 
 # erpo's internals this integration uses, all here (the reference cache, its fingerprints; the loss on per-token
 # vectors that erpo_loss and fused_linear_erpo_loss share, and its per-sample sums).
-from erpo.reference_cache import (ReferenceCache, build_reference_cache, model_fingerprint, prompt_hash,
-                                  tokenizer_fingerprint, with_temperature)
+from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
+from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo_kernels import LossInputs, LossOptions
 from erpo_kernels.objective import erpo_objective
 from erpo_kernels.segment import SegmentSum

@@ -1,0 +1,158 @@
+"""The `erpo` command line: train, precompute-ref, eval, plot, compare.
+
+    erpo train [--config FILE] [--output-dir DIR] [--max-steps N] [--algorithm NAME] [--seed S]
+               [--zero-stage K] [--save-steps N] [--resume] [--force] [--set key=value ...]
+    erpo precompute-ref [--config FILE] [--output-dir DIR] [--overwrite] [--set key=value ...]
+    erpo eval ...   (erpo.cli.eval)       erpo plot ...   (erpo.cli.plot)      erpo compare ...   (erpo.cli.compare)
+
+`erpo train` with no --config runs the built-in tiny default (CPU, a few minutes). A user's mistake (erpo.errors.
+UserError) is one line on stderr and exit status 1 (2 for config and option errors); `--debug` or ERPO_DEBUG=1
+shows its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+from erpo import distributed
+from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
+from erpo.cli.compare import add_compare_arguments, run_compare
+from erpo.config import PRESETS, run_summary
+from erpo.errors import UserError
+from erpo.reference.setup import precompute_reference
+from erpo.storage_errors import stop_on_storage_failure
+from erpo.train import loop
+
+log = logging.getLogger("erpo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`)."""
+    parser = argparse.ArgumentParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
+                                     allow_abbrev=False)
+    add_local_rank_argument(parser)
+    add_debug_argument(parser, default=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_command(name: str, help: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help, allow_abbrev=False)
+        add_debug_argument(command)
+        return command
+
+    train = add_command("train", help="train a policy with ERPO (or a baseline)")
+    add_config_arguments(train)
+    train.add_argument("--max-steps", type=int, help="rollout steps (trainer.max_steps)")
+    train.add_argument("--algorithm", choices=sorted(PRESETS), help="algorithm.name")
+    train.add_argument("--seed", type=int, help="trainer.seed")
+    train.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (trainer.zero_stage)")
+    train.add_argument("--save-steps", type=int, help="checkpoint every N rollout steps (trainer.save_steps)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
+    train.add_argument("--force", action="store_true",
+                       help="take over the output dir's lock (run.lock) even if its holder on another machine may be "
+                            "alive; only when that run is surely dead")
+    add_local_rank_argument(train)
+
+    pre = add_command("precompute-ref", help="cache ell_theta0(q) and w(q) for every training prompt")
+    add_config_arguments(pre)
+    pre.add_argument("--overwrite", action="store_true", help="rebuild the cache even if it exists")
+    add_local_rank_argument(pre)
+
+    compare = add_command("compare", help="train several algorithms over several seeds; table of mean and spread")
+    add_config_arguments(compare, output_help="parent of the runs (OUTPUT_DIR/ALGORITHM-seedSEED) and of "
+                                              "comparison.md (default: runs/compare)")
+    add_compare_arguments(compare)
+
+    evaluation = add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)")
+    plot = add_command("plot", help="plot training runs' metrics.jsonl")
+    try:   # eval and plot draw with matplotlib: without it the other commands still work
+        from erpo.cli.eval import add_eval_arguments
+        add_eval_arguments(evaluation)
+    except ImportError as exc:
+        evaluation.set_defaults(unavailable=f"erpo eval is unavailable: {exc}")
+    try:
+        from erpo.cli.plot import add_plot_arguments
+        add_plot_arguments(plot)
+    except ImportError as exc:
+        plot.set_defaults(unavailable=f"erpo plot is unavailable: {exc}")
+    parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
+    return parser
+
+
+def quiet_third_party_output() -> None:
+    """Hide what users did not ask for: HF's weight loading / shard writing bars, the second copy of each
+    huggingface_hub warning (its own handler and the root logger's), and DeepSpeed's "Setting accelerator to CPU"
+    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
+    logging.getLogger("huggingface_hub").propagate = False
+    try:
+        import huggingface_hub.utils
+        import transformers.utils.logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand; returns the exit status."""
+    if args.command in ("train", "precompute-ref"):
+        cfg = config_from_args(args)
+        if args.command == "precompute-ref":   # train logs it itself, once its output directory is checked
+            log.info("erpo %s: %s", args.command, run_summary(cfg))
+        try:
+            if args.command == "train":   # a refused read or write (metrics, export) is one line, as a save's is
+                with stop_on_storage_failure("a file operation", cfg.output_dir,
+                                             advice="fix the storage (space, permissions), then run again; --resume "
+                                                    "continues from the newest checkpoint"):
+                    loop.train(cfg, resume=args.resume, force=args.force)
+            else:
+                _, path, _ = precompute_reference(cfg, overwrite=args.overwrite)
+                print(path)
+        finally:
+            distributed.destroy_distributed()  # every rank, also after an error (a live group can abort at exit)
+        return 0
+    if args.command == "compare":
+        run_compare(args)
+        return 0
+    if args.command == "eval":
+        from erpo.cli.eval import run_eval
+        run_eval(args)
+        return 0
+    from erpo.cli.plot import run_plot
+    run_plot(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # the subcommand's usage, not the top-level one
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.command_line = shlex.join(["erpo", *argv])
+    if hasattr(args, "local_rank"):
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if getattr(args, "unavailable", None):
+        print(args.unavailable, file=sys.stderr)
+        return 2
+    debug = args.debug or os.environ.get("ERPO_DEBUG", "").strip() not in ("", "0")
+    if not debug:
+        quiet_third_party_output()
+    try:
+        return run_command(args)
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"erpo {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Which models `erpo eval` compares and how each is prompted: `--model` specs (a model dir, a Hub name, a training
+run, one of its checkpoints, or the model a run started from) resolved to `ModelSpec`s, and each model's prompt
+settings (the run's own template, or `--template`)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from erpo.config import load_config
+from erpo.manifest import require_intact
+from erpo.models.export import HF_DIR
+from erpo.models.loading import model_path_for
+from erpo.models.lora import is_adapter_dir
+from erpo.models.source import resolve_model_source
+
+DEFAULT_MAX_NEW_TOKENS = 3000  # one budget for every model of a comparison: Dr.GRPO's evaluation budget
+# Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
+# evaluation prompt for base models (its apply_qwen_math_template), which the paper's base-model numbers follow.
+RAW_TEMPLATES = {
+    "qwen-math": ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+                  "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"),
+}
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """A model to evaluate: table label, path or Hub name to load, and the run dir it came from."""
+
+    label: str
+    path: str
+    run_dir: str | None = None
+
+
+RUN_START_SUFFIX = "@start"
+
+
+def _is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model (config.json) or a LoRA adapter on one (adapter_config.json, `erpo.models.lora`)."""
+
+    return os.path.isfile(os.path.join(path, "config.json")) or is_adapter_dir(path)
+
+
+def _is_run_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.yaml"))
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def resolve_checkpoint(target: str, label: str) -> ModelSpec:
+    """A training checkpoint (``RUN_DIR/checkpoints/step-N``): its Hugging Face export ``hf/``, with the run's
+    prompt settings; labelled ``RUN@step-N`` unless ``label`` is given."""
+    model = os.path.join(target, HF_DIR)
+    require_intact(target, only=f"{HF_DIR}/")   # its manifest: sizes and digests of hf/'s files
+    if not _is_hf_model_dir(model):
+        raise ValueError(f"--model {target}: this checkpoint holds no Hugging Face export ({HF_DIR}/config.json): "
+                         "it was saved with trainer.save_hf=false or by an older erpo; evaluate a checkpoint saved "
+                         "with trainer.save_hf=true, or the run's final/ model")
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(target)))
+    run_dir = run_dir if _is_run_dir(run_dir) else None
+    step = os.path.basename(os.path.abspath(target))
+    name = label or (f"{os.path.basename(run_dir)}@{step}" if run_dir else step)
+    return ModelSpec(name, model, run_dir)
+
+
+def load_run_config(run_dir: str):
+    """The resolved ``erpo.config.Config`` a training run was started with (``RUN_DIR/config.yaml``)."""
+
+    return load_config(os.path.join(run_dir, "config.yaml"))
+
+
+def run_start_model(run_dir: str) -> str:
+    """Path or Hub name of the pre-RL model a run started from (for the tiny default: its SFT warm start)."""
+
+    return model_path_for(load_run_config(run_dir))
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """Resolve ``[LABEL=]TARGET``. TARGET is an HF model dir, a Hub name, a training output dir (its
+    ``final/`` model), a checkpoint dir of one (``RUN_DIR/checkpoints/step-N``, its ``hf/`` model) or
+    ``RUN_DIR@start`` (the model that run started from, before RL)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--model must be a non-empty path or name, got {spec!r}")
+    label, eq, target = spec.strip().partition("=")
+    if not eq:
+        label, target = "", label
+    target = target.rstrip("/") or target
+    if target.endswith(RUN_START_SUFFIX):
+        run_dir = target[: -len(RUN_START_SUFFIX)].rstrip("/")
+        if not _is_run_dir(run_dir):
+            raise ValueError(f"--model {target}: {run_dir} is not a training output dir (no config.yaml)")
+        name = label or os.path.basename(os.path.abspath(run_dir)) + RUN_START_SUFFIX
+        return ModelSpec(name, run_start_model(run_dir), run_dir)
+    if os.path.isdir(target):
+        name = label or os.path.basename(os.path.abspath(target))
+        final = os.path.join(target, "final")
+        if _is_hf_model_dir(final):
+            return ModelSpec(name, final, target if _is_run_dir(target) else None)
+        if _is_hf_model_dir(target):
+            return ModelSpec(name, target, None)
+        if _is_checkpoint_dir(target):
+            return resolve_checkpoint(target, label)
+        raise ValueError(
+            f"--model {target}: neither an HF model dir (config.json), a finished training run "
+            f"(final/config.json) nor a checkpoint (meta.json); for an unfinished run pass one of its "
+            f"checkpoints (RUN_DIR/checkpoints/step-N)"
+        )
+
+    return ModelSpec(label or target.replace("/", "--"), resolve_model_source(target, "--model"), None)
+
+
+def parse_models(values: list[str]) -> list[ModelSpec]:
+    """``--model`` values (repeatable, each comma-separated) -> unique ModelSpecs."""
+    specs = [resolve_model(item) for value in values for item in value.split(",") if item.strip()]
+    if not specs:
+        raise ValueError("--model: give at least one model")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--model labels must be unique, got {labels}; name them LABEL=PATH")
+    return specs
+
+
+@dataclasses.dataclass
+class PromptSettings:
+    """How prompts are rendered and how long answers may be; a run's own settings by default."""
+
+    template: str = "paper"
+    use_chat_template: bool = True
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+
+
+def prompt_settings(model: ModelSpec, template: str | None, max_new_tokens: int) -> PromptSettings:
+    """Settings for one model: `template` (a name of RAW_TEMPLATES, "paper", "plain" or a format string), else
+    its training run's prompt format, else the paper's; `max_new_tokens` is the comparison's single budget."""
+    settings = PromptSettings(max_new_tokens=max_new_tokens)
+    if model.run_dir is not None:
+        cfg = load_run_config(model.run_dir)
+        settings.template, settings.use_chat_template = cfg.data.template, cfg.data.use_chat_template
+    if template in RAW_TEMPLATES:
+        settings.template, settings.use_chat_template = RAW_TEMPLATES[template], False
+    elif template is not None:
+        settings.template = template
+    return settings
+
+
+def parse_templates(values: list[str] | None, labels: list[str]) -> dict[str, str]:
+    """``--template`` values -> {model label: template}. ``LABEL=TEMPLATE`` sets one model's template (LABEL one
+    of `labels`), a value without a known label prefix sets the template of every model not named."""
+    per_model, every = {}, None
+    for value in values or []:
+        label, eq, template = value.partition("=")
+        if eq and label in labels:
+            per_model[label] = template
+        elif every is None:
+            every = value
+        else:
+            raise ValueError(f"--template: two templates for every model ({every!r}, {value!r}); prefix one with "
+                             f"a model label ({', '.join(labels)}) as LABEL=TEMPLATE")
+    return {label: per_model.get(label, every) for label in labels if per_model.get(label, every) is not None}

@@ -1,0 +1,280 @@
+"""Evaluation benchmarks: problems with gold answers from local files, the Hub, or a built-in set.
+
+A benchmark spec (CLI ``--benchmarks a,b,...``, or ``load_benchmark(spec)``) is::
+
+    [NAME=]SOURCE[#key=value#key=value...]
+
+SOURCE is one of
+- ``synthetic``: the built-in offline arithmetic benchmark (``erpo.tasks.data.arithmetic_dataset``, operands
+  up to the trainer's default ``data.arithmetic_max_operand``, seed 1234), the default when no benchmark is
+  named. With small operands it overlaps the tiny default's training problems: it checks that the pipeline
+  and the model work, it is not a held-out test;
+- a local ``.jsonl`` / ``.json`` / ``.parquet`` file in a common public format (MATH500, AIME24,
+  AIME25, AMC, Minerva, OlympiadBench, verl-style ``prompt``/``reward_model``);
+- a short name (``math500``, ``aime24``, ``aime25``, ``amc``, ``minerva``, ``olympiadbench``) resolved
+  to a public Hub dataset, or any Hub dataset name ``owner/name`` (needs ``pip install datasets`` and
+  network access).
+
+Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nested fields, e.g.
+``answer=reward_model.ground_truth``), ``split=``, ``config=`` (Hub only), ``limit=N``, ``n=N`` and
+``seed=S``, ``max_operand=M`` (synthetic only). Without ``problem``/``answer`` the fields are detected from the common
+formats (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
+
+Gold answers are a list of alternatives, any of which counts as correct:
+- a list answer (Minerva in Dr.GRPO's evaluation suite) holds alternatives, except where the row says
+  ``is_multiple_answer: true`` (OlympiadBench), whose list is the parts of one answer, joined with ", ";
+- a string that is a Python list of strings (the official ERPO JSONL files' ``ground_truth``, e.g.
+  ``"['9.6\\n', '9.7']"``) is read as that list of alternatives;
+- OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to the problem (the gold answer
+  is the bare value, as OlympiadBench's own prompt asks for it).
+Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
+verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it:
+the evaluation template adds one instruction, the model's own.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass, field
+
+from erpo.config import DataConfig
+from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
+from erpo.tasks.data import PAPER_SUFFIX, arithmetic_dataset
+from erpo.tasks.rewards import extract_boxed
+
+# Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
+PROBLEM_FIELDS = ("problem", "question", "Problem", "Question", "prompt", "input")
+ANSWER_FIELDS = (
+    "answer", "final_answer", "Answer", "expected_answer", "ground_truth", "reward_model.ground_truth",
+    "target", "solution",
+)
+
+# Instructions a benchmark file may already carry at the end of its problem text; removed on load.
+INSTRUCTION_SUFFIXES = (
+    PAPER_SUFFIX.strip(),                                                                    # official ERPO files
+    "Let's think step by step and output the final answer within \\boxed{}.",             # verl's math preprocessing
+    "Please reason step by step, and put your final answer within \\boxed{}.",            # Qwen2.5-Math's prompt
+)
+UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
+
+# Short names of the paper's six benchmarks -> (Hub dataset, config, split).
+HUB_BENCHMARKS = {
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+    "aime25": ("math-ai/aime25", None, "test"),
+    "amc": ("AI-MO/aimo-validation-amc", None, "train"),
+    "minerva": ("math-ai/minervamath", None, "test"),
+    "olympiadbench": ("math-ai/olympiadbench", None, "test"),
+}
+
+SYNTHETIC_SIZE = 64
+SYNTHETIC_SEED = 1234
+_OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "max_operand"}
+
+
+@dataclass
+class Benchmark:
+    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold
+    answer alternatives, any of which is correct)."""
+
+    name: str
+    source: str
+    problems: list[dict] = field(default_factory=list)
+
+
+def parse_benchmark_spec(spec: str) -> tuple[str, str, dict]:
+    """Split ``[NAME=]SOURCE[#key=value...]`` into (name, source, options: dict[str, str])."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"benchmark spec must be a non-empty string, got {spec!r}")
+    body, *opts = spec.strip().split("#")
+    options = {}
+    for item in filter(None, (part.strip() for part in opts)):
+        key, eq, value = item.partition("=")
+        if not eq or key not in _OPTION_KEYS:
+            raise ValueError(
+                f"benchmark spec {spec!r}: bad option {item!r}; expected key=value with key in {sorted(_OPTION_KEYS)}"
+            )
+        options[key] = value
+    name, eq, source = body.partition("=")
+    if not eq:
+        source = body
+        name = _default_name(source)
+    if not name or not source:
+        raise ValueError(f"benchmark spec {spec!r}: empty name or source")
+    return name, source, options
+
+
+def _default_name(source: str) -> str:
+    base = os.path.basename(source.rstrip("/"))
+    for ext in RECORD_SUFFIXES:
+        if base.endswith(ext):
+            return base[: -len(ext)]
+    return base
+
+
+def _get_field(record: dict, dotted: str):
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _problem_text(value, fieldname: str) -> str:
+    """The problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES."""
+    if isinstance(value, list):  # chat format: the last user message
+        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if not users or not isinstance(users[-1], str):
+            raise ValueError(f"field {fieldname!r} is a list without a user message with string content")
+        value = users[-1]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"field {fieldname!r} must be a non-empty string, got {value!r}")
+    text = value.strip()
+    for suffix in INSTRUCTION_SUFFIXES:
+        if text.endswith(suffix) and text != suffix:
+            return text[: -len(suffix)].strip()
+    return text
+
+
+def _answer_text(value, fieldname: str) -> str:
+    """One gold answer as a string: ints/integral floats printed as ints, surrounding ``$`` removed, last
+    \\boxed{} of a full solution taken."""
+    if isinstance(value, bool) or value is None or isinstance(value, list):
+        raise ValueError(f"field {fieldname!r} must be a string or a number, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = str(value).strip()
+    if fieldname.split(".")[-1] == "solution":
+        boxed = extract_boxed(text)
+        if boxed is None:
+            raise ValueError(f"field {fieldname!r} holds a solution without \\boxed{{...}}")
+        text = boxed.strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    if not text:
+        raise ValueError(f"field {fieldname!r} is empty")
+    return text
+
+
+def _string_list_literal(value) -> list[str] | None:
+    """The list a string like "['2', '3\\n']" spells (a Python list of strings), else None."""
+    if not (isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]")):
+        return None
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return None
+    return parsed if isinstance(parsed, list) and parsed and all(isinstance(v, str) for v in parsed) else None
+
+
+def _gold_answers(record: dict, value, fieldname: str) -> list[str]:
+    """Gold answer alternatives of one row (module docstring): a list or a Python-list string gives several,
+    unless the row says is_multiple_answer (one answer of several parts, joined with ", ")."""
+    if not isinstance(value, list):
+        value = _string_list_literal(value) or value
+    if not isinstance(value, list):
+        return [_answer_text(value, fieldname)]
+    if not value:
+        raise ValueError(f"field {fieldname!r} is an empty list")
+    parts = [_answer_text(v, fieldname) for v in value]
+    if record.get("is_multiple_answer") is True:
+        return [", ".join(parts)]
+    return list(dict.fromkeys(parts))
+
+
+def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
+    for name in candidates:
+        if _get_field(record, name) is not None:
+            return name
+    raise ValueError(
+        f"{source}: cannot find the {what} field among {list(candidates)}; keys are {sorted(record)}. "
+        f"Name it with '#{what}=FIELD' in the benchmark spec."
+    )
+
+
+def records_to_problems(
+    records: list[dict], source: str, problem_field: str | None = None, answer_field: str | None = None
+) -> list[dict]:
+    """Map raw rows to ``{"id", "problem", "answers"}`` using the given or detected field names."""
+    if not records:
+        raise ValueError(f"{source}: holds no records")
+    problem_field = problem_field or _detect(records[0], PROBLEM_FIELDS, "problem", source)
+    answer_field = answer_field or _detect(records[0], ANSWER_FIELDS, "answer", source)
+    problems = []
+    for index, record in enumerate(records):
+        try:
+            problem = _problem_text(_get_field(record, problem_field), problem_field)
+            answers = _gold_answers(record, _get_field(record, answer_field), answer_field)
+        except ValueError as err:
+            raise ValueError(f"{source}: record {index}: {err}") from err
+        if isinstance(record.get("unit"), str) and record["unit"].strip():
+            problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
+        problems.append({"id": index, "problem": problem, "answers": answers})
+    return problems
+
+
+def synthetic_benchmark(n: int = SYNTHETIC_SIZE, seed: int = SYNTHETIC_SEED,
+                        max_operand: int | None = None) -> Benchmark:
+    """The built-in offline benchmark: n arithmetic problems from ``erpo.tasks.data.arithmetic_dataset`` with
+    operands in [0, max_operand] (default: the trainer's default ``data.arithmetic_max_operand``)."""
+
+    if max_operand is None:
+        max_operand = DataConfig().arithmetic_max_operand
+    records = arithmetic_dataset(n, seed, max_operand=max_operand)
+    return Benchmark("synthetic", f"synthetic#n={n}#seed={seed}#max_operand={max_operand}",
+                     records_to_problems(records, "synthetic"))
+
+
+def _int_option(options: dict, key: str, spec: str) -> int | None:
+    if key not in options:
+        return None
+    try:
+        value = int(options[key])
+    except ValueError as err:
+        raise ValueError(f"benchmark spec {spec!r}: {key} must be an int, got {options[key]!r}") from err
+    lowest = 0 if key in ("seed", "max_operand") else 1
+    if value < lowest:
+        raise ValueError(f"benchmark spec {spec!r}: {key} must be >= {lowest}, got {value}")
+    return value
+
+
+def load_benchmark(spec: str) -> Benchmark:
+    """Load one benchmark from a spec (module docstring). Raises ValueError on a bad spec or file."""
+    name, source, options = parse_benchmark_spec(spec)
+    limit = _int_option(options, "limit", spec)
+    if source in ("synthetic", "arithmetic"):
+        n = _int_option(options, "n", spec) or SYNTHETIC_SIZE
+        seed = _int_option(options, "seed", spec)
+        bench = synthetic_benchmark(n, SYNTHETIC_SEED if seed is None else seed,
+                                    _int_option(options, "max_operand", spec))
+        bench.name = name
+    else:
+        if os.path.exists(source) or source.endswith(RECORD_SUFFIXES):
+            records = read_records(source)
+        elif source.lower() in HUB_BENCHMARKS:
+            hub_name, config, split = HUB_BENCHMARKS[source.lower()]
+            records = read_hub_records(hub_name, config=options.get("config", config),
+                                       split=options.get("split", split))
+        elif "/" in source:
+            records = read_hub_records(source, config=options.get("config"), split=options.get("split", "test"))
+        else:
+            raise ValueError(
+                f"benchmark {source!r} is not a file, not 'synthetic', not one of {sorted(HUB_BENCHMARKS)} "
+                "and not a Hub dataset name owner/name"
+            )
+        problems = records_to_problems(records, source, options.get("problem"), options.get("answer"))
+        bench = Benchmark(name, source, problems)
+    if limit is not None:
+        bench.problems = bench.problems[:limit]
+    return bench
+
+
+def load_benchmarks(specs: list[str] | None) -> list[Benchmark]:
+    """Load several benchmarks (default: the built-in synthetic one); names must be unique."""
+    benches = [load_benchmark(spec) for spec in (specs or ["synthetic"])]
+    names = [b.name for b in benches]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmark names must be unique, got {names}; rename with NAME=SOURCE")
+    return benches

@@ -1,0 +1,117 @@
+"""ell_theta0(q) for ERPOTrainer: the reference cache of every train and eval prompt, loaded (and checked against
+theta0, the tokenizer and the temperature) or built at start with the model as passed, and looked up per
+micro-batch. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
+from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo_kernels import MAX_QUERY_WEIGHT
+
+REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
+PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over the model's state dict (names and raw bytes): the identity of theta0 as passed."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + b"\0")
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "weights-sha256:" + digest.hexdigest()[:32]
+
+
+class ReferenceMixin:
+    """ERPOTrainer's cached reference: `_load_or_build_reference()` at start, `_reference_of(inputs)` per step."""
+
+    def _prompt_ids(self, dataset, name: str) -> list[list[int]]:
+        """Token ids of every prompt of `dataset` (called `name` in errors), tokenized by TRL's `_tokenize_prompts`."""
+        if self.rollout_func is not None or self.environment_factories is not None:
+            raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory, so "
+                             "it has no ell_theta0(q) for them; set qkl_coef=0 and query_weight='none'")
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(f"ERPOTrainer needs ell_theta0(q) of every prompt: {name} must be a map-style Dataset, "
+                             "not an IterableDataset (or set qkl_coef=0 and query_weight='none')")
+        prompts = list(dataset["prompt"])
+        prompt_ids = []
+        for start in range(0, len(prompts), PROMPT_CHUNK):
+            ids = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])[0]
+            prompt_ids.extend(list(map(int, p)) for p in ids)
+        return prompt_ids
+
+    def _eval_prompt_ids(self) -> list[list[int]]:
+        """Token ids of every prompt of eval_dataset (a Dataset, or TRL's dict of named Datasets; none if absent)."""
+        datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        return [ids for key, dataset in datasets.items() if dataset is not None
+                for ids in self._prompt_ids(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]")]
+
+    def _theta0_fingerprints(self) -> tuple[str, ...]:
+        """Every fingerprint naming theta0 as passed: the hash of its state dict, and, when it was loaded from a
+        local directory or a hub name, erpo's `model_fingerprint` of that (what `erpo precompute-ref` records)."""
+        name = str(self.model.config._name_or_path or "")
+        return (weights_fingerprint(self.model),) + ((model_fingerprint(name),) if name else ())
+
+    def _load_or_build_reference(self) -> ReferenceCache:
+        """Load the cache at `reference_cache_path` (checked against this model, tokenizer and temperature, and
+        against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
+        model as passed; then add the eval prompts it lacks, and save it there when it changed."""
+        path = self.reference_cache_path
+        train_ids, eval_ids = self._prompt_ids(self.train_dataset, "train_dataset"), self._eval_prompt_ids()
+        identity = dict(model_id=str(self.model.config._name_or_path), tokenizer_id=str(self._tokenizer.name_or_path),
+                        tokenizer_fp=tokenizer_fingerprint(self._tokenizer))
+        if os.path.exists(path):
+            cache = ReferenceCache.load(path)
+            cache.check_compatible(**identity, model_fp=self._theta0_fingerprints(), template=None,
+                                   temperature=self.temperature, path=path, remedy=REBUILD)
+            self._check_cached(cache, train_ids)
+            changed = False
+        else:
+            cache = build_reference_cache(
+                self.model, self._tokenizer, train_ids, model_id=identity["model_id"],
+                template=with_temperature("trl", self.temperature), batch_size=self.args.per_device_train_batch_size,
+                temperature=self.temperature, model_fp=weights_fingerprint(self.model),
+                tokenizer_fp=identity["tokenizer_fp"], progress=True)
+            changed = True
+        changed |= self._add_held_out(cache, train_ids, eval_ids)
+        if changed and self.accelerator.is_main_process:
+            cache.save(path)
+        self.accelerator.wait_for_everyone()
+        return cache
+
+    def _add_held_out(self, cache: ReferenceCache, train_ids: list[list[int]], prompt_ids: list[list[int]]) -> bool:
+        """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), with the static w(q) of appendix C
+        scaled by the training prompts' mean surprisal (so training weights stay as they are); whether any."""
+        missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
+        if not missing:
+            return False
+        held_out = build_reference_cache(
+            self.model, self._tokenizer, missing, model_id=cache.model_id, template=cache.template,
+            batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
+            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True)
+        train_ell = torch.tensor([cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}],
+                                 dtype=torch.float64)
+        ell = torch.tensor([value[0] for value in held_out.entries.values()], dtype=torch.float64)
+        weights = (-train_ell.mean() / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+        cache.entries.update({key: (float(e), float(w)) for key, e, w in zip(held_out.entries, ell, weights)})
+        return True
+
+    def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> None:
+        """ValueError naming the first prompt whose ell_theta0 the cache lacks."""
+        for ids in prompt_ids:
+            if prompt_hash(ids) not in cache.entries:
+                text = self._tokenizer.decode(ids)
+                raise ValueError(f"prompt {text[:300]!r} has no ell_theta0(q) in the reference cache "
+                                 f"{self.reference_cache_path} (the dataset, tokenization or chat template changed "
+                                 "since it was built). " + REBUILD)
+
+    def _reference_of(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids."""
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+        self._check_cached(self.reference_cache, prompt_ids)
+        ell, weight = self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)
+        device = inputs["prompt_ids"].device
+        return ell.to(device), weight.to(device)

@@ -1,0 +1,101 @@
+"""`ERPOTrainer`: TRL's GRPOTrainer with the ERPO loss (`_compute_loss`); the cached reference, the loss options
+and the metrics are its mixins (reference.py, loss.py, metrics.py)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
+from trl import GRPOTrainer
+
+from erpo.integrations.trl.config import CACHE_FILE, ERPOConfig
+from erpo.integrations.trl.layout import completion_rows
+from erpo.integrations.trl.loss import LossOptionsMixin
+from erpo.integrations.trl.metrics import LossMetricsMixin
+from erpo.integrations.trl.reference import ReferenceMixin
+from erpo.sequences import final_hidden, per_sample_sum
+from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
+from erpo_kernels.zero3 import gathered_lm_head
+
+
+class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
+    """GRPOTrainer with the ERPO loss. Same constructor; `args` is an ERPOConfig."""
+
+    def __init__(self, model, reward_funcs=None, args: ERPOConfig | None = None, *rest, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = ERPOConfig(f"{name.rstrip('/').split('/')[-1]}-ERPO")
+        if not isinstance(args, ERPOConfig):
+            raise TypeError(f"args must be an ERPOConfig (GRPOConfig plus ERPO's options), got {type(args).__name__}")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self._check_model()
+        self.reference_cache_path = args.ref_cache or os.path.join(args.output_dir, CACHE_FILE)
+        self.reference_cache = self._load_or_build_reference() if args.needs_reference else None
+
+    def _check_model(self) -> None:
+        """Reject what the loss cannot reproduce (one line each, naming the setting)."""
+        if self.aux_loss_enabled:
+            raise ValueError("ERPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0")
+        if self._is_vlm:
+            raise ValueError("ERPOTrainer does not support vision-language models (multimodal prompts)")
+        if not self.args.fused_linear:
+            return
+        config = self.model.config.get_text_config()
+        scaled = [name for name in ("final_logit_softcapping", "logit_scale", "output_multiplier",
+                                    "lm_head_multiplier", "logits_scaling")
+                  if getattr(config, name, None) not in (None, 1.0)]
+        if scaled:
+            raise ValueError(f"fused_linear=True scores hidden @ lm_head.T, but this model also applies {scaled[0]} "
+                             "to its logits; set ERPOConfig(fused_linear=False)")
+        if is_deepspeed_zero3_enabled():
+            raise ValueError("fused_linear=True is not supported under DeepSpeed ZeRO-3 in ERPOTrainer (TRL runs the "
+                             "backward after the loss returns, outside gathered_lm_head); set fused_linear=False")
+
+    def _compute_loss(self, model, inputs):
+        """ERPO loss of one micro-batch of GRPOTrainer's inputs (TRL's `_compute_loss` contract)."""
+        mode = "train" if self.model.training else "eval"
+        rows = completion_rows(inputs)
+        batch = rows.batch
+        advantages = inputs["advantages"]
+        if advantages.dim() != 1:
+            raise ValueError(f"ERPOTrainer expects one advantage per sample, shape [B]; got {tuple(advantages.shape)}")
+        ref_query_logp, static_weight = self._reference_of(inputs) if self.args.needs_reference else (None, None)
+        old = inputs.get("old_per_token_logps")
+        tensors = dict(
+            advantages=advantages.float(), ref_query_logp=ref_query_logp,
+            old_logp=None if old is None else rows.scatter(old),
+            ref_logp=rows.scatter(inputs["ref_per_token_logps"]) if self.beta != 0 else None,
+            token_weight=rows.scatter(inputs["importance_sampling_ratio"])
+            if self.use_vllm and self.vllm_importance_sampling_correction else None)
+        options = self._loss_options(inputs, rows, mode)
+        query_rows = batch.token_kind == 1
+
+        def weights(query_token_logp):  # w(q) [B] or None; query_token_logp(targets) -> log-probs of query rows
+            if self.args.query_weight != "current":
+                return static_weight if self.args.query_weight == "static" else None
+            with torch.no_grad():
+                logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
+                logp[query_rows] = query_token_logp(batch.targets[query_rows])
+                ell = per_sample_sum(logp, batch, kind=1)   # the kernels' fixed-order sums, as erpo's trainer
+            return self._current_query_weights(ell)
+
+        with self.accelerator.autocast():
+            if self.args.fused_linear:
+                hidden = final_hidden(model, batch)
+            else:
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+                logits = logits.reshape(-1, logits.shape[-1])[batch.rows]
+        if self.args.fused_linear:
+            with gathered_lm_head(model) as (weight, bias):
+                hidden = hidden.to(weight.dtype)
+                query_weight = weights(lambda targets: fused_linear_token_logprobs(
+                    hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature))
+                out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
+                                             bias=bias, query_weight=query_weight, **tensors, **options)
+        else:
+            query_weight = weights(lambda targets: token_logprobs(logits[query_rows].detach(), targets,
+                                                                  temperature=self.temperature))
+            out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
+                            **tensors, **options)
+        self._log_loss_metrics(mode, inputs, rows, out, query_weight, options)
+        return out.loss

@@ -1,0 +1,169 @@
+"""The cached reference: ell_theta0(q) and w(q) for every training prompt (paper appendix "Query Likelihood and
+the Cached Reference", appendix C), with the identity of the model, tokenizer and prompt template it was built with.
+
+ell_theta0(q) = sum of log p_theta0(x_t | x_<t) over the prompt tokens as fed to the model (chat template
+included), the first token excluded. Entries are keyed by a hash of the prompt's token ids.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from erpo import distributed as D
+from erpo.atomic import publish
+from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.sequences import pack, per_sample_sum, scored_token_logp
+from erpo_kernels import query_weights
+
+FORMAT_VERSION = 1
+REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
+log = logging.getLogger("erpo")
+
+
+def prompt_hash(ids: list[int]) -> str:
+    """sha256 (hex, 32 chars) of a prompt's token ids."""
+    return hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()[:32]
+
+
+def template_id(template: str, use_chat_template: bool) -> str:
+    return f"{template}|chat={use_chat_template}"
+
+
+TEMPERATURE_TAG = "|temperature="
+
+
+def with_temperature(template: str, temperature: float) -> str:
+    """The template a cache records: the prompt template's id and the temperature ell_theta0 was computed at."""
+    return f"{template}{TEMPERATURE_TAG}{temperature}"
+
+
+def recorded_temperature(template: str) -> float | None:
+    """The temperature a cache's template records (`with_temperature`), None when it records none."""
+    _, tag, value = template.rpartition(TEMPERATURE_TAG)
+    try:
+        return float(value) if tag else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class ReferenceCache:
+    """ell_theta0 and w per prompt hash, plus what the cache was built with."""
+    model_id: str
+    model_fingerprint: str
+    tokenizer_id: str
+    tokenizer_fingerprint: str
+    template: str
+    entries: dict[str, tuple[float, float]] = field(default_factory=dict)   # hash -> (ell_theta0, w)
+
+    @property
+    def cache_id(self) -> str:
+        """Short hash of the cache's identity and contents (stored in checkpoints)."""
+        text = json.dumps([self.model_fingerprint, self.tokenizer_fingerprint, self.template, sorted(self.entries)])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def save(self, path: str) -> str:
+        """Write as JSON with `erpo.atomic.publish`: a reader never sees half a file, and runs saving to one path
+        at once (each under its own temporary name) leave one whole cache, the last one saved."""
+        payload = {"format_version": FORMAT_VERSION, "model_id": self.model_id,
+                   "model_fingerprint": self.model_fingerprint, "tokenizer_id": self.tokenizer_id,
+                   "tokenizer_fingerprint": self.tokenizer_fingerprint, "template": self.template,
+                   "entries": {k: list(v) for k, v in self.entries.items()}}
+        publish(path, lambda tmp: tmp.write_text(json.dumps(payload)))
+        return str(path)
+
+    @classmethod
+    def load(cls, path: str) -> ReferenceCache:
+        data = json.loads(Path(path).read_text())
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"reference cache {path}: format version {data.get('format_version')}, expected "
+                             f"{FORMAT_VERSION}; rebuild it with `erpo precompute-ref`")
+        return cls(data["model_id"], data["model_fingerprint"], data["tokenizer_id"], data["tokenizer_fingerprint"],
+                   data["template"], {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()})
+
+    def check_compatible(self, *, model_id: str, model_fp: str | tuple[str, ...], tokenizer_id: str,
+                         tokenizer_fp: str, template: str | None, temperature: float | None = None,
+                         path: str = "the reference cache", remedy: str = REBUILD) -> None:
+        """ValueError naming what differs when the cache was built with another model, tokenizer or template.
+        `model_fp`: the fingerprint, or every fingerprint that identifies the run's model. `template` None: the
+        template is not compared (the caller checks the prompts' token ids), only the recorded `temperature`.
+        `remedy`: the error's last sentence, what to do."""
+        accepted = (model_fp,) if isinstance(model_fp, str) else model_fp
+        problems = []
+        if self.model_fingerprint not in accepted:
+            problems.append(f"model: cache built with {self.model_id} ({self.model_fingerprint}), training uses "
+                            f"{model_id} ({' or '.join(accepted)})")
+        if self.tokenizer_fingerprint != tokenizer_fp:
+            problems.append(f"tokenizer: cache built with {self.tokenizer_id} ({self.tokenizer_fingerprint}), "
+                            f"training uses {tokenizer_id} ({tokenizer_fp})")
+        if template is not None and self.template != template:
+            problems.append(f"prompt template: cache built with {self.template!r}, training uses {template!r}")
+        if temperature is not None and recorded_temperature(self.template) != float(temperature):
+            problems.append(f"temperature: cache built with template {self.template!r}, training uses "
+                            f"temperature={temperature}")
+        if problems:
+            raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
+
+    def lookup(self, prompt_ids: list[list[int]],
+               path: str = "the reference cache") -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [Q] fp32, w [Q] fp32) for these prompts; ValueError when some are not in the cache."""
+        keys = [prompt_hash(p) for p in prompt_ids]
+        missing = [i for i, k in enumerate(keys) if k not in self.entries]
+        if missing:
+            raise ValueError(f"{len(missing)} of {len(keys)} training prompts are not in {path} (first: prompt "
+                             f"{missing[0]}); the dataset changed since it was built. Rebuild it with "
+                             "`erpo precompute-ref --overwrite`.")
+        values = torch.tensor([self.entries[k] for k in keys], dtype=torch.float64)
+        return values[:, 0].float(), values[:, 1].float()
+
+
+def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
+                       temperature: float = 1.0, progress: bool = False) -> torch.Tensor:
+    """ell(q) [Q] float64 (nats) of each prompt under `model` (logits / temperature, as the loss sees them),
+    batched through fused_linear_token_logprobs; `progress` shows a progress bar over the batches."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        starts = range(0, len(prompt_ids), batch_size)
+        for start in tqdm(starts, desc="ell_theta0(q)", unit="batch", disable=not progress):
+            chunk = prompt_ids[start:start + batch_size]
+            batch = pack(chunk, [[] for _ in chunk], pad_id, device)
+            out.append(per_sample_sum(scored_token_logp(model, batch, temperature), batch, kind=1).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, model_id: str, template: str,
+                          batch_size: int, temperature: float = 1.0, model_fp: str | None = None,
+                          tokenizer_fp: str | None = None, progress: bool = False) -> ReferenceCache:
+    """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0).
+    `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here); `progress`: a
+    progress bar."""
+    unique = list({prompt_hash(p): p for p in prompt_ids}.items())
+    local = D.shard(unique, D.rank(), D.world_size()) if len(unique) >= D.world_size() else unique
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ell_local = compute_query_logp(model, [p for _, p in local], pad_id=pad_id, batch_size=batch_size,
+                                   temperature=temperature, progress=progress and D.is_main()) \
+        if local else torch.zeros(0, dtype=torch.float64)
+    pairs = [pair for part in D.all_gather_object([(k, float(v)) for (k, _), v in zip(local, ell_local)])
+             for pair in part]
+    if len(unique) < D.world_size():
+        pairs = pairs[:len(unique)]
+    keys = [k for k, _ in pairs]
+    ell = torch.tensor([v for _, v in pairs], dtype=torch.float64)
+    weights = query_weights(ell)
+    return ReferenceCache(model_id=model_id, model_fingerprint=model_fp or model_fingerprint(model_id),
+                          tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
+                          tokenizer_fingerprint=tokenizer_fp or tokenizer_fingerprint(tokenizer), template=template,
+                          entries={k: (float(e), float(w)) for k, e, w in zip(keys, ell, weights)})

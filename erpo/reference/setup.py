@@ -1,0 +1,64 @@
+"""The reference cache of a run: ell_theta0(q) and w(q) of every training prompt under theta0, loaded and checked
+against the run (model, tokenizer, prompt template, temperature) or computed once (`erpo precompute-ref`)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from erpo import distributed as D
+from erpo.config import Config
+from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for
+from erpo.reference.cache import ReferenceCache, build_reference_cache, template_id, with_temperature
+from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.tasks.data import PromptSet, load_prompt_set
+
+log = logging.getLogger("erpo")
+
+
+def reference_cache_path(cfg: Config) -> str:
+    """reference.cache_path, by default OUTPUT_DIR/reference_cache.json."""
+    return cfg.reference.cache_path or os.path.join(cfg.output_dir, "reference_cache.json")
+
+
+def reference_identity(cfg: Config, model_path: str, tokenizer) -> dict:
+    """What a reference cache must have been built with for this run: `ReferenceCache.check_compatible`'s
+    keyword arguments (model and tokenizer ids and fingerprints, prompt template and sampling temperature).
+    Collective: rank 0 alone reads the weights for the model fingerprint and hands it to every rank."""
+    model_fp = D.all_gather_object(model_fingerprint(model_path) if D.is_main() else None)[0]
+    return {"model_id": model_path, "model_fp": model_fp,
+            "tokenizer_id": str(tokenizer.name_or_path), "tokenizer_fp": tokenizer_fingerprint(tokenizer),
+            "template": with_temperature(template_id(cfg.data.template, cfg.data.use_chat_template),
+                                         cfg.rollout.temperature)}
+
+
+def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, model_path: str | None = None,
+                         tokenizer=None, prompt_set: PromptSet | None = None
+                         ) -> tuple[ReferenceCache, str, tuple[torch.Tensor, torch.Tensor]]:
+    """Load the reference cache at `reference_cache_path(cfg)` and check it against this run, or build it with
+    theta0 when it does not exist (or `overwrite`). Returns (cache, path, (ell_theta0 [Q], w [Q])): the cache's
+    fp32 values for the prompt set's Q prompts (`cache.lookup`, done once here)."""
+    D.init_distributed()
+    model_path = model_path or model_path_for(cfg)
+    tokenizer = tokenizer or tokenizer_for(cfg, model_path)
+    prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
+    path = reference_cache_path(cfg)
+    if os.path.exists(path) and not overwrite:
+        cache = ReferenceCache.load(path)
+        cache.check_compatible(**reference_identity(cfg, model_path, tokenizer), path=path)
+        values = cache.lookup(prompt_set.prompt_ids, path=path)
+        log.info("reference cache: %s (%d prompts)", path, len(cache.entries))
+        return cache, path, values
+    log.info("reference cache: computing ell_theta0(q) for %d prompts with %s", len(prompt_set.prompt_ids), model_path)
+    theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
+    identity = reference_identity(cfg, model_path, tokenizer)   # after the load: a hub model's revision is cached
+    cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
+                                  template=identity["template"], batch_size=cfg.reference.batch_size,
+                                  temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
+                                  tokenizer_fp=identity["tokenizer_fp"])
+    if D.is_main():
+        cache.save(path)
+    D.barrier()
+    log.info("reference cache: wrote %s", path)
+    return cache, path, cache.lookup(prompt_set.prompt_ids, path=path)

@@ -1,0 +1,136 @@
+"""Prompt datasets: the built-in arithmetic generator, JSONL/Parquet/HF loading, the paper's prompt, tokenization."""
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from erpo.errors import UserError
+from erpo.records import RECORD_SUFFIXES, read_hub_records, read_located_records
+
+# Paper appendix A: appended to the problem, then the whole message goes through the chat template.
+PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the "
+                "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                "answer MUST BE put in \\boxed{}.")
+TEMPLATES = {"paper": "{problem}" + PAPER_SUFFIX, "plain": "{problem}"}
+
+
+def arithmetic_dataset(n: int, seed: int, max_operand: int = 10) -> list[dict]:
+    """`n` verifiable problems "a+b" / "a-b" with 0 <= a, b <= max_operand; keys `problem`, `answer` (str)."""
+    if n <= 0:
+        raise ValueError(f"n must be > 0, got {n}")
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        records.append({"problem": f"{a}{op}{b}=?", "answer": str(a + b if op == "+" else a - b)})
+    return records
+
+
+def load_dataset_records(source: str, split: str = "train", problem_field: str = "problem",
+                         answer_field: str = "answer") -> tuple[list[dict], list[str]]:
+    """(records, where) from a .jsonl/.json/.parquet file or an HF `datasets` name; every record keeps all its
+    columns, and where[i] says where record i is ("line N" of a .jsonl, from 1; see `read_located_records`).
+
+    Raises a UserError naming the line and the missing field when `problem_field`/`answer_field` is absent.
+    """
+    if Path(source).suffix in RECORD_SUFFIXES:
+        located = read_located_records(source)
+    else:
+        located = [(f"row {i}", row) for i, row in enumerate(read_hub_records(source, split=split), 1)]
+    for where, record in located:
+        if not isinstance(record, dict):
+            raise UserError(f"{source}: {where} is not an object: {record!r:.80}")
+        for name, key in (("data.problem_field", problem_field), ("data.answer_field", answer_field)):
+            if key not in record:
+                raise UserError(f"{source}: {where} has no field {key!r} ({name}); its fields are {sorted(record)}; "
+                                f"fix the data or set {name}")
+    return [record for _, record in located], [where for where, _ in located]
+
+
+def build_prompt(tokenizer, problem: str, template: str = "paper", use_chat_template: bool = True) -> str:
+    """The prompt text for `problem`: `template` ("paper", "plain" or a string with {problem}) as one user turn
+    through the tokenizer's chat template (with the generation prompt), or the bare text without one."""
+    fmt = TEMPLATES.get(template, template)
+    if "{problem}" not in fmt:
+        raise ValueError(f"data.template must be 'paper', 'plain' or contain '{{problem}}', got {template!r}")
+    content = fmt.replace("{problem}", problem.strip())
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    return content
+
+
+def encode_prompt(tokenizer, problem: str, template: str = "paper",
+                  use_chat_template: bool = True) -> tuple[str, list[int]]:
+    """(prompt text of `build_prompt`, its token ids): one encoding for training and evaluation alike."""
+    prompt = build_prompt(tokenizer, problem, template, use_chat_template)
+    return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class PromptSet:
+    """Tokenized training prompts; `records[i]` keeps the dataset columns (passed to reward functions)."""
+    records: list[dict]
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    answers: list[str]
+
+
+def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
+                     use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
+                     where: list[str] | None = None) -> PromptSet:
+    """Render and tokenize every record. Empty problems and prompts longer than `max_prompt_length` tokens are
+    a UserError listing the first offenders, or dropped with one warning when `skip_invalid`. where[i] names
+    record i in messages (default "record i+1")."""
+    where = where or [f"record {i}" for i in range(1, len(records) + 1)]
+    kept, problems = PromptSet([], [], [], []), []
+    for i, record in zip(where, records):
+        problem = record.get(problem_field)
+        if not isinstance(problem, str) or not problem.strip():
+            problems.append(f"{i}: empty or non-text {problem_field!r} ({problem!r:.40})")
+            continue
+        if record.get(answer_field) is None:
+            problems.append(f"{i}: missing {answer_field!r}")
+            continue
+        prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
+        if len(ids) > max_prompt_length:
+            problems.append(f"{i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
+            continue
+        if len(ids) < 2:
+            problems.append(f"{i}: prompt has {len(ids)} token(s); at least 2 are needed for ell(q)")
+            continue
+        kept.records.append(record)
+        kept.prompts.append(prompt)
+        kept.prompt_ids.append(ids)
+        kept.answers.append(str(record[answer_field]))
+    if problems:
+        summary = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+        if not skip_invalid:
+            raise UserError(f"{len(problems)} invalid training record(s): {summary}. Fix the data or set "
+                             "data.skip_invalid=true to drop them.")
+        warnings.warn(f"dropped {len(problems)} invalid training record(s): {summary}")
+    if not kept.prompts:
+        raise UserError("no valid training prompts left; check data.source and data.max_prompt_length")
+    return kept
+
+
+def load_prompt_set(cfg, tokenizer) -> PromptSet:
+    """The training prompts of a Config (`cfg.data`): records from the source, rendered and tokenized."""
+    d = cfg.data
+    if d.source == "arithmetic":
+        records = arithmetic_dataset(d.num_examples or 1000, seed=cfg.trainer.seed,
+                                     max_operand=d.arithmetic_max_operand)
+        where = None
+        problem_field, answer_field = "problem", "answer"
+    else:
+        records, where = load_dataset_records(d.source, d.split, d.problem_field, d.answer_field)
+        if d.num_examples is not None:
+            records, where = records[:d.num_examples], where[:d.num_examples]
+        where = [f"{d.source} {w}" for w in where]
+        problem_field, answer_field = d.problem_field, d.answer_field
+    return tokenize_prompts(tokenizer, records, problem_field=problem_field, answer_field=answer_field,
+                            template=d.template, use_chat_template=d.use_chat_template,
+                            max_prompt_length=d.max_prompt_length, skip_invalid=d.skip_invalid, where=where)

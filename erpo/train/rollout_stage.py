@@ -1,0 +1,82 @@
+"""The rollout stage of one rollout step: generate n responses per prompt on this rank, reward them and compute
+their advantages, as tensors (`Rollout`), split into the optimizer steps of the rollout step.
+
+Prompts of every optimizer step are sharded over ranks in whole groups (`distributed.shard`), so a prompt's n
+responses are generated, rewarded and group-normalized on one rank and advantages do not depend on the world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from erpo import distributed as D
+from erpo.config import Config
+from erpo.tasks.data import PromptSet
+from erpo.tasks.rewards import compute_rewards, math_reward
+from erpo.train.advantages import compute_advantages, equal_reward_groups
+
+
+@dataclass
+class Rollout:
+    """S samples of this rank, grouped by prompt (n consecutive responses each)."""
+    prompts: torch.Tensor              # [S] long: index into the PromptSet
+    response_ids: list[list[int]]      # S token lists
+    rewards: torch.Tensor              # [S] float64: weighted sum of the reward functions
+    correct: torch.Tensor              # [S] float64: 1.0 when the math verifier accepts the answer
+    truncated: torch.Tensor            # [S] bool: stopped by rollout.max_new_tokens
+    advantages: torch.Tensor           # [S] float32
+    keep: torch.Tensor                 # [S] bool: False when the group was filtered (all rewards equal, filter_groups)
+    rollout_logp: list[list[float]] | None  # the engine's log-prob of each response token (importance sampling)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, start: int, stop: int) -> Rollout:
+        """Samples start..stop-1."""
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
+                          for f in fields(self)})
+
+
+def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns) -> Rollout:
+    """Decode, reward and compute advantages of one generated `batch` (a `RolloutBatch` over `prompt_indices`)."""
+    prompts = [prompt_indices[i] for i in batch.prompt_index]
+    completions = [tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_ids]
+    texts = [ps.prompts[p] for p in prompts]
+    keys = sorted({k for p in set(prompts) for k in ps.records[p]})
+    columns = {k: [ps.records[p].get(k) for p in prompts] for k in keys}
+    columns["answer"] = [ps.answers[p] for p in prompts]
+    columns["completion_ids"] = batch.response_ids
+    rewards, _ = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns)
+    n, a = cfg.rollout.n, cfg.algorithm
+    reward_t = torch.tensor(rewards, dtype=torch.float32)
+    advantages = compute_advantages(reward_t, n, estimator=a.advantage, scale_rewards=a.scale_rewards)
+    flat = (equal_reward_groups(reward_t, n).repeat_interleave(n) if a.filter_groups
+            else torch.zeros(len(rewards), dtype=torch.bool))
+    if cfg.rollout.importance_sampling_correction and batch.response_logp is None:
+        raise ValueError("rollout.importance_sampling_correction needs the rollout engine's sampling log-probs, but "
+                         f"{cfg.rollout.engine!r} returned none; set rollout.importance_sampling_correction=false")
+    return Rollout(prompts=torch.tensor(prompts, dtype=torch.long), response_ids=batch.response_ids,
+                   rewards=torch.tensor(rewards, dtype=torch.float64),
+                   correct=torch.tensor(math_reward(texts, completions, columns["answer"]), dtype=torch.float64),
+                   truncated=torch.tensor(batch.truncated, dtype=torch.bool), advantages=advantages.float(),
+                   keep=~flat.bool(),
+                   rollout_logp=batch.response_logp if cfg.rollout.importance_sampling_correction else None)
+
+
+def rollout_stage(cfg: Config, engine, ps: PromptSet, tokenizer, reward_fns, global_prompts: list[int],
+                  seed: int) -> list[Rollout]:
+    """Generate and score this rank's share of `global_prompts` (the rollout step's prompts, update_batch_size per
+    optimizer step) with one `engine.generate` call; one Rollout per optimizer step. seed: the generation seed."""
+    t, r = cfg.trainer, cfg.rollout
+    updates = len(global_prompts) // t.update_batch_size
+    local_chunks = [D.shard(global_prompts[u * t.update_batch_size:(u + 1) * t.update_batch_size],
+                            D.rank(), D.world_size()) for u in range(updates)]
+    local_prompts = [p for chunk in local_chunks for p in chunk]
+    engine.wake_up()
+    batch = engine.generate([ps.prompt_ids[p] for p in local_prompts], n=r.n, temperature=r.temperature,
+                            top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed)
+    engine.sleep()
+    rollout = score(cfg, batch, ps, local_prompts, tokenizer, reward_fns)
+    bounds = torch.tensor([0] + [len(c) * r.n for c in local_chunks]).cumsum(0).tolist()
+    return [rollout.select(bounds[u], bounds[u + 1]) for u in range(updates)]

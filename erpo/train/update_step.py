@@ -1,0 +1,104 @@
+"""One optimizer step over a `StepPlan`: the fused-linear ERPO loss of every micro-batch, its backward, the
+update (or a skip when a loss or gradient is not finite) and the step's metrics record.
+
+Loss normalizers (`num_items`, `num_seqs`) are global, so each rank's loss is its share of the full-batch loss;
+the backward multiplies it by the world size because DeepSpeed averages gradients over ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+from erpo import distributed as D
+from erpo.config import Config
+from erpo.sequences import final_hidden, scored_token_logp
+from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
+from erpo.train.step_plan import StepPlan
+from erpo.train.updater import Updater
+from erpo_kernels import fused_linear_erpo_loss
+from erpo_kernels.zero3 import gathered_lm_head
+
+log = logging.getLogger("erpo")
+
+
+def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
+                    query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor) -> tuple[dict, float, int]:
+    """Forward and backward of every micro-batch of `plan`. Returns (this rank's sums of the loss metrics over its
+    real micro-batches: "loss", "qkl", "pg_loss" and the token-weighted TOKEN_MEAN_METRICS; the largest rollout
+    log-prob gap; the number of non-finite losses seen)."""
+    options = {**dataclasses.asdict(cfg.algorithm.loss_options), "num_items": plan.num_items, "num_seqs": plan.num_seqs}
+    temperature = cfg.rollout.temperature
+    sums = dict.fromkeys(["loss", "qkl", "pg_loss", *TOKEN_MEAN_METRICS], 0.0)
+    gap_max, nonfinite = 0.0, 0
+    rollout = plan.rollout
+    for m, mb in enumerate(plan.micro_batches):
+        batch, device = mb.batch, mb.batch.targets.device
+        ref_logp = scored_token_logp(ref_model, batch, temperature) if ref_model is not None else None
+        hidden = final_hidden(updater.model, batch)
+        with gathered_lm_head(updater.model) as (weight, bias):
+            out = fused_linear_erpo_loss(
+                hidden, weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
+                advantages=rollout.advantages[mb.index].to(device),
+                ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
+                query_weight=None if query_weight[m] is None else query_weight[m].to(device),
+                old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
+                rollout_logp=batch.rollout_logp, **options)
+            if nonfinite or not torch.isfinite(out.loss):
+                nonfinite += 1
+            # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
+            # others): a stand-in, or a rank that has seen a non-finite loss, runs it with weight 0, and a
+            # non-finite step is then discarded on all ranks.
+            scale = D.data_parallel_loss_scale() * mb.weight if not nonfinite else 0.0
+            updater.backward(out.loss * scale, m == len(plan.micro_batches) - 1)
+        if not mb.weight:
+            continue
+        tokens = float(out.metrics["response_tokens"])
+        sums["loss"] += float(out.loss.detach())
+        sums["qkl"] += float(out.metrics["qkl"])
+        sums["pg_loss"] += float(out.metrics["pg_loss"])
+        for name, kernel_name in TOKEN_MEAN_METRICS.items():
+            sums[name] += float(out.metrics[kernel_name]) * tokens
+        gap_max = max(gap_max, float(out.metrics["rollout_logp_gap_max"]))
+        del hidden, out
+    return sums, gap_max, nonfinite
+
+
+def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: dict, prompts: list[int]) -> float:
+    """Step the optimizer unless a rank saw a non-finite loss or the gradient is not finite (the step is then
+    skipped and counted in state["nonfinite_skipped"], or raises FloatingPointError under on_nonfinite=stop).
+    Returns the global grad norm (nan when none was computed)."""
+    bad = D.all_reduce_sum(int(nonfinite)) > 0
+    grad_norm = float("nan")
+    if bad:
+        updater.discard()
+    else:
+        grad_norm, applied = updater.step()
+        bad = not applied
+        if applied and not math.isfinite(grad_norm):
+            log.warning("DeepSpeed reported a non-finite grad norm at optimizer step %d (the step was applied)",
+                        state["opt_step"] + 1)
+    if bad:
+        state["nonfinite_skipped"] += 1
+        message = (f"non-finite loss or gradient at optimizer step {state['opt_step'] + 1} (rollout step "
+                   f"{state['rollout_step'] + 1}); prompts {sorted(set(prompts))[:8]}")
+        if cfg.trainer.on_nonfinite == "stop":
+            raise FloatingPointError(message + ". No update was applied for this step. Set trainer.on_nonfinite=skip "
+                                     "to skip such steps; resume from the last checkpoint with --resume.")
+        log.warning("%s: step skipped (%d skipped so far)", message, state["nonfinite_skipped"])
+    return grad_norm
+
+
+def optimizer_step(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
+                   query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor, state: dict) -> dict:
+    """Accumulate the loss over the plan's micro-batches and take one optimizer step. Returns the metrics record
+    (without the step counters and timings). The plan holds samples (the loop skips a step that filtering
+    emptied on every rank, before its w(q) are planned)."""
+    sums, gap_max, nonfinite = accumulate_loss(cfg, updater, ref_model, plan, old_logp, query_weight, ref_query_logp)
+    lr = updater.lr
+    grad_norm = apply_update(cfg, updater, nonfinite, state, plan.rollout.prompts.tolist())
+    weight_sum = sum(float(w.sum()) for mb, w in zip(plan.micro_batches, query_weight) if mb.weight and w is not None)
+    return step_record(cfg, plan, sums, gap_max, weight_sum, grad_norm=grad_norm, lr=lr,
+                       nonfinite_skipped=state["nonfinite_skipped"])
