@@ -25,8 +25,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-# Bumped whenever a stand-in changes: part of every snapshot's commit hash, so an old cache is rebuilt, not reused.
-STANDIN_VERSION = "1"
+# Bumped whenever a stand-in changes: part of every snapshot's commit hash and data set folder, so an old cache is
+# rebuilt, not reused.
+STANDIN_VERSION = "2"
 SEED = 0
 # Tiny sizes shared by every architecture (per-family overrides below): a CPU step in well under a second.
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 32, 2, 4, 2, 8, 64
@@ -111,12 +112,10 @@ class RemoteForCausalLM(Qwen2ForCausalLM):
 '''
 
 # Short prompts in the formats of trl-internal-testing/zen's configs (the real one holds the Zen of Python).
-ZEN_TRAIN = [
-    "Clear code is better than", "Plain words are better than", "One way to do it is better than",
-    "Flat is better than", "Sparse is better than", "Readability", "Special cases are not", "Errors should never",
-    "In the face of doubt,", "Now is better than", "If it is hard to explain,", "If it is easy to explain,",
-    "Namespaces are", "Simple is better than", "Practicality beats", "Explicit is better than", "Unless explicitly",
-]
+# Six training prompts (the real zen has more): each test trains num_train_epochs x 6 prompts' steps, and the file runs
+# about 120 training tests per trainer on a CPU.
+ZEN_TRAIN = ["Clear code is better than", "Flat is better than", "Readability", "Errors should never",
+             "Now is better than", "Simple is better than"]
 ZEN_TEST = ["Beautiful is better than", "Complex is better than"]
 DATASET_CONFIGS = ("standard_prompt_only", "conversational_prompt_only")
 HUB_DATASETS = {"trl-internal-testing/zen": DATASET_CONFIGS}
@@ -134,7 +133,7 @@ def hub_home(cache: str | os.PathLike) -> Path:
 
 def dataset_dir(cache: str | os.PathLike, repo_id: str) -> Path:
     """Local folder of the stand-in for the Hub data set `repo_id`."""
-    return Path(cache) / "datasets" / repo_id
+    return Path(cache) / "datasets" / f"v{STANDIN_VERSION}" / repo_id
 
 
 def snapshot_dir(cache: str | os.PathLike, repo_id: str) -> Path:
