@@ -87,13 +87,16 @@ def test_table_puts_erpo_only_failures_first_and_the_worst_report_wins(tmp_path)
         (tmp_path / f"{trainer}.jsonl").write_text("".join(
             json.dumps({"nodeid": f"t.py::{n}", "outcome": o, "message": m}) + "\n" for n, o, m in entries))
 
-    report("grpo", ("a", "passed", ""), ("b", "passed", ""), ("c", "failed", "E: both"))
-    report("erpo", ("a", "passed", ""), ("b", "passed", ""), ("b", "error", "E: teardown"), ("c", "failed", "E: x"))
+    report("grpo", ("a", "passed", ""), ("b", "passed", ""), ("c", "failed", "E: both"), ("d", "failed", "E: GRPO"))
+    report("erpo", ("a", "passed", ""), ("b", "passed", ""), ("b", "error", "E: teardown"), ("c", "failed", "E: x"),
+           ("d", "failed", "E: ERPO"))
     text, erpo_only = run.table(tmp_path, ["# header"])
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert erpo_only == 1
     assert rows[0].startswith("| `b` | passed | error **(ERPO only)** | E: teardown")
-    assert "- GRPOTrainer: 2 passed, 1 failed" in text and "- ERPOTrainer: 1 passed, 1 failed, 1 error" in text
+    assert rows[1].startswith("| `c` | failed | failed **(other cause)** | E: x")
+    assert rows[3].startswith("| `d` | failed | failed | E: ERPO")  # the same failure, only the class name differs
+    assert "- GRPOTrainer: 2 passed, 2 failed" in text and "- ERPOTrainer: 1 passed, 2 failed, 1 error" in text
 
 
 def test_on_cpu_config_defaults_use_cpu_and_pickles():

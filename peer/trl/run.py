@@ -11,8 +11,9 @@ the plugin peer/trl/plugin.py: once as is (GRPOTrainer), once with GRPOTrainer /
 erpo.integrations.trl's ERPOTrainer / ERPOConfig. GPU, vLLM, Liger and vision tests are left out.
 
 Writes to --out: `grpo.jsonl` / `erpo.jsonl` (one line per test), `grpo.log` / `erpo.log` (pytest's output) and
-`table.md`: per test the outcome with each trainer and the first line of ERPOTrainer's failure, tests that fail only
-with ERPOTrainer first; the table is also printed. The exit status is 1 when some test fails only with ERPOTrainer.
+`table.md`: per test the outcome with each trainer and the first line of ERPOTrainer's failure; first the tests that
+fail only with ERPOTrainer, then those failing with both where ERPOTrainer's first line differs from GRPOTrainer's
+(another cause); the table is also printed. The exit status is 1 when some test fails only with ERPOTrainer.
 """
 from __future__ import annotations
 
@@ -123,13 +124,18 @@ def table(out: Path, header: list[str]) -> tuple[str, int]:
         return erpo.get(node, ("not run", ""))[0] in FAILED and grpo.get(node, ("not run", ""))[0] not in FAILED
 
     order = {node: i for i, node in enumerate(nodes)}
-    nodes.sort(key=lambda node: (not erpo_only(node), order[node]))
+    def other_cause(node):  # fails with both trainers, but ERPOTrainer for another reason than GRPOTrainer
+        g, e = grpo.get(node, ("not run", "")), erpo.get(node, ("not run", ""))
+        return g[0] in FAILED and e[0] in FAILED and g[1].replace("GRPO", "ERPO") != e[1]
+
+    nodes.sort(key=lambda node: (not erpo_only(node), not other_cause(node), order[node]))
     lines = header + ["", f"- GRPOTrainer: {counts(grpo)}", f"- ERPOTrainer: {counts(erpo)}",
-                      f"- failing only with ERPOTrainer: {sum(map(erpo_only, nodes))}", "",
+                      f"- failing only with ERPOTrainer: {sum(map(erpo_only, nodes))}",
+                      f"- failing with both, ERPOTrainer for another reason: {sum(map(other_cause, nodes))}", "",
                       "| test | GRPOTrainer | ERPOTrainer | ERPOTrainer's failure (first line) |", "|---|---|---|---|"]
     for node in nodes:
         g, e = grpo.get(node, ("not run", "")), erpo.get(node, ("not run", ""))
-        mark = " **(ERPO only)**" if erpo_only(node) else ""
+        mark = " **(ERPO only)**" if erpo_only(node) else " **(other cause)**" if other_cause(node) else ""
         message = e[1] if e[0] in FAILED else ""
         message = (message[:200] + "...") if len(message) > 200 else message
         test_id = node.split("::", 1)[-1]
