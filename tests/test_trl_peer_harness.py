@@ -74,11 +74,12 @@ def test_remote_code_standin_needs_trust_remote_code(tmp_path):
 def test_zen_standin_has_both_formats_and_splits(tmp_path):
     folder = standins.write_dataset(tmp_path, "trl-internal-testing/zen")
     load = plugin.local_load_dataset(tmp_path, load_dataset)  # the plugin's Hub-id mapping
-    standard = load("trl-internal-testing/zen", "standard_prompt_only", split="train")
-    conversational = load("trl-internal-testing/zen", "conversational_prompt_only", split="test")
+    cache = str(tmp_path / "datasets_cache")  # not the user's: pytest reuses tmp paths, the default cache is stale
+    standard = load("trl-internal-testing/zen", "standard_prompt_only", split="train", cache_dir=cache)
+    conversational = load("trl-internal-testing/zen", "conversational_prompt_only", split="test", cache_dir=cache)
     assert standard["prompt"] == standins.ZEN_TRAIN
     assert conversational[0]["prompt"] == [{"role": "user", "content": standins.ZEN_TEST[0]}]
-    streamed = load_dataset(str(folder), "standard_prompt_only", split="train", streaming=True)
+    streamed = load_dataset(str(folder), "standard_prompt_only", split="train", streaming=True, cache_dir=cache)
     assert next(iter(streamed)) == {"prompt": standins.ZEN_TRAIN[0]}
 
 

@@ -35,7 +35,8 @@ LEFT_OUT_WORDS = (("vllm", "vllm"), ("liger", "liger"), ("vlm", "vision"), ("mul
 def pytest_addoption(parser):
     group = parser.getgroup("erpo-trl-peer", "TRL's GRPO tests against ERPOTrainer (peer/trl)")
     group.addoption("--peer-trainer", choices=TRAINERS, default="grpo",
-                    help="grpo: TRL's GRPOTrainer as is; erpo: GRPOTrainer/GRPOConfig swapped for ERPOTrainer/ERPOConfig")
+                    help="grpo: TRL's GRPOTrainer as is; erpo: GRPOTrainer/GRPOConfig swapped for "
+                    "ERPOTrainer/ERPOConfig")
     group.addoption("--peer-cache", required=True, help="the stand-in cache written by peer.trl.standins.build_cache")
     group.addoption("--peer-report", default=None, help="append one JSON line per test outcome to this file")
 

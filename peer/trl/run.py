@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trl-tests", required=True, help="a TRL checkout, its tests/ folder, or test_grpo_trainer.py")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/erpo-trl-peer"),
                         help="where the stand-ins are written (default ~/.cache/erpo-trl-peer)")
-    parser.add_argument("--out", default="trl-peer-results", help="reports, logs and table.md (default ./trl-peer-results)")
+    parser.add_argument("--out", default="trl-peer-results",
+                        help="reports, logs and table.md (default ./trl-peer-results)")
     parser.add_argument("--jobs", type=int, choices=(1, 2), default=1, help="run the two trainers' runs at once")
     parser.add_argument("--timeout", type=float, default=4800, help="seconds per run; unfinished tests show 'not run'")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset of the tests)")

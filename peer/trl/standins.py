@@ -1,13 +1,13 @@
 """Offline stand-ins for the Hugging Face Hub models and data sets that TRL's tests/test_grpo_trainer.py loads.
 
-Each stand-in has the real repository's architecture class, random weights at a tiny size, and a character-level
+Each stand-in has the real repository's architecture class, random weights at a tiny size, and a byte-level
 tokenizer (one id per byte plus the family's special tokens) with the family's chat template, read from the installed
 TRL's `trl/chat_templates/` so TRL recognizes it exactly as it recognizes the real one. Models are written into a
-Hugging Face hub cache (`<cache>/hf/hub/models--org--name/snapshots/<commit>/`), so that with `HF_HOME=<cache>/hf`
-and `HF_HUB_OFFLINE=1` every `from_pretrained("trl-internal-testing/...")` resolves them by their Hub ids, as it
-would resolve a real download, with no patching. Data sets are local folders (`<cache>/datasets/org/name/`, one
-parquet file per config and split, configs declared in README.md) that `datasets.load_dataset` reads directly; the
-pytest plugin maps the Hub ids to them.
+Hugging Face hub cache (`<cache>/v<version>/hf/hub/models--org--name/snapshots/<commit>/`), so that with
+`HF_HOME=<cache>/v<version>/hf` and `HF_HUB_OFFLINE=1` every `from_pretrained("trl-internal-testing/...")` resolves
+them by their Hub ids, as it would resolve a real download, with no patching. Data sets are local folders
+(`<cache>/v<version>/datasets/org/name/`, one parquet file per config and split, configs declared in README.md) that
+`datasets.load_dataset` reads directly; the pytest plugin maps the Hub ids to them.
 
 `build_cache(cache)` writes everything (idempotent: a stand-in already written at this version is kept).
 """
@@ -80,28 +80,29 @@ GPTOSS = TokenizerSpec("gptoss.jinja", eos="<|return|>", pad="<|endoftext|>", bo
 NEMOTRON = TokenizerSpec("nemotron_3_nano.jinja", eos="<|im_end|>", pad="<pad>", bos="<s>")
 
 QWEN_MOE = dict(num_local_experts=4, decoder_sparse_step=1, **MOE)
+ORG = "trl-internal-testing"
 HUB_MODELS: dict[str, ModelSpec] = {
-    "trl-internal-testing/tiny-Qwen2ForCausalLM-2.5": ModelSpec("qwen2", QWEN2_5, config=dict(tie_word_embeddings=True)),
-    "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": ModelSpec("qwen2", QWEN2_5, head="seq-cls"),
-    "trl-internal-testing/tiny-Qwen3ForCausalLM": ModelSpec("qwen3", QWEN3, config=dict(tie_word_embeddings=False)),
-    "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ModelSpec("qwen3", QWEN3, head="seq-cls"),
-    "trl-internal-testing/tiny-Qwen3MoeForCausalLM": ModelSpec("qwen3_moe", QWEN3, config=QWEN_MOE),
-    "trl-internal-testing/tiny-LlamaForCausalLM-3.2": ModelSpec("llama", LLAMA3_2, config=dict(tie_word_embeddings=True)),
-    "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ModelSpec("llama", LLAMA3_2, head="seq-cls"),
-    "trl-internal-testing/tiny-Gemma2ForCausalLM": ModelSpec("gemma2", GEMMA, config=dict(query_pre_attn_scalar=HEAD_DIM,
-                                                                                          sliding_window=64)),
-    "trl-internal-testing/tiny-Cohere2ForCausalLM": ModelSpec("cohere2", COHERE2, config=dict(sliding_window=64)),
-    "trl-internal-testing/tiny-Glm4MoeForCausalLM": ModelSpec("glm4_moe", GLM4MOE, config=dict(
+    f"{ORG}/tiny-Qwen2ForCausalLM-2.5": ModelSpec("qwen2", QWEN2_5, config=dict(tie_word_embeddings=True)),
+    f"{ORG}/tiny-Qwen2ForSequenceClassification-2.5": ModelSpec("qwen2", QWEN2_5, head="seq-cls"),
+    f"{ORG}/tiny-Qwen3ForCausalLM": ModelSpec("qwen3", QWEN3, config=dict(tie_word_embeddings=False)),
+    f"{ORG}/tiny-Qwen3ForSequenceClassification": ModelSpec("qwen3", QWEN3, head="seq-cls"),
+    f"{ORG}/tiny-Qwen3MoeForCausalLM": ModelSpec("qwen3_moe", QWEN3, config=QWEN_MOE),
+    f"{ORG}/tiny-LlamaForCausalLM-3.2": ModelSpec("llama", LLAMA3_2, config=dict(tie_word_embeddings=True)),
+    f"{ORG}/tiny-LlamaForSequenceClassification-3.2": ModelSpec("llama", LLAMA3_2, head="seq-cls"),
+    f"{ORG}/tiny-Gemma2ForCausalLM": ModelSpec("gemma2", GEMMA, config=dict(query_pre_attn_scalar=HEAD_DIM,
+                                                                             sliding_window=64)),
+    f"{ORG}/tiny-Cohere2ForCausalLM": ModelSpec("cohere2", COHERE2, config=dict(sliding_window=64)),
+    f"{ORG}/tiny-Glm4MoeForCausalLM": ModelSpec("glm4_moe", GLM4MOE, config=dict(
         n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_nextn_predict_layers=0, **MOE)),
-    "trl-internal-testing/tiny-GptOssForCausalLM": ModelSpec("gpt_oss", GPTOSS, config=dict(
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    "trl-internal-testing/tiny-NemotronHForCausalLM-nano": ModelSpec("nemotron_h", NEMOTRON, config=dict(
+    f"{ORG}/tiny-GptOssForCausalLM": ModelSpec("gpt_oss", GPTOSS, config=dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0})),
+    f"{ORG}/tiny-NemotronHForCausalLM-nano": ModelSpec("nemotron_h", NEMOTRON, config=dict(
         layers_block_type=["linear_attention", "moe", "full_attention"], n_routed_experts=4, n_shared_experts=1,
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, num_experts_per_tok=2,
-        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, chunk_size=16,
-        num_hidden_layers=3)),
-    "trl-internal-testing/tiny-RemoteForCausalLM": ModelSpec("qwen2", QWEN2_5, remote_code=True),
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, chunk_size=16, num_hidden_layers=3)),
+    f"{ORG}/tiny-RemoteForCausalLM": ModelSpec("qwen2", QWEN2_5, remote_code=True),
 }
 
 # The custom code of tiny-RemoteForCausalLM: a Qwen2 model under another name, loadable only with trust_remote_code.
@@ -127,7 +128,7 @@ ZEN_TRAIN = ["Clear code is better than", "Flat is better than", "Readability", 
              "Now is better than", "Simple is better than"]
 ZEN_TEST = ["Beautiful is better than", "Complex is better than"]
 DATASET_CONFIGS = ("standard_prompt_only", "conversational_prompt_only")
-HUB_DATASETS = {"trl-internal-testing/zen": DATASET_CONFIGS}
+HUB_DATASETS = {f"{ORG}/zen": DATASET_CONFIGS}
 
 
 def commit_hash(repo_id: str) -> str:
@@ -135,14 +136,19 @@ def commit_hash(repo_id: str) -> str:
     return hashlib.sha1(f"erpo-trl-standin/{STANDIN_VERSION}/{repo_id}".encode()).hexdigest()
 
 
+def versioned(cache: str | os.PathLike) -> Path:
+    """This STANDIN_VERSION's part of `cache`: runs of two versions never share a hub cache's refs."""
+    return Path(cache) / f"v{STANDIN_VERSION}"
+
+
 def hub_home(cache: str | os.PathLike) -> Path:
     """HF_HOME for a test run over `cache` (hub cache, modules and datasets caches all live under it)."""
-    return Path(cache) / "hf"
+    return versioned(cache) / "hf"
 
 
 def dataset_dir(cache: str | os.PathLike, repo_id: str) -> Path:
     """Local folder of the stand-in for the Hub data set `repo_id`."""
-    return Path(cache) / "datasets" / f"v{STANDIN_VERSION}" / repo_id
+    return versioned(cache) / "datasets" / repo_id
 
 
 def snapshot_dir(cache: str | os.PathLike, repo_id: str) -> Path:
