@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 # Bumped whenever a stand-in changes: part of every snapshot's commit hash and data set folder, so an old cache is
 # rebuilt, not reused.
-STANDIN_VERSION = "3"
+STANDIN_VERSION = "4"
 SEED = 0
 # Tiny sizes shared by every architecture (per-family overrides below): a CPU step in well under a second.
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 32, 2, 4, 2, 8, 64
@@ -44,8 +44,6 @@ class TokenizerSpec:
     add_bos: bool = False              # prepend `bos` when encoding (Gemma, Llama), as the real tokenizers do
     extra_special: tuple[str, ...] = ()
     extra_ids: dict = field(default_factory=dict)  # generation_config extras, e.g. Gemma's <end_of_turn> as an eos
-    fixed_ids: dict = field(default_factory=dict)  # token -> the real tokenizer's id (tests hard-code some ids)
-    vocab_rows: int | None = None      # the real model's embedding rows, when the tests need the real ids
 
 
 @dataclass(frozen=True)
@@ -58,15 +56,8 @@ class ModelSpec:
     remote_code: bool = False          # saved with auto_map to a custom class (tiny-RemoteForCausalLM)
 
 
-# Qwen's control tokens at Qwen's ids, and Qwen's 151936 embedding rows: TRL's tests hard-code them in mocked
-# generations (eos 151645, pad 151643, <tool_call> 151657), and rely on a random model almost never sampling the eos.
-# The bytes are at ids 0-255 in GPT-2's order, as in Qwen's vocabulary ("\n" = 198, " " = 220); the ids between are
-# unused rows that decode to nothing. Tool and think markers are added tokens that are not special, as in Qwen.
-QWEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tool_call>": 151657,
-            "</tool_call>": 151658, "<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667,
-            "</think>": 151668}
-QWEN2_5 = TokenizerSpec("qwen2_5.jinja", eos="<|im_end|>", pad="<|endoftext|>", fixed_ids=QWEN_IDS, vocab_rows=151936)
-QWEN3 = TokenizerSpec("qwen3.jinja", eos="<|im_end|>", pad="<|endoftext|>", fixed_ids=QWEN_IDS, vocab_rows=151936)
+QWEN2_5 = TokenizerSpec("qwen2_5.jinja", eos="<|im_end|>", pad="<|endoftext|>")
+QWEN3 = TokenizerSpec("qwen3.jinja", eos="<|im_end|>", pad="<|endoftext|>")
 LLAMA3_2 = TokenizerSpec("llama3_2.jinja", eos="<|eot_id|>", pad=None, bos="<|begin_of_text|>", add_bos=True,
                          extra_special=("<|finetune_right_pad_id|>", "<|end_of_text|>"))
 GEMMA = TokenizerSpec("gemma.jinja", eos="<eos>", pad="<pad>", bos="<bos>", add_bos=True,
@@ -178,20 +169,16 @@ def byte_symbols() -> list[str]:
 
 
 def build_tokenizer(spec: TokenizerSpec, name: str) -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer without merges: one id per byte, then the family's special tokens (at `fixed_ids` where
-    given, else next in line) and its other fixed tokens (added, not special); its chat template."""
+    """Byte-level tokenizer without merges: one id per byte (GPT-2's order), then the family's special tokens; its
+    chat template."""
     template = chat_template(spec.template)
     named = [t for t in (spec.pad, spec.eos, spec.bos) if t]
     specials = list(dict.fromkeys(named + list(spec.extra_special) + template_special_tokens(template)))
-    plain = [t for t in spec.fixed_ids if t not in specials]
-    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
-    for token in specials + plain:
-        vocab[token] = spec.fixed_ids.get(token, max(vocab.values()) + 1)
+    vocab = {token: i for i, token in enumerate(byte_symbols() + specials)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     if spec.add_bos:
         bos = (spec.bos, vocab[spec.bos])
         backend.post_processor = processors.TemplateProcessing(single=f"{spec.bos} $A", pair=f"{spec.bos} $A $B",
@@ -205,8 +192,7 @@ def build_tokenizer(spec: TokenizerSpec, name: str) -> PreTrainedTokenizerFast:
 
 def build_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast):
     """The tiny config of `spec`'s architecture for `tokenizer`'s vocabulary."""
-    rows = spec.tokenizer.vocab_rows or max(tokenizer.get_vocab().values()) + 1
-    sizes = dict(vocab_size=rows, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=INTERMEDIATE,
                  max_position_embeddings=4096)
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
