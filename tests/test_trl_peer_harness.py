@@ -18,6 +18,15 @@ REMOTE = "trl-internal-testing/tiny-RemoteForCausalLM"
 CONVERSATION = [{"role": "user", "content": "Héllo,\n  what is 2+2?"}]
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Offline mode, as the peer runs set it (HF_HUB_OFFLINE=1): without it a local load still tries the Hub and
+    waits for each request to time out."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 def load_offline(auto, cache, repo_id, **kwargs):
     """`auto.from_pretrained(repo_id)` resolved from the stand-in hub cache only, as HF_HOME + offline mode do."""
     return auto.from_pretrained(repo_id, cache_dir=standins.hub_home(cache) / "hub", local_files_only=True, **kwargs)
