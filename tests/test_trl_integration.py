@@ -71,13 +71,17 @@ def trl_inputs(trainer, seed=0):
         num_items_in_batch=mask.sum() * 3,
         noise_old=0.3 * torch.randn(4, 6, generator=g), noise_ref=0.3 * torch.randn(4, 6, generator=g),
         importance_sampling_ratio=(torch.rand(4, 6, generator=g) * 1.5 + 0.25),
+        noise_sampling=0.2 * torch.randn(4, 6, generator=g),
     )
 
 
-def with_logps(trainer, inputs, old: bool):
-    """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range)."""
+def with_logps(trainer, inputs, old: bool, sampling: bool = False):
+    """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range);
+    with `sampling`, vLLM's sampling log-probs = old + noise (a NaN, a token vLLM could not score, in the sample
+    of positive advantage, which the off-policy mask keeps anyway) and the importance-sampling ratios TRL derives
+    from them (token_truncate at vllm_importance_sampling_clip_max)."""
     inputs = dict(inputs)
-    noise_old, noise_ref = inputs.pop("noise_old"), inputs.pop("noise_ref")
+    noise_old, noise_ref, noise_sampling = (inputs.pop(f"noise_{name}") for name in ("old", "ref", "sampling"))
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():
@@ -86,6 +90,15 @@ def with_logps(trainer, inputs, old: bool):
     if old:
         inputs["old_per_token_logps"] = logps + noise_old
     inputs["ref_per_token_logps"] = logps + noise_ref
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        del inputs["importance_sampling_ratio"]   # GRPOTrainer adds it only then (VESPO reads it whenever present)
+    if sampling:
+        old_logps = inputs["old_per_token_logps"]
+        inputs["sampling_per_token_logps"] = old_logps + noise_sampling
+        inputs["sampling_per_token_logps"][0, 0] = float("nan")
+        mask = inputs["completion_mask"] * inputs["tool_mask"]
+        diff = torch.nan_to_num((old_logps - inputs["sampling_per_token_logps"]) * mask, nan=0.0)
+        inputs["importance_sampling_ratio"] = diff.exp().clamp(max=trainer.args.vllm_importance_sampling_clip_max)
     return inputs
 
 
@@ -117,6 +130,7 @@ def assert_parity(trainer, inputs):
         scale = grad.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    return our_metrics
 
 
 KL_SETTINGS = {"beta0": dict(beta=0.0), "beta_bias_correction": dict(beta=0.04, use_bias_correction_kl=True),
@@ -158,13 +172,79 @@ def test_trl_features_equal_trl(tiny, tmp_path, case):
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=case != "on_policy"))
 
 
+NEW_LOSS_TYPES = {"cispo": dict(loss_type="cispo", epsilon_high=1.0), "sapo": dict(loss_type="sapo"),
+                  "vespo": dict(loss_type="vespo"), "luspo": dict(loss_type="luspo", importance_sampling_level="sequence")}
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+@pytest.mark.parametrize("kl", ["beta0", "beta_bias_correction"])
+@pytest.mark.parametrize("loss_type", list(NEW_LOSS_TYPES))
+def test_new_loss_types_equal_trl(tiny, tmp_path, loss_type, kl, fused_linear):
+    """TRL 1.16's cispo, sapo, vespo and luspo: loss, every gradient and TRL's metrics (cispo_clip_ratio,
+    vespo/phi_seq_mean) equal GRPOTrainer's, gradient accumulation 2, old log-probs present."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=fused_linear, qkl_coef=0.0, query_weight="none",
+                           gradient_accumulation_steps=2, num_iterations=2, **NEW_LOSS_TYPES[loss_type],
+                           **KL_SETTINGS[kl])
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    metrics = assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+    if loss_type == "cispo":
+        assert 0 < metrics["cispo_clip_ratio"] < 1
+    if loss_type == "vespo":
+        assert abs(metrics["vespo/phi_seq_mean"] - 1) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["off_policy_mask", "off_policy_mask_vllm", "entropy_filter", "vespo_vllm_is",
+                                  "everything_sapo_eval"])
+def test_off_policy_mask_and_entropy_filter_equal_trl(tiny, tmp_path, case):
+    """TRL's off-policy sequence mask (against the old log-probs, or vLLM's sampling log-probs), its entropy filter
+    with the entropy bonus, VESPO with vLLM's token_truncate importance sampling folded into its sequence weight,
+    and all of them at once in eval."""
+    settings = {"off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
+                "off_policy_mask_vllm": dict(loss_type="grpo", off_policy_mask_threshold=0.02, beta=0.04),
+                "entropy_filter": dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05),
+                "vespo_vllm_is": dict(loss_type="vespo", vllm_importance_sampling_clip_max=1.2),
+                "everything_sapo_eval": dict(loss_type="sapo", off_policy_mask_threshold=0.02,
+                                             top_entropy_quantile=0.5, entropy_coef=0.05)}[case]
+    vllm = case in ("off_policy_mask_vllm", "vespo_vllm_is", "everything_sapo_eval")
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight="none", gradient_accumulation_steps=2,
+                           **settings)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train(case != "everything_sapo_eval")
+    if vllm:  # what GRPOTrainer sets with use_vllm=True (vLLM itself is not needed for the loss)
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True, sampling=vllm)
+    assert_parity(trainer, inputs)
+    with_option = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    if case == "vespo_vllm_is":   # VESPO without the rollout correction
+        inputs = {name: value for name, value in inputs.items() if name != "importance_sampling_ratio"}
+    else:
+        trainer.__dict__.update(off_policy_mask_threshold=None, top_entropy_quantile=1.0)
+    assert abs(trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item() - with_option) > 1e-5
+
+
 @pytest.mark.parametrize("setting, message", [
-    (dict(loss_type="cispo"), "loss_type='cispo'"), (dict(query_weight="dynamic"), "query_weight"),
-    (dict(qkl_estimator="k3-token"), "k3-token"), (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
-    (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high")])
+    (dict(loss_type="ppo"), "loss_type='ppo'"), (dict(query_weight="dynamic"), "query_weight"),
+    (dict(qkl_estimator="k3-token"), "k3-token"), (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"), "token_mask"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_max=0.9), "vllm_importance_sampling_clip_max < 1")])
 def test_unsupported_settings_raise(tmp_path, setting, message):
     with pytest.raises(ValueError, match=message):
         ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **setting)
+
+
+def test_trl_options_are_accepted(tmp_path):
+    """Every TRL 1.16 loss type and option ERPOTrainer once refused builds a config; delta is only checked
+    against epsilon_high for the clipped-surrogate types (TRL ignores it for cispo, sapo and vespo)."""
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type=loss_type,
+                   delta=1.1 if loss_type in ("cispo", "sapo", "vespo") else None)
+    ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, top_entropy_quantile=0.2,
+               off_policy_mask_threshold=0.5, use_adaptive_entropy=True, loss_type="vespo", use_vllm=True,
+               vllm_importance_sampling_mode="token_truncate")
 
 
 def test_grpo_config_is_refused(tiny, tmp_path):
