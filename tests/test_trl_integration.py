@@ -9,6 +9,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
@@ -223,6 +224,77 @@ def test_off_policy_mask_and_entropy_filter_equal_trl(tiny, tmp_path, case):
     assert abs(trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item() - with_option) > 1e-5
 
 
+def test_adaptive_entropy_equals_trl(tiny, tmp_path):
+    """use_adaptive_entropy over 3 optimizer steps of 2 micro-batches (entropy_target above, above, below the
+    entropy: the coefficient rises twice, then falls): each micro-batch's loss and gradients, and the coefficient,
+    last entropy and window after each one, equal GRPOTrainer's run from the same state."""
+    trainer = make_trainer(tiny, tmp_path, loss_type="grpo", qkl_coef=0.0, query_weight="none",
+                           gradient_accumulation_steps=2, use_adaptive_entropy=True, entropy_coef=0.05,
+                           entropy_coef_delta=0.02, top_entropy_quantile=0.6)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    batches = [with_logps(trainer, trl_inputs(trainer, seed=seed), old=True) for seed in range(6)]
+    targets = [10.0, 10.0, 0.1]
+
+    def run(compute_loss):
+        trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.05, math.inf, None
+        trajectory = []
+        for index, inputs in enumerate(batches):
+            trainer.args.entropy_target = targets[index // 2]
+            trainer.accelerator.gradient_state._set_sync_gradients(index % 2 == 1)
+            loss, grads, metrics = logged(trainer, compute_loss, inputs)
+            trajectory.append((loss, grads, metrics, trainer.entropy_coef, trainer._last_world_entropy))
+        trainer.accelerator.gradient_state._set_sync_gradients(True)
+        return trajectory
+
+    ours, theirs = run(ERPOTrainer._compute_loss), run(trl.GRPOTrainer._compute_loss)
+    coefs = [step[3] for step in theirs]
+    assert coefs == pytest.approx([0.05, 0.07, 0.07, 0.09, 0.09, 0.07])
+    for (loss, grads, metrics, coef, last), (trl_loss, trl_grads, trl_metrics, trl_coef, trl_last) in zip(ours, theirs):
+        torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=0)
+        for name, grad in trl_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+        assert coef == pytest.approx(trl_coef, abs=1e-12) and last == pytest.approx(trl_last, rel=1e-5)
+        for name, value in trl_metrics.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, tiny):
+    """A saved tiny Qwen3-MoE (4 experts, 2 per token) at its architecture's default router_aux_loss_coef=0.001."""
+    tokenizer = tiny[1]
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert config.router_aux_loss_coef == 0.001 and not config.output_router_logits
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_moe")
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_moe_router_aux_loss_equals_trl(tiny_moe, tmp_path, fused_linear):
+    """An MoE model at its default router_aux_loss_coef is accepted, and the loss includes TRL's load-balancing
+    term (coefficient x aux_loss / accumulation): loss, every gradient (the router's included) and the aux_loss
+    metric equal GRPOTrainer's."""
+    trainer = make_trainer(tiny_moe, tmp_path, loss_type="dapo", qkl_coef=0.0, query_weight="none",
+                           fused_linear=fused_linear, gradient_accumulation_steps=2, beta=0.04)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    metrics = assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert metrics["aux_loss"] > 1.0   # the term is really there (about num_experts_per_tok at initialisation)
+    trainer.aux_loss_enabled = False   # and it changes the loss
+    without = ERPOTrainer._compute_loss(trainer, trainer.model, with_logps(trainer, trl_inputs(trainer), old=True))
+    trainer.aux_loss_enabled = True
+    with_aux = ERPOTrainer._compute_loss(trainer, trainer.model, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert (with_aux - without).item() == pytest.approx(0.001 * metrics["aux_loss"] / 2, rel=1e-4)
+
+
 @pytest.mark.parametrize("setting, message", [
     (dict(loss_type="ppo"), "loss_type='ppo'"), (dict(query_weight="dynamic"), "query_weight"),
     (dict(qkl_estimator="k3-token"), "k3-token"), (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high"),
@@ -279,6 +351,27 @@ def test_train_logs_qkl_and_reuses_the_reference_cache(tiny, tmp_path):
     path.write_text(json.dumps(data))
     second = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
     assert second.reference_cache.entries[key][0] == -123.0
+
+
+@pytest.mark.parametrize("settings, metric", [
+    (dict(loss_type="cispo", epsilon_high=1.0, top_entropy_quantile=0.5), "cispo_clip_ratio"),
+    (dict(loss_type="vespo", off_policy_mask_threshold=0.1, use_adaptive_entropy=True, entropy_target=10.0,
+          save_strategy="steps", save_steps=2), "vespo/phi_seq_mean")], ids=["cispo", "vespo"])
+def test_train_with_new_loss_types(tiny, tmp_path, settings, metric):
+    """Real train() steps with the new loss types and options: the Query-KL and TRL's metric of the type are
+    logged, the parameters move; with use_adaptive_entropy the coefficient is logged each step and saved in the
+    checkpoint as GRPOTrainer saves it (entropy_ctrl_state.json)."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=2,
+                           temperature=1.0, **settings)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "qkl" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry[metric]) for entry in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    if settings.get("use_adaptive_entropy"):
+        assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.005, 0.01])   # entropy < target: up
+        state = json.loads((tmp_path / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+        assert state["entropy_coef"] == trainer.entropy_coef and state["last_world_entropy"] < 10.0
 
 
 def test_missing_prompt_is_a_clear_error(tiny, tmp_path):
