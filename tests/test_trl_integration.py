@@ -174,7 +174,8 @@ def test_trl_features_equal_trl(tiny, tmp_path, case):
 
 
 NEW_LOSS_TYPES = {"cispo": dict(loss_type="cispo", epsilon_high=1.0), "sapo": dict(loss_type="sapo"),
-                  "vespo": dict(loss_type="vespo"), "luspo": dict(loss_type="luspo", importance_sampling_level="sequence")}
+                  "vespo": dict(loss_type="vespo"),
+                  "luspo": dict(loss_type="luspo", importance_sampling_level="sequence")}
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
