@@ -76,11 +76,11 @@ def trl_inputs(trainer, seed=0):
     )
 
 
-def with_logps(trainer, inputs, old: bool, sampling: bool = False):
+def with_logps(trainer, inputs, old: bool, sampling: bool = False, nan_at=(0, 0)):
     """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range);
-    with `sampling`, vLLM's sampling log-probs = old + noise (a NaN, a token vLLM could not score, in the sample
-    of positive advantage, which the off-policy mask keeps anyway) and the importance-sampling ratios TRL derives
-    from them (token_truncate at vllm_importance_sampling_clip_max)."""
+    with `sampling`, vLLM's sampling log-probs = old + noise (a NaN at `nan_at`, a token vLLM could not score; by
+    default in the sample of positive advantage, which the off-policy mask keeps anyway) and the importance-sampling
+    ratios TRL derives from them (token_truncate at vllm_importance_sampling_clip_max)."""
     inputs = dict(inputs)
     noise_old, noise_ref, noise_sampling = (inputs.pop(f"noise_{name}") for name in ("old", "ref", "sampling"))
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
@@ -94,12 +94,13 @@ def with_logps(trainer, inputs, old: bool, sampling: bool = False):
     if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
         del inputs["importance_sampling_ratio"]   # GRPOTrainer adds it only then (VESPO reads it whenever present)
     if sampling:
-        old_logps = inputs["old_per_token_logps"]
+        old_logps = inputs.get("old_per_token_logps", logps)
         inputs["sampling_per_token_logps"] = old_logps + noise_sampling
-        inputs["sampling_per_token_logps"][0, 0] = float("nan")
+        inputs["sampling_per_token_logps"][nan_at] = float("nan")
         mask = inputs["completion_mask"] * inputs["tool_mask"]
         diff = torch.nan_to_num((old_logps - inputs["sampling_per_token_logps"]) * mask, nan=0.0)
-        inputs["importance_sampling_ratio"] = diff.exp().clamp(max=trainer.args.vllm_importance_sampling_clip_max)
+        if trainer.vllm_importance_sampling_correction:
+            inputs["importance_sampling_ratio"] = diff.exp().clamp(max=trainer.args.vllm_importance_sampling_clip_max)
     return inputs
 
 
@@ -196,26 +197,30 @@ def test_new_loss_types_equal_trl(tiny, tmp_path, loss_type, kl, fused_linear):
         assert abs(metrics["vespo/phi_seq_mean"] - 1) > 1e-3
 
 
-@pytest.mark.parametrize("case", ["off_policy_mask", "off_policy_mask_vllm", "entropy_filter", "vespo_vllm_is",
-                                  "everything_sapo_eval"])
+@pytest.mark.parametrize("case", ["off_policy_mask", "off_policy_mask_vllm", "off_policy_mask_vllm_on_policy",
+                                  "entropy_filter", "vespo_vllm_is", "everything_sapo_eval"])
 def test_off_policy_mask_and_entropy_filter_equal_trl(tiny, tmp_path, case):
     """TRL's off-policy sequence mask (against the old log-probs, or vLLM's sampling log-probs), its entropy filter
     with the entropy bonus, VESPO with vLLM's token_truncate importance sampling folded into its sequence weight,
     and all of them at once in eval."""
     settings = {"off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
                 "off_policy_mask_vllm": dict(loss_type="grpo", off_policy_mask_threshold=0.02, beta=0.04),
+                "off_policy_mask_vllm_on_policy": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
                 "entropy_filter": dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05),
                 "vespo_vllm_is": dict(loss_type="vespo", vllm_importance_sampling_clip_max=1.2),
                 "everything_sapo_eval": dict(loss_type="sapo", off_policy_mask_threshold=0.02,
                                              top_entropy_quantile=0.5, entropy_coef=0.05)}[case]
-    vllm = case in ("off_policy_mask_vllm", "vespo_vllm_is", "everything_sapo_eval")
+    vllm = case in ("off_policy_mask_vllm", "off_policy_mask_vllm_on_policy", "vespo_vllm_is", "everything_sapo_eval")
+    on_policy = case == "off_policy_mask_vllm_on_policy"   # vLLM without the IS correction: no old log-probs
     trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight="none", gradient_accumulation_steps=2,
                            **settings)
     trainer.current_gradient_accumulation_steps = 2
     trainer.model.train(case != "everything_sapo_eval")
     if vllm:  # what GRPOTrainer sets with use_vllm=True (vLLM itself is not needed for the loss)
-        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-    inputs = with_logps(trainer, trl_inputs(trainer), old=True, sampling=vllm)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, not on_policy
+    # on-policy: the NaN in a sample of negative advantage, where it counts as zero drift in the mask
+    inputs = with_logps(trainer, trl_inputs(trainer), old=not on_policy, sampling=vllm,
+                        nan_at=(1, 1) if on_policy else (0, 0))
     assert_parity(trainer, inputs)
     with_option = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
     if case == "vespo_vllm_is":   # VESPO without the rollout correction

@@ -42,7 +42,9 @@ def trl_loss_options(trainer, inputs: dict, mode: str) -> tuple[dict, dict]:
     `trainer` is a GRPOTrainer (or a stand-in with its attributes): its args, loss settings, adaptive-entropy state
     and accelerator. The tensors are old_logp, ref_logp, token_weight (vLLM's importance_sampling_ratio) and
     rollout_logp (vLLM's sampling log-probs, for the off-policy mask and VESPO's rollout correction; a NaN, a token
-    vLLM could not score, is replaced by the old log-prob)."""
+    vLLM could not score, is replaced by the old log-prob: TRL's ratio of 1 there, and its zero drift in the
+    off-policy mask on a generation's first iteration. Without old log-probs it stays NaN, for the caller to
+    replace by the current log-prob)."""
     args = trainer.args
     num = inputs["advantages"].shape[0]
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1

@@ -86,11 +86,15 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         if self.args.fused_linear:
             with gathered_lm_head(model) as (weight, bias):
                 hidden = hidden.to(weight.dtype)
+                tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
+                    hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))
                 query_weight = weights(lambda targets: fused_linear_token_logprobs(
                     hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature))
                 out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
                                              bias=bias, query_weight=query_weight, **tensors, **options)
         else:
+            tensors = self._fill_unscored(tensors, lambda: token_logprobs(logits.detach(), batch.targets,
+                                                                         temperature=self.temperature))
             query_weight = weights(lambda targets: token_logprobs(logits[query_rows].detach(), targets,
                                                                   temperature=self.temperature))
             out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
@@ -103,6 +107,17 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
             self._update_adaptive_entropy(out.metrics["kept_entropy"], out.metrics["kept_tokens"])
         self._log_loss_metrics(mode, inputs, rows, out, query_weight, options, aux_loss)
         return loss
+
+    @staticmethod
+    def _fill_unscored(tensors: dict, current_logp) -> dict:
+        """vLLM's NaN sampling log-probs (tokens it could not score) left by `trl_loss_options` (only without old
+        log-probs: on-policy) become the current ones, `current_logp()` [R]: no drift there in the off-policy mask,
+        as TRL's nan_to_num."""
+        rollout = tensors["rollout_logp"]
+        if rollout is None or not rollout.isnan().any():
+            return tensors
+        with torch.no_grad():
+            return dict(tensors, rollout_logp=torch.where(rollout.isnan(), current_logp().float(), rollout))
 
     def _update_adaptive_entropy(self, kept_entropy: torch.Tensor, kept_tokens: torch.Tensor) -> None:
         """GRPOTrainer's adaptive entropy control: add this micro-batch's (entropy sum, token count) over the rows
