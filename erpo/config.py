@@ -9,6 +9,7 @@ cross-field constraints. `to_dict(cfg)` gives plain data for YAML dumping.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -119,6 +120,18 @@ class AlgorithmConfig:
     loss_agg: str = _KERNEL.loss_agg
     entropy_coef: float = _KERNEL.entropy_coef
     log_ratio_clamp: float = _KERNEL.log_ratio_clamp
+    qkl_linear_beyond: float = _KERNEL.qkl_linear_beyond  # the Query-KL's estimator is linear beyond |r| > this
+    # The policy term (TRL 1.16's loss types): ppo-clip (clip_low / clip_high / dual_clip) | cispo | sapo | vespo
+    pg_objective: str = _KERNEL.pg_objective
+    cispo_clip_max: float = _KERNEL.cispo_clip_max
+    sapo_temperature_pos: float = _KERNEL.sapo_temperature_pos
+    sapo_temperature_neg: float = _KERNEL.sapo_temperature_neg
+    vespo_k_pos: float = _KERNEL.vespo_k_pos
+    vespo_lambda_pos: float = _KERNEL.vespo_lambda_pos
+    vespo_k_neg: float = _KERNEL.vespo_k_neg
+    vespo_lambda_neg: float = _KERNEL.vespo_lambda_neg
+    off_policy_mask_threshold: float | None = _KERNEL.off_policy_mask_threshold   # DeepSeek-V3.2's sequence mask
+    top_entropy_quantile: float = _KERNEL.top_entropy_quantile   # < 1: policy term on the top-entropy tokens only
     filter_groups: bool = False               # DAPO: drop groups whose rewards are all equal
     mask_truncated: bool = False              # DAPO overlong masking: truncated responses carry no loss
 
@@ -195,6 +208,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.ratio_level": OPTION_CHOICES["ratio_level"],
     "algorithm.loss_agg": OPTION_CHOICES["loss_agg"],
+    "algorithm.pg_objective": OPTION_CHOICES["pg_objective"],
     "trainer.updater": ("auto", "deepspeed", "torch"),
     "trainer.on_nonfinite": ("skip", "stop"),
 }
@@ -367,8 +381,10 @@ def resolve_rollout(r: RolloutConfig) -> None:
         raise ValueError(f"rollout.top_p={r.top_p} with rollout.importance_sampling_correction: the engine "
                          "scores tokens over the top-p nucleus and the trainer over the full softmax; set "
                          "rollout.top_p=1.0 or rollout.importance_sampling_correction=false")
-    if not r.importance_sampling_cap > 0:
-        raise ValueError(f"rollout.importance_sampling_cap must be > 0, got {r.importance_sampling_cap}")
+    cap = r.importance_sampling_cap
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+        raise ValueError(f"rollout.importance_sampling_cap must be a finite number > 0, got {cap!r} (to turn the "
+                         "correction off, set rollout.importance_sampling_correction=false)")
 
 
 def check_lora(lora: LoraConfig) -> None:
@@ -430,7 +446,11 @@ def resolve(cfg: Config) -> Config:
         qkl_coef=a.qkl_coef, qkl_estimator=a.qkl_estimator, policy_kl_coef=a.policy_kl_coef, clip_low=a.clip_low,
         clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level, temperature=cfg.rollout.temperature,
         entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, log_ratio_clamp=a.log_ratio_clamp,
-        rollout_is_cap=cfg.rollout.importance_sampling_cap)
+        rollout_is_cap=cfg.rollout.importance_sampling_cap, qkl_linear_beyond=a.qkl_linear_beyond,
+        pg_objective=a.pg_objective, cispo_clip_max=a.cispo_clip_max, sapo_temperature_pos=a.sapo_temperature_pos,
+        sapo_temperature_neg=a.sapo_temperature_neg, vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos,
+        vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg,
+        off_policy_mask_threshold=a.off_policy_mask_threshold, top_entropy_quantile=a.top_entropy_quantile)
     return cfg
 
 

@@ -65,10 +65,16 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
 def final_hidden(model, batch: PackedBatch) -> torch.Tensor:
     """Final (post-norm) hidden states of the scored rows, [R, D]. `model` is a causal LM or a DeepSpeed engine
     around one; only the last position's logits are computed (logits_to_keep=1)."""
+    return final_hidden_and_output(model, batch)[0]
+
+
+def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
+    """(final_hidden's [R, D], the model's whole output): `forward_kwargs` go to the forward, e.g.
+    output_router_logits=True for an MoE model's `aux_loss`."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
-                logits_to_keep=1, use_cache=False)
+                logits_to_keep=1, use_cache=False, **forward_kwargs)
     hidden = out.hidden_states[-1]
-    return hidden.reshape(-1, hidden.shape[-1])[batch.rows]
+    return hidden.reshape(-1, hidden.shape[-1])[batch.rows], out
 
 
 @torch.no_grad()

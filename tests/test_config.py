@@ -88,6 +88,34 @@ def test_resolve_rejects_inconsistent_configs(overrides, match):
         resolve(apply_overrides(Config(), overrides))
 
 
+def test_importance_sampling_cap_none_is_refused():
+    """None (from the Python API; YAML's null is refused by the field's type) is a one-line error, not `None > 0`:
+    the kernels would read rollout_is_cap=None as no correction at all while the config asks for one."""
+    cfg = Config()
+    cfg.rollout.importance_sampling_cap = None
+    with pytest.raises(ValueError, match="importance_sampling_cap must be a finite number > 0, got None .*"
+                                         "importance_sampling_correction=false"):
+        resolve(cfg)
+
+
+def test_policy_objective_options_reach_the_loss_options():
+    """algorithm.* keys named as the kernels' options, validated once by LossOptions."""
+    cfg = resolve(apply_overrides(Config(), [
+        "algorithm.pg_objective=vespo", "algorithm.vespo_k_pos=1.5", "algorithm.vespo_lambda_neg=0.5",
+        "algorithm.off_policy_mask_threshold=0.1", "algorithm.top_entropy_quantile=0.2",
+        "algorithm.qkl_linear_beyond=8", "algorithm.sapo_temperature_neg=2", "algorithm.cispo_clip_max=3"]))
+    options = cfg.algorithm.loss_options
+    assert (options.pg_objective, options.vespo_k_pos, options.vespo_lambda_neg, options.off_policy_mask_threshold,
+            options.top_entropy_quantile, options.qkl_linear_beyond, options.sapo_temperature_neg,
+            options.cispo_clip_max) == ("vespo", 1.5, 0.5, 0.1, 0.2, 8.0, 2.0, 3.0)
+    assert resolve(Config()).algorithm.loss_options.pg_objective == "ppo-clip"
+    for overrides, message in ((["algorithm.pg_objective=ppo"], "algorithm.pg_objective"),
+                               (["algorithm.cispo_clip_max=0"], "cispo_clip_max must be"),
+                               (["algorithm.pg_objective=sapo", "algorithm.dual_clip=3"], "dual_clip applies")):
+        with pytest.raises(ValueError, match=message):
+            resolve(apply_overrides(Config(), overrides))
+
+
 def test_top_p_and_high_temperature_allowed_where_scored_alike():
     resolve(apply_overrides(Config(), ["rollout.engine=vllm", "rollout.top_p=0.9",
                                        "rollout.importance_sampling_correction=false"]))

@@ -4,7 +4,8 @@ aggregation), TRL's off-policy sequence mask and entropy filter:
   (Query-KL, random w(q)), token_weight and the rollout correction;
 - against TRL's own GRPOTrainer._compute_loss, called on a stand-in trainer whose forward returns our per-token
   log-probs [B, C]: loss and gradient w.r.t. those log-probs, in float64 (rel 1e-6) and float32 (rel 1e-5), with
-  qkl_coef = 0 and w(q) = 1. `trl_options` below is the GRPOConfig -> erpo_kernels mapping a TRL caller uses.
+  qkl_coef = 0 and w(q) = 1, through erpo.integrations.trl's `trl_loss_options` (the GRPOConfig -> erpo_kernels
+  mapping ERPOTrainer uses).
 """
 import math
 from collections import defaultdict
@@ -209,6 +210,7 @@ def test_bad_gather_and_choices():
 # Parity with TRL 1.16's GRPOTrainer._compute_loss
 
 trl = pytest.importorskip("trl")
+from erpo.integrations.trl.loss import trl_loss_options  # noqa: E402
 
 B, P, C = 6, 3, 7              # samples, prompt width, completion width
 ACCUMULATION, STEPS_PER_GENERATION, MAX_COMPLETION_LENGTH = 2, 4, 9
@@ -250,7 +252,8 @@ def trl_args(**overrides):
                 vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask_threshold=None,
                 top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, entropy_coef_min=0.0,
                 entropy_coef_max=1.0, entropy_coef_delta=0.005, entropy_target=0.2,
-                use_vllm=False, vllm_importance_sampling_correction=True, steps_per_generation=STEPS_PER_GENERATION,
+                use_vllm=False, vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_max=1.3,
+                steps_per_generation=STEPS_PER_GENERATION,
                 max_completion_length=MAX_COMPLETION_LENGTH, old_logps=True, training=True, last_world_entropy=None)
     return SimpleNamespace(**{**args, **overrides})
 
@@ -272,8 +275,8 @@ class OneProcess:
         return tensor
 
 
-def trl_loss(batch, args, logp_leaf):
-    """TRL's own _compute_loss on a stand-in GRPOTrainer whose forward returns (logp_leaf, entropies)."""
+def stand_in_trainer(batch, args, logp_leaf):
+    """A GRPOTrainer with the state _compute_loss reads, whose forward returns (logp_leaf, entropies)."""
     trainer = trl.GRPOTrainer.__new__(trl.GRPOTrainer)
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     trainer.__dict__.update(
@@ -289,6 +292,11 @@ def trl_loss(batch, args, logp_leaf):
         current_gradient_accumulation_steps=ACCUMULATION, max_completion_length=args.max_completion_length,
         aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp_leaf, batch["entropy"], None))
+    return trainer
+
+
+def trl_inputs(batch, args):
+    """GRPOTrainer's micro-batch dict from `batch`, with what `args` makes _generate_and_score_completions add."""
     inputs = dict(prompt_ids=torch.zeros(B, P, dtype=torch.long), prompt_mask=batch["prompt_mask"],
                   completion_ids=torch.zeros(B, C, dtype=torch.long), completion_mask=batch["completion_mask"],
                   tool_mask=batch["tool_mask"], advantages=batch["advantages"],
@@ -299,57 +307,7 @@ def trl_loss(batch, args, logp_leaf):
         inputs["sampling_per_token_logps"] = batch["sampling_per_token_logps"]
         if args.vllm_importance_sampling_correction:
             inputs["importance_sampling_ratio"] = batch["importance_sampling_ratio"]
-    return trl.GRPOTrainer._compute_loss(trainer, None, inputs), trainer
-
-
-def trl_options(args, batch):
-    """GRPOConfig -> erpo_kernels options and tensors for one micro-batch: the mapping a TRL caller applies (see
-    docs/API.md's "TRL's loss types"). One process; the TRL trainer's state: accumulation steps, the adaptive
-    entropy gate."""
-    mode = "train" if args.training else "eval"
-    accumulation = ACCUMULATION if mode == "train" else 1
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    apply_coef = args.entropy_coef
-    if args.use_adaptive_entropy:   # TRL applies the coefficient only while last step's entropy <= entropy_target
-        last = math.inf if args.last_world_entropy is None else args.last_world_entropy
-        apply_coef = args.entropy_coef if last <= args.entropy_target else 0.0
-    options = dict(
-        qkl_coef=0.0, policy_kl_coef=args.beta, policy_kl_bias_correction=args.use_bias_correction_kl,
-        clip_low=args.epsilon, clip_high=epsilon_high, dual_clip=args.delta, ratio_level=args.importance_sampling_level,
-        pg_objective={"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}.get(args.loss_type, "ppo-clip"),
-        cispo_clip_max=epsilon_high, sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
-        vespo_lambda_pos=max(args.vespo_lambda_pos, 1e-4), vespo_k_neg=args.vespo_k_neg,
-        vespo_lambda_neg=max(args.vespo_lambda_neg, 1e-4), off_policy_mask_threshold=args.off_policy_mask_threshold,
-        top_entropy_quantile=args.top_entropy_quantile, entropy_coef=apply_coef / accumulation,
-        entropy_agg="token-mean", rollout_is_cap=None)
-    if options["pg_objective"] != "ppo-clip":
-        options["dual_clip"] = None          # TRL's delta only acts on the clipped surrogate
-    mask = (batch["completion_mask"] * batch["tool_mask"]).float()
-    if args.loss_type in ("grpo", "sapo"):
-        options.update(loss_agg="seq-mean-token-mean", num_seqs=B * accumulation)
-    elif args.loss_type == "luspo":
-        options.update(loss_agg="seq-mean-token-sum", num_seqs=B * accumulation)
-    elif args.loss_type == "bnpo":
-        options.update(loss_agg="token-mean", num_items=mask.sum().clamp(min=1.0) * accumulation)
-    elif args.loss_type == "dr_grpo":
-        options.update(loss_agg="token-mean", num_items=B * args.max_completion_length * accumulation)
-    else:  # dapo, cispo, vespo: num_items_in_batch spans the generation batch and all processes
-        num_items = batch["num_items_in_batch"].clamp(min=1.0) / OneProcess.num_processes
-        if mode == "train":
-            num_items = num_items * accumulation / args.steps_per_generation
-        options.update(loss_agg="token-mean", num_items=num_items)
-    tensors = dict(old_logp=batch["old_per_token_logps"] if args.old_logps else None,
-                   ref_logp=batch["ref_per_token_logps"] if args.beta != 0 else None)
-    if args.use_vllm:
-        # vLLM's sampling log-probs: the off-policy mask's behaviour policy (NaN -> old log-probs: a zero gap)
-        tensors["rollout_logp"] = batch["sampling_per_token_logps"]
-        if args.vllm_importance_sampling_correction:
-            if args.loss_type == "vespo":    # token_truncate, clip_min None: folded into VESPO's sequence weight
-                options["rollout_is_cap"] = 1.3   # = vllm_importance_sampling_clip_max
-            else:                            # any mode: TRL's ratio multiplies the policy term
-                tensors["token_weight"] = batch["importance_sampling_ratio"]
-    return options, tensors
+    return inputs
 
 
 def packed(batch, logp_leaf, tensors):
@@ -371,15 +329,19 @@ def packed(batch, logp_leaf, tensors):
 
 
 def ours_and_trl(args, dtype):
+    """Our loss through the integration's GRPOConfig -> erpo_kernels mapping (`trl_loss_options`, read before TRL's
+    loss updates the adaptive entropy state) and TRL's own _compute_loss, on the same stand-in trainer."""
     batch = trl_batch(dtype)
     trl_leaf = batch["logp"].clone().requires_grad_(True)
-    expected, trainer = trl_loss(batch, args, trl_leaf)
+    trainer = stand_in_trainer(batch, args, trl_leaf)
+    inputs = trl_inputs(batch, args)
+    options, tensors = trl_loss_options(trainer, inputs, "train" if args.training else "eval")
+    expected = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
     (expected_grad,) = torch.autograd.grad(expected, trl_leaf)
-    options, tensors = trl_options(args, batch)
     leaf = batch["logp"].clone().requires_grad_(True)
     rows = packed(batch, leaf, tensors)
     out = erpo_objective(rows["token_logp"], rows["entropy"], rows["token_kind"], rows["sample_index"],
-                         inputs=rows["inputs"], options=LossOptions(**options))
+                         inputs=rows["inputs"], options=LossOptions(qkl_coef=0.0, **options))
     (grad,) = torch.autograd.grad(out.loss, leaf)
     return (out, grad), (expected, expected_grad), trainer
 

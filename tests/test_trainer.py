@@ -79,6 +79,32 @@ def test_several_updates_per_rollout_and_variants(tmp_path, cache_dir):
     assert all(r["query_weight_mean"] is not None for r in records)
 
 
+@pytest.mark.parametrize("objective", [
+    ["algorithm.pg_objective=vespo", "rollout.importance_sampling_correction=true",
+     "algorithm.off_policy_mask_threshold=0.05", "algorithm.top_entropy_quantile=0.5", "algorithm.entropy_coef=0.01"],
+    ["algorithm.pg_objective=cispo", "algorithm.cispo_clip_max=1.2", "algorithm.loss_agg=seq-mean-token-mean"]],
+    ids=["vespo-mask-filter", "cispo"])
+def test_trl_policy_objectives_train(tmp_path, cache_dir, monkeypatch, objective):
+    """The algorithm.* keys of TRL's loss types reach every loss call of a real run (two updates per rollout: old
+    log-probs), which logs finite losses."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append({key: kwargs[key] for key in ("pg_objective", "off_policy_mask_threshold", "top_entropy_quantile",
+                                                  "cispo_clip_max")})
+        return loss(*args, **kwargs)
+
+    loss = update_step.fused_linear_erpo_loss
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    out = tmp_path / "run"
+    train(small_cfg(out, cache_dir, "trainer.update_batch_size=2", "trainer.save_hf=false", *objective))
+    records = read_metrics(out)
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
+    given = dict(setting.removeprefix("algorithm.").split("=") for setting in objective)
+    expected = {name: value for name, value in given.items() if name in seen[0]}
+    assert len(expected) >= 2 and all({name: str(call[name]) for name in expected} == expected for call in seen)
+
+
 def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, cache_dir):
     """query_weight=current-unclipped: w_i = mean_j s_j / s_i over the step's samples, unclipped, so its mean over
     those samples is mean(s) * mean(1/s) >= 1 (Cauchy-Schwarz); a missing wiring would log no weight at all."""

@@ -9,6 +9,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
@@ -71,13 +72,17 @@ def trl_inputs(trainer, seed=0):
         num_items_in_batch=mask.sum() * 3,
         noise_old=0.3 * torch.randn(4, 6, generator=g), noise_ref=0.3 * torch.randn(4, 6, generator=g),
         importance_sampling_ratio=(torch.rand(4, 6, generator=g) * 1.5 + 0.25),
+        noise_sampling=0.2 * torch.randn(4, 6, generator=g),
     )
 
 
-def with_logps(trainer, inputs, old: bool):
-    """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range)."""
+def with_logps(trainer, inputs, old: bool, sampling: bool = False, nan_at=(0, 0)):
+    """Old and reference log-probs = TRL's own current log-probs plus fixed noise (so ratios leave the clip range);
+    with `sampling`, vLLM's sampling log-probs = old + noise (a NaN at `nan_at`, a token vLLM could not score; by
+    default in the sample of positive advantage, which the off-policy mask keeps anyway) and the importance-sampling
+    ratios TRL derives from them (token_truncate at vllm_importance_sampling_clip_max)."""
     inputs = dict(inputs)
-    noise_old, noise_ref = inputs.pop("noise_old"), inputs.pop("noise_ref")
+    noise_old, noise_ref, noise_sampling = (inputs.pop(f"noise_{name}") for name in ("old", "ref", "sampling"))
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():
@@ -86,6 +91,16 @@ def with_logps(trainer, inputs, old: bool):
     if old:
         inputs["old_per_token_logps"] = logps + noise_old
     inputs["ref_per_token_logps"] = logps + noise_ref
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        del inputs["importance_sampling_ratio"]   # GRPOTrainer adds it only then (VESPO reads it whenever present)
+    if sampling:
+        old_logps = inputs.get("old_per_token_logps", logps)
+        inputs["sampling_per_token_logps"] = old_logps + noise_sampling
+        inputs["sampling_per_token_logps"][nan_at] = float("nan")
+        mask = inputs["completion_mask"] * inputs["tool_mask"]
+        diff = torch.nan_to_num((old_logps - inputs["sampling_per_token_logps"]) * mask, nan=0.0)
+        if trainer.vllm_importance_sampling_correction:
+            inputs["importance_sampling_ratio"] = diff.exp().clamp(max=trainer.args.vllm_importance_sampling_clip_max)
     return inputs
 
 
@@ -117,6 +132,7 @@ def assert_parity(trainer, inputs):
         scale = grad.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    return our_metrics
 
 
 KL_SETTINGS = {"beta0": dict(beta=0.0), "beta_bias_correction": dict(beta=0.04, use_bias_correction_kl=True),
@@ -158,13 +174,155 @@ def test_trl_features_equal_trl(tiny, tmp_path, case):
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=case != "on_policy"))
 
 
+NEW_LOSS_TYPES = {"cispo": dict(loss_type="cispo", epsilon_high=1.0), "sapo": dict(loss_type="sapo"),
+                  "vespo": dict(loss_type="vespo"),
+                  "luspo": dict(loss_type="luspo", importance_sampling_level="sequence")}
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+@pytest.mark.parametrize("kl", ["beta0", "beta_bias_correction"])
+@pytest.mark.parametrize("loss_type", list(NEW_LOSS_TYPES))
+def test_new_loss_types_equal_trl(tiny, tmp_path, loss_type, kl, fused_linear):
+    """TRL 1.16's cispo, sapo, vespo and luspo: loss, every gradient and TRL's metrics (cispo_clip_ratio,
+    vespo/phi_seq_mean) equal GRPOTrainer's, gradient accumulation 2, old log-probs present."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=fused_linear, qkl_coef=0.0, query_weight="none",
+                           gradient_accumulation_steps=2, num_iterations=2, **NEW_LOSS_TYPES[loss_type],
+                           **KL_SETTINGS[kl])
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    metrics = assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+    if loss_type == "cispo":
+        assert 0 < metrics["cispo_clip_ratio"] < 1
+    if loss_type == "vespo":
+        assert abs(metrics["vespo/phi_seq_mean"] - 1) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["off_policy_mask", "off_policy_mask_vllm", "off_policy_mask_vllm_on_policy",
+                                  "entropy_filter", "vespo_vllm_is", "everything_sapo_eval"])
+def test_off_policy_mask_and_entropy_filter_equal_trl(tiny, tmp_path, case):
+    """TRL's off-policy sequence mask (against the old log-probs, or vLLM's sampling log-probs), its entropy filter
+    with the entropy bonus, VESPO with vLLM's token_truncate importance sampling folded into its sequence weight,
+    and all of them at once in eval."""
+    settings = {"off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
+                "off_policy_mask_vllm": dict(loss_type="grpo", off_policy_mask_threshold=0.02, beta=0.04),
+                "off_policy_mask_vllm_on_policy": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
+                "entropy_filter": dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05),
+                "vespo_vllm_is": dict(loss_type="vespo", vllm_importance_sampling_clip_max=1.2),
+                "everything_sapo_eval": dict(loss_type="sapo", off_policy_mask_threshold=0.02,
+                                             top_entropy_quantile=0.5, entropy_coef=0.05)}[case]
+    vllm = case in ("off_policy_mask_vllm", "off_policy_mask_vllm_on_policy", "vespo_vllm_is", "everything_sapo_eval")
+    on_policy = case == "off_policy_mask_vllm_on_policy"   # vLLM without the IS correction: no old log-probs
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight="none", gradient_accumulation_steps=2,
+                           **settings)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train(case != "everything_sapo_eval")
+    if vllm:  # what GRPOTrainer sets with use_vllm=True (vLLM itself is not needed for the loss)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, not on_policy
+    # on-policy: the NaN in a sample of negative advantage, where it counts as zero drift in the mask
+    inputs = with_logps(trainer, trl_inputs(trainer), old=not on_policy, sampling=vllm,
+                        nan_at=(1, 1) if on_policy else (0, 0))
+    assert_parity(trainer, inputs)
+    with_option = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    if case == "vespo_vllm_is":   # VESPO without the rollout correction
+        inputs = {name: value for name, value in inputs.items() if name != "importance_sampling_ratio"}
+    else:
+        trainer.__dict__.update(off_policy_mask_threshold=None, top_entropy_quantile=1.0)
+    assert abs(trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item() - with_option) > 1e-5
+
+
+def test_adaptive_entropy_equals_trl(tiny, tmp_path):
+    """use_adaptive_entropy over 3 optimizer steps of 2 micro-batches (entropy_target above, above, below the
+    entropy: the coefficient rises twice, then falls): each micro-batch's loss and gradients, and the coefficient,
+    last entropy and window after each one, equal GRPOTrainer's run from the same state."""
+    trainer = make_trainer(tiny, tmp_path, loss_type="grpo", qkl_coef=0.0, query_weight="none",
+                           gradient_accumulation_steps=2, use_adaptive_entropy=True, entropy_coef=0.05,
+                           entropy_coef_delta=0.02, top_entropy_quantile=0.6)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    batches = [with_logps(trainer, trl_inputs(trainer, seed=seed), old=True) for seed in range(6)]
+    targets = [10.0, 10.0, 0.1]
+
+    def run(compute_loss):
+        trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.05, math.inf, None
+        trajectory = []
+        for index, inputs in enumerate(batches):
+            trainer.args.entropy_target = targets[index // 2]
+            trainer.accelerator.gradient_state._set_sync_gradients(index % 2 == 1)
+            loss, grads, metrics = logged(trainer, compute_loss, inputs)
+            trajectory.append((loss, grads, metrics, trainer.entropy_coef, trainer._last_world_entropy))
+        trainer.accelerator.gradient_state._set_sync_gradients(True)
+        return trajectory
+
+    ours, theirs = run(ERPOTrainer._compute_loss), run(trl.GRPOTrainer._compute_loss)
+    coefs = [step[3] for step in theirs]
+    assert coefs == pytest.approx([0.05, 0.07, 0.07, 0.09, 0.09, 0.07])
+    for (loss, grads, metrics, coef, last), (trl_loss, trl_grads, trl_metrics, trl_coef, trl_last) in zip(ours, theirs):
+        torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=0)
+        for name, grad in trl_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+        assert coef == pytest.approx(trl_coef, abs=1e-12) and last == pytest.approx(trl_last, rel=1e-5)
+        for name, value in trl_metrics.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, tiny):
+    """A saved tiny Qwen3-MoE (4 experts, 2 per token) at its architecture's default router_aux_loss_coef=0.001."""
+    tokenizer = tiny[1]
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert config.router_aux_loss_coef == 0.001 and not config.output_router_logits
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_moe")
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_moe_router_aux_loss_equals_trl(tiny_moe, tmp_path, fused_linear):
+    """An MoE model at its default router_aux_loss_coef is accepted, and the loss includes TRL's load-balancing
+    term (coefficient x aux_loss / accumulation): loss, every gradient (the router's included) and the aux_loss
+    metric equal GRPOTrainer's."""
+    trainer = make_trainer(tiny_moe, tmp_path, loss_type="dapo", qkl_coef=0.0, query_weight="none",
+                           fused_linear=fused_linear, gradient_accumulation_steps=2, beta=0.04)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    metrics = assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert metrics["aux_loss"] > 1.0   # the term is really there (about num_experts_per_tok at initialisation)
+    trainer.aux_loss_enabled = False   # and it changes the loss
+    without = ERPOTrainer._compute_loss(trainer, trainer.model, with_logps(trainer, trl_inputs(trainer), old=True))
+    trainer.aux_loss_enabled = True
+    with_aux = ERPOTrainer._compute_loss(trainer, trainer.model, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert (with_aux - without).item() == pytest.approx(0.001 * metrics["aux_loss"] / 2, rel=1e-4)
+
+
 @pytest.mark.parametrize("setting, message", [
-    (dict(loss_type="cispo"), "loss_type='cispo'"), (dict(query_weight="dynamic"), "query_weight"),
-    (dict(qkl_estimator="k3-token"), "k3-token"), (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
-    (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high")])
+    (dict(loss_type="ppo"), "loss_type='ppo'"), (dict(query_weight="dynamic"), "query_weight"),
+    (dict(qkl_estimator="k3-token"), "k3-token"), (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"), "token_mask"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_max=0.9), "vllm_importance_sampling_clip_max < 1")])
 def test_unsupported_settings_raise(tmp_path, setting, message):
     with pytest.raises(ValueError, match=message):
         ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **setting)
+
+
+def test_trl_options_are_accepted(tmp_path):
+    """Every TRL 1.16 loss type and option ERPOTrainer once refused builds a config; delta is only checked
+    against epsilon_high for the clipped-surrogate types (TRL ignores it for cispo, sapo and vespo)."""
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type=loss_type,
+                   delta=1.1 if loss_type in ("cispo", "sapo", "vespo") else None)
+    ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, top_entropy_quantile=0.2,
+               off_policy_mask_threshold=0.5, use_adaptive_entropy=True, loss_type="vespo", use_vllm=True,
+               vllm_importance_sampling_mode="token_truncate")
 
 
 def test_grpo_config_is_refused(tiny, tmp_path):
@@ -199,6 +357,27 @@ def test_train_logs_qkl_and_reuses_the_reference_cache(tiny, tmp_path):
     path.write_text(json.dumps(data))
     second = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
     assert second.reference_cache.entries[key][0] == -123.0
+
+
+@pytest.mark.parametrize("settings, metric", [
+    (dict(loss_type="cispo", epsilon_high=1.0, top_entropy_quantile=0.5), "cispo_clip_ratio"),
+    (dict(loss_type="vespo", off_policy_mask_threshold=0.1, use_adaptive_entropy=True, entropy_target=10.0,
+          save_strategy="steps", save_steps=2), "vespo/phi_seq_mean")], ids=["cispo", "vespo"])
+def test_train_with_new_loss_types(tiny, tmp_path, settings, metric):
+    """Real train() steps with the new loss types and options: the Query-KL and TRL's metric of the type are
+    logged, the parameters move; with use_adaptive_entropy the coefficient is logged each step and saved in the
+    checkpoint as GRPOTrainer saves it (entropy_ctrl_state.json)."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=2,
+                           temperature=1.0, **settings)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "qkl" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry[metric]) for entry in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    if settings.get("use_adaptive_entropy"):
+        assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.005, 0.01])   # entropy < target: up
+        state = json.loads((tmp_path / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+        assert state["entropy_coef"] == trainer.entropy_coef and state["last_world_entropy"] < 10.0
 
 
 def test_missing_prompt_is_a_clear_error(tiny, tmp_path):

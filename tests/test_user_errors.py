@@ -154,6 +154,16 @@ def test_config_errors_exit_2_without_a_config_dump(capsys):
     assert "config error: trainer.lr must be > 0" in one_error_line(capsys, "train")
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("rollout.importance_sampling_cap=null", "config key 'rollout.importance_sampling_cap': expected a number"),
+    ("algorithm.pg_objective=grpo", "config key 'algorithm.pg_objective' = 'grpo'; expected one of ppo-clip"),
+    ("algorithm.top_entropy_quantile=1.5", "top_entropy_quantile must be a number in [0, 1]")])
+def test_loss_option_errors_are_one_line(capsys, setting, message):
+    """No cap for the importance weight (null) and out-of-range policy options are one line, exit 2."""
+    assert main(["train", "--set", setting]) == 2
+    assert message in one_error_line(capsys, "train")
+
+
 # ------------------------------------------------------------------------------------------------------ options
 def test_options_cannot_be_abbreviated_and_errors_show_the_subcommand_usage(capsys):
     for argv in (["train", "--max-step", "5"], ["train", "--no-such-option"],

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the TRL loss types our loss expresses exactly
+from erpo.integrations.trl.loss import PG_OBJECTIVES
+
 QUERY_WEIGHTS = ("static", "current", "none")
 QKL_ESTIMATORS = ("k1", "k2", "k3")
 CACHE_FILE = "erpo_reference_cache.json"
@@ -38,20 +39,29 @@ class ERPOConfig(GRPOConfig):
                              "which GRPOTrainer does not compute)")
         if not (isinstance(self.qkl_coef, (int, float)) and math.isfinite(self.qkl_coef)):
             raise ValueError(f"qkl_coef must be a finite number, got {self.qkl_coef!r}")
-        if self.loss_type not in LOSS_TYPES:
+        if self.loss_type not in PG_OBJECTIVES:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported by ERPOTrainer; use one of "
-                             f"{list(LOSS_TYPES)}")
+                             f"{list(PG_OBJECTIVES)}")
         epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.delta is not None and self.delta <= 1 + epsilon_high:
+        if self.delta is not None and PG_OBJECTIVES[self.loss_type] == "ppo-clip" and self.delta <= 1 + epsilon_high:
             raise ValueError(f"delta must be > 1 + epsilon_high = {1 + epsilon_high} with ERPOTrainer (it is then "
                              f"the dual clip of negative advantages), got {self.delta}")
-        unsupported = {"top_entropy_quantile": self.top_entropy_quantile < 1.0,
-                       "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
-                       "use_adaptive_entropy": self.use_adaptive_entropy}
-        for name, is_set in unsupported.items():
-            if is_set:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by ERPOTrainer; leave it at "
-                                 "GRPOConfig's default")
+        if self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction:
+            self._check_vespo_rollout_correction()
+
+    def _check_vespo_rollout_correction(self) -> None:
+        """What of vLLM's importance sampling VESPO's sequence weight can fold in: the per-token truncation
+        min(ratio, clip_max) with clip_max >= 1 (TRL also sums the log-ratios of masked positions, which are then 0)."""
+        if self.vllm_importance_sampling_mode == "token_mask":
+            raise ValueError("loss_type='vespo' with vllm_importance_sampling_mode='token_mask' is not supported by "
+                             "ERPOTrainer (TRL turns masked ratios into log(1e-8) terms of the sequence weight, which "
+                             "the loss cannot express); use 'token_truncate'")
+        if self.vllm_importance_sampling_clip_min is not None:
+            raise ValueError("loss_type='vespo' with vllm_importance_sampling_clip_min is not supported by "
+                             "ERPOTrainer (the loss truncates the rollout ratio from above only); set it to None")
+        if self.vllm_importance_sampling_clip_max is not None and self.vllm_importance_sampling_clip_max < 1:
+            raise ValueError("loss_type='vespo' with vllm_importance_sampling_clip_max < 1 is not supported by "
+                             "ERPOTrainer (TRL then also counts the cap on padding positions); use a value >= 1")
 
     @property
     def needs_reference(self) -> bool:

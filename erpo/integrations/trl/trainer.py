@@ -13,13 +13,15 @@ from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin
-from erpo.sequences import final_hidden, per_sample_sum
+from erpo.sequences import final_hidden_and_output, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
 from erpo_kernels.zero3 import gathered_lm_head
 
 
 class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
-    """GRPOTrainer with the ERPO loss. Same constructor; `args` is an ERPOConfig."""
+    """GRPOTrainer with the ERPO loss. Same constructor; `args` is an ERPOConfig. GRPOTrainer's own state is kept:
+    the adaptive entropy coefficient (`entropy_coef`, `_last_world_entropy`, saved in checkpoints by GRPOTrainer)
+    and the MoE router auxiliary loss settings (`aux_loss_enabled`, `router_aux_loss_coef`)."""
 
     def __init__(self, model, reward_funcs=None, args: ERPOConfig | None = None, *rest, **kwargs):
         if args is None:
@@ -34,8 +36,6 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
 
     def _check_model(self) -> None:
         """Reject what the loss cannot reproduce (one line each, naming the setting)."""
-        if self.aux_loss_enabled:
-            raise ValueError("ERPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0")
         if self._is_vlm:
             raise ValueError("ERPOTrainer does not support vision-language models (multimodal prompts)")
         if not self.args.fused_linear:
@@ -60,14 +60,8 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         if advantages.dim() != 1:
             raise ValueError(f"ERPOTrainer expects one advantage per sample, shape [B]; got {tuple(advantages.shape)}")
         ref_query_logp, static_weight = self._reference_of(inputs) if self.args.needs_reference else (None, None)
-        old = inputs.get("old_per_token_logps")
-        tensors = dict(
-            advantages=advantages.float(), ref_query_logp=ref_query_logp,
-            old_logp=None if old is None else rows.scatter(old),
-            ref_logp=rows.scatter(inputs["ref_per_token_logps"]) if self.beta != 0 else None,
-            token_weight=rows.scatter(inputs["importance_sampling_ratio"])
-            if self.use_vllm and self.vllm_importance_sampling_correction else None)
-        options = self._loss_options(inputs, rows, mode)
+        options, row_tensors = self._loss_options(inputs, rows, mode)
+        tensors = dict(advantages=advantages.float(), ref_query_logp=ref_query_logp, **row_tensors)
         query_rows = batch.token_kind == 1
 
         def weights(query_token_logp):  # w(q) [B] or None; query_token_logp(targets) -> log-probs of query rows
@@ -79,23 +73,67 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
                 ell = per_sample_sum(logp, batch, kind=1)   # the kernels' fixed-order sums, as erpo's trainer
             return self._current_query_weights(ell)
 
+        router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
         with self.accelerator.autocast():
             if self.args.fused_linear:
-                hidden = final_hidden(model, batch)
+                hidden, output = final_hidden_and_output(model, batch, **router)
             else:
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-                logits = logits.reshape(-1, logits.shape[-1])[batch.rows]
+                output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                               **router)
+                logits = output.logits.reshape(-1, output.logits.shape[-1])[batch.rows]
+        aux_loss = output.aux_loss if self.aux_loss_enabled else None
+        del output
         if self.args.fused_linear:
             with gathered_lm_head(model) as (weight, bias):
                 hidden = hidden.to(weight.dtype)
+                tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
+                    hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))
                 query_weight = weights(lambda targets: fused_linear_token_logprobs(
                     hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature))
                 out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
                                              bias=bias, query_weight=query_weight, **tensors, **options)
         else:
+            tensors = self._fill_unscored(tensors, lambda: token_logprobs(logits.detach(), batch.targets,
+                                                                         temperature=self.temperature))
             query_weight = weights(lambda targets: token_logprobs(logits[query_rows].detach(), targets,
                                                                   temperature=self.temperature))
             out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
                             **tensors, **options)
-        self._log_loss_metrics(mode, inputs, rows, out, query_weight, options)
-        return out.loss
+        loss = out.loss
+        if aux_loss is not None:   # TRL's router load-balancing loss, scaled for gradient accumulation like the loss
+            loss = loss + self.router_aux_loss_coef * aux_loss / (
+                self.current_gradient_accumulation_steps if mode == "train" else 1)
+        if self.use_adaptive_entropy and mode == "train":
+            self._update_adaptive_entropy(out.metrics["kept_entropy"], out.metrics["kept_tokens"])
+        self._log_loss_metrics(mode, inputs, rows, out, query_weight, options, aux_loss)
+        return loss
+
+    @staticmethod
+    def _fill_unscored(tensors: dict, current_logp) -> dict:
+        """vLLM's NaN sampling log-probs (tokens it could not score) left by `trl_loss_options` (only without old
+        log-probs: on-policy) become the current ones, `current_logp()` [R]: no drift there in the off-policy mask,
+        as TRL's nan_to_num."""
+        rollout = tensors["rollout_logp"]
+        if rollout is None or not rollout.isnan().any():
+            return tensors
+        with torch.no_grad():
+            return dict(tensors, rollout_logp=torch.where(rollout.isnan(), current_logp().float(), rollout))
+
+    def _update_adaptive_entropy(self, kept_entropy: torch.Tensor, kept_tokens: torch.Tensor) -> None:
+        """GRPOTrainer's adaptive entropy control: add this micro-batch's (entropy sum, token count) over the rows
+        the bonus acts on to the window; at the optimizer step, the window's mean over all processes moves
+        `entropy_coef` by entropy_coef_delta (up while <= entropy_target, else down, within [min, max]) and becomes
+        `_last_world_entropy`, which gates the bonus of the next step."""
+        stats = torch.stack([kept_entropy.float() * kept_tokens, kept_tokens.float()]).detach()
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
