@@ -312,3 +312,12 @@ def test_evaluate_with_the_query_kl(tiny, tmp_path):
     evaluated = [entry for entry in trainer.state.log_history[1:] if "eval_qkl" in entry]
     assert {"eval_a_loss", "eval_b_loss"} <= {key for entry in evaluated for key in entry}
     assert evaluated[-1]["eval_qkl"] > 1e-6
+
+
+def test_cache_of_another_precision_is_refused(tiny, tmp_path):
+    """The cache records the training forward's precision (bf16 autocast here, GRPOConfig's default) and a run
+    in another precision refuses it, naming both."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=True)
+    assert "autocast=bfloat16,path=fused-linear" in trainer.reference_cache.precision
+    with pytest.raises(ValueError, match="precision: cache built with .*autocast=bfloat16.*autocast=off"):
+        make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=False)

@@ -23,7 +23,8 @@ class LossOptionsMixin:
                        ratio_level=self.importance_sampling_level, temperature=self.temperature,
                        # TRL's entropy bonus: a token mean over the micro-batch, divided by the accumulation steps
                        entropy_coef=self.entropy_coef / accumulation, entropy_agg="token-mean",
-                       num_seqs=num * accumulation)  # per-sample means (grpo, the Query-KL) over the optimizer step
+                       num_seqs=num * accumulation,  # per-sample means (grpo, the Query-KL) over the optimizer step
+                       **self._logit_options)  # the model's logit transform on the fused-linear path (ERPOTrainer)
         if self.loss_type == "grpo":
             return dict(options, loss_agg="seq-mean-token-mean")
         if self.loss_type == "bnpo":
