@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -321,3 +322,34 @@ def test_cache_of_another_precision_is_refused(tiny, tmp_path):
     assert "autocast=bfloat16,path=fused-linear" in trainer.reference_cache.precision
     with pytest.raises(ValueError, match="precision: cache built with .*autocast=bfloat16.*autocast=off"):
         make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=False)
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
+    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
+    and gradients on the model's own (capped) logits; the soft-cap bites (2.0, logits scaled up)."""
+    tokenizer = tiny[1]
+    config = transformers.Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       final_logit_softcapping=2.0, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    path = tmp_path / "gemma2"
+    model.save_pretrained(path)
+    trainer = make_trainer((str(path), tokenizer), tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
+                           qkl_coef=0.0, query_weight="none", beta=0.04)
+    assert trainer._logit_options == ({"logit_scale": 1.0, "logit_softcap": 2.0} if fused_linear else {})
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+
+
+def test_unknown_logit_transform_is_refused(tiny, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    model.config.lm_head_temperature = 3.0
+    with pytest.raises(ValueError, match="lm_head_temperature"):
+        ERPOTrainer(model=model, reward_funcs=reward_length, processing_class=tiny[1],
+                    args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
+                    train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
