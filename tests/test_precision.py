@@ -73,3 +73,27 @@ def test_format_1_cache_is_refused(tmp_path):
     path.write_text('{"format_version": 1, "entries": {}}')
     with pytest.raises(ValueError, match="format 1 records no precision"):
         ReferenceCache.load(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+def test_query_kl_is_exactly_zero_at_theta0(kind, dtype):
+    """erpo train's path at theta0 (model.dtype fp32 or bf16, no autocast): ell_theta0(q) of the reference cache
+    (prompts alone) and ell_theta(q) of the loss (prompt + response, as update_step scores it) are bit-identical,
+    so the Query-KL and its gradient are exactly 0."""
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import final_hidden, logit_transforms
+    from erpo_kernels import fused_linear_erpo_loss
+    model = tiny_lm(kind).to(dtype)
+    ell0 = compute_query_logp(model, PROMPTS, pad_id=0, batch_size=3)
+    model.train()
+    batch = pack(PROMPTS, RESPONSES, 0, "cpu", response_scored=[False] * 3)
+    hidden = final_hidden(model, batch)
+    weight = model.get_output_embeddings().weight
+    out = fused_linear_erpo_loss(hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index,
+                                 advantages=torch.zeros(3), ref_query_logp=ell0.float(), qkl_coef=1.0, num_seqs=3,
+                                 **logit_transforms(model))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.metrics["qkl"].item() == 0.0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.abs().max().item() == 0.0 for g in grads)
