@@ -353,3 +353,21 @@ def test_unknown_logit_transform_is_refused(tiny, tmp_path):
         ERPOTrainer(model=model, reward_funcs=reward_length, processing_class=tiny[1],
                     args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
                     train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear):
+    """ell_theta0(q) is scored by the training forward (autocast, path): at theta0, with every completion masked (as
+    mask_truncated_completions leaves them) and prompts of different lengths, the loss (the Query-KL alone) and its
+    gradient are exactly 0. Eager attention: sdpa's CPU kernel depends on the key length in bf16 (docs)."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+    assert ("autocast=bfloat16" if bf16 else "autocast=off") in trainer.reference_cache.precision
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+    assert loss.item() == 0.0
+    assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())

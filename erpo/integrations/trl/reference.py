@@ -3,6 +3,7 @@ theta0, the tokenizer and the temperature) or built at start with the model as p
 micro-batch. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -71,7 +72,17 @@ class ReferenceMixin:
     def _score_reference(self, batch: PackedBatch) -> torch.Tensor:
         """Log-probs [R] of a batch's scored rows computed as `_compute_loss` computes them: the forward under
         `accelerator.autocast()`, then hidden @ lm_head with the model's logit transform (fused_linear) or the
-        model's own logits (already transformed), at the sampling temperature, outside autocast."""
+        model's own logits (already transformed), at the sampling temperature, outside autocast. One masked column
+        is appended: sdpa runs another kernel for an all-ones mask (is_causal) than for a mask with padding, and the
+        two differ in the last bits, while TRL's training batches nearly always mask some padding."""
+        num = batch.input_ids.shape[0]
+
+        def padded(values):  # [B, L] or [B * L] -> [B, L + 1], a zero column appended
+            values = values.reshape(num, -1)
+            return torch.cat([values, torch.zeros_like(values[:, :1])], dim=1)
+
+        batch = dataclasses.replace(batch, input_ids=padded(batch.input_ids),
+                                    attention_mask=padded(batch.attention_mask), rows=padded(batch.rows).reshape(-1))
         if self.args.fused_linear:
             return scored_token_logp(self.model, batch, self.temperature, autocast=self.accelerator.autocast)
         with self.accelerator.autocast():
