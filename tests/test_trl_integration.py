@@ -371,3 +371,16 @@ def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear):
     loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
     assert loss.item() == 0.0
     assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):
+    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast. Nothing
+    is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as with GRPOTrainer)."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, query_weight="none", bf16=True, max_completion_length=2,
+                           mask_truncated_completions=True, max_steps=1, learning_rate=1e-2,
+                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids},
+                           model_init_kwargs={"attn_implementation": "eager"})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
