@@ -2,11 +2,12 @@
 fused-linear path of erpo_kernels (the [B, L, V] logits are never built)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from erpo_kernels import fused_linear_token_logprobs
+from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config
 from erpo_kernels.layout import from_padded
 from erpo_kernels.segment import SegmentSum
 from erpo_kernels.triton_segment import TritonSegmentSum
@@ -77,12 +78,43 @@ def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
     return hidden.reshape(-1, hidden.shape[-1])[batch.rows], out
 
 
+def logit_transforms(model) -> dict:
+    """The model's own final-logit transform as the kernels' options {"logit_scale", "logit_softcap"}, read from its
+    config (`model` a causal LM, a PEFT model or a DeepSpeed engine around one). ValueError, one line, on a transform
+    `erpo_kernels.logit_transforms_from_config` does not know: it is refused, never ignored."""
+    return logit_transforms_from_config(getattr(model, "module", model).config)
+
+
+def scoring_precision(config, dtype: torch.dtype, device: torch.device | str, *, path: str = "fused-linear",
+                      autocast: torch.dtype | None = None) -> str:
+    """What determines a scored log-prob's numbers besides the weights, the tokens and the temperature, as one
+    string: the weights' `dtype`, the forward's autocast dtype (None: off), the scoring `path` ("fused-linear":
+    hidden @ lm_head in the kernels; "logits": the model's own logits), the device type (it picks the kernels'
+    backend) and the logit transform of the model `config`. A reference cache records it, and a run that scores
+    otherwise refuses the cache."""
+    transforms = logit_transforms_from_config(config)
+    cast = "off" if autocast is None else str(autocast).removeprefix("torch.")
+    return (f"dtype={str(dtype).removeprefix('torch.')},autocast={cast},path={path},"
+            f"device={torch.device(device).type},logit_scale={transforms['logit_scale']},"
+            f"logit_softcap={transforms['logit_softcap']}")
+
+
+def model_precision(model, **kwargs) -> str:
+    """`scoring_precision` of a loaded model (its config, and its first parameter's dtype and device)."""
+    param = next(model.parameters())
+    return scoring_precision(getattr(model, "module", model).config, param.dtype, param.device, **kwargs)
+
+
 @torch.no_grad()
-def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs [R] fp32 (nats) of the scored rows' targets under `model`, without gradient."""
-    hidden = final_hidden(model, batch)
+def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autocast=None) -> torch.Tensor:
+    """Log-probs [R] fp32 (nats) of the scored rows' targets under `model`, without gradient: the forward under
+    `autocast` (a context manager factory, e.g. accelerate's `accelerator.autocast`; None: off), then
+    hidden @ lm_head with the model's logit transform (`logit_transforms`), outside autocast, as the loss scores."""
+    with (autocast or contextlib.nullcontext)():
+        hidden = final_hidden(model, batch)
     with gathered_lm_head(model) as (weight, bias):
-        return fused_linear_token_logprobs(hidden, weight, batch.targets, bias=bias, temperature=temperature)
+        return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, batch.targets, bias=bias,
+                                           temperature=temperature, **logit_transforms(model))
 
 
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_a_crash_while_writing_leaves_nothing_under_the_final_name(tmp_path):
 
 def test_reference_cache_saves_leave_one_whole_file(tmp_path):
     path = tmp_path / "ref.json"
-    caches = [ReferenceCache("m", "fp", "t", "tfp", "plain", {f"h{i}": (-1.0 * i, 0.5)}) for i in range(3)]
+    caches = [ReferenceCache("m", "fp", "t", "tfp", "plain", "p", {f"h{i}": (-1.0 * i, 0.5)}) for i in range(3)]
     for cache in caches:
         cache.save(str(path))
     assert ReferenceCache.load(str(path)).entries == caches[-1].entries

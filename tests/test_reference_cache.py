@@ -247,5 +247,6 @@ def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_p
     monkeypatch.setattr(distributed, "is_main", lambda: False)
     monkeypatch.setattr(distributed, "all_gather_object", lambda obj: ["sha256:from-rank-0", obj])
     monkeypatch.setattr(reference_setup, "model_fingerprint", must_not_hash)
+    monkeypatch.setattr(reference_setup, "run_precision", lambda cfg, path, model: "p")   # no model in tmp_path
     identity = reference_setup.reference_identity(Config(), str(tmp_path), Tokenizer())
     assert identity["model_fp"] == "sha256:from-rank-0"

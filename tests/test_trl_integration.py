@@ -491,3 +491,74 @@ def test_evaluate_with_the_query_kl(tiny, tmp_path):
     evaluated = [entry for entry in trainer.state.log_history[1:] if "eval_qkl" in entry]
     assert {"eval_a_loss", "eval_b_loss"} <= {key for entry in evaluated for key in entry}
     assert evaluated[-1]["eval_qkl"] > 1e-6
+
+
+def test_cache_of_another_precision_is_refused(tiny, tmp_path):
+    """The cache records the training forward's precision (bf16 autocast here, GRPOConfig's default) and a run
+    in another precision refuses it, naming both."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=True)
+    assert "autocast=bfloat16,path=fused-linear" in trainer.reference_cache.precision
+    with pytest.raises(ValueError, match="precision: cache built with .*autocast=bfloat16.*autocast=off"):
+        make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=False)
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
+    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
+    and gradients on the model's own (capped) logits; the soft-cap bites (2.0, logits scaled up)."""
+    tokenizer = tiny[1]
+    config = transformers.Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       final_logit_softcapping=2.0, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    path = tmp_path / "gemma2"
+    model.save_pretrained(path)
+    trainer = make_trainer((str(path), tokenizer), tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
+                           qkl_coef=0.0, query_weight="none", beta=0.04)
+    assert trainer._logit_options == ({"logit_scale": 1.0, "logit_softcap": 2.0} if fused_linear else {})
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+
+
+def test_unknown_logit_transform_is_refused(tiny, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    model.config.lm_head_temperature = 3.0
+    with pytest.raises(ValueError, match="lm_head_temperature"):
+        ERPOTrainer(model=model, reward_funcs=reward_length, processing_class=tiny[1],
+                    args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
+                    train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear):
+    """ell_theta0(q) is scored by the training forward (autocast, path): at theta0, with every completion masked (as
+    mask_truncated_completions leaves them) and prompts of different lengths, the loss (the Query-KL alone) and its
+    gradient are exactly 0. Eager attention: sdpa's CPU kernel depends on the key length in bf16 (docs)."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+    assert ("autocast=bfloat16" if bf16 else "autocast=off") in trainer.reference_cache.precision
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+    assert loss.item() == 0.0
+    assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):
+    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast. Nothing
+    is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as with GRPOTrainer)."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, query_weight="none", bf16=True, max_completion_length=2,
+                           mask_truncated_completions=True, max_steps=1, learning_rate=1e-2,
+                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids},
+                           model_init_kwargs={"attn_implementation": "eager"})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -3,12 +3,18 @@ the Cached Reference", appendix C), with the identity of the model, tokenizer an
 
 ell_theta0(q) = sum of log p_theta0(x_t | x_<t) over the prompt tokens as fed to the model (chat template
 included), the first token excluded. Entries are keyed by a hash of the prompt's token ids.
+
+The cache also records its precision (`erpo.sequences.scoring_precision`: dtype, autocast, scoring path, device,
+logit transform): ell_theta0(q) must be computed exactly as the loss computes ell_theta(q), or the Query-KL is not 0
+at theta0 and its gradient moves the model for nothing. A run that scores otherwise refuses the cache. Caches of
+format 1 record no precision and are refused with a rebuild message (their precision cannot be known).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,10 +24,10 @@ from tqdm.auto import tqdm
 from erpo import distributed as D
 from erpo.atomic import publish
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import pack, per_sample_sum, scored_token_logp
+from erpo.sequences import PackedBatch, model_precision, pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: the precision is recorded
 REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
 log = logging.getLogger("erpo")
 
@@ -60,6 +66,7 @@ class ReferenceCache:
     tokenizer_id: str
     tokenizer_fingerprint: str
     template: str
+    precision: str
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)   # hash -> (ell_theta0, w)
 
     @property
@@ -74,7 +81,7 @@ class ReferenceCache:
         payload = {"format_version": FORMAT_VERSION, "model_id": self.model_id,
                    "model_fingerprint": self.model_fingerprint, "tokenizer_id": self.tokenizer_id,
                    "tokenizer_fingerprint": self.tokenizer_fingerprint, "template": self.template,
-                   "entries": {k: list(v) for k, v in self.entries.items()}}
+                   "precision": self.precision, "entries": {k: list(v) for k, v in self.entries.items()}}
         publish(path, lambda tmp: tmp.write_text(json.dumps(payload)))
         return str(path)
 
@@ -83,17 +90,22 @@ class ReferenceCache:
         data = json.loads(Path(path).read_text())
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"reference cache {path}: format version {data.get('format_version')}, expected "
-                             f"{FORMAT_VERSION}; rebuild it with `erpo precompute-ref`")
+                             f"{FORMAT_VERSION} (format 1 records no precision, so whether its ell_theta0(q) match "
+                             "this run's scoring is unknown); delete it to rebuild it, or rebuild it with "
+                             "`erpo precompute-ref --overwrite`")
         return cls(data["model_id"], data["model_fingerprint"], data["tokenizer_id"], data["tokenizer_fingerprint"],
-                   data["template"], {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()})
+                   data["template"], data["precision"],
+                   {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()})
 
     def check_compatible(self, *, model_id: str, model_fp: str | tuple[str, ...], tokenizer_id: str,
                          tokenizer_fp: str, template: str | None, temperature: float | None = None,
-                         path: str = "the reference cache", remedy: str = REBUILD) -> None:
+                         precision: str | None = None, path: str = "the reference cache",
+                         remedy: str = REBUILD) -> None:
         """ValueError naming what differs when the cache was built with another model, tokenizer or template.
         `model_fp`: the fingerprint, or every fingerprint that identifies the run's model. `template` None: the
         template is not compared (the caller checks the prompts' token ids), only the recorded `temperature`.
-        `remedy`: the error's last sentence, what to do."""
+        `precision`: the run's `scoring_precision` (None: not compared). `remedy`: the error's last sentence, what
+        to do."""
         accepted = (model_fp,) if isinstance(model_fp, str) else model_fp
         problems = []
         if self.model_fingerprint not in accepted:
@@ -107,6 +119,8 @@ class ReferenceCache:
         if temperature is not None and recorded_temperature(self.template) != float(temperature):
             problems.append(f"temperature: cache built with template {self.template!r}, training uses "
                             f"temperature={temperature}")
+        if precision is not None and self.precision != precision:
+            problems.append(f"precision: cache built with {self.precision}, training scores with {precision}")
         if problems:
             raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
 
@@ -124,9 +138,12 @@ class ReferenceCache:
 
 
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
-                       temperature: float = 1.0, progress: bool = False) -> torch.Tensor:
+                       temperature: float = 1.0, progress: bool = False,
+                       score: Callable[[PackedBatch], torch.Tensor] | None = None) -> torch.Tensor:
     """ell(q) [Q] float64 (nats) of each prompt under `model` (logits / temperature, as the loss sees them),
-    batched through fused_linear_token_logprobs; `progress` shows a progress bar over the batches."""
+    batched; `score(batch)` -> log-probs [R] of the batch's scored rows, by default `scored_token_logp` (the
+    fused-linear path, no autocast); `progress` shows a progress bar over the batches."""
+    score = score or (lambda batch: scored_token_logp(model, batch, temperature))
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     device = next(model.parameters()).device
@@ -138,7 +155,7 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
         for start in tqdm(starts, desc="ell_theta0(q)", unit="batch", disable=not progress):
             chunk = prompt_ids[start:start + batch_size]
             batch = pack(chunk, [[] for _ in chunk], pad_id, device)
-            out.append(per_sample_sum(scored_token_logp(model, batch, temperature), batch, kind=1).cpu())
+            out.append(per_sample_sum(score(batch), batch, kind=1).cpu())
     finally:
         model.train(was_training)
     return torch.cat(out)
@@ -146,15 +163,19 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
 
 def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, model_id: str, template: str,
                           batch_size: int, temperature: float = 1.0, model_fp: str | None = None,
-                          tokenizer_fp: str | None = None, progress: bool = False) -> ReferenceCache:
+                          tokenizer_fp: str | None = None, progress: bool = False,
+                          score: Callable[[PackedBatch], torch.Tensor] | None = None,
+                          precision: str | None = None) -> ReferenceCache:
     """ell_theta0 over all (unique) prompts, sharded over ranks and gathered, and w = query_weights(ell_theta0).
     `model_fp` / `tokenizer_fp`: the fingerprints when already computed (else computed here); `progress`: a
-    progress bar."""
+    progress bar; `score` and `precision`: how the log-probs are scored and its record (`compute_query_logp`;
+    default the fused-linear path without autocast, `model_precision(model)`)."""
     unique = list({prompt_hash(p): p for p in prompt_ids}.items())
     local = D.shard(unique, D.rank(), D.world_size()) if len(unique) >= D.world_size() else unique
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ell_local = compute_query_logp(model, [p for _, p in local], pad_id=pad_id, batch_size=batch_size,
-                                   temperature=temperature, progress=progress and D.is_main()) \
+                                   temperature=temperature, progress=progress and D.is_main(),
+                                   score=score) \
         if local else torch.zeros(0, dtype=torch.float64)
     pairs = [pair for part in D.all_gather_object([(k, float(v)) for (k, _), v in zip(local, ell_local)])
              for pair in part]
@@ -166,4 +187,5 @@ def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, mode
     return ReferenceCache(model_id=model_id, model_fingerprint=model_fp or model_fingerprint(model_id),
                           tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                           tokenizer_fingerprint=tokenizer_fp or tokenizer_fingerprint(tokenizer), template=template,
+                          precision=precision or model_precision(model),
                           entries={k: (float(e), float(w)) for k, e, w in zip(keys, ell, weights)})

@@ -9,9 +9,11 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for
+from erpo.errors import UserError
+from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for, torch_dtype
 from erpo.reference.cache import ReferenceCache, build_reference_cache, template_id, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.sequences import model_precision, scoring_precision
 from erpo.tasks.data import PromptSet, load_prompt_set
 
 log = logging.getLogger("erpo")
@@ -22,15 +24,26 @@ def reference_cache_path(cfg: Config) -> str:
     return cfg.reference.cache_path or os.path.join(cfg.output_dir, "reference_cache.json")
 
 
-def reference_identity(cfg: Config, model_path: str, tokenizer) -> dict:
+def run_precision(cfg: Config, model_path: str, model=None) -> str:
+    """How `erpo train` scores (`erpo.sequences.scoring_precision`): model.dtype, no autocast, the fused-linear
+    path on this rank's device, the model's logit transform; from `model` when loaded, else from its config."""
+    if model is not None:
+        return model_precision(model)
+    from transformers import AutoConfig
+    return scoring_precision(AutoConfig.from_pretrained(model_path), torch_dtype(cfg), device_for_rank())
+
+
+def reference_identity(cfg: Config, model_path: str, tokenizer, model=None) -> dict:
     """What a reference cache must have been built with for this run: `ReferenceCache.check_compatible`'s
-    keyword arguments (model and tokenizer ids and fingerprints, prompt template and sampling temperature).
-    Collective: rank 0 alone reads the weights for the model fingerprint and hands it to every rank."""
+    keyword arguments (model and tokenizer ids and fingerprints, prompt template and sampling temperature, the
+    precision of `run_precision`). Collective: rank 0 alone reads the weights for the model fingerprint and hands
+    it to every rank."""
     model_fp = D.all_gather_object(model_fingerprint(model_path) if D.is_main() else None)[0]
     return {"model_id": model_path, "model_fp": model_fp,
             "tokenizer_id": str(tokenizer.name_or_path), "tokenizer_fp": tokenizer_fingerprint(tokenizer),
             "template": with_temperature(template_id(cfg.data.template, cfg.data.use_chat_template),
-                                         cfg.rollout.temperature)}
+                                         cfg.rollout.temperature),
+            "precision": run_precision(cfg, model_path, model)}
 
 
 def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, model_path: str | None = None,
@@ -45,18 +58,21 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
     path = reference_cache_path(cfg)
     if os.path.exists(path) and not overwrite:
-        cache = ReferenceCache.load(path)
-        cache.check_compatible(**reference_identity(cfg, model_path, tokenizer), path=path)
+        try:
+            cache = ReferenceCache.load(path)
+            cache.check_compatible(**reference_identity(cfg, model_path, tokenizer, model), path=path)
+        except ValueError as exc:   # another model, tokenizer, template, temperature or precision: one line
+            raise UserError(str(exc)) from exc
         values = cache.lookup(prompt_set.prompt_ids, path=path)
         log.info("reference cache: %s (%d prompts)", path, len(cache.entries))
         return cache, path, values
     log.info("reference cache: computing ell_theta0(q) for %d prompts with %s", len(prompt_set.prompt_ids), model_path)
     theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
-    identity = reference_identity(cfg, model_path, tokenizer)   # after the load: a hub model's revision is cached
+    identity = reference_identity(cfg, model_path, tokenizer, theta0)   # after the load: a hub model's revision cached
     cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
                                   template=identity["template"], batch_size=cfg.reference.batch_size,
                                   temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
-                                  tokenizer_fp=identity["tokenizer_fp"])
+                                  tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"])
     if D.is_main():
         cache.save(path)
     D.barrier()

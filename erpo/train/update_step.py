@@ -14,7 +14,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.sequences import final_hidden, scored_token_logp
+from erpo.sequences import final_hidden, logit_transforms, scored_token_logp
 from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.updater import Updater
@@ -29,7 +29,9 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     """Forward and backward of every micro-batch of `plan`. Returns (this rank's sums of the loss metrics over its
     real micro-batches: "loss", "qkl", "pg_loss" and the token-weighted TOKEN_MEAN_METRICS; the largest rollout
     log-prob gap; the number of non-finite losses seen)."""
-    options = {**dataclasses.asdict(cfg.algorithm.loss_options), "num_items": plan.num_items, "num_seqs": plan.num_seqs}
+    # the model's logit transform, as every scoring call (`scored_token_logp`) applies it
+    options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_transforms(updater.model),
+               "num_items": plan.num_items, "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
     sums = dict.fromkeys(["loss", "qkl", "pg_loss", *TOKEN_MEAN_METRICS], 0.0)
     gap_max, nonfinite = 0.0, 0
@@ -40,7 +42,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
         hidden = final_hidden(updater.model, batch)
         with gathered_lm_head(updater.model) as (weight, bias):
             out = fused_linear_erpo_loss(
-                hidden, weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
+                hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
                 advantages=rollout.advantages[mb.index].to(device),
                 ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),

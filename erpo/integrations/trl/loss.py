@@ -100,7 +100,8 @@ class LossOptionsMixin:
         per-row tensors from TRL's (old and reference log-probs, vLLM's importance sampling), on `rows`."""
         options, tensors = trl_loss_options(self, inputs, mode)
         options.update(qkl_coef=self.args.qkl_coef, qkl_estimator=self.args.qkl_estimator,
-                       temperature=self.temperature)
+                       temperature=self.temperature,
+                       **self._logit_options)  # the model's logit transform on the fused-linear path (ERPOTrainer)
         return options, {name: None if value is None else rows.scatter(value) for name, value in tensors.items()}
 
     def _current_query_weights(self, query_logp: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ theta0, the tokenizer and the temperature) or built at start with the model as p
 micro-batch. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -10,7 +11,8 @@ import torch
 
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo_kernels import MAX_QUERY_WEIGHT
+from erpo.sequences import PackedBatch, model_precision, scored_token_logp
+from erpo_kernels import MAX_QUERY_WEIGHT, token_logprobs
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
@@ -55,6 +57,39 @@ class ReferenceMixin:
         name = str(self.model.config._name_or_path or "")
         return (weights_fingerprint(self.model),) + ((model_fingerprint(name),) if name else ())
 
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype `accelerator.autocast()` computes in on this device (bf16 / fp16 mixed precision), None: off."""
+        device = self.accelerator.device.type
+        with self.accelerator.autocast():
+            return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+    def _reference_precision(self) -> str:
+        """The precision of the training forward (`erpo.sequences.scoring_precision`), which the cache must have."""
+        return model_precision(self.model, path="fused-linear" if self.args.fused_linear else "logits",
+                               autocast=self._autocast_dtype())
+
+    @torch.no_grad()
+    def _score_reference(self, batch: PackedBatch) -> torch.Tensor:
+        """Log-probs [R] of a batch's scored rows computed as `_compute_loss` computes them: the forward under
+        `accelerator.autocast()`, then hidden @ lm_head with the model's logit transform (fused_linear) or the
+        model's own logits (already transformed), at the sampling temperature, outside autocast. One masked column
+        is appended: sdpa runs another kernel for an all-ones mask (is_causal) than for a mask with padding, and the
+        two differ in the last bits, while TRL's training batches nearly always mask some padding."""
+        num = batch.input_ids.shape[0]
+
+        def padded(values):  # [B, L] or [B * L] -> [B, L + 1], a zero column appended
+            values = values.reshape(num, -1)
+            return torch.cat([values, torch.zeros_like(values[:, :1])], dim=1)
+
+        batch = dataclasses.replace(batch, input_ids=padded(batch.input_ids),
+                                    attention_mask=padded(batch.attention_mask), rows=padded(batch.rows).reshape(-1))
+        if self.args.fused_linear:
+            return scored_token_logp(self.model, batch, self.temperature, autocast=self.accelerator.autocast)
+        with self.accelerator.autocast():
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets,
+                              temperature=self.temperature)
+
     def _load_or_build_reference(self) -> ReferenceCache:
         """Load the cache at `reference_cache_path` (checked against this model, tokenizer and temperature, and
         against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
@@ -66,7 +101,8 @@ class ReferenceMixin:
         if os.path.exists(path):
             cache = ReferenceCache.load(path)
             cache.check_compatible(**identity, model_fp=self._theta0_fingerprints(), template=None,
-                                   temperature=self.temperature, path=path, remedy=REBUILD)
+                                   temperature=self.temperature, precision=self._reference_precision(), path=path,
+                                   remedy=REBUILD)
             self._check_cached(cache, train_ids)
             changed = False
         else:
@@ -74,7 +110,8 @@ class ReferenceMixin:
                 self.model, self._tokenizer, train_ids, model_id=identity["model_id"],
                 template=with_temperature("trl", self.temperature), batch_size=self.args.per_device_train_batch_size,
                 temperature=self.temperature, model_fp=weights_fingerprint(self.model),
-                tokenizer_fp=identity["tokenizer_fp"], progress=True)
+                tokenizer_fp=identity["tokenizer_fp"], progress=True, score=self._score_reference,
+                precision=self._reference_precision())
             changed = True
         changed |= self._add_held_out(cache, train_ids, eval_ids)
         if changed and self.accelerator.is_main_process:
@@ -91,7 +128,8 @@ class ReferenceMixin:
         held_out = build_reference_cache(
             self.model, self._tokenizer, missing, model_id=cache.model_id, template=cache.template,
             batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
-            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True)
+            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True,
+            score=self._score_reference, precision=cache.precision)
         train_ell = torch.tensor([cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}],
                                  dtype=torch.float64)
         ell = torch.tensor([value[0] for value in held_out.entries.values()], dtype=torch.float64)

@@ -13,7 +13,7 @@ from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin
-from erpo.sequences import final_hidden_and_output, per_sample_sum
+from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
 from erpo_kernels.zero3 import gathered_lm_head
 
@@ -38,15 +38,11 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         """Reject what the loss cannot reproduce (one line each, naming the setting)."""
         if self._is_vlm:
             raise ValueError("ERPOTrainer does not support vision-language models (multimodal prompts)")
+        # the model's final-logit transform, read once (a transform erpo does not know is refused): the fused-linear
+        # path applies it to hidden @ lm_head; the logits path takes the model's own logits, already transformed
+        self._logit_options = logit_transforms(self.model) if self.args.fused_linear else {}
         if not self.args.fused_linear:
             return
-        config = self.model.config.get_text_config()
-        scaled = [name for name in ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                                    "lm_head_multiplier", "logits_scaling")
-                  if getattr(config, name, None) not in (None, 1.0)]
-        if scaled:
-            raise ValueError(f"fused_linear=True scores hidden @ lm_head.T, but this model also applies {scaled[0]} "
-                             "to its logits; set ERPOConfig(fused_linear=False)")
         if is_deepspeed_zero3_enabled():
             raise ValueError("fused_linear=True is not supported under DeepSpeed ZeRO-3 in ERPOTrainer (TRL runs the "
                              "backward after the loss returns, outside gathered_lm_head); set fused_linear=False")
@@ -89,7 +85,8 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
                 tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
                     hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))
                 query_weight = weights(lambda targets: fused_linear_token_logprobs(
-                    hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature))
+                    hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature,
+                    **self._logit_options))
                 out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
                                              bias=bias, query_weight=query_weight, **tensors, **options)
         else:

@@ -1,0 +1,99 @@
+"""Issue 26: erpo scores every model with its own final-logit transform (Gemma-2 soft-cap, Granite's scaling), an
+unknown one is refused in one line, and a reference cache records the precision it was scored in and refuses
+another (erpo's cache and ERPOTrainer's). Tiny models built from configs; CPU only."""
+import pytest
+import torch
+import transformers
+
+from erpo.reference.cache import ReferenceCache, build_reference_cache
+from erpo.sequences import model_precision, pack, scored_token_logp
+
+
+def tiny_lm(kind: str, **extra):
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(**common, final_logit_softcapping=2.0, **extra)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.GraniteConfig(**common, logits_scaling=0.25, **extra)
+        cls = transformers.GraniteForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():   # logits large enough for the transform to bite
+        model.get_output_embeddings().weight.mul_(40.0)
+    return model
+
+
+PROMPTS = [[1, 5, 9, 14, 3], [1, 7, 7], [1, 30, 31, 32, 33, 34]]
+RESPONSES = [[4, 8], [11, 12, 13], [2]]
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+def test_scored_token_logp_is_the_models_own(kind):
+    """erpo train's scoring path equals log_softmax of the model's own logits (transform included), fp32."""
+    model = tiny_lm(kind)
+    batch = pack(PROMPTS, RESPONSES, 0, "cpu")
+    ours = scored_token_logp(model, batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    own = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[batch.rows], -1)
+    own = own.gather(1, batch.targets[:, None]).squeeze(1)
+    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():   # the transform bites: the untransformed head differs by far more than the tolerance
+        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       output_hidden_states=True).hidden_states[-1]
+        raw = torch.log_softmax(model.get_output_embeddings()(hidden).reshape(-1, 64)[batch.rows], -1)
+    assert (raw.gather(1, batch.targets[:, None]).squeeze(1) - own).abs().max() > 0.05
+
+
+def test_unknown_logit_transform_is_refused():
+    model = tiny_lm("gemma2")
+    model.config.lm_head_temperature = 3.0
+    with pytest.raises(ValueError, match="lm_head_temperature"):
+        scored_token_logp(model, pack(PROMPTS, RESPONSES, 0, "cpu"))
+
+
+def test_cache_records_precision_and_refuses_another(tmp_path):
+    model = tiny_lm("gemma2")
+    tokenizer = type("T", (), {"pad_token_id": 0, "eos_token_id": 2, "name_or_path": "t"})()
+    cache = build_reference_cache(model, tokenizer, PROMPTS, model_id="m", template="t", batch_size=2,
+                                  model_fp="fp", tokenizer_fp="tfp")
+    assert cache.precision == model_precision(model) and "logit_softcap=2.0" in cache.precision
+    cache.save(tmp_path / "c.json")
+    loaded = ReferenceCache.load(tmp_path / "c.json")
+    same = dict(model_id="m", model_fp="fp", tokenizer_id="t", tokenizer_fp="tfp", template="t")
+    loaded.check_compatible(**same, precision=model_precision(model))
+    with pytest.raises(ValueError, match="precision: cache built with dtype=float32,autocast=off.*autocast=bfloat16"):
+        loaded.check_compatible(**same, precision=model_precision(model, autocast=torch.bfloat16))
+
+
+def test_format_1_cache_is_refused(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"format_version": 1, "entries": {}}')
+    with pytest.raises(ValueError, match="format 1 records no precision"):
+        ReferenceCache.load(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+def test_query_kl_is_exactly_zero_at_theta0(kind, dtype):
+    """erpo train's path at theta0 (model.dtype fp32 or bf16, no autocast): ell_theta0(q) of the reference cache
+    (prompts alone) and ell_theta(q) of the loss (prompt + response, as update_step scores it) are bit-identical,
+    so the Query-KL and its gradient are exactly 0."""
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import final_hidden, logit_transforms
+    from erpo_kernels import fused_linear_erpo_loss
+    model = tiny_lm(kind).to(dtype)
+    ell0 = compute_query_logp(model, PROMPTS, pad_id=0, batch_size=3)
+    model.train()
+    batch = pack(PROMPTS, RESPONSES, 0, "cpu", response_scored=[False] * 3)
+    hidden = final_hidden(model, batch)
+    weight = model.get_output_embeddings().weight
+    out = fused_linear_erpo_loss(hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index,
+                                 advantages=torch.zeros(3), ref_query_logp=ell0.float(), qkl_coef=1.0, num_seqs=3,
+                                 **logit_transforms(model))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.metrics["qkl"].item() == 0.0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.abs().max().item() == 0.0 for g in grads)
