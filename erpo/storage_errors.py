@@ -2,6 +2,8 @@
 
 Such a failure is not a bug of ours: `stop_on_storage_failure` turns it into a `StorageError` (a UserError: one
 line on stderr naming the path and the cause, exit status 1) and lets every other exception keep its traceback.
+With several ranks, `agree_on_writes` ends each phase of writes with the ranks' agreement, so a write failing on one
+rank stops all of them at once, each with one line (the others: `StoppedElsewhere`, naming that rank).
 The libraries report it in three ways, all recognised by `storage_problem`:
 - Python's own writes: an OSError with errno and file name;
 - safetensors (Rust): "... I/O error: No space left on device (os error 28)";
@@ -32,6 +34,10 @@ NEARLY_FULL_BYTES = 1 << 20    # less free space than this after a failed torch.
 
 class StorageError(UserError):
     """The storage refused a write; the message names the path and the cause."""
+
+
+class StoppedElsewhere(StorageError):
+    """Another rank's write failed and this one stopped with it (that rank reports the path and the cause)."""
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:
@@ -74,10 +80,9 @@ SAVE_ADVICE = "the previous checkpoints are intact: free space or fix the storag
 
 
 @contextmanager
-def stop_on_storage_failure(what: str, directory: str | os.PathLike, cleanup: Callable[[], None] | None = None,
-                            advice: str = SAVE_ADVICE) -> Iterator[None]:
-    """Run the block; a storage failure in it becomes StorageError("WHAT failed: PATH: CAUSE; ADVICE"), after rank 0
-    ran `cleanup` (e.g. removing the half-written checkpoint, best effort: the disk may still refuse). A UserError
+def stop_on_storage_failure(what: str, directory: str | os.PathLike, advice: str = SAVE_ADVICE) -> Iterator[None]:
+    """Run the block; a storage failure in it becomes StorageError("WHAT failed: PATH: CAUSE; ADVICE") (whoever
+    wrote the half-written files removes them: a checkpoint save does, see `erpo.train.checkpoint`). A UserError
     raised in the block (an inner block's StorageError too) passes unchanged."""
     directory = Path(directory)
     try:
@@ -88,9 +93,43 @@ def stop_on_storage_failure(what: str, directory: str | os.PathLike, cleanup: Ca
         problem = storage_problem(exc, directory)
         if problem is None:
             raise
-        if cleanup is not None and dist_utils.is_main():
-            try:
-                cleanup()
-            except OSError as cleanup_error:
-                logger.warning("could not remove the partial save under %s: %s", directory, cleanup_error)
         raise StorageError(f"{what} failed: {problem}; {advice}") from exc
+
+
+def agree_on_writes(write: Callable[[], None], what: str, directory: str | os.PathLike,
+                    cleanup: Callable[[], None] | None = None, advice: str = SAVE_ADVICE) -> None:
+    """Run `write` (this rank's share of a phase of writes, perhaps nothing), then agree with every rank on whether
+    all succeeded. Collective, in place of a barrier: a rank whose write failed must not leave the others waiting in
+    a later collective it never joins (they would die with the process group's traceback when it exits).
+
+    When a rank failed, rank 0 runs `cleanup` (e.g. removing the half-written files; best effort), every rank meets
+    at a barrier (so none exits while another still works: a launcher ends the others with SIGTERM as soon as one
+    exits) and raises: the rank that failed its own error (a refused write becomes one line in
+    `stop_on_storage_failure`; a bug keeps its traceback), every other rank StoppedElsewhere("WHAT stopped: rank R
+    could not write its files (PATH: CAUSE); ADVICE") for the first rank R that failed. A StoppedElsewhere raised in
+    `write` (an inner agreement) is not this rank's own failure."""
+    failure = None
+    try:
+        write()
+    except Exception as exc:
+        failure = exc
+    report = None
+    if failure is not None and not isinstance(failure, StoppedElsewhere):
+        first_line = str(failure).splitlines()[0] if str(failure) else ""
+        report = (storage_problem(failure, Path(directory)), f"{type(failure).__name__}: {first_line}")
+    reports = dist_utils.all_gather_object(report)
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed and failure is None:
+        return
+    if cleanup is not None and dist_utils.is_main():
+        try:
+            cleanup()
+        except OSError as cleanup_error:
+            logger.warning("could not remove the partial write under %s: %s", directory, cleanup_error)
+    dist_utils.barrier()
+    if report is not None or not failed:
+        raise failure
+    rank, (problem, error) = failed[0]
+    if problem is not None:
+        raise StoppedElsewhere(f"{what} stopped: rank {rank} could not write its files ({problem}); {advice}")
+    raise StoppedElsewhere(f"{what} stopped: rank {rank} failed ({error}); see that rank's report")

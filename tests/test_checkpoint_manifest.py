@@ -195,8 +195,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_loads
     (small_tmpfs / "filler").write_bytes(b"\0" * (free - 100_000))   # room for part of the next save only
     with torch.no_grad():
         model.weight.add_(1.0)
-    with pytest.raises(StorageError) as info, stop_on_storage_failure("saving checkpoint step-2", manager.root,
-                                                                      cleanup=manager.remove_stale):
+    with pytest.raises(StorageError) as info, stop_on_storage_failure("saving checkpoint step-2", manager.root):
         manager.save(2, bundle, {"at": 2})
     message = str(info.value)
     assert message.startswith("saving checkpoint step-2 failed: ") and "No space left on device" in message

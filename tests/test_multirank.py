@@ -6,7 +6,8 @@ The 2-rank run also checks the frozen reference model (a partitioned inference e
 weight sync against a fake vLLM, the DeepSpeed checkpoint round trip (model, ZeRO optimizer state, LR
 scheduler, RNG) and the ZeRO-3 gathered Hugging Face export. The later tests run `erpo train` itself under
 the deepspeed launcher and torchrun: exact resume, a SIGKILLed launcher (its ranks run on; a second writer is
-refused) and a SIGKILLed rank (the job ends; a truncated shard of rank 1 is skipped on resume).
+refused), a SIGKILLed rank (the job ends; a truncated shard of rank 1 is skipped on resume) and a full disk on rank
+1 during a save (every rank stops in one line; the previous checkpoint resumes exactly).
 """
 import json
 import os
@@ -334,6 +335,41 @@ def test_a_killed_rank_ends_the_job_and_a_truncated_shard_of_rank_1_is_skipped(t
     assert "Traceback" not in proc.stderr
     assert_same_metrics(metrics(run), metrics(three_step_run.dir))
     assert not (run / "run.lock").exists()                       # rank 0 held it, and released it
+
+
+def test_a_full_disk_on_rank_1_stops_every_rank_in_one_line_and_the_previous_checkpoint_resumes(two_step_run,
+                                                                                                  three_step_run):
+    """Rank 1 alone finds the disk full while DeepSpeed writes its ZeRO optimizer shard of checkpoint step 3
+    (ENOSPC injected into its torch.save): the ranks agree after the save's writes, so none waits in a collective for
+    a rank that gave up. Each rank's stderr (torchrun --redirects keeps them apart) holds one line and no traceback:
+    rank 1 the file and the cause, rank 0 that the save stopped on rank 1; the half-written step-3 is removed, the
+    lock released, torchrun reports the failed ranks (its own ChildFailedError report, the only traceback), and
+    --resume from step 2 then logs what the uninterrupted run logs."""
+    root = two_step_run
+    run, logs = root / "full-disk", root / "full-disk-logs"
+    cmd, env = train_command_2ranks("torchrun", run, root / "cache", "--max-steps", "3")
+    module = cmd.index("erpo") - 1   # `-m erpo` becomes the script that injects the fault, each rank's stderr a file
+    cmd[module:module + 2] = ["--log-dir", str(logs), "--redirects", "2", str(REPO / "tests" / "enospc_rank_train.py")]
+    env.update(ERPO_TEST_ENOSPC_RANK="1", ERPO_TEST_ENOSPC_STEP="3")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-6000:]
+    stderr = {rank: next(logs.glob(f"*/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)}
+    shard = run / "checkpoints" / ".tmp-step-3" / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    advice = "the previous checkpoints are intact: free space or fix the storage, then continue with --resume"
+    expected = {1: f"erpo train: saving checkpoint step-3 failed: {shard}: No space left on device; {advice}",
+                0: (f"erpo train: saving checkpoint step-3 stopped: rank 1 could not write its files ({shard}: "
+                    f"No space left on device); {advice}")}
+    for rank, text in stderr.items():
+        assert "Traceback" not in text, (rank, text[-6000:])
+        errors = [line for line in text.splitlines() if line.startswith("erpo train:") or " ERROR " in line]
+        assert errors == [expected[rank]], (rank, text[-3000:])
+    launcher = proc.stderr   # torchrun's report of a failed child: a traceback of its own, naming rank 1 first
+    assert launcher.count("Traceback") == 1 and "ChildFailedError" in launcher, launcher[-6000:]
+    assert "Root Cause (first observed failure)" in launcher
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert not (run / "run.lock").exists()
+    erpo_train_2ranks("torchrun", run, root / "cache", "--max-steps", "3", "--resume")
+    assert_same_metrics(metrics(run), metrics(three_step_run.dir))
 
 
 def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):

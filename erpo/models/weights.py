@@ -13,6 +13,7 @@ import torch
 
 from erpo import distributed as dist_utils
 from erpo.atomic import publish
+from erpo.storage_errors import agree_on_writes
 
 
 def parameter_names(model: torch.nn.Module, *, trainable: bool) -> list[str]:
@@ -71,8 +72,8 @@ def link_or_copy(source: str, target: str) -> None:
 def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> str:
     """Rank 0 publishes `out_dir` with `erpo.atomic.publish` (`write(tmp)` fills a temporary directory unique to
     this call, which replaces `out_dir` in one rename: concurrent exports to one place never mix, a crash leaves
-    the old `out_dir` or the new one); then every rank meets at a barrier."""
-    if dist_utils.is_main():
-        publish(out_dir, write)
-    dist_utils.barrier()
+    the old `out_dir` or the new one); then every rank learns whether it succeeded (`agree_on_writes`: a failed
+    write stops every rank, none waits for rank 0)."""
+    agree_on_writes(lambda: publish(out_dir, write) if dist_utils.is_main() else None, f"writing {out_dir}",
+                    Path(out_dir).parent)
     return str(out_dir)

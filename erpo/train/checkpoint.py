@@ -17,6 +17,13 @@ A checkpoint is built in `checkpoints/.tmp-step-N/`, every file fsynced, then re
 atomic rename: a process killed at any moment leaves either no `step-N` or a complete one, and the
 previous checkpoints untouched. `latest()` only ever sees complete ones.
 
+A write that fails on one rank (full disk, I/O error) must not leave the others waiting in the save's next
+collective for a rank that gave up (they would die with the process group's traceback when it exits). So the ranks
+agree after each phase of writes (`erpo.storage_errors.agree_on_writes`): the rank that failed raises its own error,
+every other rank a `StoppedElsewhere` naming it, rank 0 removes the half-written directory, and all stop at once.
+Inside DeepSpeed's save, whose writes sit between its own barriers, a failed write is held back until its last
+barrier (`HeldBackWrites`).
+
 The `engine` argument of save/load is either a `deepspeed.DeepSpeedEngine` (saved with its collective
 `save_checkpoint` / `load_checkpoint`: every rank must call save/load) or a `TorchBundle(model,
 optimizer, scheduler)` for plain single-process torch training (rank 0 writes it).
@@ -40,6 +47,7 @@ from erpo.atomic import TMP_PREFIX, fsync_dir, fsync_tree
 from erpo.manifest import build_manifest, newest_intact, require_intact, sealed_json
 from erpo.models.export import HF_DIR, export_hf
 from erpo.models.weights import parameter_names
+from erpo.storage_errors import agree_on_writes
 from erpo.train.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -82,12 +90,55 @@ def remove_tree(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ manager
 
+class HeldBackWrites:
+    """Stands in for a DeepSpeed engine's `checkpoint_engine` during one save: its first failed write (makedirs or
+    save, or any write run through `held_back`) is kept, not raised, and later writes are skipped, so this rank still
+    runs every barrier of DeepSpeed's `save_checkpoint` with the others; `raise_failure()` raises it once DeepSpeed's
+    save has returned."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self.failure: Exception | None = None
+
+    def __getattr__(self, name: str) -> Any:   # create, commit, ...: DeepSpeed's own
+        return getattr(self.writer, name)
+
+    def held_back(self, write: Callable, *args, **kwargs) -> None:
+        if self.failure is None:
+            try:
+                write(*args, **kwargs)
+            except Exception as exc:   # a bug too: raised after the barriers, with its traceback
+                self.failure = exc
+
+    def makedirs(self, *args, **kwargs) -> None:
+        self.held_back(self.writer.makedirs, *args, **kwargs)
+
+    def save(self, *args, **kwargs) -> None:
+        self.held_back(self.writer.save, *args, **kwargs)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
 def write_training_state(engine: Any, kind: str, directory: Path) -> None:
     """The model's trainable weights (frozen ones, e.g. a LoRA base, are left out), optimizer and scheduler into
-    `directory`: DeepSpeed's own collective save, or rank 0's torch.save of the TorchBundle's parts."""
+    `directory`: DeepSpeed's own collective save (a failed write raised after its last barrier), or rank 0's
+    torch.save of the TorchBundle's parts."""
     if kind == "deepspeed":
-        engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                               exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
+        writes = HeldBackWrites(engine.checkpoint_engine)
+        engine.checkpoint_engine = writes
+        # Rank 0 also copies DeepSpeed's zero_to_fp32.py into the checkpoint, without the checkpoint engine.
+        copy_scripts = getattr(engine, "_copy_recovery_script", None)
+        if copy_scripts is not None:
+            engine._copy_recovery_script = lambda *args: writes.held_back(copy_scripts, *args)
+        try:
+            engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                                   exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
+        finally:
+            engine.checkpoint_engine = writes.writer
+            vars(engine).pop("_copy_recovery_script", None)
+        writes.raise_failure()
     elif dist_utils.is_main():
         frozen = set(parameter_names(engine.model, trainable=False))
         torch.save({k: v for k, v in engine.model.state_dict().items() if k not in frozen}, directory / "model.pt")
@@ -160,34 +211,41 @@ class CheckpointManager:
             raise ValueError(f"cannot save step {step}: {self.root} already holds a checkpoint of step {max(later)} "
                              f"from another run; resume from it or use a new output directory")
         tmp = self.root / f"{TMP_PREFIX}step-{step}"
-        if dist_utils.is_main():
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.remove_stale()
-            tmp.mkdir()
-            (tmp / "rng").mkdir()
-        dist_utils.barrier()
 
-        torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt")
-        write_training_state(engine, kind, tmp)
+        def prepare() -> None:
+            if dist_utils.is_main():
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.remove_stale()
+                tmp.mkdir()
+                (tmp / "rng").mkdir()
+
+        def commit() -> None:
+            if dist_utils.is_main():
+                meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": dist_utils.world_size(),
+                        "engine": kind, "state": json.loads(state_json),
+                        "trainable_parameters": parameter_names(trained_model(engine), trainable=True),
+                        "files": files}
+                (tmp / "meta.json").write_text(sealed_json(meta))
+                fsync_tree(tmp)
+                if self.before_commit is not None:
+                    self.before_commit()
+                if final.exists():  # an incomplete directory under the final name (not written by this class)
+                    remove_tree(final)
+                tmp.rename(final)
+                fsync_dir(self.root)
+                self.prune()
+
+        # Each phase of writes ends with the ranks' agreement (a collective, in place of a barrier).
+        def agreed(write: Callable[[], None]) -> None:
+            agree_on_writes(write, f"saving checkpoint step-{step}", self.root, cleanup=self.remove_stale)
+
+        agreed(prepare)
+        agreed(lambda: torch.save(capture_rng_state(), tmp / "rng" / f"rank-{dist_utils.rank()}.pt"))
+        agreed(lambda: write_training_state(engine, kind, tmp))
         if export:
-            export_hf(engine if kind == "deepspeed" else engine.model, tokenizer, tmp / HF_DIR)
-        dist_utils.barrier()
+            agreed(lambda: export_hf(engine if kind == "deepspeed" else engine.model, tokenizer, tmp / HF_DIR))
         files = build_manifest(tmp)   # collective: every rank digests a share
-
-        if dist_utils.is_main():
-            meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": dist_utils.world_size(),
-                    "engine": kind, "state": json.loads(state_json),
-                    "trainable_parameters": parameter_names(trained_model(engine), trainable=True), "files": files}
-            (tmp / "meta.json").write_text(sealed_json(meta))
-            fsync_tree(tmp)
-            if self.before_commit is not None:
-                self.before_commit()
-            if final.exists():  # an incomplete directory under the final name (not written by this class)
-                remove_tree(final)
-            tmp.rename(final)
-            fsync_dir(self.root)
-            self.prune()
-        dist_utils.barrier()
+        agreed(commit)
         return str(final)
 
     def remove_stale(self) -> None:

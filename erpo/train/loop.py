@@ -185,8 +185,7 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
 def save_checkpoint(cfg: Config, run: Run, progress: dict | None = None) -> str:
     """Checkpoint the model with `progress` (default: the current state and sampler position)."""
     progress = progress or {**run.state, **run.sampler.state}
-    with stop_on_storage_failure(f"saving checkpoint step-{progress['rollout_step']}", run.checkpoints.root,
-                                 cleanup=run.checkpoints.remove_stale):
+    with stop_on_storage_failure(f"saving checkpoint step-{progress['rollout_step']}", run.checkpoints.root):
         return run.checkpoints.save(progress["rollout_step"], run.updater.checkpoint_target, progress,
                                     export=cfg.trainer.save_hf, tokenizer=run.tokenizer)
 
