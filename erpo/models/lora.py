@@ -95,10 +95,15 @@ def reference_model(model):
 class AdaptersDisabled:
     """The policy `model` (a PEFT model, or a DeepSpeed engine around one) seen with its adapters switched off, where
     the trainer takes a reference model: calling it runs the policy's forward under `reference_model`, and its
-    `get_output_embeddings()` is the policy's lm_head (which adapters never touch)."""
+    `get_output_embeddings()` is the policy's lm_head (which adapters never touch) and `config` its config (the
+    logit transform the scoring reads)."""
 
     def __init__(self, model):
         self.model = model
+
+    @property
+    def config(self):
+        return unwrap_model(self.model).config
 
     def __call__(self, *args, **kwargs):
         with reference_model(self.model):
