@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from erpo.models.tiny import build_model, build_tokenizer
+from erpo.models.tiny import build_tokenizer
+from tiny_models import tiny_test_model
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
@@ -14,8 +15,7 @@ def scope():
     """The names the examples take from the reader's training loop: a tiny causal LM and a padded batch."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                        intermediate_size=64)
+    model = tiny_test_model(tokenizer)
     batch, length = 3, 12
     input_ids = torch.randint(0, len(tokenizer), (batch, length))
     attention_mask = torch.ones(batch, length, dtype=torch.long)

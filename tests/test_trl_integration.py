@@ -13,8 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
-from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash
+from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
 
@@ -28,11 +29,7 @@ def reward_length(completions, **kwargs):
 def tiny(tmp_path_factory):
     """(path of a saved tiny Qwen2 + tokenizer, the tokenizer). A path, so that TRL can load a reference model."""
     tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                intermediate_size=64).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer), tokenizer
 
 
 def make_trainer(tiny, output_dir, conversational=False, **overrides):
@@ -406,8 +403,7 @@ def test_current_query_weight(tiny, tmp_path, fused_linear):
 def test_cache_of_another_model_is_refused(tiny, tmp_path):
     make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)          # writes the cache for this model
     other = tmp_path / "other"
-    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                intermediate_size=64).save_pretrained(other)
+    tiny_test_model(tiny[1], seed=1).save_pretrained(other)
     with pytest.raises(ValueError, match="does not match this run: model"):
         make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)
 
@@ -448,9 +444,7 @@ def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
         make_trainer(tiny, tmp_path / "run", conversational=not conversational, qkl_coef=0.5, ref_cache=path)
 
     other = tmp_path / "other"
-    build_model(tiny[1], seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                intermediate_size=64).save_pretrained(other)
-    tiny[1].save_pretrained(other)
+    save_tiny_model(other, tiny[1], seed=1)
     other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other", conversational=conversational)
     with pytest.raises(ValueError, match="does not match this run: model"):
         make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)

@@ -25,9 +25,10 @@ from erpo.integrations.verl import (  # noqa: E402
     erpo_loss_fn,
     load_or_build_reference,
 )
-from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
+from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import prompt_hash  # noqa: E402
 from erpo_kernels import erpo_loss, from_padded  # noqa: E402
+from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "3*33="]
 RESPONSE_LENGTHS = (6, 4, 5, 3)
@@ -38,11 +39,8 @@ OFF = ERPOSettings(qkl_coef=0.0, query_weight="none")
 def tiny(tmp_path_factory):
     """(model directory of a tiny Qwen2 + its tokenizer, tokenizer, the HF model theta0)."""
     tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                intermediate_size=64).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer, AutoModelForCausalLM.from_pretrained(path)
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer)
+    return path, tokenizer, AutoModelForCausalLM.from_pretrained(path)
 
 
 ENGINES = {}
@@ -282,8 +280,7 @@ def test_cache_of_another_model_or_tokenizer_is_refused(tiny, tmp_path):
     reference = load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0)
     assert reference.lookup(prompts)[0].lt(0).all()
     other = tmp_path / "other"
-    build_model(tokenizer, seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                intermediate_size=64).save_pretrained(other)
+    tiny_test_model(tokenizer, seed=1).save_pretrained(other)
     with pytest.raises(ValueError, match="does not match this run: model"):
         load_or_build_reference(str(other), tokenizer, prompts, path=cache, temperature=1.0)
     changed = build_tokenizer()
