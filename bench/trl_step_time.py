@@ -60,12 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from erpo.models.tiny import build_model, build_tokenizer
+    from erpo.models.tiny import build_tokenizer, save_model_dir
 
     tokenizer = build_tokenizer()
-    model_dir = tempfile.mkdtemp()
-    build_model(tokenizer, seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_model_dir(tempfile.mkdtemp(), tokenizer, seed=0)
     configs = [(name, beta) for beta in (0.0, 0.04) for name in ("GRPO", "ERPO")]
     runs = [one_run(name, beta, args.steps, model_dir, tokenizer, not args.no_bias_correction)
             for _ in range(args.repeats)

@@ -37,12 +37,10 @@ def main() -> None:
 
     from bench import verl_engine
     from erpo.integrations.verl import ERPOSettings, erpo_loss_fn, load_or_build_reference
-    from erpo.models.tiny import build_model, build_tokenizer
+    from erpo.models.tiny import build_tokenizer, save_model_dir
 
     tokenizer = build_tokenizer()
-    model_dir = tempfile.mkdtemp()
-    build_model(tokenizer, seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_model_dir(tempfile.mkdtemp(), tokenizer, seed=0)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = verl_engine.build_engine(model_dir, micro_batch_size=4, lr=1e-5)

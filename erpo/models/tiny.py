@@ -59,3 +59,11 @@ def build_model(tokenizer, seed: int, *, hidden_size: int = 64, num_layers: int 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def save_model_dir(path, tokenizer, seed: int = 0, **size) -> str:
+    """`build_model(tokenizer, seed, **size)` and `tokenizer` saved as a Hugging Face model directory at `path`;
+    returns `path` as a str (for trainers that take a model path: TRL, verl, `erpo train --model`)."""
+    build_model(tokenizer, seed, **size).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
