@@ -1,4 +1,5 @@
-"""From the padded [B, L] batches of HF-style trainers to the packed token rows of the loss.
+"""From the padded [B, L] batches of HF-style trainers to the packed token rows of the loss: `from_padded` (any
+padding), and `completion_layout` for TRL's prompt [B, P] + completion [B, C] columns with completion-aligned tensors.
 
 Row i of the loss is position t of a sequence and predicts input_ids[t + 1]. A row is a query row when
 token t + 1 is a query (prompt) token, a response row when token t + 1 is a response token, and not scored
