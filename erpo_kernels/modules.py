@@ -8,7 +8,7 @@ from .api import erpo_loss
 from .fused_linear import fused_linear_token_logprobs
 from .objective import LossOutput
 from .padded import PaddedLossOutput, padded_erpo_loss
-from .validation import IGNORE_INDEX, LossOptions, check_backend, with_option_parameters
+from .validation import IGNORE_INDEX, LossOptions, check_backend, check_tensor, with_option_parameters
 
 
 def options_repr(backend: str, options: dict) -> str:
@@ -63,12 +63,18 @@ class FusedLinearERPOLoss(torch.nn.Module):
         token j). ref_input (same layout as _input), ref_weight, ref_bias: the reference model's, used for the
         Policy-KL when ref_per_token_logps is None. ref_query_logp, query_weight [B]; tool_mask, token_weight,
         rollout_logp [B, C]: as `padded_erpo_loss`."""
-        completion = selected_token_ids.shape[1] if isinstance(selected_token_ids, torch.Tensor) else 0
+        check_tensor("selected_token_ids", selected_token_ids, ndim=2)
+        check_tensor("_input", _input, ndim=3)
+        completion = selected_token_ids.shape[1]
+        if ref_input is not None and (not isinstance(ref_input, torch.Tensor) or ref_input.shape != _input.shape):
+            raise ValueError(f"ref_input must have _input's shape {tuple(_input.shape)} (the same positions), got "
+                             f"{getattr(ref_input, 'shape', type(ref_input).__name__)}")
         if prompt_ids is None:
             if self.resolved.qkl_coef != 0:
                 raise ValueError("the Query-KL (qkl_coef != 0) needs the prompt: pass prompt_ids, prompt_mask and "
                                  "_input as the final hidden state at every position [B, P + C, D], or qkl_coef=0")
-            # Liger's layout: one leading column that nothing predicts stands for the prompt (no query rows)
+            # Liger's layout as TRL's: a one-token prompt, which nothing predicts (no query rows), and one more
+            # hidden column at the end (the last position, which predicts nothing): [B, 1 + C, D]
             first = torch.ones_like(selected_token_ids[:, :1])
             prompt_ids, prompt_mask = first, first
             _input = torch.cat([_input, _input[:, :1]], dim=1)

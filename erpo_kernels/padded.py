@@ -15,8 +15,6 @@ from .fused_linear import fused_linear_erpo_loss
 from .layout import completion_layout
 from .validation import check_tensor, with_option_parameters
 
-COMPLETION_ALIGNED = ("old_logp", "ref_logp", "token_weight", "rollout_logp")  # [B, C] inputs, scattered to rows
-
 
 @dataclass
 class PaddedLossOutput:

@@ -176,3 +176,12 @@ def test_fused_linear_module_refuses_the_query_kl_without_the_prompt():
     with pytest.raises(ValueError, match="the Query-KL .* needs the prompt"):
         FusedLinearERPOLoss(backend="torch")(data["hidden"][:, P - 1:T - 1], data["weight"], data["completion_ids"],
                                              data["completion_mask"], data["advantages"])
+
+
+def test_fused_linear_module_refuses_a_reference_input_of_other_positions():
+    data = trl_batch()
+    with pytest.raises(ValueError, match=r"ref_input must have _input's shape \(3, 11, 8\)"):
+        FusedLinearERPOLoss(backend="torch", policy_kl_coef=0.1)(
+            data["hidden"], data["weight"], data["completion_ids"], data["completion_mask"], data["advantages"],
+            None, None, None, data["hidden"][:, 1:], data["weight"], prompt_ids=data["prompt_ids"],
+            prompt_mask=data["prompt_mask"], ref_query_logp=data["ref_query_logp"])
