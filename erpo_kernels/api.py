@@ -18,6 +18,7 @@ from .validation import (
     check_loss_inputs,
     check_tensor,
     check_token_inputs,
+    with_option_parameters,
 )
 
 
@@ -71,6 +72,7 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: fl
     return (logp, entropy) if return_entropy else logp
 
 
+@with_option_parameters
 def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
               old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, backend: str = "auto",
               inplace_backward: bool = False, **options) -> LossOutput:

@@ -26,7 +26,14 @@ from .api import loss_on_token_rows, use_triton
 from .objective import LossOutput
 from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
 from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
-from .validation import FLOAT_DTYPES, LogitTransform, LossInputs, check_tensor, check_token_inputs
+from .validation import (
+    FLOAT_DTYPES,
+    LogitTransform,
+    LossInputs,
+    check_tensor,
+    check_token_inputs,
+    with_option_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,7 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperatu
     return (logp, entropy) if return_entropy else logp
 
 
+@with_option_parameters
 def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *, bias=None, advantages,
                            ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
                            token_weight=None, rollout_logp=None, backend: str = "auto", **options) -> LossOutput:

@@ -1,4 +1,5 @@
-"""From the padded [B, L] batches of HF-style trainers to the packed token rows of the loss.
+"""From the padded [B, L] batches of HF-style trainers to the packed token rows of the loss: `from_padded` (any
+padding), and `completion_layout` for TRL's prompt [B, P] + completion [B, C] columns with completion-aligned tensors.
 
 Row i of the loss is position t of a sequence and predicts input_ids[t + 1]. A row is a query row when
 token t + 1 is a query (prompt) token, a response row when token t + 1 is a response token, and not scored
@@ -74,3 +75,98 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
     sample_index = torch.arange(batch, device=input_ids.device).unsqueeze(1).expand(batch, length)
     return PackedRows(targets=targets.reshape(-1), token_kind=kind.reshape(-1),
                       sample_index=sample_index.reshape(-1).clone())
+
+
+@dataclass
+class CompletionLayout:
+    """A batch in TRL's layout, P prompt columns then C completion columns ([B, T], T = P + C), as packed rows.
+
+    Completion token j of sample b is predicted at position P + j - 1, so completion-aligned [B, C] tensors (old /
+    reference / rollout log-probs, per-token weights) land on the rows through `scatter`, and per-row results come
+    back to [B, C] through `gather`. The sample of every row of sequence b is b.
+    """
+
+    input_ids: torch.Tensor       # [B, T] prompt then completion
+    attention_mask: torch.Tensor  # [B, T]
+    rows: torch.Tensor            # [B * T] bool: the scored rows (query or response) of the flattened positions
+    targets: torch.Tensor         # [R] int64, restricted to `rows`
+    token_kind: torch.Tensor      # [R] 1 (query) / 2 (response)
+    sample_index: torch.Tensor    # [R] in [0, B)
+    prompt_width: int             # P
+    response_mask: torch.Tensor   # [B, C] float: completion_mask x tool_mask, the completion tokens that are scored
+
+    def scatter(self, values: torch.Tensor, name: str = "values") -> torch.Tensor:
+        """[B, C] or [B, 1] completion-aligned values -> [R] fp32 values on the scored rows (0 on query rows)."""
+        batch, width = self.input_ids.shape
+        check_tensor(name, values, ndim=2)
+        if values.shape[0] != batch or values.shape[1] not in (1, self.response_mask.shape[1]):
+            raise ValueError(f"{name} must be completion-aligned, shape [B, C] = {tuple(self.response_mask.shape)} "
+                             f"(or [B, 1]), got {tuple(values.shape)}")
+        full = torch.zeros((batch, width), dtype=torch.float32, device=values.device)
+        full[:, self.prompt_width - 1:width - 1] = values.float().expand_as(self.response_mask)
+        return full.reshape(-1)[self.rows]
+
+    def gather(self, row_values: torch.Tensor) -> torch.Tensor:
+        """[R] values on the scored rows -> [B, C] completion-aligned values (0 where nothing is scored)."""
+        batch, width = self.input_ids.shape
+        full = torch.zeros(batch * width, dtype=row_values.dtype, device=row_values.device)
+        full[self.rows] = row_values
+        return full.reshape(batch, width)[:, self.prompt_width - 1:width - 1]
+
+
+def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
+                      prompt_mask: torch.Tensor | None = None, completion_ids: torch.Tensor | None = None,
+                      input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                      tool_mask: torch.Tensor | None = None) -> CompletionLayout:
+    """The packed rows of a batch in TRL's layout, given either as prompt_ids / prompt_mask [B, P] (left-padded)
+    and completion_ids [B, C] (right-padded), or as full sequences input_ids / attention_mask [B, T] whose last C
+    columns are the completion; completion_mask [B, C] either way (1 on the completion's real tokens).
+
+    Query rows predict the prompt's real tokens; response rows predict the completion tokens where completion_mask
+    x tool_mask is 1 (tool_mask [B, C], optional: 0 on tool outputs inside a multi-turn completion, which are
+    then not scored, as `from_padded`'s multi-turn samples). With prompt/completion ids, the attention mask is
+    prompt_mask then completion_mask (as TRL's forward); with full sequences it is attention_mask.
+    """
+    split, full = (prompt_ids, prompt_mask, completion_ids), (input_ids, attention_mask)
+    if all(t is None for t in full) and all(t is not None for t in split):
+        check_tensor("prompt_ids", prompt_ids, ndim=2)
+        check_tensor("completion_ids", completion_ids, ndim=2)
+        check_tensor("completion_mask", completion_mask, ndim=2)
+        if completion_mask.shape != completion_ids.shape:
+            raise ValueError(f"completion_mask must have completion_ids' shape {tuple(completion_ids.shape)}, got "
+                             f"{tuple(completion_mask.shape)}")
+        check_tensor("prompt_mask", prompt_mask, ndim=2)
+        if prompt_mask.shape != prompt_ids.shape:
+            raise ValueError(f"prompt_mask must have prompt_ids' shape {tuple(prompt_ids.shape)}, got "
+                             f"{tuple(prompt_mask.shape)}")
+        if prompt_ids.shape[0] != completion_ids.shape[0]:
+            raise ValueError(f"prompt_ids and completion_ids must hold the same B sequences, got shapes "
+                             f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    elif all(t is None for t in split) and all(t is not None for t in full):
+        check_tensor("input_ids", input_ids, ndim=2)
+        check_tensor("completion_mask", completion_mask, ndim=2)
+        if completion_mask.shape[0] != input_ids.shape[0] or not 0 < completion_mask.shape[1] < input_ids.shape[1]:
+            raise ValueError(f"completion_mask must have shape [B, C] with C < T for input_ids [B, T] = "
+                             f"{tuple(input_ids.shape)} (the last C columns are the completion), got "
+                             f"{tuple(completion_mask.shape)}")
+    else:
+        raise ValueError("pass either prompt_ids, prompt_mask and completion_ids, or input_ids and attention_mask "
+                         "(full sequences whose last C columns are the completion), not a mix")
+    response = completion_mask
+    if tool_mask is not None:
+        check_tensor("tool_mask", tool_mask, ndim=2)
+        if tool_mask.shape != completion_mask.shape:
+            raise ValueError(f"tool_mask must have completion_mask's shape {tuple(completion_mask.shape)}, got "
+                             f"{tuple(tool_mask.shape)}")
+        response = completion_mask * tool_mask
+    prompt_width = input_ids.shape[1] - completion_mask.shape[1]
+    prompt_columns = torch.zeros_like(attention_mask)
+    prompt_columns[:, :prompt_width] = attention_mask[:, :prompt_width]
+    packed = from_padded(input_ids, attention_mask,
+                         torch.cat([torch.zeros_like(attention_mask[:, :prompt_width]), response], dim=1),
+                         query_mask=prompt_columns)
+    rows = packed.token_kind != 0
+    return CompletionLayout(input_ids, attention_mask, rows, packed.targets[rows], packed.token_kind[rows],
+                            packed.sample_index[rows], prompt_width, response.float())

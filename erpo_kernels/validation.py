@@ -7,7 +7,11 @@ the logits path and the fused-linear path reject bad input with the same message
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -166,11 +170,50 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, options: dict) -> "LossOptions":
         """Build from `**options`, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        check_keywords("LossOptions", options, {f.name for f in fields(cls)})
         return cls(**options)
+
+
+def check_keywords(caller: str, keywords: dict, known) -> None:
+    """Raise a TypeError naming the first keyword of `keywords` that `caller` does not take, and the closest
+    known name (difflib) as a "did you mean" hint."""
+    for name in keywords:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; it takes {sorted(known)}"
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def option_parameters() -> list[inspect.Parameter]:
+    """LossOptions' fields as keyword-only parameters, with their defaults and types: the one definition of the
+    options' part of every signature that takes them (`with_option_parameters`)."""
+    types = typing.get_type_hints(LossOptions)
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+            for f in fields(LossOptions)]
+
+
+def with_option_parameters(func):
+    """Decorator for `func(..., **options)`: its signature (help(), IDEs, inspect.signature) lists every LossOptions
+    field as a keyword-only parameter with its default and type in place of `**options`, and a keyword that is
+    neither one of them nor another parameter raises a TypeError with the closest name ("did you mean ...?").
+    The options still reach `func` as `**options` (only those the caller passed: LossOptions fills the rest)."""
+    signature = inspect.signature(func)
+    *named, options = signature.parameters.values()
+    if options.kind is not inspect.Parameter.VAR_KEYWORD:
+        raise TypeError(f"with_option_parameters: {func.__qualname__} must end with **options")
+    types = typing.get_type_hints(func)  # the annotations as types, like the options' (not `from __future__` strings)
+    parameters = [p.replace(annotation=types.get(p.name, p.annotation)) for p in named] + option_parameters()
+    known = {p.name for p in parameters}
+    caller = func.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        check_keywords(caller, kwargs, known)
+        return func(*args, **kwargs)
+
+    checked.__signature__ = signature.replace(
+        parameters=parameters, return_annotation=types.get("return", signature.return_annotation))
+    return checked
 
 
 def _per(length: str):

@@ -28,8 +28,8 @@ def scope():
                 old_logp=None)
 
 
-def test_readme_has_both_examples():
-    assert len(EXAMPLES) == 2
+def test_readme_has_the_three_examples():
+    assert len(EXAMPLES) == 3
 
 
 def test_logits_example_runs_and_backpropagates():
@@ -48,3 +48,20 @@ def test_fused_linear_example_matches_the_logits_example():
     exec(EXAMPLES[1], fused_names)
     torch.testing.assert_close(fused_names["out"].loss, logits_names["out"].loss, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fused_names["ref_logp"], logits_names["out"].token_logp, rtol=1e-4, atol=1e-5)
+
+
+def test_liger_style_example_matches_the_logits_example():
+    """The FusedLinearERPOLoss example, on the same batch split into TRL's prompt / completion columns, gives the
+    logits example's loss, and its completion-aligned log-probs are the logits example's response rows."""
+    logits_names = scope()
+    exec(EXAMPLES[0], logits_names)
+    names = scope()
+    prompt = 7   # scope()'s response_mask starts at column 7
+    ids, mask, response = names["input_ids"], names["attention_mask"], names["response_mask"]
+    names.update(torch=torch, prompt_ids=ids[:, :prompt], prompt_mask=mask[:, :prompt],
+                 completion_ids=ids[:, prompt:], completion_mask=response[:, prompt:], old_per_token_logps=None)
+    exec(EXAMPLES[2], names)
+    torch.testing.assert_close(names["out"].loss, logits_names["out"].loss, rtol=1e-4, atol=1e-5)
+    length = names["input_ids"].shape[1]
+    response_rows = logits_names["out"].token_logp.reshape(3, length)[:, prompt - 1:length - 1]
+    torch.testing.assert_close(names["out"].token_logp, response_rows, rtol=1e-4, atol=1e-5)

@@ -102,7 +102,8 @@ class LossOptionsMixin:
         options.update(qkl_coef=self.args.qkl_coef, qkl_estimator=self.args.qkl_estimator,
                        temperature=self.temperature,
                        **self._logit_options)  # the model's logit transform on the fused-linear path (ERPOTrainer)
-        return options, {name: None if value is None else rows.scatter(value) for name, value in tensors.items()}
+        return options, {name: None if value is None else rows.layout.scatter(value, name)
+                         for name, value in tensors.items()}
 
     def _current_query_weights(self, query_logp: torch.Tensor) -> torch.Tensor:
         """w(q) [B] from the current policy's ell_theta(q) [B] over this micro-batch's prompts on all processes."""

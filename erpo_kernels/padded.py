@@ -1,0 +1,82 @@
+"""The ERPO loss on [B, T] batches in TRL's layout (prompt then completion columns), with per-token inputs and
+outputs completion-aligned [B, C] as TRL and Liger hold them: `padded_erpo_loss`.
+
+The batch becomes packed rows once (`layout.completion_layout`), the loss is the packed `erpo_loss` /
+`fused_linear_erpo_loss` on those rows, and the per-row results go back to [B, C].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .api import erpo_loss
+from .fused_linear import fused_linear_erpo_loss
+from .layout import completion_layout
+from .validation import check_tensor, with_option_parameters
+
+
+@dataclass
+class PaddedLossOutput:
+    """Result of `padded_erpo_loss`, in the caller's layout.
+
+    loss: 0-dim, differentiable. token_logp, entropy [B, C] fp32: per completion token (0 where completion_mask x
+    tool_mask is 0); query_logp, response_logp [B]; metrics: as `LossOutput.metrics`. All but loss detached.
+    """
+
+    loss: torch.Tensor
+    token_logp: torch.Tensor
+    entropy: torch.Tensor
+    query_logp: torch.Tensor
+    response_logp: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+
+
+def batch_rows(name: str, tensor: torch.Tensor, width: tuple[int, int]) -> torch.Tensor:
+    """`tensor` [B, T, K] (logits or hidden) as [B * T, K], after checking its [B, T] against the batch's."""
+    check_tensor(name, tensor, ndim=3)
+    if tuple(tensor.shape[:2]) != width:
+        raise ValueError(f"{name} must have shape [B, T, *] with [B, T] = {width} (prompt then completion columns, "
+                         f"every position), got {tuple(tensor.shape)}")
+    return tensor.reshape(-1, tensor.shape[2])
+
+
+@with_option_parameters
+def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, weight=None, bias=None,
+                     prompt_ids=None, prompt_mask=None, completion_ids=None, input_ids=None, attention_mask=None,
+                     tool_mask=None, ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
+                     token_weight=None, rollout_logp=None, backend: str = "auto",
+                     **options) -> PaddedLossOutput:
+    """The ERPO loss (API.md) on B samples in TRL's layout.
+
+    The batch: prompt_ids / prompt_mask [B, P] (left-padded) and completion_ids [B, C] (right-padded), or full
+    sequences input_ids / attention_mask [B, T] whose last C columns are the completion; completion_mask [B, C];
+    tool_mask [B, C] optional (0 on tool outputs inside the completion: not scored). T = P + C.
+    The model's output at every position: logits [B, T, V], or hidden [B, T, D] with the lm_head weight [V, D]
+    (+ bias [V]) for the fused-linear path (the [B, T, V] logits never built).
+    advantages, ref_query_logp, query_weight [B]; old_logp, ref_logp, token_weight, rollout_logp [B, C]
+    completion-aligned (entry j is completion token j; [B, 1] broadcasts). Options as API.md's table.
+    Returns a PaddedLossOutput whose `loss` is differentiable with respect to logits (or hidden, weight, bias).
+    """
+    if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
+        raise ValueError("pass either logits [B, T, V], or hidden [B, T, D] with weight [V, D] (the lm_head)")
+    if options.get("qkl_estimator") == "k3-token":
+        raise ValueError("qkl_estimator='k3-token' needs reference log-probs on the prompt rows, which the "
+                         "completion-aligned ref_logp [B, C] does not hold; use erpo_loss on packed rows")
+    layout = completion_layout(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                               completion_ids=completion_ids, input_ids=input_ids, attention_mask=attention_mask,
+                               tool_mask=tool_mask)
+    given = dict(old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    tensors = {name: None if value is None else layout.scatter(value, name) for name, value in given.items()}
+    rows = (layout.targets, layout.token_kind, layout.sample_index)
+    width = tuple(layout.input_ids.shape)
+    if logits is not None:
+        out = erpo_loss(batch_rows("logits", logits, width)[layout.rows], *rows, advantages=advantages,
+                        ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend, **tensors,
+                        **options)
+    else:
+        out = fused_linear_erpo_loss(batch_rows("hidden", hidden, width)[layout.rows], weight, *rows, bias=bias,
+                                     advantages=advantages, ref_query_logp=ref_query_logp,
+                                     query_weight=query_weight, backend=backend, **tensors, **options)
+    return PaddedLossOutput(loss=out.loss, token_logp=layout.gather(out.token_logp), entropy=layout.gather(out.entropy),
+                            query_logp=out.query_logp, response_logp=out.response_logp, metrics=out.metrics)
