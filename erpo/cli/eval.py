@@ -28,8 +28,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``erpo eval`` options on a (sub)parser."""
     parser.add_argument("--model", action="append", required=True, metavar="[LABEL=]PATH_OR_RUN_DIR",
                         help="HF model dir, Hub name, training output dir (its final/ model), one of its "
-                             "checkpoints (RUN_DIR/checkpoints/step-N) or RUN_DIR@start (the model the run started "
-                             "from); repeatable or comma-separated to compare models")
+                             "checkpoints (RUN_DIR/checkpoints/step-N), RUN_DIR@start (the model the run started "
+                             "from) or RUN_DIR@all (the run's history: its start and every kept checkpoint, also "
+                             "tabulated step x temperature in history.md and drawn in accuracy_over_steps.png); "
+                             "repeatable or comma-separated to compare models")
     parser.add_argument("--benchmarks", default="synthetic",
                         help="comma-separated benchmark specs [NAME=]SOURCE[#problem=F#answer=F#split=S#limit=N]; "
                              "SOURCE: synthetic (default, offline), a .jsonl/.json/.parquet file, "
@@ -67,7 +69,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown table and the files' paths.
+    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown tables and the files' paths.
 
     Bad arguments or inputs are a UserError: ``erpo eval: <message>`` (status 1), the traceback with --debug.
     """
@@ -96,7 +98,9 @@ def run_eval(args: argparse.Namespace) -> None:
                       templates=templates, engine=args.engine, device=device, dtype=args.dtype,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       tensor_parallel_size=args.tensor_parallel_size, progress=not args.no_progress)
-    with open(result["paths"]["md"], encoding="utf-8") as handle:
-        print(handle.read())
+    for table in ("md", "history_md"):   # the history table too, when some --model is RUN_DIR@all
+        if table in result["paths"]:
+            with open(result["paths"][table], encoding="utf-8") as handle:
+                print(handle.read())
     for path in result["paths"].values():
         print(path)
