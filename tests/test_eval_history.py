@@ -95,3 +95,16 @@ def test_compare_evaluates_its_runs_histories(tmp_path, capsys):
     assert [(r["run"], r["step"]) for r in history if r["temperature"] == "1.0"] == [
         (run, str(s)) for run in ("erpo-seed1", "grpo-seed1") for s in (0, 1, 2)]
     assert os.path.isfile(out / "history" / "accuracy_over_steps.png")
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--eval-temperatures", "0.6,hot", "--eval-temperatures must be comma-separated numbers"),
+    ("--eval-k", "0", "k must be a positive int"),
+    ("--eval-benchmarks", "nope.csv", "is not a file"),
+])
+def test_compare_checks_the_eval_options_before_training(tmp_path, capsys, option, value, message):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--output-dir", str(out), "--eval-history", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("erpo compare: --eval-history: ") and message in err and err.count("\n") == 1
+    assert not out.exists()   # nothing trained

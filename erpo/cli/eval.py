@@ -24,6 +24,11 @@ def _numbers(text: str, name: str, kind: type) -> list:
     return values
 
 
+def parse_temperatures(text: str, name: str) -> list[float]:
+    """A named grid of TEMPERATURE_GRIDS or comma-separated temperatures (the option `name`'s value)."""
+    return list(TEMPERATURE_GRIDS.get(text, ())) or _numbers(text, name, float)
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``erpo eval`` options on a (sub)parser."""
     parser.add_argument("--model", action="append", required=True, metavar="[LABEL=]PATH_OR_RUN_DIR",
@@ -81,8 +86,7 @@ def run_eval(args: argparse.Namespace) -> None:
         models = parse_models(args.model)
         benchmarks = load_benchmarks([s for s in args.benchmarks.split(",") if s.strip()])
         pass_ks = _numbers(args.pass_k, "--pass-k", int) if args.pass_k else None
-        temperatures = list(TEMPERATURE_GRIDS.get(args.temperatures, ())) or _numbers(args.temperatures,
-                                                                                      "--temperatures", float)
+        temperatures = parse_temperatures(args.temperatures, "--temperatures")
         templates = parse_templates(args.template, [m.label for m in models])
         if args.max_new_tokens < 1 or args.tensor_parallel_size < 1:
             raise ValueError(f"--max-new-tokens and --tensor-parallel-size must be >= 1, got {args.max_new_tokens} "
