@@ -153,7 +153,7 @@ def plot_temperature_curves(curves: dict[str, dict[str, dict[float, float]]], ou
 
 def plot_history(curves: dict[str, dict[float, dict[int, float]]], out_png: str, *, metric: str) -> str:
     """Write a PNG of accuracy over training steps: one panel per run, side by side on one y scale, one line per
-    sampling temperature (cool to warm).
+    sampling temperature (dark blue to orange: low to high).
 
     curves: ``{run: {temperature: {step: score in [0, 1]}}}``; metric: the y axis' name (e.g. "Avg@8").
     Returns out_png.
@@ -161,7 +161,8 @@ def plot_history(curves: dict[str, dict[float, dict[int, float]]], out_png: str,
     if not curves:
         raise ValueError("curves must hold at least one run")
     temperatures = sorted({t for by_temperature in curves.values() for t in by_temperature})
-    colors = plt.get_cmap("coolwarm")([i / max(1, len(temperatures) - 1) for i in range(len(temperatures))])
+    # plasma from dark blue to orange (its pale yellow end left out): a darker line is a lower temperature
+    colors = plt.get_cmap("plasma")([0.85 * i / max(1, len(temperatures) - 1) for i in range(len(temperatures))])
     fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 4), squeeze=False, sharey=True)
     for ax, (run, by_temperature) in zip(axes[0], curves.items()):
         for t, color in zip(temperatures, colors):
@@ -171,7 +172,7 @@ def plot_history(curves: dict[str, dict[float, dict[int, float]]], out_png: str,
                 ax.plot(steps, [points[s] for s in steps], marker="o", markersize=3, linewidth=1.8, color=color,
                         label=f"T={t:g}")
         ax.set_title(run)
-        ax.set_xlabel("training step")
+        ax.set_xlabel("training step (rollout steps)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(-0.03, 1.03)
         ax.grid(True, alpha=0.3)
