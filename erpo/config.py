@@ -156,7 +156,9 @@ class TrainerConfig:
     offload_params: bool = False              # DeepSpeed: parameters on CPU between uses (ZeRO-3 only)
     on_nonfinite: str = "skip"                # skip (warn, count, no update) | stop (clear error, checkpoint kept)
     save_steps: int = 0                       # checkpoint every N rollout steps (0: only at the end)
-    keep_last: int = 3
+    keep_last: int = 3                        # newest checkpoints kept (older ones deleted after each save)
+    keep_every: int = 0                       # also keep every K-th step's checkpoint (a multiple of save_steps),
+                                              # the run's history for `erpo eval --model RUN_DIR@all`; 0: off
     save_hf: bool = True                      # every checkpoint also holds the model in HF format (step-N/hf/)
     seed: int = 42
     # torch CPU threads; None: default_cpu_threads() (OMP_NUM_THREADS, else the cores)
@@ -387,6 +389,16 @@ def resolve_rollout(r: RolloutConfig) -> None:
                          "correction off, set rollout.importance_sampling_correction=false)")
 
 
+def check_retention(t: TrainerConfig) -> None:
+    """trainer.save_steps, keep_last and keep_every: which checkpoints are written and which stay."""
+    if t.save_steps < 0 or t.keep_last < 1 or t.keep_every < 0:
+        raise ValueError(f"trainer.save_steps must be >= 0, keep_last >= 1 and keep_every >= 0, got save_steps="
+                         f"{t.save_steps}, keep_last={t.keep_last}, keep_every={t.keep_every}")
+    if t.keep_every and (not t.save_steps or t.keep_every % t.save_steps):
+        raise ValueError(f"trainer.keep_every={t.keep_every} keeps checkpoints that are never written: make it a "
+                         f"multiple of trainer.save_steps (now {t.save_steps}; 0 saves only at the end)")
+
+
 def check_lora(lora: LoraConfig) -> None:
     """model.lora's values (rank 0 is LoRA off)."""
     if lora.rank < 0:
@@ -430,6 +442,7 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"trainer.offload_params needs trainer.zero_stage=3, got {t.zero_stage}")
     if t.lr <= 0:
         raise ValueError(f"trainer.lr must be > 0, got {t.lr}")
+    check_retention(t)
     resolve_rollout(cfg.rollout)
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.reward.functions):
         raise ValueError(f"reward.weights has {len(cfg.reward.weights)} entries but reward.functions has "

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from erpo import distributed as dist_utils
@@ -34,10 +35,26 @@ DIGEST = "sha256"
 SEAL = "meta_sha256"
 CHUNK_BYTES = 8 << 20
 DAMAGED_PREFIX = "damaged-"
+CHECKPOINTS_DIR = "checkpoints"           # a run's checkpoints: OUTPUT_DIR/checkpoints/step-N
+STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class DamagedCheckpointError(UserError):
     """No intact checkpoint to resume from, or a named checkpoint is damaged (exit status 1)."""
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint (`step-N/` holding its meta.json) in the directory `root`, oldest
+    first; temporary, half-deleted and set-aside ones are left out. The trainer resumes from them, `erpo eval` reads
+    a run's history from them."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / META).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
 
 
 def file_digest(path: Path) -> str:

@@ -1,8 +1,9 @@
-"""PNG figures: training dynamics from ``metrics.jsonl`` and evaluation accuracy vs temperature.
+"""PNG figures: training dynamics from ``metrics.jsonl`` and evaluation accuracy vs temperature and over steps.
 
 ``plot_runs`` draws the paper's Figures 1/5 view (reward, Query-KL, Policy-KL, entropy per step, several
 runs overlaid); ``plot_temperature_curves`` draws the paper's Figure "Variation of Metrics with
-Temperature" (one line per model). Both use matplotlib's Agg backend (no display needed).
+Temperature" (one line per model); ``plot_history`` its long-horizon view (accuracy over training steps, one
+line per temperature, one panel per run). All use matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -147,4 +148,35 @@ def plot_temperature_curves(curves: dict[str, dict[str, dict[float, float]]], ou
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("accuracy")
     fig.suptitle(title)
+    return _save(fig, out_png)
+
+
+def plot_history(curves: dict[str, dict[float, dict[int, float]]], out_png: str, *, metric: str) -> str:
+    """Write a PNG of accuracy over training steps: one panel per run, side by side on one y scale, one line per
+    sampling temperature (dark blue to orange: low to high).
+
+    curves: ``{run: {temperature: {step: score in [0, 1]}}}``; metric: the y axis' name (e.g. "Avg@8").
+    Returns out_png.
+    """
+    if not curves:
+        raise ValueError("curves must hold at least one run")
+    temperatures = sorted({t for by_temperature in curves.values() for t in by_temperature})
+    # plasma from dark blue to orange (its pale yellow end left out): a darker line is a lower temperature
+    colors = plt.get_cmap("plasma")([0.85 * i / max(1, len(temperatures) - 1) for i in range(len(temperatures))])
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 4), squeeze=False, sharey=True)
+    for ax, (run, by_temperature) in zip(axes[0], curves.items()):
+        for t, color in zip(temperatures, colors):
+            points = by_temperature.get(t)
+            if points:
+                steps = sorted(points)
+                ax.plot(steps, [points[s] for s in steps], marker="o", markersize=3, linewidth=1.8, color=color,
+                        label=f"T={t:g}")
+        ax.set_title(run)
+        ax.set_xlabel("training step (rollout steps)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(metric)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{metric} over training steps, by sampling temperature")
     return _save(fig, out_png)

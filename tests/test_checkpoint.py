@@ -87,6 +87,27 @@ def test_keep_last_and_latest_ignore_incomplete(tmp_path):
     assert json.loads((root / "step-11" / "meta.json").read_text())["state"] == {}
 
 
+def test_keep_every_keeps_the_history_and_resume_picks_the_last(tmp_path):
+    """keep_every=4 with keep_last=2: after saves at steps 1..10, steps 4 and 8 stay besides the newest two, and a
+    resume loads the newest (step 10), not a kept older one."""
+    bundle = TorchBundle(torch.nn.Linear(2, 2))
+    manager = CheckpointManager(tmp_path, keep_last=2, keep_every=4)
+    for step in range(1, 11):
+        with torch.no_grad():
+            bundle.model.weight.fill_(step)
+        manager.save(step, bundle, {"step_weight": step})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-10", "step-4", "step-8", "step-9"]
+    assert [s for s, _ in manager.complete_checkpoints()] == [4, 8, 9, 10]
+    assert manager.latest() == str(root / "step-10")
+    fresh = TorchBundle(torch.nn.Linear(2, 2))
+    assert manager.load(fresh)["step"] == 10
+    assert torch.equal(fresh.model.weight, torch.full((2, 2), 10.0))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keep_every must be an int >= 0"):
+            CheckpointManager(tmp_path, keep_every=bad)
+
+
 def test_checkpoints_dir_is_used_as_is(tmp_path):
     manager = CheckpointManager(tmp_path / "checkpoints", keep_last=None)
     manager.save(1, TorchBundle(torch.nn.Linear(1, 1)), {})

@@ -56,10 +56,13 @@ def test_eval_and_plot_are_registered():
     assert sub["plot"].format_help() != sub["eval"].format_help()
 
 
-def test_python_dash_m_erpo_help():
-    result = subprocess.run([sys.executable, "-m", "erpo", "train", "--help"], capture_output=True, text=True,
+@pytest.mark.parametrize("module", ["erpo", "erpo.cli"])
+def test_python_dash_m_erpo_help(module):
+    """`python -m erpo` and `python -m erpo.cli` are both the `erpo` command."""
+    result = subprocess.run([sys.executable, "-m", module, "train", "--help"], capture_output=True, text=True,
                             timeout=120)
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: erpo train")
     for flag in ("--config", "--output-dir", "--max-steps", "--algorithm", "--seed", "--zero-stage", "--save-steps",
                  "--resume", "--set"):
         assert flag in result.stdout

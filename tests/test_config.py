@@ -82,6 +82,11 @@ def test_yaml_round_trip():
     (["rollout.engine=vllm", "rollout.temperature=0.005"], r"rollout.temperature=0.005 is outside"),
     (["rollout.engine=vllm", "rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.importance_sampling"),
     (["rollout.importance_sampling_correction=true", "rollout.top_p=0.9"], "top_p"),
+    (["trainer.keep_last=0"], r"keep_last >= 1.*keep_last=0"),
+    (["trainer.save_steps=-1"], r"trainer.save_steps must be >= 0.*got save_steps=-1"),
+    (["trainer.save_steps=5", "trainer.keep_every=-5"], r"keep_every >= 0, got .*keep_every=-5"),
+    (["trainer.keep_every=10"], r"keep_every=10 keeps checkpoints that are never written.*now 0"),
+    (["trainer.save_steps=4", "trainer.keep_every=10"], r"multiple of trainer.save_steps \(now 4"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):

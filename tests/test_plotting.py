@@ -1,4 +1,5 @@
-"""erpo.plotting: training-dynamics PNG from metrics.jsonl and the accuracy-vs-temperature PNG."""
+"""erpo.plotting: training-dynamics PNG from metrics.jsonl, the accuracy-vs-temperature PNG and accuracy over
+training steps."""
 
 import argparse
 import json
@@ -11,7 +12,7 @@ import pytest
 from erpo.cli import main
 from erpo.cli.plot import add_plot_arguments, run_plot
 from erpo.errors import UserError
-from erpo.plotting import ema, plot_runs, plot_temperature_curves, read_metrics
+from erpo.plotting import ema, plot_history, plot_runs, plot_temperature_curves, read_metrics
 
 
 def _write_run(run_dir, steps, *, policy_kl=True, scale=1.0, torn_tail=False):
@@ -113,6 +114,16 @@ def test_plot_temperature_curves(tmp_path):
     assert image.shape[1] > image.shape[0]  # panels side by side
     with pytest.raises(ValueError):
         plot_temperature_curves({}, str(tmp_path / "t.png"))
+
+
+def test_plot_history_one_panel_per_run(tmp_path):
+    curves = {run: {0.6: {0: 0.2, 100: 0.4, 200: 0.5}, 1.5: {0: 0.1, 100: 0.05, 200: 0.0}}
+              for run in ("erpo", "grpo", "grpo beta=0")}
+    wide = _png(plot_history(curves, str(tmp_path / "h.png"), metric="Avg@8"))
+    narrow = _png(plot_history({"erpo": curves["erpo"]}, str(tmp_path / "one.png"), metric="Avg@8"))
+    assert wide.shape[0] == narrow.shape[0] and wide.shape[1] == 3 * narrow.shape[1]   # runs side by side
+    with pytest.raises(ValueError, match="at least one run"):
+        plot_history({}, str(tmp_path / "h.png"), metric="Avg@8")
 
 
 def test_erpo_plot_command(tmp_path):

@@ -2,6 +2,7 @@
 
     erpo compare [--config FILE] [--algorithms erpo grpo] [--seeds 1 2 3] [--max-steps N] [--window 20]
                  [--output-dir runs/compare] [--set key=value ...]
+                 [--eval-history [--eval-temperatures quick] [--eval-k 8] [--eval-benchmarks synthetic]]
 
 Each (algorithm, seed) trains into OUTPUT_DIR/ALGORITHM-seedSEED; a finished run with the same resolved config is
 reused and an unfinished one resumed from its newest checkpoint, so an interrupted comparison continues where it
@@ -9,6 +10,11 @@ stopped. OUTPUT_DIR/comparison.md and .json then hold,
 per algorithm, the mean and standard deviation over seeds of reward, accuracy and Query-KL averaged over the first
 and the last `window` optimizer steps, each seed's values, and the paired difference of every other algorithm from
 the first one (same seed: same prompts and rollout seeds), with the machine, date, commit and command.
+
+With --eval-history, every run's history (its start and each checkpoint it kept: trainer.save_steps,
+trainer.keep_every) is then evaluated over a temperature grid as `erpo eval --model ALGORITHM-seedSEED=RUN_DIR@all`
+does, into OUTPUT_DIR/history/ (history.md: accuracy by step x temperature per run; accuracy_over_steps.png); its
+sample cache makes a repeated or interrupted comparison evaluate only what is missing.
 """
 from __future__ import annotations
 
@@ -25,8 +31,12 @@ from pathlib import Path
 
 from erpo import distributed
 from erpo.cli.args import config_from_args
+from erpo.cli.eval import add_eval_arguments, parse_temperatures, run_eval
 from erpo.config import PRESETS, dump_yaml
 from erpo.errors import UserError
+from erpo.eval.evaluate import check_eval_arguments
+from erpo.eval.model_specs import RUN_HISTORY_SUFFIX
+from erpo.eval.problem_sets import load_benchmarks
 from erpo.plotting import read_metrics
 from erpo.train import loop as trainer
 from erpo.train.checkpoint import CheckpointManager
@@ -34,6 +44,7 @@ from erpo.train.checkpoint import CheckpointManager
 log = logging.getLogger("erpo")
 
 DEFAULT_OUTPUT_DIR = "runs/compare"
+HISTORY_DIR = "history"   # OUTPUT_DIR/history: the evaluation of the runs' histories (--eval-history)
 METRICS = (("reward", "reward"), ("accuracy", "accuracy"), ("qkl", "Query-KL"))   # (metrics.jsonl key, title)
 
 
@@ -45,6 +56,36 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="rollout steps of every run (trainer.max_steps)")
     p.add_argument("--window", type=int, default=20,
                    help="average each metric over the first and the last N optimizer steps (default: 20)")
+    p.add_argument("--eval-history", action="store_true",
+                   help="after training, evaluate every run's kept checkpoints (trainer.keep_every) over a "
+                        "temperature grid into OUTPUT_DIR/history (as erpo eval --model RUN_DIR@all)")
+    p.add_argument("--eval-temperatures", default="quick",
+                   help="--eval-history: temperatures, comma-separated or a named grid of erpo eval (default: quick)")
+    p.add_argument("--eval-k", type=int, default=8, help="--eval-history: samples per problem (default: 8)")
+    p.add_argument("--eval-benchmarks", default="synthetic",
+                   help="--eval-history: benchmark specs as erpo eval --benchmarks (default: synthetic)")
+
+
+def check_history_arguments(args: argparse.Namespace) -> None:
+    """The --eval-* options, checked before any training (a UserError, exit status 2)."""
+    try:
+        check_eval_arguments(k=args.eval_k, temperatures=parse_temperatures(args.eval_temperatures,
+                                                                           "--eval-temperatures"),
+                             pass_ks=None, batch_size=1, top_p=1.0)
+        load_benchmarks([s for s in args.eval_benchmarks.split(",") if s.strip()])
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        raise UserError(f"--eval-history: {exc}", exit_code=2) from exc
+
+
+def evaluate_histories(args: argparse.Namespace, run_dirs: dict[str, str], root: str, max_new_tokens: int) -> None:
+    """`erpo eval --model NAME=RUN_DIR@all ...` over every run (`run_dirs`: name -> run dir) into ROOT/history, with
+    the runs' own response budget (rollout.max_new_tokens)."""
+    parser = argparse.ArgumentParser(prog="erpo compare --eval-history")
+    add_eval_arguments(parser)
+    run_eval(parser.parse_args([
+        "--model", ",".join(f"{name}={run_dir}{RUN_HISTORY_SUFFIX}" for name, run_dir in run_dirs.items()),
+        "--output-dir", os.path.join(root, HISTORY_DIR), "--temperatures", args.eval_temperatures,
+        "--k", str(args.eval_k), "--benchmarks", args.eval_benchmarks, "--max-new-tokens", str(max_new_tokens)]))
 
 
 def window_means(records: list[dict], window: int) -> dict[str, float | None]:
@@ -127,16 +168,19 @@ def render(results: dict, algorithms: list[str], seeds: list[int], window: int, 
 
 
 def run_compare(args: argparse.Namespace) -> dict[str, str]:
-    """Entry point of `erpo compare`: train the missing runs, write comparison.md / .json, print the table.
-    Returns their paths."""
+    """Entry point of `erpo compare`: train the missing runs, write comparison.md / .json, print the table, then
+    (--eval-history) evaluate the runs' histories. Returns the comparison's paths."""
     if args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}", exit_code=2)
+    if args.eval_history:
+        check_history_arguments(args)
     algorithms, seeds = list(dict.fromkeys(args.algorithms)), list(dict.fromkeys(args.seeds))
     root = args.output_dir or DEFAULT_OUTPUT_DIR
     results: dict[str, dict[int, dict]] = {a: {} for a in algorithms}
+    run_dirs = {}
     for a in algorithms:
         for s in seeds:
-            run_dir = os.path.join(root, f"{a}-seed{s}")
+            run_dir = run_dirs[f"{a}-seed{s}"] = os.path.join(root, f"{a}-seed{s}")
             cfg = config_from_args(args, (f"algorithm.name={a}", f"trainer.seed={s}", f"output_dir={run_dir}"))
             config_file = os.path.join(run_dir, "config.yaml")
             finished = os.path.isfile(os.path.join(run_dir, "final", "config.json"))
@@ -172,4 +216,6 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
     print(text)
     for path in paths.values():
         print(path)
+    if args.eval_history:
+        evaluate_histories(args, run_dirs, root, cfg.rollout.max_new_tokens)   # the same in every run
     return paths

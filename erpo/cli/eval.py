@@ -24,12 +24,19 @@ def _numbers(text: str, name: str, kind: type) -> list:
     return values
 
 
+def parse_temperatures(text: str, name: str) -> list[float]:
+    """A named grid of TEMPERATURE_GRIDS or comma-separated temperatures (the option `name`'s value)."""
+    return list(TEMPERATURE_GRIDS.get(text, ())) or _numbers(text, name, float)
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``erpo eval`` options on a (sub)parser."""
     parser.add_argument("--model", action="append", required=True, metavar="[LABEL=]PATH_OR_RUN_DIR",
                         help="HF model dir, Hub name, training output dir (its final/ model), one of its "
-                             "checkpoints (RUN_DIR/checkpoints/step-N) or RUN_DIR@start (the model the run started "
-                             "from); repeatable or comma-separated to compare models")
+                             "checkpoints (RUN_DIR/checkpoints/step-N), RUN_DIR@start (the model the run started "
+                             "from) or RUN_DIR@all (the run's history: its start and every kept checkpoint, also "
+                             "tabulated step x temperature in history.md and drawn in accuracy_over_steps.png); "
+                             "repeatable or comma-separated to compare models")
     parser.add_argument("--benchmarks", default="synthetic",
                         help="comma-separated benchmark specs [NAME=]SOURCE[#problem=F#answer=F#split=S#limit=N]; "
                              "SOURCE: synthetic (default, offline), a .jsonl/.json/.parquet file, "
@@ -67,7 +74,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown table and the files' paths.
+    """Entry point of ``erpo eval``: evaluate, write the results, print the markdown tables and the files' paths.
 
     Bad arguments or inputs are a UserError: ``erpo eval: <message>`` (status 1), the traceback with --debug.
     """
@@ -79,8 +86,7 @@ def run_eval(args: argparse.Namespace) -> None:
         models = parse_models(args.model)
         benchmarks = load_benchmarks([s for s in args.benchmarks.split(",") if s.strip()])
         pass_ks = _numbers(args.pass_k, "--pass-k", int) if args.pass_k else None
-        temperatures = list(TEMPERATURE_GRIDS.get(args.temperatures, ())) or _numbers(args.temperatures,
-                                                                                      "--temperatures", float)
+        temperatures = parse_temperatures(args.temperatures, "--temperatures")
         templates = parse_templates(args.template, [m.label for m in models])
         if args.max_new_tokens < 1 or args.tensor_parallel_size < 1:
             raise ValueError(f"--max-new-tokens and --tensor-parallel-size must be >= 1, got {args.max_new_tokens} "
@@ -96,7 +102,9 @@ def run_eval(args: argparse.Namespace) -> None:
                       templates=templates, engine=args.engine, device=device, dtype=args.dtype,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       tensor_parallel_size=args.tensor_parallel_size, progress=not args.no_progress)
-    with open(result["paths"]["md"], encoding="utf-8") as handle:
-        print(handle.read())
+    for table in ("md", "history_md"):   # the history table too, when some --model is RUN_DIR@all
+        if table in result["paths"]:
+            with open(result["paths"][table], encoding="utf-8") as handle:
+                print(handle.read())
     for path in result["paths"].values():
         print(path)

@@ -3,7 +3,9 @@
 For every model x benchmark x temperature, k answers are sampled per problem, graded with the trainer's
 verifier (``erpo.tasks.rewards``) and scored with ``erpo.eval.metrics`` (Avg@k, Pass@k, Pass@1). Scores are then
 averaged over benchmarks ("Avg.") and over temperature ranges (all, <= 1.0, 1.2-1.5) and written to
-``OUTPUT_DIR/results.{md,json,csv}`` in the paper's Table 2 layout plus ``accuracy_vs_temperature.png``.
+``OUTPUT_DIR/results.{md,json,csv}`` in the paper's Table 2 layout plus ``accuracy_vs_temperature.png``; the models
+of runs' histories (``--model RUN_DIR@all``) also to ``history.{md,csv}`` (step x temperature per run) and
+``accuracy_over_steps.png``.
 
 Samples are cached in ``OUTPUT_DIR/samples/MODEL/BENCHMARK/temp-T.jsonl``, appended one chunk of
 problems at a time, so an interrupted evaluation resumes where it stopped. Each chunk is sampled with
@@ -25,7 +27,7 @@ from erpo.eval.model_specs import DEFAULT_MAX_NEW_TOKENS, ModelSpec, prompt_sett
 from erpo.eval.problem_sets import Benchmark
 from erpo.eval.sample_cache import cache_dir, check_cache_meta, problems_fingerprint
 from erpo.eval.sampling import build_engine, sample_benchmark
-from erpo.eval.tables import aggregate, score_samples, write_results
+from erpo.eval.tables import aggregate, score_samples, write_history, write_results
 
 # Named temperature grids for --temperatures. "paper": the grid the paper's range means are formed over (its
 # Table 2: every "<= 1.0" mean is a mean of 10 temperatures 0.1..1.0 and most "1.2-1.5" means one of 1.2..1.5;
@@ -67,7 +69,8 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
              progress: bool = True) -> dict:
     """Evaluate every model on every benchmark at every temperature; write and return the results.
 
-    Returns ``{"rows": [...], "paths": {"md", "json", "csv", "png"}}``. Rows hold per-temperature,
+    Returns ``{"rows": [...], "paths": {"md", "json", "csv", "png"}}`` (plus "history_md", "history_csv" and
+    "history_png" when some models form a run's history). Rows hold per-temperature,
     benchmark-average and temperature-range scores (see ``aggregate``). Every model gets the same response
     budget `max_new_tokens`; `templates` maps model labels to their prompt templates (`parse_templates`).
     """
@@ -116,4 +119,6 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
     paths = write_results(output_dir, rows, models=[m.label for m in models],
                           benchmarks=[b.name for b in benchmarks], temperatures=temperatures, k=k,
                           settings=run_info)
+    paths.update(write_history(output_dir, rows, models=models, benchmarks=[b.name for b in benchmarks],
+                               temperatures=temperatures, k=k))
     return {"rows": rows, "paths": paths}

@@ -1,13 +1,14 @@
 """Which models `erpo eval` compares and how each is prompted: `--model` specs (a model dir, a Hub name, a training
-run, one of its checkpoints, or the model a run started from) resolved to `ModelSpec`s, and each model's prompt
-settings (the run's own template, or `--template`)."""
+run, one of its checkpoints, the model a run started from, or a run's whole history) resolved to `ModelSpec`s, and
+each model's prompt settings (the run's own template, or `--template`)."""
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from erpo.config import load_config
-from erpo.manifest import require_intact
+from erpo.manifest import CHECKPOINTS_DIR, complete_checkpoints, require_intact
 from erpo.models.export import HF_DIR
 from erpo.models.loading import model_path_for
 from erpo.models.lora import is_adapter_dir
@@ -24,14 +25,18 @@ RAW_TEMPLATES = {
 
 @dataclasses.dataclass
 class ModelSpec:
-    """A model to evaluate: table label, path or Hub name to load, and the run dir it came from."""
+    """A model to evaluate: table label, path or Hub name to load, and the run dir it came from; for one model of a
+    run's history (`RUN_DIR@all`), that history's label and the training step (rollout steps; 0: the start)."""
 
     label: str
     path: str
     run_dir: str | None = None
+    history: str | None = None
+    step: int | None = None
 
 
 RUN_START_SUFFIX = "@start"
+RUN_HISTORY_SUFFIX = "@all"
 
 
 def _is_hf_model_dir(path: str) -> bool:
@@ -76,20 +81,50 @@ def run_start_model(run_dir: str) -> str:
     return model_path_for(load_run_config(run_dir))
 
 
-def resolve_model(spec: str) -> ModelSpec:
-    """Resolve ``[LABEL=]TARGET``. TARGET is an HF model dir, a Hub name, a training output dir (its
-    ``final/`` model), a checkpoint dir of one (``RUN_DIR/checkpoints/step-N``, its ``hf/`` model) or
-    ``RUN_DIR@start`` (the model that run started from, before RL)."""
+def split_spec(spec: str) -> tuple[str, str]:
+    """``[LABEL=]TARGET`` -> (label or "", target without a trailing slash)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--model must be a non-empty path or name, got {spec!r}")
     label, eq, target = spec.strip().partition("=")
     if not eq:
         label, target = "", label
-    target = target.rstrip("/") or target
+    return label, target.rstrip("/") or target
+
+
+def run_dir_of(target: str, suffix: str) -> str:
+    """The training output dir of ``RUN_DIR@start`` / ``RUN_DIR@all``; ValueError when it is none."""
+    run_dir = target[: -len(suffix)].rstrip("/")
+    if not _is_run_dir(run_dir):
+        raise ValueError(f"--model {target}: {run_dir} is not a training output dir (no config.yaml)")
+    return run_dir
+
+
+def resolve_history(spec: str) -> list[ModelSpec]:
+    """``[LABEL=]RUN_DIR@all``: the model the run started from (step 0, labelled ``LABEL@start``) and each of its
+    complete checkpoints (``LABEL@step-N``, their ``hf/`` exports), sorted by step; LABEL defaults to the run dir's
+    name. Which checkpoints a run keeps: trainer.keep_last and trainer.keep_every."""
+    label, target = split_spec(spec)
+    run_dir = run_dir_of(target, RUN_HISTORY_SUFFIX)
+    name = label or os.path.basename(os.path.abspath(run_dir))
+    checkpoints = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
+    if not checkpoints:
+        raise ValueError(f"--model {target}: {run_dir} holds no complete checkpoint (checkpoints/step-N); train "
+                         "with trainer.save_steps > 0 (and trainer.keep_every to keep its history)")
+    history = [] if checkpoints[0][0] == 0 else [   # a step-0 checkpoint holds the start model itself
+        ModelSpec(name + RUN_START_SUFFIX, run_start_model(run_dir), run_dir, name, 0)]
+    for step, path in checkpoints:
+        model = resolve_checkpoint(str(path), f"{name}@step-{step}")
+        history.append(dataclasses.replace(model, history=name, step=step))
+    return history
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """Resolve ``[LABEL=]TARGET``. TARGET is an HF model dir, a Hub name, a training output dir (its
+    ``final/`` model), a checkpoint dir of one (``RUN_DIR/checkpoints/step-N``, its ``hf/`` model) or
+    ``RUN_DIR@start`` (the model that run started from, before RL)."""
+    label, target = split_spec(spec)
     if target.endswith(RUN_START_SUFFIX):
-        run_dir = target[: -len(RUN_START_SUFFIX)].rstrip("/")
-        if not _is_run_dir(run_dir):
-            raise ValueError(f"--model {target}: {run_dir} is not a training output dir (no config.yaml)")
+        run_dir = run_dir_of(target, RUN_START_SUFFIX)
         name = label or os.path.basename(os.path.abspath(run_dir)) + RUN_START_SUFFIX
         return ModelSpec(name, run_start_model(run_dir), run_dir)
     if os.path.isdir(target):
@@ -111,8 +146,11 @@ def resolve_model(spec: str) -> ModelSpec:
 
 
 def parse_models(values: list[str]) -> list[ModelSpec]:
-    """``--model`` values (repeatable, each comma-separated) -> unique ModelSpecs."""
-    specs = [resolve_model(item) for value in values for item in value.split(",") if item.strip()]
+    """``--model`` values (repeatable, each comma-separated) -> unique ModelSpecs (``RUN_DIR@all``: several)."""
+    items = [item for value in values for item in value.split(",") if item.strip()]
+    specs = [model for item in items
+             for model in (resolve_history(item) if split_spec(item)[1].endswith(RUN_HISTORY_SUFFIX)
+                           else [resolve_model(item)])]
     if not specs:
         raise ValueError("--model: give at least one model")
     labels = [s.label for s in specs]

@@ -1,6 +1,7 @@
 """Scores and tables of `erpo eval`: metrics per (model, benchmark, temperature), averaged over benchmarks
 ("Avg.") and over the paper's temperature ranges, written as results.md / .json / .csv in the paper's Table 2
-layout and plotted as accuracy vs temperature."""
+layout and plotted as accuracy vs temperature; for runs' histories (`RUN_DIR@all`), also a table step x temperature
+per run (history.md / .csv) and its figure (accuracy_over_steps.png)."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +9,8 @@ import json
 import os
 
 from erpo.eval.metrics import summarize_correctness
-from erpo.plotting import plot_temperature_curves
+from erpo.eval.model_specs import ModelSpec
+from erpo.plotting import plot_history, plot_temperature_curves
 
 ALL_TEMPERATURES = "all"
 # Temperature ranges of the paper's tables: label -> membership test.
@@ -145,4 +147,60 @@ def write_results(output_dir: str, rows: list[dict], *, models: list[str], bench
     curves = {f"{title} ({where})": {m: {t: average[(m, t)][key] for t in temperatures} for m in models}
               for key, title in headline_metrics(k)}
     paths["png"] = plot_temperature_curves(curves, os.path.join(output_dir, "accuracy_vs_temperature.png"))
+    return paths
+
+
+def history_rows(rows: list[dict], models: list[ModelSpec], k: int) -> list[dict]:
+    """The benchmark-average scores of every model of a run's history: ``{"run", "step", "temperature", **headline
+    metrics}``, runs in the order given, steps ascending, each temperature then each range of TEMPERATURE_RANGES."""
+    keys = [key for key, _ in headline_metrics(k)]
+    runs = list(dict.fromkeys(m.history for m in models if m.history is not None))
+    out = []
+    for model in sorted((m for m in models if m.history is not None), key=lambda m: (runs.index(m.history), m.step)):
+        for row in rows:
+            if row["model"] == model.label and row["benchmark"] == BENCHMARK_AVERAGE:
+                out.append({"run": model.history, "step": model.step, "temperature": row["temperature"],
+                            **{key: row[key] for key in keys}})
+    return out
+
+
+def render_history(history: list[dict], *, temperatures: list[float], k: int, where: str) -> str:
+    """history.md: per run, a table of Avg@k by training step (rows) and temperature (columns, then range means)."""
+    key, title = headline_metrics(k)[0]
+    columns = [*temperatures, *range_members(temperatures)]
+    out = ["# erpo eval: accuracy over training steps", "",
+           f"{title} ({where}) of each kept checkpoint of each run (step 0: the model the run started from), by "
+           "sampling temperature and over the paper's temperature ranges. Full metrics: history.csv.", ""]
+    for run in dict.fromkeys(r["run"] for r in history):
+        cells = {(r["step"], r["temperature"]): r[key] for r in history if r["run"] == run}
+        out += [f"## {run}", ""]
+        header = ["step", *[f"T={c:g}" if isinstance(c, float) else f"mean {c}" for c in columns]]
+        body = [[str(step), *[cells[(step, c)] for c in columns]] for step in sorted({s for s, _ in cells})]
+        out += _table(header, body, bold_best=False) + [""]
+    return "\n".join(out)
+
+
+def write_history(output_dir: str, rows: list[dict], *, models: list[ModelSpec], benchmarks: list[str],
+                  temperatures: list[float], k: int) -> dict[str, str]:
+    """Write history.md, history.csv and accuracy_over_steps.png for the runs' histories among `models`; return
+    their paths ({} when no model is part of a history)."""
+    history = history_rows(rows, models, k)
+    if not history:
+        return {}
+    where = benchmarks[0] if len(benchmarks) == 1 else f"mean of {len(benchmarks)} benchmarks"
+    paths = {"history_md": os.path.join(output_dir, "history.md"),
+             "history_csv": os.path.join(output_dir, "history.csv")}
+    with open(paths["history_md"], "w", encoding="utf-8") as handle:
+        handle.write(render_history(history, temperatures=temperatures, k=k, where=where))
+    with open(paths["history_csv"], "w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(history[0]))
+        writer.writeheader()
+        writer.writerows(history)
+    key, title = headline_metrics(k)[0]
+    curves: dict[str, dict[float, dict[int, float]]] = {}
+    for r in history:
+        if isinstance(r["temperature"], float):
+            curves.setdefault(r["run"], {}).setdefault(r["temperature"], {})[r["step"]] = r[key]
+    paths["history_png"] = plot_history(curves, os.path.join(output_dir, "accuracy_over_steps.png"),
+                                        metric=f"{title} ({where})")
     return paths

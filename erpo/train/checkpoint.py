@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +43,14 @@ import torch
 
 from erpo import distributed as dist_utils
 from erpo.atomic import TMP_PREFIX, fsync_dir, fsync_tree
-from erpo.manifest import build_manifest, newest_intact, require_intact, sealed_json
+from erpo.manifest import (
+    CHECKPOINTS_DIR,
+    build_manifest,
+    complete_checkpoints,
+    newest_intact,
+    require_intact,
+    sealed_json,
+)
 from erpo.models.export import HF_DIR, export_hf
 from erpo.models.weights import parameter_names
 from erpo.storage_errors import agree_on_writes
@@ -53,7 +59,6 @@ from erpo.train.rng import capture_rng_state, restore_rng_state
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-STEP_DIR = re.compile(r"^step-(\d+)$")
 TRASH_PREFIX = ".trash-"
 DEEPSPEED_TAG = "engine"
 
@@ -153,30 +158,28 @@ class CheckpointManager:
 
     output_dir: the run directory (a path whose last component is already "checkpoints" is used as is).
     keep_last: how many complete checkpoints to keep (oldest deleted after each save); None keeps all.
+    keep_every: K > 0 also keeps, besides the newest `keep_last`, every checkpoint whose step is a multiple of K (a
+    run's history, for `erpo eval --model RUN_DIR@all`); 0 keeps none besides them.
     `before_commit`: optional callable run on rank 0 after every file of a checkpoint is written and
     before the commit rename (tests use it to kill a process mid-save).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, keep_last: int | None = 3):
+    def __init__(self, output_dir: str | os.PathLike, keep_last: int | None = 3, keep_every: int = 0):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 0:
+            raise ValueError(f"keep_every must be an int >= 0 (0: off), got {keep_every!r}")
         root = Path(output_dir)
-        self.root = root if root.name == "checkpoints" else root / "checkpoints"
+        self.root = root if root.name == CHECKPOINTS_DIR else root / CHECKPOINTS_DIR
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.before_commit: Callable[[], None] | None = None
 
     # -- discovery
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for child in self.root.iterdir():
-            match = STEP_DIR.match(child.name)
-            if match and child.is_dir() and (child / "meta.json").is_file():
-                found.append((int(match.group(1)), child))
-        return sorted(found)
+        """(step, path) of every complete checkpoint, oldest first (`erpo.manifest.complete_checkpoints`)."""
+        return complete_checkpoints(self.root)
 
     def latest(self) -> str | None:
         """Path of the newest complete checkpoint, or None. Temporary and partially deleted ones are ignored."""
@@ -255,11 +258,12 @@ class CheckpointManager:
                 shutil.rmtree(child)
 
     def prune(self) -> None:
-        """Keep only the newest `keep_last` complete checkpoints."""
+        """Keep only the newest `keep_last` complete checkpoints and those of every `keep_every`-th step."""
         if self.keep_last is None:
             return
-        for _, path in self.complete_checkpoints()[:-self.keep_last]:
-            remove_tree(path)
+        for step, path in self.complete_checkpoints()[:-self.keep_last]:
+            if not (self.keep_every and step % self.keep_every == 0):
+                remove_tree(path)
 
     # -- load
     def load(self, engine: Any, path: str | os.PathLike | None = None) -> dict:

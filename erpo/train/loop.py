@@ -152,7 +152,7 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
     check_run_dir(cfg, resume=resume)
     log.info("erpo train: %s", run_summary(cfg))
     out_dir = Path(cfg.output_dir)
-    checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last)
+    checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every)
     D.init_distributed()
     seed_everything(cfg)
     model_path = model_path_for(cfg)   # a mistyped model name stops here, before the run directory is written
