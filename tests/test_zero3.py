@@ -1,36 +1,19 @@
 """DeepSpeed ZeRO-3 with the fused-linear loss: `gathered_lm_head` gives the loss the whole lm_head and DeepSpeed
 its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under ZeRO-0, for an untied
 biased lm_head and for an lm_head tied to the input embedding (tests/zero3_worker.py does the step)."""
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from erpo_kernels.zero3 import gathered_lm_head
+from torchrun import run_worker
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("zero3_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_step(tmp_path: Path, zero_stage: int) -> dict:
-    out = tmp_path / f"zero{zero_stage}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(WORKER), "--zero-stage", str(zero_stage), "--out", str(out)]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return torch.load(out, weights_only=True)
+    return run_worker(WORKER, tmp_path / f"zero{zero_stage}.pt", "--zero-stage", str(zero_stage))
 
 
 @pytest.fixture(scope="module")
