@@ -1,9 +1,11 @@
 """One forward and backward of the fused-linear ERPO loss under FSDP2 (`fully_shard` on every layer and on the
 root), launched by tests/test_fsdp2.py through torchrun with 2 CPU processes (gloo).
 
-For each lm_head layout (untied with a bias, tied to the input embedding, untied in its own `fully_shard` unit) and
-each parameter dtype (fp32, bf16), every rank computes hidden states on its own rows, the fused loss with
-`whole_lm_head` and its backward inside the block. Each rank also runs the same model unsharded (a copy taken
+For each lm_head layout (untied with a bias, tied to the input embedding, untied in its own `fully_shard` unit,
+and accelerate's FSDP2 layout, which TRL uses: the embedding in its own unit, the head in one kept unsharded after
+its forward, the backward run after the block as TRL runs it) and each parameter dtype (fp32, bf16), every rank
+computes hidden states on its own rows, the fused loss with `whole_lm_head` and its backward inside the block
+(after it for accelerate's layout). Each rank also runs the same model unsharded (a copy taken
 before `fully_shard`) on every rank's rows, one backward per rank's rows. Rank 0 writes to --out, per case: the
 ranks' losses, the full gradients FSDP2 left in the shards (`full_tensor()`), the unsharded run's losses and
 gradients per rank's rows, whether lm_head.weight was a DTensor outside the block, and the error passing that
@@ -20,7 +22,7 @@ from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
 
 VOCAB, DIM, LAYERS, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 2, 20, 4
-LAYOUTS = ("untied", "tied", "own_unit")
+LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
 
 
 class Block(torch.nn.Module):
@@ -33,8 +35,9 @@ class Block(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding -> residual blocks -> hidden states [N, D]; `lm_head` is not used by forward (as with
-    `model.model(...)`), the fused loss reads it."""
+    """Embedding -> residual blocks -> hidden states [N, D]. The forward also runs `lm_head` on the last position,
+    whose logits nobody uses (as erpo's `final_hidden_and_output` with logits_to_keep=1); the fused loss reads
+    the head's weight."""
 
     def __init__(self, tied: bool):
         super().__init__()
@@ -53,6 +56,7 @@ class TinyLM(torch.nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
+        self.lm_head(x[-1:])
         return x
 
 
@@ -103,6 +107,9 @@ def one_case(layout: str, dtype: torch.dtype) -> dict:
         fully_shard(layer)
     if layout == "own_unit":
         fully_shard(model.lm_head)
+    if layout == "accelerate":  # accelerate's fsdp2_prepare_model: embedding, layers, [final norm, lm_head], root
+        fully_shard(model.embed)
+        fully_shard([model.lm_head], reshard_after_forward=False)
     fully_shard(model)
     error = sharded_error(model, dtype)
     batch = rank_batch(dist.get_rank())
@@ -111,6 +118,9 @@ def one_case(layout: str, dtype: torch.dtype) -> dict:
     with whole_lm_head(model) as (weight, bias):
         whole = (tuple(weight.shape), is_dtensor(weight), weight.dtype)
         loss = loss_of(hidden, weight, bias, batch)
+        if layout != "accelerate":
+            loss.backward()
+    if layout == "accelerate":  # TRL: accelerator.backward(loss) after _compute_loss has returned
         loss.backward()
     losses = [torch.zeros((), dtype=loss.dtype) for _ in range(dist.get_world_size())]
     dist.all_gather(losses, loss.detach())

@@ -1,10 +1,11 @@
 """FSDP2 (`fully_shard`) with the fused-linear loss: `whole_lm_head` gives the loss the whole lm_head and FSDP2 its
 gradient. On 2 CPU ranks (gloo), with `fully_shard` on every layer and on the root, the ranks' losses and the full
 gradients FSDP2 leaves in the shards are bit-identical (torch.equal, fp32 and bf16 parameters) to the same model
-unsharded in one process: the loss on each rank's rows, and the mean of the two rows' gradients (FSDP2 averages
-over ranks). Layouts: an untied biased lm_head, one tied to the input embedding (both held by the root, which
-FSDP2 keeps unsharded from its forward to its backward), and an untied lm_head in its own `fully_shard` unit
-(sharded again after its forward: `whole_lm_head` unshards it). tests/fsdp2_worker.py does the step."""
+unsharded in one process: the loss on each rank's rows, and the mean of the two rows' gradients (FSDP2 averages over
+ranks). Layouts: an untied biased lm_head, one tied to the input embedding (both held by the root, which FSDP2 keeps
+unsharded from its forward to its backward), and an untied lm_head in its own `fully_shard` unit (sharded again after
+its forward: `whole_lm_head` unshards it); accelerate's FSDP2 layout, which TRL uses (the head in a unit kept
+unsharded after its forward), with the backward after the block as TRL runs it. tests/fsdp2_worker.py does the step."""
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from erpo_kernels.lm_head import whole_lm_head
 from torchrun import run_worker
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
-CASES = [(layout, dtype) for layout in ("untied", "tied", "own_unit") for dtype in ("torch.float32", "torch.bfloat16")]
+LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
+CASES = [(layout, dtype) for layout in LAYOUTS for dtype in ("torch.float32", "torch.bfloat16")]
 
 
 @pytest.fixture(scope="module")

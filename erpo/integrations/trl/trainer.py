@@ -15,7 +15,7 @@ from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin
 from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
 
 
 class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
@@ -80,7 +80,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         aux_loss = output.aux_loss if self.aux_loss_enabled else None
         del output
         if self.args.fused_linear:
-            with gathered_lm_head(model) as (weight, bias):
+            with whole_lm_head(model) as (weight, bias):
                 hidden = hidden.to(weight.dtype)
                 tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
                     hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))
