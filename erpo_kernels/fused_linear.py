@@ -80,7 +80,7 @@ def check_linear_inputs(hidden, weight, bias) -> None:
     check_tensor("hidden", hidden, ndim=2, floating=True)
     if hasattr(weight, "ds_id") and weight.numel() == 0:
         raise ValueError("weight is a DeepSpeed ZeRO-3 partitioned parameter (an empty shard outside its module's "
-                         "forward); pass the lm_head through erpo_kernels.zero3.gathered_lm_head(model) and run the "
+                         "forward); pass the model through erpo_kernels.lm_head.whole_lm_head(model) and run the "
                          "backward inside that block")
     if is_dtensor(weight):
         raise ValueError("weight is a DTensor (an FSDP2 shard outside its module's forward); pass the model through "

@@ -27,7 +27,7 @@ def steps(tmp_path_factory):
 def test_zero3_step_matches_zero0(steps, tied):
     zero0, zero3 = steps[0][tied], steps[3][tied]
     assert zero3["shard_numel"] == 0 < zero0["shard_numel"]  # the problem the helper solves
-    assert "gathered_lm_head" in zero3["shard_error"]  # passing the shard itself is a clear error
+    assert "whole_lm_head" in zero3["shard_error"]  # passing the shard itself is a clear error
     assert zero3["gathered_shape"] == zero0["gathered_shape"] == (96, 16)
     torch.testing.assert_close(zero3["loss"], zero0["loss"], rtol=1e-6, atol=1e-6)
     assert set(zero3["params"]) == set(zero0["params"])
