@@ -18,6 +18,7 @@ its backward run:
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -25,23 +26,19 @@ from .zero3 import find_lm_head, gathered_lm_head
 
 
 def is_dtensor(tensor) -> bool:
-    """True when `tensor` is a `torch.distributed.tensor.DTensor` (an FSDP2 shard outside its module's forward)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    """True when `tensor` is a `torch.distributed.tensor.DTensor` (an FSDP2 shard outside its module's forward).
+    Imports nothing: no DTensor exists before `torch.distributed.tensor` is imported."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def _fsdp_owner(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module:
-    """The `FSDPModule` managing `head`'s parameters: the deepest `fully_shard` module on the path from `model`
-    down to `head` (both included)."""
+    """The `FSDPModule` managing `head`'s parameters: the deepest `fully_shard` module of `model` that contains
+    `head` (or is it)."""
     from torch.distributed.fsdp import FSDPModule
 
-    path = next((name for name, sub in model.named_modules() if sub is head), None)
-    parts = path.split(".") if path else []
-    chain = [] if path is None else [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
-    owners = [module for module in (*chain, head) if isinstance(module, FSDPModule)]
+    owners = [module for module in model.modules()   # pre-order: ancestors before descendants
+              if isinstance(module, FSDPModule) and any(sub is head for sub in module.modules())]
     if not owners:
         raise ValueError("lm_head.weight is a DTensor but no fully_shard (FSDP2) module holds it: pass the model "
                          "that fully_shard was applied to (or its lm_head, if sharded on its own)")
@@ -71,9 +68,6 @@ def whole_lm_head(model: torch.nn.Module):
     owner = _fsdp_owner(model, head)
     owner.unshard()
     try:
-        if is_dtensor(head.weight):
-            raise RuntimeError(f"{type(owner).__name__}.unshard() left lm_head.weight sharded (FSDP2 was in its "
-                               "backward); call whole_lm_head before the backward starts")
         yield head.weight, getattr(head, "bias", None)
     finally:
         owner.reshard()

@@ -9,7 +9,7 @@ computes hidden states on its own rows, the fused loss with `whole_lm_head` and 
 before `fully_shard`) on every rank's rows, one backward per rank's rows. Rank 0 writes to --out, per case: the
 ranks' losses, the full gradients FSDP2 left in the shards (`full_tensor()`), the unsharded run's losses and
 gradients per rank's rows, whether lm_head.weight was a DTensor outside the block, and the error passing that
-DTensor to the loss gives.
+DTensor to the loss gives; and the error `whole_lm_head` gives for a DTensor lm_head no `fully_shard` holds.
 """
 import argparse
 import copy
@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
@@ -87,6 +88,19 @@ def sharded_error(model: TinyLM, dtype: torch.dtype) -> str:
     return ""
 
 
+def unowned_dtensor_error() -> str:
+    """The error `whole_lm_head` gives for an lm_head whose weight is a DTensor that no `fully_shard` module holds."""
+    head = torch.nn.Linear(DIM, VOCAB)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+    try:
+        with whole_lm_head(head):
+            pass
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def unsharded_run(model: TinyLM) -> dict:
     """Loss and gradients of the unsharded `model` on each rank's rows, one backward per rank's rows."""
     losses, grads = [], []
@@ -139,6 +153,7 @@ def main():
     dist.init_process_group("gloo")
     result = {(layout, str(dtype)): one_case(layout, dtype)
               for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
+    result["unowned_dtensor_error"] = unowned_dtensor_error()
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()

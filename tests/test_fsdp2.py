@@ -42,8 +42,9 @@ def test_fsdp2_loss_and_gradients_equal_the_unsharded_model(cases, layout, dtype
 
 
 def test_a_dtensor_weight_is_a_one_line_error(cases):
-    for case in cases.values():
+    for case in (cases[key] for key in CASES):
         assert "whole_lm_head" in case["sharded_error"] and "\n" not in case["sharded_error"]
+    assert "no fully_shard (FSDP2) module holds it" in cases["unowned_dtensor_error"]
 
 
 def test_without_sharding_the_context_yields_the_head_as_is():
