@@ -1,15 +1,15 @@
 """One forward and backward of the fused-linear ERPO loss under FSDP2 (`fully_shard` on every layer and on the
 root), launched by tests/test_fsdp2.py through torchrun with 2 CPU processes (gloo).
 
-For each lm_head layout (untied with a bias, tied to the input embedding, untied in its own `fully_shard` unit,
-and accelerate's FSDP2 layout, which TRL uses: the embedding in its own unit, the head in one kept unsharded after
-its forward, the backward run after the block as TRL runs it) and each parameter dtype (fp32, bf16), every rank
-computes hidden states on its own rows, the fused loss with `whole_lm_head` and its backward inside the block
-(after it for accelerate's layout). Each rank also runs the same model unsharded (a copy taken
-before `fully_shard`) on every rank's rows, one backward per rank's rows. Rank 0 writes to --out, per case: the
-ranks' losses, the full gradients FSDP2 left in the shards (`full_tensor()`), the unsharded run's losses and
-gradients per rank's rows, whether lm_head.weight was a DTensor outside the block, and the error passing that
-DTensor to the loss gives; and the error `whole_lm_head` gives for a DTensor lm_head no `fully_shard` holds.
+For each lm_head layout (untied with a bias, tied to the input embedding, untied in its own `fully_shard` unit, and
+accelerate's FSDP2 layout, which TRL uses: the embedding in its own unit, the head in one kept unsharded after its
+forward, the backward run after the block as TRL runs it) and each parameter dtype (fp32, bf16), every rank computes
+hidden states on its own rows, the fused loss with `whole_lm_head` and its backward inside the block (after it for
+accelerate's layout). Each rank also runs the same model unsharded (a copy taken before `fully_shard`) on every
+rank's rows, one backward per rank's rows. Rank 0 writes to --out, per case: the ranks' losses, the full gradients
+FSDP2 left in the shards (`full_tensor()`), the unsharded run's losses and gradients per rank's rows, whether
+lm_head.weight was a DTensor outside the block, and the error passing that DTensor to the loss gives; and the error
+`whole_lm_head` gives for a DTensor lm_head no `fully_shard` holds.
 """
 import argparse
 import copy
