@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from erpo_kernels.lm_head import whole_lm_head
 from torchrun import run_worker
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
@@ -46,21 +45,3 @@ def test_a_dtensor_weight_is_a_one_line_error(cases):
         assert "whole_lm_head" in case["sharded_error"] and "\n" not in case["sharded_error"]
     assert "no fully_shard (FSDP2) module holds it" in cases["unowned_dtensor_error"]
 
-
-def test_without_sharding_the_context_yields_the_head_as_is():
-    head = torch.nn.Linear(8, 20)
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm_head = head
-
-        def get_output_embeddings(self):
-            return self.lm_head
-
-    for module in (head, Model()):
-        with whole_lm_head(module) as (weight, bias):
-            assert weight is head.weight and bias is head.bias
-    with pytest.raises(TypeError, match="get_output_embeddings"):
-        with whole_lm_head(torch.nn.ReLU()):
-            pass

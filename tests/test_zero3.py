@@ -1,12 +1,13 @@
-"""DeepSpeed ZeRO-3 with the fused-linear loss: `gathered_lm_head` gives the loss the whole lm_head and DeepSpeed
-its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under ZeRO-0, for an untied
-biased lm_head and for an lm_head tied to the input embedding (tests/zero3_worker.py does the step)."""
+"""DeepSpeed ZeRO-3 with the fused-linear loss: `whole_lm_head` (`gathered_lm_head` at ZeRO-3) gives the loss the whole
+lm_head and DeepSpeed its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under
+ZeRO-0, for an untied biased lm_head and for an lm_head tied to the input embedding (tests/zero3_worker.py does the
+step)."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
 from torchrun import run_worker
 
 WORKER = Path(__file__).with_name("zero3_worker.py")
@@ -55,8 +56,8 @@ def test_without_deepspeed_the_helper_yields_the_head_as_is():
             return self.lm_head
 
     for module in (head, Model()):
-        with gathered_lm_head(module) as (weight, bias):
+        with whole_lm_head(module) as (weight, bias):
             assert weight is head.weight and bias is head.bias
     with pytest.raises(TypeError, match="get_output_embeddings"):
-        with gathered_lm_head(torch.nn.ReLU()):
+        with whole_lm_head(torch.nn.ReLU()):
             pass
