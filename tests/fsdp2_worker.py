@@ -157,8 +157,8 @@ def main():
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
-    # Leave without the interpreter's teardown: there, 1 run in 10 of this worker aborted in rank 1 ("terminate
-    # called without an active exception", after every result was written; a plain gloo script does not).
+    # Leave without the interpreter's teardown: there, about 1 run in 10 of this worker aborted ("terminate called
+    # without an active exception", after every result was written; tests/multirank_worker.py does it too).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
