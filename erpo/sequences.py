@@ -9,9 +9,9 @@ import torch
 
 from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config
 from erpo_kernels.layout import from_padded
+from erpo_kernels.lm_head import whole_lm_head
 from erpo_kernels.segment import SegmentSum
 from erpo_kernels.triton_segment import TritonSegmentSum
-from erpo_kernels.zero3 import gathered_lm_head
 
 
 @dataclass
@@ -112,7 +112,7 @@ def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autoc
     hidden @ lm_head with the model's logit transform (`logit_transforms`), outside autocast, as the loss scores."""
     with (autocast or contextlib.nullcontext)():
         hidden = final_hidden(model, batch)
-    with gathered_lm_head(model) as (weight, bias):
+    with whole_lm_head(model) as (weight, bias):
         return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, batch.targets, bias=bias,
                                            temperature=temperature, **logit_transforms(model))
 

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .api import loss_on_token_rows, use_triton
+from .lm_head import is_dtensor
 from .objective import LossOutput
 from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
 from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
@@ -86,8 +87,11 @@ def check_linear_inputs(hidden, weight, bias) -> None:
     check_tensor("hidden", hidden, ndim=2, floating=True)
     if hasattr(weight, "ds_id") and weight.numel() == 0:
         raise ValueError("weight is a DeepSpeed ZeRO-3 partitioned parameter (an empty shard outside its module's "
-                         "forward); pass the lm_head through erpo_kernels.zero3.gathered_lm_head(model) and run the "
+                         "forward); pass the model through erpo_kernels.lm_head.whole_lm_head(model) and run the "
                          "backward inside that block")
+    if is_dtensor(weight):
+        raise ValueError("weight is a DTensor (an FSDP2 shard outside its module's forward); pass the model through "
+                         "erpo_kernels.lm_head.whole_lm_head(model) and run the backward inside that block")
     check_tensor("weight", weight, ndim=2, floating=True)
     if hidden.dtype not in FLOAT_DTYPES:
         raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")

@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 
-def _lm_head(module: torch.nn.Module) -> torch.nn.Module:
+def find_lm_head(module: torch.nn.Module) -> torch.nn.Module:
     """The output projection of a causal LM (also through a DeepSpeed engine's `.module`), or `module` itself."""
     for candidate in (module, getattr(module, "module", None)):
         get_head = getattr(candidate, "get_output_embeddings", None)
@@ -51,7 +51,7 @@ def gathered_lm_head(module: torch.nn.Module):
             engine.backward(out.loss)
         engine.step()
     """
-    head = _lm_head(module)
+    head = find_lm_head(module)
     weight, bias = head.weight, getattr(head, "bias", None)
     params = [p for p in (weight, bias) if isinstance(p, torch.Tensor) and is_zero3_partitioned(p)]
     if not params:

@@ -20,7 +20,7 @@ from erpo.rollout.hf import HFRollout
 from erpo.rollout.vllm import VLLMRollout
 from erpo.sequences import final_hidden, pack, scored_token_logp
 from erpo_kernels import fused_linear_erpo_loss
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
 
 RANK = 4
 
@@ -116,7 +116,7 @@ def test_policy_kl_against_disabled_adapters_equals_a_frozen_base(base_dir, toke
     def policy_loss(reference_logp):
         model.zero_grad()
         hidden = final_hidden(model, batch)
-        with gathered_lm_head(model) as (weight, bias):
+        with whole_lm_head(model) as (weight, bias):
             out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
                                          bias=bias, advantages=torch.tensor([1.0, -0.5, 0.2]), ref_logp=reference_logp,
                                          policy_kl_coef=0.01, qkl_coef=0.0)

@@ -12,7 +12,6 @@ refused), a SIGKILLed rank (the job ends; a truncated shard of rank 1 is skipped
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,16 +28,11 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from multirank_worker import make_optimizer, rank_loss  # noqa: E402
 from test_checkpoint_manifest import truncate  # noqa: E402
+from torchrun import free_port, run_worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multirank_worker.py")
 GROUPS, GROUP_SIZE, LENGTH = 4, 2, 12
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +70,11 @@ def setup(tmp_path_factory):
 
 def launch(root: Path, nproc: int, zero_stage: int, loss_agg: str, tag: str, checkpoint: bool) -> dict:
     """Run the worker under torchrun with `nproc` CPU processes; rank 0's results."""
-    out = root / f"{tag}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
-           "--zero-stage", str(zero_stage), "--model-dir", str(root / "model"), "--batch", str(root / "batch.pt"),
-           "--out", str(out), "--loss-agg", loss_agg]
+    args = ["--zero-stage", str(zero_stage), "--model-dir", str(root / "model"), "--batch", str(root / "batch.pt"),
+            "--loss-agg", loss_agg]
     if checkpoint:
-        cmd += ["--ckpt-dir", str(root / f"{tag}-ckpt")]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return torch.load(out, weights_only=True)
+        args += ["--ckpt-dir", str(root / f"{tag}-ckpt")]
+    return run_worker(WORKER, root / f"{tag}.pt", *args, nproc=nproc)
 
 
 def assert_params_close(actual: dict, expected: dict, atol: float, rtol: float):

@@ -311,6 +311,22 @@ def test_unsupported_settings_raise(tmp_path, setting, message):
         ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **setting)
 
 
+def test_fused_linear_under_fsdp2_with_a_resharded_lm_head_is_refused(tiny, tmp_path):
+    """TRL runs the backward after `_compute_loss` returns, so an lm_head FSDP2 reshards after its forward (here its
+    own unit, one rank) is refused in one line instead of failing in the backward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True, qkl_coef=0.0, query_weight="none")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(trainer.model.lm_head, reshard_after_forward=True)
+        with pytest.raises(ValueError, match="fused_linear=True under FSDP2 needs the lm_head unsharded"):
+            ERPOTrainer._compute_loss(trainer, trainer.model, trl_inputs(trainer))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_trl_options_are_accepted(tmp_path):
     """Every TRL 1.16 loss type and option ERPOTrainer once refused builds a config; delta is only checked
     against epsilon_high for the clipped-surrogate types (TRL ignores it for cispo, sapo and vespo)."""

@@ -1,36 +1,20 @@
-"""DeepSpeed ZeRO-3 with the fused-linear loss: `gathered_lm_head` gives the loss the whole lm_head and DeepSpeed
-its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under ZeRO-0, for an untied
-biased lm_head and for an lm_head tied to the input embedding (tests/zero3_worker.py does the step)."""
-import os
-import socket
-import subprocess
-import sys
+"""DeepSpeed ZeRO-3 with the fused-linear loss: `whole_lm_head` (`gathered_lm_head` at ZeRO-3) gives the loss the whole
+lm_head and DeepSpeed its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under
+ZeRO-0, for an untied biased lm_head and for an lm_head tied to the input embedding (tests/zero3_worker.py does the
+step)."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
+from torchrun import run_worker
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("zero3_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_step(tmp_path: Path, zero_stage: int) -> dict:
-    out = tmp_path / f"zero{zero_stage}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(WORKER), "--zero-stage", str(zero_stage), "--out", str(out)]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return torch.load(out, weights_only=True)
+    return run_worker(WORKER, tmp_path / f"zero{zero_stage}.pt", "--zero-stage", str(zero_stage))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +28,7 @@ def steps(tmp_path_factory):
 def test_zero3_step_matches_zero0(steps, tied):
     zero0, zero3 = steps[0][tied], steps[3][tied]
     assert zero3["shard_numel"] == 0 < zero0["shard_numel"]  # the problem the helper solves
-    assert "gathered_lm_head" in zero3["shard_error"]  # passing the shard itself is a clear error
+    assert "whole_lm_head" in zero3["shard_error"]  # passing the shard itself is a clear error
     assert zero3["gathered_shape"] == zero0["gathered_shape"] == (96, 16)
     torch.testing.assert_close(zero3["loss"], zero0["loss"], rtol=1e-6, atol=1e-6)
     assert set(zero3["params"]) == set(zero0["params"])
@@ -72,8 +56,8 @@ def test_without_deepspeed_the_helper_yields_the_head_as_is():
             return self.lm_head
 
     for module in (head, Model()):
-        with gathered_lm_head(module) as (weight, bias):
+        with whole_lm_head(module) as (weight, bias):
             assert weight is head.weight and bias is head.bias
     with pytest.raises(TypeError, match="get_output_embeddings"):
-        with gathered_lm_head(torch.nn.ReLU()):
+        with whole_lm_head(torch.nn.ReLU()):
             pass

@@ -2,10 +2,10 @@
 tests/test_zero3.py through torchrun with 2 CPU processes (gloo).
 
 For a tiny LM with an untied biased lm_head and one whose lm_head is tied to the input embedding, every rank
-computes hidden states on its own rows, the fused loss with `gathered_lm_head`, `engine.backward` inside the
-block, and `engine.step()`. Rank 0 writes the gathered parameters after the step, the global loss, and what the
-lm_head looked like outside the block (an empty shard under ZeRO-3) to --out, and the error a backward run
-after the block gets.
+computes hidden states on its own rows, the fused loss with `whole_lm_head` (ZeRO-3: `gathered_lm_head`),
+`engine.backward` inside the block, and `engine.step()`. Rank 0 writes the gathered parameters after the step, the
+global loss, and what the lm_head looked like outside the block (an empty shard under ZeRO-3) to --out, and the
+error a backward run after the block gets.
 """
 import argparse
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
 
 VOCAB, DIM, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 20, 4
 
@@ -72,7 +72,7 @@ def one_step(tied: bool, stage: int) -> dict:
                                    advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"])
         except ValueError as error:
             shard_error = str(error)
-    with gathered_lm_head(engine) as (weight, bias):
+    with whole_lm_head(engine) as (weight, bias):
         gathered_shape = tuple(weight.shape)
         out = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
                                      bias=bias, advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"],
@@ -93,7 +93,7 @@ def one_step(tied: bool, stage: int) -> dict:
 def backward_outside_block(engine, batch) -> str:
     """The error a backward after the block gets (ZeRO-3 re-partitioned the weight); '' when it runs."""
     hidden = engine(batch["ids"][:-1])
-    with gathered_lm_head(engine) as (weight, bias):
+    with whole_lm_head(engine) as (weight, bias):
         loss = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
                                       bias=bias, advantages=batch["advantages"],
                                       ref_query_logp=batch["ref_query_logp"], backend="torch").loss

@@ -19,7 +19,7 @@ from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.updater import Updater
 from erpo_kernels import fused_linear_erpo_loss
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import whole_lm_head
 
 log = logging.getLogger("erpo")
 
@@ -40,7 +40,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
         batch, device = mb.batch, mb.batch.targets.device
         ref_logp = scored_token_logp(ref_model, batch, temperature) if ref_model is not None else None
         hidden = final_hidden(updater.model, batch)
-        with gathered_lm_head(updater.model) as (weight, bias):
+        with whole_lm_head(updater.model) as (weight, bias):
             out = fused_linear_erpo_loss(
                 hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
                 advantages=rollout.advantages[mb.index].to(device),

@@ -15,7 +15,8 @@ from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin
 from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
-from erpo_kernels.zero3 import gathered_lm_head
+from erpo_kernels.lm_head import is_dtensor, whole_lm_head
+from erpo_kernels.zero3 import find_lm_head
 
 
 class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
@@ -45,7 +46,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
             return
         if is_deepspeed_zero3_enabled():
             raise ValueError("fused_linear=True is not supported under DeepSpeed ZeRO-3 in ERPOTrainer (TRL runs the "
-                             "backward after the loss returns, outside gathered_lm_head); set fused_linear=False")
+                             "backward after the loss returns, outside whole_lm_head); set fused_linear=False")
 
     def _compute_loss(self, model, inputs):
         """ERPO loss of one micro-batch of GRPOTrainer's inputs (TRL's `_compute_loss` contract)."""
@@ -80,7 +81,11 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         aux_loss = output.aux_loss if self.aux_loss_enabled else None
         del output
         if self.args.fused_linear:
-            with gathered_lm_head(model) as (weight, bias):
+            if is_dtensor(find_lm_head(model).weight):   # whole_lm_head would reshard it before TRL's backward
+                raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
+                                 "runs the backward after the loss returns): keep it in the root's or accelerate's "
+                                 "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
+            with whole_lm_head(model) as (weight, bias):
                 hidden = hidden.to(weight.dtype)
                 tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
                     hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))

@@ -1,0 +1,29 @@
+"""A test worker under torchrun on CPU processes (gloo, DeepSpeed's CPU accelerator): a free port, the launch, and
+rank 0's results."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_worker(worker: Path, out: Path, *args: str, nproc: int = 2) -> dict:
+    """Run `worker` (with `args` and `--out out`) under torchrun with `nproc` CPU processes; the results rank 0
+    saved to `out` (torch.load). A failed worker fails the test with the end of its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(worker), *args, "--out", str(out)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return torch.load(out, weights_only=True)
