@@ -53,6 +53,11 @@ class LogitTransform:
         if self.logit_softcap is not None and (not _is_finite_number(self.logit_softcap) or self.logit_softcap <= 0):
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
 
+    def op_arguments(self) -> tuple[float, float, float | None]:
+        """(temperature, logit_scale, logit_softcap) as floats: how the transform enters a torch.library op."""
+        softcap = self.logit_softcap
+        return float(self.temperature), float(self.logit_scale), None if softcap is None else float(softcap)
+
 
 @dataclass(frozen=True)
 class LossOptions:
