@@ -171,11 +171,13 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, options: dict) -> "LossOptions":
         """Build from `**options`, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+            raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(OPTION_NAMES)}")
         return cls(**options)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(LossOptions))  # a constant: torch.compile cannot trace fields(class)
 
 
 def _per(length: str):
@@ -244,9 +246,17 @@ def check_tensor(name: str, tensor, *, ndim: int, length: int | None = None, dev
         raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
 
 
+COMPILED_ROWS_MESSAGE = ("erpo_kernels: an input row is invalid (targets, token_kind, sample_index, token_weight or "
+                         "rollout_logp); call the loss without torch.compile to see which row and why")
+
+
 def check_rows(checks) -> None:
     """`checks`: (bad-row mask [N] bool, message(row) -> str) pairs. When no row is bad this costs one host-device
-    sync for all of them together; otherwise raises ValueError(message(first bad row)) of the first failing check."""
+    sync for all of them together; otherwise raises ValueError(message(first bad row)) of the first failing check.
+    Under torch.compile (no host sync, no data-dependent message) one device-side assert stands for them all."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(~torch.stack([bad.any() for bad, _ in checks]).any(), COMPILED_ROWS_MESSAGE)
+        return
     if not bool(torch.stack([bad.any() for bad, _ in checks]).any()):
         return
     for bad, message in checks:
