@@ -7,8 +7,9 @@ weight, never materializing the [N, V] logits (forward or backward).
 transform (`validation.LogitTransform`): times logit_scale, then logit_softcap * tanh(. / logit_softcap) when set,
 then / temperature.
 
-One autograd function serves both backends; a backend (`FusedLinearKernels`) supplies a forward (logp, entropy,
-lse) and a backward (d hidden, d weight, d bias) that recomputes the logits block by block. The backward uses
+One torch.library op pair (`erpo::fused_linear_logp_entropy` and its backward) serves both backends; a backend
+(`FusedLinearKernels`) supplies a forward (logp, entropy, lse) and a backward (d hidden, d weight, d bias) that
+recomputes the logits block by block. The backward uses
     dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits_j = dz_j * slope_j,
 with the target entry formed in fp32 as g_logp (1 - p_t), and slope_j = d z_j / d logits_j = logit_scale / temperature,
 times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap.
@@ -18,7 +19,7 @@ The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -55,11 +56,12 @@ def kernels_named(name: str) -> FusedLinearKernels:
 
 
 # torch.library custom ops (torch.compile sees them whole: no graph break, no trace of the block loops). The
-# LogitTransform travels as its three fields and the backend as its name, which an op schema accepts.
+# LogitTransform travels as its three fields and the backend as its name, which an op schema accepts; typing's
+# Optional / List / Tuple, the forms that older torch's schema inference reads too (`list[...]` is newer).
 @torch.library.custom_op("erpo::fused_linear_logp_entropy", mutates_args=())
-def fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    temperature: float, logit_scale: float, logit_softcap: float | None,
-                    kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    targets: torch.Tensor, temperature: float, logit_scale: float, logit_softcap: Optional[float],
+                    kernels: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64, -100 = ignored) -> (logp [N], entropy [N],
     lse [N]) fp32 of the transformed logits on backend `kernels`; lse is not differentiable."""
     return kernels_named(kernels).forward(hidden, weight, bias, targets,
@@ -67,11 +69,11 @@ def fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @torch.library.custom_op("erpo::fused_linear_logp_entropy_backward", mutates_args=())
-def fused_linear_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def fused_linear_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor,
                              grad_entropy: torch.Tensor, temperature: float, logit_scale: float,
-                             logit_softcap: float | None, kernels: str, needs_hidden: bool, needs_weight: bool,
-                             needs_bias: bool) -> list[torch.Tensor]:
+                             logit_softcap: Optional[float], kernels: str, needs_hidden: bool, needs_weight: bool,
+                             needs_bias: bool) -> List[torch.Tensor]:
     """The gradients asked for, in the order d hidden [N, D], d weight [V, D], d bias [V] (an op returns no None),
     of sum(grad_logp * logp + grad_entropy * entropy); lse, entropy, grad_logp, grad_entropy [N] fp32."""
     grads = kernels_named(kernels).backward(

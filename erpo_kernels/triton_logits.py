@@ -17,6 +17,8 @@ other rows share the call (batch invariance).
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -116,11 +118,14 @@ def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad
 
 
 # torch.library custom ops (what torch.compile sees instead of the kernels: no graph break). The LogitTransform
-# travels as its three fields (temperature, logit_scale, logit_softcap or None), which an op schema accepts.
+# travels as its three fields (temperature, logit_scale, logit_softcap or None), which an op schema accepts. The
+# signatures use typing's Optional / Tuple, the forms that older torch's schema inference reads too.
+OpOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logp, entropy, lse
+
+
 @torch.library.custom_op("erpo::triton_logp_entropy", mutates_args=())
 def logp_entropy_op(logits: torch.Tensor, targets: torch.Tensor, temperature: float, logit_scale: float,
-                    logit_softcap: float | None, inplace_backward: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
+                    logit_softcap: Optional[float], inplace_backward: bool) -> OpOutputs:
     """(logits [N, V], targets [N] int64, -100 = ignored) -> (logp [N], entropy [N], lse [N]), all fp32 (nats);
     lse is not differentiable. inplace_backward: the backward writes d logits into `logits`."""
     return _launch_forward(logits, targets, LogitTransform(temperature, logit_scale, logit_softcap))
@@ -129,7 +134,7 @@ def logp_entropy_op(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 @torch.library.custom_op("erpo::triton_logp_entropy_backward", mutates_args=())
 def logp_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
                              grad_logp: torch.Tensor, grad_entropy: torch.Tensor, temperature: float,
-                             logit_scale: float, logit_softcap: float | None) -> torch.Tensor:
+                             logit_scale: float, logit_softcap: Optional[float]) -> torch.Tensor:
     """d logits [N, V] (logits' dtype) of sum(grad_logp * logp + grad_entropy * entropy); lse, entropy,
     grad_logp, grad_entropy [N]."""
     grad_logits = torch.empty_like(logits)
@@ -141,7 +146,7 @@ def logp_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: t
 @torch.library.custom_op("erpo::triton_logp_entropy_backward_inplace", mutates_args=("logits",))
 def logp_entropy_backward_inplace_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                                      entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-                                     temperature: float, logit_scale: float, logit_softcap: float | None) -> None:
+                                     temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> None:
     """`triton_logp_entropy_backward` written into `logits` itself (each row is read before it is overwritten)."""
     _launch_backward(logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
                      LogitTransform(temperature, logit_scale, logit_softcap))
