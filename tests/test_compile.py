@@ -71,16 +71,17 @@ class TinyPolicy(torch.nn.Module):
         self.lm_head = torch.nn.Linear(D, V)
 
 
-def loss_step(model, features, fused: bool, backend: str):
-    """The loss of one training step (tensors only: what a trainer wraps in torch.compile)."""
+def loss_step(model, features, path: str, backend: str):
+    """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "fused-linear")."""
     inputs = dict(advantages=torch.tensor([1.0, -0.5, 0.25]), ref_query_logp=torch.tensor([-4.0, -2.5, -3.0]),
                   qkl_coef=0.1, logit_softcap=4.0, temperature=0.9, backend=backend)
     hidden = torch.tanh(model.body(features))
-    if fused:
+    if path == "fused-linear":
         out = fused_linear_erpo_loss(hidden, model.lm_head.weight, TARGETS, TOKEN_KIND, SAMPLE_INDEX,
                                      bias=model.lm_head.bias, **inputs)
     else:
-        out = erpo_loss(model.lm_head(hidden), TARGETS, TOKEN_KIND, SAMPLE_INDEX, **inputs)
+        out = erpo_loss(model.lm_head(hidden), TARGETS, TOKEN_KIND, SAMPLE_INDEX,
+                        inplace_backward=path == "logits-inplace", **inputs)
     return out.loss, out.metrics["entropy"]
 
 
@@ -91,13 +92,13 @@ def gradients_of(step, model, features):
     return loss.detach(), entropy, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-linear"])
+@pytest.mark.parametrize("path", ["logits", "logits-inplace", "fused-linear"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compiled_step_equals_eager(fused, backend):
+def test_compiled_step_equals_eager(path, backend):
     model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7))
 
     def step(model, features):
-        return loss_step(model, features, fused, backend)
+        return loss_step(model, features, path, backend)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break is an error
@@ -115,7 +116,7 @@ def test_compiled_step_with_inductor_equals_eager():
     model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7))
 
     def step(model, features):
-        return loss_step(model, features, True, "torch")
+        return loss_step(model, features, "fused-linear", "torch")
 
     torch._dynamo.reset()
     eager_loss, _, eager_grads = gradients_of(step, model, features)
