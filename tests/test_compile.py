@@ -111,6 +111,35 @@ def test_compiled_step_equals_eager(path, backend):
     assert any(grad.abs().sum() > 0 for grad in grads)
 
 
+OPTION_SETS = {  # options whose code paths differ (each traced whole: fullgraph)
+    "gspo-seq-mean": dict(ratio_level="sequence", loss_agg="seq-mean-token-mean"),
+    "vespo": dict(pg_objective="vespo"),
+    "cispo-entropy-filter": dict(pg_objective="cispo", top_entropy_quantile=0.5, entropy_coef=0.01),
+    "k3-token-policy-kl": dict(qkl_estimator="k3-token", policy_kl_coef=0.05, policy_kl_bias_correction=True,
+                               dual_clip=3.0, off_policy_mask_threshold=0.5, entropy_agg="token-mean",
+                               entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+def test_compiled_loss_with_options_equals_eager(options):
+    logits = torch.randn(N, V, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    tensors = dict(advantages=torch.tensor([1.0, -0.5, 0.25]), ref_query_logp=torch.tensor([-4.0, -2.5, -3.0]),
+                   old_logp=-per_row(4).abs(), ref_logp=-per_row(5).abs(), rollout_logp=-per_row(6).abs(),
+                   token_weight=per_row(7).abs(), query_weight=torch.tensor([0.5, 1.0, 1.5]))
+
+    def loss(logits):
+        return erpo_loss(logits, TARGETS, TOKEN_KIND, SAMPLE_INDEX, backend="torch", **tensors, **options).loss
+
+    torch._dynamo.reset()
+    eager = loss(logits)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(logits)
+    (grad,) = torch.autograd.grad(compiled, logits)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_compiled_step_with_inductor_equals_eager():
     """The fused-linear torch path through Inductor (C++ codegen on CPU)."""
     model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7))
