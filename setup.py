@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 # The base install is the loss (erpo_kernels) alone: torch, numpy and, on Linux, Triton (elsewhere the torch
 # reference runs; backend="triton" says what is missing). torch >= 2.5: the kernels are torch.library custom ops
-# whose signatures are read from `from __future__ import annotations` strings (torch 2.4 cannot).
+# whose signatures are read from `from __future__ import annotations` strings (pytorch PR 128809, after 2.4).
 LOSS_REQUIRES = ["torch>=2.5", "numpy", 'triton>=3.2; platform_system == "Linux"']
 # The trainer (`erpo train`, `erpo eval`, ...): the `train` extra; the `erpo` command names it when one is missing.
 TRAIN_REQUIRES = [
