@@ -4,9 +4,10 @@ Modules. Public entry points: api.py (logits path), fused_linear.py (hidden x lm
 backends), modules.py, layout.py, zero3.py, model_config.py (a Hugging Face config's final-logit transform as loss
 options). Shared by every path: validation.py (checks, `LossOptions`, `OPTION_CHOICES`, `LossInputs`,
 `LogitTransform`), objective.py (the loss on per-token vectors), common.py (torch helpers, the online log-sum-exp,
-the logit transform in torch). The torch reference: reference.py, segment.py, torch_fused_linear.py. The Triton
-path: triton_common.py (@triton.jit helpers), triton_logits.py, triton_fused_linear.py, triton_segment.py. Nothing on
-the reference side imports the Triton path (the import contract in setup.cfg, checked by tests/test_lint.py).
+the logit transform in torch). The torch reference: reference.py, segment.py, torch_fused_linear.py. The Triton path
+(imported only when Triton is installed; its passes are torch.library ops, compile-ready): triton_common.py
+(@triton.jit helpers), triton_logits.py, triton_fused_linear.py, triton_segment.py. Nothing on the reference side
+imports the Triton path (the import contract in setup.cfg, checked by tests/test_lint.py).
 """
 from . import layout, zero3
 from .api import MAX_QUERY_WEIGHT, erpo_loss, query_weights, token_logprobs
