@@ -1,5 +1,25 @@
 from setuptools import find_packages, setup
 
+# The base install is the loss (erpo_kernels) alone: torch, numpy and, on Linux, Triton (elsewhere the torch
+# reference runs; backend="triton" says what is missing). torch >= 2.5: the kernels are torch.library custom ops
+# whose signatures are read from `from __future__ import annotations` strings (pytorch PR 128809, after 2.4).
+LOSS_REQUIRES = ["torch>=2.5", "numpy", 'triton>=3.2; platform_system == "Linux"']
+# The trainer (`erpo train`, `erpo eval`, ...): the `train` extra; the `erpo` command names it when one is missing.
+TRAIN_REQUIRES = [
+    "transformers>=4.46",
+    "tokenizers",
+    "safetensors",
+    "pyyaml",
+    "tqdm",
+    "matplotlib",
+    "tensorboard",
+    # The math reward's and `erpo eval`'s answer check (pure Python). math-verify pins latex2sympy2_extended
+    # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2; both ends are tested (4.13.2 by default, 4.9.3
+    # beside verl, whose hydra-core / omegaconf 2.3 require antlr4 4.9.*).
+    "math-verify==0.9.0",
+    "antlr4-python3-runtime>=4.9.3,<=4.13.2",
+]
+
 setup(
     name="erpo",
     version="0.1.0",
@@ -12,39 +32,27 @@ setup(
     # bench/ is a repository tool (`python -m bench` from a checkout), not an installed package
     packages=find_packages(include=["erpo", "erpo.*", "erpo_kernels", "erpo_kernels.*"]),
     package_data={"erpo": ["configs/*.yaml"]},
-    install_requires=[
-        "torch>=2.4",
-        "triton>=3.2",
-        "numpy",
-        "transformers>=4.46",
-        "tokenizers",
-        "safetensors",
-        "pyyaml",
-        "tqdm",
-        "matplotlib",
-        "tensorboard",
-        # The math reward's and `erpo eval`'s answer check (pure Python). math-verify pins latex2sympy2_extended
-        # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2; both ends are tested (4.13.2 by default, 4.9.3
-        # beside verl, whose hydra-core / omegaconf 2.3 require antlr4 4.9.*).
-        "math-verify==0.9.0",
-        "antlr4-python3-runtime>=4.9.3,<=4.13.2",
-    ],
+    install_requires=LOSS_REQUIRES,
     extras_require={
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
         # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly);
         # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
         # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import.
         # ruff and import-linter: tests/test_lint.py (style and the import contract), pinned so CI's verdict is stable.
-        "test": ["pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate", "pandas", "pyarrow",
-                 "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11", "cachetools",
-                 "fastapi", "ruff==0.17.6", "import-linter==2.16"],
-        "bench": ["pytest-benchmark", "matplotlib", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
-        "deepspeed": ["deepspeed", "accelerate"],
-        "vllm": ["vllm>=0.10.2,<0.34"],  # the API erpo.rollout.vllm uses, checked against 0.10.2 and 0.33.0
-        "trl": ["trl==1.16.0"],
-        "verl": ["verl==0.9.1"],        # erpo.integrations.verl (and its trainer mode `erpo`) is tested against it
-        "lora": ["peft==0.21.2"],        # LoRA adapters (model.lora); the version the tests run with
-        "data": ["datasets", "pyarrow"],
+        "train": TRAIN_REQUIRES,
+        "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate",
+                 "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",
+                 "cachetools", "fastapi", "ruff==0.17.6", "import-linter==2.16"],
+        # The extras below serve the trainer, so each brings the train extra along.
+        "bench": [*TRAIN_REQUIRES, "pytest-benchmark", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
+        "deepspeed": [*TRAIN_REQUIRES, "deepspeed", "accelerate"],
+        # the API erpo.rollout.vllm uses, checked against 0.10.2 and 0.33.0
+        "vllm": [*TRAIN_REQUIRES, "vllm>=0.10.2,<0.34"],
+        "trl": [*TRAIN_REQUIRES, "trl==1.16.0"],
+        # erpo.integrations.verl (and its trainer mode `erpo`) is tested against it
+        "verl": [*TRAIN_REQUIRES, "verl==0.9.1"],
+        "lora": [*TRAIN_REQUIRES, "peft==0.21.2"],  # LoRA adapters (model.lora); the version the tests run with
+        "data": [*TRAIN_REQUIRES, "datasets", "pyarrow"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"],
                   # verl imports these on `import verl`: registers the trainer mode `trainer.v1.trainer_mode=erpo`

@@ -11,7 +11,6 @@ from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_conf
 from erpo_kernels.layout import from_padded
 from erpo_kernels.lm_head import whole_lm_head
 from erpo_kernels.segment import SegmentSum
-from erpo_kernels.triton_segment import TritonSegmentSum
 
 
 @dataclass
@@ -124,6 +123,8 @@ def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch
     path on CUDA, where `index_add_` would be a float atomic; a sequential sum on the CPU), so the result does
     not change from run to run."""
     rows = torch.where(batch.token_kind == kind, values.float(), torch.zeros((), device=values.device))
-    segment_sum = TritonSegmentSum if values.is_cuda else SegmentSum
+    segment_sum = SegmentSum
+    if values.is_cuda:  # Triton is optional (imported only here): a CPU run, or a machine without it, never needs it
+        from erpo_kernels.triton_segment import TritonSegmentSum as segment_sum
     sums = segment_sum(batch.sample_index, batch.input_ids.shape[0])
     return sums(rows).double()

@@ -1,6 +1,7 @@
 """Public entry points on materialized logits: `token_logprobs` and `erpo_loss` (see API.md)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -8,8 +9,6 @@ import torch
 from .objective import LossOutput, erpo_objective
 from .reference import reference_token_logprobs
 from .segment import SegmentSum
-from .triton_logits import triton_token_logprobs
-from .triton_segment import TritonSegmentSum
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
@@ -21,14 +20,23 @@ from .validation import (
     with_option_parameters,
 )
 
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.library ops); else the torch reference only
+    from .triton_logits import triton_token_logprobs
+    from .triton_segment import TritonSegmentSum
+
 
 def use_triton(backend: str, device: torch.device) -> bool:
-    """Resolve `backend` ("auto" | "triton" | "torch") for tensors on `device`."""
+    """Resolve `backend` ("auto" | "triton" | "torch") for tensors on `device`: "auto" is Triton on CUDA when
+    Triton is installed; "triton" without Triton raises ImportError."""
     check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and TRITON_INSTALLED
+    if not TRITON_INSTALLED:
+        raise ImportError("backend='triton' needs the triton package (pip install triton, Linux only); "
+                          "use backend='torch' or 'auto' without it")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
                          f"before importing erpo_kernels, or use backend='torch'")

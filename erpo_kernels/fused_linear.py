@@ -7,8 +7,9 @@ weight, never materializing the [N, V] logits (forward or backward).
 transform (`validation.LogitTransform`): times logit_scale, then logit_softcap * tanh(. / logit_softcap) when set,
 then / temperature.
 
-One autograd function serves both backends; a backend (`FusedLinearKernels`) supplies a forward (logp, entropy,
-lse) and a backward (d hidden, d weight, d bias) that recomputes the logits block by block. The backward uses
+One torch.library op pair (`erpo::fused_linear_logp_entropy` and its backward) serves both backends; a backend
+(`FusedLinearKernels`) supplies a forward (logp, entropy, lse) and a backward (d hidden, d weight, d bias) that
+recomputes the logits block by block. The backward uses
     dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits_j = dz_j * slope_j,
 with the target entry formed in fp32 as g_logp (1 - p_t), and slope_j = d z_j / d logits_j = logit_scale / temperature,
 times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap.
@@ -18,7 +19,7 @@ The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -26,7 +27,6 @@ from .api import loss_on_token_rows, use_triton
 from .lm_head import is_dtensor
 from .objective import LossOutput
 from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
-from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
@@ -53,33 +53,79 @@ class FusedLinearKernels:
 
 
 TORCH_KERNELS = FusedLinearKernels("torch", torch_fused_linear_forward, torch_fused_linear_backward)
-TRITON_KERNELS = FusedLinearKernels("triton", triton_fused_linear_forward, triton_fused_linear_backward)
 
 
-class _FusedLinearLogprobs(torch.autograd.Function):
-    """(hidden, weight, bias, targets, LogitTransform, FusedLinearKernels) -> (logp [N] fp32, entropy [N] fp32)."""
+def kernels_named(name: str) -> FusedLinearKernels:
+    """The backend called `name` ("torch" | "triton"); Triton is imported only here (it is optional)."""
+    if name == "torch":
+        return TORCH_KERNELS
+    from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
+    return FusedLinearKernels("triton", triton_fused_linear_forward, triton_fused_linear_backward)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, kernels: FusedLinearKernels):
-        logp, entropy, lse = kernels.forward(hidden, weight, bias, targets, transform)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.transform = transform
-        ctx.kernels = kernels
-        ctx.weight_shape = weight.shape
-        return logp, entropy
 
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        if weight.shape != ctx.weight_shape:
-            raise RuntimeError(f"the weight changed shape between forward {tuple(ctx.weight_shape)} and backward "
-                               f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
-                               f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
-        grad_hidden, grad_weight, grad_bias = ctx.kernels.backward(
-            hidden, weight, bias, targets, ctx.transform, lse, entropy,
-            grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+# torch.library custom ops (torch.compile sees them whole: no graph break, no trace of the block loops). The
+# LogitTransform travels as its three fields and the backend as its name, which an op schema accepts; typing's
+# Optional / List / Tuple, the forms that older torch's schema inference reads too (`list[...]` is newer).
+@torch.library.custom_op("erpo::fused_linear_logp_entropy", mutates_args=())
+def fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    targets: torch.Tensor, temperature: float, logit_scale: float, logit_softcap: Optional[float],
+                    kernels: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64, -100 = ignored) -> (logp [N], entropy [N],
+    lse [N]) fp32 of the transformed logits on backend `kernels`; lse is not differentiable."""
+    return kernels_named(kernels).forward(hidden, weight, bias, targets,
+                                          LogitTransform(temperature, logit_scale, logit_softcap))
+
+
+@torch.library.custom_op("erpo::fused_linear_logp_entropy_backward", mutates_args=())
+def fused_linear_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor,
+                             grad_entropy: torch.Tensor, temperature: float, logit_scale: float,
+                             logit_softcap: Optional[float], kernels: str, needs_hidden: bool, needs_weight: bool,
+                             needs_bias: bool) -> List[torch.Tensor]:
+    """The gradients asked for, in the order d hidden [N, D], d weight [V, D], d bias [V] (an op returns no None),
+    of sum(grad_logp * logp + grad_entropy * entropy); lse, entropy, grad_logp, grad_entropy [N] fp32."""
+    grads = kernels_named(kernels).backward(
+        hidden, weight, bias, targets, LogitTransform(temperature, logit_scale, logit_softcap), lse, entropy,
+        grad_logp.float().contiguous(), grad_entropy.float().contiguous(), needs_hidden, needs_weight, needs_bias)
+    return [grad for grad in grads if grad is not None]
+
+
+@fused_linear_op.register_fake
+def _(hidden, weight, bias, targets, temperature, logit_scale, logit_softcap, kernels):
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@fused_linear_backward_op.register_fake
+def _(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap,
+      kernels, needs_hidden, needs_weight, needs_bias):
+    return [torch.empty_like(tensor) for tensor, needed in ((hidden, needs_hidden), (weight, needs_weight),
+                                                              (bias, needs_bias)) if needed]
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, *transform, kernels = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+    ctx.transform = transform
+    ctx.kernels = kernels
+    ctx.weight_shape = weight.shape
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    """(d hidden, d weight, d bias) for (grad_logp, grad_entropy) [N] (autograd passes zeros for an unused one)."""
+    hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+    if weight.shape != ctx.weight_shape:
+        raise RuntimeError(f"the weight changed shape between forward {tuple(ctx.weight_shape)} and backward "
+                           f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
+                           f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+    grads = iter(fused_linear_backward_op(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
+                                          *ctx.transform, ctx.kernels, *needs))
+    return (*(next(grads) if needed else None for needed in needs), None, None, None, None, None)
+
+
+fused_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_linear_inputs(hidden, weight, bias) -> None:
@@ -116,14 +162,9 @@ def check_linear_inputs(hidden, weight, bias) -> None:
 def fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform: LogitTransform, triton: bool):
     """(logp [N] fp32, entropy [N] fp32) of transform(hidden @ weight.T + bias) on validated inputs;
     scored_targets [N] int64 with -100 on ignored rows. Saves nothing for backward when no gradient is needed."""
-    kernels = TRITON_KERNELS if triton else TORCH_KERNELS
-    targets = scored_targets.long().contiguous()
-    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                              or (bias is not None and bias.requires_grad))
-    if not wants_grad:
-        logp, entropy, _ = kernels.forward(hidden, weight, bias, targets, transform)
-        return logp, entropy
-    return _FusedLinearLogprobs.apply(hidden, weight, bias, targets, transform, kernels)
+    logp, entropy, _ = fused_linear_op(hidden, weight, bias, scored_targets.long().contiguous(),
+                                       *transform.op_arguments(), "triton" if triton else "torch")
+    return logp, entropy
 
 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,

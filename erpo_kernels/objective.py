@@ -116,9 +116,16 @@ def high_entropy_mask(entropy, rows, top_quantile: float, gather=None):
     (of every process when `gather` maps this call's [n] fp32 entropies to all processes' [m]). No row is kept when
     there is none to take the quantile of. entropy [N] (nats; read detached), rows [N] bool."""
     entropy = entropy.detach()
-    pool = entropy[rows].float()
-    if gather is not None:
-        pool = gather(pool)
+    if gather is None:  # the quantile over `rows` as a NaN-ignoring one over all rows: no data-dependent shape (so
+        # torch.compile needs no graph break); all NaN (no row) gives a NaN threshold, and a NaN entropy among
+        # `rows` makes it NaN as torch.quantile does: then no row is kept
+        if entropy.numel() == 0:
+            return torch.zeros_like(rows)
+        pooled = torch.where(rows, entropy.float(), float("nan"))
+        threshold = torch.nanquantile(pooled, 1 - top_quantile)
+        threshold = torch.where((rows & entropy.isnan()).any(), float("nan"), threshold)
+        return rows & (entropy >= threshold)
+    pool = gather(entropy[rows].float())
     if pool.numel() == 0:
         return torch.zeros_like(rows)
     return rows & (entropy >= torch.quantile(pool, 1 - top_quantile))

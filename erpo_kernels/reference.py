@@ -67,6 +67,11 @@ def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
     """logits [N, V] (any float dtype), targets [N] int64 (-100 = ignored) -> (logp [N] fp32, entropy [N] fp32)
     of the transformed logits (`LogitTransform`: scale, soft-cap, temperature; the identity by default).
 
-    Differentiable with respect to `logits`; the gradient has the dtype of `logits`.
+    Differentiable with respect to `logits`; the gradient has the dtype of `logits`. Under torch.compile the
+    equations are taken whole (the compiler's autograd differentiates them; it cannot trace the chunked backward's
+    autograd.grad), a row holding a non-finite logit then passing no gradient at all.
     """
+    if torch.compiler.is_compiling():
+        finite_rows = torch.isfinite(logits).all(-1, keepdim=True)
+        return logp_and_entropy(torch.where(finite_rows, logits, logits.detach()), targets, transform)
     return _ChunkedLogpEntropy.apply(logits, targets, transform)

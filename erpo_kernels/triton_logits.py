@@ -17,6 +17,8 @@ other rows share the call (batch invariance).
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -94,39 +96,99 @@ def _num_warps(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
 
 
-class TritonLogpEntropy(torch.autograd.Function):
-    """(logits [N, V], targets [N], LogitTransform, inplace_backward) -> (logp [N] fp32, entropy [N] fp32)."""
+def _launch_forward(logits, targets, transform: LogitTransform):
+    num_rows, vocab_size = logits.shape
+    logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    block_v = block_size_for(vocab_size)
+    if num_rows > 0:
+        _logp_entropy_forward_kernel[(num_rows,)](
+            logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
+            vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
+    return logp, entropy, lse
 
-    @staticmethod
-    def forward(ctx, logits, targets, transform, inplace_backward):
-        num_rows, vocab_size = logits.shape
-        logp = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
-        block_v = block_size_for(vocab_size)
-        if num_rows > 0:
-            _logp_entropy_forward_kernel[(num_rows,)](
-                logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
-                vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.transform = transform
-        ctx.inplace_backward = inplace_backward
-        return logp, entropy
 
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
-        num_rows, vocab_size = logits.shape
-        grad_logp = grad_logp.float().contiguous()  # autograd materializes an unused output's gradient as zeros
-        grad_entropy = grad_entropy.float().contiguous()
-        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        block_v = block_size_for(vocab_size)
-        if num_rows > 0:
-            _logp_entropy_backward_kernel[(num_rows,)](
-                logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
-                targets, lse, entropy, grad_logp, grad_entropy,
-                vocab_size, *transform_arguments(ctx.transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
-        return grad_logits, None, None, None
+def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform):
+    num_rows, vocab_size = logits.shape
+    block_v = block_size_for(vocab_size)
+    if num_rows > 0:
+        _logp_entropy_backward_kernel[(num_rows,)](
+            logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
+            targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
+            vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
+
+
+# torch.library custom ops (what torch.compile sees instead of the kernels: no graph break). The LogitTransform
+# travels as its three fields (temperature, logit_scale, logit_softcap or None), which an op schema accepts. The
+# signatures use typing's Optional / Tuple, the forms that older torch's schema inference reads too.
+OpOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logp, entropy, lse
+
+
+@torch.library.custom_op("erpo::triton_logp_entropy", mutates_args=())
+def logp_entropy_op(logits: torch.Tensor, targets: torch.Tensor, temperature: float, logit_scale: float,
+                    logit_softcap: Optional[float], inplace_backward: bool) -> OpOutputs:
+    """(logits [N, V], targets [N] int64, -100 = ignored) -> (logp [N], entropy [N], lse [N]), all fp32 (nats);
+    lse is not differentiable. inplace_backward: the backward writes d logits into `logits`."""
+    return _launch_forward(logits, targets, LogitTransform(temperature, logit_scale, logit_softcap))
+
+
+@torch.library.custom_op("erpo::triton_logp_entropy_backward", mutates_args=())
+def logp_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                             grad_logp: torch.Tensor, grad_entropy: torch.Tensor, temperature: float,
+                             logit_scale: float, logit_softcap: Optional[float]) -> torch.Tensor:
+    """d logits [N, V] (logits' dtype) of sum(grad_logp * logp + grad_entropy * entropy); lse, entropy,
+    grad_logp, grad_entropy [N]."""
+    grad_logits = torch.empty_like(logits)
+    _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                     LogitTransform(temperature, logit_scale, logit_softcap))
+    return grad_logits
+
+
+@torch.library.custom_op("erpo::triton_logp_entropy_backward_inplace", mutates_args=("logits",))
+def logp_entropy_backward_inplace_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                     entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
+                                     temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> None:
+    """`triton_logp_entropy_backward` written into `logits` itself (each row is read before it is overwritten)."""
+    _launch_backward(logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                     LogitTransform(temperature, logit_scale, logit_softcap))
+
+
+@logp_entropy_op.register_fake
+def _(logits, targets, temperature, logit_scale, logit_softcap, inplace_backward):
+    return tuple(logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@logp_entropy_backward_op.register_fake
+def _(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap):
+    return torch.empty_like(logits)
+
+
+@logp_entropy_backward_inplace_op.register_fake
+def _(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, temperature, logit_scale, logit_softcap, inplace_backward = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, targets, lse, entropy)
+    ctx.transform = (temperature, logit_scale, logit_softcap)
+    ctx.inplace_backward = inplace_backward
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    """d logits for (grad_logp, grad_entropy) [N] (autograd passes zeros for an unused output)."""
+    logits, targets, lse, entropy = ctx.saved_tensors
+    if ctx.inplace_backward:
+        logp_entropy_backward_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
+        grad_logits = logits
+    else:
+        grad_logits = logp_entropy_backward_op(logits, targets, lse, entropy, grad_logp, grad_entropy,
+                                               *ctx.transform)
+    return grad_logits, None, None, None, None, None
+
+
+logp_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform = NO_TRANSFORM,
@@ -137,4 +199,6 @@ def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, transform
     With inplace_backward=True the gradient is written into `logits` itself (no second [N, V] tensor);
     `logits` must then not be needed by anything else after the backward.
     """
-    return TritonLogpEntropy.apply(logits, targets.long().contiguous(), transform, bool(inplace_backward))
+    logp, entropy, _ = logp_entropy_op(logits, targets.long().contiguous(), *transform.op_arguments(),
+                                       bool(inplace_backward))
+    return logp, entropy

@@ -25,20 +25,36 @@ def _segment_sum_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, BLOCK: tl.co
     tl.store(out_ptr + segment, tl.sum(acc, axis=0))
 
 
-class _TritonSegmentSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, sample_index, order, starts):
-        ctx.save_for_backward(sample_index)
-        num_samples = starts.shape[0] - 1
-        out = torch.empty(num_samples, dtype=torch.float32, device=values.device)
-        if num_samples > 0:
-            _segment_sum_kernel[(num_samples,)](values.float().contiguous(), order, starts, out, BLOCK=256)
-        return out
+@torch.library.custom_op("erpo::triton_segment_sum", mutates_args=())
+def segment_sum_op(values: torch.Tensor, sample_index: torch.Tensor, order: torch.Tensor,
+                   starts: torch.Tensor) -> torch.Tensor:
+    """values [N] -> [S] fp32 sums by sample; order [N] (the rows sorted by sample_index [N]) and starts [S + 1]
+    (each sample's first position in `order`) from `TritonSegmentSum`. A torch.library op: torch.compile keeps it
+    whole (no graph break)."""
+    num_samples = starts.shape[0] - 1
+    out = torch.empty(num_samples, dtype=torch.float32, device=values.device)
+    if num_samples > 0:
+        _segment_sum_kernel[(num_samples,)](values.float().contiguous(), order, starts, out, BLOCK=256)
+    return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        (sample_index,) = ctx.saved_tensors
-        return grad_out[sample_index], None, None, None
+
+@segment_sum_op.register_fake
+def _(values, sample_index, order, starts):
+    return values.new_empty(starts.shape[0] - 1, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    values, sample_index, _, _ = inputs
+    ctx.save_for_backward(sample_index)
+    ctx.values_dtype = values.dtype
+
+
+def _backward(ctx, grad_out):
+    (sample_index,) = ctx.saved_tensors
+    return grad_out[sample_index].to(ctx.values_dtype), None, None, None
+
+
+segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class TritonSegmentSum:
@@ -52,4 +68,4 @@ class TritonSegmentSum:
         self.starts = torch.searchsorted(sorted_samples, bins)
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        return _TritonSegmentSum.apply(values, self.sample_index, self.order, self.starts)
+        return segment_sum_op(values, self.sample_index, self.order, self.starts)

@@ -57,6 +57,11 @@ class LogitTransform:
         if self.logit_softcap is not None and (not _is_finite_number(self.logit_softcap) or self.logit_softcap <= 0):
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
 
+    def op_arguments(self) -> tuple[float, float, float | None]:
+        """(temperature, logit_scale, logit_softcap) as floats: how the transform enters a torch.library op."""
+        softcap = self.logit_softcap
+        return float(self.temperature), float(self.logit_scale), None if softcap is None else float(softcap)
+
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -170,7 +175,7 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, options: dict) -> "LossOptions":
         """Build from `**options`, rejecting unknown names with the list of known ones."""
-        check_keywords("LossOptions", options, {f.name for f in fields(cls)})
+        check_keywords("LossOptions", options, OPTION_NAMES)
         return cls(**options)
 
 
@@ -214,6 +219,9 @@ def with_option_parameters(func):
     checked.__signature__ = signature.replace(
         parameters=parameters, return_annotation=types.get("return", signature.return_annotation))
     return checked
+
+
+OPTION_NAMES = tuple(f.name for f in fields(LossOptions))  # a constant: torch.compile cannot trace fields(class)
 
 
 def _per(length: str):
@@ -282,9 +290,17 @@ def check_tensor(name: str, tensor, *, ndim: int, length: int | None = None, dev
         raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
 
 
+COMPILED_ROWS_MESSAGE = ("erpo_kernels: an input row is invalid (targets, token_kind, sample_index, token_weight or "
+                         "rollout_logp); call the loss without torch.compile to see which row and why")
+
+
 def check_rows(checks) -> None:
     """`checks`: (bad-row mask [N] bool, message(row) -> str) pairs. When no row is bad this costs one host-device
-    sync for all of them together; otherwise raises ValueError(message(first bad row)) of the first failing check."""
+    sync for all of them together; otherwise raises ValueError(message(first bad row)) of the first failing check.
+    Under torch.compile (no host sync, no data-dependent message) one device-side assert stands for them all."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(~torch.stack([bad.any() for bad, _ in checks]).any(), COMPILED_ROWS_MESSAGE)
+        return
     if not bool(torch.stack([bad.any() for bad, _ in checks]).any()):
         return
     for bad, message in checks:

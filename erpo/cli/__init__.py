@@ -1,6 +1,26 @@
 """The `erpo` command line (`erpo = erpo.cli:main`, `python -m erpo`, `python -m erpo.cli`): `main` parses and
 dispatches; each subcommand's options and entry point live in a module named after it (eval, plot, compare), shared
-options in args."""
-from erpo.cli.commands import main
+options in args. The trainer's dependencies are the `train` extra (the base install is the loss alone): without them
+`main` prints one line saying what to install."""
+from __future__ import annotations
+
+import sys
+
+TRAIN_EXTRA_HINT = 'pip install "erpo[train]"'
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `erpo ARGS` (argv: the arguments after `erpo`; None: sys.argv[1:]); returns the exit status."""
+    try:
+        from erpo.cli.commands import main as run_command_line  # imports the trainer and its dependencies
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in ("", "erpo", "erpo_kernels"):  # our own module: a bug, not a missing install
+            raise
+        print(f"erpo: the trainer needs the Python package {missing!r}, which is not installed: "
+              f"{TRAIN_EXTRA_HINT}", file=sys.stderr)
+        return 1
+    return run_command_line(argv)
+
 
 __all__ = ["main"]
