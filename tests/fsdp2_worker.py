@@ -13,8 +13,6 @@ lm_head.weight was a DTensor outside the block, and the error passing that DTens
 """
 import argparse
 import copy
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
+from torchrun import exit_worker
 
 VOCAB, DIM, LAYERS, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 2, 20, 4
 LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
@@ -157,11 +156,7 @@ def main():
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
-    # Leave without the interpreter's teardown: there, about 1 run in 10 of this worker aborted ("terminate called
-    # without an active exception", after every result was written; tests/multirank_worker.py does it too).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from erpo.rollout.vllm import VLLMRollout
 from erpo.train.advantages import compute_advantages
 from erpo.train.checkpoint import CheckpointManager
 from erpo_kernels import erpo_loss, from_padded
+from torchrun import exit_worker
 
 
 def rank_loss(model, batch, sample_ids, loss_agg):
@@ -118,6 +119,7 @@ def main():
     if D.is_main():
         torch.save(result, args.out)
     D.barrier()
+    exit_worker()
 
 
 if __name__ == "__main__":

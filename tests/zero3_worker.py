@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import whole_lm_head
+from torchrun import exit_worker
 
 VOCAB, DIM, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 20, 4
 
@@ -116,6 +117,7 @@ def main():
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
+    exit_worker()
 
 
 if __name__ == "__main__":
