@@ -318,13 +318,18 @@ def test_fused_linear_under_fsdp2_with_a_resharded_lm_head_is_refused(tiny, tmp_
     from torch.distributed.fsdp import fully_shard
 
     trainer = make_trainer(tiny, tmp_path, fused_linear=True, qkl_coef=0.0, query_weight="none")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # An earlier in-process DeepSpeed engine of the suite may have left a one-process default group: use it then.
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         fully_shard(trainer.model.lm_head, reshard_after_forward=True)
         with pytest.raises(ValueError, match="fused_linear=True under FSDP2 needs the lm_head unsharded"):
             ERPOTrainer._compute_loss(trainer, trainer.model, trl_inputs(trainer))
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 def test_trl_options_are_accepted(tmp_path):
