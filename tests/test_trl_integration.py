@@ -377,11 +377,23 @@ def test_train_with_new_loss_types(tiny, tmp_path, settings, metric):
         assert state["entropy_coef"] == trainer.entropy_coef and state["last_world_entropy"] < 10.0
 
 
-def test_missing_prompt_is_a_clear_error(tiny, tmp_path):
+def test_missing_prompt_is_added_at_theta0_and_refused_after(tiny, tmp_path):
+    """A prompt the cache lacks: before the first optimizer step its ell_theta0(q) is the forward's (added, then
+    saved at the step); after it, a one-line refusal naming the prompt and its data set."""
     trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
-    inputs = trl_inputs(trainer)   # plain-text prompts: not in the cache of the conversational dataset
-    with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0"):
-        trainer._compute_loss(trainer.model, with_logps(trainer, inputs, old=False))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = with_logps(trainer, trl_inputs(trainer), old=False)   # plain-text prompts: not in the cache
+    key = prompt_hash(trainer.processing_class("1+1=")["input_ids"])
+    trainer.at_theta0 = False
+    with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0.*comes from the train_dataset"):
+        trainer._compute_loss(trainer.model, inputs)
+    trainer.at_theta0 = True
+    trainer._compute_loss(trainer.model, inputs)
+    assert key in trainer.reference_cache.entries and key not in ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    trainer._leave_theta0()                                        # what the first optimizer step does
+    assert ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries[key] == trainer.reference_cache.entries[key]
+    assert math.isfinite(trainer._compute_loss(trainer.model, inputs).item())   # from the cache now
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
@@ -527,31 +539,61 @@ def test_unknown_logit_transform_is_refused(tiny, tmp_path):
                     train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
-def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear):
-    """ell_theta0(q) is scored by the training forward (autocast, path): at theta0, with every completion masked (as
-    mask_truncated_completions leaves them) and prompts of different lengths, the loss (the Query-KL alone) and its
-    gradient are exactly 0. Eager attention: sdpa's CPU kernel depends on the key length in bf16 (docs)."""
+def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear, attention):
+    """At theta0, with every completion masked (as mask_truncated_completions leaves them) and prompts of different
+    lengths, the loss (the Query-KL alone) and its gradient are exactly 0: ell_theta0(q) is the forward's own until
+    the first optimizer step, whatever the attention kernel and precision. The cached ell_theta0 is scored as the
+    training forward (autocast, path): with eager attention it gives exactly 0 too (sdpa's CPU kernel depends on
+    the key length in bf16, docs)."""
     trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
-                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": attention})
     assert ("autocast=bfloat16" if bf16 else "autocast=off") in trainer.reference_cache.precision
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
-    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
-    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
-    assert loss.item() == 0.0
-    assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+    width = 30   # completions (all masked) this long: sdpa's bf16 prompt log-probs then differ from the cache's
+    inputs["completion_ids"] = torch.randint(3, len(tiny[1]), (4, width), generator=torch.Generator().manual_seed(0))
+    inputs["completion_mask"], inputs["tool_mask"] = torch.zeros((4, width), dtype=torch.long), torch.ones((4, width))
+    for at_theta0 in [True] + ([False] if attention == "eager" else []):
+        trainer.at_theta0 = at_theta0
+        loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+        assert loss.item() == 0.0
+        assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path):
+    """ell_theta0(q) is taken from the forward during the first optimizer step only (2 micro-batches), and a
+    train() resumed from a checkpoint past step 0 takes it from the cache from its first step."""
+    def spied(trainer):
+        seen = []
+        reference_of = trainer._reference_of
+        trainer._reference_of = lambda *args: seen.append(trainer.at_theta0) or reference_of(*args)
+        return seen
+
+    settings = dict(conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=2, temperature=1.0,
+                    per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="steps",
+                    save_steps=1)
+    trainer = make_trainer(tiny, tmp_path, **settings)
+    seen = spied(trainer)
+    trainer.train()
+    assert seen == [True, True, False, False]
+    resumed = make_trainer(tiny, tmp_path, **settings)
+    seen = spied(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert seen == [False, False]
+    assert [entry for entry in resumed.state.log_history if "qkl" in entry][-1]["qkl"] > 1e-6
 
 
 def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):
-    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast. Nothing
-    is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as with GRPOTrainer)."""
+    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast, sdpa
+    attention. Nothing is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as
+    with GRPOTrainer)."""
     trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, query_weight="none", bf16=True, max_completion_length=2,
                            mask_truncated_completions=True, max_steps=1, learning_rate=1e-2,
-                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids},
-                           model_init_kwargs={"attn_implementation": "eager"})
+                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids})
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
