@@ -32,15 +32,16 @@ def tiny(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer), tokenizer
 
 
-def make_trainer(tiny, output_dir, conversational=False, **overrides):
+def make_trainer(tiny, output_dir, conversational=False, train_dataset=None, eval_dataset=None, **overrides):
     path, tokenizer = tiny
     rows = [{"prompt": [{"role": "user", "content": p}] if conversational else p} for p in PROMPTS]
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
                     max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
                     seed=0, disable_dropout=True, bf16=False)  # fp32: TRL computes its head in the autocast dtype
     args = ERPOConfig(**{**settings, **overrides})
-    return ERPOTrainer(model=path, reward_funcs=reward_length, args=args,
-                       train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    return ERPOTrainer(model=path, reward_funcs=reward_length, args=args, processing_class=tokenizer,
+                       train_dataset=datasets.Dataset.from_list(rows) if train_dataset is None else train_dataset,
+                       eval_dataset=eval_dataset)
 
 
 def trl_inputs(trainer, seed=0):
@@ -499,6 +500,47 @@ def test_evaluate_with_the_query_kl(tiny, tmp_path):
     assert evaluated[-1]["eval_qkl"] > 1e-6
 
 
+def conversation(prompts):
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
+
+
+def test_iterable_datasets_are_read_at_construction(tiny, tmp_path):
+    """IterableDataset train and eval sets: their first `iterable_prompts` rows get ell_theta0(q) at construction
+    (read once); train() and evaluation then run the ERPO loss on them."""
+    held_out = ["5+5=", "8*2=", "6-1="]
+    bounded = make_trainer(tiny, tmp_path / "bounded", conversational=True, qkl_coef=0.5, iterable_prompts=2,
+                           max_steps=1,
+                           train_dataset=conversation(PROMPTS).to_iterable_dataset(),
+                           eval_dataset={"a": conversation(held_out).to_iterable_dataset()})
+    ids = bounded._tokenize_prompts([[{"role": "user", "content": p}] for p in PROMPTS[:2] + held_out[:2]])[0]
+    assert set(bounded.reference_cache.entries) == {prompt_hash(list(p)) for p in ids}
+    trainer = make_trainer(tiny, tmp_path / "run", conversational=True, qkl_coef=0.5, learning_rate=3e-2,
+                           max_steps=2, eval_strategy="steps", eval_steps=2,
+                           train_dataset=conversation(PROMPTS).to_iterable_dataset(),
+                           eval_dataset=conversation(held_out).to_iterable_dataset())
+    assert len(trainer.reference_cache.entries) == len(PROMPTS) + len(held_out)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "qkl" in entry or "eval_qkl" in entry]
+    assert [entry.get("qkl", entry.get("eval_qkl")) > 1e-6 for entry in logs] == [False, True, True]
+
+
+def test_evaluate_a_new_dataset(tiny, tmp_path):
+    """evaluate(eval_dataset=...) with a data set the trainer was not given: at theta0 its prompts' ell_theta0(q)
+    come from the evaluation's forward (Query-KL 0), are added to the cache and saved; after an optimizer step a
+    new data set is refused in one line naming it."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=1)
+    trainer.evaluate(eval_dataset=conversation(["5+5=", "8*2="]))
+    assert abs(trainer.state.log_history[-1]["eval_qkl"]) < 1e-6
+    ids = trainer._tokenize_prompts([[{"role": "user", "content": p}] for p in ["5+5=", "8*2="]])[0]
+    saved = ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    assert {prompt_hash(list(p)) for p in ids} <= set(saved) and len(saved) == len(PROMPTS) + 2
+    trainer.train()
+    trainer.evaluate(eval_dataset=conversation(["5+5=", "8*2="]))          # cached: fine
+    assert trainer.state.log_history[-1]["eval_qkl"] > 1e-6
+    with pytest.raises(ValueError, match="prompt .*6-1=.* has no ell_theta0.*comes from the eval dataset"):
+        trainer.evaluate(eval_dataset=conversation(["6-1="]))
+
+
 def test_cache_of_another_precision_is_refused(tiny, tmp_path):
     """The cache records the training forward's precision (bf16 autocast here, GRPOConfig's default) and a run
     in another precision refuses it, naming both."""
@@ -508,10 +550,9 @@ def test_cache_of_another_precision_is_refused(tiny, tmp_path):
         make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=False)
 
 
-@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
-def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
-    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
-    and gradients on the model's own (capped) logits; the soft-cap bites (2.0, logits scaled up)."""
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory, tiny):
+    """(path, tokenizer) of a tiny Gemma-2 with final_logit_softcapping=2.0 and its logits scaled up (the cap bites)."""
     tokenizer = tiny[1]
     config = transformers.Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -520,14 +561,45 @@ def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
     model = transformers.Gemma2ForCausalLM(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(40.0)
-    path = tmp_path / "gemma2"
+    path = tmp_path_factory.mktemp("gemma2")
     model.save_pretrained(path)
-    trainer = make_trainer((str(path), tokenizer), tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
+    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
+    and gradients on the model's own (capped) logits."""
+    trainer = make_trainer(tiny_gemma2, tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
                            qkl_coef=0.0, query_weight="none", beta=0.04)
     assert trainer._logit_options == ({"logit_scale": 1.0, "logit_softcap": 2.0} if fused_linear else {})
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fused_linear, monkeypatch):
+    """A token vLLM could not score (NaN sampling log-prob, on-policy) takes the current log-prob as the loss
+    scores it, with the model's soft-cap: TRL's own log-prob of that token."""
+    import erpo.integrations.trl.trainer as trainer_module
+    trainer = make_trainer(tiny_gemma2, tmp_path, loss_type="dapo", fused_linear=fused_linear, qkl_coef=0.0,
+                           query_weight="none", off_policy_mask_threshold=0.02)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
+    inputs = with_logps(trainer, trl_inputs(trainer), old=False, sampling=True, nan_at=(1, 1))
+    loss_name = "fused_linear_erpo_loss" if fused_linear else "erpo_loss"
+    seen = {}
+    loss = getattr(trainer_module, loss_name)
+    monkeypatch.setattr(trainer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
+    trainer._compute_loss(trainer.model, inputs)
+    rows = trainer_module.completion_rows(inputs)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])[0]
+    refilled = rows.gather(seen["rollout_logp"])[1, 1]
+    assert refilled.item() == pytest.approx(logps[1, 1].item(), abs=1e-5)
 
 
 def test_unknown_logit_transform_is_refused(tiny, tmp_path):
