@@ -24,6 +24,13 @@ from erpo_kernels.zero3 import gathered_lm_head
 log = logging.getLogger("erpo")
 
 
+def entropy_pool(weight: float):
+    """The entropy filter's `top_entropy_gather` for one micro-batch of weight `weight`: this rank's response-row
+    entropies [n] -> every rank's [m], so the top_entropy_quantile threshold is global over ranks, as TRL's (a
+    stand-in, weight 0, adds none). A collective: every rank calls it once per micro-batch (stand-ins included)."""
+    return lambda local: D.all_gather_cat(local if weight else local[:0])
+
+
 def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
                     query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor) -> tuple[dict, float, int]:
     """Forward and backward of every micro-batch of `plan`. Returns (this rank's sums of the loss metrics over its
@@ -47,7 +54,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
-                rollout_logp=batch.rollout_logp, **options)
+                rollout_logp=batch.rollout_logp, top_entropy_gather=entropy_pool(mb.weight), **options)
             if nonfinite or not torch.isfinite(out.loss):
                 nonfinite += 1
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
