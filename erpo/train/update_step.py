@@ -54,7 +54,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
-                rollout_logp=batch.rollout_logp, top_entropy_gather=entropy_pool(mb.weight), **options)
+                rollout_logp=batch.rollout_logp, **{**options, "top_entropy_gather": entropy_pool(mb.weight)})
             if nonfinite or not torch.isfinite(out.loss):
                 nonfinite += 1
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
