@@ -541,6 +541,23 @@ def test_evaluate_a_new_dataset(tiny, tmp_path):
         trainer.evaluate(eval_dataset=conversation(["6-1="]))
 
 
+def test_rollout_func_needs_no_reference(tiny, tmp_path):
+    """A rollout_func's prompts have no ell_theta0(q) (their token ids are known only once generated): refused in
+    one line with the settings that need none, with which ERPOTrainer accepts it."""
+    def rollout_func(prompts, trainer):
+        raise AssertionError("not called at construction")
+
+    with pytest.raises(ValueError, match="no ell_theta0\\(q\\) for the prompts of a rollout_func.*qkl_coef=0"):
+        ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1], rollout_func=rollout_func,
+                    args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
+                    train_dataset=conversation(PROMPTS))
+    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1],
+                          rollout_func=rollout_func, train_dataset=conversation(PROMPTS),
+                          args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                          qkl_coef=0.0, query_weight="current"))
+    assert trainer.reference_cache is None
+
+
 def test_cache_of_another_precision_is_refused(tiny, tmp_path):
     """The cache records the training forward's precision (bf16 autocast here, GRPOConfig's default) and a run
     in another precision refuses it, naming both."""

@@ -40,8 +40,10 @@ class ReferenceMixin:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
         of its first `args.iterable_prompts` rows (read once, here)."""
         if self.rollout_func is not None or self.environment_factories is not None:
-            raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory, so "
-                             "it has no ell_theta0(q) for them; set qkl_coef=0 and query_weight='none'")
+            raise ValueError("ERPOTrainer has no ell_theta0(q) for the prompts of a rollout_func or "
+                             "environment_factory (the rollout tokenizes them, and an environment's reset() may "
+                             "rewrite them, so their token ids are known only once generated, when theta0 is gone "
+                             "after the first step); set qkl_coef=0 and query_weight='none' or 'current'")
         if hasattr(dataset, "__len__"):
             prompts = list(dataset["prompt"])
         else:
