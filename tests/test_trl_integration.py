@@ -397,6 +397,21 @@ def test_missing_prompt_is_added_at_theta0_and_refused_after(tiny, tmp_path):
     assert math.isfinite(trainer._compute_loss(trainer.model, inputs).item())   # from the cache now
 
 
+def test_prompts_added_at_theta0_are_shared_by_every_process(tiny, tmp_path, monkeypatch):
+    """Leaving theta0 gathers the entries every process added at theta0 (another rank's, faked here) into this
+    process's cache, and the main process saves them all."""
+    import erpo.integrations.trl.reference as reference
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    other_rank = {prompt_hash([7, 8, 9]): (-12.5, 1.25)}
+    monkeypatch.setattr(reference, "gather_object", lambda objects: objects + [other_rank])
+    trainer._theta0_entries = {prompt_hash([4, 5]): (-3.0, 1.5)}
+    trainer._leave_theta0()
+    saved = ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    for key, value in {prompt_hash([4, 5]): (-3.0, 1.5), **other_rank}.items():
+        assert trainer.reference_cache.entries[key] == value and tuple(saved[key]) == value
+    assert not trainer.at_theta0 and trainer._theta0_entries == {}
+
+
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
 def test_current_query_weight(tiny, tmp_path, fused_linear):
     """query_weight='current': w(q) from the current policy's ell_theta(q) over the micro-batch. Equal prompts give

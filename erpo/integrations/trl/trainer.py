@@ -69,7 +69,6 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         options, row_tensors = self._loss_options(inputs, rows, mode)
         tensors = dict(advantages=advantages.float(), **row_tensors)
         query_rows = batch.token_kind == 1
-        all_rows = torch.ones_like(query_rows)
 
         router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
         with self.accelerator.autocast():
@@ -86,22 +85,26 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
             if self.args.fused_linear:
                 hidden = hidden.to(weight.dtype)
 
-            def score(scored):  # log-probs [n] of the rows `scored` [R] bool of this forward, as the loss scores them
+            def score(scored=None):  # detached log-probs of this forward's rows `scored` [R] bool (None: all, [R];
+                # no copy of the logits), as the loss scores them
+                pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
                 if self.args.fused_linear:
-                    return fused_linear_token_logprobs(hidden[scored].detach(), weight, batch.targets[scored],
-                                                       bias=bias, temperature=self.temperature, **self._logit_options)
-                return token_logprobs(logits[scored].detach(), batch.targets[scored], temperature=self.temperature)
+                    return fused_linear_token_logprobs(pick(hidden.detach()), weight, pick(batch.targets), bias=bias,
+                                                       temperature=self.temperature, **self._logit_options)
+                return token_logprobs(pick(logits.detach()), pick(batch.targets), temperature=self.temperature)
 
-            def forward_query_logp(scored):  # ell_theta(q) [B] float64 of this forward, detached, scoring `scored`:
-                with torch.no_grad():    # all rows gives the loss's own sums bit for bit (the kernels' fixed order)
+            def forward_query_logp(scored=None):  # ell_theta(q) [B] float64 of this forward, detached, scoring
+                with torch.no_grad():  # `scored` rows; all rows (None) gives the loss's own sums bit for bit
+                    if scored is None:
+                        return per_sample_sum(score(), batch, kind=1)
                     logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
                     logp[scored] = score(scored)
                     return per_sample_sum(logp, batch, kind=1)
 
-            tensors = self._fill_unscored(tensors, lambda: score(all_rows))
+            tensors = self._fill_unscored(tensors, score)
             ref_query_logp, static_weight = self._reference_of(
                 inputs, "train_dataset" if mode == "train" else "eval dataset",
-                lambda: forward_query_logp(all_rows)) if self.args.needs_reference else (None, None)
+                forward_query_logp) if self.args.needs_reference else (None, None)
             if self.args.query_weight == "current":   # w(q) of the current policy, from the query rows only
                 query_weight = self._current_query_weights(forward_query_logp(query_rows))
             else:
