@@ -165,6 +165,23 @@ def data_parallel_loss_scale() -> int:
     return world_size()
 
 
+def all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `tensor` [n_r] (lengths may differ) concatenated in rank order, [sum of n_r], on the
+    tensor's device; a copy of it in a single process."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
+        raise TypeError(f"tensor must be a 1-D torch.Tensor, got {getattr(tensor, 'shape', type(tensor).__name__)}")
+    if not is_initialized():
+        return tensor.clone()
+    local = tensor.detach().to(reduction_device())
+    sizes = [torch.zeros((), dtype=torch.int64, device=local.device) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor(local.numel(), device=local.device))
+    padded = torch.zeros(max(int(size) for size in sizes), dtype=local.dtype, device=local.device)
+    padded[:local.numel()] = local
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:int(size)] for part, size in zip(parts, sizes)]).to(tensor.device)
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Python objects from every rank, in rank order ([obj] in a single process)."""
     if not is_initialized():

@@ -105,15 +105,18 @@ def model_precision(model, **kwargs) -> str:
 
 
 @torch.no_grad()
-def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autocast=None) -> torch.Tensor:
+def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autocast=None,
+                      logit_options: dict | None = None) -> torch.Tensor:
     """Log-probs [R] fp32 (nats) of the scored rows' targets under `model`, without gradient: the forward under
     `autocast` (a context manager factory, e.g. accelerate's `accelerator.autocast`; None: off), then
-    hidden @ lm_head with the model's logit transform (`logit_transforms`), outside autocast, as the loss scores."""
+    hidden @ lm_head with the model's logit transform, outside autocast, as the loss scores. `logit_options`: that
+    transform as read once by the caller (`logit_transforms`); None: read from the model's config here."""
     with (autocast or contextlib.nullcontext)():
         hidden = final_hidden(model, batch)
     with whole_lm_head(model) as (weight, bias):
         return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, batch.targets, bias=bias,
-                                           temperature=temperature, **logit_transforms(model))
+                                           temperature=temperature,
+                                           **(logit_transforms(model) if logit_options is None else logit_options))
 
 
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:

@@ -331,16 +331,18 @@ def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch
     return scored_targets_of(targets, scored)
 
 
-def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, targets, token_kind, sample_index,
-                      inputs: LossInputs, options: dict):
-    """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`.
+def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
+                      sample_index, inputs: LossInputs, options: dict):
+    """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
+    `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
-    Returns `(scored_targets [N] int64 with -100 on rows of kind 0, LossOptions)`.
+    Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or None without targets, LossOptions)`.
     """
     opts = LossOptions.from_kwargs(options)
     n = num_rows
-    check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
-                 length_name=" (the number of rows N)")
+    if targets is not None:
+        check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
+                     length_name=" (the number of rows N)")
     check_tensor("token_kind", token_kind, ndim=1, length=n, device=device, floating=False,
                  length_name=" (the number of rows N)")
     check_tensor("sample_index", sample_index, ndim=1, length=n, device=device, floating=False,
@@ -378,7 +380,7 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
         (scored & ((sample_index < 0) | (sample_index >= num_samples)),
          lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on scored rows; "
                      f"row {row} holds {int(sample_index[row])}"),
-        target_range_check(targets, scored, vocab_size),
+        *([] if targets is None else [target_range_check(targets, scored, vocab_size)]),
         *([] if token_weight is None else [(
             scored & ~(torch.isfinite(token_weight) & (token_weight >= 0)),
             lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
@@ -387,4 +389,4 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int, device: torch.device, t
             (token_kind == 2) & rollout_logp.isnan(),
             lambda row: f"rollout_logp is NaN on response row {row}")]),
     ])
-    return scored_targets_of(targets, scored), opts
+    return (None if targets is None else scored_targets_of(targets, scored)), opts

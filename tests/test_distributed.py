@@ -152,11 +152,11 @@ with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
 """
 
 
-def test_two_process_reductions(tmp_path):
-    """A real 2-rank gloo group under torchrun (the deepspeed launcher is exercised end to end in
-    tests/test_multirank.py)."""
-    script = tmp_path / "reduce.py"
-    script.write_text(REDUCE_SCRIPT)
+def run_two_ranks(tmp_path, source: str) -> list[str]:
+    """Run `source` (a script given its output folder) on a real 2-rank gloo group under torchrun; each rank's
+    rank-R.txt."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -166,9 +166,54 @@ def test_two_process_reductions(tmp_path):
            "--master_port", str(port), str(script), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
+    return [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
+
+
+def test_two_process_reductions(tmp_path):
+    """A real 2-rank gloo group under torchrun (the deepspeed launcher is exercised end to end in
+    tests/test_multirank.py)."""
+    lines = run_two_ranks(tmp_path, REDUCE_SCRIPT)
     objs = "[{'rank': 0}, {'rank': 1}]"
     assert lines == [f"0 2 True [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}", f"1 2 False [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}"]
+
+
+ENTROPY_FILTER_SCRIPT = r"""
+import os, sys, torch
+from erpo import distributed as D
+from erpo.train.update_step import entropy_pool
+from erpo_kernels import erpo_loss
+assert D.init_distributed("gloo")
+r = D.rank()
+cat = D.all_gather_cat(torch.arange(r + 2, dtype=torch.float32))   # lengths 2 and 3
+# 4 response rows per rank (2 samples of a 1-token query and 2 response tokens): rank 0's rows are near-uniform
+# (high entropy), rank 1's peaked (low entropy), so the global median keeps all of rank 0's rows, none of rank 1's
+logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) * (0.1 if r == 0 else 8.0)
+kind, sample = torch.tensor([1, 2, 2, 1, 2, 2]), torch.tensor([0, 0, 0, 1, 1, 1])
+def kept(gather):
+    out = erpo_loss(logits, torch.zeros(6, dtype=torch.long), kind, sample, advantages=torch.tensor([1.0, -1.0]),
+                    qkl_coef=0.0, top_entropy_quantile=0.5, top_entropy_gather=gather, backend="torch")
+    return int(out.metrics["kept_tokens"])
+line = f"{cat.tolist()} {kept(entropy_pool(1.0))} {kept(None)} {kept(entropy_pool(float(r == 0)))}"
+D.destroy_distributed()
+with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
+    f.write(line)
+"""
+
+
+def test_entropy_filter_quantile_is_global_over_ranks(tmp_path):
+    """`erpo train`'s entropy filter (top_entropy_quantile) takes its quantile over every rank's response rows, as
+    TRL's (update_step.entropy_pool over D.all_gather_cat, which concatenates tensors of different lengths): rank 0
+    (high entropies) keeps all 4 rows and rank 1 none, where a per-rank quantile keeps 2 of 4 on each; a stand-in
+    micro-batch (rank 1, weight 0) adds no entropies, so the pool is rank 0's (2 kept there, none on rank 1)."""
+    lines = run_two_ranks(tmp_path, ENTROPY_FILTER_SCRIPT)
+    assert lines == ["[0.0, 1.0, 0.0, 1.0, 2.0] 4 2 2", "[0.0, 1.0, 0.0, 1.0, 2.0] 0 2 0"]
+
+
+def test_all_gather_cat_single_process_and_bad_input():
+    values = torch.tensor([1.0, 2.0])
+    assert torch.equal(D.all_gather_cat(values), values)
+    with pytest.raises(TypeError, match="1-D torch.Tensor"):
+        D.all_gather_cat(values.reshape(1, 2))
 
 
 def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch):

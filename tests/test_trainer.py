@@ -129,6 +129,29 @@ def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_di
     assert seen[1] is not None and seen[1].dtype == torch.float32 and torch.isfinite(seen[1]).all()
 
 
+def test_logit_transform_is_read_once_and_reaches_every_scoring(tmp_path, cache_dir, monkeypatch):
+    """The model's logit transform is read once at setup and passed as one object to the loss, the old log-probs
+    and the current w(q) of every step (a stand-in transform here, soft-cap 50: the tiny Qwen2 has none)."""
+    import erpo.sequences as sequences
+    import erpo.train.step_plan as step_plan
+    reads, losses, scorings = [], [], []
+    transform = {"logit_scale": 1.0, "logit_softcap": 50.0}
+    monkeypatch.setattr(trainer_module, "logit_transforms", lambda model: reads.append(model) or transform)
+    real_loss, real_score = update_step.fused_linear_erpo_loss, sequences.scored_token_logp
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss",
+                        lambda *args, **kwargs: losses.append(kwargs["logit_softcap"]) or real_loss(*args, **kwargs))
+
+    def scoring(model, batch, temperature=1.0, autocast=None, logit_options=None):
+        scorings.append(logit_options)
+        return real_score(model, batch, temperature, autocast, logit_options)
+    monkeypatch.setattr(step_plan, "scored_token_logp", scoring)
+    train(small_cfg(tmp_path / "run", cache_dir, "trainer.max_steps=2", "trainer.update_batch_size=2",
+                    "algorithm.query_weight=current"))
+    assert len(reads) == 1
+    assert len(losses) >= 4 and set(losses) == {50.0}
+    assert len(scorings) >= 4 and all(options is transform for options in scorings)   # old log-probs and w(q)
+
+
 def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
     out = tmp_path / "resume"
     # A constant learning rate, so that the run may be extended (a cosine schedule's length is fixed at the start).

@@ -32,15 +32,16 @@ def tiny(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer), tokenizer
 
 
-def make_trainer(tiny, output_dir, conversational=False, **overrides):
+def make_trainer(tiny, output_dir, conversational=False, train_dataset=None, eval_dataset=None, **overrides):
     path, tokenizer = tiny
     rows = [{"prompt": [{"role": "user", "content": p}] if conversational else p} for p in PROMPTS]
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
                     max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
                     seed=0, disable_dropout=True, bf16=False)  # fp32: TRL computes its head in the autocast dtype
     args = ERPOConfig(**{**settings, **overrides})
-    return ERPOTrainer(model=path, reward_funcs=reward_length, args=args,
-                       train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    return ERPOTrainer(model=path, reward_funcs=reward_length, args=args, processing_class=tokenizer,
+                       train_dataset=datasets.Dataset.from_list(rows) if train_dataset is None else train_dataset,
+                       eval_dataset=eval_dataset)
 
 
 def trl_inputs(trainer, seed=0):
@@ -398,11 +399,38 @@ def test_train_with_new_loss_types(tiny, tmp_path, settings, metric):
         assert state["entropy_coef"] == trainer.entropy_coef and state["last_world_entropy"] < 10.0
 
 
-def test_missing_prompt_is_a_clear_error(tiny, tmp_path):
+def test_missing_prompt_is_added_at_theta0_and_refused_after(tiny, tmp_path):
+    """A prompt the cache lacks: before the first optimizer step its ell_theta0(q) is the forward's (added, then
+    saved at the step); after it, a one-line refusal naming the prompt and its data set."""
     trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
-    inputs = trl_inputs(trainer)   # plain-text prompts: not in the cache of the conversational dataset
-    with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0"):
-        trainer._compute_loss(trainer.model, with_logps(trainer, inputs, old=False))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = with_logps(trainer, trl_inputs(trainer), old=False)   # plain-text prompts: not in the cache
+    key = prompt_hash(trainer.processing_class("1+1=")["input_ids"])
+    trainer.at_theta0 = False
+    with pytest.raises(ValueError, match="prompt '1\\+1=' has no ell_theta0.*comes from the train_dataset"):
+        trainer._compute_loss(trainer.model, inputs)
+    trainer.at_theta0 = True
+    trainer._compute_loss(trainer.model, inputs)
+    assert key in trainer.reference_cache.entries and key not in ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    trainer._leave_theta0()                                        # what the first optimizer step does
+    assert ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries[key] == trainer.reference_cache.entries[key]
+    assert math.isfinite(trainer._compute_loss(trainer.model, inputs).item())   # from the cache now
+
+
+def test_prompts_added_at_theta0_are_shared_by_every_process(tiny, tmp_path, monkeypatch):
+    """Leaving theta0 gathers the entries every process added at theta0 (another rank's, faked here) into this
+    process's cache, and the main process saves them all."""
+    import erpo.integrations.trl.reference as reference
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    other_rank = {prompt_hash([7, 8, 9]): (-12.5, 1.25)}
+    monkeypatch.setattr(reference, "gather_object", lambda objects: objects + [other_rank])
+    trainer._theta0_entries = {prompt_hash([4, 5]): (-3.0, 1.5)}
+    trainer._leave_theta0()
+    saved = ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    for key, value in {prompt_hash([4, 5]): (-3.0, 1.5), **other_rank}.items():
+        assert trainer.reference_cache.entries[key] == value and tuple(saved[key]) == value
+    assert not trainer.at_theta0 and trainer._theta0_entries == {}
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
@@ -508,6 +536,64 @@ def test_evaluate_with_the_query_kl(tiny, tmp_path):
     assert evaluated[-1]["eval_qkl"] > 1e-6
 
 
+def conversation(prompts):
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
+
+
+def test_iterable_datasets_are_read_at_construction(tiny, tmp_path):
+    """IterableDataset train and eval sets: their first `iterable_prompts` rows get ell_theta0(q) at construction
+    (read once); train() and evaluation then run the ERPO loss on them."""
+    held_out = ["5+5=", "8*2=", "6-1="]
+    bounded = make_trainer(tiny, tmp_path / "bounded", conversational=True, qkl_coef=0.5, iterable_prompts=2,
+                           max_steps=1,
+                           train_dataset=conversation(PROMPTS).to_iterable_dataset(),
+                           eval_dataset={"a": conversation(held_out).to_iterable_dataset()})
+    ids = bounded._tokenize_prompts([[{"role": "user", "content": p}] for p in PROMPTS[:2] + held_out[:2]])[0]
+    assert set(bounded.reference_cache.entries) == {prompt_hash(list(p)) for p in ids}
+    trainer = make_trainer(tiny, tmp_path / "run", conversational=True, qkl_coef=0.5, learning_rate=3e-2,
+                           max_steps=2, eval_strategy="steps", eval_steps=2,
+                           train_dataset=conversation(PROMPTS).to_iterable_dataset(),
+                           eval_dataset=conversation(held_out).to_iterable_dataset())
+    assert len(trainer.reference_cache.entries) == len(PROMPTS) + len(held_out)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "qkl" in entry or "eval_qkl" in entry]
+    assert [entry.get("qkl", entry.get("eval_qkl")) > 1e-6 for entry in logs] == [False, True, True]
+
+
+def test_evaluate_a_new_dataset(tiny, tmp_path):
+    """evaluate(eval_dataset=...) with a data set the trainer was not given: at theta0 its prompts' ell_theta0(q)
+    come from the evaluation's forward (Query-KL 0), are added to the cache and saved; after an optimizer step a
+    new data set is refused in one line naming it."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=1)
+    trainer.evaluate(eval_dataset=conversation(["5+5=", "8*2="]))
+    assert abs(trainer.state.log_history[-1]["eval_qkl"]) < 1e-6
+    ids = trainer._tokenize_prompts([[{"role": "user", "content": p}] for p in ["5+5=", "8*2="]])[0]
+    saved = ReferenceCache.load(str(tmp_path / CACHE_FILE)).entries
+    assert {prompt_hash(list(p)) for p in ids} <= set(saved) and len(saved) == len(PROMPTS) + 2
+    trainer.train()
+    trainer.evaluate(eval_dataset=conversation(["5+5=", "8*2="]))          # cached: fine
+    assert trainer.state.log_history[-1]["eval_qkl"] > 1e-6
+    with pytest.raises(ValueError, match="prompt .*6-1=.* has no ell_theta0.*comes from the eval dataset"):
+        trainer.evaluate(eval_dataset=conversation(["6-1="]))
+
+
+def test_rollout_func_needs_no_reference(tiny, tmp_path):
+    """A rollout_func's prompts have no ell_theta0(q) (their token ids are known only once generated): refused in
+    one line with the settings that need none, with which ERPOTrainer accepts it."""
+    def rollout_func(prompts, trainer):
+        raise AssertionError("not called at construction")
+
+    with pytest.raises(ValueError, match="no ell_theta0\\(q\\) for the prompts of a rollout_func.*qkl_coef=0"):
+        ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1], rollout_func=rollout_func,
+                    args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
+                    train_dataset=conversation(PROMPTS))
+    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1],
+                          rollout_func=rollout_func, train_dataset=conversation(PROMPTS),
+                          args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                          qkl_coef=0.0, query_weight="current"))
+    assert trainer.reference_cache is None
+
+
 def test_cache_of_another_precision_is_refused(tiny, tmp_path):
     """The cache records the training forward's precision (bf16 autocast here, GRPOConfig's default) and a run
     in another precision refuses it, naming both."""
@@ -517,10 +603,9 @@ def test_cache_of_another_precision_is_refused(tiny, tmp_path):
         make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, bf16=False)
 
 
-@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
-def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
-    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
-    and gradients on the model's own (capped) logits; the soft-cap bites (2.0, logits scaled up)."""
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory, tiny):
+    """(path, tokenizer) of a tiny Gemma-2 with final_logit_softcapping=2.0 and its logits scaled up (the cap bites)."""
     tokenizer = tiny[1]
     config = transformers.Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -529,14 +614,45 @@ def test_gemma2_softcap_equals_trl(tiny, tmp_path, fused_linear):
     model = transformers.Gemma2ForCausalLM(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(40.0)
-    path = tmp_path / "gemma2"
+    path = tmp_path_factory.mktemp("gemma2")
     model.save_pretrained(path)
-    trainer = make_trainer((str(path), tokenizer), tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
+    """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
+    and gradients on the model's own (capped) logits."""
+    trainer = make_trainer(tiny_gemma2, tmp_path / "run", loss_type="dapo", fused_linear=fused_linear,
                            qkl_coef=0.0, query_weight="none", beta=0.04)
     assert trainer._logit_options == ({"logit_scale": 1.0, "logit_softcap": 2.0} if fused_linear else {})
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fused_linear, monkeypatch):
+    """A token vLLM could not score (NaN sampling log-prob, on-policy) takes the current log-prob as the loss
+    scores it, with the model's soft-cap: TRL's own log-prob of that token."""
+    import erpo.integrations.trl.trainer as trainer_module
+    trainer = make_trainer(tiny_gemma2, tmp_path, loss_type="dapo", fused_linear=fused_linear, qkl_coef=0.0,
+                           query_weight="none", off_policy_mask_threshold=0.02)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
+    inputs = with_logps(trainer, trl_inputs(trainer), old=False, sampling=True, nan_at=(1, 1))
+    loss_name = "fused_linear_erpo_loss" if fused_linear else "erpo_loss"
+    seen = {}
+    loss = getattr(trainer_module, loss_name)
+    monkeypatch.setattr(trainer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
+    trainer._compute_loss(trainer.model, inputs)
+    rows = trainer_module.completion_rows(inputs)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])[0]
+    refilled = rows.gather(seen["rollout_logp"])[1, 1]
+    assert refilled.item() == pytest.approx(logps[1, 1].item(), abs=1e-5)
 
 
 def test_unknown_logit_transform_is_refused(tiny, tmp_path):
@@ -548,31 +664,61 @@ def test_unknown_logit_transform_is_refused(tiny, tmp_path):
                     train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
-def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear):
-    """ell_theta0(q) is scored by the training forward (autocast, path): at theta0, with every completion masked (as
-    mask_truncated_completions leaves them) and prompts of different lengths, the loss (the Query-KL alone) and its
-    gradient are exactly 0. Eager attention: sdpa's CPU kernel depends on the key length in bf16 (docs)."""
+def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear, attention):
+    """At theta0, with every completion masked (as mask_truncated_completions leaves them) and prompts of different
+    lengths, the loss (the Query-KL alone) and its gradient are exactly 0: ell_theta0(q) is the forward's own until
+    the first optimizer step, whatever the attention kernel and precision. The cached ell_theta0 is scored as the
+    training forward (autocast, path): with eager attention it gives exactly 0 too (sdpa's CPU kernel depends on
+    the key length in bf16, docs)."""
     trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
-                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": attention})
     assert ("autocast=bfloat16" if bf16 else "autocast=off") in trainer.reference_cache.precision
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
-    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
-    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
-    assert loss.item() == 0.0
-    assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+    width = 30   # completions (all masked) this long: sdpa's bf16 prompt log-probs then differ from the cache's
+    inputs["completion_ids"] = torch.randint(3, len(tiny[1]), (4, width), generator=torch.Generator().manual_seed(0))
+    inputs["completion_mask"], inputs["tool_mask"] = torch.zeros((4, width), dtype=torch.long), torch.ones((4, width))
+    for at_theta0 in [True] + ([False] if attention == "eager" else []):
+        trainer.at_theta0 = at_theta0
+        loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+        assert loss.item() == 0.0
+        assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path):
+    """ell_theta0(q) is taken from the forward during the first optimizer step only (2 micro-batches), and a
+    train() resumed from a checkpoint past step 0 takes it from the cache from its first step."""
+    def spied(trainer):
+        seen = []
+        reference_of = trainer._reference_of
+        trainer._reference_of = lambda *args: seen.append(trainer.at_theta0) or reference_of(*args)
+        return seen
+
+    settings = dict(conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=2, temperature=1.0,
+                    per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="steps",
+                    save_steps=1)
+    trainer = make_trainer(tiny, tmp_path, **settings)
+    seen = spied(trainer)
+    trainer.train()
+    assert seen == [True, True, False, False]
+    resumed = make_trainer(tiny, tmp_path, **settings)
+    seen = spied(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert seen == [False, False]
+    assert [entry for entry in resumed.state.log_history if "qkl" in entry][-1]["qkl"] > 1e-6
 
 
 def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):
-    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast. Nothing
-    is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as with GRPOTrainer)."""
+    """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast, sdpa
+    attention. Nothing is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as
+    with GRPOTrainer)."""
     trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, query_weight="none", bf16=True, max_completion_length=2,
                            mask_truncated_completions=True, max_steps=1, learning_rate=1e-2,
-                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids},
-                           model_init_kwargs={"attn_implementation": "eager"})
+                           generation_kwargs={"suppress_tokens": tiny[1].all_special_ids})
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0

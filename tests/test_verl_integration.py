@@ -309,6 +309,16 @@ def test_per_token_advantages_are_refused(tiny):
         verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), OFF, None))
 
 
+def test_loss_inputs_are_checked_as_erpo_loss_checks_them(tiny):
+    """The verl loss goes through the kernels' own input checks (check_loss_inputs): a negative rollout
+    importance-sampling weight is the same one-line error as erpo_loss gives."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    data["rollout_is_weights"] = -data["rollout_is_weights"]
+    with pytest.raises(ValueError, match="token_weight must be finite and >= 0 on scored rows"):
+        verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), OFF, None))
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="erpo.query_weight"):
         ERPOSettings(query_weight="current")

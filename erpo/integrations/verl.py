@@ -36,10 +36,11 @@ import torch
 # vectors that erpo_loss and fused_linear_erpo_loss share, and its per-sample sums).
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo_kernels import LossInputs, LossOptions
+from erpo_kernels import LossInputs
 from erpo_kernels.objective import erpo_objective
 from erpo_kernels.segment import SegmentSum
 from erpo_kernels.triton_segment import TritonSegmentSum
+from erpo_kernels.validation import check_loss_inputs
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 QUERY_WEIGHTS = ("static", "none")
@@ -245,9 +246,11 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
         query_weight=query_weight, old_logp=rows.scatter(padded["old_log_probs"]),
         ref_logp=rows.scatter(padded["ref_log_prob"]) if config.use_kl_loss else None,
         token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights))
+    _, loss_options = check_loss_inputs(num_rows=token_logp.shape[0], vocab_size=None, device=token_logp.device,
+                                        targets=None, token_kind=rows.token_kind, sample_index=rows.sample_index,
+                                        inputs=inputs, options=options)   # the kernels' own checks, as erpo_loss
     out = erpo_objective(token_logp, row_entropy, rows.token_kind, rows.sample_index, inputs=inputs,
-                         options=LossOptions.from_kwargs(options),
-                         segment_sum=TritonSegmentSum if token_logp.is_cuda else SegmentSum)
+                         options=loss_options, segment_sum=TritonSegmentSum if token_logp.is_cuda else SegmentSum)
     scale = dp_size / horizon
     loss = out.loss * scale
 

@@ -26,6 +26,7 @@ from erpo.models.loading import device_for_rank, load_model, model_path_for, tok
 from erpo.models.lora import MERGED_DIR, AdaptersDisabled, export_merged, held_parameters_line
 from erpo.reference.setup import precompute_reference
 from erpo.rollout import rollout_engine_for
+from erpo.sequences import logit_transforms
 from erpo.storage_errors import stop_on_storage_failure
 from erpo.tasks.data import PromptSet, load_prompt_set
 from erpo.tasks.rewards import load_reward_function
@@ -82,6 +83,7 @@ class Run:
     sampler: PromptSampler
     device: torch.device                # where this rank's micro-batches live
     lock: RunLock | None                # the run directory's lock (rank 0; None on the other ranks)
+    logit_options: dict                 # the model's final-logit transform (kernel options), read once at setup
 
 
 def seed_everything(cfg: Config) -> None:
@@ -179,7 +181,7 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
         engine.sync_weights(updater.module)
     sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, state["epoch"], state["cursor"])
     return Run(out_dir, checkpoints, tokenizer, ps, updater, ref_model, engine, reward_fns, ref_query_logp,
-               static_weight, state, sampler, device, lock)
+               static_weight, state, sampler, device, lock, logit_transforms(updater.model))
 
 
 def save_checkpoint(cfg: Config, run: Run, progress: dict | None = None) -> str:
@@ -227,7 +229,8 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
             #    the first update (the first step is on-policy: the loss detaches the current log-probs).
             plans = [plan_step(cfg, rollout, run.prompts, run.tokenizer.pad_token_id, run.device)
                      for rollout in rollouts]
-            old_logp = [None] + [old_logprobs(plan, model, cfg.rollout.temperature) for plan in plans[1:]]
+            old_logp = [None] + [old_logprobs(plan, model, cfg.rollout.temperature, run.logit_options)
+                                 for plan in plans[1:]]
             # 3. Optimizer steps.
             for u, plan in enumerate(plans):
                 if plan.num_seqs == 0:
@@ -236,9 +239,9 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
                     continue
                 try:
                     weights = plan_query_weights(cfg, plan, model, run.prompts, run.tokenizer.pad_token_id,
-                                                 run.static_weight)
+                                                 run.static_weight, run.logit_options)
                     record = optimizer_step(cfg, run.updater, run.ref_model, plan, old_logp[u], weights,
-                                            run.ref_query_logp, state)
+                                            run.ref_query_logp, state, run.logit_options)
                 except FloatingPointError as exc:
                     if u > 0:  # earlier updates of this rollout were applied: the last checkpoint is the safe state
                         raise

@@ -61,14 +61,15 @@ def plan_step(cfg: Config, rollout: Rollout, ps: PromptSet, pad_id: int, device)
     return StepPlan(rollout, micro_batches, num_items, num_seqs)
 
 
-def old_logprobs(plan: StepPlan, model, temperature: float) -> list[torch.Tensor]:
+def old_logprobs(plan: StepPlan, model, temperature: float, logit_options: dict) -> list[torch.Tensor]:
     """The behaviour policy's log-probs [R] of each micro-batch of `plan` under `model` (before any update of the
-    rollout step), in the plan's micro-batch order."""
-    return [scored_token_logp(model, mb.batch, temperature) for mb in plan.micro_batches]
+    rollout step), in the plan's micro-batch order; `logit_options`: the model's logit transform, read once."""
+    return [scored_token_logp(model, mb.batch, temperature, logit_options=logit_options)
+            for mb in plan.micro_batches]
 
 
 def plan_query_weights(cfg: Config, plan: StepPlan, model, ps: PromptSet, pad_id: int,
-                       static_weight: torch.Tensor) -> list[torch.Tensor | None]:
+                       static_weight: torch.Tensor, logit_options: dict) -> list[torch.Tensor | None]:
     """w(q) [B] of each micro-batch (None each when algorithm.query_weight is "none"): the cached static weights, or
     ("current", clipped to [0, MAX_QUERY_WEIGHT]; "current-unclipped", the official code's weight) weights
     recomputed from `model` over the step's samples on all ranks (collective). A stand-in gets any valid weight."""
@@ -79,8 +80,11 @@ def plan_query_weights(cfg: Config, plan: StepPlan, model, ps: PromptSet, pad_id
     if mode not in ("current", "current-unclipped"):
         return [None] * len(prompts)
     # ell(q) needs the prompt rows only: one forward over the prompts of each micro-batch (stand-ins too)
+    def score(batch):  # as the loss scores, with the model's logit transform (`logit_options`, read once)
+        return scored_token_logp(model, batch, cfg.rollout.temperature, logit_options=logit_options)
+
     current = [compute_query_logp(model, [ps.prompt_ids[i] for i in p.tolist()], pad_id=pad_id, batch_size=len(p),
-                                  temperature=cfg.rollout.temperature) for p in prompts]
+                                  temperature=cfg.rollout.temperature, score=score) for p in prompts]
     local = torch.cat([c for mb, c in zip(plan.micro_batches, current) if mb.weight]
                       or [torch.zeros(0, dtype=torch.float64)])
     everyone = D.all_gather_object(local.tolist())

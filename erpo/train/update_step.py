@@ -14,7 +14,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.sequences import final_hidden, logit_transforms, scored_token_logp
+from erpo.sequences import final_hidden, scored_token_logp
 from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.updater import Updater
@@ -24,13 +24,21 @@ from erpo_kernels.lm_head import whole_lm_head
 log = logging.getLogger("erpo")
 
 
+def entropy_pool(weight: float):
+    """The entropy filter's `top_entropy_gather` for one micro-batch of weight `weight`: this rank's response-row
+    entropies [n] -> every rank's [m], so the top_entropy_quantile threshold is global over ranks, as TRL's (a
+    stand-in, weight 0, adds none). A collective: every rank calls it once per micro-batch (stand-ins included)."""
+    return lambda local: D.all_gather_cat(local if weight else local[:0])
+
+
 def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
-                    query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor) -> tuple[dict, float, int]:
-    """Forward and backward of every micro-batch of `plan`. Returns (this rank's sums of the loss metrics over its
-    real micro-batches: "loss", "qkl", "pg_loss" and the token-weighted TOKEN_MEAN_METRICS; the largest rollout
+                    query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor,
+                    logit_options: dict) -> tuple[dict, float, int]:
+    """Forward and backward of every micro-batch of `plan`; `logit_options`: the model's logit transform, read once
+    at setup (`erpo.sequences.logit_transforms`). Returns (this rank's sums of the loss metrics over its real
+    micro-batches: "loss", "qkl", "pg_loss" and the token-weighted TOKEN_MEAN_METRICS; the largest rollout
     log-prob gap; the number of non-finite losses seen)."""
-    # the model's logit transform, as every scoring call (`scored_token_logp`) applies it
-    options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_transforms(updater.model),
+    options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_options,
                "num_items": plan.num_items, "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
     sums = dict.fromkeys(["loss", "qkl", "pg_loss", *TOKEN_MEAN_METRICS], 0.0)
@@ -38,7 +46,8 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     rollout = plan.rollout
     for m, mb in enumerate(plan.micro_batches):
         batch, device = mb.batch, mb.batch.targets.device
-        ref_logp = scored_token_logp(ref_model, batch, temperature) if ref_model is not None else None
+        ref_logp = scored_token_logp(ref_model, batch, temperature, logit_options=logit_options) \
+            if ref_model is not None else None
         hidden = final_hidden(updater.model, batch)
         with whole_lm_head(updater.model) as (weight, bias):
             out = fused_linear_erpo_loss(
@@ -47,7 +56,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
-                rollout_logp=batch.rollout_logp, **options)
+                rollout_logp=batch.rollout_logp, **{**options, "top_entropy_gather": entropy_pool(mb.weight)})
             if nonfinite or not torch.isfinite(out.loss):
                 nonfinite += 1
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
@@ -94,11 +103,13 @@ def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: dict, pro
 
 
 def optimizer_step(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
-                   query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor, state: dict) -> dict:
+                   query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor, state: dict,
+                   logit_options: dict) -> dict:
     """Accumulate the loss over the plan's micro-batches and take one optimizer step. Returns the metrics record
     (without the step counters and timings). The plan holds samples (the loop skips a step that filtering
     emptied on every rank, before its w(q) are planned)."""
-    sums, gap_max, nonfinite = accumulate_loss(cfg, updater, ref_model, plan, old_logp, query_weight, ref_query_logp)
+    sums, gap_max, nonfinite = accumulate_loss(cfg, updater, ref_model, plan, old_logp, query_weight, ref_query_logp,
+                                               logit_options)
     lr = updater.lr
     grad_norm = apply_update(cfg, updater, nonfinite, state, plan.rollout.prompts.tolist())
     weight_sum = sum(float(w.sum()) for mb, w in zip(plan.micro_batches, query_weight) if mb.weight and w is not None)

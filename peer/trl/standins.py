@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 # Bumped whenever a stand-in changes: part of every snapshot's commit hash and data set folder, so an old cache is
 # rebuilt, not reused.
-STANDIN_VERSION = "4"
+STANDIN_VERSION = "5"
 SEED = 0
 # Tiny sizes shared by every architecture (per-family overrides below): a CPU step in well under a second.
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 32, 2, 4, 2, 8, 64
@@ -90,7 +90,7 @@ HUB_MODELS: dict[str, ModelSpec] = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default",
                                                                               "rope_theta": 10000.0})),
     f"{ORG}/tiny-NemotronHForCausalLM-nano": ModelSpec("nemotron_h", NEMOTRON, config=dict(
-        layers_block_type=["linear_attention", "moe", "full_attention"], n_routed_experts=4, n_shared_experts=1,
+        n_routed_experts=4, n_shared_experts=1,   # layers_block_type: nemotron_layers(), at build
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, num_experts_per_tok=2,
         ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, chunk_size=16, num_hidden_layers=3)),
     f"{ORG}/tiny-RemoteForCausalLM": ModelSpec("qwen2", QWEN2_5, remote_code=True),
@@ -190,6 +190,18 @@ def build_tokenizer(spec: TokenizerSpec, name: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def nemotron_layers() -> list[str]:
+    """Nemotron-H's three layer kinds (mamba, MoE, attention) as the installed transformers names them (5.10's
+    "mamba" / "attention" became "linear_attention" / "full_attention" in later releases)."""
+    from transformers import NemotronHConfig
+    older = ["mamba", "moe", "attention"]
+    try:
+        NemotronHConfig(layers_block_type=older, num_hidden_layers=len(older))
+    except Exception:   # huggingface_hub's StrictDataclassClassValidationError, around the ValueError
+        return ["linear_attention", "moe", "full_attention"]
+    return older
+
+
 def build_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast):
     """The tiny config of `spec`'s architecture for `tokenizer`'s vocabulary."""
     sizes = dict(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -197,7 +209,8 @@ def build_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast):
                  max_position_embeddings=4096)
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                bos_token_id=tokenizer.bos_token_id)
-    config = AutoConfig.for_model(spec.model_type, **{**sizes, **ids, **spec.config})
+    layers = dict(layers_block_type=nemotron_layers()) if spec.model_type == "nemotron_h" else {}
+    config = AutoConfig.for_model(spec.model_type, **{**sizes, **ids, **layers, **spec.config})
     if spec.head == "seq-cls":
         config.num_labels = 1
     return config

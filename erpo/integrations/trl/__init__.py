@@ -9,7 +9,8 @@ completion rows (TRL's clipped policy gradient with TRL's normalizers, KL and im
 ell_theta0(q) is computed at start for every prompt of `train_dataset` and `eval_dataset`, with the model as passed
 (theta0) and the prompts tokenized by TRL's own `_tokenize_prompts`, and cached under `output_dir` (or at
 `ref_cache`, which may also be a cache of `erpo precompute-ref`); entries are keyed by the prompt's token ids, which
-is what reaches the loss.
+is what reaches the loss. Until the first optimizer step a micro-batch's ell_theta0(q) is its own forward's (so the
+Query-KL and its gradient are exactly 0 at theta0), and prompts the cache lacks are added then.
 """
 from erpo.integrations.trl.config import ERPOConfig
 from erpo.integrations.trl.trainer import ERPOTrainer

@@ -26,6 +26,9 @@ class ERPOConfig(GRPOConfig):
     ref_cache: str | None = field(default=None, metadata={
         "help": "ell_theta0(q) cache to read (written by this trainer or by `erpo precompute-ref`), or to write when "
                 "absent; default <output_dir>/" + CACHE_FILE})
+    iterable_prompts: int = field(default=10_000, metadata={
+        "help": "rows of an IterableDataset (train or eval) read once at construction for their ell_theta0(q); a "
+                "prompt beyond them is scored at theta0 from the first step's forward, and refused after it"})
     fused_linear: bool = field(default=True, metadata={
         "help": "score hidden states x lm_head without the [N, V] logits (False: the model's own logits)"})
 
@@ -39,6 +42,8 @@ class ERPOConfig(GRPOConfig):
                              "which GRPOTrainer does not compute)")
         if not (isinstance(self.qkl_coef, (int, float)) and math.isfinite(self.qkl_coef)):
             raise ValueError(f"qkl_coef must be a finite number, got {self.qkl_coef!r}")
+        if not (isinstance(self.iterable_prompts, int) and self.iterable_prompts >= 1):
+            raise ValueError(f"iterable_prompts must be an integer >= 1, got {self.iterable_prompts!r}")
         if self.loss_type not in PG_OBJECTIVES:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported by ERPOTrainer; use one of "
                              f"{list(PG_OBJECTIVES)}")

@@ -1,13 +1,19 @@
 """ell_theta0(q) for ERPOTrainer: the reference cache of every train and eval prompt, loaded (and checked against
 theta0, the tokenizer and the temperature) or built at start with the model as passed, and looked up per
-micro-batch. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
+micro-batch. Until the first optimizer step (`at_theta0`) the micro-batch's ell_theta0(q) is its own forward's
+ell_theta(q), detached, so the Query-KL and its gradient are exactly 0 at theta0 whatever the attention kernel and
+precision; prompts the cache lacks are added then. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer,
+datasets and accelerator)."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 
 import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
 
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -30,15 +36,18 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 class ReferenceMixin:
     """ERPOTrainer's cached reference: `_load_or_build_reference()` at start, `_reference_of(inputs)` per step."""
 
-    def _prompt_ids(self, dataset, name: str) -> list[list[int]]:
-        """Token ids of every prompt of `dataset` (called `name` in errors), tokenized by TRL's `_tokenize_prompts`."""
+    def _prompt_ids(self, dataset) -> list[list[int]]:
+        """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
+        of its first `args.iterable_prompts` rows (read once, here)."""
         if self.rollout_func is not None or self.environment_factories is not None:
-            raise ValueError("ERPOTrainer cannot tokenize prompts ahead of a rollout_func or environment_factory, so "
-                             "it has no ell_theta0(q) for them; set qkl_coef=0 and query_weight='none'")
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(f"ERPOTrainer needs ell_theta0(q) of every prompt: {name} must be a map-style Dataset, "
-                             "not an IterableDataset (or set qkl_coef=0 and query_weight='none')")
-        prompts = list(dataset["prompt"])
+            raise ValueError("ERPOTrainer has no ell_theta0(q) for the prompts of a rollout_func or "
+                             "environment_factory (the rollout tokenizes them, and an environment's reset() may "
+                             "rewrite them, so their token ids are known only once generated, when theta0 is gone "
+                             "after the first step); set qkl_coef=0 and query_weight='none' or 'current'")
+        if hasattr(dataset, "__len__"):
+            prompts = list(dataset["prompt"])
+        else:
+            prompts = [row["prompt"] for row in itertools.islice(dataset, self.args.iterable_prompts)]
         prompt_ids = []
         for start in range(0, len(prompts), PROMPT_CHUNK):
             ids = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])[0]
@@ -48,8 +57,7 @@ class ReferenceMixin:
     def _eval_prompt_ids(self) -> list[list[int]]:
         """Token ids of every prompt of eval_dataset (a Dataset, or TRL's dict of named Datasets; none if absent)."""
         datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
-        return [ids for key, dataset in datasets.items() if dataset is not None
-                for ids in self._prompt_ids(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]")]
+        return [ids for dataset in datasets.values() if dataset is not None for ids in self._prompt_ids(dataset)]
 
     def _theta0_fingerprints(self) -> tuple[str, ...]:
         """Every fingerprint naming theta0 as passed: the hash of its state dict, and, when it was loaded from a
@@ -95,7 +103,7 @@ class ReferenceMixin:
         against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
         model as passed; then add the eval prompts it lacks, and save it there when it changed."""
         path = self.reference_cache_path
-        train_ids, eval_ids = self._prompt_ids(self.train_dataset, "train_dataset"), self._eval_prompt_ids()
+        train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
         identity = dict(model_id=str(self.model.config._name_or_path), tokenizer_id=str(self._tokenizer.name_or_path),
                         tokenizer_fp=tokenizer_fingerprint(self._tokenizer))
         if os.path.exists(path):
@@ -103,7 +111,8 @@ class ReferenceMixin:
             cache.check_compatible(**identity, model_fp=self._theta0_fingerprints(), template=None,
                                    temperature=self.temperature, precision=self._reference_precision(), path=path,
                                    remedy=REBUILD)
-            self._check_cached(cache, train_ids)
+            self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
+                               "built). " + REBUILD)
             changed = False
         else:
             cache = build_reference_cache(
@@ -113,15 +122,22 @@ class ReferenceMixin:
                 tokenizer_fp=identity["tokenizer_fp"], progress=True, score=self._score_reference,
                 precision=self._reference_precision())
             changed = True
-        changed |= self._add_held_out(cache, train_ids, eval_ids)
+        self._train_surprisal = -torch.tensor(
+            [cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}], dtype=torch.float64).mean()
+        changed |= self._add_held_out(cache, eval_ids)
         if changed and self.accelerator.is_main_process:
             cache.save(path)
         self.accelerator.wait_for_everyone()
         return cache
 
-    def _add_held_out(self, cache: ReferenceCache, train_ids: list[list[int]], prompt_ids: list[list[int]]) -> bool:
-        """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), with the static w(q) of appendix C
-        scaled by the training prompts' mean surprisal (so training weights stay as they are); whether any."""
+    def _held_out_weights(self, ell: torch.Tensor) -> torch.Tensor:
+        """Static w(q) [Q] of prompts outside the training set from their ell_theta0(q) [Q] (float64): appendix C's
+        weight scaled by the training prompts' mean surprisal, so the training prompts' weights stay as they are."""
+        return (self._train_surprisal / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+
+    def _add_held_out(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> bool:
+        """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), scored at start, with their held-out
+        w(q); whether any."""
         missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
         if not missing:
             return False
@@ -130,26 +146,76 @@ class ReferenceMixin:
             batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
             model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True,
             score=self._score_reference, precision=cache.precision)
-        train_ell = torch.tensor([cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}],
-                                 dtype=torch.float64)
         ell = torch.tensor([value[0] for value in held_out.entries.values()], dtype=torch.float64)
-        weights = (-train_ell.mean() / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+        weights = self._held_out_weights(ell)
         cache.entries.update({key: (float(e), float(w)) for key, e, w in zip(held_out.entries, ell, weights)})
         return True
 
-    def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> None:
-        """ValueError naming the first prompt whose ell_theta0 the cache lacks."""
+    def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]], why: str) -> None:
+        """ValueError naming the first prompt whose ell_theta0 the cache lacks, then `why` and what to do."""
         for ids in prompt_ids:
             if prompt_hash(ids) not in cache.entries:
-                text = self._tokenizer.decode(ids)
-                raise ValueError(f"prompt {text[:300]!r} has no ell_theta0(q) in the reference cache "
-                                 f"{self.reference_cache_path} (the dataset, tokenization or chat template changed "
-                                 "since it was built). " + REBUILD)
+                raise ValueError(f"prompt {self._tokenizer.decode(ids)[:300]!r} has no ell_theta0(q) in the reference "
+                                 f"cache {self.reference_cache_path} {why}")
 
-    def _reference_of(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids."""
+    def _reference_of(self, inputs: dict, source: str, forward_query_logp) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids, from `source` (the data
+        set, for errors). At theta0 ell_theta0 is `forward_query_logp()` [B] (float64: this forward's ell_theta(q),
+        detached), and the prompts the cache lacks are added with it."""
         prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
-        self._check_cached(self.reference_cache, prompt_ids)
-        ell, weight = self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)
         device = inputs["prompt_ids"].device
+        if self.at_theta0:
+            ell = forward_query_logp()
+            self._add_at_theta0(prompt_ids, ell.cpu())
+            return ell.float(), self.reference_cache.lookup(prompt_ids)[1].to(device)
+        self._check_cached(self.reference_cache, prompt_ids, (
+            f"and theta0 is gone (an optimizer step was taken): it comes from the {source}, which ERPOTrainer did not "
+            "read at construction (an IterableDataset is read up to ERPOConfig.iterable_prompts rows); pass it as "
+            "train_dataset / eval_dataset, raise iterable_prompts, or evaluate it before training"))
+        ell, weight = self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)
         return ell.to(device), weight.to(device)
+
+    def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:
+        """Add the prompts the cache lacks with their ell_theta0 [B] (float64) taken from the forward at theta0, and
+        keep them to be shared with the other processes and saved (`_share_theta0_entries`)."""
+        new = {prompt_hash(ids): i for i, ids in enumerate(prompt_ids) if prompt_hash(ids) not in
+               self.reference_cache.entries}
+        if not new:
+            return
+        weights = self._held_out_weights(ell[list(new.values())])
+        added = {key: (float(ell[i]), float(w)) for (key, i), w in zip(new.items(), weights)}
+        self.reference_cache.entries.update(added)
+        self._theta0_entries.update(added)
+
+    def _share_theta0_entries(self) -> None:
+        """Every process's entries added at theta0 into every process's cache, saved by the main process (a
+        collective: all processes call it, at the first optimizer step and after an evaluation at theta0)."""
+        gathered = gather_object([self._theta0_entries])
+        self._theta0_entries = {}
+        added = {key: value for entries in gathered for key, value in entries.items()}
+        self.reference_cache.entries.update(added)
+        if added and self.accelerator.is_main_process:
+            self.reference_cache.save(self.reference_cache_path)
+        self.accelerator.wait_for_everyone()
+
+    def _leave_theta0(self) -> None:
+        """theta moved (the first optimizer step, or a resume from a checkpoint after one): ell_theta0(q) comes
+        from the cache only from now on."""
+        if self.at_theta0:
+            self._share_theta0_entries()
+        self.at_theta0 = False
+
+
+class Theta0Callback(TrainerCallback):
+    """Clears `trainer.at_theta0` at the first optimizer step, and at the start of a train() that resumes from a
+    checkpoint past step 0."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step > 0:
+            self.trainer._leave_theta0()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._leave_theta0()

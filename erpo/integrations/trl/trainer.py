@@ -2,6 +2,7 @@
 and the metrics are its mixins (reference.py, loss.py, metrics.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -12,7 +13,7 @@ from erpo.integrations.trl.config import CACHE_FILE, ERPOConfig
 from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
-from erpo.integrations.trl.reference import ReferenceMixin
+from erpo.integrations.trl.reference import ReferenceMixin, Theta0Callback
 from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
@@ -34,6 +35,16 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         self._check_model()
         self.reference_cache_path = args.ref_cache or os.path.join(args.output_dir, CACHE_FILE)
         self.reference_cache = self._load_or_build_reference() if args.needs_reference else None
+        self.at_theta0 = True      # no optimizer step yet: ell_theta0(q) is the forward's own (reference.py)
+        self._theta0_entries = {}  # prompts added to the cache at theta0, not yet shared with the other processes
+        self.add_callback(Theta0Callback(self))
+
+    def evaluate(self, *args, **kwargs):
+        """Trainer.evaluate; at theta0, the prompts it added to the reference cache are then shared and saved."""
+        metrics = super().evaluate(*args, **kwargs)
+        if self.at_theta0 and self.reference_cache is not None:
+            self._share_theta0_entries()
+        return metrics
 
     def _check_model(self) -> None:
         """Reject what the loss cannot reproduce (one line each, naming the setting)."""
@@ -56,19 +67,9 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         advantages = inputs["advantages"]
         if advantages.dim() != 1:
             raise ValueError(f"ERPOTrainer expects one advantage per sample, shape [B]; got {tuple(advantages.shape)}")
-        ref_query_logp, static_weight = self._reference_of(inputs) if self.args.needs_reference else (None, None)
         options, row_tensors = self._loss_options(inputs, rows, mode)
-        tensors = dict(advantages=advantages.float(), ref_query_logp=ref_query_logp, **row_tensors)
+        tensors = dict(advantages=advantages.float(), **row_tensors)
         query_rows = batch.token_kind == 1
-
-        def weights(query_token_logp):  # w(q) [B] or None; query_token_logp(targets) -> log-probs of query rows
-            if self.args.query_weight != "current":
-                return static_weight if self.args.query_weight == "static" else None
-            with torch.no_grad():
-                logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
-                logp[query_rows] = query_token_logp(batch.targets[query_rows])
-                ell = per_sample_sum(logp, batch, kind=1)   # the kernels' fixed-order sums, as erpo's trainer
-            return self._current_query_weights(ell)
 
         router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
         with self.accelerator.autocast():
@@ -80,27 +81,47 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
                 logits = output.logits.reshape(-1, output.logits.shape[-1])[batch.rows]
         aux_loss = output.aux_loss if self.aux_loss_enabled else None
         del output
-        if self.args.fused_linear:
-            if is_dtensor(find_lm_head(model).weight):   # whole_lm_head would reshard it before TRL's backward
-                raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
-                                 "runs the backward after the loss returns): keep it in the root's or accelerate's "
-                                 "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
-            with whole_lm_head(model) as (weight, bias):
+        # whole_lm_head would reshard an FSDP2 head at the end of its block, before TRL's backward
+        if self.args.fused_linear and is_dtensor(find_lm_head(model).weight):
+            raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
+                             "runs the backward after the loss returns): keep it in the root's or accelerate's "
+                             "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
+        with whole_lm_head(model) if self.args.fused_linear else contextlib.nullcontext((None, None)) as (
+                weight, bias):
+            if self.args.fused_linear:
                 hidden = hidden.to(weight.dtype)
-                tensors = self._fill_unscored(tensors, lambda: fused_linear_token_logprobs(
-                    hidden.detach(), weight, batch.targets, bias=bias, temperature=self.temperature))
-                query_weight = weights(lambda targets: fused_linear_token_logprobs(
-                    hidden[query_rows].detach(), weight, targets, bias=bias, temperature=self.temperature,
-                    **self._logit_options))
+
+            def score(scored=None):  # detached log-probs of this forward's rows `scored` [R] bool (None: all, [R];
+                # no copy of the logits), as the loss scores them
+                pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
+                if self.args.fused_linear:
+                    return fused_linear_token_logprobs(pick(hidden.detach()), weight, pick(batch.targets), bias=bias,
+                                                       temperature=self.temperature, **self._logit_options)
+                return token_logprobs(pick(logits.detach()), pick(batch.targets), temperature=self.temperature)
+
+            def forward_query_logp(scored=None):  # ell_theta(q) [B] float64 of this forward, detached, scoring
+                with torch.no_grad():  # `scored` rows; all rows (None) gives the loss's own sums bit for bit
+                    if scored is None:
+                        return per_sample_sum(score(), batch, kind=1)
+                    logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
+                    logp[scored] = score(scored)
+                    return per_sample_sum(logp, batch, kind=1)
+
+            tensors = self._fill_unscored(tensors, score)
+            ref_query_logp, static_weight = self._reference_of(
+                inputs, "train_dataset" if mode == "train" else "eval dataset",
+                forward_query_logp) if self.args.needs_reference else (None, None)
+            if self.args.query_weight == "current":   # w(q) of the current policy, from the query rows only
+                query_weight = self._current_query_weights(forward_query_logp(query_rows))
+            else:
+                query_weight = static_weight if self.args.query_weight == "static" else None
+            if self.args.fused_linear:
                 out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
-                                             bias=bias, query_weight=query_weight, **tensors, **options)
-        else:
-            tensors = self._fill_unscored(tensors, lambda: token_logprobs(logits.detach(), batch.targets,
-                                                                         temperature=self.temperature))
-            query_weight = weights(lambda targets: token_logprobs(logits[query_rows].detach(), targets,
-                                                                  temperature=self.temperature))
-            out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
-                            **tensors, **options)
+                                             bias=bias, query_weight=query_weight, ref_query_logp=ref_query_logp,
+                                             **tensors, **options)
+            else:
+                out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
+                                ref_query_logp=ref_query_logp, **tensors, **options)
         loss = out.loss
         if aux_loss is not None:   # TRL's router load-balancing loss, scaled for gradient accumulation like the loss
             loss = loss + self.router_aux_loss_coef * aux_loss / (
@@ -113,8 +134,8 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
     @staticmethod
     def _fill_unscored(tensors: dict, current_logp) -> dict:
         """vLLM's NaN sampling log-probs (tokens it could not score) left by `trl_loss_options` (only without old
-        log-probs: on-policy) become the current ones, `current_logp()` [R]: no drift there in the off-policy mask,
-        as TRL's nan_to_num."""
+        log-probs: on-policy) become the current ones, `current_logp()` [R] (with the model's logit transform, as
+        the loss scores): no drift there in the off-policy mask, as TRL's nan_to_num."""
         rollout = tensors["rollout_logp"]
         if rollout is None or not rollout.isnan().any():
             return tensors
