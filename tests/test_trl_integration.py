@@ -604,7 +604,8 @@ def assert_scored_at_theta0(trainer, tiny, rewritten):
     assert qkl[0] == 0.0 and all(value > 1e-6 for value in qkl[1:]) and len(qkl) == 3
     untrained = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
     cache = trainer.reference_cache
-    assert weights_fingerprint(untrained) == cache.model_fingerprint
+    if not hasattr(trainer.model, "peft_config"):   # (a PEFT model's fingerprint also holds its adapters)
+        assert weights_fingerprint(untrained) == cache.model_fingerprint
     expected = trainer._held_out_entries(cache, rewritten, untrained)
     assert {key: cache.entries[key] for key in expected} == expected
     moved = trainer._held_out_entries(cache, rewritten, trainer.model)
@@ -658,18 +659,50 @@ class CountingEnvironment:
         return text
 
 
+def tool_tokenizer(tiny):
+    """The tiny tokenizer with a chat template TRL can call tools with (Qwen2.5's)."""
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    return tokenizer
+
+
 def test_environment_prompts_are_scored_by_a_frozen_theta0(tiny, tmp_path):
     """An environment_factory whose reset() rewrites the prompts, with ERPO's defaults: its rewritten prompts get
     ell_theta0(q) from the frozen copy of theta0, equal to the untrained model's; the data set's prompts (rendered
     with the environment's tools, before reset) define the mean surprisal of the static w(q)."""
-    tokenizer = copy.deepcopy(tiny[1])   # a template TRL can call tools with
-    tokenizer.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    tokenizer = tool_tokenizer(tiny)
     trainer, generated = rollout_run(tiny, tmp_path, tokenizer, environment_factory=CountingEnvironment)
     rewritten = [ids for step in generated for ids in step]
     texts = [tokenizer.decode(ids) for ids in rewritten]
     assert all("(attempt " in text and '"echo"' in text for text in texts)
     assert {text.split("(attempt ")[1][0] for text in texts} == {"1", "2", "3"}
     assert_scored_at_theta0(trainer, tiny, rewritten)
+
+
+def test_environment_rows_the_factory_lacks_are_left_to_trl(tiny, tmp_path):
+    """Rows naming an environment the factory lacks have no prompt to score at construction; with only such rows
+    the cache starts empty and TRL refuses the first one drawn, as with GRPOTrainer."""
+    args = ERPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, report_to=[], use_cpu=True, bf16=False, max_steps=1)
+    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, args=args, processing_class=tool_tokenizer(tiny),
+                          train_dataset=datasets.Dataset.from_dict({"environment": ["unknown"] * 4}),
+                          environment_factory={"counting": CountingEnvironment})
+    assert trainer.reference_cache.entries == {}
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+
+
+def test_lora_rollout_prompts_are_scored_with_adapters_disabled(tiny, tmp_path):
+    """A LoRA adapter the trainer adds (peft_config) starts at theta0: the rollout's prompts are scored with the
+    adapters disabled, no copy of the model, equal to the untrained model's."""
+    peft = pytest.importorskip("peft")
+    tokenizer = tool_tokenizer(tiny)
+    trainer, generated = rollout_run(tiny, tmp_path, tokenizer, environment_factory=CountingEnvironment,
+                                     peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with trainer._theta0() as model:
+        assert model is trainer.model and all(layer.disable_adapters for layer in model.modules()
+                                              if isinstance(layer, peft.tuners.lora.LoraLayer))
+    assert_scored_at_theta0(trainer, tiny, [ids for step in generated for ids in step])
 
 
 def test_cache_of_another_precision_is_refused(tiny, tmp_path):

@@ -2,8 +2,9 @@
 theta0, the tokenizer and the temperature) or built at start with the model as passed, and looked up per
 micro-batch. Until the first optimizer step (`at_theta0`) the micro-batch's ell_theta0(q) is its own forward's
 ell_theta(q), detached, so the Query-KL and its gradient are exactly 0 at theta0 whatever the attention kernel and
-precision; prompts the cache lacks are added then. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer,
-datasets and accelerator)."""
+precision; prompts the cache lacks are added then. The prompts of a `rollout_func` or `environment_factory`, known
+only once generated, are scored after each generation with theta0 kept for them (`_keep_theta0`). A mixin of
+ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
 from __future__ import annotations
 
 import contextlib
@@ -163,6 +164,13 @@ class ReferenceMixin:
                                    remedy=REBUILD)
             self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
                                "built). " + REBUILD)
+            changed = False
+        elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
+            cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=weights_fingerprint(self.model),
+                                   tokenizer_id=identity["tokenizer_id"],
+                                   tokenizer_fingerprint=identity["tokenizer_fp"],
+                                   template=with_temperature("trl", self.temperature),
+                                   precision=self._reference_precision())
             changed = False
         else:
             cache = build_reference_cache(
