@@ -1,6 +1,9 @@
 """erpo.integrations.trl: ERPOTrainer's loss equals TRL's GRPOTrainer._compute_loss (loss and every gradient) when
 ERPO's terms are off, and a few real train() steps log the Query-KL and write / reuse the reference cache.
 Tiny Qwen2 and character tokenizer built locally (erpo.models.tiny); CPU only."""
+import contextlib
+import copy
+import importlib.resources
 import json
 import math
 
@@ -13,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
+from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
@@ -577,21 +581,128 @@ def test_evaluate_a_new_dataset(tiny, tmp_path):
         trainer.evaluate(eval_dataset=conversation(["6-1="]))
 
 
-def test_rollout_func_needs_no_reference(tiny, tmp_path):
-    """A rollout_func's prompts have no ell_theta0(q) (their token ids are known only once generated): refused in
-    one line with the settings that need none, with which ERPOTrainer accepts it."""
-    def rollout_func(prompts, trainer):
-        raise AssertionError("not called at construction")
+def rollout_run(tiny, tmp_path, tokenizer, **trainer_kwargs):
+    """An ERPOTrainer at ERPOConfig's defaults (Query-KL 0.01, static w(q)) with `trainer_kwargs` (a rollout_func
+    or an environment_factory), trained 3 steps, the prompt token ids of each generation recorded."""
+    args = ERPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+                      seed=0, bf16=False, learning_rate=3e-2, max_steps=3, temperature=1.0)
+    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, args=args, processing_class=tokenizer,
+                          train_dataset=conversation(PROMPTS), **trainer_kwargs)
+    generated, generate = [], trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: generated.append(output := generate(inputs)) or output
+    trainer.train()
+    return trainer, [[ids[mask.bool()].tolist() for ids, mask in zip(out["prompt_ids"], out["prompt_mask"])]
+                     for out in generated]
 
-    with pytest.raises(ValueError, match="no ell_theta0\\(q\\) for the prompts of a rollout_func.*qkl_coef=0"):
-        ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1], rollout_func=rollout_func,
-                    args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]),
-                    train_dataset=conversation(PROMPTS))
-    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, processing_class=tiny[1],
-                          rollout_func=rollout_func, train_dataset=conversation(PROMPTS),
-                          args=ERPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
-                                          qkl_coef=0.0, query_weight="current"))
-    assert trainer.reference_cache is None
+
+def assert_scored_at_theta0(trainer, tiny, rewritten):
+    """The Query-KL is 0 at the first step and > 0 after it; every rewritten prompt's cached ell_theta0(q) equals
+    the untrained model's (exactly) and differs from the trained one's; its w(q) is the held-out weight against the
+    data set's mean surprisal."""
+    qkl = [entry["qkl"] for entry in trainer.state.log_history if "qkl" in entry]
+    assert qkl[0] == 0.0 and all(value > 1e-6 for value in qkl[1:]) and len(qkl) == 3
+    untrained = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    cache = trainer.reference_cache
+    if not hasattr(trainer.model, "peft_config"):   # (a PEFT model's fingerprint also holds its adapters)
+        assert weights_fingerprint(untrained) == cache.model_fingerprint
+    expected = trainer._held_out_entries(cache, rewritten, untrained)
+    assert {key: cache.entries[key] for key in expected} == expected
+    moved = trainer._held_out_entries(cache, rewritten, trainer.model)
+    assert all(abs(moved[key][0] - value[0]) > 1e-4 for key, value in expected.items())
+    ell = torch.tensor([value[0] for value in expected.values()], dtype=torch.float64)
+    assert [value[1] for value in expected.values()] == (trainer._train_surprisal / -ell).clamp(0, 2).tolist()
+    assert ReferenceCache.load(str(trainer.reference_cache_path)).entries.keys() >= expected.keys()
+
+
+def test_rollout_func_prompts_are_scored_by_a_frozen_theta0(tiny, tmp_path):
+    """A rollout_func that rewrites its prompts differently at each call, with ERPO's defaults: the prompts the
+    cache lacks are scored with a frozen copy of theta0, also after the model moved."""
+    tokenizer = tiny[1]
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append(len(calls))
+        rewritten = [prompt[:-1] + [{**prompt[-1], "content": f"{prompt[-1]['content']} #{len(calls)}"}]
+                     for prompt in prompts]
+        prompt_ids = tokenizer.apply_chat_template(rewritten, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        g = torch.Generator().manual_seed(len(calls))
+        completions = [torch.randint(3, len(tokenizer), (1 + i % 6,), generator=g).tolist()   # rewards differ
+                       for i in range(len(prompts))]
+        return {"prompt_ids": [list(ids) for ids in prompt_ids], "completion_ids": completions, "logprobs": None}
+
+    trainer, generated = rollout_run(tiny, tmp_path, tokenizer, rollout_func=rollout_func)
+    assert len(calls) == 3 and isinstance(trainer._theta0(), contextlib.AbstractContextManager)
+    rewritten = [ids for step in generated for ids in step]
+    assert all(prompt_hash(ids) not in trainer._theta0_entries for ids in rewritten)
+    assert_scored_at_theta0(trainer, tiny, rewritten)
+
+
+class CountingEnvironment:
+    """An environment whose reset() appends an observation that changes at every reset (new prompts each step)."""
+
+    def reset(self, **kwargs) -> str:
+        self.resets = getattr(self, "resets", 0) + 1
+        return f" (attempt {self.resets})"
+
+    def echo(self, text: str) -> str:
+        """
+        Echo the text back.
+
+        Args:
+            text: The text to echo.
+
+        Returns:
+            The same text.
+        """
+        return text
+
+
+def tool_tokenizer(tiny):
+    """The tiny tokenizer with a chat template TRL can call tools with (Qwen2.5's)."""
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    return tokenizer
+
+
+def test_environment_prompts_are_scored_by_a_frozen_theta0(tiny, tmp_path):
+    """An environment_factory whose reset() rewrites the prompts, with ERPO's defaults: its rewritten prompts get
+    ell_theta0(q) from the frozen copy of theta0, equal to the untrained model's; the data set's prompts (rendered
+    with the environment's tools, before reset) define the mean surprisal of the static w(q)."""
+    tokenizer = tool_tokenizer(tiny)
+    trainer, generated = rollout_run(tiny, tmp_path, tokenizer, environment_factory=CountingEnvironment)
+    rewritten = [ids for step in generated for ids in step]
+    texts = [tokenizer.decode(ids) for ids in rewritten]
+    assert all("(attempt " in text and '"echo"' in text for text in texts)
+    assert {text.split("(attempt ")[1][0] for text in texts} == {"1", "2", "3"}
+    assert_scored_at_theta0(trainer, tiny, rewritten)
+
+
+def test_environment_rows_the_factory_lacks_are_left_to_trl(tiny, tmp_path):
+    """Rows naming an environment the factory lacks have no prompt to score at construction; with only such rows
+    the cache starts empty and TRL refuses the first one drawn, as with GRPOTrainer."""
+    args = ERPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, report_to=[], use_cpu=True, bf16=False, max_steps=1)
+    trainer = ERPOTrainer(model=tiny[0], reward_funcs=reward_length, args=args, processing_class=tool_tokenizer(tiny),
+                          train_dataset=datasets.Dataset.from_dict({"environment": ["unknown"] * 4}),
+                          environment_factory={"counting": CountingEnvironment})
+    assert trainer.reference_cache.entries == {}
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+
+
+def test_lora_rollout_prompts_are_scored_with_adapters_disabled(tiny, tmp_path):
+    """A LoRA adapter the trainer adds (peft_config) starts at theta0: the rollout's prompts are scored with the
+    adapters disabled, no copy of the model, equal to the untrained model's."""
+    peft = pytest.importorskip("peft")
+    tokenizer = tool_tokenizer(tiny)
+    trainer, generated = rollout_run(tiny, tmp_path, tokenizer, environment_factory=CountingEnvironment,
+                                     peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with trainer._theta0() as model:
+        assert model is trainer.model and all(layer.disable_adapters for layer in model.modules()
+                                              if isinstance(layer, peft.tuners.lora.LoraLayer))
+    assert_scored_at_theta0(trainer, tiny, [ids for step in generated for ids in step])
 
 
 def test_cache_of_another_precision_is_refused(tiny, tmp_path):

@@ -2,26 +2,36 @@
 theta0, the tokenizer and the temperature) or built at start with the model as passed, and looked up per
 micro-batch. Until the first optimizer step (`at_theta0`) the micro-batch's ell_theta0(q) is its own forward's
 ell_theta(q), detached, so the Query-KL and its gradient are exactly 0 at theta0 whatever the attention kernel and
-precision; prompts the cache lacks are added then. A mixin of ERPOTrainer (it reads the trainer's model, tokenizer,
-datasets and accelerator)."""
+precision; prompts the cache lacks are added then. The prompts of a `rollout_func` or `environment_factory`, known
+only once generated, are scored after each generation with theta0 kept for them (`_keep_theta0`). A mixin of
+ERPOTrainer (it reads the trainer's model, tokenizer, datasets and accelerator)."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import functools
 import hashlib
 import itertools
 import os
+import types
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.utils import logging
 
+from erpo.models.lora import reference_model
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import MAX_QUERY_WEIGHT, token_logprobs
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
+logger = logging.get_logger(__name__)
 PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one, when an environment owns the data
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -33,24 +43,63 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return "weights-sha256:" + digest.hexdigest()[:32]
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` in eval mode without gradients that computes as `model` does, on its own weights: a
+    function patched onto a module (TRL's fused LM head on the model's `forward`, `cast_lm_head_to_fp32` on the
+    lm_head's) closes over the original's modules, which `copy.deepcopy` keeps; it is rebuilt over the copy's."""
+    memo = {}
+    frozen = copy.deepcopy(model, memo)
+    for module in frozen.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, (types.FunctionType, types.MethodType)):
+                vars(module)[name] = with_copied_closure(value, memo)
+    return frozen.eval().requires_grad_(False)
+
+
+def with_copied_closure(value, memo: dict):
+    """`value` deep-copied with `memo` (the copy's map from the originals), a function's or bound method's closure
+    included (deepcopy keeps functions as they are, and so their references to the original model)."""
+    if isinstance(value, types.MethodType):
+        return types.MethodType(with_copied_closure(value.__func__, memo), copy.deepcopy(value.__self__, memo))
+    if not isinstance(value, types.FunctionType) or not value.__closure__:
+        return copy.deepcopy(value, memo)
+    if id(value) in memo:
+        return memo[id(value)]
+    cells = tuple(types.CellType() for _ in value.__closure__)
+    function = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+    function.__kwdefaults__, function.__dict__ = value.__kwdefaults__, dict(value.__dict__)
+    memo[id(value)] = function
+    for cell, original in zip(cells, value.__closure__):
+        with contextlib.suppress(ValueError):   # an empty cell stays empty
+            cell.cell_contents = with_copied_closure(original.cell_contents, memo)
+    return function
+
+
 class ReferenceMixin:
     """ERPOTrainer's cached reference: `_load_or_build_reference()` at start, `_reference_of(inputs)` per step."""
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
-        of its first `args.iterable_prompts` rows (read once, here)."""
-        if self.rollout_func is not None or self.environment_factories is not None:
-            raise ValueError("ERPOTrainer has no ell_theta0(q) for the prompts of a rollout_func or "
-                             "environment_factory (the rollout tokenizes them, and an environment's reset() may "
-                             "rewrite them, so their token ids are known only once generated, when theta0 is gone "
-                             "after the first step); set qkl_coef=0 and query_weight='none' or 'current'")
+        of its first `args.iterable_prompts` rows (read once, here). With an `environment_factory`, as TRL renders
+        them before `reset()`: a row without a prompt is TRL's empty user turn, and each row has its environment's
+        tools (a row naming no environment of the factory is left out: TRL refuses it when it is drawn)."""
         if hasattr(dataset, "__len__"):
-            prompts = list(dataset["prompt"])
+            columns = {name: dataset[name] for name in ("prompt", "environment") if name in dataset.column_names}
+            rows = [dict(zip(columns, values)) for values in zip(*columns.values())] if columns else \
+                [{} for _ in range(len(dataset))]
         else:
-            prompts = [row["prompt"] for row in itertools.islice(dataset, self.args.iterable_prompts)]
+            rows = list(itertools.islice(dataset, self.args.iterable_prompts))
+        environments = self.environment_factories
+        if environments is not None:
+            rows = [row for row in rows if not self._multi_environment or row.get("environment") in environments]
         prompt_ids = []
-        for start in range(0, len(prompts), PROMPT_CHUNK):
-            ids = self._tokenize_prompts(prompts[start:start + PROMPT_CHUNK])[0]
+        for start in range(0, len(rows), PROMPT_CHUNK):
+            chunk = rows[start:start + PROMPT_CHUNK]
+            if environments is not None:   # what `_tokenize_prompts` reads for each prompt's tools
+                self._batch_environments = [row.get("environment") if self._multi_environment else None
+                                            for row in chunk]
+            ids = self._tokenize_prompts([row.get("prompt", EMPTY_PROMPT) if environments is not None
+                                          else row["prompt"] for row in chunk])[0]
             prompt_ids.extend(list(map(int, p)) for p in ids)
         return prompt_ids
 
@@ -77,12 +126,13 @@ class ReferenceMixin:
                                autocast=self._autocast_dtype())
 
     @torch.no_grad()
-    def _score_reference(self, batch: PackedBatch) -> torch.Tensor:
-        """Log-probs [R] of a batch's scored rows computed as `_compute_loss` computes them: the forward under
-        `accelerator.autocast()`, then hidden @ lm_head with the model's logit transform (fused_linear) or the
-        model's own logits (already transformed), at the sampling temperature, outside autocast. One masked column
-        is appended: sdpa runs another kernel for an all-ones mask (is_causal) than for a mask with padding, and the
-        two differ in the last bits, while TRL's training batches nearly always mask some padding."""
+    def _score_reference(self, batch: PackedBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs [R] of a batch's scored rows under `model` (default the trainer's; or `_keep_theta0`'s theta0)
+        computed as `_compute_loss` computes them: the forward under `accelerator.autocast()`, then hidden @ lm_head
+        with the model's logit transform (fused_linear) or the model's own logits (already transformed), at the
+        sampling temperature, outside autocast. One masked column is appended: sdpa runs another kernel for an
+        all-ones mask (is_causal) than for a mask with padding, and the two differ in the last bits, while TRL's
+        training batches nearly always mask some padding."""
         num = batch.input_ids.shape[0]
 
         def padded(values):  # [B, L] or [B * L] -> [B, L + 1], a zero column appended
@@ -91,10 +141,11 @@ class ReferenceMixin:
 
         batch = dataclasses.replace(batch, input_ids=padded(batch.input_ids),
                                     attention_mask=padded(batch.attention_mask), rows=padded(batch.rows).reshape(-1))
+        model = self.model if model is None else model
         if self.args.fused_linear:
-            return scored_token_logp(self.model, batch, self.temperature, autocast=self.accelerator.autocast)
+            return scored_token_logp(model, batch, self.temperature, autocast=self.accelerator.autocast)
         with self.accelerator.autocast():
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
         return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets,
                               temperature=self.temperature)
 
@@ -113,6 +164,13 @@ class ReferenceMixin:
                                    remedy=REBUILD)
             self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
                                "built). " + REBUILD)
+            changed = False
+        elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
+            cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=weights_fingerprint(self.model),
+                                   tokenizer_id=identity["tokenizer_id"],
+                                   tokenizer_fingerprint=identity["tokenizer_fp"],
+                                   template=with_temperature("trl", self.temperature),
+                                   precision=self._reference_precision())
             changed = False
         else:
             cache = build_reference_cache(
@@ -139,17 +197,60 @@ class ReferenceMixin:
         """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), scored at start, with their held-out
         w(q); whether any."""
         missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
-        if not missing:
-            return False
+        if missing:
+            cache.entries.update(self._held_out_entries(cache, missing, self.model, progress=True))
+        return bool(missing)
+
+    def _held_out_entries(self, cache: ReferenceCache, prompt_ids: list[list[int]], model, progress: bool = False
+                          ) -> dict:
+        """{prompt hash: (ell_theta0, held-out w)} of `prompt_ids` scored with `model` at theta0 by
+        `_score_reference` (a collective: every process passes the same prompts, scored in shards and gathered)."""
         held_out = build_reference_cache(
-            self.model, self._tokenizer, missing, model_id=cache.model_id, template=cache.template,
+            model, self._tokenizer, prompt_ids, model_id=cache.model_id, template=cache.template,
             batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
-            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=True,
-            score=self._score_reference, precision=cache.precision)
+            model_fp=cache.model_fingerprint, tokenizer_fp=cache.tokenizer_fingerprint, progress=progress,
+            score=functools.partial(self._score_reference, model=model), precision=cache.precision)
         ell = torch.tensor([value[0] for value in held_out.entries.values()], dtype=torch.float64)
-        weights = self._held_out_weights(ell)
-        cache.entries.update({key: (float(e), float(w)) for key, e, w in zip(held_out.entries, ell, weights)})
-        return True
+        return {key: (float(e), float(w)) for key, e, w in zip(held_out.entries, ell, self._held_out_weights(ell))}
+
+    def _keep_theta0(self):
+        """theta0 for the prompts of a `rollout_func` or `environment_factory` (known only once generated), as a
+        context manager factory yielding the model to score them with, or None when not needed (no such rollout,
+        or a loss that reads no ell_theta0). A LoRA adapter the trainer added (`peft_config`) starts at theta0:
+        the same model with adapters disabled, no copy (TRL's reference under PEFT). Otherwise a frozen copy of
+        the model as passed (eval mode, no gradient): one more model in memory, as TRL's ref_model for beta != 0."""
+        if not (self.args.needs_reference and
+                (self.rollout_func is not None or self.environment_factories is not None)):
+            return None
+        if self._adapter_added:
+            logger.info("ERPOTrainer: the prompts of the rollout are scored at theta0 with the adapters disabled")
+            return lambda: reference_model(self.model)
+        if is_deepspeed_zero3_enabled() or self.is_fsdp_enabled:
+            raise ValueError("ERPOTrainer keeps a frozen copy of theta0 for the prompts of a rollout_func or "
+                             "environment_factory, which it cannot copy under DeepSpeed ZeRO-3 or FSDP; train a "
+                             "LoRA adapter (peft_config), or set qkl_coef=0 and query_weight='none' or 'current'")
+        frozen = frozen_copy(self.model)
+        logger.info("ERPOTrainer: a frozen copy of theta0 (%.1fM parameters) scores the prompts of the rollout "
+                    "the reference cache lacks", sum(p.numel() for p in frozen.parameters()) / 1e6)
+        return lambda: contextlib.nullcontext(frozen)
+
+    def _generate_and_score_completions(self, inputs):
+        """GRPOTrainer's; then, with a `rollout_func` or `environment_factory`, the generated prompts no process's
+        cache has are scored at theta0 (`_keep_theta0`) and added to every process's cache, saved by the main one
+        (a collective, as generation is)."""
+        output = super()._generate_and_score_completions(inputs)
+        if self._theta0 is None:
+            return output
+        cache = self.reference_cache
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+        missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
+        union = list({prompt_hash(ids): ids for part in gather_object([missing]) for ids in part}.values())
+        if union:
+            with self._theta0() as model:
+                cache.entries.update(self._held_out_entries(cache, union, model))
+            if self.accelerator.is_main_process:
+                cache.save(self.reference_cache_path)
+        return output
 
     def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]], why: str) -> None:
         """ValueError naming the first prompt whose ell_theta0 the cache lacks, then `why` and what to do."""

@@ -14,6 +14,7 @@ from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin, Theta0Callback
+from erpo.models.lora import peft_model_of
 from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
@@ -31,10 +32,13 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
             args = ERPOConfig(f"{name.rstrip('/').split('/')[-1]}-ERPO")
         if not isinstance(args, ERPOConfig):
             raise TypeError(f"args must be an ERPOConfig (GRPOConfig plus ERPO's options), got {type(args).__name__}")
+        passed_with_adapter = not isinstance(model, str) and peft_model_of(model) is not None
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self._adapter_added = not passed_with_adapter and peft_model_of(self.model) is not None  # by peft_config
         self._check_model()
         self.reference_cache_path = args.ref_cache or os.path.join(args.output_dir, CACHE_FILE)
         self.reference_cache = self._load_or_build_reference() if args.needs_reference else None
+        self._theta0 = self._keep_theta0()  # theta0 for a rollout's prompts, kept as the model as passed (reference.py)
         self.at_theta0 = True      # no optimizer step yet: ell_theta0(q) is the forward's own (reference.py)
         self._theta0_entries = {}  # prompts added to the cache at theta0, not yet shared with the other processes
         self.add_callback(Theta0Callback(self))
