@@ -37,12 +37,13 @@ setup(
         # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
         # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly);
         # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
-        # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import.
+        # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import. jmespath: TRL's tool
+        # calls (its environment_factory tests) parse responses with it on transformers < 5.13.
         # ruff and import-linter: tests/test_lint.py (style and the import contract), pinned so CI's verdict is stable.
         "train": TRAIN_REQUIRES,
         "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate",
                  "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",
-                 "cachetools", "fastapi", "ruff==0.17.6", "import-linter==2.16"],
+                 "cachetools", "fastapi", "jmespath", "ruff==0.17.6", "import-linter==2.16"],
         # The extras below serve the trainer, so each brings the train extra along.
         "bench": [*TRAIN_REQUIRES, "pytest-benchmark", "liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
         "deepspeed": [*TRAIN_REQUIRES, "deepspeed", "accelerate"],
