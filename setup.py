@@ -55,7 +55,7 @@ setup(
         "lora": [*TRAIN_REQUIRES, "peft==0.21.2"],  # LoRA adapters (model.lora); the version the tests run with
         "data": [*TRAIN_REQUIRES, "datasets", "pyarrow"],
     },
-    entry_points={"console_scripts": ["erpo=erpo.cli:main"],
+    entry_points={"console_scripts": ["erpo=erpo.cli:run"],
                   # verl imports these on `import verl`: registers the trainer mode `trainer.v1.trainer_mode=erpo`
                   "verl.plugins": ["erpo=erpo.integrations.verl_trainer"]},
 )

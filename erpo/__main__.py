@@ -1,6 +1,4 @@
 """`python -m erpo ...` is the `erpo` command."""
-import sys
+from erpo.cli import run
 
-from erpo.cli import main
-
-sys.exit(main())
+run()

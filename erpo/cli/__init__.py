@@ -1,9 +1,12 @@
-"""The `erpo` command line (`erpo = erpo.cli:main`, `python -m erpo`, `python -m erpo.cli`): `main` parses and
+"""The `erpo` command line (`erpo = erpo.cli:run`, `python -m erpo`, `python -m erpo.cli`): `main` parses and
 dispatches; each subcommand's options and entry point live in a module named after it (eval, plot, compare), shared
-options in args. The trainer's dependencies are the `train` extra (the base install is the loss alone): without them
-`main` prints one line saying what to install."""
+options in args; `run` is the process around it. The trainer's dependencies are the `train` extra (the base install is
+the loss alone): without them `main` prints one line saying what to install."""
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import sys
 
 TRAIN_EXTRA_HINT = 'pip install "erpo[train]"'
@@ -23,4 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     return run_command_line(argv)
 
 
-__all__ = ["main"]
+def run() -> None:
+    """The `erpo` process: `main()`, then exit with its status. A rank of a multi-process run (WORLD_SIZE > 1) ends
+    without the interpreter's finalization, once its files are closed, logs flushed and exit handlers run: there,
+    after a run had finished and written everything, a rank sometimes aborted ("terminate called without an active
+    exception", a C++ thread of the communication libraries destroyed while joinable) and the launcher reported
+    the whole run failed."""
+    status = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
+__all__ = ["main", "run"]
