@@ -21,9 +21,10 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
+from lm_head_batch import DIM, ROWS_PER_RANK, VOCAB, rank_batch
 from torchrun import exit_worker
 
-VOCAB, DIM, LAYERS, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 2, 20, 4
+LAYERS = 2
 LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
 
 
@@ -60,16 +61,6 @@ class TinyLM(torch.nn.Module):
             x = layer(x)
         self.lm_head(x[-1:])
         return x
-
-
-def rank_batch(rank: int) -> dict:
-    g = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(0, VOCAB, (ROWS_PER_RANK + 1,), generator=g)
-    kind = torch.tensor([1, 1, 1, 2, 2] * (ROWS_PER_RANK // 5))
-    kind[0] = 0
-    return dict(ids=ids, kind=kind, sample_index=torch.arange(ROWS_PER_RANK) // 5,
-                advantages=torch.randn(SAMPLES_PER_RANK, generator=g),
-                ref_query_logp=-torch.rand(SAMPLES_PER_RANK, generator=g) * 10 - 10)
 
 
 def loss_of(hidden, weight, bias, batch):

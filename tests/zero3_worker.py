@@ -15,9 +15,8 @@ import torch.distributed as dist
 
 from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import whole_lm_head
+from lm_head_batch import DIM, VOCAB, rank_batch
 from torchrun import exit_worker
-
-VOCAB, DIM, ROWS_PER_RANK, SAMPLES_PER_RANK = 96, 16, 20, 4
 
 
 class TinyLM(torch.nn.Module):
@@ -38,17 +37,6 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, ids):
         return torch.tanh(self.mix(self.embed(ids)))
-
-
-def rank_batch(rank: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(0, VOCAB, (ROWS_PER_RANK + 1,), generator=g)
-    kind = torch.tensor([1, 1, 1, 2, 2] * (ROWS_PER_RANK // 5))
-    kind[0] = 0
-    sample_index = torch.arange(ROWS_PER_RANK) // 5
-    return dict(ids=ids, kind=kind, sample_index=sample_index,
-                advantages=torch.randn(SAMPLES_PER_RANK, generator=g),
-                ref_query_logp=-torch.rand(SAMPLES_PER_RANK, generator=g) * 10 - 10)
 
 
 def config(stage: int) -> dict:
