@@ -174,11 +174,16 @@ def _setup_context(ctx, inputs, output):
     ctx.transform = (temperature, logit_scale, logit_softcap)
     ctx.inplace_backward = inplace_backward
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros for lse's gradient (never read)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    """d logits for (grad_logp, grad_entropy) [N] (autograd passes zeros for an unused output)."""
+    """d logits for (grad_logp, grad_entropy) [N] (None for an output that received no gradient: zeros)."""
     logits, targets, lse, entropy = ctx.saved_tensors
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None, None, None, None
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+    grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
     if ctx.inplace_backward:
         logp_entropy_backward_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
         grad_logits = logits
