@@ -129,8 +129,9 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
                 HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
                 HAS_KL_CLAMP: tl.constexpr):
     """A block of one sample's rows (`positions` in the sorted order, < `stop`): the values both passes read.
-    Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t, rollout gap,
-    Policy-KL k3_t, d k3_t / d logp_t, nonfinite), each [BLOCK]; 0 off the response rows where noted."""
+    Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t, rollout weight
+    rho_t, rollout gap, Policy-KL k3_t, d k3_t / d logp_t, nonfinite), each [BLOCK]; 0 off the response rows
+    (but logp, entropy, nonfinite)."""
     inside = positions < stop
     rows = tl.load(order_ptr + positions, mask=inside, other=0)
     kind = tl.load(kind_ptr + rows, mask=inside, other=0)
@@ -152,10 +153,12 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
     if HAS_TOKEN_WEIGHT:
         weight = tl.where(is_response, tl.load(token_weight_ptr + rows, mask=inside, other=0.0), 0.0)
     gap = tl.zeros_like(logp)
+    is_weight = tl.zeros_like(logp)
     if HAS_ROLLOUT:
         gap = tl.where(is_response, old - tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0), 0.0)
         if HAS_IS_CAP:
-            weight = tl.where(is_response, weight * tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
+            is_weight = tl.where(is_response, tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
+            weight = weight * is_weight
     kl = tl.zeros_like(logp)
     kl_grad = tl.zeros_like(logp)
     if HAS_REF_LOGP:
@@ -167,7 +170,7 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
         if HAS_KL_CLAMP:
             kl_grad = kl_grad * _between(kl, -kl_clamp, kl_clamp)
             kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
-    return rows, is_query, is_response, logp, entropy, log_ratio, weight, gap, kl, kl_grad, nonfinite
+    return rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite
 
 
 @triton.jit
@@ -197,10 +200,11 @@ def _objective_sample_kernel(
     kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for block_start in range(start, stop, BLOCK):
         positions = block_start + tl.arange(0, BLOCK)
-        rows, is_query, is_response, logp, entropy, log_ratio, weight, gap, kl, kl_grad, nonfinite = _row_values(
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
+            _row_values(
             positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
             token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
-            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP)
+            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
         query_sum += tl.where(is_query, logp, 0.0)
         response_sum += tl.where(is_response, logp, 0.0)
         query_rows += is_query.to(tl.float32)
@@ -265,10 +269,11 @@ def _objective_sample_kernel(
     nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
     for block_start in range(start, stop, BLOCK):
         positions = block_start + tl.arange(0, BLOCK)
-        rows, is_query, is_response, logp, entropy, log_ratio, weight, gap, kl, kl_grad, nonfinite = _row_values(
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
+            _row_values(
             positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
             token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
-            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP)
+            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
         if SEQUENCE_RATIO:
             ratio = tl.where(is_response, sequence_ratio, 1.0)
             ratio_grad = tl.zeros_like(logp)  # the row's own share is in shared_grad
@@ -307,7 +312,7 @@ def _objective_sample_kernel(
         entropy_sum += tl.where(is_response, entropy, 0.0)
         clipped_rows += (is_response & clipped).to(tl.float32)
         ratio_sum += tl.where(is_response, ratio, 0.0)
-        is_weight_sum += tl.where(is_response, weight, 0.0)
+        is_weight_sum += is_weight
         gap_abs_sum += tl.abs(gap)
         gap_max = tl.maximum(gap_max, tl.abs(gap))
         gap_nan += (gap != gap).to(tl.float32)
