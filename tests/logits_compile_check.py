@@ -28,6 +28,15 @@ def main():
                        {"values_ptr": "*fp32", "order_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"},
                        {"BLOCK": 256})
     print("compiled segment_sum fp32", flush=True)
+    for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-warp*)
+        signature = {"logits_ptr": "*bf16", "stride_row": "i64", "stride_col": "i32", "targets_ptr": "*i64",
+                     "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "vocab_size": "i32",
+                     "logit_scale": "fp32", "logit_softcap": "fp32", "inv_temperature": "fp32"}
+        block_v = triton_logits.block_size_for(152064, variant.widest)
+        compiled = compile_for_hopper(triton_logits._logp_entropy_forward_kernel, signature,
+                                      {"SOFTCAP": False, "BLOCK_V": block_v}, num_warps=variant.num_warps or 8)
+        print(f"compiled forward-variant {name} bf16 registers=%d spill_bytes=%d" % register_usage(compiled),
+              flush=True)
     compile_objective_kernels()
 
 

@@ -16,5 +16,7 @@ def test_logits_kernels_compile_for_hopper():
             for flags in ("False", "True"):
                 assert re.search(rf"compiled objective-sample sequence={sequence} {estimator} flags={flags} "
                                  rf"registers=\d+ spill_bytes=0\n", out), out
+    for variant in ("block", "warp", "warp-1024"):
+        assert re.search(rf"compiled forward-variant {variant} bf16 registers=\d+ spill_bytes=0\n", out), out
     for kernel in ("objective-finish", "objective-grad", "first-bad-row"):
         assert f"compiled {kernel}\n" in out, out
