@@ -307,3 +307,28 @@ def test_compiled_fused_loss_equals_eager():
     (grad,) = torch.autograd.grad(compiled, logits)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("entry", ["module", "fused-linear"])
+def test_validate_false_reaches_the_other_entry_points(entry):
+    """ERPOLoss(validate=...) and fused_linear_erpo_loss(validate=...): one host read when on, none when off."""
+    from erpo_kernels import ERPOLoss, fused_linear_erpo_loss
+
+    batch = random_batch()
+    hidden, weight = torch.randn(NUM_ROWS, 8), torch.randn(37, 8)
+
+    def call(validate, token_kind=batch["token_kind"]):
+        if entry == "module":
+            loss_fn = ERPOLoss(backend="triton", validate=validate)
+            return loss_fn(batch["logits"], batch["targets"], token_kind, batch["sample_index"], **loss_inputs(batch))
+        return fused_linear_erpo_loss(hidden, weight, batch["targets"], token_kind, batch["sample_index"],
+                                      backend="triton", validate=validate, **loss_inputs(batch))
+
+    for validate, syncs in ((True, 1), (False, 0)):
+        with LaunchCounter() as counter:
+            call(validate)
+        assert counter.syncs == syncs
+    bad_kind = batch["token_kind"].clone()
+    bad_kind[4] = 3
+    with pytest.raises(ValueError, match="token_kind must be 0, 1 or 2; row 4 holds 3"):
+        call(True, bad_kind)
