@@ -456,33 +456,35 @@ def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_
     tl.store(grad_entropy_ptr + rows, grad_entropy, mask=inside)
 
 
-def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
-    """The options the kernels read, as the list of floats the op takes (`_settings_dict` names them)."""
-    num_items, num_seqs = options.num_items, options.num_seqs
-    cap = options.rollout_is_cap
-    return [
-        float(has_entropy), float(inputs.ref_query_logp is not None), float(inputs.query_weight is not None),
-        float(inputs.old_logp is not None), float(inputs.ref_logp is not None), float(inputs.token_weight is not None),
-        float(inputs.rollout_logp is not None), float(cap is not None), float(options.dual_clip is not None),
-        float(options.pg_log_ratio_clamp is not None), float(options.kl_clamp is not None),
-        float(options.ratio_level == "sequence"), float(options.policy_kl_bias_correction),
-        float(QKL_ESTIMATOR_CODES[options.qkl_estimator]), float(LOSS_AGG_CODES[options.loss_agg]),
-        float(options.entropy_agg == "loss-agg"),
-        float(options.clip_low), float(options.clip_high), float(options.dual_clip or 0.0),
-        float(options.pg_log_ratio_clamp or 0.0), float(options.log_ratio_clamp), float(options.kl_clamp or 0.0),
-        math.log(cap) if cap is not None else 0.0, float(options.qkl_coef), float(options.qkl_linear_beyond),
-        float(options.policy_kl_coef), float(options.entropy_coef),
-        _denominator_mode(num_items), _denominator_value(num_items),
-        _denominator_mode(num_seqs), _denominator_value(num_seqs),
-    ]
-
-
 SETTING_NAMES = ("has_entropy", "has_ref_query", "has_query_weight", "has_old", "has_ref_logp", "has_token_weight",
                  "has_rollout", "has_is_cap", "has_dual", "has_pg_clamp", "has_kl_clamp", "sequence_ratio",
                  "bias_correction", "qkl_estimator", "loss_agg", "entropy_in_loss_agg", "clip_low", "clip_high",
                  "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap", "qkl_coef",
                  "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "num_items_mode", "num_items",
                  "num_seqs_mode", "num_seqs")
+
+
+def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
+    """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
+    the estimator and loss_agg as their codes; an absent number as 0)."""
+    cap = options.rollout_is_cap
+    settings = dict(
+        has_entropy=has_entropy, has_ref_query=inputs.ref_query_logp is not None,
+        has_query_weight=inputs.query_weight is not None, has_old=inputs.old_logp is not None,
+        has_ref_logp=inputs.ref_logp is not None, has_token_weight=inputs.token_weight is not None,
+        has_rollout=inputs.rollout_logp is not None, has_is_cap=cap is not None,
+        has_dual=options.dual_clip is not None, has_pg_clamp=options.pg_log_ratio_clamp is not None,
+        has_kl_clamp=options.kl_clamp is not None, sequence_ratio=options.ratio_level == "sequence",
+        bias_correction=options.policy_kl_bias_correction, qkl_estimator=QKL_ESTIMATOR_CODES[options.qkl_estimator],
+        loss_agg=LOSS_AGG_CODES[options.loss_agg], entropy_in_loss_agg=options.entropy_agg == "loss-agg",
+        clip_low=options.clip_low, clip_high=options.clip_high, dual_clip=options.dual_clip or 0.0,
+        pg_log_ratio_clamp=options.pg_log_ratio_clamp or 0.0, log_ratio_clamp=options.log_ratio_clamp,
+        kl_clamp=options.kl_clamp or 0.0, log_rollout_is_cap=0.0 if cap is None else math.log(cap),
+        qkl_coef=options.qkl_coef, qkl_linear_beyond=options.qkl_linear_beyond,
+        policy_kl_coef=options.policy_kl_coef, entropy_coef=options.entropy_coef,
+        num_items_mode=_denominator_mode(options.num_items), num_items=_denominator_value(options.num_items),
+        num_seqs_mode=_denominator_mode(options.num_seqs), num_seqs=_denominator_value(options.num_seqs))
+    return [float(settings[name]) for name in SETTING_NAMES]
 
 
 def _denominator_mode(value) -> float:
