@@ -27,10 +27,11 @@ NUM_ROWS = 48
 
 def rollout_tensors(batch):
     g = torch.Generator().manual_seed(11)
-    token_weight = torch.rand(NUM_ROWS, generator=g) * 2
+    device = batch["logits"].device
+    token_weight = (torch.rand(NUM_ROWS, generator=g) * 2).to(device)
     token_weight[batch["token_kind"] == 0] = float("nan")  # never read on rows of kind 0
-    return dict(token_weight=token_weight.to(batch["logits"].device),
-                rollout_logp=(batch["old_logp"] + 0.4 * torch.randn(NUM_ROWS, generator=g).to(batch["logits"].device)))
+    return dict(token_weight=token_weight,
+                rollout_logp=batch["old_logp"] + 0.4 * torch.randn(NUM_ROWS, generator=g).to(device))
 
 
 # The option sets TRL / erpo train with most (issue 32's list); each must be fused (`fuses`).
@@ -132,10 +133,10 @@ def test_fused_objective_matches_reference(case, device):
 
 
 @pytest.mark.parametrize("case", FUSED_CASES.values(), ids=FUSED_CASES.keys())
-def test_fwd_bwd_launches_at_most_20_with_one_sync(case):
-    """Counted on the CPU (aten kernels + Triton launches: the counts do not depend on N or V). validate=True: one
+def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
+    """aten kernels + Triton launches (the counts do not depend on N or V, nor on the device). validate=True: one
     host read (the row checks); validate=False: none."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     counter = count_launches(batch, case)
     assert counter.launches <= MAX_LAUNCHES, counter.names
     assert counter.syncs == 1, counter.names
@@ -150,25 +151,26 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case):
 def test_unfused_options_run_the_reference_objective_with_one_sync(case, device):
     batch = random_batch(device=device)
     assert_matches_reference(batch, case)
-    if device.type == "cpu":
-        counter = count_launches(batch, case)
-        assert counter.names["triton._objective_sample_kernel"] == 0
-        assert counter.syncs == 1  # the row checks (none in the reference objective)
+    counter = count_launches(batch, case)
+    assert counter.names["triton._objective_sample_kernel"] == 0
+    assert counter.syncs == 1  # the row checks (none in the reference objective)
 
 
-def test_launch_count_of_the_default_options_is_14():
-    """The count API.md quotes: forward 11 (row checks 2 + 1 read, scored targets 3, logp/entropy 1, the rows'
-    sort 3, objective 2), backward 3 (grad_output's ones, the objective's coefficients, dlogits)."""
+def test_launch_count_of_the_default_options_is_14(device):
+    """The count API.md quotes, on the CPU: forward 11 (row checks 2 + 1 read, scored targets 3, logp/entropy 1,
+    the rows' sort 3, objective 2), backward 3 (grad_output's ones, the objective's coefficients, dlogits)."""
+    if device.type != "cpu":
+        pytest.skip("the exact count is the interpreter's (CPU); on a GPU the <= 20 test counts")
     counter = count_launches(random_batch(), {})
     assert counter.launches == 14, counter.names
 
 
-def test_validate_false_still_checks_shapes_and_options():
-    batch = random_batch()
+def test_validate_false_still_checks_shapes_and_options(device):
+    batch = random_batch(device=device)
     tensors, _ = call_arguments(batch, {})
     with pytest.raises(ValueError, match="advantages"):
         erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
-                  validate=False, **dict(tensors, advantages=torch.zeros(2, 2)))
+                  validate=False, **dict(tensors, advantages=torch.zeros(2, 2, device=device)))
     with pytest.raises(ValueError, match="loss_agg"):
         erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
                   validate=False, loss_agg="mean", **tensors)
@@ -179,9 +181,9 @@ def test_validate_false_still_checks_shapes_and_options():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", ["token_kind", "sample_index", "targets", "token_weight", "rollout_logp", "two"])
-def test_row_checks_name_the_first_bad_row_on_both_backends(bad, backend):
+def test_row_checks_name_the_first_bad_row_on_both_backends(bad, backend, device):
     """The Triton row-check kernel and the torch masks report the same first failing check and row."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     tensors = dict(loss_inputs(batch), **rollout_tensors(batch))
     scored = (batch["token_kind"] != 0).nonzero().flatten()
     response = (batch["token_kind"] == 2).nonzero().flatten()
@@ -269,14 +271,14 @@ def test_objective_on_log_probs_matches_the_reference(with_entropy, device):
         assert tri.metrics["entropy"].isnan()
 
 
-def test_opcheck_objective_ops():
-    batch = random_batch()
+def test_opcheck_objective_ops(device):
+    batch = random_batch(device=device)
     tensors, options = call_arguments(batch, dict(_rollout=True, policy_kl_coef=0.1, entropy_coef=0.05))
     inputs, opts = LossInputs(**tensors), LossOptions(**options)
-    logp = (-torch.rand(NUM_ROWS) * 3).requires_grad_(True)
-    entropy = (torch.rand(NUM_ROWS) * 2).requires_grad_(True)
+    logp = (-torch.rand(NUM_ROWS) * 3).to(device).requires_grad_(True)
+    entropy = (torch.rand(NUM_ROWS) * 2).to(device).requires_grad_(True)
     sorted_samples, order = torch.sort(batch["sample_index"], stable=True)
-    starts = torch.searchsorted(sorted_samples, torch.arange(6))
+    starts = torch.searchsorted(sorted_samples, torch.arange(6, device=device))
     arguments = (logp, entropy, batch["token_kind"], order, starts, inputs.advantages, inputs.ref_query_logp,
                  inputs.query_weight, inputs.old_logp, inputs.ref_logp, inputs.token_weight, inputs.rollout_logp, None,
                  None, objective_settings(opts, inputs, True))
@@ -285,14 +287,14 @@ def test_opcheck_objective_ops():
     torch.library.opcheck(objective_op, arguments,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     coefs = objective_op(*arguments)[5:]
-    torch.library.opcheck(objective_backward_op, (torch.tensor(1.0), batch["token_kind"], *coefs))
+    torch.library.opcheck(objective_backward_op, (torch.tensor(1.0, device=device), batch["token_kind"], *coefs))
     torch.library.opcheck(first_bad_row_op, (batch["token_kind"], batch["sample_index"], batch["targets"],
                                              inputs.token_weight, inputs.rollout_logp, 5, 37))
 
 
-def test_compiled_fused_loss_equals_eager():
+def test_compiled_fused_loss_equals_eager(device):
     """torch.compile(fullgraph=True) keeps the ops whole (no graph break); the row checks become one assert."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     tensors, options = call_arguments(batch, dict(_rollout=True, ratio_level="sequence", policy_kl_coef=0.1))
 
     def loss(logits):
@@ -310,12 +312,12 @@ def test_compiled_fused_loss_equals_eager():
 
 
 @pytest.mark.parametrize("entry", ["module", "fused-linear"])
-def test_validate_false_reaches_the_other_entry_points(entry):
+def test_validate_false_reaches_the_other_entry_points(entry, device):
     """ERPOLoss(validate=...) and fused_linear_erpo_loss(validate=...): one host read when on, none when off."""
     from erpo_kernels import ERPOLoss, fused_linear_erpo_loss
 
-    batch = random_batch()
-    hidden, weight = torch.randn(NUM_ROWS, 8), torch.randn(37, 8)
+    batch = random_batch(device=device)
+    hidden, weight = torch.randn(NUM_ROWS, 8).to(device), torch.randn(37, 8).to(device)
 
     def call(validate, token_kind=batch["token_kind"]):
         if entry == "module":
