@@ -110,21 +110,36 @@ def vespo_gamma_weight(advantage_s, log_weight_s, k_pos: float, lambda_pos: floa
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
+def masked_quantile(values: torch.Tensor, rows: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(values[rows], q) (linear interpolation) with static shapes and no data-dependent control flow,
+    so torch.compile(fullgraph=True) traces it whole: values [N] (N >= 1), rows [N] bool, q in [0, 1]; returns a
+    0-dim fp32 tensor, NaN when no row is pooled or a pooled value is NaN (as torch.quantile's NaN).
+
+    The rows outside the pool sort to +inf behind the n pooled values, so the pool's order statistics are the first
+    n of the sorted vector; then, as torch.quantile does it (bit for bit: same fp32 rank, same lerp), rank =
+    q (n - 1), and the quantile lerps between the order statistics at floor(rank) and ceil(rank) (both <= n - 1)."""
+    pooled = torch.where(rows, values.float(), float("inf")).sort().values
+    count = rows.sum()
+    rank = (pooled.new_tensor(q) * (count - 1)).clamp_min(0)  # n = 0: rank 0 (the result is NaN below)
+    below = rank.long()
+    order_statistics = pooled.gather(0, torch.stack([below, rank.ceil().long()]))
+    quantile = torch.lerp(order_statistics[0], order_statistics[1], rank - below)
+    undefined = (count == 0) | (rows & values.isnan()).any()
+    return torch.where(undefined, float("nan"), quantile)
+
+
 def high_entropy_mask(entropy, rows, top_quantile: float, gather=None):
     """TRL's entropy filter (top_entropy_quantile, "Beyond the 80/20 rule"): bool [N], True on the `rows` whose
     entropy is >= the (1 - top_quantile)-quantile (torch.quantile, linear interpolation) of the entropies of `rows`
     (of every process when `gather` maps this call's [n] fp32 entropies to all processes' [m]). No row is kept when
-    there is none to take the quantile of. entropy [N] (nats; read detached), rows [N] bool."""
+    there is none to take the quantile of, or when one of them has a NaN entropy (the quantile is then NaN).
+    entropy [N] (nats; read detached), rows [N] bool. Without `gather` the shapes are static (`masked_quantile`:
+    torch.compile needs no graph break); with it the pool's length is data-dependent."""
     entropy = entropy.detach()
-    if gather is None:  # the quantile over `rows` as a NaN-ignoring one over all rows: no data-dependent shape (so
-        # torch.compile needs no graph break); all NaN (no row) gives a NaN threshold, and a NaN entropy among
-        # `rows` makes it NaN as torch.quantile does: then no row is kept
+    if gather is None:
         if entropy.numel() == 0:
             return torch.zeros_like(rows)
-        pooled = torch.where(rows, entropy.float(), float("nan"))
-        threshold = torch.nanquantile(pooled, 1 - top_quantile)
-        threshold = torch.where((rows & entropy.isnan()).any(), float("nan"), threshold)
-        return rows & (entropy >= threshold)
+        return rows & (entropy >= masked_quantile(entropy, rows, 1 - top_quantile))
     pool = gather(entropy[rows].float())
     if pool.numel() == 0:
         return torch.zeros_like(rows)
