@@ -14,11 +14,11 @@ QUANTILES = (0.0, 0.2, 0.5, 1 / 3, 0.8, 1.0)
 
 
 def pools(seed: int, count: int = 200):
-    """(values [n], rows [n]) pairs: n from 1 to 9, Gaussian or heavily tied values, pools of every size from none
-    to all rows, some holding a NaN or an infinite value, fp32 and fp64."""
+    """(values [n], rows [n]) pairs: n from 1 to 9 (and 300 now and then), Gaussian or heavily tied values, pools of
+    every size from none to all rows, some holding a NaN or an infinite value, fp32 and fp64."""
     g = torch.Generator().manual_seed(seed)
     for i in range(count):
-        n = 1 + i % 9
+        n = 300 if i % 10 == 9 else 1 + i % 9
         dtype = torch.float64 if i % 2 else torch.float32
         values = torch.randn(n, generator=g, dtype=dtype)
         if i % 3 == 0:  # ties
