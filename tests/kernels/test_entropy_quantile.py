@@ -1,5 +1,6 @@
 """The entropy filter's quantile (`masked_quantile`): torch.quantile's value bit for bit on the pooled rows, with
-static shapes, so the filtered loss compiles whole (fullgraph) with no data-dependent op in its graph."""
+static shapes, so the filtered loss compiles whole (fullgraph) with no data-dependent op in its graph. On the
+`device` fixture's tensors (CUDA when present)."""
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -8,14 +9,13 @@ from torch._dynamo.backends.common import aot_autograd
 from erpo_kernels import erpo_loss
 from erpo_kernels.objective import high_entropy_mask, masked_quantile
 
-pytestmark = pytest.mark.kernels
-
 QUANTILES = (0.0, 0.2, 0.5, 1 / 3, 0.8, 1.0)
 
 
-def pools(seed: int, count: int = 200):
+def pools(seed: int, device, count: int = 200):
     """(values [n], rows [n]) pairs: n from 1 to 9 (and 300 now and then), Gaussian or heavily tied values, pools of
-    every size from none to all rows, some holding a NaN or an infinite value, fp32 and fp64."""
+    every size from none to all rows, some holding a NaN or an infinite value, fp32 and fp64; drawn on the CPU, then
+    moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     for i in range(count):
         n = 300 if i % 10 == 9 else 1 + i % 9
@@ -28,7 +28,7 @@ def pools(seed: int, count: int = 200):
         if i % 11 == 0:
             values[torch.randint(0, n, (1,), generator=g)] = float("inf")
         rows = torch.rand(n, generator=g) < (i % 5) / 4  # none (i % 5 == 0), a quarter ..., all (i % 5 == 4)
-        yield values, rows
+        yield values.to(device), rows.to(device)
 
 
 def same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -36,44 +36,51 @@ def same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("q", QUANTILES)
-def test_masked_quantile_is_torch_quantile_of_the_pool(q):
-    for values, rows in pools(seed=int(q * 1000)):
-        expected = torch.quantile(values[rows].float(), q) if rows.any() else torch.tensor(float("nan"))
+def test_masked_quantile_is_torch_quantile_of_the_pool(q, device):
+    for values, rows in pools(int(q * 1000), device):
+        expected = torch.quantile(values[rows].float(), q) if rows.any() else torch.tensor(float("nan"), device=device)
         actual = masked_quantile(values, rows, q)
         assert actual.dtype == torch.float32 and actual.shape == ()
         assert same(actual, expected), (values, rows, q, actual, expected)
 
 
-def test_masked_quantile_small_pools_by_hand():
-    values = torch.tensor([3.0, 1.0, 2.0, 10.0])
-    assert masked_quantile(values, torch.tensor([True, False, False, False]), 0.5).item() == 3.0  # n = 1
-    assert masked_quantile(values, torch.tensor([True, True, False, False]), 0.25).item() == 1.5  # n = 2: lerp
-    assert masked_quantile(values, torch.tensor([True, True, True, True]), 1.0).item() == 10.0
-    assert masked_quantile(values, torch.zeros(4, dtype=torch.bool), 0.5).isnan()  # n = 0
-    with_nan = torch.tensor([3.0, float("nan"), 2.0, 10.0])
-    assert masked_quantile(with_nan, torch.tensor([True, True, False, False]), 0.5).isnan()  # a pooled NaN
-    assert masked_quantile(with_nan, torch.tensor([True, False, True, False]), 0.5).item() == 2.5  # NaN not pooled
+def test_masked_quantile_small_pools_by_hand(device):
+    def pool(*kept):
+        return torch.tensor(kept, device=device)
+
+    values = torch.tensor([3.0, 1.0, 2.0, 10.0], device=device)
+    assert masked_quantile(values, pool(True, False, False, False), 0.5).item() == 3.0  # n = 1
+    assert masked_quantile(values, pool(True, True, False, False), 0.25).item() == 1.5  # n = 2: lerp
+    assert masked_quantile(values, pool(True, True, True, True), 1.0).item() == 10.0
+    assert masked_quantile(values, pool(False, False, False, False), 0.5).isnan()  # n = 0
+    with_nan = torch.tensor([3.0, float("nan"), 2.0, 10.0], device=device)
+    assert masked_quantile(with_nan, pool(True, True, False, False), 0.5).isnan()  # a pooled NaN
+    assert masked_quantile(with_nan, pool(True, False, True, False), 0.5).item() == 2.5  # NaN not pooled
 
 
-def test_entropy_filter_keeps_no_row_when_the_quantile_is_nan():
-    rows = torch.tensor([True, True, True, False])
-    assert high_entropy_mask(torch.tensor([1.0, 2.0, 3.0, 0.0]), rows, 0.5).tolist() == [False, True, True, False]
-    assert not high_entropy_mask(torch.tensor([1.0, float("nan"), 3.0, 0.0]), rows, 0.5).any()
-    assert not high_entropy_mask(torch.tensor([1.0, 2.0]), torch.zeros(2, dtype=torch.bool), 0.5).any()
-    assert high_entropy_mask(torch.zeros(0), torch.zeros(0, dtype=torch.bool), 0.5).shape == (0,)
+def test_entropy_filter_keeps_no_row_when_the_quantile_is_nan(device):
+    def entropies(*values):
+        return torch.tensor(values, device=device)
+
+    rows = torch.tensor([True, True, True, False], device=device)
+    assert high_entropy_mask(entropies(1.0, 2.0, 3.0, 0.0), rows, 0.5).tolist() == [False, True, True, False]
+    assert not high_entropy_mask(entropies(1.0, float("nan"), 3.0, 0.0), rows, 0.5).any()
+    assert not high_entropy_mask(entropies(1.0, 2.0), torch.zeros(2, dtype=torch.bool, device=device), 0.5).any()
+    assert high_entropy_mask(entropies(), torch.zeros(0, dtype=torch.bool, device=device), 0.5).shape == (0,)
 
 
-def test_entropy_filtered_loss_compiles_whole_without_data_dependent_ops():
+def test_entropy_filtered_loss_compiles_whole_without_data_dependent_ops(device):
     """fullgraph=True (a graph break is an error) gives the eager loss and gradient, and neither the traced graph nor
     the forward and backward aten graphs hold a quantile or `aten.equal` (the data-dependent op that broke the graph
     under torch 2.11)."""
     n, vocab = 24, 11
     g = torch.Generator().manual_seed(5)
     kind = torch.tensor([1, 1, 2, 2, 2, 2, 0, 2] * 3)
-    sample_index = torch.arange(n) // 8
-    targets = torch.randint(0, vocab, (n,), generator=g).masked_fill(kind == 0, -100)
-    logits = torch.randn(n, vocab, generator=g, requires_grad=True)
-    options = dict(advantages=torch.tensor([1.0, -0.5, 0.25]), old_logp=-torch.rand(n, generator=g) - 1,
+    targets = torch.randint(0, vocab, (n,), generator=g).masked_fill(kind == 0, -100).to(device)
+    kind, sample_index = kind.to(device), (torch.arange(n) // 8).to(device)
+    logits = torch.randn(n, vocab, generator=g).to(device).requires_grad_(True)
+    options = dict(advantages=torch.tensor([1.0, -0.5, 0.25], device=device),
+                   old_logp=(-torch.rand(n, generator=g) - 1).to(device),
                    qkl_coef=0.0, pg_objective="cispo", top_entropy_quantile=0.3, entropy_coef=0.01,
                    backend="torch")
     graphs = []

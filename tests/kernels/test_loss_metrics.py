@@ -1,5 +1,6 @@
 """LossOutput.metrics is a `LossMetrics`: a frozen record of detached 0-dim tensors, read by attribute or as a
-read-only mapping by name (as every caller reads it), built by keyword, returned whole from a compiled loss."""
+read-only mapping by name (as every caller reads it), built by keyword, returned whole from a compiled loss. On the
+`device` fixture's tensors (CUDA when present)."""
 import dataclasses
 from collections.abc import Mapping
 
@@ -9,8 +10,6 @@ import torch
 from erpo_kernels import LossMetrics, erpo_loss
 from erpo_kernels.objective import METRIC_NAMES
 
-pytestmark = pytest.mark.kernels
-
 N, V = 10, 7
 TOKEN_KIND = torch.tensor([1, 1, 2, 2, 2, 0, 1, 2, 2, 2])
 SAMPLE_INDEX = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1])
@@ -19,12 +18,14 @@ COUNTS = ("response_tokens", "nonfinite_rows", "kept_tokens")
 
 
 def loss_of(logits, **options):
-    return erpo_loss(logits, TARGETS, TOKEN_KIND, SAMPLE_INDEX, advantages=torch.tensor([1.0, -0.5]),
-                     ref_query_logp=torch.tensor([-3.0, -2.0]), backend="torch", **options)
+    device = logits.device
+    return erpo_loss(logits, TARGETS.to(device), TOKEN_KIND.to(device), SAMPLE_INDEX.to(device),
+                     advantages=torch.tensor([1.0, -0.5], device=device),
+                     ref_query_logp=torch.tensor([-3.0, -2.0], device=device), backend="torch", **options)
 
 
-def test_metrics_are_a_frozen_record_of_detached_scalars():
-    logits = torch.randn(N, V, requires_grad=True)
+def test_metrics_are_a_frozen_record_of_detached_scalars(device):
+    logits = torch.randn(N, V, device=device, requires_grad=True)
     metrics = loss_of(logits, entropy_coef=0.01).metrics
     assert isinstance(metrics, LossMetrics) and isinstance(metrics, Mapping)
     assert METRIC_NAMES == tuple(f.name for f in dataclasses.fields(LossMetrics))
@@ -33,13 +34,13 @@ def test_metrics_are_a_frozen_record_of_detached_scalars():
         assert isinstance(value, torch.Tensor) and value.shape == () and not value.requires_grad, name
         assert value.dtype == (torch.int64 if name in COUNTS else torch.float32), name
     with pytest.raises(dataclasses.FrozenInstanceError):
-        metrics.qkl = torch.tensor(0.0)
+        metrics.qkl = torch.tensor(0.0, device=device)
     assert metrics.response_tokens.item() == 6 and metrics.nonfinite_rows.item() == 0
     assert metrics.qkl.item() > 0 and metrics.rollout_is_weight.isnan()  # no rollout_logp: NaN
 
 
-def test_metrics_read_as_a_mapping_by_name():
-    metrics = loss_of(torch.randn(N, V)).metrics
+def test_metrics_read_as_a_mapping_by_name(device):
+    metrics = loss_of(torch.randn(N, V, device=device)).metrics
     as_dict = dict(metrics)
     assert list(as_dict) == list(metrics) == list(metrics.keys()) == list(METRIC_NAMES) and len(metrics) == 16
     assert all(as_dict[name] is getattr(metrics, name) for name in METRIC_NAMES)
@@ -50,8 +51,8 @@ def test_metrics_read_as_a_mapping_by_name():
         metrics["items"]
 
 
-def test_metrics_are_built_by_keyword_and_need_every_field():
-    values = {name: torch.tensor(float(i)) for i, name in enumerate(METRIC_NAMES)}
+def test_metrics_are_built_by_keyword_and_need_every_field(device):
+    values = {name: torch.tensor(float(i), device=device) for i, name in enumerate(METRIC_NAMES)}
     metrics = LossMetrics(**values)
     assert [metrics[name].item() for name in METRIC_NAMES] == list(range(len(METRIC_NAMES)))
     del values["vespo_phi_mean"]
@@ -59,9 +60,9 @@ def test_metrics_are_built_by_keyword_and_need_every_field():
         LossMetrics(**values)
 
 
-def test_compiled_loss_returns_the_metrics_record():
+def test_compiled_loss_returns_the_metrics_record(device):
     """fullgraph: the record is built inside the graph and comes back whole, equal to eager's."""
-    logits = torch.randn(N, V)
+    logits = torch.randn(N, V, device=device)
 
     def metrics_of(logits):
         return loss_of(logits, top_entropy_quantile=0.5, entropy_coef=0.01).metrics
