@@ -35,13 +35,18 @@ def write_inputs(root: Path) -> Path:
     return history
 
 
-def test_tables_are_the_seeds_means_and_ranges(tmp_path):
-    history = write_inputs(tmp_path)
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "bench.long_horizon", "--runs", str(tmp_path), "--history",
+def summarize(runs: Path, history: Path) -> tuple[str, Path]:
+    """(long_horizon.md, the output folder) of `python -m bench.long_horizon` over RUNS and its history.csv."""
+    out = runs / "out"
+    done = subprocess.run([sys.executable, "-m", "bench.long_horizon", "--runs", str(runs), "--history",
                            str(history), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    text = (out / "long_horizon.md").read_text()
+    return (out / "long_horizon.md").read_text(), out
+
+
+def test_tables_are_the_seeds_means_and_ranges(tmp_path):
+    history = write_inputs(tmp_path)
+    text, out = summarize(tmp_path, history)
     low = text.split("### avg@16, temperatures <=1.0")[1].split("###")[0]
     assert "| 50 | 0.650 (0.600-0.700) | 0.400 (0.350-0.450) |" in low
     high = text.split("### avg@16, temperatures 1.2-1.5")[1].split("###")[0]
@@ -75,11 +80,7 @@ def test_an_unfinished_run_is_averaged_only_where_it_reached(tmp_path):
     metrics = tmp_path / "erpo-s2" / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
                                if json.loads(line)["step"] <= 60))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "bench.long_horizon", "--runs", str(tmp_path), "--history",
-                           str(history), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    text = (out / "long_horizon.md").read_text()
+    text, out = summarize(tmp_path, history)
     low = text.split("### avg@16, temperatures <=1.0")[1].split("###")[0]
     assert "| 50 | 0.650 (0.600-0.700) | 0.400 (0.350-0.450) |" in low
     assert "| 100 | 0.600 (0.600-0.600) (1/2 seeds) | 0.400 (0.350-0.450) |" in low
