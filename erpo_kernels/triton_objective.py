@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .objective import LossOutput
+from .objective import LossMetrics, LossOutput
 from .triton_common import expm1
 from .validation import LossInputs, LossOptions
 
@@ -632,7 +632,7 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
         as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
         objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
-    metric_values = dict(
+    metric_values = LossMetrics(
         qkl=values["qkl"], policy_kl=values["policy_kl"], entropy=values["entropy"], clip_frac=values["clip_frac"],
         pg_loss=values["pg_loss"], ratio_mean=values["ratio_mean"], query_logp_mean=values["query_logp_mean"],
         rollout_is_weight=values["rollout_is_weight"], rollout_logp_gap_abs=values["rollout_logp_gap_abs"],

@@ -1,25 +1,16 @@
 """The Triton path's objective kernels (erpo_kernels/triton_objective.py) and row checks (triton_row_checks.py):
 what one erpo_loss call costs (kernel launches and host syncs, counted on any machine), and its values, gradients
 and metrics against the torch reference for every option combination the kernels fuse."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-for folder in ("", "support"):  # until the tier move's conftest puts tests/ and tests/support/ on the path
-    path = str(Path(__file__).resolve().parents[1] / folder)
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from launch_counts import LaunchCounter  # noqa: E402
-
-from erpo_kernels import erpo_loss  # noqa: E402
-from erpo_kernels.api import objective_on_backend  # noqa: E402
-from erpo_kernels.triton_objective import fuses, objective_backward_op, objective_op, objective_settings  # noqa: E402
-from erpo_kernels.triton_row_checks import first_bad_row_op  # noqa: E402
-from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
-from helpers import loss_inputs, random_batch  # noqa: E402
+from erpo_kernels import erpo_loss
+from erpo_kernels.api import objective_on_backend
+from erpo_kernels.triton_objective import fuses, objective_backward_op, objective_op, objective_settings
+from erpo_kernels.triton_row_checks import first_bad_row_op
+from erpo_kernels.validation import LossInputs, LossOptions
+from helpers import loss_inputs, random_batch
+from launch_counts import LaunchCounter
 
 MAX_LAUNCHES = 20  # per fwd+bwd of erpo_loss on the Triton path (issue 32)
 NUM_ROWS = 48
