@@ -31,7 +31,7 @@ from .problem import Problem
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
 ERPO_OPTIONS = {"qkl_coef": 0.01, "clip_low": 0.2, "clip_high": 0.2}
 LOG_RATIO_CLAMP = 20.0  # API.md default; the plain formula needs it spelled out
-CONTENDER_KEYS = ("erpo", "torch", "compile", "liger", "cce")
+CONTENDER_KEYS = ("erpo", "erpo-warp", "erpo-warp-1024", "torch", "compile", "liger", "cce")
 
 
 @dataclass
@@ -139,13 +139,22 @@ def _no_requirement(device: torch.device) -> tuple | None:
 
 # ---- ours and the torch reference ------------------------------------------------------------------------------
 
-def _erpo_logits(backend: str):
+def _erpo_logits(backend: str, forward_variant: str | None = None):
+    """erpo_loss on the logits; `forward_variant`: one of triton_logits.FORWARD_VARIANTS for the forward kernel."""
     def prepare(problem: Problem) -> Prepared:
+        import contextlib
+
         import erpo_kernels
 
         def run():
-            return erpo_kernels.erpo_loss(problem.logits, problem.targets, problem.token_kind, problem.sample_index,
-                                          backend=backend, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
+            variant = contextlib.nullcontext()
+            if forward_variant is not None:
+                from erpo_kernels.triton_logits import forward_variant as variant_named
+                variant = variant_named(forward_variant)
+            with variant:
+                return erpo_kernels.erpo_loss(problem.logits, problem.targets, problem.token_kind,
+                                              problem.sample_index, backend=backend, **_erpo_tensors(problem),
+                                              **ERPO_OPTIONS).loss
         return Prepared(run, [problem.logits], _identity_logits)
     return prepare
 
@@ -254,6 +263,11 @@ CCE_HINT = "; pip install cut-cross-entropy"
 CONTENDERS = (
     Contender("erpo", "logits", "erpo_kernels.erpo_loss(backend='triton')", True, "erpo", None,
               _erpo_logits("triton"), _triton_requirement("erpo_kernels", "erpo_loss")),
+    Contender("erpo-warp", "logits", "erpo_loss(backend='triton'), forward one warp per row, 2048-wide steps",
+              False, "erpo", None, _erpo_logits("triton", "warp"), _triton_requirement("erpo_kernels", "erpo_loss")),
+    Contender("erpo-warp-1024", "logits", "erpo_loss(backend='triton'), forward one warp per row, 1024-wide steps",
+              False, "erpo", None, _erpo_logits("triton", "warp-1024"),
+              _triton_requirement("erpo_kernels", "erpo_loss")),
     Contender("torch", "logits", "erpo_kernels.erpo_loss(backend='torch')", False, "erpo", None,
               _erpo_logits("torch"), _module_requirement("erpo_kernels", "erpo_loss")),
     Contender("compile", "logits", "torch.compile(log_softmax, gather, ERPO loss)", False, "erpo", None,

@@ -23,6 +23,8 @@ from .validation import (
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.library ops); else the torch reference only
     from .triton_logits import triton_token_logprobs
+    from .triton_objective import fuses, triton_objective
+    from .triton_row_checks import triton_first_bad_row
     from .triton_segment import TritonSegmentSum
 
 
@@ -83,10 +85,11 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: fl
 @with_option_parameters
 def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_query_logp=None, query_weight=None,
               old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None, backend: str = "auto",
-              inplace_backward: bool = False, **options) -> LossOutput:
+              inplace_backward: bool = False, validate: bool = True, **options) -> LossOutput:
     """The ERPO loss on logits [N, V] over packed token rows (API.md): targets, token_kind, sample_index [N];
     advantages, ref_query_logp, query_weight [S]; old_logp, ref_logp, token_weight, rollout_logp [N]; options as
-    API.md's table (and docs/API.md's additions).
+    API.md's table (and docs/API.md's additions). validate=False skips the checks that read tensor values (no
+    host-device synchronization; API.md).
 
     Returns a LossOutput whose `loss` is differentiable with respect to `logits`.
     """
@@ -99,20 +102,36 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     return loss_on_token_rows(
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
-        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options)
+        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options,
+        validate=validate)
 
 
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
-                       token_kind, sample_index, inputs: LossInputs, options: dict) -> LossOutput:
+                       token_kind, sample_index, inputs: LossInputs, options: dict,
+                       validate: bool = True) -> LossOutput:
     """The body shared by `erpo_loss` and `fused_linear_erpo_loss` once their [N, V] source is checked: validate
-    the other inputs, run `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])`
-    on the chosen backend and form the loss (per-sample sums: the Triton path's deterministic ones with Triton)."""
+    the other inputs (`validate`: the value checks too, on the device with Triton), run
+    `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])` on the chosen backend
+    and form the loss (`objective_on_backend`)."""
+    triton = use_triton(backend, device)
     scored_targets, opts = check_loss_inputs(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
-        sample_index=sample_index, inputs=inputs, options=options)
-    triton = use_triton(backend, device)
+        sample_index=sample_index, inputs=inputs, options=options, validate=validate,
+        first_bad_row=triton_first_bad_row if triton else None)
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
-    return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+    return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+                                triton=triton)
+
+
+def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,
+                         triton: bool) -> LossOutput:
+    """The loss from token_logp [N] and entropy [N] (or None), both differentiable, inputs and options validated:
+    with Triton, the fused objective kernels (`triton_objective`) for the options they fuse, else the reference
+    objective on the deterministic per-sample sums; without, the reference objective (`objective.erpo_objective`).
+    """
+    if triton and fuses(options, token_logp, entropy):
+        return triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
+    return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options,
                           segment_sum=TritonSegmentSum if triton else SegmentSum)
 
 

@@ -189,11 +189,12 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperatu
 @with_option_parameters
 def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *, bias=None, advantages,
                            ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
-                           token_weight=None, rollout_logp=None, backend: str = "auto", **options) -> LossOutput:
+                           token_weight=None, rollout_logp=None, backend: str = "auto", validate: bool = True,
+                           **options) -> LossOutput:
     """The ERPO loss (API.md) from hidden [N, D] and the lm_head weight [V, D] (+ bias [V]) without the [N, V]
     logits: targets, token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S]; old_logp,
-    ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions). Returns a
-    LossOutput whose `loss` is differentiable with respect to hidden, weight and bias.
+    ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions); validate as
+    `erpo_loss`'s. Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias.
     """
     check_linear_inputs(hidden, weight, bias)
 
@@ -204,4 +205,5 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     return loss_on_token_rows(
         token_pass, num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, backend=backend,
-        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options)
+        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options,
+        validate=validate)

@@ -8,7 +8,14 @@ from .api import erpo_loss
 from .fused_linear import fused_linear_token_logprobs
 from .objective import LossOutput
 from .padded import PaddedLossOutput, padded_erpo_loss
-from .validation import IGNORE_INDEX, LossOptions, check_backend, check_tensor, with_option_parameters
+from .validation import (
+    IGNORE_INDEX,
+    LossOptions,
+    check_backend,
+    check_tensor,
+    check_validate,
+    with_option_parameters,
+)
 
 
 def options_repr(backend: str, options: dict) -> str:
@@ -18,20 +25,22 @@ def options_repr(backend: str, options: dict) -> str:
 
 class ERPOLoss(torch.nn.Module):
     """`ERPOLoss(**options, backend="auto")(logits, targets, token_kind, sample_index, advantages=..., ...)`
-    is `erpo_loss` with the options fixed at construction (checked there)."""
+    is `erpo_loss` with the options (and `validate`) fixed at construction (checked there)."""
 
     @with_option_parameters
-    def __init__(self, *, backend: str = "auto", inplace_backward: bool = False, **options):
+    def __init__(self, *, backend: str = "auto", inplace_backward: bool = False, validate: bool = True, **options):
         super().__init__()
         check_backend(backend)
+        check_validate(validate)
         LossOptions.from_kwargs(options)
         self.backend = backend
         self.inplace_backward = inplace_backward
+        self.validate = validate
         self.options = options
 
     def forward(self, logits, targets, token_kind, sample_index, **tensors) -> LossOutput:
         return erpo_loss(logits, targets, token_kind, sample_index, backend=self.backend,
-                         inplace_backward=self.inplace_backward, **tensors, **self.options)
+                         inplace_backward=self.inplace_backward, validate=self.validate, **tensors, **self.options)
 
     def extra_repr(self) -> str:
         return options_repr(self.backend, self.options)
@@ -45,11 +54,13 @@ class FusedLinearERPOLoss(torch.nn.Module):
     Returns a PaddedLossOutput (`padded_erpo_loss`): the loss and [B, C] per-token outputs."""
 
     @with_option_parameters
-    def __init__(self, *, backend: str = "auto", **options):
+    def __init__(self, *, backend: str = "auto", validate: bool = True, **options):
         super().__init__()
         check_backend(backend)
+        check_validate(validate)
         self.resolved = LossOptions.from_kwargs(options)
         self.backend = backend
+        self.validate = validate
         self.options = options
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
@@ -87,7 +98,7 @@ class FusedLinearERPOLoss(torch.nn.Module):
             completion_ids=selected_token_ids, completion_mask=attention_mask, tool_mask=tool_mask,
             advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
             old_logp=old_per_token_logps, ref_logp=ref_per_token_logps, token_weight=token_weight,
-            rollout_logp=rollout_logp, backend=self.backend, **self.options)
+            rollout_logp=rollout_logp, backend=self.backend, validate=self.validate, **self.options)
 
     def reference_logprobs(self, ref_hidden, ref_weight, ref_bias, completion_ids, completion_mask):
         """The reference model's log-probs [B, C] of the completion tokens (0 where completion_mask is 0) from its

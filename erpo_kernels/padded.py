@@ -46,7 +46,7 @@ def batch_rows(name: str, tensor: torch.Tensor, width: tuple[int, int]) -> torch
 def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, weight=None, bias=None,
                      prompt_ids=None, prompt_mask=None, completion_ids=None, input_ids=None, attention_mask=None,
                      tool_mask=None, ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
-                     token_weight=None, rollout_logp=None, backend: str = "auto",
+                     token_weight=None, rollout_logp=None, backend: str = "auto", validate: bool = True,
                      **options) -> PaddedLossOutput:
     """The ERPO loss (API.md) on B samples in TRL's layout.
 
@@ -56,7 +56,8 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
     The model's output at every position: logits [B, T, V], or hidden [B, T, D] with the lm_head weight [V, D]
     (+ bias [V]) for the fused-linear path (the [B, T, V] logits never built).
     advantages, ref_query_logp, query_weight [B]; old_logp, ref_logp, token_weight, rollout_logp [B, C]
-    completion-aligned (entry j is completion token j; [B, 1] broadcasts). Options as API.md's table.
+    completion-aligned (entry j is completion token j; [B, 1] broadcasts). Options as API.md's table; validate as
+    `erpo_loss`'s (the value checks of the packed rows).
     Returns a PaddedLossOutput whose `loss` is differentiable with respect to logits (or hidden, weight, bias).
     """
     if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
@@ -73,11 +74,12 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
     width = tuple(layout.input_ids.shape)
     if logits is not None:
         out = erpo_loss(batch_rows("logits", logits, width)[layout.rows], *rows, advantages=advantages,
-                        ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend, **tensors,
-                        **options)
+                        ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend,
+                        validate=validate, **tensors, **options)
     else:
         out = fused_linear_erpo_loss(batch_rows("hidden", hidden, width)[layout.rows], weight, *rows, bias=bias,
                                      advantages=advantages, ref_query_logp=ref_query_logp,
-                                     query_weight=query_weight, backend=backend, **tensors, **options)
+                                     query_weight=query_weight, backend=backend, validate=validate, **tensors,
+                                     **options)
     return PaddedLossOutput(loss=out.loss, token_logp=layout.gather(out.token_logp), entropy=layout.gather(out.entropy),
                             query_logp=out.query_logp, response_logp=out.response_logp, metrics=out.metrics)

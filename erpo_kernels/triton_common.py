@@ -25,20 +25,33 @@ def transform_arguments(transform: LogitTransform):
 
 
 @triton.jit
+def expm1_given_exp(x, e):
+    """exp(x) - 1 from x and e = exp(x), without cancellation near 0 (libdevice is not in the interpreter): Kahan's
+    (e - 1) x / log(e) for |x| <= 1, x itself where e rounds to 1, e - 1 beyond; +-inf and NaN as torch.expm1."""
+    near_zero = (tl.abs(x) <= 1.0) & (e != 1.0)
+    kahan = (e - 1.0) * (x / tl.log(tl.where(near_zero, e, 0.5)))
+    return tl.where(near_zero, kahan, tl.where(e == 1.0, x, e - 1.0))
+
+
+@triton.jit
+def expm1(x):
+    """exp(x) - 1 without cancellation near 0 (`expm1_given_exp`)."""
+    return expm1_given_exp(x, tl.exp(x))
+
+
+@triton.jit
 def transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr):
     """(z, slope) for fp32 logits of any shape: z = softcap(logits * logit_scale) * inv_temperature
     (`validation.LogitTransform`, softcap(x) = c tanh(x / c) when SOFTCAP) and slope = d z / d logits (a scalar
     without the soft-cap). tanh from exp alone (libdevice is not in the interpreter), without cancellation: with
-    e = exp(-2|x|), tanh|x| = -expm1(-2|x|) / (2 + expm1(-2|x|)) and 1 - tanh^2 x = 4 e / (1 + e)^2, expm1 of
-    y = -2|x| in (-1, 0) by Kahan's (e - 1) y / log(e) and by e - 1 below -1. x = +-inf gives +-c; NaN stays NaN."""
+    e = exp(-2|x|), tanh|x| = -expm1(-2|x|) / (2 + expm1(-2|x|)) and 1 - tanh^2 x = 4 e / (1 + e)^2
+    (`expm1_given_exp`). x = +-inf gives +-c; NaN stays NaN."""
     if SOFTCAP:
         x = logits * (logit_scale / logit_softcap)  # scalar factors folded: one multiply per logit
         y = -2.0 * tl.abs(x)
         e = tl.exp(y)
-        near_one = (y >= -1.0) & (e != 1.0)
-        kahan = (e - 1.0) * (y / tl.log(tl.where(near_one, e, 0.5)))
-        expm1 = tl.where(near_one, kahan, tl.where(e == 1.0, y, e - 1.0))
-        tanh_abs = -expm1 / (2.0 + expm1)
+        growth = expm1_given_exp(y, e)
+        tanh_abs = -growth / (2.0 + growth)
         z = (logit_softcap * inv_temperature) * tl.where(x < 0, -tanh_abs, tanh_abs)
         slope = (logit_scale * inv_temperature) * (4.0 * e / ((1.0 + e) * (1.0 + e)))
     else:

@@ -17,7 +17,8 @@ other rows share the call (batch invariance).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -87,23 +88,58 @@ def _logp_entropy_backward_kernel(
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def block_size_for(vocab_size: int) -> int:
-    """Vocabulary block of one loop step: a function of V only, which keeps results batch-invariant."""
-    return min(triton.next_power_of_2(vocab_size), 4096)
+def block_size_for(vocab_size: int, widest: int = 4096) -> int:
+    """Vocabulary block of one loop step: a function of V only (and the variant), which keeps results
+    batch-invariant."""
+    return min(triton.next_power_of_2(vocab_size), widest)
 
 
 def _num_warps(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
 
 
+class ForwardVariant(NamedTuple):
+    """How the forward kernel walks a row: `widest` logits per loop step, `num_warps` warps per row (None: 8 for
+    steps of >= 2048, else 4). Each step costs three reductions across the row's threads (max, sum exp, sum exp
+    times shift); across warps each is a shared-memory exchange and a barrier, within one warp only shuffles."""
+
+    widest: int
+    num_warps: Optional[int]
+
+
+# "block": 8 warps over 4096-wide steps (three block-wide reductions per step; measured on the H100 on 2026-11-25:
+# 1.4x its floor at N=65536). "warp": one warp per row (reductions are warp shuffles, no barrier; many rows per SM
+# hide the latency, as Liger's forward), 2048 logits per step (64 per thread). "warp-1024": the same, 1024 per
+# step. Which is fastest is for the GPU to say: `python -m bench --contenders erpo,erpo-warp,...` times them side
+# by side; the default stays the measured one until then.
+FORWARD_VARIANTS = {"block": ForwardVariant(4096, None), "warp": ForwardVariant(2048, 1),
+                    "warp-1024": ForwardVariant(1024, 1)}
+_forward_variant = ["block"]
+
+
+@contextlib.contextmanager
+def forward_variant(name: str):
+    """Run the forward kernel as FORWARD_VARIANTS[name] inside the block (bench's variants; process-wide)."""
+    if name not in FORWARD_VARIANTS:
+        raise ValueError(f"forward variant must be one of {list(FORWARD_VARIANTS)}, got {name!r}")
+    previous = _forward_variant[0]
+    _forward_variant[0] = name
+    try:
+        yield
+    finally:
+        _forward_variant[0] = previous
+
+
 def _launch_forward(logits, targets, transform: LogitTransform):
     num_rows, vocab_size = logits.shape
     logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    block_v = block_size_for(vocab_size)
+    variant = FORWARD_VARIANTS[_forward_variant[0]]
+    block_v = block_size_for(vocab_size, variant.widest)
     if num_rows > 0:
         _logp_entropy_forward_kernel[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
-            vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
+            vocab_size, *transform_arguments(transform), BLOCK_V=block_v,
+            num_warps=variant.num_warps or _num_warps(block_v))
     return logp, entropy, lse
 
 
@@ -174,11 +210,16 @@ def _setup_context(ctx, inputs, output):
     ctx.transform = (temperature, logit_scale, logit_softcap)
     ctx.inplace_backward = inplace_backward
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros for lse's gradient (never read)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    """d logits for (grad_logp, grad_entropy) [N] (autograd passes zeros for an unused output)."""
+    """d logits for (grad_logp, grad_entropy) [N] (None for an output that received no gradient: zeros)."""
     logits, targets, lse, entropy = ctx.saved_tensors
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None, None, None, None
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+    grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
     if ctx.inplace_backward:
         logp_entropy_backward_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
         grad_logits = logits

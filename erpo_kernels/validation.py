@@ -310,8 +310,12 @@ def check_rows(checks) -> None:
 
 def target_range_check(targets: torch.Tensor, scored: torch.Tensor, vocab_size: int):
     """The `check_rows` pair for targets on `scored` rows lying in [0, vocab_size)."""
-    bad = scored & ((targets < 0) | (targets >= vocab_size))
-    return bad, lambda row: f"targets must lie in [0, {vocab_size}) on scored rows; row {row} holds {int(targets[row])}"
+    return scored & ((targets < 0) | (targets >= vocab_size)), target_message(targets, vocab_size)
+
+
+def target_message(targets: torch.Tensor, vocab_size: int):
+    """message(row) for a target outside [0, vocab_size) on a scored row."""
+    return lambda row: f"targets must lie in [0, {vocab_size}) on scored rows; row {row} holds {int(targets[row])}"
 
 
 def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -331,13 +335,27 @@ def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch
     return scored_targets_of(targets, scored)
 
 
+ROW_CHECKS = ("token_kind", "sample_index", "targets", "token_weight", "rollout_logp")  # the value checks, in order
+
+
+def check_validate(validate) -> None:
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be True or False, got {validate!r}")
+
+
 def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
-                      sample_index, inputs: LossInputs, options: dict):
+                      sample_index, inputs: LossInputs, options: dict, validate: bool = True,
+                      first_bad_row: Callable | None = None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
     `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
+    validate=False skips the checks that read tensor values (ROW_CHECKS: no host-device synchronization).
+    `first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)`, when
+    given, runs those checks on the device instead of the torch masks below, returning a [1] int64 code
+    check * N + row (`triton_row_checks`; N * len(ROW_CHECKS) when every row passes): one host read.
     Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or None without targets, LossOptions)`.
     """
+    check_validate(validate)
     opts = LossOptions.from_kwargs(options)
     n = num_rows
     if targets is not None:
@@ -373,20 +391,40 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.de
     if opts.policy_kl_coef != 0 and ref_logp is None:
         raise ValueError("ref_logp (reference log-probs, shape [N]) is required when policy_kl_coef != 0")
 
+    messages = {  # ROW_CHECKS' messages, naming the row
+        "token_kind": lambda row: f"token_kind must be 0, 1 or 2; row {row} holds {int(token_kind[row])}",
+        "sample_index": lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on scored "
+                                    f"rows; row {row} holds {int(sample_index[row])}",
+        "targets": target_message(targets, vocab_size),
+        "token_weight": lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
+                                    f"{float(token_weight[row])}",
+        "rollout_logp": lambda row: f"rollout_logp is NaN on response row {row}",
+    }
     scored = token_kind != 0
-    check_rows([  # in this order: the first failing check names its first bad row
-        ((token_kind < 0) | (token_kind > 2),
-         lambda row: f"token_kind must be 0, 1 or 2; row {row} holds {int(token_kind[row])}"),
-        (scored & ((sample_index < 0) | (sample_index >= num_samples)),
-         lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on scored rows; "
-                     f"row {row} holds {int(sample_index[row])}"),
-        *([] if targets is None else [target_range_check(targets, scored, vocab_size)]),
-        *([] if token_weight is None else [(
-            scored & ~(torch.isfinite(token_weight) & (token_weight >= 0)),
-            lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
-                        f"{float(token_weight[row])}")]),
-        *([] if rollout_logp is None else [(
-            (token_kind == 2) & rollout_logp.isnan(),
-            lambda row: f"rollout_logp is NaN on response row {row}")]),
-    ])
+    if validate and first_bad_row is not None:
+        code = first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)
+        raise_first_bad_row(code, n, messages)
+    elif validate:
+        masks = {  # the bad rows of each check present
+            "token_kind": lambda: (token_kind < 0) | (token_kind > 2),
+            "sample_index": lambda: scored & ((sample_index < 0) | (sample_index >= num_samples)),
+            "targets": lambda: target_range_check(targets, scored, vocab_size)[0],
+            "token_weight": lambda: scored & ~(torch.isfinite(token_weight) & (token_weight >= 0)),
+            "rollout_logp": lambda: (token_kind == 2) & rollout_logp.isnan(),
+        }
+        present = {"targets": targets, "token_weight": token_weight, "rollout_logp": rollout_logp}
+        check_rows([(masks[name](), messages[name]) for name in ROW_CHECKS if present.get(name, True) is not None])
     return (None if targets is None else scored_targets_of(targets, scored)), opts
+
+
+def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict) -> None:
+    """Raise ValueError(messages[check](row)) for `code` [1] int64 = check * N + row (`check_loss_inputs`); nothing
+    when code = N * len(ROW_CHECKS). One host read; under torch.compile a device-side assert instead."""
+    passed = num_rows * len(ROW_CHECKS)
+    if torch.compiler.is_compiling():
+        torch._assert_async(code[0] == passed, COMPILED_ROWS_MESSAGE)
+        return
+    value = int(code[0])
+    if value < passed:
+        check, row = divmod(value, num_rows)
+        raise ValueError(messages[ROW_CHECKS[check]](row))

@@ -2,7 +2,7 @@
 tests/kernels/test_compile_hopper.py). Prints one 'compiled ...' line per kernel and dtype,
 with its registers per thread and spill bytes (ptxas)."""
 from compile_check import compile_for_hopper, register_usage
-from erpo_kernels import triton_logits, triton_segment
+from erpo_kernels import triton_logits, triton_objective, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
 
@@ -29,6 +29,61 @@ def main():
                        {"values_ptr": "*fp32", "order_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"},
                        {"BLOCK": 256})
     print("compiled segment_sum fp32", flush=True)
+    for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-warp*)
+        signature = {"logits_ptr": "*bf16", "stride_row": "i64", "stride_col": "i32", "targets_ptr": "*i64",
+                     "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "vocab_size": "i32",
+                     "logit_scale": "fp32", "logit_softcap": "fp32", "inv_temperature": "fp32"}
+        block_v = triton_logits.block_size_for(152064, variant.widest)
+        compiled = compile_for_hopper(triton_logits._logp_entropy_forward_kernel, signature,
+                                      {"SOFTCAP": False, "BLOCK_V": block_v}, num_warps=variant.num_warps or 8)
+        print(f"compiled forward-variant {name} bf16 registers=%d spill_bytes=%d" % register_usage(compiled),
+              flush=True)
+    compile_objective_kernels()
+
+
+def compile_objective_kernels():
+    """The objective's kernels with every option flag off and on (each flag is a constexpr branch)."""
+    sample_flags = ("HAS_ENTROPY", "HAS_REF_QUERY", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP", "HAS_TOKEN_WEIGHT",
+                    "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP", "USE_QKL",
+                    "USE_POLICY_KL", "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION", "PER_TOKEN_MEAN")
+    pointers = ("logp_ptr", "entropy_ptr", "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr",
+                "ref_logp_ptr", "token_weight_ptr", "rollout_logp_ptr", "partials_ptr", "query_logp_ptr",
+                "response_logp_ptr", "coef_logp_ptr", "coef_entropy_ptr")
+    scalars = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp",
+               "log_rollout_is_cap", "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef")
+    signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
+                     **{name: "fp32" for name in scalars})
+    for sequence in (False, True):
+        for estimator in (1, 2, 3):
+            for on in (False, True):
+                constexprs = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence, QKL_ESTIMATOR=estimator,
+                                  NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK)
+                compiled = compile_for_hopper(triton_objective._objective_sample_kernel, signature, constexprs,
+                                              num_warps=4)
+                print(f"compiled objective-sample sequence={sequence} k{estimator} flags={on} "
+                      "registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
+    finish_flags = ("HAS_ENTROPY", "HAS_REF_QUERY", "HAS_REF_LOGP", "HAS_ROLLOUT", "HAS_IS_CAP", "USE_QKL",
+                    "ENTROPY_IN_TERM", "ENTROPY_TOKEN_MEAN")
+    for loss_agg in (0, 1, 2):
+        for mode in (0, 1, 2):
+            constexprs = dict({name: mode == 1 for name in finish_flags}, NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode,
+                              LOSS_AGG=loss_agg, NUM_PARTIALS_=triton_objective.NUM_PARTIALS,
+                              BLOCK=triton_objective.SAMPLE_BLOCK)
+            compile_for_hopper(triton_objective._objective_finish_kernel, dict(
+                partials_ptr="*fp32", query_logp_ptr="*fp32", num_items_ptr="*fp32", num_seqs_ptr="*fp32",
+                loss_ptr="*fp32", metrics_ptr="*fp32", counts_ptr="*i64", scales_ptr="*fp32", num_samples="i32",
+                num_items="fp32", num_seqs="fp32", qkl_coef="fp32", entropy_coef="fp32"), constexprs, num_warps=4)
+    print("compiled objective-finish", flush=True)
+    compile_for_hopper(triton_objective._objective_grad_kernel, dict(
+        grad_loss_ptr="*fp32", kind_ptr="*i64", coef_logp_ptr="*fp32", coef_entropy_ptr="*fp32", scales_ptr="*fp32",
+        grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32", num_rows="i32"), {"BLOCK": triton_objective.ROW_BLOCK})
+    print("compiled objective-grad", flush=True)
+    for on in (False, True):
+        compile_for_hopper(triton_row_checks._first_bad_row_kernel, dict(
+            kind_ptr="*i64", sample_ptr="*i64", targets_ptr="*i64", token_weight_ptr="*fp32",
+            rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
+            dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, NUM_CHECKS=5, BLOCK=triton_row_checks.BLOCK_ROWS))
+    print("compiled first-bad-row", flush=True)
 
 
 if __name__ == "__main__":

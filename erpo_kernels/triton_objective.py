@@ -1,0 +1,645 @@
+"""The ERPO objective on per-token vectors in three Triton kernels: `objective.erpo_objective`'s loss, metrics and
+gradient, for the options trainers use most, without an autograd graph over dozens of eager ops.
+
+    forward   1. one program per sample s walks its rows twice, in a fixed order (the rows sorted by sample, as
+                 `triton_segment`): first the sums the sample's terms need (ell_theta(q_s), the response rows'
+                 count, the sum of their log-ratios for the sequence-level ratio, of their weights and Policy-KLs
+                 for the sequence-level gradient), then every response row's term_t and the sample's partial sums
+                 (loss, metrics); it writes each row's gradient coefficients, up to one global factor
+              2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
+                 (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
+    backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
+                 block of rows; on the logits path `triton_logits`'s dlogits kernel follows
+
+The gradient coefficients, derived from the reference's equations (API.md's math; sg = detached):
+    response row t of sample s, term_t = w_s tw_t rho_t pg_t + beta KL_t - c_H H_t, aggregated with factor
+    lam_s G (G = 1 / num_items or 1 / num_seqs; lam_s = 1 / |R_s| for seq-mean-token-mean, else 1):
+        d pg_t / d logp_t    = pg'(ratio) ratio [|log ratio| <= pg_log_ratio_clamp]           (token level)
+        d pg_t / d logp_u    = pg'(ratio_s) ratio_s [|mean log ratio| <= clamp] / |R_s|          (sequence level,
+                               every response row u of s: a per-sample sum over t of w_s tw_t rho_t times it)
+        pg'(r)               = -A_s (unclipped branch) or -A_s [1 - clip_low <= r <= 1 + clip_high] (clipped),
+                               times the dual clip's min; ties split the gradient in halves as torch.maximum's
+        d KL_t / d logp_t    = -expm1(x_t) [|x_t| <= log_ratio_clamp] [|k3| <= kl_clamp],  x_t = ref_t - logp_t;
+                               with the bias correction KL_t = ratio k3_t adds k3 d ratio / d logp
+    query row t of sample s:  qkl_coef / num_query_seqs * (-f'(r_s)) [|f| <= kl_clamp],  r_s = ref_q_s - q_s, f'(r)
+                               = k'(clamp(r, +-qkl_linear_beyond)) (`objective.linear_beyond`)
+    d loss / d H_t = -c_H lam_s G (entropy_agg "loss-agg") or -c_H / |R| ("token-mean").
+
+Options fused here (`fuses`): pg_objective "ppo-clip" at token and sequence level, every loss_agg, the Query-KL's
+k1 / k2 / k3, the Policy-KL with and without bias correction, kl_clamp, pg_log_ratio_clamp, dual_clip, the entropy
+bonus in both aggregations, query_weight, token_weight, rollout_logp with or without rollout_is_cap, num_items /
+num_seqs (numbers or tensors). The others (cispo, sapo, vespo, the off-policy mask, the entropy filter,
+qkl_estimator "k3-token", fp64 log-probs) run the reference objective on the [N] vectors.
+Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24 rows, as the reference's.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .objective import LossMetrics, LossOutput
+from .triton_common import expm1
+from .validation import LossInputs, LossOptions
+
+# Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
+QUERY_ROWS, RESPONSE_ROWS, QKL, TERM, PG, POLICY_KL, ENTROPY, CLIPPED, RATIO, IS_WEIGHT, GAP_ABS, GAP_MAX, \
+    NONFINITE = range(13)
+NUM_PARTIALS = 13
+# The fp32 metrics vector the finish kernel writes, in LossOutput.metrics' order; the int64 counts beside it.
+FLOAT_METRICS = ("qkl", "policy_kl", "entropy", "clip_frac", "pg_loss", "ratio_mean", "query_logp_mean",
+                 "rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max", "off_policy_masked_frac",
+                 "kept_entropy", "vespo_phi_mean")
+COUNT_METRICS = ("response_tokens", "nonfinite_rows", "kept_tokens")
+QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3}
+LOSS_AGG_CODES = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
+ROW_BLOCK = 256  # rows per loop step of the sample kernel, and per program of the gradient kernel
+SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
+
+
+def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
+    """True when these kernels compute the objective for `options` (module docstring); else the caller runs
+    `objective.erpo_objective`."""
+    return (options.pg_objective == "ppo-clip" and options.off_policy_mask_threshold is None
+            and options.top_entropy_quantile == 1.0 and options.qkl_estimator != "k3-token"
+            and token_logp.dtype == torch.float32 and (entropy is None or entropy.dtype == torch.float32))
+
+
+@triton.jit
+def _is_finite(x):
+    return tl.abs(x) < float("inf")  # False for +-inf and NaN
+
+
+@triton.jit
+def _between(x, low, high):
+    """torch.clamp's gradient mask: 1 where low <= x <= high (0 for NaN)."""
+    return ((x >= low) & (x <= high)).to(tl.float32)
+
+
+@triton.jit
+def _kl_estimate(r, ESTIMATOR: tl.constexpr):
+    """k1 = -r, k2 = r^2 / 2, k3 = expm1(r) - r (`objective.kl_estimate`)."""
+    if ESTIMATOR == 1:
+        return -r
+    elif ESTIMATOR == 2:
+        return 0.5 * r * r
+    else:
+        return expm1(r) - r
+
+
+@triton.jit
+def _kl_slope(r, ESTIMATOR: tl.constexpr):
+    """d estimate / d r (`objective.kl_slope`)."""
+    if ESTIMATOR == 1:
+        return tl.zeros_like(r) - 1.0
+    elif ESTIMATOR == 2:
+        return r
+    else:
+        return expm1(r)
+
+
+@triton.jit
+def _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL: tl.constexpr):
+    """(pg, d pg / d ratio, clipped branch taken) of `objective.clipped_surrogate`, elementwise; ties between
+    the branches split the gradient in halves, as torch.maximum / torch.minimum do."""
+    unclipped = -advantage * ratio
+    low = 1.0 - clip_low
+    high = 1.0 + clip_high
+    clipped = -advantage * tl.minimum(tl.maximum(ratio, low), high)
+    pg = tl.where(clipped > unclipped, clipped, unclipped)
+    to_unclipped = tl.where(unclipped < clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
+    to_clipped = tl.where(unclipped > clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
+    slope = -advantage * (to_unclipped + to_clipped * _between(ratio, low, high))
+    if HAS_DUAL:
+        cap = -advantage * dual_clip
+        to_pg = tl.where(pg > cap, 0.0, tl.where(pg == cap, 0.5, 1.0))
+        negative = advantage < 0
+        slope = tl.where(negative, slope * to_pg, slope)
+        pg = tl.where(negative, tl.where(cap < pg, cap, pg), pg)
+    return pg, slope, clipped > unclipped
+
+
+@triton.jit
+def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
+                HAS_ENTROPY: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF_LOGP: tl.constexpr,
+                HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+                HAS_KL_CLAMP: tl.constexpr):
+    """A block of one sample's rows (`positions` in the sorted order, < `stop`): the values both passes read.
+    Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t, rollout weight
+    rho_t, rollout gap, Policy-KL k3_t, d k3_t / d logp_t, nonfinite), each [BLOCK]; 0 off the response rows
+    (but logp, entropy, nonfinite)."""
+    inside = positions < stop
+    rows = tl.load(order_ptr + positions, mask=inside, other=0)
+    kind = tl.load(kind_ptr + rows, mask=inside, other=0)
+    is_query = kind == 1
+    is_response = kind == 2
+    logp = tl.load(logp_ptr + rows, mask=inside, other=0.0)
+    if HAS_ENTROPY:
+        entropy = tl.load(entropy_ptr + rows, mask=inside, other=0.0)
+        nonfinite = (kind != 0) & ~(_is_finite(logp) & _is_finite(entropy))
+    else:
+        entropy = tl.zeros_like(logp)
+        nonfinite = (kind != 0) & ~_is_finite(logp)
+    if HAS_OLD:
+        old = tl.load(old_logp_ptr + rows, mask=inside, other=0.0)
+    else:
+        old = logp  # on-policy: old = sg(logp), a log-ratio of 0 (NaN for a non-finite logp, as the reference)
+    log_ratio = tl.where(is_response, logp - old, 0.0)
+    weight = tl.where(is_response, 1.0, 0.0)
+    if HAS_TOKEN_WEIGHT:
+        weight = tl.where(is_response, tl.load(token_weight_ptr + rows, mask=inside, other=0.0), 0.0)
+    gap = tl.zeros_like(logp)
+    is_weight = tl.zeros_like(logp)
+    if HAS_ROLLOUT:
+        gap = tl.where(is_response, old - tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0), 0.0)
+        if HAS_IS_CAP:
+            is_weight = tl.where(is_response, tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
+            weight = weight * is_weight
+    kl = tl.zeros_like(logp)
+    kl_grad = tl.zeros_like(logp)
+    if HAS_REF_LOGP:
+        x = tl.where(is_response, tl.load(ref_logp_ptr + rows, mask=inside, other=0.0) - logp, 0.0)
+        x_clamped = tl.minimum(tl.maximum(x, -log_ratio_clamp), log_ratio_clamp)
+        growth = expm1(x_clamped)
+        kl = growth - x_clamped
+        kl_grad = -growth * _between(x, -log_ratio_clamp, log_ratio_clamp)
+        if HAS_KL_CLAMP:
+            kl_grad = kl_grad * _between(kl, -kl_clamp, kl_clamp)
+            kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
+    return rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite
+
+
+@triton.jit
+def _objective_sample_kernel(
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
+    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+    partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+    clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
+    qkl_coef, qkl_linear_beyond, policy_kl_coef, entropy_coef,
+    HAS_ENTROPY: tl.constexpr, HAS_REF_QUERY: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
+    HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+    USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
+    SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
+    QKL_ESTIMATOR: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+):
+    sample = tl.program_id(0).to(tl.int64)
+    start = tl.load(starts_ptr + sample)
+    stop = tl.load(starts_ptr + sample + 1)
+    # Pass 1: the sample's sums.
+    query_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    response_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    query_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    response_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    log_ratio_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for block_start in range(start, stop, BLOCK):
+        positions = block_start + tl.arange(0, BLOCK)
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
+            _row_values(
+            positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+            token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
+            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
+        query_sum += tl.where(is_query, logp, 0.0)
+        response_sum += tl.where(is_response, logp, 0.0)
+        query_rows += is_query.to(tl.float32)
+        response_rows += is_response.to(tl.float32)
+        log_ratio_sum += log_ratio
+        weight_sum += weight
+        kl_sum += kl
+    query_logp = tl.sum(query_sum, axis=0)
+    num_query = tl.sum(query_rows, axis=0)
+    num_response = tl.sum(response_rows, axis=0)
+    tl.store(query_logp_ptr + sample, query_logp)
+    tl.store(response_logp_ptr + sample, tl.sum(response_sum, axis=0))
+    per_token = 1.0 / tl.maximum(num_response, 1.0)
+    token_factor = per_token if PER_TOKEN_MEAN else 1.0  # lam_s
+    advantage = tl.load(advantages_ptr + sample).to(tl.float32)
+    sample_weight = 1.0
+    if HAS_QUERY_WEIGHT:
+        sample_weight = tl.load(query_weight_ptr + sample).to(tl.float32)
+
+    # The sequence-level ratio, and the gradient every response row of the sample shares through it.
+    sequence_log_ratio = tl.sum(log_ratio_sum, axis=0) * per_token
+    sequence_pass = 1.0
+    if HAS_PG_CLAMP:
+        sequence_pass = _between(sequence_log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
+        sequence_log_ratio = tl.minimum(tl.maximum(sequence_log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+    sequence_ratio = tl.exp(sequence_log_ratio)
+    shared_grad = 0.0
+    if SEQUENCE_RATIO:
+        _, sequence_slope, _ = _clipped_surrogate(advantage, sequence_ratio, clip_low, clip_high, dual_clip,
+                                                  HAS_DUAL)
+        sequence_ratio_grad = sequence_ratio * sequence_pass * per_token  # d ratio_s / d logp_u, u a response row
+        shared_grad = sample_weight * tl.sum(weight_sum, axis=0) * sequence_slope * sequence_ratio_grad
+        if USE_POLICY_KL and BIAS_CORRECTION:
+            shared_grad += policy_kl_coef * tl.sum(kl_sum, axis=0) * sequence_ratio_grad
+
+    # The Query-KL of the sample, and its gradient on every query row.
+    qkl_grad = 0.0
+    qkl = 0.0
+    if HAS_REF_QUERY:
+        r = tl.load(ref_query_logp_ptr + sample).to(tl.float32) - query_logp
+        r_inside = tl.minimum(tl.maximum(r, -qkl_linear_beyond), qkl_linear_beyond)
+        qkl_slope = _kl_slope(r_inside, QKL_ESTIMATOR)
+        qkl = _kl_estimate(r_inside, QKL_ESTIMATOR) + qkl_slope * (r - r_inside)
+        if HAS_KL_CLAMP:
+            qkl_slope = qkl_slope * _between(qkl, -kl_clamp, kl_clamp)
+            qkl = tl.minimum(tl.maximum(qkl, -kl_clamp), kl_clamp)
+        qkl = tl.where(num_query > 0, qkl, 0.0)
+        if USE_QKL:
+            qkl_grad = -qkl_coef * qkl_slope
+
+    # Pass 2: every row's term, its gradient coefficients, and the sample's partial sums.
+    term_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    pg_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    policy_kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    clipped_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    ratio_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    is_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    gap_abs_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    gap_max = tl.zeros([BLOCK], dtype=tl.float32)
+    gap_nan = tl.zeros([BLOCK], dtype=tl.float32)
+    nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    for block_start in range(start, stop, BLOCK):
+        positions = block_start + tl.arange(0, BLOCK)
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
+            _row_values(
+            positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+            token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
+            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
+        if SEQUENCE_RATIO:
+            ratio = tl.where(is_response, sequence_ratio, 1.0)
+            ratio_grad = tl.zeros_like(logp)  # the row's own share is in shared_grad
+        else:
+            ratio_pass = 1.0
+            if HAS_PG_CLAMP:
+                ratio_pass = _between(log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
+                log_ratio = tl.minimum(tl.maximum(log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+            ratio = tl.exp(log_ratio)
+            ratio_grad = ratio * ratio_pass  # d ratio_t / d logp_t
+        pg, pg_slope, clipped = _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL)
+        row_weight = sample_weight * weight
+        pg = row_weight * pg
+        own_grad = row_weight * pg_slope * ratio_grad
+        policy_kl = kl
+        if BIAS_CORRECTION:
+            policy_kl = ratio * kl
+            kl_grad = ratio * kl_grad + kl * ratio_grad
+        term = pg
+        if USE_POLICY_KL:
+            term += policy_kl_coef * policy_kl
+            own_grad += policy_kl_coef * kl_grad
+        if ENTROPY_IN_TERM:
+            term -= entropy_coef * entropy
+        coef_logp = tl.where(is_response, token_factor * (own_grad + shared_grad), tl.where(is_query, qkl_grad, 0.0))
+        if ENTROPY_IN_TERM:
+            coef_entropy = tl.where(is_response, -entropy_coef * token_factor, 0.0)
+        else:
+            coef_entropy = tl.where(is_response, -entropy_coef, 0.0)
+        inside = positions < stop
+        tl.store(coef_logp_ptr + rows, coef_logp, mask=inside)
+        tl.store(coef_entropy_ptr + rows, coef_entropy, mask=inside)
+        term_sum += tl.where(is_response, term, 0.0)
+        pg_sum += tl.where(is_response, pg, 0.0)
+        policy_kl_sum += tl.where(is_response, policy_kl, 0.0)
+        entropy_sum += tl.where(is_response, entropy, 0.0)
+        clipped_rows += (is_response & clipped).to(tl.float32)
+        ratio_sum += tl.where(is_response, ratio, 0.0)
+        is_weight_sum += is_weight
+        gap_abs_sum += tl.abs(gap)
+        gap_max = tl.maximum(gap_max, tl.abs(gap))
+        gap_nan += (gap != gap).to(tl.float32)
+        nonfinite_rows += nonfinite.to(tl.float32)
+    out = partials_ptr + sample * NUM_PARTIALS_
+    tl.store(out + 0, num_query)
+    tl.store(out + 1, num_response)
+    tl.store(out + 2, qkl)
+    tl.store(out + 3, tl.sum(term_sum, axis=0) * token_factor)
+    tl.store(out + 4, tl.sum(pg_sum, axis=0) * token_factor)
+    tl.store(out + 5, tl.sum(policy_kl_sum, axis=0))
+    tl.store(out + 6, tl.sum(entropy_sum, axis=0))
+    tl.store(out + 7, tl.sum(clipped_rows, axis=0))
+    tl.store(out + 8, tl.sum(ratio_sum, axis=0))
+    tl.store(out + 9, tl.sum(is_weight_sum, axis=0))
+    tl.store(out + 10, tl.sum(gap_abs_sum, axis=0))
+    tl.store(out + 11, tl.where(tl.sum(gap_nan, axis=0) > 0, float("nan"), tl.max(gap_max, axis=0)))
+    tl.store(out + 12, tl.sum(nonfinite_rows, axis=0))
+
+
+@triton.jit
+def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+                ONLY_NONZERO_COLUMN: tl.constexpr = -1, COUNT: tl.constexpr = False):
+    """Sum over samples of one column of the partials, in a fixed order; with ONLY_NONZERO_COLUMN, only over the
+    samples where that column is > 0; with COUNT, the number of such samples instead."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for block_start in range(0, num_samples, BLOCK):
+        samples = block_start + tl.arange(0, BLOCK)
+        inside = samples < num_samples
+        value = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + COLUMN, mask=inside, other=0.0)
+        if ONLY_NONZERO_COLUMN >= 0:
+            keep = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + ONLY_NONZERO_COLUMN, mask=inside,
+                           other=0.0) > 0
+            if COUNT:
+                value = keep.to(tl.float32)
+            else:
+                value = tl.where(keep, value, 0.0)
+        acc += value
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _objective_finish_kernel(
+    partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr,
+    num_samples, num_items, num_seqs, qkl_coef, entropy_coef,
+    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_REF_QUERY: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
+    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+):
+    response_rows = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK)
+    samples_with_query = _column_sum(partials_ptr, num_samples, 0, NUM_PARTIALS_, BLOCK, 0, True)
+    samples_with_response = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK, 1, True)
+    # The denominators (modes: 0 = counted here, 1 = the number passed, 2 = a 1-element tensor), each >= 1.
+    if NUM_SEQS_MODE == 0:
+        seqs = samples_with_response
+        query_seqs = samples_with_query
+    elif NUM_SEQS_MODE == 1:
+        seqs = num_seqs
+        query_seqs = num_seqs
+    else:
+        seqs = tl.load(num_seqs_ptr).to(tl.float32)
+        query_seqs = seqs
+    if LOSS_AGG == 0:
+        if NUM_ITEMS_MODE == 0:
+            items = response_rows
+        elif NUM_ITEMS_MODE == 1:
+            items = num_items
+        else:
+            items = tl.load(num_items_ptr).to(tl.float32)
+        term_scale = 1.0 / tl.maximum(items, 1.0)
+    else:
+        term_scale = 1.0 / tl.maximum(seqs, 1.0)
+    qkl_scale = 1.0 / tl.maximum(query_seqs, 1.0)
+    per_response_row = 1.0 / tl.maximum(response_rows, 1.0)
+    entropy_mean = _column_sum(partials_ptr, num_samples, 6, NUM_PARTIALS_, BLOCK) * per_response_row
+    qkl = _column_sum(partials_ptr, num_samples, 2, NUM_PARTIALS_, BLOCK, 0) * qkl_scale
+    loss = _column_sum(partials_ptr, num_samples, 3, NUM_PARTIALS_, BLOCK, 1) * term_scale
+    if ENTROPY_TOKEN_MEAN:
+        loss -= entropy_coef * entropy_mean
+    if USE_QKL:
+        loss += qkl_coef * qkl
+    nonfinite = _column_sum(partials_ptr, num_samples, 12, NUM_PARTIALS_, BLOCK)
+    tl.store(loss_ptr, tl.where(nonfinite > 0, float("nan"), loss))
+    tl.store(scales_ptr + 0, term_scale)
+    tl.store(scales_ptr + 1, qkl_scale)
+    tl.store(scales_ptr + 2, term_scale if ENTROPY_IN_TERM else per_response_row)
+
+    # The metrics, in FLOAT_METRICS' order.
+    nan = float("nan")
+    query_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    gap_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    gap_nan = tl.zeros([BLOCK], dtype=tl.float32)
+    for block_start in range(0, num_samples, BLOCK):
+        samples = block_start + tl.arange(0, BLOCK)
+        inside = samples < num_samples
+        has_query = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 0, mask=inside, other=0.0) > 0
+        query_acc += tl.where(has_query, tl.load(query_logp_ptr + samples, mask=inside, other=0.0), 0.0)
+        sample_gap = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 11, mask=inside, other=0.0)
+        gap_acc = tl.maximum(gap_acc, sample_gap)  # drops NaN: counted apart
+        gap_nan += (sample_gap != sample_gap).to(tl.float32)
+    gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))
+    tl.store(metrics_ptr + 0, qkl if HAS_REF_QUERY else nan)
+    policy_kl = _column_sum(partials_ptr, num_samples, 5, NUM_PARTIALS_, BLOCK) * per_response_row
+    tl.store(metrics_ptr + 1, policy_kl if HAS_REF_LOGP else nan)
+    tl.store(metrics_ptr + 2, entropy_mean if HAS_ENTROPY else nan)
+    tl.store(metrics_ptr + 3, _column_sum(partials_ptr, num_samples, 7, NUM_PARTIALS_, BLOCK) * per_response_row)
+    tl.store(metrics_ptr + 4, _column_sum(partials_ptr, num_samples, 4, NUM_PARTIALS_, BLOCK, 1) * term_scale)
+    tl.store(metrics_ptr + 5, _column_sum(partials_ptr, num_samples, 8, NUM_PARTIALS_, BLOCK) * per_response_row)
+    tl.store(metrics_ptr + 6, tl.sum(query_acc, axis=0) / tl.maximum(samples_with_query, 1.0))
+    is_weight = _column_sum(partials_ptr, num_samples, 9, NUM_PARTIALS_, BLOCK) * per_response_row
+    tl.store(metrics_ptr + 7, is_weight if HAS_ROLLOUT and HAS_IS_CAP else nan)
+    gap_abs = _column_sum(partials_ptr, num_samples, 10, NUM_PARTIALS_, BLOCK) * per_response_row
+    tl.store(metrics_ptr + 8, gap_abs if HAS_ROLLOUT else nan)
+    tl.store(metrics_ptr + 9, gap_max if HAS_ROLLOUT else nan)
+    tl.store(metrics_ptr + 10, nan)  # off_policy_masked_frac: the off-policy mask is not fused
+    tl.store(metrics_ptr + 11, entropy_mean if HAS_ENTROPY else nan)  # kept_entropy: no entropy filter
+    tl.store(metrics_ptr + 12, nan)  # vespo_phi_mean: vespo is not fused
+    tl.store(counts_ptr + 0, response_rows.to(tl.int64))
+    tl.store(counts_ptr + 1, nonfinite.to(tl.int64))
+    tl.store(counts_ptr + 2, response_rows.to(tl.int64))  # kept_tokens: every response row without the filter
+
+
+@triton.jit
+def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_ptr, scales_ptr, grad_logp_ptr,
+                           grad_entropy_ptr, num_rows, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < num_rows
+    kind = tl.load(kind_ptr + rows, mask=inside, other=0)
+    grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
+    term_scale = tl.load(scales_ptr + 0)
+    qkl_scale = tl.load(scales_ptr + 1)
+    entropy_scale = tl.load(scales_ptr + 2)
+    coef_logp = tl.load(coef_logp_ptr + rows, mask=inside, other=0.0)
+    coef_entropy = tl.load(coef_entropy_ptr + rows, mask=inside, other=0.0)
+    # rows of kind 0 (and rows no sample program visited: their coefficients are never written) get exact zeros
+    grad_logp = tl.where(kind == 2, coef_logp * (term_scale * grad_loss),
+                         tl.where(kind == 1, coef_logp * (qkl_scale * grad_loss), 0.0))
+    grad_entropy = tl.where(kind == 2, coef_entropy * (entropy_scale * grad_loss), 0.0)
+    tl.store(grad_logp_ptr + rows, grad_logp, mask=inside)
+    tl.store(grad_entropy_ptr + rows, grad_entropy, mask=inside)
+
+
+SETTING_NAMES = ("has_entropy", "has_ref_query", "has_query_weight", "has_old", "has_ref_logp", "has_token_weight",
+                 "has_rollout", "has_is_cap", "has_dual", "has_pg_clamp", "has_kl_clamp", "sequence_ratio",
+                 "bias_correction", "qkl_estimator", "loss_agg", "entropy_in_loss_agg", "clip_low", "clip_high",
+                 "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap", "qkl_coef",
+                 "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "num_items_mode", "num_items",
+                 "num_seqs_mode", "num_seqs")
+
+
+def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
+    """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
+    the estimator and loss_agg as their codes; an absent number as 0)."""
+    cap = options.rollout_is_cap
+    settings = dict(
+        has_entropy=has_entropy, has_ref_query=inputs.ref_query_logp is not None,
+        has_query_weight=inputs.query_weight is not None, has_old=inputs.old_logp is not None,
+        has_ref_logp=inputs.ref_logp is not None, has_token_weight=inputs.token_weight is not None,
+        has_rollout=inputs.rollout_logp is not None, has_is_cap=cap is not None,
+        has_dual=options.dual_clip is not None, has_pg_clamp=options.pg_log_ratio_clamp is not None,
+        has_kl_clamp=options.kl_clamp is not None, sequence_ratio=options.ratio_level == "sequence",
+        bias_correction=options.policy_kl_bias_correction, qkl_estimator=QKL_ESTIMATOR_CODES[options.qkl_estimator],
+        loss_agg=LOSS_AGG_CODES[options.loss_agg], entropy_in_loss_agg=options.entropy_agg == "loss-agg",
+        clip_low=options.clip_low, clip_high=options.clip_high, dual_clip=options.dual_clip or 0.0,
+        pg_log_ratio_clamp=options.pg_log_ratio_clamp or 0.0, log_ratio_clamp=options.log_ratio_clamp,
+        kl_clamp=options.kl_clamp or 0.0, log_rollout_is_cap=0.0 if cap is None else math.log(cap),
+        qkl_coef=options.qkl_coef, qkl_linear_beyond=options.qkl_linear_beyond,
+        policy_kl_coef=options.policy_kl_coef, entropy_coef=options.entropy_coef,
+        num_items_mode=_denominator_mode(options.num_items), num_items=_denominator_value(options.num_items),
+        num_seqs_mode=_denominator_mode(options.num_seqs), num_seqs=_denominator_value(options.num_seqs))
+    return [float(settings[name]) for name in SETTING_NAMES]
+
+
+def _denominator_mode(value) -> float:
+    """0: counted by the kernels (None), 1: a number, 2: a 1-element tensor (passed as a tensor argument)."""
+    return 0.0 if value is None else 2.0 if isinstance(value, torch.Tensor) else 1.0
+
+
+def _denominator_value(value) -> float:
+    return float(value) if value is not None and not isinstance(value, torch.Tensor) else 0.0
+
+
+# loss, query_logp, response_logp, metrics, counts, the two gradient coefficients, the global factors
+ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                         torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("erpo::triton_objective", mutates_args=())
+def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
+                 order: torch.Tensor, starts: torch.Tensor, advantages: torch.Tensor,
+                 ref_query_logp: Optional[torch.Tensor], query_weight: Optional[torch.Tensor],
+                 old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor],
+                 token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor],
+                 num_items: Optional[torch.Tensor], num_seqs: Optional[torch.Tensor],
+                 settings: List[float]) -> ObjectiveOutputs:
+    """The objective's forward (module docstring): token_logp, entropy [N] fp32, token_kind [N], order [N] (rows
+    sorted by sample), starts [S + 1], the `LossInputs` tensors, num_items / num_seqs as 1-element tensors when
+    given so, `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
+    metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and for the backward the gradient
+    coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable (in token_logp, entropy)."""
+    s = dict(zip(SETTING_NAMES, settings))
+    num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
+    device = token_logp.device
+    partials = torch.empty(num_samples, NUM_PARTIALS, dtype=torch.float32, device=device)
+    query_logp, response_logp = (torch.empty(num_samples, dtype=torch.float32, device=device) for _ in range(2))
+    coef_logp, coef_entropy = (torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(2))
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
+    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
+    scales = torch.empty(3, dtype=torch.float32, device=device)
+    flag = lambda name: bool(s[name])  # noqa: E731
+    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
+    use_qkl = flag("has_ref_query") and s["qkl_coef"] != 0
+    entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
+    if num_samples > 0:
+        _objective_sample_kernel[(num_samples,)](
+            token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts, advantages,
+            *(any_tensor if t is None else t for t in (ref_query_logp, query_weight, old_logp, ref_logp,
+                                                       token_weight, rollout_logp)),
+            partials, query_logp, response_logp, coef_logp, coef_entropy,
+            s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
+            s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
+            s["entropy_coef"],
+            HAS_ENTROPY=flag("has_entropy"), HAS_REF_QUERY=flag("has_ref_query"),
+            HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
+            HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
+            HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
+            HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
+            USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
+            SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
+            PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
+            QKL_ESTIMATOR=int(s["qkl_estimator"]), NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+    _objective_finish_kernel[(1,)](
+        partials, query_logp, any_tensor if num_items is None else num_items,
+        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
+        num_samples, s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
+        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_REF_QUERY=flag("has_ref_query"),
+        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
+        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
+        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    return loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales
+
+
+@objective_op.register_fake
+def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
+      token_weight, rollout_logp, num_items, num_seqs, settings):
+    num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
+    fp32 = dict(dtype=torch.float32)
+    return (token_logp.new_empty((), **fp32), token_logp.new_empty(num_samples, **fp32),
+            token_logp.new_empty(num_samples, **fp32), token_logp.new_empty(len(FLOAT_METRICS), **fp32),
+            token_logp.new_empty(len(COUNT_METRICS), dtype=torch.int64), token_logp.new_empty(num_rows, **fp32),
+            token_logp.new_empty(num_rows, **fp32), token_logp.new_empty(3, **fp32))
+
+
+@torch.library.custom_op("erpo::triton_objective_backward", mutates_args=())
+def objective_backward_op(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
+                          coef_entropy: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d loss / d token_logp, d loss / d entropy), each [N] fp32, for grad_loss [] (module docstring, kernel 3)."""
+    num_rows = coef_logp.shape[0]
+    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
+    if num_rows > 0:
+        _objective_grad_kernel[(triton.cdiv(num_rows, ROW_BLOCK),)](
+            grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
+    return grad_logp, grad_entropy
+
+
+@objective_backward_op.register_fake
+def _(grad_loss, token_kind, coef_logp, coef_entropy, scales):
+    return torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
+
+
+def _setup_context(ctx, inputs, output):
+    token_kind = inputs[2]
+    coef_logp, coef_entropy, scales = output[5:]
+    ctx.save_for_backward(token_kind, coef_logp, coef_entropy, scales)
+    ctx.has_entropy = inputs[1] is not None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 15
+    grad_logp, grad_entropy = objective_backward_op(grad_loss.float().contiguous(), token_kind, coef_logp,
+                                                    coef_entropy, scales)
+    return (grad_logp, grad_entropy if ctx.has_entropy else None) + (None,) * 13
+
+
+objective_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
+                     sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions) -> LossOutput:
+    """`objective.erpo_objective` on these kernels, for options where `fuses(options, ...)` holds (the caller
+    checks): token_logp [N] fp32 and entropy [N] fp32 or None (then the entropy metrics are NaN and entropy_coef
+    must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated."""
+    num_samples = inputs.advantages.shape[0]
+    # The rows sorted by sample, once per call (rows of kind 0 are skipped by the kernels, whatever their index).
+    sorted_samples, order = torch.sort(sample_index, stable=True)
+    starts = torch.searchsorted(sorted_samples, torch.arange(num_samples + 1, dtype=sorted_samples.dtype,
+                                                             device=sample_index.device))
+
+    def as_fp32(tensor):
+        return None if tensor is None else tensor.float().contiguous()
+
+    def as_tensor_argument(value):
+        return as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
+
+    loss, query_logp, response_logp, metrics, counts, *_ = objective_op(
+        token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
+        starts, as_fp32(inputs.advantages), as_fp32(inputs.ref_query_logp), as_fp32(inputs.query_weight),
+        as_fp32(inputs.old_logp), as_fp32(inputs.ref_logp), as_fp32(inputs.token_weight),
+        as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
+        objective_settings(options, inputs, entropy is not None))
+    values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
+    metric_values = LossMetrics(
+        qkl=values["qkl"], policy_kl=values["policy_kl"], entropy=values["entropy"], clip_frac=values["clip_frac"],
+        pg_loss=values["pg_loss"], ratio_mean=values["ratio_mean"], query_logp_mean=values["query_logp_mean"],
+        rollout_is_weight=values["rollout_is_weight"], rollout_logp_gap_abs=values["rollout_logp_gap_abs"],
+        rollout_logp_gap_max=values["rollout_logp_gap_max"], response_tokens=values["response_tokens"],
+        nonfinite_rows=values["nonfinite_rows"], off_policy_masked_frac=values["off_policy_masked_frac"],
+        kept_tokens=values["kept_tokens"], kept_entropy=values["kept_entropy"],
+        vespo_phi_mean=values["vespo_phi_mean"])
+    detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
+    return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
+                      response_logp=response_logp, entropy=detached_entropy, metrics=metric_values)

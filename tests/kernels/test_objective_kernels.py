@@ -1,0 +1,327 @@
+"""The Triton path's objective kernels (erpo_kernels/triton_objective.py) and row checks (triton_row_checks.py):
+what one erpo_loss call costs (kernel launches and host syncs, counted on any machine), and its values, gradients
+and metrics against the torch reference for every option combination the kernels fuse."""
+import pytest
+import torch
+
+from erpo_kernels import erpo_loss
+from erpo_kernels.api import objective_on_backend
+from erpo_kernels.triton_objective import fuses, objective_backward_op, objective_op, objective_settings
+from erpo_kernels.triton_row_checks import first_bad_row_op
+from erpo_kernels.validation import LossInputs, LossOptions
+from helpers import loss_inputs, random_batch
+from launch_counts import LaunchCounter
+
+MAX_LAUNCHES = 20  # per fwd+bwd of erpo_loss on the Triton path (issue 32)
+NUM_ROWS = 48
+
+
+def rollout_tensors(batch):
+    g = torch.Generator().manual_seed(11)
+    device = batch["logits"].device
+    token_weight = (torch.rand(NUM_ROWS, generator=g) * 2).to(device)
+    token_weight[batch["token_kind"] == 0] = float("nan")  # never read on rows of kind 0
+    return dict(token_weight=token_weight,
+                rollout_logp=batch["old_logp"] + 0.4 * torch.randn(NUM_ROWS, generator=g).to(device))
+
+
+# The option sets TRL / erpo train with most (issue 32's list); each must be fused (`fuses`).
+FUSED_CASES = {
+    "default": {},
+    "gspo": dict(ratio_level="sequence"),
+    "gspo-dual-pg-clamp": dict(ratio_level="sequence", dual_clip=2.0, pg_log_ratio_clamp=0.3, clip_low=0.05),
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean", qkl_coef=0.2),
+    "seq-mean-token-sum": dict(loss_agg="seq-mean-token-sum", num_seqs=7),
+    "k1": dict(qkl_estimator="k1"),
+    "k2-kl-clamp": dict(qkl_estimator="k2", qkl_coef=0.5, kl_clamp=0.5, qkl_linear_beyond=2.0),
+    "k3-linear-beyond": dict(qkl_coef=0.3, qkl_linear_beyond=1.5),
+    "k3-kl-clamp": dict(qkl_coef=0.3, kl_clamp=20.0, qkl_linear_beyond=8.0),
+    "policy-kl": dict(policy_kl_coef=0.1, log_ratio_clamp=0.5),
+    "policy-kl-bias": dict(policy_kl_coef=0.1, policy_kl_bias_correction=True, pg_log_ratio_clamp=0.2),
+    "policy-kl-bias-gspo": dict(policy_kl_coef=0.1, policy_kl_bias_correction=True, ratio_level="sequence",
+                                kl_clamp=0.05),
+    "entropy-loss-agg": dict(entropy_coef=0.05, loss_agg="seq-mean-token-mean"),
+    "entropy-token-mean": dict(entropy_coef=0.05, entropy_agg="token-mean", loss_agg="seq-mean-token-sum"),
+    "dual-clip": dict(dual_clip=1.5, clip_low=0.1, clip_high=0.28),
+    "rollout-is": dict(_rollout=True, rollout_is_cap=1.5),
+    "rollout-no-cap": dict(_rollout=True, rollout_is_cap=None, policy_kl_coef=0.05),
+    "transform-num-items": dict(temperature=0.7, logit_scale=0.5, logit_softcap=3.0, num_items=100),
+    "tensor-denominators": dict(_tensor_denominators=True, loss_agg="seq-mean-token-mean"),
+    "on-policy": dict(_on_policy=True, qkl_estimator="k2"),
+    "no-query-weight": dict(_without=("query_weight",), qkl_coef=0.0),
+}
+# Options the kernels leave to the reference objective (on the Triton path's per-sample sums).
+FALLBACK_CASES = {
+    "cispo": dict(pg_objective="cispo"),
+    "sapo": dict(pg_objective="sapo"),
+    "vespo": dict(pg_objective="vespo"),
+    "off-policy-mask": dict(off_policy_mask_threshold=0.1),
+    "entropy-filter": dict(top_entropy_quantile=0.5),
+    "k3-token": dict(qkl_estimator="k3-token", qkl_coef=0.3),
+}
+
+
+def call_arguments(batch, case: dict):
+    """(tensors, options) of one case: the batch's inputs plus the case's own ("_"-prefixed keys are not options)."""
+    options = dict(case)
+    tensors = loss_inputs(batch)
+    if options.pop("_rollout", False):
+        tensors.update(rollout_tensors(batch))
+    if options.pop("_tensor_denominators", False):
+        device = batch["logits"].device
+        options.update(num_items=torch.tensor(30.0, device=device), num_seqs=torch.tensor(4.0, device=device))
+    if options.pop("_on_policy", False):
+        tensors.pop("old_logp")
+    for name in options.pop("_without", ()):
+        tensors.pop(name)
+    return tensors, options
+
+
+def run(batch, backend, case, **extra):
+    tensors, options = call_arguments(batch, case)
+    logits = batch["logits"].clone().requires_grad_(True)
+    out = erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
+                    **tensors, **options, **extra)
+    out.loss.backward()
+    return out, logits.grad
+
+
+def count_launches(batch, case, **extra):
+    tensors, options = call_arguments(batch, case)
+    logits = batch["logits"].clone().requires_grad_(True)
+    with LaunchCounter() as counter:
+        out = erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
+                        **tensors, **options, **extra)
+        out.loss.backward()
+    return counter
+
+
+def assert_matches_reference(batch, case, grad_tolerance=dict(rtol=1e-4, atol=1e-6)):
+    (ref, ref_grad), (tri, tri_grad) = (run(batch, backend, case) for backend in ("torch", "triton"))
+    torch.testing.assert_close(tri.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tri_grad, ref_grad, **grad_tolerance)
+    for name in ("token_logp", "query_logp", "response_logp", "entropy"):
+        torch.testing.assert_close(getattr(tri, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
+    assert list(tri.metrics) == list(ref.metrics)
+    for name, value in ref.metrics.items():
+        torch.testing.assert_close(tri.metrics[name], value, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    return tri, tri_grad
+
+
+def test_the_cases_are_fused_or_not_as_listed():
+    logp = torch.zeros(3)
+    for case in FUSED_CASES.values():
+        _, options = call_arguments(random_batch(), case)
+        assert fuses(LossOptions(**options), logp, logp)
+    for case in FALLBACK_CASES.values():
+        assert not fuses(LossOptions(**case), logp, logp)
+    assert not fuses(LossOptions(), logp.double(), logp.double())  # fp64 log-probs: the reference
+
+
+@pytest.mark.parametrize("case", FUSED_CASES.values(), ids=FUSED_CASES.keys())
+def test_fused_objective_matches_reference(case, device):
+    assert_matches_reference(random_batch(device=device), case)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES.values(), ids=FUSED_CASES.keys())
+def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
+    """aten kernels + Triton launches (the counts do not depend on N or V, nor on the device). validate=True: one
+    host read (the row checks); validate=False: none."""
+    batch = random_batch(device=device)
+    counter = count_launches(batch, case)
+    assert counter.launches <= MAX_LAUNCHES, counter.names
+    assert counter.syncs == 1, counter.names
+    unchecked = count_launches(batch, case, validate=False)
+    assert unchecked.syncs == 0
+    assert unchecked.launches == counter.launches - 2  # the row-check kernel and its code's fill
+    assert unchecked.names["triton._objective_sample_kernel"] == 1
+    assert unchecked.names["triton._logp_entropy_backward_kernel"] == 1
+
+
+@pytest.mark.parametrize("case", FALLBACK_CASES.values(), ids=FALLBACK_CASES.keys())
+def test_unfused_options_run_the_reference_objective_with_one_sync(case, device):
+    batch = random_batch(device=device)
+    assert_matches_reference(batch, case)
+    counter = count_launches(batch, case)
+    assert counter.names["triton._objective_sample_kernel"] == 0
+    assert counter.syncs == 1  # the row checks (none in the reference objective)
+
+
+def test_launch_count_of_the_default_options_is_14(device):
+    """The count API.md quotes, on the CPU: forward 11 (row checks 2 + 1 read, scored targets 3, logp/entropy 1,
+    the rows' sort 3, objective 2), backward 3 (grad_output's ones, the objective's coefficients, dlogits)."""
+    if device.type != "cpu":
+        pytest.skip("the exact count is the interpreter's (CPU); on a GPU the <= 20 test counts")
+    counter = count_launches(random_batch(), {})
+    assert counter.launches == 14, counter.names
+
+
+def test_validate_false_still_checks_shapes_and_options(device):
+    batch = random_batch(device=device)
+    tensors, _ = call_arguments(batch, {})
+    with pytest.raises(ValueError, match="advantages"):
+        erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
+                  validate=False, **dict(tensors, advantages=torch.zeros(2, 2, device=device)))
+    with pytest.raises(ValueError, match="loss_agg"):
+        erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
+                  validate=False, loss_agg="mean", **tensors)
+    with pytest.raises(TypeError, match="validate must be True or False"):
+        erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
+                  validate="no", **tensors)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", ["token_kind", "sample_index", "targets", "token_weight", "rollout_logp", "two"])
+def test_row_checks_name_the_first_bad_row_on_both_backends(bad, backend, device):
+    """The Triton row-check kernel and the torch masks report the same first failing check and row."""
+    batch = random_batch(device=device)
+    tensors = dict(loss_inputs(batch), **rollout_tensors(batch))
+    scored = (batch["token_kind"] != 0).nonzero().flatten()
+    response = (batch["token_kind"] == 2).nonzero().flatten()
+    kind, sample, targets = batch["token_kind"].clone(), batch["sample_index"].clone(), batch["targets"].clone()
+    expected = {"token_kind": (kind, scored[3], 7, "token_kind must be 0, 1 or 2"),
+                "sample_index": (sample, scored[5], 5, "sample_index must lie in [0, 5)"),
+                "targets": (targets, scored[2], 37, "targets must lie in [0, 37)"),
+                "token_weight": (tensors["token_weight"], scored[4], -1.0, "token_weight must be finite and >= 0"),
+                "rollout_logp": (tensors["rollout_logp"], response[1], float("nan"), "rollout_logp is NaN"),
+                "two": (sample, scored[9], -1, "sample_index must lie in [0, 5)")}
+    tensor, row, value, message = expected[bad]
+    tensor[row] = value
+    if bad == "two":  # a later check's bad row before an earlier check's: the earlier check is reported
+        tensors["token_weight"][scored[1]] = float("inf")
+    with pytest.raises(ValueError) as error:
+        erpo_loss(batch["logits"], targets, kind, sample, backend=backend, **tensors)
+    assert str(error.value).startswith(message) and f"row {int(row)} " in f"{error.value} ", str(error.value)
+
+
+def test_fused_objective_is_deterministic_and_batch_rows_may_come_in_any_order(device):
+    """Bit for bit run to run; rows of one sample need not be contiguous (they are sorted by sample, stably)."""
+    batch = random_batch(device=device, num_rows=NUM_ROWS)
+    case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", policy_kl_coef=0.1, entropy_coef=0.02)
+    first, first_grad = run(batch, "triton", case)
+    again, again_grad = run(batch, "triton", case)
+    assert torch.equal(first.loss, again.loss) and torch.equal(first_grad, again_grad)
+    for name, value in first.metrics.items():
+        assert torch.equal(value, again.metrics[name]) or (value.isnan() and again.metrics[name].isnan())
+    permutation = torch.randperm(NUM_ROWS, generator=torch.Generator().manual_seed(5)).to(device)
+    shuffled = {name: tensor[permutation] if tensor.shape[0] == NUM_ROWS else tensor for name, tensor in batch.items()}
+    moved, moved_grad = run(shuffled, "triton", case)
+    torch.testing.assert_close(moved.loss, first.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(moved_grad, first_grad[permutation], rtol=1e-5, atol=1e-7)
+
+
+def test_nonfinite_rows_give_nan_loss_and_zero_rows_stay_exactly_zero(device):
+    batch = random_batch(device=device)
+    kind = batch["token_kind"]
+    batch["logits"][(kind == 2).nonzero()[0, 0], 3] = float("nan")
+    padding = (kind == 0).nonzero().flatten()
+    batch["logits"][padding[0]] = float("inf")
+    out, grad = run(batch, "triton", dict(policy_kl_coef=0.1, entropy_coef=0.05))
+    assert torch.isnan(out.loss) and out.metrics["nonfinite_rows"].item() == 1
+    assert grad[padding].eq(0).all()
+    clean = random_batch(device=device)
+    clean["advantages"][:] = 0.0  # no policy gradient: response rows get none; query rows only the Query-KL's
+    out, grad = run(clean, "triton", {})
+    assert torch.isfinite(out.loss)
+    assert grad[clean["token_kind"] == 2].eq(0).all() and grad[clean["token_kind"] == 0].eq(0).all()
+    assert grad[clean["token_kind"] == 1].abs().sum() > 0
+
+
+def test_bf16_logits_through_the_fused_objective(device):
+    batch = random_batch(device=device, dtype=torch.bfloat16)
+    tri, grad = assert_matches_reference(batch, dict(policy_kl_coef=0.1, ratio_level="sequence"),
+                                         grad_tolerance=dict(rtol=2e-2, atol=2e-2))
+    assert grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_objective_on_log_probs_matches_the_reference(with_entropy, device):
+    """The function logprob_erpo_loss runs on: gradients with respect to token_logp and entropy themselves. Without
+    entropy the kernels take none (the reference, which needs one, gets zeros: entropy_coef is 0)."""
+    batch = random_batch(device=device)
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(NUM_ROWS, generator=g) * 3).to(device)
+    entropy = (torch.rand(NUM_ROWS, generator=g) * 2).to(device) if with_entropy else None
+    tensors, options = call_arguments(batch, dict(_rollout=True, policy_kl_coef=0.1, ratio_level="sequence",
+                                                  entropy_coef=0.05 if with_entropy else 0.0))
+    inputs, opts = LossInputs(**tensors), LossOptions(**options)
+    results = []
+    for triton in (False, True):
+        leaves = [logp.clone().requires_grad_(True)] + ([entropy.clone().requires_grad_(True)] if with_entropy else [])
+        entropy_leaf = leaves[1] if with_entropy else None if triton else torch.zeros_like(logp)
+        out = objective_on_backend(leaves[0], entropy_leaf, batch["token_kind"],
+                                   batch["sample_index"], inputs=inputs, options=opts, triton=triton)
+        results.append((out, torch.autograd.grad(out.loss, leaves)))
+    (ref, ref_grads), (tri, tri_grads) = results
+    torch.testing.assert_close(tri.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    for grad, ref_grad in zip(tri_grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+    for name in ("qkl", "policy_kl", "pg_loss", "clip_frac", "ratio_mean", "rollout_is_weight"):
+        torch.testing.assert_close(tri.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6)
+    if not with_entropy:
+        assert tri.metrics["entropy"].isnan()
+
+
+def test_opcheck_objective_ops(device):
+    batch = random_batch(device=device)
+    tensors, options = call_arguments(batch, dict(_rollout=True, policy_kl_coef=0.1, entropy_coef=0.05))
+    inputs, opts = LossInputs(**tensors), LossOptions(**options)
+    logp = (-torch.rand(NUM_ROWS) * 3).to(device).requires_grad_(True)
+    entropy = (torch.rand(NUM_ROWS) * 2).to(device).requires_grad_(True)
+    sorted_samples, order = torch.sort(batch["sample_index"], stable=True)
+    starts = torch.searchsorted(sorted_samples, torch.arange(6, device=device))
+    arguments = (logp, entropy, batch["token_kind"], order, starts, inputs.advantages, inputs.ref_query_logp,
+                 inputs.query_weight, inputs.old_logp, inputs.ref_logp, inputs.token_weight, inputs.rollout_logp, None,
+                 None, objective_settings(opts, inputs, True))
+    # Not opcheck's AOT-dispatch comparison: its assert_close has equal_nan=False and the metrics vector holds NaN
+    # by definition (the unfused metrics); test_compiled_fused_loss_equals_eager runs the op under AOT autograd.
+    torch.library.opcheck(objective_op, arguments,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    coefs = objective_op(*arguments)[5:]
+    torch.library.opcheck(objective_backward_op, (torch.tensor(1.0, device=device), batch["token_kind"], *coefs))
+    torch.library.opcheck(first_bad_row_op, (batch["token_kind"], batch["sample_index"], batch["targets"],
+                                             inputs.token_weight, inputs.rollout_logp, 5, 37))
+
+
+def test_compiled_fused_loss_equals_eager(device):
+    """torch.compile(fullgraph=True) keeps the ops whole (no graph break); the row checks become one assert."""
+    batch = random_batch(device=device)
+    tensors, options = call_arguments(batch, dict(_rollout=True, ratio_level="sequence", policy_kl_coef=0.1))
+
+    def loss(logits):
+        return erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
+                         **tensors, **options).loss
+
+    logits = batch["logits"].clone().requires_grad_(True)
+    torch._dynamo.reset()
+    eager = loss(logits)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(logits)
+    (grad,) = torch.autograd.grad(compiled, logits)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("entry", ["module", "fused-linear"])
+def test_validate_false_reaches_the_other_entry_points(entry, device):
+    """ERPOLoss(validate=...) and fused_linear_erpo_loss(validate=...): one host read when on, none when off."""
+    from erpo_kernels import ERPOLoss, fused_linear_erpo_loss
+
+    batch = random_batch(device=device)
+    hidden, weight = torch.randn(NUM_ROWS, 8).to(device), torch.randn(37, 8).to(device)
+
+    def call(validate, token_kind=batch["token_kind"]):
+        if entry == "module":
+            loss_fn = ERPOLoss(backend="triton", validate=validate)
+            return loss_fn(batch["logits"], batch["targets"], token_kind, batch["sample_index"], **loss_inputs(batch))
+        return fused_linear_erpo_loss(hidden, weight, batch["targets"], token_kind, batch["sample_index"],
+                                      backend="triton", validate=validate, **loss_inputs(batch))
+
+    for validate, syncs in ((True, 1), (False, 0)):
+        with LaunchCounter() as counter:
+            call(validate)
+        assert counter.syncs == syncs
+    bad_kind = batch["token_kind"].clone()
+    bad_kind[4] = 3
+    with pytest.raises(ValueError, match="token_kind must be 0, 1 or 2; row 4 holds 3"):
+        call(True, bad_kind)
