@@ -8,7 +8,7 @@ per-token vectors), common.py (torch helpers, the online log-sum-exp, the logit 
 reference: reference.py, segment.py, torch_fused_linear.py. The Triton path (imported only when Triton is installed;
 its passes are torch.library ops, compile-ready): triton_common.py (@triton.jit helpers), triton_logits.py,
 triton_fused_linear.py, triton_segment.py. Nothing on the reference side imports the Triton path (the import contract
-in setup.cfg, checked by tests/test_lint.py).
+in setup.cfg, checked by tests/repo/test_lint.py).
 """
 from . import layout, lm_head, zero3
 from .api import MAX_QUERY_WEIGHT, erpo_loss, query_weights, token_logprobs
