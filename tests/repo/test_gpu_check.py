@@ -74,3 +74,18 @@ def test_a_failing_stage_is_reported_and_the_next_one_runs(check, tmp_path):
     first = check.run("broken", ["bash", "-c", "exit 3"], tmp_path / "a.log", limit_s=30)
     second = check.run("fine", ["bash", "-c", "true"], tmp_path / "b.log", limit_s=30)
     assert (first.status, first.exit_code) == ("failed", 3) and (second.status, second.exit_code) == ("ok", 0)
+
+
+def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
+    from bench.__main__ import parse_args
+    from bench.contenders import CONTENDER_KEYS
+
+    planned = set()
+    for run in gpu_check.BENCH_RUNS:
+        args = parse_args(run.arguments(dry_run=False) + ["--out", "unused"])
+        keys = set(args.contenders.split(",")) - set(filter(None, args.skip.split(",")))
+        assert keys <= set(CONTENDER_KEYS) and args.budget == 2
+        planned |= {(int(n), key) for n in args.n.split(",") for key in keys}
+    every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
+    assert every - planned == {(65536, "torch")} and planned <= every
+    assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
