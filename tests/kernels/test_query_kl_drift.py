@@ -35,7 +35,7 @@ def drifted_prompt(r: float, device: torch.device):
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(4, 11, generator=g) * 2).to(device)
     targets = torch.tensor([3, 7, 0, -100], device=device)
-    logits[[0, 1, 2], targets[:3]] = -200.0
+    logits[torch.arange(3, device=device), targets[:3]] = -200.0
     token_kind = torch.tensor([1, 1, 1, 0], device=device)
     log_probs = torch.log_softmax(logits.double()[:3], -1)
     ell = log_probs.gather(1, targets[:3, None]).sum()
