@@ -228,7 +228,7 @@ class GpuCheck:
             return
         merged = self.work / "bench-merged"
         done = subprocess.run([sys.executable, "-m", "bench", "--merge", str(progress), "--out", str(merged)],
-                              cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120)
+                              cwd=REPO, env=self.env, capture_output=True, text=True, timeout=SUMMARY_RESERVE_S)
         if done.returncode == 0:
             shutil.copyfile(merged / "results.md", self.out / "bench-results.md")
         self.log(f"bench merge: exit {done.returncode}" + (f"\n{done.stderr[-2000:]}" if done.returncode else ""))

@@ -2,7 +2,8 @@
 interpreter runs on CPU tensors, and fails on a GPU, where the compiled kernels refuse them (23 tests did on the first
 H100 run, issue 31). So every tensor a kernel-tier test file creates names its device: each torch factory call passes
 `device=` (the `device` fixture's, or "cpu" on purpose) or is moved at once (`.to(device, ...)`), and each call of a
-test helper that takes a `device` argument passes one."""
+test helper that takes a `device` argument passes one. (Not checked: modules, which a test moves with `.to(device)`;
+helpers are known by name, so two helpers of one name in different files count as one.)"""
 import ast
 from pathlib import Path
 
