@@ -16,12 +16,12 @@ from .fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs
 from .layout import CompletionLayout, completion_layout, from_padded
 from .model_config import logit_transforms_from_config
 from .modules import ERPOLoss, FusedLinearERPOLoss
-from .objective import LossOutput
+from .objective import LossMetrics, LossOutput
 from .padded import PaddedLossOutput, padded_erpo_loss
 from .validation import OPTION_CHOICES, LossInputs, LossOptions
 
-__all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossOptions", "LossOutput",
-           "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "completion_layout", "erpo_loss", "from_padded",
-           "fused_linear_erpo_loss", "fused_linear_token_logprobs", "layout", "lm_head", "logit_transforms_from_config",
-           "padded_erpo_loss", "query_weights", "token_logprobs", "zero3"]
+__all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossMetrics", "LossOptions",
+           "LossOutput", "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "completion_layout", "erpo_loss",
+           "from_padded", "fused_linear_erpo_loss", "fused_linear_token_logprobs", "layout", "lm_head",
+           "logit_transforms_from_config", "padded_erpo_loss", "query_weights", "token_logprobs", "zero3"]
 __version__ = "0.1.0"

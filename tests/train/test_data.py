@@ -33,6 +33,26 @@ def test_arithmetic_dataset_is_deterministic_and_correct():
         arithmetic_dataset(0, seed=0)
 
 
+def test_arithmetic_training_draws_are_pinned():
+    """The training problems of a seed are those of earlier runs (taken from the generator before larger_than
+    existed): a change here would silently change every recorded experiment's prompts."""
+    assert [r["problem"] for r in arithmetic_dataset(6, seed=0)] == [
+        "6+6=?", "4-8=?", "6-4=?", "5+9=?", "8-2=?", "2-1=?"]
+    assert [r["problem"] for r in arithmetic_dataset(4, seed=42, max_operand=20)] == [
+        "20+3=?", "8+7=?", "4+3=?", "18+13=?"]
+
+
+def test_arithmetic_larger_than_draws_only_beyond_it():
+    records = arithmetic_dataset(300, seed=5, max_operand=20, larger_than=10)
+    operands = [tuple(int(x) for x in r["problem"][:-2].replace("-", "+").split("+")) for r in records]
+    assert all(10 < max(pair) <= 20 and min(pair) >= 0 for pair in operands)
+    assert min(min(pair) for pair in operands) <= 10  # one operand may still be small: not just a shifted range
+    assert all(int(r["answer"]) == eval(r["problem"][:-2]) for r in records)
+    for bad in (20, 25, -1):
+        with pytest.raises(ValueError, match="larger_than must be in"):
+            arithmetic_dataset(3, seed=0, max_operand=20, larger_than=bad)
+
+
 def test_load_jsonl_json_parquet(tmp_path):
     rows = [{"problem": "1+1=?", "answer": "2", "level": 3}, {"problem": "2+2=?", "answer": "4", "level": 5}]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")

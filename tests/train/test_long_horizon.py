@@ -35,13 +35,18 @@ def write_inputs(root: Path) -> Path:
     return history
 
 
-def test_tables_are_the_seeds_means_and_ranges(tmp_path):
-    history = write_inputs(tmp_path)
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "bench.long_horizon", "--runs", str(tmp_path), "--history",
+def summarize(runs: Path, history: Path) -> tuple[str, Path]:
+    """(long_horizon.md, the output folder) of `python -m bench.long_horizon` over RUNS and its history.csv."""
+    out = runs / "out"
+    done = subprocess.run([sys.executable, "-m", "bench.long_horizon", "--runs", str(runs), "--history",
                            str(history), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    text = (out / "long_horizon.md").read_text()
+    return (out / "long_horizon.md").read_text(), out
+
+
+def test_tables_are_the_seeds_means_and_ranges(tmp_path):
+    history = write_inputs(tmp_path)
+    text, out = summarize(tmp_path, history)
     low = text.split("### avg@16, temperatures <=1.0")[1].split("###")[0]
     assert "| 50 | 0.650 (0.600-0.700) | 0.400 (0.350-0.450) |" in low
     high = text.split("### avg@16, temperatures 1.2-1.5")[1].split("###")[0]
@@ -58,3 +63,27 @@ def test_a_run_not_named_alg_seed_is_refused():
     assert algorithm_of("grpo_b0-s12") == "grpo_b0"
     with pytest.raises(ValueError, match="ALG-sSEED"):
         algorithm_of("erpo")
+
+
+def test_an_unfinished_run_is_averaged_only_where_it_reached(tmp_path):
+    """A pilot summarized while a seed still trains: that seed's missing steps leave the mean (marked n/N seeds),
+    its Query-KL is not read as zero past its last logged step, and a step no seed reached reads '-'."""
+    history = write_inputs(tmp_path)
+    with open(history, encoding="utf-8") as handle:
+        rows = [r for r in csv.DictReader(handle) if not (r["run"] == "erpo-s2" and r["step"] == "100")]
+    rows += [{"run": "grpo-s1", "step": "150", "temperature": t, "avg@16": "0.5"}
+             for t in ("0.6", "1.2", "<=1.0", "1.2-1.5")]
+    with open(history, "w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["run", "step", "temperature", "avg@16"])
+        writer.writeheader()
+        writer.writerows(rows)
+    metrics = tmp_path / "erpo-s2" / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if json.loads(line)["step"] <= 60))
+    text, out = summarize(tmp_path, history)
+    low = text.split("### avg@16, temperatures <=1.0")[1].split("###")[0]
+    assert "| 50 | 0.650 (0.600-0.700) | 0.400 (0.350-0.450) |" in low
+    assert "| 100 | 0.600 (0.600-0.600) (1/2 seeds) | 0.400 (0.350-0.450) |" in low
+    assert "| 150 | - | 0.500 (0.500-0.500) (1/2 seeds) |" in low
+    qkl = text.split("### qkl")[1].split("###")[0]
+    assert "| 100 | 75.500 (75.500-75.500) (1/2 seeds) | 113.250 (75.500-151.000) |" in qkl

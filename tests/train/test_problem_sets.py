@@ -7,7 +7,9 @@ import types
 
 import pytest
 
+from erpo.config import DataConfig
 from erpo.eval.problem_sets import (
+    held_out_benchmark,
     load_benchmark,
     load_benchmarks,
     parse_benchmark_spec,
@@ -15,6 +17,8 @@ from erpo.eval.problem_sets import (
     records_to_problems,
     synthetic_benchmark,
 )
+from erpo.tasks.data import arithmetic_dataset
+from erpo.tasks.rewards import math_reward
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "benchmarks")
 
@@ -165,6 +169,50 @@ def test_synthetic_default_is_offline_and_deterministic():
     small = load_benchmark("synthetic#n=50#max_operand=2")
     assert all(-2 <= int(p["answers"][0]) <= 4 for p in small.problems)
     assert {p["answers"][0] for p in small.problems} >= {"-2", "4"}  # the extremes occur in 50 draws
+
+
+def _every_training_problem(max_operand: int) -> set[str]:
+    return {f"{a}{op}{b}=?" for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"}
+
+
+def test_heldout_is_disjoint_from_training():
+    """No held-out problem is one the training generator can draw at the default operand bound, nor (with
+    #larger_than=M) at a raised one; the training prompts of a seed do meet the synthetic set, for contrast."""
+    trained = DataConfig().arithmetic_max_operand
+    default = load_benchmark("heldout#n=500")
+    assert default.name == "heldout" and len(default.problems) == 500
+    assert not {p["problem"] for p in default.problems} & _every_training_problem(trained)
+    assert {p["problem"] for p in default.problems} <= _every_training_problem(2 * trained)
+    raised = load_benchmark("h20=heldout#n=300#larger_than=20#seed=3")
+    assert raised.name == "h20" and not {p["problem"] for p in raised.problems} & _every_training_problem(20)
+    assert {p["problem"] for p in raised.problems} <= _every_training_problem(40)
+    training = {r["problem"] for r in arithmetic_dataset(1000, seed=0, max_operand=trained)}
+    assert training & {p["problem"] for p in load_benchmark("synthetic#n=128#seed=7").problems}
+    assert not training & {p["problem"] for p in default.problems}
+
+
+def test_heldout_is_deterministic_and_options_apply():
+    first = held_out_benchmark(40, seed=9)
+    assert first.problems == load_benchmark("heldout#n=40#seed=9").problems
+    assert first.problems != held_out_benchmark(40, seed=10).problems
+    assert first.source == "heldout#n=40#seed=9#larger_than=10#max_operand=20"
+    wide = load_benchmark("heldout#n=200#max_operand=30")
+    largest = [max(int(x) for x in p["problem"][:-2].replace("-", "+").split("+")) for p in wide.problems]
+    assert min(largest) > 10 and max(largest) == 30
+    with pytest.raises(ValueError, match="must be above larger_than"):
+        load_benchmark("heldout#larger_than=10#max_operand=10")
+    with pytest.raises(ValueError, match="heldout set only"):
+        load_benchmark("synthetic#larger_than=10")
+
+
+def test_heldout_answers_are_graded_by_the_math_check():
+    problems = held_out_benchmark(24, seed=2).problems
+    golds = [p["answers"][0] for p in problems]
+    assert golds == [str(eval(p["problem"][:-2])) for p in problems]
+    prompts = [p["problem"] for p in problems]
+    right = math_reward(prompts, [f"\\boxed{{{g}}}" for g in golds], golds)
+    wrong = math_reward(prompts, [f"\\boxed{{{int(g) + 1}}}" for g in golds], golds)
+    assert right == [1.0] * len(problems) and wrong == [0.0] * len(problems)
 
 
 def test_hub_names_go_through_datasets(monkeypatch):
