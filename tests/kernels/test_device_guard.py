@@ -1,9 +1,10 @@
 """CPU CI's guard for the GPU: a kernel-tier test that builds its tensors on the CPU passes here, where Triton's
 interpreter runs on CPU tensors, and fails on a GPU, where the compiled kernels refuse them (23 tests did on the first
 H100 run, issue 31). So every tensor a kernel-tier test file creates names its device: each torch factory call passes
-`device=` (the `device` fixture's, or "cpu" on purpose) or is moved at once (`.to(device, ...)`), and each call of a
-test helper that takes a `device` argument passes one. (Not checked: modules, which a test moves with `.to(device)`;
-helpers are known by name, so two helpers of one name in different files count as one.)"""
+`device=` (the `device` fixture's, or "cpu" on purpose), or is moved to a device at once (`.to(device, ...)`) or
+later through the name it is assigned to (`x = torch.randn(..., generator=g)`, then `x.to(device)` in that file), and
+each call of a test helper that takes a `device` argument passes one. (Not checked: modules, which a test moves with
+`.to(device)`; helpers are known by name, so two helpers of one name in different files count as one.)"""
 import ast
 from pathlib import Path
 
@@ -31,6 +32,13 @@ def _names_a_device(call: ast.Call) -> bool:
     return any(k.arg in ("device", None) for k in call.keywords) or any(map(_is_a_device, call.args))
 
 
+def _assigns_to(target: ast.expr, names: set) -> bool:
+    """`target` is one of `names` or an element of one (`x[...]`)."""
+    if isinstance(target, ast.Subscript):
+        target = target.value
+    return isinstance(target, ast.Name) and target.id in names
+
+
 def _takes_device(function: ast.FunctionDef) -> bool:
     arguments = function.args
     return any(a.arg == "device" for a in arguments.args + arguments.kwonlyargs + arguments.posonlyargs)
@@ -47,10 +55,16 @@ def device_problems(source: str, filename: str, helpers: set) -> list:
     """'file:line: what' for each call in `source` that creates a tensor without naming its device."""
     tree = ast.parse(source)
     moved = set()   # calls inside what is then moved to a device: (torch.randn(...) * 2).to(device, dtype)
+    moved_names = set()  # names the file moves: x.to(device)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MOVES
                 and _names_a_device(node)):
             moved.update(id(inner) for inner in ast.walk(node.func.value) if isinstance(inner, ast.Call))
+            if isinstance(node.func.value, ast.Name):
+                moved_names.add(node.func.value.id)
+    for node in ast.walk(tree):  # x = torch.randn(...) or x[torch.randint(...)] = ..., x moved later
+        if isinstance(node, ast.Assign) and any(_assigns_to(target, moved_names) for target in node.targets):
+            moved.update(id(inner) for inner in ast.walk(node) if isinstance(inner, ast.Call))
     problems = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or id(node) in moved or _names_a_device(node):
@@ -91,7 +105,9 @@ def test_ok(device):
     z = make(3, device=device) + torch.ones(3, dtype=torch.long, device=x.device) + torch.zeros_like(x)
     w = torch.tensor([1.0], device="cpu")  # on the CPU on purpose
     v = (torch.randn(3, generator=g) * 2.0).to(device, torch.bfloat16) + make(3, torch.device("cpu"))
-    return torch.full((2,), 1.0).cuda(), torch.arange(4, **options), make(4, device)
+    u = torch.rand(2, generator=g) < 0.5
+    u[torch.randint(0, 2, (1,), generator=g)] = True
+    return torch.full((2,), 1.0).cuda(), torch.arange(4, **options), make(4, device), u.to(device)
 '''
 BAD = '''
 ROWS = torch.tensor([0, 1, 2])
@@ -99,7 +115,8 @@ ROWS = torch.tensor([0, 1, 2])
 def test_bad(device):
     x = torch.randn(3).to(torch.bfloat16)
     y = make(3)
-    return x, y, torch.arange(3).to(device)
+    z = torch.ones(2)
+    return x, y, torch.arange(3).to(device), z.to(torch.float64)
 '''
 
 
@@ -109,4 +126,4 @@ def test_the_guard_flags_tensors_without_a_device_and_accepts_every_way_of_namin
     assert device_problems(GOOD, "good.py", helpers) == []
     assert device_problems(BAD, "bad.py", helpers) == [
         "bad.py:2: torch.tensor(...) without device=", "bad.py:5: torch.randn(...) without device=",
-        "bad.py:6: make(...) without device="]
+        "bad.py:6: make(...) without device=", "bad.py:7: torch.ones(...) without device="]
