@@ -16,8 +16,8 @@ summary.md, gpu_check.log (environment, wheel install, each stage's command, lim
 train.log, train-metrics.jsonl, bench.log, bench.jsonl (`python -m bench --merge` reads it) and bench-results.md.
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
-the device-fixture guard for the tier, one tiny training step, the bench's smoke shape (logits path, torch and
-Liger only); no wheels are installed, so missing peers are reported and skipped.
+the device-fixture guard and one Triton kernel test for the tier, one tiny training step, the bench's smoke shape
+(logits path, torch and Liger only); no wheels are installed, so missing peers are reported and skipped.
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ KERNEL_WORKERS = 4          # pytest-xdist processes sharing the GPU: compiles, 
 TRAIN_LIMIT_S = 100
 TRAIN_STEPS = 20
 DRY_RUN_CONTENDERS = "torch,liger"
+# the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
+DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
+                        f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 
 
@@ -190,7 +193,7 @@ class GpuCheck:
     def kernels(self) -> None:
         python = sys.executable
         if self.dry_run:
-            command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{KERNEL_TIER}/test_device_guard.py"]
+            command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DRY_RUN_KERNEL_TESTS]
         else:
             command = [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0",
                        "--durations-min=1", KERNEL_TIER]

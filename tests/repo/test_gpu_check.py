@@ -31,7 +31,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
     assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
                                             "| bench 2: peers at N=16384 and 4096", "| bench 3: peers at N=65536"]
-    assert "- result: 2 passed" in summary and "- commit: abc123" in summary
+    assert "- result: 3 passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
