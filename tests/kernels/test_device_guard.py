@@ -9,7 +9,6 @@ import ast
 from pathlib import Path
 
 KERNEL_TIER = Path(__file__).resolve().parent
-TESTS = KERNEL_TIER.parent
 # torch functions that create a tensor on the default device (the CPU) unless told otherwise; *_like and ops on
 # existing tensors inherit their input's device
 FACTORIES = frozenset({"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace",
@@ -79,10 +78,8 @@ def device_problems(source: str, filename: str, helpers: set) -> list:
 
 
 def _support_sources() -> list:
-    """The kernel tier's own files and the shared test helpers (tests/support, or loose modules beside the tiers)."""
-    files = list(KERNEL_TIER.glob("*.py")) + list((TESTS / "support").glob("*.py"))
-    files += [p for p in TESTS.glob("*.py") if not p.name.startswith(("test_", "conftest"))]
-    return [p.read_text() for p in files]
+    """The kernel tier's own files and the shared test helpers (tests/support)."""
+    return [p.read_text() for p in list(KERNEL_TIER.glob("*.py")) + list((KERNEL_TIER.parent / "support").glob("*.py"))]
 
 
 def test_every_kernel_test_names_the_device_of_its_tensors():
