@@ -186,7 +186,8 @@ def masked_quantile(values: torch.Tensor, rows: torch.Tensor, q: float) -> torch
 
     The rows outside the pool sort to +inf behind the n pooled values, so the pool's order statistics are the first
     n of the sorted vector; then, as torch.quantile does it (bit for bit: same fp32 rank, same lerp), rank =
-    q (n - 1), and the quantile lerps between the order statistics at floor(rank) and ceil(rank) (both <= n - 1)."""
+    q (n - 1), and the quantile lerps between the order statistics at floor(rank) and ceil(rank) (both <= n - 1).
+    The rank is fp32 as torch.quantile's, exact for n <= 2^24 (the most torch.quantile accepts)."""
     pooled = torch.where(rows, values.float(), float("inf")).sort().values
     count = rows.sum()
     rank = (pooled.new_tensor(q) * (count - 1)).clamp_min(0)  # n = 0: rank 0 (the result is NaN below)
