@@ -34,6 +34,8 @@ def parse_args(argv):
                         help="comma list of: erpo, erpo-warp, erpo-warp-1024 (ours with the forward kernel's "
                              "one-warp-per-row variants), torch, compile, liger, cce (default: erpo, torch, compile, "
                              "liger, cce)")
+    parser.add_argument("--skip", default="",
+                        help="comma list of contenders to leave out of --contenders (e.g. torch: the slow reference)")
     parser.add_argument("--paths", default="logits,fused", help="comma list of: logits, fused (default: both)")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing")
@@ -47,8 +49,11 @@ def parse_args(argv):
                         help="rows per block of the fp32 reference in the correctness check")
     parser.add_argument("--budget", type=float, default=10.0,
                         help="seconds per timed measurement at most: fewer warm-ups and reps (>= 3) for slow cases")
-    parser.add_argument("--merge", nargs="+", metavar="DIR", default=None,
-                        help="no run: merge the results.json of earlier runs (e.g. one per --n) into --out")
+    parser.add_argument("--merge", nargs="+", metavar="RUN", default=None,
+                        help="no run: merge earlier runs into --out: each RUN a directory holding results.json or a "
+                             "--progress file (JSON lines, possibly of several runs, kept rows of a stopped run)")
+    parser.add_argument("--progress", default=None, metavar="FILE",
+                        help="also append the run as JSON lines to FILE, each floor and row as soon as it is measured")
     parser.add_argument("--time-wrong", action="store_true", help="also time contenders whose check failed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
@@ -66,7 +71,7 @@ def parse_args(argv):
     return args
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
@@ -83,20 +88,54 @@ def _device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def merge(directories, out: Path) -> dict:
-    """One result set from several runs' results.json: floors and rows concatenated, ratios recomputed."""
+def _load_runs(source) -> list:
+    """The result sets in `source`: a run directory's results.json, or every run of a --progress file."""
+    from .progress import read_runs
+
+    source = Path(source)
+    if source.is_dir():
+        return [json.loads((source / "results.json").read_text())]
+    if not source.is_file():
+        raise SystemExit(f"--merge: {source} is neither a run directory nor a --progress file")
+    return read_runs(source)
+
+
+def _merged_peers(parts: list) -> dict:
+    """Every run's peer versions (a peer missing in one run may be installed in another); a version clash is an
+    error."""
+    peers = {}
+    for part in parts:
+        for name, version in part["meta"].get("peers", {}).items():
+            if version is not None and peers.get(name) not in (None, version):
+                raise SystemExit(f"--merge: runs differ in the version of {name}: {peers[name]} and {version}")
+            peers[name] = peers.get(name) or version
+    return peers
+
+
+def merge(sources, out: Path) -> dict:
+    """One result set from several runs (directories or --progress files): rows concatenated, the first floor of each
+    case kept, ratios recomputed; the runs must share device, commit, torch, triton and dtype."""
     from .report import add_ratios, write_outputs
 
-    parts = [json.loads((Path(d) / "results.json").read_text()) for d in directories]
+    parts = [run for source in sources for run in _load_runs(source)]
+    if not parts:
+        raise SystemExit(f"--merge: no run found in {list(map(str, sources))}")
     meta = dict(parts[0]["meta"])
     for key in ("device", "commit", "torch", "triton", "dtype"):
         values = sorted({str(p["meta"].get(key)) for p in parts})
         if len(values) > 1:
             raise SystemExit(f"--merge: runs differ in {key}: {values}")
+    for key in meta.keys() - {"device", "commit", "torch", "triton", "dtype", "date", "command", "peers"}:
+        values = list(dict.fromkeys(str(p["meta"].get(key)) for p in parts))
+        if len(values) > 1:
+            meta[key] = " / ".join(values)
     meta["date"] = " / ".join(p["meta"]["date"] for p in parts)
     meta["command"] = " ; ".join(p["meta"]["command"] for p in parts)
-    results = {"meta": meta, "floors": [f for p in parts for f in p["floors"]],
-               "rows": [r for p in parts for r in p["rows"]]}
+    meta["peers"] = _merged_peers(parts)
+    floors = {}
+    for floor in (f for p in parts for f in p["floors"]):
+        floors.setdefault((floor["path"], floor["shape"], floor["N"]), floor)
+    results = {"meta": meta, "floors": list(floors.values()), "rows": [r for p in parts for r in p["rows"]]}
     add_ratios(results)
     return write_outputs(results, out)
 
@@ -116,10 +155,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # CI boxes are small and shared: one thread is steadier than oversubscribed ones
     import triton
 
-    from .contenders import select
+    from .contenders import CONTENDER_KEYS, select
     from .problem import SMOKE_SHAPE, parse_shape
+    from .progress import ProgressWriter
     from .report import add_ratios, write_outputs
-    from .run import BenchConfig, run_benchmark
+    from .run import BenchConfig, planned_rows, run_benchmark
 
     shapes = [SMOKE_SHAPE] if args.smoke else [parse_shape(s) for s in _csv(args.shapes)]
     paths = _csv(args.paths)
@@ -129,7 +169,11 @@ def main(argv=None) -> int:
         ns = [int(n) for n in _csv(args.n)]
     except ValueError:
         raise SystemExit(f"--n: expected a comma list of integers, got {args.n!r}")
-    contenders = select(_csv(args.contenders), paths)
+    skipped = _csv(args.skip)
+    unknown = sorted(set(skipped) - set(CONTENDER_KEYS))
+    if unknown:
+        raise SystemExit(f"--skip: unknown {unknown}; known: {list(CONTENDER_KEYS)}")
+    contenders = select([key for key in _csv(args.contenders) if key not in skipped], paths)
     config = BenchConfig(shapes=shapes, ns=ns, paths=paths, contenders=contenders, device=device,
                          dtype=DTYPES[args.dtype], reps=args.reps, warmup=args.warmup,
                          rows_per_sample=args.rows_per_sample, query_frac=args.query_frac,
@@ -138,7 +182,7 @@ def main(argv=None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
         "device": _device_name(device), "date": now.isoformat(timespec="seconds"),
-        "commit": args.commit or _git_commit(), "command": "python -m bench " + shlex.join(argv),
+        "commit": args.commit or git_commit(), "command": "python -m bench " + shlex.join(argv),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "dtype": args.dtype, "reps": args.reps,
         "warmup": args.warmup, "budget_s": args.budget, "rows_per_sample": args.rows_per_sample,
@@ -146,7 +190,16 @@ def main(argv=None) -> int:
     }
     print(f"bench: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
           flush=True)
-    results = {"meta": meta, **run_benchmark(config, log=lambda text: print(text, flush=True))}
+    progress = ProgressWriter(Path(args.progress)) if args.progress else None
+    if progress:
+        progress.write("meta", meta)
+        progress.write("plan", planned_rows(config))
+    try:
+        results = {"meta": meta, **run_benchmark(config, log=lambda text: print(text, flush=True),
+                                                 record=progress.write if progress else None)}
+    finally:
+        if progress:
+            progress.close()
     add_ratios(results)
     files = write_outputs(results, Path(args.out))
     print(files["md"].read_text())

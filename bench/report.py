@@ -155,7 +155,7 @@ def markdown(results: dict) -> str:
 LEGEND = """- **computes**: `erpo` = the ERPO loss (alpha=0.01 Query-KL, clip 0.2, query weights); `grpo` = the peer's
   GRPO loss (no Query-KL) over the same scored rows, checked against erpo_kernels' torch reference set to that loss.
 - **status**: `ok`; `wrong` (check failed, not timed unless --time-wrong); `OOM`; `error` (the call raised);
-  `not installed` / `unavailable` (with the reason).
+  `not installed` / `unavailable` (with the reason); `not reached` (a --progress run stopped before it).
 - **correct**: loss and gradients against erpo_kernels' torch reference in fp32 at the full size; gradient errors
   are ||g - ref|| / ||ref|| on query rows, response rows and dweight; unscored rows must get a zero gradient.
 - **fwd ms / fwd+bwd ms**: median of --reps timed runs after --warmup runs (CUDA events on GPU), autograd on;

@@ -51,6 +51,15 @@ def _cases(config: BenchConfig):
                 yield path, shape, rows
 
 
+def planned_rows(config: BenchConfig) -> list:
+    """The (case, contender) pairs `run_benchmark` will measure, in its order: what a run stopped early (a time
+    limit) did not reach is what of this list its rows lack."""
+    return [{"path": path, "shape": shape.name, "N": num_rows, "D": shape.hidden or None, "V": shape.vocab,
+             "contender": contender.key, "label": contender.label, "ours": contender.ours,
+             "computes": contender.computes}
+            for path, shape, num_rows in _cases(config) for contender in config.contenders if contender.path == path]
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -62,8 +71,12 @@ def _short_error(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
-def run_benchmark(config: BenchConfig, log=print) -> dict:
-    """Run every case; returns {"floors": [...], "rows": [...]} (units: ms, bytes, FLOP/s, bytes/s)."""
+def run_benchmark(config: BenchConfig, log=print, record=None) -> dict:
+    """Run every case; returns {"floors": [...], "rows": [...]} (units: ms, bytes, FLOP/s, bytes/s).
+
+    `record(kind, item)`, if given, receives each floor ("floor") and each finished row ("row") as soon as it is
+    measured, so that a run stopped part-way (a time limit) keeps what it did (`--progress`)."""
+    record = record or (lambda kind, item: None)
     element_bytes = torch.empty((), dtype=config.dtype).element_size()
     bandwidth = floors.copy_bandwidth(config.device, warmup=config.warmup, reps=max(config.reps, 5))
     log(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
@@ -90,6 +103,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
                      "matmul_rows": key[0], "matmul_flops": rate, "floor_fwd_ms": floor_fwd,
                      "floor_fwdbwd_ms": floor_fwdbwd}
         floor_rows.append(floor)
+        record("floor", floor)
         log(f"[{path} {shape.name} N={num_rows}] floor fwd {floor_fwd:.3f} ms, fwd+bwd {floor_fwdbwd:.3f} ms")
         problem = build_problem(path, shape, num_rows, rows_per_sample=config.rows_per_sample,
                                 query_frac=config.query_frac, dtype=config.dtype, device=config.device,
@@ -103,6 +117,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
                    "floor_fwdbwd_ms": floor_fwdbwd}
             rows_out.append(row)
             _measure(contender, problem, row, config, log)
+            record("row", row)
             _free(config.device)
         del problem
         _free(config.device)

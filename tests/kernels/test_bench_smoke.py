@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out), "--progress",
+                           str(out / "progress.jsonl")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text(), done.stdout
 
@@ -36,7 +36,7 @@ def test_writes_all_outputs(smoke):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(results) >= {"meta", "floors", "rows", "speedups", "targets"}
     assert results["meta"]["triton_interpret"] is True
-    assert results["meta"]["command"] == f"python -m bench --smoke --out {out}"
+    assert results["meta"]["command"] == f"python -m bench --smoke --out {out} --progress {out / 'progress.jsonl'}"
     assert "## Logits path" in markdown and "## Fused-linear path" in markdown
 
 
@@ -192,6 +192,82 @@ def test_merge_of_two_runs_keeps_every_row(smoke, tmp_path):
     assert len(merged["rows"]) == 2 * len(results["rows"])
     assert merged["meta"]["command"].count("python -m bench --smoke") == 2
     assert files["png"].exists() and files["md"].exists()
+
+
+def test_progress_file_holds_the_runs_rows_and_merges_like_its_results(smoke, tmp_path):
+    from bench.__main__ import merge
+    from bench.progress import read_runs
+
+    out, results, _, _ = smoke
+    (run,) = read_runs(out / "progress.jsonl")
+    assert run["meta"] == results["meta"]
+    assert [(r["path"], r["contender"], r["status"]) for r in run["rows"]] == \
+        [(r["path"], r["contender"], r["status"]) for r in results["rows"]]
+    assert [f["floor_fwdbwd_ms"] for f in run["floors"]] == [f["floor_fwdbwd_ms"] for f in results["floors"]]
+    merged = json.loads(merge([out / "progress.jsonl"], tmp_path / "merged")["json"].read_text())
+    assert [r.get("fwdbwd_ms") for r in merged["rows"]] == [r.get("fwdbwd_ms") for r in results["rows"]]
+
+
+MADE_UP_FWDBWD_MS = {"erpo": 2.0, "torch": 4.0, "liger": 6.0}
+
+
+def _made_up_run(peers, planned=("erpo", "torch", "liger"), measured=("erpo", "torch")):
+    """A --progress file's lines of one logits run at N=64 that planned `planned` and measured `measured`."""
+    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-25T20:00:00+00:00", "commit": "abc", "command":
+            "python -m bench --n 64", "torch": "2.11.0", "triton": "3.6.0", "dtype": "bf16", "reps": 20, "peers": peers}
+    case = {"path": "logits", "shape": "V=100", "N": 64, "D": None, "V": 100, "computes": "erpo"}
+    plan = [{**case, "contender": key, "ours": key == "erpo", "label": key} for key in planned]
+    rows = [{**row, "status": "ok", "fwd_ms": 1.0, "fwdbwd_ms": MADE_UP_FWDBWD_MS[row["contender"]],
+             "logits_bytes": 12800, "floor_fwd_ms": 0.5, "floor_fwdbwd_ms": 1.5}
+            for row in plan if row["contender"] in measured]
+    floor = {**case, "floor_fwd_ms": 0.5, "floor_fwdbwd_ms": 1.5, "bandwidth_Bps": 1e12}
+    return [{"meta": meta}, {"plan": plan}, {"floor": floor}] + [{"row": row} for row in rows]
+
+
+def _write_lines(file, items, tail=""):
+    file.write_text("".join(json.dumps(item) + "\n" for item in items) + tail)
+
+
+def test_a_stopped_run_keeps_its_rows_and_names_the_ones_it_did_not_reach(tmp_path):
+    from bench.__main__ import merge
+    from bench.progress import read_runs
+
+    progress = tmp_path / "progress.jsonl"
+    _write_lines(progress, _made_up_run({"liger-kernel": None}), tail='{"row": {"path": "logi')  # killed mid-line
+    (run,) = read_runs(progress)
+    assert [(r["contender"], r["status"]) for r in run["rows"]] == \
+        [("erpo", "ok"), ("torch", "ok"), ("liger", "not reached")]
+    markdown = merge([progress], tmp_path / "merged")["md"].read_text()
+    assert "| V=100 | 64 | liger | erpo | not reached: the run stopped before this row |" in markdown
+    _write_lines(progress, [{"row": {}}])
+    with pytest.raises(ValueError, match="before the first 'meta' line"):
+        read_runs(progress)
+
+
+def test_merge_joins_runs_of_one_file_and_their_peers(tmp_path):
+    from bench.__main__ import merge
+
+    progress = tmp_path / "progress.jsonl"
+    ours = _made_up_run({"liger-kernel": None}, planned=("erpo",), measured=("erpo",))
+    peers = _made_up_run({"liger-kernel": "0.8.5"}, planned=("torch", "liger"), measured=("torch", "liger"))
+    _write_lines(progress, ours + peers)
+    merged = json.loads(merge([progress], tmp_path / "merged")["json"].read_text())
+    assert merged["meta"]["peers"] == {"liger-kernel": "0.8.5"}
+    assert len(merged["floors"]) == 1  # one floor per case, however many runs measured it
+    statuses = [(r["contender"], r["status"]) for r in merged["rows"]]
+    assert statuses == [("erpo", "ok"), ("torch", "ok"), ("liger", "ok")]
+    assert {s["peer"]: s["fwdbwd"] for s in merged["speedups"]} == {"torch": 2.0, "liger": 3.0}
+    clash = _made_up_run({"liger-kernel": "0.9.0"})
+    _write_lines(progress, ours + peers + clash)
+    with pytest.raises(SystemExit, match="liger-kernel: 0.8.5 and 0.9.0"):
+        merge([progress], tmp_path / "clash")
+
+
+def test_skip_leaves_contenders_out_and_rejects_unknown_names():
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match=r"--skip: unknown \['torhc'\]"):
+        main(["--smoke", "--skip", "torhc"])
 
 
 def test_timing_budget_cuts_slow_cases_but_keeps_three_reps():

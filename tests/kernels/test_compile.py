@@ -1,7 +1,9 @@
 """torch.compile: every erpo torch.library op passes `torch.library.opcheck` (schema, fake tensor, autograd
 registration, AOT dispatch), and a training step's loss compiled with fullgraph=True (no graph break) gives the
-eager loss and gradients, on the torch reference and on the Triton ops (the interpreter on CPU)."""
+eager loss and gradients, on the torch reference and on the Triton ops. On the `device` fixture's device: CUDA
+(Triton compiled) when a GPU is present, else the CPU (Triton's interpreter)."""
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,46 +21,57 @@ from erpo_kernels.validation import COMPILED_ROWS_MESSAGE
 pytestmark = pytest.mark.kernels
 
 N, V, D, S = 12, 40, 8, 3
-TOKEN_KIND = torch.tensor([1, 1, 2, 2, 1, 2, 2, 2, 0, 1, 2, 2])
-SAMPLE_INDEX = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2])
 TRANSFORMS = [(1.0, 1.0, None), (0.7, 1.3, 4.0)]  # (temperature, logit_scale, logit_softcap): plain and soft-capped
-TARGETS = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1)).masked_fill(TOKEN_KIND == 0, -100)
 
 
-def per_row(seed: int):
-    return torch.randn(N, generator=torch.Generator().manual_seed(seed))
+def layout(device: torch.device) -> SimpleNamespace:
+    """The rows of every test here on `device`: token_kind, sample_index [N] (S samples) and targets [N] (-100 on the
+    unscored row)."""
+    token_kind = torch.tensor([1, 1, 2, 2, 1, 2, 2, 2, 0, 1, 2, 2], device=device)
+    targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1)).to(device)
+    return SimpleNamespace(token_kind=token_kind, targets=targets.masked_fill(token_kind == 0, -100),
+                           sample_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2], device=device))
+
+
+@pytest.fixture
+def rows(device) -> SimpleNamespace:
+    return layout(device)
+
+
+def per_row(seed: int, device: torch.device):
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_opcheck_triton_logits_ops(transform):
-    logits = torch.randn(N, V, dtype=torch.float32, requires_grad=True)
-    torch.library.opcheck(logp_entropy_op, (logits, TARGETS, *transform, False))
-    lse, entropy = per_row(2).abs() + 3, per_row(3).abs()
-    backward_args = (TARGETS, lse, entropy, per_row(4), per_row(5), *transform)
+def test_opcheck_triton_logits_ops(transform, rows, device):
+    logits = torch.randn(N, V, dtype=torch.float32).to(device).requires_grad_(True)
+    torch.library.opcheck(logp_entropy_op, (logits, rows.targets, *transform, False))
+    lse, entropy = per_row(2, device).abs() + 3, per_row(3, device).abs()
+    backward_args = (rows.targets, lse, entropy, per_row(4, device), per_row(5, device), *transform)
     torch.library.opcheck(logp_entropy_backward_op, (logits.detach(), *backward_args))
     torch.library.opcheck(logp_entropy_backward_inplace_op, (logits.detach().clone(), *backward_args))
 
 
-def test_opcheck_triton_segment_sum():
-    values = torch.randn(N, requires_grad=True)
-    order = torch.sort(SAMPLE_INDEX, stable=True).indices
-    starts = torch.searchsorted(SAMPLE_INDEX[order], torch.arange(S + 1))
-    torch.library.opcheck(segment_sum_op, (values, SAMPLE_INDEX, order, starts))
+def test_opcheck_triton_segment_sum(rows, device):
+    values = torch.randn(N).to(device).requires_grad_(True)
+    order = torch.sort(rows.sample_index, stable=True).indices
+    starts = torch.searchsorted(rows.sample_index[order], torch.arange(S + 1, device=device))
+    torch.library.opcheck(segment_sum_op, (values, rows.sample_index, order, starts))
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_opcheck_fused_linear_ops(kernels, with_bias):
-    hidden = torch.randn(N, D, requires_grad=True)
-    weight = torch.randn(V, D, requires_grad=True)
-    bias = torch.randn(V, requires_grad=True) if with_bias else None
+def test_opcheck_fused_linear_ops(kernels, with_bias, rows, device):
+    hidden = torch.randn(N, D).to(device).requires_grad_(True)
+    weight = torch.randn(V, D).to(device).requires_grad_(True)
+    bias = torch.randn(V).to(device).requires_grad_(True) if with_bias else None
     transform = TRANSFORMS[1]
-    torch.library.opcheck(fused_linear_op, (hidden, weight, bias, TARGETS, *transform, kernels))
-    lse, entropy = per_row(2).abs() + 3, per_row(3).abs()
+    torch.library.opcheck(fused_linear_op, (hidden, weight, bias, rows.targets, *transform, kernels))
+    lse, entropy = per_row(2, device).abs() + 3, per_row(3, device).abs()
     for needs in [(True, True, with_bias), (False, True, False), (True, False, False)]:
         torch.library.opcheck(fused_linear_backward_op, (
-            hidden.detach(), weight.detach(), None if bias is None else bias.detach(), TARGETS, lse, entropy,
-            per_row(4), per_row(5), *transform, kernels, *needs))
+            hidden.detach(), weight.detach(), None if bias is None else bias.detach(), rows.targets, lse, entropy,
+            per_row(4, device), per_row(5, device), *transform, kernels, *needs))
 
 
 class TinyPolicy(torch.nn.Module):
@@ -71,16 +84,18 @@ class TinyPolicy(torch.nn.Module):
         self.lm_head = torch.nn.Linear(D, V)
 
 
-def loss_step(model, features, path: str, backend: str):
+def loss_step(model, features, rows, path: str, backend: str):
     """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "fused-linear")."""
-    inputs = dict(advantages=torch.tensor([1.0, -0.5, 0.25]), ref_query_logp=torch.tensor([-4.0, -2.5, -3.0]),
+    device = features.device
+    inputs = dict(advantages=torch.tensor([1.0, -0.5, 0.25], device=device),
+                  ref_query_logp=torch.tensor([-4.0, -2.5, -3.0], device=device),
                   qkl_coef=0.1, logit_softcap=4.0, temperature=0.9, backend=backend)
     hidden = torch.tanh(model.body(features))
     if path == "fused-linear":
-        out = fused_linear_erpo_loss(hidden, model.lm_head.weight, TARGETS, TOKEN_KIND, SAMPLE_INDEX,
+        out = fused_linear_erpo_loss(hidden, model.lm_head.weight, rows.targets, rows.token_kind, rows.sample_index,
                                      bias=model.lm_head.bias, **inputs)
     else:
-        out = erpo_loss(model.lm_head(hidden), TARGETS, TOKEN_KIND, SAMPLE_INDEX,
+        out = erpo_loss(model.lm_head(hidden), rows.targets, rows.token_kind, rows.sample_index,
                         inplace_backward=path == "logits-inplace", **inputs)
     return out.loss, out.metrics["entropy"]
 
@@ -94,11 +109,11 @@ def gradients_of(step, model, features):
 
 @pytest.mark.parametrize("path", ["logits", "logits-inplace", "fused-linear"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compiled_step_equals_eager(path, backend):
-    model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7))
+def test_compiled_step_equals_eager(path, backend, rows, device):
+    model, features = TinyPolicy().to(device), torch.randn(N, 6, generator=torch.Generator().manual_seed(7)).to(device)
 
     def step(model, features):
-        return loss_step(model, features, path, backend)
+        return loss_step(model, features, rows, path, backend)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break is an error
@@ -122,14 +137,17 @@ OPTION_SETS = {  # options whose code paths differ (each traced whole: fullgraph
 
 
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_compiled_loss_with_options_equals_eager(options):
-    logits = torch.randn(N, V, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    tensors = dict(advantages=torch.tensor([1.0, -0.5, 0.25]), ref_query_logp=torch.tensor([-4.0, -2.5, -3.0]),
-                   old_logp=-per_row(4).abs(), ref_logp=-per_row(5).abs(), rollout_logp=-per_row(6).abs(),
-                   token_weight=per_row(7).abs(), query_weight=torch.tensor([0.5, 1.0, 1.5]))
+def test_compiled_loss_with_options_equals_eager(options, rows, device):
+    logits = torch.randn(N, V, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_(True)
+    tensors = dict(advantages=torch.tensor([1.0, -0.5, 0.25], device=device),
+                   ref_query_logp=torch.tensor([-4.0, -2.5, -3.0], device=device),
+                   old_logp=-per_row(4, device).abs(), ref_logp=-per_row(5, device).abs(),
+                   rollout_logp=-per_row(6, device).abs(), token_weight=per_row(7, device).abs(),
+                   query_weight=torch.tensor([0.5, 1.0, 1.5], device=device))
 
     def loss(logits):
-        return erpo_loss(logits, TARGETS, TOKEN_KIND, SAMPLE_INDEX, backend="torch", **tensors, **options).loss
+        return erpo_loss(logits, rows.targets, rows.token_kind, rows.sample_index, backend="torch", **tensors,
+                         **options).loss
 
     torch._dynamo.reset()
     eager = loss(logits)
@@ -140,12 +158,12 @@ def test_compiled_loss_with_options_equals_eager(options):
     torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_compiled_step_with_inductor_equals_eager():
-    """The fused-linear torch path through Inductor (C++ codegen on CPU)."""
-    model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7))
+def test_compiled_step_with_inductor_equals_eager(rows, device):
+    """The fused-linear torch path through Inductor (C++ codegen on CPU, Triton codegen on CUDA)."""
+    model, features = TinyPolicy().to(device), torch.randn(N, 6, generator=torch.Generator().manual_seed(7)).to(device)
 
     def step(model, features):
-        return loss_step(model, features, "fused-linear", "torch")
+        return loss_step(model, features, rows, "fused-linear", "torch")
 
     torch._dynamo.reset()
     eager_loss, _, eager_grads = gradients_of(step, model, features)
@@ -156,17 +174,19 @@ def test_compiled_step_with_inductor_equals_eager():
 
 
 def test_compiled_loss_rejects_bad_rows():
-    """Under torch.compile the row checks are one device-side assert (no host sync): it still fires."""
-    logits = torch.randn(N, V)
-    bad_kind = TOKEN_KIND.clone()
+    """Under torch.compile the row checks are one device-side assert (no host sync): it still fires. On the CPU
+    only: a failed device-side assert on CUDA leaves the process's CUDA context unusable for every later test."""
+    rows = layout(torch.device("cpu"))
+    logits = torch.randn(N, V, device="cpu")
+    bad_kind = rows.token_kind.clone()
     bad_kind[3] = 5
 
     def loss(token_kind):
-        return erpo_loss(logits, TARGETS.clamp_min(0), token_kind, SAMPLE_INDEX,
-                         advantages=torch.ones(S), qkl_coef=0.0, backend="torch").loss
+        return erpo_loss(logits, rows.targets.clamp_min(0), token_kind, rows.sample_index,
+                         advantages=torch.ones(S, device="cpu"), qkl_coef=0.0, backend="torch").loss
 
     torch._dynamo.reset()
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    assert torch.isfinite(compiled(TOKEN_KIND))
+    assert torch.isfinite(compiled(rows.token_kind))
     with pytest.raises(RuntimeError, match=re.escape(COMPILED_ROWS_MESSAGE)):
         compiled(bad_kind)

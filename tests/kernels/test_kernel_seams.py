@@ -10,8 +10,8 @@ from erpo_kernels import MAX_QUERY_WEIGHT, OPTION_CHOICES, LossInputs, LossOptio
 from helpers import loss_inputs, random_batch
 
 
-def test_loss_inputs_object_is_the_keyword_call():
-    batch = random_batch(num_rows=40, vocab=50, seed=3)
+def test_loss_inputs_object_is_the_keyword_call(device):
+    batch = random_batch(num_rows=40, vocab=50, seed=3, device=device)
     kwargs = loss_inputs(batch)
     inputs = LossInputs(**kwargs)
     assert inputs.as_kwargs().keys() == {"advantages", "ref_query_logp", "query_weight", "old_logp", "ref_logp",
@@ -44,9 +44,10 @@ def test_parity_options_are_checked(options, error, match):
         LossOptions(**options)
 
 
-def test_query_weights_clip_at_the_one_constant():
+def test_query_weights_clip_at_the_one_constant(device):
     """w(q)'s upper clip is MAX_QUERY_WEIGHT (2, paper appendix C), which erpo's trainer and ERPOTrainer import."""
-    ell = torch.tensor([-1.0, -10.0, -100.0], dtype=torch.float64)   # mean surprisal 37: raw weights 37, 3.7, 0.37
+    ell = torch.tensor([-1.0, -10.0, -100.0], dtype=torch.float64, device=device)  # mean surprisal 37: raw weights
+    # 37, 3.7, 0.37
     assert MAX_QUERY_WEIGHT == 2.0
-    torch.testing.assert_close(query_weights(ell), torch.tensor([2.0, 2.0, 0.37]))
-    torch.testing.assert_close(query_weights(ell, max_weight=None), torch.tensor([37.0, 3.7, 0.37]))
+    torch.testing.assert_close(query_weights(ell), torch.tensor([2.0, 2.0, 0.37], device=device))
+    torch.testing.assert_close(query_weights(ell, max_weight=None), torch.tensor([37.0, 3.7, 0.37], device=device))

@@ -5,33 +5,33 @@ import torch
 from erpo_kernels import erpo_loss, from_padded, token_logprobs
 
 
-def test_right_padded_rows():
+def test_right_padded_rows(device):
     # sequence 0: prompt 11 12 13, response 21 22; sequence 1: prompt 14 15, response 23, then padding
-    input_ids = torch.tensor([[11, 12, 13, 21, 22], [14, 15, 23, 0, 0]])
-    attention = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    response = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]])
+    input_ids = torch.tensor([[11, 12, 13, 21, 22], [14, 15, 23, 0, 0]], device=device)
+    attention = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], device=device)
+    response = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]], device=device)
     rows = from_padded(input_ids, attention, response)
     assert rows.token_kind.tolist() == [1, 1, 2, 2, 0, 1, 2, 0, 0, 0]
     assert rows.targets.tolist() == [12, 13, 21, 22, -100, 15, 23, -100, -100, -100]
     assert rows.sample_index.tolist() == [0] * 5 + [1] * 5
 
 
-def test_left_padded_rows():
-    input_ids = torch.tensor([[0, 0, 14, 15, 23], [11, 12, 13, 21, 22]])
-    attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    response = torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 1, 1]])
+def test_left_padded_rows(device):
+    input_ids = torch.tensor([[0, 0, 14, 15, 23], [11, 12, 13, 21, 22]], device=device)
+    attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=device)
+    response = torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 1, 1]], device=device)
     rows = from_padded(input_ids, attention, response)
     assert rows.token_kind.tolist() == [0, 0, 1, 2, 0, 1, 1, 2, 2, 0]
     assert rows.targets.tolist() == [-100, -100, 15, 23, -100, 12, 13, 21, 22, -100]
 
 
-def test_padding_side_does_not_change_the_loss():
+def test_padding_side_does_not_change_the_loss(device):
     """The same two samples, left- vs right-padded, give the same loss and per-sample sums."""
     torch.manual_seed(0)
     vocab = 30
     seqs = [([3, 4, 5], [6, 7]), ([8, 9], [10, 11, 12])]
     length = 6
-    table = torch.randn(vocab, vocab)  # logits of position t depend only on token t: padding-invariant
+    table = torch.randn(vocab, vocab, device=device)  # logits of position t depend only on token t: padding-invariant
 
     def batch(left):
         ids, att, resp = [], [], []
@@ -43,7 +43,7 @@ def test_padding_side_does_not_change_the_loss():
             att.append([0] * len(pad) + mask if left else mask + [0] * len(pad))
             r = [0] * len(prompt) + [1] * len(answer)
             resp.append([0] * len(pad) + r if left else r + [0] * len(pad))
-        return torch.tensor(ids), torch.tensor(att), torch.tensor(resp)
+        return torch.tensor(ids, device=device), torch.tensor(att, device=device), torch.tensor(resp, device=device)
 
     outs = []
     for left in (True, False):
@@ -51,40 +51,42 @@ def test_padding_side_does_not_change_the_loss():
         rows = from_padded(ids, att, resp)
         logits = table[ids.reshape(-1)]
         outs.append(erpo_loss(logits, rows.targets, rows.token_kind, rows.sample_index, backend="torch",
-                              advantages=torch.tensor([1.0, -1.0]), ref_query_logp=torch.tensor([-9.0, -5.0])))
+                              advantages=torch.tensor([1.0, -1.0], device=device),
+                              ref_query_logp=torch.tensor([-9.0, -5.0], device=device)))
     torch.testing.assert_close(outs[0].loss, outs[1].loss)
     torch.testing.assert_close(outs[0].query_logp, outs[1].query_logp)
     torch.testing.assert_close(outs[0].response_logp, outs[1].response_logp)
 
 
-def test_from_padded_errors():
-    ids = torch.tensor([[1, 2, 3]])
+def test_from_padded_errors(device):
+    ids = torch.tensor([[1, 2, 3]], device=device)
     with pytest.raises(ValueError, match="same"):
-        from_padded(ids, torch.ones(1, 2), torch.zeros(1, 3))
+        from_padded(ids, torch.ones(1, 2, device=device), torch.zeros(1, 3, device=device))
     with pytest.raises(ValueError, match="response_mask"):
-        from_padded(ids, torch.tensor([[1, 1, 0]]), torch.tensor([[0, 0, 1]]))
+        from_padded(ids, torch.tensor([[1, 1, 0]], device=device), torch.tensor([[0, 0, 1]], device=device))
     with pytest.raises(ValueError, match="input_ids"):
-        from_padded(torch.tensor([1, 2, 3]), torch.ones(3), torch.zeros(3))
+        from_padded(torch.tensor([1, 2, 3], device=device), torch.ones(3, device=device), torch.zeros(3, device=device))
 
 
-def multi_turn_batch():
-    """One sample: prompt 11 12 13, model turn 21 22, tool output 31 32, model turn 23 24, then padding."""
-    input_ids = torch.tensor([[11, 12, 13, 21, 22, 31, 32, 23, 24, 0]])
-    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
-    response = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 1, 1, 0]])
+def multi_turn_batch(device):
+    """One sample on `device`: prompt 11 12 13, model turn 21 22, tool output 31 32, model turn 23 24, then
+    padding."""
+    input_ids = torch.tensor([[11, 12, 13, 21, 22, 31, 32, 23, 24, 0]], device=device)
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0]], device=device)
+    response = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 1, 1, 0]], device=device)
     return input_ids, attention, response
 
 
-def test_tool_outputs_inside_the_completion_are_not_query_rows():
-    rows = from_padded(*multi_turn_batch())
+def test_tool_outputs_inside_the_completion_are_not_query_rows(device):
+    rows = from_padded(*multi_turn_batch(device))
     # rows predicting 31 and 32 (the tool output) score nothing; only 12 and 13 are query rows
     assert rows.token_kind.tolist() == [1, 1, 2, 2, 0, 0, 2, 2, 0, 0]
     assert rows.targets.tolist() == [12, 13, 21, 22, -100, -100, 23, 24, -100, -100]
 
 
-def test_query_mask_chooses_the_query_tokens():
-    input_ids, attention, response = multi_turn_batch()
-    query = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0, 0]])  # the caller also counts the tool output as query
+def test_query_mask_chooses_the_query_tokens(device):
+    input_ids, attention, response = multi_turn_batch(device)
+    query = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0, 0]], device=device)  # the caller counts the tool output as query
     rows = from_padded(input_ids, attention, response, query_mask=query)
     assert rows.token_kind.tolist() == [1, 1, 2, 2, 1, 1, 2, 2, 0, 0]
     with pytest.raises(ValueError, match="query_mask and response_mask"):
@@ -95,19 +97,19 @@ def test_query_mask_chooses_the_query_tokens():
         from_padded(input_ids, attention, response, query_mask=query[:, :-1])
 
 
-def test_multi_turn_query_kl_is_zero_at_theta0_and_tool_rows_get_no_gradient():
+def test_multi_turn_query_kl_is_zero_at_theta0_and_tool_rows_get_no_gradient(device):
     """At theta = theta0 the Query-KL of a multi-turn sample is exactly 0, whatever the tool outputs are: ell(q)
     is the prompt's log-likelihood alone, as the reference cache computes it from the prompt by itself."""
     torch.manual_seed(0)
-    input_ids, attention, response = multi_turn_batch()
-    table = torch.randn(40, 40)  # logits of position t depend only on token t
+    input_ids, attention, response = multi_turn_batch(device)
+    table = torch.randn(40, 40, device=device)  # logits of position t depend only on token t
     logits = table[input_ids.reshape(-1)].requires_grad_(True)
     prompt = input_ids[:, :3]
     prompt_rows = from_padded(prompt, torch.ones_like(prompt), torch.zeros_like(prompt))
     ref_query_logp = token_logprobs(table[prompt.reshape(-1)], prompt_rows.targets, backend="torch").sum()[None]
     rows = from_padded(input_ids, attention, response)
     out = erpo_loss(logits, rows.targets, rows.token_kind, rows.sample_index, backend="torch",
-                    advantages=torch.tensor([1.0]), ref_query_logp=ref_query_logp, qkl_coef=1.0)
+                    advantages=torch.tensor([1.0], device=device), ref_query_logp=ref_query_logp, qkl_coef=1.0)
     assert out.metrics["qkl"].item() == 0.0
     out.loss.backward()
     tool_rows = [4, 5]  # the rows that predict the tool output 31 32

@@ -1,6 +1,7 @@
 """Logit transforms (LogitTransform: logits * logit_scale, then logit_softcap * tanh(. / logit_softcap), then
-/ temperature) on both paths (logits, fused-linear) and both backends (torch, Triton in the interpreter): forward and
-backward against the explicit formula differentiated by autograd in float64; and the Hugging Face config reader."""
+/ temperature) on both paths (logits, fused-linear) and both backends (torch, Triton): forward and
+backward against the explicit formula differentiated by autograd in float64; and the Hugging Face config reader. On the
+`device` fixture's device (Triton compiled on a GPU when one is present)."""
 import pytest
 import torch
 
@@ -52,10 +53,10 @@ def formula(logits, targets, scale, softcap, temperature):
     return torch.where(targets == -100, 0.0, logp), entropy
 
 
-def upstream(num_rows, seed=2):
-    """Random d loss / d logp and d loss / d H, zero on rows 1 and 5 (rows without gradient)."""
+def upstream(num_rows, *, device, seed=2):
+    """Random d loss / d logp and d loss / d H on `device`, zero on rows 1 and 5 (rows without gradient)."""
     g = torch.Generator().manual_seed(seed)
-    g_logp, g_entropy = torch.randn(num_rows, generator=g), torch.randn(num_rows, generator=g)
+    g_logp, g_entropy = torch.randn(num_rows, generator=g).to(device), torch.randn(num_rows, generator=g).to(device)
     g_logp[[1, 5]] = 0.0
     g_entropy[[1, 5]] = 0.0
     return g_logp, g_entropy
@@ -72,14 +73,14 @@ def assert_grad_close(got, want, dtype):
 @pytest.mark.parametrize("vocab", [37, 300, 4096 + 37])  # tails of every block size
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=IDS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_logits_path_matches_the_float64_formula(backend, transform, vocab, dtype):
+def test_logits_path_matches_the_float64_formula(backend, transform, vocab, dtype, device):
     scale, softcap, temperature = transform
     num_rows = 9
     g = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(num_rows, vocab, generator=g) * 8).to(dtype)
-    targets = torch.randint(0, vocab, (num_rows,), generator=g)
+    logits = (torch.randn(num_rows, vocab, generator=g) * 8).to(device, dtype)
+    targets = torch.randint(0, vocab, (num_rows,), generator=g).to(device)
     targets[[1, 4]] = -100
-    g_logp, g_entropy = upstream(num_rows)
+    g_logp, g_entropy = upstream(num_rows, device=device)
 
     x = logits.clone().requires_grad_(True)
     logp, entropy = token_logprobs(x, targets, temperature=temperature, logit_scale=scale, logit_softcap=softcap,
@@ -97,12 +98,12 @@ def test_logits_path_matches_the_float64_formula(backend, transform, vocab, dtyp
     assert torch.all(x.grad[[1, 5]] == 0)  # rows without gradient: exact zeros
 
 
-def linear_inputs(num_rows, hidden_dim, vocab, dtype, bias, seed=1):
-    """hidden @ weight.T + bias with logits of about +-20 (so a cap of 2 or 3 saturates many of them)."""
+def linear_inputs(num_rows, hidden_dim, vocab, dtype, bias, *, device, seed=1):
+    """hidden @ weight.T + bias with logits of about +-20 (so a cap of 2 or 3 saturates many of them), on `device`."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_rows, hidden_dim, generator=g).to(dtype)
-    weight = (torch.randn(vocab, hidden_dim, generator=g) * 8 / hidden_dim ** 0.5).to(dtype)
-    b = (torch.randn(vocab, generator=g)).to(dtype) if bias else None
+    hidden = torch.randn(num_rows, hidden_dim, generator=g).to(device, dtype)
+    weight = (torch.randn(vocab, hidden_dim, generator=g) * 8 / hidden_dim ** 0.5).to(device, dtype)
+    b = torch.randn(vocab, generator=g).to(device, dtype) if bias else None
     return hidden, weight, b
 
 
@@ -110,14 +111,14 @@ def linear_inputs(num_rows, hidden_dim, vocab, dtype, bias, seed=1):
                          ids=str)
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=IDS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_linear_path_matches_the_float64_formula(backend, transform, dtype, bias):
+def test_fused_linear_path_matches_the_float64_formula(backend, transform, dtype, bias, device):
     """N = 40 rows in 4 backward chunks of 13 (and a tail of 1), V = 300 in vocabulary blocks of 96 (and a tail)."""
     scale, softcap, temperature = transform
     num_rows, hidden_dim, vocab = 40, 48, 300
-    hidden, weight, b = linear_inputs(num_rows, hidden_dim, vocab, dtype, bias)
-    targets = torch.randint(0, vocab, (num_rows,), generator=torch.Generator().manual_seed(3))
+    hidden, weight, b = linear_inputs(num_rows, hidden_dim, vocab, dtype, bias, device=device)
+    targets = torch.randint(0, vocab, (num_rows,), generator=torch.Generator().manual_seed(3)).to(device)
     targets[::7] = -100
-    g_logp, g_entropy = upstream(num_rows)
+    g_logp, g_entropy = upstream(num_rows, device=device)
 
     ours = [None if t is None else t.clone().requires_grad_(True) for t in (hidden, weight, b)]
     logp, entropy = fused_linear_token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=temperature,
@@ -140,12 +141,12 @@ def test_fused_linear_path_matches_the_float64_formula(backend, transform, dtype
     assert torch.all(ours[0].grad[[1, 5]] == 0)  # rows without gradient: exact zeros in d hidden
 
 
-def test_the_cap_bites_in_these_tests():
+def test_the_cap_bites_in_these_tests(device):
     """The logits above reach far beyond the caps (else a test with and without the cap could not tell them apart)."""
-    hidden, weight, b = linear_inputs(40, 48, 300, torch.float32, True)
+    hidden, weight, b = linear_inputs(40, 48, 300, torch.float32, True, device=device)
     logits = hidden @ weight.t() + b
     assert logits.abs().max() > 15 and (logits.abs() > 3).float().mean() > 0.3
-    targets = torch.randint(0, 300, (40,))
+    targets = torch.randint(0, 300, (40,)).to(device)
     capped = fused_linear_token_logprobs(hidden, weight, targets, bias=b, logit_softcap=2.0, backend="torch")
     plain = fused_linear_token_logprobs(hidden, weight, targets, bias=b, backend="torch")
     assert (capped - plain).abs().max() > 1.0
@@ -153,16 +154,16 @@ def test_the_cap_bites_in_these_tests():
 
 @pytest.mark.parametrize("softcap", [5.0, 1000.0])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap):
+def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap, device):
     """The Triton tanh is built from exp without cancellation near 0 (tanh from expm1, itself by Kahan's trick) and
     near saturation (1 - tanh^2 = 4 e / (1 + e)^2): logits from 1e-7 to 1e5 (tanh = 1 in fp32, the slope 0) against
     float64, to fp32 rounding. With the cap of 1000 the logits sit in tanh's linear part, where tanh from
     1 - exp(-2|x|) would be off by ~c * 6e-8 = 6e-5."""
-    magnitudes = torch.tensor([1e-7, 1e-4, 1e-2, 0.3, 1.0, 4.0, 20.0, 90.0, 1e5])
-    logits = torch.cat([magnitudes, -magnitudes, torch.zeros(1)]).repeat(3, 1)
+    magnitudes = torch.tensor([1e-7, 1e-4, 1e-2, 0.3, 1.0, 4.0, 20.0, 90.0, 1e5], device=device)
+    logits = torch.cat([magnitudes, -magnitudes, torch.zeros(1, device=device)]).repeat(3, 1)
     logits[:2, [7, 8, 16, 17]] = 0.0  # rows 0 and 1 without saturated logits: lse ~ 20, where fp32 resolves 2e-6
     logits[1] *= 0.5
-    targets = torch.tensor([4, 12, 8])
+    targets = torch.tensor([4, 12, 8], device=device)
     x = logits.clone().requires_grad_(True)
     logp, entropy = token_logprobs(x, targets, logit_softcap=softcap, return_entropy=True, backend=backend)
     (logp.sum() + entropy.sum()).backward()
@@ -178,13 +179,13 @@ def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fused", [False, True])
-def test_loss_options_reach_the_kernels(fused, backend):
+def test_loss_options_reach_the_kernels(fused, backend, device):
     """erpo_loss / fused_linear_erpo_loss / ERPOLoss with logit_scale and logit_softcap: the float64 loss of the
     transformed logits (tests/support/plain_formula.py) and its gradient through the transform."""
     options = {"logit_scale": 0.5, "logit_softcap": 3.0, "temperature": 0.8, "qkl_coef": 0.3, "policy_kl_coef": 0.1,
                "entropy_coef": 0.05}
-    batch = random_batch(num_rows=40, vocab=300)
-    hidden, weight, b = linear_inputs(40, 48, 300, torch.float32, True)
+    batch = random_batch(num_rows=40, vocab=300, device=device)
+    hidden, weight, b = linear_inputs(40, 48, 300, torch.float32, True, device=device)
     exact = [t.double().requires_grad_(True) for t in (hidden, weight, b)]
     logits = exact[0] @ exact[1].t() + exact[2]
     z = 3.0 * torch.tanh(0.5 * logits / 3.0)
@@ -217,9 +218,9 @@ def test_loss_options_reach_the_kernels(fused, backend):
     ("logit_softcap", float("inf"), "logit_softcap must be None or a finite number > 0"),
     ("logit_softcap", True, "logit_softcap must be None or a finite number > 0"),
 ])
-def test_bad_transforms_are_refused_on_every_entry_point(name, value, match):
-    logits = torch.randn(4, 10)
-    targets = torch.tensor([1, 2, 3, -100])
+def test_bad_transforms_are_refused_on_every_entry_point(name, value, match, device):
+    logits = torch.randn(4, 10, device=device)
+    targets = torch.tensor([1, 2, 3, -100], device=device)
     with pytest.raises(ValueError, match=match):
         LossOptions(**{name: value})
     with pytest.raises(ValueError, match=match):
@@ -227,7 +228,8 @@ def test_bad_transforms_are_refused_on_every_entry_point(name, value, match):
     with pytest.raises(ValueError, match=match):
         token_logprobs(logits, targets, **{name: value})
     with pytest.raises(ValueError, match=match):
-        fused_linear_token_logprobs(torch.randn(4, 8), torch.randn(10, 8), targets, **{name: value})
+        fused_linear_token_logprobs(torch.randn(4, 8, device=device), torch.randn(10, 8, device=device), targets,
+                                    **{name: value})
 
 
 # --- the Hugging Face config reader ---
@@ -275,7 +277,7 @@ def test_config_reader_refuses_what_it_does_not_know():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tiny_gemma2_gives_the_models_own_log_probs(backend):
+def test_tiny_gemma2_gives_the_models_own_log_probs(backend, device):
     """A tiny Gemma2ForCausalLM (built from its config) with final_logit_softcapping = 2 (its logits reach past it):
     the fused path on (hidden, lm_head.weight) and the logits path on the raw lm_head output, with the options read
     from the config, give log_softmax of the model's own (capped) logits. Without the options they do not."""
@@ -283,10 +285,10 @@ def test_tiny_gemma2_gives_the_models_own_log_probs(backend):
 
     config = tiny(Gemma2Config, final_logit_softcapping=2.0, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(config).eval()
+    model = Gemma2ForCausalLM(config).eval().to(device)
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # tied: raw logits of several units, beyond the cap of 2
-    ids = torch.randint(0, 64, (2, 12))
+    ids = torch.randint(0, 64, (2, 12)).to(device)
     out = model(ids, output_hidden_states=True)
     hidden = out.hidden_states[-1].reshape(-1, 32)  # after the final norm: what lm_head reads
     targets = torch.roll(ids, -1, 1).reshape(-1)

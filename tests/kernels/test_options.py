@@ -41,15 +41,18 @@ def test_help_shows_the_options():
 
 
 def call(entry, **options):
-    """Call `entry` with `options` (and arguments the options check never reaches)."""
+    """Call `entry` with `options` (and CPU arguments, on every machine: the options check never reaches them)."""
     if entry in (ERPOLoss, FusedLinearERPOLoss):
         return entry(**options)
-    rows = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long), torch.zeros(2)
+    cpu = torch.device("cpu")
+    rows = (torch.zeros(2, 3, device=cpu), torch.zeros(2, dtype=torch.long, device=cpu),
+            torch.ones(2, dtype=torch.long, device=cpu), torch.zeros(2, device=cpu))
     if entry is padded_erpo_loss:
-        return entry(advantages=torch.zeros(1), completion_mask=torch.ones(1, 2), **options)
+        return entry(advantages=torch.zeros(1, device=cpu), completion_mask=torch.ones(1, 2, device=cpu), **options)
     if entry is fused_linear_erpo_loss:
-        return entry(rows[0], torch.zeros(4, 3), *rows[1:], advantages=torch.zeros(1), **options)
-    return entry(*rows, advantages=torch.zeros(1), **options)
+        return entry(rows[0], torch.zeros(4, 3, device=cpu), *rows[1:], advantages=torch.zeros(1, device=cpu),
+                     **options)
+    return entry(*rows, advantages=torch.zeros(1, device=cpu), **options)
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda entry: entry.__name__)

@@ -11,26 +11,27 @@ T = P + C
 OPTIONS = dict(qkl_coef=0.1, policy_kl_coef=0.05, entropy_coef=0.01, backend="torch")
 
 
-def trl_batch(seed=0):
+def trl_batch(*, device, seed=0):
     """Left-padded prompts, right-padded completions, a tool output inside sample 2's completion, and every
-    completion-aligned tensor."""
+    completion-aligned tensor, on `device`."""
     g = torch.Generator().manual_seed(seed)
-    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask = torch.ones(B, P, dtype=torch.long, device=device)
     prompt_mask[0, :2] = 0
-    completion_mask = torch.ones(B, C, dtype=torch.long)
+    completion_mask = torch.ones(B, C, dtype=torch.long, device=device)
     completion_mask[1, 4:] = 0
-    tool_mask = torch.ones(B, C, dtype=torch.long)
+    tool_mask = torch.ones(B, C, dtype=torch.long, device=device)
     tool_mask[2, 2:4] = 0
-    hidden = torch.randn(B, T, D, generator=g, dtype=torch.float32)
-    weight = torch.randn(V, D, generator=g, dtype=torch.float32)
-    bias = torch.randn(V, generator=g, dtype=torch.float32)
-    logp_guess = -torch.rand(B, C, generator=g) * 3 - 0.5
-    return dict(prompt_ids=torch.randint(0, V, (B, P), generator=g), prompt_mask=prompt_mask,
-                completion_ids=torch.randint(0, V, (B, C), generator=g), completion_mask=completion_mask,
+    hidden = torch.randn(B, T, D, generator=g, dtype=torch.float32).to(device)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float32).to(device)
+    bias = torch.randn(V, generator=g, dtype=torch.float32).to(device)
+    logp_guess = -torch.rand(B, C, generator=g).to(device) * 3 - 0.5
+    return dict(prompt_ids=torch.randint(0, V, (B, P), generator=g).to(device), prompt_mask=prompt_mask,
+                completion_ids=torch.randint(0, V, (B, C), generator=g).to(device), completion_mask=completion_mask,
                 tool_mask=tool_mask, hidden=hidden, weight=weight, bias=bias,
-                advantages=torch.tensor([1.0, -0.5, 0.3]), ref_query_logp=torch.tensor([-9.0, -12.0, -10.0]),
-                old_logp=logp_guess + 0.2 * torch.randn(B, C, generator=g),
-                ref_logp=logp_guess + 0.2 * torch.randn(B, C, generator=g))
+                advantages=torch.tensor([1.0, -0.5, 0.3], device=device),
+                ref_query_logp=torch.tensor([-9.0, -12.0, -10.0], device=device),
+                old_logp=logp_guess + 0.2 * torch.randn(B, C, generator=g).to(device),
+                ref_logp=logp_guess + 0.2 * torch.randn(B, C, generator=g).to(device))
 
 
 def batch_inputs(data):
@@ -44,24 +45,26 @@ def logits_of(data):
 
 def packed_reference(data, logits):
     """erpo_loss on every [B * T] position, the completion-aligned tensors placed on their rows by hand."""
+    device = logits.device
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
     attention = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
-    response = torch.cat([torch.zeros(B, P, dtype=torch.long), data["completion_mask"] * data["tool_mask"]], dim=1)
+    response = torch.cat([torch.zeros(B, P, dtype=torch.long, device=device),
+                          data["completion_mask"] * data["tool_mask"]], dim=1)
     rows = from_padded(input_ids, attention, response)
-    old, ref = torch.zeros(B * T), torch.zeros(B * T)
+    old, ref = torch.zeros(B * T, device=device), torch.zeros(B * T, device=device)
     for b in range(B):
         for j in range(C):   # completion token j of sample b is predicted at position P + j - 1
             old[b * T + P + j - 1], ref[b * T + P + j - 1] = data["old_logp"][b, j], data["ref_logp"][b, j]
     out = erpo_loss(logits.reshape(B * T, V), rows.targets, rows.token_kind, rows.sample_index,
                     advantages=data["advantages"], ref_query_logp=data["ref_query_logp"], old_logp=old, ref_logp=ref,
                     **OPTIONS)
-    completion_rows = torch.arange(B)[:, None] * T + P - 1 + torch.arange(C)[None, :]
+    completion_rows = torch.arange(B, device=device)[:, None] * T + P - 1 + torch.arange(C, device=device)[None, :]
     scored = (data["completion_mask"] * data["tool_mask"]).bool()
     return out, torch.where(scored, out.token_logp[completion_rows], 0.0)
 
 
-def test_logits_path_equals_the_packed_loss_values_and_gradients():
-    data = trl_batch()
+def test_logits_path_equals_the_packed_loss_values_and_gradients(device):
+    data = trl_batch(device=device)
     logits = logits_of(data).detach().requires_grad_()
     out = padded_erpo_loss(logits=logits, **batch_inputs(data), **OPTIONS)
     out.loss.backward()
@@ -78,8 +81,8 @@ def test_logits_path_equals_the_packed_loss_values_and_gradients():
     assert out.metrics.keys() == expected.metrics.keys()
 
 
-def test_hidden_path_equals_the_logits_path_values_and_gradients():
-    data = trl_batch(seed=1)
+def test_hidden_path_equals_the_logits_path_values_and_gradients(device):
+    data = trl_batch(seed=1, device=device)
     hidden, weight, bias = (data[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
     fused = padded_erpo_loss(hidden=hidden, weight=weight, bias=bias, **batch_inputs(data), **OPTIONS)
     fused.loss.backward()
@@ -92,10 +95,10 @@ def test_hidden_path_equals_the_logits_path_values_and_gradients():
         torch.testing.assert_close(ours.grad, theirs.grad)
 
 
-def test_full_sequences_and_wider_padding_give_the_same_loss():
+def test_full_sequences_and_wider_padding_give_the_same_loss(device):
     """The full-sequence form equals the prompt/completion form, and two more padding columns on each side
     (holding NaN logits) change nothing."""
-    data = trl_batch(seed=2)
+    data = trl_batch(seed=2, device=device)
     logits = logits_of(data)
     reference = padded_erpo_loss(logits=logits, **batch_inputs(data), **OPTIONS)
     inputs = batch_inputs(data)
@@ -104,7 +107,7 @@ def test_full_sequences_and_wider_padding_give_the_same_loss():
     torch.testing.assert_close(padded_erpo_loss(logits=logits, **full, **inputs, **OPTIONS).loss, reference.loss)
 
     def widen(x, value=0):   # two columns before the prompt and two after the completion
-        pad = torch.full((B, 2, *x.shape[2:]), value, dtype=x.dtype)
+        pad = torch.full((B, 2, *x.shape[2:]), value, dtype=x.dtype, device=device)
         return torch.cat([pad, x, pad], dim=1)
 
     wide = dict(batch_inputs(data), prompt_ids=widen(data["prompt_ids"])[:, :P + 2],
@@ -117,8 +120,8 @@ def test_full_sequences_and_wider_padding_give_the_same_loss():
     assert out.token_logp[:, C:].eq(0).all()
 
 
-def test_fused_linear_module_in_ligers_order_equals_padded_erpo_loss():
-    data = trl_batch(seed=3)
+def test_fused_linear_module_in_ligers_order_equals_padded_erpo_loss(device):
+    data = trl_batch(seed=3, device=device)
     module = FusedLinearERPOLoss(**OPTIONS)
     out = module(data["hidden"], data["weight"], data["completion_ids"], data["completion_mask"], data["advantages"],
                  data["bias"], data["ref_logp"], data["old_logp"], prompt_ids=data["prompt_ids"],
@@ -129,14 +132,14 @@ def test_fused_linear_module_in_ligers_order_equals_padded_erpo_loss():
     torch.testing.assert_close(out.token_logp, expected.token_logp)
 
 
-def test_fused_linear_module_ligers_completion_layout_and_reference_input():
+def test_fused_linear_module_ligers_completion_layout_and_reference_input(device):
     """Without the prompt (qkl_coef=0), _input is Liger's [B, C, D] (position j predicts completion token j); the
     reference's log-probs come from ref_input / ref_weight when ref_per_token_logps is None."""
-    data = trl_batch(seed=4)
+    data = trl_batch(seed=4, device=device)
     options = dict(OPTIONS, qkl_coef=0.0)
     g = torch.Generator().manual_seed(5)
-    ref_hidden = torch.randn(B, C, D, generator=g, dtype=torch.float32)
-    ref_weight = torch.randn(V, D, generator=g, dtype=torch.float32)
+    ref_hidden = torch.randn(B, C, D, generator=g, dtype=torch.float32).to(device)
+    ref_weight = torch.randn(V, D, generator=g, dtype=torch.float32).to(device)
     completion_hidden = data["hidden"][:, P - 1:T - 1]
     mask = data["completion_mask"]
     out = FusedLinearERPOLoss(**options)(completion_hidden, data["weight"], data["completion_ids"], mask,
@@ -162,8 +165,8 @@ def test_fused_linear_module_ligers_completion_layout_and_reference_input():
     (lambda d: d.update(qkl_estimator="k3-token"), "qkl_estimator='k3-token' needs reference log-probs"),
     (lambda d: d.update(qkl_coeff=0.1), "did you mean 'qkl_coef'?"),
 ])
-def test_bad_input_is_one_line(change, message):
-    data = trl_batch()
+def test_bad_input_is_one_line(change, message, device):
+    data = trl_batch(device=device)
     inputs = dict(batch_inputs(data), logits=logits_of(data), **OPTIONS)
     change(inputs)
     with pytest.raises((ValueError, TypeError)) as error:
@@ -171,15 +174,15 @@ def test_bad_input_is_one_line(change, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_fused_linear_module_refuses_the_query_kl_without_the_prompt():
-    data = trl_batch()
+def test_fused_linear_module_refuses_the_query_kl_without_the_prompt(device):
+    data = trl_batch(device=device)
     with pytest.raises(ValueError, match="the Query-KL .* needs the prompt"):
         FusedLinearERPOLoss(backend="torch")(data["hidden"][:, P - 1:T - 1], data["weight"], data["completion_ids"],
                                              data["completion_mask"], data["advantages"])
 
 
-def test_fused_linear_module_refuses_a_reference_input_of_other_positions():
-    data = trl_batch()
+def test_fused_linear_module_refuses_a_reference_input_of_other_positions(device):
+    data = trl_batch(device=device)
     with pytest.raises(ValueError, match=r"ref_input must have _input's shape \(3, 11, 8\)"):
         FusedLinearERPOLoss(backend="torch", policy_kl_coef=0.1)(
             data["hidden"], data["weight"], data["completion_ids"], data["completion_mask"], data["advantages"],

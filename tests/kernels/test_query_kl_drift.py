@@ -27,21 +27,23 @@ def closed_form(r: float, estimator: str, limit: float = LIMIT) -> tuple[float, 
     return k(edge) + slope(edge) * (r - edge), slope(edge)
 
 
-def drifted_prompt(r: float):
+def drifted_prompt(r: float, device: torch.device):
     """One sample of three query rows (no response rows: the loss is alpha * qkl alone) and a padding row; the query
     targets are unlikely (ell_theta(q) about -600 nats), and ref_query_logp = ell_theta(q) + r as a log-likelihood
-    would be (negative) for every drift. Returns the batch, d ell_theta(q) / d logits and ell_theta(q) in float64."""
+    would be (negative) for every drift. Returns the batch, d ell_theta(q) / d logits and ell_theta(q) in float64, on
+`device`."""
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(4, 11, generator=g) * 2
-    targets = torch.tensor([3, 7, 0, -100])
-    logits[torch.arange(3), targets[:3]] = -200.0
-    token_kind = torch.tensor([1, 1, 1, 0])
+    logits = (torch.randn(4, 11, generator=g) * 2).to(device)
+    targets = torch.tensor([3, 7, 0, -100], device=device)
+    logits[torch.arange(3, device=device), targets[:3]] = -200.0
+    token_kind = torch.tensor([1, 1, 1, 0], device=device)
     log_probs = torch.log_softmax(logits.double()[:3], -1)
     ell = log_probs.gather(1, targets[:3, None]).sum()
-    d_ell = torch.zeros(4, 11, dtype=torch.float64)
+    d_ell = torch.zeros(4, 11, dtype=torch.float64, device=device)
     d_ell[:3] = torch.nn.functional.one_hot(targets[:3], 11).double() - log_probs.exp()
     batch = {"logits": logits, "targets": targets, "token_kind": token_kind,
-             "sample_index": torch.zeros(4, dtype=torch.long), "advantages": torch.zeros(1),
+             "sample_index": torch.zeros(4, dtype=torch.long, device=device),
+             "advantages": torch.zeros(1, device=device),
              "ref_query_logp": (ell + r).float().reshape(1)}
     assert float(ell) < -550 and float(ell + r) < 0
     return batch, d_ell, ell
@@ -58,8 +60,8 @@ def run(batch, backend="torch", **options):
 
 @pytest.mark.parametrize("estimator", ["k3", "k2", "k1"])
 @pytest.mark.parametrize("r", DRIFTS)
-def test_value_and_gradient_follow_the_closed_form(r, estimator):
-    batch, d_ell, ell = drifted_prompt(r)
+def test_value_and_gradient_follow_the_closed_form(r, estimator, device):
+    batch, d_ell, ell = drifted_prompt(r, device)
     out, grad = run(batch, qkl_estimator=estimator)
     # The drift as the loss sees it: the fp32 sum ell_theta(q) of ~600 nats is off by ~3e-5 nats (that error times
     # f'(r) is not the estimator's); at r = 0 it is exactly 0.
@@ -67,9 +69,9 @@ def test_value_and_gradient_follow_the_closed_form(r, estimator):
     drift = float(batch["ref_query_logp"].double() - out.query_logp.double())
     assert abs(drift - r) < 1e-3 and (drift == 0) == (r == 0)
     value, slope = closed_form(drift, estimator)
-    torch.testing.assert_close(out.loss.double(), torch.tensor(ALPHA * value, dtype=torch.float64),
+    torch.testing.assert_close(out.loss.double(), torch.tensor(ALPHA * value, dtype=torch.float64, device=device),
                                rtol=2e-5, atol=1e-8)
-    torch.testing.assert_close(out.metrics["qkl"].double(), torch.tensor(value, dtype=torch.float64),
+    torch.testing.assert_close(out.metrics["qkl"].double(), torch.tensor(value, dtype=torch.float64, device=device),
                                rtol=2e-5, atol=1e-6)
     # loss = alpha f(r), r = ref - ell: d loss / d logits = -alpha f'(r) d ell / d logits
     expected = -ALPHA * slope * d_ell
@@ -78,9 +80,9 @@ def test_value_and_gradient_follow_the_closed_form(r, estimator):
 
 @pytest.mark.parametrize("r", [50.0, 500.0, -50.0, -500.0])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_far_drift_keeps_a_bounded_nonzero_restoring_gradient(r, backend):
+def test_far_drift_keeps_a_bounded_nonzero_restoring_gradient(r, backend, device):
     """The bug this replaces: at |r| > 20 the gradient was exactly 0 (and the value e^20 - 21 whatever r)."""
-    batch, d_ell, _ = drifted_prompt(r)
+    batch, d_ell, _ = drifted_prompt(r, device)
     out, grad = run(batch, backend=backend)
     k3_slope_bound = math.expm1(LIMIT)  # the largest |f'(r)| of k3 over every r
     assert grad.abs().max() > 0.5 * ALPHA * min(abs(closed_form(r, "k3")[1]), k3_slope_bound) * d_ell.abs().max()
@@ -91,12 +93,12 @@ def test_far_drift_keeps_a_bounded_nonzero_restoring_gradient(r, backend):
     assert math.isfinite(out.metrics["qkl"].item()) and out.metrics["qkl"].item() < 1e5
 
 
-def test_the_old_clamp_at_twenty_would_fail():
+def test_the_old_clamp_at_twenty_would_fail(device):
     """At r = 50 the clamped estimator's gradient is exactly 0 and the value e^20 - 21; the closed form is neither."""
     value, slope = closed_form(50.0, "k3")
     assert slope == pytest.approx(math.expm1(LIMIT)) and slope > 0
     assert value != pytest.approx(math.exp(20) - 21)
-    batch, _, _ = drifted_prompt(50.0)
+    batch, _, _ = drifted_prompt(50.0, device)
     _, grad = run(batch)
     assert grad.abs().max() > 0
 
@@ -110,10 +112,10 @@ def test_value_and_slope_are_continuous_at_the_limit():
 
 
 @pytest.mark.parametrize("r", [3.0, 12.0, 30.0, -30.0])
-def test_plain_formula_agrees(r):
+def test_plain_formula_agrees(r, device):
     """The float64 oracle of the whole loss (tests/support/plain_formula.py) writes the same sequence-level
     estimator."""
-    batch, _, _ = drifted_prompt(r)
+    batch, _, _ = drifted_prompt(r, device)
     logits = batch["logits"].double().requires_grad_(True)
     expected = plain_erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"],
                                advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"], qkl_coef=ALPHA,
@@ -124,9 +126,9 @@ def test_plain_formula_agrees(r):
     torch.testing.assert_close(grad.double(), expected_grad, rtol=2e-4, atol=1e-9)
 
 
-def test_per_token_clamp_does_not_touch_the_sequence_level_estimator():
+def test_per_token_clamp_does_not_touch_the_sequence_level_estimator(device):
     """log_ratio_clamp (the per-token clamp, for TRL / verl parity of the per-token KLs) leaves qkl_s alone."""
-    batch, _, _ = drifted_prompt(4.0)
+    batch, _, _ = drifted_prompt(4.0, device)
     default, default_grad = run(batch)
     tight, tight_grad = run(batch, log_ratio_clamp=1.0)
     assert torch.equal(default.loss, tight.loss) and torch.equal(default_grad, tight_grad)

@@ -12,20 +12,21 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
 def scope():
-    """The names the examples take from the reader's training loop: a tiny causal LM and a padded batch."""
+    """The names the examples take from the reader's training loop: a tiny causal LM and a padded batch, on the CPU
+    (the examples run as written, with no device of their own)."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     model = tiny_test_model(tokenizer)
     batch, length = 3, 12
-    input_ids = torch.randint(0, len(tokenizer), (batch, length))
-    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    input_ids = torch.randint(0, len(tokenizer), (batch, length), device="cpu")
+    attention_mask = torch.ones(batch, length, dtype=torch.long, device="cpu")
     attention_mask[0, :2] = 0                                   # left padding on the first sample
-    response_mask = torch.zeros(batch, length, dtype=torch.long)
+    response_mask = torch.zeros(batch, length, dtype=torch.long, device="cpu")
     response_mask[:, 7:] = 1
     return dict(model=model, input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                D=model.config.hidden_size, advantages=torch.tensor([1.0, -0.5, 0.25]),
-                ref_query_logp=torch.tensor([-30.0, -25.0, -28.0]), w=torch.tensor([1.0, 1.2, 0.8]),
-                old_logp=None)
+                D=model.config.hidden_size, advantages=torch.tensor([1.0, -0.5, 0.25], device="cpu"),
+                ref_query_logp=torch.tensor([-30.0, -25.0, -28.0], device="cpu"),
+                w=torch.tensor([1.0, 1.2, 0.8], device="cpu"), old_logp=None)
 
 
 def test_readme_has_the_three_examples():

@@ -30,8 +30,8 @@ OPTION_CASES = [
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_reference_matches_float64_formula(options):
-    batch = random_batch()
+def test_reference_matches_float64_formula(options, device):
+    batch = random_batch(device=device)
     logits = batch["logits"].double().requires_grad_(True)
     expected = plain_erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"],
                                **loss_inputs(batch), **options)
@@ -45,11 +45,11 @@ def test_reference_matches_float64_formula(options):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_token_weight_scales_each_response_rows_policy_gradient(backend):
+def test_token_weight_scales_each_response_rows_policy_gradient(backend, device):
     """token_weight [N] (e.g. a truncated importance-sampling ratio against the rollout engine's log-probs)
     multiplies pg_t next to w_s; query rows and the Query-KL ignore it, and rows of kind 0 may hold anything."""
-    batch = random_batch()
-    token_weight = torch.rand(48, generator=torch.Generator().manual_seed(7)) * 2
+    batch = random_batch(device=device)
+    token_weight = (torch.rand(48, generator=torch.Generator().manual_seed(7)) * 2).to(device)
     token_weight[batch["token_kind"] == 0] = float("nan")  # never read
     options = {"policy_kl_coef": 0.1, "entropy_coef": 0.05}
     logits = batch["logits"].double().requires_grad_(True)
@@ -65,7 +65,7 @@ def test_token_weight_scales_each_response_rows_policy_gradient(backend):
     unweighted = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"],
                            backend=backend, **loss_inputs(batch), **options)
     ones = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend=backend,
-                     token_weight=torch.ones(48), **loss_inputs(batch), **options)
+                     token_weight=torch.ones(48, device=device), **loss_inputs(batch), **options)
     assert torch.equal(ones.loss, unweighted.loss)
     assert not torch.allclose(out.metrics["pg_loss"], unweighted.metrics["pg_loss"], rtol=1e-2)
     assert torch.equal(out.metrics["qkl"], unweighted.metrics["qkl"])
@@ -73,15 +73,15 @@ def test_token_weight_scales_each_response_rows_policy_gradient(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("on_policy", [True, False], ids=["on-policy", "old_logp"])
-def test_rollout_logp_applies_truncated_importance_sampling(backend, on_policy):
+def test_rollout_logp_applies_truncated_importance_sampling(backend, on_policy, device):
     """With the rollout engine's log-probs, pg_t is weighted by min(exp(old_t - rollout_t), rollout_is_cap), old_t
     being old_logp or (on-policy) the current log-prob, detached; metrics report the weight and the gap."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     g = torch.Generator().manual_seed(11)
     inputs = loss_inputs(batch, ("advantages", "ref_query_logp", "query_weight") + (() if on_policy else ("old_logp",)))
     old = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"],
                     backend="torch", **inputs).token_logp if on_policy else batch["old_logp"]
-    rollout_logp = old + 0.8 * torch.randn(48, generator=g)  # some weights above the cap, some below 1
+    rollout_logp = old + 0.8 * torch.randn(48, generator=g).to(device)  # some weights above the cap, some below 1
     rollout_logp[batch["token_kind"] != 2] = float("nan")  # read on response rows only
     options = {"rollout_is_cap": 1.5}
     logits = batch["logits"].double().requires_grad_(True)
@@ -106,16 +106,16 @@ def test_rollout_logp_applies_truncated_importance_sampling(backend, on_policy):
     assert not torch.allclose(plain.metrics["pg_loss"], out.metrics["pg_loss"], rtol=1e-2)
 
 
-def test_on_policy_without_old_logp_has_ratio_one():
-    batch = random_batch()
+def test_on_policy_without_old_logp_has_ratio_one(device):
+    batch = random_batch(device=device)
     out = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
                     advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"])
     assert out.metrics["ratio_mean"].item() == pytest.approx(1.0)
     assert out.metrics["clip_frac"].item() == 0.0
 
 
-def test_query_and_response_sums_match_token_logp():
-    batch = random_batch()
+def test_query_and_response_sums_match_token_logp(device):
+    batch = random_batch(device=device)
     out = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
                     **loss_inputs(batch))
     for s in range(5):
@@ -126,34 +126,35 @@ def test_query_and_response_sums_match_token_logp():
     assert torch.all(out.token_logp[batch["token_kind"] == 0] == 0)
 
 
-def test_query_rows_get_gradient_only_from_query_kl():
+def test_query_rows_get_gradient_only_from_query_kl(device):
     """Proposition 1: with qkl_coef = 0 query rows get no gradient; the Query-KL term sends none to responses."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     kind = batch["token_kind"]
     logits = batch["logits"].clone().requires_grad_(True)
     erpo_loss(logits, batch["targets"], kind, batch["sample_index"], backend="torch", qkl_coef=0.0,
               **loss_inputs(batch)).loss.backward()
     assert torch.all(logits.grad[kind == 1] == 0) and logits.grad[kind == 2].abs().sum() > 0
     logits.grad = None
-    zero_adv = dict(loss_inputs(batch), advantages=torch.zeros(5))
+    zero_adv = dict(loss_inputs(batch), advantages=torch.zeros(5, device=device))
     erpo_loss(logits, batch["targets"], kind, batch["sample_index"], backend="torch", qkl_coef=1.0,
               **zero_adv).loss.backward()
     assert torch.all(logits.grad[kind == 2] == 0) and logits.grad[kind == 1].abs().sum() > 0
     assert torch.all(logits.grad[kind == 0] == 0)
 
 
-def test_query_weight_multiplies_policy_gradient_only():
-    batch = random_batch()
+def test_query_weight_multiplies_policy_gradient_only(device):
+    batch = random_batch(device=device)
     args = (batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"])
     base = erpo_loss(*args, backend="torch", **dict(loss_inputs(batch), query_weight=None))
-    doubled = erpo_loss(*args, backend="torch", **dict(loss_inputs(batch), query_weight=torch.full((5,), 2.0)))
+    doubled = erpo_loss(*args, backend="torch",
+                        **dict(loss_inputs(batch), query_weight=torch.full((5,), 2.0, device=device)))
     torch.testing.assert_close(doubled.metrics["pg_loss"], 2 * base.metrics["pg_loss"])
     torch.testing.assert_close(doubled.metrics["qkl"], base.metrics["qkl"])
 
 
-def test_reference_is_chunked(monkeypatch):
+def test_reference_is_chunked(monkeypatch, device):
     """Splitting rows into chunks of one row gives the same values and gradients as one chunk."""
-    batch = random_batch(dtype=torch.bfloat16)
+    batch = random_batch(dtype=torch.bfloat16, device=device)
     logits = batch["logits"].clone().requires_grad_(True)
     logp, entropy = token_logprobs(logits, batch["targets"], return_entropy=True, backend="torch")
     (logp.sum() + entropy.sum()).backward()
@@ -165,15 +166,16 @@ def test_reference_is_chunked(monkeypatch):
     assert len(reference.row_chunks(48, 37)) == 48
 
 
-def test_masked_vocabulary_entries_are_handled():
+def test_masked_vocabulary_entries_are_handled(device):
     """-inf logits (a masked vocabulary entry) are legitimate: finite log-probs, entropy and gradients."""
-    logits = torch.randn(4, 9)
+    logits = torch.randn(4, 9).to(device)
     logits[:, 3] = float("-inf")
     logits.requires_grad_(True)
-    logp, entropy = token_logprobs(logits, torch.tensor([0, 1, 2, 4]), return_entropy=True, backend="torch")
+    targets = torch.tensor([0, 1, 2, 4], device=device)
+    logp, entropy = token_logprobs(logits, targets, return_entropy=True, backend="torch")
     (logp.sum() + entropy.sum()).backward()
     expected = torch.log_softmax(logits.detach()[:, [0, 1, 2, 4, 5, 6, 7, 8]], -1)
-    torch.testing.assert_close(logp, expected[torch.arange(4), torch.tensor([0, 1, 2, 3])])
+    torch.testing.assert_close(logp, expected[[0, 1, 2, 3], [0, 1, 2, 3]])
     assert torch.isfinite(entropy).all() and torch.isfinite(logits.grad).all()
 
 
@@ -182,10 +184,10 @@ PARITY_OPTIONS = {"policy_kl_bias_correction": True, "kl_clamp": 0.5, "pg_log_ra
 
 
 @pytest.mark.parametrize("name", list(PARITY_OPTIONS))
-def test_parity_option_changes_loss_and_gradient(name):
+def test_parity_option_changes_loss_and_gradient(name, device):
     """Each option for parity with TRL / verl is active on the test batch (so the float64 comparisons above are not
     vacuous): turning it on changes the loss or, for the bias correction at old = current, only the gradient."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     base = {"policy_kl_coef": 0.1 if "kl" in name else 0.0, "entropy_coef": 0.05, "loss_agg": "seq-mean-token-mean",
             "log_ratio_clamp": 5.0}
     on_policy = name == "policy_kl_bias_correction"
@@ -207,14 +209,14 @@ def test_parity_option_changes_loss_and_gradient(name):
         assert not torch.allclose(loss_on, loss_off, rtol=1e-4)
 
 
-def test_pg_log_ratio_clamp_is_not_log_ratio_clamp():
+def test_pg_log_ratio_clamp_is_not_log_ratio_clamp(device):
     """log_ratio_clamp clamps the KL log-ratios only; the PG ratio is clamped by pg_log_ratio_clamp (verl: 20)."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     old_logp = batch["old_logp"].clone()
     old_logp[batch["token_kind"] == 2] -= 60.0  # log-ratios above 40 on every response row
     inputs = dict(loss_inputs(batch), old_logp=old_logp)
     rows = (batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"])
     ratio_mean = {clamp: erpo_loss(*rows, **inputs, backend="torch", pg_log_ratio_clamp=clamp).metrics["ratio_mean"]
                   for clamp in (None, 20.0)}
-    assert ratio_mean[None] > torch.exp(torch.tensor(25.0))
-    torch.testing.assert_close(ratio_mean[20.0], torch.exp(torch.tensor(20.0)))
+    assert ratio_mean[None] > torch.exp(torch.tensor(25.0, device=device))
+    torch.testing.assert_close(ratio_mean[20.0], torch.exp(torch.tensor(20.0, device=device)))

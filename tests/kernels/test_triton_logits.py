@@ -86,7 +86,7 @@ def test_bf16_logits_with_bf16_gradient(device):
 def test_target_gradient_exact_in_bf16(device):
     """A confident row (p_target ~ 1 - 1e-3): the target's gradient g * (1 - p) is formed in fp32 and rounded
     once, not read back from a bf16 softmax and subtracted (which would give 0 or a 100% error)."""
-    logits = torch.zeros(1, 64)
+    logits = torch.zeros(1, 64, device=device)
     logits[0, 5] = 10.0
     logits = logits.to(device, torch.bfloat16).requires_grad_(True)
     logp = token_logprobs(logits, torch.tensor([5], device=device), backend="triton")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The one command of a GPU lease (bench/README.md, "One command for a GPU lease"): the kernel tier on CUDA, 20 steps
+# of `erpo train` and the bench table, each stage under its own time limit, all within 9 minutes; 8 result files in
+# OUT_DIR (default: $OUT, the device machine's result folder). The stages are bench/gpu_check.py.
+#
+#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [OUT_DIR]
+#
+# PYTHON picks the interpreter (default python3, which on the GPU image is the one holding torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m bench.gpu_check "$@"

@@ -1,0 +1,91 @@
+"""`bash bench/gpu_check.sh --dry-run`: the GPU lease's one command, run on the CPU with its stages shrunk, writes
+every stage's results into at most 8 files; a stage past its time limit is stopped with its children, and no stage
+starts past the deadline."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+from bench.progress import read_runs
+
+REPO = Path(__file__).resolve().parents[2]
+FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "train.log", "train-metrics.jsonl", "bench.log",
+         "bench.jsonl", "bench-results.md"}
+
+
+def test_dry_run_writes_each_stages_results(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)  # the dry run sets it for its stages itself
+    done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--commit", "abc123", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == FILES  # the device tool brings back 8 files at most
+    summary = (out / "summary.md").read_text()
+    stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
+    assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
+                                            "| bench 2: peers at N=16384 and 4096", "| bench 3: peers at N=65536"]
+    assert "- result: 3 passed" in summary and "- commit: abc123" in summary
+    assert "left out: torch eager" in summary
+    (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
+    assert step["rollout_step"] == 1 and "1 steps logged" in summary
+    runs = read_runs(out / "bench.jsonl")
+    assert len(runs) == 3 and all(run["meta"]["commit"] == "abc123" for run in runs)
+    assert [(r["contender"], r["status"]) for r in runs[0]["rows"]][0] == ("torch", "ok")
+    assert {r["contender"] for run in runs[1:] for r in run["rows"]} <= {"torch", "liger"}
+    assert "| V=1000 | 128 | torch | erpo | ok |" in (out / "bench-results.md").read_text()
+
+
+@pytest.fixture
+def check(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 1)
+    check = gpu_check.GpuCheck(tmp_path, dry_run=True, commit=None)
+    yield check
+    shutil.rmtree(check.work)
+
+
+def test_a_stage_past_its_limit_is_stopped_with_its_children(check, tmp_path):
+    child = tmp_path / "child.pid"
+    script = f"sleep 60 & echo $! > {child}; echo begun; wait"
+    begin = time.monotonic()
+    stage = check.run("sleepy", ["bash", "-c", script], tmp_path / "sleepy.log", limit_s=3)
+    assert stage.status == "time limit" and stage.exit_code is not None and time.monotonic() - begin < 20
+    log = (tmp_path / "sleepy.log").read_text()
+    assert "begun" in log and "stopped at the stage's time limit (3 s)" in log
+    with pytest.raises(ProcessLookupError):  # the stage's own child went with it
+        os.kill(int(child.read_text()), 0)
+    assert "| sleepy | time limit |" in (tmp_path / "summary.md").read_text()
+
+
+def test_no_stage_starts_past_the_deadline(check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "DEADLINE_S", gpu_check.SUMMARY_RESERVE_S)
+    stage = check.run("late", ["bash", "-c", f"touch {tmp_path / 'ran'}"], tmp_path / "late.log", limit_s=60)
+    assert stage.status == "not run" and not (tmp_path / "ran").exists()
+    assert "not started" in stage.notes[0]
+
+
+def test_a_failing_stage_is_reported_and_the_next_one_runs(check, tmp_path):
+    first = check.run("broken", ["bash", "-c", "exit 3"], tmp_path / "a.log", limit_s=30)
+    second = check.run("fine", ["bash", "-c", "true"], tmp_path / "b.log", limit_s=30)
+    assert (first.status, first.exit_code) == ("failed", 3) and (second.status, second.exit_code) == ("ok", 0)
+
+
+def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
+    from bench.__main__ import parse_args
+    from bench.contenders import CONTENDER_KEYS
+
+    planned = set()
+    for run in gpu_check.BENCH_RUNS:
+        args = parse_args(run.arguments(dry_run=False) + ["--out", "unused"])
+        keys = set(args.contenders.split(",")) - set(filter(None, args.skip.split(",")))
+        assert keys <= set(CONTENDER_KEYS) and args.budget == 2
+        planned |= {(int(n), key) for n in args.n.split(",") for key in keys}
+    every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
+    assert every - planned == {(65536, "torch")} and planned <= every
+    assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
