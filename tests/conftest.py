@@ -20,7 +20,7 @@ TIERS = {
                 "test_kernel_seams.py", "test_layout.py", "test_compile_hopper.py"),
     "distributed": ("test_multirank.py", "test_zero3.py", "test_fsdp2.py", "test_distributed.py"),
     "e2e": ("test_trainer.py", "test_resume.py", "test_lora_train.py", "test_compare.py", "test_readme_examples.py",
-            "test_trl_integration.py", "test_bench_smoke.py", "test_cli.py"),
+            "test_trl_integration.py", "test_bench_smoke.py", "test_cli.py", "test_interrupt.py"),
 }
 
 

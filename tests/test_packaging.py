@@ -71,10 +71,11 @@ def test_verl_plugin_names_a_module(setup_arguments):
         assert importlib.util.find_spec(module) is not None, module
 
 
-def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter where importing any of `modules` fails (ModuleNotFoundError)."""
+def run_without(modules: list[str], code: str, argv: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where importing any of `modules` fails (ModuleNotFoundError); `argv`:
+    its sys.argv[1:]."""
     block = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in modules)
-    return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-c", block + code, *argv], capture_output=True, text=True, cwd=REPO,
                           timeout=300)
 
 
@@ -106,11 +107,25 @@ assert not any(name.startswith("erpo_kernels.triton") for name in sys.modules), 
         assert "backend='triton' needs the triton package (pip install triton" in line
 
 
-def test_cli_without_trainer_dependencies_says_what_to_install():
-    result = run_without(["yaml"], "from erpo.cli import main; sys.exit(main(['train', '--max-steps', '1']))")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "erpo: the trainer needs the Python package 'yaml', which is not installed: pip install \"erpo[train]\""]
+TRAIN_EXTRA_IMPORTS = ["yaml", "transformers", "tokenizers", "safetensors", "tqdm", "matplotlib", "tensorboard",
+                       "math_verify"]   # what the light install lacks (the train extra's import names)
+
+
+def test_cli_without_trainer_dependencies_helps_and_names_the_extra():
+    code = "from erpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    for argv in (["--help"], ["train", "--help"]):
+        result = run_without(TRAIN_EXTRA_IMPORTS, code, argv)
+        assert result.returncode == 0 and result.stdout.startswith("usage: erpo"), (argv, result.stderr)
+    assert "--max-steps" in result.stdout   # train's own options
+    # the light install, or one package of the extra missing
+    for missing, argv in [(TRAIN_EXTRA_IMPORTS, argv) for argv in (["train", "--max-steps", "1"], ["precompute-ref"],
+                          ["compare", "--max-steps", "2"], ["eval", "--model", "runs/x"], ["plot", "runs/x"])] + \
+                         [(["yaml"], ["train"])]:
+        result = run_without(missing, code, argv)
+        assert result.returncode == 1, (argv, missing, result.stderr)
+        assert result.stderr.strip().splitlines() == [
+            f"erpo {argv[0]} needs the trainer's packages (the 'train' extra): pip install \"erpo[train]\""], \
+            (argv, missing)
 
 
 def test_readme_commands_install_the_trainer_and_match_ci():
