@@ -17,6 +17,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
+from erpo.progress import progress
 
 log = logging.getLogger("erpo")
 
@@ -104,10 +105,8 @@ class MetricsWriter:
         if cfg.logging.tensorboard and main:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(str(out_dir / "tb"))
-        self.progress = None
-        if cfg.logging.progress_bar and main:
-            from tqdm.auto import tqdm
-            self.progress = tqdm(total=total_steps, initial=done_steps, desc=f"{cfg.algorithm.name} train", unit="step")
+        self.progress = progress(total_steps, f"{cfg.algorithm.name} train", "step", initial=done_steps,
+                                 enabled=cfg.logging.progress_bar and main)
 
     def write(self, record: dict) -> None:
         """Log one optimizer step's record (it holds "step")."""
@@ -118,9 +117,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
-        if self.progress is not None:
-            self.progress.update(1)
-            self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+        self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+        self.progress.update(1)
 
     def close(self) -> None:
         for sink in (self.progress, self.tensorboard, self.file):

@@ -7,6 +7,7 @@ import fcntl
 import os
 import pty
 import select
+import struct
 import subprocess
 import termios
 import time
@@ -22,6 +23,8 @@ class TerminalRun:
 
     def __init__(self, cmd: list[str], env: dict, cwd=None):
         self.master, slave = pty.openpty()
+        # a window's size, as a terminal emulator sets it (a bare pty is 0 x 0: tqdm would draw empty bars)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
         self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
                                      start_new_session=True, preexec_fn=_take_terminal)
         os.close(slave)
