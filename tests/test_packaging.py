@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parent.parent
 LOSS_PACKAGES = {"torch", "numpy", "triton"}
 TRAINER_PACKAGES = {"transformers", "tokenizers", "safetensors", "pyyaml", "tqdm", "matplotlib", "tensorboard",
-                    "math-verify", "antlr4-python3-runtime"}
+                    "math-verify", "antlr4-python3-runtime", "numpy", "packaging"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,18 @@ def test_trainer_dependencies_are_the_train_extra(setup_arguments):
     assert TRAINER_PACKAGES <= names(extras["test"])  # CI runs the trainer's tests
     for extra in ("trl", "verl", "vllm", "deepspeed", "lora"):  # the trainer's extras bring the trainer along
         assert TRAINER_PACKAGES <= names(extras[extra]), extra
+
+
+def test_the_test_extra_runs_the_trainer_on_the_train_extra_s_versions(setup_arguments):
+    # `.[train]` and `.[test]` in one environment, in either order, leave the trainer on the versions CI tested: the
+    # test extra takes the train extra's requirements as they are and puts no other bound on those packages
+    train, test = setup_arguments["extras_require"]["train"], setup_arguments["extras_require"]["test"]
+    assert test[:len(train)] == train
+    assert not names(test[len(train):]) & names(train), names(test[len(train):]) & names(train)
+    pins = {Requirement(line).name.lower(): Requirement(line).specifier for line in train}
+    assert "5.11" in str(pins["transformers"]) and not pins["transformers"].contains("5.11.0")  # verl 0.9.1's bound
+    assert pins["numpy"].contains("2.3.5") and not pins["numpy"].contains("2.4.0")   # Triton 3.6's interpreter
+    assert pins["antlr4-python3-runtime"].contains("4.9.3") and not pins["antlr4-python3-runtime"].contains("4.13.2")
 
 
 def test_console_script_names_an_importable_function(setup_arguments):

@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+from erpo.errors import INTERRUPTED_EXIT_STATUS
+
 TRAIN_EXTRA = "train"
 TRAIN_EXTRA_HINT = f'pip install "erpo[{TRAIN_EXTRA}]"'
 
@@ -64,7 +66,11 @@ def run() -> None:
     after a run had finished and written everything, a rank sometimes aborted ("terminate called without an active
     exception", a C++ thread of the communication libraries destroyed while joinable) and the launcher reported
     the whole run failed."""
-    status = main()
+    try:
+        status = main()
+    except KeyboardInterrupt:   # Ctrl-C before a command runs (Python still importing torch): one line, not a traceback
+        print("erpo: interrupted (Ctrl-C)", file=sys.stderr)
+        status = INTERRUPTED_EXIT_STATUS
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         atexit._run_exitfuncs()
         logging.shutdown()

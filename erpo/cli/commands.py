@@ -21,14 +21,14 @@ import sys
 from erpo.cli import missing_package_line
 from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
 from erpo.config import PRESETS, run_summary
-from erpo.errors import UserError
-from erpo.train.stop import INTERRUPTED_EXIT_STATUS, Interrupted
+from erpo.errors import INTERRUPTED_EXIT_STATUS, UserError
+from erpo.train.stop import Interrupted
 
 log = logging.getLogger("erpo")
 
 # What a command interrupted outside a training step's boundary keeps (docs/training.md, "Ctrl-C").
 INTERRUPTED_KEEPS = {
-    "train": "the newest checkpoint is kept (--resume continues from it)",
+    "train": "the checkpoints saved so far are kept (--resume continues from the newest)",
     "compare": "finished runs and each run's newest checkpoint are kept (the same command continues)",
     "eval": "the samples made so far are cached (the same command continues)",
 }

@@ -1,5 +1,6 @@
 """A graceful stop: SIGTERM or SIGINT (a terminal's Ctrl-C) becomes a request, agreed over ranks, to stop after the
-current step; `Interrupted` is how a run stopped by Ctrl-C ends (the `erpo` command exits 130, as a shell expects)."""
+current step; `Interrupted` is how a run stopped by Ctrl-C ends (the `erpo` command exits
+erpo.errors.INTERRUPTED_EXIT_STATUS, 130, as a shell expects)."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,6 @@ from erpo import distributed as dist_utils
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT   # 130: what a shell reports for a command ended by Ctrl-C
 
 
 class Interrupted(KeyboardInterrupt):

@@ -87,9 +87,10 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     assert status == 130, run.output[-4000:]
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
     # the second Ctrl-C either stopped the step at once (one line says so) or came after it had finished and saved
-    last = run.output.strip().splitlines()[-1]
-    assert ("erpo train: interrupted (Ctrl-C); the newest checkpoint is kept" in last
-            or "stopped by signal after rollout step" in last), run.output[-3000:]
+    ends = [line for line in run.output.splitlines()
+            if "erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept" in line
+            or "stopped by signal after rollout step" in line]
+    assert len(ends) == 1, run.output[-3000:]
     resume_and_check(out, cache, checkpoint_steps(out)[-1] + 2)
 
 
@@ -135,3 +136,21 @@ def test_the_math_verify_child_leaves_ctrl_c_to_its_parent(tmp_path):
     finally:
         run.kill()
     assert status == 0 and "Traceback" not in run.output, run.output
+
+
+def test_ctrl_c_during_the_sft_warm_start_stops_in_one_line_and_caches_nothing_partial(tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    run = TerminalRun(train_command(out, cache, "--max-steps", "2") + ["tiny.sft_steps=100000"], env=env())
+    try:
+        run.wait_for(lambda: "tiny theta0 SFT:" in run.output, timeout=240, what="the warm start's progress bar")
+        run.ctrl_c()
+        status = run.wait(timeout=120)
+    finally:
+        run.kill()
+    assert status == 130, run.output[-4000:]
+    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+    last = run.output.rstrip().splitlines()[-1]   # after the bar and the terminal's echo of Ctrl-C
+    assert last.endswith("erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept (--resume continues "
+                         "from the newest)"), run.output[-2000:]
+    assert not list(cache.glob("tiny-theta0-*"))   # no half-trained theta0 cached as if it were finished
+    assert not (out / "run.lock").exists()
