@@ -45,7 +45,8 @@ setup(
         # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
         # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import. jmespath: TRL's tool
         # calls (its environment_factory tests) parse responses with it on transformers < 5.13.
-        # ruff and import-linter: tests/test_lint.py (style and the import contract), pinned so CI's verdict is stable.
+        # ruff and import-linter: tests/repo/test_lint.py (style and the import contract), pinned so CI's verdict is
+        # stable.
         "train": TRAIN_REQUIRES,
         "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "deepspeed", "accelerate",
                  "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",

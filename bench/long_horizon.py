@@ -12,6 +12,8 @@ directory and a last one over all runs). Writes to OUT_DIR:
   seeds; `erpo.plotting.plot_history`);
 - `long_horizon_drift.png`: Query-KL (log scale) and entropy over steps, one line per algorithm (mean over seeds,
   the band: min-max).
+Runs may stand at different steps (an unfinished pilot): a step is averaged over the seeds that reached it, a cell
+says "(n/N seeds)" when some have not, and "-" when none has.
 """
 from __future__ import annotations
 
@@ -42,9 +44,12 @@ def algorithm_of(run: str) -> str:
     return match["algorithm"]
 
 
-def spread(values: list[float]) -> str:
-    """'mean (min-max)' of the seeds' values."""
-    return f"{sum(values) / len(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+def spread(values: list[float], seeds: int | None = None) -> str:
+    """'mean (min-max)' of the seeds' values, with '(n/SEEDS seeds)' when fewer than `seeds` have one; '-' for none."""
+    if not values:
+        return "-"
+    shown = f"{sum(values) / len(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+    return shown if seeds is None or len(values) == seeds else f"{shown} ({len(values)}/{seeds} seeds)"
 
 
 def read_history(path: str, metric: str) -> dict[str, dict[str, dict[int, float]]]:
@@ -57,23 +62,25 @@ def read_history(path: str, metric: str) -> dict[str, dict[str, dict[int, float]
 
 
 def windowed(runs_dir: str, run: str, key: str, steps: list[int]) -> dict[int, float]:
-    """{step: mean of `key` over the WINDOW rollout steps ending at step} from the run's metrics.jsonl."""
+    """{step: mean of `key` over the WINDOW rollout steps ending at step} from the run's metrics.jsonl, for the
+    steps the run has logged."""
     values = {}
     with open(os.path.join(runs_dir, run, "metrics.jsonl"), encoding="utf-8") as handle:
         for line in handle:
             record = json.loads(line)
             if record.get(key) is not None:
                 values[int(record["step"])] = float(record[key])
-    return {s: sum(v for t, v in values.items() if s - WINDOW < t <= s) / WINDOW for s in steps if s > 0}
+    last = max(values, default=0)
+    return {s: sum(v for t, v in values.items() if s - WINDOW < t <= s) / WINDOW for s in steps if 0 < s <= last}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True)
     parser.add_argument("--history", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--metric", default="avg@16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     history = read_history(args.history, args.metric)
     by_algorithm: dict[str, list[str]] = defaultdict(list)
     for run in history:
@@ -88,7 +95,8 @@ def main() -> None:
         lines += [f"### {args.metric}, temperatures {name}", "", "| step | " + " | ".join(by_algorithm) + " |",
                   "|---|" + ":---:|" * len(by_algorithm)]
         for step in steps:
-            cells = [spread([history[r][name][step] for r in runs]) for runs in by_algorithm.values()]
+            cells = [spread([history[r][name][step] for r in runs if step in history[r][name]], len(runs))
+                     for runs in by_algorithm.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
         lines.append("")
     drift = {key: {run: windowed(args.runs, run, key, steps) for runs in by_algorithm.values() for run in runs}
@@ -97,20 +105,22 @@ def main() -> None:
         lines += [f"### {key}, mean over the {WINDOW} rollout steps ending at the step", "",
                   "| step | " + " | ".join(by_algorithm) + " |", "|---|" + ":---:|" * len(by_algorithm)]
         for step in steps[1:]:
-            cells = [spread([drift[key][r][step] for r in runs]) for runs in by_algorithm.values()]
+            cells = [spread([drift[key][r][step] for r in runs if step in drift[key][r]], len(runs))
+                     for runs in by_algorithm.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
         lines.append("")
     Path(args.out, "long_horizon.md").write_text("\n".join(lines), encoding="utf-8")
 
-    curves = {alg: {float(t): {s: sum(history[r][t][s] for r in runs) / len(runs) for s in steps}
+    curves = {alg: {float(t): {s: sum(v) / len(v) for s in steps
+                               if (v := [history[r][t][s] for r in runs if s in history[r][t]])}
                     for t in temperatures} for alg, runs in by_algorithm.items()}
     plot_history(curves, os.path.join(args.out, "long_horizon_accuracy.png"),
                  metric=f"{args.metric}, mean over seeds")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key in zip(axes, drift):
         for alg, runs in by_algorithm.items():
-            xs = steps[1:]
-            per_seed = [[drift[key][r][s] for r in runs] for s in xs]
+            xs = [s for s in steps[1:] if any(s in drift[key][r] for r in runs)]
+            per_seed = [[drift[key][r][s] for r in runs if s in drift[key][r]] for s in xs]
             ax.plot(xs, [sum(v) / len(v) for v in per_seed], marker="o", markersize=3, label=alg)
             ax.fill_between(xs, [min(v) for v in per_seed], [max(v) for v in per_seed], alpha=0.2)
         ax.set_title(f"{key} (mean of {WINDOW} steps; band: seeds' min-max)")

@@ -1,4 +1,4 @@
-"""verl's real FSDP model engine on a CPU, for tests/test_verl_integration.py and bench/verl_step_time.py.
+"""verl's real FSDP model engine on a CPU, for tests/integrations/test_verl_integration.py and bench/verl_step_time.py.
 
 verl 0.9 knows no CPU platform: without an accelerator it falls back to 'nvidia' and fails in torch.cuda. A small
 platform (device "cpu", backend gloo, no-op device calls) registered under "cpu" and selected with VERL_PLATFORM=cpu

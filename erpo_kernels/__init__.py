@@ -8,7 +8,7 @@ per-token vectors), common.py (torch helpers, the online log-sum-exp, the logit 
 reference: reference.py, segment.py, torch_fused_linear.py. The Triton path (imported only when Triton is installed;
 its passes are torch.library ops, compile-ready): triton_common.py (@triton.jit helpers), triton_logits.py,
 triton_fused_linear.py, triton_segment.py. Nothing on the reference side imports the Triton path (the import contract
-in setup.cfg, checked by tests/test_lint.py).
+in setup.cfg, checked by tests/repo/test_lint.py).
 """
 from . import layout, lm_head, zero3
 from .api import MAX_QUERY_WEIGHT, erpo_loss, query_weights, token_logprobs
@@ -16,12 +16,12 @@ from .fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs
 from .layout import CompletionLayout, completion_layout, from_padded
 from .model_config import logit_transforms_from_config
 from .modules import ERPOLoss, FusedLinearERPOLoss
-from .objective import LossOutput
+from .objective import LossMetrics, LossOutput
 from .padded import PaddedLossOutput, padded_erpo_loss
 from .validation import OPTION_CHOICES, LossInputs, LossOptions
 
-__all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossOptions", "LossOutput",
-           "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "completion_layout", "erpo_loss", "from_padded",
-           "fused_linear_erpo_loss", "fused_linear_token_logprobs", "layout", "lm_head", "logit_transforms_from_config",
-           "padded_erpo_loss", "query_weights", "token_logprobs", "zero3"]
+__all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossMetrics", "LossOptions",
+           "LossOutput", "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "completion_layout", "erpo_loss",
+           "from_padded", "fused_linear_erpo_loss", "fused_linear_token_logprobs", "layout", "lm_head",
+           "logit_transforms_from_config", "padded_erpo_loss", "query_weights", "token_logprobs", "zero3"]
 __version__ = "0.1.0"

@@ -1,16 +1,20 @@
 """The ERPO loss on per-token vectors: everything after the [N, V] pass.
 
-Given the per-token log-probabilities `token_logp` [N] and entropies [N] (differentiable), this module forms
-ell_theta(q), the Query-KL, the weighted policy-gradient term (PPO's clipped surrogate, or CISPO / SAPO / VESPO
-as TRL computes them; TRL's off-policy mask and entropy filter) and their aggregation, exactly as API.md's "math"
-section. Both the logits path and the fused-linear path call it, so the loss is written once.
-The gradient it sends back into `token_logp` and `entropy` is the per-token coefficient the fused backward
-kernels turn into dlogits.
+Given the per-token log-probabilities `token_logp` [N] and entropies [N] (differentiable), `erpo_objective` forms
+the loss of API.md's "math" section in named stages: the rows' per-sample statistics (`TokenRows`: ell_theta(q) and
+the row counts), the policy term (`policy_term`: ratio_t, pg_t of the chosen objective (PPO's clipped surrogate, or
+CISPO / SAPO / VESPO as TRL computes them), its weights, TRL's off-policy mask and entropy filter, the Policy-KL),
+term_t and its aggregation (`aggregation`), the Query-KL (`query_kl`) and the metrics (`loss_metrics`, a typed
+`LossMetrics`). Both the logits path and the fused-linear path call it, so the loss is written once; it is the
+readable oracle the Triton objective is tested against. The gradient it sends back into `token_logp` and `entropy`
+is the per-token coefficient the fused backward kernels turn into dlogits.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -18,12 +22,77 @@ from .segment import SegmentSum
 from .validation import LossInputs, LossOptions
 
 
+@dataclass(frozen=True, eq=False)
+class LossMetrics(Mapping):
+    """The loss's metrics: each a detached 0-dim tensor (fp32, or fp64 where the loss is fp64; the counts int64).
+    Read as attributes or as a read-only mapping by name (`metrics["qkl"]`, `dict(metrics)`, `metrics.items()`,
+    `"qkl" in metrics`). "Response rows" are the rows of token_kind 2 in this call; NaN marks a metric whose option
+    or input is absent.
+
+    qkl: the Query-KL as it enters the loss, sum over samples with query rows of qkl_s / num_seqs (nats; NaN without
+        the reference it needs: ref_query_logp, or ref_logp for "k3-token").
+    policy_kl: mean over response rows of the Policy-KL k3(ref_logp_t - logp_t) as it enters term_t (times ratio_t
+        under policy_kl_bias_correction, as TRL logs `kl`) (nats; NaN without ref_logp).
+    entropy: mean of H_t over response rows (nats; TRL's `entropy`).
+    clip_frac: fraction of response rows where a clip or truncation changed pg_t (ppo-clip: the clipped branch;
+        cispo: ratio_t > cispo_clip_max; 0 with sapo and vespo).
+    pg_loss: the policy-gradient part alone (pg_t after its weights and masks, without the Policy-KL and the entropy
+        bonus), aggregated as the loss (`loss_agg`).
+    ratio_mean: mean of ratio_t over response rows (token or sequence level as `ratio_level`; dimensionless).
+    query_logp_mean: mean of ell_theta(q) over samples with query rows (nats per query: a sum over its tokens).
+    rollout_is_weight: mean over response rows of rho_t = min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)
+        (dimensionless; NaN without rollout_logp or with rollout_is_cap None).
+    rollout_logp_gap_abs, rollout_logp_gap_max: mean and max over response rows of |old_logp_t - rollout_logp_t|
+        (nats; NaN without rollout_logp).
+    response_tokens: the number of response rows (int64).
+    nonfinite_rows: the scored rows (token_kind != 0) whose logp_t or H_t is not finite (int64; > 0 makes the loss
+        NaN).
+    off_policy_masked_frac: fraction of response rows whose sample the off-policy mask drops (NaN without
+        off_policy_mask_threshold).
+    kept_tokens: the response rows the entropy filter keeps (all of them without it) (int64).
+    kept_entropy: mean of H_t over those rows (nats); with kept_tokens, the inputs of TRL's adaptive entropy
+        controller.
+    vespo_phi_mean: mean of phi_s over samples with response rows (dimensionless; NaN unless pg_objective "vespo").
+    """
+
+    qkl: torch.Tensor
+    policy_kl: torch.Tensor
+    entropy: torch.Tensor
+    clip_frac: torch.Tensor
+    pg_loss: torch.Tensor
+    ratio_mean: torch.Tensor
+    query_logp_mean: torch.Tensor
+    rollout_is_weight: torch.Tensor
+    rollout_logp_gap_abs: torch.Tensor
+    rollout_logp_gap_max: torch.Tensor
+    response_tokens: torch.Tensor
+    nonfinite_rows: torch.Tensor
+    off_policy_masked_frac: torch.Tensor
+    kept_tokens: torch.Tensor
+    kept_entropy: torch.Tensor
+    vespo_phi_mean: torch.Tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in METRIC_NAMES:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter(METRIC_NAMES)
+
+    def __len__(self) -> int:
+        return len(METRIC_NAMES)
+
+
+METRIC_NAMES = tuple(f.name for f in fields(LossMetrics))  # LossMetrics' keys, in order
+
+
 @dataclass
 class LossOutput:
     """Result of `erpo_loss` / `fused_linear_erpo_loss`.
 
     loss: 0-dim, differentiable. token_logp [N] fp32, query_logp [S], response_logp [S], entropy [N] fp32:
-    detached. metrics: detached 0-dim tensors (qkl, policy_kl, entropy, clip_frac, pg_loss, nonfinite_rows, ...).
+    detached. metrics: `LossMetrics` (detached 0-dim tensors: qkl, policy_kl, entropy, clip_frac, pg_loss, ...).
     """
 
     loss: torch.Tensor
@@ -31,7 +100,7 @@ class LossOutput:
     query_logp: torch.Tensor
     response_logp: torch.Tensor
     entropy: torch.Tensor
-    metrics: dict = field(default_factory=dict)
+    metrics: LossMetrics
 
 
 def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -110,21 +179,37 @@ def vespo_gamma_weight(advantage_s, log_weight_s, k_pos: float, lambda_pos: floa
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
+def masked_quantile(values: torch.Tensor, rows: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(values[rows], q) (linear interpolation) with static shapes and no data-dependent control flow,
+    so torch.compile(fullgraph=True) traces it whole: values [N] (N >= 1), rows [N] bool, q in [0, 1]; returns a
+    0-dim fp32 tensor, NaN when no row is pooled or a pooled value is NaN (as torch.quantile's NaN).
+
+    The rows outside the pool sort to +inf behind the n pooled values, so the pool's order statistics are the first
+    n of the sorted vector; then, as torch.quantile does it (bit for bit: same fp32 rank, same lerp), rank =
+    q (n - 1), and the quantile lerps between the order statistics at floor(rank) and ceil(rank) (both <= n - 1).
+    The rank is fp32 as torch.quantile's, exact for n <= 2^24 (the most torch.quantile accepts)."""
+    pooled = torch.where(rows, values.float(), float("inf")).sort().values
+    count = rows.sum()
+    rank = (pooled.new_tensor(q) * (count - 1)).clamp_min(0)  # n = 0: rank 0 (the result is NaN below)
+    below = rank.long()
+    order_statistics = pooled.gather(0, torch.stack([below, rank.ceil().long()]))
+    quantile = torch.lerp(order_statistics[0], order_statistics[1], rank - below)
+    undefined = (count == 0) | (rows & values.isnan()).any()
+    return torch.where(undefined, float("nan"), quantile)
+
+
 def high_entropy_mask(entropy, rows, top_quantile: float, gather=None):
     """TRL's entropy filter (top_entropy_quantile, "Beyond the 80/20 rule"): bool [N], True on the `rows` whose
     entropy is >= the (1 - top_quantile)-quantile (torch.quantile, linear interpolation) of the entropies of `rows`
     (of every process when `gather` maps this call's [n] fp32 entropies to all processes' [m]). No row is kept when
-    there is none to take the quantile of. entropy [N] (nats; read detached), rows [N] bool."""
+    there is none to take the quantile of, or when one of them has a NaN entropy (the quantile is then NaN).
+    entropy [N] (nats; read detached), rows [N] bool. Without `gather` the shapes are static (`masked_quantile`:
+    torch.compile needs no graph break); with it the pool's length is data-dependent."""
     entropy = entropy.detach()
-    if gather is None:  # the quantile over `rows` as a NaN-ignoring one over all rows: no data-dependent shape (so
-        # torch.compile needs no graph break); all NaN (no row) gives a NaN threshold, and a NaN entropy among
-        # `rows` makes it NaN as torch.quantile does: then no row is kept
+    if gather is None:
         if entropy.numel() == 0:
             return torch.zeros_like(rows)
-        pooled = torch.where(rows, entropy.float(), float("nan"))
-        threshold = torch.nanquantile(pooled, 1 - top_quantile)
-        threshold = torch.where((rows & entropy.isnan()).any(), float("nan"), threshold)
-        return rows & (entropy >= threshold)
+        return rows & (entropy >= masked_quantile(entropy, rows, 1 - top_quantile))
     pool = gather(entropy[rows].float())
     if pool.numel() == 0:
         return torch.zeros_like(rows)
@@ -135,6 +220,252 @@ def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
     if isinstance(denominator, torch.Tensor):
         return numerator / denominator.to(numerator).clamp_min(1)
     return numerator / max(float(denominator), 1.0)
+
+
+class TokenRows:
+    """The batch's rows as the loss reads them and their per-sample statistics, built once per call.
+
+    is_query, is_response [N] bool (token_kind 1, 2); sample [N] int64: each row's sample (0 on rows of kind 0, which
+    every sum masks out); query_rows, response_rows [S] fp32: each sample's row counts (exact below 2^24; no
+    host-device sync); has_query, has_response [S] bool; num_response, num_query_samples: 0-dim int64, the response
+    rows and the samples with query rows; zero, nan: 0-dim fp32 constants on the rows' device.
+    `segment_sum(sample, S)` builds the per-sample sums (`SegmentSum`'s interface)."""
+
+    def __init__(self, token_kind, sample_index, num_samples: int, segment_sum):
+        self.is_query = token_kind == 1
+        self.is_response = token_kind == 2
+        unscored_sample = torch.zeros_like(sample_index, dtype=torch.long)
+        self.sample = torch.where(token_kind != 0, sample_index.long(), unscored_sample)
+        self.zero = torch.zeros((), dtype=torch.float32, device=token_kind.device)
+        self.nan = torch.full((), float("nan"), device=token_kind.device)
+        self.sample_sum = segment_sum(self.sample, num_samples)
+        self.num_response = self.is_response.sum()
+        self._response_divisor = self.num_response.clamp_min(1)  # of every mean over response rows
+        self.query_rows = self.sample_sum(self.is_query.float())
+        self.response_rows = self.sample_sum(self.is_response.float())
+        self.has_query = self.query_rows > 0
+        self.has_response = self.response_rows > 0
+        self.num_query_samples = self.has_query.sum()
+
+    def per_sample_sum(self, values, rows):
+        """[S]: each sample's sum of values [N] over `rows` [N] bool."""
+        return self.sample_sum(torch.where(rows, values, self.zero))
+
+    def response_sample_mean(self, values):
+        """[S]: each sample's mean of values [N] over its response rows (0 without any)."""
+        return self.per_sample_sum(values, self.is_response) / self.response_rows.clamp_min(1)
+
+    def response_mean(self, values):
+        """0-dim: the mean of values [N] over all response rows (0 without any)."""
+        return torch.where(self.is_response, values, self.zero).sum() / self._response_divisor
+
+    def response_max(self, values):
+        """0-dim: the max of values [N] >= 0 over all response rows (0 without any)."""
+        return torch.where(self.is_response, values, self.zero).amax() if values.numel() else self.zero
+
+
+def clamped_kl(kl: torch.Tensor, kl_clamp: float | None) -> torch.Tensor:
+    """A KL value clamped to [-kl_clamp, kl_clamp] when `kl_clamp` is set."""
+    return kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)
+
+
+def reference_k3(token_logp, ref_logp, rows: TokenRows, on, options: LossOptions):
+    """[N]: the per-token k3(ref_logp_t - logp_t) on the rows `on` [N] bool (0 elsewhere), the log-ratio clamped to
+    +-log_ratio_clamp and the value by kl_clamp (the Policy-KL on response rows, "k3-token" on query rows)."""
+    log_ratio = torch.where(on, ref_logp.float() - token_logp, rows.zero)
+    clamp = options.log_ratio_clamp
+    return clamped_kl(kl_estimate(log_ratio.clamp(-clamp, clamp), "k3"), options.kl_clamp)
+
+
+def policy_ratio(token_logp, old, rows: TokenRows, options: LossOptions):
+    """(token_log_ratio [N], ratio [N]): logp_t - old_logp_t on response rows (0 elsewhere, then clamped to
+    +-pg_log_ratio_clamp when set) and ratio_t = exp of it, or with ratio_level "sequence" (GSPO) exp of the mean
+    log-ratio over the row's sample's response rows (1 off response rows)."""
+    token_log_ratio = torch.where(rows.is_response, token_logp - old, rows.zero)
+    log_ratio = token_log_ratio
+    if options.ratio_level == "sequence":
+        log_ratio = torch.where(rows.is_response, rows.response_sample_mean(log_ratio)[rows.sample], rows.zero)
+    if options.pg_log_ratio_clamp is not None:  # verl's clamp of log(ratio) to [-20, 20] before exp
+        log_ratio = log_ratio.clamp(-options.pg_log_ratio_clamp, options.pg_log_ratio_clamp)
+        token_log_ratio = token_log_ratio.clamp(-options.pg_log_ratio_clamp, options.pg_log_ratio_clamp)
+    return token_log_ratio, torch.exp(log_ratio)
+
+
+class RolloutCorrection(NamedTuple):
+    """Truncated importance sampling against the rollout engine's log-probs, [N] on response rows (0 elsewhere):
+    gap = old_logp_t - rollout_logp_t; log_weight, weight: log rho_t and rho_t = min(exp(gap), rollout_is_cap)
+    (None when rollout_is_cap is None: the gap then feeds the metrics and the off-policy mask only)."""
+
+    gap: torch.Tensor
+    log_weight: torch.Tensor | None
+    weight: torch.Tensor | None
+
+
+def rollout_correction(old, rollout_logp, rows: TokenRows, options: LossOptions, real) -> RolloutCorrection:
+    """`RolloutCorrection` from old_logp [N] (the current log-prob when on-policy) and rollout_logp [N]."""
+    gap = torch.where(rows.is_response, old - rollout_logp.to(real), rows.zero)
+    if options.rollout_is_cap is None:
+        return RolloutCorrection(gap, None, None)
+    log_weight = gap.clamp(max=math.log(options.rollout_is_cap))
+    return RolloutCorrection(gap, log_weight, torch.exp(log_weight))
+
+
+def vespo_weight(token_log_ratio, rollout: RolloutCorrection | None, advantages, rows: TokenRows,
+                 options: LossOptions, real):
+    """VESPO's phi_s [S] (detached): w_s = the product over the sample's response rows of ratio_t (token level
+    whatever ratio_level) and of rho_t, each token's log clamped, then log w_s clamped to [log 1e-8, 20]."""
+    clamp = VESPO_LOG_RATIO_CLAMP
+    log_weight = rows.per_sample_sum(token_log_ratio.detach().clamp(-clamp, clamp), rows.is_response)
+    if rollout is not None and rollout.log_weight is not None:  # TRL folds rho_t into w_s (it does not weight pg_t)
+        log_weight = log_weight + rows.per_sample_sum(rollout.log_weight.clamp(VESPO_LOG_WEIGHT_MIN, clamp),
+                                                      rows.is_response)
+    return vespo_gamma_weight(advantages.to(real), log_weight.clamp(VESPO_LOG_WEIGHT_MIN, clamp), options.vespo_k_pos,
+                              options.vespo_lambda_pos, options.vespo_k_neg, options.vespo_lambda_neg)
+
+
+def off_policy_mask(token_logp, old, rows: TokenRows, inputs: LossInputs, options: LossOptions, real):
+    """[N] bool: DeepSeek-V3.2's off-policy sequence mask as TRL's: False on the rows of a sample with A_s < 0 whose
+    mean over its response rows of (b_t - logp_t) exceeds off_policy_mask_threshold (b_t: rollout_logp, else
+    old_logp, else the current log-prob)."""
+    behaviour = old if inputs.rollout_logp is None else inputs.rollout_logp.to(real)
+    drift = rows.response_sample_mean(behaviour - token_logp.detach())
+    return ((inputs.advantages.to(real) >= 0) | (drift <= options.off_policy_mask_threshold))[rows.sample]
+
+
+class PolicyTerm(NamedTuple):
+    """API.md's per-token policy term, [N] unless said. ratio: ratio_t; pg: pg_t after its weights (w_s,
+    token_weight_t, rho_t) and masks; clip_taken [N] bool: a clip or truncation changed pg_t (response rows or not);
+    policy_kl: the Policy-KL as it enters term_t (None without ref_logp); rollout: the truncated importance sampling
+    (None without rollout_logp); off_policy_kept [N] bool (None without the mask); entropy_kept [N] bool: the
+    response rows keeping pg_t and the entropy bonus (all of them without the entropy filter), kept_rows: 0-dim int64,
+    their number; vespo_phi [S] (None unless vespo)."""
+
+    ratio: torch.Tensor
+    pg: torch.Tensor
+    clip_taken: torch.Tensor
+    policy_kl: torch.Tensor | None
+    rollout: RolloutCorrection | None
+    off_policy_kept: torch.Tensor | None
+    entropy_kept: torch.Tensor
+    kept_rows: torch.Tensor
+    vespo_phi: torch.Tensor | None
+
+
+def policy_term(token_logp, entropy, rows: TokenRows, inputs: LossInputs, options: LossOptions) -> PolicyTerm:
+    """The policy term on response rows, in fp32 (fp64 for fp64 log-probs: the float64 tests): ratio_t, pg_t of
+    `options.pg_objective`, times w_s, token_weight_t and rho_t (not with vespo), times TRL's off-policy mask and
+    entropy filter (0/1, detached), and the Policy-KL."""
+    real = torch.float64 if token_logp.dtype == torch.float64 else torch.float32
+    advantage = inputs.advantages.to(real)[rows.sample]
+    old = token_logp.detach() if inputs.old_logp is None else inputs.old_logp.to(real)  # None: on-policy
+    token_log_ratio, ratio = policy_ratio(token_logp, old, rows, options)
+    rollout = None if inputs.rollout_logp is None else rollout_correction(old, inputs.rollout_logp, rows, options,
+                                                                          real)
+    vespo_phi = None
+    if options.pg_objective == "ppo-clip":
+        pg, clip_taken = clipped_surrogate(advantage, ratio, options.clip_low, options.clip_high, options.dual_clip)
+    elif options.pg_objective == "cispo":
+        pg, clip_taken = cispo_term(advantage, ratio, token_logp, options.cispo_clip_max)
+    elif options.pg_objective == "sapo":
+        pg, clip_taken = sapo_term(advantage, ratio, options.sapo_temperature_pos, options.sapo_temperature_neg)
+    else:  # vespo: pg_t = -phi(w_s) * A_s * logp_t
+        vespo_phi = vespo_weight(token_log_ratio, rollout, inputs.advantages, rows, options, real)
+        pg, clip_taken = -vespo_phi[rows.sample] * advantage * token_logp, torch.zeros_like(rows.is_response)
+
+    if inputs.query_weight is not None:
+        pg = inputs.query_weight.to(real)[rows.sample] * pg
+    if inputs.token_weight is not None:
+        pg = inputs.token_weight.to(real) * pg
+    if rollout is not None and rollout.weight is not None and options.pg_objective != "vespo":
+        pg = rollout.weight * pg
+
+    off_policy_kept = None
+    if options.off_policy_mask_threshold is not None:
+        off_policy_kept = off_policy_mask(token_logp, old, rows, inputs, options, real)
+        pg = off_policy_kept * pg
+    entropy_kept, kept_rows = rows.is_response, rows.num_response
+    if options.top_entropy_quantile < 1.0:
+        entropy_kept = high_entropy_mask(entropy, rows.is_response, options.top_entropy_quantile,
+                                         options.top_entropy_gather)
+        kept_rows = entropy_kept.sum()
+        pg = entropy_kept * pg
+
+    policy_kl = None
+    if inputs.ref_logp is not None:
+        policy_kl = reference_k3(token_logp, inputs.ref_logp, rows, rows.is_response, options)
+        if options.policy_kl_bias_correction:  # TRL's use_bias_correction_kl: times the ratio, not detached
+            policy_kl = ratio * policy_kl
+    return PolicyTerm(ratio=ratio, pg=pg, clip_taken=clip_taken, policy_kl=policy_kl, rollout=rollout,
+                      off_policy_kept=off_policy_kept, entropy_kept=entropy_kept, kept_rows=kept_rows,
+                      vespo_phi=vespo_phi)
+
+
+def aggregation(rows: TokenRows, options: LossOptions) -> Callable[[torch.Tensor], torch.Tensor]:
+    """aggregate(values [N]) -> 0-dim, `loss_agg` over response rows: "token-mean": their sum / num_items (None: the
+    number of response rows); "seq-mean-token-mean" / "seq-mean-token-sum": each sample's mean / sum over its
+    response rows, summed over samples with response rows / num_seqs (None: their number)."""
+    if options.loss_agg == "token-mean":
+        num_items = rows.num_response if options.num_items is None else options.num_items
+
+        def token_mean(values):
+            return _safe_div(torch.where(rows.is_response, values, rows.zero).sum(), num_items)
+        return token_mean
+    num_seqs = rows.has_response.sum() if options.num_seqs is None else options.num_seqs
+
+    def sequence_mean(values):
+        if options.loss_agg == "seq-mean-token-mean":
+            per_sample = rows.response_sample_mean(values)
+        else:
+            per_sample = rows.per_sample_sum(values, rows.is_response)
+        return _safe_div(torch.where(rows.has_response, per_sample, rows.zero).sum(), num_seqs)
+    return sequence_mean
+
+
+def query_kl(token_logp, query_logp, rows: TokenRows, inputs: LossInputs, options: LossOptions):
+    """0-dim: the Query-KL, sum over samples with query rows of qkl_s / num_seqs (None: their number), or None without
+    the reference its estimator needs. qkl_s = f(ref_query_logp_s - ell_theta(q_s)): a whole prompt's log-ratio, not
+    clamped (a clamp zeroes the gradient once the prompt drifts that far) but its estimator continued linearly beyond
+    qkl_linear_beyond (`linear_beyond`); "k3-token": the mean over the sample's query rows of the per-token k3."""
+    if options.qkl_estimator == "k3-token":
+        if inputs.ref_logp is None:
+            return None
+        per_token = reference_k3(token_logp, inputs.ref_logp, rows, rows.is_query, options)
+        qkl_per_sample = rows.per_sample_sum(per_token, rows.is_query) / rows.query_rows.clamp_min(1)
+    elif inputs.ref_query_logp is None:
+        return None
+    else:
+        qkl_per_sample = clamped_kl(linear_beyond(inputs.ref_query_logp.float() - query_logp, options.qkl_estimator,
+                                                  options.qkl_linear_beyond), options.kl_clamp)
+    num_query_seqs = rows.num_query_samples if options.num_seqs is None else options.num_seqs
+    return _safe_div(torch.where(rows.has_query, qkl_per_sample, rows.zero).sum(), num_query_seqs)
+
+
+@torch.no_grad()
+def loss_metrics(rows: TokenRows, policy: PolicyTerm, aggregate, *, qkl, query_logp, entropy, kept_entropy,
+                 nonfinite) -> LossMetrics:
+    """The metrics (`LossMetrics`) from the stages' results: qkl 0-dim or None, query_logp [S], entropy [N],
+    kept_entropy [N] (H_t on the rows the entropy filter keeps, 0 elsewhere), nonfinite [N] bool."""
+    nan = rows.nan
+    rollout, phi = policy.rollout, policy.vespo_phi
+    return LossMetrics(
+        qkl=nan if qkl is None else qkl.detach(),
+        policy_kl=nan if policy.policy_kl is None else rows.response_mean(policy.policy_kl.detach()),
+        entropy=rows.response_mean(entropy.detach()),
+        clip_frac=rows.response_mean((rows.is_response & policy.clip_taken).float()),
+        pg_loss=aggregate(policy.pg.detach()),
+        ratio_mean=rows.response_mean(policy.ratio.detach()),
+        query_logp_mean=(query_logp.detach() * rows.has_query).sum() / rows.num_query_samples.clamp_min(1),
+        rollout_is_weight=nan if rollout is None or rollout.weight is None else rows.response_mean(rollout.weight),
+        rollout_logp_gap_abs=nan if rollout is None else rows.response_mean(rollout.gap.abs()),
+        rollout_logp_gap_max=nan if rollout is None else rows.response_max(rollout.gap.abs()),
+        response_tokens=rows.num_response,
+        nonfinite_rows=nonfinite.sum(),
+        off_policy_masked_frac=(nan if policy.off_policy_kept is None else
+                                rows.response_mean((~policy.off_policy_kept).float())),
+        kept_tokens=policy.kept_rows,
+        kept_entropy=kept_entropy.detach().sum() / policy.kept_rows.clamp_min(1),
+        vespo_phi_mean=nan if phi is None else (phi * rows.has_response).sum() / rows.has_response.sum().clamp_min(1),
+    )
 
 
 def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options: LossOptions,
@@ -148,163 +479,34 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     importance-sampling weight min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)).
     `segment_sum(sample_index, num_samples)` builds the per-sample sums (`SegmentSum`'s interface).
     """
-    opts = options
-    advantages, ref_query_logp, ref_logp = inputs.advantages, inputs.ref_query_logp, inputs.ref_logp
-    num_samples = advantages.shape[0]
-    is_query = token_kind == 1
-    is_response = token_kind == 2
-    sample = torch.where(token_kind != 0, sample_index.long(), torch.zeros_like(sample_index, dtype=torch.long))
-    zero = torch.zeros((), dtype=torch.float32, device=token_logp.device)
-    sample_sum = segment_sum(sample, num_samples)
-    num_response = is_response.sum()
+    rows = TokenRows(token_kind, sample_index, inputs.advantages.shape[0], segment_sum)
+    query_logp = rows.per_sample_sum(token_logp, rows.is_query)  # ell_theta(q)
+    response_logp = rows.per_sample_sum(token_logp, rows.is_response)
+    policy = policy_term(token_logp, entropy, rows, inputs, options)
 
-    def per_sample_sum(values, rows):
-        return sample_sum(torch.where(rows, values, zero))
-
-    def response_mean(values):
-        return torch.where(is_response, values, zero).sum() / num_response.clamp_min(1)
-
-    def response_max(values):  # of values >= 0; 0 without response rows
-        return torch.where(is_response, values, zero).amax() if values.numel() else zero
-
-    def kl_value(kl):  # the estimate clamped when kl_clamp is set
-        return kl if opts.kl_clamp is None else kl.clamp(-opts.kl_clamp, opts.kl_clamp)
-
-    def k3_against_reference(rows):  # per-token k3(ref_logp - logp clamped to +-log_ratio_clamp) on `rows`, 0 else
-        log_ratio = torch.where(rows, ref_logp.float() - token_logp, zero)
-        return kl_value(kl_estimate(log_ratio.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp), "k3"))
-
-    query_logp = per_sample_sum(token_logp, is_query)          # ell_theta(q)
-    response_logp = per_sample_sum(token_logp, is_response)
-    query_rows = sample_sum(is_query.float())  # row counts (exact in fp32 below 2^24), no host-device sync
-    response_rows = sample_sum(is_response.float())
-
-    # Policy-gradient term on response rows, in fp32 (fp64 for fp64 log-probs: the float64 tests).
-    real = torch.float64 if token_logp.dtype == torch.float64 else torch.float32
-    advantage = advantages.to(real)[sample]
-    old = token_logp.detach() if inputs.old_logp is None else inputs.old_logp.to(real)
-    token_log_ratio = torch.where(is_response, token_logp - old, zero)
-    log_ratio = token_log_ratio
-    if opts.ratio_level == "sequence":  # GSPO: one ratio per sample, from the mean log-ratio over its response rows
-        mean_log_ratio = per_sample_sum(log_ratio, is_response) / response_rows.clamp_min(1)
-        log_ratio = torch.where(is_response, mean_log_ratio[sample], zero)
-    if opts.pg_log_ratio_clamp is not None:  # verl's clamp of log(ratio) to [-20, 20] before exp
-        log_ratio = log_ratio.clamp(-opts.pg_log_ratio_clamp, opts.pg_log_ratio_clamp)
-        token_log_ratio = token_log_ratio.clamp(-opts.pg_log_ratio_clamp, opts.pg_log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    rollout_is_weight = rollout_gap = log_rollout_is_weight = None
-    if inputs.rollout_logp is not None:  # truncated importance sampling: trainer vs rollout-engine log-probs
-        rollout_gap = torch.where(is_response, old - inputs.rollout_logp.to(real), zero)
-        if opts.rollout_is_cap is not None:
-            log_rollout_is_weight = rollout_gap.clamp(max=math.log(opts.rollout_is_cap))
-            rollout_is_weight = torch.exp(log_rollout_is_weight)
-    vespo_phi = None
-    if opts.pg_objective == "ppo-clip":
-        pg, clip_taken = clipped_surrogate(advantage, ratio, opts.clip_low, opts.clip_high, opts.dual_clip)
-    elif opts.pg_objective == "cispo":
-        pg, clip_taken = cispo_term(advantage, ratio, token_logp, opts.cispo_clip_max)
-    elif opts.pg_objective == "sapo":
-        pg, clip_taken = sapo_term(advantage, ratio, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
-    else:  # vespo: w_s = prod over response rows of ratio_t (token level whatever ratio_level) and the rollout
-        # correction, each token's log clamped, then log w_s clamped to [log 1e-8, 20]; pg_t = -phi(w_s) * A_s * logp_t
-        clamp = VESPO_LOG_RATIO_CLAMP
-        log_weight = per_sample_sum(token_log_ratio.detach().clamp(-clamp, clamp), is_response)
-        if log_rollout_is_weight is not None:  # TRL folds the rollout correction into w_s (it does not multiply pg_t)
-            log_weight = log_weight + per_sample_sum(log_rollout_is_weight.clamp(VESPO_LOG_WEIGHT_MIN, clamp),
-                                                     is_response)
-        vespo_phi = vespo_gamma_weight(advantages.to(real), log_weight.clamp(VESPO_LOG_WEIGHT_MIN, clamp),
-                                       opts.vespo_k_pos, opts.vespo_lambda_pos, opts.vespo_k_neg, opts.vespo_lambda_neg)
-        pg, clip_taken = -vespo_phi[sample] * advantage * token_logp, torch.zeros_like(is_response)
-    if inputs.query_weight is not None:
-        pg = inputs.query_weight.to(real)[sample] * pg
-    if inputs.token_weight is not None:
-        pg = inputs.token_weight.to(real) * pg
-    if rollout_is_weight is not None and opts.pg_objective != "vespo":
-        pg = rollout_is_weight * pg
-    off_policy_kept = None
-    if opts.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence mask, as TRL: drop a
-        # sample with A_s < 0 whose mean over response rows of (behaviour - current) log-prob exceeds the threshold
-        behaviour = old if inputs.rollout_logp is None else inputs.rollout_logp.to(real)
-        drift = per_sample_sum(behaviour - token_logp.detach(), is_response) / response_rows.clamp_min(1)
-        off_policy_kept = ((advantages.to(real) >= 0) | (drift <= opts.off_policy_mask_threshold))[sample]
-        pg = off_policy_kept * pg
-    entropy_kept = is_response
-    if opts.top_entropy_quantile < 1.0:  # TRL's entropy filter: policy term (and entropy bonus) on the
-        entropy_kept = high_entropy_mask(entropy, is_response, opts.top_entropy_quantile,  # top entropy rows only
-                                         opts.top_entropy_gather)
-        pg = entropy_kept * pg
-    kept_rows = entropy_kept.sum()  # the rows keeping pg_t and the entropy bonus (all response rows without a filter)
-    term = pg
-    policy_kl = None if ref_logp is None else k3_against_reference(is_response)
-    if policy_kl is not None and opts.policy_kl_bias_correction:  # TRL's use_bias_correction_kl: times the ratio,
-        policy_kl = ratio * policy_kl                                 # not detached
-    if opts.policy_kl_coef != 0:
-        term = term + opts.policy_kl_coef * policy_kl
-    if opts.entropy_coef != 0 and opts.entropy_agg == "loss-agg":
-        term = term - opts.entropy_coef * torch.where(entropy_kept, entropy, zero)
-
-    # Aggregation over response rows.
-    if opts.loss_agg == "token-mean":
-        num_items = num_response if opts.num_items is None else opts.num_items
-        aggregate = lambda values: _safe_div(torch.where(is_response, values, zero).sum(), num_items)  # noqa: E731
-    else:
-        has_response = response_rows > 0
-        num_seqs = has_response.sum() if opts.num_seqs is None else opts.num_seqs
-
-        def aggregate(values):
-            per_sample = per_sample_sum(values, is_response)
-            if opts.loss_agg == "seq-mean-token-mean":
-                per_sample = per_sample / response_rows.clamp_min(1)
-            return _safe_div(torch.where(has_response, per_sample, zero).sum(), num_seqs)
+    # term_t = pg_t + policy_kl_coef * KL_t - entropy_coef * H_t (the bonus on the rows the entropy filter keeps)
+    kept_entropy = torch.where(policy.entropy_kept, entropy, rows.zero)
+    term = policy.pg
+    if options.policy_kl_coef != 0:
+        term = term + options.policy_kl_coef * policy.policy_kl
+    if options.entropy_coef != 0 and options.entropy_agg == "loss-agg":
+        term = term - options.entropy_coef * kept_entropy
+    aggregate = aggregation(rows, options)
     pg_part = aggregate(term)
-    if opts.entropy_coef != 0 and opts.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg: the
-        # mean of H_t over the rows the entropy filter keeps
-        pg_part = pg_part - opts.entropy_coef * torch.where(entropy_kept, entropy, zero).sum() / kept_rows.clamp_min(1)
+    if options.entropy_coef != 0 and options.entropy_agg == "token-mean":  # TRL's entropy bonus, whatever loss_agg:
+        # the mean of H_t over the rows the entropy filter keeps
+        pg_part = pg_part - options.entropy_coef * kept_entropy.sum() / policy.kept_rows.clamp_min(1)
 
-    # Query-KL on samples that have query rows.
-    has_query = query_rows > 0
-    num_query_seqs = has_query.sum() if opts.num_seqs is None else opts.num_seqs
-    qkl = None
-    if opts.qkl_estimator == "k3-token":
-        if ref_logp is not None:
-            qkl_per_sample = per_sample_sum(k3_against_reference(is_query), is_query) / query_rows.clamp_min(1)
-            qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
-    elif ref_query_logp is not None:
-        # A whole prompt's log-ratio: not clamped (a clamp zeroes the gradient once the prompt drifts that far),
-        # but its estimator continued linearly beyond qkl_linear_beyond (bounded, never zero, restoring gradient).
-        qkl_per_sample = kl_value(linear_beyond(ref_query_logp.float() - query_logp, opts.qkl_estimator,
-                                                opts.qkl_linear_beyond))
-        qkl = _safe_div(torch.where(has_query, qkl_per_sample, zero).sum(), num_query_seqs)
+    qkl = query_kl(token_logp, query_logp, rows, inputs, options)
     loss = pg_part
-    if opts.qkl_coef != 0:
-        loss = loss + opts.qkl_coef * qkl
+    if options.qkl_coef != 0:
+        loss = loss + options.qkl_coef * qkl
     # A non-finite scored row makes the loss NaN (and is counted in metrics), even when no term reads it.
-    nan = torch.full((), float("nan"), device=token_logp.device)
     with torch.no_grad():
         nonfinite = (token_kind != 0) & ~(torch.isfinite(token_logp) & torch.isfinite(entropy))
-    loss = loss + torch.where(nonfinite.any(), nan, zero)
+    loss = loss + torch.where(nonfinite.any(), rows.nan, rows.zero)
 
-    with torch.no_grad():
-        clip_taken = is_response & clip_taken
-        has_response_rows = response_rows > 0
-        metrics = {
-            "qkl": nan if qkl is None else qkl.detach(),
-            "policy_kl": nan if policy_kl is None else response_mean(policy_kl.detach()),
-            "entropy": response_mean(entropy.detach()),
-            "clip_frac": response_mean(clip_taken.float()),
-            "pg_loss": aggregate(pg.detach()),
-            "ratio_mean": response_mean(ratio.detach()),
-            "query_logp_mean": (query_logp.detach() * has_query).sum() / has_query.sum().clamp_min(1),
-            "rollout_is_weight": nan if rollout_is_weight is None else response_mean(rollout_is_weight),
-            "rollout_logp_gap_abs": nan if rollout_gap is None else response_mean(rollout_gap.abs()),
-            "rollout_logp_gap_max": nan if rollout_gap is None else response_max(rollout_gap.abs()),
-            "response_tokens": num_response,
-            "nonfinite_rows": nonfinite.sum(),
-            "off_policy_masked_frac": nan if off_policy_kept is None else response_mean((~off_policy_kept).float()),
-            "kept_tokens": kept_rows,
-            "kept_entropy": torch.where(entropy_kept, entropy.detach(), zero).sum() / kept_rows.clamp_min(1),
-            "vespo_phi_mean": nan if vespo_phi is None else
-            (vespo_phi * has_response_rows).sum() / has_response_rows.sum().clamp_min(1),
-        }
+    metrics = loss_metrics(rows, policy, aggregate, qkl=qkl, query_logp=query_logp, entropy=entropy,
+                           kept_entropy=kept_entropy, nonfinite=nonfinite)
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp.detach(),
                       response_logp=response_logp.detach(), entropy=entropy.detach(), metrics=metrics)

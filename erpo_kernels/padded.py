@@ -6,13 +6,14 @@ The batch becomes packed rows once (`layout.completion_layout`), the loss is the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .api import erpo_loss
 from .fused_linear import fused_linear_erpo_loss
 from .layout import completion_layout
+from .objective import LossMetrics
 from .validation import check_tensor, with_option_parameters
 
 
@@ -21,7 +22,7 @@ class PaddedLossOutput:
     """Result of `padded_erpo_loss`, in the caller's layout.
 
     loss: 0-dim, differentiable. token_logp, entropy [B, C] fp32: per completion token (0 where completion_mask x
-    tool_mask is 0); query_logp, response_logp [B]; metrics: as `LossOutput.metrics`. All but loss detached.
+    tool_mask is 0); query_logp, response_logp [B]; metrics: `LossMetrics` (as LossOutput's). All but loss detached.
     """
 
     loss: torch.Tensor
@@ -29,7 +30,7 @@ class PaddedLossOutput:
     entropy: torch.Tensor
     query_logp: torch.Tensor
     response_logp: torch.Tensor
-    metrics: dict = field(default_factory=dict)
+    metrics: LossMetrics
 
 
 def batch_rows(name: str, tensor: torch.Tensor, width: tuple[int, int]) -> torch.Tensor:

@@ -1,7 +1,12 @@
 """Test-wide setup: Triton kernels run compiled on a GPU when one is present, else in the interpreter on CPU; every
-test starts from a fixed seed; each test file belongs to a tier (pytest -m kernels | e2e | distributed, pytest.ini).
+test starts from a fixed seed; tests/support's helper modules import by name (`from helpers import ...`).
+
+A test file's tier is its folder (kernels/, train/, integrations/, distributed/, repo/): each folder's conftest.py
+gives its tests the folder's marker (registered in pytest.ini), so `pytest -m kernels` runs the kernels tier.
+support/ holds the importable helpers, workers/ the scripts that tests launch in their own processes.
 """
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -14,22 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
-# The tiers (markers registered in pytest.ini), by test file. Unlisted files are the fast unit tests of erpo.
-TIERS = {
-    "kernels": ("test_reference.py", "test_triton_logits.py", "test_fused_linear.py", "test_errors.py",
-                "test_kernel_seams.py", "test_layout.py", "test_compile_hopper.py", "test_input_errors.py"),
-    "distributed": ("test_multirank.py", "test_zero3.py", "test_fsdp2.py", "test_distributed.py"),
-    "e2e": ("test_trainer.py", "test_resume.py", "test_lora_train.py", "test_compare.py", "test_readme_examples.py",
-            "test_trl_integration.py", "test_bench_smoke.py", "test_cli.py", "test_interrupt.py"),
-}
-
-
-def pytest_collection_modifyitems(items):
-    tier_of = {name: tier for tier, names in TIERS.items() for name in names}
-    for item in items:
-        tier = tier_of.get(Path(str(item.fspath)).name)
-        if tier is not None:
-            item.add_marker(getattr(pytest.mark, tier))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="--eval-history: temperatures, comma-separated or a named grid of erpo eval (default: quick)")
     p.add_argument("--eval-k", type=int, default=8, help="--eval-history: samples per problem (default: 8)")
     p.add_argument("--eval-benchmarks", default="synthetic",
-                   help="--eval-history: benchmark specs as erpo eval --benchmarks (default: synthetic)")
+                   help="--eval-history: benchmark specs as erpo eval --benchmarks, e.g. synthetic,heldout "
+                        "(default: synthetic)")
 
 
 def check_history_arguments(args: argparse.Namespace) -> None:

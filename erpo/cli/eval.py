@@ -39,7 +39,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeatable or comma-separated to compare models")
     parser.add_argument("--benchmarks", default="synthetic",
                         help="comma-separated benchmark specs [NAME=]SOURCE[#problem=F#answer=F#split=S#limit=N]; "
-                             "SOURCE: synthetic (default, offline), a .jsonl/.json/.parquet file, "
+                             "SOURCE: synthetic (default, offline), heldout (arithmetic beyond the training operands, "
+                             "offline), a .jsonl/.json/.parquet file, "
                              "math500/aime24/aime25/amc/minerva/olympiadbench or owner/name on the Hub")
     parser.add_argument("--temperatures", default=DEFAULT_TEMPERATURES,
                         help="comma-separated sampling temperatures, or a named grid: "

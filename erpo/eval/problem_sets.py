@@ -9,6 +9,10 @@ SOURCE is one of
   up to the trainer's default ``data.arithmetic_max_operand``, seed 1234), the default when no benchmark is
   named. With small operands it overlaps the tiny default's training problems: it checks that the pipeline
   and the model work, it is not a held-out test;
+- ``heldout``: built-in arithmetic problems the tiny default's training never samples (``held_out_benchmark``):
+  the same "a+b" / "a-b" form with operands up to ``max_operand`` (default twice ``larger_than``) and the larger
+  operand above ``larger_than`` (default: the trainer's default ``data.arithmetic_max_operand``), seed 1234.
+  A run trained with a larger ``data.arithmetic_max_operand`` M needs ``#larger_than=M``;
 - a local ``.jsonl`` / ``.json`` / ``.parquet`` file in a common public format (MATH500, AIME24,
   AIME25, AMC, Minerva, OlympiadBench, verl-style ``prompt``/``reward_model``);
 - a short name (``math500``, ``aime24``, ``aime25``, ``amc``, ``minerva``, ``olympiadbench``) resolved
@@ -17,8 +21,9 @@ SOURCE is one of
 
 Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nested fields, e.g.
 ``answer=reward_model.ground_truth``), ``split=``, ``config=`` (Hub only), ``limit=N``, ``n=N`` and
-``seed=S``, ``max_operand=M`` (synthetic only). Without ``problem``/``answer`` the fields are detected from the common
-formats (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
+``seed=S``, ``max_operand=M`` (synthetic and heldout),
+``larger_than=T`` (heldout only). Without ``problem``/``answer`` the fields are detected from the common formats
+(see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
 
 Gold answers are a list of alternatives, any of which counts as correct:
 - a list answer (Minerva in Dr.GRPO's evaluation suite) holds alternatives, except where the row says
@@ -70,7 +75,7 @@ HUB_BENCHMARKS = {
 
 SYNTHETIC_SIZE = 64
 SYNTHETIC_SEED = 1234
-_OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "max_operand"}
+_OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "max_operand", "larger_than"}
 
 
 @dataclass
@@ -227,6 +232,24 @@ def synthetic_benchmark(n: int = SYNTHETIC_SIZE, seed: int = SYNTHETIC_SEED,
                      records_to_problems(records, "synthetic"))
 
 
+def held_out_benchmark(n: int = SYNTHETIC_SIZE, seed: int = SYNTHETIC_SEED, larger_than: int | None = None,
+                       max_operand: int | None = None) -> Benchmark:
+    """n arithmetic problems disjoint from every training problem of ``data.arithmetic_max_operand=larger_than``:
+    operands in [0, max_operand] with the larger one above ``larger_than`` (default: the trainer's default
+    ``data.arithmetic_max_operand``; ``max_operand`` defaults to twice it). Same form and answer check as the
+    training problems, so a skill the model had at theta0 beyond its training range can be seen forgotten."""
+    if larger_than is None:
+        larger_than = DataConfig().arithmetic_max_operand
+    if max_operand is None:
+        max_operand = 2 * larger_than
+    if max_operand <= larger_than:
+        raise ValueError(f"heldout: max_operand ({max_operand}) must be above larger_than ({larger_than}); "
+                         "raise #max_operand=")
+    records = arithmetic_dataset(n, seed, max_operand=max_operand, larger_than=larger_than)
+    return Benchmark("heldout", f"heldout#n={n}#seed={seed}#larger_than={larger_than}#max_operand={max_operand}",
+                     records_to_problems(records, "heldout"))
+
+
 def _int_option(options: dict, key: str, spec: str) -> int | None:
     if key not in options:
         return None
@@ -234,7 +257,7 @@ def _int_option(options: dict, key: str, spec: str) -> int | None:
         value = int(options[key])
     except ValueError as err:
         raise ValueError(f"benchmark spec {spec!r}: {key} must be an int, got {options[key]!r}") from err
-    lowest = 0 if key in ("seed", "max_operand") else 1
+    lowest = 0 if key in ("seed", "max_operand", "larger_than") else 1
     if value < lowest:
         raise ValueError(f"benchmark spec {spec!r}: {key} must be >= {lowest}, got {value}")
     return value
@@ -244,11 +267,17 @@ def load_benchmark(spec: str) -> Benchmark:
     """Load one benchmark from a spec (module docstring). Raises ValueError on a bad spec or file."""
     name, source, options = parse_benchmark_spec(spec)
     limit = _int_option(options, "limit", spec)
-    if source in ("synthetic", "arithmetic"):
+    if "larger_than" in options and source != "heldout":
+        raise ValueError(f"benchmark spec {spec!r}: larger_than applies to the heldout set only")
+    if source in ("synthetic", "arithmetic", "heldout"):
         n = _int_option(options, "n", spec) or SYNTHETIC_SIZE
         seed = _int_option(options, "seed", spec)
-        bench = synthetic_benchmark(n, SYNTHETIC_SEED if seed is None else seed,
-                                    _int_option(options, "max_operand", spec))
+        seed = SYNTHETIC_SEED if seed is None else seed
+        max_operand = _int_option(options, "max_operand", spec)
+        if source == "heldout":
+            bench = held_out_benchmark(n, seed, _int_option(options, "larger_than", spec), max_operand)
+        else:
+            bench = synthetic_benchmark(n, seed, max_operand)
         bench.name = name
     else:
         if os.path.exists(source) or source.endswith(RECORD_SUFFIXES):
@@ -261,8 +290,8 @@ def load_benchmark(spec: str) -> Benchmark:
             records = read_hub_records(source, config=options.get("config"), split=options.get("split", "test"))
         else:
             raise ValueError(
-                f"benchmark {source!r} is not a file, not 'synthetic', not one of {sorted(HUB_BENCHMARKS)} "
-                "and not a Hub dataset name owner/name"
+                f"benchmark {source!r} is not a file, not 'synthetic' or 'heldout', not one of "
+                f"{sorted(HUB_BENCHMARKS)} and not a Hub dataset name owner/name"
             )
         problems = records_to_problems(records, source, options.get("problem"), options.get("answer"))
         bench = Benchmark(name, source, problems)

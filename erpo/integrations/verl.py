@@ -12,7 +12,7 @@ advantages, log-ratio clamped to +-20), its rollout importance-sampling weights 
 (low_var_kl: k3 clamped to +-10) and entropy bonus, all aggregated by `loss_agg_mode` exactly as verl's `agg_loss`
 does over the global mini-batch (token counts and sequence counts over every dp rank and micro-batch), plus the
 Query-KL r_s = ell_theta0(q_s) - ell_theta(q_s) averaged over the mini-batch's G sequences. With qkl_coef = 0 and
-w(q) = 1 it is verl's `ppo_loss` (tests/test_verl_integration.py, on verl's real FSDP engine).
+w(q) = 1 it is verl's `ppo_loss` (tests/integrations/test_verl_integration.py, on verl's real FSDP engine).
 
 ell_theta0(q) and w(q) come from erpo's reference cache, looked up by the prompt's token ids (what reaches the
 loss); a prompt the cache lacks is an error naming it.
@@ -288,7 +288,8 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
     import verl
     if verl.__version__ != VERL_VERSION:
         warnings.warn(f"erpo.integrations.verl is tested against verl {VERL_VERSION}, this is verl {verl.__version__}: "
-                      "run tests/test_verl_integration.py with it before trusting the parity", stacklevel=2)
+                      "run tests/integrations/test_verl_integration.py with it before trusting the parity",
+                      stacklevel=2)
     check_actor_config(actor_config)
     if settings.needs_reference and reference is None:
         raise ValueError("ERPO needs ell_theta0(q) for qkl_coef != 0 or query_weight='static': pass a QueryReference")

@@ -16,14 +16,23 @@ PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal mon
 TEMPLATES = {"paper": "{problem}" + PAPER_SUFFIX, "plain": "{problem}"}
 
 
-def arithmetic_dataset(n: int, seed: int, max_operand: int = 10) -> list[dict]:
-    """`n` verifiable problems "a+b" / "a-b" with 0 <= a, b <= max_operand; keys `problem`, `answer` (str)."""
+def arithmetic_dataset(n: int, seed: int, max_operand: int = 10, larger_than: int | None = None) -> list[dict]:
+    """`n` verifiable problems "a+b" / "a-b" with 0 <= a, b <= max_operand; keys `problem`, `answer` (str).
+
+    With `larger_than` (< max_operand), only problems whose larger operand exceeds it: a pair with
+    max(a, b) <= larger_than is drawn again. Such problems are disjoint from every problem of
+    `arithmetic_dataset(..., max_operand=larger_than)` (a held-out set); without it the draws are unchanged.
+    """
     if n <= 0:
         raise ValueError(f"n must be > 0, got {n}")
+    if larger_than is not None and not 0 <= larger_than < max_operand:
+        raise ValueError(f"larger_than must be in [0, max_operand={max_operand}), got {larger_than}")
     rng = random.Random(seed)
     records = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        while larger_than is not None and max(a, b) <= larger_than:
+            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice("+-")
         records.append({"problem": f"{a}{op}{b}=?", "answer": str(a + b if op == "+" else a - b)})
     return records

@@ -14,10 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "support"), str(Path(__file__).resolve().parents[1])]
-from terminal import TerminalRun  # noqa: E402  (tests/support: on sys.path until the tier move's conftest does it)
-
-from test_resume import env, small_run_args  # noqa: E402
+from terminal import TerminalRun
+from test_resume import env, small_run_args
 
 STEPS = 500   # more than any test waits for: a run stopped here was stopped, not finished
 

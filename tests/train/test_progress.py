@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "support"), str(Path(__file__).resolve().parents[1])]
-from terminal import TerminalRun  # noqa: E402  (tests/support: on sys.path until the tier move's conftest does it)
-
-from erpo.progress import LogProgress, progress_seconds  # noqa: E402
-from test_resume import env, small_run_args  # noqa: E402
+from erpo.progress import LogProgress, progress_seconds
+from terminal import TerminalRun
+from test_resume import env, small_run_args
 
 PHASES = ("tiny theta0 SFT", "reference cache ell_theta0(q)", "erpo train")
 

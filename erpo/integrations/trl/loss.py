@@ -2,8 +2,9 @@
 processes and steps_per_generation, clipping, KL, the off-policy mask, the entropy filter and bonus, vLLM's
 importance sampling), and the current policy's w(q) over all processes.
 
-`trl_loss_options` is the one copy of the GRPOConfig -> erpo_kernels mapping: ERPOTrainer calls it, and
-tests/test_pg_objectives.py calls it on a stand-in GRPOTrainer to compare with TRL's own `_compute_loss`."""
+`trl_loss_options` is the one copy of the GRPOConfig -> erpo_kernels mapping: ERPOTrainer calls it,
+and tests/integrations/test_pg_objectives.py calls it on a stand-in GRPOTrainer to compare with TRL's own
+`_compute_loss`."""
 from __future__ import annotations
 
 import functools

@@ -1,0 +1,228 @@
+"""erpo.distributed: sharding, single-process fallbacks, DeepSpeed config building, and real 2-process
+gloo reductions."""
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from erpo import distributed as D
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------- shard
+
+@pytest.mark.parametrize("num_groups,group_size,world", [(8, 4, 2), (7, 3, 3), (5, 1, 5), (10, 2, 4)])
+def test_shard_partitions_whole_groups(num_groups, group_size, world):
+    items = [(g, j) for g in range(num_groups) for j in range(group_size)]  # (group, response)
+    shares = [D.shard(items, r, world, group_size=group_size) for r in range(world)]
+    assert [x for share in shares for x in share] == items          # disjoint, complete, in order
+    sizes = [len(share) // group_size for share in shares]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    for share in shares:                                              # every group on exactly one rank
+        groups = {g for g, _ in share}
+        assert all(sum(1 for g2, _ in share if g2 == g) == group_size for g in groups)
+
+
+def test_shard_single_rank_is_identity():
+    assert D.shard(list("abcdef"), 0, 1) == list("abcdef")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(items=[1, 2], rank=2, world=2), "rank"),
+    (dict(items=[1, 2], rank=0, world=0), "world"),
+    (dict(items=[1, 2, 3], rank=0, world=1, group_size=2), "multiple of group_size"),
+    (dict(items=[1, 2], rank=0, world=1, group_size=0), "group_size"),
+    (dict(items=[1, 2, 3, 4], rank=0, world=3, group_size=2), "fewer than world"),
+])
+def test_shard_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.shard(**kwargs)
+
+
+# ------------------------------------------------------------------------------------- single process
+
+def test_single_process_defaults():
+    assert not D.is_initialized()
+    assert (D.rank(), D.world_size(), D.is_main(), D.data_parallel_loss_scale()) == (0, 1, True, 1)
+    D.barrier()
+    t = torch.tensor([1.0, 2.0])
+    out = D.all_reduce_sum(t)
+    assert torch.equal(out, t) and out is not t
+    assert D.all_reduce_sum(3) == 3 and isinstance(D.all_reduce_sum(3), int)
+    assert D.all_reduce_max(2.5) == 2.5 and torch.equal(D.all_reduce_max(t), t)
+    with pytest.raises(ValueError, match="op"):
+        D.all_reduce(t, "min")
+    assert D.all_gather_object({"a": 1}) == [{"a": 1}]
+    with pytest.raises(TypeError, match="tensor"):
+        D.all_reduce_sum("3")
+
+
+def test_init_distributed_without_launcher_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert D.init_distributed() is False and not D.is_initialized()
+
+
+def test_gathered_is_a_no_op_for_plain_tensors():
+    p = torch.nn.Parameter(torch.ones(3))
+    with D.gathered([p]):
+        assert p.shape == (3,)
+    assert not D.is_zero3_param(p)
+
+
+# ----------------------------------------------------------------------------------- DeepSpeed config
+
+def test_deepspeed_config_fields():
+    cfg = D.deepspeed_config(3, bf16=True, offload_optimizer=True, offload_params=True, grad_clip=1.0,
+                             micro_batch=4, grad_accum=8, optimizer={"type": "AdamW", "params": {"lr": 1e-6}})
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["offload_param"]["device"] == "cpu" and zero["stage3_gather_16bit_weights_on_model_save"]
+    assert cfg["bf16"] == {"enabled": True}
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (4, 8)
+    assert cfg["gradient_clipping"] == 1.0 and cfg["optimizer"]["type"] == "AdamW"
+    plain = D.deepspeed_config(2, bf16=False, grad_clip=None)
+    assert plain["gradient_clipping"] == 0.0 and plain["bf16"] == {"enabled": False}
+    assert "offload_optimizer" not in plain["zero_optimization"] and "optimizer" not in plain
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(zero_stage=4), "zero_stage"),
+    (dict(zero_stage=True), "zero_stage"),
+    (dict(zero_stage=2, offload_params=True), "offload_params"),
+    (dict(zero_stage=0, offload_optimizer=True), "offload_optimizer"),
+    (dict(zero_stage=2, micro_batch=0), "micro_batch"),
+    (dict(zero_stage=2, grad_accum=1.5), "grad_accum"),
+    (dict(zero_stage=2, grad_clip=-1.0), "grad_clip"),
+    (dict(zero_stage=2, optimizer={"params": {}}), "optimizer"),
+])
+def test_deepspeed_config_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.deepspeed_config(**kwargs)
+
+
+def test_hf_deepspeed_config_names_the_missing_accelerate(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
+                        else real_find_spec(name, *a))
+    with pytest.raises(ImportError, match="accelerate"):
+        D.hf_deepspeed_config(D.deepspeed_config(3))
+
+
+def test_hf_deepspeed_config_only_at_zero3():
+    assert D.hf_deepspeed_config(D.deepspeed_config(2)) is None
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    holder = D.hf_deepspeed_config(D.deepspeed_config(3, bf16=False))
+    try:
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        del holder
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    assert not is_deepspeed_zero3_enabled()
+
+
+# -------------------------------------------------------------------------------- 2 processes (gloo)
+
+REDUCE_SCRIPT = r"""
+import os, sys, torch
+from erpo import distributed as D
+assert D.init_distributed("gloo")
+r = D.rank()
+total = D.all_reduce_sum(torch.tensor([1.0, 10.0]) * (r + 1))
+count = D.all_reduce_sum(r + 5)
+largest = D.all_reduce_max(torch.tensor([float(r), 5.0 - r]))
+most = D.all_reduce_max(r + 5)
+objs = D.all_gather_object({"rank": r})
+D.barrier()
+line = f"{r} {D.world_size()} {D.is_main()} {total.tolist()} {count} {largest.tolist()} {most} {objs}"
+D.destroy_distributed()
+assert not D.is_initialized()
+with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
+    f.write(line)
+"""
+
+
+def run_two_ranks(tmp_path, source: str) -> list[str]:
+    """Run `source` (a script given its output folder) on a real 2-rank gloo group under torchrun; each rank's
+    rank-R.txt."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
+
+
+def test_two_process_reductions(tmp_path):
+    """A real 2-rank gloo group under torchrun (the deepspeed launcher is exercised end to end in
+    tests/distributed/test_multirank.py)."""
+    lines = run_two_ranks(tmp_path, REDUCE_SCRIPT)
+    objs = "[{'rank': 0}, {'rank': 1}]"
+    assert lines == [f"0 2 True [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}", f"1 2 False [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}"]
+
+
+ENTROPY_FILTER_SCRIPT = r"""
+import os, sys, torch
+from erpo import distributed as D
+from erpo.train.update_step import entropy_pool
+from erpo_kernels import erpo_loss
+assert D.init_distributed("gloo")
+r = D.rank()
+cat = D.all_gather_cat(torch.arange(r + 2, dtype=torch.float32))   # lengths 2 and 3
+# 4 response rows per rank (2 samples of a 1-token query and 2 response tokens): rank 0's rows are near-uniform
+# (high entropy), rank 1's peaked (low entropy), so the global median keeps all of rank 0's rows, none of rank 1's
+logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) * (0.1 if r == 0 else 8.0)
+kind, sample = torch.tensor([1, 2, 2, 1, 2, 2]), torch.tensor([0, 0, 0, 1, 1, 1])
+def kept(gather):
+    out = erpo_loss(logits, torch.zeros(6, dtype=torch.long), kind, sample, advantages=torch.tensor([1.0, -1.0]),
+                    qkl_coef=0.0, top_entropy_quantile=0.5, top_entropy_gather=gather, backend="torch")
+    return int(out.metrics["kept_tokens"])
+line = f"{cat.tolist()} {kept(entropy_pool(1.0))} {kept(None)} {kept(entropy_pool(float(r == 0)))}"
+D.destroy_distributed()
+with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
+    f.write(line)
+"""
+
+
+def test_entropy_filter_quantile_is_global_over_ranks(tmp_path):
+    """`erpo train`'s entropy filter (top_entropy_quantile) takes its quantile over every rank's response rows, as
+    TRL's (update_step.entropy_pool over D.all_gather_cat, which concatenates tensors of different lengths): rank 0
+    (high entropies) keeps all 4 rows and rank 1 none, where a per-rank quantile keeps 2 of 4 on each; a stand-in
+    micro-batch (rank 1, weight 0) adds no entropies, so the pool is rank 0's (2 kept there, none on rank 1)."""
+    lines = run_two_ranks(tmp_path, ENTROPY_FILTER_SCRIPT)
+    assert lines == ["[0.0, 1.0, 0.0, 1.0, 2.0] 4 2 2", "[0.0, 1.0, 0.0, 1.0, 2.0] 0 2 0"]
+
+
+def test_all_gather_cat_single_process_and_bad_input():
+    values = torch.tensor([1.0, 2.0])
+    assert torch.equal(D.all_gather_cat(values), values)
+    with pytest.raises(TypeError, match="1-D torch.Tensor"):
+        D.all_gather_cat(values.reshape(1, 2))
+
+
+def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29123")
+    D.set_launcher_env()
+    assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")] == \
+        ["0", "0", "1", "127.0.0.1", "29123"]
+    monkeypatch.delenv("MASTER_PORT")
+    D.set_launcher_env()
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536

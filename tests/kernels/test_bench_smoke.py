@@ -1,0 +1,224 @@
+"""`python -m bench --smoke` (tiny shapes on CPU, Triton interpreter) runs and writes sane results.
+
+This is the CI guard that keeps the benchmark harness from rotting; it times nothing that is asserted on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text(), done.stdout
+
+
+def _row(results, path, contender):
+    matches = [r for r in results["rows"] if r["path"] == path and r["contender"] == contender]
+    assert len(matches) == 1, f"expected one {contender} row on the {path} path, got {len(matches)}"
+    return matches[0]
+
+
+def test_writes_all_outputs(smoke):
+    out, results, markdown, _ = smoke
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(results) >= {"meta", "floors", "rows", "speedups", "targets"}
+    assert results["meta"]["triton_interpret"] is True
+    assert results["meta"]["command"] == f"python -m bench --smoke --out {out}"
+    assert "## Logits path" in markdown and "## Fused-linear path" in markdown
+
+
+def test_every_contender_has_a_row_on_each_path(smoke):
+    _, results, _, _ = smoke
+    logits = {r["contender"] for r in results["rows"] if r["path"] == "logits"}
+    fused = {r["contender"] for r in results["rows"] if r["path"] == "fused"}
+    assert logits == {"erpo", "torch", "compile", "liger"}
+    assert fused == {"erpo", "torch", "compile", "liger", "cce"}
+    for row in results["rows"]:
+        assert row["status"] in {"ok", "not installed", "unavailable"}, (row["path"], row["contender"], row)
+
+
+def test_ours_and_the_torch_rows_pass_the_check_and_are_timed(smoke):
+    _, results, markdown, _ = smoke
+    for path, contender in [("logits", "erpo"), ("logits", "torch"), ("logits", "compile"), ("fused", "compile")]:
+        row = _row(results, path, contender)
+        assert row["status"] == "ok" and row["correct"] is True, row
+        assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
+        assert row["x_floor_fwdbwd"] > 0
+        assert abs(row["loss"] - row["ref_loss"]) == pytest.approx(row["loss_err"])
+    ours = _row(results, "logits", "erpo")
+    assert ours["grad_err"]["logits[unscored] norm"] == 0.0
+    assert max(v for k, v in ours["grad_err"].items() if not k.endswith("norm")) < 2e-2
+    assert "| **erpo** |" in markdown
+
+
+def test_fused_rows_are_checked_when_the_fused_path_exists(smoke):
+    _, results, _, _ = smoke
+    import erpo_kernels
+
+    for contender in ("erpo", "torch"):
+        row = _row(results, "fused", contender)
+        if hasattr(erpo_kernels, "fused_linear_erpo_loss"):
+            assert row["status"] == "ok" and row["correct"] is True, row
+        else:
+            assert row["status"] == "unavailable" and "fused_linear_erpo_loss" in row["detail"]
+
+
+def test_speedups_compare_ours_with_each_timed_peer(smoke):
+    _, results, _, _ = smoke
+    ours = _row(results, "logits", "erpo")
+    torch_row = _row(results, "logits", "torch")
+    speedup = [s for s in results["speedups"] if s["path"] == "logits" and s["peer"] == "torch"]
+    assert len(speedup) == 1
+    assert speedup[0]["fwdbwd"] == pytest.approx(torch_row["fwdbwd_ms"] / ours["fwdbwd_ms"])
+    targets = [t for t in results["targets"] if t["path"] == "logits"]
+    assert {t["target"] for t in targets} >= {">= 4x faster than torch eager (backend='torch')"}
+    assert not any(t["at_target_shape"] for t in results["targets"])
+
+
+def test_missing_peers_are_reported_not_crashed(smoke):
+    _, results, _, _ = smoke
+    for path, contender, module in [("logits", "liger", "liger_kernel"), ("fused", "cce", "cut_cross_entropy")]:
+        row = _row(results, path, contender)
+        try:
+            __import__(module)
+        except ImportError:
+            assert row["status"] == "not installed" and module in row["detail"], row
+
+
+# ---- the correctness gate itself (fast: torch only, no subprocess) -------------------------------------------
+
+def _tiny_logits_problem():
+    import torch
+
+    from bench.contenders import ERPO_OPTIONS
+    from bench.problem import Shape, build_problem
+
+    return build_problem("logits", Shape("tiny", 0, 300), 96, rows_per_sample=32, query_frac=0.25,
+                         dtype=torch.bfloat16, device=torch.device("cpu"), seed=3, chunk_rows=64,
+                         clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
+
+
+def _torch_contender(problem, **overrides):
+    import erpo_kernels
+    from bench.contenders import ERPO_OPTIONS, Prepared
+
+    def run():
+        return erpo_kernels.erpo_loss(problem.logits, problem.targets, problem.token_kind, problem.sample_index,
+                                      advantages=problem.advantages, ref_query_logp=problem.ref_query_logp,
+                                      query_weight=problem.query_weight, old_logp=problem.old_logp,
+                                      backend="torch", **{**ERPO_OPTIONS, **overrides}).loss
+    return Prepared(run, [problem.logits], lambda grads: {"logits": grads[0]})
+
+
+def test_check_passes_the_reference_itself_in_blocks():
+    from bench.check import OURS, check_contender
+
+    problem = _tiny_logits_problem()
+    result = check_contender(problem, _torch_contender(problem), "erpo", 32, OURS)  # 3 blocks of one sample
+    assert result.ok, result.failures
+    assert result.loss_err < 1e-5 and result.grad_err["logits[unscored] norm"] == 0.0
+
+
+def test_check_flags_a_missing_query_kl_term():
+    from bench.check import PEERS, check_contender
+
+    problem = _tiny_logits_problem()
+    result = check_contender(problem, _torch_contender(problem, qkl_coef=0.0), "erpo", 64, PEERS)
+    assert not result.ok
+    assert result.grad_err["logits[query]"] > 0.5
+    assert any("query" in failure for failure in result.failures)
+
+
+def test_check_flags_gradient_on_unscored_rows():
+    import torch
+
+    from bench.check import PEERS, check_contender
+    from bench.contenders import Prepared
+
+    problem = _tiny_logits_problem()
+    honest = _torch_contender(problem)
+    unscored = (problem.token_kind == 0).unsqueeze(1)
+
+    def run():  # same loss value, but a gradient leaks onto the unscored rows
+        leak = torch.where(unscored, problem.logits.float(), 0.0).sum()
+        return honest.run() + 1e-3 * (leak - leak.detach())
+    result = check_contender(problem, Prepared(run, honest.inputs, honest.to_canonical), "erpo", 64, PEERS)
+    assert not result.ok and result.loss_err < 1e-6
+    assert result.grad_err["logits[unscored] norm"] > 0
+
+
+def test_wrong_or_untimed_rows_never_enter_ratios_or_targets():
+    from bench.report import add_ratios
+
+    base = {"path": "logits", "shape": "V=1000", "N": 16384, "V": 152064, "logits_bytes": 1, "floor_fwd_ms": 1.0,
+            "floor_fwdbwd_ms": 3.0, "computes": "erpo"}
+    results = {"rows": [
+        {**base, "contender": "erpo", "ours": True, "status": "ok", "fwd_ms": 2.0, "fwdbwd_ms": 4.0},
+        {**base, "contender": "torch", "ours": False, "status": "ok", "fwd_ms": 8.0, "fwdbwd_ms": 20.0},
+        {**base, "contender": "compile", "ours": False, "status": "wrong", "fwd_ms": 0.1, "fwdbwd_ms": 0.2},
+        {**base, "contender": "liger", "ours": False, "status": "not installed"},
+    ]}
+    add_ratios(results)
+    assert [s["peer"] for s in results["speedups"]] == ["torch"]
+    assert results["speedups"][0]["fwdbwd"] == pytest.approx(5.0)
+    targets = {t["target"]: t for t in results["targets"]}
+    assert targets[">= 4x faster than torch eager (backend='torch')"]["pass"] is True
+    assert targets[">= 1.5x faster than torch.compile"]["pass"] == "n/a"
+    assert targets["faster than Liger's Triton grpo_loss"]["pass"] == "n/a"
+    assert targets["fwd+bwd within 1.25x of the bandwidth floor"]["value"] == pytest.approx(4.0 / 3.0)
+    assert targets["fwd+bwd within 1.25x of the bandwidth floor"]["pass"] is False
+    assert all(t["at_target_shape"] for t in results["targets"])
+
+
+def test_merge_of_two_runs_keeps_every_row(smoke, tmp_path):
+    from bench.__main__ import merge
+
+    out, results, _, _ = smoke
+    files = merge([out, out], tmp_path / "merged")
+    merged = json.loads(files["json"].read_text())
+    assert len(merged["rows"]) == 2 * len(results["rows"])
+    assert merged["meta"]["command"].count("python -m bench --smoke") == 2
+    assert files["png"].exists() and files["md"].exists()
+
+
+def test_timing_budget_cuts_slow_cases_but_keeps_three_reps():
+    import time
+
+    import torch
+
+    from bench.timing import MIN_REPS, time_callable
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.05)
+    timing = time_callable(slow, device=torch.device("cpu"), warmup=5, reps=20, budget_s=0.12)
+    assert timing.reps == MIN_REPS == len(timing.samples_ms)
+    assert MIN_REPS + 1 <= len(calls) <= MIN_REPS + 3  # the clocked first warm-up, at most 2 more, 3 reps
+    assert timing.p20_ms <= timing.median_ms <= timing.p80_ms and timing.median_ms >= 50
+    calls.clear()
+    timing = time_callable(lambda: calls.append(1), device=torch.device("cpu"), warmup=2, reps=7)
+    assert len(calls) == 9 and timing.reps == 7
+
+
+def test_floor_formulas_are_the_issues():
+    from bench.floors import fused_floor_ms, logits_floor_ms
+
+    fwd, both = logits_floor_ms(16384, 152064, 2, 3.0e12)
+    assert both == pytest.approx(3 * 16384 * 152064 * 2 / 3.0e12 * 1e3) and both == pytest.approx(3 * fwd)
+    fwd, both = fused_floor_ms(16384, 3584, 152064, 8.0e14)
+    assert both == pytest.approx(6 * 16384 * 3584 * 152064 / 8.0e14 * 1e3) and both == pytest.approx(3 * fwd)

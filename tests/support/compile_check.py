@@ -1,0 +1,62 @@
+"""Ahead-of-time compilation of Triton kernels for a Hopper GPU (sm_90) on a machine without one.
+
+Triton ships ptxas, so `triton.compile` lowers a kernel to a cubin with no GPU present. This catches what the
+interpreter cannot (type errors in loop-carried values, ops without a GPU lowering, shared-memory overflow)
+on the Triton version CI installs, which is the GPU image's (3.6). Works whether or not TRITON_INTERPRET is set.
+"""
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200
+
+
+def compile_for_hopper(kernel, signature: dict, constexprs: dict, **options):
+    """Compile `kernel` (@triton.jit, possibly in interpreter mode) for sm_90; returns the compiled kernel."""
+    python_fn = getattr(kernel, "fn", kernel)
+    jit_fn = python_fn if isinstance(python_fn, JITFunction) else JITFunction(python_fn)
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    compiled = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                              options=options)
+    assert compiled.asm["cubin"], "no cubin produced"
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"shared memory {compiled.metadata.shared} B"
+    return compiled
+
+
+def register_usage(compiled) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) of a compiled kernel, from `ptxas -v` on its PTX (Triton runs the
+    same ptxas but keeps its report only on a cache miss). Spills to local memory cost a kernel its speed."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(HOPPER.arch).path, "-v", f"--gpu-name=sm_{HOPPER.arch}a", str(ptx),
+                                 "-o", str(Path(folder) / "kernel.cubin")], capture_output=True, text=True,
+                                check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return registers, spills
+
+
+def run_compile_script(script: str) -> str:
+    """Run tests/workers/`script` in a fresh process without TRITON_INTERPRET (under the interpreter, triton.language's
+    own @jit helpers and tensor methods cannot be compiled); returns its stdout, asserting it exited 0."""
+    import os
+    import subprocess
+    import sys
+
+    from paths import WORKERS, worker_pythonpath
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = worker_pythonpath()
+    proc = subprocess.run([sys.executable, str(WORKERS / script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout

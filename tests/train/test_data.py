@@ -1,0 +1,147 @@
+"""erpo.tasks.data and erpo.models.tiny: arithmetic generator, JSONL/JSON/Parquet loading, the paper's prompt,
+tokenization."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from erpo.errors import UserError
+from erpo.models.tiny import build_model, build_tokenizer
+from erpo.tasks.data import (
+    PAPER_SUFFIX,
+    arithmetic_dataset,
+    build_prompt,
+    encode_prompt,
+    load_dataset_records,
+    tokenize_prompts,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_arithmetic_dataset_is_deterministic_and_correct():
+    records = arithmetic_dataset(50, seed=3, max_operand=9)
+    assert records == arithmetic_dataset(50, seed=3, max_operand=9)
+    assert records != arithmetic_dataset(50, seed=4, max_operand=9)
+    for r in records:
+        assert r["problem"].endswith("=?")
+        assert int(r["answer"]) == eval(r["problem"][:-2])
+    with pytest.raises(ValueError, match="n must be > 0"):
+        arithmetic_dataset(0, seed=0)
+
+
+def test_arithmetic_training_draws_are_pinned():
+    """The training problems of a seed are those of earlier runs (taken from the generator before larger_than
+    existed): a change here would silently change every recorded experiment's prompts."""
+    assert [r["problem"] for r in arithmetic_dataset(6, seed=0)] == [
+        "6+6=?", "4-8=?", "6-4=?", "5+9=?", "8-2=?", "2-1=?"]
+    assert [r["problem"] for r in arithmetic_dataset(4, seed=42, max_operand=20)] == [
+        "20+3=?", "8+7=?", "4+3=?", "18+13=?"]
+
+
+def test_arithmetic_larger_than_draws_only_beyond_it():
+    records = arithmetic_dataset(300, seed=5, max_operand=20, larger_than=10)
+    operands = [tuple(int(x) for x in r["problem"][:-2].replace("-", "+").split("+")) for r in records]
+    assert all(10 < max(pair) <= 20 and min(pair) >= 0 for pair in operands)
+    assert min(min(pair) for pair in operands) <= 10  # one operand may still be small: not just a shifted range
+    assert all(int(r["answer"]) == eval(r["problem"][:-2]) for r in records)
+    for bad in (20, 25, -1):
+        with pytest.raises(ValueError, match="larger_than must be in"):
+            arithmetic_dataset(3, seed=0, max_operand=20, larger_than=bad)
+
+
+def test_load_jsonl_json_parquet(tmp_path):
+    rows = [{"problem": "1+1=?", "answer": "2", "level": 3}, {"problem": "2+2=?", "answer": "4", "level": 5}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.json", "d.parquet"):
+        assert load_dataset_records(str(tmp_path / name))[0] == rows
+    assert load_dataset_records(str(tmp_path / "d.json"))[1] == ["record 1", "record 2"]
+    assert load_dataset_records(str(tmp_path / "d.parquet"))[1] == ["row 1", "row 2"]
+
+
+def test_jsonl_text_may_hold_unicode_line_separators(tmp_path):
+    rows = [{"problem": "one\u2028two", "answer": "1"}, {"problem": "three", "answer": "3"}]
+    path = tmp_path / "sep.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert load_dataset_records(str(path)) == (rows, ["line 1", "line 2"])
+
+
+def test_custom_fields_and_missing_field_errors(tmp_path):
+    path = tmp_path / "d.jsonl"
+    # lines count from 1, blank lines included
+    path.write_text(json.dumps({"question": "q", "solution": "s"}) + "\n\n" + json.dumps({"question": "q2"}) + "\n")
+    with pytest.raises(UserError, match=r"d.jsonl: line 3 has no field 'solution' \(data.answer_field\).*\['question'\]"
+                                        r".*set data.answer_field"):
+        load_dataset_records(str(path), problem_field="question", answer_field="solution")
+    with pytest.raises(UserError, match="line 1 has no field 'problem'"):
+        load_dataset_records(str(path))
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file") as missing:
+        load_dataset_records(str(tmp_path / "missing.jsonl"))
+    assert isinstance(missing.value, UserError)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "x", "answer": "1"}\n{not json\n')
+    with pytest.raises(UserError, match="bad.jsonl:2: not valid JSON"):
+        load_dataset_records(str(bad))
+    bad_list = tmp_path / "bad.json"
+    bad_list.write_text('[\n{"problem": "x", "answer": "1"},\n{oops}\n]')
+    with pytest.raises(UserError, match="bad.json:3: not valid JSON"):
+        load_dataset_records(str(bad_list))
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install datasets"):
+            load_dataset_records("someone/some-dataset")
+
+
+def test_paper_prompt_through_chat_template(tokenizer):
+    text = build_prompt(tokenizer, "  What is 1+1?  ", "paper")
+    assert text == ("<|im_start|>user\nWhat is 1+1?" + PAPER_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n")
+    assert "<think> </think>" in text and "\\boxed{}" in text
+    assert build_prompt(tokenizer, "x", "Q: {problem} A:", use_chat_template=False) == "Q: x A:"
+    with pytest.raises(ValueError, match="data.template"):
+        build_prompt(tokenizer, "x", "no placeholder")
+    text, ids = encode_prompt(tokenizer, "What is 1+1?", "plain")  # chat tokens are single ids, no BOS added
+    assert text == "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and tokenizer.decode(ids) == text
+    assert len(ids) == 3 + len("user\nWhat is 1+1?" "\n" "assistant\n")  # 3 chat tokens, 1 id per character
+
+
+def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):
+    records = [{"problem": "1+1=?", "answer": "2"}, {"problem": "   ", "answer": "0"},
+               {"problem": "9" * 80, "answer": "9"}, {"problem": "3+3=?", "answer": None}]
+    kwargs = dict(problem_field="problem", answer_field="answer", template="plain", use_chat_template=True,
+                  max_prompt_length=64)
+    with pytest.raises(UserError, match=r"3 invalid training record\(s\): record 2: empty.*record 3: prompt has "
+                                        r"\d+ tokens > data.max_prompt_length=64.*record 4: missing 'answer'"):
+        tokenize_prompts(tokenizer, records, skip_invalid=False, **kwargs)
+    with pytest.raises(UserError, match=r"d.jsonl line 9: empty"):
+        tokenize_prompts(tokenizer, records[:2], skip_invalid=False, where=["d.jsonl line 7", "d.jsonl line 9"],
+                         **kwargs)
+    with pytest.warns(UserWarning, match="dropped 3 invalid"):
+        kept = tokenize_prompts(tokenizer, records, skip_invalid=True, **kwargs)
+    assert kept.answers == ["2"] and kept.records == records[:1]
+    assert kept.prompt_ids[0] == tokenizer(kept.prompts[0], add_special_tokens=False)["input_ids"]
+
+
+def test_tiny_tokenizer_is_character_level_and_survives_save_load(tmp_path, tokenizer):
+    text = build_prompt(tokenizer, "12 + 3=?\n\tok", "plain") + "\\boxed{15}<|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    body = "12 + 3=?\n\tok"
+    assert len(tokenizer(body, add_special_tokens=False)["input_ids"]) == len(body)
+    build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)  # transformers picks Qwen2's tokenizer class for qwen2
+    assert reloaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert reloaded.chat_template == tokenizer.chat_template
+    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)

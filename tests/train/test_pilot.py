@@ -1,0 +1,112 @@
+"""bench/pilot.py: a pilot's runs train with the asked settings, resume after an interruption, stop at --until, and
+every kept checkpoint is evaluated on the training distribution and on the held-out set."""
+import csv
+import json
+import shutil
+
+import pytest
+
+from bench import pilot
+from erpo.cli.args import config_from_args
+from erpo.cli.commands import build_parser
+from erpo.eval.problem_sets import load_benchmark
+
+# a minute-sized tiny run (as tests/test_compare.py): small model, 2 prompts x 2 responses, 4 new tokens
+SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
+         "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8",
+         "trainer.rollout_batch_size=2", "trainer.update_batch_size=2", "trainer.micro_batch_size=4", "rollout.n=2",
+         "rollout.max_new_tokens=4", "logging.plot=false"]
+
+
+def test_train_command_resolves_to_the_asked_settings(tmp_path):
+    args = pilot.parse_args(["--root", str(tmp_path), "--name", "p", "--lr", "1e-3", "--max-steps", "3000",
+                             "--warmup-ratio", "0.01", "--max-operand", "20", "--keep-every", "500"])
+    settings = pilot.settings_of(args)
+    command = pilot.train_command(settings, "grpo", 3, tmp_path / "grpo-s3", tmp_path / "cache", resume=True)
+    assert command[1:4] == ["-m", "erpo", "train"] and command[-1] == "--resume"
+    train_args = build_parser().parse_args(command[3:])
+    cfg = config_from_args(train_args)
+    t = cfg.trainer
+    assert (cfg.algorithm.name, t.seed, t.max_steps, t.lr, t.warmup_ratio, t.min_lr_ratio) == (
+        "grpo", 3, 3000, 1e-3, 0.01, 1.0)
+    assert (t.save_steps, t.keep_every, t.cpu_threads, cfg.data.arithmetic_max_operand) == (100, 500, 1, 20)
+    assert cfg.output_dir == str(tmp_path / "grpo-s3") and cfg.model.cache_dir == str(tmp_path / "cache")
+    assert "--resume" not in pilot.train_command(settings, "erpo", 3, tmp_path, tmp_path, resume=False)
+
+
+def test_eval_sets_are_the_training_range_and_beyond_it():
+    sets = pilot.eval_sets({"eval_n": 40, "max_operand": 20})
+    train, heldout = (load_benchmark(sets[name]) for name in ("train", "heldout"))
+    assert (train.name, heldout.name, len(train.problems), len(heldout.problems)) == ("train", "heldout", 40, 40)
+    largest = {name: [max(int(x) for x in p["problem"][:-2].replace("-", "+").split("+")) for p in bench.problems]
+               for name, bench in (("train", train), ("heldout", heldout))}
+    assert max(largest["train"]) <= 20 < min(largest["heldout"])
+
+
+def test_a_root_inside_the_repository_and_changed_settings_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="inside the repository"):
+        pilot.pilot_dir(str(pilot.REPO / "runs"), "x")
+    directory = pilot.pilot_dir(str(tmp_path), "x")
+    assert directory == tmp_path.resolve() / "pilot-x"
+    pilot.check_settings(directory, {"lr": 1e-3, "max_steps": 10})
+    pilot.check_settings(directory, {"lr": 1e-3, "max_steps": 10})   # the same: a rerun
+    with pytest.raises(SystemExit, match=r"'lr': \(0.001, 0.003\)"):
+        pilot.check_settings(directory, {"lr": 3e-3, "max_steps": 10})
+    with pytest.raises(SystemExit):
+        pilot.parse_args(["--root", str(tmp_path), "--name", "a/b", "--lr", "1", "--max-steps", "1"])
+    with pytest.raises(SystemExit):
+        pilot.parse_args(["--root", str(tmp_path), "--name", "a", "--lr", "1", "--max-steps", "1",
+                          "--save-steps", "3", "--keep-every", "4"])
+
+
+def _history_steps(path) -> dict[str, set[int]]:
+    steps: dict[str, set[int]] = {}
+    with open(path, encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            steps.setdefault(row["run"], set()).add(int(row["step"]))
+    return steps
+
+
+def _untimed_steps(metrics: str) -> dict[int, dict]:
+    """{step: its last record without timings} (a resumed run appends; readers keep a step's last record)."""
+    records = [json.loads(line) for line in metrics.splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.endswith("seconds")} for r in records}
+
+
+def _journal(directory) -> list[dict]:
+    return [json.loads(line) for line in (directory / "journal.jsonl").read_text().splitlines()]
+
+
+def test_pilot_trains_evaluates_resumes_and_stops(tmp_path):
+    base = ["--root", str(tmp_path), "--name", "t", "--lr", "1e-3", "--max-steps", "2", "--save-steps", "1",
+            "--keep-every", "1", "--eval-n", "3", "--k", "2", "--nice", "0"]
+    argv = [*base, "--algorithms", "grpo", "--set", *SMALL]
+    assert pilot.main(argv) == 0
+    directory = tmp_path / "pilot-t"
+    run = directory / "grpo-s0"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and (run / "final" / "config.json").is_file()
+    first = (run / "metrics.jsonl").read_text()
+    for set_name in ("train", "heldout"):
+        assert _history_steps(directory / f"eval-{set_name}" / "history.csv") == {"grpo-s0": {0, 1, 2}}
+        for metric in ("avg@2", "pass@2"):
+            table = (directory / f"summary-{set_name}-{metric}" / "long_horizon.md").read_text()
+            assert f"### {metric}, temperatures 1.2-1.5" in table and "| 2 |" in table
+    journal = _journal(directory)
+    assert [(e["event"], e["what"]) for e in journal] == [
+        ("start", "train grpo-s0"), ("end", "train grpo-s0"), ("start", "eval train grpo-s0"),
+        ("end", "eval train grpo-s0"), ("start", "eval heldout grpo-s0"), ("end", "eval heldout grpo-s0")]
+    assert all(e["commit"] and e["machine"] for e in journal) and "--resume" not in journal[0]["command"]
+
+    # interrupted after step 1: the same command resumes from the checkpoint and ends as the first run did
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-2")
+    assert pilot.main(argv) == 0
+    resumed = _journal(directory)[len(journal)]
+    assert resumed["what"] == "train grpo-s0" and resumed["command"].endswith("--resume")
+    assert _untimed_steps((run / "metrics.jsonl").read_text()) == _untimed_steps(first)
+
+    # --until in the past: the first process started is stopped at once and the pilot exits with status 3
+    assert pilot.main([*base, "--algorithms", "erpo", "--set", *SMALL, "--until", "00:00"]) == pilot.STOPPED
+    assert [e["event"] for e in _journal(directory)[-2:]] == ["start", "stopped"]
+    with pytest.raises(SystemExit, match="other settings"):
+        pilot.main([*base, "--algorithms", "grpo"])   # the same pilot without its --set overrides

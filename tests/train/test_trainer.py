@@ -1,0 +1,465 @@
+"""erpo.train.loop end to end on a very small tiny-model run: metrics, algorithms, several updates per rollout,
+checkpoint/resume, cache mismatch, failing reward functions, non-finite losses."""
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import erpo.train.loop as trainer_module
+import erpo.train.update_step as update_step
+from erpo.config import Config, apply_overrides, resolve
+from erpo.errors import UserError
+from erpo.train.loop import PromptSampler, train
+from erpo.train.updater import deepspeed_config_for, lr_lambda
+
+REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio", "response_length",
+            "grad_norm", "lr"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("theta0"))
+
+
+def small_cfg(out, cache_dir, *overrides):
+    cfg = apply_overrides(Config(), [
+        f"output_dir={out}", f"model.cache_dir={cache_dir}", "tiny.hidden_size=16", "tiny.intermediate_size=32",
+        "tiny.num_layers=1", "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.sft_steps=30", "tiny.sft_examples=64",
+        "data.num_examples=24", "rollout.n=4", "rollout.max_new_tokens=8", "trainer.max_steps=2",
+        "trainer.rollout_batch_size=4", "trainer.update_batch_size=4", "trainer.micro_batch_size=6",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false", *overrides])
+    return resolve(cfg)
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_erpo_run_writes_everything(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    train(small_cfg(out, cache_dir, "logging.tensorboard=true", "logging.plot=true"))
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert set(REQUIRED) <= set(r)
+        assert r["policy_kl"] is None  # ERPO computes no Policy-KL
+        assert math.isfinite(r["qkl"]) and r["qkl"] >= 0 and math.isfinite(r["loss"])
+        assert 0 <= r["accuracy"] <= 1 and r["num_samples"] == 16
+    assert records[0]["qkl"] == pytest.approx(0.0, abs=1e-6)  # theta0 == cached reference at the first step
+    for name in ("config.yaml", "reference_cache.json", "final/config.json", "plots/training.png",
+                 "checkpoints/step-2/meta.json"):
+        assert (out / name).exists(), name
+    assert list((out / "tb").iterdir())
+    # final/ is the last checkpoint's hf/ export, linked rather than written twice
+    assert os.path.samefile(out / "final" / "model.safetensors", out / "checkpoints/step-2/hf/model.safetensors")
+
+
+def test_grpo_logs_policy_kl_and_qkl(tmp_path, cache_dir):
+    out = tmp_path / "grpo"
+    train(small_cfg(out, cache_dir, "algorithm.name=grpo", "trainer.save_hf=false"))
+    records = read_metrics(out)
+    assert all(r["policy_kl"] is not None and r["qkl"] is not None for r in records)
+    assert records[0]["policy_kl"] == pytest.approx(0.0, abs=1e-6)
+    # no export in the checkpoints: final/ is written from the model itself
+    assert not (out / "checkpoints/step-2/hf").exists() and (out / "final/model.safetensors").is_file()
+
+
+def test_several_updates_per_rollout_and_variants(tmp_path, cache_dir):
+    out = tmp_path / "multi"
+    train(small_cfg(out, cache_dir, "trainer.update_batch_size=2", "trainer.micro_batch_size=3",
+                    "algorithm.query_weight=current", "algorithm.qkl_estimator=k3-token",
+                    "algorithm.filter_groups=true", "algorithm.mask_truncated=true", "algorithm.clip_high=0.28",
+                    "model.gradient_checkpointing=true"))
+    records = read_metrics(out)
+    steps = [(r["step"], r["rollout_step"]) for r in records]
+    assert steps == sorted(steps) and {rs for _, rs in steps} <= {1, 2}
+    assert all(r["query_weight_mean"] is not None for r in records)
+
+
+@pytest.mark.parametrize("objective", [
+    ["algorithm.pg_objective=vespo", "rollout.importance_sampling_correction=true",
+     "algorithm.off_policy_mask_threshold=0.05", "algorithm.top_entropy_quantile=0.5", "algorithm.entropy_coef=0.01"],
+    ["algorithm.pg_objective=cispo", "algorithm.cispo_clip_max=1.2", "algorithm.loss_agg=seq-mean-token-mean"]],
+    ids=["vespo-mask-filter", "cispo"])
+def test_trl_policy_objectives_train(tmp_path, cache_dir, monkeypatch, objective):
+    """The algorithm.* keys of TRL's loss types reach every loss call of a real run (two updates per rollout: old
+    log-probs), which logs finite losses."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append({key: kwargs[key] for key in ("pg_objective", "off_policy_mask_threshold", "top_entropy_quantile",
+                                                  "cispo_clip_max")})
+        return loss(*args, **kwargs)
+
+    loss = update_step.fused_linear_erpo_loss
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    out = tmp_path / "run"
+    train(small_cfg(out, cache_dir, "trainer.update_batch_size=2", "trainer.save_hf=false", *objective))
+    records = read_metrics(out)
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
+    given = dict(setting.removeprefix("algorithm.").split("=") for setting in objective)
+    expected = {name: value for name, value in given.items() if name in seen[0]}
+    assert len(expected) >= 2 and all({name: str(call[name]) for name in expected} == expected for call in seen)
+
+
+def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, cache_dir):
+    """query_weight=current-unclipped: w_i = mean_j s_j / s_i over the step's samples, unclipped, so its mean over
+    those samples is mean(s) * mean(1/s) >= 1 (Cauchy-Schwarz); a missing wiring would log no weight at all."""
+    train(small_cfg(tmp_path / "unclipped", cache_dir, "trainer.max_steps=2",
+                    "algorithm.query_weight=current-unclipped"))
+    records = read_metrics(tmp_path / "unclipped")
+    assert all(r["query_weight_mean"] is not None and r["query_weight_mean"] >= 1 - 1e-6 for r in records)
+
+
+def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_dir, monkeypatch):
+    """The first update is on-policy (old log-probs = the current ones, no extra forward); the later ones use the
+    log-probs of the model that sampled the rollout."""
+    real, seen = update_step.fused_linear_erpo_loss, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["old_logp"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    train(small_cfg(tmp_path / "old", cache_dir, "trainer.max_steps=1", "trainer.update_batch_size=2",
+                    "trainer.micro_batch_size=8"))
+    assert len(seen) == 2 and seen[0] is None
+    assert seen[1] is not None and seen[1].dtype == torch.float32 and torch.isfinite(seen[1]).all()
+
+
+def test_logit_transform_is_read_once_and_reaches_every_scoring(tmp_path, cache_dir, monkeypatch):
+    """The model's logit transform is read once at setup and passed as one object to the loss, the old log-probs
+    and the current w(q) of every step (a stand-in transform here, soft-cap 50: the tiny Qwen2 has none)."""
+    import erpo.sequences as sequences
+    import erpo.train.step_plan as step_plan
+    reads, losses, scorings = [], [], []
+    transform = {"logit_scale": 1.0, "logit_softcap": 50.0}
+    monkeypatch.setattr(trainer_module, "logit_transforms", lambda model: reads.append(model) or transform)
+    real_loss, real_score = update_step.fused_linear_erpo_loss, sequences.scored_token_logp
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss",
+                        lambda *args, **kwargs: losses.append(kwargs["logit_softcap"]) or real_loss(*args, **kwargs))
+
+    def scoring(model, batch, temperature=1.0, autocast=None, logit_options=None):
+        scorings.append(logit_options)
+        return real_score(model, batch, temperature, autocast, logit_options)
+    monkeypatch.setattr(step_plan, "scored_token_logp", scoring)
+    train(small_cfg(tmp_path / "run", cache_dir, "trainer.max_steps=2", "trainer.update_batch_size=2",
+                    "algorithm.query_weight=current"))
+    assert len(reads) == 1
+    assert len(losses) >= 4 and set(losses) == {50.0}
+    assert len(scorings) >= 4 and all(options is transform for options in scorings)   # old log-probs and w(q)
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
+    out = tmp_path / "resume"
+    # A constant learning rate, so that the run may be extended (a cosine schedule's length is fixed at the start).
+    train(small_cfg(out, cache_dir, "trainer.save_steps=1", "trainer.min_lr_ratio=1.0"))
+    first = read_metrics(out)
+    train(small_cfg(out, cache_dir, "trainer.max_steps=3", "trainer.min_lr_ratio=1.0"), resume=True)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
+    assert (out / "checkpoints" / "step-3" / "meta.json").exists()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        train(small_cfg(tmp_path / "fresh", cache_dir), resume=True)
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, cache_dir):
+    """Without --resume a used run directory is left alone (its config, metrics and checkpoints unchanged)."""
+    out = tmp_path / "used"
+    train(small_cfg(out, cache_dir, "trainer.max_steps=1"))
+    before = {name: (out / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    with pytest.raises(UserError, match=r"holds a finished run \(final/\); choose another --output-dir"):
+        train(small_cfg(out, cache_dir, "trainer.max_steps=2", "trainer.seed=5"))
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
+    (out / "checkpoints" / "step-1" / "meta.json").unlink()   # an incomplete checkpoint is no run to protect
+    train(small_cfg(out, cache_dir, "trainer.max_steps=1"))
+    assert (out / "checkpoints" / "step-1" / "meta.json").exists()
+
+
+def test_a_cache_built_for_another_template_is_refused(tmp_path, cache_dir):
+    out = tmp_path / "mismatch"
+    trainer_module.precompute_reference(small_cfg(out, cache_dir))
+    with pytest.raises(ValueError, match=r"does not match this run: .*prompt template: cache built with 'plain"):
+        train(small_cfg(out, cache_dir, "data.template=Q: {problem}"))
+
+
+def test_a_raising_reward_function_stops_with_the_sample_named(tmp_path, cache_dir):
+    file = tmp_path / "reward.py"
+    file.write_text("def picky(prompts, completions, answer, **kw):\n"
+                    "    return [1.0 if a != '3' else 1 / 0 for a in answer]\n")
+    cfg = small_cfg(tmp_path / "bad_reward", cache_dir, f"reward.functions=[{file}:picky]", "data.num_examples=200",
+                    "trainer.rollout_batch_size=24", "trainer.update_batch_size=24")
+    with pytest.raises(RuntimeError, match=r"reward function 'picky' raised on sample \d+ \(prompt"):
+        train(cfg)
+
+
+@pytest.fixture
+def nan_on_first_call(monkeypatch):
+    real = update_step.fused_linear_erpo_loss
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            out.loss = out.loss * float("nan")
+        return out
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", flaky)
+
+
+def test_nonfinite_loss_is_skipped_and_counted(tmp_path, cache_dir, nan_on_first_call):
+    out = tmp_path / "skip"
+    train(small_cfg(out, cache_dir))
+    records = read_metrics(out)
+    assert records[0]["nonfinite_skipped"] == 1 and records[0]["loss"] is None and records[0]["grad_norm"] is None
+    assert records[1]["nonfinite_skipped"] == 1 and records[1]["grad_norm"] is not None
+
+
+def test_nonfinite_loss_can_stop_the_run(tmp_path, cache_dir, nan_on_first_call):
+    out = tmp_path / "stop"
+    with pytest.raises(FloatingPointError, match=r"non-finite loss .* optimizer step 1 .*Checkpoint of the model "
+                                                 r"before this step: .*step-0"):
+        train(small_cfg(out, cache_dir, "trainer.on_nonfinite=stop"))
+    saved = json.loads((out / "checkpoints" / "step-0" / "meta.json").read_text())["state"]
+    # the state of the model before this rollout: resuming redoes it with the same prompts
+    assert (saved["rollout_step"], saved["opt_step"], saved["epoch"], saved["cursor"]) == (0, 0, 0, 0)
+    assert saved["nonfinite_skipped"] == 0
+
+
+def test_micro_batching_does_not_change_the_gradient(tmp_path, cache_dir):
+    """The same optimizer step accumulated over 1 or 3 micro-batches gives the same update."""
+    finals = []
+    for micro in (16, 5):
+        out = tmp_path / f"micro{micro}"
+        train(small_cfg(out, cache_dir, "trainer.max_steps=1", f"trainer.micro_batch_size={micro}"))
+        finals.append(read_metrics(out)[0])
+    assert finals[0]["grad_norm"] == pytest.approx(finals[1]["grad_norm"], rel=1e-4)
+    assert finals[0]["loss"] == pytest.approx(finals[1]["loss"], rel=1e-4, abs=1e-7)
+    assert finals[0]["qkl"] == pytest.approx(finals[1]["qkl"], abs=1e-7)
+
+
+def test_prompt_sampler_is_resumable_and_covers_every_prompt():
+    a = PromptSampler(10, seed=1)
+    seen = a.next(4) + a.next(4)
+    b = PromptSampler(10, seed=1, **a.state)
+    assert a.next(4) == b.next(4)
+    assert len(set(seen)) == 8 and a.epoch == 1
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = lr_lambda(total_steps=10, warmup_ratio=0.2, min_lr_ratio=0.1)
+    assert [round(f(s), 4) for s in (0, 1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1)
+    assert f(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    torch.testing.assert_close(torch.tensor(lr_lambda(4, 0.0, 1.0)(3)), torch.tensor(1.0))
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, cache_dir, monkeypatch):
+    class StopAfterFirstStep(trainer_module.GracefulStop):
+        def should_stop(self):
+            self.requested = True
+            return True
+    monkeypatch.setattr(trainer_module, "GracefulStop", StopAfterFirstStep)
+    out = tmp_path / "sigterm"
+    train(small_cfg(out, cache_dir, "trainer.max_steps=5"))
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert (out / "checkpoints" / "step-1" / "meta.json").exists() and not (out / "final").exists()
+
+
+def test_deepspeed_backend_matches_plain_torch(tmp_path, cache_dir):
+    pytest.importorskip("deepspeed")
+    runs = {}
+    for backend in ("torch", "deepspeed"):
+        out = tmp_path / backend
+        train(small_cfg(out, cache_dir, f"trainer.updater={backend}", "trainer.update_batch_size=2",
+                        "trainer.max_steps=1"))
+        runs[backend] = read_metrics(out)
+    assert len(runs["torch"]) == len(runs["deepspeed"]) == 2  # two optimizer steps from one rollout
+    for a, b in zip(runs["torch"], runs["deepspeed"]):
+        assert a["reward"] == b["reward"]
+        assert a["qkl"] == pytest.approx(b["qkl"], rel=1e-3, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+        assert a["lr"] == pytest.approx(b["lr"])
+
+
+def test_sft_warm_start_is_cached_and_learns(tmp_path):
+    from erpo.models.sft import tiny_theta0
+    cfg = small_cfg(tmp_path / "unused", str(tmp_path / "cache"), "tiny.sft_steps=40")
+    path = tiny_theta0(cfg)
+    weights = Path(path) / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert tiny_theta0(cfg) == path  # second call: the cached model, nothing rebuilt
+    assert weights.stat().st_mtime_ns == before
+    other = tiny_theta0(small_cfg(tmp_path / "unused", str(tmp_path / "cache"), "tiny.sft_steps=41"))
+    assert other != path
+
+
+def test_sft_loss_decreases():
+    from erpo.models.sft import sft_warm_start, worked_response
+    from erpo.models.tiny import build_model, build_tokenizer
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_layers=1)
+    examples = [("1+1=?", worked_response("2", tokenizer.eos_token))] * 4
+    losses = sft_warm_start(model, tokenizer, examples, steps=30, batch_size=4, lr=1e-2, seed=0)
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(ValueError, match="steps > 0"):
+        sft_warm_start(model, tokenizer, examples, steps=0, batch_size=4, lr=1e-2, seed=0)
+
+
+def test_pack_scores_prompt_and_response_rows_and_masks_truncated_responses():
+    from erpo.sequences import pack
+    batch = pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_scored=[True, False])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 10, 11], [8, 9, 12, 0, 0]]
+    # sample 0: query rows predict 6, 7; response rows predict 10, 11. sample 1: query row predicts 9 only.
+    assert batch.targets.tolist() == [6, 7, 10, 11, 9]
+    assert batch.token_kind.tolist() == [1, 1, 2, 2, 1]
+    assert batch.sample_index.tolist() == [0, 0, 0, 0, 1]
+    assert batch.rollout_logp is None
+    # the engine's log-prob of response token j lands on the row that predicts it
+    batch = pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5]])
+    assert batch.token_kind.tolist() == [1, 1, 2, 2, 1, 2]
+    assert batch.targets.tolist() == [6, 7, 10, 11, 9, 12]
+    assert batch.rollout_logp.tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.5]
+    with pytest.raises(ValueError, match="sample 1: 2 rollout log-probs for 1 response tokens"):
+        pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5, -1.0]])
+
+
+def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, cache_dir):
+    """HF rollouts sample with the training model itself, so the sampling log-prob of every response token equals
+    the trainer's own (for the on-policy first update and, through old_logp, the second): gaps ~0 and weights ~1
+    show the engine's log-probs reach the loss on the right rows. Off by default with HF rollouts."""
+    out = tmp_path / "tis"
+    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2"))
+    records = read_metrics(out)
+    assert len(records) == 4
+    for record in records:
+        assert record["rollout_logp_gap_max"] < 1e-4 and abs(record["rollout_logp_gap_abs"]) < 1e-5
+        assert abs(record["rollout_is_weight"] - 1) < 1e-5
+    default = tmp_path / "default"
+    train(small_cfg(default, cache_dir, "trainer.max_steps=1"))
+    keys = ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")
+    assert [read_metrics(default)[0][k] for k in keys] == [None, None, None]
+
+
+def test_vllm_backend_is_wired_through_the_trainer(tmp_path, cache_dir, monkeypatch):
+    """rollout.engine=vllm against the recording fake vLLM of tests/support/fake_vllm.py: the engine is built on theta0
+    with the run's lengths, its samples train the policy, and the weights are synced after every optimizer step."""
+    import fake_vllm
+    fake_vllm.install(monkeypatch)
+    out = tmp_path / "vllm"
+    train(small_cfg(out, cache_dir, "rollout.engine=vllm", "trainer.update_batch_size=2"))
+    llm = fake_vllm.LLM.instances[-1]
+    assert "tiny-theta0-" in llm.kwargs["model"]
+    assert llm.kwargs["enable_sleep_mode"] is False and "sleep" not in llm.call_names()
+    assert llm.kwargs["max_model_len"] == 64 + 8
+    assert llm.call_names().count("generate") == 2                # one per rollout step
+    assert llm.call_names().count("load_weights") >= 4            # after each of the 4 optimizer steps
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatch):
+    """rollout.enable_sleep_mode: vLLM sleeps right after each generate (KV cache freed, weights discarded: level
+    2), its
+    weights wake before the first weight sync, and the KV cache wakes right before the next generate."""
+    import fake_vllm
+    fake_vllm.install(monkeypatch)
+    train(small_cfg(tmp_path / "sleep", cache_dir, "rollout.engine=vllm", "rollout.enable_sleep_mode=true",
+                    "trainer.update_batch_size=2"))
+    llm = fake_vllm.LLM.instances[-1]
+    assert llm.kwargs["enable_sleep_mode"] is True
+    calls = [call if call[0] in ("sleep", "wake_up") else call[0] for call in llm.calls[1:]]
+    calls = [c for i, c in enumerate(calls) if c != "load_weights" or calls[i - 1] != "load_weights"]
+    sync = ["load_weights", "reset_prefix_cache"]
+    step1 = ["generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
+    step2 = [("wake_up", ["kv_cache"]), "generate", ("sleep", 2), ("wake_up", ["weights"]), *sync, *sync]
+    assert calls == step1 + step2
+
+
+def test_offload_settings_reach_the_deepspeed_config(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)    # deepspeed_config_for fills them for a one-rank group
+    off = deepspeed_config_for(resolve(apply_overrides(Config(), ["trainer.zero_stage=3"])))
+    assert "offload_optimizer" not in off["zero_optimization"] and "offload_param" not in off["zero_optimization"]
+    cfg = resolve(apply_overrides(Config(), ["trainer.zero_stage=3", "trainer.offload_optimizer=true",
+                                             "trainer.offload_params=true", "trainer.lr=2e-5"]))
+    ds = deepspeed_config_for(cfg)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "weight_decay": 0.0}}
+    zero2 = deepspeed_config_for(resolve(apply_overrides(
+        Config(), ["trainer.zero_stage=2", "trainer.offload_optimizer=true"])))
+    assert "offload_optimizer" in zero2["zero_optimization"] and "offload_param" not in zero2["zero_optimization"]
+
+
+def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path, cache_dir, monkeypatch):
+    """trainer.zero_stage=3 (one DeepSpeed rank): the policy and GRPO's reference model are created partitioned,
+    the reference becomes a ZeRO-3 inference engine, the reference cache is built from the partitioned policy, and
+    the update equals plain torch's."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    from erpo import distributed as D
+    created, references = [], []
+    load_model, prepare_reference_model = trainer_module.load_model, D.prepare_reference_model
+
+    def recording_load_model(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        created.append((kwargs["trainable"], all(D.is_zero3_param(p) for p in model.parameters())))
+        return model
+
+    def recording_prepare(model, ds_config):
+        references.append(prepare_reference_model(model, ds_config))
+        return references[-1]
+    monkeypatch.setattr(trainer_module, "load_model", recording_load_model)
+    monkeypatch.setattr(D, "prepare_reference_model", recording_prepare)
+    runs = {}
+    for backend, stage in (("torch", 0), ("deepspeed", 3)):
+        out = tmp_path / backend
+        train(small_cfg(out, cache_dir, f"trainer.updater={backend}", f"trainer.zero_stage={stage}",
+                        "algorithm.name=grpo", "trainer.max_steps=1"))
+        runs[backend] = read_metrics(out)[0]
+    assert created == [(True, False), (False, False), (True, True), (False, True)]
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    assert not is_deepspeed_zero3_enabled()   # partitioned creation ends with train's model loading
+    assert len(references) == 1 and D.is_deepspeed_engine(references[0])
+    assert all(D.is_zero3_param(p) for p in references[0].parameters())
+    a, b = runs["torch"], runs["deepspeed"]
+    assert a["reward"] == b["reward"]
+    assert b["qkl"] == pytest.approx(0.0, abs=1e-6) and b["policy_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_fresh_run_replaces_a_stale_metrics_log(tmp_path, cache_dir):
+    """A run that crashed before its first checkpoint leaves metrics.jsonl behind; starting again (nothing to
+    resume) logs from step 1 without the stale lines."""
+    out = tmp_path / "crashed"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward": 123.0}\n{"step": 2, "reward": 456.0}\n')
+    train(small_cfg(out, cache_dir, "trainer.max_steps=1"))
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1] and records[0]["reward"] != 123.0
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_deepspeed_skips_a_nonfinite_step_without_poisoning_the_next(tmp_path, cache_dir, nan_on_first_call,
+                                                                     zero_stage):
+    """The first optimizer step's loss is NaN: DeepSpeed applies nothing, and the next step gets clean gradients
+    (ZeRO keeps partitioned gradient buffers that a bare zero_grad leaves behind) and moves the weights."""
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / f"zero{zero_stage}"
+    reward = tmp_path / "reward.py"  # rewards that differ within a group, so the second step has a gradient
+    reward.write_text("def by_length(prompts, completions, **kw):\n"
+                      "    return [float(len(c) % 3) for c in completions]\n")
+    train(small_cfg(out, cache_dir, "trainer.updater=deepspeed", f"trainer.zero_stage={zero_stage}",
+                    "trainer.update_batch_size=2", "trainer.max_steps=1", f"reward.functions=[{reward}:by_length]"))
+    first, second = read_metrics(out)
+    assert first["nonfinite_skipped"] == 1 and first["grad_norm"] is None
+    assert second["grad_norm"] is not None and math.isfinite(second["grad_norm"]) and second["grad_norm"] > 0
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert all(torch.isfinite(p).all() for p in final.parameters())

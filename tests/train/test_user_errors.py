@@ -1,0 +1,187 @@
+"""A user's mistake is one line on stderr naming the culprit and what to do, exit status 1 (2 for config and option
+errors), no traceback; --debug or ERPO_DEBUG=1 shows the traceback. Model names, data files, run directories and
+options."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from erpo.cli.commands import main
+from erpo.errors import UserError
+from erpo.models.source import resolve_model_source
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
+         "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16"]
+
+
+def one_error_line(capsys, command: str) -> str:
+    """The single stderr line of a failed command (and nothing on stdout: no config dump before it)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"erpo {command}: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------- model names
+def test_a_name_that_is_no_directory_and_no_hub_name_fails_at_once(tmp_path):
+    for name in ("nonexistent-model", str(tmp_path / "runs" / "erpo-tny"), "./runs/erpo-tny"):
+        with pytest.raises(UserError, match=r"--model .*: no such local directory, and not a Hub name \(org/name\)"):
+            resolve_model_source(name)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        resolve_model_source(str(tmp_path / "file"), "model.name_or_path")
+    assert resolve_model_source(str(tmp_path)) == str(tmp_path)
+
+
+def test_hub_names_offline_fail_fast_unless_cached(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("erpo.models.source._hub_problem", lambda name: pytest.fail("no Hub request when offline"))
+    started = time.time()
+    with pytest.raises(UserError, match=r"model.name_or_path runs/erpo-tny: no such local directory, and the Hub is "
+                                        r"offline \(HF_HUB_OFFLINE\)"):
+        resolve_model_source("runs/erpo-tny", "model.name_or_path")
+    assert time.time() - started < 5
+    monkeypatch.setattr("erpo.models.source._in_hub_cache", lambda name: name == "org/cached")
+    assert resolve_model_source("org/cached") == "org/cached"
+
+
+def test_hub_names_online_take_one_request(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("erpo.models.source._in_hub_cache", lambda name: False)
+    asked = []
+    def hub_problem(name):
+        asked.append(name)
+        return None if name == "org/real" else "no Hub model of that name"
+    monkeypatch.setattr("erpo.models.source._hub_problem", hub_problem)
+    assert resolve_model_source("org/real") == "org/real"
+    with pytest.raises(UserError, match="--model org/typo: no such local directory, and no Hub model of that name"):
+        resolve_model_source("org/typo")
+    assert asked == ["org/real", "org/typo"]
+
+
+def test_eval_with_a_mistyped_path_is_one_line(capsys, tmp_path):
+    """`erpo eval` goes through the one user-error path: one line and status 1, the traceback with --debug."""
+    argv = ["eval", "--model", "nonexistent-model", "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 1
+    assert re.match(r"^erpo eval: --model nonexistent-model: no such local directory[^\n]*\n$", capsys.readouterr().err)
+    with pytest.raises(UserError, match="--model nonexistent-model: no such local directory"):
+        main(argv + ["--debug"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "model.name_or_path=runs/missing-model"]) == 1
+    assert "model.name_or_path runs/missing-model: no such local directory" in one_error_line(capsys, "train")
+    assert not run.exists()   # nothing written for a run that cannot start
+
+
+# ------------------------------------------------------------------------------------------------------ data
+@pytest.mark.parametrize("content,message", [
+    ('{"problem": "1+1=?", "answer": "2"}\n\n{"problem": "2+2=?"}\n',
+     r"data.jsonl: line 3 has no field 'answer' \(data.answer_field\).*set data.answer_field"),
+    ('{"problem": "1+1=?", "answer": "2"}\n{oops\n', r"data.jsonl:2: not valid JSON"),
+    (None, r"no such file .*data.jsonl; check the path"),
+])
+def test_data_errors_are_one_line(capsys, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_text(content)
+    argv = ["precompute-ref", "--output-dir", str(tmp_path / "run"), "--set", f"model.cache_dir={tmp_path / 'c'}",
+            f"data.source={data}", *SMALL]
+    assert main(argv) == 1
+    line = one_error_line(capsys, "precompute-ref")
+    assert re.search(message, line), line
+
+
+# -------------------------------------------------------------------------------------------- run directories
+def fake_run(run: Path, *, finished: bool, schedule_steps: int = 5) -> Path:
+    step = run / "checkpoints" / "step-5"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 5, "state": {"lr_schedule_steps": schedule_steps}}))
+    if finished:
+        (run / "final").mkdir()
+        (run / "final" / "config.json").write_text("{}")
+    return run
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """The run directory is checked first thing in train(): nothing after it (process group, seeds, data,
+    models) may start."""
+    import erpo.distributed
+    monkeypatch.setattr(erpo.distributed, "init_distributed",
+                        lambda *args, **kwargs: pytest.fail("training must not start"))
+
+
+def test_run_directory_errors(capsys, tmp_path, no_training):
+    finished = fake_run(tmp_path / "finished", finished=True)
+    assert main(["train", "--output-dir", str(finished)]) == 1
+    assert "holds a finished run (final/); choose another --output-dir" in one_error_line(capsys, "train")
+    unfinished = fake_run(tmp_path / "unfinished", finished=False)
+    assert main(["train", "--output-dir", str(unfinished)]) == 1
+    assert "holds checkpoints of an unfinished run" in one_error_line(capsys, "train")
+    assert main(["train", "--output-dir", str(tmp_path / "empty"), "--resume"]) == 1
+    assert "--resume: no complete checkpoint" in one_error_line(capsys, "train")
+    assert main(["train", "--output-dir", str(unfinished), "--resume", "--max-steps", "7"]) == 1
+    line = one_error_line(capsys, "train")
+    assert "spans 5 optimizer steps, but this config's spans 7" in line and "resume with --max-steps 5" in line
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(tmp_path, no_training, monkeypatch, how):
+    finished = fake_run(tmp_path / "finished", finished=True)
+    argv = ["train", "--output-dir", str(finished)]
+    if how == "flag":
+        argv.append("--debug")
+    else:
+        monkeypatch.setenv("ERPO_DEBUG", "1")
+    with pytest.raises(UserError, match="holds a finished run"):
+        main(argv)
+
+
+def test_config_errors_exit_2_without_a_config_dump(capsys):
+    assert main(["train", "--set", "trainer.lr=-1"]) == 2
+    assert "config error: trainer.lr must be > 0" in one_error_line(capsys, "train")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("rollout.importance_sampling_cap=null", "config key 'rollout.importance_sampling_cap': expected a number"),
+    ("algorithm.pg_objective=grpo", "config key 'algorithm.pg_objective' = 'grpo'; expected one of ppo-clip"),
+    ("algorithm.top_entropy_quantile=1.5", "top_entropy_quantile must be a number in [0, 1]")])
+def test_loss_option_errors_are_one_line(capsys, setting, message):
+    """No cap for the importance weight (null) and out-of-range policy options are one line, exit 2."""
+    assert main(["train", "--set", setting]) == 2
+    assert message in one_error_line(capsys, "train")
+
+
+# ------------------------------------------------------------------------------------------------------ options
+def test_options_cannot_be_abbreviated_and_errors_show_the_subcommand_usage(capsys):
+    for argv in (["train", "--max-step", "5"], ["train", "--no-such-option"],
+                 ["eval", "--model", "x", "--temperature", "1"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: erpo {argv[0]} ") and "unrecognized arguments" in err, err
+
+
+def test_the_command_line_prints_one_line_and_no_traceback(tmp_path):
+    """The installed entry point end to end (`python -m erpo`): stderr holds the one line only."""
+    finished = fake_run(tmp_path / "finished", finished=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "erpo", "train", "--output-dir", str(finished)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"erpo train: --output-dir {finished}: holds a finished run (final/); choose "
+                                   "another --output-dir (e.g. runs/erpo-tiny-2), or delete that directory to train it "
+                                   "again"), proc.stderr

@@ -1,0 +1,21 @@
+"""`erpo train` whose rank 1 gets a NaN loss on its first micro-batch (used by tests/distributed/test_multirank.py)."""
+import os
+import sys
+
+import erpo.train.update_step as update_step
+from erpo.cli.commands import main
+
+real_loss = update_step.fused_linear_erpo_loss
+calls = {"n": 0}
+
+
+def nan_once_on_rank_1(*args, **kwargs):
+    out = real_loss(*args, **kwargs)
+    calls["n"] += 1
+    if os.environ.get("RANK") == "1" and calls["n"] == 1:
+        out.loss = out.loss * float("nan")
+    return out
+
+
+update_step.fused_linear_erpo_loss = nan_once_on_rank_1
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,112 @@
+"""One SGD step with the fused-linear ERPO loss under DeepSpeed (ZeRO stage from the command line), launched by
+tests/distributed/test_zero3.py through torchrun with 2 CPU processes (gloo).
+
+For a tiny LM with an untied biased lm_head and one whose lm_head is tied to the input embedding, every rank
+computes hidden states on its own rows, the fused loss with `whole_lm_head` (ZeRO-3: `gathered_lm_head`),
+`engine.backward` inside the block, and `engine.step()`. Rank 0 writes the gathered parameters after the step, the
+global loss, and what the lm_head looked like outside the block (an empty shard under ZeRO-3) to --out, and the
+error a backward run after the block gets.
+"""
+import argparse
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from erpo_kernels.fused_linear import fused_linear_erpo_loss
+from erpo_kernels.lm_head import whole_lm_head
+from lm_head_batch import DIM, VOCAB, rank_batch
+from torchrun import exit_worker
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> MLP block -> hidden states; `lm_head` is not used by forward (as with `model.model(...)`)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.mix = torch.nn.Linear(DIM, DIM)
+        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=not tied)
+        with torch.no_grad():
+            self.embed.weight.mul_(0.5)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, ids):
+        return torch.tanh(self.mix(self.embed(ids)))
+
+
+def config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+
+
+def one_step(tied: bool, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyLM(tied)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(stage))
+    batch = rank_batch(dist.get_rank())
+    hidden = engine(batch["ids"][:-1])
+    shard = engine.module.lm_head.weight  # read outside any forward: an empty shard under ZeRO-3
+    shard_numel, shard_error = shard.numel(), ""
+    if shard_numel == 0:
+        try:
+            fused_linear_erpo_loss(hidden, shard, batch["ids"][1:], batch["kind"], batch["sample_index"],
+                                   advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"])
+        except ValueError as error:
+            shard_error = str(error)
+    with whole_lm_head(engine) as (weight, bias):
+        gathered_shape = tuple(weight.shape)
+        out = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
+                                     bias=bias, advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"],
+                                     qkl_coef=0.5, entropy_coef=0.1, backend="torch")
+        engine.backward(out.loss)
+    engine.step()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    params = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            params[name] = param.detach().clone()
+    return {"loss": loss / dist.get_world_size(), "params": params, "initial": initial, "shard_numel": shard_numel,
+            "shard_error": shard_error,
+            "gathered_shape": gathered_shape, "backward_outside_error": backward_outside_block(engine, batch)}
+
+
+def backward_outside_block(engine, batch) -> str:
+    """The error a backward after the block gets (ZeRO-3 re-partitioned the weight); '' when it runs."""
+    hidden = engine(batch["ids"][:-1])
+    with whole_lm_head(engine) as (weight, bias):
+        loss = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
+                                      bias=bias, advantages=batch["advantages"],
+                                      ref_query_logp=batch["ref_query_logp"], backend="torch").loss
+    try:
+        engine.backward(loss)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        engine.optimizer.zero_grad()
+    return ""
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero-stage", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = {tied: one_step(tied, args.zero_stage) for tied in (False, True)}
+    if dist.get_rank() == 0:
+        torch.save(result, args.out)
+    dist.barrier()
+    exit_worker()
+
+
+if __name__ == "__main__":
+    main()
