@@ -4,20 +4,26 @@ from setuptools import find_packages, setup
 # reference runs; backend="triton" says what is missing). torch >= 2.5: the kernels are torch.library custom ops
 # whose signatures are read from `from __future__ import annotations` strings (pytorch PR 128809, after 2.4).
 LOSS_REQUIRES = ["torch>=2.5", "numpy", 'triton>=3.2; platform_system == "Linux"']
+# The versions the test suite runs the trainer with, in one place. The `train` extra asks for them, so that the
+# README's two commands (`.[train]`, `.[test]`) in one environment, in either order, leave the trainer on the versions
+# CI tested (tests/test_packaging.py checks that no requirement of the `test` extra bounds them otherwise):
+# transformers < 5.11 and numpy >= 2.0: verl 0.9.1 (tested in CI) needs them; numpy < 2.4: Triton 3.6's interpreter
+# (the kernel tests) needs it; antlr4 4.9.3: math-verify's parser (latex2sympy2_extended 1.11.0 accepts 4.9.3-4.13.2),
+# 4.9.* because verl's hydra-core / omegaconf 2.3 need it; packaging < 26: verl's tensordict (pyvers) needs it.
+# Triton is not among them: the trainer runs it only on CUDA, where it is the version torch's CUDA build pins (torch
+# 2.13.0: triton 3.7.1), which no extra may contradict; the `test` extra pins the GPU image's (3.6.0) for the
+# interpreter and the ahead-of-time sm_90 compile, on the CPU build of torch (which pins no Triton).
+TESTED_VERSIONS = ["transformers>=4.46,<5.11", "numpy>=2.0,<2.4", "antlr4-python3-runtime==4.9.3", "packaging<26"]
 # The trainer (`erpo train`, `erpo eval`, ...): the `train` extra; the `erpo` command names it when one is missing.
 TRAIN_REQUIRES = [
-    "transformers>=4.46",
+    *TESTED_VERSIONS,
     "tokenizers",
     "safetensors",
     "pyyaml",
     "tqdm",
     "matplotlib",
     "tensorboard",
-    # The math reward's and `erpo eval`'s answer check (pure Python). math-verify pins latex2sympy2_extended
-    # (1.11.0), which accepts antlr4 runtimes 4.9.3-4.13.2; both ends are tested (4.13.2 by default, 4.9.3
-    # beside verl, whose hydra-core / omegaconf 2.3 require antlr4 4.9.*).
-    "math-verify==0.9.0",
-    "antlr4-python3-runtime>=4.9.3,<=4.13.2",
+    "math-verify==0.9.0",   # the math reward's and `erpo eval`'s answer check (pure Python)
 ]
 
 setup(
@@ -34,7 +40,7 @@ setup(
     package_data={"erpo": ["configs/*.yaml"]},
     install_requires=LOSS_REQUIRES,
     extras_require={
-        # triton 3.6.0 is what the GPU image has; numpy < 2.4 because Triton 3.6's interpreter needs it.
+        # triton 3.6.0 is what the GPU image has (torch 2.11); the trainer's versions are TESTED_VERSIONS, above.
         # trl: the version erpo.integrations.trl is tested against (its loss must match GRPOTrainer's exactly);
         # verl likewise for erpo.integrations.verl (verl needs numpy >= 2.0 and transformers < 5.11), with what its
         # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import. jmespath: TRL's tool
@@ -42,7 +48,7 @@ setup(
         # ruff and import-linter: tests/repo/test_lint.py (style and the import contract), pinned so CI's verdict is
         # stable.
         "train": TRAIN_REQUIRES,
-        "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "numpy>=2.0,<2.4", "deepspeed", "accelerate",
+        "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "deepspeed", "accelerate",
                  "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",
                  "cachetools", "fastapi", "jmespath", "ruff==0.17.6", "import-linter==2.16"],
         # The extras below serve the trainer, so each brings the train extra along.

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from erpo_kernels.validation import OPTION_CHOICES, LossOptions
 
 _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
@@ -248,6 +246,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise TypeError(f"config key '{key}': cannot use {value!r} ({'; '.join(errors)})")
     if origin is list:
         if isinstance(value, str):
+            import yaml  # the train extra: here, so the light install's `erpo --help` reads the presets
             value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"config key '{key}': expected a list, got {value!r}")
@@ -305,6 +304,7 @@ def load_config(path: str | None) -> Config:
     """Read a YAML file onto the schema; None gives the built-in tiny default."""
     if path is None:
         return Config()
+    import yaml
     text = Path(path).read_text()
     return from_dict(yaml.safe_load(text))
 
@@ -340,6 +340,7 @@ def to_dict(cfg: Any) -> dict:
 
 
 def dump_yaml(cfg: Config) -> str:
+    import yaml
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 

@@ -6,6 +6,10 @@ ERPO_DEBUG=1 shows the traceback instead. Every other exception is a bug of ours
 """
 from __future__ import annotations
 
+import signal
+
+INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT   # 130: what a shell reports for a command ended by Ctrl-C
+
 
 class UserError(ValueError):
     """Bad user input; a ValueError, so callers that catch ValueError keep working. exit_code: 1, or 2 for

@@ -21,6 +21,8 @@ from .validation import (
 )
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+# Triton reads TRITON_INTERPRET when a kernel is defined, here at import: set later, it cannot take effect.
+INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.library ops); else the torch reference only
     from .triton_logits import triton_token_logprobs
     from .triton_objective import fuses, triton_objective
@@ -42,6 +44,10 @@ def use_triton(backend: str, device: torch.device) -> bool:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
                          f"before importing erpo_kernels, or use backend='torch'")
+    if device.type != "cuda" and not INTERPRETER_AT_IMPORT:
+        raise RuntimeError("TRITON_INTERPRET=1 was set after erpo_kernels was imported, too late for its kernels "
+                           "(Triton reads it when they are defined): set it before anything imports erpo_kernels "
+                           "or triton (TRITON_INTERPRET=1 python ...), or use backend='torch'")
     return True
 
 

@@ -79,7 +79,9 @@ def online_softmax_step(running_max, sum_exp, sum_exp_shifted, z):
     shifted = z - new_max[:, None]
     e = tl.exp(shifted)
     sum_exp += tl.sum(e, axis=1)
-    sum_exp_shifted += tl.sum(tl.where(e > 0, e * shifted, 0.0), axis=1)
+    # e (z - m) is 0 where e is: outside the row (z = -inf) the product would be 0 * -inf, so the -inf is replaced
+    # before the multiply, not after (the interpreter's numpy warns of the NaN otherwise; same result)
+    sum_exp_shifted += tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=1)
     return new_max, sum_exp, sum_exp_shifted
 
 

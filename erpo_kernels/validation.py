@@ -343,6 +343,28 @@ def check_validate(validate) -> None:
         raise TypeError(f"validate must be True or False, got {validate!r}")
 
 
+def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: torch.Tensor) -> tuple[int, str]:
+    """(S, why): the number of samples, the length the per-sample tensors given (advantages, ref_query_logp,
+    query_weight) share, and what says so, for messages. When they disagree: the length most of them have; on a tie,
+    the one that covers the samples the scored rows name (1 + their largest sample_index, read only on this way to
+    an error), else advantages'. The tensor of another length is the one then reported."""
+    given = {f.name: getattr(inputs, f.name).shape[0] for f in fields(inputs)
+             if f.metadata.get("per", "sample") == "sample" and isinstance(getattr(inputs, f.name), torch.Tensor)
+             and getattr(inputs, f.name).dim() == 1}
+    lengths = list(given.values())
+    votes = {length: lengths.count(length) for length in lengths}
+    best = [length for length, count in votes.items() if count == max(votes.values())]
+    named = None
+    if len(best) > 1 and bool((token_kind != 0).any()):
+        named = int(sample_index[token_kind != 0].max()) + 1
+        best = [length for length in best if length == named] or best
+    num_samples = best[0] if len(best) == 1 else given["advantages"]
+    why = " and ".join(name for name, length in given.items() if length == num_samples)
+    why = f"the length of {why}" + (", and the samples sample_index names on scored rows" if named == num_samples
+                                    else "")
+    return num_samples, why
+
+
 def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
                       sample_index, inputs: LossInputs, options: dict, validate: bool = True,
                       first_bad_row: Callable | None = None):
@@ -369,11 +391,12 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.de
     if advantages is None:
         raise ValueError("advantages is required: a [S] tensor, one advantage per sample")
     check_tensor("advantages", advantages, ndim=1, device=device, floating=True)
-    num_samples = advantages.shape[0]
+    num_samples, why = sample_count(inputs, sample_index, token_kind)
     if num_samples == 0 and n > 0:  # even rows of kind 0 are mapped to a sample (0) by the loss
         raise ValueError(f"advantages must hold at least one sample (S >= 1) when there are rows (N = {n}), "
                          f"got shape {tuple(advantages.shape)}")
-    lengths = {"sample": (num_samples, " (S, the length of advantages)"), "row": (n, " (the number of rows N)")}
+    lengths = {"sample": (num_samples, f" (S, {why})"), "row": (n, " (the number of rows N)")}
+    check_tensor("advantages", advantages, ndim=1, length=num_samples, length_name=lengths["sample"][1])
     for f in fields(inputs):
         tensor = getattr(inputs, f.name)
         if "per" in f.metadata and tensor is not None:

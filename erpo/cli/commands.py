@@ -12,21 +12,26 @@ shows its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import shlex
 import sys
 
-from erpo import distributed
+from erpo.cli import missing_package_line
 from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
-from erpo.cli.compare import add_compare_arguments, run_compare
 from erpo.config import PRESETS, run_summary
-from erpo.errors import UserError
-from erpo.reference.setup import precompute_reference
-from erpo.storage_errors import stop_on_storage_failure
-from erpo.train import loop
+from erpo.errors import INTERRUPTED_EXIT_STATUS, UserError
+from erpo.train.stop import Interrupted
 
 log = logging.getLogger("erpo")
+
+# What a command interrupted outside a training step's boundary keeps (docs/training.md, "Ctrl-C").
+INTERRUPTED_KEEPS = {
+    "train": "the checkpoints saved so far are kept (--resume continues from the newest)",
+    "compare": "finished runs and each run's newest checkpoint are kept (the same command continues)",
+    "eval": "the samples made so far are cached (the same command continues)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,20 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     compare = add_command("compare", help="train several algorithms over several seeds; table of mean and spread")
     add_config_arguments(compare, output_help="parent of the runs (OUTPUT_DIR/ALGORITHM-seedSEED) and of "
                                               "comparison.md (default: runs/compare)")
-    add_compare_arguments(compare)
-
     evaluation = add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)")
     plot = add_command("plot", help="plot training runs' metrics.jsonl")
-    try:   # eval and plot draw with matplotlib: without it the other commands still work
-        from erpo.cli.eval import add_eval_arguments
-        add_eval_arguments(evaluation)
-    except ImportError as exc:
-        evaluation.set_defaults(unavailable=f"erpo eval is unavailable: {exc}")
-    try:
-        from erpo.cli.plot import add_plot_arguments
-        add_plot_arguments(plot)
-    except ImportError as exc:
-        plot.set_defaults(unavailable=f"erpo plot is unavailable: {exc}")
+    # These options' modules import the trainer: without its packages (the light install) the command is listed,
+    # and says what to install when it is asked for.
+    for command, module, add_arguments in ((compare, "erpo.cli.compare", "add_compare_arguments"),
+                                           (evaluation, "erpo.cli.eval", "add_eval_arguments"),
+                                           (plot, "erpo.cli.plot", "add_plot_arguments")):
+        try:
+            getattr(importlib.import_module(module), add_arguments)(command)
+        except ModuleNotFoundError as exc:
+            line = missing_package_line(command.prog.split()[-1], exc)
+            if line is None:
+                raise
+            command.description = line
+            command.set_defaults(unavailable=line)
     parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
     return parser
 
@@ -100,7 +106,11 @@ def quiet_third_party_output() -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; returns the exit status."""
+    from erpo import distributed  # the trainer's modules load here: `erpo --help` needs none of them
     if args.command in ("train", "precompute-ref"):
+        from erpo.reference.setup import precompute_reference
+        from erpo.storage_errors import stop_on_storage_failure
+        from erpo.train import loop
         cfg = config_from_args(args)
         if args.command == "precompute-ref":   # train logs it itself, once its output directory is checked
             log.info("erpo %s: %s", args.command, run_summary(cfg))
@@ -117,6 +127,7 @@ def run_command(args: argparse.Namespace) -> int:
             distributed.destroy_distributed()  # every rank, also after an error (a live group can abort at exit)
         return 0
     if args.command == "compare":
+        from erpo.cli.compare import run_compare
         run_compare(args)
         return 0
     if args.command == "eval":
@@ -134,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "unavailable", None):   # its options are unknown without the trainer: say what to install
+        print(args.unavailable, file=sys.stderr)
+        return 1
     if unknown:   # the subcommand's usage, not the top-level one
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    if getattr(args, "unavailable", None):
-        print(args.unavailable, file=sys.stderr)
-        return 2
     debug = args.debug or os.environ.get("ERPO_DEBUG", "").strip() not in ("", "0")
     if not debug:
         quiet_third_party_output()
@@ -152,6 +163,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"erpo {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        line = missing_package_line(args.command, exc)
+        if debug or line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:   # Ctrl-C: one line (a run stopped at a step boundary has logged its own)
+        if debug:
+            raise
+        if not isinstance(exc, Interrupted):
+            print(f"erpo {args.command}: interrupted (Ctrl-C); {INTERRUPTED_KEEPS.get(args.command, '')}".rstrip("; "),
+                  file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
 
 
 if __name__ == "__main__":

@@ -90,14 +90,24 @@ def evaluate_histories(args: argparse.Namespace, run_dirs: dict[str, str], root:
 
 
 def window_means(records: list[dict], window: int) -> dict[str, float | None]:
-    """`{"KEY first", "KEY last"}` -> mean of metric KEY over the first / last `window` records that log it."""
-    out = {}
+    """`{"KEY first", "KEY last"}` -> mean of metric KEY over the first / last `window` records that log it, and
+    "steps": how many optimizer steps the run logged."""
+    out: dict[str, float | None] = {"steps": len(records)}
     for key, _ in METRICS:
         values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         n = min(window, len(values))
         out[f"{key} first"] = statistics.fmean(values[:n]) if n else None
         out[f"{key} last"] = statistics.fmean(values[-n:]) if n else None
     return out
+
+
+def overlap_note(window: int, steps: list[int]) -> str:
+    """What a reader of a short run's table must know: the first and last windows are the same steps, or overlap."""
+    if steps[0] <= window:
+        return f" (no more than --window {window}: its first and last windows are the same steps, the whole run)"
+    if steps[0] < 2 * window:
+        return f" (fewer than 2 x --window {window}: its first and last windows overlap)"
+    return ""
 
 
 def _spread(values: list[float]) -> str:
@@ -131,11 +141,16 @@ def code_commit() -> str:
 
 def render(results: dict, algorithms: list[str], seeds: list[int], window: int, header: dict) -> str:
     """comparison.md: header lines, the mean ± std table, the paired differences and each seed's values."""
-    columns = [(f"{key} {side}", f"{title}, {side} {window} steps") for key, title in METRICS
+    steps = sorted({results[a][s]["steps"] for a in algorithms for s in seeds})
+    span = min(window, steps[0]) if len(steps) == 1 else None   # the steps each window averages, when one number
+    label = f"{span}" if span is not None else f"≤ {window}"
+    columns = [(f"{key} {side}", f"{title}, {side} {label} steps") for key, title in METRICS
                for side in ("first", "last")]
     lines = ["# erpo compare", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
+    logged = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
     lines += [f"Mean ± standard deviation over {len(seeds)} seeds of each run's average over its first / last "
-              f"{window} optimizer steps.", ""]
+              f"{label} optimizer steps; each run logged {logged} optimizer steps" + overlap_note(window, steps) + ".",
+              ""]
     lines += ["| algorithm | " + " | ".join(t for _, t in columns) + " |", "|---|" + ":---:|" * len(columns)]
     for a in algorithms:
         cells = [_spread([results[a][s][c] for s in seeds]) if all(results[a][s][c] is not None for s in seeds)
@@ -157,14 +172,14 @@ def render(results: dict, algorithms: list[str], seeds: list[int], window: int, 
                 se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
                 cells.append(f"{statistics.fmean(diffs):+.4f} ± {se:.4f} ({sum(d > 0 for d in diffs)}/{len(diffs)})")
             lines.append(f"| {base} - {other} | " + " | ".join(cells) + " |")
-    lines += ["", "Each run:", "", "| run | " + " | ".join(t for _, t in columns) + " | wall time (s) |",
-              "|---|" + ":---:|" * (len(columns) + 1)]
+    lines += ["", "Each run:", "", "| run | steps | " + " | ".join(t for _, t in columns) + " | wall time (s) |",
+              "|---|" + ":---:|" * (len(columns) + 2)]
     for a in algorithms:
         for s in seeds:
             row = results[a][s]
             cells = ["n/a" if row[c] is None else f"{row[c]:.4f}" for c, _ in columns]
             wall = "reused" if row["wall_s"] is None else f"{row['wall_s']:.0f}"   # a resumed run: its last part
-            lines.append(f"| {a} seed {s} | " + " | ".join(cells) + f" | {wall} |")
+            lines.append(f"| {a} seed {s} | {row['steps']} | " + " | ".join(cells) + f" | {wall} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from tqdm.auto import tqdm
 
 from erpo.eval.model_specs import PromptSettings
 from erpo.eval.problem_sets import Benchmark
 from erpo.eval.sample_cache import append_lines, cache_path, chunk_seed, read_cache
 from erpo.models.loading import load_causal_lm, load_tokenizer
 from erpo.models.lora import MERGED_DIR, is_adapter_dir
+from erpo.progress import progress as progress_display
 from erpo.rollout import make_rollout_engine
 from erpo.tasks.data import encode_prompt
 from erpo.tasks.rewards import grade
@@ -66,8 +66,8 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
     path = cache_path(output_dir, model_label, bench.name, temperature)
     done = read_cache(path, k)
     todo = [p for p in bench.problems if p["id"] not in done]
-    bar = tqdm(total=len(bench.problems), initial=len(bench.problems) - len(todo), disable=not progress,
-               desc=f"{model_label} | {bench.name} | T={temperature:g}", unit="problem")
+    bar = progress_display(len(bench.problems), f"{model_label} | {bench.name} | T={temperature:g}", "problem",
+                           initial=len(bench.problems) - len(todo), enabled=progress)
     for start in range(0, len(bench.problems), batch_size):
         chunk = bench.problems[start:start + batch_size]
         if all(p["id"] in done for p in chunk):

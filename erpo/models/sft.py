@@ -17,6 +17,7 @@ import torch
 
 from erpo.atomic import publish
 from erpo.models.tiny import build_model, build_tokenizer
+from erpo.progress import progress as progress_display
 from erpo.tasks.data import arithmetic_dataset, build_prompt
 
 log = logging.getLogger("erpo")
@@ -29,9 +30,10 @@ def worked_response(answer: str, eos_token: str) -> str:
 
 
 def sft_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: int, batch_size: int, lr: float,
-                   seed: int) -> list[float]:
+                   seed: int, progress: bool = False) -> list[float]:
     """Train `model` in place on (prompt, response) text pairs with next-token cross-entropy over every token
-    but the first, AdamW + cosine decay. Returns the loss per step (nats per token)."""
+    but the first, AdamW + cosine decay. Returns the loss per step (nats per token). `progress`: show it
+    (erpo.progress)."""
     if steps <= 0 or batch_size <= 0 or not examples:
         raise ValueError(f"need steps > 0, batch_size > 0 and examples; got {steps}, {batch_size}, {len(examples)}")
     rng = random.Random(seed)
@@ -41,7 +43,8 @@ def sft_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: 
     pad = tokenizer.pad_token_id
     model.train()
     losses = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), progress_display(steps, "tiny theta0 SFT", "step",
+                                                             enabled=progress) as shown:
         torch.manual_seed(seed)
         for _ in range(steps):
             rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
@@ -58,6 +61,8 @@ def sft_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: 
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
+            shown.set_postfix(loss=f"{losses[-1]:.3f}")
+            shown.update(1)
     model.eval()
     return losses
 
@@ -81,7 +86,7 @@ def tiny_theta0(cfg) -> str:
     examples = [(build_prompt(tokenizer, r["problem"], d.template, d.use_chat_template),
                  worked_response(r["answer"], tokenizer.eos_token)) for r in records]
     losses = sft_warm_start(model, tokenizer, examples, steps=t.sft_steps, batch_size=t.sft_batch_size, lr=t.sft_lr,
-                            seed=cfg.trainer.seed)
+                            seed=cfg.trainer.seed, progress=cfg.logging.progress_bar)
     log.info("tiny theta0: SFT loss %.3f -> %.3f", losses[0], losses[-1])
 
     def write(tmp: Path) -> None:

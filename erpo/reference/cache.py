@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from erpo import distributed as D
 from erpo.atomic import publish
+from erpo.progress import progress as progress_display
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
@@ -152,10 +152,12 @@ def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch
     out = []
     try:
         starts = range(0, len(prompt_ids), batch_size)
-        for start in tqdm(starts, desc="ell_theta0(q)", unit="batch", disable=not progress):
-            chunk = prompt_ids[start:start + batch_size]
-            batch = pack(chunk, [[] for _ in chunk], pad_id, device)
-            out.append(per_sample_sum(score(batch), batch, kind=1).cpu())
+        with progress_display(len(starts), "reference cache ell_theta0(q)", "batch", enabled=progress) as shown:
+            for start in starts:
+                chunk = prompt_ids[start:start + batch_size]
+                batch = pack(chunk, [[] for _ in chunk], pad_id, device)
+                out.append(per_sample_sum(score(batch), batch, kind=1).cpu())
+                shown.update(1)
     finally:
         model.train(was_training)
     return torch.cat(out)

@@ -72,7 +72,8 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
                                   template=identity["template"], batch_size=cfg.reference.batch_size,
                                   temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
-                                  tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"])
+                                  tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"],
+                                  progress=cfg.logging.progress_bar)
     if D.is_main():
         cache.save(path)
     D.barrier()

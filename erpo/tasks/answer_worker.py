@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -49,6 +50,9 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def main() -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the parent says what stopped and ends this process
+    # (closes its stdin, or kills it), so it prints no traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # math-verify warns that its timeouts are off, and on failed parses: the parent bounds the time and judges.
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     try:

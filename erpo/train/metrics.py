@@ -8,13 +8,18 @@ normalized by the global counts; token statistics are means over the step's resp
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 import torch
 
 from erpo import distributed as D
 from erpo.config import Config
+from erpo.progress import progress
+
+log = logging.getLogger("erpo")
 
 # metrics.jsonl name -> the kernel's `LossOutput.metrics` name, for the token-weighted means
 TOKEN_MEAN_METRICS = {"policy_kl": "policy_kl", "entropy": "entropy", "clip_ratio": "clip_frac",
@@ -61,23 +66,47 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float, weight_sum: 
     return record
 
 
+def drop_steps_after(path: Path, step: int) -> int:
+    """Rewrite metrics.jsonl at `path` without the records of optimizer steps after `step`: those a run logged
+    after its newest checkpoint before it was stopped (Ctrl-C twice, a kill), and a last line cut short by the kill.
+    Returns how many lines were dropped (nothing is rewritten when none is)."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):   # a line cut short by a kill: not a record
+            pass
+    if len(kept) < len(lines):
+        partial = path.with_name(f".{path.name}.resume")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+        log.info("%s: dropped %d record(s) after step %d, the newest checkpoint's (the resumed run logs them again)",
+                 path, len(lines) - len(kept), step)
+    return len(lines) - len(kept)
+
+
 class MetricsWriter:
     """metrics.jsonl (one JSON record per optimizer step), TensorBoard and the progress bar, on rank 0 only.
 
     A fresh run starts its own log (a crash before the first checkpoint leaves nothing to continue); a resumed one
-    appends, and readers keep the last record of a step logged twice."""
+    first drops the records of the steps after its checkpoint (`done_steps`), which it logs again, then appends: the
+    log never holds a step twice."""
 
     def __init__(self, cfg: Config, out_dir: Path, *, resume: bool, total_steps: int, done_steps: int):
         main = D.is_main()
+        if resume and main:
+            drop_steps_after(out_dir / "metrics.jsonl", done_steps)
         self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w") if main else None
         self.tensorboard = None
         if cfg.logging.tensorboard and main:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(str(out_dir / "tb"))
-        self.progress = None
-        if cfg.logging.progress_bar and main:
-            from tqdm.auto import tqdm
-            self.progress = tqdm(total=total_steps, initial=done_steps, desc=f"{cfg.algorithm.name} train", unit="step")
+        self.progress = progress(total_steps, f"{cfg.algorithm.name} train", "step", initial=done_steps,
+                                 enabled=cfg.logging.progress_bar and main)
 
     def write(self, record: dict) -> None:
         """Log one optimizer step's record (it holds "step")."""
@@ -88,9 +117,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
-        if self.progress is not None:
-            self.progress.update(1)
-            self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+        self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+        self.progress.update(1)
 
     def close(self) -> None:
         for sink in (self.progress, self.tensorboard, self.file):

@@ -1,4 +1,6 @@
-"""A graceful stop: SIGTERM (by default) becomes a request, agreed over ranks, to stop after the current step."""
+"""A graceful stop: SIGTERM or SIGINT (a terminal's Ctrl-C) becomes a request, agreed over ranks, to stop after the
+current step; `Interrupted` is how a run stopped by Ctrl-C ends (the `erpo` command exits
+erpo.errors.INTERRUPTED_EXIT_STATUS, 130, as a shell expects)."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +12,16 @@ from erpo import distributed as dist_utils
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (SIGINT) at a step boundary, after saving what it had; the message says where.
+    A KeyboardInterrupt, so code that does not know it treats it as Ctrl-C (the `erpo` command: exit 130)."""
+
 
 class GracefulStop:
-    """Turns SIGTERM (by default) into a request to stop after the current step.
+    """Turns SIGTERM and SIGINT (by default) into a request to stop after the current step.
 
     Usage:
         with GracefulStop() as stop:
@@ -21,11 +30,12 @@ class GracefulStop:
                 if stop.should_stop():          # collective: every rank, same place, every step
                     manager.save(step, engine, state); break
 
-    `.requested` is True once a signal arrived on this rank. A second signal of the same kind gets the
-    previous handler (by default: terminate at once). Install from the main thread.
+    `.requested` is True once a signal arrived on this rank, `.received` says which. A second signal of the same
+    kind gets the previous handler (by default: SIGTERM terminates at once, SIGINT raises KeyboardInterrupt where
+    the program is). Install from the main thread.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS):
         self.signals = tuple(signals)
         if not self.signals:
             raise ValueError("signals must name at least one signal")
@@ -36,8 +46,9 @@ class GracefulStop:
     def handle(self, signum, frame) -> None:
         self.requested = True
         self.received = signum
-        logger.warning("received %s: finishing the current step, saving a checkpoint, then exiting",
-                       signal.Signals(signum).name)
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {signal.Signals(signum).name}"
+        logger.warning("received %s: finishing the current step, saving a checkpoint, then exiting (%s stops at "
+                       "once, losing the steps after the newest checkpoint)", signal.Signals(signum).name, again)
         signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
 
     def install(self) -> "GracefulStop":
@@ -59,3 +70,9 @@ class GracefulStop:
     def should_stop(self) -> bool:
         """True on every rank when any rank was signalled (all-reduced, so ranks stop at the same step)."""
         return bool(dist_utils.all_reduce_sum(int(self.requested)))
+
+    def raise_if_interrupted(self, message: str) -> None:
+        """After a stop that SIGINT requested on this rank: raise `Interrupted(message)` (exit status 130). A stop
+        by SIGTERM (or by another rank's signal) returns: the run ended as asked, exit status 0."""
+        if self.received == signal.SIGINT:
+            raise Interrupted(message)

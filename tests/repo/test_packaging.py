@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[2]
 LOSS_PACKAGES = {"torch", "numpy", "triton"}
 TRAINER_PACKAGES = {"transformers", "tokenizers", "safetensors", "pyyaml", "tqdm", "matplotlib", "tensorboard",
-                    "math-verify", "antlr4-python3-runtime"}
+                    "math-verify", "antlr4-python3-runtime", "numpy", "packaging"}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,18 @@ def test_trainer_dependencies_are_the_train_extra(setup_arguments):
         assert TRAINER_PACKAGES <= names(extras[extra]), extra
 
 
+def test_the_test_extra_runs_the_trainer_on_the_train_extra_s_versions(setup_arguments):
+    # `.[train]` and `.[test]` in one environment, in either order, leave the trainer on the versions CI tested: the
+    # test extra takes the train extra's requirements as they are and puts no other bound on those packages
+    train, test = setup_arguments["extras_require"]["train"], setup_arguments["extras_require"]["test"]
+    assert test[:len(train)] == train
+    assert not names(test[len(train):]) & names(train), names(test[len(train):]) & names(train)
+    pins = {Requirement(line).name.lower(): Requirement(line).specifier for line in train}
+    assert "5.11" in str(pins["transformers"]) and not pins["transformers"].contains("5.11.0")  # verl 0.9.1's bound
+    assert pins["numpy"].contains("2.3.5") and not pins["numpy"].contains("2.4.0")   # Triton 3.6's interpreter
+    assert pins["antlr4-python3-runtime"].contains("4.9.3") and not pins["antlr4-python3-runtime"].contains("4.13.2")
+
+
 def test_console_script_names_an_importable_function(setup_arguments):
     (script,) = setup_arguments["entry_points"]["console_scripts"]
     name, target = script.split("=")
@@ -71,10 +83,11 @@ def test_verl_plugin_names_a_module(setup_arguments):
         assert importlib.util.find_spec(module) is not None, module
 
 
-def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter where importing any of `modules` fails (ModuleNotFoundError)."""
+def run_without(modules: list[str], code: str, argv: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where importing any of `modules` fails (ModuleNotFoundError); `argv`:
+    its sys.argv[1:]."""
     block = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in modules)
-    return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-c", block + code, *argv], capture_output=True, text=True, cwd=REPO,
                           timeout=300)
 
 
@@ -106,11 +119,25 @@ assert not any(name.startswith("erpo_kernels.triton") for name in sys.modules), 
         assert "backend='triton' needs the triton package (pip install triton" in line
 
 
-def test_cli_without_trainer_dependencies_says_what_to_install():
-    result = run_without(["yaml"], "from erpo.cli import main; sys.exit(main(['train', '--max-steps', '1']))")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "erpo: the trainer needs the Python package 'yaml', which is not installed: pip install \"erpo[train]\""]
+TRAIN_EXTRA_IMPORTS = ["yaml", "transformers", "tokenizers", "safetensors", "tqdm", "matplotlib", "tensorboard",
+                       "math_verify"]   # what the light install lacks (the train extra's import names)
+
+
+def test_cli_without_trainer_dependencies_helps_and_names_the_extra():
+    code = "from erpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    for argv in (["--help"], ["train", "--help"]):
+        result = run_without(TRAIN_EXTRA_IMPORTS, code, argv)
+        assert result.returncode == 0 and result.stdout.startswith("usage: erpo"), (argv, result.stderr)
+    assert "--max-steps" in result.stdout   # train's own options
+    # the light install, or one package of the extra missing
+    for missing, argv in [(TRAIN_EXTRA_IMPORTS, argv) for argv in (["train", "--max-steps", "1"], ["precompute-ref"],
+                          ["compare", "--max-steps", "2"], ["eval", "--model", "runs/x"], ["plot", "runs/x"])] + \
+                         [(["yaml"], ["train"])]:
+        result = run_without(missing, code, argv)
+        assert result.returncode == 1, (argv, missing, result.stderr)
+        assert result.stderr.strip().splitlines() == [
+            f"erpo {argv[0]} needs the trainer's packages (the 'train' extra): pip install \"erpo[train]\""], \
+            (argv, missing)
 
 
 def test_readme_commands_install_the_trainer_and_match_ci():

@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from erpo.cli.commands import main
-from erpo.cli.compare import window_means
+from erpo.cli.compare import render, window_means
 
 SMALL = ["tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
          "tiny.num_kv_heads=1", "tiny.sft_steps=5", "tiny.sft_examples=16", "data.num_examples=8",
@@ -20,6 +20,24 @@ def test_window_means():
     assert means["reward first"] == 1.5 and means["reward last"] == 3.5
     assert means["qkl first"] == pytest.approx(0.25) and means["qkl last"] == pytest.approx(0.35)  # None skipped
     assert window_means(records, 10)["reward first"] == window_means(records, 10)["reward last"] == 2.5
+
+
+def test_a_short_run_s_report_says_how_many_steps_it_summarizes():
+    # `erpo compare --max-steps 2` with the default --window 20: the windows are the 2 steps the runs logged
+    records = [{"reward": r, "accuracy": r, "qkl": r / 10} for r in (0.25, 0.5)]
+    results = {"erpo": {1: {**window_means(records, 20), "wall_s": 1.0}}}
+    table = render(results, ["erpo"], [1], 20, {})
+    assert "average over its first / last 2 optimizer steps; each run logged 2 optimizer steps (no more than " \
+           "--window 20: its first and last windows are the same steps, the whole run)." in table
+    assert "| reward, first 2 steps | reward, last 2 steps |" in table and "20 steps" not in table
+    assert "| erpo seed 1 | 2 | 0.3750 | 0.3750 |" in table
+    longer = {"erpo": {1: {**window_means(records * 15, 20), "wall_s": 1.0}}}   # 30 steps: the windows overlap
+    assert "each run logged 30 optimizer steps (fewer than 2 x --window 20: its first and last windows overlap)." \
+        in render(longer, ["erpo"], [1], 20, {})
+    uneven = {"erpo": {1: {**window_means(records, 20), "wall_s": 1.0}, 2: {**window_means(records * 20, 20),
+                                                                          "wall_s": 1.0}}}
+    assert "first / last ≤ 20 optimizer steps; each run logged 2 to 40 optimizer steps" in \
+        render(uneven, ["erpo"], [1, 2], 20, {})
 
 
 def test_compare_two_algorithms_two_seeds(tmp_path, capsys):
@@ -45,6 +63,7 @@ def test_compare_two_algorithms_two_seeds(tmp_path, capsys):
     assert f"{statistics.fmean(last):.4f} ± {statistics.stdev(last):.4f}" in table
     diffs = [runs["erpo"][s]["reward last"] - runs["grpo"][s]["reward last"] for s in ("1", "2")]
     assert f"{statistics.fmean(diffs):+.4f}" in table
+    assert "first / last 1 optimizer steps; each run logged 2 optimizer steps." in table
     assert "- command: erpo compare --seeds 1 2" in table and "- commit: " in table and "- machine: " in table
 
     # run again: every run is reused (nothing retrained), same numbers
