@@ -13,41 +13,45 @@ from erpo_kernels import erpo_loss, fused_linear_erpo_loss
 
 REPO = Path(__file__).resolve().parents[2]
 N, V, D = 6, 11, 8
-KIND = torch.tensor([1, 2, 2, 1, 2, 2])
-SAMPLE = torch.tensor([0, 0, 0, 1, 1, 1])   # two samples: S = 2
 
 
-def call(path: str, **inputs):
-    targets = torch.randint(0, V, (N,))
+def loss_on(path: str, device, shapes: dict, **options):
+    """The loss on two samples (S = 2) with tensors of the given shapes (name -> shape); query_weight >= 0."""
+    kind = torch.tensor([1, 2, 2, 1, 2, 2], device=device)
+    sample = torch.tensor([0, 0, 0, 1, 1, 1], device=device)
+    targets = torch.randint(0, V, (N,), device=device)
+    inputs = {name: (torch.rand if name == "query_weight" else torch.randn)(shape, device=device)
+              for name, shape in shapes.items()}
     if path == "logits":
-        return erpo_loss(torch.randn(N, V), targets, KIND, SAMPLE, backend="torch", **inputs)
-    return fused_linear_erpo_loss(torch.randn(N, D), torch.randn(V, D), targets, KIND, SAMPLE, backend="torch",
-                                  **inputs)
+        return erpo_loss(torch.randn(N, V, device=device), targets, kind, sample, backend="torch", **inputs,
+                         **options)
+    return fused_linear_erpo_loss(torch.randn(N, D, device=device), torch.randn(V, D, device=device), targets, kind,
+                                  sample, backend="torch", **inputs, **options)
 
 
 @pytest.mark.parametrize("path", ["logits", "fused"])
-@pytest.mark.parametrize("inputs, message", [
+@pytest.mark.parametrize("shapes, options, message", [
     # advantages of the wrong length: the one blamed, not ref_query_logp (the rows name 2 samples)
-    ({"advantages": torch.randn(3), "ref_query_logp": torch.randn(2)},
+    ({"advantages": 3, "ref_query_logp": 2}, {},
      r"^advantages must have length 2 \(S, the length of ref_query_logp, and the samples sample_index names on "
      r"scored rows\), got shape \(3,\)$"),
-    ({"advantages": torch.randn(3), "ref_query_logp": torch.randn(2), "query_weight": torch.rand(2)},
+    ({"advantages": 3, "ref_query_logp": 2, "query_weight": 2}, {},
      r"^advantages must have length 2 \(S, the length of ref_query_logp and query_weight\), got shape \(3,\)$"),
-    ({"advantages": torch.randn(2), "ref_query_logp": torch.randn(3)},
+    ({"advantages": 2, "ref_query_logp": 3}, {},
      r"^ref_query_logp must have length 2 \(S, the length of advantages, and the samples sample_index names"),
-    ({"advantages": torch.randn(2), "ref_query_logp": torch.randn(2), "query_weight": torch.rand(1)},
+    ({"advantages": 2, "ref_query_logp": 2, "query_weight": 1}, {},
      r"^query_weight must have length 2 \(S, the length of advantages and ref_query_logp\), got shape \(1,\)$"),
     # unused by the options, still checked: qkl_coef=0 leaves ref_query_logp unused, policy_kl_coef=0 ref_logp
-    ({"advantages": torch.randn(2), "ref_query_logp": torch.randn(3), "qkl_coef": 0.0}, r"^ref_query_logp must"),
-    ({"advantages": torch.randn(3), "ref_query_logp": torch.randn(2), "qkl_coef": 0.0}, r"^advantages must"),
-    ({"advantages": torch.randn(2), "ref_query_logp": torch.randn(2), "ref_logp": torch.randn(N + 1)},
+    ({"advantages": 2, "ref_query_logp": 3}, {"qkl_coef": 0.0}, r"^ref_query_logp must"),
+    ({"advantages": 3, "ref_query_logp": 2}, {"qkl_coef": 0.0}, r"^advantages must"),
+    ({"advantages": 2, "ref_query_logp": 2, "ref_logp": N + 1}, {},
      r"^ref_logp must have length 6 \(the number of rows N\), got shape \(7,\)$"),
-    ({"advantages": torch.randn(2), "ref_query_logp": torch.randn(2), "ref_logp": torch.randn(N, 1)},
+    ({"advantages": 2, "ref_query_logp": 2, "ref_logp": (N, 1)}, {},
      r"^ref_logp must have 1 dimension\(s\), got shape \(6, 1\)$"),
 ])
-def test_a_length_error_blames_the_wrong_argument(path, inputs, message):
+def test_a_length_error_blames_the_wrong_argument(path, shapes, options, message, device):
     with pytest.raises(ValueError, match=message):
-        call(path, **inputs)
+        loss_on(path, device, shapes, **options)
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
