@@ -107,11 +107,19 @@ class ForwardVariant(NamedTuple):
     num_warps: Optional[int]
 
 
-# "block": 8 warps over 4096-wide steps (three block-wide reductions per step; measured on the H100 on 2026-11-25:
-# 1.4x its floor at N=65536). "warp": one warp per row (reductions are warp shuffles, no barrier; many rows per SM
-# hide the latency, as Liger's forward), 2048 logits per step (64 per thread). "warp-1024": the same, 1024 per
-# step. Which is fastest is for the GPU to say: `python -m bench --contenders erpo,erpo-warp,...` times them side
-# by side; the default stays the measured one until then.
+# Every variant reads each logit once (the floor's bytes); they differ in what a step costs beyond the loads. At
+# V = 152064:
+#   "block":     8 warps, 4096-wide steps: 38 steps, each 3 block-wide reductions (shuffles, a shared-memory exchange
+#                and barriers) for 16 logits per thread; on the H100 (2026-11-25, 7186653) the logits path's
+#                fwd+bwd took 23.7 ms at N=65536 against a 19.8 ms floor, launches of the old objective included.
+#   "warp":      one warp per row, 2048-wide steps: 75 steps of 3 warp-shuffle reductions (no shared memory, no
+#                barrier) for 64 logits per thread; rows, not threads, fill the SM (as Liger's forward).
+#   "warp-1024": the same with 1024-wide steps (149 steps, 32 logits per thread), fewer registers.
+# ptxas (tests/workers/logits_compile_check.py, sm_90, bf16): 32, 143 and 64 registers per thread, no spills; at
+# 143 an SM holds 14 rows' warps, 4 KiB of loads each in flight per step: above what H100's bandwidth-latency
+# product asks per SM (estimated, not measured: 3.35 TB/s x ~600 ns / 132 SMs, about 15 KiB). Which is fastest
+# is for the GPU to say: `python -m bench --paths logits --contenders erpo,erpo-warp,erpo-warp-1024` times them
+# side by side; the default stays the measured one until then.
 FORWARD_VARIANTS = {"block": ForwardVariant(4096, None), "warp": ForwardVariant(2048, 1),
                     "warp-1024": ForwardVariant(1024, 1)}
 _forward_variant = ["block"]
