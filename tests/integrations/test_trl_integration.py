@@ -823,6 +823,21 @@ def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path
     assert [entry for entry in resumed.state.log_history if "qkl" in entry][-1]["qkl"] > 1e-6
 
 
+@pytest.mark.parametrize("query_weight", ["none", "current"])
+def test_settings_without_a_reference_train_past_the_first_optimizer_step(tiny, tmp_path, query_weight):
+    """qkl_coef=0 with query_weight 'none' (GRPO's loss) or 'current' reads no ell_theta0(q), so no reference cache is
+    built: the first optimizer step leaves theta0 without one to share (it raised AttributeError there), the second
+    step trains, and no cache file is written."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight=query_weight, learning_rate=3e-2, max_steps=2,
+                           temperature=1.0)
+    assert trainer.reference_cache is None
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 2 and not trainer.at_theta0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert not (tmp_path / CACHE_FILE).exists()
+
+
 def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):
     """Issue 26's TRL scenario: mask_truncated_completions with every completion truncated, bf16 autocast, sdpa
     attention. Nothing is scored but the prompts, whose Query-KL is exactly 0 at theta0: no parameter moves (as

@@ -290,7 +290,10 @@ class ReferenceMixin:
 
     def _share_theta0_entries(self) -> None:
         """Every process's entries added at theta0 into every process's cache, saved by the main process (a
-        collective: all processes call it, at the first optimizer step and after an evaluation at theta0)."""
+        collective: all processes call it, at the first optimizer step and after an evaluation at theta0). Nothing
+        to share when the loss reads no ell_theta0(q) (no cache)."""
+        if self.reference_cache is None:
+            return
         gathered = gather_object([self._theta0_entries])
         self._theta0_entries = {}
         added = {key: value for entries in gathered for key, value in entries.items()}

@@ -46,7 +46,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
     def evaluate(self, *args, **kwargs):
         """Trainer.evaluate; at theta0, the prompts it added to the reference cache are then shared and saved."""
         metrics = super().evaluate(*args, **kwargs)
-        if self.at_theta0 and self.reference_cache is not None:
+        if self.at_theta0:
             self._share_theta0_entries()
         return metrics
 
