@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from erpo_kernels.validation import OPTION_CHOICES, LossOptions
+from erpo_kernels import OPTION_CHOICES, LossOptions
 
 _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
 

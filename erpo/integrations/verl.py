@@ -3,7 +3,7 @@
 verl's actor engine (`FSDPEngineWithLMHead.prepare_model_outputs`) already scores every token of prompt + response:
 `model_output["log_probs"]` is a jagged [B, prompt + response] tensor whose row j scores token j + 1, and verl's
 `ppo_loss` keeps only the response rows. `erpo_ppo_loss` keeps the prompt rows too: their sum is ell_theta(q), of the
-same forward. It then forms, through erpo_kernels' loss on per-token vectors,
+same forward. It then forms, through erpo_kernels' `logprob_erpo_loss` (the loss on per-token log-probs),
 
     loss = dp_size * [ aggregate(w(q) * pg_t * is_t + beta * k3_t - c_H * H_t) + alpha * sum_s k3(r_s) / G ]
 
@@ -32,15 +32,9 @@ from functools import partial
 
 import torch
 
-# erpo's internals this integration uses, all here (the reference cache, its fingerprints; the loss on per-token
-# vectors that erpo_loss and fused_linear_erpo_loss share, and its per-sample sums).
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo_kernels import LossInputs
-from erpo_kernels.objective import erpo_objective
-from erpo_kernels.segment import SegmentSum
-from erpo_kernels.triton_segment import TritonSegmentSum
-from erpo_kernels.validation import check_loss_inputs
+from erpo_kernels import logprob_erpo_loss
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 QUERY_WEIGHTS = ("static", "none")
@@ -214,8 +208,7 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     rollout_is_weights = padded.get("rollout_is_weights", None)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError("actor.entropy_coeff != 0 but the engine computed no entropy (calculate_entropy)")
-    row_entropy = (entropy.values() if entropy.is_nested else entropy).float() if entropy is not None \
-        else torch.zeros_like(token_logp)
+    row_entropy = None if entropy is None else (entropy.values() if entropy.is_nested else entropy).float()
 
     ref_query_logp = query_weight = None
     if reference is not None and settings.needs_reference:
@@ -241,16 +234,12 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
         entropy_coef=config.entropy_coeff, entropy_agg="loss-agg",
         loss_agg={"token-sum": "token-mean", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(mode, mode),
         num_items=1 if mode == "token-sum" else batch_num_tokens, num_seqs=global_batch_size)
-    inputs = LossInputs(
+    out = logprob_erpo_loss(
+        token_logp, rows.token_kind, rows.sample_index, entropy=row_entropy,
         advantages=sample_advantages(padded["advantages"], response_mask), ref_query_logp=ref_query_logp,
         query_weight=query_weight, old_logp=rows.scatter(padded["old_log_probs"]),
         ref_logp=rows.scatter(padded["ref_log_prob"]) if config.use_kl_loss else None,
-        token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights))
-    _, loss_options = check_loss_inputs(num_rows=token_logp.shape[0], vocab_size=None, device=token_logp.device,
-                                        targets=None, token_kind=rows.token_kind, sample_index=rows.sample_index,
-                                        inputs=inputs, options=options)   # the kernels' own checks, as erpo_loss
-    out = erpo_objective(token_logp, row_entropy, rows.token_kind, rows.sample_index, inputs=inputs,
-                         options=loss_options, segment_sum=TritonSegmentSum if token_logp.is_cuda else SegmentSum)
+        token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights), **options)
     scale = dp_size / horizon
     loss = out.loss * scale
 

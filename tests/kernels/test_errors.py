@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from erpo_kernels import ERPOLoss, erpo_loss, query_weights, token_logprobs
+from erpo_kernels import ERPOLoss, erpo_loss, query_weights, resolve_backend, token_logprobs
 from helpers import loss_inputs, random_batch
 
 
@@ -130,13 +130,21 @@ def test_query_weights_unclipped():
 
 
 def test_backend_resolution(monkeypatch):
-    from erpo_kernels.api import use_triton
+    """resolve_backend: the one rule every entry point applies to `backend`."""
+    import erpo_kernels.api
     cpu = torch.device("cpu")
-    assert use_triton("auto", cpu) is False and use_triton("torch", cpu) is False
-    assert use_triton("auto", torch.device("cuda")) is True
+    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("torch", "cuda") == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("triton", cpu) == "triton"          # TRITON_INTERPRET=1: the interpreter
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", cpu)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        use_triton("triton", cpu)
+        resolve_backend("triton", cpu)
+    monkeypatch.setattr(erpo_kernels.api, "TRITON_INSTALLED", False)
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ImportError, match="pip install triton"):
+        resolve_backend("triton", torch.device("cuda"))
 
 
 def test_auto_backend_on_cpu_is_the_reference():
