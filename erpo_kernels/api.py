@@ -199,11 +199,14 @@ def sample_sums(values, sample_index, num_samples: int, *, backend: str = "auto"
 MAX_QUERY_WEIGHT = 2.0   # the upper clip of the static w(q) (paper appendix C); one source for every caller
 
 
-def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT) -> torch.Tensor:
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT, *,
+                  mean_surprisal: float | torch.Tensor | None = None) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
     ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
-    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). Returns w [Q] fp32.
+    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). mean_surprisal: the
+    mean of s over the set the weights are relative to (nats, > 0; None: these queries' own mean), e.g. the training
+    set's for held-out queries, whose weights then sit on the training queries' scale. Returns w [Q] fp32.
     """
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
@@ -213,6 +216,12 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_Q
     if bool((ref_query_logp > 0).any()):
         raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
     surprisal = -ref_query_logp.double()
+    if mean_surprisal is not None:
+        mean = torch.as_tensor(mean_surprisal, dtype=torch.float64, device=surprisal.device)
+        if mean.numel() != 1 or not bool(torch.isfinite(mean)) or not bool(mean > 0):
+            raise ValueError(f"mean_surprisal must be a finite number > 0 (nats), got {mean_surprisal!r}")
+        weights = mean / surprisal
+        return (weights if max_weight is None else weights.clamp(0.0, max_weight)).float()
     if not bool((surprisal > 0).any()):
         raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are "
                          "undefined")

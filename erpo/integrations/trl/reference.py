@@ -26,7 +26,7 @@ from erpo.models.lora import reference_model
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
-from erpo_kernels import MAX_QUERY_WEIGHT, token_logprobs
+from erpo_kernels import query_weights, token_logprobs
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 logger = logging.get_logger(__name__)
@@ -191,7 +191,7 @@ class ReferenceMixin:
     def _held_out_weights(self, ell: torch.Tensor) -> torch.Tensor:
         """Static w(q) [Q] of prompts outside the training set from their ell_theta0(q) [Q] (float64): appendix C's
         weight scaled by the training prompts' mean surprisal, so the training prompts' weights stay as they are."""
-        return (self._train_surprisal / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+        return query_weights(ell, mean_surprisal=self._train_surprisal)
 
     def _add_held_out(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> bool:
         """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), scored at start, with their held-out
@@ -254,10 +254,7 @@ class ReferenceMixin:
 
     def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]], why: str) -> None:
         """ValueError naming the first prompt whose ell_theta0 the cache lacks, then `why` and what to do."""
-        for ids in prompt_ids:
-            if prompt_hash(ids) not in cache.entries:
-                raise ValueError(f"prompt {self._tokenizer.decode(ids)[:300]!r} has no ell_theta0(q) in the reference "
-                                 f"cache {self.reference_cache_path} {why}")
+        cache.lookup(prompt_ids, self.reference_cache_path, tokenizer=self._tokenizer, why=why)
 
     def _reference_of(self, inputs: dict, source: str, forward_query_logp) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids, from `source` (the data

@@ -9,12 +9,13 @@ import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 
-from erpo.integrations.trl.config import CACHE_FILE, ERPOConfig
+from erpo.integrations.trl.config import ERPOConfig
 from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin, Theta0Callback
 from erpo.models.lora import peft_model_of
+from erpo.reference.cache import CACHE_FILE
 from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
