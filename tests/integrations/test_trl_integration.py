@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
-from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
@@ -30,13 +29,6 @@ PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
 def reward_length(completions, **kwargs):
     """A reward the tiny model can move quickly: longer completions score higher."""
     return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path of a saved tiny Qwen2 + tokenizer, the tokenizer). A path, so that TRL can load a reference model."""
-    tokenizer = build_tokenizer()
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer), tokenizer
 
 
 def make_trainer(tiny, output_dir, conversational=False, train_dataset=None, eval_dataset=None, **overrides):
