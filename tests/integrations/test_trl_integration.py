@@ -742,6 +742,7 @@ def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
 def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fused_linear, monkeypatch):
     """A token vLLM could not score (NaN sampling log-prob, on-policy) takes the current log-prob as the loss
     scores it, with the model's soft-cap: TRL's own log-prob of that token."""
+    import erpo.integrations.trl.scorer as scorer_module
     import erpo.integrations.trl.trainer as trainer_module
     trainer = make_trainer(tiny_gemma2, tmp_path, loss_type="dapo", fused_linear=fused_linear, qkl_coef=0.0,
                            query_weight="none", off_policy_mask_threshold=0.02)
@@ -750,8 +751,8 @@ def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fu
     inputs = with_logps(trainer, trl_inputs(trainer), old=False, sampling=True, nan_at=(1, 1))
     loss_name = "fused_linear_erpo_loss" if fused_linear else "erpo_loss"
     seen = {}
-    loss = getattr(trainer_module, loss_name)
-    monkeypatch.setattr(trainer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
+    loss = getattr(scorer_module, loss_name)
+    monkeypatch.setattr(scorer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
     trainer._compute_loss(trainer.model, inputs)
     rows = trainer_module.completion_rows(inputs)
     with torch.no_grad():

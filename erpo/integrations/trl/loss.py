@@ -96,6 +96,9 @@ def trl_loss_options(trainer, inputs: dict, mode: str) -> tuple[dict, dict]:
 class LossOptionsMixin:
     """`_loss_options(inputs, rows, mode)` and `_current_query_weights(query_logp)` of ERPOTrainer."""
 
+    # The state it shares with ERPOTrainer, which sets it at construction (`_check_model`)
+    _logit_options: dict   # the model's final-logit transform as loss options (fused-linear path; {} on logits)
+
     def _loss_options(self, inputs: dict, rows: CompletionRows, mode: str) -> tuple[dict, dict]:
         """erpo_kernels options reproducing TRL's loss on one micro-batch, plus ERPO's Query-KL, and the loss's
         per-row tensors from TRL's (old and reference log-probs, vLLM's importance sampling), on `rows`."""

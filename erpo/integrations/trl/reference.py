@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import os
 import types
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import gather_object
@@ -77,6 +78,15 @@ def with_copied_closure(value, memo: dict):
 
 class ReferenceMixin:
     """ERPOTrainer's cached reference: `_load_or_build_reference()` at start, `_reference_of(inputs)` per step."""
+
+    # The state it shares with ERPOTrainer, which sets it at construction (trainer.py)
+    reference_cache: ReferenceCache | None   # None when the loss reads no ell_theta0(q) (`needs_reference`)
+    reference_cache_path: str
+    at_theta0: bool                 # no optimizer step yet: ell_theta0(q) is the forward's own
+    _theta0_entries: dict[str, tuple[float, float]]   # added at theta0, not yet shared with the other processes
+    _theta0: Callable[[], contextlib.AbstractContextManager] | None   # theta0 for a rollout's prompts
+    _adapter_added: bool            # a LoRA adapter added by the trainer (peft_config): theta0 = adapters off
+    _train_surprisal: torch.Tensor  # the training prompts' mean -ell_theta0(q) (float64), set by the cache's load
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
