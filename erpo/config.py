@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from erpo_kernels.validation import OPTION_CHOICES, LossOptions
+from erpo.terms import QUERY_WEIGHTS, check_qkl_coef
+from erpo_kernels import OPTION_CHOICES, LossOptions
 
 _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
 
@@ -202,7 +203,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
-    "algorithm.query_weight": ("static", "current", "current-unclipped", "none"),
+    "algorithm.query_weight": QUERY_WEIGHTS,
     "algorithm.qkl_estimator": OPTION_CHOICES["qkl_estimator"],
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
@@ -452,8 +453,9 @@ def resolve(cfg: Config) -> Config:
         raise ValueError("reward.functions is empty; give at least one reward function")
     check_lora(cfg.model.lora)
     a = cfg.algorithm
-    if a.qkl_coef < 0 or a.policy_kl_coef < 0:
-        raise ValueError("algorithm.qkl_coef and algorithm.policy_kl_coef must be >= 0")
+    check_qkl_coef(a.qkl_coef, "algorithm.qkl_coef")
+    if a.policy_kl_coef < 0:
+        raise ValueError("algorithm.policy_kl_coef must be >= 0")
     if a.advantage == "rloo" and cfg.rollout.n < 2:
         raise ValueError("algorithm.advantage 'rloo' needs rollout.n >= 2")
     a.loss_options = LossOptions(

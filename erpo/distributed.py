@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from erpo.deepspeed_internals import forget_process_groups, is_partitioned
+
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -108,10 +110,7 @@ def destroy_distributed() -> None:
     builds its engine on the new group instead of the destroyed one."""
     if is_initialized():
         dist.destroy_process_group()
-    groups = sys.modules.get("deepspeed.utils.groups")   # only when DeepSpeed was used in this process
-    if groups is not None:
-        groups._WORLD_GROUP = None
-        groups._DATA_PARALLEL_GROUP = None
+    forget_process_groups()
 
 
 def reduction_device() -> torch.device:
@@ -320,8 +319,8 @@ def is_deepspeed_engine(obj: Any) -> bool:
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:
-    """True when `param` is partitioned by DeepSpeed ZeRO-3 (it carries a `ds_id`); it then needs `gathered`."""
-    return hasattr(param, "ds_id")
+    """True when `param` is partitioned by DeepSpeed ZeRO-3; it then needs `gathered`."""
+    return is_partitioned(param)
 
 
 def gathered(params: Sequence[torch.nn.Parameter]):

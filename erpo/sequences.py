@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config
+from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config, sample_sums
 from erpo_kernels.layout import from_padded
 from erpo_kernels.lm_head import whole_lm_head
-from erpo_kernels.segment import SegmentSum
 
 
 @dataclass
@@ -122,12 +121,7 @@ def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autoc
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:
     """Sum of `values` [R] over the rows of token kind `kind` of each sample, [B] (fp32 sums, as float64).
 
-    The kernels' segment sums, as the loss sums ell_theta(q): each sample's rows in a fixed order (the Triton
-    path on CUDA, where `index_add_` would be a float atomic; a sequential sum on the CPU), so the result does
-    not change from run to run."""
+    erpo_kernels' `sample_sums`, as the loss sums ell_theta(q) (the same backend rule): each sample's rows in a
+    fixed order on the Triton path (CUDA), so the result does not change from run to run."""
     rows = torch.where(batch.token_kind == kind, values.float(), torch.zeros((), device=values.device))
-    segment_sum = SegmentSum
-    if values.is_cuda:  # Triton is optional (imported only here): a CPU run, or a machine without it, never needs it
-        from erpo_kernels.triton_segment import TritonSegmentSum as segment_sum
-    sums = segment_sum(batch.sample_index, batch.input_ids.shape[0])
-    return sums(rows).double()
+    return sample_sums(rows, batch.sample_index, batch.input_ids.shape[0]).double()

@@ -1,6 +1,8 @@
-"""Public entry points on materialized logits: `token_logprobs` and `erpo_loss` (see API.md)."""
+"""Public entry points (see API.md): on materialized logits `token_logprobs` and `erpo_loss`; for trainers that
+compute log-probs themselves `logprob_erpo_loss` and `sample_sums`; `resolve_backend`, the backend rule of all."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -13,8 +15,10 @@ from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
     LossInputs,
+    LossOptions,
     check_backend,
     check_loss_inputs,
+    check_rows,
     check_tensor,
     check_token_inputs,
     with_option_parameters,
@@ -30,14 +34,16 @@ if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.librar
     from .triton_segment import TritonSegmentSum
 
 
-def use_triton(backend: str, device: torch.device) -> bool:
-    """Resolve `backend` ("auto" | "triton" | "torch") for tensors on `device`: "auto" is Triton on CUDA when
-    Triton is installed; "triton" without Triton raises ImportError."""
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend ("triton" | "torch") that every entry point runs for `backend` ("auto" | "triton" | "torch") on
+    tensors on `device`: "auto" is Triton on CUDA when Triton is installed, else the torch reference; "triton"
+    without Triton raises ImportError, "triton" on non-CUDA tensors without TRITON_INTERPRET=1 ValueError."""
     check_backend(backend)
+    device = torch.device(device)
     if backend == "torch":
-        return False
+        return "torch"
     if backend == "auto":
-        return device.type == "cuda" and TRITON_INSTALLED
+        return "triton" if device.type == "cuda" and TRITON_INSTALLED else "torch"
     if not TRITON_INSTALLED:
         raise ImportError("backend='triton' needs the triton package (pip install triton, Linux only); "
                           "use backend='torch' or 'auto' without it")
@@ -48,7 +54,12 @@ def use_triton(backend: str, device: torch.device) -> bool:
         raise RuntimeError("TRITON_INTERPRET=1 was set after erpo_kernels was imported, too late for its kernels "
                            "(Triton reads it when they are defined): set it before anything imports erpo_kernels "
                            "or triton (TRITON_INTERPRET=1 python ...), or use backend='torch'")
-    return True
+    return "triton"
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether `resolve_backend` picks the Triton path."""
+    return resolve_backend(backend, device) == "triton"
 
 
 def check_logits(logits) -> None:
@@ -138,17 +149,90 @@ def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, input
     if triton and fuses(options, token_logp, entropy):
         return triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
     return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options,
-                          segment_sum=TritonSegmentSum if triton else SegmentSum)
+                          segment_sum=segment_sum_of(triton))
+
+
+def segment_sum_of(triton: bool):
+    """The per-sample sums of the chosen backend: the Triton path's deterministic ones, or the torch reference's."""
+    return TritonSegmentSum if triton else SegmentSum
+
+
+DEFAULT_OPTIONS = LossOptions()   # API.md's defaults; logprob_erpo_loss leaves the logit transform at them
+
+
+@with_option_parameters
+def logprob_erpo_loss(token_logp, token_kind, sample_index, *, entropy=None, advantages, ref_query_logp=None,
+                      query_weight=None, old_logp=None, ref_logp=None, token_weight=None, rollout_logp=None,
+                      backend: str = "auto", validate: bool = True, **options) -> LossOutput:
+    """The ERPO loss (API.md) from per-token log-probs the caller computed (verl's engine): token_logp [N] fp32
+    (differentiable; log p(targets[i]) on query and response rows, anything finite elsewhere), entropy [N] fp32 or
+    None (differentiable; required when an option reads it: entropy_coef != 0, top_entropy_quantile < 1; None
+    leaves the `entropy` metric NaN); token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S];
+    old_logp, ref_logp, token_weight, rollout_logp [N]; options as API.md's table, but for the logit transform
+    (temperature, logit_scale, logit_softcap), which belongs where the log-probs are computed. Values and gradients
+    are `erpo_loss`'s on logits that give the same log-probs; `backend` picks the objective's kernels and the
+    per-sample sums; `validate` as `erpo_loss`'s.
+    """
+    check_tensor("token_logp", token_logp, ndim=1, floating=True)
+    if token_logp.dtype != torch.float32:
+        raise TypeError(f"token_logp must be float32, got {token_logp.dtype}")
+    opts = LossOptions.from_kwargs(options)
+    moved = [name for name in ("temperature", "logit_scale", "logit_softcap")
+             if getattr(opts, name) != getattr(DEFAULT_OPTIONS, name)]
+    if moved:
+        raise ValueError(f"{', '.join(moved)} act on logits: logprob_erpo_loss takes log-probs already computed; "
+                         "apply the transform where they are computed")
+    if entropy is None:
+        if opts.entropy_coef != 0 or opts.top_entropy_quantile < 1:
+            raise ValueError("entropy (per-token entropy [N] fp32) is required when entropy_coef != 0 or "
+                             "top_entropy_quantile < 1")
+        token_entropy = torch.zeros_like(token_logp)
+    else:
+        check_tensor("entropy", entropy, ndim=1, length=token_logp.shape[0], device=token_logp.device, floating=True,
+                     length_name=" (the length of token_logp)")
+        if entropy.dtype != torch.float32:
+            raise TypeError(f"entropy must be float32, got {entropy.dtype}")
+        token_entropy = entropy
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    out = loss_on_token_rows(
+        lambda scored_targets, transform, triton: (token_logp, token_entropy), num_rows=token_logp.shape[0],
+        vocab_size=None, device=token_logp.device, backend=backend, targets=None, token_kind=token_kind,
+        sample_index=sample_index, inputs=inputs, options=options, validate=validate)
+    if entropy is None:
+        nan = torch.full((), float("nan"), device=token_logp.device)
+        out = dataclasses.replace(out, entropy=torch.full_like(token_logp, float("nan")),
+                                  metrics=dataclasses.replace(out.metrics, entropy=nan))
+    return out
+
+
+def sample_sums(values, sample_index, num_samples: int, *, backend: str = "auto") -> torch.Tensor:
+    """Per-sample sums [S] fp32 of `values` [N] (floating, cast to fp32) by `sample_index` [N] int (every entry in
+    [0, S); rows that must not count carry 0), differentiable with respect to `values`. On the Triton backend the
+    sums are deterministic (each sample's rows in a fixed order), as the loss forms ell_theta(q)."""
+    check_tensor("values", values, ndim=1, floating=True)
+    check_tensor("sample_index", sample_index, ndim=1, length=values.shape[0], device=values.device, floating=False,
+                 length_name=" (the length of values)")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+        raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}")
+    check_rows([((sample_index < 0) | (sample_index >= num_samples),
+                 lambda row: f"sample_index must lie in [0, {num_samples}) (num_samples); row {row} holds "
+                             f"{int(sample_index[row])}")])
+    sums = segment_sum_of(use_triton(backend, values.device))(sample_index.long(), num_samples)
+    return sums(values.float())
 
 
 MAX_QUERY_WEIGHT = 2.0   # the upper clip of the static w(q) (paper appendix C); one source for every caller
 
 
-def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT) -> torch.Tensor:
+def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT, *,
+                  mean_surprisal: float | torch.Tensor | None = None) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
     ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
-    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). Returns w [Q] fp32.
+    (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). mean_surprisal: the
+    mean of s over the set the weights are relative to (nats, > 0; None: these queries' own mean), e.g. the training
+    set's for held-out queries, whose weights then sit on the training queries' scale. Returns w [Q] fp32.
     """
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
@@ -158,6 +242,12 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_Q
     if bool((ref_query_logp > 0).any()):
         raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
     surprisal = -ref_query_logp.double()
+    if mean_surprisal is not None:
+        mean = torch.as_tensor(mean_surprisal, dtype=torch.float64, device=surprisal.device)
+        if mean.numel() != 1 or not bool(torch.isfinite(mean)) or not bool(mean > 0):
+            raise ValueError(f"mean_surprisal must be a finite number > 0 (nats), got {mean_surprisal!r}")
+        weights = mean / surprisal
+        return (weights if max_weight is None else weights.clamp(0.0, max_weight)).float()
     if not bool((surprisal > 0).any()):
         raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are "
                          "undefined")

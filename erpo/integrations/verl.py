@@ -3,7 +3,7 @@
 verl's actor engine (`FSDPEngineWithLMHead.prepare_model_outputs`) already scores every token of prompt + response:
 `model_output["log_probs"]` is a jagged [B, prompt + response] tensor whose row j scores token j + 1, and verl's
 `ppo_loss` keeps only the response rows. `erpo_ppo_loss` keeps the prompt rows too: their sum is ell_theta(q), of the
-same forward. It then forms, through erpo_kernels' loss on per-token vectors,
+same forward. It then forms, through erpo_kernels' `logprob_erpo_loss` (the loss on per-token log-probs),
 
     loss = dp_size * [ aggregate(w(q) * pg_t * is_t + beta * k3_t - c_H * H_t) + alpha * sum_s k3(r_s) / G ]
 
@@ -24,7 +24,6 @@ that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
 """
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -32,24 +31,16 @@ from functools import partial
 
 import torch
 
-# erpo's internals this integration uses, all here (the reference cache, its fingerprints; the loss on per-token
-# vectors that erpo_loss and fused_linear_erpo_loss share, and its per-sample sums).
-from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
+from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_entries, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo_kernels import LossInputs
-from erpo_kernels.objective import erpo_objective
-from erpo_kernels.segment import SegmentSum
-from erpo_kernels.triton_segment import TritonSegmentSum
-from erpo_kernels.validation import check_loss_inputs
+from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
+from erpo_kernels import logprob_erpo_loss
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
-QUERY_WEIGHTS = ("static", "none")
-QKL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
-CACHE_FILE = "erpo_reference_cache.json"
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
 
 
@@ -63,17 +54,14 @@ class ERPOSettings:
     ref_cache: str | None = None    # cache to read (or write when absent); default <default_local_dir>/CACHE_FILE
 
     def __post_init__(self):
-        if not (isinstance(self.qkl_coef, (int, float)) and math.isfinite(self.qkl_coef)):
-            raise ValueError(f"erpo.qkl_coef must be a finite number, got {self.qkl_coef!r}")
-        if self.qkl_estimator not in QKL_ESTIMATORS:
-            raise ValueError(f"erpo.qkl_estimator must be one of {list(QKL_ESTIMATORS)}, got {self.qkl_estimator!r}")
-        if self.query_weight not in QUERY_WEIGHTS:
-            raise ValueError(f"erpo.query_weight must be one of {list(QUERY_WEIGHTS)}, got {self.query_weight!r}")
+        check_qkl_coef(self.qkl_coef, "erpo.qkl_coef")
+        check_choice("erpo.qkl_estimator", self.qkl_estimator, SEQUENCE_QKL_ESTIMATORS)
+        check_choice("erpo.query_weight", self.query_weight, QUERY_WEIGHTS_VERL)
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the loss reads ell_theta0(q): for the Query-KL or for the static w(q)."""
-        return self.qkl_coef != 0 or self.query_weight == "static"
+        """`erpo.terms.needs_reference` of these settings."""
+        return needs_reference(self.qkl_coef, self.query_weight)
 
 
 @dataclass
@@ -91,16 +79,9 @@ class QueryReference:
         return cls(dict(cache.entries), str(path), tokenizer)
 
     def lookup(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts; ValueError naming the first prompt not cached."""
-        keys = [prompt_hash(ids) for ids in prompt_ids]
-        for ids, key in zip(prompt_ids, keys):
-            if key not in self.entries:
-                shown = repr(self.tokenizer.decode(ids)[:300]) if self.tokenizer is not None \
-                    else f"with token ids {ids[:40]}"
-                raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache {self.path} (the data, "
-                                 f"chat template or tokenizer changed since it was built). {REBUILD}")
-        values = torch.tensor([self.entries[key] for key in keys], dtype=torch.float64).reshape(-1, 2)
-        return values[:, 0].float(), values[:, 1].float()
+        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts (`erpo.reference.cache.lookup_entries`)."""
+        return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
+            f"(the data, chat template or tokenizer changed since it was built). {REBUILD}"))
 
 
 def check_actor_config(config) -> None:
@@ -214,8 +195,7 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     rollout_is_weights = padded.get("rollout_is_weights", None)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError("actor.entropy_coeff != 0 but the engine computed no entropy (calculate_entropy)")
-    row_entropy = (entropy.values() if entropy.is_nested else entropy).float() if entropy is not None \
-        else torch.zeros_like(token_logp)
+    row_entropy = None if entropy is None else (entropy.values() if entropy.is_nested else entropy).float()
 
     ref_query_logp = query_weight = None
     if reference is not None and settings.needs_reference:
@@ -241,16 +221,12 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
         entropy_coef=config.entropy_coeff, entropy_agg="loss-agg",
         loss_agg={"token-sum": "token-mean", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(mode, mode),
         num_items=1 if mode == "token-sum" else batch_num_tokens, num_seqs=global_batch_size)
-    inputs = LossInputs(
+    out = logprob_erpo_loss(
+        token_logp, rows.token_kind, rows.sample_index, entropy=row_entropy,
         advantages=sample_advantages(padded["advantages"], response_mask), ref_query_logp=ref_query_logp,
         query_weight=query_weight, old_logp=rows.scatter(padded["old_log_probs"]),
         ref_logp=rows.scatter(padded["ref_log_prob"]) if config.use_kl_loss else None,
-        token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights))
-    _, loss_options = check_loss_inputs(num_rows=token_logp.shape[0], vocab_size=None, device=token_logp.device,
-                                        targets=None, token_kind=rows.token_kind, sample_index=rows.sample_index,
-                                        inputs=inputs, options=options)   # the kernels' own checks, as erpo_loss
-    out = erpo_objective(token_logp, row_entropy, rows.token_kind, rows.sample_index, inputs=inputs,
-                         options=loss_options, segment_sum=TritonSegmentSum if token_logp.is_cuda else SegmentSum)
+        token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights), **options)
     scale = dp_size / horizon
     loss = out.loss * scale
 

@@ -19,7 +19,8 @@ from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
-from erpo.integrations.verl import CACHE_FILE, ERPOSettings, check_actor_config, erpo_loss_fn, load_or_build_reference
+from erpo.integrations.verl import ERPOSettings, check_actor_config, erpo_loss_fn, load_or_build_reference
+from erpo.reference.cache import CACHE_FILE
 
 ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
 

@@ -29,6 +29,8 @@ from erpo_kernels import query_weights
 
 FORMAT_VERSION = 2   # 2: the precision is recorded
 REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
+CACHE_FILE = "erpo_reference_cache.json"   # ERPOTrainer's and verl's cache in their output folder, unless set
+DATASET_CHANGED = "(the dataset changed since it was built). Rebuild it with `erpo precompute-ref --overwrite`."
 log = logging.getLogger("erpo")
 
 
@@ -124,17 +126,26 @@ class ReferenceCache:
         if problems:
             raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
 
-    def lookup(self, prompt_ids: list[list[int]],
-               path: str = "the reference cache") -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [Q] fp32, w [Q] fp32) for these prompts; ValueError when some are not in the cache."""
-        keys = [prompt_hash(p) for p in prompt_ids]
-        missing = [i for i, k in enumerate(keys) if k not in self.entries]
-        if missing:
-            raise ValueError(f"{len(missing)} of {len(keys)} training prompts are not in {path} (first: prompt "
-                             f"{missing[0]}); the dataset changed since it was built. Rebuild it with "
-                             "`erpo precompute-ref --overwrite`.")
-        values = torch.tensor([self.entries[k] for k in keys], dtype=torch.float64)
-        return values[:, 0].float(), values[:, 1].float()
+    def lookup(self, prompt_ids: list[list[int]], path: str | None = None, *, tokenizer=None,
+               why: str = DATASET_CHANGED) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lookup_entries` on this cache's entries."""
+        return lookup_entries(self.entries, prompt_ids, path, tokenizer=tokenizer, why=why)
+
+
+def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]], path: str | None = None, *,
+                   tokenizer=None, why: str = DATASET_CHANGED) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ell_theta0 [Q] fp32, w [Q] fp32) of these prompts from a cache's `entries` (the cache at `path`). A prompt
+    not there is a ValueError naming the first one (decoded by `tokenizer` when given, else its token ids), how many
+    are missing, and `why`: the likely cause and what to do."""
+    keys = [prompt_hash(p) for p in prompt_ids]
+    missing = [i for i, k in enumerate(keys) if k not in entries]
+    if missing:
+        ids = list(prompt_ids[missing[0]])
+        shown = repr(tokenizer.decode(ids)[:300]) if tokenizer is not None else f"with token ids {ids[:40]}"
+        raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache{f' {path}' if path else ''} "
+                         f"({len(missing)} of {len(keys)} prompts missing) {why}")
+    values = torch.tensor([entries[k] for k in keys], dtype=torch.float64).reshape(-1, 2)
+    return values[:, 0].float(), values[:, 1].float()
 
 
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,

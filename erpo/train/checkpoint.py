@@ -43,6 +43,7 @@ import torch
 
 from erpo import distributed as dist_utils
 from erpo.atomic import TMP_PREFIX, fsync_dir, fsync_tree
+from erpo.deepspeed_internals import held_back_writes
 from erpo.manifest import (
     CHECKPOINTS_DIR,
     build_manifest,
@@ -95,54 +96,14 @@ def remove_tree(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ manager
 
-class HeldBackWrites:
-    """Stands in for a DeepSpeed engine's `checkpoint_engine` during one save: its first failed write (makedirs or
-    save, or any write run through `held_back`) is kept, not raised, and later writes are skipped, so this rank still
-    runs every barrier of DeepSpeed's `save_checkpoint` with the others; `raise_failure()` raises it once DeepSpeed's
-    save has returned."""
-
-    def __init__(self, writer: Any):
-        self.writer = writer
-        self.failure: Exception | None = None
-
-    def __getattr__(self, name: str) -> Any:   # create, commit, ...: DeepSpeed's own
-        return getattr(self.writer, name)
-
-    def held_back(self, write: Callable, *args, **kwargs) -> None:
-        if self.failure is None:
-            try:
-                write(*args, **kwargs)
-            except Exception as exc:   # a bug too: raised after the barriers, with its traceback
-                self.failure = exc
-
-    def makedirs(self, *args, **kwargs) -> None:
-        self.held_back(self.writer.makedirs, *args, **kwargs)
-
-    def save(self, *args, **kwargs) -> None:
-        self.held_back(self.writer.save, *args, **kwargs)
-
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-
 def write_training_state(engine: Any, kind: str, directory: Path) -> None:
     """The model's trainable weights (frozen ones, e.g. a LoRA base, are left out), optimizer and scheduler into
     `directory`: DeepSpeed's own collective save (a failed write raised after its last barrier), or rank 0's
     torch.save of the TorchBundle's parts."""
     if kind == "deepspeed":
-        writes = HeldBackWrites(engine.checkpoint_engine)
-        engine.checkpoint_engine = writes
-        # Rank 0 also copies DeepSpeed's zero_to_fp32.py into the checkpoint, without the checkpoint engine.
-        copy_scripts = getattr(engine, "_copy_recovery_script", None)
-        if copy_scripts is not None:
-            engine._copy_recovery_script = lambda *args: writes.held_back(copy_scripts, *args)
-        try:
+        with held_back_writes(engine) as writes:
             engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
                                    exclude_frozen_parameters=bool(parameter_names(engine.module, trainable=False)))
-        finally:
-            engine.checkpoint_engine = writes.writer
-            vars(engine).pop("_copy_recovery_script", None)
         writes.raise_failure()
     elif dist_utils.is_main():
         frozen = set(parameter_names(engine.model, trainable=False))

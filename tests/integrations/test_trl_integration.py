@@ -15,10 +15,12 @@ datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
-from erpo.integrations.trl.config import CACHE_FILE  # noqa: E402
 from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
-from erpo.models.tiny import build_tokenizer  # noqa: E402
-from erpo.reference.cache import ReferenceCache, prompt_hash
+from erpo.reference.cache import (
+    CACHE_FILE,  # noqa: E402
+    ReferenceCache,
+    prompt_hash,
+)
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
@@ -27,13 +29,6 @@ PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
 def reward_length(completions, **kwargs):
     """A reward the tiny model can move quickly: longer completions score higher."""
     return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path of a saved tiny Qwen2 + tokenizer, the tokenizer). A path, so that TRL can load a reference model."""
-    tokenizer = build_tokenizer()
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer), tokenizer
 
 
 def make_trainer(tiny, output_dir, conversational=False, train_dataset=None, eval_dataset=None, **overrides):
@@ -611,7 +606,8 @@ def assert_scored_at_theta0(trainer, tiny, rewritten):
     moved = trainer._held_out_entries(cache, rewritten, trainer.model)
     assert all(abs(moved[key][0] - value[0]) > 1e-4 for key, value in expected.items())
     ell = torch.tensor([value[0] for value in expected.values()], dtype=torch.float64)
-    assert [value[1] for value in expected.values()] == (trainer._train_surprisal / -ell).clamp(0, 2).tolist()
+    assert [value[1] for value in expected.values()] == \
+        (trainer._train_surprisal / -ell).clamp(0, 2).float().tolist()   # fp32, as the training prompts' w(q)
     assert ReferenceCache.load(str(trainer.reference_cache_path)).entries.keys() >= expected.keys()
 
 
@@ -746,6 +742,7 @@ def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
 def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fused_linear, monkeypatch):
     """A token vLLM could not score (NaN sampling log-prob, on-policy) takes the current log-prob as the loss
     scores it, with the model's soft-cap: TRL's own log-prob of that token."""
+    import erpo.integrations.trl.scorer as scorer_module
     import erpo.integrations.trl.trainer as trainer_module
     trainer = make_trainer(tiny_gemma2, tmp_path, loss_type="dapo", fused_linear=fused_linear, qkl_coef=0.0,
                            query_weight="none", off_policy_mask_threshold=0.02)
@@ -754,8 +751,8 @@ def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fu
     inputs = with_logps(trainer, trl_inputs(trainer), old=False, sampling=True, nan_at=(1, 1))
     loss_name = "fused_linear_erpo_loss" if fused_linear else "erpo_loss"
     seen = {}
-    loss = getattr(trainer_module, loss_name)
-    monkeypatch.setattr(trainer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
+    loss = getattr(scorer_module, loss_name)
+    monkeypatch.setattr(scorer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
     trainer._compute_loss(trainer.model, inputs)
     rows = trainer_module.completion_rows(inputs)
     with torch.no_grad():
@@ -821,6 +818,21 @@ def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert seen == [False, False]
     assert [entry for entry in resumed.state.log_history if "qkl" in entry][-1]["qkl"] > 1e-6
+
+
+@pytest.mark.parametrize("query_weight", ["none", "current"])
+def test_settings_without_a_reference_train_past_the_first_optimizer_step(tiny, tmp_path, query_weight):
+    """qkl_coef=0 with query_weight 'none' (GRPO's loss) or 'current' reads no ell_theta0(q), so no reference cache is
+    built: the first optimizer step leaves theta0 without one to share (it raised AttributeError there), the second
+    step trains, and no cache file is written."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.0, query_weight=query_weight, learning_rate=3e-2, max_steps=2,
+                           temperature=1.0)
+    assert trainer.reference_cache is None
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 2 and not trainer.at_theta0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert not (tmp_path / CACHE_FILE).exists()
 
 
 def test_every_completion_truncated_leaves_the_model_unchanged(tiny, tmp_path):

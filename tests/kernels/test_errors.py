@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from erpo_kernels import ERPOLoss, erpo_loss, query_weights, token_logprobs
+from erpo_kernels import ERPOLoss, erpo_loss, query_weights, resolve_backend, token_logprobs
 from helpers import loss_inputs, random_batch
 
 
@@ -132,14 +132,34 @@ def test_query_weights_unclipped(device):
         query_weights(torch.tensor([-1.0, 0.0], device=device), max_weight=None)
 
 
+def test_query_weights_relative_to_another_set():
+    """mean_surprisal: weights of held-out queries on the scale of a set whose mean surprisal is given (the training
+    set's), clipped as usual; the default is the queries' own mean."""
+    logp = torch.tensor([-1.0, -4.0, -20.0], dtype=torch.float64)
+    torch.testing.assert_close(query_weights(logp, mean_surprisal=4.0), torch.tensor([2.0, 1.0, 0.2]))
+    torch.testing.assert_close(query_weights(logp, None, mean_surprisal=4.0), torch.tensor([4.0, 1.0, 0.2]))
+    torch.testing.assert_close(query_weights(logp, mean_surprisal=25.0 / 3), query_weights(logp))
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="mean_surprisal must be a finite number > 0"):
+            query_weights(logp, mean_surprisal=bad)
+
+
 def test_backend_resolution(monkeypatch):
-    from erpo_kernels.api import use_triton
+    """resolve_backend: the one rule every entry point applies to `backend`."""
+    import erpo_kernels.api
     cpu = torch.device("cpu")
-    assert use_triton("auto", cpu) is False and use_triton("torch", cpu) is False
-    assert use_triton("auto", torch.device("cuda")) is True
+    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("torch", "cuda") == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("triton", cpu) == "triton"          # TRITON_INTERPRET=1: the interpreter
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", cpu)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        use_triton("triton", cpu)
+        resolve_backend("triton", cpu)
+    monkeypatch.setattr(erpo_kernels.api, "TRITON_INSTALLED", False)
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ImportError, match="pip install triton"):
+        resolve_backend("triton", torch.device("cuda"))
 
 
 def test_auto_backend_on_cpu_is_the_reference():

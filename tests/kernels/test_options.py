@@ -16,11 +16,13 @@ from erpo_kernels import (
     LossOptions,
     erpo_loss,
     fused_linear_erpo_loss,
+    logprob_erpo_loss,
     padded_erpo_loss,
 )
 
 API = (Path(__file__).resolve().parents[2] / "docs" / "API.md").read_text()
-ENTRY_POINTS = [erpo_loss, fused_linear_erpo_loss, padded_erpo_loss, ERPOLoss, FusedLinearERPOLoss]
+ENTRY_POINTS = [erpo_loss, fused_linear_erpo_loss, padded_erpo_loss, logprob_erpo_loss, ERPOLoss,
+                FusedLinearERPOLoss]
 OPTIONS = dataclasses.fields(LossOptions)
 
 
@@ -52,6 +54,8 @@ def call(entry, **options):
     if entry is fused_linear_erpo_loss:
         return entry(rows[0], torch.zeros(4, 3, device=cpu), *rows[1:], advantages=torch.zeros(1, device=cpu),
                      **options)
+    if entry is logprob_erpo_loss:
+        return entry(torch.zeros(2, device=cpu), *rows[2:], advantages=torch.zeros(1, device=cpu), **options)
     return entry(*rows, advantages=torch.zeros(1, device=cpu), **options)
 
 

@@ -64,7 +64,8 @@ def test_build_cache_weights_and_lookup(setup, tmp_path):
     loaded = ReferenceCache.load(path)
     assert loaded == cache and loaded.cache_id == cache.cache_id
     assert json.loads((tmp_path / "c" / "ref.json").read_text())["model_id"] == str(tmp_path / "m")
-    with pytest.raises(ValueError, match=r"1 of 1 training prompts are not in .*precompute-ref"):
+    with pytest.raises(ValueError, match=r"prompt with token ids \[5, 6, 7\] has no ell_theta0.*1 of 1 prompts "
+                                         r"missing.*precompute-ref"):
         cache.lookup([[5, 6, 7]])
 
 

@@ -1,16 +1,13 @@
 """`ERPOConfig`: TRL's GRPOConfig plus ERPO's options, each checked once when the config is built."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from erpo.integrations.trl.loss import PG_OBJECTIVES
-
-QUERY_WEIGHTS = ("static", "current", "none")
-QKL_ESTIMATORS = ("k1", "k2", "k3")
-CACHE_FILE = "erpo_reference_cache.json"
+from erpo.reference.cache import CACHE_FILE
+from erpo.terms import QUERY_WEIGHTS_TRL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 
 
 @dataclass
@@ -34,14 +31,11 @@ class ERPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.query_weight not in QUERY_WEIGHTS:
-            raise ValueError(f"query_weight must be one of {list(QUERY_WEIGHTS)}, got {self.query_weight!r}")
-        if self.qkl_estimator not in QKL_ESTIMATORS:
-            raise ValueError(f"qkl_estimator must be one of {list(QKL_ESTIMATORS)} with TRL, got "
-                             f"{self.qkl_estimator!r} (k3-token needs reference log-probs of the prompt tokens, "
-                             "which GRPOTrainer does not compute)")
-        if not (isinstance(self.qkl_coef, (int, float)) and math.isfinite(self.qkl_coef)):
-            raise ValueError(f"qkl_coef must be a finite number, got {self.qkl_coef!r}")
+        check_choice("query_weight", self.query_weight, QUERY_WEIGHTS_TRL)
+        check_choice("qkl_estimator", self.qkl_estimator, SEQUENCE_QKL_ESTIMATORS, hint=(
+            " with TRL (k3-token needs reference log-probs of the prompt tokens, which GRPOTrainer does not "
+            "compute)"))
+        check_qkl_coef(self.qkl_coef)
         if not (isinstance(self.iterable_prompts, int) and self.iterable_prompts >= 1):
             raise ValueError(f"iterable_prompts must be an integer >= 1, got {self.iterable_prompts!r}")
         if self.loss_type not in PG_OBJECTIVES:
@@ -70,5 +64,5 @@ class ERPOConfig(GRPOConfig):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the loss reads ell_theta0(q): for the Query-KL or for the static w(q)."""
-        return self.qkl_coef != 0 or self.query_weight == "static"
+        """`erpo.terms.needs_reference` of this config."""
+        return needs_reference(self.qkl_coef, self.query_weight)

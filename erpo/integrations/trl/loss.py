@@ -12,7 +12,7 @@ import functools
 import torch
 
 from erpo.integrations.trl.layout import CompletionRows
-from erpo_kernels import query_weights
+from erpo_kernels import VESPO_LAMBDA_MIN, query_weights
 
 # TRL 1.16's loss types -> the kernels' policy term; luspo is the clipped surrogate with its own aggregation
 PG_OBJECTIVES = {"grpo": "ppo-clip", "bnpo": "ppo-clip", "dr_grpo": "ppo-clip", "dapo": "ppo-clip",
@@ -56,8 +56,8 @@ def trl_loss_options(trainer, inputs: dict, mode: str) -> tuple[dict, dict]:
         dual_clip=args.delta if objective == "ppo-clip" else None,   # TRL's delta acts on the clipped surrogate only
         ratio_level=trainer.importance_sampling_level, cispo_clip_max=trainer.epsilon_high,
         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=max(args.vespo_lambda_pos, 1e-4),   # TRL's clamp(min=1e-4)
-        vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=max(args.vespo_lambda_neg, 1e-4),
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=max(args.vespo_lambda_pos, VESPO_LAMBDA_MIN),   # TRL's clamp
+        vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=max(args.vespo_lambda_neg, VESPO_LAMBDA_MIN),
         off_policy_mask_threshold=trainer.off_policy_mask_threshold,
         top_entropy_quantile=trainer.top_entropy_quantile,
         top_entropy_gather=functools.partial(gather_entropies, trainer.accelerator)
@@ -95,6 +95,9 @@ def trl_loss_options(trainer, inputs: dict, mode: str) -> tuple[dict, dict]:
 
 class LossOptionsMixin:
     """`_loss_options(inputs, rows, mode)` and `_current_query_weights(query_logp)` of ERPOTrainer."""
+
+    # The state it shares with ERPOTrainer, which sets it at construction (`_check_model`)
+    _logit_options: dict   # the model's final-logit transform as loss options (fused-linear path; {} on logits)
 
     def _loss_options(self, inputs: dict, rows: CompletionRows, mode: str) -> tuple[dict, dict]:
         """erpo_kernels options reproducing TRL's loss on one micro-batch, plus ERPO's Query-KL, and the loss's

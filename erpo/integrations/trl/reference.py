@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import os
 import types
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import gather_object
@@ -26,7 +27,7 @@ from erpo.models.lora import reference_model
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
-from erpo_kernels import MAX_QUERY_WEIGHT, token_logprobs
+from erpo_kernels import query_weights, token_logprobs
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 logger = logging.get_logger(__name__)
@@ -77,6 +78,15 @@ def with_copied_closure(value, memo: dict):
 
 class ReferenceMixin:
     """ERPOTrainer's cached reference: `_load_or_build_reference()` at start, `_reference_of(inputs)` per step."""
+
+    # The state it shares with ERPOTrainer, which sets it at construction (trainer.py)
+    reference_cache: ReferenceCache | None   # None when the loss reads no ell_theta0(q) (`needs_reference`)
+    reference_cache_path: str
+    at_theta0: bool                 # no optimizer step yet: ell_theta0(q) is the forward's own
+    _theta0_entries: dict[str, tuple[float, float]]   # added at theta0, not yet shared with the other processes
+    _theta0: Callable[[], contextlib.AbstractContextManager] | None   # theta0 for a rollout's prompts
+    _adapter_added: bool            # a LoRA adapter added by the trainer (peft_config): theta0 = adapters off
+    _train_surprisal: torch.Tensor  # the training prompts' mean -ell_theta0(q) (float64), set by the cache's load
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
@@ -191,7 +201,7 @@ class ReferenceMixin:
     def _held_out_weights(self, ell: torch.Tensor) -> torch.Tensor:
         """Static w(q) [Q] of prompts outside the training set from their ell_theta0(q) [Q] (float64): appendix C's
         weight scaled by the training prompts' mean surprisal, so the training prompts' weights stay as they are."""
-        return (self._train_surprisal / -ell).clamp(0.0, MAX_QUERY_WEIGHT)
+        return query_weights(ell, mean_surprisal=self._train_surprisal)
 
     def _add_held_out(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> bool:
         """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), scored at start, with their held-out
@@ -254,10 +264,7 @@ class ReferenceMixin:
 
     def _check_cached(self, cache: ReferenceCache, prompt_ids: list[list[int]], why: str) -> None:
         """ValueError naming the first prompt whose ell_theta0 the cache lacks, then `why` and what to do."""
-        for ids in prompt_ids:
-            if prompt_hash(ids) not in cache.entries:
-                raise ValueError(f"prompt {self._tokenizer.decode(ids)[:300]!r} has no ell_theta0(q) in the reference "
-                                 f"cache {self.reference_cache_path} {why}")
+        cache.lookup(prompt_ids, self.reference_cache_path, tokenizer=self._tokenizer, why=why)
 
     def _reference_of(self, inputs: dict, source: str, forward_query_logp) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids, from `source` (the data
@@ -290,7 +297,10 @@ class ReferenceMixin:
 
     def _share_theta0_entries(self) -> None:
         """Every process's entries added at theta0 into every process's cache, saved by the main process (a
-        collective: all processes call it, at the first optimizer step and after an evaluation at theta0)."""
+        collective: all processes call it, at the first optimizer step and after an evaluation at theta0). Nothing
+        to share when the loss reads no ell_theta0(q) (no cache)."""
+        if self.reference_cache is None:
+            return
         gathered = gather_object([self._theta0_entries])
         self._theta0_entries = {}
         added = {key: value for entries in gathered for key, value in entries.items()}

@@ -2,23 +2,21 @@
 and the metrics are its mixins (reference.py, loss.py, metrics.py)."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 
-from erpo.integrations.trl.config import CACHE_FILE, ERPOConfig
+from erpo.integrations.trl.config import ERPOConfig
 from erpo.integrations.trl.layout import completion_rows
 from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin, Theta0Callback
+from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer
 from erpo.models.lora import peft_model_of
-from erpo.sequences import final_hidden_and_output, logit_transforms, per_sample_sum
-from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
-from erpo_kernels.lm_head import is_dtensor, whole_lm_head
-from erpo_kernels.zero3 import find_lm_head
+from erpo.reference.cache import CACHE_FILE
+from erpo.sequences import logit_transforms, per_sample_sum
 
 
 class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
@@ -46,7 +44,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
     def evaluate(self, *args, **kwargs):
         """Trainer.evaluate; at theta0, the prompts it added to the reference cache are then shared and saved."""
         metrics = super().evaluate(*args, **kwargs)
-        if self.at_theta0 and self.reference_cache is not None:
+        if self.at_theta0:
             self._share_theta0_entries()
         return metrics
 
@@ -76,42 +74,21 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         query_rows = batch.token_kind == 1
 
         router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
-        with self.accelerator.autocast():
-            if self.args.fused_linear:
-                hidden, output = final_hidden_and_output(model, batch, **router)
-            else:
-                output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                               **router)
-                logits = output.logits.reshape(-1, output.logits.shape[-1])[batch.rows]
-        aux_loss = output.aux_loss if self.aux_loss_enabled else None
-        del output
-        # whole_lm_head would reshard an FSDP2 head at the end of its block, before TRL's backward
-        if self.args.fused_linear and is_dtensor(find_lm_head(model).weight):
-            raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
-                             "runs the backward after the loss returns): keep it in the root's or accelerate's "
-                             "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
-        with whole_lm_head(model) if self.args.fused_linear else contextlib.nullcontext((None, None)) as (
-                weight, bias):
-            if self.args.fused_linear:
-                hidden = hidden.to(weight.dtype)
-
-            def score(scored=None):  # detached log-probs of this forward's rows `scored` [R] bool (None: all, [R];
-                # no copy of the logits), as the loss scores them
-                pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
-                if self.args.fused_linear:
-                    return fused_linear_token_logprobs(pick(hidden.detach()), weight, pick(batch.targets), bias=bias,
-                                                       temperature=self.temperature, **self._logit_options)
-                return token_logprobs(pick(logits.detach()), pick(batch.targets), temperature=self.temperature)
-
+        scorer = (FusedLinearScorer if self.args.fused_linear else LogitsScorer)(
+            model, batch, temperature=self.temperature, autocast=self.accelerator.autocast,
+            logit_options=self._logit_options, **router)
+        aux_loss = scorer.output.aux_loss if self.aux_loss_enabled else None
+        scorer.release_output()
+        with scorer.head():
             def forward_query_logp(scored=None):  # ell_theta(q) [B] float64 of this forward, detached, scoring
                 with torch.no_grad():  # `scored` rows; all rows (None) gives the loss's own sums bit for bit
                     if scored is None:
-                        return per_sample_sum(score(), batch, kind=1)
+                        return per_sample_sum(scorer.logprobs(), batch, kind=1)
                     logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
-                    logp[scored] = score(scored)
+                    logp[scored] = scorer.logprobs(scored)
                     return per_sample_sum(logp, batch, kind=1)
 
-            tensors = self._fill_unscored(tensors, score)
+            tensors = self._fill_unscored(tensors, scorer.logprobs)
             ref_query_logp, static_weight = self._reference_of(
                 inputs, "train_dataset" if mode == "train" else "eval dataset",
                 forward_query_logp) if self.args.needs_reference else (None, None)
@@ -119,13 +96,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
                 query_weight = self._current_query_weights(forward_query_logp(query_rows))
             else:
                 query_weight = static_weight if self.args.query_weight == "static" else None
-            if self.args.fused_linear:
-                out = fused_linear_erpo_loss(hidden, weight, batch.targets, batch.token_kind, batch.sample_index,
-                                             bias=bias, query_weight=query_weight, ref_query_logp=ref_query_logp,
-                                             **tensors, **options)
-            else:
-                out = erpo_loss(logits, batch.targets, batch.token_kind, batch.sample_index, query_weight=query_weight,
-                                ref_query_logp=ref_query_logp, **tensors, **options)
+            out = scorer.loss(query_weight=query_weight, ref_query_logp=ref_query_logp, **tensors, **options)
         loss = out.loss
         if aux_loss is not None:   # TRL's router load-balancing loss, scaled for gradient accumulation like the loss
             loss = loss + self.router_aux_loss_coef * aux_loss / (

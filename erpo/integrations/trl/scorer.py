@@ -1,0 +1,87 @@
+"""How ERPOTrainer scores a micro-batch, chosen once per `_compute_loss`: `FusedLinearScorer` (hidden states x the
+lm_head in the kernels, with the model's logit transform; the [R, V] logits never built) or `LogitsScorer` (the
+model's own logits, already transformed). Both run the forward at construction and give, inside `head()`, the
+detached log-probs of any rows (`logprobs`) and the ERPO loss (`loss`) of the same forward."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from erpo.sequences import PackedBatch, final_hidden_and_output
+from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
+from erpo_kernels.lm_head import is_dtensor, whole_lm_head
+from erpo_kernels.zero3 import find_lm_head
+
+
+class LogitsScorer:
+    """The model's logits [R, V] of the scored rows (the forward under `autocast`, a context manager factory);
+    `output`: the model's whole output, for the MoE aux_loss (`release_output()` drops it)."""
+
+    def __init__(self, model, batch: PackedBatch, *, temperature: float, autocast, logit_options: dict,
+                 **forward_kwargs):
+        self.batch, self.temperature = batch, temperature
+        with autocast():
+            self.output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                                **forward_kwargs)
+            self.logits = self.output.logits.reshape(-1, self.output.logits.shape[-1])[batch.rows]
+
+    def release_output(self) -> None:
+        self.output = None
+
+    @contextlib.contextmanager
+    def head(self):
+        yield self
+
+    def logprobs(self, scored: torch.Tensor | None = None) -> torch.Tensor:
+        """Detached log-probs of the rows `scored` [R] bool (None: all, [R]; no copy of the logits), as the loss
+        scores them."""
+        pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
+        return token_logprobs(pick(self.logits.detach()), pick(self.batch.targets), temperature=self.temperature)
+
+    def loss(self, **inputs):
+        """`erpo_loss` on the logits; `inputs`: the loss's per-sample and per-row tensors and options."""
+        b = self.batch
+        return erpo_loss(self.logits, b.targets, b.token_kind, b.sample_index, **inputs)
+
+
+class FusedLinearScorer:
+    """The final hidden states [R, D] of the scored rows (the forward under `autocast`) and, inside `head()`, the whole
+    lm_head (`whole_lm_head`: gathered under ZeRO-3 or FSDP2) with the model's logit transform `logit_options`."""
+
+    def __init__(self, model, batch: PackedBatch, *, temperature: float, autocast, logit_options: dict,
+                 **forward_kwargs):
+        self.model, self.batch, self.temperature, self.logit_options = model, batch, temperature, logit_options
+        with autocast():
+            self.hidden, self.output = final_hidden_and_output(model, batch, **forward_kwargs)
+        # whole_lm_head would reshard an FSDP2 head at the end of its block, before TRL's backward
+        if is_dtensor(find_lm_head(model).weight):
+            raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
+                             "runs the backward after the loss returns): keep it in the root's or accelerate's "
+                             "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
+        self.weight = self.bias = None
+
+    def release_output(self) -> None:
+        self.output = None
+
+    @contextlib.contextmanager
+    def head(self):
+        with whole_lm_head(self.model) as (weight, bias):
+            self.weight, self.bias = weight, bias
+            self.hidden = self.hidden.to(weight.dtype)
+            try:
+                yield self
+            finally:
+                self.weight = self.bias = None
+
+    def logprobs(self, scored: torch.Tensor | None = None) -> torch.Tensor:
+        """Detached log-probs of the rows `scored` [R] bool (None: all, [R]), as the loss scores them."""
+        pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
+        return fused_linear_token_logprobs(pick(self.hidden.detach()), self.weight, pick(self.batch.targets),
+                                           bias=self.bias, temperature=self.temperature, **self.logit_options)
+
+    def loss(self, **inputs):
+        """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`."""
+        b = self.batch
+        return fused_linear_erpo_loss(self.hidden, self.weight, b.targets, b.token_kind, b.sample_index,
+                                      bias=self.bias, **inputs)

@@ -1,0 +1,128 @@
+"""The entry points for trainers that compute log-probs themselves (API.md): `logprob_erpo_loss` against `erpo_loss`
+on logits that give the same log-probs (values, gradients, metrics), and `sample_sums` against the torch reference's
+sums (values, gradient, determinism on the Triton path), with their errors."""
+import math
+
+import pytest
+import torch
+
+from erpo_kernels import erpo_loss, logprob_erpo_loss, sample_sums, token_logprobs
+from helpers import loss_inputs, random_batch
+from test_reference import OPTION_CASES
+
+TRANSFORM = ("temperature", "logit_scale", "logit_softcap")
+
+
+def both_losses(batch, inputs, options, backend):
+    """(erpo_loss on the logits, its logits gradient, logprob_erpo_loss on their log-probs and entropies, its logits
+    gradient through them), both with the tensors `inputs`: the logit transform goes to `token_logprobs`, the other
+    options to the loss."""
+    transform = {k: v for k, v in options.items() if k in TRANSFORM}
+    rest = {k: v for k, v in options.items() if k not in TRANSFORM}
+    rows = batch["targets"], batch["token_kind"], batch["sample_index"]
+    logits = batch["logits"].clone().requires_grad_(True)
+    expected = erpo_loss(logits, *rows, backend=backend, **inputs, **options)
+    expected.loss.backward()
+    scored = batch["logits"].clone().requires_grad_(True)
+    logp, entropy = token_logprobs(scored, batch["targets"], return_entropy=True, backend=backend, **transform)
+    out = logprob_erpo_loss(logp, *rows[1:], entropy=entropy, backend=backend, **inputs, **rest)
+    out.loss.backward()
+    return expected, logits.grad, out, scored.grad
+
+
+def assert_same(expected, expected_grad, out, grad):
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    for name in ("query_logp", "response_logp", "token_logp"):
+        torch.testing.assert_close(getattr(out, name), getattr(expected, name))
+    assert out.metrics.keys() == expected.metrics.keys()
+    for name, value in expected.metrics.items():
+        torch.testing.assert_close(out.metrics[name], value, rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("options", OPTION_CASES + [{"top_entropy_quantile": 0.5, "entropy_coef": 0.05},
+                                                    {"pg_objective": "cispo"}, {"pg_objective": "vespo"}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_logprob_loss_is_erpo_loss_on_the_same_log_probs(options):
+    batch = random_batch()
+    rows = batch["targets"].shape[0]
+    inputs = dict(loss_inputs(batch), token_weight=torch.rand(rows) * 2, rollout_logp=batch["old_logp"] + 0.1)
+    assert_same(*both_losses(batch, inputs, options, "torch"))
+
+
+@pytest.mark.parametrize("options", [{}, {"entropy_coef": 0.05, "qkl_coef": 0.5}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_on_the_triton_backend_too(options):
+    """backend="triton" (the interpreter on CPU): the deterministic per-sample sums; the same loss as erpo_loss."""
+    batch = random_batch()
+    assert_same(*both_losses(batch, loss_inputs(batch), options, "triton"))
+
+
+def test_without_entropy_the_loss_is_the_same_and_the_entropy_metric_nan():
+    batch = random_batch()
+    rows = batch["token_kind"], batch["sample_index"]
+    logp, entropy = token_logprobs(batch["logits"], batch["targets"], return_entropy=True)
+    with_entropy = logprob_erpo_loss(logp, *rows, entropy=entropy, **loss_inputs(batch))
+    without = logprob_erpo_loss(logp, *rows, **loss_inputs(batch))
+    assert torch.equal(without.loss, with_entropy.loss)
+    assert math.isnan(without.metrics["entropy"]) and without.entropy.isnan().all()
+    assert not math.isnan(with_entropy.metrics["entropy"])
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(entropy_coef=0.1), ValueError, "entropy .* is required when entropy_coef != 0"),
+    (dict(top_entropy_quantile=0.5), ValueError, "entropy .* is required"),
+    (dict(temperature=0.7), ValueError, "temperature act on logits"),
+    (dict(logit_softcap=30.0, logit_scale=2.0), ValueError, "logit_scale, logit_softcap act on logits"),
+    (dict(token_logp=torch.zeros(48, dtype=torch.bfloat16)), TypeError, "token_logp must be float32"),
+    (dict(token_logp=torch.zeros(48, 2)), ValueError, "token_logp"),
+    (dict(entropy=torch.zeros(47)), ValueError, "entropy"),
+    (dict(entropy=torch.zeros(48, dtype=torch.float16)), TypeError, "entropy must be float32"),
+    (dict(sample_index=torch.full((48,), 9)), ValueError, "sample_index must lie in"),
+], ids=["entropy_coef", "entropy_filter", "temperature", "transform", "bf16", "rank", "entropy_length",
+        "entropy_dtype", "sample_index"])
+def test_logprob_loss_errors_name_the_argument(change, error, match):
+    batch = random_batch()
+    args = {**dict(token_logp=token_logprobs(batch["logits"], batch["targets"]), token_kind=batch["token_kind"],
+                   sample_index=batch["sample_index"], **loss_inputs(batch)), **change}
+    with pytest.raises(error, match=match):
+        logprob_erpo_loss(args.pop("token_logp"), args.pop("token_kind"), args.pop("sample_index"), **args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_sums_are_the_per_sample_sums_and_differentiable(backend):
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(300, generator=g, dtype=torch.float64).requires_grad_(True)   # cast to fp32
+    sample_index = torch.randint(0, 7, (300,), generator=g)
+    sums = sample_sums(values, sample_index, 8, backend=backend)
+    expected = torch.zeros(8, dtype=torch.float64).index_add(0, sample_index, values.detach()).float()
+    assert sums.dtype == torch.float32 and sums.shape == (8,) and sums[7] == 0   # an empty sample sums to 0
+    torch.testing.assert_close(sums, expected, rtol=1e-6, atol=1e-5)
+    upstream = torch.randn(8, generator=g)
+    sums.backward(upstream)
+    torch.testing.assert_close(values.grad, upstream[sample_index].double())
+
+
+def test_sample_sums_on_the_triton_path_repeat_bit_for_bit():
+    """Each sample's rows in a fixed order: shuffling which rows come first in memory never changes a sum's bits,
+    and two calls agree exactly (index_add would add in whatever order the atomics land on a GPU)."""
+    g = torch.Generator().manual_seed(2)
+    values = torch.randn(4000, generator=g) * 100
+    sample_index = torch.randint(0, 3, (4000,), generator=g)
+    first = sample_sums(values, sample_index, 3, backend="triton")
+    assert torch.equal(first, sample_sums(values, sample_index, 3, backend="triton"))
+    torch.testing.assert_close(first, sample_sums(values, sample_index, 3, backend="torch"), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), 1), ValueError, "values"),
+    ((torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), 1), TypeError, "values"),
+    ((torch.zeros(4), torch.zeros(3, dtype=torch.long), 1), ValueError, "sample_index"),
+    ((torch.zeros(4), torch.zeros(4), 1), TypeError, "sample_index"),
+    ((torch.zeros(4), torch.zeros(4, dtype=torch.long), -1), ValueError, "num_samples"),
+    ((torch.zeros(4), torch.zeros(4, dtype=torch.long), 2.0), ValueError, "num_samples"),
+    ((torch.zeros(4), torch.tensor([0, 1, 2, 1]), 2), ValueError, r"sample_index must lie in \[0, 2\).*row 2 holds 2"),
+], ids=["values_rank", "values_dtype", "length", "index_dtype", "negative", "float_count", "out_of_range"])
+def test_sample_sums_errors_name_the_argument(args, error, match):
+    with pytest.raises(error, match=match):
+        sample_sums(*args)
