@@ -18,19 +18,29 @@ The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .api import loss_on_token_rows, use_triton
+from .api import use_triton
+from .fused_linear_loss import (
+    DEFAULT_WORKSPACE_BYTES,
+    ROW_KERNELS,
+    loss_gradients_op,
+    options_argument,
+    response_entropies,
+    segment_sum_class,
+)
 from .lm_head import is_dtensor
-from .objective import LossOutput
+from .objective import LossOutput, erpo_objective
 from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
     LossInputs,
+    check_loss_inputs,
     check_tensor,
     check_token_inputs,
     with_option_parameters,
@@ -189,19 +199,37 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperatu
 @with_option_parameters
 def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *, bias=None, advantages,
                            ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
-                           token_weight=None, rollout_logp=None, backend: str = "auto", **options) -> LossOutput:
+                           token_weight=None, rollout_logp=None, backend: str = "auto",
+                           workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, **options) -> LossOutput:
     """The ERPO loss (API.md) from hidden [N, D] and the lm_head weight [V, D] (+ bias [V]) without the [N, V]
     logits: targets, token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S]; old_logp,
-    ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions). Returns a
-    LossOutput whose `loss` is differentiable with respect to hidden, weight and bias.
+    ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions).
+    workspace_bytes: the budget of the row chunks' buffers (fused_linear_loss.py; default 1 GiB).
+    Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias: the gradients are
+    formed in the forward (6 N D V FLOPs) and the backward scales them.
     """
     check_linear_inputs(hidden, weight, bias)
-
-    def token_pass(scored_targets, transform, triton):
-        return fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform, triton)
-
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
+        raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
-    return loss_on_token_rows(
-        token_pass, num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, backend=backend,
-        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options)
+    scored_targets, opts = check_loss_inputs(
+        num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
+        token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options)
+    kernels = "triton" if use_triton(backend, hidden.device) else "torch"
+    entropy_pool = None
+    if opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1:  # the filter's pool over processes
+        with torch.no_grad():
+            entropy_pool = opts.top_entropy_gather(response_entropies(
+                hidden, weight, bias, scored_targets, token_kind, opts.logit_transform, ROW_KERNELS[kernels],
+                workspace_bytes))
+        opts = dataclasses.replace(opts, top_entropy_gather=lambda _entropies: entropy_pool)
+    needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    tensor_counts = [value if isinstance(value, torch.Tensor) else None for value in (opts.num_items, opts.num_seqs)]
+    logp, entropy, anchor, *_ = loss_gradients_op(
+        hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
+        *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, *needs)
+    with torch.no_grad():
+        out = erpo_objective(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+                             segment_sum=segment_sum_class(kernels == "triton"))
+    return dataclasses.replace(out, loss=out.loss + anchor)

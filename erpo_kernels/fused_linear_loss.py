@@ -1,0 +1,345 @@
+"""The fused-linear ERPO loss in row chunks at 6NDV: the gradient is formed in the forward, as Liger's chunked losses.
+
+Per chunk c of whole samples (a sample-aligned row range, as many rows as `workspace_bytes` allows):
+
+    logits_c  = hidden_c @ W.T (+ bias)          one GEMM (cuBLAS on CUDA) into one reused [rows, V] buffer, in
+                                                 hidden's dtype (the logits an unfused lm_head would produce)
+    logp_c, H_c, lse_c                           the per-row softmax pass of the logits path (Triton, or torch)
+    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the objective (objective.py) on [N] vectors, differentiated
+    dlogits_c                                    written over logits_c by the logits path's in-place backward
+    dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
+    dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
+                                                 first, so a non-finite padding row cannot poison dW)
+
+That is 2NDV + 2NDV + 2NDV. The loss value and metrics are formed once at the end from the [N] log-probs and
+entropies by the objective itself; backward only scales the stored dH / dW / dbias by the incoming gradient.
+
+Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
+token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
+values (ell_theta(q) for the Query-KL, the sequence-level ratio, VESPO's weight, the off-policy mask) and (c) the
+entropy filter's batch-wide quantile and kept-row count. The objective runs on whole [N] vectors (rows of chunk c
+live, every other row a detached known value), so (a) holds by construction; (b) holds because a chunk holds
+whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c) get their
+coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query rows when the
+Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every response row
+with the entropy filter.
+
+Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]); the fp32 d weight
+accumulator [V, D] (4 V D bytes; the weight's own gradient when the weight is fp32) and d bias [V]; the gradients
+d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to the backward; O(N)
+vectors.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .common import index_slices, rows_receiving_gradient
+from .objective import erpo_objective
+from .segment import SegmentSum
+from .torch_fused_linear import torch_rows_backward_inplace, torch_rows_forward
+from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
+
+DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
+# fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
+TORCH_ROW_TEMPORARY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """The per-row softmax work on one chunk of logits [n, V] (the logits path's kernels).
+
+    forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
+    backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): logits := d logits
+    temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
+    """
+
+    name: str
+    forward: Callable
+    backward_inplace: Callable
+    temporary_bytes_per_logit: int
+
+
+def _triton_forward(logits, targets, transform: LogitTransform):
+    return torch.ops.erpo.triton_logp_entropy(logits, targets, *transform.op_arguments(), False)
+
+
+def _triton_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform):
+    torch.ops.erpo.triton_logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy,
+                                                        *transform.op_arguments())
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_inplace, 0),
+               "torch": RowKernels("torch", torch_rows_forward, torch_rows_backward_inplace,
+                                   TORCH_ROW_TEMPORARY_BYTES)}
+
+
+def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
+               workspace_bytes: int) -> int:
+    """Rows of one chunk: what fits `workspace_bytes` (at least 1): per row the [V] logits buffer row, the row pass's
+    temporaries, the masked hidden row [D] and, off CUDA, the fp32 copy of the dlogits row that the d weight
+    accumulation upcasts (CUDA accumulates bf16 / fp16 products into fp32 inside the GEMM)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
+    per_row = vocab_size * (item + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
+    return max(1, workspace_bytes // per_row)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """chunks: consecutive (start, stop) row ranges covering [0, N); prepass_rows: int64 [P] rows whose logp and
+    entropy a chunk's gradient needs from outside the chunk (sorted)."""
+
+    chunks: list
+    prepass_rows: np.ndarray
+
+
+def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, max_rows: int, *,
+                query_sums: bool, response_values: bool, all_response_entropies: bool) -> ChunkPlan:
+    """Cut [0, N) into chunks of at most `max_rows` rows, each ending where no sample has rows on both sides when
+    such a cut exists within reach (else at `max_rows`, splitting a sample), and list the pre-pass rows: every
+    response row when `all_response_entropies` (the entropy filter); else of the samples a cut splits, their query
+    rows when `query_sums` (the Query-KL reads ell_theta(q)) and their response rows when `response_values`
+    (sequence-level ratio, VESPO, off-policy mask). token_kind, sample_index: host [N] integer arrays."""
+    num_rows = len(token_kind)
+    scored = token_kind != 0
+    rows = np.nonzero(scored)[0]
+    samples = sample_index[scored].astype(np.int64)
+    first = np.full(num_samples, num_rows, dtype=np.int64)
+    last = np.full(num_samples, -1, dtype=np.int64)
+    np.minimum.at(first, samples, rows)
+    np.maximum.at(last, samples, rows)
+    present = last >= 0
+    open_samples = np.zeros(num_rows + 1, dtype=np.int64)  # open_samples[i]: samples with rows on both sides of i
+    np.add.at(open_samples, first[present] + 1, 1)
+    np.add.at(open_samples, last[present] + 1, -1)
+    clean_cuts = np.nonzero(np.cumsum(open_samples)[1:num_rows] == 0)[0] + 1
+    chunks, start = [], 0
+    while start < num_rows:
+        stop = min(start + max_rows, num_rows)
+        if stop < num_rows:
+            k = np.searchsorted(clean_cuts, stop, side="right") - 1
+            if k >= 0 and clean_cuts[k] > start:
+                stop = int(clean_cuts[k])
+        chunks.append((start, stop))
+        start = stop
+    cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
+    split = present & (np.searchsorted(cuts, last, side="left") > np.searchsorted(cuts, first, side="right"))
+    is_split_row = np.zeros(num_rows, dtype=bool)
+    is_split_row[rows] = split[samples]
+    needed = np.zeros(num_rows, dtype=bool)
+    if all_response_entropies:
+        needed |= token_kind == 2
+    if query_sums:
+        needed |= is_split_row & (token_kind == 1)
+    if response_values:
+        needed |= is_split_row & (token_kind == 2)
+    return ChunkPlan(chunks, np.nonzero(needed)[0])
+
+
+def _write_logits(out, hidden_rows, weight, bias):
+    """out [n, V] := hidden_rows @ weight.T (+ bias), one GEMM (bias added in its epilogue) in hidden's dtype."""
+    if bias is None:
+        torch.matmul(hidden_rows, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden_rows, weight.t(), out=out)
+
+
+def _accumulate_product(accumulator, a, b):
+    """accumulator [m, k] fp32 += a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the fp32
+    product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
+    if a.dtype == accumulator.dtype:
+        accumulator.addmm_(a, b)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+    else:
+        accumulator.addmm_(a.float(), b.float())
+
+
+def logp_entropy_of_rows(hidden, weight, bias, targets, rows: torch.Tensor, transform: LogitTransform,
+                         kernels: RowKernels, max_rows: int, buffer: torch.Tensor):
+    """Forward only: (logp, entropy) [P] fp32 of the P rows `rows` (int64 [P] on hidden's device) in pieces of
+    `max_rows` rows through `buffer` [>= max_rows, V]."""
+    logp = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logp)
+    for piece in index_slices(rows.shape[0], max_rows):
+        index = rows[piece]
+        logits = buffer[:index.shape[0]]
+        _write_logits(logits, hidden.index_select(0, index), weight, bias)
+        logp[piece], entropy[piece], _ = kernels.forward(logits, targets.index_select(0, index), transform)
+    return logp, entropy
+
+
+def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
+                       workspace_bytes: int) -> torch.Tensor:
+    """Forward only: entropy [n] fp32 of the n response rows (token_kind == 2), in row order (the entropy filter's
+    pool, before a caller's top_entropy_gather)."""
+    rows = (token_kind == 2).nonzero().squeeze(1)
+    max_rows = max(1, min(rows.shape[0], chunk_rows(weight.shape[0], hidden.shape[1], hidden.dtype, hidden.device,
+                                                    kernels, workspace_bytes)))
+    buffer = hidden.new_empty(max_rows, weight.shape[0])
+    return logp_entropy_of_rows(hidden, weight, bias, targets, rows, transform, kernels, max_rows, buffer)[1]
+
+
+def segment_sum_class(triton: bool):
+    """The per-sample sums the objective uses: the Triton path's deterministic ones with Triton."""
+    if triton:
+        from .triton_segment import TritonSegmentSum
+        return TritonSegmentSum
+    return SegmentSum
+
+
+# The body of a torch.library op runs with autograd's dispatch keys excluded (below autograd): a tensor made there
+# never records a graph, whatever the grad mode. The objective's gradient is taken with autograd nonetheless, so
+# these keys are put back for that one computation (torch.func.grad would work too, but not under an outer
+# TorchDispatchMode, and the Triton segment-sum op's autograd is not a torch.func one).
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
+
+
+def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_entropy, token_kind, sample_index,
+                        inputs: LossInputs, options: LossOptions, segment_sum):
+    """(d loss / d logp, d loss / d entropy) [n] fp32 on the chunk `rows`: the objective on [N] vectors holding the
+    chunk's live values and, elsewhere, the detached known ones (module docstring)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        logp = logp_rows.detach().requires_grad_(True)
+        entropy = entropy_rows.detach().requires_grad_(True)
+        loss = erpo_objective(torch.cat((known_logp[:rows.start], logp, known_logp[rows.stop:])),
+                              torch.cat((known_entropy[:rows.start], entropy, known_entropy[rows.stop:])),
+                              token_kind, sample_index, inputs=inputs, options=options, segment_sum=segment_sum).loss
+        if not loss.requires_grad:  # no term reads these rows
+            return torch.zeros_like(logp_rows), torch.zeros_like(entropy_rows)
+        return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+
+
+def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
+                   options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
+                   needs: Tuple[bool, bool, bool]):
+    """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
+    targets [N] int64 (-100 on rows of kind 0). Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
+    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
+    num_rows, hidden_dim = hidden.shape
+    vocab_size = weight.shape[0]
+    transform = options.logit_transform
+    max_rows = min(max(num_rows, 1), chunk_rows(vocab_size, hidden_dim, hidden.dtype, hidden.device, kernels,
+                                                workspace_bytes))
+    gather = options.top_entropy_gather is not None
+    plan = plan_chunks(
+        token_kind.cpu().numpy(), sample_index.cpu().numpy(), inputs.advantages.shape[0], max_rows,
+        query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
+                    and inputs.ref_query_logp is not None),
+        response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
+                         or options.off_policy_mask_threshold is not None),
+        all_response_entropies=options.top_entropy_quantile < 1 and (
+            not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
+    buffer = hidden.new_empty(max_rows, vocab_size)
+    known_logp = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
+    known_entropy = torch.zeros_like(known_logp)
+    if plan.prepass_rows.size:
+        prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
+        known_logp[prepass], known_entropy[prepass] = logp_entropy_of_rows(
+            hidden, weight, bias, targets, prepass, transform, kernels, max_rows, buffer)
+    needs_hidden, needs_weight, needs_bias = needs
+    logp_out, entropy_out = torch.empty_like(known_logp), torch.empty_like(known_logp)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=weight.device) if needs_bias else None
+    for start, stop in plan.chunks:
+        rows = slice(start, stop)
+        hidden_rows, row_targets = hidden[rows], targets[rows]
+        logits = buffer[:stop - start]
+        _write_logits(logits, hidden_rows, weight, bias)
+        logp, entropy, lse = kernels.forward(logits, row_targets, transform)
+        logp_out[rows], entropy_out[rows] = logp, entropy
+        grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
+                                                      sample_index, inputs, options, segment_sum)
+        kernels.backward_inplace(logits, row_targets, lse, entropy, grad_logp.contiguous(),
+                                 grad_entropy.contiguous(), transform)
+        if needs_hidden:
+            torch.matmul(logits, weight, out=grad_hidden[rows])
+        if needs_weight:
+            receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
+            _accumulate_product(grad_weight, logits.t(), torch.where(receives, hidden_rows, 0.0))
+        if needs_bias:
+            grad_bias += logits.sum(0, dtype=torch.float32)
+    return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
+
+
+# The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
+# one string (their numbers, strings, booleans and None), the tensor-valued num_items / num_seqs as tensors,
+# and the entropy filter's gathered pool, when the caller gathers one, as a tensor.
+_TENSOR_OPTIONS = ("num_items", "num_seqs", "top_entropy_gather")
+OpOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def options_argument(options: LossOptions) -> str:
+    """The op's `options` string, "name=repr;..." of every LossOptions field but the gather and num_items / num_seqs
+    when tensors (an f-string of constants, which torch.compile folds; json.dumps it cannot trace)."""
+    return ";".join(f"{name}={getattr(options, name)!r}" for name in OPTION_NAMES
+                    if name not in _TENSOR_OPTIONS or (name != "top_entropy_gather"
+                                                      and not isinstance(getattr(options, name), torch.Tensor)))
+
+
+def options_from_argument(options: str, **tensor_options) -> LossOptions:
+    """The LossOptions of an `options_argument` string, with the tensor-valued ones added."""
+    values = dict(item.split("=", 1) for item in options.split(";"))
+    return LossOptions(**{name: ast.literal_eval(value) for name, value in values.items()}, **tensor_options)
+
+
+@torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", mutates_args=())
+def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
+                      advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
+                      query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
+                      ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
+                      rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
+                      num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
+                      kernels: str, workspace_bytes: int, needs_hidden: bool, needs_weight: bool,
+                      needs_bias: bool) -> OpOutputs:
+    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
+    ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
+    gradient scales the stored ones (loss = objective value + anchor)."""
+    extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
+    if entropy_pool is not None:
+        extra["top_entropy_gather"] = lambda _entropies: entropy_pool
+    opts = options_from_argument(options, **extra)
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    logp, entropy, *grads = loss_gradients(
+        hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
+        segment_sum_class(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias))
+    anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
+
+
+@loss_gradients_op.register_fake
+def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
+      ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
+      needs_hidden, needs_weight, needs_bias):
+    logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
+             for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
+    return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
+
+
+def _setup_context(ctx, inputs, output):
+    logp, entropy, _anchor, *grads = output
+    ctx.save_for_backward(*grads)
+    ctx.mark_non_differentiable(logp, entropy, *grads)
+
+
+def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
+    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward())."""
+    grads = [grad * grad_anchor if needed and grad.numel() else None
+             for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
+    return (*grads, *([None] * 19))
+
+
+loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)
