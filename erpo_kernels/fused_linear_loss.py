@@ -32,6 +32,7 @@ vectors.
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -46,7 +47,7 @@ from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
 # fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
-TORCH_ROW_TEMPORARY_BYTES = 16
+TORCH_ROW_TEMPORARY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,20 @@ ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_
                                    TORCH_ROW_TEMPORARY_BYTES)}
 
 
-def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
-               workspace_bytes: int) -> int:
-    """Rows of one chunk: what fits `workspace_bytes` (at least 1): per row the [V] logits buffer row, the row pass's
-    temporaries, the masked hidden row [D] and, off CUDA, the fp32 copy of the dlogits row that the d weight
-    accumulation upcasts (CUDA accumulates bf16 / fp16 products into fp32 inside the GEMM)."""
+def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
+                        kernels: RowKernels) -> int:
+    """Workspace bytes of one chunk row: its [V] logits buffer row, the row pass's temporaries, its masked hidden
+    row [D] and, off CUDA, the fp32 copies of both that the d weight accumulation upcasts (CUDA accumulates bf16 /
+    fp16 products into fp32 inside the GEMM)."""
     item = torch.empty((), dtype=dtype).element_size()
     upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
-    per_row = vocab_size * (item + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
-    return max(1, workspace_bytes // per_row)
+    return vocab_size * (item + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
+
+
+def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
+               workspace_bytes: int) -> int:
+    """Rows of one chunk: as many as `workspace_bytes` holds (`bytes_per_chunk_row`), at least 1."""
+    return max(1, workspace_bytes // bytes_per_chunk_row(vocab_size, hidden_dim, dtype, device, kernels))
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,9 @@ class ChunkPlan:
 
 def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, max_rows: int, *,
                 query_sums: bool, response_values: bool, all_response_entropies: bool) -> ChunkPlan:
-    """Cut [0, N) into chunks of at most `max_rows` rows, each ending where no sample has rows on both sides when
-    such a cut exists within reach (else at `max_rows`, splitting a sample), and list the pre-pass rows: every
+    """Cut [0, N) into chunks of at most `max_rows` rows, each ending at the last place no sample has rows on both
+    sides when that leaves the chunk at least half full (else at `max_rows`, splitting a sample), and list the
+    pre-pass rows: every
     response row when `all_response_entropies` (the entropy filter); else of the samples a cut splits, their query
     rows when `query_sums` (the Query-KL reads ell_theta(q)) and their response rows when `response_values`
     (sequence-level ratio, VESPO, off-policy mask). token_kind, sample_index: host [N] integer arrays."""
@@ -123,12 +130,13 @@ def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: i
         stop = min(start + max_rows, num_rows)
         if stop < num_rows:
             k = np.searchsorted(clean_cuts, stop, side="right") - 1
-            if k >= 0 and clean_cuts[k] > start:
-                stop = int(clean_cuts[k])
+            if k >= 0 and clean_cuts[k] - start >= (stop - start) / 2:  # else a sample longer than the rest of the
+                stop = int(clean_cuts[k])                                 # chunk is split (cheaper than a thin GEMM)
         chunks.append((start, stop))
         start = stop
     cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
-    split = present & (np.searchsorted(cuts, last, side="left") > np.searchsorted(cuts, first, side="right"))
+    # a cut c splits sample s when first_s < c <= last_s
+    split = present & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
     is_split_row = np.zeros(num_rows, dtype=bool)
     is_split_row[rows] = split[samples]
     needed = np.zeros(num_rows, dtype=bool)
@@ -149,15 +157,23 @@ def _write_logits(out, hidden_rows, weight, bias):
         torch.addmm(bias, hidden_rows, weight.t(), out=out)
 
 
-def _accumulate_product(accumulator, a, b):
-    """accumulator [m, k] fp32 += a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the fp32
-    product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
+def _accumulate_product(accumulator, a, b, alpha: float = 1.0):
+    """accumulator [m, k] fp32 += alpha * a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the
+    fp32 product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
     if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b)
+        accumulator.addmm_(a, b, alpha=alpha)
     elif accumulator.is_cuda:
-        torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+        torch.addmm(accumulator, a, b, alpha=alpha, out_dtype=torch.float32, out=accumulator)
     else:
-        accumulator.addmm_(a.float(), b.float())
+        accumulator.addmm_(a.float(), b.float(), alpha=alpha)
+
+
+def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
+    """A power of two s with s * max |grad| in [1, 2) (1 when all are 0 or one is not finite). fp16 dlogits,
+    g p_j / T, fall below fp16's smallest subnormal (6e-8) for a token-mean's g ~ 1 / N and p_j ~ 1 / V: the
+    chunk's dlogits are written times s, and the GEMMs that read them multiply by 1 / s in fp32 (one host sync)."""
+    peak = float(torch.maximum(grad_logp.abs().max(), grad_entropy.abs().max())) if grad_logp.numel() else 0.0
+    return 2.0 ** -math.floor(math.log2(peak)) if 0 < peak < math.inf else 1.0
 
 
 def logp_entropy_of_rows(hidden, weight, bias, targets, rows: torch.Tensor, transform: LogitTransform,
@@ -259,15 +275,16 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         logp_out[rows], entropy_out[rows] = logp, entropy
         grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
                                                       sample_index, inputs, options, segment_sum)
-        kernels.backward_inplace(logits, row_targets, lse, entropy, grad_logp.contiguous(),
-                                 grad_entropy.contiguous(), transform)
-        if needs_hidden:
-            torch.matmul(logits, weight, out=grad_hidden[rows])
+        scale = _fp16_gradient_scale(grad_logp, grad_entropy) if hidden.dtype == torch.float16 else 1.0
+        kernels.backward_inplace(logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
+                                 (grad_entropy * scale).contiguous(), transform)
+        if needs_hidden:  # beta = 0: the rows' old contents are not read
+            torch.addmm(grad_hidden[rows], logits, weight, beta=0, alpha=1 / scale, out=grad_hidden[rows])
         if needs_weight:
             receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
-            _accumulate_product(grad_weight, logits.t(), torch.where(receives, hidden_rows, 0.0))
+            _accumulate_product(grad_weight, logits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
         if needs_bias:
-            grad_bias += logits.sum(0, dtype=torch.float32)
+            grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=1 / scale)
     return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype))
 

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 
 # The tiers (markers registered in pytest.ini), by test file. Unlisted files are the fast unit tests of erpo.
 TIERS = {
-    "kernels": ("test_reference.py", "test_triton_logits.py", "test_fused_linear.py", "test_errors.py",
-                "test_kernel_seams.py", "test_layout.py", "test_compile_hopper.py"),
+    "kernels": ("test_reference.py", "test_triton_logits.py", "test_fused_linear.py", "test_fused_linear_loss.py",
+                "test_errors.py", "test_kernel_seams.py", "test_layout.py", "test_compile_hopper.py"),
     "distributed": ("test_multirank.py", "test_zero3.py", "test_fsdp2.py", "test_distributed.py"),
     "e2e": ("test_trainer.py", "test_resume.py", "test_lora_train.py", "test_compare.py", "test_readme_examples.py",
             "test_trl_integration.py", "test_bench_smoke.py", "test_cli.py"),
