@@ -157,6 +157,41 @@ def _write_logits(out, hidden_rows, weight, bias):
         torch.addmm(bias, hidden_rows, weight.t(), out=out)
 
 
+INVARIANT_ROWS = 256  # batch_invariant=True: every logits GEMM is [INVARIANT_ROWS, D] x [D, V]
+
+
+class LogitsBuffer:
+    """The one [rows, V] buffer the chunks' logits are formed in (hidden's dtype), rows >= `max_rows`.
+
+    cuBLAS chooses its kernel, and with it the order of each dot product's summation, by the GEMM's shape, so a
+    row's logits can differ in the last bits with the number of rows it is multiplied with. With batch_invariant
+    every GEMM has INVARIANT_ROWS rows (a chunk's last piece zero-padded in a staging copy): a row's logits, and so
+    its log-prob and entropy, then do not depend on the rest of the batch. Cost: the padded rows' FLOPs (under
+    INVARIANT_ROWS per chunk; a batch of fewer rows still pays INVARIANT_ROWS) and GEMMs of INVARIANT_ROWS rows.
+    """
+
+    def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool):
+        self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+        rows = -(-max_rows // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_rows
+        self.buffer = hidden.new_empty(rows, weight.shape[0])
+        self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
+
+    def logits(self, hidden_rows):
+        """[n, V] view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
+        num_rows = hidden_rows.shape[0]
+        if not self.batch_invariant:
+            _write_logits(self.buffer[:num_rows], hidden_rows, self.weight, self.bias)
+            return self.buffer[:num_rows]
+        for start in range(0, num_rows, INVARIANT_ROWS):
+            piece = hidden_rows[start:start + INVARIANT_ROWS]
+            if piece.shape[0] < INVARIANT_ROWS:
+                self.staging[:piece.shape[0]] = piece
+                self.staging[piece.shape[0]:] = 0
+                piece = self.staging
+            _write_logits(self.buffer[start:start + INVARIANT_ROWS], piece, self.weight, self.bias)
+        return self.buffer[:num_rows]
+
+
 def _accumulate_product(accumulator, a, b, alpha: float = 1.0):
     """accumulator [m, k] fp32 += alpha * a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the
     fp32 product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
@@ -176,29 +211,36 @@ def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
     return 2.0 ** -math.floor(math.log2(peak)) if 0 < peak < math.inf else 1.0
 
 
-def logp_entropy_of_rows(hidden, weight, bias, targets, rows: torch.Tensor, transform: LogitTransform,
-                         kernels: RowKernels, max_rows: int, buffer: torch.Tensor):
+def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTransform, kernels: RowKernels,
+                         max_rows: int, logits_buffer: LogitsBuffer):
     """Forward only: (logp, entropy) [P] fp32 of the P rows `rows` (int64 [P] on hidden's device) in pieces of
-    `max_rows` rows through `buffer` [>= max_rows, V]."""
+    `max_rows` rows through `logits_buffer`."""
     logp = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
     entropy = torch.empty_like(logp)
     for piece in index_slices(rows.shape[0], max_rows):
         index = rows[piece]
-        logits = buffer[:index.shape[0]]
-        _write_logits(logits, hidden.index_select(0, index), weight, bias)
+        logits = logits_buffer.logits(hidden.index_select(0, index))
         logp[piece], entropy[piece], _ = kernels.forward(logits, targets.index_select(0, index), transform)
     return logp, entropy
 
 
+def workspace_rows(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
+                   batch_invariant: bool) -> int:
+    """Rows of a chunk: what the budget holds (`chunk_rows`), no more than N; a multiple of INVARIANT_ROWS (at
+    least one) with batch_invariant."""
+    rows = min(max(num_rows, 1), chunk_rows(weight.shape[0], hidden.shape[1], hidden.dtype, hidden.device, kernels,
+                                            workspace_bytes))
+    return max(INVARIANT_ROWS, rows // INVARIANT_ROWS * INVARIANT_ROWS) if batch_invariant else rows
+
+
 def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
-                       workspace_bytes: int) -> torch.Tensor:
+                       workspace_bytes: int, batch_invariant: bool) -> torch.Tensor:
     """Forward only: entropy [n] fp32 of the n response rows (token_kind == 2), in row order (the entropy filter's
     pool, before a caller's top_entropy_gather)."""
     rows = (token_kind == 2).nonzero().squeeze(1)
-    max_rows = max(1, min(rows.shape[0], chunk_rows(weight.shape[0], hidden.shape[1], hidden.dtype, hidden.device,
-                                                    kernels, workspace_bytes)))
-    buffer = hidden.new_empty(max_rows, weight.shape[0])
-    return logp_entropy_of_rows(hidden, weight, bias, targets, rows, transform, kernels, max_rows, buffer)[1]
+    max_rows = workspace_rows(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
+    return logp_entropy_of_rows(hidden, targets, rows, transform, kernels, max_rows, logits_buffer)[1]
 
 
 def segment_sum_class(triton: bool):
@@ -236,15 +278,14 @@ def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
-                   needs: Tuple[bool, bool, bool]):
+                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0). Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
     d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
     num_rows, hidden_dim = hidden.shape
     vocab_size = weight.shape[0]
     transform = options.logit_transform
-    max_rows = min(max(num_rows, 1), chunk_rows(vocab_size, hidden_dim, hidden.dtype, hidden.device, kernels,
-                                                workspace_bytes))
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
     plan = plan_chunks(
         token_kind.cpu().numpy(), sample_index.cpu().numpy(), inputs.advantages.shape[0], max_rows,
@@ -254,13 +295,13 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    buffer = hidden.new_empty(max_rows, vocab_size)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
     known_logp = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
     known_entropy = torch.zeros_like(known_logp)
     if plan.prepass_rows.size:
         prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
         known_logp[prepass], known_entropy[prepass] = logp_entropy_of_rows(
-            hidden, weight, bias, targets, prepass, transform, kernels, max_rows, buffer)
+            hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
     needs_hidden, needs_weight, needs_bias = needs
     logp_out, entropy_out = torch.empty_like(known_logp), torch.empty_like(known_logp)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
@@ -269,8 +310,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     for start, stop in plan.chunks:
         rows = slice(start, stop)
         hidden_rows, row_targets = hidden[rows], targets[rows]
-        logits = buffer[:stop - start]
-        _write_logits(logits, hidden_rows, weight, bias)
+        logits = logits_buffer.logits(hidden_rows)
         logp, entropy, lse = kernels.forward(logits, row_targets, transform)
         logp_out[rows], entropy_out[rows] = logp, entropy
         grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
@@ -318,8 +358,8 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
                       ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
                       rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                       num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
-                      kernels: str, workspace_bytes: int, needs_hidden: bool, needs_weight: bool,
-                      needs_bias: bool) -> OpOutputs:
+                      kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
+                      needs_weight: bool, needs_bias: bool) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
     ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
     gradient scales the stored ones (loss = objective value + anchor)."""
@@ -331,7 +371,8 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     logp, entropy, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
-        segment_sum_class(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias))
+        segment_sum_class(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
+        batch_invariant)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
@@ -339,24 +380,36 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 @loss_gradients_op.register_fake
 def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
-      needs_hidden, needs_weight, needs_bias):
+      batch_invariant, needs_hidden, needs_weight, needs_bias):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
              for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
     return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
 
 
+def check_weight_unchanged(weight, forward_shape) -> None:
+    """Raise when the weight's shape changed since the forward: DeepSpeed ZeRO-3 re-partitioned it (a backward
+    after the `whole_lm_head` block)."""
+    if weight.shape != forward_shape:
+        raise RuntimeError(f"the weight changed shape between forward {tuple(forward_shape)} and backward "
+                           f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
+                           f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
+
+
 def _setup_context(ctx, inputs, output):
     logp, entropy, _anchor, *grads = output
-    ctx.save_for_backward(*grads)
+    ctx.save_for_backward(inputs[1], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
+    ctx.weight_shape = inputs[1].shape
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
 def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
     """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward())."""
+    weight, *stored = ctx.saved_tensors
+    check_weight_unchanged(weight, ctx.weight_shape)
     grads = [grad * grad_anchor if needed and grad.numel() else None
-             for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
-    return (*grads, *([None] * 19))
+             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
+    return (*grads, *([None] * 20))
 
 
 loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)

@@ -80,12 +80,13 @@ def leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-def fused_and_logits_path(batch, tensors, backend, rows, **options):
+def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, **options):
     """((fused LossOutput, grads), (logits-path LossOutput, grads)) with chunks of `rows` rows."""
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     ours = leaves(*tensors)
     out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
-                                 workspace_bytes=budget_for(rows, tensors[0].dtype, backend), **inputs, **options)
+                                 workspace_bytes=budget_for(rows, tensors[0].dtype, backend),
+                                 batch_invariant=batch_invariant, **inputs, **options)
     out.loss.backward()
     ref = leaves(*tensors)
     logits = ref[0] @ ref[1].t() if ref[2] is None else torch.addmm(ref[2], ref[0], ref[1].t())
@@ -220,6 +221,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, exempt_shapes):
         super().__init__()
         self.flops = 0
+        self.logits_gemm_rows = []
         self.launches = {"forward": 0, "backward": 0}
         self.exempt = {tuple(s) for s in exempt_shapes}
         self.live = self.peak_workspace = self.largest_rows = 0
@@ -232,6 +234,8 @@ class Recorder(TorchDispatchMode):
         if packet in self.MATMULS or packet in (torch.ops.aten.addmm_,):
             a, b = (args[0], args[1]) if packet is torch.ops.aten.mm else (args[1], args[2])
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            if b.shape[1] == VOCAB:
+                self.logits_gemm_rows.append(a.shape[0])
         if packet is torch.ops.erpo.triton_logp_entropy:
             self.launches["forward"] += 1
         if packet is torch.ops.erpo.triton_logp_entropy_backward_inplace:
@@ -248,7 +252,7 @@ class Recorder(TorchDispatchMode):
         return result
 
 
-def record(batch, tensors, rows, backend="triton", needs=(True, True), **options):
+def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_invariant=False, **options):
     """Run the chunk pass itself (inside the op a dispatch mode sees nothing) under a Recorder; needs: d hidden,
     d weight (d bias with a bias)."""
     hidden, weight, bias = tensors
@@ -259,7 +263,7 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), **options
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                chunked.ROW_KERNELS[backend], chunked.segment_sum_class(backend == "triton"),
-                               budget_for(rows, hidden.dtype, backend), needs)
+                               budget_for(rows, hidden.dtype, backend), needs, batch_invariant)
     return recorder
 
 
@@ -306,20 +310,36 @@ def test_results_repeat_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(first_grads, second_grads))
 
 
-def test_a_rows_logprob_does_not_depend_on_the_rest_of_the_batch():
-    """Sample 0 alone, and first in a batch of 9 cut into other chunks: the same log-probs bit for bit."""
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_rows_logprob_does_not_depend_on_the_rest_of_the_batch(monkeypatch, batch_invariant):
+    """Sample 0 alone, and first in a batch of 9 cut into other chunks: the same log-probs bit for bit. (On CPU
+    without batch_invariant too; on CUDA only batch_invariant promises it: cuBLAS picks its kernel by shape.)"""
+    monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
     batch = packed_batch(SAMPLES)
     alone = packed_batch(SAMPLES[:1])
     hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16)
     rows = len(alone["targets"])
     inputs = {k: v for k, v in alone.items() if k not in ROW_TENSORS}
     small = fused_linear_erpo_loss(hidden[:rows], weight, *(alone[k] for k in ROW_TENSORS), bias=bias,
-                                   backend="triton", **inputs)
+                                   backend="triton", batch_invariant=batch_invariant, **inputs)
     whole = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
-                                   workspace_bytes=budget_for(5, torch.bfloat16),
+                                   workspace_bytes=budget_for(5, torch.bfloat16), batch_invariant=batch_invariant,
                                    **{k: v for k, v in batch.items() if k not in ROW_TENSORS})
     assert torch.equal(small.token_logp, whole.token_logp[:rows])
     assert torch.equal(small.entropy, whole.entropy[:rows])
+
+
+def test_batch_invariant_gemms_have_one_shape(monkeypatch):
+    """batch_invariant: every logits GEMM (forward and pre-pass) has INVARIANT_ROWS rows, the same loss."""
+    monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
+    batch = packed_batch(SAMPLES)
+    tensors = linear(len(batch["targets"]), torch.float32)
+    plain = record(batch, tensors, rows=9, ratio_level="sequence")
+    invariant = record(batch, tensors, rows=9, batch_invariant=True, ratio_level="sequence")
+    assert set(invariant.logits_gemm_rows) == {4} and len(set(plain.logits_gemm_rows)) > 1
+    (out, grads), expected = fused_and_logits_path(batch, tensors, "triton", rows=9, batch_invariant=True,
+                                                   ratio_level="sequence")
+    assert_same_loss((out, grads), expected)
 
 
 def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm():
@@ -354,7 +374,7 @@ def test_opcheck(kernels):
     torch.library.opcheck(chunked.loss_gradients_op, (
         hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
         *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
-        budget_for(5), True, True, True))
+        budget_for(5), False, True, True, True))
 
 
 def test_fp16_keeps_tiny_dlogits(monkeypatch):
