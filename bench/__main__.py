@@ -30,8 +30,9 @@ def parse_args(argv):
     parser.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b",
                         help="comma list of lm_heads: qwen2.5-7b, qwen2.5-32b, or DxV (default: both Qwen2.5)")
     parser.add_argument("--n", default="4096,16384,65536", help="comma list of token-row counts N")
-    parser.add_argument("--contenders", default="erpo,torch,compile,liger,cce",
-                        help="comma list of: erpo, torch, compile, liger, cce (default: all)")
+    parser.add_argument("--contenders", default="erpo,erpo-invariant,torch,compile,liger,cce",
+                        help="comma list of: erpo, erpo-invariant (fused path: batch_invariant=True), torch, "
+                             "compile, liger, cce (default: all)")
     parser.add_argument("--paths", default="logits,fused", help="comma list of: logits, fused (default: both)")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing")

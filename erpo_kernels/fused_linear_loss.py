@@ -2,11 +2,13 @@
 
 Per chunk c of whole samples (a sample-aligned row range, as many rows as `workspace_bytes` allows):
 
-    logits_c  = hidden_c @ W.T (+ bias)          one GEMM (cuBLAS on CUDA) into one reused [rows, V] buffer, in
-                                                 hidden's dtype (the logits an unfused lm_head would produce)
+    logits_c  = hidden_c @ W.T (+ bias)          one GEMM (cuBLAS on CUDA) with fp32 output into one reused
+                                                 [rows, V] fp32 buffer (never rounded to bf16: the Query-KL sums a
+                                                 prompt's log-probs, where bf16 logits' 0.01-nat errors add up)
     logp_c, H_c, lse_c                           the per-row softmax pass of the logits path (Triton, or torch)
     g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the objective (objective.py) on [N] vectors, differentiated
-    dlogits_c                                    written over logits_c by the logits path's in-place backward
+    dlogits_c                                    by the logits path's backward, in hidden's dtype, written over
+                                                 the first half of each fp32 logits row (`gradient_view`)
     dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
     dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
                                                  first, so a non-finite padding row cannot poison dW)
@@ -42,7 +44,7 @@ import torch
 from .common import index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .segment import SegmentSum
-from .torch_fused_linear import torch_rows_backward_inplace, torch_rows_forward
+from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
 from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
@@ -52,16 +54,17 @@ TORCH_ROW_TEMPORARY_BYTES = 32
 
 @dataclass(frozen=True)
 class RowKernels:
-    """The per-row softmax work on one chunk of logits [n, V] (the logits path's kernels).
+    """The per-row softmax work on one chunk of fp32 logits [n, V] (the logits path's kernels).
 
     forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
-    backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): logits := d logits
+    backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): writes d logits
+        into grad_logits [n, V] (any float dtype; it may alias `logits` row by row, see `gradient_view`)
     temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
     """
 
     name: str
     forward: Callable
-    backward_inplace: Callable
+    backward_into: Callable
     temporary_bytes_per_logit: int
 
 
@@ -69,24 +72,32 @@ def _triton_forward(logits, targets, transform: LogitTransform):
     return torch.ops.erpo.triton_logp_entropy(logits, targets, *transform.op_arguments(), False)
 
 
-def _triton_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform):
-    torch.ops.erpo.triton_logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy,
-                                                        *transform.op_arguments())
+def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                          transform: LogitTransform):
+    # The logits path's backward launcher (inside this op's body no op boundary is needed): one program per row,
+    # each vocabulary block loaded before its gradient is stored, so an output aliasing the row's first half is safe.
+    from .triton_logits import _launch_backward
+    _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
 
 
-ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_inplace, 0),
-               "torch": RowKernels("torch", torch_rows_forward, torch_rows_backward_inplace,
+def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                         transform: LogitTransform):
+    grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0),
+               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
                                    TORCH_ROW_TEMPORARY_BYTES)}
 
 
 def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
                         kernels: RowKernels) -> int:
-    """Workspace bytes of one chunk row: its [V] logits buffer row, the row pass's temporaries, its masked hidden
-    row [D] and, off CUDA, the fp32 copies of both that the d weight accumulation upcasts (CUDA accumulates bf16 /
-    fp16 products into fp32 inside the GEMM)."""
+    """Workspace bytes of one chunk row: its [V] fp32 logits buffer row, the row pass's temporaries, its masked
+    hidden row [D] and, off CUDA, the fp32 copies of the dlogits and hidden rows that the d weight accumulation
+    upcasts (CUDA multiplies bf16 / fp16 operands into fp32 inside the GEMM)."""
     item = torch.empty((), dtype=dtype).element_size()
     upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
-    return vocab_size * (item + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
+    return vocab_size * (4 + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
 
 
 def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
@@ -150,18 +161,39 @@ def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: i
 
 
 def _write_logits(out, hidden_rows, weight, bias):
-    """out [n, V] := hidden_rows @ weight.T (+ bias), one GEMM (bias added in its epilogue) in hidden's dtype."""
-    if bias is None:
-        torch.matmul(hidden_rows, weight.t(), out=out)
+    """out [n, V] fp32 := hidden_rows @ weight.T (+ bias): one GEMM with fp32 output (on CUDA the bf16 / fp16
+    operands' products summed in fp32 and never rounded to their dtype; elsewhere in fp32), the bias in its
+    epilogue."""
+    if hidden_rows.dtype == torch.float32:
+        operands = (hidden_rows, weight.t())
+        extra = {}
+    elif out.is_cuda:
+        operands = (hidden_rows, weight.t())
+        extra = {"out_dtype": torch.float32}
     else:
-        torch.addmm(bias, hidden_rows, weight.t(), out=out)
+        operands = (hidden_rows.float(), weight.float().t())
+        extra = {}
+    if bias is None:
+        torch.mm(*operands, out=out, **extra)
+    else:
+        torch.addmm(bias.float(), *operands, out=out, **extra)
+
+
+def gradient_view(logits, dtype):
+    """Where the chunk's dlogits go: the fp32 logits [n, V] themselves for fp32 inputs; else a [n, V] view of dtype
+    (row stride 2 V) on the first half of each fp32 logits row, so no second buffer is needed. Writing entry j of a
+    row overwrites fp32 entry j // 2 <= j of the same row, which a row pass that reads each vocabulary block before
+    it stores that block's gradient (both row kernels; blocks in ascending order) has already read."""
+    if dtype == torch.float32:
+        return logits
+    return logits.view(dtype)[:, :logits.shape[1]]
 
 
 INVARIANT_ROWS = 256  # batch_invariant=True: every logits GEMM is [INVARIANT_ROWS, D] x [D, V]
 
 
 class LogitsBuffer:
-    """The one [rows, V] buffer the chunks' logits are formed in (hidden's dtype), rows >= `max_rows`.
+    """The one [rows, V] fp32 buffer the chunks' logits are formed in, rows >= `max_rows`.
 
     cuBLAS chooses its kernel, and with it the order of each dot product's summation, by the GEMM's shape, so a
     row's logits can differ in the last bits with the number of rows it is multiplied with. With batch_invariant
@@ -173,11 +205,11 @@ class LogitsBuffer:
     def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool):
         self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
         rows = -(-max_rows // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_rows
-        self.buffer = hidden.new_empty(rows, weight.shape[0])
+        self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
 
     def logits(self, hidden_rows):
-        """[n, V] view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
+        """[n, V] fp32 view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
             _write_logits(self.buffer[:num_rows], hidden_rows, self.weight, self.bias)
@@ -316,15 +348,16 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
                                                       sample_index, inputs, options, segment_sum)
         scale = _fp16_gradient_scale(grad_logp, grad_entropy) if hidden.dtype == torch.float16 else 1.0
-        kernels.backward_inplace(logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
-                                 (grad_entropy * scale).contiguous(), transform)
+        dlogits = gradient_view(logits, hidden.dtype)
+        kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
+                              (grad_entropy * scale).contiguous(), transform)
         if needs_hidden:  # beta = 0: the rows' old contents are not read
-            torch.addmm(grad_hidden[rows], logits, weight, beta=0, alpha=1 / scale, out=grad_hidden[rows])
+            torch.addmm(grad_hidden[rows], dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden[rows])
         if needs_weight:
             receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
-            _accumulate_product(grad_weight, logits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
+            _accumulate_product(grad_weight, dlogits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
         if needs_bias:
-            grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=1 / scale)
+            grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=1 / scale)
     return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype))
 

@@ -94,13 +94,13 @@ def torch_rows_forward(logits, targets, transform):
     return merge_partials(*(part.unsqueeze(0) for part in (*softmax_partials(z), target_logit)), targets)
 
 
-def torch_rows_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, transform):
-    """Overwrite logits [n, V] with d logits of sum(grad_logp * logp + grad_entropy * entropy) (all [n] fp32): the
-    torch twin of erpo::triton_logp_entropy_backward_inplace."""
+def torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform):
+    """d logits [n, V] fp32 of sum(grad_logp * logp + grad_entropy * entropy) (all [n] fp32) on the logits [n, V]
+    of n whole rows: the torch twin of erpo::triton_logp_entropy_backward."""
     grad_logp = torch.where(targets != IGNORE_INDEX, grad_logp, 0.0)
     receives_gradient = rows_receiving_gradient(targets, grad_logp, grad_entropy)
-    logits.copy_(grad_of_logits_block(logits.float(), slice(0, logits.shape[1]), targets, transform, lse, entropy,
-                                      grad_logp, grad_entropy, receives_gradient))
+    return grad_of_logits_block(logits.float(), slice(0, logits.shape[1]), targets, transform, lse, entropy,
+                                grad_logp, grad_entropy, receives_gradient)
 
 
 def torch_fused_linear_backward(hidden, weight, bias, targets, transform, lse, entropy,

@@ -162,15 +162,13 @@ def test_fp16_keeps_tiny_logit_gradients():
 
 
 def erpo_both_ways(batch, hidden, weight, bias, backend, **options):
-    """(fused LossOutput, its grads) and (logits-path LossOutput, its grads) on the same batch: the logits path on
-    hidden @ weight.T + bias formed in the inputs' dtype, as the fused loss forms each chunk's logits."""
+    """(fused LossOutput, its grads) and (logits-path LossOutput, its grads) on the same batch."""
     ours = leaves(hidden, weight, bias)
     out = fused_linear_erpo_loss(ours[0], ours[1], batch["targets"], batch["token_kind"], batch["sample_index"],
                                  bias=ours[2], backend=backend, **loss_inputs(batch), **options)
     out.loss.backward()
-    ref = leaves(hidden, weight, bias)  # the logits an unfused lm_head makes: in the inputs' dtype, one rounding
-    logits = ref[0] @ ref[1].t() if bias is None else torch.addmm(ref[2], ref[0], ref[1].t())
-    expected = erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"],
+    ref = leaves(hidden.float(), weight.float(), None if bias is None else bias.float())
+    expected = erpo_loss(logits_of(*ref), batch["targets"], batch["token_kind"], batch["sample_index"],
                          backend="torch", **loss_inputs(batch), **options)
     expected.loss.backward()
     return (out, grads_of(ours)), (expected, grads_of(ref))
