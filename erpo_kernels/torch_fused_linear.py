@@ -68,6 +68,41 @@ def torch_fused_linear_forward(hidden, weight, bias, targets, transform):
     return logp, entropy, lse
 
 
+def grad_of_logits_block(logits, cols: slice, targets, transform, lse, entropy, grad_logp, grad_entropy,
+                         receives_gradient):
+    """d logits [n, v] fp32 of sum(grad_logp * logp + grad_entropy * entropy) on the block `cols` of fp32 logits
+    [n, v] (before the transform) of n rows: targets, lse, entropy, grad_logp, grad_entropy, receives_gradient [n]
+    (module docstring of fused_linear.py: dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H), the target
+    entry formed as g_logp (1 - p_t)); rows that receive no gradient get exact zeros."""
+    log_p = transform_logits(logits, transform) - lse.unsqueeze(1)
+    p = log_p.exp()
+    g_logp, g_entropy = grad_logp.unsqueeze(1), grad_entropy.unsqueeze(1)
+    entropy_part = torch.where(p > 0, g_entropy * p * (log_p + entropy.unsqueeze(1)), 0.0)
+    dz = -g_logp * p - entropy_part
+    index, inside = _target_columns(targets, cols)
+    target_dz = g_logp * (1.0 - p.gather(1, index)) - entropy_part.gather(1, index)
+    dz.scatter_(1, index, torch.where(inside, target_dz, dz.gather(1, index)))
+    return torch.where(receives_gradient.unsqueeze(1), dz * transform_slope(logits, transform), 0.0)
+
+
+def torch_rows_forward(logits, targets, transform):
+    """(logp, entropy, lse) [n] fp32 of the transformed logits [n, V] (any float dtype) of n whole rows; targets [n]
+    int64, -100 = ignored: the torch twin of the Triton op erpo::triton_logp_entropy."""
+    z = transform_logits(logits.float(), transform)
+    index, inside = _target_columns(targets, slice(0, logits.shape[1]))
+    target_logit = torch.where(inside, z.gather(1, index), 0.0).squeeze(1)
+    return merge_partials(*(part.unsqueeze(0) for part in (*softmax_partials(z), target_logit)), targets)
+
+
+def torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform):
+    """d logits [n, V] fp32 of sum(grad_logp * logp + grad_entropy * entropy) (all [n] fp32) on the logits [n, V]
+    of n whole rows: the torch twin of erpo::triton_logp_entropy_backward."""
+    grad_logp = torch.where(targets != IGNORE_INDEX, grad_logp, 0.0)
+    receives_gradient = rows_receiving_gradient(targets, grad_logp, grad_entropy)
+    return grad_of_logits_block(logits.float(), slice(0, logits.shape[1]), targets, transform, lse, entropy,
+                                grad_logp, grad_entropy, receives_gradient)
+
+
 def torch_fused_linear_backward(hidden, weight, bias, targets, transform, lse, entropy,
                                 grad_logp, grad_entropy, needs_hidden: bool, needs_weight: bool, needs_bias: bool):
     """(d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy), each None
@@ -88,16 +123,9 @@ def torch_fused_linear_backward(hidden, weight, bias, targets, transform, lse, e
         for rows in index_slices(num_rows, block_rows):
             # rows that receive no gradient: zero dlogits and zero hidden rows (no 0 * NaN in d weight)
             hidden_rows = torch.where(receives_gradient[rows].unsqueeze(1), hidden[rows].float(), 0.0)
-            logits = _logits_block(hidden_rows, weight, bias, cols)
-            log_p = transform_logits(logits, transform) - lse[rows].unsqueeze(1)
-            p = log_p.exp()
-            g_logp, g_entropy = grad_logp[rows].unsqueeze(1), grad_entropy[rows].unsqueeze(1)
-            entropy_part = torch.where(p > 0, g_entropy * p * (log_p + entropy[rows].unsqueeze(1)), 0.0)
-            dz = -g_logp * p - entropy_part
-            index, inside = _target_columns(targets[rows], cols)
-            target_dz = g_logp * (1.0 - p.gather(1, index)) - entropy_part.gather(1, index)
-            dz.scatter_(1, index, torch.where(inside, target_dz, dz.gather(1, index)))
-            dlogits = torch.where(receives_gradient[rows].unsqueeze(1), dz * transform_slope(logits, transform), 0.0)
+            dlogits = grad_of_logits_block(_logits_block(hidden_rows, weight, bias, cols), cols, targets[rows],
+                                           transform, lse[rows], entropy[rows], grad_logp[rows], grad_entropy[rows],
+                                           receives_gradient[rows])
             if needs_hidden:
                 grad_hidden[rows] += dlogits @ weight_block
             if needs_weight:
