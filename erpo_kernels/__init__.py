@@ -7,8 +7,9 @@ backends), padded.py ([B, T] batches in TRL's layout), modules.py, layout.py, lm
 per-token vectors), common.py (torch helpers, the online log-sum-exp, the logit transform in torch). The torch
 reference: reference.py, segment.py, torch_fused_linear.py. The Triton path (imported only when Triton is installed;
 its passes are torch.library ops, compile-ready): triton_common.py (@triton.jit helpers), triton_logits.py,
-triton_fused_linear.py, triton_segment.py. Nothing on the reference side imports the Triton path (the import contract
-in setup.cfg, checked by tests/test_lint.py).
+triton_segment.py. fused_linear_loss.py runs the fused-linear row chunks (GEMMs in torch, cuBLAS on CUDA) on either
+side's per-row kernels. Nothing on the reference side imports the Triton path (the import contract in setup.cfg,
+checked by tests/test_lint.py).
 """
 from . import layout, lm_head, zero3
 from .api import MAX_QUERY_WEIGHT, erpo_loss, query_weights, token_logprobs
