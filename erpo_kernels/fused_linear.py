@@ -7,18 +7,19 @@ weight, never materializing the [N, V] logits (forward or backward).
 transform (`validation.LogitTransform`): times logit_scale, then logit_softcap * tanh(. / logit_softcap) when set,
 then / temperature.
 
-One torch.library op pair (`erpo::fused_linear_logp_entropy` and its backward) serves both backends; a backend
-(`FusedLinearKernels`) supplies a forward (logp, entropy, lse) and a backward (d hidden, d weight, d bias) that
-recomputes the logits block by block. The backward uses
+Two torch.library op pairs. `erpo::fused_linear_logp_entropy` (+ `_backward`), for `fused_linear_token_logprobs`:
+a forward in row chunks (one GEMM with fp32 output per chunk, then the logits path's per-row kernels), and a
+backward that forms each chunk's logits again (the gradient is not known in the forward: 8 N D V FLOPs in all),
     dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits_j = dz_j * slope_j,
 with the target entry formed in fp32 as g_logp (1 - p_t), and slope_j = d z_j / d logits_j = logit_scale / temperature,
-times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap.
-
-The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.py (Triton kernels).
+times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap; then d hidden and d weight by two GEMMs.
+`erpo::fused_linear_erpo_loss_gradients`, for `fused_linear_erpo_loss`: the gradients formed in the forward (6 N D V;
+fused_linear_loss.py). Both backends ("torch", "triton") differ only in the per-row kernels.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -32,10 +33,11 @@ from .fused_linear_loss import (
     loss_gradients_op,
     options_argument,
     response_entropies,
+    token_backward,
+    token_forward,
 )
 from .lm_head import is_dtensor
 from .objective import LossOutput, erpo_objective
-from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
@@ -49,7 +51,7 @@ from .validation import (
 
 @dataclass(frozen=True)
 class FusedLinearKernels:
-    """One backend of the fused linear pass.
+    """One backend of the fused linear pass (fused_linear_loss.py's chunks with its per-row kernels).
 
     forward(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (-100 = ignored), LogitTransform)
         -> (logp [N] fp32, entropy [N] fp32, lse [N] fp32)
@@ -62,15 +64,12 @@ class FusedLinearKernels:
     backward: Callable
 
 
-TORCH_KERNELS = FusedLinearKernels("torch", torch_fused_linear_forward, torch_fused_linear_backward)
-
-
 def kernels_named(name: str) -> FusedLinearKernels:
-    """The backend called `name` ("torch" | "triton"); Triton is imported only here (it is optional)."""
-    if name == "torch":
-        return TORCH_KERNELS
-    from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
-    return FusedLinearKernels("triton", triton_fused_linear_forward, triton_fused_linear_backward)
+    """The backend called `name` ("torch" | "triton": the per-row kernels of the chunks; Triton is imported only
+    when they run)."""
+    row_kernels = ROW_KERNELS[name]
+    return FusedLinearKernels(name, functools.partial(token_forward, kernels=row_kernels),
+                              functools.partial(token_backward, kernels=row_kernels))
 
 
 # torch.library custom ops (torch.compile sees them whole: no graph break, no trace of the block loops). The

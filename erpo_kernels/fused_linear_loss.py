@@ -300,6 +300,61 @@ def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_
         return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
 
 
+def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
+                    kernels: RowKernels, transform: LogitTransform, grad_hidden_rows, grad_weight, grad_bias):
+    """The backward of one chunk whose fp32 logits [n, V] are in `logits`: d logits (hidden's dtype, written over
+    them: `gradient_view`) of sum(grad_logp * logp + grad_entropy * entropy), then grad_hidden_rows [n, D] :=
+    dlogits @ W, grad_weight [V, D] fp32 += dlogits.T @ hidden rows (rows without gradient zeroed, so a non-finite
+    padding row cannot poison it) and grad_bias [V] fp32 += column sums; each skipped when None. fp16: the dlogits
+    are scaled by a power of two (`_fp16_gradient_scale`) and unscaled in the GEMMs' fp32 alpha."""
+    dtype = hidden_rows.dtype
+    scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
+    dlogits = gradient_view(logits, dtype)
+    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
+                          (grad_entropy * scale).contiguous(), transform)
+    if grad_hidden_rows is not None:  # beta = 0: the rows' old contents are not read
+        torch.addmm(grad_hidden_rows, dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden_rows)
+    if grad_weight is not None:
+        receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
+        _accumulate_product(grad_weight, dlogits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
+    if grad_bias is not None:
+        grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=1 / scale)
+
+
+def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
+    """(logp, entropy, lse) [N] fp32 of the transformed logits hidden @ weight.T (+ bias), chunk by chunk
+    (2 N D V FLOPs, chunks of DEFAULT_WORKSPACE_BYTES): `fused_linear_token_logprobs`' forward, whose gradient is
+    not known until its backward."""
+    num_rows = hidden.shape[0]
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
+    logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    for rows in index_slices(num_rows, max_rows):
+        logp[rows], entropy[rows], lse[rows] = kernels.forward(logits_buffer.logits(hidden[rows]), targets[rows],
+                                                               transform)
+    return logp, entropy, lse
+
+
+def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse, entropy, grad_logp, grad_entropy,
+                   needs_hidden: bool, needs_weight: bool, needs_bias: bool, kernels: RowKernels):
+    """(d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy), each None
+    when not needed: the same chunks as `token_forward`, their logits formed again (2 N D V) and `_chunk_backward`
+    (4 N D V)."""
+    num_rows = hidden.shape[0]
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
+    for rows in index_slices(num_rows, max_rows):
+        hidden_rows = hidden[rows]
+        _chunk_backward(logits_buffer.logits(hidden_rows), hidden_rows, targets[rows], lse[rows], entropy[rows],
+                        grad_logp[rows], grad_entropy[rows], weight, kernels, transform,
+                        grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
+    return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
+
+
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False):
@@ -339,17 +394,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         logp_out[rows], entropy_out[rows] = logp, entropy
         grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
                                                       sample_index, inputs, options, segment_sum)
-        scale = _fp16_gradient_scale(grad_logp, grad_entropy) if hidden.dtype == torch.float16 else 1.0
-        dlogits = gradient_view(logits, hidden.dtype)
-        kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
-                              (grad_entropy * scale).contiguous(), transform)
-        if needs_hidden:  # beta = 0: the rows' old contents are not read
-            torch.addmm(grad_hidden[rows], dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden[rows])
-        if needs_weight:
-            receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
-            _accumulate_product(grad_weight, dlogits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
-        if needs_bias:
-            grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=1 / scale)
+        _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight, kernels,
+                        transform, grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
     return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype))
 
