@@ -31,7 +31,7 @@ from .problem import Problem
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
 ERPO_OPTIONS = {"qkl_coef": 0.01, "clip_low": 0.2, "clip_high": 0.2}
 LOG_RATIO_CLAMP = 20.0  # API.md default; the plain formula needs it spelled out
-CONTENDER_KEYS = ("erpo", "erpo-warp", "erpo-warp-1024", "torch", "compile", "liger", "cce")
+CONTENDER_KEYS = ("erpo", "erpo-warp", "erpo-warp-1024", "erpo-invariant", "torch", "compile", "liger", "cce")
 
 
 @dataclass
@@ -159,14 +159,14 @@ def _erpo_logits(backend: str, forward_variant: str | None = None):
     return prepare
 
 
-def _erpo_fused(backend: str):
+def _erpo_fused(backend: str, batch_invariant: bool = False):
     def prepare(problem: Problem) -> Prepared:
         import erpo_kernels
 
         def run():
             return erpo_kernels.fused_linear_erpo_loss(
                 problem.hidden, problem.weight, problem.targets, problem.token_kind, problem.sample_index,
-                backend=backend, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
+                backend=backend, batch_invariant=batch_invariant, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
         return Prepared(run, [problem.hidden, problem.weight], _identity_fused)
     return prepare
 
@@ -277,6 +277,10 @@ CONTENDERS = (
                                                  LIGER_HINT)),
     Contender("erpo", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton')", True, "erpo", None,
               _erpo_fused("triton"), _triton_requirement("erpo_kernels", "fused_linear_erpo_loss")),
+    # ours with batch_invariant=True: its "ours faster by" is the option's cost (time / time without it)
+    Contender("erpo-invariant", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton', batch_invariant=True)",
+              False, "erpo", None, _erpo_fused("triton", batch_invariant=True),
+              _triton_requirement("erpo_kernels", "fused_linear_erpo_loss")),
     Contender("torch", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='torch')", False, "erpo", None,
               _erpo_fused("torch"), _module_requirement("erpo_kernels", "fused_linear_erpo_loss")),
     Contender("compile", "fused", "torch.compile(hidden @ W.T, log_softmax, gather, ERPO loss)", False, "erpo",

@@ -134,7 +134,7 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     scored_targets, opts = check_loss_inputs(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options, validate=validate,
-        first_bad_row=triton_first_bad_row if triton else None)
+        first_bad_row=value_checks_of(triton))
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
                                 triton=triton)
@@ -150,6 +150,12 @@ def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, input
         return triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
     return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options,
                           segment_sum=segment_sum_of(triton))
+
+
+def value_checks_of(triton: bool):
+    """The value checks' device-side form on the Triton path (`triton_row_checks`: one host read), or None for
+    check_loss_inputs' torch masks."""
+    return triton_first_bad_row if triton else None
 
 
 def segment_sum_of(triton: bool):

@@ -7,30 +7,42 @@ weight, never materializing the [N, V] logits (forward or backward).
 transform (`validation.LogitTransform`): times logit_scale, then logit_softcap * tanh(. / logit_softcap) when set,
 then / temperature.
 
-One torch.library op pair (`erpo::fused_linear_logp_entropy` and its backward) serves both backends; a backend
-(`FusedLinearKernels`) supplies a forward (logp, entropy, lse) and a backward (d hidden, d weight, d bias) that
-recomputes the logits block by block. The backward uses
+Two torch.library op pairs. `erpo::fused_linear_logp_entropy` (+ `_backward`), for `fused_linear_token_logprobs`:
+a forward in row chunks (one GEMM with fp32 output per chunk, then the logits path's per-row kernels), and a
+backward that forms each chunk's logits again (the gradient is not known in the forward: 8 N D V FLOPs in all),
     dz_j = g_logp (1[j == t] - p_j) - g_H p_j (log p_j + H),   dlogits_j = dz_j * slope_j,
 with the target entry formed in fp32 as g_logp (1 - p_t), and slope_j = d z_j / d logits_j = logit_scale / temperature,
-times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap.
-
-The backends: torch_fused_linear.py (fp32 torch blocks) and triton_fused_linear.py (Triton kernels).
+times 1 - tanh^2(logit_scale * logits_j / logit_softcap) with a soft-cap; then d hidden and d weight by two GEMMs.
+`erpo::fused_linear_erpo_loss_gradients`, for `fused_linear_erpo_loss`: the gradients formed in the forward (6 N D V;
+fused_linear_loss.py). Both backends ("torch", "triton") differ only in the per-row kernels.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .api import loss_on_token_rows, use_triton
+from .api import segment_sum_of, use_triton, value_checks_of
+from .fused_linear_loss import (
+    DEFAULT_WORKSPACE_BYTES,
+    ROW_KERNELS,
+    check_weight_unchanged,
+    loss_gradients_op,
+    options_argument,
+    response_entropies,
+    token_backward,
+    token_forward,
+)
 from .lm_head import is_dtensor
-from .objective import LossOutput
-from .torch_fused_linear import torch_fused_linear_backward, torch_fused_linear_forward
+from .objective import LossOutput, erpo_objective
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
     LossInputs,
+    check_loss_inputs,
     check_tensor,
     check_token_inputs,
     with_option_parameters,
@@ -39,7 +51,7 @@ from .validation import (
 
 @dataclass(frozen=True)
 class FusedLinearKernels:
-    """One backend of the fused linear pass.
+    """One backend of the fused linear pass (fused_linear_loss.py's chunks with its per-row kernels).
 
     forward(hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (-100 = ignored), LogitTransform)
         -> (logp [N] fp32, entropy [N] fp32, lse [N] fp32)
@@ -52,15 +64,12 @@ class FusedLinearKernels:
     backward: Callable
 
 
-TORCH_KERNELS = FusedLinearKernels("torch", torch_fused_linear_forward, torch_fused_linear_backward)
-
-
 def kernels_named(name: str) -> FusedLinearKernels:
-    """The backend called `name` ("torch" | "triton"); Triton is imported only here (it is optional)."""
-    if name == "torch":
-        return TORCH_KERNELS
-    from .triton_fused_linear import triton_fused_linear_backward, triton_fused_linear_forward
-    return FusedLinearKernels("triton", triton_fused_linear_forward, triton_fused_linear_backward)
+    """The backend called `name` ("torch" | "triton": the per-row kernels of the chunks; Triton is imported only
+    when they run)."""
+    row_kernels = ROW_KERNELS[name]
+    return FusedLinearKernels(name, functools.partial(token_forward, kernels=row_kernels),
+                              functools.partial(token_backward, kernels=row_kernels))
 
 
 # torch.library custom ops (torch.compile sees them whole: no graph break, no trace of the block loops). The
@@ -115,10 +124,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     """(d hidden, d weight, d bias) for (grad_logp, grad_entropy) [N] (autograd passes zeros for an unused one)."""
     hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-    if weight.shape != ctx.weight_shape:
-        raise RuntimeError(f"the weight changed shape between forward {tuple(ctx.weight_shape)} and backward "
-                           f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
-                           f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
+    check_weight_unchanged(weight, ctx.weight_shape)
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     grads = iter(fused_linear_backward_op(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
                                           *ctx.transform, ctx.kernels, *needs))
@@ -190,20 +196,42 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperatu
 def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *, bias=None, advantages,
                            ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
                            token_weight=None, rollout_logp=None, backend: str = "auto", validate: bool = True,
+                           workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, batch_invariant: bool = False,
                            **options) -> LossOutput:
     """The ERPO loss (API.md) from hidden [N, D] and the lm_head weight [V, D] (+ bias [V]) without the [N, V]
     logits: targets, token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S]; old_logp,
     ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions); validate as
-    `erpo_loss`'s. Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias.
+    `erpo_loss`'s. workspace_bytes: the budget of the row chunks' buffers (fused_linear_loss.py; default 1 GiB).
+    batch_invariant: every logits GEMM of one shape, so a row's log-prob does not depend on the rest of the batch
+    (`LogitsBuffer`). Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias:
+    the gradients are formed in the forward (6 N D V FLOPs) and the backward scales them.
     """
     check_linear_inputs(hidden, weight, bias)
-
-    def token_pass(scored_targets, transform, triton):
-        return fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform, triton)
-
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
+        raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
-    return loss_on_token_rows(
-        token_pass, num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, backend=backend,
-        targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options,
-        validate=validate)
+    triton = use_triton(backend, hidden.device)
+    scored_targets, opts = check_loss_inputs(
+        num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
+        token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options, validate=validate,
+        first_bad_row=value_checks_of(triton))
+    kernels = "triton" if triton else "torch"
+    entropy_pool = None
+    if opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1:  # the filter's pool over processes
+        with torch.no_grad():
+            entropy_pool = opts.top_entropy_gather(response_entropies(
+                hidden, weight, bias, scored_targets, token_kind, opts.logit_transform, ROW_KERNELS[kernels],
+                workspace_bytes, batch_invariant))
+        opts = dataclasses.replace(opts, top_entropy_gather=lambda _entropies: entropy_pool)
+    needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    tensor_counts = [value if isinstance(value, torch.Tensor) else None for value in (opts.num_items, opts.num_seqs)]
+    logp, entropy, anchor, *_ = loss_gradients_op(
+        hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
+        *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs)
+    with torch.no_grad():
+        out = erpo_objective(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+                             segment_sum=segment_sum_of(triton))
+    return dataclasses.replace(out, loss=out.loss + anchor)

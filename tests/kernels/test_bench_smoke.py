@@ -45,7 +45,7 @@ def test_every_contender_has_a_row_on_each_path(smoke):
     logits = {r["contender"] for r in results["rows"] if r["path"] == "logits"}
     fused = {r["contender"] for r in results["rows"] if r["path"] == "fused"}
     assert logits == {"erpo", "torch", "compile", "liger"}
-    assert fused == {"erpo", "torch", "compile", "liger", "cce"}
+    assert fused == {"erpo", "erpo-invariant", "torch", "compile", "liger", "cce"}
     for row in results["rows"]:
         assert row["status"] in {"ok", "not installed", "unavailable"}, (row["path"], row["contender"], row)
 
@@ -68,7 +68,7 @@ def test_fused_rows_are_checked_when_the_fused_path_exists(smoke):
     _, results, _, _ = smoke
     import erpo_kernels
 
-    for contender in ("erpo", "torch"):
+    for contender in ("erpo", "erpo-invariant", "torch"):
         row = _row(results, "fused", contender)
         if hasattr(erpo_kernels, "fused_linear_erpo_loss"):
             assert row["status"] == "ok" and row["correct"] is True, row

@@ -132,12 +132,13 @@ def test_query_weights_unclipped(device):
         query_weights(torch.tensor([-1.0, 0.0], device=device), max_weight=None)
 
 
-def test_query_weights_relative_to_another_set():
+def test_query_weights_relative_to_another_set(device):
     """mean_surprisal: weights of held-out queries on the scale of a set whose mean surprisal is given (the training
     set's), clipped as usual; the default is the queries' own mean."""
-    logp = torch.tensor([-1.0, -4.0, -20.0], dtype=torch.float64)
-    torch.testing.assert_close(query_weights(logp, mean_surprisal=4.0), torch.tensor([2.0, 1.0, 0.2]))
-    torch.testing.assert_close(query_weights(logp, None, mean_surprisal=4.0), torch.tensor([4.0, 1.0, 0.2]))
+    logp = torch.tensor([-1.0, -4.0, -20.0], dtype=torch.float64, device=device)
+    torch.testing.assert_close(query_weights(logp, mean_surprisal=4.0), torch.tensor([2.0, 1.0, 0.2], device=device))
+    torch.testing.assert_close(query_weights(logp, None, mean_surprisal=4.0),
+                               torch.tensor([4.0, 1.0, 0.2], device=device))
     torch.testing.assert_close(query_weights(logp, mean_surprisal=25.0 / 3), query_weights(logp))
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="mean_surprisal must be a finite number > 0"):

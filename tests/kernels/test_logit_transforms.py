@@ -10,11 +10,10 @@ from erpo_kernels import (
     LossOptions,
     erpo_loss,
     fused_linear_erpo_loss,
+    fused_linear_loss,
     fused_linear_token_logprobs,
     logit_transforms_from_config,
     token_logprobs,
-    torch_fused_linear,
-    triton_fused_linear,
 )
 from helpers import loss_inputs, random_batch
 from plain_formula import plain_erpo_loss
@@ -29,17 +28,10 @@ IDS = [f"scale={s},cap={c},T={t}" for s, c, t in TRANSFORMS]
 
 
 @pytest.fixture(autouse=True)
-def _small_blocks(monkeypatch):
-    """Blocks far smaller than N x V (as in test_fused_linear.py): every row chunk, vocabulary block, forward split
-    and tail of the fused paths runs."""
-    monkeypatch.setattr(torch_fused_linear, "TORCH_BLOCK_ELEMENTS", 16 * 64)
-    monkeypatch.setattr(torch_fused_linear, "TORCH_VOCAB_BLOCK_MAX", 64)
-    monkeypatch.setattr(triton_fused_linear, "FORWARD_SPLIT_MIN", 128)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_VOCAB_BLOCK", 96)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_WORKSPACE_MIN", 0)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_WORKSPACE_MAX", 0)
-    monkeypatch.setattr(triton_fused_linear, "BACKWARD_MIN_CHUNK_ROWS", 13)
-    monkeypatch.setattr(triton_fused_linear, "CHUNK_ROW_MULTIPLE", 1)
+def _small_chunks(monkeypatch):
+    """fused_linear_token_logprobs' chunks of a few rows (as in test_fused_linear.py): every chunk loop and tail
+    of the fused paths runs."""
+    monkeypatch.setattr(fused_linear_loss, "DEFAULT_WORKSPACE_BYTES", 30_000)
 
 
 def formula(logits, targets, scale, softcap, temperature):

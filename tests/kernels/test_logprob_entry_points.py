@@ -43,23 +43,24 @@ def assert_same(expected, expected_grad, out, grad):
 @pytest.mark.parametrize("options", OPTION_CASES + [{"top_entropy_quantile": 0.5, "entropy_coef": 0.05},
                                                     {"pg_objective": "cispo"}, {"pg_objective": "vespo"}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_logprob_loss_is_erpo_loss_on_the_same_log_probs(options):
-    batch = random_batch()
+def test_logprob_loss_is_erpo_loss_on_the_same_log_probs(options, device):
+    batch = random_batch(device=device)
     rows = batch["targets"].shape[0]
-    inputs = dict(loss_inputs(batch), token_weight=torch.rand(rows) * 2, rollout_logp=batch["old_logp"] + 0.1)
+    inputs = dict(loss_inputs(batch), token_weight=(torch.rand(rows) * 2).to(device),
+                  rollout_logp=batch["old_logp"] + 0.1)
     assert_same(*both_losses(batch, inputs, options, "torch"))
 
 
 @pytest.mark.parametrize("options", [{}, {"entropy_coef": 0.05, "qkl_coef": 0.5}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_on_the_triton_backend_too(options):
+def test_on_the_triton_backend_too(options, device):
     """backend="triton" (the interpreter on CPU): the deterministic per-sample sums; the same loss as erpo_loss."""
-    batch = random_batch()
+    batch = random_batch(device=device)
     assert_same(*both_losses(batch, loss_inputs(batch), options, "triton"))
 
 
-def test_without_entropy_the_loss_is_the_same_and_the_entropy_metrics_absent():
-    batch = random_batch()
+def test_without_entropy_the_loss_is_the_same_and_the_entropy_metrics_absent(device):
+    batch = random_batch(device=device)
     rows = batch["token_kind"], batch["sample_index"]
     logp, entropy = token_logprobs(batch["logits"], batch["targets"], return_entropy=True)
     with_entropy = logprob_erpo_loss(logp, *rows, entropy=entropy, **loss_inputs(batch))
@@ -69,20 +70,22 @@ def test_without_entropy_the_loss_is_the_same_and_the_entropy_metrics_absent():
     assert not math.isnan(with_entropy.metrics["entropy"]) and "kept_entropy" in with_entropy.metrics
 
 
+# the cases' tensors are built at collection, before the `device` fixture exists: on the CPU, moved in the test
 @pytest.mark.parametrize("change, error, match", [
     (dict(entropy_coef=0.1), ValueError, "entropy .* is required when entropy_coef != 0"),
     (dict(top_entropy_quantile=0.5), ValueError, "entropy .* is required"),
     (dict(temperature=0.7), ValueError, "temperature act on logits"),
     (dict(logit_softcap=30.0, logit_scale=2.0), ValueError, "logit_scale, logit_softcap act on logits"),
-    (dict(token_logp=torch.zeros(48, dtype=torch.bfloat16)), TypeError, "token_logp must be float32"),
-    (dict(token_logp=torch.zeros(48, 2)), ValueError, "token_logp"),
-    (dict(entropy=torch.zeros(47)), ValueError, "entropy"),
-    (dict(entropy=torch.zeros(48, dtype=torch.float16)), TypeError, "entropy must be float32"),
-    (dict(sample_index=torch.full((48,), 9)), ValueError, "sample_index must lie in"),
+    (dict(token_logp=torch.zeros(48, dtype=torch.bfloat16, device="cpu")), TypeError, "token_logp must be float32"),
+    (dict(token_logp=torch.zeros(48, 2, device="cpu")), ValueError, "token_logp"),
+    (dict(entropy=torch.zeros(47, device="cpu")), ValueError, "entropy"),
+    (dict(entropy=torch.zeros(48, dtype=torch.float16, device="cpu")), TypeError, "entropy must be float32"),
+    (dict(sample_index=torch.full((48,), 9, device="cpu")), ValueError, "sample_index must lie in"),
 ], ids=["entropy_coef", "entropy_filter", "temperature", "transform", "bf16", "rank", "entropy_length",
         "entropy_dtype", "sample_index"])
-def test_logprob_loss_errors_name_the_argument(change, error, match):
-    batch = random_batch()
+def test_logprob_loss_errors_name_the_argument(change, error, match, device):
+    batch = random_batch(device=device)
+    change = {k: v.to(device) if torch.is_tensor(v) else v for k, v in change.items()}
     args = {**dict(token_logp=token_logprobs(batch["logits"], batch["targets"]), token_kind=batch["token_kind"],
                    sample_index=batch["sample_index"], **loss_inputs(batch)), **change}
     with pytest.raises(error, match=match):
@@ -90,39 +93,42 @@ def test_logprob_loss_errors_name_the_argument(change, error, match):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_sample_sums_are_the_per_sample_sums_and_differentiable(backend):
+def test_sample_sums_are_the_per_sample_sums_and_differentiable(backend, device):
     g = torch.Generator().manual_seed(1)
-    values = torch.randn(300, generator=g, dtype=torch.float64).requires_grad_(True)   # cast to fp32
-    sample_index = torch.randint(0, 7, (300,), generator=g)
+    values = torch.randn(300, generator=g, dtype=torch.float64).to(device).requires_grad_(True)   # cast to fp32
+    sample_index = torch.randint(0, 7, (300,), generator=g).to(device)
     sums = sample_sums(values, sample_index, 8, backend=backend)
-    expected = torch.zeros(8, dtype=torch.float64).index_add(0, sample_index, values.detach()).float()
+    expected = torch.zeros(8, dtype=torch.float64, device=device).index_add(0, sample_index, values.detach()).float()
     assert sums.dtype == torch.float32 and sums.shape == (8,) and sums[7] == 0   # an empty sample sums to 0
     torch.testing.assert_close(sums, expected, rtol=1e-6, atol=1e-5)
-    upstream = torch.randn(8, generator=g)
+    upstream = torch.randn(8, generator=g).to(device)
     sums.backward(upstream)
     torch.testing.assert_close(values.grad, upstream[sample_index].double())
 
 
-def test_sample_sums_on_the_triton_path_repeat_bit_for_bit():
+def test_sample_sums_on_the_triton_path_repeat_bit_for_bit(device):
     """Each sample's rows in a fixed order: shuffling which rows come first in memory never changes a sum's bits,
     and two calls agree exactly (index_add would add in whatever order the atomics land on a GPU)."""
     g = torch.Generator().manual_seed(2)
-    values = torch.randn(4000, generator=g) * 100
-    sample_index = torch.randint(0, 3, (4000,), generator=g)
+    values = (torch.randn(4000, generator=g) * 100).to(device)
+    sample_index = torch.randint(0, 3, (4000,), generator=g).to(device)
     first = sample_sums(values, sample_index, 3, backend="triton")
     assert torch.equal(first, sample_sums(values, sample_index, 3, backend="triton"))
     torch.testing.assert_close(first, sample_sums(values, sample_index, 3, backend="torch"), rtol=1e-5, atol=1e-3)
 
 
+# the cases' tensors are built at collection, before the `device` fixture exists: on the CPU, moved in the test
 @pytest.mark.parametrize("args, error, match", [
-    ((torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), 1), ValueError, "values"),
-    ((torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), 1), TypeError, "values"),
-    ((torch.zeros(4), torch.zeros(3, dtype=torch.long), 1), ValueError, "sample_index"),
-    ((torch.zeros(4), torch.zeros(4), 1), TypeError, "sample_index"),
-    ((torch.zeros(4), torch.zeros(4, dtype=torch.long), -1), ValueError, "num_samples"),
-    ((torch.zeros(4), torch.zeros(4, dtype=torch.long), 2.0), ValueError, "num_samples"),
-    ((torch.zeros(4), torch.tensor([0, 1, 2, 1]), 2), ValueError, r"sample_index must lie in \[0, 2\).*row 2 holds 2"),
+    ((torch.zeros(4, 2, device="cpu"), torch.zeros(4, dtype=torch.long, device="cpu"), 1), ValueError, "values"),
+    ((torch.zeros(4, dtype=torch.long, device="cpu"), torch.zeros(4, dtype=torch.long, device="cpu"), 1), TypeError,
+     "values"),
+    ((torch.zeros(4, device="cpu"), torch.zeros(3, dtype=torch.long, device="cpu"), 1), ValueError, "sample_index"),
+    ((torch.zeros(4, device="cpu"), torch.zeros(4, device="cpu"), 1), TypeError, "sample_index"),
+    ((torch.zeros(4, device="cpu"), torch.zeros(4, dtype=torch.long, device="cpu"), -1), ValueError, "num_samples"),
+    ((torch.zeros(4, device="cpu"), torch.zeros(4, dtype=torch.long, device="cpu"), 2.0), ValueError, "num_samples"),
+    ((torch.zeros(4, device="cpu"), torch.tensor([0, 1, 2, 1], device="cpu"), 2), ValueError,
+     r"sample_index must lie in \[0, 2\).*row 2 holds 2"),
 ], ids=["values_rank", "values_dtype", "length", "index_dtype", "negative", "float_count", "out_of_range"])
-def test_sample_sums_errors_name_the_argument(args, error, match):
+def test_sample_sums_errors_name_the_argument(args, error, match, device):
     with pytest.raises(error, match=match):
-        sample_sums(*args)
+        sample_sums(*(a.to(device) if torch.is_tensor(a) else a for a in args))

@@ -1,0 +1,486 @@
+"""The fused-linear ERPO loss in row chunks at 6NDV: the gradient is formed in the forward, as Liger's chunked losses.
+
+Per chunk c of whole samples (a sample-aligned row range, as many rows as `workspace_bytes` allows):
+
+    logits_c  = hidden_c @ W.T (+ bias)          one GEMM (cuBLAS on CUDA) with fp32 output into one reused
+                                                 [rows, V] fp32 buffer (never rounded to bf16: the Query-KL sums a
+                                                 prompt's log-probs, where bf16 logits' 0.01-nat errors add up)
+    logp_c, H_c, lse_c                           the per-row softmax pass of the logits path (Triton, or torch)
+    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the objective (objective.py) on [N] vectors, differentiated
+    dlogits_c                                    by the logits path's backward, in hidden's dtype, written over
+                                                 the first half of each fp32 logits row (`gradient_view`)
+    dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
+    dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
+                                                 first, so a non-finite padding row cannot poison dW)
+
+That is 2NDV + 2NDV + 2NDV. The loss value and metrics are formed once at the end from the [N] log-probs and
+entropies by the objective itself; backward only scales the stored dH / dW / dbias by the incoming gradient.
+
+Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
+token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
+values (ell_theta(q) for the Query-KL, the sequence-level ratio, VESPO's weight, the off-policy mask) and (c) the
+entropy filter's batch-wide quantile and kept-row count. The objective runs on whole [N] vectors (rows of chunk c
+live, every other row a detached known value), so (a) holds by construction; (b) holds because a chunk holds
+whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c) get their
+coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query rows when the
+Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every response row
+with the entropy filter.
+
+Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]); the fp32 d weight
+accumulator [V, D] (4 V D bytes; the weight's own gradient when the weight is fp32) and d bias [V]; the gradients
+d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to the backward; O(N)
+vectors.
+"""
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .api import segment_sum_of
+from .common import index_slices, rows_receiving_gradient
+from .objective import erpo_objective
+from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
+from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
+
+DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
+# fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
+TORCH_ROW_TEMPORARY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """The per-row softmax work on one chunk of fp32 logits [n, V] (the logits path's kernels).
+
+    forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
+    backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): writes d logits
+        into grad_logits [n, V] (any float dtype; it may alias `logits` row by row, see `gradient_view`)
+    temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
+    """
+
+    name: str
+    forward: Callable
+    backward_into: Callable
+    temporary_bytes_per_logit: int
+
+
+def _triton_forward(logits, targets, transform: LogitTransform):
+    return torch.ops.erpo.triton_logp_entropy(logits, targets, *transform.op_arguments(), False)
+
+
+def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                          transform: LogitTransform):
+    # The logits path's backward launcher (inside this op's body no op boundary is needed): one program per row,
+    # each vocabulary block loaded before its gradient is stored, so an output aliasing the row's first half is safe.
+    from .triton_logits import _launch_backward
+    _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
+
+
+def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
+                         transform: LogitTransform):
+    grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0),
+               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
+                                   TORCH_ROW_TEMPORARY_BYTES)}
+
+
+def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
+                        kernels: RowKernels) -> int:
+    """Workspace bytes of one chunk row: its [V] fp32 logits buffer row, the row pass's temporaries, its masked
+    hidden row [D] and, off CUDA, the fp32 copies of the dlogits and hidden rows that the d weight accumulation
+    upcasts (CUDA multiplies bf16 / fp16 operands into fp32 inside the GEMM)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
+    return vocab_size * (4 + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
+
+
+def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
+               workspace_bytes: int) -> int:
+    """Rows of one chunk: as many as `workspace_bytes` holds (`bytes_per_chunk_row`), at least 1."""
+    return max(1, workspace_bytes // bytes_per_chunk_row(vocab_size, hidden_dim, dtype, device, kernels))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """chunks: consecutive (start, stop) row ranges covering [0, N); prepass_rows: int64 [P] rows whose logp and
+    entropy a chunk's gradient needs from outside the chunk (sorted)."""
+
+    chunks: list
+    prepass_rows: np.ndarray
+
+
+def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, max_rows: int, *,
+                query_sums: bool, response_values: bool, all_response_entropies: bool) -> ChunkPlan:
+    """Cut [0, N) into chunks of at most `max_rows` rows, each ending at the last place no sample has rows on both
+    sides when that leaves the chunk at least half full (else at `max_rows`, splitting a sample), and list the
+    pre-pass rows: every
+    response row when `all_response_entropies` (the entropy filter); else of the samples a cut splits, their query
+    rows when `query_sums` (the Query-KL reads ell_theta(q)) and their response rows when `response_values`
+    (sequence-level ratio, VESPO, off-policy mask). token_kind, sample_index: host [N] integer arrays."""
+    num_rows = len(token_kind)
+    scored = token_kind != 0
+    rows = np.nonzero(scored)[0]
+    samples = sample_index[scored].astype(np.int64)
+    first = np.full(num_samples, num_rows, dtype=np.int64)
+    last = np.full(num_samples, -1, dtype=np.int64)
+    np.minimum.at(first, samples, rows)
+    np.maximum.at(last, samples, rows)
+    present = last >= 0
+    open_samples = np.zeros(num_rows + 1, dtype=np.int64)  # open_samples[i]: samples with rows on both sides of i
+    np.add.at(open_samples, first[present] + 1, 1)
+    np.add.at(open_samples, last[present] + 1, -1)
+    clean_cuts = np.nonzero(np.cumsum(open_samples)[1:num_rows] == 0)[0] + 1
+    chunks, start = [], 0
+    while start < num_rows:
+        stop = min(start + max_rows, num_rows)
+        if stop < num_rows:
+            k = np.searchsorted(clean_cuts, stop, side="right") - 1
+            if k >= 0 and clean_cuts[k] - start >= (stop - start) / 2:  # else a sample longer than the rest of the
+                stop = int(clean_cuts[k])                                 # chunk is split (cheaper than a thin GEMM)
+        chunks.append((start, stop))
+        start = stop
+    cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
+    # a cut c splits sample s when first_s < c <= last_s
+    split = present & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
+    is_split_row = np.zeros(num_rows, dtype=bool)
+    is_split_row[rows] = split[samples]
+    needed = np.zeros(num_rows, dtype=bool)
+    if all_response_entropies:
+        needed |= token_kind == 2
+    if query_sums:
+        needed |= is_split_row & (token_kind == 1)
+    if response_values:
+        needed |= is_split_row & (token_kind == 2)
+    return ChunkPlan(chunks, np.nonzero(needed)[0])
+
+
+def _write_logits(out, hidden_rows, weight, bias):
+    """out [n, V] fp32 := hidden_rows @ weight.T (+ bias): one GEMM with fp32 output (on CUDA the bf16 / fp16
+    operands' products summed in fp32 and never rounded to their dtype; elsewhere in fp32), the bias in its
+    epilogue."""
+    if hidden_rows.dtype == torch.float32:
+        operands = (hidden_rows, weight.t())
+        extra = {}
+    elif out.is_cuda:
+        operands = (hidden_rows, weight.t())
+        extra = {"out_dtype": torch.float32}
+    else:
+        operands = (hidden_rows.float(), weight.float().t())
+        extra = {}
+    if bias is None:
+        torch.mm(*operands, out=out, **extra)
+    else:
+        torch.addmm(bias.float(), *operands, out=out, **extra)
+
+
+def gradient_view(logits, dtype):
+    """Where the chunk's dlogits go: the fp32 logits [n, V] themselves for fp32 inputs; else a [n, V] view of dtype
+    (row stride 2 V) on the first half of each fp32 logits row, so no second buffer is needed. Writing entry j of a
+    row overwrites fp32 entry j // 2 <= j of the same row, which a row pass that reads each vocabulary block before
+    it stores that block's gradient (both row kernels; blocks in ascending order) has already read."""
+    if dtype == torch.float32:
+        return logits
+    return logits.view(dtype)[:, :logits.shape[1]]
+
+
+INVARIANT_ROWS = 256  # batch_invariant=True: every logits GEMM is [INVARIANT_ROWS, D] x [D, V]
+
+
+class LogitsBuffer:
+    """The one [rows, V] fp32 buffer the chunks' logits are formed in, rows >= `max_rows`.
+
+    cuBLAS chooses its kernel, and with it the order of each dot product's summation, by the GEMM's shape, so a
+    row's logits can differ in the last bits with the number of rows it is multiplied with. With batch_invariant
+    every GEMM has INVARIANT_ROWS rows (a chunk's last piece zero-padded in a staging copy): a row's logits, and so
+    its log-prob and entropy, then do not depend on the rest of the batch. Cost: the padded rows' FLOPs (under
+    INVARIANT_ROWS per chunk; a batch of fewer rows still pays INVARIANT_ROWS) and GEMMs of INVARIANT_ROWS rows.
+    """
+
+    def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool):
+        self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+        rows = -(-max_rows // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_rows
+        self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
+        self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
+
+    def logits(self, hidden_rows):
+        """[n, V] fp32 view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
+        num_rows = hidden_rows.shape[0]
+        if not self.batch_invariant:
+            _write_logits(self.buffer[:num_rows], hidden_rows, self.weight, self.bias)
+            return self.buffer[:num_rows]
+        for start in range(0, num_rows, INVARIANT_ROWS):
+            piece = hidden_rows[start:start + INVARIANT_ROWS]
+            if piece.shape[0] < INVARIANT_ROWS:
+                self.staging[:piece.shape[0]] = piece
+                self.staging[piece.shape[0]:] = 0
+                piece = self.staging
+            _write_logits(self.buffer[start:start + INVARIANT_ROWS], piece, self.weight, self.bias)
+        return self.buffer[:num_rows]
+
+
+def _accumulate_product(accumulator, a, b, alpha: float = 1.0):
+    """accumulator [m, k] fp32 += alpha * a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the
+    fp32 product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
+    if a.dtype == accumulator.dtype:
+        accumulator.addmm_(a, b, alpha=alpha)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, a, b, alpha=alpha, out_dtype=torch.float32, out=accumulator)
+    else:
+        accumulator.addmm_(a.float(), b.float(), alpha=alpha)
+
+
+def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
+    """A power of two s with s * max |grad| in [1, 2) (1 when all are 0 or one is not finite). fp16 dlogits,
+    g p_j / T, fall below fp16's smallest subnormal (6e-8) for a token-mean's g ~ 1 / N and p_j ~ 1 / V: the
+    chunk's dlogits are written times s, and the GEMMs that read them multiply by 1 / s in fp32 (one host sync)."""
+    peak = float(torch.maximum(grad_logp.abs().max(), grad_entropy.abs().max())) if grad_logp.numel() else 0.0
+    return 2.0 ** -math.floor(math.log2(peak)) if 0 < peak < math.inf else 1.0
+
+
+def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTransform, kernels: RowKernels,
+                         max_rows: int, logits_buffer: LogitsBuffer):
+    """Forward only: (logp, entropy) [P] fp32 of the P rows `rows` (int64 [P] on hidden's device) in pieces of
+    `max_rows` rows through `logits_buffer`."""
+    logp = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logp)
+    for piece in index_slices(rows.shape[0], max_rows):
+        index = rows[piece]
+        logits = logits_buffer.logits(hidden.index_select(0, index))
+        logp[piece], entropy[piece], _ = kernels.forward(logits, targets.index_select(0, index), transform)
+    return logp, entropy
+
+
+def workspace_rows(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
+                   batch_invariant: bool) -> int:
+    """Rows of a chunk: what the budget holds (`chunk_rows`), no more than N; a multiple of INVARIANT_ROWS (at
+    least one) with batch_invariant."""
+    rows = min(max(num_rows, 1), chunk_rows(weight.shape[0], hidden.shape[1], hidden.dtype, hidden.device, kernels,
+                                            workspace_bytes))
+    return max(INVARIANT_ROWS, rows // INVARIANT_ROWS * INVARIANT_ROWS) if batch_invariant else rows
+
+
+def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
+                       workspace_bytes: int, batch_invariant: bool) -> torch.Tensor:
+    """Forward only: entropy [n] fp32 of the n response rows (token_kind == 2), in row order (the entropy filter's
+    pool, before a caller's top_entropy_gather)."""
+    rows = (token_kind == 2).nonzero().squeeze(1)
+    max_rows = workspace_rows(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
+    return logp_entropy_of_rows(hidden, targets, rows, transform, kernels, max_rows, logits_buffer)[1]
+
+
+# The body of a torch.library op runs with autograd's dispatch keys excluded (below autograd): a tensor made there
+# never records a graph, whatever the grad mode. The objective's gradient is taken with autograd nonetheless, so
+# these keys are put back for that one computation (torch.func.grad would work too, but not under an outer
+# TorchDispatchMode, and the Triton segment-sum op's autograd is not a torch.func one).
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
+
+
+def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_entropy, token_kind, sample_index,
+                        inputs: LossInputs, options: LossOptions, segment_sum):
+    """(d loss / d logp, d loss / d entropy) [n] fp32 on the chunk `rows`: the objective on [N] vectors holding the
+    chunk's live values and, elsewhere, the detached known ones (module docstring)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        logp = logp_rows.detach().requires_grad_(True)
+        entropy = entropy_rows.detach().requires_grad_(True)
+        loss = erpo_objective(torch.cat((known_logp[:rows.start], logp, known_logp[rows.stop:])),
+                              torch.cat((known_entropy[:rows.start], entropy, known_entropy[rows.stop:])),
+                              token_kind, sample_index, inputs=inputs, options=options, segment_sum=segment_sum).loss
+        if not loss.requires_grad:  # no term reads these rows
+            return torch.zeros_like(logp_rows), torch.zeros_like(entropy_rows)
+        return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+
+
+def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
+                    kernels: RowKernels, transform: LogitTransform, grad_hidden_rows, grad_weight, grad_bias):
+    """The backward of one chunk whose fp32 logits [n, V] are in `logits`: d logits (hidden's dtype, written over
+    them: `gradient_view`) of sum(grad_logp * logp + grad_entropy * entropy), then grad_hidden_rows [n, D] :=
+    dlogits @ W, grad_weight [V, D] fp32 += dlogits.T @ hidden rows (rows without gradient zeroed, so a non-finite
+    padding row cannot poison it) and grad_bias [V] fp32 += column sums; each skipped when None. fp16: the dlogits
+    are scaled by a power of two (`_fp16_gradient_scale`) and unscaled in the GEMMs' fp32 alpha."""
+    dtype = hidden_rows.dtype
+    scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
+    dlogits = gradient_view(logits, dtype)
+    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
+                          (grad_entropy * scale).contiguous(), transform)
+    if grad_hidden_rows is not None:  # beta = 0: the rows' old contents are not read
+        torch.addmm(grad_hidden_rows, dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden_rows)
+    if grad_weight is not None:
+        receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
+        _accumulate_product(grad_weight, dlogits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
+    if grad_bias is not None:
+        grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=1 / scale)
+
+
+def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
+    """(logp, entropy, lse) [N] fp32 of the transformed logits hidden @ weight.T (+ bias), chunk by chunk
+    (2 N D V FLOPs, chunks of DEFAULT_WORKSPACE_BYTES): `fused_linear_token_logprobs`' forward, whose gradient is
+    not known until its backward."""
+    num_rows = hidden.shape[0]
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
+    logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    for rows in index_slices(num_rows, max_rows):
+        logp[rows], entropy[rows], lse[rows] = kernels.forward(logits_buffer.logits(hidden[rows]), targets[rows],
+                                                               transform)
+    return logp, entropy, lse
+
+
+def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse, entropy, grad_logp, grad_entropy,
+                   needs_hidden: bool, needs_weight: bool, needs_bias: bool, kernels: RowKernels):
+    """(d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy), each None
+    when not needed: the same chunks as `token_forward`, their logits formed again (2 N D V) and `_chunk_backward`
+    (4 N D V)."""
+    num_rows = hidden.shape[0]
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
+    for rows in index_slices(num_rows, max_rows):
+        hidden_rows = hidden[rows]
+        _chunk_backward(logits_buffer.logits(hidden_rows), hidden_rows, targets[rows], lse[rows], entropy[rows],
+                        grad_logp[rows], grad_entropy[rows], weight, kernels, transform,
+                        grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
+    return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
+
+
+def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
+                   options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
+                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False):
+    """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
+    targets [N] int64 (-100 on rows of kind 0). Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
+    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
+    num_rows, hidden_dim = hidden.shape
+    vocab_size = weight.shape[0]
+    transform = options.logit_transform
+    max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
+    gather = options.top_entropy_gather is not None
+    plan = plan_chunks(
+        token_kind.cpu().numpy(), sample_index.cpu().numpy(), inputs.advantages.shape[0], max_rows,
+        query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
+                    and inputs.ref_query_logp is not None),
+        response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
+                         or options.off_policy_mask_threshold is not None),
+        all_response_entropies=options.top_entropy_quantile < 1 and (
+            not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
+    known_logp = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
+    known_entropy = torch.zeros_like(known_logp)
+    if plan.prepass_rows.size:
+        prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
+        known_logp[prepass], known_entropy[prepass] = logp_entropy_of_rows(
+            hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
+    needs_hidden, needs_weight, needs_bias = needs
+    logp_out, entropy_out = torch.empty_like(known_logp), torch.empty_like(known_logp)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=weight.device) if needs_bias else None
+    for start, stop in plan.chunks:
+        rows = slice(start, stop)
+        hidden_rows, row_targets = hidden[rows], targets[rows]
+        logits = logits_buffer.logits(hidden_rows)
+        logp, entropy, lse = kernels.forward(logits, row_targets, transform)
+        logp_out[rows], entropy_out[rows] = logp, entropy
+        grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
+                                                      sample_index, inputs, options, segment_sum)
+        _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight, kernels,
+                        transform, grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
+    return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
+
+
+# The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
+# one string (their numbers, strings, booleans and None), the tensor-valued num_items / num_seqs as tensors,
+# and the entropy filter's gathered pool, when the caller gathers one, as a tensor.
+_TENSOR_OPTIONS = ("num_items", "num_seqs", "top_entropy_gather")
+OpOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def options_argument(options: LossOptions) -> str:
+    """The op's `options` string, "name=repr;..." of every LossOptions field but the gather and num_items / num_seqs
+    when tensors (an f-string of constants, which torch.compile folds; json.dumps it cannot trace)."""
+    return ";".join(f"{name}={getattr(options, name)!r}" for name in OPTION_NAMES
+                    if name not in _TENSOR_OPTIONS or (name != "top_entropy_gather"
+                                                      and not isinstance(getattr(options, name), torch.Tensor)))
+
+
+def options_from_argument(options: str, **tensor_options) -> LossOptions:
+    """The LossOptions of an `options_argument` string, with the tensor-valued ones added."""
+    values = dict(item.split("=", 1) for item in options.split(";"))
+    return LossOptions(**{name: ast.literal_eval(value) for name, value in values.items()}, **tensor_options)
+
+
+@torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", mutates_args=())
+def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
+                      advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
+                      query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
+                      ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
+                      rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
+                      num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
+                      kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
+                      needs_weight: bool, needs_bias: bool) -> OpOutputs:
+    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
+    ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
+    gradient scales the stored ones (loss = objective value + anchor)."""
+    extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
+    if entropy_pool is not None:
+        extra["top_entropy_gather"] = lambda _entropies: entropy_pool
+    opts = options_from_argument(options, **extra)
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    logp, entropy, *grads = loss_gradients(
+        hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
+        segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
+        batch_invariant)
+    anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
+
+
+@loss_gradients_op.register_fake
+def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
+      ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
+      batch_invariant, needs_hidden, needs_weight, needs_bias):
+    logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
+             for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
+    return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
+
+
+def check_weight_unchanged(weight, forward_shape) -> None:
+    """Raise when the weight's shape changed since the forward: DeepSpeed ZeRO-3 re-partitioned it (a backward
+    after the `whole_lm_head` block)."""
+    if weight.shape != forward_shape:
+        raise RuntimeError(f"the weight changed shape between forward {tuple(forward_shape)} and backward "
+                           f"{tuple(weight.shape)}: under DeepSpeed ZeRO-3 run the backward inside "
+                           f"erpo_kernels.zero3.gathered_lm_head(...) so the lm_head stays gathered")
+
+
+def _setup_context(ctx, inputs, output):
+    logp, entropy, _anchor, *grads = output
+    ctx.save_for_backward(inputs[1], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
+    ctx.weight_shape = inputs[1].shape
+    ctx.mark_non_differentiable(logp, entropy, *grads)
+
+
+def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
+    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward())."""
+    weight, *stored = ctx.saved_tensors
+    check_weight_unchanged(weight, ctx.weight_shape)
+    grads = [grad * grad_anchor if needed and grad.numel() else None
+             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
+    return (*grads, *([None] * 20))
+
+
+loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)

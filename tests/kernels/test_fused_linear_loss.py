@@ -1,0 +1,415 @@
+"""The fused-linear ERPO loss in row chunks (erpo_kernels/fused_linear_loss.py): values, gradients and metrics
+against the logits path with many chunks, samples split by chunks, the chunk plan, FLOPs (6 N D V plus the
+pre-pass), the workspace, launches, determinism, batch invariance and the accuracy of the fp32 d weight."""
+import dataclasses
+import os
+import sys
+import weakref
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (also done by conftest.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, test_reference
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
+from erpo_kernels.api import erpo_loss  # noqa: E402
+from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
+from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
+from test_reference import OPTION_CASES  # noqa: E402
+
+VOCAB, HIDDEN_DIM = 300, 24
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton kernels compiled on a GPU
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=2e-2)}
+
+
+def packed_batch(kinds_per_sample, vocab=VOCAB, seed=0):
+    """Samples in consecutive rows: kinds_per_sample[s] = (query rows, response rows), each sample followed by one
+    padding row (kind 0, target -100); every input tensor of the loss filled."""
+    g = torch.Generator().manual_seed(seed)
+    kind, sample = [], []
+    for s, (queries, responses) in enumerate(kinds_per_sample):
+        kind += [1] * queries + [2] * responses + [0]
+        sample += [s] * (queries + responses) + [0]
+    kind, sample = torch.tensor(kind), torch.tensor(sample)
+    num_rows, num_samples = len(kind), len(kinds_per_sample)
+    targets = torch.randint(0, vocab, (num_rows,), generator=g)
+    targets[kind == 0] = -100
+    guess = -torch.rand(num_rows, generator=g) * 4 - 0.5
+    batch = dict(targets=targets, token_kind=kind, sample_index=sample,
+                 advantages=torch.randn(num_samples, generator=g),
+                 ref_query_logp=-torch.rand(num_samples, generator=g) * 20 - 10,
+                 query_weight=torch.rand(num_samples, generator=g) * 2,
+                 old_logp=guess + 0.3 * torch.randn(num_rows, generator=g),
+                 ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g))
+    return {name: tensor.to(DEVICE) for name, tensor in batch.items()}
+
+
+def interleaved_batch(num_rows=48, num_samples=5, seed=0):
+    """Rows of the samples mixed at random (no sample-aligned cut exists)."""
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 3, (num_rows,), generator=g)
+    batch = packed_batch([(1, 1)] * num_samples, seed=seed)
+    sample_index = torch.randint(0, num_samples, (num_rows,), generator=g)
+    targets = torch.randint(0, VOCAB, (num_rows,), generator=g)
+    targets[kind == 0] = -100
+    guess = -torch.rand(num_rows, generator=g) * 4 - 0.5
+    rows = dict(token_kind=kind, sample_index=sample_index, targets=targets,
+                old_logp=guess + 0.3 * torch.randn(num_rows, generator=g),
+                ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g))
+    batch.update({name: tensor.to(DEVICE) for name, tensor in rows.items()})
+    return batch
+
+
+ROW_TENSORS = ("targets", "token_kind", "sample_index")
+
+
+def linear(num_rows, dtype, seed=1, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_rows, HIDDEN_DIM, generator=g).to(dtype)
+    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 2.0 / HIDDEN_DIM ** 0.5).to(dtype)
+    b = (torch.randn(VOCAB, generator=g) * 0.5).to(dtype) if bias else None
+    return tuple(None if t is None else t.to(DEVICE) for t in (hidden, weight, b))
+
+
+def budget_for(rows, dtype=torch.float32, backend="triton"):
+    """workspace_bytes giving chunks of `rows` rows."""
+    return rows * chunked.bytes_per_chunk_row(VOCAB, HIDDEN_DIM, dtype, DEVICE, chunked.ROW_KERNELS[backend])
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, **options):
+    """((fused LossOutput, grads), (logits-path LossOutput, grads)) with chunks of `rows` rows."""
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    ours = leaves(*tensors)
+    out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
+                                 workspace_bytes=budget_for(rows, tensors[0].dtype, backend),
+                                 batch_invariant=batch_invariant, **inputs, **options)
+    out.loss.backward()
+    ref = leaves(*(None if t is None else t.float() for t in tensors))  # the exact logits: fp32 from the inputs
+    logits = ref[0] @ ref[1].t() if ref[2] is None else torch.addmm(ref[2], ref[0], ref[1].t())
+    expected = erpo_loss(logits, *(batch[k] for k in ROW_TENSORS), backend="torch", **inputs, **options)
+    expected.loss.backward()
+    return (out, [t.grad for t in ours if t is not None]), (expected, [t.grad for t in ref if t is not None])
+
+
+def assert_same_loss(ours, expected, dtype=torch.float32):
+    (out, grads), (want, want_grads) = ours, expected
+    torch.testing.assert_close(out.loss, want.loss.detach(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    for name in ("token_logp", "query_logp", "response_logp", "entropy"):
+        torch.testing.assert_close(getattr(out, name), getattr(want, name), rtol=1e-5, atol=5e-5, equal_nan=True)
+    assert set(out.metrics) == set(want.metrics)
+    for name, value in want.metrics.items():
+        torch.testing.assert_close(out.metrics[name].float(), value.float(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    for got, wanted in zip(grads, want_grads):
+        assert got.dtype == dtype
+        scale = wanted.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(got.float() / scale, wanted.float() / scale, **TOLERANCE[dtype])
+
+
+# Samples of 4 to 13 rows (query and response rows), some without query or without response rows.
+SAMPLES = [(3, 5), (0, 4), (6, 7), (2, 0), (1, 2), (4, 9), (0, 6), (0, 3), (2, 2)]
+
+
+def option_id(options):
+    return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
+@pytest.mark.parametrize("options", OPTION_CASES, ids=option_id)
+def test_every_option_with_many_chunks_torch(options):
+    """Chunks of 6 rows: most samples whole in a chunk, the longer ones (13 rows) split (their coupled rows come
+    from the pre-pass)."""
+    batch = packed_batch(SAMPLES)
+    tensors = linear(len(batch["targets"]), torch.float32)
+    assert_same_loss(*fused_and_logits_path(batch, tensors, "torch", rows=6, **options))
+
+
+TRITON_CASES = [{}, {"ratio_level": "sequence"}, {"pg_objective": "vespo"}, {"off_policy_mask_threshold": 0.1},
+                {"top_entropy_quantile": 0.4, "entropy_coef": 0.05, "entropy_agg": "token-mean"},
+                {"loss_agg": "seq-mean-token-mean", "qkl_coef": 0.5}, {"qkl_estimator": "k3-token", "qkl_coef": 0.5},
+                {"temperature": 0.7, "logit_softcap": 3.0, "entropy_coef": 0.1}]
+
+
+@pytest.mark.parametrize("options", TRITON_CASES, ids=option_id)
+@pytest.mark.parametrize("layout", ["packed", "interleaved"])
+def test_options_with_many_chunks_triton(options, layout):
+    batch = packed_batch(SAMPLES) if layout == "packed" else interleaved_batch()
+    tensors = linear(len(batch["targets"]), torch.float32)
+    assert_same_loss(*fused_and_logits_path(batch, tensors, "triton", rows=5, **options))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_with_many_chunks(backend):
+    batch = packed_batch(SAMPLES)
+    tensors = linear(len(batch["targets"]), torch.bfloat16)
+    options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
+    assert_same_loss(*fused_and_logits_path(batch, tensors, backend, rows=7, **options), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_response_and_query_sample_counts_stay_apart(loss_agg):
+    """num_seqs=None: the policy term divides by the samples with response rows, the Query-KL by those with query
+    rows. Here they differ (8 and 6: 3 samples lack query rows, 1 lacks response rows) and no chunk holds all of
+    either."""
+    batch = packed_batch(SAMPLES)
+    kind, sample = batch["token_kind"], batch["sample_index"]
+    with_response = {int(s) for s in sample[kind == 2]}
+    with_query = {int(s) for s in sample[kind == 1]}
+    assert (len(with_response), len(with_query)) == (8, 6)
+    tensors = linear(len(kind), torch.float32)
+    ours, expected = fused_and_logits_path(batch, tensors, "torch", rows=4, loss_agg=loss_agg, qkl_coef=0.7)
+    assert_same_loss(ours, expected)
+
+
+def test_nonfinite_padding_row_does_not_poison_the_gradients():
+    """A padding row of NaN hidden state in a chunk of several: exact-zero d hidden there, d weight finite and equal
+    to the one with that row zeroed."""
+    batch = packed_batch(SAMPLES)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32)
+    padding = int((batch["token_kind"] == 0).nonzero()[2])
+    results = []
+    for filler in (0.0, float("nan")):
+        h = hidden.clone()
+        h[padding] = filler
+        (out, grads), _ = fused_and_logits_path(batch, (h, weight, bias), "triton", rows=6)
+        assert torch.isfinite(out.loss)
+        results.append(grads)
+    for clean, got in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, clean, rtol=0, atol=0)
+    assert torch.all(results[1][0][padding] == 0)
+
+
+def plan(batch, rows, **needs):
+    flags = {**dict(query_sums=False, response_values=False, all_response_entropies=False), **needs}
+    return chunked.plan_chunks(batch["token_kind"].cpu().numpy(), batch["sample_index"].cpu().numpy(),
+                               len(batch["advantages"]), rows, **flags)
+
+
+def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples():
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])  # rows: 0-5 | 6-8 | 9-19 | 20-23 (each with a pad row)
+    result = plan(batch, 8, query_sums=True, response_values=True)
+    # (0, 8) ends after sample 1's pad row; from 8 the only clean cut, 9, would leave a 1-row chunk: cut at 16
+    assert result.chunks == [(0, 8), (8, 16), (16, 24)]
+    kind = batch["token_kind"].cpu().numpy()
+    assert result.prepass_rows.tolist() == list(range(9, 19))  # the split 10-row sample's rows only
+    assert plan(batch, 8, query_sums=True).prepass_rows.tolist() == [9, 10, 11, 12]
+    assert plan(batch, 8).prepass_rows.size == 0
+    assert plan(batch, 12).chunks == [(0, 9), (9, 20), (20, 24)]  # every sample whole
+    last_row_apart = plan(packed_batch([(0, 6)]), 5, response_values=True)  # a cut before the sample's last row
+    assert last_row_apart.chunks == [(0, 5), (5, 7)] and last_row_apart.prepass_rows.tolist() == list(range(6))
+    everything = plan(batch, 100, all_response_entropies=True)
+    assert everything.chunks == [(0, 24)] and everything.prepass_rows.tolist() == np.nonzero(kind == 2)[0].tolist()
+
+
+def test_plan_of_interleaved_rows_cuts_at_the_budget():
+    batch = interleaved_batch()
+    result = plan(batch, 7, query_sums=True)
+    assert [stop - start for start, stop in result.chunks] == [7] * 6 + [6]
+    kind = batch["token_kind"].cpu().numpy()
+    assert result.prepass_rows.tolist() == np.nonzero(kind == 1)[0].tolist()
+
+
+class Recorder(TorchDispatchMode):
+    """Per op: the matmul FLOPs (2 m n k) and the live bytes of every 2-D tensor the ops create apart from the
+    gradients [N, D] and [V, D] (peak_workspace: the chunk buffers and temporaries); `launches` counts the row
+    kernels' calls (`counted`)."""
+
+    MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
+
+    def __init__(self, exempt_shapes):
+        super().__init__()
+        self.flops = 0
+        self.logits_gemm_rows = []
+        self.launches = {"forward": 0, "backward": 0}
+        self.exempt = {tuple(s) for s in exempt_shapes}
+        self.live = self.peak_workspace = self.largest_rows = 0
+
+    def _release(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in self.MATMULS or packet in (torch.ops.aten.addmm_,):
+            a, b = (args[0], args[1]) if packet is torch.ops.aten.mm else (args[1], args[2])
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            if b.shape[1] == VOCAB:
+                self.logits_gemm_rows.append(a.shape[0])
+        result = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable:
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) not in self.exempt:
+                    nbytes = t.numel() * t.element_size()
+                    self.live += nbytes
+                    self.peak_workspace = max(self.peak_workspace, self.live)
+                    self.largest_rows = max(self.largest_rows, t.shape[0] if t.shape[1] == VOCAB else 0)
+                    weakref.finalize(t, self._release, nbytes)
+        return result
+
+
+def counted(kernels, launches):
+    """`kernels` with each call of its forward / backward counted in launches["forward"] / ["backward"]."""
+    def count(name, function):
+        def call(*args):
+            launches[name] += 1
+            return function(*args)
+        return call
+
+    return dataclasses.replace(kernels, forward=count("forward", kernels.forward),
+                               backward_into=count("backward", kernels.backward_into))
+
+
+def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_invariant=False, **options):
+    """Run the chunk pass itself (inside the op a dispatch mode sees nothing) under a Recorder; needs: d hidden,
+    d weight (d bias with a bias)."""
+    hidden, weight, bias = tensors
+    needs = (*needs, bias is not None)
+    opts = LossOptions(**options)
+    inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
+    recorder = Recorder([hidden.shape, weight.shape])
+    with recorder:
+        chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
+                               counted(chunked.ROW_KERNELS[backend], recorder.launches),
+                               chunked.segment_sum_class(backend == "triton"),
+                               budget_for(rows, hidden.dtype, backend), needs, batch_invariant)
+    return recorder
+
+
+def test_flops_are_6ndv_plus_the_prepass():
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])
+    tensors = linear(len(batch["targets"]), torch.float32)
+    n, d, v = len(batch["targets"]), HIDDEN_DIM, VOCAB
+    assert record(batch, tensors, rows=12).flops == 6 * n * d * v  # every sample whole in a chunk: no pre-pass
+    split = record(batch, tensors, rows=8)  # the 10-row sample split: its 4 query rows pre-passed (Query-KL)
+    assert len(plan(batch, 8).chunks) == 3
+    assert split.flops == 6 * n * d * v + 2 * 4 * d * v
+    no_qkl = record(batch, tensors, rows=8, qkl_coef=0.0)  # nothing couples rows across chunks
+    assert no_qkl.flops == 6 * n * d * v
+    assert record(batch, tensors, rows=8, needs=(True, False)).flops == 4 * n * d * v + 2 * 4 * d * v
+
+
+@pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
+                                           ("torch", torch.bfloat16)], ids=str)
+def test_workspace_stays_under_the_budget(backend, dtype):
+    batch = packed_batch(SAMPLES)
+    tensors = linear(len(batch["targets"]), dtype)
+    rows = 6
+    recorder = record(batch, tensors, rows=rows, backend=backend, entropy_coef=0.1)
+    assert recorder.largest_rows == rows  # the chunk buffer (never N rows: N = 67)
+    assert 0.5 * budget_for(rows, dtype, backend) < recorder.peak_workspace <= budget_for(rows, dtype, backend)
+
+
+def test_two_row_pass_launches_and_three_gemms_per_chunk():
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])
+    tensors = linear(len(batch["targets"]), torch.float32, bias=False)
+    recorder = record(batch, tensors, rows=12, qkl_coef=0.0)
+    n, d, v = len(batch["targets"]), HIDDEN_DIM, VOCAB
+    chunks = len(plan(batch, 12).chunks)
+    assert recorder.launches == {"forward": chunks, "backward": chunks}
+    assert recorder.flops == 6 * n * d * v
+
+
+def test_results_repeat_bit_for_bit():
+    batch = interleaved_batch()
+    tensors = linear(len(batch["targets"]), torch.bfloat16)
+    runs = [fused_and_logits_path(batch, tensors, "triton", rows=5, qkl_coef=0.5)[0] for _ in range(2)]
+    (first, first_grads), (second, second_grads) = runs
+    assert torch.equal(first.loss, second.loss) and torch.equal(first.token_logp, second.token_logp)
+    assert all(torch.equal(a, b) for a, b in zip(first_grads, second_grads))
+
+
+def test_a_rows_logprob_does_not_depend_on_the_rest_of_the_batch(monkeypatch):
+    """batch_invariant: sample 0 alone, and first in a batch of 9 cut into other chunks, gets the same log-probs and
+    entropies bit for bit. (Without it even the CPU's fp32 GEMMs differ here in the entropies' last bits: the BLAS
+    picks its kernel by shape, as cuBLAS does.)"""
+    monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
+    batch = packed_batch(SAMPLES)
+    alone = packed_batch(SAMPLES[:1])
+    hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16)
+    rows = len(alone["targets"])
+    inputs = {k: v for k, v in alone.items() if k not in ROW_TENSORS}
+    small = fused_linear_erpo_loss(hidden[:rows], weight, *(alone[k] for k in ROW_TENSORS), bias=bias,
+                                   backend="triton", batch_invariant=True, **inputs)
+    whole = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   workspace_bytes=budget_for(5, torch.bfloat16), batch_invariant=True,
+                                   **{k: v for k, v in batch.items() if k not in ROW_TENSORS})
+    assert torch.equal(small.token_logp, whole.token_logp[:rows])
+    assert torch.equal(small.entropy, whole.entropy[:rows])
+
+
+def test_batch_invariant_gemms_have_one_shape(monkeypatch):
+    """batch_invariant: every logits GEMM (forward and pre-pass) has INVARIANT_ROWS rows, the same loss."""
+    monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
+    batch = packed_batch(SAMPLES)
+    tensors = linear(len(batch["targets"]), torch.float32)
+    plain = record(batch, tensors, rows=9, ratio_level="sequence")
+    invariant = record(batch, tensors, rows=9, batch_invariant=True, ratio_level="sequence")
+    assert set(invariant.logits_gemm_rows) == {4} and len(set(plain.logits_gemm_rows)) > 1
+    (out, grads), expected = fused_and_logits_path(batch, tensors, "triton", rows=9, batch_invariant=True,
+                                                   ratio_level="sequence")
+    assert_same_loss((out, grads), expected)
+
+
+def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm():
+    """bf16 inputs, 40 chunks: d weight against float64 on the same bf16 dlogits is as close as one bf16 GEMM over
+    all rows (a single rounding); accumulating the chunks in bf16 instead is measurably worse."""
+    g = torch.Generator().manual_seed(4)
+    num_rows, hidden_dim, vocab, rows = 800, 32, 256, 20
+    dlogits = (torch.randn(num_rows, vocab, generator=g) * 1e-3).bfloat16().to(DEVICE)
+    hidden = torch.randn(num_rows, hidden_dim, generator=g).bfloat16().to(DEVICE)
+    exact = dlogits.double().t() @ hidden.double()
+    accumulator = torch.zeros(vocab, hidden_dim, device=DEVICE)
+    bf16_sum = torch.zeros(vocab, hidden_dim, dtype=torch.bfloat16, device=DEVICE)
+    for start in range(0, num_rows, rows):
+        chunk = slice(start, start + rows)
+        chunked._accumulate_product(accumulator, dlogits[chunk].t(), hidden[chunk])
+        bf16_sum += dlogits[chunk].t() @ hidden[chunk]
+
+    def error(grad):
+        return float((grad.double() - exact).norm() / exact.norm())
+
+    ours, one_gemm = error(accumulator.bfloat16()), error(dlogits.t() @ hidden)
+    assert ours <= 1.01 * one_gemm
+    assert error(bf16_sum) > 2 * one_gemm
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_opcheck(kernels):
+    batch = packed_batch([(2, 3), (1, 1), (4, 6)])
+    hidden, weight, bias = (t.requires_grad_(True) for t in linear(len(batch["targets"]), torch.float32))
+    opts = LossOptions(qkl_coef=0.3, loss_agg="seq-mean-token-mean")
+    inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
+    torch.library.opcheck(chunked.loss_gradients_op, (
+        hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
+        *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
+        budget_for(5), False, True, True, True))
+
+
+def test_fp16_keeps_tiny_dlogits(monkeypatch):
+    """fp16 with a token-mean over 10^5 items: g_logp ~ 1e-5 and p_j ~ 1 / V put every non-target dlogit g p_j
+    below fp16's smallest subnormal. Each chunk's dlogits are written scaled by a power of two and unscaled inside
+    the GEMMs. With hidden states large enough that d weight is a normal fp16 number, d weight then matches fp32
+    to fp16's precision (< 1%); unscaled it is 9% off."""
+    batch = packed_batch(SAMPLES)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float16)
+    hidden, weight = hidden * 64, weight / 64  # the same logits; d weight 64 times larger
+    options = dict(num_items=1e5, qkl_coef=0.0)
+    exact = leaves(hidden.float(), weight.float(), bias.float())
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    erpo_loss(torch.addmm(exact[2], exact[0], exact[1].t()), *(batch[k] for k in ROW_TENSORS), backend="torch",
+              **inputs, **options).loss.backward()
+
+    def weight_error():
+        grads = fused_and_logits_path(batch, (hidden, weight, bias), "triton", rows=6, **options)[0][1]
+        return float((grads[1].float() - exact[1].grad).norm() / exact[1].grad.norm())
+
+    assert exact[1].grad.abs().max() > 1e-4  # fp16 normals start at 6.1e-5
+    assert weight_error() < 1e-2
+    monkeypatch.setattr(chunked, "_fp16_gradient_scale", lambda *grads: 1.0)
+    assert weight_error() > 0.05  # about 9%: the dlogits below 6e-8 flushed to 0
