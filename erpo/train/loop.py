@@ -269,6 +269,6 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
         finish_run(cfg, run)
     if run.lock is not None:
         run.lock.release()
-    stop.raise_if_interrupted(f"stopped by Ctrl-C after rollout step {state['rollout_step']}")
+    stop.raise_if_interrupted(f"stopped by Ctrl-C after rollout step {state.rollout_step}")
     log.info("done: %s", run.out_dir)
     return str(run.out_dir)
