@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
-from erpo_kernels.api import erpo_loss  # noqa: E402
+from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
 from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
@@ -276,7 +276,7 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
-                               chunked.segment_sum_class(backend == "triton"),
+                               segment_sum_of(backend == "triton"),
                                budget_for(rows, hidden.dtype, backend), needs, batch_invariant)
     return recorder
 
