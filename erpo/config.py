@@ -99,38 +99,42 @@ class RewardConfig:
     weights: list[float] | None = None       # one per function; default all 1.0
 
 
+# The loss options a run's config does not set under `algorithm`: taken from elsewhere in the config, from the model,
+# or from the step itself. Every other field of the kernels' `LossOptions` is a key of `algorithm` with the kernels'
+# default (API.md's options table), so a new loss option needs no edit here.
+LOSS_OPTIONS_ELSEWHERE = {
+    "temperature": "rollout.temperature",
+    "rollout_is_cap": "rollout.importance_sampling_cap",
+    "logit_scale": "the model's config (its final-logit transform)",
+    "logit_softcap": "the model's config (its final-logit transform)",
+    "num_items": "each optimizer step (its response tokens over all ranks)",
+    "num_seqs": "each optimizer step (its samples over all ranks)",
+    "top_entropy_gather": "the trainer (every rank's entropies, under data parallelism)",
+}
+PRESET_OPTIONS = ("qkl_coef", "policy_kl_coef")   # None in the config until `resolve` fills the preset (PRESETS)
+_LOSS_OPTION_TYPES = typing.get_type_hints(LossOptions)
+CONFIG_LOSS_OPTIONS = tuple(f.name for f in dataclasses.fields(LossOptions) if f.name not in LOSS_OPTIONS_ELSEWHERE)
+
+AlgorithmLossOptions = dataclasses.make_dataclass(
+    "AlgorithmLossOptions",
+    [(name, _LOSS_OPTION_TYPES[name] | None, field(default=None)) if name in PRESET_OPTIONS
+     else (name, _LOSS_OPTION_TYPES[name], field(default=getattr(_KERNEL, name))) for name in CONFIG_LOSS_OPTIONS])
+AlgorithmLossOptions.__doc__ = ("The loss options of `algorithm` (CONFIG_LOSS_OPTIONS), derived from the kernels' "
+                                "`LossOptions` with their defaults; qkl_coef and policy_kl_coef come from the preset.")
+
+
 @dataclass
-class AlgorithmConfig:
-    """The RL algorithm. `resolve` fills the preset and sets `loss_options`: the kernel's `LossOptions` built once
-    from these fields (with rollout.temperature and rollout.importance_sampling_cap), passed whole to the loss."""
+class AlgorithmConfig(AlgorithmLossOptions):
+    """The RL algorithm: the loss options (AlgorithmLossOptions) and the trainer's own choices. `resolve` fills the
+    preset and sets `loss_options`: the kernel's `LossOptions` built once from these fields (with the options of
+    LOSS_OPTIONS_ELSEWHERE that the config holds: rollout.temperature and rollout.importance_sampling_cap), passed
+    whole to the loss."""
     name: str = "erpo"                        # erpo | grpo | grpo+qw | grpo+qkl
-    # Fields left None take the value of the preset for `name` (see PRESETS).
-    qkl_coef: float | None = None            # alpha
-    policy_kl_coef: float | None = None      # beta
+    # Left None: the value of the preset for `name` (see PRESETS).
     query_weight: str | None = None          # static (cached w(q)) | current (recomputed per step, clipped to [0, 2])
     #                                          | current-unclipped (the official code's per-step weight) | none
-    qkl_estimator: str = _KERNEL.qkl_estimator  # k1 | k2 | k3 | k3-token (against a live reference model)
     advantage: str = "grpo"                   # grpo | rloo | reinforce
     scale_rewards: str = "group"              # group | batch | none (grpo: divide by the std, as TRL)
-    clip_low: float = _KERNEL.clip_low
-    clip_high: float = _KERNEL.clip_high      # > clip_low: DAPO clip-higher
-    dual_clip: float | None = _KERNEL.dual_clip
-    ratio_level: str = _KERNEL.ratio_level    # token | sequence (GSPO)
-    loss_agg: str = _KERNEL.loss_agg
-    entropy_coef: float = _KERNEL.entropy_coef
-    log_ratio_clamp: float = _KERNEL.log_ratio_clamp
-    qkl_linear_beyond: float = _KERNEL.qkl_linear_beyond  # the Query-KL's estimator is linear beyond |r| > this
-    # The policy term (TRL 1.16's loss types): ppo-clip (clip_low / clip_high / dual_clip) | cispo | sapo | vespo
-    pg_objective: str = _KERNEL.pg_objective
-    cispo_clip_max: float = _KERNEL.cispo_clip_max
-    sapo_temperature_pos: float = _KERNEL.sapo_temperature_pos
-    sapo_temperature_neg: float = _KERNEL.sapo_temperature_neg
-    vespo_k_pos: float = _KERNEL.vespo_k_pos
-    vespo_lambda_pos: float = _KERNEL.vespo_lambda_pos
-    vespo_k_neg: float = _KERNEL.vespo_k_neg
-    vespo_lambda_neg: float = _KERNEL.vespo_lambda_neg
-    off_policy_mask_threshold: float | None = _KERNEL.off_policy_mask_threshold   # DeepSeek-V3.2's sequence mask
-    top_entropy_quantile: float = _KERNEL.top_entropy_quantile   # < 1: policy term on the top-entropy tokens only
     filter_groups: bool = False               # DAPO: drop groups whose rewards are all equal
     mask_truncated: bool = False              # DAPO overlong masking: truncated responses carry no loss
 
@@ -204,14 +208,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("hf", "vllm"),
     "algorithm.name": tuple(PRESETS),
     "algorithm.query_weight": QUERY_WEIGHTS,
-    "algorithm.qkl_estimator": OPTION_CHOICES["qkl_estimator"],
     "algorithm.advantage": ("grpo", "rloo", "reinforce"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
-    "algorithm.ratio_level": OPTION_CHOICES["ratio_level"],
-    "algorithm.loss_agg": OPTION_CHOICES["loss_agg"],
-    "algorithm.pg_objective": OPTION_CHOICES["pg_objective"],
     "trainer.updater": ("auto", "deepspeed", "torch"),
     "trainer.on_nonfinite": ("skip", "stop"),
+    # the loss options with a fixed set of values (the kernels' OPTION_CHOICES), each in its algorithm key
+    **{f"algorithm.{name}": choices for name, choices in OPTION_CHOICES.items() if name in CONFIG_LOSS_OPTIONS},
 }
 
 
@@ -458,15 +460,9 @@ def resolve(cfg: Config) -> Config:
         raise ValueError("algorithm.policy_kl_coef must be >= 0")
     if a.advantage == "rloo" and cfg.rollout.n < 2:
         raise ValueError("algorithm.advantage 'rloo' needs rollout.n >= 2")
-    a.loss_options = LossOptions(
-        qkl_coef=a.qkl_coef, qkl_estimator=a.qkl_estimator, policy_kl_coef=a.policy_kl_coef, clip_low=a.clip_low,
-        clip_high=a.clip_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level, temperature=cfg.rollout.temperature,
-        entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, log_ratio_clamp=a.log_ratio_clamp,
-        rollout_is_cap=cfg.rollout.importance_sampling_cap, qkl_linear_beyond=a.qkl_linear_beyond,
-        pg_objective=a.pg_objective, cispo_clip_max=a.cispo_clip_max, sapo_temperature_pos=a.sapo_temperature_pos,
-        sapo_temperature_neg=a.sapo_temperature_neg, vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos,
-        vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg,
-        off_policy_mask_threshold=a.off_policy_mask_threshold, top_entropy_quantile=a.top_entropy_quantile)
+    a.loss_options = LossOptions(**{name: getattr(a, name) for name in CONFIG_LOSS_OPTIONS},
+                                 temperature=cfg.rollout.temperature,
+                                 rollout_is_cap=cfg.rollout.importance_sampling_cap)
     return cfg
 
 

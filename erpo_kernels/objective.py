@@ -217,8 +217,9 @@ def high_entropy_mask(entropy, rows, top_quantile: float, gather=None):
 
 
 def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
+    """numerator / max(denominator, 1): a number, or a 1-element tensor of any shape (the result stays 0-dim)."""
     if isinstance(denominator, torch.Tensor):
-        return numerator / denominator.to(numerator).clamp_min(1)
+        return numerator / denominator.to(numerator).reshape(()).clamp_min(1)
     return numerator / max(float(denominator), 1.0)
 
 

@@ -37,6 +37,7 @@ from erpo.train.run_dir import check_run_dir, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir
 from erpo.train.step_plan import old_logprobs, plan_query_weights, plan_step
 from erpo.train.stop import GracefulStop
+from erpo.train.train_state import TrainState
 from erpo.train.update_step import optimizer_step
 from erpo.train.updater import Updater, choose_updater, deepspeed_config_for, make_updater
 
@@ -79,7 +80,7 @@ class Run:
     reward_fns: list
     ref_query_logp: torch.Tensor        # [Q] ell_theta0(q) of every training prompt (reference cache)
     static_weight: torch.Tensor         # [Q] w(q) of every training prompt (reference cache)
-    state: dict                         # counters saved in checkpoints
+    state: TrainState                   # the run's counters (saved in checkpoints with the sampler's position)
     sampler: PromptSampler
     device: torch.device                # where this rank's micro-batches live
     lock: RunLock | None                # the run directory's lock (rank 0; None on the other ranks)
@@ -132,8 +133,9 @@ def build_models(cfg: Config, model_path: str, device) -> tuple[Updater, torch.n
 
 def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater, cache_id: str,
                   cache_path: str) -> dict:
-    """The state of the newest checkpoint (model, optimizer and schedule restored into `updater`), checked against
-    this run: same reference cache, and an LR schedule of the same length unless it is constant."""
+    """The record of the newest checkpoint (`TrainState.checkpoint_record`; model, optimizer and schedule restored
+    into `updater`), checked against this run: same reference cache, and an LR schedule of the same length unless
+    it is constant."""
     state = checkpoints.load(updater.checkpoint_target)
     if state["reference_cache_id"] != cache_id:
         raise UserError(f"--resume: the checkpoint was trained against reference cache "
@@ -142,7 +144,6 @@ def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater,
     problem = schedule_mismatch(state.get("lr_schedule_steps"), cfg)   # also checked by check_run_dir, up front
     if problem:
         raise UserError(f"--resume {cfg.output_dir}: {problem}")
-    state["lr_schedule_steps"] = cfg.trainer.max_steps * updates_per_rollout(cfg)
     log.info("resumed from %s at rollout step %d", checkpoints.latest(), state["rollout_step"])
     return state
 
@@ -173,20 +174,23 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
         cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
     reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]
     engine = engine or rollout_engine_for(cfg, updater.module, tokenizer, model_path)
-    state = {"rollout_step": 0, "opt_step": 0, "epoch": 0, "cursor": 0, "nonfinite_skipped": 0,
-             "reference_cache_id": cache.cache_id,
-             "lr_schedule_steps": cfg.trainer.max_steps * updates_per_rollout(cfg)}
+    schedule_steps = cfg.trainer.max_steps * updates_per_rollout(cfg)
+    state = TrainState(reference_cache_id=cache.cache_id, lr_schedule_steps=schedule_steps)
+    sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed)
     if resume:
-        state = restore_state(cfg, checkpoints, updater, cache.cache_id, cache_path)
+        record = restore_state(cfg, checkpoints, updater, cache.cache_id, cache_path)
+        state = TrainState.from_checkpoint_record(record, lr_schedule_steps=schedule_steps)
+        sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, record["epoch"], record["cursor"])
         engine.sync_weights(updater.module)
-    sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, state["epoch"], state["cursor"])
-    return Run(out_dir, checkpoints, tokenizer, ps, updater, ref_model, engine, reward_fns, ref_query_logp,
-               static_weight, state, sampler, device, lock, logit_transforms(updater.model))
+    return Run(out_dir=out_dir, checkpoints=checkpoints, tokenizer=tokenizer, prompts=ps, updater=updater,
+               ref_model=ref_model, engine=engine, reward_fns=reward_fns, ref_query_logp=ref_query_logp,
+               static_weight=static_weight, state=state, sampler=sampler, device=device, lock=lock,
+               logit_options=logit_transforms(updater.model))
 
 
 def save_checkpoint(cfg: Config, run: Run, progress: dict | None = None) -> str:
-    """Checkpoint the model with `progress` (default: the current state and sampler position)."""
-    progress = progress or {**run.state, **run.sampler.state}
+    """Checkpoint the model with `progress` (a `TrainState.checkpoint_record`; default: the current one)."""
+    progress = progress or run.state.checkpoint_record(run.sampler.state)
     with stop_on_storage_failure(f"saving checkpoint step-{progress['rollout_step']}", run.checkpoints.root):
         return run.checkpoints.save(progress["rollout_step"], run.updater.checkpoint_target, progress,
                                     export=cfg.trainer.save_hf, tokenizer=run.tokenizer)
@@ -215,13 +219,13 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
     run = start_run(cfg, resume, force)
     t, state, sampler, model = cfg.trainer, run.state, run.sampler, run.updater.model
     metrics = MetricsWriter(cfg, run.out_dir, resume=resume, total_steps=t.max_steps * updates_per_rollout(cfg),
-                            done_steps=state["opt_step"])
+                            done_steps=state.opt_step)
     with GracefulStop() as stop:
-        while state["rollout_step"] < t.max_steps:
+        while state.rollout_step < t.max_steps:
             started = time.time()
-            before_rollout = {**state, **sampler.state}   # what a checkpoint of the not-yet-updated model holds
+            before_rollout = state.checkpoint_record(sampler.state)   # a checkpoint of the not-yet-updated model
             # 1. Rollout: generate, reward and score this rank's share of the prompts of every optimizer step.
-            seed = t.seed * 1_000_003 + state["rollout_step"] * 1009 + D.rank()
+            seed = t.seed * 1_000_003 + state.rollout_step * 1009 + D.rank()
             rollouts = rollout_stage(cfg, run.engine, run.prompts, run.tokenizer, run.reward_fns,
                                      sampler.next(t.rollout_batch_size), seed)
             rollout_seconds = time.time() - started
@@ -247,18 +251,18 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
                         raise
                     raise FloatingPointError(f"{exc} Checkpoint of the model before this step: "
                                              f"{save_checkpoint(cfg, run, before_rollout)}") from None
-                state["opt_step"] += 1
-                record.update(step=state["opt_step"], rollout_step=state["rollout_step"] + 1, epoch=sampler.epoch,
+                state.opt_step += 1
+                record.update(step=state.opt_step, rollout_step=state.rollout_step + 1, epoch=sampler.epoch,
                               rollout_seconds=round(rollout_seconds, 3), step_seconds=round(time.time() - started, 3))
                 run.engine.sync_weights(run.updater.module)
                 metrics.write(record)
-            state["rollout_step"] += 1
-            if t.save_steps and state["rollout_step"] % t.save_steps == 0:
+            state.rollout_step += 1
+            if t.save_steps and state.rollout_step % t.save_steps == 0:
                 save_checkpoint(cfg, run)
             if stop.should_stop():
                 path = save_checkpoint(cfg, run)
                 log.warning("stopped by signal after rollout step %d; checkpoint %s (resume with --resume)",
-                            state["rollout_step"], path)
+                            state.rollout_step, path)
                 break
     metrics.close()
     if not stop.requested:

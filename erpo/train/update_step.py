@@ -17,6 +17,7 @@ from erpo.config import Config
 from erpo.sequences import final_hidden, scored_token_logp
 from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
+from erpo.train.train_state import TrainState
 from erpo.train.updater import Updater
 from erpo_kernels import fused_linear_erpo_loss
 from erpo_kernels.lm_head import whole_lm_head
@@ -77,9 +78,9 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     return sums, gap_max, nonfinite
 
 
-def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: dict, prompts: list[int]) -> float:
+def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: TrainState, prompts: list[int]) -> float:
     """Step the optimizer unless a rank saw a non-finite loss or the gradient is not finite (the step is then
-    skipped and counted in state["nonfinite_skipped"], or raises FloatingPointError under on_nonfinite=stop).
+    skipped and counted in state.nonfinite_skipped, or raises FloatingPointError under on_nonfinite=stop).
     Returns the global grad norm (nan when none was computed)."""
     bad = D.all_reduce_sum(int(nonfinite)) > 0
     grad_norm = float("nan")
@@ -90,20 +91,20 @@ def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: dict, pro
         bad = not applied
         if applied and not math.isfinite(grad_norm):
             log.warning("DeepSpeed reported a non-finite grad norm at optimizer step %d (the step was applied)",
-                        state["opt_step"] + 1)
+                        state.opt_step + 1)
     if bad:
-        state["nonfinite_skipped"] += 1
-        message = (f"non-finite loss or gradient at optimizer step {state['opt_step'] + 1} (rollout step "
-                   f"{state['rollout_step'] + 1}); prompts {sorted(set(prompts))[:8]}")
+        state.nonfinite_skipped += 1
+        message = (f"non-finite loss or gradient at optimizer step {state.opt_step + 1} (rollout step "
+                   f"{state.rollout_step + 1}); prompts {sorted(set(prompts))[:8]}")
         if cfg.trainer.on_nonfinite == "stop":
             raise FloatingPointError(message + ". No update was applied for this step. Set trainer.on_nonfinite=skip "
                                      "to skip such steps; resume from the last checkpoint with --resume.")
-        log.warning("%s: step skipped (%d skipped so far)", message, state["nonfinite_skipped"])
+        log.warning("%s: step skipped (%d skipped so far)", message, state.nonfinite_skipped)
     return grad_norm
 
 
 def optimizer_step(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
-                   query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor, state: dict,
+                   query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor, state: TrainState,
                    logit_options: dict) -> dict:
     """Accumulate the loss over the plan's micro-batches and take one optimizer step. Returns the metrics record
     (without the step counters and timings). The plan holds samples (the loop skips a step that filtering
@@ -114,4 +115,4 @@ def optimizer_step(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old
     grad_norm = apply_update(cfg, updater, nonfinite, state, plan.rollout.prompts.tolist())
     weight_sum = sum(float(w.sum()) for mb, w in zip(plan.micro_batches, query_weight) if mb.weight and w is not None)
     return step_record(cfg, plan, sums, gap_max, weight_sum, grad_norm=grad_norm, lr=lr,
-                       nonfinite_skipped=state["nonfinite_skipped"])
+                       nonfinite_skipped=state.nonfinite_skipped)

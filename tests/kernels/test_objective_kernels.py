@@ -156,6 +156,21 @@ def test_launch_count_of_the_default_options_is_14(device):
     assert counter.launches == 14, counter.names
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum"])
+def test_one_element_denominators_of_any_shape_give_a_0_dim_loss(loss_agg, backend, device):
+    """num_items / num_seqs as [1]-shaped tensors: the loss and the metrics are 0-dim, equal to the numbers'."""
+    batch = random_batch(device=device)
+    case = dict(loss_agg=loss_agg, qkl_coef=0.3)
+    as_numbers, _ = run(batch, backend, dict(case, num_items=30.0, num_seqs=4.0))
+    as_tensors, _ = run(batch, backend, dict(case, num_items=torch.tensor([30.0], device=device),
+                                             num_seqs=torch.tensor([4.0], device=device)))
+    assert as_tensors.loss.shape == () and all(value.shape == () for value in as_tensors.metrics.values())
+    torch.testing.assert_close(as_tensors.loss, as_numbers.loss, rtol=1e-6, atol=1e-7)
+    for name in ("qkl", "pg_loss"):
+        torch.testing.assert_close(as_tensors.metrics[name], as_numbers.metrics[name], rtol=1e-6, atol=1e-7)
+
+
 def test_validate_false_still_checks_shapes_and_options(device):
     batch = random_batch(device=device)
     tensors, _ = call_arguments(batch, {})

@@ -169,3 +169,24 @@ def test_offload_and_sleep_mode_settings():
         resolve(apply_overrides(Config(), ["trainer.offload_optimizer=true"]))
     with pytest.raises(TypeError, match="rollout.enable_sleep_mode"):
         apply_overrides(Config(), ["rollout.enable_sleep_mode=maybe"])
+
+
+def test_the_algorithm_section_is_the_loss_options_derived():
+    """Every field of the kernels' LossOptions is a key of `algorithm` with the kernels' default (or filled by the
+    preset), or listed as set elsewhere; each key reaches the resolved LossOptions."""
+    import dataclasses
+
+    from erpo.config import CONFIG_LOSS_OPTIONS, LOSS_OPTIONS_ELSEWHERE, PRESET_OPTIONS, AlgorithmConfig
+    from erpo_kernels import LossOptions
+    names = {f.name for f in dataclasses.fields(LossOptions)}
+    assert set(CONFIG_LOSS_OPTIONS) | set(LOSS_OPTIONS_ELSEWHERE) == names
+    assert not set(CONFIG_LOSS_OPTIONS) & set(LOSS_OPTIONS_ELSEWHERE)
+    algorithm, kernel = AlgorithmConfig(), LossOptions()
+    for name in CONFIG_LOSS_OPTIONS:
+        assert getattr(algorithm, name) == (None if name in PRESET_OPTIONS else getattr(kernel, name)), name
+    changed = {"clip_high": 0.3, "kl_clamp": 4.0, "entropy_agg": "token-mean", "policy_kl_bias_correction": True}
+    cfg = resolve(apply_overrides(Config(), [f"algorithm.{k}={v}" for k, v in changed.items()]
+                                  + ["rollout.temperature=0.7"]))
+    for name, value in changed.items():
+        assert getattr(cfg.algorithm.loss_options, name) == value, name
+    assert cfg.algorithm.loss_options.temperature == 0.7

@@ -93,3 +93,16 @@ def test_per_sample_sum_is_a_fixed_order_sum_without_atomics(monkeypatch):
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, expected.double(), rtol=0, atol=0)
 
+
+
+def test_train_state_round_trips_through_the_checkpoint_record():
+    """A checkpoint's "state" keeps its keys (older checkpoints resume): the counters and the sampler's position;
+    read back, the counters return with this run's LR schedule length."""
+    from erpo.train.train_state import TrainState
+    state = TrainState(reference_cache_id="ab12", lr_schedule_steps=8, rollout_step=3, opt_step=6,
+                       nonfinite_skipped=1)
+    record = state.checkpoint_record({"epoch": 2, "cursor": 4})
+    assert record == {"rollout_step": 3, "opt_step": 6, "epoch": 2, "cursor": 4, "nonfinite_skipped": 1,
+                      "reference_cache_id": "ab12", "lr_schedule_steps": 8}
+    assert TrainState.from_checkpoint_record(record, lr_schedule_steps=10) == TrainState(
+        reference_cache_id="ab12", lr_schedule_steps=10, rollout_step=3, opt_step=6, nonfinite_skipped=1)
