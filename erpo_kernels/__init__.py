@@ -3,15 +3,15 @@
 Modules. Public entry points: api.py (logits path; log-probs path, per-sample sums and the backend rule for trainers
 that compute log-probs themselves), fused_linear.py (hidden x lm_head), padded.py ([B, T] batches in TRL's layout),
 modules.py, layout.py, lm_head.py, zero3.py, model_config.py (a Hugging Face config's final-logit transform as loss
-options). Shared by every path: validation.py (checks, `LossOptions`, `OPTION_CHOICES`, `LossInputs`,
-`LogitTransform`, `with_option_parameters`), objective.py (the loss on per-token vectors), common.py (torch helpers,
-the online log-sum-exp, the logit transform in torch). The torch reference: reference.py, segment.py,
-torch_fused_linear.py. The Triton path (imported only when Triton is installed; its passes are torch.library ops,
-compile-ready): triton_common.py (@triton.jit helpers), triton_logits.py, triton_objective.py (the objective on [N]
-vectors in three kernels, for the options it fuses), triton_row_checks.py (the value checks, one host read; none
-with validate=False), triton_segment.py. fused_linear_loss.py runs the fused-linear row chunks (GEMMs in torch,
-cuBLAS on CUDA) on either side's per-row kernels. Nothing on the reference side imports the Triton path (the import
-contract in setup.cfg, checked by tests/repo/test_lint.py).
+options). Shared by every path: validation.py (checks, `LossOptions`, `OPTION_CHOICES`, `LossInputs`, `LogitTransform`,
+`with_option_parameters`), objective.py (the loss on per-token vectors), common.py (torch helpers, the online log-sum-
+exp, the logit transform in torch). The torch reference: reference.py, segment.py, torch_fused_linear.py. The Triton
+path (imported only when Triton is installed; its passes are torch.library ops, compile-ready): triton_common.py
+(@triton.jit helpers), triton_logits.py, triton_objective.py (the objective on [N] vectors in three kernels, for the
+options it fuses), triton_quantile.py (the entropy filter's threshold on the device), triton_row_checks.py (the value
+checks, one host read; none with validate=False), triton_segment.py. fused_linear_loss.py runs the fused-linear row
+chunks (GEMMs in torch, cuBLAS on CUDA) on either side's per-row kernels. Nothing on the reference side imports the
+Triton path (the import contract in setup.cfg, checked by tests/repo/test_lint.py).
 """
 from . import layout, lm_head, zero3
 from .api import (

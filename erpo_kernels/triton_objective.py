@@ -4,7 +4,8 @@ gradient, for the options trainers use most, without an autograd graph over doze
     forward   1. one program per sample s walks its rows twice, in a fixed order (the rows sorted by sample, as
                  `triton_segment`): first the sums the sample's terms need (ell_theta(q_s), the response rows'
                  count, the sum of their log-ratios for the sequence-level ratio, of their weights and Policy-KLs
-                 for the sequence-level gradient), then every response row's term_t and the sample's partial sums
+                 for the sequence-level gradient, of the drift behind the off-policy mask, of VESPO's log-weights,
+                 of the query rows' k3 for "k3-token"), then every response row's term_t and the sample's partial sums
                  (loss, metrics); it writes each row's gradient coefficients, up to one global factor
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
                  (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
@@ -19,17 +20,24 @@ The gradient coefficients, derived from the reference's equations (API.md's math
                                every response row u of s: a per-sample sum over t of w_s tw_t rho_t times it)
         pg'(r)               = -A_s (unclipped branch) or -A_s [1 - clip_low <= r <= 1 + clip_high] (clipped),
                                times the dual clip's min; ties split the gradient in halves as torch.maximum's
+                               (ppo-clip); -4 A_s sigmoid (1 - sigmoid) (sapo); 0 for cispo and vespo, whose
+                               weight is detached: their pg_t = -c_t A_s logp_t adds d pg_t / d logp_t = -c_t A_s
+                               (c_t = min(ratio, cispo_clip_max), or phi(w_s)); `_policy_surrogate`
+        w_s includes the off-policy mask (0 or 1 per sample); with vespo rho_t is folded into w_s, not into pg_t
         d KL_t / d logp_t    = -expm1(x_t) [|x_t| <= log_ratio_clamp] [|k3| <= kl_clamp],  x_t = ref_t - logp_t;
                                with the bias correction KL_t = ratio k3_t adds k3 d ratio / d logp
     query row t of sample s:  qkl_coef / num_query_seqs * (-f'(r_s)) [|f| <= kl_clamp],  r_s = ref_q_s - q_s, f'(r)
-                               = k'(clamp(r, +-qkl_linear_beyond)) (`objective.linear_beyond`)
+                               = k'(clamp(r, +-qkl_linear_beyond)) (`objective.linear_beyond`); "k3-token":
+                               qkl_coef / num_query_seqs / |Q_s| * d k3_t / d logp_t (as d KL_t above)
     d loss / d H_t = -c_H lam_s G (entropy_agg "loss-agg") or -c_H / |R| ("token-mean").
 
-Options fused here (`fuses`): pg_objective "ppo-clip" at token and sequence level, every loss_agg, the Query-KL's
-k1 / k2 / k3, the Policy-KL with and without bias correction, kl_clamp, pg_log_ratio_clamp, dual_clip, the entropy
-bonus in both aggregations, query_weight, token_weight, rollout_logp with or without rollout_is_cap, num_items /
-num_seqs (numbers or tensors). The others (cispo, sapo, vespo, the off-policy mask, the entropy filter,
-qkl_estimator "k3-token", fp64 log-probs) run the reference objective on the [N] vectors.
+Options fused here (`fuses`): every pg_objective (ppo-clip, cispo, sapo, vespo) at token and sequence level, every
+loss_agg, the Query-KL's k1 / k2 / k3 / k3-token, the Policy-KL with and without bias correction, kl_clamp,
+pg_log_ratio_clamp, dual_clip, the off-policy mask, the entropy bonus in both aggregations, query_weight,
+token_weight, rollout_logp with or without rollout_is_cap, num_items / num_seqs (numbers or tensors), the entropy
+filter (top_entropy_quantile: its threshold computed first, `triton_quantile`). The others (the entropy filter
+across processes (top_entropy_gather), or without entropies; fp64 log-probs) run the reference objective on the
+[N] vectors.
 Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24 rows, as the reference's.
 """
 from __future__ import annotations
@@ -41,20 +49,25 @@ import torch
 import triton
 import triton.language as tl
 
+from . import objective
 from .objective import LossMetrics, LossOutput
 from .triton_common import expm1
+from .triton_quantile import masked_quantile_op
 from .validation import LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
 QUERY_ROWS, RESPONSE_ROWS, QKL, TERM, PG, POLICY_KL, ENTROPY, CLIPPED, RATIO, IS_WEIGHT, GAP_ABS, GAP_MAX, \
-    NONFINITE = range(13)
-NUM_PARTIALS = 13
+    NONFINITE, OFF_POLICY_MASKED, VESPO_PHI, KEPT_ROWS, KEPT_ENTROPY = range(17)
+NUM_PARTIALS = 17
 # The fp32 metrics vector the finish kernel writes, in LossOutput.metrics' order; the int64 counts beside it.
 FLOAT_METRICS = ("qkl", "policy_kl", "entropy", "clip_frac", "pg_loss", "ratio_mean", "query_logp_mean",
                  "rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max", "off_policy_masked_frac",
                  "kept_entropy", "vespo_phi_mean")
 COUNT_METRICS = ("response_tokens", "nonfinite_rows", "kept_tokens")
-QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3}
+QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3, "k3-token": 4}
+PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
+VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
+VESPO_LOG_WEIGHT_MIN = tl.constexpr(objective.VESPO_LOG_WEIGHT_MIN)
 LOSS_AGG_CODES = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
 ROW_BLOCK = 256  # rows per loop step of the sample kernel, and per program of the gradient kernel
 SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
@@ -63,9 +76,9 @@ SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
     """True when these kernels compute the objective for `options` (module docstring); else the caller runs
     `objective.erpo_objective`."""
-    return (options.pg_objective == "ppo-clip" and options.off_policy_mask_threshold is None
-            and options.top_entropy_quantile == 1.0 and options.qkl_estimator != "k3-token"
-            and token_logp.dtype == torch.float32 and (entropy is None or entropy.dtype == torch.float32))
+    entropy_filter = options.top_entropy_quantile < 1.0
+    return (token_logp.dtype == torch.float32 and (entropy is None or entropy.dtype == torch.float32)
+            and not (entropy_filter and (entropy is None or options.top_entropy_gather is not None)))
 
 
 @triton.jit
@@ -123,15 +136,44 @@ def _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUA
 
 
 @triton.jit
+def _policy_surrogate(advantage, ratio, logp, clip_low, clip_high, dual_clip, cispo_clip_max, sapo_temperature_pos,
+                      sapo_temperature_neg, vespo_phi, PG_OBJECTIVE: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, d pg / d ratio, d pg / d logp at a fixed ratio, clip or truncation taken) of `objective.policy_term`'s
+    pg_t for PG_OBJECTIVE (PG_OBJECTIVE_CODES), elementwise:
+        ppo-clip  `_clipped_surrogate`
+        cispo     -min(sg(ratio), clip_max) A logp:        d / d ratio = 0, d / d logp = -min(ratio, clip_max) A
+        sapo      -A (4 / tau) sigmoid(tau (ratio - 1)):  d / d ratio = -4 A sigmoid (1 - sigmoid)
+        vespo     -phi_s A logp (phi_s detached):           d / d ratio = 0, d / d logp = -phi_s A"""
+    no_slope = tl.zeros_like(ratio)
+    never = no_slope != 0.0  # sapo and vespo clip nothing
+    if PG_OBJECTIVE == 0:
+        pg, slope, clipped = _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL)
+        return pg, slope, no_slope, clipped
+    elif PG_OBJECTIVE == 1:
+        weight = tl.minimum(ratio, cispo_clip_max)
+        return -weight * advantage * logp, no_slope, -weight * advantage + no_slope, ratio > cispo_clip_max
+    elif PG_OBJECTIVE == 2:
+        tau = tl.where(advantage > 0, sapo_temperature_pos, sapo_temperature_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        return -advantage * gate * 4.0 / tau, -4.0 * advantage * gate * (1.0 - gate), no_slope, never
+    else:
+        return -vespo_phi * advantage * logp, no_slope, -vespo_phi * advantage + no_slope, never
+
+
+@triton.jit
 def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
-                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
+                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
                 HAS_ENTROPY: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF_LOGP: tl.constexpr,
                 HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
-                HAS_KL_CLAMP: tl.constexpr):
+                HAS_KL_CLAMP: tl.constexpr, WEIGHT_BY_IS: tl.constexpr, KL_ON_QUERY: tl.constexpr,
+                HAS_ENTROPY_FILTER: tl.constexpr):
     """A block of one sample's rows (`positions` in the sorted order, < `stop`): the values both passes read.
-    Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t, rollout weight
-    rho_t, rollout gap, Policy-KL k3_t, d k3_t / d logp_t, nonfinite), each [BLOCK]; 0 off the response rows
-    (but logp, entropy, nonfinite)."""
+    Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t (rho_t only with
+    WEIGHT_BY_IS, and 0 where the entropy filter drops the row), rollout weight rho_t, rollout gap, k3_t,
+    d k3_t / d logp_t, behaviour drift b_t - logp_t, kept, nonfinite), each [BLOCK]; 0 off the response rows (but
+    logp, entropy, nonfinite, and with KL_ON_QUERY k3_t and its slope on query rows too: "k3-token"'s Query-KL).
+    b_t: rollout_logp, else old_logp, else logp (the off-policy mask's). kept: the response rows the entropy filter
+    keeps (H_t >= entropy_threshold; every response row without the filter)."""
     inside = positions < stop
     rows = tl.load(order_ptr + positions, mask=inside, other=0)
     kind = tl.load(kind_ptr + rows, mask=inside, other=0)
@@ -149,20 +191,29 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
     else:
         old = logp  # on-policy: old = sg(logp), a log-ratio of 0 (NaN for a non-finite logp, as the reference)
     log_ratio = tl.where(is_response, logp - old, 0.0)
+    drift = -log_ratio
     weight = tl.where(is_response, 1.0, 0.0)
     if HAS_TOKEN_WEIGHT:
         weight = tl.where(is_response, tl.load(token_weight_ptr + rows, mask=inside, other=0.0), 0.0)
     gap = tl.zeros_like(logp)
     is_weight = tl.zeros_like(logp)
     if HAS_ROLLOUT:
-        gap = tl.where(is_response, old - tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0), 0.0)
+        rollout = tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0)
+        gap = tl.where(is_response, old - rollout, 0.0)
+        drift = tl.where(is_response, rollout - logp, 0.0)
         if HAS_IS_CAP:
             is_weight = tl.where(is_response, tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
-            weight = weight * is_weight
+            if WEIGHT_BY_IS:
+                weight = weight * is_weight
+    kept = is_response
+    if HAS_ENTROPY_FILTER:
+        kept = is_response & (entropy >= entropy_threshold)
+        weight = weight * kept.to(tl.float32)
     kl = tl.zeros_like(logp)
     kl_grad = tl.zeros_like(logp)
     if HAS_REF_LOGP:
-        x = tl.where(is_response, tl.load(ref_logp_ptr + rows, mask=inside, other=0.0) - logp, 0.0)
+        kl_rows = (is_response | is_query) if KL_ON_QUERY else is_response
+        x = tl.where(kl_rows, tl.load(ref_logp_ptr + rows, mask=inside, other=0.0) - logp, 0.0)
         x_clamped = tl.minimum(tl.maximum(x, -log_ratio_clamp), log_ratio_clamp)
         growth = expm1(x_clamped)
         kl = growth - x_clamped
@@ -170,26 +221,34 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
         if HAS_KL_CLAMP:
             kl_grad = kl_grad * _between(kl, -kl_clamp, kl_clamp)
             kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
-    return rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite
+    return (rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept,
+            nonfinite)
 
 
 @triton.jit
 def _objective_sample_kernel(
     logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
-    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
     partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
-    qkl_coef, qkl_linear_beyond, policy_kl_coef, entropy_coef,
-    HAS_ENTROPY: tl.constexpr, HAS_REF_QUERY: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    qkl_coef, qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos,
+    sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
     HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
     USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
-    QKL_ESTIMATOR: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
+    VESPO: tl.constexpr = PG_OBJECTIVE == 3
     sample = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + sample)
     stop = tl.load(starts_ptr + sample + 1)
+    entropy_threshold = 0.0
+    if HAS_ENTROPY_FILTER:
+        entropy_threshold = tl.load(entropy_threshold_ptr)
     # Pass 1: the sample's sums.
     query_sum = tl.zeros([BLOCK], dtype=tl.float32)
     response_sum = tl.zeros([BLOCK], dtype=tl.float32)
@@ -198,20 +257,36 @@ def _objective_sample_kernel(
     log_ratio_sum = tl.zeros([BLOCK], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
     kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    query_kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    drift_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for block_start in range(start, stop, BLOCK):
         positions = block_start + tl.arange(0, BLOCK)
-        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
-            _row_values(
-            positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
-            token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
-            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
+            nonfinite = _row_values(
+                positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
+                HAS_ENTROPY, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP,
+                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER)
         query_sum += tl.where(is_query, logp, 0.0)
         response_sum += tl.where(is_response, logp, 0.0)
         query_rows += is_query.to(tl.float32)
         response_rows += is_response.to(tl.float32)
         log_ratio_sum += log_ratio
         weight_sum += weight
-        kl_sum += kl
+        kl_sum += tl.where(is_response, kl, 0.0)
+        query_kl_sum += tl.where(is_query, kl, 0.0)
+        drift_sum += drift
+        if VESPO:  # log w_s: the token log-ratios (after pg_log_ratio_clamp) and log rho_t, each clamped
+            token_log_weight = log_ratio
+            if HAS_PG_CLAMP:
+                token_log_weight = tl.minimum(tl.maximum(token_log_weight, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+            vespo_log_weight_sum += tl.minimum(tl.maximum(token_log_weight, -VESPO_LOG_RATIO_CLAMP),
+                                               VESPO_LOG_RATIO_CLAMP)
+            if HAS_ROLLOUT and HAS_IS_CAP:
+                log_is_weight = tl.minimum(gap, log_rollout_is_cap)
+                vespo_log_weight_sum += tl.where(is_response, tl.minimum(tl.maximum(
+                    log_is_weight, VESPO_LOG_WEIGHT_MIN), VESPO_LOG_RATIO_CLAMP), 0.0)
     query_logp = tl.sum(query_sum, axis=0)
     num_query = tl.sum(query_rows, axis=0)
     num_response = tl.sum(response_rows, axis=0)
@@ -223,6 +298,20 @@ def _objective_sample_kernel(
     sample_weight = 1.0
     if HAS_QUERY_WEIGHT:
         sample_weight = tl.load(query_weight_ptr + sample).to(tl.float32)
+    off_policy_masked = 0.0
+    if HAS_OFF_POLICY:  # the sample's pg_t drops when A_s < 0 and its mean drift exceeds the threshold
+        sample_kept = (advantage >= 0) | (tl.sum(drift_sum, axis=0) * per_token <= off_policy_mask_threshold)
+        sample_weight = sample_weight * sample_kept.to(tl.float32)
+        off_policy_masked = tl.where(sample_kept, 0.0, num_response)
+    vespo_phi = 0.0
+    if VESPO:  # phi(w_s) = exp(lam + k log w - lam w), (k, lam) by the sign of A_s; non-finite -> 0
+        log_weight = tl.minimum(tl.maximum(tl.sum(vespo_log_weight_sum, axis=0), VESPO_LOG_WEIGHT_MIN),
+                                VESPO_LOG_RATIO_CLAMP)
+        nonneg = advantage >= 0
+        k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
+        lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
+        vespo_phi = tl.exp(lam + k * log_weight - lam * tl.exp(log_weight))
+        vespo_phi = tl.where(_is_finite(vespo_phi), vespo_phi, 0.0)
 
     # The sequence-level ratio, and the gradient every response row of the sample shares through it.
     sequence_log_ratio = tl.sum(log_ratio_sum, axis=0) * per_token
@@ -233,8 +322,9 @@ def _objective_sample_kernel(
     sequence_ratio = tl.exp(sequence_log_ratio)
     shared_grad = 0.0
     if SEQUENCE_RATIO:
-        _, sequence_slope, _ = _clipped_surrogate(advantage, sequence_ratio, clip_low, clip_high, dual_clip,
-                                                  HAS_DUAL)
+        sequence_pg, sequence_slope, sequence_direct, sequence_clipped = _policy_surrogate(
+            advantage, sequence_ratio, 0.0, clip_low, clip_high, dual_clip, cispo_clip_max, sapo_temperature_pos,
+            sapo_temperature_neg, vespo_phi, PG_OBJECTIVE, HAS_DUAL)  # only its slope: the rest is per row below
         sequence_ratio_grad = sequence_ratio * sequence_pass * per_token  # d ratio_s / d logp_u, u a response row
         shared_grad = sample_weight * tl.sum(weight_sum, axis=0) * sequence_slope * sequence_ratio_grad
         if USE_POLICY_KL and BIAS_CORRECTION:
@@ -243,7 +333,11 @@ def _objective_sample_kernel(
     # The Query-KL of the sample, and its gradient on every query row.
     qkl_grad = 0.0
     qkl = 0.0
-    if HAS_REF_QUERY:
+    if HAS_QKL_REFERENCE and K3_TOKEN:  # the mean of the query rows' k3_t; per row: qkl_coef / |Q_s| d k3_t / d logp_t
+        qkl = tl.where(num_query > 0, tl.sum(query_kl_sum, axis=0) / tl.maximum(num_query, 1.0), 0.0)
+        if USE_QKL:
+            qkl_grad = qkl_coef / tl.maximum(num_query, 1.0)
+    elif HAS_QKL_REFERENCE:
         r = tl.load(ref_query_logp_ptr + sample).to(tl.float32) - query_logp
         r_inside = tl.minimum(tl.maximum(r, -qkl_linear_beyond), qkl_linear_beyond)
         qkl_slope = _kl_slope(r_inside, QKL_ESTIMATOR)
@@ -267,13 +361,18 @@ def _objective_sample_kernel(
     gap_max = tl.zeros([BLOCK], dtype=tl.float32)
     gap_nan = tl.zeros([BLOCK], dtype=tl.float32)
     nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    kept_rows = tl.zeros([BLOCK], dtype=tl.float32)
+    kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for block_start in range(start, stop, BLOCK):
         positions = block_start + tl.arange(0, BLOCK)
-        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, nonfinite = (
-            _row_values(
-            positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
-            token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, HAS_ENTROPY,
-            HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP))
+        rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
+            nonfinite = _row_values(
+                positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
+                HAS_ENTROPY, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP,
+                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER)
+        kept_entropy = tl.where(kept, entropy, 0.0)  # the entropy bonus's rows
+        query_coef = qkl_grad * kl_grad if K3_TOKEN else qkl_grad  # on query rows (kl_grad: their k3's slope)
         if SEQUENCE_RATIO:
             ratio = tl.where(is_response, sequence_ratio, 1.0)
             ratio_grad = tl.zeros_like(logp)  # the row's own share is in shared_grad
@@ -284,10 +383,12 @@ def _objective_sample_kernel(
                 log_ratio = tl.minimum(tl.maximum(log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
             ratio = tl.exp(log_ratio)
             ratio_grad = ratio * ratio_pass  # d ratio_t / d logp_t
-        pg, pg_slope, clipped = _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL)
+        pg, pg_slope, pg_direct, clipped = _policy_surrogate(
+            advantage, ratio, logp, clip_low, clip_high, dual_clip, cispo_clip_max, sapo_temperature_pos,
+            sapo_temperature_neg, vespo_phi, PG_OBJECTIVE, HAS_DUAL)
         row_weight = sample_weight * weight
         pg = row_weight * pg
-        own_grad = row_weight * pg_slope * ratio_grad
+        own_grad = row_weight * (pg_slope * ratio_grad + pg_direct)
         policy_kl = kl
         if BIAS_CORRECTION:
             policy_kl = ratio * kl
@@ -297,12 +398,12 @@ def _objective_sample_kernel(
             term += policy_kl_coef * policy_kl
             own_grad += policy_kl_coef * kl_grad
         if ENTROPY_IN_TERM:
-            term -= entropy_coef * entropy
-        coef_logp = tl.where(is_response, token_factor * (own_grad + shared_grad), tl.where(is_query, qkl_grad, 0.0))
+            term -= entropy_coef * kept_entropy
+        coef_logp = tl.where(is_response, token_factor * (own_grad + shared_grad), tl.where(is_query, query_coef, 0.0))
         if ENTROPY_IN_TERM:
-            coef_entropy = tl.where(is_response, -entropy_coef * token_factor, 0.0)
+            coef_entropy = tl.where(kept, -entropy_coef * token_factor, 0.0)
         else:
-            coef_entropy = tl.where(is_response, -entropy_coef, 0.0)
+            coef_entropy = tl.where(kept, -entropy_coef, 0.0)
         inside = positions < stop
         tl.store(coef_logp_ptr + rows, coef_logp, mask=inside)
         tl.store(coef_entropy_ptr + rows, coef_entropy, mask=inside)
@@ -317,6 +418,8 @@ def _objective_sample_kernel(
         gap_max = tl.maximum(gap_max, tl.abs(gap))
         gap_nan += (gap != gap).to(tl.float32)
         nonfinite_rows += nonfinite.to(tl.float32)
+        kept_rows += kept.to(tl.float32)
+        kept_entropy_sum += kept_entropy
     out = partials_ptr + sample * NUM_PARTIALS_
     tl.store(out + 0, num_query)
     tl.store(out + 1, num_response)
@@ -331,6 +434,10 @@ def _objective_sample_kernel(
     tl.store(out + 10, tl.sum(gap_abs_sum, axis=0))
     tl.store(out + 11, tl.where(tl.sum(gap_nan, axis=0) > 0, float("nan"), tl.max(gap_max, axis=0)))
     tl.store(out + 12, tl.sum(nonfinite_rows, axis=0))
+    tl.store(out + 13, off_policy_masked)
+    tl.store(out + 14, tl.where(num_response > 0, vespo_phi, 0.0))
+    tl.store(out + 15, tl.sum(kept_rows, axis=0))
+    tl.store(out + 16, tl.sum(kept_entropy_sum, axis=0))
 
 
 @triton.jit
@@ -359,9 +466,9 @@ def _objective_finish_kernel(
     partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr,
     num_samples, num_items, num_seqs, qkl_coef, entropy_coef,
     NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    HAS_REF_QUERY: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    HAS_QKL_REFERENCE: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
     USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
-    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_OFF_POLICY: tl.constexpr, VESPO: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
     response_rows = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK)
     samples_with_query = _column_sum(partials_ptr, num_samples, 0, NUM_PARTIALS_, BLOCK, 0, True)
@@ -389,17 +496,20 @@ def _objective_finish_kernel(
     qkl_scale = 1.0 / tl.maximum(query_seqs, 1.0)
     per_response_row = 1.0 / tl.maximum(response_rows, 1.0)
     entropy_mean = _column_sum(partials_ptr, num_samples, 6, NUM_PARTIALS_, BLOCK) * per_response_row
+    kept_rows = _column_sum(partials_ptr, num_samples, 15, NUM_PARTIALS_, BLOCK)  # by the entropy filter
+    per_kept_row = 1.0 / tl.maximum(kept_rows, 1.0)
+    kept_entropy_mean = _column_sum(partials_ptr, num_samples, 16, NUM_PARTIALS_, BLOCK) * per_kept_row
     qkl = _column_sum(partials_ptr, num_samples, 2, NUM_PARTIALS_, BLOCK, 0) * qkl_scale
     loss = _column_sum(partials_ptr, num_samples, 3, NUM_PARTIALS_, BLOCK, 1) * term_scale
     if ENTROPY_TOKEN_MEAN:
-        loss -= entropy_coef * entropy_mean
+        loss -= entropy_coef * kept_entropy_mean
     if USE_QKL:
         loss += qkl_coef * qkl
     nonfinite = _column_sum(partials_ptr, num_samples, 12, NUM_PARTIALS_, BLOCK)
     tl.store(loss_ptr, tl.where(nonfinite > 0, float("nan"), loss))
     tl.store(scales_ptr + 0, term_scale)
     tl.store(scales_ptr + 1, qkl_scale)
-    tl.store(scales_ptr + 2, term_scale if ENTROPY_IN_TERM else per_response_row)
+    tl.store(scales_ptr + 2, term_scale if ENTROPY_IN_TERM else per_kept_row)
 
     # The metrics, in FLOAT_METRICS' order.
     nan = float("nan")
@@ -415,7 +525,7 @@ def _objective_finish_kernel(
         gap_acc = tl.maximum(gap_acc, sample_gap)  # drops NaN: counted apart
         gap_nan += (sample_gap != sample_gap).to(tl.float32)
     gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))
-    tl.store(metrics_ptr + 0, qkl if HAS_REF_QUERY else nan)
+    tl.store(metrics_ptr + 0, qkl if HAS_QKL_REFERENCE else nan)
     policy_kl = _column_sum(partials_ptr, num_samples, 5, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 1, policy_kl if HAS_REF_LOGP else nan)
     tl.store(metrics_ptr + 2, entropy_mean if HAS_ENTROPY else nan)
@@ -428,12 +538,15 @@ def _objective_finish_kernel(
     gap_abs = _column_sum(partials_ptr, num_samples, 10, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 8, gap_abs if HAS_ROLLOUT else nan)
     tl.store(metrics_ptr + 9, gap_max if HAS_ROLLOUT else nan)
-    tl.store(metrics_ptr + 10, nan)  # off_policy_masked_frac: the off-policy mask is not fused
-    tl.store(metrics_ptr + 11, entropy_mean if HAS_ENTROPY else nan)  # kept_entropy: no entropy filter
-    tl.store(metrics_ptr + 12, nan)  # vespo_phi_mean: vespo is not fused
+    masked = _column_sum(partials_ptr, num_samples, 13, NUM_PARTIALS_, BLOCK) * per_response_row
+    tl.store(metrics_ptr + 10, masked if HAS_OFF_POLICY else nan)
+    tl.store(metrics_ptr + 11, kept_entropy_mean if HAS_ENTROPY else nan)
+    phi_mean = _column_sum(partials_ptr, num_samples, 14, NUM_PARTIALS_, BLOCK) / tl.maximum(samples_with_response,
+                                                                                               1.0)
+    tl.store(metrics_ptr + 12, phi_mean if VESPO else nan)
     tl.store(counts_ptr + 0, response_rows.to(tl.int64))
     tl.store(counts_ptr + 1, nonfinite.to(tl.int64))
-    tl.store(counts_ptr + 2, response_rows.to(tl.int64))  # kept_tokens: every response row without the filter
+    tl.store(counts_ptr + 2, kept_rows.to(tl.int64))
 
 
 @triton.jit
@@ -456,20 +569,25 @@ def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_
     tl.store(grad_entropy_ptr + rows, grad_entropy, mask=inside)
 
 
-SETTING_NAMES = ("has_entropy", "has_ref_query", "has_query_weight", "has_old", "has_ref_logp", "has_token_weight",
+SETTING_NAMES = ("has_entropy", "has_qkl_reference", "has_query_weight", "has_old", "has_ref_logp", "has_token_weight",
                  "has_rollout", "has_is_cap", "has_dual", "has_pg_clamp", "has_kl_clamp", "sequence_ratio",
                  "bias_correction", "qkl_estimator", "loss_agg", "entropy_in_loss_agg", "clip_low", "clip_high",
                  "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap", "qkl_coef",
                  "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "num_items_mode", "num_items",
-                 "num_seqs_mode", "num_seqs")
+                 "num_seqs_mode", "num_seqs", "pg_objective", "has_off_policy", "cispo_clip_max",
+                 "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                 "vespo_lambda_neg", "off_policy_mask_threshold", "has_entropy_filter")
 
 
 def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
     """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
-    the estimator and loss_agg as their codes; an absent number as 0)."""
+    the estimator, loss_agg and pg_objective as their codes; an absent number as 0). has_qkl_reference: the
+    reference the Query-KL's estimator reads is given (ref_query_logp, or ref_logp for "k3-token")."""
     cap = options.rollout_is_cap
+    qkl_reference = inputs.ref_logp if options.qkl_estimator == "k3-token" else inputs.ref_query_logp
+    threshold = options.off_policy_mask_threshold
     settings = dict(
-        has_entropy=has_entropy, has_ref_query=inputs.ref_query_logp is not None,
+        has_entropy=has_entropy, has_qkl_reference=qkl_reference is not None,
         has_query_weight=inputs.query_weight is not None, has_old=inputs.old_logp is not None,
         has_ref_logp=inputs.ref_logp is not None, has_token_weight=inputs.token_weight is not None,
         has_rollout=inputs.rollout_logp is not None, has_is_cap=cap is not None,
@@ -483,7 +601,13 @@ def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bo
         qkl_coef=options.qkl_coef, qkl_linear_beyond=options.qkl_linear_beyond,
         policy_kl_coef=options.policy_kl_coef, entropy_coef=options.entropy_coef,
         num_items_mode=_denominator_mode(options.num_items), num_items=_denominator_value(options.num_items),
-        num_seqs_mode=_denominator_mode(options.num_seqs), num_seqs=_denominator_value(options.num_seqs))
+        num_seqs_mode=_denominator_mode(options.num_seqs), num_seqs=_denominator_value(options.num_seqs),
+        pg_objective=PG_OBJECTIVE_CODES[options.pg_objective], has_off_policy=threshold is not None,
+        cispo_clip_max=options.cispo_clip_max, sapo_temperature_pos=options.sapo_temperature_pos,
+        sapo_temperature_neg=options.sapo_temperature_neg, vespo_k_pos=options.vespo_k_pos,
+        vespo_lambda_pos=options.vespo_lambda_pos, vespo_k_neg=options.vespo_k_neg,
+        vespo_lambda_neg=options.vespo_lambda_neg, off_policy_mask_threshold=threshold or 0.0,
+        has_entropy_filter=options.top_entropy_quantile < 1.0)
     return [float(settings[name]) for name in SETTING_NAMES]
 
 
@@ -508,10 +632,11 @@ def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], toke
                  old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor],
                  token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor],
                  num_items: Optional[torch.Tensor], num_seqs: Optional[torch.Tensor],
-                 settings: List[float]) -> ObjectiveOutputs:
+                 entropy_threshold: Optional[torch.Tensor], settings: List[float]) -> ObjectiveOutputs:
     """The objective's forward (module docstring): token_logp, entropy [N] fp32, token_kind [N], order [N] (rows
     sorted by sample), starts [S + 1], the `LossInputs` tensors, num_items / num_seqs as 1-element tensors when
-    given so, `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
+    given so, entropy_threshold [] fp32 with the entropy filter (the response rows' entropy quantile,
+    `triton_quantile`), `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
     metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and for the backward the gradient
     coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable (in token_logp, entropy)."""
     s = dict(zip(SETTING_NAMES, settings))
@@ -526,18 +651,20 @@ def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], toke
     scales = torch.empty(3, dtype=torch.float32, device=device)
     flag = lambda name: bool(s[name])  # noqa: E731
     any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
-    use_qkl = flag("has_ref_query") and s["qkl_coef"] != 0
+    use_qkl = flag("has_qkl_reference") and s["qkl_coef"] != 0
     entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
     if num_samples > 0:
         _objective_sample_kernel[(num_samples,)](
             token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts, advantages,
             *(any_tensor if t is None else t for t in (ref_query_logp, query_weight, old_logp, ref_logp,
-                                                       token_weight, rollout_logp)),
+                                                       token_weight, rollout_logp, entropy_threshold)),
             partials, query_logp, response_logp, coef_logp, coef_entropy,
             s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
             s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
-            s["entropy_coef"],
-            HAS_ENTROPY=flag("has_entropy"), HAS_REF_QUERY=flag("has_ref_query"),
+            s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
+            s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
+            s["off_policy_mask_threshold"],
+            HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
             HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
             HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
             HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
@@ -545,23 +672,26 @@ def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], toke
             USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
             SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
             PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
-            QKL_ESTIMATOR=int(s["qkl_estimator"]), NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+            QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
+            HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
+            NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
     _objective_finish_kernel[(1,)](
         partials, query_logp, any_tensor if num_items is None else num_items,
         any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
         num_samples, s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
         NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
-        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_REF_QUERY=flag("has_ref_query"),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
         HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
         USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
         ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
     return loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales
 
 
 @objective_op.register_fake
 def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
-      token_weight, rollout_logp, num_items, num_seqs, settings):
+      token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings):
     num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
     fp32 = dict(dtype=torch.float32)
     return (token_logp.new_empty((), **fp32), token_logp.new_empty(num_samples, **fp32),
@@ -599,10 +729,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_unused):
     token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
     if grad_loss is None:
-        return (None,) * 15
+        return (None,) * 16
     grad_logp, grad_entropy = objective_backward_op(grad_loss.float().contiguous(), token_kind, coef_logp,
                                                     coef_entropy, scales)
-    return (grad_logp, grad_entropy if ctx.has_entropy else None) + (None,) * 13
+    return (grad_logp, grad_entropy if ctx.has_entropy else None) + (None,) * 14
 
 
 objective_op.register_autograd(_backward, setup_context=_setup_context)
@@ -625,12 +755,17 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     def as_tensor_argument(value):
         return as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
 
+    entropy_threshold = None
+    if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
+        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
+                                               1.0 - options.top_entropy_quantile)
+
     loss, query_logp, response_logp, metrics, counts, *_ = objective_op(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
         starts, as_fp32(inputs.advantages), as_fp32(inputs.ref_query_logp), as_fp32(inputs.query_weight),
         as_fp32(inputs.old_logp), as_fp32(inputs.ref_logp), as_fp32(inputs.token_weight),
         as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
-        objective_settings(options, inputs, entropy is not None))
+        entropy_threshold, objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()

@@ -44,6 +44,21 @@ def test_masked_quantile_is_torch_quantile_of_the_pool(q, device):
         assert same(actual, expected), (values, rows, q, actual, expected)
 
 
+@pytest.mark.parametrize("q", QUANTILES)
+def test_triton_masked_quantile_is_masked_quantile(q, device):
+    """The fused objective's threshold (`triton_quantile`, pooling the rows of kind 2): masked_quantile's value, bit
+    for bit (torch.quantile's on the pool)."""
+    pytest.importorskip("triton")
+    from erpo_kernels.triton_quantile import masked_quantile_op
+
+    for values, rows in pools(int(q * 1000) + 1, device, count=60):
+        values = values.float()
+        kind = torch.where(rows, 2, torch.where(torch.arange(rows.shape[0], device=device) % 2 == 0, 1, 0))
+        actual, expected = masked_quantile_op(values, kind, 2, q), masked_quantile(values, rows, q)
+        assert actual.dtype == torch.float32 and actual.shape == ()
+        assert same(actual, expected), (values, rows, q, actual, expected)
+
+
 def test_masked_quantile_small_pools_by_hand(device):
     def pool(*kept):
         return torch.tensor(kept, device=device)

@@ -1,14 +1,13 @@
 """The fused-linear ERPO loss in row chunks (erpo_kernels/fused_linear_loss.py): values, gradients and metrics
 against the logits path with many chunks, samples split by chunks, the chunk plan, FLOPs (6 N D V plus the
-pre-pass), the workspace, launches, determinism, batch invariance and the accuracy of the fp32 d weight."""
+pre-pass), the workspace, launches, determinism, batch invariance and the accuracy of the fp32 d weight, on the
+`device` fixture's device: Triton compiled on a GPU when one is present, the interpreter on CPU. Random values are
+drawn on the CPU (the same on every device) and then moved."""
 import dataclasses
 import os
-import sys
 import weakref
-from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (also done by conftest.py)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, test_reference
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -16,68 +15,67 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
-from erpo_kernels.api import erpo_loss  # noqa: E402
+from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
 from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
 
 VOCAB, HIDDEN_DIM = 300, 24
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton kernels compiled on a GPU
 TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=2e-2)}
 
 
-def packed_batch(kinds_per_sample, vocab=VOCAB, seed=0):
+def packed_batch(kinds_per_sample, device, vocab=VOCAB, seed=0):
     """Samples in consecutive rows: kinds_per_sample[s] = (query rows, response rows), each sample followed by one
-    padding row (kind 0, target -100); every input tensor of the loss filled."""
+    padding row (kind 0, target -100); every input tensor of the loss filled, on `device`."""
     g = torch.Generator().manual_seed(seed)
-    kind, sample = [], []
+    kinds, samples = [], []
     for s, (queries, responses) in enumerate(kinds_per_sample):
-        kind += [1] * queries + [2] * responses + [0]
-        sample += [s] * (queries + responses) + [0]
-    kind, sample = torch.tensor(kind), torch.tensor(sample)
-    num_rows, num_samples = len(kind), len(kinds_per_sample)
-    targets = torch.randint(0, vocab, (num_rows,), generator=g)
+        kinds += [1] * queries + [2] * responses + [0]
+        samples += [s] * (queries + responses) + [0]
+    kind = torch.tensor(kinds, device=device)
+    num_rows, num_samples = len(kinds), len(kinds_per_sample)
+    targets = torch.randint(0, vocab, (num_rows,), generator=g).to(device)
     targets[kind == 0] = -100
-    guess = -torch.rand(num_rows, generator=g) * 4 - 0.5
-    batch = dict(targets=targets, token_kind=kind, sample_index=sample,
-                 advantages=torch.randn(num_samples, generator=g),
-                 ref_query_logp=-torch.rand(num_samples, generator=g) * 20 - 10,
-                 query_weight=torch.rand(num_samples, generator=g) * 2,
-                 old_logp=guess + 0.3 * torch.randn(num_rows, generator=g),
-                 ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g))
-    return {name: tensor.to(DEVICE) for name, tensor in batch.items()}
+    guess = (-torch.rand(num_rows, generator=g) * 4 - 0.5).to(device)
+    return dict(targets=targets, token_kind=kind, sample_index=torch.tensor(samples, device=device),
+                advantages=torch.randn(num_samples, generator=g).to(device),
+                ref_query_logp=(-torch.rand(num_samples, generator=g) * 20 - 10).to(device),
+                query_weight=(torch.rand(num_samples, generator=g) * 2).to(device),
+                old_logp=guess + 0.3 * torch.randn(num_rows, generator=g).to(device),
+                ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g).to(device))
 
 
-def interleaved_batch(num_rows=48, num_samples=5, seed=0):
-    """Rows of the samples mixed at random (no sample-aligned cut exists)."""
+def interleaved_batch(device, num_rows=48, num_samples=5, seed=0):
+    """Rows of the samples mixed at random (no sample-aligned cut exists), on `device`."""
     g = torch.Generator().manual_seed(seed)
-    kind = torch.randint(0, 3, (num_rows,), generator=g)
-    batch = packed_batch([(1, 1)] * num_samples, seed=seed)
-    sample_index = torch.randint(0, num_samples, (num_rows,), generator=g)
-    targets = torch.randint(0, VOCAB, (num_rows,), generator=g)
+    kind = torch.randint(0, 3, (num_rows,), generator=g).to(device)
+    batch = packed_batch([(1, 1)] * num_samples, device, seed=seed)
+    sample_index = torch.randint(0, num_samples, (num_rows,), generator=g).to(device)
+    targets = torch.randint(0, VOCAB, (num_rows,), generator=g).to(device)
     targets[kind == 0] = -100
-    guess = -torch.rand(num_rows, generator=g) * 4 - 0.5
-    rows = dict(token_kind=kind, sample_index=sample_index, targets=targets,
-                old_logp=guess + 0.3 * torch.randn(num_rows, generator=g),
-                ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g))
-    batch.update({name: tensor.to(DEVICE) for name, tensor in rows.items()})
+    guess = (-torch.rand(num_rows, generator=g) * 4 - 0.5).to(device)
+    batch.update(token_kind=kind, sample_index=sample_index, targets=targets,
+                 old_logp=guess + 0.3 * torch.randn(num_rows, generator=g).to(device),
+                 ref_logp=guess + 0.3 * torch.randn(num_rows, generator=g).to(device))
     return batch
 
 
 ROW_TENSORS = ("targets", "token_kind", "sample_index")
 
 
-def linear(num_rows, dtype, seed=1, bias=True):
+def linear(num_rows, dtype, device, seed=1, bias=True):
+    """(hidden [num_rows, D], weight [V, D], bias [V] or None) of `dtype` on `device`."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_rows, HIDDEN_DIM, generator=g).to(dtype)
-    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 2.0 / HIDDEN_DIM ** 0.5).to(dtype)
-    b = (torch.randn(VOCAB, generator=g) * 0.5).to(dtype) if bias else None
-    return tuple(None if t is None else t.to(DEVICE) for t in (hidden, weight, b))
+    hidden = torch.randn(num_rows, HIDDEN_DIM, generator=g).to(device, dtype)
+    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 2.0 / HIDDEN_DIM ** 0.5).to(device, dtype)
+    b = (torch.randn(VOCAB, generator=g) * 0.5).to(device, dtype) if bias else None
+    return hidden, weight, b
 
 
-def budget_for(rows, dtype=torch.float32, backend="triton"):
-    """workspace_bytes giving chunks of `rows` rows."""
-    return rows * chunked.bytes_per_chunk_row(VOCAB, HIDDEN_DIM, dtype, DEVICE, chunked.ROW_KERNELS[backend])
+def budget_for(rows, dtype, device, backend="triton"):
+    """workspace_bytes giving chunks of `rows` rows of `dtype` inputs on `device` (the budget per row depends on
+    both: `bytes_per_chunk_row`)."""
+    return rows * chunked.bytes_per_chunk_row(VOCAB, HIDDEN_DIM, dtype, device, chunked.ROW_KERNELS[backend])
 
 
 def leaves(*tensors):
@@ -89,7 +87,7 @@ def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, 
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     ours = leaves(*tensors)
     out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
-                                 workspace_bytes=budget_for(rows, tensors[0].dtype, backend),
+                                 workspace_bytes=budget_for(rows, tensors[0].dtype, tensors[0].device, backend),
                                  batch_invariant=batch_invariant, **inputs, **options)
     out.loss.backward()
     ref = leaves(*(None if t is None else t.float() for t in tensors))  # the exact logits: fp32 from the inputs
@@ -122,11 +120,11 @@ def option_id(options):
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=option_id)
-def test_every_option_with_many_chunks_torch(options):
+def test_every_option_with_many_chunks_torch(options, device):
     """Chunks of 6 rows: most samples whole in a chunk, the longer ones (13 rows) split (their coupled rows come
     from the pre-pass)."""
-    batch = packed_batch(SAMPLES)
-    tensors = linear(len(batch["targets"]), torch.float32)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
     assert_same_loss(*fused_and_logits_path(batch, tensors, "torch", rows=6, **options))
 
 
@@ -138,40 +136,40 @@ TRITON_CASES = [{}, {"ratio_level": "sequence"}, {"pg_objective": "vespo"}, {"of
 
 @pytest.mark.parametrize("options", TRITON_CASES, ids=option_id)
 @pytest.mark.parametrize("layout", ["packed", "interleaved"])
-def test_options_with_many_chunks_triton(options, layout):
-    batch = packed_batch(SAMPLES) if layout == "packed" else interleaved_batch()
-    tensors = linear(len(batch["targets"]), torch.float32)
+def test_options_with_many_chunks_triton(options, layout, device):
+    batch = packed_batch(SAMPLES, device) if layout == "packed" else interleaved_batch(device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
     assert_same_loss(*fused_and_logits_path(batch, tensors, "triton", rows=5, **options))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bf16_with_many_chunks(backend):
-    batch = packed_batch(SAMPLES)
-    tensors = linear(len(batch["targets"]), torch.bfloat16)
+def test_bf16_with_many_chunks(backend, device):
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
     options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
     assert_same_loss(*fused_and_logits_path(batch, tensors, backend, rows=7, **options), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
-def test_response_and_query_sample_counts_stay_apart(loss_agg):
+def test_response_and_query_sample_counts_stay_apart(loss_agg, device):
     """num_seqs=None: the policy term divides by the samples with response rows, the Query-KL by those with query
     rows. Here they differ (8 and 6: 3 samples lack query rows, 1 lacks response rows) and no chunk holds all of
     either."""
-    batch = packed_batch(SAMPLES)
+    batch = packed_batch(SAMPLES, device)
     kind, sample = batch["token_kind"], batch["sample_index"]
     with_response = {int(s) for s in sample[kind == 2]}
     with_query = {int(s) for s in sample[kind == 1]}
     assert (len(with_response), len(with_query)) == (8, 6)
-    tensors = linear(len(kind), torch.float32)
+    tensors = linear(len(kind), torch.float32, device)
     ours, expected = fused_and_logits_path(batch, tensors, "torch", rows=4, loss_agg=loss_agg, qkl_coef=0.7)
     assert_same_loss(ours, expected)
 
 
-def test_nonfinite_padding_row_does_not_poison_the_gradients():
+def test_nonfinite_padding_row_does_not_poison_the_gradients(device):
     """A padding row of NaN hidden state in a chunk of several: exact-zero d hidden there, d weight finite and equal
     to the one with that row zeroed."""
-    batch = packed_batch(SAMPLES)
-    hidden, weight, bias = linear(len(batch["targets"]), torch.float32)
+    batch = packed_batch(SAMPLES, device)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, device)
     padding = int((batch["token_kind"] == 0).nonzero()[2])
     results = []
     for filler in (0.0, float("nan")):
@@ -192,8 +190,9 @@ def plan(batch, rows, **needs):
                                len(batch["advantages"]), rows, **flags)
 
 
-def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples():
-    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])  # rows: 0-5 | 6-8 | 9-19 | 20-23 (each with a pad row)
+def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples(device):
+    # rows: 0-5 | 6-8 | 9-19 | 20-23 (each with a pad row)
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
     result = plan(batch, 8, query_sums=True, response_values=True)
     # (0, 8) ends after sample 1's pad row; from 8 the only clean cut, 9, would leave a 1-row chunk: cut at 16
     assert result.chunks == [(0, 8), (8, 16), (16, 24)]
@@ -202,14 +201,14 @@ def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples():
     assert plan(batch, 8, query_sums=True).prepass_rows.tolist() == [9, 10, 11, 12]
     assert plan(batch, 8).prepass_rows.size == 0
     assert plan(batch, 12).chunks == [(0, 9), (9, 20), (20, 24)]  # every sample whole
-    last_row_apart = plan(packed_batch([(0, 6)]), 5, response_values=True)  # a cut before the sample's last row
+    last_row_apart = plan(packed_batch([(0, 6)], device), 5, response_values=True)  # a cut before the sample's last row
     assert last_row_apart.chunks == [(0, 5), (5, 7)] and last_row_apart.prepass_rows.tolist() == list(range(6))
     everything = plan(batch, 100, all_response_entropies=True)
     assert everything.chunks == [(0, 24)] and everything.prepass_rows.tolist() == np.nonzero(kind == 2)[0].tolist()
 
 
-def test_plan_of_interleaved_rows_cuts_at_the_budget():
-    batch = interleaved_batch()
+def test_plan_of_interleaved_rows_cuts_at_the_budget(device):
+    batch = interleaved_batch(device)
     result = plan(batch, 7, query_sums=True)
     assert [stop - start for start, stop in result.chunks] == [7] * 6 + [6]
     kind = batch["token_kind"].cpu().numpy()
@@ -276,14 +275,14 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
-                               chunked.segment_sum_class(backend == "triton"),
-                               budget_for(rows, hidden.dtype, backend), needs, batch_invariant)
+                               segment_sum_of(backend == "triton"),
+                               budget_for(rows, hidden.dtype, hidden.device, backend), needs, batch_invariant)
     return recorder
 
 
-def test_flops_are_6ndv_plus_the_prepass():
-    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])
-    tensors = linear(len(batch["targets"]), torch.float32)
+def test_flops_are_6ndv_plus_the_prepass(device):
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
     n, d, v = len(batch["targets"]), HIDDEN_DIM, VOCAB
     assert record(batch, tensors, rows=12).flops == 6 * n * d * v  # every sample whole in a chunk: no pre-pass
     split = record(batch, tensors, rows=8)  # the 10-row sample split: its 4 query rows pre-passed (Query-KL)
@@ -296,18 +295,19 @@ def test_flops_are_6ndv_plus_the_prepass():
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
                                            ("torch", torch.bfloat16)], ids=str)
-def test_workspace_stays_under_the_budget(backend, dtype):
-    batch = packed_batch(SAMPLES)
-    tensors = linear(len(batch["targets"]), dtype)
+def test_workspace_stays_under_the_budget(backend, dtype, device):
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), dtype, device)
     rows = 6
     recorder = record(batch, tensors, rows=rows, backend=backend, entropy_coef=0.1)
     assert recorder.largest_rows == rows  # the chunk buffer (never N rows: N = 67)
-    assert 0.5 * budget_for(rows, dtype, backend) < recorder.peak_workspace <= budget_for(rows, dtype, backend)
+    budget = budget_for(rows, dtype, device, backend)
+    assert 0.5 * budget < recorder.peak_workspace <= budget
 
 
-def test_two_row_pass_launches_and_three_gemms_per_chunk():
-    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)])
-    tensors = linear(len(batch["targets"]), torch.float32, bias=False)
+def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
+    batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
+    tensors = linear(len(batch["targets"]), torch.float32, device, bias=False)
     recorder = record(batch, tensors, rows=12, qkl_coef=0.0)
     n, d, v = len(batch["targets"]), HIDDEN_DIM, VOCAB
     chunks = len(plan(batch, 12).chunks)
@@ -315,39 +315,39 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk():
     assert recorder.flops == 6 * n * d * v
 
 
-def test_results_repeat_bit_for_bit():
-    batch = interleaved_batch()
-    tensors = linear(len(batch["targets"]), torch.bfloat16)
+def test_results_repeat_bit_for_bit(device):
+    batch = interleaved_batch(device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
     runs = [fused_and_logits_path(batch, tensors, "triton", rows=5, qkl_coef=0.5)[0] for _ in range(2)]
     (first, first_grads), (second, second_grads) = runs
     assert torch.equal(first.loss, second.loss) and torch.equal(first.token_logp, second.token_logp)
     assert all(torch.equal(a, b) for a, b in zip(first_grads, second_grads))
 
 
-def test_a_rows_logprob_does_not_depend_on_the_rest_of_the_batch(monkeypatch):
+def test_a_rows_logprob_does_not_depend_on_the_rest_of_the_batch(monkeypatch, device):
     """batch_invariant: sample 0 alone, and first in a batch of 9 cut into other chunks, gets the same log-probs and
     entropies bit for bit. (Without it even the CPU's fp32 GEMMs differ here in the entropies' last bits: the BLAS
     picks its kernel by shape, as cuBLAS does.)"""
     monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
-    batch = packed_batch(SAMPLES)
-    alone = packed_batch(SAMPLES[:1])
-    hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16)
+    batch = packed_batch(SAMPLES, device)
+    alone = packed_batch(SAMPLES[:1], device)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16, device)
     rows = len(alone["targets"])
     inputs = {k: v for k, v in alone.items() if k not in ROW_TENSORS}
     small = fused_linear_erpo_loss(hidden[:rows], weight, *(alone[k] for k in ROW_TENSORS), bias=bias,
                                    backend="triton", batch_invariant=True, **inputs)
     whole = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
-                                   workspace_bytes=budget_for(5, torch.bfloat16), batch_invariant=True,
+                                   workspace_bytes=budget_for(5, torch.bfloat16, device), batch_invariant=True,
                                    **{k: v for k, v in batch.items() if k not in ROW_TENSORS})
     assert torch.equal(small.token_logp, whole.token_logp[:rows])
     assert torch.equal(small.entropy, whole.entropy[:rows])
 
 
-def test_batch_invariant_gemms_have_one_shape(monkeypatch):
+def test_batch_invariant_gemms_have_one_shape(monkeypatch, device):
     """batch_invariant: every logits GEMM (forward and pre-pass) has INVARIANT_ROWS rows, the same loss."""
     monkeypatch.setattr(chunked, "INVARIANT_ROWS", 4)
-    batch = packed_batch(SAMPLES)
-    tensors = linear(len(batch["targets"]), torch.float32)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
     plain = record(batch, tensors, rows=9, ratio_level="sequence")
     invariant = record(batch, tensors, rows=9, batch_invariant=True, ratio_level="sequence")
     assert set(invariant.logits_gemm_rows) == {4} and len(set(plain.logits_gemm_rows)) > 1
@@ -356,16 +356,16 @@ def test_batch_invariant_gemms_have_one_shape(monkeypatch):
     assert_same_loss((out, grads), expected)
 
 
-def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm():
+def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm(device):
     """bf16 inputs, 40 chunks: d weight against float64 on the same bf16 dlogits is as close as one bf16 GEMM over
     all rows (a single rounding); accumulating the chunks in bf16 instead is measurably worse."""
     g = torch.Generator().manual_seed(4)
     num_rows, hidden_dim, vocab, rows = 800, 32, 256, 20
-    dlogits = (torch.randn(num_rows, vocab, generator=g) * 1e-3).bfloat16().to(DEVICE)
-    hidden = torch.randn(num_rows, hidden_dim, generator=g).bfloat16().to(DEVICE)
+    dlogits = (torch.randn(num_rows, vocab, generator=g) * 1e-3).to(device, torch.bfloat16)
+    hidden = torch.randn(num_rows, hidden_dim, generator=g).to(device, torch.bfloat16)
     exact = dlogits.double().t() @ hidden.double()
-    accumulator = torch.zeros(vocab, hidden_dim, device=DEVICE)
-    bf16_sum = torch.zeros(vocab, hidden_dim, dtype=torch.bfloat16, device=DEVICE)
+    accumulator = torch.zeros(vocab, hidden_dim, device=device)
+    bf16_sum = torch.zeros(vocab, hidden_dim, dtype=torch.bfloat16, device=device)
     for start in range(0, num_rows, rows):
         chunk = slice(start, start + rows)
         chunked._accumulate_product(accumulator, dlogits[chunk].t(), hidden[chunk])
@@ -380,24 +380,24 @@ def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_opcheck(kernels):
-    batch = packed_batch([(2, 3), (1, 1), (4, 6)])
-    hidden, weight, bias = (t.requires_grad_(True) for t in linear(len(batch["targets"]), torch.float32))
+def test_opcheck(kernels, device):
+    batch = packed_batch([(2, 3), (1, 1), (4, 6)], device)
+    hidden, weight, bias = (t.requires_grad_(True) for t in linear(len(batch["targets"]), torch.float32, device))
     opts = LossOptions(qkl_coef=0.3, loss_agg="seq-mean-token-mean")
     inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
     torch.library.opcheck(chunked.loss_gradients_op, (
         hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
         *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
-        budget_for(5), False, True, True, True))
+        budget_for(5, torch.float32, device), False, True, True, True))
 
 
-def test_fp16_keeps_tiny_dlogits(monkeypatch):
+def test_fp16_keeps_tiny_dlogits(monkeypatch, device):
     """fp16 with a token-mean over 10^5 items: g_logp ~ 1e-5 and p_j ~ 1 / V put every non-target dlogit g p_j
     below fp16's smallest subnormal. Each chunk's dlogits are written scaled by a power of two and unscaled inside
     the GEMMs. With hidden states large enough that d weight is a normal fp16 number, d weight then matches fp32
     to fp16's precision (< 1%); unscaled it is 9% off."""
-    batch = packed_batch(SAMPLES)
-    hidden, weight, bias = linear(len(batch["targets"]), torch.float16)
+    batch = packed_batch(SAMPLES, device)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float16, device)
     hidden, weight = hidden * 64, weight / 64  # the same logits; d weight 64 times larger
     options = dict(num_items=1e5, qkl_coef=0.0)
     exact = leaves(hidden.float(), weight.float(), bias.float())

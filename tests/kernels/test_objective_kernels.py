@@ -7,6 +7,7 @@ import torch
 from erpo_kernels import erpo_loss
 from erpo_kernels.api import objective_on_backend
 from erpo_kernels.triton_objective import fuses, objective_backward_op, objective_op, objective_settings
+from erpo_kernels.triton_quantile import masked_quantile_op
 from erpo_kernels.triton_row_checks import first_bad_row_op
 from erpo_kernels.validation import LossInputs, LossOptions
 from helpers import loss_inputs, random_batch
@@ -49,15 +50,29 @@ FUSED_CASES = {
     "tensor-denominators": dict(_tensor_denominators=True, loss_agg="seq-mean-token-mean"),
     "on-policy": dict(_on_policy=True, qkl_estimator="k2"),
     "no-query-weight": dict(_without=("query_weight",), qkl_coef=0.0),
+    "cispo": dict(pg_objective="cispo", cispo_clip_max=1.2),
+    "cispo-gspo-rollout": dict(pg_objective="cispo", ratio_level="sequence", _rollout=True, rollout_is_cap=1.5,
+                               cispo_clip_max=0.05),
+    "sapo": dict(pg_objective="sapo"),
+    "sapo-gspo-pg-clamp": dict(pg_objective="sapo", ratio_level="sequence", pg_log_ratio_clamp=0.3,
+                               sapo_temperature_neg=2.0),
+    "vespo": dict(pg_objective="vespo"),
+    "vespo-rollout-pg-clamp": dict(pg_objective="vespo", _rollout=True, rollout_is_cap=1.5, pg_log_ratio_clamp=0.3,
+                                   vespo_k_neg=1.5),
+    "off-policy-mask": dict(off_policy_mask_threshold=0.1),
+    "off-policy-mask-rollout-gspo": dict(off_policy_mask_threshold=0.05, _rollout=True, ratio_level="sequence"),
+    "k3-token": dict(qkl_estimator="k3-token", qkl_coef=0.3),
+    "entropy-filter": dict(top_entropy_quantile=0.5),
+    "entropy-filter-bonus-gspo": dict(top_entropy_quantile=0.3, entropy_coef=0.05, entropy_agg="token-mean",
+                                      ratio_level="sequence"),
+    "entropy-filter-bonus-loss-agg": dict(top_entropy_quantile=0.7, entropy_coef=0.05, loss_agg="seq-mean-token-mean",
+                                          pg_objective="cispo"),
+    "k3-token-kl-clamp-bias": dict(qkl_estimator="k3-token", qkl_coef=0.3, kl_clamp=0.2, policy_kl_coef=0.1,
+                                   policy_kl_bias_correction=True, log_ratio_clamp=0.4),
 }
 # Options the kernels leave to the reference objective (on the Triton path's per-sample sums).
 FALLBACK_CASES = {
-    "cispo": dict(pg_objective="cispo"),
-    "sapo": dict(pg_objective="sapo"),
-    "vespo": dict(pg_objective="vespo"),
-    "off-policy-mask": dict(off_policy_mask_threshold=0.1),
-    "entropy-filter": dict(top_entropy_quantile=0.5),
-    "k3-token": dict(qkl_estimator="k3-token", qkl_coef=0.3),
+    "entropy-filter-gathered": dict(top_entropy_quantile=0.5, top_entropy_gather=lambda pool: pool),
 }
 
 
@@ -154,6 +169,9 @@ def test_launch_count_of_the_default_options_is_14(device):
         pytest.skip("the exact count is the interpreter's (CPU); on a GPU the <= 20 test counts")
     counter = count_launches(random_batch(device=device), {})
     assert counter.launches == 14, counter.names
+    # the entropy filter's threshold first: the pool's mask, its +inf fill, the sort, the quantile program
+    filtered = count_launches(random_batch(device=device), dict(top_entropy_quantile=0.5))
+    assert filtered.launches == 18 and filtered.names["triton._masked_quantile_kernel"] == 1, filtered.names
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -287,7 +305,7 @@ def test_opcheck_objective_ops(device):
     starts = torch.searchsorted(sorted_samples, torch.arange(6, device=device))
     arguments = (logp, entropy, batch["token_kind"], order, starts, inputs.advantages, inputs.ref_query_logp,
                  inputs.query_weight, inputs.old_logp, inputs.ref_logp, inputs.token_weight, inputs.rollout_logp, None,
-                 None, objective_settings(opts, inputs, True))
+                 None, None, objective_settings(opts, inputs, True))
     # Not opcheck's AOT-dispatch comparison: its assert_close has equal_nan=False and the metrics vector holds NaN
     # by definition (the unfused metrics); test_compiled_fused_loss_equals_eager runs the op under AOT autograd.
     torch.library.opcheck(objective_op, arguments,
@@ -296,12 +314,16 @@ def test_opcheck_objective_ops(device):
     torch.library.opcheck(objective_backward_op, (torch.tensor(1.0, device=device), batch["token_kind"], *coefs))
     torch.library.opcheck(first_bad_row_op, (batch["token_kind"], batch["sample_index"], batch["targets"],
                                              inputs.token_weight, inputs.rollout_logp, 5, 37))
+    torch.library.opcheck(masked_quantile_op, (entropy.detach(), batch["token_kind"], 2, 0.3))
 
 
-def test_compiled_fused_loss_equals_eager(device):
+@pytest.mark.parametrize("case", [dict(_rollout=True, ratio_level="sequence", policy_kl_coef=0.1),
+                                  dict(pg_objective="vespo", top_entropy_quantile=0.4, entropy_coef=0.05)],
+                         ids=["gspo-rollout", "vespo-entropy-filter"])
+def test_compiled_fused_loss_equals_eager(case, device):
     """torch.compile(fullgraph=True) keeps the ops whole (no graph break); the row checks become one assert."""
     batch = random_batch(device=device)
-    tensors, options = call_arguments(batch, dict(_rollout=True, ratio_level="sequence", policy_kl_coef=0.1))
+    tensors, options = call_arguments(batch, case)
 
     def loss(logits):
         return erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",

@@ -2,7 +2,7 @@
 tests/kernels/test_compile_hopper.py). Prints one 'compiled ...' line per kernel and dtype,
 with its registers per thread and spill bytes (ptxas)."""
 from compile_check import compile_for_hopper, register_usage
-from erpo_kernels import triton_logits, triton_objective, triton_row_checks, triton_segment
+from erpo_kernels import triton_logits, triton_objective, triton_quantile, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
 
@@ -43,27 +43,36 @@ def main():
 
 def compile_objective_kernels():
     """The objective's kernels with every option flag off and on (each flag is a constexpr branch)."""
-    sample_flags = ("HAS_ENTROPY", "HAS_REF_QUERY", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP", "HAS_TOKEN_WEIGHT",
-                    "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP", "USE_QKL",
-                    "USE_POLICY_KL", "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION", "PER_TOKEN_MEAN")
+    sample_flags = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP",
+                    "HAS_TOKEN_WEIGHT", "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP",
+                    "USE_QKL", "USE_POLICY_KL", "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION",
+                    "PER_TOKEN_MEAN", "HAS_OFF_POLICY", "HAS_ENTROPY_FILTER")
     pointers = ("logp_ptr", "entropy_ptr", "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr",
-                "ref_logp_ptr", "token_weight_ptr", "rollout_logp_ptr", "partials_ptr", "query_logp_ptr",
-                "response_logp_ptr", "coef_logp_ptr", "coef_entropy_ptr")
+                "ref_logp_ptr", "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr", "partials_ptr",
+                "query_logp_ptr", "response_logp_ptr", "coef_logp_ptr", "coef_entropy_ptr")
     scalars = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp",
-               "log_rollout_is_cap", "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef")
+               "log_rollout_is_cap", "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef",
+               "cispo_clip_max", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+               "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
     signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
                      **{name: "fp32" for name in scalars})
+    # every Query-KL estimator with PPO's surrogate, every other surrogate with k3 (the two choices are independent)
+    variants = [(estimator, "ppo-clip") for estimator in triton_objective.QKL_ESTIMATOR_CODES]
+    variants += [("k3", objective) for objective in triton_objective.PG_OBJECTIVE_CODES if objective != "ppo-clip"]
     for sequence in (False, True):
-        for estimator in (1, 2, 3):
+        for estimator, objective in variants:
             for on in (False, True):
-                constexprs = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence, QKL_ESTIMATOR=estimator,
+                constexprs = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence,
+                                  QKL_ESTIMATOR=triton_objective.QKL_ESTIMATOR_CODES[estimator],
+                                  PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective],
                                   NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK)
+                constexprs["HAS_DUAL"] = on and objective == "ppo-clip"  # dual_clip is PPO's only
                 compiled = compile_for_hopper(triton_objective._objective_sample_kernel, signature, constexprs,
                                               num_warps=4)
-                print(f"compiled objective-sample sequence={sequence} k{estimator} flags={on} "
+                print(f"compiled objective-sample sequence={sequence} {estimator} {objective} flags={on} "
                       "registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
-    finish_flags = ("HAS_ENTROPY", "HAS_REF_QUERY", "HAS_REF_LOGP", "HAS_ROLLOUT", "HAS_IS_CAP", "USE_QKL",
-                    "ENTROPY_IN_TERM", "ENTROPY_TOKEN_MEAN")
+    finish_flags = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_REF_LOGP", "HAS_ROLLOUT", "HAS_IS_CAP", "USE_QKL",
+                    "ENTROPY_IN_TERM", "ENTROPY_TOKEN_MEAN", "HAS_OFF_POLICY", "VESPO")
     for loss_agg in (0, 1, 2):
         for mode in (0, 1, 2):
             constexprs = dict({name: mode == 1 for name in finish_flags}, NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode,
@@ -84,6 +93,10 @@ def compile_objective_kernels():
             rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
             dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, NUM_CHECKS=5, BLOCK=triton_row_checks.BLOCK_ROWS))
     print("compiled first-bad-row", flush=True)
+    compile_for_hopper(triton_quantile._masked_quantile_kernel, dict(
+        sorted_ptr="*fp32", kind_ptr="*i64", values_ptr="*fp32", out_ptr="*fp32", num_rows="i32", q="fp32"),
+        dict(POOL_KIND=2, BLOCK=triton_quantile.BLOCK_ROWS))
+    print("compiled masked-quantile", flush=True)
 
 
 if __name__ == "__main__":
