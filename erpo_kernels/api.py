@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .objective import LossOutput, erpo_objective
+from .objective import LossMetrics, LossOutput, erpo_objective
 from .reference import reference_token_logprobs
 from .segment import SegmentSum
 from .validation import (
@@ -173,11 +173,11 @@ def logprob_erpo_loss(token_logp, token_kind, sample_index, *, entropy=None, adv
     """The ERPO loss (API.md) from per-token log-probs the caller computed (verl's engine): token_logp [N] fp32
     (differentiable; log p(targets[i]) on query and response rows, anything finite elsewhere), entropy [N] fp32 or
     None (differentiable; required when an option reads it: entropy_coef != 0, top_entropy_quantile < 1; None
-    leaves the `entropy` metric NaN); token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S];
-    old_logp, ref_logp, token_weight, rollout_logp [N]; options as API.md's table, but for the logit transform
-    (temperature, logit_scale, logit_softcap), which belongs where the log-probs are computed. Values and gradients
-    are `erpo_loss`'s on logits that give the same log-probs; `backend` picks the objective's kernels and the
-    per-sample sums; `validate` as `erpo_loss`'s.
+    leaves the `entropy` and `kept_entropy` metrics absent); token_kind, sample_index [N]; advantages,
+    ref_query_logp, query_weight [S]; old_logp, ref_logp, token_weight, rollout_logp [N]; options as API.md's
+    table, but for the logit transform (temperature, logit_scale, logit_softcap), which belongs where the log-probs
+    are computed. Values and gradients are `erpo_loss`'s on logits that give the same log-probs; `backend` picks the
+    objective's kernels and the per-sample sums; `validate` as `erpo_loss`'s.
     """
     check_tensor("token_logp", token_logp, ndim=1, floating=True)
     if token_logp.dtype != torch.float32:
@@ -205,10 +205,9 @@ def logprob_erpo_loss(token_logp, token_kind, sample_index, *, entropy=None, adv
         lambda scored_targets, transform, triton: (token_logp, token_entropy), num_rows=token_logp.shape[0],
         vocab_size=None, device=token_logp.device, backend=backend, targets=None, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options, validate=validate)
-    if entropy is None:
-        nan = torch.full((), float("nan"), device=token_logp.device)
+    if entropy is None:  # the entropy metrics do not apply
         out = dataclasses.replace(out, entropy=torch.full_like(token_logp, float("nan")),
-                                  metrics=dataclasses.replace(out.metrics, entropy=nan))
+                                  metrics=LossMetrics.for_call(out.metrics, inputs, opts, has_entropy=False))
     return out
 
 

@@ -26,14 +26,17 @@ from .validation import LossInputs, LossOptions
 class LossMetrics(Mapping):
     """The loss's metrics: each a detached 0-dim tensor (fp32, or fp64 where the loss is fp64; the counts int64).
     Read as attributes or as a read-only mapping by name (`metrics["qkl"]`, `dict(metrics)`, `metrics.items()`,
-    `"qkl" in metrics`). "Response rows" are the rows of token_kind 2 in this call; NaN marks a metric whose option
-    or input is absent.
+    `"qkl" in metrics`). "Response rows" are the rows of token_kind 2 in this call. A metric that does not apply to
+    the call (its option or input is absent: `applicable_metrics`, decided from them, never from values) is absent:
+    its attribute is None, the mapping leaves it out (`in`, `dict`, iteration, `len`) and `metrics[name]` raises a
+    KeyError saying what it needs. A NaN is a value: a non-finite row in what the metric reads.
 
-    qkl: the Query-KL as it enters the loss, sum over samples with query rows of qkl_s / num_seqs (nats; NaN without
+    qkl: the Query-KL as it enters the loss, sum over samples with query rows of qkl_s / num_seqs (nats; absent without
         the reference it needs: ref_query_logp, or ref_logp for "k3-token").
     policy_kl: mean over response rows of the Policy-KL k3(ref_logp_t - logp_t) as it enters term_t (times ratio_t
-        under policy_kl_bias_correction, as TRL logs `kl`) (nats; NaN without ref_logp).
-    entropy: mean of H_t over response rows (nats; TRL's `entropy`).
+        under policy_kl_bias_correction, as TRL logs `kl`) (nats; absent without ref_logp).
+    entropy: mean of H_t over response rows (nats; TRL's `entropy`; absent when no entropy is given:
+        `logprob_erpo_loss` without entropy).
     clip_frac: fraction of response rows where a clip or truncation changed pg_t (ppo-clip: the clipped branch;
         cispo: ratio_t > cispo_clip_max; 0 with sapo and vespo).
     pg_loss: the policy-gradient part alone (pg_t after its weights and masks, without the Policy-KL and the entropy
@@ -41,50 +44,88 @@ class LossMetrics(Mapping):
     ratio_mean: mean of ratio_t over response rows (token or sequence level as `ratio_level`; dimensionless).
     query_logp_mean: mean of ell_theta(q) over samples with query rows (nats per query: a sum over its tokens).
     rollout_is_weight: mean over response rows of rho_t = min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)
-        (dimensionless; NaN without rollout_logp or with rollout_is_cap None).
+        (dimensionless; absent without rollout_logp or with rollout_is_cap None).
     rollout_logp_gap_abs, rollout_logp_gap_max: mean and max over response rows of |old_logp_t - rollout_logp_t|
-        (nats; NaN without rollout_logp).
+        (nats; absent without rollout_logp).
     response_tokens: the number of response rows (int64).
     nonfinite_rows: the scored rows (token_kind != 0) whose logp_t or H_t is not finite (int64; > 0 makes the loss
         NaN).
-    off_policy_masked_frac: fraction of response rows whose sample the off-policy mask drops (NaN without
+    off_policy_masked_frac: fraction of response rows whose sample the off-policy mask drops (absent without
         off_policy_mask_threshold).
     kept_tokens: the response rows the entropy filter keeps (all of them without it) (int64).
     kept_entropy: mean of H_t over those rows (nats); with kept_tokens, the inputs of TRL's adaptive entropy
-        controller.
-    vespo_phi_mean: mean of phi_s over samples with response rows (dimensionless; NaN unless pg_objective "vespo").
+        controller (absent when no entropy is given).
+    vespo_phi_mean: mean of phi_s over samples with response rows (dimensionless; absent unless pg_objective "vespo").
     """
 
-    qkl: torch.Tensor
-    policy_kl: torch.Tensor
-    entropy: torch.Tensor
+    qkl: torch.Tensor | None
+    policy_kl: torch.Tensor | None
+    entropy: torch.Tensor | None
     clip_frac: torch.Tensor
     pg_loss: torch.Tensor
     ratio_mean: torch.Tensor
     query_logp_mean: torch.Tensor
-    rollout_is_weight: torch.Tensor
-    rollout_logp_gap_abs: torch.Tensor
-    rollout_logp_gap_max: torch.Tensor
+    rollout_is_weight: torch.Tensor | None
+    rollout_logp_gap_abs: torch.Tensor | None
+    rollout_logp_gap_max: torch.Tensor | None
     response_tokens: torch.Tensor
     nonfinite_rows: torch.Tensor
-    off_policy_masked_frac: torch.Tensor
+    off_policy_masked_frac: torch.Tensor | None
     kept_tokens: torch.Tensor
-    kept_entropy: torch.Tensor
-    vespo_phi_mean: torch.Tensor
+    kept_entropy: torch.Tensor | None
+    vespo_phi_mean: torch.Tensor | None
+
+    @classmethod
+    def for_call(cls, values: Mapping, inputs: LossInputs, options: LossOptions, *,
+                 has_entropy: bool = True) -> LossMetrics:
+        """The record of one call: values[name] (a 0-dim tensor) for each metric that applies to it
+        (`applicable_metrics`), None for the others (`values` need not hold them)."""
+        applicable = applicable_metrics(inputs, options, has_entropy=has_entropy)
+        return cls(**{name: values[name] if name in applicable else None for name in METRIC_NAMES})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in METRIC_NAMES:
             raise KeyError(name)
-        return getattr(self, name)
+        value = getattr(self, name)
+        if value is None:
+            raise KeyError(f"{name} does not apply to this call: it needs {METRIC_NEEDS[name]}")
+        return value
 
     def __iter__(self):
-        return iter(METRIC_NAMES)
+        return (name for name in METRIC_NAMES if getattr(self, name) is not None)
 
     def __len__(self) -> int:
-        return len(METRIC_NAMES)
+        return sum(getattr(self, name) is not None for name in METRIC_NAMES)
 
 
-METRIC_NAMES = tuple(f.name for f in fields(LossMetrics))  # LossMetrics' keys, in order
+METRIC_NAMES = tuple(f.name for f in fields(LossMetrics))  # LossMetrics' fields, in order
+
+# The metrics that apply only to some calls, each with what it needs (the KeyError of reading one without says so).
+METRIC_NEEDS = {
+    "qkl": "ref_query_logp (ref_logp with qkl_estimator 'k3-token')",
+    "policy_kl": "ref_logp",
+    "entropy": "the entropies (logprob_erpo_loss's entropy=)",
+    "rollout_is_weight": "rollout_logp and a rollout_is_cap",
+    "rollout_logp_gap_abs": "rollout_logp",
+    "rollout_logp_gap_max": "rollout_logp",
+    "off_policy_masked_frac": "off_policy_mask_threshold",
+    "kept_entropy": "the entropies (logprob_erpo_loss's entropy=)",
+    "vespo_phi_mean": "pg_objective 'vespo'",
+}
+
+
+def applicable_metrics(inputs: LossInputs, options: LossOptions, *, has_entropy: bool = True) -> tuple[str, ...]:
+    """The names of the metrics that apply to a call with these inputs and options (`has_entropy`: whether the
+    per-token entropies were given), in METRIC_NAMES' order: every metric but those of METRIC_NEEDS whose need is
+    not met. Decided from which inputs and options are there, never from values (a NaN in a value stays a value)."""
+    has_rollout = inputs.rollout_logp is not None
+    qkl_reference = inputs.ref_logp if options.qkl_estimator == "k3-token" else inputs.ref_query_logp
+    met = {"qkl": qkl_reference is not None, "policy_kl": inputs.ref_logp is not None, "entropy": has_entropy,
+           "rollout_is_weight": has_rollout and options.rollout_is_cap is not None,
+           "rollout_logp_gap_abs": has_rollout, "rollout_logp_gap_max": has_rollout,
+           "off_policy_masked_frac": options.off_policy_mask_threshold is not None, "kept_entropy": has_entropy,
+           "vespo_phi_mean": options.pg_objective == "vespo"}
+    return tuple(name for name in METRIC_NAMES if name not in METRIC_NEEDS or met[name])
 
 
 @dataclass
@@ -442,31 +483,37 @@ def query_kl(token_logp, query_logp, rows: TokenRows, inputs: LossInputs, option
 
 
 @torch.no_grad()
-def loss_metrics(rows: TokenRows, policy: PolicyTerm, aggregate, *, qkl, query_logp, entropy, kept_entropy,
-                 nonfinite) -> LossMetrics:
-    """The metrics (`LossMetrics`) from the stages' results: qkl 0-dim or None, query_logp [S], entropy [N],
-    kept_entropy [N] (H_t on the rows the entropy filter keeps, 0 elsewhere), nonfinite [N] bool."""
-    nan = rows.nan
+def loss_metrics(rows: TokenRows, policy: PolicyTerm, aggregate, inputs: LossInputs, options: LossOptions, *, qkl,
+                 query_logp, entropy, kept_entropy, nonfinite) -> LossMetrics:
+    """The metrics (`LossMetrics`, those that apply to the call) from the stages' results: qkl 0-dim or None,
+    query_logp [S], entropy [N], kept_entropy [N] (H_t on the rows the entropy filter keeps, 0 elsewhere),
+    nonfinite [N] bool."""
     rollout, phi = policy.rollout, policy.vespo_phi
-    return LossMetrics(
-        qkl=nan if qkl is None else qkl.detach(),
-        policy_kl=nan if policy.policy_kl is None else rows.response_mean(policy.policy_kl.detach()),
+    values = dict(
         entropy=rows.response_mean(entropy.detach()),
         clip_frac=rows.response_mean((rows.is_response & policy.clip_taken).float()),
         pg_loss=aggregate(policy.pg.detach()),
         ratio_mean=rows.response_mean(policy.ratio.detach()),
         query_logp_mean=(query_logp.detach() * rows.has_query).sum() / rows.num_query_samples.clamp_min(1),
-        rollout_is_weight=nan if rollout is None or rollout.weight is None else rows.response_mean(rollout.weight),
-        rollout_logp_gap_abs=nan if rollout is None else rows.response_mean(rollout.gap.abs()),
-        rollout_logp_gap_max=nan if rollout is None else rows.response_max(rollout.gap.abs()),
         response_tokens=rows.num_response,
         nonfinite_rows=nonfinite.sum(),
-        off_policy_masked_frac=(nan if policy.off_policy_kept is None else
-                                rows.response_mean((~policy.off_policy_kept).float())),
         kept_tokens=policy.kept_rows,
         kept_entropy=kept_entropy.detach().sum() / policy.kept_rows.clamp_min(1),
-        vespo_phi_mean=nan if phi is None else (phi * rows.has_response).sum() / rows.has_response.sum().clamp_min(1),
     )
+    if qkl is not None:
+        values["qkl"] = qkl.detach()
+    if policy.policy_kl is not None:
+        values["policy_kl"] = rows.response_mean(policy.policy_kl.detach())
+    if rollout is not None:
+        values["rollout_logp_gap_abs"] = rows.response_mean(rollout.gap.abs())
+        values["rollout_logp_gap_max"] = rows.response_max(rollout.gap.abs())
+        if rollout.weight is not None:
+            values["rollout_is_weight"] = rows.response_mean(rollout.weight)
+    if policy.off_policy_kept is not None:
+        values["off_policy_masked_frac"] = rows.response_mean((~policy.off_policy_kept).float())
+    if phi is not None:
+        values["vespo_phi_mean"] = (phi * rows.has_response).sum() / rows.has_response.sum().clamp_min(1)
+    return LossMetrics.for_call(values, inputs, options)
 
 
 def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options: LossOptions,
@@ -507,7 +554,7 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
         nonfinite = (token_kind != 0) & ~(torch.isfinite(token_logp) & torch.isfinite(entropy))
     loss = loss + torch.where(nonfinite.any(), rows.nan, rows.zero)
 
-    metrics = loss_metrics(rows, policy, aggregate, qkl=qkl, query_logp=query_logp, entropy=entropy,
-                           kept_entropy=kept_entropy, nonfinite=nonfinite)
+    metrics = loss_metrics(rows, policy, aggregate, inputs, options, qkl=qkl, query_logp=query_logp,
+                           entropy=entropy, kept_entropy=kept_entropy, nonfinite=nonfinite)
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp.detach(),
                       response_logp=response_logp.detach(), entropy=entropy.detach(), metrics=metrics)

@@ -741,7 +741,7 @@ objective_op.register_autograd(_backward, setup_context=_setup_context)
 def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
                      sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions) -> LossOutput:
     """`objective.erpo_objective` on these kernels, for options where `fuses(options, ...)` holds (the caller
-    checks): token_logp [N] fp32 and entropy [N] fp32 or None (then the entropy metrics are NaN and entropy_coef
+    checks): token_logp [N] fp32 and entropy [N] fp32 or None (then the entropy metrics are absent and entropy_coef
     must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated."""
     num_samples = inputs.advantages.shape[0]
     # The rows sorted by sample, once per call (rows of kind 0 are skipped by the kernels, whatever their index).
@@ -767,14 +767,7 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
         as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
         entropy_threshold, objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
-    metric_values = LossMetrics(
-        qkl=values["qkl"], policy_kl=values["policy_kl"], entropy=values["entropy"], clip_frac=values["clip_frac"],
-        pg_loss=values["pg_loss"], ratio_mean=values["ratio_mean"], query_logp_mean=values["query_logp_mean"],
-        rollout_is_weight=values["rollout_is_weight"], rollout_logp_gap_abs=values["rollout_logp_gap_abs"],
-        rollout_logp_gap_max=values["rollout_logp_gap_max"], response_tokens=values["response_tokens"],
-        nonfinite_rows=values["nonfinite_rows"], off_policy_masked_frac=values["off_policy_masked_frac"],
-        kept_tokens=values["kept_tokens"], kept_entropy=values["kept_entropy"],
-        vespo_phi_mean=values["vespo_phi_mean"])
+    metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
                       response_logp=response_logp, entropy=detached_entropy, metrics=metric_values)

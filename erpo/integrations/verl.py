@@ -248,7 +248,7 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
                                                        **config.global_batch_info), aggregation=aggregation)
             metrics["kl_coef"] = config.kl_loss_coef
         queries = sum(len(ids) > 1 for ids in rows.prompt_ids)   # samples with query rows
-        if ref_query_logp is not None and queries:
+        if "qkl" in out.metrics and queries:  # a metric that does not apply to the loss is left out
             # the loss's qkl is sum_s qkl_s / num_seqs; logged as the mean over this micro-batch's queries
             qkl_mean = out.metrics["qkl"] * (global_batch_size if global_batch_size is not None else queries) / queries
             metrics["actor/qkl"] = Metric(value=qkl_mean, aggregation=AggregationType.MEAN)

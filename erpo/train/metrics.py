@@ -25,6 +25,8 @@ log = logging.getLogger("erpo")
 TOKEN_MEAN_METRICS = {"policy_kl": "policy_kl", "entropy": "entropy", "clip_ratio": "clip_frac",
                       "ratio_mean": "ratio_mean", "rollout_is_weight": "rollout_is_weight",
                       "rollout_logp_gap_abs": "rollout_logp_gap_abs"}
+# metrics.jsonl name -> the kernel's name, for every loss metric summed over micro-batches (loss terms and token means)
+SUMMED_METRICS = {"qkl": "qkl", "pg_loss": "pg_loss", **TOKEN_MEAN_METRICS}
 
 
 def finite_or_none(x) -> float | None:
@@ -33,11 +35,13 @@ def finite_or_none(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float, weight_sum: float, *, grad_norm: float,
+def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weight_sum: float, *, grad_norm: float,
                 lr: float, nonfinite_skipped: int) -> dict:
     """The metrics of one optimizer step over all ranks (one sum and, with importance sampling, one max over
-    ranks). loss_sums: this rank's sums from `update_step.accumulate_loss`; weight_sum: its sum of w(q) over its
-    samples; plan: the step's `StepPlan` (its counts are already global)."""
+    ranks). loss_sums: this rank's sums from `update_step.accumulate_loss` ("loss" and those of SUMMED_METRICS
+    that apply: the others are logged as null, like a non-finite value); gap_max: its largest rollout log-prob gap
+    (None when that metric does not apply); weight_sum: its sum of w(q) over its samples; plan: the step's
+    `StepPlan` (its counts are already global)."""
     rollout = plan.rollout
     rewards = rollout.rewards.tolist()
     local = {"samples": len(rollout), "reward": sum(rewards), "reward_sq": sum(x * x for x in rewards),
@@ -50,11 +54,15 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float, weight_sum: 
     record = {key: total[key] / total["samples"] for key in
               ("reward", "accuracy", "response_length", "truncated_frac", "filtered_frac")}
     record["reward_std"] = math.sqrt(max(0.0, total["reward_sq"] / total["samples"] - record["reward"] ** 2))
+
+    def summed(name):  # a loss term's sum or a token mean; null where the metric does not apply
+        if name not in total:
+            return None
+        return finite_or_none(total[name] / tokens if name in TOKEN_MEAN_METRICS else total[name])
     record.update({
-        **{name: finite_or_none(total[name]) for name in ("qkl", "loss", "pg_loss")},
-        **{name: finite_or_none(total[name] / tokens) for name in TOKEN_MEAN_METRICS},
-        "rollout_logp_gap_max": (finite_or_none(D.all_reduce_max(gap_max))
-                                 if cfg.rollout.importance_sampling_correction else None),
+        "qkl": summed("qkl"), "loss": finite_or_none(total["loss"]), "pg_loss": summed("pg_loss"),
+        **{name: summed(name) for name in TOKEN_MEAN_METRICS},
+        "rollout_logp_gap_max": None if gap_max is None else finite_or_none(D.all_reduce_max(gap_max)),
         # num_seqs is already global: the weight sum alone is reduced
         "query_weight_mean": total["query_weight"] / plan.num_seqs if cfg.algorithm.query_weight != "none" else None,
         "grad_norm": finite_or_none(grad_norm),

@@ -15,7 +15,7 @@ import torch
 from erpo import distributed as D
 from erpo.config import Config
 from erpo.sequences import final_hidden, scored_token_logp
-from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
+from erpo.train.metrics import SUMMED_METRICS, TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.train_state import TrainState
 from erpo.train.updater import Updater
@@ -34,16 +34,18 @@ def entropy_pool(weight: float):
 
 def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
                     query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor,
-                    logit_options: dict) -> tuple[dict, float, int]:
+                    logit_options: dict) -> tuple[dict, float | None, int]:
     """Forward and backward of every micro-batch of `plan`; `logit_options`: the model's logit transform, read once
     at setup (`erpo.sequences.logit_transforms`). Returns (this rank's sums of the loss metrics over its real
-    micro-batches: "loss", "qkl", "pg_loss" and the token-weighted TOKEN_MEAN_METRICS; the largest rollout
-    log-prob gap; the number of non-finite losses seen)."""
+    micro-batches: "loss" and SUMMED_METRICS, those of TOKEN_MEAN_METRICS weighted by tokens; the largest rollout
+    log-prob gap; the number of non-finite losses seen). A metric that does not apply to the loss (`LossMetrics`:
+    policy_kl without a reference model, the rollout ones without importance sampling) has no sum, and the gap is
+    then None: the options and which inputs are given decide that, the same on every micro-batch and rank."""
     options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_options,
                "num_items": plan.num_items, "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
-    sums = dict.fromkeys(["loss", "qkl", "pg_loss", *TOKEN_MEAN_METRICS], 0.0)
-    gap_max, nonfinite = 0.0, 0
+    sums = {"loss": 0.0}
+    gap_max, nonfinite = None, 0
     rollout = plan.rollout
     for m, mb in enumerate(plan.micro_batches):
         batch, device = mb.batch, mb.batch.targets.device
@@ -65,15 +67,19 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
             # non-finite step is then discarded on all ranks.
             scale = D.data_parallel_loss_scale() * mb.weight if not nonfinite else 0.0
             updater.backward(out.loss * scale, m == len(plan.micro_batches) - 1)
+        summed = {name: kernel_name for name, kernel_name in SUMMED_METRICS.items() if kernel_name in out.metrics}
+        for name in summed:  # stand-ins too: every rank then sums the same names
+            sums.setdefault(name, 0.0)
+        if "rollout_logp_gap_max" in out.metrics and gap_max is None:
+            gap_max = 0.0
         if not mb.weight:
             continue
         tokens = float(out.metrics["response_tokens"])
         sums["loss"] += float(out.loss.detach())
-        sums["qkl"] += float(out.metrics["qkl"])
-        sums["pg_loss"] += float(out.metrics["pg_loss"])
-        for name, kernel_name in TOKEN_MEAN_METRICS.items():
-            sums[name] += float(out.metrics[kernel_name]) * tokens
-        gap_max = max(gap_max, float(out.metrics["rollout_logp_gap_max"]))
+        for name, kernel_name in summed.items():
+            sums[name] += float(out.metrics[kernel_name]) * (tokens if name in TOKEN_MEAN_METRICS else 1.0)
+        if gap_max is not None:
+            gap_max = max(gap_max, float(out.metrics["rollout_logp_gap_max"]))
         del hidden, out
     return sums, gap_max, nonfinite
 

@@ -149,6 +149,20 @@ def test_loss_and_gradients_equal_trl(tiny, tmp_path, loss_type, kl, fused_linea
     assert_parity(trainer, with_logps(trainer, trl_inputs(trainer), old=True))
 
 
+@pytest.mark.parametrize("qkl_coef", [0.0, 0.5])
+def test_metrics_that_do_not_apply_are_left_out(tiny, tmp_path, qkl_coef):
+    """beta 0 (no reference model) and qkl_coef 0 (no ell_theta0 reference): TRL logs no `kl`, and ERPO's `qkl`
+    is left out the same way (the loss's qkl is absent), never logged as NaN; with qkl_coef it is logged."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=qkl_coef, query_weight="none", beta=0.0,
+                           gradient_accumulation_steps=2, num_iterations=2)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    _, _, metrics = logged(trainer, ERPOTrainer._compute_loss, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert "kl" not in metrics and ("qkl" in metrics) == (qkl_coef != 0)
+    assert {"entropy", "query_logp", "clip_ratio/region_mean"} <= set(metrics)
+    assert not [name for name, value in metrics.items() if math.isnan(value)]
+
+
 @pytest.mark.parametrize("case", ["on_policy", "sequence_level", "delta_epsilon_high", "vllm_is", "eval",
                                   "entropy_grpo", "entropy_dapo_beta"])
 def test_trl_features_equal_trl(tiny, tmp_path, case):

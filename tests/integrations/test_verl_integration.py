@@ -107,6 +107,9 @@ def test_equals_verl_ppo_loss(tiny, mode, use_remove_padding):
     for name, values in their_metrics.items():
         assert our_metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-7), name
     assert max(their_metrics["actor/pg_clipfrac_lower"]) > 0      # the dual clip bites
+    # qkl_coef 0: the loss's qkl does not apply (no ref_query_logp) and is left out, as is any NaN
+    assert "actor/qkl" not in our_metrics and not [name for name, values in our_metrics.items()
+                                                   if any(math.isnan(v) for v in values)]
 
 
 def test_bf16_mixed_precision_equals_verl(tiny):

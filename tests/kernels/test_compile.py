@@ -97,6 +97,8 @@ def loss_step(model, features, rows, path: str, backend: str):
     else:
         out = erpo_loss(model.lm_head(hidden), rows.targets, rows.token_kind, rows.sample_index,
                         inplace_backward=path == "logits-inplace", **inputs)
+    # the mapping traces whole, its absent metrics too (no ref_logp, rollout_logp, off-policy mask, vespo)
+    assert "policy_kl" not in out.metrics and out.metrics.get("vespo_phi_mean") is None and len(out.metrics) == 10
     return out.loss, out.metrics["entropy"]
 
 

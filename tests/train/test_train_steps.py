@@ -6,10 +6,12 @@ import torch
 from erpo import distributed as D
 from erpo.config import Config, apply_overrides, resolve
 from erpo.sequences import PackedBatch, per_sample_sum
-from erpo.train.metrics import TOKEN_MEAN_METRICS, step_record
+from erpo.train.metrics import SUMMED_METRICS, TOKEN_MEAN_METRICS, step_record
 from erpo.train.rollout_stage import Rollout
 from erpo.train.step_plan import StepPlan
 from erpo.train.updater import choose_updater
+
+NOT_APPLYING = ("policy_kl", "rollout_is_weight", "rollout_logp_gap_abs")   # ERPO's defaults: record names
 
 
 def rollout_of(rewards) -> Rollout:
@@ -44,6 +46,21 @@ def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
     # loss terms are already normalized by the global counts: their sum over ranks is the full-batch value
     assert record["loss"] == pytest.approx(0.3 * world) and record["qkl"] == pytest.approx(0.02 * world)
     assert (record["num_samples"], record["response_tokens"]) == (4 * world, 10 * world)
+
+
+def test_metrics_that_do_not_apply_are_logged_as_null(monkeypatch):
+    """accumulate_loss sums only the loss metrics that apply (no policy_kl without a reference model, no rollout
+    metrics without importance sampling: absent from LossMetrics): the record logs them as null, never NaN, and
+    still reduces the others over ranks."""
+    cfg = resolve(Config())
+    rollout = rollout_of([1.0, 0.0])
+    applying = [name for name in SUMMED_METRICS if name not in NOT_APPLYING]
+    sums = {"loss": 0.3, **dict.fromkeys(applying, 2.0)}
+    monkeypatch.setattr(D, "all_reduce_sum", lambda x: x * 2)
+    plan = StepPlan(rollout, [], num_items=8, num_seqs=4)
+    record = step_record(cfg, plan, sums, None, 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+    assert all(record[name] is None for name in NOT_APPLYING) and record["rollout_logp_gap_max"] is None
+    assert record["qkl"] == 4.0 and record["entropy"] == 0.5 and record["loss"] == pytest.approx(0.6)
 
 
 def test_the_automatic_updater_is_deepspeed_with_several_ranks_or_zero(monkeypatch):

@@ -43,9 +43,11 @@ def test_erpo_run_writes_everything(tmp_path, cache_dir):
     train(small_cfg(out, cache_dir, "logging.tensorboard=true", "logging.plot=true"))
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2]
+    assert "NaN" not in (out / "metrics.jsonl").read_text()   # a metric that does not apply is null, never NaN
     for r in records:
         assert set(REQUIRED) <= set(r)
-        assert r["policy_kl"] is None  # ERPO computes no Policy-KL
+        assert r["policy_kl"] is None  # ERPO computes no Policy-KL (no reference model: the metric does not apply)
+        assert r["rollout_is_weight"] is None and r["rollout_logp_gap_max"] is None   # no importance sampling
         assert math.isfinite(r["qkl"]) and r["qkl"] >= 0 and math.isfinite(r["loss"])
         assert 0 <= r["accuracy"] <= 1 and r["num_samples"] == 16
     assert records[0]["qkl"] == pytest.approx(0.0, abs=1e-6)  # theta0 == cached reference at the first step

@@ -1,5 +1,6 @@
 """ERPOTrainer's logged loss metrics: TRL's own (same names and reductions over processes), then ERPO's (qkl,
-query_logp, query_weight_mean). A mixin of ERPOTrainer (it writes the trainer's `_metrics`)."""
+query_logp, query_weight_mean). A metric that does not apply to the call is left out, as TRL leaves out its own (no
+`kl` without a reference model). A mixin of ERPOTrainer (it writes the trainer's `_metrics`)."""
 from __future__ import annotations
 
 import torch
@@ -61,7 +62,7 @@ class LossMetricsMixin:
             metrics["vespo/phi_seq_mean"].append((total[0] / total[1].clamp(min=1.0)).item())
 
         num = inputs["prompt_ids"].shape[0]
-        if not out.metrics["qkl"].isnan():  # the loss's qkl is a sum over samples / num_seqs
+        if "qkl" in out.metrics:  # absent without ref_query_logp; the loss's qkl is a sum over samples / num_seqs
             metrics["qkl"].append(self.accelerator.gather(out.metrics["qkl"] * options["num_seqs"] / num).mean().item())
         metrics["query_logp"].append(self.accelerator.gather(out.query_logp.mean()).mean().item())
         if query_weight is not None:
