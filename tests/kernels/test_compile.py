@@ -17,6 +17,7 @@ from erpo_kernels.triton_logits import (
 )
 from erpo_kernels.triton_segment import segment_sum_op
 from erpo_kernels.validation import COMPILED_ROWS_MESSAGE
+from helpers import assert_compiled_equals_eager
 
 pytestmark = pytest.mark.kernels
 
@@ -151,13 +152,7 @@ def test_compiled_loss_with_options_equals_eager(options, rows, device):
         return erpo_loss(logits, rows.targets, rows.token_kind, rows.sample_index, backend="torch", **tensors,
                          **options).loss
 
-    torch._dynamo.reset()
-    eager = loss(logits)
-    (eager_grad,) = torch.autograd.grad(eager, logits)
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(logits)
-    (grad,) = torch.autograd.grad(compiled, logits)
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
+    assert_compiled_equals_eager(loss, logits, grad_rtol=1e-5)
 
 
 def test_compiled_step_with_inductor_equals_eager(rows, device):

@@ -10,7 +10,7 @@ from erpo_kernels.triton_objective import fuses, objective_backward_op, objectiv
 from erpo_kernels.triton_quantile import masked_quantile_op
 from erpo_kernels.triton_row_checks import first_bad_row_op
 from erpo_kernels.validation import LossInputs, LossOptions
-from helpers import loss_inputs, random_batch
+from helpers import assert_compiled_equals_eager, loss_inputs, random_batch
 from launch_counts import LaunchCounter
 
 MAX_LAUNCHES = 20  # per fwd+bwd of erpo_loss on the Triton path (issue 32)
@@ -329,14 +329,7 @@ def test_compiled_fused_loss_equals_eager(case, device):
         return erpo_loss(logits, batch["targets"], batch["token_kind"], batch["sample_index"], backend="triton",
                          **tensors, **options).loss
 
-    logits = batch["logits"].clone().requires_grad_(True)
-    torch._dynamo.reset()
-    eager = loss(logits)
-    (eager_grad,) = torch.autograd.grad(eager, logits)
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(logits)
-    (grad,) = torch.autograd.grad(compiled, logits)
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-7)
+    assert_compiled_equals_eager(loss, batch["logits"].clone().requires_grad_(True), grad_rtol=1e-6)
 
 
 @pytest.mark.parametrize("entry", ["module", "fused-linear"])
