@@ -75,7 +75,8 @@ class BenchRun:
 
 BENCH_RUNS = (
     # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant
-    BenchRun("ours at every N", "4096,16384,65536", cap_s=180, contenders="erpo,erpo-warp,erpo-warp-1024"),
+    BenchRun("ours at every N", "4096,16384,65536", cap_s=180,
+             contenders="erpo,erpo-block,erpo-warp,erpo-warp-1024,erpo-log2,erpo-log2-2048"),
     BenchRun("peers at N=16384 and 4096", "16384,4096", cap_s=200, skip=("erpo",)),  # the target size first
     BenchRun("peers at N=65536", "65536", cap_s=DEADLINE_S, skip=("erpo", "torch"),
              left_out="torch eager (backend='torch', the readable reference) at N=65536: the slowest contender by "

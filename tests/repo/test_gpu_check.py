@@ -31,7 +31,8 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
     assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
                                             "| bench 2: peers at N=16384 and 4096", "| bench 3: peers at N=65536"]
-    assert "- result: 3 passed" in summary and "- commit: abc123" in summary
+    # the device guard's 2 tests and the bf16 target-gradient test for each of the 5 logits-kernel variants
+    assert "- result: 7 passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
