@@ -1,5 +1,5 @@
-"""`bash bench/gpu_check.sh [--dry-run] [--commit HASH] [OUT_DIR]`: what one short GPU lease measures, in one command
-that ends within 9 minutes (bench/README.md, "One command for a GPU lease").
+"""`bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages LIST] [OUT_DIR]`: what one short GPU lease
+measures, in one command that ends within 9 minutes (bench/README.md, "One command for a GPU lease").
 
 Stages, in this order, each a subprocess in its own process group under its own time limit (the group is killed at
 the limit, so a slow stage cannot take the next one's time), each writing its results as it goes:
@@ -53,6 +53,7 @@ DRY_RUN_CONTENDERS = "torch,liger"
 # the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
 DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
                         f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
+STAGES = ("kernels", "train", "bench")  # in the order they run (--stages picks some)
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 
 
@@ -335,17 +336,26 @@ def main(argv=None) -> int:
                         help="where the 8 result files go (default: $OUT, as on the device machine)")
     parser.add_argument("--dry-run", action="store_true", help="the same stages on the CPU, shrunk (CI)")
     parser.add_argument("--commit", default=None, help="the commit the working tree is (recorded by the bench)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma list of {', '.join(STAGES)} (default: all); e.g. --stages kernels, the kernel "
+                             "tier alone (126 s on the 2026-11-25 H200 run), for a lease too short for the rest")
     args = parser.parse_args(argv)
     if not args.out_dir:
         parser.error("give OUT_DIR (or set $OUT)")
+    stages = [name for name in args.stages.split(",") if name]
+    if not stages or set(stages) - set(STAGES):
+        parser.error(f"--stages: expected a comma list of {', '.join(STAGES)}, got {args.stages!r}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check = GpuCheck(out, args.dry_run, args.commit)
     check.setup()
-    check.kernels()
-    check.train()
-    check.bench()
-    check.merge_bench()
+    if "kernels" in stages:
+        check.kernels()
+    if "train" in stages:
+        check.train()
+    if "bench" in stages:
+        check.bench()
+        check.merge_bench()
     check.write_summary()
     shutil.rmtree(check.work, ignore_errors=True)
     check.log(f"done in {time.monotonic() - check.start:.0f} s: {out / 'summary.md'}")

@@ -44,6 +44,18 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert "| V=1000 | 128 | torch | erpo | ok |" in (out / "bench-results.md").read_text()
 
 
+def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the dry run sets it for its stages itself
+    assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line] \
+        == ["| kernels"]
+    assert not (tmp_path / "train.log").exists() and not (tmp_path / "bench.jsonl").exists()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
+    assert "--stages: expected a comma list of kernels, train, bench, got 'kernels,benhc'" in capsys.readouterr().err
+
+
 @pytest.fixture
 def check(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 1)
