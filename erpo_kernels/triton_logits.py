@@ -44,13 +44,15 @@ def _logp_entropy_forward_kernel(
     row_ptr = logits_ptr + row * stride_row
     # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
     running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0)
         z, _ = transformed_logits(logits.to(tl.float32)[None, :], logit_scale, logit_softcap, inv_temperature,
                                   SOFTCAP)
         z = tl.where(cols[None, :] < vocab_size, z, -float("inf"))  # after the transform (a soft-cap bounds -inf)
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
+        start += BLOCK_V
     lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
                                          tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
     target = tl.load(targets_ptr + row)
@@ -79,13 +81,15 @@ def _logp_entropy_backward_kernel(
     g_entropy = tl.load(grad_entropy_ptr + row)
     # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
     read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit, other=0.0)
         z, slope = transformed_logits(logits.to(tl.float32), logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, slope)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        start += BLOCK_V
 
 
 def block_size_for(vocab_size: int, widest: int = 4096) -> int:

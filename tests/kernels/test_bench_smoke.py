@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from interpreter_as_gpu import NUMPY_SCALAR_ERROR
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": NUMPY_SCALAR_ERROR}
     done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out), "--progress",
                            str(out / "progress.jsonl")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
