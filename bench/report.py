@@ -157,8 +157,8 @@ def markdown(results: dict) -> str:
                   "| issue | path | shape | N | target | value | pass |", "|---|---|---|---|---|---|---|"]
         for t in results["targets"]:
             verdict = t["pass"] if t["pass"] == "n/a" else ("yes" if t["pass"] else "NO")
-            lines.append(f"| {t['issue']} | {t['path']} | {t['shape']} | {t['N']} | {t['target']} | {_fmt(t['value'])} | "
-                         f"{verdict} |")
+            lines.append(f"| {t['issue']} | {t['path']} | {t['shape']} | {t['N']} | {t['target']} | "
+                         f"{_fmt(t['value'])} | {verdict} |")
     lines += ["", "## Columns", "", LEGEND]
     return "\n".join(lines) + "\n"
 
