@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from . import objective
+from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
@@ -632,8 +633,7 @@ ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor, torch.Tensor]
 
 
-@torch.library.custom_op("erpo::triton_objective", mutates_args=())
-def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
+def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
                  order: torch.Tensor, starts: torch.Tensor, advantages: torch.Tensor,
                  ref_query_logp: Optional[torch.Tensor], query_weight: Optional[torch.Tensor],
                  old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor],
@@ -696,6 +696,9 @@ def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], toke
     return loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales
 
 
+objective_op = torch.library.custom_op("erpo::triton_objective", objective_forward, mutates_args=())
+
+
 @objective_op.register_fake
 def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
       token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings):
@@ -707,16 +710,19 @@ def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp
             token_logp.new_empty(num_rows, **fp32), token_logp.new_empty(3, **fp32))
 
 
-@torch.library.custom_op("erpo::triton_objective_backward", mutates_args=())
-def objective_backward_op(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
+def objective_backward(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
                           coef_entropy: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d token_logp, d loss / d entropy), each [N] fp32, for grad_loss [] (module docstring, kernel 3)."""
     num_rows = coef_logp.shape[0]
     grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
     if num_rows > 0:
-        _objective_grad_kernel[(triton.cdiv(num_rows, ROW_BLOCK),)](
+        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
             grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
     return grad_logp, grad_entropy
+
+
+objective_backward_op = torch.library.custom_op("erpo::triton_objective_backward", objective_backward,
+                                                mutates_args=())
 
 
 @objective_backward_op.register_fake
@@ -737,12 +743,15 @@ def _backward(ctx, grad_loss, *_unused):
     token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
     if grad_loss is None:
         return (None,) * 16
-    grad_logp, grad_entropy = objective_backward_op(grad_loss.float().contiguous(), token_kind, coef_logp,
-                                                    coef_entropy, scales)
+    grad_logp, grad_entropy = _objective_backward(grad_loss.float().contiguous(), token_kind, coef_logp,
+                                                  coef_entropy, scales)
     return (grad_logp, grad_entropy if ctx.has_entropy else None) + (None,) * 14
 
 
 objective_op.register_autograd(_backward, setup_context=_setup_context)
+# What the loss calls: the ops under torch.compile, their implementations outside it (`direct_ops`).
+_objective = DirectOp(objective_op, objective_forward, _setup_context, _backward)
+_objective_backward = DirectOp(objective_backward_op, objective_backward)
 
 
 def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
@@ -767,7 +776,7 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
                                                1.0 - options.top_entropy_quantile)
 
-    loss, query_logp, response_logp, metrics, counts, *_ = objective_op(
+    loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
         starts, as_fp32(inputs.advantages), as_fp32(inputs.ref_query_logp), as_fp32(inputs.query_weight),
         as_fp32(inputs.old_logp), as_fp32(inputs.ref_logp), as_fp32(inputs.token_weight),
