@@ -54,18 +54,43 @@ TORCH_ROW_TEMPORARY_BYTES = 32
 
 @dataclass(frozen=True)
 class RowKernels:
-    """The per-row softmax work on one chunk of fp32 logits [n, V] (the logits path's kernels).
+    """One backend's work on a chunk: the per-row softmax pass on fp32 logits [n, V] (the logits path's kernels)
+    and the objective's gradient on the chunk's rows.
 
     forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
     backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): writes d logits
         into grad_logits [n, V] (any float dtype; it may alias `logits` row by row, see `gradient_view`)
     temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
+    chunk_objective(ChunkObjectiveInputs) -> an object whose gradient(c, rows: slice) gives
+        (d loss / d logp, d loss / d entropy) [n] fp32 on chunk c's rows
     """
 
     name: str
     forward: Callable
     backward_into: Callable
     temporary_bytes_per_logit: int
+    chunk_objective: Callable
+
+
+@dataclass(frozen=True)
+class ChunkObjectiveInputs:
+    """What a chunk's objective gradient reads. plan: the `ChunkPlan`; host_kind, host_sample: host [N] copies of
+    token_kind, sample_index; logp, entropy [N] fp32: the rows' values as the chunks go (the pre-pass values at
+    first, each chunk's own written before its gradient is asked); token_kind, sample_index [N]; inputs, options
+    validated; segment_sum: the backend's per-sample sums; entropy_pool: the entropy filter's pool gathered across
+    processes (top_entropy_gather), or None."""
+
+    plan: ChunkPlan
+    host_kind: np.ndarray
+    host_sample: np.ndarray
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    token_kind: torch.Tensor
+    sample_index: torch.Tensor
+    inputs: LossInputs
+    options: LossOptions
+    segment_sum: Callable
+    entropy_pool: Optional[torch.Tensor]
 
 
 def _triton_forward(logits, targets, transform: LogitTransform):
@@ -85,9 +110,28 @@ def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, 
     grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
 
 
-ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0),
+class ReferenceChunkObjective:
+    """The torch backend's chunk gradient: the reference objective (objective.py) differentiated by autograd on [N]
+    vectors holding the chunk's rows live and every other row's known value (the oracle; O(N) work per chunk)."""
+
+    def __init__(self, given: ChunkObjectiveInputs):
+        self.given = given
+
+    def gradient(self, chunk: int, rows: slice):
+        g = self.given
+        return _objective_gradient(g.logp[rows], g.entropy[rows], rows, g.logp, g.entropy, g.token_kind,
+                                   g.sample_index, g.inputs, g.options, g.segment_sum)
+
+
+def _triton_chunk_objective(given: ChunkObjectiveInputs):
+    from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
+    return TritonChunkObjective(given.plan.chunks, given.host_kind, given.host_sample, given.logp, given.entropy,
+                                given.token_kind, given.inputs, given.options, given.entropy_pool)
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0, _triton_chunk_objective),
                "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
-                                   TORCH_ROW_TEMPORARY_BYTES)}
+                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
 def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
@@ -310,8 +354,10 @@ def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, g
     dtype = hidden_rows.dtype
     scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
     dlogits = gradient_view(logits, dtype)
-    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
-                          (grad_entropy * scale).contiguous(), transform)
+    if scale != 1.0:
+        grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
+    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, grad_logp.contiguous(),
+                          grad_entropy.contiguous(), transform)
     if grad_hidden_rows is not None:  # beta = 0: the rows' old contents are not read
         torch.addmm(grad_hidden_rows, dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden_rows)
     if grad_weight is not None:
@@ -357,17 +403,20 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
-                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False):
+                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
+                   entropy_pool: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
-    targets [N] int64 (-100 on rows of kind 0). Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
+    targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
+    options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
     d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
     num_rows, hidden_dim = hidden.shape
     vocab_size = weight.shape[0]
     transform = options.logit_transform
     max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
+    host_kind, host_sample = token_kind.cpu().numpy(), sample_index.cpu().numpy()
     plan = plan_chunks(
-        token_kind.cpu().numpy(), sample_index.cpu().numpy(), inputs.advantages.shape[0], max_rows,
+        host_kind, host_sample, inputs.advantages.shape[0], max_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
                     and inputs.ref_query_logp is not None),
         response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
@@ -375,25 +424,28 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
     logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
-    known_logp = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
-    known_entropy = torch.zeros_like(known_logp)
+    # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
+    logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
+    entropy_out = torch.zeros_like(logp_out)
     if plan.prepass_rows.size:
         prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
-        known_logp[prepass], known_entropy[prepass] = logp_entropy_of_rows(
+        logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
     needs_hidden, needs_weight, needs_bias = needs
-    logp_out, entropy_out = torch.empty_like(known_logp), torch.empty_like(known_logp)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
     grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=weight.device) if needs_bias else None
-    for start, stop in plan.chunks:
+    if plan.chunks:
+        objective = kernels.chunk_objective(ChunkObjectiveInputs(
+            plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
+            segment_sum, entropy_pool))
+    for chunk, (start, stop) in enumerate(plan.chunks):
         rows = slice(start, stop)
         hidden_rows, row_targets = hidden[rows], targets[rows]
         logits = logits_buffer.logits(hidden_rows)
         logp, entropy, lse = kernels.forward(logits, row_targets, transform)
         logp_out[rows], entropy_out[rows] = logp, entropy
-        grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
-                                                      sample_index, inputs, options, segment_sum)
+        grad_logp, grad_entropy = objective.gradient(chunk, rows)
         _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight, kernels,
                         transform, grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
     return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -443,7 +495,7 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     logp, entropy, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant)
+        batch_invariant, entropy_pool)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
