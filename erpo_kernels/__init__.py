@@ -9,7 +9,8 @@ exp, the logit transform in torch). The torch reference: reference.py, segment.p
 path (imported only when Triton is installed; its passes are torch.library ops, compile-ready): triton_common.py
 (@triton.jit helpers), triton_logits.py, triton_objective.py (the objective on [N] vectors in three kernels, for the
 options it fuses), triton_quantile.py (the entropy filter's threshold on the device), triton_row_checks.py (the value
-checks, one host read; none with validate=False), triton_segment.py. fused_linear_loss.py runs the fused-linear row
+checks, one host read; none with validate=False), triton_segment.py; direct_ops.py calls those ops' implementations
+outside torch.compile (no torch.library layers on the host). fused_linear_loss.py runs the fused-linear row
 chunks (GEMMs in torch, cuBLAS on CUDA) on either side's per-row kernels. Nothing on the reference side imports the
 Triton path (the import contract in setup.cfg, checked by tests/repo/test_lint.py).
 """

@@ -17,10 +17,10 @@ from .validation import (
     LossInputs,
     LossOptions,
     check_backend,
-    check_loss_inputs,
     check_rows,
     check_tensor,
     check_token_inputs,
+    start_loss_input_checks,
     with_option_parameters,
 )
 
@@ -126,28 +126,35 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
                        token_kind, sample_index, inputs: LossInputs, options: dict,
                        validate: bool = True) -> LossOutput:
-    """The body shared by `erpo_loss` and `fused_linear_erpo_loss` once their [N, V] source is checked: validate
+    """The body shared by `erpo_loss` and `logprob_erpo_loss` once their [N, *] source is checked: validate
     the other inputs (`validate`: the value checks too, on the device with Triton), run
     `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])` on the chosen backend
-    and form the loss (`objective_on_backend`)."""
+    and form the loss (`objective_on_backend`). With Triton the value checks' one host read comes last, once every
+    kernel of the forward is queued (`start_loss_input_checks`): the device is never idle while the host waits, and
+    an input that fails them still raises before the loss is returned (the kernels are safe on any row values)."""
     triton = use_triton(backend, device)
-    scored_targets, opts = check_loss_inputs(
+    scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options, validate=validate,
         first_bad_row=value_checks_of(triton))
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                triton=triton)
+                                triton=triton, finish_checks=finish_checks)
 
 
 def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,
-                         triton: bool) -> LossOutput:
+                         triton: bool, finish_checks=None) -> LossOutput:
     """The loss from token_logp [N] and entropy [N] (or None), both differentiable, inputs and options validated:
     with Triton, the fused objective kernels (`triton_objective`) for the options they fuse, else the reference
     objective on the deterministic per-sample sums; without, the reference objective (`objective.erpo_objective`).
-    """
+    finish_checks: the input checks' finish() (`start_loss_input_checks`), called after the fused kernels are
+    queued (they are safe on any row values) but before the reference objective (it indexes by sample_index)."""
+    finish_checks = finish_checks or (lambda: None)
     if triton and fuses(options, token_logp, entropy):
-        return triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
+        out = triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
+        finish_checks()
+        return out
+    finish_checks()
     return erpo_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options,
                           segment_sum=segment_sum_of(triton))
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .direct_ops import DirectOp
 from .triton_common import (
     grad_of_logits,
     online_softmax_finish,
@@ -44,18 +45,22 @@ def _logp_entropy_forward_kernel(
     row_ptr = logits_ptr + row * stride_row
     # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
     running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0)
         z, _ = transformed_logits(logits.to(tl.float32)[None, :], logit_scale, logit_softcap, inv_temperature,
                                   SOFTCAP)
         z = tl.where(cols[None, :] < vocab_size, z, -float("inf"))  # after the transform (a soft-cap bounds -inf)
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
+        start += BLOCK_V
     lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
                                          tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
     target = tl.load(targets_ptr + row)
     scored = target != -100
-    safe_target = tl.where(scored, target, 0)
+    # column 0 for an ignored row, and for a target outside [0, V): the row checks report that one after this
+    # kernel is queued (api.loss_on_token_rows), so the load stays inside the row whatever the targets hold
+    safe_target = tl.where((target >= 0) & (target < vocab_size), target, 0)
     z_target, _ = transformed_logits(tl.load(row_ptr + safe_target * stride_col).to(tl.float32), logit_scale,
                                      logit_softcap, inv_temperature, SOFTCAP)
     tl.store(logp_ptr + row, tl.where(scored, z_target - lse, 0.0))
@@ -79,19 +84,21 @@ def _logp_entropy_backward_kernel(
     g_entropy = tl.load(grad_entropy_ptr + row)
     # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
     read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit, other=0.0)
         z, slope = transformed_logits(logits.to(tl.float32), logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, slope)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        start += BLOCK_V
 
 
 def block_size_for(vocab_size: int, widest: int = 4096) -> int:
     """Vocabulary block of one loop step: a function of V only (and the variant), which keeps results
     batch-invariant."""
-    return min(triton.next_power_of_2(vocab_size), widest)
+    return min(1 << (vocab_size - 1).bit_length(), widest)  # the next power of 2 (triton's is a jit call)
 
 
 def _num_warps(block_v: int) -> int:
@@ -167,18 +174,16 @@ def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad
 OpOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logp, entropy, lse
 
 
-@torch.library.custom_op("erpo::triton_logp_entropy", mutates_args=())
-def logp_entropy_op(logits: torch.Tensor, targets: torch.Tensor, temperature: float, logit_scale: float,
-                    logit_softcap: Optional[float], inplace_backward: bool) -> OpOutputs:
+def logp_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, logit_scale: float,
+                 logit_softcap: Optional[float], inplace_backward: bool) -> OpOutputs:
     """(logits [N, V], targets [N] int64, -100 = ignored) -> (logp [N], entropy [N], lse [N]), all fp32 (nats);
     lse is not differentiable. inplace_backward: the backward writes d logits into `logits`."""
     return _launch_forward(logits, targets, LogitTransform(temperature, logit_scale, logit_softcap))
 
 
-@torch.library.custom_op("erpo::triton_logp_entropy_backward", mutates_args=())
-def logp_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-                             grad_logp: torch.Tensor, grad_entropy: torch.Tensor, temperature: float,
-                             logit_scale: float, logit_softcap: Optional[float]) -> torch.Tensor:
+def logp_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                          grad_logp: torch.Tensor, grad_entropy: torch.Tensor, temperature: float,
+                          logit_scale: float, logit_softcap: Optional[float]) -> torch.Tensor:
     """d logits [N, V] (logits' dtype) of sum(grad_logp * logp + grad_entropy * entropy); lse, entropy,
     grad_logp, grad_entropy [N]."""
     grad_logits = torch.empty_like(logits)
@@ -187,13 +192,19 @@ def logp_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: t
     return grad_logits
 
 
-@torch.library.custom_op("erpo::triton_logp_entropy_backward_inplace", mutates_args=("logits",))
-def logp_entropy_backward_inplace_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                                     entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-                                     temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> None:
-    """`triton_logp_entropy_backward` written into `logits` itself (each row is read before it is overwritten)."""
+def logp_entropy_backward_inplace(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                  entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
+                                  temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> None:
+    """`logp_entropy_backward` written into `logits` itself (each row is read before it is overwritten)."""
     _launch_backward(logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
                      LogitTransform(temperature, logit_scale, logit_softcap))
+
+
+logp_entropy_op = torch.library.custom_op("erpo::triton_logp_entropy", logp_entropy, mutates_args=())
+logp_entropy_backward_op = torch.library.custom_op("erpo::triton_logp_entropy_backward", logp_entropy_backward,
+                                                   mutates_args=())
+logp_entropy_backward_inplace_op = torch.library.custom_op(
+    "erpo::triton_logp_entropy_backward_inplace", logp_entropy_backward_inplace, mutates_args=("logits",))
 
 
 @logp_entropy_op.register_fake
@@ -229,15 +240,18 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
     grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
     if ctx.inplace_backward:
-        logp_entropy_backward_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
+        _logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
         grad_logits = logits
     else:
-        grad_logits = logp_entropy_backward_op(logits, targets, lse, entropy, grad_logp, grad_entropy,
-                                               *ctx.transform)
+        grad_logits = _logp_entropy_backward(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
     return grad_logits, None, None, None, None, None
 
 
 logp_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+# What the loss calls: the ops under torch.compile, their implementations outside it (`direct_ops`).
+_logp_entropy = DirectOp(logp_entropy_op, logp_entropy, _setup_context, _backward)
+_logp_entropy_backward = DirectOp(logp_entropy_backward_op, logp_entropy_backward)
+_logp_entropy_backward_inplace = DirectOp(logp_entropy_backward_inplace_op, logp_entropy_backward_inplace)
 
 
 def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform = NO_TRANSFORM,
@@ -248,6 +262,6 @@ def triton_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, transform
     With inplace_backward=True the gradient is written into `logits` itself (no second [N, V] tensor);
     `logits` must then not be needed by anything else after the backward.
     """
-    logp, entropy, _ = logp_entropy_op(logits, targets.long().contiguous(), *transform.op_arguments(),
-                                       bool(inplace_backward))
+    logp, entropy, _ = _logp_entropy(logits, targets.long().contiguous(), *transform.op_arguments(),
+                                     bool(inplace_backward))
     return logp, entropy

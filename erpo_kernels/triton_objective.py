@@ -50,8 +50,9 @@ import triton
 import triton.language as tl
 
 from . import objective
+from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
-from .triton_common import expm1
+from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
 from .validation import LossInputs, LossOptions
 
@@ -121,7 +122,7 @@ def _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUA
     unclipped = -advantage * ratio
     low = 1.0 - clip_low
     high = 1.0 + clip_high
-    clipped = -advantage * tl.minimum(tl.maximum(ratio, low), high)
+    clipped = -advantage * clamp(ratio, low, high)
     pg = tl.where(clipped > unclipped, clipped, unclipped)
     to_unclipped = tl.where(unclipped < clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
     to_clipped = tl.where(unclipped > clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
@@ -150,7 +151,7 @@ def _policy_surrogate(advantage, ratio, logp, clip_low, clip_high, dual_clip, ci
         pg, slope, clipped = _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL)
         return pg, slope, no_slope, clipped
     elif PG_OBJECTIVE == 1:
-        weight = tl.minimum(ratio, cispo_clip_max)
+        weight = clamp(ratio, None, cispo_clip_max)
         return -weight * advantage * logp, no_slope, -weight * advantage + no_slope, ratio > cispo_clip_max
     elif PG_OBJECTIVE == 2:
         tau = tl.where(advantage > 0, sapo_temperature_pos, sapo_temperature_neg)
@@ -202,7 +203,7 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
         gap = tl.where(is_response, old - rollout, 0.0)
         drift = tl.where(is_response, rollout - logp, 0.0)
         if HAS_IS_CAP:
-            is_weight = tl.where(is_response, tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
+            is_weight = tl.where(is_response, tl.exp(clamp(gap, None, log_rollout_is_cap)), 0.0)
             if WEIGHT_BY_IS:
                 weight = weight * is_weight
     kept = is_response
@@ -214,13 +215,13 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
     if HAS_REF_LOGP:
         kl_rows = (is_response | is_query) if KL_ON_QUERY else is_response
         x = tl.where(kl_rows, tl.load(ref_logp_ptr + rows, mask=inside, other=0.0) - logp, 0.0)
-        x_clamped = tl.minimum(tl.maximum(x, -log_ratio_clamp), log_ratio_clamp)
+        x_clamped = clamp(x, -log_ratio_clamp, log_ratio_clamp)
         growth = expm1(x_clamped)
         kl = growth - x_clamped
         kl_grad = -growth * _between(x, -log_ratio_clamp, log_ratio_clamp)
         if HAS_KL_CLAMP:
             kl_grad = kl_grad * _between(kl, -kl_clamp, kl_clamp)
-            kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
+            kl = clamp(kl, -kl_clamp, kl_clamp)
     return (rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept,
             nonfinite)
 
@@ -265,7 +266,8 @@ def _objective_sample_kernel(
     query_kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
     drift_sum = tl.zeros([BLOCK], dtype=tl.float32)
     vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, stop, BLOCK):
+    block_start = start
+    while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
@@ -285,19 +287,19 @@ def _objective_sample_kernel(
         if VESPO:  # log w_s: the token log-ratios (after pg_log_ratio_clamp) and log rho_t, each clamped
             token_log_weight = log_ratio
             if HAS_PG_CLAMP:
-                token_log_weight = tl.minimum(tl.maximum(token_log_weight, -pg_log_ratio_clamp), pg_log_ratio_clamp)
-            vespo_log_weight_sum += tl.minimum(tl.maximum(token_log_weight, -VESPO_LOG_RATIO_CLAMP),
-                                               VESPO_LOG_RATIO_CLAMP)
+                token_log_weight = clamp(token_log_weight, -pg_log_ratio_clamp, pg_log_ratio_clamp)
+            vespo_log_weight_sum += clamp(token_log_weight, -VESPO_LOG_RATIO_CLAMP, VESPO_LOG_RATIO_CLAMP)
             if HAS_ROLLOUT and HAS_IS_CAP:
-                log_is_weight = tl.minimum(gap, log_rollout_is_cap)
-                vespo_log_weight_sum += tl.where(is_response, tl.minimum(tl.maximum(
-                    log_is_weight, VESPO_LOG_WEIGHT_MIN), VESPO_LOG_RATIO_CLAMP), 0.0)
+                log_is_weight = clamp(gap, None, log_rollout_is_cap)
+                vespo_log_weight_sum += tl.where(is_response, clamp(log_is_weight, VESPO_LOG_WEIGHT_MIN,
+                                                                  VESPO_LOG_RATIO_CLAMP), 0.0)
+        block_start += BLOCK
     query_logp = tl.sum(query_sum, axis=0)
     num_query = tl.sum(query_rows, axis=0)
     num_response = tl.sum(response_rows, axis=0)
     tl.store(query_logp_ptr + sample, query_logp)
     tl.store(response_logp_ptr + sample, tl.sum(response_sum, axis=0))
-    per_token = 1.0 / tl.maximum(num_response, 1.0)
+    per_token = 1.0 / clamp(num_response, 1.0, None)
     token_factor = per_token if PER_TOKEN_MEAN else 1.0  # lam_s
     advantage = tl.load(advantages_ptr + sample).to(tl.float32)
     sample_weight = 1.0
@@ -310,8 +312,7 @@ def _objective_sample_kernel(
         off_policy_masked = tl.where(sample_kept, 0.0, num_response)
     vespo_phi = 0.0
     if VESPO:  # phi(w_s) = exp(lam + k log w - lam w), (k, lam) by the sign of A_s; non-finite -> 0
-        log_weight = tl.minimum(tl.maximum(tl.sum(vespo_log_weight_sum, axis=0), VESPO_LOG_WEIGHT_MIN),
-                                VESPO_LOG_RATIO_CLAMP)
+        log_weight = clamp(tl.sum(vespo_log_weight_sum, axis=0), VESPO_LOG_WEIGHT_MIN, VESPO_LOG_RATIO_CLAMP)
         nonneg = advantage >= 0
         k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
         lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
@@ -323,7 +324,7 @@ def _objective_sample_kernel(
     sequence_pass = 1.0
     if HAS_PG_CLAMP:
         sequence_pass = _between(sequence_log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
-        sequence_log_ratio = tl.minimum(tl.maximum(sequence_log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+        sequence_log_ratio = clamp(sequence_log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
     sequence_ratio = tl.exp(sequence_log_ratio)
     shared_grad = 0.0
     if SEQUENCE_RATIO:
@@ -339,17 +340,17 @@ def _objective_sample_kernel(
     qkl_grad = 0.0
     qkl = 0.0
     if HAS_QKL_REFERENCE and K3_TOKEN:  # the mean of the query rows' k3_t; per row: qkl_coef / |Q_s| d k3_t / d logp_t
-        qkl = tl.where(num_query > 0, tl.sum(query_kl_sum, axis=0) / tl.maximum(num_query, 1.0), 0.0)
+        qkl = tl.where(num_query > 0, tl.sum(query_kl_sum, axis=0) / clamp(num_query, 1.0, None), 0.0)
         if USE_QKL:
-            qkl_grad = qkl_coef / tl.maximum(num_query, 1.0)
+            qkl_grad = qkl_coef / clamp(num_query, 1.0, None)
     elif HAS_QKL_REFERENCE:
         r = tl.load(ref_query_logp_ptr + sample).to(tl.float32) - query_logp
-        r_inside = tl.minimum(tl.maximum(r, -qkl_linear_beyond), qkl_linear_beyond)
+        r_inside = clamp(r, -qkl_linear_beyond, qkl_linear_beyond)
         qkl_slope = _kl_slope(r_inside, QKL_ESTIMATOR)
         qkl = _kl_estimate(r_inside, QKL_ESTIMATOR) + qkl_slope * (r - r_inside)
         if HAS_KL_CLAMP:
             qkl_slope = qkl_slope * _between(qkl, -kl_clamp, kl_clamp)
-            qkl = tl.minimum(tl.maximum(qkl, -kl_clamp), kl_clamp)
+            qkl = clamp(qkl, -kl_clamp, kl_clamp)
         qkl = tl.where(num_query > 0, qkl, 0.0)
         if USE_QKL:
             qkl_grad = -qkl_coef * qkl_slope
@@ -368,7 +369,8 @@ def _objective_sample_kernel(
     nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, stop, BLOCK):
+    block_start = start
+    while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
@@ -385,7 +387,7 @@ def _objective_sample_kernel(
             ratio_pass = 1.0
             if HAS_PG_CLAMP:
                 ratio_pass = _between(log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
-                log_ratio = tl.minimum(tl.maximum(log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+                log_ratio = clamp(log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
             ratio = tl.exp(log_ratio)
             ratio_grad = ratio * ratio_pass  # d ratio_t / d logp_t
         pg, pg_slope, pg_direct, clipped = _policy_surrogate(
@@ -420,11 +422,12 @@ def _objective_sample_kernel(
         ratio_sum += tl.where(is_response, ratio, 0.0)
         is_weight_sum += is_weight
         gap_abs_sum += tl.abs(gap)
-        gap_max = tl.maximum(gap_max, tl.abs(gap))
+        gap_max = tl.maximum(gap_max, tl.abs(gap))  # drops NaN: counted apart (gap_nan)
         gap_nan += (gap != gap).to(tl.float32)
         nonfinite_rows += nonfinite.to(tl.float32)
         kept_rows += kept.to(tl.float32)
         kept_entropy_sum += kept_entropy
+        block_start += BLOCK
     out = partials_ptr + sample * NUM_PARTIALS_
     tl.store(out + 0, num_query)
     tl.store(out + 1, num_response)
@@ -437,6 +440,7 @@ def _objective_sample_kernel(
     tl.store(out + 8, tl.sum(ratio_sum, axis=0))
     tl.store(out + 9, tl.sum(is_weight_sum, axis=0))
     tl.store(out + 10, tl.sum(gap_abs_sum, axis=0))
+    # drops NaN: a NaN gap was counted apart (gap_nan) and makes the column NaN here
     tl.store(out + 11, tl.where(tl.sum(gap_nan, axis=0) > 0, float("nan"), tl.max(gap_max, axis=0)))
     tl.store(out + 12, tl.sum(nonfinite_rows, axis=0))
     tl.store(out + 13, off_policy_masked)
@@ -451,7 +455,8 @@ def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: 
     """Sum over samples of one column of the partials, in a fixed order; with ONLY_NONZERO_COLUMN, only over the
     samples where that column is > 0; with COUNT, the number of such samples instead."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(0, num_samples, BLOCK):
+    block_start = 0
+    while block_start < num_samples:  # triton_common's note on loop bounds
         samples = block_start + tl.arange(0, BLOCK)
         inside = samples < num_samples
         value = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + COLUMN, mask=inside, other=0.0)
@@ -463,6 +468,7 @@ def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: 
             else:
                 value = tl.where(keep, value, 0.0)
         acc += value
+        block_start += BLOCK
     return tl.sum(acc, axis=0)
 
 
@@ -495,14 +501,14 @@ def _objective_finish_kernel(
             items = num_items
         else:
             items = tl.load(num_items_ptr).to(tl.float32)
-        term_scale = 1.0 / tl.maximum(items, 1.0)
+        term_scale = 1.0 / clamp(items, 1.0, None)
     else:
-        term_scale = 1.0 / tl.maximum(seqs, 1.0)
-    qkl_scale = 1.0 / tl.maximum(query_seqs, 1.0)
-    per_response_row = 1.0 / tl.maximum(response_rows, 1.0)
+        term_scale = 1.0 / clamp(seqs, 1.0, None)
+    qkl_scale = 1.0 / clamp(query_seqs, 1.0, None)
+    per_response_row = 1.0 / clamp(response_rows, 1.0, None)
     entropy_mean = _column_sum(partials_ptr, num_samples, 6, NUM_PARTIALS_, BLOCK) * per_response_row
     kept_rows = _column_sum(partials_ptr, num_samples, 15, NUM_PARTIALS_, BLOCK)  # by the entropy filter
-    per_kept_row = 1.0 / tl.maximum(kept_rows, 1.0)
+    per_kept_row = 1.0 / clamp(kept_rows, 1.0, None)
     kept_entropy_mean = _column_sum(partials_ptr, num_samples, 16, NUM_PARTIALS_, BLOCK) * per_kept_row
     qkl = _column_sum(partials_ptr, num_samples, 2, NUM_PARTIALS_, BLOCK, 0) * qkl_scale
     loss = _column_sum(partials_ptr, num_samples, 3, NUM_PARTIALS_, BLOCK, 1) * term_scale
@@ -521,7 +527,8 @@ def _objective_finish_kernel(
     query_acc = tl.zeros([BLOCK], dtype=tl.float32)
     gap_acc = tl.zeros([BLOCK], dtype=tl.float32)
     gap_nan = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(0, num_samples, BLOCK):
+    block_start = 0
+    while block_start < num_samples:  # triton_common's note on loop bounds
         samples = block_start + tl.arange(0, BLOCK)
         inside = samples < num_samples
         has_query = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 0, mask=inside, other=0.0) > 0
@@ -529,7 +536,8 @@ def _objective_finish_kernel(
         sample_gap = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 11, mask=inside, other=0.0)
         gap_acc = tl.maximum(gap_acc, sample_gap)  # drops NaN: counted apart
         gap_nan += (sample_gap != sample_gap).to(tl.float32)
-    gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))
+        block_start += BLOCK
+    gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))  # drops NaN: counted apart
     tl.store(metrics_ptr + 0, qkl if HAS_QKL_REFERENCE else nan)
     policy_kl = _column_sum(partials_ptr, num_samples, 5, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 1, policy_kl if HAS_REF_LOGP else nan)
@@ -537,7 +545,7 @@ def _objective_finish_kernel(
     tl.store(metrics_ptr + 3, _column_sum(partials_ptr, num_samples, 7, NUM_PARTIALS_, BLOCK) * per_response_row)
     tl.store(metrics_ptr + 4, _column_sum(partials_ptr, num_samples, 4, NUM_PARTIALS_, BLOCK, 1) * term_scale)
     tl.store(metrics_ptr + 5, _column_sum(partials_ptr, num_samples, 8, NUM_PARTIALS_, BLOCK) * per_response_row)
-    tl.store(metrics_ptr + 6, tl.sum(query_acc, axis=0) / tl.maximum(samples_with_query, 1.0))
+    tl.store(metrics_ptr + 6, tl.sum(query_acc, axis=0) / clamp(samples_with_query, 1.0, None))
     is_weight = _column_sum(partials_ptr, num_samples, 9, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 7, is_weight if HAS_ROLLOUT and HAS_IS_CAP else nan)
     gap_abs = _column_sum(partials_ptr, num_samples, 10, NUM_PARTIALS_, BLOCK) * per_response_row
@@ -546,8 +554,8 @@ def _objective_finish_kernel(
     masked = _column_sum(partials_ptr, num_samples, 13, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 10, masked if HAS_OFF_POLICY else nan)
     tl.store(metrics_ptr + 11, kept_entropy_mean if HAS_ENTROPY else nan)
-    phi_mean = _column_sum(partials_ptr, num_samples, 14, NUM_PARTIALS_, BLOCK) / tl.maximum(samples_with_response,
-                                                                                               1.0)
+    phi_mean = _column_sum(partials_ptr, num_samples, 14, NUM_PARTIALS_, BLOCK) / clamp(samples_with_response, 1.0,
+                                                                                           None)
     tl.store(metrics_ptr + 12, phi_mean if VESPO else nan)
     tl.store(counts_ptr + 0, response_rows.to(tl.int64))
     tl.store(counts_ptr + 1, nonfinite.to(tl.int64))
@@ -714,7 +722,7 @@ def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales):
     num_rows = coef_logp.shape[0]
     grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
     if num_rows > 0:
-        _objective_grad_kernel[(triton.cdiv(num_rows, ROW_BLOCK),)](
+        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
             grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
     return grad_logp, grad_entropy
 
@@ -724,8 +732,7 @@ ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor, torch.Tensor]
 
 
-@torch.library.custom_op("erpo::triton_objective", mutates_args=())
-def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
+def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
                  order: torch.Tensor, starts: torch.Tensor, advantages: torch.Tensor,
                  ref_query_logp: Optional[torch.Tensor], query_weight: Optional[torch.Tensor],
                  old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor],
@@ -746,6 +753,9 @@ def objective_op(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], toke
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
+objective_op = torch.library.custom_op("erpo::triton_objective", objective_forward, mutates_args=())
+
+
 @objective_op.register_fake
 def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
       token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings):
@@ -757,11 +767,14 @@ def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp
             token_logp.new_empty(num_rows, **fp32), token_logp.new_empty(3, **fp32))
 
 
-@torch.library.custom_op("erpo::triton_objective_backward", mutates_args=())
-def objective_backward_op(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
+def objective_backward(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
                           coef_entropy: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d token_logp, d loss / d entropy), each [N] fp32, for grad_loss [] (module docstring, kernel 3)."""
     return launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales)
+
+
+objective_backward_op = torch.library.custom_op("erpo::triton_objective_backward", objective_backward,
+                                                mutates_args=())
 
 
 @objective_backward_op.register_fake
@@ -782,12 +795,15 @@ def _backward(ctx, grad_loss, *_unused):
     token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
     if grad_loss is None:
         return (None,) * 16
-    grad_logp, grad_entropy = objective_backward_op(grad_loss.float().contiguous(), token_kind, coef_logp,
-                                                    coef_entropy, scales)
+    grad_logp, grad_entropy = _objective_backward(grad_loss.float().contiguous(), token_kind, coef_logp,
+                                                  coef_entropy, scales)
     return (grad_logp, grad_entropy if ctx.has_entropy else None) + (None,) * 14
 
 
 objective_op.register_autograd(_backward, setup_context=_setup_context)
+# What the loss calls: the ops under torch.compile, their implementations outside it (`direct_ops`).
+_objective = DirectOp(objective_op, objective_forward, _setup_context, _backward)
+_objective_backward = DirectOp(objective_backward_op, objective_backward)
 
 
 def _as_fp32(tensor):
@@ -822,7 +838,7 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
                                                1.0 - options.top_entropy_quantile)
 
-    loss, query_logp, response_logp, metrics, counts, *_ = objective_op(
+    loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
         starts, *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
         objective_settings(options, inputs, entropy is not None))

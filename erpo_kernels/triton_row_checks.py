@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .direct_ops import DirectOp
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
@@ -29,23 +30,24 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
     scored = inside & (kind != 0)
     code = tl.where(inside & ((kind < 0) | (kind > 2)), rows, none)  # check 0: token_kind
     sample = tl.load(sample_ptr + rows, mask=inside, other=0)
+    # drops NaN: integer codes
     code = tl.minimum(code, tl.where(scored & ((sample < 0) | (sample >= num_samples)), num_rows + rows, none))
     if HAS_TARGETS:
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
-                                         none))
+                                         none))  # drops NaN: integer codes
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)
-        code = tl.minimum(code, tl.where(scored & ~good, 3 * num_rows + rows, none))
+        code = tl.minimum(code, tl.where(scored & ~good, 3 * num_rows + rows, none))  # drops NaN: integer codes
     if HAS_ROLLOUT:
         rollout = tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0)
+        # drops NaN: integer codes
         code = tl.minimum(code, tl.where(inside & (kind == 2) & (rollout != rollout), 4 * num_rows + rows, none))
-    tl.atomic_min(code_ptr, tl.min(code, axis=0))
+    tl.atomic_min(code_ptr, tl.min(code, axis=0))  # drops NaN: integer codes
 
 
-@torch.library.custom_op("erpo::triton_first_bad_row", mutates_args=())
-def first_bad_row_op(token_kind: torch.Tensor, sample_index: torch.Tensor, targets: Optional[torch.Tensor],
+def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets: Optional[torch.Tensor],
                      token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor], num_samples: int,
                      vocab_size: int) -> torch.Tensor:
     """[1] int64: check * N + row of the first bad row of the first failing check (module docstring), or
@@ -53,13 +55,17 @@ def first_bad_row_op(token_kind: torch.Tensor, sample_index: torch.Tensor, targe
     num_rows = token_kind.shape[0]
     code = torch.full((1,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
     if num_rows > 0:
-        _first_bad_row_kernel[(triton.cdiv(num_rows, BLOCK_ROWS),)](
+        _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
             token_kind, sample_index, token_kind if targets is None else targets,
             token_kind if token_weight is None else token_weight, token_kind if rollout_logp is None else rollout_logp,
             code, num_rows, num_samples, vocab_size, HAS_TARGETS=targets is not None,
             HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, NUM_CHECKS=len(ROW_CHECKS),
             BLOCK=BLOCK_ROWS)
     return code
+
+
+first_bad_row_op = torch.library.custom_op("erpo::triton_first_bad_row", first_bad_row, mutates_args=())
+_first_bad_row = DirectOp(first_bad_row_op, first_bad_row)  # the op under torch.compile, else its implementation
 
 
 @first_bad_row_op.register_fake
@@ -69,8 +75,8 @@ def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples
 
 def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
                          vocab_size: Optional[int]) -> torch.Tensor:
-    """`first_bad_row_op` on contiguous inputs (`validation.check_loss_inputs`' `first_bad_row` argument)."""
+    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument)."""
     def contiguous(tensor):
         return None if tensor is None else tensor.contiguous()
-    return first_bad_row_op(token_kind.contiguous(), sample_index.contiguous(), contiguous(targets),
+    return _first_bad_row(token_kind.contiguous(), sample_index.contiguous(), contiguous(targets),
                             contiguous(token_weight), contiguous(rollout_logp), num_samples, vocab_size or 0)

@@ -179,6 +179,24 @@ class LossOptions:
         return cls(**options)
 
 
+_PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def loss_options(options: dict) -> LossOptions:
+    """`LossOptions.from_kwargs(options)`, built once per distinct set of plain values (numbers, strings, None;
+    LossOptions is frozen): a loss call then skips its ~30 us of checks. Options holding a tensor or a function are
+    built every time."""
+    if all(type(value) in _PLAIN_OPTION_TYPES for value in options.values()):
+        # the value's type is part of the key: True == 1 == 1.0 must not share an entry (a bool is rejected)
+        return _plain_loss_options(tuple((name, type(value), value) for name, value in options.items()))
+    return LossOptions.from_kwargs(options)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_loss_options(items: tuple) -> LossOptions:
+    return LossOptions.from_kwargs({name: value for name, _, value in items})
+
+
 def check_keywords(caller: str, keywords: dict, known) -> None:
     """Raise a TypeError naming the first keyword of `keywords` that `caller` does not take, and the closest
     known name (difflib) as a "did you mean" hint."""
@@ -249,6 +267,10 @@ class LossInputs:
     def as_kwargs(self) -> dict:
         """The keyword arguments of `erpo_loss` / `fused_linear_erpo_loss` (tensors are not copied)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# LossInputs' per-sample fields (advantages has no "per": it is one), a constant: fields() costs ~5 us a call
+PER_SAMPLE_INPUTS = tuple(f.name for f in fields(LossInputs) if f.metadata.get("per", "sample") == "sample")
 
 
 def _is_finite_number(value) -> bool:
@@ -348,9 +370,9 @@ def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: tor
     query_weight) share, and what says so, for messages. When they disagree: the length most of them have; on a tie,
     the one that covers the samples the scored rows name (1 + their largest sample_index, read only on this way to
     an error), else advantages'. The tensor of another length is the one then reported."""
-    given = {f.name: getattr(inputs, f.name).shape[0] for f in fields(inputs)
-             if f.metadata.get("per", "sample") == "sample" and isinstance(getattr(inputs, f.name), torch.Tensor)
-             and getattr(inputs, f.name).dim() == 1}
+    tensors = {name: getattr(inputs, name) for name in PER_SAMPLE_INPUTS}
+    given = {name: tensor.shape[0] for name, tensor in tensors.items()
+             if isinstance(tensor, torch.Tensor) and tensor.dim() == 1}
     lengths = list(given.values())
     votes = {length: lengths.count(length) for length in lengths}
     best = [length for length, count in votes.items() if count == max(votes.values())]
@@ -365,20 +387,30 @@ def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: tor
     return num_samples, why
 
 
-def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
-                      sample_index, inputs: LossInputs, options: dict, validate: bool = True,
-                      first_bad_row: Callable | None = None):
+def check_loss_inputs(**arguments):
+    """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss` (`start_loss_input_checks`'
+    keyword arguments), the value checks finished before returning `(scored_targets, LossOptions)`."""
+    scored_targets, opts, finish = start_loss_input_checks(**arguments)
+    finish()
+    return scored_targets, opts
+
+
+def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
+                            sample_index, inputs: LossInputs, options: dict, validate: bool = True,
+                            first_bad_row: Callable | None = None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
     `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
     validate=False skips the checks that read tensor values (ROW_CHECKS: no host-device synchronization).
     `first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)`, when
     given, runs those checks on the device instead of the torch masks below, returning a [1] int64 code
-    check * N + row (`triton_row_checks`; N * len(ROW_CHECKS) when every row passes): one host read.
-    Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or None without targets, LossOptions)`.
+    check * N + row (`triton_row_checks`; N * len(ROW_CHECKS) when every row passes); its one host read is left to
+    `finish()`, so that a caller can queue its kernels first (they must then be safe on any row values) and the
+    device never waits for the host's read. Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or
+    None without targets, LossOptions, finish)`; finish() raises the first bad row's ValueError, if any.
     """
     check_validate(validate)
-    opts = LossOptions.from_kwargs(options)
+    opts = loss_options(options)
     n = num_rows
     if targets is not None:
         check_tensor("targets", targets, ndim=1, length=n, device=device, floating=False,
@@ -424,10 +456,12 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.de
         "rollout_logp": lambda row: f"rollout_logp is NaN on response row {row}",
     }
     scored = token_kind != 0
+    scored_targets = None if targets is None else scored_targets_of(targets, scored)
     if validate and first_bad_row is not None:
         code = first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)
-        raise_first_bad_row(code, n, messages)
-    elif validate:
+        read_code = read_later(code)
+        return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages)
+    if validate:
         masks = {  # the bad rows of each check present
             "token_kind": lambda: (token_kind < 0) | (token_kind > 2),
             "sample_index": lambda: scored & ((sample_index < 0) | (sample_index >= num_samples)),
@@ -437,7 +471,29 @@ def check_loss_inputs(*, num_rows: int, vocab_size: int | None, device: torch.de
         }
         present = {"targets": targets, "token_weight": token_weight, "rollout_logp": rollout_logp}
         check_rows([(masks[name](), messages[name]) for name in ROW_CHECKS if present.get(name, True) is not None])
-    return (None if targets is None else scored_targets_of(targets, scored)), opts
+    return scored_targets, opts, _checks_done
+
+
+def _checks_done() -> None:
+    """finish() of checks that ended when they started."""
+
+
+def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function returning `value`'s contents, readable on the host, that waits only for the work queued before
+    this call: on CUDA the value is copied now, asynchronously, into pinned host memory and the function waits for
+    that copy alone (kernels queued in between keep running while the host reads); elsewhere, and under
+    torch.compile, `value` itself."""
+    if value.device.type != "cuda" or torch.compiler.is_compiling():
+        return lambda: value
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read():
+        copied.synchronize()
+        return host
+    return read
 
 
 def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict) -> None:

@@ -14,9 +14,10 @@ from erpo_kernels.triton_logits import (
     logp_entropy_backward_inplace_op,
     logp_entropy_backward_op,
     logp_entropy_op,
+    triton_token_logprobs,
 )
 from erpo_kernels.triton_segment import segment_sum_op
-from erpo_kernels.validation import COMPILED_ROWS_MESSAGE
+from erpo_kernels.validation import COMPILED_ROWS_MESSAGE, LogitTransform
 from helpers import assert_compiled_equals_eager
 
 pytestmark = pytest.mark.kernels
@@ -51,6 +52,35 @@ def test_opcheck_triton_logits_ops(transform, rows, device):
     backward_args = (rows.targets, lse, entropy, per_row(4, device), per_row(5, device), *transform)
     torch.library.opcheck(logp_entropy_backward_op, (logits.detach(), *backward_args))
     torch.library.opcheck(logp_entropy_backward_inplace_op, (logits.detach().clone(), *backward_args))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_eager_calls_bypass_the_op_and_give_its_values_and_gradients(transform, inplace, rows, device):
+    """Outside torch.compile the loss calls the op's implementation through its own autograd Function
+    (`direct_ops.DirectOp`, no torch.library layers); under a dispatch mode (here torch.compile's FakeTensorMode
+    stands for all) the op itself. Both give bitwise the same log-probs, entropies and d logits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logits = torch.randn(N, V).to(device)
+    weights = per_row(6, device), per_row(7, device)
+    results = []
+    for call in ("direct", "op"):
+        leaf = logits.clone().requires_grad_(True)
+        if call == "direct":
+            logp, entropy = triton_token_logprobs(leaf, rows.targets, LogitTransform(*transform), inplace)
+            assert type(logp.grad_fn).__name__ == "logp_entropy_functionBackward"
+        else:
+            logp, entropy, _ = logp_entropy_op(leaf, rows.targets, *transform, inplace)
+            assert "erpo_triton_logp_entropy" in type(logp.grad_fn).__name__
+        (weights[0] * logp + weights[1] * entropy).sum().backward()
+        results.append((logp, entropy, leaf if inplace else leaf.grad))
+    for direct, op in zip(*results):
+        assert torch.equal(direct.detach(), op.detach())
+    with FakeTensorMode() as fake:
+        fake_logits = fake.from_tensor(logits)
+        logp, _ = triton_token_logprobs(fake_logits, fake.from_tensor(rows.targets))
+        assert logp.shape == (N,)  # the op's fake implementation: the kernels never saw a fake tensor
 
 
 def test_opcheck_triton_segment_sum(rows, device):

@@ -148,7 +148,8 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
     assert counter.syncs == 1, counter.names
     unchecked = count_launches(batch, case, validate=False)
     assert unchecked.syncs == 0
-    assert unchecked.launches == counter.launches - 2  # the row-check kernel and its code's fill
+    # the row-check kernel and its code's fill; on CUDA also the code's copy to pinned memory (validation.read_later)
+    assert unchecked.launches == counter.launches - (3 if device.type == "cuda" else 2)
     assert unchecked.names["triton._objective_sample_kernel"] == 1
     assert unchecked.names["triton._logp_entropy_backward_kernel"] == 1
 

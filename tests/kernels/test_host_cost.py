@@ -1,0 +1,30 @@
+"""`python -m bench.host_cost` (the host's microseconds per loss call, kernels stubbed out) runs on the CPU and
+reports every phase of ours, with the Triton launches a call makes. It stubs the interpreter's launcher, so it runs
+in its own process with TRITON_INTERPRET=1 (on a GPU machine too); its times are the machine's, not asserted."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
+    out = tmp_path / "host.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--n", "64", "--rows-per-sample", "16",
+                           "--vocab", "37", "--reps", "3", "--warmup", "1", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    ours = results["erpo"]
+    phases = ["entry", "validation", "forward launch", "objective", "autograd backward"]
+    assert list(ours["us"]) == phases + ["total"]
+    assert all(ours["us"][phase] > 0 for phase in phases)
+    # forward: the row checks, logp/entropy, the objective's two kernels; backward: the coefficients, dlogits
+    assert ours["triton_launches"] == 6
+    liger = results["liger"]
+    assert isinstance(liger, str) or liger["triton_launches"] == 2  # not installed, or its forward and backward
+    assert "| autograd backward |" in done.stdout and "| Triton launches per call (not timed) | 6 |" in done.stdout
