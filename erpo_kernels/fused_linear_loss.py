@@ -6,25 +6,35 @@ Per chunk c of whole samples (a sample-aligned row range, as many rows as `works
                                                  [rows, V] fp32 buffer (never rounded to bf16: the Query-KL sums a
                                                  prompt's log-probs, where bf16 logits' 0.01-nat errors add up)
     logp_c, H_c, lse_c                           the per-row softmax pass of the logits path (Triton, or torch)
-    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the objective (objective.py) on [N] vectors, differentiated
-    dlogits_c                                    by the logits path's backward, in hidden's dtype, written over
+    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the backend's chunk objective (`RowKernels.chunk_objective`):
+                                                 Triton, the objective's kernels on c's samples alone (two
+                                                 launches, triton_chunk_objective.py); torch, the reference
+                                                 objective on [N] vectors, differentiated by autograd (the oracle)
+    dlogits_c                                    the logits path's backward, in hidden's dtype, written over
                                                  the first half of each fp32 logits row (`gradient_view`)
     dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
     dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
                                                  first, so a non-finite padding row cannot poison dW)
 
 That is 2NDV + 2NDV + 2NDV. The loss value and metrics are formed once at the end from the [N] log-probs and
-entropies by the objective itself; backward only scales the stored dH / dW / dbias by the incoming gradient.
+entropies by the objective itself (`api.objective_on_backend`); backward only scales the stored dH / dW / dbias by
+the incoming gradient.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
 values (ell_theta(q) for the Query-KL, the sequence-level ratio, VESPO's weight, the off-policy mask) and (c) the
-entropy filter's batch-wide quantile and kept-row count. The objective runs on whole [N] vectors (rows of chunk c
-live, every other row a detached known value), so (a) holds by construction; (b) holds because a chunk holds
-whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c) get their
-coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query rows when the
-Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every response row
-with the entropy filter.
+entropy filter's batch-wide quantile and kept-row count. The chunk objectives read [N] vectors that hold each
+pre-passed row's value, then each chunk's own rows once formed: (a) the Triton one forms its global factors once
+from counts (one pass over every sample before the chunks), the torch one holds every row; (b) holds because a
+chunk holds whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c)
+get their coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query
+rows when the Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every
+response row with the entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
+
+Launches: a constant plus about 17 per chunk on the Triton backend (the logits GEMM, the two row kernels, the
+objective's two, d hidden, d weight and d bias, and a few elementwise ops; tests/kernels/test_fused_linear_loss.py
+counts them: 26 + 17 x chunks); the torch backend, the oracle, runs the whole reference objective with autograd
+per chunk (O(N) work and all its ops each time).
 
 Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]); the fp32 d weight
 accumulator [V, D] (4 V D bytes; the weight's own gradient when the weight is fp32) and d bias [V]; the gradients
@@ -108,30 +118,6 @@ def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp,
 def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
                          transform: LogitTransform):
     grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
-
-
-class ReferenceChunkObjective:
-    """The torch backend's chunk gradient: the reference objective (objective.py) differentiated by autograd on [N]
-    vectors holding the chunk's rows live and every other row's known value (the oracle; O(N) work per chunk)."""
-
-    def __init__(self, given: ChunkObjectiveInputs):
-        self.given = given
-
-    def gradient(self, chunk: int, rows: slice):
-        g = self.given
-        return _objective_gradient(g.logp[rows], g.entropy[rows], rows, g.logp, g.entropy, g.token_kind,
-                                   g.sample_index, g.inputs, g.options, g.segment_sum)
-
-
-def _triton_chunk_objective(given: ChunkObjectiveInputs):
-    from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
-    return TritonChunkObjective(given.plan.chunks, given.host_kind, given.host_sample, given.logp, given.entropy,
-                                given.token_kind, given.inputs, given.options, given.entropy_pool)
-
-
-ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0, _triton_chunk_objective),
-               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
-                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
 def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
@@ -320,28 +306,49 @@ def response_entropies(hidden, weight, bias, targets, token_kind, transform: Log
 
 
 # The body of a torch.library op runs with autograd's dispatch keys excluded (below autograd): a tensor made there
-# never records a graph, whatever the grad mode. The objective's gradient is taken with autograd nonetheless, so
-# these keys are put back for that one computation (torch.func.grad would work too, but not under an outer
-# TorchDispatchMode, and the Triton segment-sum op's autograd is not a torch.func one).
+# never records a graph, whatever the grad mode. The torch backend's chunk gradient is taken with autograd
+# nonetheless (the oracle), so these keys are put back for that one computation (torch.func.grad would work too, but
+# not under an outer TorchDispatchMode). The Triton backend needs none of this (triton_chunk_objective.py).
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
 
 
-def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_entropy, token_kind, sample_index,
-                        inputs: LossInputs, options: LossOptions, segment_sum):
-    """(d loss / d logp, d loss / d entropy) [n] fp32 on the chunk `rows`: the objective on [N] vectors holding the
-    chunk's live values and, elsewhere, the detached known ones (module docstring)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        logp = logp_rows.detach().requires_grad_(True)
-        entropy = entropy_rows.detach().requires_grad_(True)
-        loss = erpo_objective(torch.cat((known_logp[:rows.start], logp, known_logp[rows.stop:])),
-                              torch.cat((known_entropy[:rows.start], entropy, known_entropy[rows.stop:])),
-                              token_kind, sample_index, inputs=inputs, options=options, segment_sum=segment_sum).loss
-        if not loss.requires_grad:  # no term reads these rows
-            return torch.zeros_like(logp_rows), torch.zeros_like(entropy_rows)
-        return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+class ReferenceChunkObjective:
+    """The torch backend's chunk gradient, the oracle: the reference objective (objective.py) on the [N] vectors,
+    chunk c's rows made leaves, differentiated by autograd (O(N) work per chunk)."""
+
+    def __init__(self, given: ChunkObjectiveInputs):
+        self.given = given
+
+    def gradient(self, chunk: int, rows: slice):
+        """(d loss / d logp, d loss / d entropy) [n] fp32 on chunk `chunk`'s rows `rows`."""
+        g = self.given
+        exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+                torch.enable_grad():
+            logp = g.logp[rows].detach().requires_grad_(True)
+            entropy = g.entropy[rows].detach().requires_grad_(True)
+            loss = erpo_objective(torch.cat((g.logp[:rows.start], logp, g.logp[rows.stop:])),
+                                  torch.cat((g.entropy[:rows.start], entropy, g.entropy[rows.stop:])),
+                                  g.token_kind, g.sample_index, inputs=g.inputs, options=g.options,
+                                  segment_sum=g.segment_sum).loss
+            if not loss.requires_grad:  # no term reads these rows
+                return torch.zeros_like(logp), torch.zeros_like(entropy)
+            return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+
+
+def _triton_chunk_objective(given: ChunkObjectiveInputs):
+    from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
+    return TritonChunkObjective(given.plan.chunks, given.host_kind, given.host_sample, given.logp, given.entropy,
+                                given.token_kind, given.inputs, given.options, given.entropy_pool)
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0, _triton_chunk_objective),
+               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
+                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
+
+
 
 
 def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
