@@ -349,8 +349,6 @@ ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_
                                    TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
-
-
 def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
                     kernels: RowKernels, transform: LogitTransform, grad_hidden_rows, grad_weight, grad_bias):
     """The backward of one chunk whose fp32 logits [n, V] are in `logits`: d logits (hidden's dtype, written over
