@@ -374,11 +374,11 @@ def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
 
 
 def test_chunk_layout_lists_each_chunks_samples_with_all_their_rows():
-    # rows: 0 1 2 | 3 4 5 | 6 7 (chunks); samples: 0 0 1 | 1 - 2 | 0 2 (row 4 not scored)
-    kind = np.array([1, 2, 1, 2, 0, 2, 2, 1])
-    sample = np.array([0, 0, 1, 1, 9, 2, 0, 2])
-    layout = chunk_layout([(0, 3), (3, 6), (6, 8)], kind, sample, 3)
-    assert layout.program_offsets.tolist() == [0, 2, 4, 6]
+    # rows: 0 1 2 | 3 4 5 | 6 7 | 8 (chunks); samples: 0 0 1 | 1 - 2 | 0 2 | - (rows 4 and 8 not scored)
+    kind = np.array([1, 2, 1, 2, 0, 2, 2, 1, 0])
+    sample = np.array([0, 0, 1, 1, 9, 2, 0, 2, 0])
+    layout = chunk_layout([(0, 3), (3, 6), (6, 8), (8, 9)], kind, sample, 3)
+    assert layout.program_offsets.tolist() == [0, 2, 4, 6, 6]  # the last chunk runs no program
     assert layout.sample_ids.tolist() == [0, 1, 1, 2, 0, 2]
     runs = [layout.chunk_rows[a:b].tolist() for a, b in zip(layout.program_starts[:-1], layout.program_starts[1:])]
     assert runs == [[0, 1, 6], [2, 3], [2, 3], [5, 7], [0, 1, 6], [5, 7]]
