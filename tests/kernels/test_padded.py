@@ -339,3 +339,14 @@ def test_fused_linear_module_refuses_a_reference_input_of_other_positions(device
             data["hidden"], data["weight"], data["completion_ids"], data["completion_mask"], data["advantages"],
             None, None, None, data["hidden"][:, 1:], data["weight"], prompt_ids=data["prompt_ids"],
             prompt_mask=data["prompt_mask"], ref_query_logp=data["ref_query_logp"])
+
+
+def test_padded_rows_bench_times_both_pipelines(device):
+    """`python -m bench.padded_rows` (every position as a row against the scored rows selected first) runs on the
+    device and counts the scored rows it times: B * (real prompt tokens - 1 + completion tokens)."""
+    from bench.padded_rows import markdown, run
+    results = run(batch=2, prompt=4, completion=6, vocab=37, fractions=(0.5,), reps=1, warmup=0, device=device)
+    (row,) = results
+    assert (row["positions"], row["scored"]) == (2 * 10, 2 * (2 - 1 + 3))
+    assert row["every_position_ms"] > 0 and row["selected_ms"] > 0
+    assert "| 0.40 | 8 |" in markdown(results)
