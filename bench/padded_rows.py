@@ -35,7 +35,10 @@ def trl_batch(batch: int, prompt: int, completion: int, vocab: int, scored: floa
                   ref_query_logp=-torch.rand(batch, generator=g) * 20 - 10,
                   old_logp=-torch.rand(batch, completion, generator=g) * 4)
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
-    logits = (torch.randn(batch, width, vocab, generator=g) * 2).to(device, torch.bfloat16).requires_grad_()
+    # drawn on the device: [B, T, V] on the CPU would take most of a GPU lease to fill and copy
+    on_device = torch.Generator(device).manual_seed(0)
+    logits = torch.randn(batch, width, vocab, generator=on_device, device=device, dtype=torch.bfloat16)
+    logits = logits.mul_(2).requires_grad_()
     return logits, inputs
 
 
