@@ -3,7 +3,7 @@
 # of `erpo train` and the bench table, each stage under its own time limit, all within 9 minutes; 8 result files in
 # OUT_DIR (default: $OUT, the device machine's result folder). The stages are bench/gpu_check.py.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [OUT_DIR]
+#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages kernels,train,bench] [OUT_DIR]
 #
 # PYTHON picks the interpreter (default python3, which on the GPU image is the one holding torch).
 set -euo pipefail

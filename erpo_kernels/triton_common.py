@@ -1,9 +1,16 @@
-"""@triton.jit helpers shared by every Triton kernel: the logit transform (and its host-side arguments), the online
-log-sum-exp with entropy, and dlogits.
+"""@triton.jit helpers shared by every Triton kernel: a NaN-propagating clamp, the logit transform (and its host-side
+arguments), the online log-sum-exp with entropy, and dlogits.
 
 The online log-sum-exp follows `common`'s docstring (the torch side): running_max m starts at the finite
 LSE_FLOOR, logits outside the row are -inf, sum_exp s = sum exp(z - m), sum_exp_shifted u = sum exp(z - m)(z - m),
 lse = m + log s and H = log s - u / s.
+
+Loop bounds: a loop over a bound known only at run time (the vocabulary, a sample's rows) is a `while` loop, never
+`for ... in range(start, stop, BLOCK)`. Triton's interpreter (3.6) holds every scalar as a 1-element numpy array and
+`range` takes int() of it, which numpy deprecated in 1.25 and refuses from 2.4 (TypeError: only 0-dimensional arrays
+can be converted to Python scalars; triton-lang/triton#9171), so no such kernel ran under TRITON_INTERPRET=1 with
+numpy 2.5; a `while` condition takes bool(), which numpy allows. Compiled for sm_90 the two loops give the same PTX
+for the logits kernels (the same vectorized loads, registers and instruction mix; neither loop is software-pipelined).
 """
 from __future__ import annotations
 
@@ -22,6 +29,20 @@ def transform_arguments(transform: LogitTransform):
     softcap = transform.logit_softcap
     return (float(transform.logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / transform.temperature,
             softcap is not None)
+
+
+@triton.jit
+def clamp(x, low, high):
+    """min(max(x, low), high) elementwise, as torch.clamp: a NaN in x (or a bound) gives NaN. low or high may be None,
+    no bound on that side (torch.clamp(min=...) / clamp(max=...)). Every clamp of a data value goes through here:
+    compiled Triton's tl.minimum / tl.maximum default to propagate_nan=NONE, which on the GPU returns the other
+    operand for a NaN (PTX min/max.f32: a NaN log-ratio became the clamp bound, a finite Policy-KL), while the
+    interpreter's numpy propagates it either way, so only a GPU run showed the difference."""
+    if low is not None:
+        x = tl.maximum(x, low, propagate_nan=tl.PropagateNan.ALL)
+    if high is not None:
+        x = tl.minimum(x, high, propagate_nan=tl.PropagateNan.ALL)
+    return x
 
 
 @triton.jit
@@ -72,7 +93,9 @@ def online_softmax_step(running_max, sum_exp, sum_exp_shifted, z):
     """Fold the fp32 logits tile z [BLOCK_M, BLOCK_N] (-inf outside the row) into the running values, each
     [BLOCK_M] fp32; returns the new (running_max, sum_exp, sum_exp_shifted). u rescales as
     exp(m_old - m_new) (u + (m_old - m_new) s), finite because m never falls below LSE_FLOOR."""
-    new_max = tl.maximum(running_max, tl.max(z, axis=1))
+    # m need not carry a NaN logit, and does not: tl.max skips NaN (compiled and interpreted), and on the GPU so does
+    # this maximum; the NaN logit's exp(z - m) is NaN all the same, so s, u, and from them lse, H and logp are NaN
+    new_max = tl.maximum(running_max, tl.max(z, axis=1))  # drops NaN: the reason above
     scale = tl.exp(running_max - new_max)
     sum_exp_shifted = scale * (sum_exp_shifted + (running_max - new_max) * sum_exp)
     sum_exp = scale * sum_exp

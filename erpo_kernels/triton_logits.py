@@ -51,13 +51,15 @@ def _logp_entropy_forward_kernel(
     row_ptr = logits_ptr + row * stride_row
     # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
     running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0)
         z, _ = transformed_logits(logits.to(tl.float32)[None, :], logit_scale, logit_softcap, inv_temperature,
                                   SOFTCAP)
         z = tl.where(cols[None, :] < vocab_size, z, -float("inf"))  # after the transform (a soft-cap bounds -inf)
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
+        start += BLOCK_V
     lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
                                          tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
     _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, lse, entropy, vocab_size,
@@ -127,11 +129,13 @@ def _logp_entropy_forward_log2_kernel(
     sum_exp_shift = 0.0
     offsets = tl.arange(0, BLOCK_V)
     inside_end = vocab_size - vocab_size % BLOCK_V
-    for start in range(0, inside_end, BLOCK_V):
+    start = 0
+    while start < inside_end:  # triton_common's note on loop bounds
         x = tl.load(row_ptr + (start + offsets).to(tl.int64) * stride_col).to(tl.float32)
         if SOFTCAP:
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
+        start += BLOCK_V
     if inside_end < vocab_size:
         cols = inside_end + offsets
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
@@ -162,13 +166,15 @@ def _logp_entropy_backward_kernel(
     g_entropy = tl.load(grad_entropy_ptr + row)
     # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
     read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
-    for start in range(0, vocab_size, BLOCK_V):
+    start = 0
+    while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit, other=0.0)
         z, slope = transformed_logits(logits.to(tl.float32), logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, slope)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        start += BLOCK_V
 
 
 @triton.jit
@@ -215,12 +221,14 @@ def _logp_entropy_backward_log2_kernel(
     offsets = tl.arange(0, BLOCK_V)
     inside_end = vocab_size - vocab_size % BLOCK_V
     if (g_logp != 0) | (g_entropy != 0):
-        for start in range(0, inside_end, BLOCK_V):
+        start = 0
+        while start < inside_end:  # triton_common's note on loop bounds
             cols = start + offsets
             x = tl.load(row_ptr + cols.to(tl.int64) * stride_col).to(tl.float32)
             grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
                                   inv_temperature, SOFTCAP)
             tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty))
+            start += BLOCK_V
         cols = inside_end + offsets
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
         grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
@@ -228,10 +236,12 @@ def _logp_entropy_backward_log2_kernel(
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty),
                  mask=cols < vocab_size)
     else:
-        for start in range(0, vocab_size, BLOCK_V):
+        start = 0
+        while start < vocab_size:
             cols = start + offsets
             tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col,
                      tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty), mask=cols < vocab_size)
+            start += BLOCK_V
 
 
 def block_size_for(vocab_size: int, widest: int = 4096) -> int:

@@ -43,7 +43,7 @@ Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -52,7 +52,7 @@ import triton.language as tl
 from . import objective
 from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
-from .triton_common import expm1
+from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
 from .validation import LossInputs, LossOptions
 
@@ -122,7 +122,7 @@ def _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUA
     unclipped = -advantage * ratio
     low = 1.0 - clip_low
     high = 1.0 + clip_high
-    clipped = -advantage * tl.minimum(tl.maximum(ratio, low), high)
+    clipped = -advantage * clamp(ratio, low, high)
     pg = tl.where(clipped > unclipped, clipped, unclipped)
     to_unclipped = tl.where(unclipped < clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
     to_clipped = tl.where(unclipped > clipped, 0.0, tl.where(unclipped == clipped, 0.5, 1.0))
@@ -151,7 +151,7 @@ def _policy_surrogate(advantage, ratio, logp, clip_low, clip_high, dual_clip, ci
         pg, slope, clipped = _clipped_surrogate(advantage, ratio, clip_low, clip_high, dual_clip, HAS_DUAL)
         return pg, slope, no_slope, clipped
     elif PG_OBJECTIVE == 1:
-        weight = tl.minimum(ratio, cispo_clip_max)
+        weight = clamp(ratio, None, cispo_clip_max)
         return -weight * advantage * logp, no_slope, -weight * advantage + no_slope, ratio > cispo_clip_max
     elif PG_OBJECTIVE == 2:
         tau = tl.where(advantage > 0, sapo_temperature_pos, sapo_temperature_neg)
@@ -203,7 +203,7 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
         gap = tl.where(is_response, old - rollout, 0.0)
         drift = tl.where(is_response, rollout - logp, 0.0)
         if HAS_IS_CAP:
-            is_weight = tl.where(is_response, tl.exp(tl.minimum(gap, log_rollout_is_cap)), 0.0)
+            is_weight = tl.where(is_response, tl.exp(clamp(gap, None, log_rollout_is_cap)), 0.0)
             if WEIGHT_BY_IS:
                 weight = weight * is_weight
     kept = is_response
@@ -215,20 +215,21 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
     if HAS_REF_LOGP:
         kl_rows = (is_response | is_query) if KL_ON_QUERY else is_response
         x = tl.where(kl_rows, tl.load(ref_logp_ptr + rows, mask=inside, other=0.0) - logp, 0.0)
-        x_clamped = tl.minimum(tl.maximum(x, -log_ratio_clamp), log_ratio_clamp)
+        x_clamped = clamp(x, -log_ratio_clamp, log_ratio_clamp)
         growth = expm1(x_clamped)
         kl = growth - x_clamped
         kl_grad = -growth * _between(x, -log_ratio_clamp, log_ratio_clamp)
         if HAS_KL_CLAMP:
             kl_grad = kl_grad * _between(kl, -kl_clamp, kl_clamp)
-            kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
+            kl = clamp(kl, -kl_clamp, kl_clamp)
     return (rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept,
             nonfinite)
 
 
 @triton.jit
 def _objective_sample_kernel(
-    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ids_ptr, advantages_ptr, ref_query_logp_ptr,
+    query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
     partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
@@ -240,13 +241,17 @@ def _objective_sample_kernel(
     USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
-    HAS_ENTROPY_FILTER: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, NUM_PARTIALS_: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
-    sample = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts_ptr + sample)
-    stop = tl.load(starts_ptr + sample + 1)
+    program = tl.program_id(0).to(tl.int64)
+    sample = program
+    if HAS_SAMPLE_IDS:  # a subset of the samples (a fused-linear chunk's): program p runs sample sample_ids[p]
+        sample = tl.load(sample_ids_ptr + program).to(tl.int64)
+    start = tl.load(starts_ptr + program)  # the program's rows: order[start:stop]
+    stop = tl.load(starts_ptr + program + 1)
     entropy_threshold = 0.0
     if HAS_ENTROPY_FILTER:
         entropy_threshold = tl.load(entropy_threshold_ptr)
@@ -261,7 +266,8 @@ def _objective_sample_kernel(
     query_kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
     drift_sum = tl.zeros([BLOCK], dtype=tl.float32)
     vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, stop, BLOCK):
+    block_start = start
+    while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
@@ -281,19 +287,19 @@ def _objective_sample_kernel(
         if VESPO:  # log w_s: the token log-ratios (after pg_log_ratio_clamp) and log rho_t, each clamped
             token_log_weight = log_ratio
             if HAS_PG_CLAMP:
-                token_log_weight = tl.minimum(tl.maximum(token_log_weight, -pg_log_ratio_clamp), pg_log_ratio_clamp)
-            vespo_log_weight_sum += tl.minimum(tl.maximum(token_log_weight, -VESPO_LOG_RATIO_CLAMP),
-                                               VESPO_LOG_RATIO_CLAMP)
+                token_log_weight = clamp(token_log_weight, -pg_log_ratio_clamp, pg_log_ratio_clamp)
+            vespo_log_weight_sum += clamp(token_log_weight, -VESPO_LOG_RATIO_CLAMP, VESPO_LOG_RATIO_CLAMP)
             if HAS_ROLLOUT and HAS_IS_CAP:
-                log_is_weight = tl.minimum(gap, log_rollout_is_cap)
-                vespo_log_weight_sum += tl.where(is_response, tl.minimum(tl.maximum(
-                    log_is_weight, VESPO_LOG_WEIGHT_MIN), VESPO_LOG_RATIO_CLAMP), 0.0)
+                log_is_weight = clamp(gap, None, log_rollout_is_cap)
+                vespo_log_weight_sum += tl.where(is_response, clamp(log_is_weight, VESPO_LOG_WEIGHT_MIN,
+                                                                  VESPO_LOG_RATIO_CLAMP), 0.0)
+        block_start += BLOCK
     query_logp = tl.sum(query_sum, axis=0)
     num_query = tl.sum(query_rows, axis=0)
     num_response = tl.sum(response_rows, axis=0)
     tl.store(query_logp_ptr + sample, query_logp)
     tl.store(response_logp_ptr + sample, tl.sum(response_sum, axis=0))
-    per_token = 1.0 / tl.maximum(num_response, 1.0)
+    per_token = 1.0 / clamp(num_response, 1.0, None)
     token_factor = per_token if PER_TOKEN_MEAN else 1.0  # lam_s
     advantage = tl.load(advantages_ptr + sample).to(tl.float32)
     sample_weight = 1.0
@@ -306,8 +312,7 @@ def _objective_sample_kernel(
         off_policy_masked = tl.where(sample_kept, 0.0, num_response)
     vespo_phi = 0.0
     if VESPO:  # phi(w_s) = exp(lam + k log w - lam w), (k, lam) by the sign of A_s; non-finite -> 0
-        log_weight = tl.minimum(tl.maximum(tl.sum(vespo_log_weight_sum, axis=0), VESPO_LOG_WEIGHT_MIN),
-                                VESPO_LOG_RATIO_CLAMP)
+        log_weight = clamp(tl.sum(vespo_log_weight_sum, axis=0), VESPO_LOG_WEIGHT_MIN, VESPO_LOG_RATIO_CLAMP)
         nonneg = advantage >= 0
         k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
         lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
@@ -319,7 +324,7 @@ def _objective_sample_kernel(
     sequence_pass = 1.0
     if HAS_PG_CLAMP:
         sequence_pass = _between(sequence_log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
-        sequence_log_ratio = tl.minimum(tl.maximum(sequence_log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+        sequence_log_ratio = clamp(sequence_log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
     sequence_ratio = tl.exp(sequence_log_ratio)
     shared_grad = 0.0
     if SEQUENCE_RATIO:
@@ -335,17 +340,17 @@ def _objective_sample_kernel(
     qkl_grad = 0.0
     qkl = 0.0
     if HAS_QKL_REFERENCE and K3_TOKEN:  # the mean of the query rows' k3_t; per row: qkl_coef / |Q_s| d k3_t / d logp_t
-        qkl = tl.where(num_query > 0, tl.sum(query_kl_sum, axis=0) / tl.maximum(num_query, 1.0), 0.0)
+        qkl = tl.where(num_query > 0, tl.sum(query_kl_sum, axis=0) / clamp(num_query, 1.0, None), 0.0)
         if USE_QKL:
-            qkl_grad = qkl_coef / tl.maximum(num_query, 1.0)
+            qkl_grad = qkl_coef / clamp(num_query, 1.0, None)
     elif HAS_QKL_REFERENCE:
         r = tl.load(ref_query_logp_ptr + sample).to(tl.float32) - query_logp
-        r_inside = tl.minimum(tl.maximum(r, -qkl_linear_beyond), qkl_linear_beyond)
+        r_inside = clamp(r, -qkl_linear_beyond, qkl_linear_beyond)
         qkl_slope = _kl_slope(r_inside, QKL_ESTIMATOR)
         qkl = _kl_estimate(r_inside, QKL_ESTIMATOR) + qkl_slope * (r - r_inside)
         if HAS_KL_CLAMP:
             qkl_slope = qkl_slope * _between(qkl, -kl_clamp, kl_clamp)
-            qkl = tl.minimum(tl.maximum(qkl, -kl_clamp), kl_clamp)
+            qkl = clamp(qkl, -kl_clamp, kl_clamp)
         qkl = tl.where(num_query > 0, qkl, 0.0)
         if USE_QKL:
             qkl_grad = -qkl_coef * qkl_slope
@@ -364,7 +369,8 @@ def _objective_sample_kernel(
     nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, stop, BLOCK):
+    block_start = start
+    while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
@@ -381,7 +387,7 @@ def _objective_sample_kernel(
             ratio_pass = 1.0
             if HAS_PG_CLAMP:
                 ratio_pass = _between(log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
-                log_ratio = tl.minimum(tl.maximum(log_ratio, -pg_log_ratio_clamp), pg_log_ratio_clamp)
+                log_ratio = clamp(log_ratio, -pg_log_ratio_clamp, pg_log_ratio_clamp)
             ratio = tl.exp(log_ratio)
             ratio_grad = ratio * ratio_pass  # d ratio_t / d logp_t
         pg, pg_slope, pg_direct, clipped = _policy_surrogate(
@@ -416,11 +422,12 @@ def _objective_sample_kernel(
         ratio_sum += tl.where(is_response, ratio, 0.0)
         is_weight_sum += is_weight
         gap_abs_sum += tl.abs(gap)
-        gap_max = tl.maximum(gap_max, tl.abs(gap))
+        gap_max = tl.maximum(gap_max, tl.abs(gap))  # drops NaN: counted apart (gap_nan)
         gap_nan += (gap != gap).to(tl.float32)
         nonfinite_rows += nonfinite.to(tl.float32)
         kept_rows += kept.to(tl.float32)
         kept_entropy_sum += kept_entropy
+        block_start += BLOCK
     out = partials_ptr + sample * NUM_PARTIALS_
     tl.store(out + 0, num_query)
     tl.store(out + 1, num_response)
@@ -433,6 +440,7 @@ def _objective_sample_kernel(
     tl.store(out + 8, tl.sum(ratio_sum, axis=0))
     tl.store(out + 9, tl.sum(is_weight_sum, axis=0))
     tl.store(out + 10, tl.sum(gap_abs_sum, axis=0))
+    # drops NaN: a NaN gap was counted apart (gap_nan) and makes the column NaN here
     tl.store(out + 11, tl.where(tl.sum(gap_nan, axis=0) > 0, float("nan"), tl.max(gap_max, axis=0)))
     tl.store(out + 12, tl.sum(nonfinite_rows, axis=0))
     tl.store(out + 13, off_policy_masked)
@@ -447,7 +455,8 @@ def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: 
     """Sum over samples of one column of the partials, in a fixed order; with ONLY_NONZERO_COLUMN, only over the
     samples where that column is > 0; with COUNT, the number of such samples instead."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(0, num_samples, BLOCK):
+    block_start = 0
+    while block_start < num_samples:  # triton_common's note on loop bounds
         samples = block_start + tl.arange(0, BLOCK)
         inside = samples < num_samples
         value = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + COLUMN, mask=inside, other=0.0)
@@ -459,6 +468,7 @@ def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: 
             else:
                 value = tl.where(keep, value, 0.0)
         acc += value
+        block_start += BLOCK
     return tl.sum(acc, axis=0)
 
 
@@ -491,14 +501,14 @@ def _objective_finish_kernel(
             items = num_items
         else:
             items = tl.load(num_items_ptr).to(tl.float32)
-        term_scale = 1.0 / tl.maximum(items, 1.0)
+        term_scale = 1.0 / clamp(items, 1.0, None)
     else:
-        term_scale = 1.0 / tl.maximum(seqs, 1.0)
-    qkl_scale = 1.0 / tl.maximum(query_seqs, 1.0)
-    per_response_row = 1.0 / tl.maximum(response_rows, 1.0)
+        term_scale = 1.0 / clamp(seqs, 1.0, None)
+    qkl_scale = 1.0 / clamp(query_seqs, 1.0, None)
+    per_response_row = 1.0 / clamp(response_rows, 1.0, None)
     entropy_mean = _column_sum(partials_ptr, num_samples, 6, NUM_PARTIALS_, BLOCK) * per_response_row
     kept_rows = _column_sum(partials_ptr, num_samples, 15, NUM_PARTIALS_, BLOCK)  # by the entropy filter
-    per_kept_row = 1.0 / tl.maximum(kept_rows, 1.0)
+    per_kept_row = 1.0 / clamp(kept_rows, 1.0, None)
     kept_entropy_mean = _column_sum(partials_ptr, num_samples, 16, NUM_PARTIALS_, BLOCK) * per_kept_row
     qkl = _column_sum(partials_ptr, num_samples, 2, NUM_PARTIALS_, BLOCK, 0) * qkl_scale
     loss = _column_sum(partials_ptr, num_samples, 3, NUM_PARTIALS_, BLOCK, 1) * term_scale
@@ -517,7 +527,8 @@ def _objective_finish_kernel(
     query_acc = tl.zeros([BLOCK], dtype=tl.float32)
     gap_acc = tl.zeros([BLOCK], dtype=tl.float32)
     gap_nan = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(0, num_samples, BLOCK):
+    block_start = 0
+    while block_start < num_samples:  # triton_common's note on loop bounds
         samples = block_start + tl.arange(0, BLOCK)
         inside = samples < num_samples
         has_query = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 0, mask=inside, other=0.0) > 0
@@ -525,7 +536,8 @@ def _objective_finish_kernel(
         sample_gap = tl.load(partials_ptr + samples.to(tl.int64) * NUM_PARTIALS_ + 11, mask=inside, other=0.0)
         gap_acc = tl.maximum(gap_acc, sample_gap)  # drops NaN: counted apart
         gap_nan += (sample_gap != sample_gap).to(tl.float32)
-    gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))
+        block_start += BLOCK
+    gap_max = tl.where(tl.sum(gap_nan, axis=0) > 0, nan, tl.max(gap_acc, axis=0))  # drops NaN: counted apart
     tl.store(metrics_ptr + 0, qkl if HAS_QKL_REFERENCE else nan)
     policy_kl = _column_sum(partials_ptr, num_samples, 5, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 1, policy_kl if HAS_REF_LOGP else nan)
@@ -533,7 +545,7 @@ def _objective_finish_kernel(
     tl.store(metrics_ptr + 3, _column_sum(partials_ptr, num_samples, 7, NUM_PARTIALS_, BLOCK) * per_response_row)
     tl.store(metrics_ptr + 4, _column_sum(partials_ptr, num_samples, 4, NUM_PARTIALS_, BLOCK, 1) * term_scale)
     tl.store(metrics_ptr + 5, _column_sum(partials_ptr, num_samples, 8, NUM_PARTIALS_, BLOCK) * per_response_row)
-    tl.store(metrics_ptr + 6, tl.sum(query_acc, axis=0) / tl.maximum(samples_with_query, 1.0))
+    tl.store(metrics_ptr + 6, tl.sum(query_acc, axis=0) / clamp(samples_with_query, 1.0, None))
     is_weight = _column_sum(partials_ptr, num_samples, 9, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 7, is_weight if HAS_ROLLOUT and HAS_IS_CAP else nan)
     gap_abs = _column_sum(partials_ptr, num_samples, 10, NUM_PARTIALS_, BLOCK) * per_response_row
@@ -542,8 +554,8 @@ def _objective_finish_kernel(
     masked = _column_sum(partials_ptr, num_samples, 13, NUM_PARTIALS_, BLOCK) * per_response_row
     tl.store(metrics_ptr + 10, masked if HAS_OFF_POLICY else nan)
     tl.store(metrics_ptr + 11, kept_entropy_mean if HAS_ENTROPY else nan)
-    phi_mean = _column_sum(partials_ptr, num_samples, 14, NUM_PARTIALS_, BLOCK) / tl.maximum(samples_with_response,
-                                                                                               1.0)
+    phi_mean = _column_sum(partials_ptr, num_samples, 14, NUM_PARTIALS_, BLOCK) / clamp(samples_with_response, 1.0,
+                                                                                           None)
     tl.store(metrics_ptr + 12, phi_mean if VESPO else nan)
     tl.store(counts_ptr + 0, response_rows.to(tl.int64))
     tl.store(counts_ptr + 1, nonfinite.to(tl.int64))
@@ -621,6 +633,100 @@ def _denominator_value(value) -> float:
     return float(value) if value is not None and not isinstance(value, torch.Tensor) else 0.0
 
 
+class SampleOutputs(NamedTuple):
+    """What the sample kernel writes: partials [S, NUM_PARTIALS], query_logp [S], response_logp [S] (by sample) and
+    the gradient coefficients coef_logp, coef_entropy [N] (by row), all fp32."""
+
+    partials: torch.Tensor
+    query_logp: torch.Tensor
+    response_logp: torch.Tensor
+    coef_logp: torch.Tensor
+    coef_entropy: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rows: int, num_samples: int, device) -> SampleOutputs:
+        fp32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(num_samples, NUM_PARTIALS, **fp32), torch.empty(num_samples, **fp32),
+                   torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
+
+
+def _flags(settings: List[float]):
+    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term)."""
+    s = dict(zip(SETTING_NAMES, settings))
+    use_qkl = bool(s["has_qkl_reference"]) and s["qkl_coef"] != 0
+    entropy_in_term = bool(s["entropy_in_loss_agg"]) and s["entropy_coef"] != 0
+    return s, lambda name: bool(s[name]), use_qkl, entropy_in_term
+
+
+def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
+                         loss_tensors, entropy_threshold, settings: List[float]) -> None:
+    """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
+    order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
+    `out` (its rows' coefficients, its sample's partials). token_logp, entropy [N] fp32; loss_tensors: the
+    `LossInputs` tensors in their order, fp32 or None; entropy_threshold [] fp32 or None; settings:
+    `objective_settings`."""
+    num_programs = starts.shape[0] - 1
+    if num_programs <= 0:
+        return
+    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
+    _objective_sample_kernel[(num_programs,)](
+        token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts,
+        any_tensor if sample_ids is None else sample_ids,
+        *(any_tensor if t is None else t for t in (*loss_tensors, entropy_threshold)), *out,
+        s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
+        s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
+        s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
+        s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
+        s["off_policy_mask_threshold"],
+        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
+        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
+        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
+        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
+        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
+        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
+        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
+        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
+        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
+        HAS_SAMPLE_IDS=sample_ids is not None, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+
+
+def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
+    """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
+    factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
+    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    device = out.partials.device
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
+    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
+    scales = torch.empty(3, dtype=torch.float32, device=device)
+    any_tensor = out.query_logp
+    _objective_finish_kernel[(1,)](
+        out.partials, out.query_logp, any_tensor if num_items is None else num_items,
+        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
+        out.partials.shape[0], s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
+        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
+        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
+        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    return loss, metrics, counts, scales
+
+
+def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales):
+    """Kernel 3: (d loss / d token_logp, d loss / d entropy), each [n] fp32, of the n rows whose token_kind and
+    coefficients are given ([n] each), for grad_loss [] and the global factors [3]."""
+    num_rows = coef_logp.shape[0]
+    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
+    if num_rows > 0:
+        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
+            grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
+    return grad_logp, grad_entropy
+
+
 # loss, query_logp, response_logp, metrics, counts, the two gradient coefficients, the global factors
 ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor, torch.Tensor]
@@ -639,54 +745,12 @@ def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor],
     `triton_quantile`), `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
     metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and for the backward the gradient
     coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable (in token_logp, entropy)."""
-    s = dict(zip(SETTING_NAMES, settings))
-    num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
-    device = token_logp.device
-    partials = torch.empty(num_samples, NUM_PARTIALS, dtype=torch.float32, device=device)
-    query_logp, response_logp = (torch.empty(num_samples, dtype=torch.float32, device=device) for _ in range(2))
-    coef_logp, coef_entropy = (torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(2))
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
-    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
-    scales = torch.empty(3, dtype=torch.float32, device=device)
-    flag = lambda name: bool(s[name])  # noqa: E731
-    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
-    use_qkl = flag("has_qkl_reference") and s["qkl_coef"] != 0
-    entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
-    if num_samples > 0:
-        _objective_sample_kernel[(num_samples,)](
-            token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts, advantages,
-            *(any_tensor if t is None else t for t in (ref_query_logp, query_weight, old_logp, ref_logp,
-                                                       token_weight, rollout_logp, entropy_threshold)),
-            partials, query_logp, response_logp, coef_logp, coef_entropy,
-            s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
-            s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
-            s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
-            s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
-            s["off_policy_mask_threshold"],
-            HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-            HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
-            HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
-            HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
-            HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
-            USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
-            SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
-            PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
-            QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
-            HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
-            NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
-    _objective_finish_kernel[(1,)](
-        partials, query_logp, any_tensor if num_items is None else num_items,
-        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
-        num_samples, s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
-        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
-        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
-        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
-        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
-        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
-        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
-    return loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales
+    out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
+    launch_sample_kernel(out, token_logp, entropy, token_kind, order, starts, None,
+                         (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
+                         entropy_threshold, settings)
+    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
+    return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
 objective_op = torch.library.custom_op("erpo::triton_objective", objective_forward, mutates_args=())
@@ -706,12 +770,7 @@ def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp
 def objective_backward(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
                           coef_entropy: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d token_logp, d loss / d entropy), each [N] fp32, for grad_loss [] (module docstring, kernel 3)."""
-    num_rows = coef_logp.shape[0]
-    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
-    if num_rows > 0:
-        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
-            grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
-    return grad_logp, grad_entropy
+    return launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales)
 
 
 objective_backward_op = torch.library.custom_op("erpo::triton_objective_backward", objective_backward,
@@ -747,6 +806,22 @@ _objective = DirectOp(objective_op, objective_forward, _setup_context, _backward
 _objective_backward = DirectOp(objective_backward_op, objective_backward)
 
 
+def _as_fp32(tensor):
+    return None if tensor is None else tensor.float().contiguous()
+
+
+def fp32_loss_tensors(inputs: LossInputs) -> tuple:
+    """The `LossInputs` tensors in their order, as the kernels read them: fp32, contiguous, or None."""
+    return tuple(_as_fp32(tensor) for tensor in inputs.as_kwargs().values())
+
+
+def tensor_denominators(options: LossOptions) -> tuple:
+    """(num_items, num_seqs), each a 1-element fp32 tensor when the option is a tensor, else None (a number or None
+    travels in the settings)."""
+    return tuple(_as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
+                 for value in (options.num_items, options.num_seqs))
+
+
 def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
                      sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions) -> LossOutput:
     """`objective.erpo_objective` on these kernels, for options where `fuses(options, ...)` holds (the caller
@@ -758,12 +833,6 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     starts = torch.searchsorted(sorted_samples, torch.arange(num_samples + 1, dtype=sorted_samples.dtype,
                                                              device=sample_index.device))
 
-    def as_fp32(tensor):
-        return None if tensor is None else tensor.float().contiguous()
-
-    def as_tensor_argument(value):
-        return as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
-
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
@@ -771,10 +840,8 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
 
     loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
-        starts, as_fp32(inputs.advantages), as_fp32(inputs.ref_query_logp), as_fp32(inputs.query_weight),
-        as_fp32(inputs.old_logp), as_fp32(inputs.ref_logp), as_fp32(inputs.token_weight),
-        as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
-        entropy_threshold, objective_settings(options, inputs, entropy is not None))
+        starts, *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
+        objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import clamp
+
 BLOCK_ROWS = 1024  # rows per step of the counting loop
 
 
@@ -19,15 +21,17 @@ def _masked_quantile_kernel(sorted_ptr, kind_ptr, values_ptr, out_ptr, num_rows,
                             BLOCK: tl.constexpr):
     pooled_rows = tl.zeros([BLOCK], dtype=tl.int32)
     pooled_nan = tl.zeros([BLOCK], dtype=tl.int32)
-    for block_start in range(0, num_rows, BLOCK):
+    block_start = 0
+    while block_start < num_rows:  # triton_common's note on loop bounds
         rows = block_start + tl.arange(0, BLOCK)
         inside = rows < num_rows
         pooled = inside & (tl.load(kind_ptr + rows, mask=inside, other=0) == POOL_KIND)
         value = tl.load(values_ptr + rows, mask=pooled, other=0.0)
         pooled_rows += pooled.to(tl.int32)
         pooled_nan += (pooled & (value != value)).to(tl.int32)
+        block_start += BLOCK
     count = tl.sum(pooled_rows, axis=0)
-    rank = tl.maximum(q * (count - 1).to(tl.float32), 0.0)  # count = 0: rank 0 (the result is NaN below)
+    rank = clamp(q * (count - 1).to(tl.float32), 0.0, None)  # count = 0: rank 0 (the result is NaN below)
     below = rank.to(tl.int64)  # floor: rank >= 0
     above = tl.where(below.to(tl.float32) < rank, below + 1, below)  # ceil
     start = tl.load(sorted_ptr + below)

@@ -30,19 +30,21 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
     scored = inside & (kind != 0)
     code = tl.where(inside & ((kind < 0) | (kind > 2)), rows, none)  # check 0: token_kind
     sample = tl.load(sample_ptr + rows, mask=inside, other=0)
+    # drops NaN: integer codes
     code = tl.minimum(code, tl.where(scored & ((sample < 0) | (sample >= num_samples)), num_rows + rows, none))
     if HAS_TARGETS:
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
-                                         none))
+                                         none))  # drops NaN: integer codes
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)
-        code = tl.minimum(code, tl.where(scored & ~good, 3 * num_rows + rows, none))
+        code = tl.minimum(code, tl.where(scored & ~good, 3 * num_rows + rows, none))  # drops NaN: integer codes
     if HAS_ROLLOUT:
         rollout = tl.load(rollout_logp_ptr + rows, mask=inside, other=0.0)
+        # drops NaN: integer codes
         code = tl.minimum(code, tl.where(inside & (kind == 2) & (rollout != rollout), 4 * num_rows + rows, none))
-    tl.atomic_min(code_ptr, tl.min(code, axis=0))
+    tl.atomic_min(code_ptr, tl.min(code, axis=0))  # drops NaN: integer codes
 
 
 def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets: Optional[torch.Tensor],

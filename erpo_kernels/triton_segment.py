@@ -17,11 +17,13 @@ def _segment_sum_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, BLOCK: tl.co
     start = tl.load(starts_ptr + segment)
     stop = tl.load(starts_ptr + segment + 1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, stop, BLOCK):
+    block_start = start
+    while block_start < stop:  # triton_common's note on loop bounds
         offs = block_start + tl.arange(0, BLOCK)
         mask = offs < stop
         rows = tl.load(order_ptr + offs, mask=mask, other=0)
         acc += tl.load(values_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        block_start += BLOCK
     tl.store(out_ptr + segment, tl.sum(acc, axis=0))
 
 

@@ -1,8 +1,23 @@
 """The kernels tier (`pytest -m kernels`): erpo_kernels against the torch reference and the plain formula: values,
 gradients, options, errors, torch.compile, the sm_90 compile check, the README's kernel examples and the benchmark
-harness's smoke run. Every test collected under this folder gets the marker."""
+harness's smoke run. Every test collected under this folder gets the marker.
+
+Under the interpreter the tier holds Triton to what the GPU image does (tests/support/interpreter_as_gpu.py): numpy's
+deprecated array-to-scalar conversion, an error with the image's numpy 2.5, is an error here; tl.minimum /
+tl.maximum drop a NaN as the compiled kernels do."""
+import os
+
 import pytest
+
+from interpreter_as_gpu import NUMPY_SCALAR_ERROR, min_max_drop_nan_as_compiled
 
 
 def pytest_itemcollected(item):
     item.add_marker(pytest.mark.kernels)
+    item.add_marker(pytest.mark.filterwarnings(NUMPY_SCALAR_ERROR))
+
+
+@pytest.fixture(autouse=True)
+def _min_max_drop_nan_as_compiled(monkeypatch):
+    if os.environ["TRITON_INTERPRET"] == "1":
+        min_max_drop_nan_as_compiled(monkeypatch)

@@ -1,4 +1,6 @@
 """Bad input: a ValueError/TypeError that names the argument, on both backends (API.md, Errors)."""
+import os
+
 import pytest
 import torch
 
@@ -151,7 +153,11 @@ def test_backend_resolution(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "torch" and resolve_backend("torch", "cuda") == "torch"
     assert resolve_backend("auto", torch.device("cuda")) == "triton"
-    assert resolve_backend("triton", cpu) == "triton"          # TRITON_INTERPRET=1: the interpreter
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the flag resolve_backend reads: CPU tensors take the interpreter
+        assert resolve_backend("triton", cpu) == "triton"
+    else:  # a GPU machine, kernels compiled: CPU tensors are refused in one line that says what to do
+        with pytest.raises(ValueError, match=r"needs CUDA tensors \(got cpu\); on CPU set TRITON_INTERPRET=1"):
+            resolve_backend("triton", cpu)
     with pytest.raises(ValueError, match="backend must be one of"):
         resolve_backend("cuda", cpu)
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from erpo_kernels import erpo_loss, token_logprobs
-from erpo_kernels.triton_logits import FORWARD_VARIANTS, block_size_for, forward_variant
+from erpo_kernels.triton_logits import FORWARD_VARIANTS, _launch_forward, block_size_for, forward_variant
+from erpo_kernels.validation import NO_TRANSFORM
 from helpers import loss_inputs, random_batch
 from launch_counts import LaunchCounter
 from test_reference import OPTION_CASES
@@ -163,6 +164,33 @@ def test_nonfinite_logits_give_nan_loss_and_a_flag(device):
     out = erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"],
                     backend="triton", qkl_coef=0.0, **loss_inputs(batch))
     assert torch.isnan(out.loss) and out.metrics["nonfinite_rows"].item() == 1
+
+
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
+def test_a_nan_logit_makes_its_rows_logp_entropy_and_lse_nan(device, variant):
+    """A NaN logit anywhere in a row (before or after the row's max, in its first or a later vocabulary step, the
+    target itself, the whole row) makes that row's logp, entropy and lse NaN, as in the reference; other rows keep
+    their values. The running max skips the NaN (tl.max does, and compiled so does tl.maximum: this tier's
+    interpreter drops it too, tests/support/interpreter_as_gpu.py); exp(z - m) carries it into s and u."""
+    widest = FORWARD_VARIANTS[variant].widest
+    vocab = 2 * block_size_for(10**6, widest) + 5  # three steps, the last one partial
+    logits = torch.randn(6, vocab, device=device) * 3
+    targets = torch.tensor([2, 2, 2, 7, 2, 2], device=device)
+    logits[1, 0] = 30.0  # the row's max, in its first step
+    nan_at = {0: 1, 1: vocab - 1, 3: 7, 4: widest + 3}  # row -> column: early, after the max, the target, 2nd step
+    for row, column in nan_at.items():
+        logits[row, column] = float("nan")
+    logits[5] = float("nan")
+    with forward_variant(variant):
+        logp, entropy, lse = _launch_forward(logits, targets, NO_TRANSFORM)
+    ref_logp, ref_entropy = token_logprobs(logits, targets, backend="torch", return_entropy=True)
+    ref_lse = logits.logsumexp(dim=1)
+    nan_rows = torch.tensor([row in nan_at or row == 5 for row in range(6)], device=device)
+    for name, value, reference in (("logp", logp, ref_logp), ("entropy", entropy, ref_entropy),
+                                   ("lse", lse, ref_lse)):
+        assert torch.equal(reference.isnan(), nan_rows), name  # the reference's own NaN rows, as intended
+        assert torch.equal(value.isnan(), nan_rows), (name, value)
+        torch.testing.assert_close(value[~nan_rows], reference[~nan_rows], rtol=1e-5, atol=1e-5)
 
 
 def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device):

@@ -30,17 +30,32 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     summary = (out / "summary.md").read_text()
     stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
     assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
-                                            "| bench 2: peers at N=16384 and 4096", "| bench 3: peers at N=65536"]
+                                            "| bench 2: the targets' peers at N=16384 and 4096",
+                                            "| bench 3: peers at N=65536",
+                                            "| bench 4: the other peers at N=16384 and 4096",
+                                            "| bench 5: the other kernel variants at every N"]
     # the device guard's 2 tests and the bf16 target-gradient test for each of the 5 logits-kernel variants
     assert "- result: 7 passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
     runs = read_runs(out / "bench.jsonl")
-    assert len(runs) == 3 and all(run["meta"]["commit"] == "abc123" for run in runs)
+    assert len(runs) == len(gpu_check.BENCH_RUNS) == 5 and all(run["meta"]["commit"] == "abc123" for run in runs)
     assert [(r["contender"], r["status"]) for r in runs[0]["rows"]][0] == ("torch", "ok")
     assert {r["contender"] for run in runs[1:] for r in run["rows"]} <= {"torch", "liger"}
     assert "| V=1000 | 128 | torch | erpo | ok |" in (out / "bench-results.md").read_text()
+
+
+def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the dry run sets it for its stages itself
+    assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line] \
+        == ["| kernels"]
+    assert not (tmp_path / "train.log").exists() and not (tmp_path / "bench.jsonl").exists()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
+    assert "--stages: expected a comma list of kernels, train, bench, got 'kernels,benhc'" in capsys.readouterr().err
 
 
 @pytest.fixture
