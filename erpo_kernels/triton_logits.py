@@ -277,8 +277,8 @@ class ForwardVariant(NamedTuple):
 #                and `_logp_entropy_backward_log2_kernel` for the backward.
 # What a logit costs in instructions, read from ptxas' code for sm_90 (tests/workers/logits_compile_check.py, bf16,
 # contiguous aligned rows as launched; 2026-11-26; not a timing): the loop over the vocabulary takes per logit
-# 23.8 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.3 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
-# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 96, 64, 80 and 150 registers; the backward loops
+# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.3 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
+# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 80 and 150 registers; the backward loops
 # 26.8 (`_logp_entropy_backward_kernel`) and 15.4 (log2; Liger's: 16.8). A bf16 logit is 2 bytes: at an H200's
 # 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread instructions) a cycle, about 14 a
 # logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops are over that budget.
