@@ -264,6 +264,16 @@ class ForwardVariant(NamedTuple):
     num_warps: Optional[int]
     kernel: object  # a @triton.jit kernel with _logp_entropy_forward_kernel's arguments
     backward: object  # a @triton.jit kernel with _logp_entropy_backward_kernel's arguments
+    # the forward's registers per thread at most without the soft-cap (Triton's maxnreg; None: ptxas' choice); with
+    # it the loop needs more (the cap would spill), so none is set
+    max_registers: Optional[int] = None
+
+    def launch_options(self, block_v: int, softcap: bool) -> dict:
+        """The forward kernel's launch options (num_warps, maxnreg when set) for steps of block_v logits."""
+        options = {"num_warps": self.num_warps or _num_warps(block_v)}
+        if self.max_registers is not None and not softcap:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 # Every variant reads each logit once (the floor's bytes); they differ in what a step costs beyond the loads. At
@@ -274,11 +284,14 @@ class ForwardVariant(NamedTuple):
 #                barrier) for 64 logits per thread; rows, not threads, fill the SM (as Liger's forward).
 #   "warp-1024": the same with 1024-wide steps (149 steps, 32 logits per thread), fewer registers.
 #   "log2-1024", "log2-2048": one warp per row, 1024- / 2048-wide steps of `_logp_entropy_forward_log2_kernel`,
-#                and `_logp_entropy_backward_log2_kernel` for the backward.
+#                and `_logp_entropy_backward_log2_kernel` for the backward. "log2-1024" is held to 64 registers
+#                (ptxas would take 80): an SM then holds 32 rows, the most one-warp programs it runs at once, so
+#                N=4096 rows fit one wave on 132 SMs (at 80 registers 25 rows an SM, 1.24 waves); no spill, 9.4
+#                instructions a logit instead of 9.3.
 # What a logit costs in instructions, read from ptxas' code for sm_90 (tests/workers/logits_compile_check.py, bf16,
 # contiguous aligned rows as launched; 2026-11-26; not a timing): the loop over the vocabulary takes per logit
-# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.3 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
-# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 80 and 150 registers; the backward loops
+# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.4 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
+# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 64 and 150 registers; the backward loops
 # 26.8 (`_logp_entropy_backward_kernel`) and 15.4 (log2; Liger's: 16.8). A bf16 logit is 2 bytes: at an H200's
 # 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread instructions) a cycle, about 14 a
 # logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops are over that budget.
@@ -293,7 +306,8 @@ class ForwardVariant(NamedTuple):
 _SHIFTED = (_logp_entropy_forward_kernel, _logp_entropy_backward_kernel)
 _LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel)
 FORWARD_VARIANTS = {"block": ForwardVariant(4096, None, *_SHIFTED), "warp": ForwardVariant(2048, 1, *_SHIFTED),
-                    "warp-1024": ForwardVariant(1024, 1, *_SHIFTED), "log2-1024": ForwardVariant(1024, 1, *_LOG2),
+                    "warp-1024": ForwardVariant(1024, 1, *_SHIFTED),
+                    "log2-1024": ForwardVariant(1024, 1, *_LOG2, max_registers=64),
                     "log2-2048": ForwardVariant(2048, 1, *_LOG2)}
 DEFAULT_FORWARD_VARIANT = "warp-1024"
 _forward_variant = [DEFAULT_FORWARD_VARIANT]
@@ -322,7 +336,7 @@ def _launch_forward(logits, targets, transform: LogitTransform):
         variant.kernel[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
             vocab_size, *transform_arguments(transform), BLOCK_V=block_v,
-            num_warps=variant.num_warps or _num_warps(block_v))
+            **variant.launch_options(block_v, transform.logit_softcap is not None))
     return logp, entropy, lse
 
 

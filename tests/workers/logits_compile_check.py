@@ -36,7 +36,7 @@ def main():
         block_v = triton_logits.block_size_for(152064, variant.widest)
         for softcap in (False, True):
             compiled = compile_for_hopper(variant.kernel, signature, {"SOFTCAP": softcap, "BLOCK_V": block_v},
-                                          num_warps=variant.num_warps or 8)
+                                          **variant.launch_options(block_v, softcap))
             print(f"compiled forward-variant {name}{'-softcap' if softcap else ''} bf16 registers=%d "
                   "spill_bytes=%d" % register_usage(compiled), flush=True)
         # as launched on contiguous 152064-wide bf16 rows (stride 1, aligned rows: vectorized loads): the loop's
@@ -46,7 +46,7 @@ def main():
         compiled = compile_for_hopper(variant.kernel, aligned, {"stride_col": 1, "SOFTCAP": False, "BLOCK_V": block_v},
                                       divisible_by_16=("logits_ptr", "stride_row", "targets_ptr", "logp_ptr",
                                                        "entropy_ptr", "lse_ptr", "vocab_size"),
-                                      num_warps=variant.num_warps or 8)
+                                      **variant.launch_options(block_v, False))
         per_thread = block_v // (32 * (variant.num_warps or 8))
         print(f"loop forward-variant {name} bf16 registers=%d instructions_per_logit=%.1f" % (
             register_usage(compiled)[0], loop_instructions(compiled) / per_thread), flush=True)
