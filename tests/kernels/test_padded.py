@@ -12,6 +12,7 @@ from erpo_kernels import (
     fused_linear_erpo_loss,
     padded_erpo_loss,
 )
+from helpers import assert_compiled_equals_eager
 from launch_counts import LaunchCounter
 
 B, P, C, V, D = 3, 5, 6, 17, 8
@@ -184,6 +185,20 @@ def test_host_reads_follow_validate(path, device):
             assert counter.syncs == reads, (form, validate, counter.names)
             if path == "logits":   # no boolean-mask indexing either (its host read is inside aten.index, uncounted)
                 assert not {"aten.index", "aten.index_put_", "aten.nonzero"} & set(counter.names), counter.names
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_logits_path_compiles_whole(backend, validate, device):
+    """No data-dependent shape on the logits path (every position is a row): torch.compile traces the call whole
+    (fullgraph; the scored rows' selection made it fail before), its value checks as device-side asserts."""
+    data = trl_batch(seed=7, device=device)
+
+    def loss(logits):
+        return padded_erpo_loss(logits=logits, **batch_inputs(data), **dict(OPTIONS, backend=backend),
+                                validate=validate).loss
+
+    assert_compiled_equals_eager(loss, logits_of(data).detach().requires_grad_(), grad_rtol=1e-5)
 
 
 def test_completion_layout_rows_scatter_and_gather(device):
