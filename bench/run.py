@@ -5,6 +5,7 @@ time every selected contender on those same inputs. Returns plain dicts (one row
 from __future__ import annotations
 
 import gc
+import time
 import traceback
 from dataclasses import asdict, dataclass
 
@@ -116,7 +117,9 @@ def run_benchmark(config: BenchConfig, log=print, record=None) -> dict:
                    "logits_bytes": problem.logits_bytes(element_bytes), "floor_fwd_ms": floor_fwd,
                    "floor_fwdbwd_ms": floor_fwdbwd}
             rows_out.append(row)
+            started = time.perf_counter()
             _measure(contender, problem, row, config, log)
+            row["wall_s"] = time.perf_counter() - started  # the row's whole cost (prepare, compile, check, timing)
             record("row", row)
             _free(config.device)
         del problem

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .api import segment_sum_of, use_triton, value_checks_of
+from .api import objective_on_backend, use_triton, value_checks_of
 from .fused_linear_loss import (
     DEFAULT_WORKSPACE_BYTES,
     ROW_KERNELS,
@@ -37,7 +37,7 @@ from .fused_linear_loss import (
     token_forward,
 )
 from .lm_head import is_dtensor
-from .objective import LossOutput, erpo_objective
+from .objective import LossOutput
 from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
@@ -231,7 +231,7 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
     logp, entropy, anchor, *_ = loss_gradients_op(
         hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
         *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs)
-    with torch.no_grad():
-        out = erpo_objective(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                             segment_sum=segment_sum_of(triton))
+    with torch.no_grad():  # the value and metrics, once, on the [N] vectors (the gradients are the op's)
+        out = objective_on_backend(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
+                                   triton=triton)
     return dataclasses.replace(out, loss=out.loss + anchor)

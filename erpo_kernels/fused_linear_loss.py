@@ -6,25 +6,35 @@ Per chunk c of whole samples (a sample-aligned row range, as many rows as `works
                                                  [rows, V] fp32 buffer (never rounded to bf16: the Query-KL sums a
                                                  prompt's log-probs, where bf16 logits' 0.01-nat errors add up)
     logp_c, H_c, lse_c                           the per-row softmax pass of the logits path (Triton, or torch)
-    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the objective (objective.py) on [N] vectors, differentiated
-    dlogits_c                                    by the logits path's backward, in hidden's dtype, written over
+    g_logp_c, g_H_c = d loss / d (logp_c, H_c)   the backend's chunk objective (`RowKernels.chunk_objective`):
+                                                 Triton, the objective's kernels on c's samples alone (two
+                                                 launches, triton_chunk_objective.py); torch, the reference
+                                                 objective on [N] vectors, differentiated by autograd (the oracle)
+    dlogits_c                                    the logits path's backward, in hidden's dtype, written over
                                                  the first half of each fp32 logits row (`gradient_view`)
     dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
     dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
                                                  first, so a non-finite padding row cannot poison dW)
 
 That is 2NDV + 2NDV + 2NDV. The loss value and metrics are formed once at the end from the [N] log-probs and
-entropies by the objective itself; backward only scales the stored dH / dW / dbias by the incoming gradient.
+entropies by the objective itself (`api.objective_on_backend`); backward only scales the stored dH / dW / dbias by
+the incoming gradient.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
 values (ell_theta(q) for the Query-KL, the sequence-level ratio, VESPO's weight, the off-policy mask) and (c) the
-entropy filter's batch-wide quantile and kept-row count. The objective runs on whole [N] vectors (rows of chunk c
-live, every other row a detached known value), so (a) holds by construction; (b) holds because a chunk holds
-whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c) get their
-coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query rows when the
-Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every response row
-with the entropy filter.
+entropy filter's batch-wide quantile and kept-row count. The chunk objectives read [N] vectors that hold each
+pre-passed row's value, then each chunk's own rows once formed: (a) the Triton one forms its global factors once
+from counts (one pass over every sample before the chunks), the torch one holds every row; (b) holds because a
+chunk holds whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c)
+get their coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query
+rows when the Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every
+response row with the entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
+
+Launches: a constant plus about 17 per chunk on the Triton backend (the logits GEMM, the two row kernels, the
+objective's two, d hidden, d weight and d bias, and a few elementwise ops; tests/kernels/test_fused_linear_loss.py
+counts them: 26 + 17 x chunks); the torch backend, the oracle, runs the whole reference objective with autograd
+per chunk (O(N) work and all its ops each time).
 
 Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]); the fp32 d weight
 accumulator [V, D] (4 V D bytes; the weight's own gradient when the weight is fp32) and d bias [V]; the gradients
@@ -54,18 +64,43 @@ TORCH_ROW_TEMPORARY_BYTES = 32
 
 @dataclass(frozen=True)
 class RowKernels:
-    """The per-row softmax work on one chunk of fp32 logits [n, V] (the logits path's kernels).
+    """One backend's work on a chunk: the per-row softmax pass on fp32 logits [n, V] (the logits path's kernels)
+    and the objective's gradient on the chunk's rows.
 
     forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
     backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): writes d logits
         into grad_logits [n, V] (any float dtype; it may alias `logits` row by row, see `gradient_view`)
     temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
+    chunk_objective(ChunkObjectiveInputs) -> an object whose gradient(c, rows: slice) gives
+        (d loss / d logp, d loss / d entropy) [n] fp32 on chunk c's rows
     """
 
     name: str
     forward: Callable
     backward_into: Callable
     temporary_bytes_per_logit: int
+    chunk_objective: Callable
+
+
+@dataclass(frozen=True)
+class ChunkObjectiveInputs:
+    """What a chunk's objective gradient reads. plan: the `ChunkPlan`; host_kind, host_sample: host [N] copies of
+    token_kind, sample_index; logp, entropy [N] fp32: the rows' values as the chunks go (the pre-pass values at
+    first, each chunk's own written before its gradient is asked); token_kind, sample_index [N]; inputs, options
+    validated; segment_sum: the backend's per-sample sums; entropy_pool: the entropy filter's pool gathered across
+    processes (top_entropy_gather), or None."""
+
+    plan: ChunkPlan
+    host_kind: np.ndarray
+    host_sample: np.ndarray
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    token_kind: torch.Tensor
+    sample_index: torch.Tensor
+    inputs: LossInputs
+    options: LossOptions
+    segment_sum: Callable
+    entropy_pool: Optional[torch.Tensor]
 
 
 def _triton_forward(logits, targets, transform: LogitTransform):
@@ -83,11 +118,6 @@ def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp,
 def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
                          transform: LogitTransform):
     grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
-
-
-ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0),
-               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
-                                   TORCH_ROW_TEMPORARY_BYTES)}
 
 
 def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
@@ -276,28 +306,47 @@ def response_entropies(hidden, weight, bias, targets, token_kind, transform: Log
 
 
 # The body of a torch.library op runs with autograd's dispatch keys excluded (below autograd): a tensor made there
-# never records a graph, whatever the grad mode. The objective's gradient is taken with autograd nonetheless, so
-# these keys are put back for that one computation (torch.func.grad would work too, but not under an outer
-# TorchDispatchMode, and the Triton segment-sum op's autograd is not a torch.func one).
+# never records a graph, whatever the grad mode. The torch backend's chunk gradient is taken with autograd
+# nonetheless (the oracle), so these keys are put back for that one computation (torch.func.grad would work too, but
+# not under an outer TorchDispatchMode). The Triton backend needs none of this (triton_chunk_objective.py).
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
 
 
-def _objective_gradient(logp_rows, entropy_rows, rows: slice, known_logp, known_entropy, token_kind, sample_index,
-                        inputs: LossInputs, options: LossOptions, segment_sum):
-    """(d loss / d logp, d loss / d entropy) [n] fp32 on the chunk `rows`: the objective on [N] vectors holding the
-    chunk's live values and, elsewhere, the detached known ones (module docstring)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        logp = logp_rows.detach().requires_grad_(True)
-        entropy = entropy_rows.detach().requires_grad_(True)
-        loss = erpo_objective(torch.cat((known_logp[:rows.start], logp, known_logp[rows.stop:])),
-                              torch.cat((known_entropy[:rows.start], entropy, known_entropy[rows.stop:])),
-                              token_kind, sample_index, inputs=inputs, options=options, segment_sum=segment_sum).loss
-        if not loss.requires_grad:  # no term reads these rows
-            return torch.zeros_like(logp_rows), torch.zeros_like(entropy_rows)
-        return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+class ReferenceChunkObjective:
+    """The torch backend's chunk gradient, the oracle: the reference objective (objective.py) on the [N] vectors,
+    chunk c's rows made leaves, differentiated by autograd (O(N) work per chunk)."""
+
+    def __init__(self, given: ChunkObjectiveInputs):
+        self.given = given
+
+    def gradient(self, chunk: int, rows: slice):
+        """(d loss / d logp, d loss / d entropy) [n] fp32 on chunk `chunk`'s rows `rows`."""
+        g = self.given
+        exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+                torch.enable_grad():
+            logp = g.logp[rows].detach().requires_grad_(True)
+            entropy = g.entropy[rows].detach().requires_grad_(True)
+            loss = erpo_objective(torch.cat((g.logp[:rows.start], logp, g.logp[rows.stop:])),
+                                  torch.cat((g.entropy[:rows.start], entropy, g.entropy[rows.stop:])),
+                                  g.token_kind, g.sample_index, inputs=g.inputs, options=g.options,
+                                  segment_sum=g.segment_sum).loss
+            if not loss.requires_grad:  # no term reads these rows
+                return torch.zeros_like(logp), torch.zeros_like(entropy)
+            return torch.autograd.grad(loss, (logp, entropy), allow_unused=True, materialize_grads=True)
+
+
+def _triton_chunk_objective(given: ChunkObjectiveInputs):
+    from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
+    return TritonChunkObjective(given.plan.chunks, given.host_kind, given.host_sample, given.logp, given.entropy,
+                                given.token_kind, given.inputs, given.options, given.entropy_pool)
+
+
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0, _triton_chunk_objective),
+               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
+                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
 def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
@@ -310,8 +359,10 @@ def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, g
     dtype = hidden_rows.dtype
     scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
     dlogits = gradient_view(logits, dtype)
-    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, (grad_logp * scale).contiguous(),
-                          (grad_entropy * scale).contiguous(), transform)
+    if scale != 1.0:
+        grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
+    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, grad_logp.contiguous(),
+                          grad_entropy.contiguous(), transform)
     if grad_hidden_rows is not None:  # beta = 0: the rows' old contents are not read
         torch.addmm(grad_hidden_rows, dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden_rows)
     if grad_weight is not None:
@@ -357,17 +408,20 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
-                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False):
+                   needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
+                   entropy_pool: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
-    targets [N] int64 (-100 on rows of kind 0). Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
+    targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
+    options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
     d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
     num_rows, hidden_dim = hidden.shape
     vocab_size = weight.shape[0]
     transform = options.logit_transform
     max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
+    host_kind, host_sample = token_kind.cpu().numpy(), sample_index.cpu().numpy()
     plan = plan_chunks(
-        token_kind.cpu().numpy(), sample_index.cpu().numpy(), inputs.advantages.shape[0], max_rows,
+        host_kind, host_sample, inputs.advantages.shape[0], max_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
                     and inputs.ref_query_logp is not None),
         response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
@@ -375,25 +429,28 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
     logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
-    known_logp = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
-    known_entropy = torch.zeros_like(known_logp)
+    # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
+    logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
+    entropy_out = torch.zeros_like(logp_out)
     if plan.prepass_rows.size:
         prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
-        known_logp[prepass], known_entropy[prepass] = logp_entropy_of_rows(
+        logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
     needs_hidden, needs_weight, needs_bias = needs
-    logp_out, entropy_out = torch.empty_like(known_logp), torch.empty_like(known_logp)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
     grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=weight.device) if needs_bias else None
-    for start, stop in plan.chunks:
+    if plan.chunks:
+        objective = kernels.chunk_objective(ChunkObjectiveInputs(
+            plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
+            segment_sum, entropy_pool))
+    for chunk, (start, stop) in enumerate(plan.chunks):
         rows = slice(start, stop)
         hidden_rows, row_targets = hidden[rows], targets[rows]
         logits = logits_buffer.logits(hidden_rows)
         logp, entropy, lse = kernels.forward(logits, row_targets, transform)
         logp_out[rows], entropy_out[rows] = logp, entropy
-        grad_logp, grad_entropy = _objective_gradient(logp, entropy, rows, known_logp, known_entropy, token_kind,
-                                                      sample_index, inputs, options, segment_sum)
+        grad_logp, grad_entropy = objective.gradient(chunk, rows)
         _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight, kernels,
                         transform, grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
     return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -443,7 +500,7 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     logp, entropy, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant)
+        batch_invariant, entropy_pool)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 

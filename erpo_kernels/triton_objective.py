@@ -43,7 +43,7 @@ Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -228,7 +228,8 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
 
 @triton.jit
 def _objective_sample_kernel(
-    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ids_ptr, advantages_ptr, ref_query_logp_ptr,
+    query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
     partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
@@ -240,13 +241,17 @@ def _objective_sample_kernel(
     USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
-    HAS_ENTROPY_FILTER: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, NUM_PARTIALS_: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
-    sample = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts_ptr + sample)
-    stop = tl.load(starts_ptr + sample + 1)
+    program = tl.program_id(0).to(tl.int64)
+    sample = program
+    if HAS_SAMPLE_IDS:  # a subset of the samples (a fused-linear chunk's): program p runs sample sample_ids[p]
+        sample = tl.load(sample_ids_ptr + program).to(tl.int64)
+    start = tl.load(starts_ptr + program)  # the program's rows: order[start:stop]
+    stop = tl.load(starts_ptr + program + 1)
     entropy_threshold = 0.0
     if HAS_ENTROPY_FILTER:
         entropy_threshold = tl.load(entropy_threshold_ptr)
@@ -628,6 +633,100 @@ def _denominator_value(value) -> float:
     return float(value) if value is not None and not isinstance(value, torch.Tensor) else 0.0
 
 
+class SampleOutputs(NamedTuple):
+    """What the sample kernel writes: partials [S, NUM_PARTIALS], query_logp [S], response_logp [S] (by sample) and
+    the gradient coefficients coef_logp, coef_entropy [N] (by row), all fp32."""
+
+    partials: torch.Tensor
+    query_logp: torch.Tensor
+    response_logp: torch.Tensor
+    coef_logp: torch.Tensor
+    coef_entropy: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rows: int, num_samples: int, device) -> SampleOutputs:
+        fp32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(num_samples, NUM_PARTIALS, **fp32), torch.empty(num_samples, **fp32),
+                   torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
+
+
+def _flags(settings: List[float]):
+    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term)."""
+    s = dict(zip(SETTING_NAMES, settings))
+    use_qkl = bool(s["has_qkl_reference"]) and s["qkl_coef"] != 0
+    entropy_in_term = bool(s["entropy_in_loss_agg"]) and s["entropy_coef"] != 0
+    return s, lambda name: bool(s[name]), use_qkl, entropy_in_term
+
+
+def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
+                         loss_tensors, entropy_threshold, settings: List[float]) -> None:
+    """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
+    order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
+    `out` (its rows' coefficients, its sample's partials). token_logp, entropy [N] fp32; loss_tensors: the
+    `LossInputs` tensors in their order, fp32 or None; entropy_threshold [] fp32 or None; settings:
+    `objective_settings`."""
+    num_programs = starts.shape[0] - 1
+    if num_programs <= 0:
+        return
+    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
+    _objective_sample_kernel[(num_programs,)](
+        token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts,
+        any_tensor if sample_ids is None else sample_ids,
+        *(any_tensor if t is None else t for t in (*loss_tensors, entropy_threshold)), *out,
+        s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
+        s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
+        s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
+        s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
+        s["off_policy_mask_threshold"],
+        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
+        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
+        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
+        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
+        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
+        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
+        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
+        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
+        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
+        HAS_SAMPLE_IDS=sample_ids is not None, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+
+
+def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
+    """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
+    factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
+    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    device = out.partials.device
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
+    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
+    scales = torch.empty(3, dtype=torch.float32, device=device)
+    any_tensor = out.query_logp
+    _objective_finish_kernel[(1,)](
+        out.partials, out.query_logp, any_tensor if num_items is None else num_items,
+        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
+        out.partials.shape[0], s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
+        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
+        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
+        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    return loss, metrics, counts, scales
+
+
+def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales):
+    """Kernel 3: (d loss / d token_logp, d loss / d entropy), each [n] fp32, of the n rows whose token_kind and
+    coefficients are given ([n] each), for grad_loss [] and the global factors [3]."""
+    num_rows = coef_logp.shape[0]
+    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
+    if num_rows > 0:
+        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
+            grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
+    return grad_logp, grad_entropy
+
+
 # loss, query_logp, response_logp, metrics, counts, the two gradient coefficients, the global factors
 ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor, torch.Tensor]
@@ -646,54 +745,12 @@ def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor],
     `triton_quantile`), `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
     metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and for the backward the gradient
     coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable (in token_logp, entropy)."""
-    s = dict(zip(SETTING_NAMES, settings))
-    num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
-    device = token_logp.device
-    partials = torch.empty(num_samples, NUM_PARTIALS, dtype=torch.float32, device=device)
-    query_logp, response_logp = (torch.empty(num_samples, dtype=torch.float32, device=device) for _ in range(2))
-    coef_logp, coef_entropy = (torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(2))
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
-    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
-    scales = torch.empty(3, dtype=torch.float32, device=device)
-    flag = lambda name: bool(s[name])  # noqa: E731
-    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
-    use_qkl = flag("has_qkl_reference") and s["qkl_coef"] != 0
-    entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
-    if num_samples > 0:
-        _objective_sample_kernel[(num_samples,)](
-            token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts, advantages,
-            *(any_tensor if t is None else t for t in (ref_query_logp, query_weight, old_logp, ref_logp,
-                                                       token_weight, rollout_logp, entropy_threshold)),
-            partials, query_logp, response_logp, coef_logp, coef_entropy,
-            s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
-            s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
-            s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
-            s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
-            s["off_policy_mask_threshold"],
-            HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-            HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
-            HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
-            HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
-            HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
-            USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
-            SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
-            PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
-            QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
-            HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
-            NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
-    _objective_finish_kernel[(1,)](
-        partials, query_logp, any_tensor if num_items is None else num_items,
-        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
-        num_samples, s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
-        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
-        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
-        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
-        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
-        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
-        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
-    return loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales
+    out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
+    launch_sample_kernel(out, token_logp, entropy, token_kind, order, starts, None,
+                         (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
+                         entropy_threshold, settings)
+    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
+    return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
 objective_op = torch.library.custom_op("erpo::triton_objective", objective_forward, mutates_args=())
@@ -713,12 +770,7 @@ def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp
 def objective_backward(grad_loss: torch.Tensor, token_kind: torch.Tensor, coef_logp: torch.Tensor,
                           coef_entropy: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d token_logp, d loss / d entropy), each [N] fp32, for grad_loss [] (module docstring, kernel 3)."""
-    num_rows = coef_logp.shape[0]
-    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
-    if num_rows > 0:
-        _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
-            grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)
-    return grad_logp, grad_entropy
+    return launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales)
 
 
 objective_backward_op = torch.library.custom_op("erpo::triton_objective_backward", objective_backward,
@@ -754,6 +806,22 @@ _objective = DirectOp(objective_op, objective_forward, _setup_context, _backward
 _objective_backward = DirectOp(objective_backward_op, objective_backward)
 
 
+def _as_fp32(tensor):
+    return None if tensor is None else tensor.float().contiguous()
+
+
+def fp32_loss_tensors(inputs: LossInputs) -> tuple:
+    """The `LossInputs` tensors in their order, as the kernels read them: fp32, contiguous, or None."""
+    return tuple(_as_fp32(tensor) for tensor in inputs.as_kwargs().values())
+
+
+def tensor_denominators(options: LossOptions) -> tuple:
+    """(num_items, num_seqs), each a 1-element fp32 tensor when the option is a tensor, else None (a number or None
+    travels in the settings)."""
+    return tuple(_as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
+                 for value in (options.num_items, options.num_seqs))
+
+
 def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
                      sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions) -> LossOutput:
     """`objective.erpo_objective` on these kernels, for options where `fuses(options, ...)` holds (the caller
@@ -765,12 +833,6 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     starts = torch.searchsorted(sorted_samples, torch.arange(num_samples + 1, dtype=sorted_samples.dtype,
                                                              device=sample_index.device))
 
-    def as_fp32(tensor):
-        return None if tensor is None else tensor.float().contiguous()
-
-    def as_tensor_argument(value):
-        return as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
-
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
@@ -778,10 +840,8 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
 
     loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
-        starts, as_fp32(inputs.advantages), as_fp32(inputs.ref_query_logp), as_fp32(inputs.query_weight),
-        as_fp32(inputs.old_logp), as_fp32(inputs.ref_logp), as_fp32(inputs.token_weight),
-        as_fp32(inputs.rollout_logp), as_tensor_argument(options.num_items), as_tensor_argument(options.num_seqs),
-        entropy_threshold, objective_settings(options, inputs, entropy is not None))
+        starts, *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
+        objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()

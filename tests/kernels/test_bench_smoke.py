@@ -59,6 +59,7 @@ def test_ours_and_the_torch_rows_pass_the_check_and_are_timed(smoke):
         assert row["status"] == "ok" and row["correct"] is True, row
         assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
         assert row["x_floor_fwdbwd"] > 0
+        assert row["wall_s"] > (row["fwd_ms"] + row["fwdbwd_ms"]) / 1e3  # it ran each at least once
         assert abs(row["loss"] - row["ref_loss"]) == pytest.approx(row["loss_err"])
     ours = _row(results, "logits", "erpo")
     assert ours["grad_err"]["logits[unscored] norm"] == 0.0

@@ -17,7 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
 from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
+from erpo_kernels.triton_chunk_objective import chunk_layout  # noqa: E402
+from erpo_kernels.triton_objective import NUM_PARTIALS  # noqa: E402
 from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
 
 VOCAB, HIDDEN_DIM = 300, 24
@@ -116,7 +119,13 @@ SAMPLES = [(3, 5), (0, 4), (6, 7), (2, 0), (1, 2), (4, 9), (0, 6), (0, 3), (2, 2
 
 
 def option_id(options):
-    return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+    return ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in options.items()) or "default"
+
+
+def gather_with_a_higher_set(entropies):
+    """A top_entropy_gather standing in for other processes: this call's entropies and the same plus 1 nat (the
+    pool's quantile is then not this call's)."""
+    return torch.cat((entropies, entropies + 1.0))
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=option_id)
@@ -131,7 +140,13 @@ def test_every_option_with_many_chunks_torch(options, device):
 TRITON_CASES = [{}, {"ratio_level": "sequence"}, {"pg_objective": "vespo"}, {"off_policy_mask_threshold": 0.1},
                 {"top_entropy_quantile": 0.4, "entropy_coef": 0.05, "entropy_agg": "token-mean"},
                 {"loss_agg": "seq-mean-token-mean", "qkl_coef": 0.5}, {"qkl_estimator": "k3-token", "qkl_coef": 0.5},
-                {"temperature": 0.7, "logit_softcap": 3.0, "entropy_coef": 0.1}]
+                {"temperature": 0.7, "logit_softcap": 3.0, "entropy_coef": 0.1},
+                {"ratio_level": "sequence", "pg_objective": "sapo", "off_policy_mask_threshold": 0.05,
+                 "policy_kl_coef": 0.1, "policy_kl_bias_correction": True, "loss_agg": "seq-mean-token-mean"},
+                {"top_entropy_quantile": 0.5, "top_entropy_gather": gather_with_a_higher_set, "entropy_coef": 0.05,
+                 "entropy_agg": "token-mean", "ratio_level": "sequence"},
+                {"top_entropy_quantile": 0.6, "pg_objective": "vespo", "loss_agg": "seq-mean-token-sum",
+                 "num_seqs": 7}]
 
 
 @pytest.mark.parametrize("options", TRITON_CASES, ids=option_id)
@@ -216,9 +231,9 @@ def test_plan_of_interleaved_rows_cuts_at_the_budget(device):
 
 
 class Recorder(TorchDispatchMode):
-    """Per op: the matmul FLOPs (2 m n k) and the live bytes of every 2-D tensor the ops create apart from the
-    gradients [N, D] and [V, D] (peak_workspace: the chunk buffers and temporaries); `launches` counts the row
-    kernels' calls (`counted`)."""
+    """Per op: the matmul FLOPs (2 m n k) and the live bytes of every 2-D tensor the ops create apart from
+    `exempt_shapes` (the gradients [N, D] and [V, D], the objective's per-sample partials [S, NUM_PARTIALS]): the
+    peak_workspace, the chunk buffers and temporaries; `launches` counts the row kernels' calls (`counted`)."""
 
     MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
 
@@ -271,7 +286,7 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     needs = (*needs, bias is not None)
     opts = LossOptions(**options)
     inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
-    recorder = Recorder([hidden.shape, weight.shape])
+    recorder = Recorder([hidden.shape, weight.shape, (len(batch["advantages"]), NUM_PARTIALS)])
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
@@ -315,10 +330,70 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
     assert recorder.flops == 6 * n * d * v
 
 
-def test_results_repeat_bit_for_bit(device):
+def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
+    """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 12 chunks of whole samples: a + b x chunks
+    exactly, b small (the logits GEMM, the two row kernels, d hidden and d weight, and the objective's gradient in
+    two launches: its sample kernel on the chunk's samples, its gradient kernel on the chunk's rows), no host sync."""
+    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    counts = {}
+    for rows in (48, 24, 12, 4):
+        hidden, weight, bias = leaves(*linear(48, torch.float32, device))
+        with LaunchCounter() as counter:
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   validate=False, workspace_bytes=budget_for(rows, torch.float32, device),
+                                   qkl_coef=0.5, ratio_level="sequence", **inputs).loss.backward()
+        chunks = 48 // rows
+        assert counter.syncs == 0
+        # once over every sample for the global factors, once per chunk on its samples, once for the value
+        assert counter.names["triton._objective_sample_kernel"] == 2 + chunks
+        assert counter.names["triton._objective_grad_kernel"] == chunks
+        counts[chunks] = counter.launches
+    per_chunk = counts[2] - counts[1]
+    constant = counts[1] - per_chunk
+    assert all(launches == constant + per_chunk * chunks for chunks, launches in counts.items()), counts
+    assert per_chunk <= 18 and constant <= 30, (constant, per_chunk)
+
+
+def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
+    """The Triton backend forms each chunk's d loss / d logp and d loss / d H with the objective's kernels: no
+    autograd.grad inside the op (under a TorchDispatchMode on CUDA it fails: PythonFallbackKernel's tls_on_entry
+    assert)."""
+    def no_grad_taken(*args, **kwargs):
+        raise AssertionError("autograd.grad called inside the fused-linear op")
+
+    monkeypatch.setattr(torch.autograd, "grad", no_grad_taken)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
+    options = dict(ratio_level="sequence", qkl_coef=0.5, top_entropy_quantile=0.5, entropy_coef=0.05)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*tensors)
+    fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                           workspace_bytes=budget_for(5, torch.float32, device), **inputs, **options).loss.backward()
+    assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() > 0
+
+
+def test_chunk_layout_lists_each_chunks_samples_with_all_their_rows():
+    # rows: 0 1 2 | 3 4 5 | 6 7 | 8 (chunks); samples: 0 0 1 | 1 - 2 | 0 2 | - (rows 4 and 8 not scored)
+    kind = np.array([1, 2, 1, 2, 0, 2, 2, 1, 0])
+    sample = np.array([0, 0, 1, 1, 9, 2, 0, 2, 0])
+    layout = chunk_layout([(0, 3), (3, 6), (6, 8), (8, 9)], kind, sample, 3)
+    assert layout.program_offsets.tolist() == [0, 2, 4, 6, 6]  # the last chunk runs no program
+    assert layout.sample_ids.tolist() == [0, 1, 1, 2, 0, 2]
+    runs = [layout.chunk_rows[a:b].tolist() for a, b in zip(layout.program_starts[:-1], layout.program_starts[1:])]
+    assert runs == [[0, 1, 6], [2, 3], [2, 3], [5, 7], [0, 1, 6], [5, 7]]
+    assert layout.sample_starts.tolist() == [0, 3, 5, 7]
+    assert layout.rows_by_sample.tolist() == [0, 1, 6, 2, 3, 5, 7]
+
+
+@pytest.mark.parametrize("options", [dict(qkl_coef=0.5),
+                                     dict(ratio_level="sequence", top_entropy_quantile=0.5, entropy_coef=0.05,
+                                          entropy_agg="token-mean", off_policy_mask_threshold=0.1)],
+                         ids=option_id)
+def test_results_repeat_bit_for_bit(options, device):
     batch = interleaved_batch(device)
     tensors = linear(len(batch["targets"]), torch.bfloat16, device)
-    runs = [fused_and_logits_path(batch, tensors, "triton", rows=5, qkl_coef=0.5)[0] for _ in range(2)]
+    runs = [fused_and_logits_path(batch, tensors, "triton", rows=5, **options)[0] for _ in range(2)]
     (first, first_grads), (second, second_grads) = runs
     assert torch.equal(first.loss, second.loss) and torch.equal(first.token_logp, second.token_logp)
     assert all(torch.equal(a, b) for a, b in zip(first_grads, second_grads))
