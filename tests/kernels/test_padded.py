@@ -141,12 +141,14 @@ def leaves_of(data, path):
 def test_every_position_as_a_row_equals_the_scored_rows_alone(layout, backend, path, device):
     """The logits path keeps all B * T positions as rows (kind 0 where nothing is scored), the fused-linear path
     selects the scored rows. Per-row values are those of the scored rows alone bit for bit, and so is the gradient
-    under the default options (d loss / d logp_t then holds no sum over rows: the row's own terms over the response
-    count). Sums over rows (the loss, the metrics, ell_theta(q), a sequence's log-ratio) may differ in the last bits
-    on the logits path: the kernels' reduction order follows the rows' positions, which the kind-0 rows shift."""
+    of a token-level loss without the Query-KL (d loss / d logp_t then holds no sum over rows: the row's own terms
+    over the response count). Sums over rows (the loss, the metrics, ell_theta(q) and so the Query-KL's gradient, a
+    sequence's log-ratio) may differ in the last bits on the logits path: the kernels' reduction order follows the
+    rows' positions, which the kind-0 rows shift."""
     data = trl_batch(seed=6, device=device)
     LAYOUTS[layout](data)
-    for options, bitwise in ((dict(backend=backend), True), (dict(OPTIONS, backend=backend), path == "hidden")):
+    for options, bitwise in ((dict(backend=backend, qkl_coef=0.0), True),
+                             (dict(OPTIONS, backend=backend), path == "hidden")):
         leaves, expected_leaves = leaves_of(data, path), leaves_of(data, path)
         model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves))
         out = padded_erpo_loss(**model, **batch_inputs(data), **options)
