@@ -25,7 +25,7 @@ from .api import (
     token_logprobs,
 )
 from .fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs
-from .layout import CompletionLayout, completion_layout, from_padded
+from .layout import CompletionLayout, ScoredRows, completion_layout, from_padded
 from .model_config import logit_transforms_from_config
 from .modules import ERPOLoss, FusedLinearERPOLoss
 from .objective import LossMetrics, LossOutput
@@ -33,7 +33,7 @@ from .padded import PaddedLossOutput, padded_erpo_loss
 from .validation import OPTION_CHOICES, VESPO_LAMBDA_MIN, LossInputs, LossOptions
 
 __all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossMetrics", "LossOptions",
-           "LossOutput", "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "VESPO_LAMBDA_MIN",
+           "LossOutput", "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "ScoredRows", "VESPO_LAMBDA_MIN",
            "completion_layout", "erpo_loss", "from_padded", "fused_linear_erpo_loss", "fused_linear_token_logprobs",
            "layout", "lm_head", "logit_transforms_from_config", "logprob_erpo_loss", "padded_erpo_loss",
            "query_weights", "resolve_backend", "sample_sums", "token_logprobs", "zero3"]

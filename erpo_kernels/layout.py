@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import IGNORE_INDEX, check_tensor
+from .validation import IGNORE_INDEX, check_rows, check_tensor, check_validate
 
 QUERY, RESPONSE = 1, 2
 
@@ -37,7 +37,7 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
     outputs, observations) are not scored. query_mask [B, L], optional, marks the query tokens instead, for
     callers who decide themselves; it must lie inside attention_mask and not overlap response_mask.
     Use the result with logits reshaped to [B * L, V] (and hidden states to [B * L, D]); the sample of row
-    b * L + t is b.
+    b * L + t is b. The mask checks cost one host read.
     """
     masks = (("input_ids", input_ids), ("attention_mask", attention_mask), ("response_mask", response_mask))
     if query_mask is not None:
@@ -49,17 +49,24 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
                              f"{tuple(tensor.shape)} (all masks and input_ids must have the same shape)")
     real = attention_mask.bool()
     response = response_mask.bool()
-    if bool((response & ~real).any()):
-        raise ValueError("response_mask marks a token that attention_mask marks as padding")
     if query_mask is None:
         # Everything real before the first response token: the cumulative count is 0 there.
         query = real & (response.long().cumsum(dim=1) == 0)
+        checks = []
     else:
         query = query_mask.bool()
-        if bool((query & ~real).any()):
-            raise ValueError("query_mask marks a token that attention_mask marks as padding")
-        if bool((query & response).any()):
-            raise ValueError("query_mask and response_mask both mark the same token; a token is one or the other")
+        checks = [(query & ~real, "query_mask marks a token that attention_mask marks as padding"),
+                  (query & response, "query_mask and response_mask both mark the same token; a token is one or "
+                                     "the other")]
+    check_rows([(bad.reshape(-1), lambda row, message=message: message) for bad, message in
+                [(response & ~real, "response_mask marks a token that attention_mask marks as padding"), *checks]])
+    return packed_rows(input_ids, real, query, response)
+
+
+def packed_rows(input_ids: torch.Tensor, real: torch.Tensor, query: torch.Tensor,
+                response: torch.Tensor) -> PackedRows:
+    """`from_padded`'s rows from masks it has checked (or that hold by construction): input_ids [B, L], real,
+    query, response [B, L] bool (query and response inside real, apart). No host read."""
     batch, length = input_ids.shape
     # Row t scores token t + 1; the last position of each sequence scores nothing, and neither does a padding
     # position (so the first real token of each sequence, predicted by padding or by nothing, is never scored).
@@ -67,9 +74,8 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
     next_query[:, :-1] = query[:, 1:]
     next_response = torch.zeros_like(response)
     next_response[:, :-1] = response[:, 1:]
-    kind = torch.zeros((batch, length), dtype=torch.long, device=input_ids.device)
-    kind[real & next_query] = QUERY
-    kind[real & next_response] = RESPONSE
+    # torch.where, not a boolean-mask assignment (an index_put_ that may read the mask on the host)
+    kind = torch.where(real & next_response, RESPONSE, torch.where(real & next_query, QUERY, 0))
     targets = torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long)
     targets[:, :-1] = torch.where(kind[:, :-1] != 0, input_ids[:, 1:].long(), IGNORE_INDEX)
     sample_index = torch.arange(batch, device=input_ids.device).unsqueeze(1).expand(batch, length)
@@ -79,45 +85,87 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
 
 @dataclass
 class CompletionLayout:
-    """A batch in TRL's layout, P prompt columns then C completion columns ([B, T], T = P + C), as packed rows.
+    """A batch in TRL's layout, P prompt columns then C completion columns ([B, T], T = P + C), as packed rows: one
+    row per position, row b * T + t for position t of sequence b (kind 0 where nothing is scored), so logits
+    [B, T, V] are the rows as `logits.reshape(B * T, V)`, with no selection (no host read, no copy).
 
     Completion token j of sample b is predicted at position P + j - 1, so completion-aligned [B, C] tensors (old /
     reference / rollout log-probs, per-token weights) land on the rows through `scatter`, and per-row results come
-    back to [B, C] through `gather`. The sample of every row of sequence b is b.
+    back to [B, C] through `gather`. The sample of every row of sequence b is b. `scored()` selects the scored rows
+    alone (the fused-linear path, whose GEMMs would otherwise run on the padding).
     """
 
     input_ids: torch.Tensor       # [B, T] prompt then completion
     attention_mask: torch.Tensor  # [B, T]
-    rows: torch.Tensor            # [B * T] bool: the scored rows (query or response) of the flattened positions
-    targets: torch.Tensor         # [R] int64, restricted to `rows`
-    token_kind: torch.Tensor      # [R] 1 (query) / 2 (response)
-    sample_index: torch.Tensor    # [R] in [0, B)
+    targets: torch.Tensor         # [B * T] int64, -100 on rows of kind 0
+    token_kind: torch.Tensor      # [B * T] 0 (not scored) / 1 (query) / 2 (response)
+    sample_index: torch.Tensor    # [B * T] in [0, B)
     prompt_width: int             # P
     response_mask: torch.Tensor   # [B, C] float: completion_mask x tool_mask, the completion tokens that are scored
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """[B * T] bool: the scored rows (query or response)."""
+        return self.token_kind != 0
+
+    def completion_rows(self, row_values: torch.Tensor) -> torch.Tensor:
+        """[B * T] values -> [B, C]: entry j of sequence b is row b * T + P + j - 1, the row that scores completion
+        token j."""
+        batch, width = self.input_ids.shape
+        return row_values.reshape(batch, width)[:, self.prompt_width - 1:width - 1]
+
     def scatter(self, values: torch.Tensor, name: str = "values") -> torch.Tensor:
-        """[B, C] or [B, 1] completion-aligned values -> [R] fp32 values on the scored rows (0 on query rows)."""
+        """[B, C] or [B, 1] completion-aligned values -> [B * T] fp32 values on the response rows (0 elsewhere)."""
         batch, width = self.input_ids.shape
         check_tensor(name, values, ndim=2)
         if values.shape[0] != batch or values.shape[1] not in (1, self.response_mask.shape[1]):
             raise ValueError(f"{name} must be completion-aligned, shape [B, C] = {tuple(self.response_mask.shape)} "
                              f"(or [B, 1]), got {tuple(values.shape)}")
         full = torch.zeros((batch, width), dtype=torch.float32, device=values.device)
-        full[:, self.prompt_width - 1:width - 1] = values.float().expand_as(self.response_mask)
-        return full.reshape(-1)[self.rows]
+        scored = self.completion_rows(self.token_kind) == RESPONSE
+        full[:, self.prompt_width - 1:width - 1] = torch.where(scored, values.float(), 0.0)
+        return full.reshape(-1)
+
+    def gather(self, row_values: torch.Tensor) -> torch.Tensor:
+        """[B * T] values on the rows -> [B, C] completion-aligned values (0 where nothing is scored)."""
+        scored = self.completion_rows(self.token_kind) == RESPONSE
+        return torch.where(scored, self.completion_rows(row_values), 0)
+
+    def scored(self) -> ScoredRows:
+        """The scored rows alone (`ScoredRows`): one host read on CUDA (their number R)."""
+        index = self.rows.nonzero().squeeze(1)
+        return ScoredRows(self, index, *(rows.index_select(0, index) for rows in (self.targets, self.token_kind,
+                                                                            self.sample_index)))
+
+
+@dataclass
+class ScoredRows:
+    """The R scored rows of a `CompletionLayout`, in position order: row r is the layout's row index[r]."""
+
+    layout: CompletionLayout
+    index: torch.Tensor         # [R] int64: positions b * T + t of the scored rows, ascending
+    targets: torch.Tensor       # [R] int64
+    token_kind: torch.Tensor    # [R] 1 (query) / 2 (response)
+    sample_index: torch.Tensor  # [R] in [0, B)
+
+    def select(self, row_values: torch.Tensor) -> torch.Tensor:
+        """[B * T, *] values on the layout's rows (hidden states [B * T, D]) -> [R, *] on the scored rows."""
+        return row_values.index_select(0, self.index)
+
+    def scatter(self, values: torch.Tensor, name: str = "values") -> torch.Tensor:
+        """[B, C] or [B, 1] completion-aligned values -> [R] fp32 values on the scored rows (0 on query rows)."""
+        return self.select(self.layout.scatter(values, name))
 
     def gather(self, row_values: torch.Tensor) -> torch.Tensor:
         """[R] values on the scored rows -> [B, C] completion-aligned values (0 where nothing is scored)."""
-        batch, width = self.input_ids.shape
-        full = torch.zeros(batch * width, dtype=row_values.dtype, device=row_values.device)
-        full[self.rows] = row_values
-        return full.reshape(batch, width)[:, self.prompt_width - 1:width - 1]
+        full = row_values.new_zeros(self.layout.token_kind.shape[0]).index_copy(0, self.index, row_values)
+        return self.layout.gather(full)
 
 
 def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
                       prompt_mask: torch.Tensor | None = None, completion_ids: torch.Tensor | None = None,
                       input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                      tool_mask: torch.Tensor | None = None) -> CompletionLayout:
+                      tool_mask: torch.Tensor | None = None, validate: bool = True) -> CompletionLayout:
     """The packed rows of a batch in TRL's layout, given either as prompt_ids / prompt_mask [B, P] (left-padded)
     and completion_ids [B, C] (right-padded), or as full sequences input_ids / attention_mask [B, T] whose last C
     columns are the completion; completion_mask [B, C] either way (1 on the completion's real tokens).
@@ -126,8 +174,12 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
     x tool_mask is 1 (tool_mask [B, C], optional: 0 on tool outputs inside a multi-turn completion, which are
     then not scored, as `from_padded`'s multi-turn samples). With prompt/completion ids, the attention mask is
     prompt_mask then completion_mask (as TRL's forward); with full sequences it is attention_mask.
+    validate: with full sequences, check that completion_mask x tool_mask lies inside attention_mask (one host read;
+    the prompt/completion form holds it by construction and reads nothing); False skips it (no host read).
     """
+    check_validate(validate)
     split, full = (prompt_ids, prompt_mask, completion_ids), (input_ids, attention_mask)
+    full_sequences = all(t is None for t in split) and all(t is not None for t in full)
     if all(t is None for t in full) and all(t is not None for t in split):
         check_tensor("prompt_ids", prompt_ids, ndim=2)
         check_tensor("completion_ids", completion_ids, ndim=2)
@@ -144,7 +196,7 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
                              f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    elif all(t is None for t in split) and all(t is not None for t in full):
+    elif full_sequences:
         check_tensor("input_ids", input_ids, ndim=2)
         check_tensor("completion_mask", completion_mask, ndim=2)
         if completion_mask.shape[0] != input_ids.shape[0] or not 0 < completion_mask.shape[1] < input_ids.shape[1]:
@@ -154,19 +206,26 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
     else:
         raise ValueError("pass either prompt_ids, prompt_mask and completion_ids, or input_ids and attention_mask "
                          "(full sequences whose last C columns are the completion), not a mix")
-    response = completion_mask
+    response_mask = completion_mask
     if tool_mask is not None:
         check_tensor("tool_mask", tool_mask, ndim=2)
         if tool_mask.shape != completion_mask.shape:
             raise ValueError(f"tool_mask must have completion_mask's shape {tuple(completion_mask.shape)}, got "
                              f"{tuple(tool_mask.shape)}")
-        response = completion_mask * tool_mask
+        response_mask = completion_mask * tool_mask
     prompt_width = input_ids.shape[1] - completion_mask.shape[1]
-    prompt_columns = torch.zeros_like(attention_mask)
-    prompt_columns[:, :prompt_width] = attention_mask[:, :prompt_width]
-    packed = from_padded(input_ids, attention_mask,
-                         torch.cat([torch.zeros_like(attention_mask[:, :prompt_width]), response], dim=1),
-                         query_mask=prompt_columns)
-    rows = packed.token_kind != 0
-    return CompletionLayout(input_ids, attention_mask, rows, packed.targets[rows], packed.token_kind[rows],
-                            packed.sample_index[rows], prompt_width, response.float())
+    real = attention_mask.bool()
+    response = torch.zeros_like(real)
+    response[:, prompt_width:] = response_mask.bool()
+    if validate and full_sequences:
+        width = input_ids.shape[1]
+        check_rows([((response & ~real).reshape(-1),
+                     lambda row: f"completion_mask marks completion token {row % width - prompt_width} of sample "
+                                 f"{row // width}, which attention_mask marks as padding; the masks must agree on "
+                                 f"the last C columns")])
+    # The query tokens are the prompt columns' real tokens: inside real and apart from response by construction.
+    query = torch.zeros_like(real)
+    query[:, :prompt_width] = real[:, :prompt_width]
+    packed = packed_rows(input_ids, real, query, response)
+    return CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
+                            prompt_width, response_mask.float())

@@ -1,8 +1,9 @@
 """The ERPO loss on [B, T] batches in TRL's layout (prompt then completion columns), with per-token inputs and
 outputs completion-aligned [B, C] as TRL and Liger hold them: `padded_erpo_loss`.
 
-The batch becomes packed rows once (`layout.completion_layout`), the loss is the packed `erpo_loss` /
-`fused_linear_erpo_loss` on those rows, and the per-row results go back to [B, C].
+The batch becomes packed rows once (`layout.completion_layout`), the loss is the packed `erpo_loss` on every
+position (kind 0 where nothing is scored: no selection, no host read) or `fused_linear_erpo_loss` on the scored rows
+alone (one host read, which spares the GEMMs the padding), and the per-row results go back to [B, C].
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
     (+ bias [V]) for the fused-linear path (the [B, T, V] logits never built).
     advantages, ref_query_logp, query_weight [B]; old_logp, ref_logp, token_weight, rollout_logp [B, C]
     completion-aligned (entry j is completion token j; [B, 1] broadcasts). Options as API.md's table; validate as
-    `erpo_loss`'s (the value checks of the packed rows).
+    `erpo_loss`'s (the value checks of the packed rows) and `completion_layout`'s (the full-sequence mask check):
+    False reads nothing on the host on the logits path, True once (twice with full sequences); the fused-linear path
+    reads once more, the scored rows' count.
     Returns a PaddedLossOutput whose `loss` is differentiable with respect to logits (or hidden, weight, bias).
     """
     if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
@@ -67,19 +70,28 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
                          "completion-aligned ref_logp [B, C] does not hold; use erpo_loss on packed rows")
     layout = completion_layout(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                                completion_ids=completion_ids, input_ids=input_ids, attention_mask=attention_mask,
-                               tool_mask=tool_mask)
+                               tool_mask=tool_mask, validate=validate)
     given = dict(old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
-    tensors = {name: None if value is None else layout.scatter(value, name) for name, value in given.items()}
-    rows = (layout.targets, layout.token_kind, layout.sample_index)
     width = tuple(layout.input_ids.shape)
     if logits is not None:
-        out = erpo_loss(batch_rows("logits", logits, width)[layout.rows], *rows, advantages=advantages,
-                        ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend,
-                        validate=validate, **tensors, **options)
+        # Every position is a row (kind 0 where nothing is scored): no selection, so no host read and no copy of
+        # the logits; the loss skips the rows of kind 0.
+        rows = layout
+        out = erpo_loss(batch_rows("logits", logits, width), layout.targets, layout.token_kind, layout.sample_index,
+                        advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        backend=backend, validate=validate, **scattered(layout, given), **options)
     else:
-        out = fused_linear_erpo_loss(batch_rows("hidden", hidden, width)[layout.rows], weight, *rows, bias=bias,
-                                     advantages=advantages, ref_query_logp=ref_query_logp,
-                                     query_weight=query_weight, backend=backend, validate=validate, **tensors,
-                                     **options)
-    return PaddedLossOutput(loss=out.loss, token_logp=layout.gather(out.token_logp), entropy=layout.gather(out.entropy),
+        # The scored rows alone (one host read): GEMMs on the padding rows would cost FLOPs growing with it.
+        rows = layout.scored()
+        out = fused_linear_erpo_loss(rows.select(batch_rows("hidden", hidden, width)), weight, rows.targets,
+                                     rows.token_kind, rows.sample_index, bias=bias, advantages=advantages,
+                                     ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend,
+                                     validate=validate, **scattered(rows, given), **options)
+    return PaddedLossOutput(loss=out.loss, token_logp=rows.gather(out.token_logp), entropy=rows.gather(out.entropy),
                             query_logp=out.query_logp, response_logp=out.response_logp, metrics=out.metrics)
+
+
+def scattered(rows, given: dict) -> dict:
+    """The completion-aligned tensors `given` ({name: [B, C] or None}) on `rows` (a CompletionLayout or its
+    ScoredRows)."""
+    return {name: None if value is None else rows.scatter(value, name) for name, value in given.items()}

@@ -773,7 +773,7 @@ def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fu
         logps = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])[0]
-    refilled = rows.layout.gather(seen["rollout_logp"])[1, 1]
+    refilled = rows.scored.gather(seen["rollout_logp"])[1, 1]
     assert refilled.item() == pytest.approx(logps[1, 1].item(), abs=1e-5)
 
 

@@ -4,7 +4,15 @@ and one-line errors on bad shapes."""
 import pytest
 import torch
 
-from erpo_kernels import FusedLinearERPOLoss, erpo_loss, from_padded, padded_erpo_loss
+from erpo_kernels import (
+    FusedLinearERPOLoss,
+    completion_layout,
+    erpo_loss,
+    from_padded,
+    fused_linear_erpo_loss,
+    padded_erpo_loss,
+)
+from launch_counts import LaunchCounter
 
 B, P, C, V, D = 3, 5, 6, 17, 8
 T = P + C
@@ -79,6 +87,149 @@ def test_logits_path_equals_the_packed_loss_values_and_gradients(device):
     assert out.token_logp.shape == out.entropy.shape == (B, C)
     assert out.token_logp[2, 2:4].eq(0).all() and out.entropy[1, 4:].eq(0).all()   # tool output, padding
     assert out.metrics.keys() == expected.metrics.keys()
+
+
+LAYOUTS = {   # changes to trl_batch's (left-padded prompts, right-padded completions, a tool output in sample 2)
+    "left and right padding, a tool output": lambda d: None,
+    "no tool_mask": lambda d: d.update(tool_mask=None),
+    "a completion all padding": lambda d: d["completion_mask"][1].zero_(),
+    "every completion empty": lambda d: d["completion_mask"].zero_(),
+    "an empty prompt": lambda d: d["prompt_mask"][2].zero_(),
+}
+
+
+def scored_rows_alone(data, path, leaves, **options):
+    """The loss on the scored rows alone, selected by hand with boolean masks (what padded_erpo_loss did before it
+    kept every position on the logits path), and its token_logp, entropy [B, C] placed back."""
+    device = leaves[0].device
+    tool = torch.ones_like(data["completion_mask"]) if data["tool_mask"] is None else data["tool_mask"]
+    input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
+    attention = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
+    response = torch.cat([torch.zeros(B, P, dtype=torch.long, device=device), data["completion_mask"] * tool], dim=1)
+    rows = from_padded(input_ids, attention, response)
+    scored = rows.token_kind != 0
+    aligned = {}
+    for name in ("old_logp", "ref_logp"):
+        full = torch.zeros(B, T, device=device)
+        full[:, P - 1:T - 1] = data[name]
+        aligned[name] = full.reshape(-1)[scored]
+    packed = (rows.targets[scored], rows.token_kind[scored], rows.sample_index[scored])
+    tensors = dict(advantages=data["advantages"], ref_query_logp=data["ref_query_logp"], **aligned, **options)
+    if path == "logits":
+        out = erpo_loss(leaves[0].reshape(B * T, V)[scored], *packed, **tensors)
+    else:
+        out = fused_linear_erpo_loss(leaves[0].reshape(B * T, D)[scored], leaves[1], *packed, bias=leaves[2],
+                                     **tensors)
+
+    def placed(values):
+        full = torch.zeros(B * T, device=device)
+        full[scored] = values
+        return full.reshape(B, T)[:, P - 1:T - 1]
+    return out, placed(out.token_logp), placed(out.entropy)
+
+
+def leaves_of(data, path):
+    if path == "logits":
+        return [logits_of(data).detach().requires_grad_()]
+    return [data[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+
+
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_position_as_a_row_equals_the_scored_rows_alone(layout, backend, path, device):
+    """The logits path keeps all B * T positions as rows (kind 0 where nothing is scored), the fused-linear path
+    selects the scored rows. Per-row values are those of the scored rows alone bit for bit, and so is the gradient
+    under the default options (d loss / d logp_t then holds no sum over rows: the row's own terms over the response
+    count). Sums over rows (the loss, the metrics, ell_theta(q), a sequence's log-ratio) may differ in the last bits
+    on the logits path: the kernels' reduction order follows the rows' positions, which the kind-0 rows shift."""
+    data = trl_batch(seed=6, device=device)
+    LAYOUTS[layout](data)
+    for options, bitwise in ((dict(backend=backend), True), (dict(OPTIONS, backend=backend), path == "hidden")):
+        leaves, expected_leaves = leaves_of(data, path), leaves_of(data, path)
+        model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves))
+        out = padded_erpo_loss(**model, **batch_inputs(data), **options)
+        out.loss.backward()
+        expected, token_logp, entropy = scored_rows_alone(data, path, expected_leaves, **options)
+        expected.loss.backward()
+        torch.testing.assert_close(out.token_logp, token_logp, rtol=0, atol=0)
+        torch.testing.assert_close(out.entropy, entropy, rtol=0, atol=0)
+        same = dict(rtol=0, atol=0) if bitwise else dict(rtol=1e-5, atol=1e-6)
+        for ours, theirs in zip(leaves, expected_leaves):
+            torch.testing.assert_close(ours.grad, theirs.grad, **same)
+        torch.testing.assert_close(out.loss, expected.loss, **(same if path == "hidden" else dict(rtol=1e-5,
+                                                                                                   atol=1e-6)))
+        for name, value in expected.metrics.items():
+            torch.testing.assert_close(out.metrics[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+def test_host_reads_follow_validate(path, device):
+    """padded_erpo_loss fwd+bwd on the Triton path reads nothing on the host with validate=False on the logits path
+    (no selection of the scored rows, no mask check) and once with validate=True (the loss's row checks; TRL's
+    prompt/completion form holds its mask checks by construction). The fused-linear path adds one read, the
+    selection of the scored rows (their count); the full-sequence form's mask check one more with validate=True."""
+    data = trl_batch(device=device)
+    inputs = batch_inputs(data)
+    full = dict(inputs, input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+    for name in ("prompt_ids", "prompt_mask", "completion_ids"):
+        full.pop(name)
+    selection = int(path == "hidden")
+    for form, batch, mask_check in (("prompt/completion", inputs, 0), ("full sequences", full, 1)):
+        for validate, reads in ((False, selection), (True, selection + 1 + mask_check)):
+            model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves_of(data, path)))
+            with LaunchCounter() as counter:
+                padded_erpo_loss(**model, **batch, **dict(OPTIONS, backend="triton"), validate=validate).loss.backward()
+            assert counter.syncs == reads, (form, validate, counter.names)
+            if path == "logits":   # no boolean-mask indexing either (its host read is inside aten.index, uncounted)
+                assert not {"aten.index", "aten.index_put_", "aten.nonzero"} & set(counter.names), counter.names
+
+
+def test_completion_layout_rows_scatter_and_gather(device):
+    """Every position is a row: targets -100 and kind 0 where nothing is scored; scatter places completion token j's
+    value on row P + j - 1 when it is a response row (0 elsewhere), gather reads it back; `scored()` the R scored
+    rows alone, in position order."""
+    data = trl_batch(device=device)
+    layout = completion_layout(**{k: data[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                        "completion_mask", "tool_mask")})
+    input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
+    attention = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
+    response = torch.cat([torch.zeros(B, P, dtype=torch.long, device=device),
+                          data["completion_mask"] * data["tool_mask"]], dim=1)
+    rows = from_padded(input_ids, attention, response)
+    assert torch.equal(layout.targets, rows.targets) and torch.equal(layout.token_kind, rows.token_kind)
+    assert torch.equal(layout.sample_index, rows.sample_index)
+    scored_response = (data["completion_mask"] * data["tool_mask"]).bool()
+    values = torch.arange(1.0, B * C + 1, device=device).reshape(B, C)
+    on_rows = layout.scatter(values)
+    assert on_rows.shape == (B * T,)
+    expected = torch.zeros(B, T, device=device)
+    expected[:, P - 1:T - 1] = torch.where(scored_response, values, 0.0)
+    assert torch.equal(on_rows, expected.reshape(-1))
+    assert torch.equal(layout.gather(on_rows), torch.where(scored_response, values, 0.0))
+    scored = layout.scored()
+    kept = rows.token_kind != 0
+    assert torch.equal(scored.index, kept.nonzero().squeeze(1))
+    assert torch.equal(scored.targets, rows.targets[kept]) and torch.equal(scored.token_kind, rows.token_kind[kept])
+    assert torch.equal(scored.scatter(values), on_rows[kept])
+    assert torch.equal(scored.gather(on_rows[kept]), layout.gather(on_rows))
+
+
+def test_full_sequences_mask_check_follows_validate(device):
+    """With full sequences, completion_mask must lie inside attention_mask's last C columns: one line naming the
+    token, with validate=True; validate=False reads nothing and skips it."""
+    data = trl_batch(device=device)
+    input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
+    attention = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
+    attention[1, P + 2] = 0
+    masks = dict(input_ids=input_ids, attention_mask=attention, completion_mask=data["completion_mask"])
+    with pytest.raises(ValueError, match="completion_mask marks completion token 2 of sample 1, which "
+                                         "attention_mask marks as padding"):
+        completion_layout(**masks)
+    with LaunchCounter() as counter:
+        completion_layout(**masks, validate=False)
+    assert counter.syncs == 0
 
 
 def test_hidden_path_equals_the_logits_path_values_and_gradients(device):
@@ -188,3 +339,14 @@ def test_fused_linear_module_refuses_a_reference_input_of_other_positions(device
             data["hidden"], data["weight"], data["completion_ids"], data["completion_mask"], data["advantages"],
             None, None, None, data["hidden"][:, 1:], data["weight"], prompt_ids=data["prompt_ids"],
             prompt_mask=data["prompt_mask"], ref_query_logp=data["ref_query_logp"])
+
+
+def test_padded_rows_bench_times_both_pipelines(device):
+    """`python -m bench.padded_rows` (every position as a row against the scored rows selected first) runs on the
+    device and counts the scored rows it times: B * (real prompt tokens - 1 + completion tokens)."""
+    from bench.padded_rows import markdown, run
+    results = run(batch=2, prompt=4, completion=6, vocab=37, fractions=(0.5,), reps=1, warmup=0, device=device)
+    (row,) = results
+    assert (row["positions"], row["scored"]) == (2 * 10, 2 * (2 - 1 + 3))
+    assert row["every_position_ms"] > 0 and row["selected_ms"] > 0
+    assert "| 0.40 | 8 |" in markdown(results)

@@ -4,16 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from erpo.sequences import PackedBatch
-from erpo_kernels import CompletionLayout, completion_layout
+from erpo_kernels import ScoredRows, completion_layout
 
 
 @dataclass
 class CompletionRows:
-    """TRL's batch as the model's input and the loss's rows (`batch`), and the map between its completion-aligned
-    [B, T] tensors and those rows (`layout.scatter`, `layout.gather`, `layout.response_mask`)."""
+    """TRL's batch as the model's input and the loss's rows (`batch`: the scored rows alone, as both scorers take
+    them), and the map between its completion-aligned [B, C] tensors and those rows (`scored.scatter`,
+    `scored.gather`; `scored.layout.response_mask`)."""
 
     batch: PackedBatch
-    layout: CompletionLayout
+    scored: ScoredRows
 
 
 def completion_rows(inputs: dict) -> CompletionRows:
@@ -22,6 +23,7 @@ def completion_rows(inputs: dict) -> CompletionRows:
     layout = completion_layout(prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
                                completion_ids=inputs["completion_ids"], completion_mask=inputs["completion_mask"],
                                tool_mask=inputs.get("tool_mask"))
-    batch = PackedBatch(layout.input_ids, layout.attention_mask, layout.rows, layout.targets, layout.token_kind,
-                        layout.sample_index)
-    return CompletionRows(batch, layout)
+    scored = layout.scored()
+    batch = PackedBatch(layout.input_ids, layout.attention_mask, layout.rows, scored.targets, scored.token_kind,
+                        scored.sample_index)
+    return CompletionRows(batch, scored)
