@@ -12,6 +12,7 @@ from erpo_kernels import (
     fused_linear_erpo_loss,
     padded_erpo_loss,
 )
+from helpers import assert_compiled_equals_eager
 from launch_counts import LaunchCounter
 
 B, P, C, V, D = 3, 5, 6, 17, 8
@@ -140,12 +141,14 @@ def leaves_of(data, path):
 def test_every_position_as_a_row_equals_the_scored_rows_alone(layout, backend, path, device):
     """The logits path keeps all B * T positions as rows (kind 0 where nothing is scored), the fused-linear path
     selects the scored rows. Per-row values are those of the scored rows alone bit for bit, and so is the gradient
-    under the default options (d loss / d logp_t then holds no sum over rows: the row's own terms over the response
-    count). Sums over rows (the loss, the metrics, ell_theta(q), a sequence's log-ratio) may differ in the last bits
-    on the logits path: the kernels' reduction order follows the rows' positions, which the kind-0 rows shift."""
+    of a token-level loss without the Query-KL (d loss / d logp_t then holds no sum over rows: the row's own terms
+    over the response count). Sums over rows (the loss, the metrics, ell_theta(q) and so the Query-KL's gradient, a
+    sequence's log-ratio) may differ in the last bits on the logits path: the kernels' reduction order follows the
+    rows' positions, which the kind-0 rows shift."""
     data = trl_batch(seed=6, device=device)
     LAYOUTS[layout](data)
-    for options, bitwise in ((dict(backend=backend), True), (dict(OPTIONS, backend=backend), path == "hidden")):
+    for options, bitwise in ((dict(backend=backend, qkl_coef=0.0), True),
+                             (dict(OPTIONS, backend=backend), path == "hidden")):
         leaves, expected_leaves = leaves_of(data, path), leaves_of(data, path)
         model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves))
         out = padded_erpo_loss(**model, **batch_inputs(data), **options)
@@ -184,6 +187,20 @@ def test_host_reads_follow_validate(path, device):
             assert counter.syncs == reads, (form, validate, counter.names)
             if path == "logits":   # no boolean-mask indexing either (its host read is inside aten.index, uncounted)
                 assert not {"aten.index", "aten.index_put_", "aten.nonzero"} & set(counter.names), counter.names
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_logits_path_compiles_whole(backend, validate, device):
+    """No data-dependent shape on the logits path (every position is a row): torch.compile traces the call whole
+    (fullgraph; the scored rows' selection made it fail before), its value checks as device-side asserts."""
+    data = trl_batch(seed=7, device=device)
+
+    def loss(logits):
+        return padded_erpo_loss(logits=logits, **batch_inputs(data), **dict(OPTIONS, backend=backend),
+                                validate=validate).loss
+
+    assert_compiled_equals_eager(loss, logits_of(data).detach().requires_grad_(), grad_rtol=1e-5)
 
 
 def test_completion_layout_rows_scatter_and_gather(device):
