@@ -6,7 +6,7 @@ on the host).
     with LaunchCounter() as counter:
         loss = erpo_loss(...).loss
         loss.backward()
-    counter.launches, counter.syncs, counter.names
+    counter.launches, counter.syncs, counter.names, counter.masked_indexing
 
 The Triton kernels' own work under the interpreter (its copies to numpy and back) is not counted: one launch is one.
 A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted.
@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # aten operators that read a device value on the host (a synchronization on CUDA)
 SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique", "_unique2",
             "masked_select", "repeat_interleave"}
+# aten operators that index by a list of tensors (args[1]); a boolean one is read on the host to find its rows
+MASK_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 # aten operators that allocate without filling, or alias their input: no kernel launch
 NO_LAUNCH_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                  "lift_fresh", "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride",
@@ -35,12 +37,15 @@ def _triton_launchers():
 
 
 class LaunchCounter(TorchDispatchMode):
-    """launches: aten kernels + Triton launches; syncs: host reads; names: Counter of what was launched."""
+    """launches: aten kernels + Triton launches; syncs: host reads; names: Counter of what was launched;
+    masked_indexing: indexing by a boolean mask (aten.index / index_put), whose device-to-host read on CUDA happens
+    inside the operator and is not in `syncs`."""
 
     def __init__(self):
         super().__init__()
         self.names: Counter = Counter()
         self.syncs = 0
+        self.masked_indexing = 0
         self._inside_triton = 0
         self._saved_runs = []
         self._depth = 0
@@ -59,6 +64,9 @@ class LaunchCounter(TorchDispatchMode):
             name = func.overloadpacket.__name__
             if name in SYNC_OPS:
                 self.syncs += 1
+            if name in MASK_INDEX_OPS and any(isinstance(index, torch.Tensor) and index.dtype == torch.bool
+                                              for index in args[1]):
+                self.masked_indexing += 1
             if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or func.is_view):  # a read: no kernel
                 self.names[f"aten.{name}"] += 1
         return func(*args, **kwargs)
