@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import Callable
 
 import torch
 
@@ -143,13 +144,13 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
 
 
 def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,
-                         triton: bool, finish_checks=None) -> LossOutput:
+                         triton: bool, finish_checks: Callable[[], None] = lambda: None) -> LossOutput:
     """The loss from token_logp [N] and entropy [N] (or None), both differentiable, inputs and options validated:
     with Triton, the fused objective kernels (`triton_objective`) for the options they fuse, else the reference
     objective on the deterministic per-sample sums; without, the reference objective (`objective.erpo_objective`).
     finish_checks: the input checks' finish() (`start_loss_input_checks`), called after the fused kernels are
-    queued (they are safe on any row values) but before the reference objective (it indexes by sample_index)."""
-    finish_checks = finish_checks or (lambda: None)
+    queued (they are safe on any row values) but before the reference objective (it indexes by sample_index).
+    (A default rather than `finish_checks or ...`: torch 2.11's Dynamo cannot take the truth value of a closure.)"""
     if triton and fuses(options, token_logp, entropy):
         out = triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
         finish_checks()

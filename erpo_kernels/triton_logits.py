@@ -300,16 +300,21 @@ class ForwardVariant(NamedTuple):
 #   N=4096   block 1.15 / 2.01, warp 1.08 / 2.40, warp-1024 1.09 / 2.06
 #   N=16384  block 2.57 / 5.14, warp 2.06 / 4.71, warp-1024 2.09 / 4.70
 #   N=65536  block 9.34 / 19.6, warp 7.39 / 18.0, warp-1024 7.44 / 18.0
-# so the default is "warp-1024": 9% faster than "block" fwd+bwd at 16384 and 65536, 2% slower at 4096 (within the
-# run's spread), and unlike "warp" not slower at 4096. The log2 variants wait for a GPU run
-# (`bash bench/logits_gpu_check.sh`: erpo, erpo-log2 and Liger side by side).
+# so "warp-1024" beat "block". Then, on the same kind of machine (one H200, 2026-11-26, commit 148e4fe, bf16,
+# `python -m bench --paths logits --n 16384,4096,65536 --contenders erpo,erpo-log2,erpo-log2-2048,erpo-block,liger
+# --budget 1`; bench/measured/h200-2026-11-26/), fwd / fwd+bwd ms:
+#   N=4096   warp-1024 0.661 / 1.335, block 0.675 / 1.328, log2-1024 0.687 / 1.490, log2-2048 0.732 / 1.220
+#   N=16384  warp-1024 1.909 / 4.401, block 2.353 / 4.820, log2-1024 1.412 / 3.728, log2-2048 1.616 / 3.928
+#   N=65536  warp-1024 6.969 / 17.25, block 8.755 / 18.77, log2-1024 4.667 / 14.34, log2-2048 5.355 / 15.10
+# so the default is "log2-1024": 15-17% faster than "warp-1024" fwd+bwd at 16384 and 65536 (its forward at its
+# bandwidth floor there), 12% slower at 4096, where "log2-2048" is the fastest.
 _SHIFTED = (_logp_entropy_forward_kernel, _logp_entropy_backward_kernel)
 _LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel)
 FORWARD_VARIANTS = {"block": ForwardVariant(4096, None, *_SHIFTED), "warp": ForwardVariant(2048, 1, *_SHIFTED),
                     "warp-1024": ForwardVariant(1024, 1, *_SHIFTED),
                     "log2-1024": ForwardVariant(1024, 1, *_LOG2, max_registers=64),
                     "log2-2048": ForwardVariant(2048, 1, *_LOG2)}
-DEFAULT_FORWARD_VARIANT = "warp-1024"
+DEFAULT_FORWARD_VARIANT = "log2-1024"
 _forward_variant = [DEFAULT_FORWARD_VARIANT]
 
 

@@ -260,7 +260,11 @@ def test_every_kernel_variant_matches_reference(variant, transform, device):
     (ref_logp, ref_entropy, ref_grad), (logp, entropy, grad) = results
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    # atol 4e-6: the base-2 loops form exp2(z * log2(e) - m * log2(e)) in one FMA, whose rounding is an ulp of
+    # m * log2(e) (3.8e-6 at the row max 40 of row 4), and the GPU's exp2 is approximate: there p of the row's max
+    # logit is 1 - 2.6e-6 where fp32 rounds the reference's to 1, a gradient of 1.3e-6 where the reference has 0
+    # (H200, 2026-11-26); the shifted loops and the interpreter stay within 1e-6
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=4e-6)
     assert logp[5] == 0 and torch.all(grad[6] == 0)
     if "logit_softcap" not in transform:  # a soft-cap makes -inf a finite -c: row 2 then has a spread
         assert entropy[2] == 0 and logp[2] == 0 and torch.all(grad[1, :3000] == 0)
