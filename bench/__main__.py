@@ -31,8 +31,9 @@ def parse_args(argv):
                         help="comma list of lm_heads: qwen2.5-7b, qwen2.5-32b, or DxV (default: both Qwen2.5)")
     parser.add_argument("--n", default="4096,16384,65536", help="comma list of token-row counts N")
     parser.add_argument("--contenders", default="erpo,erpo-invariant,torch,compile,liger,cce",
-                        help="comma list of: erpo, erpo-warp, erpo-warp-1024 (logits path: ours with the forward "
-                             "kernel's one-warp-per-row variants), erpo-invariant (fused path: batch_invariant=True), "
+                        help="comma list of: erpo, erpo-block, erpo-warp, erpo-warp-1024, erpo-log2, erpo-log2-2048 "
+                             "(logits path: ours with one of the forward kernel's variants, "
+                             "triton_logits.FORWARD_VARIANTS), erpo-invariant (fused path: batch_invariant=True), "
                              "torch, compile, liger, cce (default: erpo, erpo-invariant, torch, compile, liger, cce)")
     parser.add_argument("--skip", default="",
                         help="comma list of contenders to leave out of --contenders (e.g. torch: the slow reference)")

@@ -31,7 +31,8 @@ from .problem import Problem
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
 ERPO_OPTIONS = {"qkl_coef": 0.01, "clip_low": 0.2, "clip_high": 0.2}
 LOG_RATIO_CLAMP = 20.0  # API.md default; the plain formula needs it spelled out
-CONTENDER_KEYS = ("erpo", "erpo-warp", "erpo-warp-1024", "erpo-invariant", "torch", "compile", "liger", "cce")
+CONTENDER_KEYS = ("erpo", "erpo-block", "erpo-warp", "erpo-warp-1024", "erpo-log2", "erpo-log2-2048", "erpo-invariant",
+                  "torch", "compile", "liger", "cce")
 
 
 @dataclass
@@ -263,11 +264,19 @@ CCE_HINT = "; pip install cut-cross-entropy"
 CONTENDERS = (
     Contender("erpo", "logits", "erpo_kernels.erpo_loss(backend='triton')", True, "erpo", None,
               _erpo_logits("triton"), _triton_requirement("erpo_kernels", "erpo_loss")),
+    Contender("erpo-block", "logits", "erpo_loss(backend='triton'), forward 8 warps per row, 4096-wide steps",
+              False, "erpo", None, _erpo_logits("triton", "block"), _triton_requirement("erpo_kernels", "erpo_loss")),
     Contender("erpo-warp", "logits", "erpo_loss(backend='triton'), forward one warp per row, 2048-wide steps",
               False, "erpo", None, _erpo_logits("triton", "warp"), _triton_requirement("erpo_kernels", "erpo_loss")),
     Contender("erpo-warp-1024", "logits", "erpo_loss(backend='triton'), forward one warp per row, 1024-wide steps",
               False, "erpo", None, _erpo_logits("triton", "warp-1024"),
               _triton_requirement("erpo_kernels", "erpo_loss")),
+    Contender("erpo-log2", "logits", "erpo_loss(backend='triton'), forward's base-2 loop, one warp, 1024-wide steps",
+              False, "erpo", None, _erpo_logits("triton", "log2-1024"),
+              _triton_requirement("erpo_kernels", "erpo_loss")),
+    Contender("erpo-log2-2048", "logits",
+              "erpo_loss(backend='triton'), forward's base-2 loop, one warp, 2048-wide steps", False, "erpo", None,
+              _erpo_logits("triton", "log2-2048"), _triton_requirement("erpo_kernels", "erpo_loss")),
     Contender("torch", "logits", "erpo_kernels.erpo_loss(backend='torch')", False, "erpo", None,
               _erpo_logits("torch"), _module_requirement("erpo_kernels", "erpo_loss")),
     Contender("compile", "logits", "torch.compile(log_softmax, gather, ERPO loss)", False, "erpo", None,

@@ -86,13 +86,16 @@ class BenchRun:
 # roughly by their rows.
 BENCH_RUNS = (
     # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant
-    BenchRun("ours at every N", "4096,16384,65536", cap_s=95, contenders="erpo,erpo-warp,erpo-warp-1024"),
+    BenchRun("ours at every N", "4096,16384,65536", cap_s=95, contenders="erpo,erpo-block,erpo-log2"),
     BenchRun("the targets' peers at N=16384 and 4096", "16384,4096", cap_s=150, contenders="compile,liger"),
     BenchRun("peers at N=65536", "65536", cap_s=150, skip=("erpo", "torch"),
              left_out="torch eager (backend='torch', the readable reference) at N=65536: the slowest contender by "
                       "far (bench/RESULTS.md, N=16384); at four times the rows its check and at least 3 timed runs "
                       "each of fwd and fwd+bwd would take most of the bench stage"),
     BenchRun("the other peers at N=16384 and 4096", "16384,4096", cap_s=DEADLINE_S, skip=("erpo", "compile", "liger")),
+    # the logits kernels' variants not in the first run ("warp-1024" is erpo's default): whatever time is left
+    BenchRun("the other kernel variants at every N", "4096,16384,65536", cap_s=DEADLINE_S,
+             contenders="erpo-warp,erpo-warp-1024,erpo-log2-2048"),
 )
 
 

@@ -4,9 +4,9 @@ A custom op is what torch.compile needs: a graph node with a fake implementation
 eager call also pays for torch.library's Python layers (its autograd wrapper, the redispatch to the backend, the
 filling of default arguments): about 40 us a call with autograd on and 15 us without, on the host that launches
 the kernels (`python -m bench.host_cost`). `DirectOp` calls the op itself while torch.compile traces (or any other
-dispatch mode is active: FakeTensorMode, AOTAutograd's tracing of the backward, a launch counter) and otherwise the
-op's own implementation, through a torch.autograd.Function built from the op's own setup_context and backward
-when a gradient is needed: the same code and the same results, two layers fewer.
+dispatch mode is active: FakeTensorMode, AOTAutograd's tracing of the backward, a launch counter; or a torch.func
+transform) and otherwise the op's own implementation, through a torch.autograd.Function built from the op's own
+setup_context and backward when a gradient is needed: the same code and the same results, two layers fewer.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class DirectOp:
                 "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+                or torch._C._are_functorch_transforms_active()):  # torch.func (grad, vmap): the op's own support
             return self.op(*args)
         if self.function is not None and torch.is_grad_enabled() and any(
                 isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):

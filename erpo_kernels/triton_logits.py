@@ -11,6 +11,11 @@ backward (one read, one write): with p = exp(z - lse),
          written straight to the output (optionally the logits buffer itself). The target entry is formed in
          fp32 as g_logp * (1 - p_t) + ..., so bf16 rounding never cancels it.
 
+Each pass has two loops, picked by the variant (FORWARD_VARIANTS, below): the one above, and a base-2 one with the
+same values (up to float rounding) and about half the instructions per logit (`_logp_entropy_forward_log2_kernel`,
+`_logp_entropy_backward_log2_kernel`: exp2 with log2 e folded into one FMA per logit, the linear transform folded
+into the row's constants, no mask but on the row's last block).
+
 Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V,
 and each row is reduced in a fixed order, so results are deterministic and a row's values do not depend on which
 other rows share the call (batch invariance).
@@ -24,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import LSE_FLOOR
 from .direct_ops import DirectOp
 from .triton_common import (
     grad_of_logits,
@@ -56,6 +62,14 @@ def _logp_entropy_forward_kernel(
         start += BLOCK_V
     lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
                                          tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
+    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, lse, entropy, vocab_size,
+               logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+
+
+@triton.jit
+def _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, lse, entropy, vocab_size,
+               logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr):
+    """Store a row's lse and entropy, and its logp = z_target - lse from one direct load of the target logit."""
     target = tl.load(targets_ptr + row)
     scored = target != -100
     # column 0 for an ignored row, and for a target outside [0, V): the row checks report that one after this
@@ -66,6 +80,74 @@ def _logp_entropy_forward_kernel(
     tl.store(logp_ptr + row, tl.where(scored, z_target - lse, 0.0))
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
+
+
+_LSE_FLOOR = tl.constexpr(LSE_FLOOR)
+_FAR_BELOW = tl.constexpr(-1.0e30)  # below any logit, and finite times any k < 3e8
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
+    """The online log-sum-exp with entropy of `triton_common`, in base 2, for a block x [BLOCK_V] fp32 of the row in
+    units where z = x * (k / log2 e) (k > 0): a_j = (x_j - m) k = (z_j - m_z) log2 e, e_j = 2^a_j = exp(z_j - m_z);
+    sum_exp s = sum e_j, sum_exp_shift u = sum e_j a_j. One FMA, one max and one exp2 per logit for a, one add and
+    one FMA for s and u; the block's max, s and u reduce within the warp. A larger max rescales both once per block:
+    with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). The scalars m and m_old - m_new are floored at
+    _FAR_BELOW before the multiply by k, which keeps k m and d finite while the row has only seen -inf (m is then
+    LSE_FLOOR) and gives 2^d = 0 all the same."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k
+    scale = tl.exp2(shift)
+    a = x * k - tl.maximum(new_max, _FAR_BELOW) * k
+    e = tl.exp2(a)
+    # e a is 0 where e is (x = -inf gives a = -inf: 0 * -inf), so a is floored first; a NaN stays NaN through e
+    sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * tl.maximum(a, _LSE_FLOOR), axis=0)
+    sum_exp = scale * sum_exp + tl.sum(e, axis=0)
+    return new_max, sum_exp, sum_exp_shift
+
+
+@triton.jit
+def _logp_entropy_forward_log2_kernel(
+    logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """`_logp_entropy_forward_kernel`'s results with fewer instructions per logit (a bf16 logit is 2 bytes: at the
+    H200's 4.8 TB/s one SM gets ~9 logits a cycle, so a loop of ~12 instructions a logit is issue-bound):
+    `_fold_block_log2` on the raw logits when there is no soft-cap (the linear transform's factor folded into k,
+    no multiply per logit), the blocks that lie inside the row loaded without a mask and only the last one with it."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    if SOFTCAP:
+        unit = 1.0  # x is z, transformed per logit
+    else:
+        unit = logit_scale * inv_temperature  # z = x * unit
+    k = unit * _LOG2E
+    running_max = _LSE_FLOOR + 0.0
+    sum_exp = 0.0
+    sum_exp_shift = 0.0
+    offsets = tl.arange(0, BLOCK_V)
+    inside_end = vocab_size - vocab_size % BLOCK_V
+    start = 0
+    while start < inside_end:  # triton_common's note on loop bounds
+        x = tl.load(row_ptr + (start + offsets).to(tl.int64) * stride_col).to(tl.float32)
+        if SOFTCAP:
+            x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
+        start += BLOCK_V
+    if inside_end < vocab_size:
+        cols = inside_end + offsets
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+        x = tl.where(cols < vocab_size, x, -float("inf"))
+        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
+    max_z = tl.maximum(running_max, _FAR_BELOW) * unit  # -inf rows: lse = -inf either way, nothing overflows
+    log_sum_exp = tl.log(sum_exp)
+    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, max_z + log_sum_exp,
+               log_sum_exp - sum_exp_shift * _LN2 / sum_exp, vocab_size, logit_scale, logit_softcap,
+               inv_temperature, SOFTCAP)
 
 
 @triton.jit
@@ -95,6 +177,73 @@ def _logp_entropy_backward_kernel(
         start += BLOCK_V
 
 
+@triton.jit
+def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap, inv_temperature,
+                   SOFTCAP: tl.constexpr):
+    """d logits of a block x [BLOCK_V] fp32 of logits, c = g_logp + g_H H (`_logp_entropy_backward_log2_kernel`)."""
+    if SOFTCAP:
+        z, slope = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+        log_p = z - lse
+        p = tl.exp2(log_p * _LOG2E)
+        # log p floored: a -inf logit gives p = 0 times a finite factor, 0 (not 0 * inf)
+        grad = -p * (c + g_entropy * tl.maximum(log_p, _FAR_BELOW))
+        return tl.where(is_target, grad + g_logp, grad) * slope
+    else:
+        log_p = x * unit - lse
+        p = tl.exp2(x * (unit * _LOG2E) - lse * _LOG2E)
+        grad = -p * (c * unit + (g_entropy * unit) * tl.maximum(log_p, _FAR_BELOW))
+        return tl.where(is_target, grad + g_logp * unit, grad)
+
+
+@triton.jit
+def _logp_entropy_backward_log2_kernel(
+    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """`_logp_entropy_backward_kernel`'s d logits in about half the instructions per logit (a logit's 4 bytes, read
+    and written, leave about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse)
+    log2 e) and c = g_logp + g_H H (a constant of the row), grad_of_logits' dz_j is
+        dz_j = -p_j (c + g_H log p_j) + [j = t] g_logp,
+    and without the soft-cap d z / d logits = u = logit_scale / temperature is folded into the row's constants:
+    dlogits_j = -p_j (u c + u g_H log p_j) + [j = t] u g_logp, with p_j and log p_j one FMA each from the raw logit.
+    A row that receives no gradient is written zeros without reading its logits; the blocks inside the row are
+    loaded without a mask and only the last one with it."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    grad_row_ptr = grad_ptr + row * grad_stride_row
+    target = tl.load(targets_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    g_logp = tl.where(target != -100, tl.load(grad_logp_ptr + row), 0.0)
+    g_entropy = tl.load(grad_entropy_ptr + row)
+    unit = logit_scale * inv_temperature  # d z / d logits without the soft-cap
+    c = g_logp + g_entropy * tl.load(entropy_ptr + row)
+    offsets = tl.arange(0, BLOCK_V)
+    inside_end = vocab_size - vocab_size % BLOCK_V
+    if (g_logp != 0) | (g_entropy != 0):
+        start = 0
+        while start < inside_end:  # triton_common's note on loop bounds
+            cols = start + offsets
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_col).to(tl.float32)
+            grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
+                                  inv_temperature, SOFTCAP)
+            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty))
+            start += BLOCK_V
+        cols = inside_end + offsets
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
+        grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
+                              inv_temperature, SOFTCAP)
+        tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty),
+                 mask=cols < vocab_size)
+    else:
+        start = 0
+        while start < vocab_size:
+            cols = start + offsets
+            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col,
+                     tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty), mask=cols < vocab_size)
+            start += BLOCK_V
+
+
 def block_size_for(vocab_size: int, widest: int = 4096) -> int:
     """Vocabulary block of one loop step: a function of V only (and the variant), which keeps results
     batch-invariant."""
@@ -107,34 +256,67 @@ def _num_warps(block_v: int) -> int:
 
 class ForwardVariant(NamedTuple):
     """How the forward kernel walks a row: `widest` logits per loop step, `num_warps` warps per row (None: 8 for
-    steps of >= 2048, else 4). Each step costs three reductions across the row's threads (max, sum exp, sum exp
-    times shift); across warps each is a shared-memory exchange and a barrier, within one warp only shuffles."""
+    steps of >= 2048, else 4), and `kernel`, the loop; `backward`, the dlogits kernel that goes with it (4096-wide
+    steps, 8 warps). Each forward step costs three reductions across the row's threads (max, sum exp, sum exp times
+    shift); across warps each is a shared-memory exchange and a barrier, within one warp only shuffles."""
 
     widest: int
     num_warps: Optional[int]
+    kernel: object  # a @triton.jit kernel with _logp_entropy_forward_kernel's arguments
+    backward: object  # a @triton.jit kernel with _logp_entropy_backward_kernel's arguments
+    # the forward's registers per thread at most without the soft-cap (Triton's maxnreg; None: ptxas' choice); with
+    # it the loop needs more (the cap would spill), so none is set
+    max_registers: Optional[int] = None
+
+    def launch_options(self, block_v: int, softcap: bool) -> dict:
+        """The forward kernel's launch options (num_warps, maxnreg when set) for steps of block_v logits."""
+        options = {"num_warps": self.num_warps or _num_warps(block_v)}
+        if self.max_registers is not None and not softcap:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 # Every variant reads each logit once (the floor's bytes); they differ in what a step costs beyond the loads. At
 # V = 152064:
 #   "block":     8 warps, 4096-wide steps: 38 steps, each 3 block-wide reductions (shuffles, a shared-memory exchange
-#                and barriers) for 16 logits per thread; on the H100 (2026-11-25, 7186653) the logits path's
-#                fwd+bwd took 23.7 ms at N=65536 against a 19.8 ms floor, launches of the old objective included.
+#                and barriers) for 16 logits per thread.
 #   "warp":      one warp per row, 2048-wide steps: 75 steps of 3 warp-shuffle reductions (no shared memory, no
 #                barrier) for 64 logits per thread; rows, not threads, fill the SM (as Liger's forward).
 #   "warp-1024": the same with 1024-wide steps (149 steps, 32 logits per thread), fewer registers.
-# ptxas (tests/workers/logits_compile_check.py, sm_90, bf16): 32, 143 and 64 registers per thread, no spills; at
-# 143 an SM holds 14 rows' warps, 4 KiB of loads each in flight per step: above what H100's bandwidth-latency
-# product asks per SM (estimated, not measured: 3.35 TB/s x ~600 ns / 132 SMs, about 15 KiB). Which is fastest
-# is for the GPU to say: `python -m bench --paths logits --contenders erpo,erpo-warp,erpo-warp-1024` times them
-# side by side; the default stays the measured one until then.
-FORWARD_VARIANTS = {"block": ForwardVariant(4096, None), "warp": ForwardVariant(2048, 1),
-                    "warp-1024": ForwardVariant(1024, 1)}
-_forward_variant = ["block"]
+#   "log2-1024", "log2-2048": one warp per row, 1024- / 2048-wide steps of `_logp_entropy_forward_log2_kernel`,
+#                and `_logp_entropy_backward_log2_kernel` for the backward. "log2-1024" is held to 64 registers
+#                (ptxas would take 80): an SM then holds 32 rows, the most one-warp programs it runs at once, so
+#                N=4096 rows fit one wave on 132 SMs (at 80 registers 25 rows an SM, 1.24 waves); no spill, 9.4
+#                instructions a logit instead of 9.3.
+# What a logit costs in instructions, read from ptxas' code for sm_90 (tests/workers/logits_compile_check.py, bf16,
+# contiguous aligned rows as launched; 2026-11-26; not a timing): the loop over the vocabulary takes per logit
+# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.4 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
+# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 64 and 150 registers; the backward loops
+# 26.8 (`_logp_entropy_backward_kernel`) and 15.4 (log2; Liger's: 16.8). A bf16 logit is 2 bytes: at an H200's
+# 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread instructions) a cycle, about 14 a
+# logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops are over that budget.
+# Measured on one H200 (2026-11-25, commit fd4ea16, bf16, `python -m bench --n 4096,16384,65536 --budget 2
+# --contenders erpo,erpo-warp,erpo-warp-1024`, in bench/gpu_check.sh's bench stage), fwd / fwd+bwd ms:
+#   N=4096   block 1.15 / 2.01, warp 1.08 / 2.40, warp-1024 1.09 / 2.06
+#   N=16384  block 2.57 / 5.14, warp 2.06 / 4.71, warp-1024 2.09 / 4.70
+#   N=65536  block 9.34 / 19.6, warp 7.39 / 18.0, warp-1024 7.44 / 18.0
+# so the default is "warp-1024": 9% faster than "block" fwd+bwd at 16384 and 65536, 2% slower at 4096 (within the
+# run's spread), and unlike "warp" not slower at 4096. The log2 variants wait for a GPU run
+# (`bash bench/logits_gpu_check.sh`: erpo, erpo-log2 and Liger side by side).
+_SHIFTED = (_logp_entropy_forward_kernel, _logp_entropy_backward_kernel)
+_LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel)
+FORWARD_VARIANTS = {"block": ForwardVariant(4096, None, *_SHIFTED), "warp": ForwardVariant(2048, 1, *_SHIFTED),
+                    "warp-1024": ForwardVariant(1024, 1, *_SHIFTED),
+                    "log2-1024": ForwardVariant(1024, 1, *_LOG2, max_registers=64),
+                    "log2-2048": ForwardVariant(2048, 1, *_LOG2)}
+DEFAULT_FORWARD_VARIANT = "warp-1024"
+_forward_variant = [DEFAULT_FORWARD_VARIANT]
 
 
 @contextlib.contextmanager
 def forward_variant(name: str):
-    """Run the forward kernel as FORWARD_VARIANTS[name] inside the block (bench's variants; process-wide)."""
+    """Run the logits kernels as FORWARD_VARIANTS[name] inside the block (bench's variants; process-wide): the
+    forward, and the backward of the losses formed in the block, whenever it runs (outside torch.compile)."""
     if name not in FORWARD_VARIANTS:
         raise ValueError(f"forward variant must be one of {list(FORWARD_VARIANTS)}, got {name!r}")
     previous = _forward_variant[0]
@@ -151,10 +333,10 @@ def _launch_forward(logits, targets, transform: LogitTransform):
     variant = FORWARD_VARIANTS[_forward_variant[0]]
     block_v = block_size_for(vocab_size, variant.widest)
     if num_rows > 0:
-        _logp_entropy_forward_kernel[(num_rows,)](
+        variant.kernel[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), targets, logp, entropy, lse,
             vocab_size, *transform_arguments(transform), BLOCK_V=block_v,
-            num_warps=variant.num_warps or _num_warps(block_v))
+            **variant.launch_options(block_v, transform.logit_softcap is not None))
     return logp, entropy, lse
 
 
@@ -162,7 +344,7 @@ def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad
     num_rows, vocab_size = logits.shape
     block_v = block_size_for(vocab_size)
     if num_rows > 0:
-        _logp_entropy_backward_kernel[(num_rows,)](
+        FORWARD_VARIANTS[_forward_variant[0]].backward[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
             targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
             vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
@@ -228,6 +410,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, targets, lse, entropy)
     ctx.transform = (temperature, logit_scale, logit_softcap)
     ctx.inplace_backward = inplace_backward
+    ctx.variant = _forward_variant[0]  # the backward kernel that goes with the forward that ran
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient (never read)
 
@@ -239,11 +422,13 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
         return None, None, None, None, None, None
     grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
     grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
-    if ctx.inplace_backward:
-        _logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
-        grad_logits = logits
-    else:
-        grad_logits = _logp_entropy_backward(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
+    with forward_variant(ctx.variant):
+        if ctx.inplace_backward:
+            _logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
+            grad_logits = logits
+        else:
+            grad_logits = _logp_entropy_backward(logits, targets, lse, entropy, grad_logp, grad_entropy,
+                                                 *ctx.transform)
     return grad_logits, None, None, None, None, None
 
 

@@ -6,6 +6,7 @@ import copy
 import importlib.resources
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -14,13 +15,19 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
+import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
+from erpo.integrations.trl.layout import completion_rows  # noqa: E402
 from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
+from erpo.integrations.trl.scorer import LogitsScorer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
+    compute_query_logp,  # noqa: E402
     prompt_hash,
 )
+from erpo_kernels import token_logprobs  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
@@ -768,12 +775,12 @@ def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fu
     loss = getattr(scorer_module, loss_name)
     monkeypatch.setattr(scorer_module, loss_name, lambda *args, **kwargs: seen.update(kwargs) or loss(*args, **kwargs))
     trainer._compute_loss(trainer.model, inputs)
-    rows = trainer_module.completion_rows(inputs)
+    rows = trainer_module.completion_rows(inputs, every_position=not fused_linear)
     with torch.no_grad():
         logps = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])[0]
-    refilled = rows.scored.gather(seen["rollout_logp"])[1, 1]
+    refilled = rows.loss_rows.gather(seen["rollout_logp"])[1, 1]
     assert refilled.item() == pytest.approx(logps[1, 1].item(), abs=1e-5)
 
 
@@ -795,20 +802,103 @@ def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear, 
     the first optimizer step, whatever the attention kernel and precision. The cached ell_theta0 is scored as the
     training forward (autocast, path): with eager attention it gives exactly 0 too (sdpa's CPU kernel depends on
     the key length in bf16, docs)."""
-    trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
-                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": attention})
+    trainer = theta0_trainer(tiny, tmp_path, bf16=bf16, fused_linear=fused_linear, attention=attention)
     assert ("autocast=bfloat16" if bf16 else "autocast=off") in trainer.reference_cache.precision
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
-    inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
-    width = 30   # completions (all masked) this long: sdpa's bf16 prompt log-probs then differ from the cache's
-    inputs["completion_ids"] = torch.randint(3, len(tiny[1]), (4, width), generator=torch.Generator().manual_seed(0))
-    inputs["completion_mask"], inputs["tool_mask"] = torch.zeros((4, width), dtype=torch.long), torch.ones((4, width))
+    inputs = masked_completions(trainer)
     for at_theta0 in [True] + ([False] if attention == "eager" else []):
         trainer.at_theta0 = at_theta0
         loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
         assert loss.item() == 0.0
         assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def theta0_trainer(tiny, tmp_path, *, bf16=False, fused_linear=False, attention="eager"):
+    """A trainer whose loss is the Query-KL alone (qkl_coef=1, w = 1, beta = 0), in training mode, at theta0."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": attention})
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    return trainer
+
+
+def masked_completions(trainer, width=30):
+    """`trl_inputs` with every completion masked (as mask_truncated_completions leaves them), `width` tokens long:
+    only the prompts are scored. At 30, sdpa's bf16 prompt log-probs differ from the cache's."""
+    inputs = {k: v for k, v in trl_inputs(trainer).items() if not k.startswith("noise")}
+    vocab = len(trainer.processing_class)
+    inputs["completion_ids"] = torch.randint(3, vocab, (4, width), generator=torch.Generator().manual_seed(0))
+    inputs["completion_mask"], inputs["tool_mask"] = torch.zeros((4, width), dtype=torch.long), torch.ones((4, width))
+    return inputs
+
+
+def on_the_triton_path(monkeypatch):
+    """backend="auto" picks the Triton kernels on CPU tensors too (the interpreter, standing in for CUDA), where the
+    per-sample sums' order follows the rows' positions."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
+    resolve = api.resolve_backend
+    monkeypatch.setattr(api, "resolve_backend",
+                        lambda backend, device: resolve("triton" if backend == "auto" else backend, device))
+
+
+def test_query_kl_is_exactly_zero_at_theta0_on_the_triton_path(tiny, tmp_path, monkeypatch):
+    """The logits path on the Triton kernels: the loss sums every position's row (kind 0 where nothing is scored),
+    and ell_theta0(q) at theta0, the forward's own, is summed over the same rows in the same order, so the loss and
+    its gradient are exactly 0 there too."""
+    on_the_triton_path(monkeypatch)
+    trainer = theta0_trainer(tiny, tmp_path)
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, masked_completions(trainer))
+    assert loss.item() == 0.0
+    assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+def test_logits_path_scores_every_position_without_a_selection(tiny, tmp_path):
+    """fused_linear=False scores every position of TRL's [B, T] batch (kind 0 where nothing is scored): the model's
+    logits are the rows as it returns them (a view, no [R, V] copy), and the forward, the log-probs and the loss's
+    fwd+bwd select nothing (no nonzero, no boolean-mask index: each a host read on CUDA; the reads left are the
+    value checks' and the model's own). The scored rows' log-probs are, bit for bit, those of the scored rows
+    alone."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=False)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    rows = completion_rows(inputs, every_position=True)
+    options, tensors = trainer._loss_options(inputs, rows, "train")
+    with LaunchCounter(device="cpu") as counter:  # the trainer's device
+        scorer = LogitsScorer(trainer.model, rows.batch, temperature=trainer.temperature,
+                              autocast=contextlib.nullcontext, logit_options={})
+        assert scorer.logits.data_ptr() == scorer.output.logits.data_ptr()
+        with scorer.head():
+            logp = scorer.logprobs()
+            scorer.loss(advantages=inputs["advantages"], ref_query_logp=torch.full((4,), -10.0), **tensors,
+                        **options).loss.backward()
+    assert not {"aten.index", "aten.index_put_", "aten.nonzero"} & set(counter.sync_names), counter.sync_names
+    scored = rows.layout.rows
+    alone = token_logprobs(scorer.logits.detach()[scored], rows.layout.targets[scored], temperature=trainer.temperature)
+    assert torch.equal(logp[scored], alone) and not logp[~scored].any()
+
+
+def test_reference_cache_scores_the_prompt_rows_alone(tiny, tmp_path, monkeypatch):
+    """The reference cache of the logits path does not go through the scorer, which keeps every position: its
+    ell_theta0(q) are, bit for bit, the sums of the prompt rows selected from the model's logits (right-padded
+    prompts plus one masked column), as at commit 1598eac. On the Triton path, whose per-sample sums the GPU runs."""
+    on_the_triton_path(monkeypatch)
+    trainer = make_trainer(tiny, tmp_path, fused_linear=False, model_init_kwargs={"attn_implementation": "eager"})
+    prompt_ids = trainer._prompt_ids(trainer.train_dataset)
+
+    def selected_rows(batch):   # the cache's scoring before the every-position scorer, written out
+        input_ids, attention_mask = (torch.cat([t, torch.zeros_like(t[:, :1])], 1)
+                                     for t in (batch.input_ids, batch.attention_mask))
+        rows = torch.cat([batch.rows.reshape(len(input_ids), -1), torch.zeros_like(input_ids[:, :1]).bool()], 1)
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return token_logprobs(logits.reshape(-1, logits.shape[-1])[rows.reshape(-1)], batch.targets,
+                              temperature=trainer.temperature)
+
+    with torch.no_grad():
+        expected = compute_query_logp(trainer.model, prompt_ids, pad_id=trainer.processing_class.pad_token_id,
+                                      batch_size=trainer.args.per_device_train_batch_size, score=selected_rows)
+    cached = torch.tensor([trainer.reference_cache.entries[prompt_hash(p)][0] for p in prompt_ids],
+                          dtype=torch.float64)
+    assert len(prompt_ids) == len(PROMPTS) and torch.equal(cached, expected)
 
 
 def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path):

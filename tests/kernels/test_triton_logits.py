@@ -7,6 +7,7 @@ from erpo_kernels import erpo_loss, token_logprobs
 from erpo_kernels.triton_logits import FORWARD_VARIANTS, _launch_forward, block_size_for, forward_variant
 from erpo_kernels.validation import NO_TRANSFORM
 from helpers import loss_inputs, random_batch
+from launch_counts import LaunchCounter
 from test_reference import OPTION_CASES
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -84,13 +85,16 @@ def test_bf16_logits_with_bf16_gradient(device):
     torch.testing.assert_close(tri_grad.float(), ref_grad.float(), rtol=2e-2, atol=1e-4)
 
 
-def test_target_gradient_exact_in_bf16(device):
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_target_gradient_exact_in_bf16(variant, device):
     """A confident row (p_target ~ 1 - 1e-3): the target's gradient g * (1 - p) is formed in fp32 and rounded
-    once, not read back from a bf16 softmax and subtracted (which would give 0 or a 100% error)."""
+    once, not read back from a bf16 softmax and subtracted (which would give 0 or a 100% error); every variant's
+    backward."""
     logits = torch.zeros(1, 64, device=device)
     logits[0, 5] = 10.0
     logits = logits.to(device, torch.bfloat16).requires_grad_(True)
-    logp = token_logprobs(logits, torch.tensor([5], device=device), backend="triton")
+    with forward_variant(variant):
+        logp = token_logprobs(logits, torch.tensor([5], device=device), backend="triton")
     logp.sum().backward()
     z = logits.detach().double()
     expected = 1 - torch.softmax(z, -1)[0, 5]
@@ -220,3 +224,43 @@ def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device
 
 def test_block_size_depends_on_vocabulary_only():
     assert block_size_for(37) == 64 and block_size_for(4096) == 4096 and block_size_for(152064) == 4096
+
+
+@pytest.mark.parametrize("transform", [dict(temperature=0.8),
+                                       dict(logit_scale=1.7, logit_softcap=6.0, temperature=1.3)],
+                         ids=["plain", "soft-capped"])
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_every_kernel_variant_matches_reference(variant, transform, device):
+    """Each variant's forward and backward (bench's erpo-* contenders) against the reference, on rows that span
+    several loop steps and end in a partial one (V = 2 * 2048 + 37), with a row whose leading and trailing logits
+    are -inf (a masked vocabulary: the -inf must neither poison the sums, the entropy nor the gradient), a row of one
+    finite logit (entropy 0), rows far from 0 (the running max rescales) and a row that receives no gradient. The
+    backward runs after the variant's block: it is the variant of the forward that formed the loss."""
+    n, v = 7, 2 * 2048 + 37
+    logits = (torch.randn(n, v) * 4).to(device)
+    logits[1, :3000] = float("-inf")
+    logits[1, -5:] = float("-inf")
+    logits[2] = float("-inf")
+    logits[2, 77] = 3.0
+    logits[3] += 60.0
+    logits[4, -1] = 40.0  # the row's max in its last, partial step
+    targets = torch.tensor([5, 3100, 77, v - 1, v - 1, -100, 9], device=device)
+    g_logp, g_entropy = torch.randn(n).to(device), torch.randn(n).to(device)
+    g_logp[6] = g_entropy[6] = 0.0
+    results = []
+    for backend in ("torch", "triton"):
+        leaf = logits.clone().requires_grad_(True)
+        with forward_variant(variant):
+            logp, entropy = token_logprobs(leaf, targets, return_entropy=True, backend=backend, **transform)
+        with LaunchCounter() as counter:
+            ((g_logp * logp).sum() + (g_entropy * entropy).sum()).backward()
+        if backend == "triton":
+            assert counter.names[f"triton.{FORWARD_VARIANTS[variant].backward.__name__}"] == 1, counter.names
+        results.append((logp, entropy, leaf.grad))
+    (ref_logp, ref_entropy, ref_grad), (logp, entropy, grad) = results
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert logp[5] == 0 and torch.all(grad[6] == 0)
+    if "logit_softcap" not in transform:  # a soft-cap makes -inf a finite -c: row 2 then has a spread
+        assert entropy[2] == 0 and logp[2] == 0 and torch.all(grad[1, :3000] == 0)

@@ -32,13 +32,15 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
                                             "| bench 2: the targets' peers at N=16384 and 4096",
                                             "| bench 3: peers at N=65536",
-                                            "| bench 4: the other peers at N=16384 and 4096"]
-    assert "- result: 3 passed" in summary and "- commit: abc123" in summary
+                                            "| bench 4: the other peers at N=16384 and 4096",
+                                            "| bench 5: the other kernel variants at every N"]
+    # the device guard's 2 tests and the bf16 target-gradient test for each of the 5 logits-kernel variants
+    assert "- result: 7 passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
     runs = read_runs(out / "bench.jsonl")
-    assert len(runs) == 4 and all(run["meta"]["commit"] == "abc123" for run in runs)
+    assert len(runs) == len(gpu_check.BENCH_RUNS) == 5 and all(run["meta"]["commit"] == "abc123" for run in runs)
     assert [(r["contender"], r["status"]) for r in runs[0]["rows"]][0] == ("torch", "ok")
     assert {r["contender"] for run in runs[1:] for r in run["rows"]} <= {"torch", "liger"}
     assert "| V=1000 | 128 | torch | erpo | ok |" in (out / "bench-results.md").read_text()

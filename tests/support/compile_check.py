@@ -18,13 +18,16 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200
 
 
-def compile_for_hopper(kernel, signature: dict, constexprs: dict, **options):
-    """Compile `kernel` (@triton.jit, possibly in interpreter mode) for sm_90; returns the compiled kernel."""
+def compile_for_hopper(kernel, signature: dict, constexprs: dict, divisible_by_16=(), **options):
+    """Compile `kernel` (@triton.jit, possibly in interpreter mode) for sm_90; returns the compiled kernel.
+    divisible_by_16: the arguments the launcher would specialize as multiples of 16 (aligned pointers, strides and
+    sizes such as V = 152064), which lets Triton vectorize the loads as it does at run time."""
     python_fn = getattr(kernel, "fn", kernel)
     jit_fn = python_fn if isinstance(python_fn, JITFunction) else JITFunction(python_fn)
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
-    compiled = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs), target=HOPPER,
-                              options=options)
+    attrs = {(jit_fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
+    compiled = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=HOPPER, options=options)
     assert compiled.asm["cubin"], "no cubin produced"
     assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"shared memory {compiled.metadata.shared} B"
     return compiled
@@ -44,6 +47,40 @@ def register_usage(compiled) -> tuple[int, int]:
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     return registers, spills
+
+
+def loop_instructions(compiled) -> int:
+    """SASS instructions in the longest loop of a compiled kernel (a backward branch's span, from Triton's bundled
+    nvdisasm): for a row kernel, what one step of its loop over the vocabulary costs every thread."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    disassembler = Path(get_ptxas(HOPPER.arch).path).with_name("nvdisasm")
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(disassembler), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    address = {}  # label -> address of the instruction after it
+    pending = []
+    instructions = []  # (address, text)
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        at = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if at:
+            for name in pending:
+                address[name] = int(at.group(1), 16)
+            pending = []
+            instructions.append((int(at.group(1), 16), line))
+    longest = 0
+    for here, line in instructions:
+        target = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line)
+        if target and address.get(target.group(1), here) < here:
+            start = address[target.group(1)]
+            longest = max(longest, sum(start <= at <= here for at, _ in instructions))
+    return longest
 
 
 def run_compile_script(script: str) -> str:

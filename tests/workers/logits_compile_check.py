@@ -1,7 +1,7 @@
 """Compile the logits-path kernels for sm_90 (run without TRITON_INTERPRET; used by
 tests/kernels/test_compile_hopper.py). Prints one 'compiled ...' line per kernel and dtype,
 with its registers per thread and spill bytes (ptxas)."""
-from compile_check import compile_for_hopper, register_usage
+from compile_check import compile_for_hopper, loop_instructions, register_usage
 from erpo_kernels import triton_logits, triton_objective, triton_quantile, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
@@ -29,15 +29,45 @@ def main():
                        {"values_ptr": "*fp32", "order_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"},
                        {"BLOCK": 256})
     print("compiled segment_sum fp32", flush=True)
-    for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-warp*)
+    for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-*)
         signature = {"logits_ptr": "*bf16", "stride_row": "i64", "stride_col": "i32", "targets_ptr": "*i64",
                      "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "vocab_size": "i32",
                      "logit_scale": "fp32", "logit_softcap": "fp32", "inv_temperature": "fp32"}
         block_v = triton_logits.block_size_for(152064, variant.widest)
-        compiled = compile_for_hopper(triton_logits._logp_entropy_forward_kernel, signature,
-                                      {"SOFTCAP": False, "BLOCK_V": block_v}, num_warps=variant.num_warps or 8)
-        print(f"compiled forward-variant {name} bf16 registers=%d spill_bytes=%d" % register_usage(compiled),
-              flush=True)
+        for softcap in (False, True):
+            compiled = compile_for_hopper(variant.kernel, signature, {"SOFTCAP": softcap, "BLOCK_V": block_v},
+                                          **variant.launch_options(block_v, softcap))
+            print(f"compiled forward-variant {name}{'-softcap' if softcap else ''} bf16 registers=%d "
+                  "spill_bytes=%d" % register_usage(compiled), flush=True)
+        # as launched on contiguous 152064-wide bf16 rows (stride 1, aligned rows: vectorized loads): the loop's
+        # SASS instructions per logit, what the forward costs beyond its bytes
+        aligned = dict(signature)
+        del aligned["stride_col"]
+        compiled = compile_for_hopper(variant.kernel, aligned, {"stride_col": 1, "SOFTCAP": False, "BLOCK_V": block_v},
+                                      divisible_by_16=("logits_ptr", "stride_row", "targets_ptr", "logp_ptr",
+                                                       "entropy_ptr", "lse_ptr", "vocab_size"),
+                                      **variant.launch_options(block_v, False))
+        per_thread = block_v // (32 * (variant.num_warps or 8))
+        print(f"loop forward-variant {name} bf16 registers=%d instructions_per_logit=%.1f" % (
+            register_usage(compiled)[0], loop_instructions(compiled) / per_thread), flush=True)
+    backward_signature = {"logits_ptr": "*bf16", "stride_row": "i64", "grad_ptr": "*bf16", "grad_stride_row": "i64",
+                          "targets_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
+                          "grad_entropy_ptr": "*fp32", "vocab_size": "i32", "logit_scale": "fp32",
+                          "logit_softcap": "fp32", "inv_temperature": "fp32"}
+    for name, kernel in (("shifted", triton_logits._logp_entropy_backward_kernel),
+                         ("log2", triton_logits._logp_entropy_backward_log2_kernel)):
+        for softcap in (False, True):
+            compiled = compile_for_hopper(kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32"),
+                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
+            print(f"compiled backward-variant {name}{'-softcap' if softcap else ''} bf16 registers=%d "
+                  "spill_bytes=%d" % register_usage(compiled), flush=True)
+        compiled = compile_for_hopper(kernel, backward_signature, {"stride_col": 1, "grad_stride_col": 1,
+                                                                   "SOFTCAP": False, "BLOCK_V": BLOCK_V},
+                                      divisible_by_16=("logits_ptr", "stride_row", "grad_ptr", "grad_stride_row",
+                                                       "targets_ptr", "lse_ptr", "entropy_ptr", "grad_logp_ptr",
+                                                       "grad_entropy_ptr", "vocab_size"), num_warps=8)
+        print(f"loop backward-variant {name} bf16 registers=%d instructions_per_logit=%.1f" % (
+            register_usage(compiled)[0], loop_instructions(compiled) / (BLOCK_V // (32 * 8))), flush=True)
     compile_objective_kernels()
 
 

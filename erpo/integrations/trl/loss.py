@@ -106,7 +106,7 @@ class LossOptionsMixin:
         options.update(qkl_coef=self.args.qkl_coef, qkl_estimator=self.args.qkl_estimator,
                        temperature=self.temperature,
                        **self._logit_options)  # the model's logit transform on the fused-linear path (ERPOTrainer)
-        return options, {name: None if value is None else rows.scored.scatter(value, name)
+        return options, {name: None if value is None else rows.loss_rows.scatter(value, name)
                          for name, value in tensors.items()}
 
     def _current_query_weights(self, query_logp: torch.Tensor) -> torch.Tensor:

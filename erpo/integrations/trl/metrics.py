@@ -22,8 +22,8 @@ class LossMetricsMixin:
     def _log_loss_metrics(self, mode: str, inputs: dict, rows: CompletionRows, out, query_weight, options,
                           aux_loss) -> None:
         metrics = self._metrics[mode]
-        mask = rows.scored.layout.response_mask
-        logp = rows.scored.gather(out.token_logp)
+        mask = rows.layout.response_mask
+        logp = rows.loss_rows.gather(out.token_logp)
         old = inputs.get("old_per_token_logps")
         log_ratio = logp - (logp if old is None else old)
         if self.importance_sampling_level == "sequence":
@@ -50,7 +50,7 @@ class LossMetricsMixin:
             ref = inputs["ref_per_token_logps"]
             kl = torch.expm1(ref - logp) - (ref - logp)
             metrics["kl"].append(global_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
-        metrics["entropy"].append(global_mean(rows.scored.gather(out.entropy)))
+        metrics["entropy"].append(global_mean(rows.loss_rows.gather(out.entropy)))
         if PG_OBJECTIVES[self.loss_type] == "ppo-clip":
             self._log_clip_ratios(metrics, mask, ratio, advantages, global_mean)
         elif self.loss_type == "cispo":   # truncated weights of positive advantages only (our clip_frac counts all)

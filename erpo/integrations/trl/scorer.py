@@ -1,7 +1,8 @@
 """How ERPOTrainer scores a micro-batch, chosen once per `_compute_loss`: `FusedLinearScorer` (hidden states x the
-lm_head in the kernels, with the model's logit transform; the [R, V] logits never built) or `LogitsScorer` (the
-model's own logits, already transformed). Both run the forward at construction and give, inside `head()`, the
-detached log-probs of any rows (`logprobs`) and the ERPO loss (`loss`) of the same forward."""
+lm_head in the kernels, with the model's logit transform, on the scored rows alone; the [R, V] logits never built)
+or `LogitsScorer` (the model's own logits, already transformed, on every position). Both run the forward at
+construction and give, inside `head()`, the detached log-probs of their rows (`logprobs`) and the ERPO loss (`loss`)
+of the same forward. Their `batch` is `completion_rows`' (layout.py), for each path."""
 from __future__ import annotations
 
 import contextlib
@@ -9,22 +10,30 @@ import contextlib
 import torch
 
 from erpo.sequences import PackedBatch, final_hidden_and_output
-from erpo_kernels import erpo_loss, fused_linear_erpo_loss, fused_linear_token_logprobs, token_logprobs
+from erpo_kernels import (
+    CompletionLayout,
+    erpo_loss,
+    fused_linear_erpo_loss,
+    fused_linear_token_logprobs,
+    token_logprobs,
+)
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
 from erpo_kernels.zero3 import find_lm_head
 
 
 class LogitsScorer:
-    """The model's logits [R, V] of the scored rows (the forward under `autocast`, a context manager factory);
-    `output`: the model's whole output, for the MoE aux_loss (`release_output()` drops it)."""
+    """The model's logits [B * T, V] of every position of `batch` (a CompletionLayout: kind 0 where nothing is
+    scored), as the forward returns them: no selection of the scored rows, so no host read and no [R, V] copy (the
+    loss skips the rows of kind 0). The forward runs under `autocast` (a context manager factory); `output`: the
+    model's whole output, for the MoE aux_loss (`release_output()` drops it)."""
 
-    def __init__(self, model, batch: PackedBatch, *, temperature: float, autocast, logit_options: dict,
+    def __init__(self, model, batch: CompletionLayout, *, temperature: float, autocast, logit_options: dict,
                  **forward_kwargs):
         self.batch, self.temperature = batch, temperature
         with autocast():
             self.output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                                 **forward_kwargs)
-            self.logits = self.output.logits.reshape(-1, self.output.logits.shape[-1])[batch.rows]
+            self.logits = self.output.logits.reshape(-1, self.output.logits.shape[-1])
 
     def release_output(self) -> None:
         self.output = None
@@ -33,11 +42,12 @@ class LogitsScorer:
     def head(self):
         yield self
 
-    def logprobs(self, scored: torch.Tensor | None = None) -> torch.Tensor:
-        """Detached log-probs of the rows `scored` [R] bool (None: all, [R]; no copy of the logits), as the loss
-        scores them."""
-        pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
-        return token_logprobs(pick(self.logits.detach()), pick(self.batch.targets), temperature=self.temperature)
+    def logprobs(self, kind: int | None = None) -> torch.Tensor:
+        """Detached log-probs [B * T] fp32 of the rows, as the loss scores them (0 on rows of kind 0); with `kind`,
+        of the rows of that kind only (0 elsewhere). Every row is scored either way: the logits exist already, and a
+        selection would cost a host read and a copy."""
+        logp = token_logprobs(self.logits.detach(), self.batch.targets, temperature=self.temperature)
+        return logp if kind is None else torch.where(self.batch.token_kind == kind, logp, 0.0)
 
     def loss(self, **inputs):
         """`erpo_loss` on the logits; `inputs`: the loss's per-sample and per-row tensors and options."""
@@ -74,11 +84,14 @@ class FusedLinearScorer:
             finally:
                 self.weight = self.bias = None
 
-    def logprobs(self, scored: torch.Tensor | None = None) -> torch.Tensor:
-        """Detached log-probs of the rows `scored` [R] bool (None: all, [R]), as the loss scores them."""
+    def logprobs(self, kind: int | None = None) -> torch.Tensor:
+        """Detached log-probs [R] fp32 of the scored rows, as the loss scores them; with `kind`, of the rows of that
+        kind only (0 elsewhere), whose GEMMs alone run."""
+        scored = None if kind is None else self.batch.token_kind == kind
         pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
-        return fused_linear_token_logprobs(pick(self.hidden.detach()), self.weight, pick(self.batch.targets),
+        logp = fused_linear_token_logprobs(pick(self.hidden.detach()), self.weight, pick(self.batch.targets),
                                            bias=self.bias, temperature=self.temperature, **self.logit_options)
+        return logp if scored is None else logp.new_zeros(scored.shape).masked_scatter(scored, logp)
 
     def loss(self, **inputs):
         """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`."""

@@ -64,14 +64,13 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
     def _compute_loss(self, model, inputs):
         """ERPO loss of one micro-batch of GRPOTrainer's inputs (TRL's `_compute_loss` contract)."""
         mode = "train" if self.model.training else "eval"
-        rows = completion_rows(inputs)
+        rows = completion_rows(inputs, every_position=not self.args.fused_linear)
         batch = rows.batch
         advantages = inputs["advantages"]
         if advantages.dim() != 1:
             raise ValueError(f"ERPOTrainer expects one advantage per sample, shape [B]; got {tuple(advantages.shape)}")
         options, row_tensors = self._loss_options(inputs, rows, mode)
         tensors = dict(advantages=advantages.float(), **row_tensors)
-        query_rows = batch.token_kind == 1
 
         router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
         scorer = (FusedLinearScorer if self.args.fused_linear else LogitsScorer)(
@@ -80,20 +79,16 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         aux_loss = scorer.output.aux_loss if self.aux_loss_enabled else None
         scorer.release_output()
         with scorer.head():
-            def forward_query_logp(scored=None):  # ell_theta(q) [B] float64 of this forward, detached, scoring
-                with torch.no_grad():  # `scored` rows; all rows (None) gives the loss's own sums bit for bit
-                    if scored is None:
-                        return per_sample_sum(scorer.logprobs(), batch, kind=1)
-                    logp = torch.zeros(batch.targets.shape[0], dtype=torch.float32, device=advantages.device)
-                    logp[scored] = scorer.logprobs(scored)
-                    return per_sample_sum(logp, batch, kind=1)
+            def forward_query_logp(query_rows_only: bool = False):  # ell_theta(q) [B] float64 of this forward,
+                with torch.no_grad():  # detached; every row scored gives the loss's own sums bit for bit
+                    return per_sample_sum(scorer.logprobs(1 if query_rows_only else None), batch, kind=1)
 
             tensors = self._fill_unscored(tensors, scorer.logprobs)
             ref_query_logp, static_weight = self._reference_of(
                 inputs, "train_dataset" if mode == "train" else "eval dataset",
                 forward_query_logp) if self.args.needs_reference else (None, None)
             if self.args.query_weight == "current":   # w(q) of the current policy, from the query rows only
-                query_weight = self._current_query_weights(forward_query_logp(query_rows))
+                query_weight = self._current_query_weights(forward_query_logp(query_rows_only=True))
             else:
                 query_weight = static_weight if self.args.query_weight == "static" else None
             out = scorer.loss(query_weight=query_weight, ref_query_logp=ref_query_logp, **tensors, **options)
@@ -109,8 +104,8 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
     @staticmethod
     def _fill_unscored(tensors: dict, current_logp) -> dict:
         """vLLM's NaN sampling log-probs (tokens it could not score) left by `trl_loss_options` (only without old
-        log-probs: on-policy) become the current ones, `current_logp()` [R] (with the model's logit transform, as
-        the loss scores): no drift there in the off-policy mask, as TRL's nan_to_num."""
+        log-probs: on-policy) become the current ones, `current_logp()` [N] (the scorer's rows, with the model's
+        logit transform, as the loss scores): no drift there in the off-policy mask, as TRL's nan_to_num."""
         rollout = tensors["rollout_logp"]
         if rollout is None or not rollout.isnan().any():
             return tensors

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The logits path on a GPU in about 70 s (Triton compiles included), for one short device call: the bench's logits
+# rows for ours (the default forward and the base-2 loop; CONTENDERS overrides the list) and Liger at N = 16384,
+# 4096, 65536 (in that order: a time limit cuts the largest first), then torch.profiler's kernel table of one
+# fwd+bwd of ours and of Liger at N=16384 (bench/kernel_profile.py). Liger comes from .whl/liger_kernel-*.whl when
+# present (installed into a temporary folder, as bench/gpu_check.py does).
+#
+#   bash bench/logits_gpu_check.sh [--dry-run] [OUT_DIR]    # OUT_DIR default: $OUT
+#
+# Results: OUT_DIR/logits.jsonl (the bench's --progress rows), OUT_DIR/bench/results.{md,json,png},
+# OUT_DIR/profile/profile.{md,json}, OUT_DIR/logits_gpu_check.log. --dry-run: the same on the CPU at smoke size
+# (Triton's interpreter): checks the script, measures nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dry_run=0
+if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
+out="${1:-${OUT:?give OUT_DIR or set OUT}}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec > >(tee -a "$out/logits_gpu_check.log") 2>&1
+echo "logits_gpu_check: commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+if [ "$dry_run" = 1 ]; then
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+    "$python" -m bench --smoke --paths logits --contenders erpo,erpo-log2 --progress "$out/logits.jsonl" \
+        --out "$out/bench"
+    "$python" -m bench.kernel_profile --smoke --contenders erpo,erpo-log2,liger --out "$out/profile"
+    exit 0
+fi
+wheels=(.whl/liger_kernel-*.whl)
+if [ -e "${wheels[0]}" ]; then
+    site="$(mktemp -d)"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" \
+        "${wheels[@]}" && export PYTHONPATH="$site:$PYTHONPATH"
+fi
+status=0
+timeout 48 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "${CONTENDERS:-erpo,erpo-log2,liger}" \
+    --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" || status=$?
+echo "bench: exit $status"
+timeout 20 "$python" -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out "$out/profile" \
+    || echo "kernel_profile: exit $?"
