@@ -39,10 +39,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique", "_unique",
             "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive", "masked_select",
             "repeat_interleave", "bincount"}
-# aten operators that allocate without filling, or alias their input: no kernel launch
+# aten operators that allocate without filling, alias their input, or work on the host alone (pinning host memory,
+# asking whether it is pinned): no kernel launch
 NO_LAUNCH_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                  "lift_fresh", "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride",
-                 "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "is_pinned"}
+                 "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "is_pinned",
+                 "pin_memory", "_pin_memory"}
 # the Tensor methods and torch functions that move data between host and device, wrapped while the mode is active
 SYNC_METHODS = ("cpu", "numpy", "tolist", "to")
 HOST_FACTORIES = ("from_numpy", "tensor", "as_tensor")
