@@ -1,8 +1,8 @@
 """LaunchCounter's host syncs (tests/support/launch_counts.py): every read of a device value on the host, and every
-blocking copy from the host, counted once, as CUDA would synchronize, on the CPU too (where `.cpu()`, `.numpy()`,
-`.tolist()` and the reads inside a data-dependent shape dispatch nothing that shows them); a host tensor's reads and
-the operators that do not read values count none. On CUDA the counts are checked against PyTorch's own sync
-detector (torch.cuda.set_sync_debug_mode)."""
+blocking copy from the host, counted as CUDA synchronizes (an aten kernel that reads twice counts twice), on the CPU
+too (where `.cpu()`, `.numpy()`, `.tolist()` and the reads inside a data-dependent shape dispatch nothing that shows
+them); a host tensor's reads and the operators that do not read values count none. On CUDA the counts are checked
+against PyTorch's own sync detector (torch.cuda.set_sync_debug_mode)."""
 import warnings
 
 import numpy as np
@@ -16,7 +16,8 @@ def _mask(values):
     return values % 2 == 0
 
 
-# name -> (call on a device tensor of 6 int64 values [0, 6), host syncs on CUDA)
+# name -> (call on a device tensor of 6 int64 values [0, 6), host syncs on CUDA: reads of device values by aten's CUDA
+# kernels, blocking copies)
 READS = {
     "cpu": (lambda t: t.cpu(), 1),
     "to-cpu": (lambda t: t.to("cpu"), 1),
@@ -34,8 +35,8 @@ READS = {
     "boolean-index-put-of-a-tensor": (lambda t: t.clone().__setitem__(_mask(t), t[:3] + 1), 1),
     "unique": (lambda t: torch.unique(t), 1),
     "masked-select": (lambda t: t.masked_select(_mask(t)), 1),
-    "repeat-interleave": (lambda t: t.repeat_interleave(t), 1),
-    "bincount": (lambda t: torch.bincount(t), 1),
+    "repeat-interleave": (lambda t: t.repeat_interleave(t), 2),  # the total, and that no count is negative
+    "bincount": (lambda t: torch.bincount(t), 2),  # the min (>= 0) and the max (the bins)
     "upload-from-numpy": (lambda t: torch.from_numpy(np.arange(3)).to(t.device), 1),
     "tensor-on-the-device": (lambda t: torch.tensor([1, 2], device=t.device), 1),
     "one-read-of-two-tensors": (lambda t: torch.stack([t, t + 1]).cpu().numpy(), 1),
@@ -48,7 +49,7 @@ READS = {
     "device-math": (lambda t: (t.to(torch.float32) * 2).sum().to(t.device), 0),
 }
 @pytest.mark.parametrize("name", READS)
-def test_each_host_read_is_one_sync(name, device):
+def test_each_host_read_counts_as_on_cuda(name, device):
     call, syncs = READS[name]
     values = torch.arange(6, device=device)
     with LaunchCounter() as counter:
@@ -58,7 +59,7 @@ def test_each_host_read_is_one_sync(name, device):
 
 def test_numpy_of_a_device_tensor_is_one_sync(device):
     if device.type != "cpu":
-        pytest.skip("a CUDA tensor has no numpy(): the read is its .cpu(), counted by test_each_host_read_is_one_sync")
+        pytest.skip("a CUDA tensor has no numpy(): its read is .cpu(), test_each_host_read_counts_as_on_cuda")
     with LaunchCounter() as counter:
         torch.arange(6, device=device).numpy()
     assert counter.sync_names == {"Tensor.numpy": 1}

@@ -34,11 +34,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten operators that read a device value on the host (a synchronization on CUDA): scalar reads, and operators whose
-# output shape depends on the values (boolean indexing: `_reads_values`)
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique", "_unique",
-            "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive", "masked_select",
-            "repeat_interleave", "bincount"}
+# aten operators that read device values on the host (a synchronization on CUDA), with how many reads CUDA's kernel
+# makes: scalar reads, and operators whose output shape depends on the values (boolean indexing: `_reads_values`);
+# bincount reads the input's min and max, repeat_interleave (without output_size) the total and whether every count
+# is >= 0
+SYNC_OPS = {"_local_scalar_dense": 1, "item": 1, "nonzero": 1, "is_nonzero": 1, "equal": 1, "allclose": 1,
+            "unique": 1, "_unique": 1, "_unique2": 1, "unique_dim": 1, "unique_consecutive": 1,
+            "unique_dim_consecutive": 1, "masked_select": 1, "repeat_interleave": 2, "bincount": 2}
 # aten operators that allocate without filling, alias their input, or work on the host alone (pinning host memory,
 # asking whether it is pinned): no kernel launch
 NO_LAUNCH_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -103,9 +105,9 @@ class LaunchCounter(TorchDispatchMode):
                 return func.redispatch(_backend_keys(args), *args, **kwargs)
         if not self._inside_triton:
             name = func.overloadpacket.__name__
-            if _reads_values(name, args, kwargs) and not (args and isinstance(args[0], torch.Tensor)
-                                                          and self.is_host(args[0])):
-                self.sync_names[f"aten.{name}"] += 1
+            reads = _reads_values(name, args, kwargs)
+            if reads and not (args and isinstance(args[0], torch.Tensor) and self.is_host(args[0])):
+                self.sync_names[f"aten.{name}"] += reads
             if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or func.is_view):  # a read: no kernel
                 self.names[f"aten.{name}"] += 1
         out = func(*args, **kwargs)
@@ -225,25 +227,24 @@ class LaunchCounter(TorchDispatchMode):
         return factory
 
 
-def _reads_values(name: str, args, kwargs) -> bool:
-    """Whether the aten operator `name` on these arguments reads tensor values on the host: the scalar reads and
-    data-dependent shapes of SYNC_OPS (repeat_interleave only without output_size), and an index by a boolean mask
-    (but for the write of one host number through one mask, which aten turns into masked_fill_: no read)."""
-    if name == "repeat_interleave":
-        return kwargs.get("output_size") is None
+def _reads_values(name: str, args, kwargs) -> int:
+    """How many times the aten operator `name` on these arguments reads tensor values on the host: SYNC_OPS'
+    (repeat_interleave none with output_size), and once for an index by a boolean mask (but for the write of one host
+    number through one mask, which aten turns into masked_fill_: no read)."""
+    if name == "repeat_interleave" and kwargs.get("output_size") is not None:
+        return 0
     if name in SYNC_OPS:
-        return True
+        return SYNC_OPS[name]
     if name not in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        return False
+        return 0
     indices = [i for i in (args[1] if len(args) > 1 else kwargs["indices"]) if i is not None]
-    masks = [i for i in indices if i.dtype in (torch.bool, torch.uint8)]
-    if not masks:
-        return False
+    if not any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return 0
     if name == "index":
-        return True
+        return 1
     value = args[2] if len(args) > 2 else kwargs["values"]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    return not (len(indices) == 1 and not accumulate and value.numel() == 1 and value.device.type == "cpu")
+    return int(not (len(indices) == 1 and not accumulate and value.numel() == 1 and value.device.type == "cpu"))
 
 
 def _backend_keys(args) -> torch._C.DispatchKeySet:
