@@ -13,11 +13,20 @@ and nothing to u (u adds e * d only where e > 0). A row whose logits are all -in
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .validation import IGNORE_INDEX
 
 LSE_FLOOR = -3.0e38  # finite floor of the running max (see the module docstring)
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` (host, any shape) as a tensor on `device`, the host not waiting: on CUDA copied from pinned memory
+    with non_blocking (a blocking copy from pageable memory makes the host wait for every kernel queued before it;
+    the caching host allocator keeps the pinned block until the copy is done)."""
+    host = torch.from_numpy(array)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def index_slices(size: int, step: int) -> list[slice]:

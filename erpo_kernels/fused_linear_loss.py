@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .api import segment_sum_of
-from .common import index_slices, rows_receiving_gradient
+from .common import host_to_device, index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
 from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
@@ -419,7 +419,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     transform = options.logit_transform
     max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
-    host_kind, host_sample = token_kind.cpu().numpy(), sample_index.cpu().numpy()
+    # the chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA)
+    host_kind, host_sample = torch.stack((token_kind.long(), sample_index.long())).cpu().numpy()
     plan = plan_chunks(
         host_kind, host_sample, inputs.advantages.shape[0], max_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
@@ -433,7 +434,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
     entropy_out = torch.zeros_like(logp_out)
     if plan.prepass_rows.size:
-        prepass = torch.from_numpy(plan.prepass_rows).to(hidden.device)
+        prepass = host_to_device(plan.prepass_rows, hidden.device)
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
     needs_hidden, needs_weight, needs_bias = needs

@@ -34,6 +34,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from .common import host_to_device
 from .triton_objective import (
     SampleOutputs,
     fp32_loss_tensors,
@@ -99,7 +100,7 @@ class TritonChunkObjective:
         layout = chunk_layout(chunks, host_kind, host_sample, num_samples)
         parts = [layout.sample_starts, layout.rows_by_sample, layout.sample_ids, layout.program_starts,
                  layout.chunk_rows]
-        uploaded = torch.from_numpy(np.concatenate(parts)).to(device).split([len(part) for part in parts])
+        uploaded = host_to_device(np.concatenate(parts), device).split([len(part) for part in parts])
         sample_starts, rows_by_sample, self.sample_ids, self.program_starts, self.chunk_rows = uploaded
         self.program_offsets = layout.program_offsets.tolist()
         self.logp, self.entropy, self.token_kind = logp, entropy, token_kind.contiguous()

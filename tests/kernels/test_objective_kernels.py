@@ -156,12 +156,15 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
 
 
 @pytest.mark.parametrize("case", FALLBACK_CASES.values(), ids=FALLBACK_CASES.keys())
-def test_unfused_options_run_the_reference_objective_with_one_sync(case, device):
+def test_unfused_options_run_the_reference_objective(case, device):
+    """The gathered entropy filter reads the host once more than the row checks, whatever `validate`: its pool,
+    the response rows' entropies, has a data-dependent length (a boolean selection)."""
     batch = random_batch(device=device)
     assert_matches_reference(batch, case)
     counter = count_launches(batch, case)
     assert counter.names["triton._objective_sample_kernel"] == 0
-    assert counter.syncs == 1  # the row checks (none in the reference objective)
+    assert counter.sync_names == {"aten._local_scalar_dense": 1, "aten.index": 1}, counter.sync_names
+    assert count_launches(batch, case, validate=False).sync_names == {"aten.index": 1}
 
 
 def test_launch_count_of_the_default_options_is_14(device):
@@ -334,9 +337,36 @@ def test_compiled_fused_loss_equals_eager(case, device):
     assert_compiled_equals_eager(loss, batch["logits"].clone().requires_grad_(True), grad_rtol=1e-6)
 
 
+def test_host_syncs_of_the_entry_points_on_log_probs_and_sums(device):
+    """fwd+bwd: logprob_erpo_loss reads the host once with validate=True (the row checks), never with False;
+    token_logprobs, fused_linear_token_logprobs and sample_sums once (their value check; they have no `validate`)."""
+    from erpo_kernels import fused_linear_token_logprobs, logprob_erpo_loss, sample_sums, token_logprobs
+
+    batch = random_batch(device=device)
+    token_logp = -torch.rand(NUM_ROWS, device=device)
+    hidden, weight = torch.randn(NUM_ROWS, 8, device=device), torch.randn(37, 8, device=device)
+    calls = {
+        "logprob_erpo_loss": lambda validate: logprob_erpo_loss(
+            token_logp.clone().requires_grad_(), batch["token_kind"], batch["sample_index"], backend="triton",
+            validate=validate, **loss_inputs(batch)).loss,
+        "token_logprobs": lambda _: token_logprobs(batch["logits"].clone().requires_grad_(), batch["targets"],
+                                                   backend="triton").sum(),
+        "fused_linear_token_logprobs": lambda _: fused_linear_token_logprobs(
+            hidden.clone().requires_grad_(), weight.clone().requires_grad_(), batch["targets"], backend="triton").sum(),
+        "sample_sums": lambda _: sample_sums(token_logp.clone().requires_grad_(), batch["sample_index"], 5,
+                                             backend="triton").sum(),
+    }
+    for name, call in calls.items():
+        for validate in (True, False) if name == "logprob_erpo_loss" else (True,):
+            with LaunchCounter() as counter:
+                call(validate).backward()
+            assert counter.syncs == int(validate), (name, validate, counter.sync_names)
+
+
 @pytest.mark.parametrize("entry", ["module", "fused-linear"])
 def test_validate_false_reaches_the_other_entry_points(entry, device):
-    """ERPOLoss(validate=...) and fused_linear_erpo_loss(validate=...): one host read when on, none when off."""
+    """ERPOLoss(validate=...) and fused_linear_erpo_loss(validate=...): one host read more when on than off (none
+    off, but the fused-linear path's chunk plan)."""
     from erpo_kernels import ERPOLoss, fused_linear_erpo_loss
 
     batch = random_batch(device=device)
@@ -349,10 +379,12 @@ def test_validate_false_reaches_the_other_entry_points(entry, device):
         return fused_linear_erpo_loss(hidden, weight, batch["targets"], token_kind, batch["sample_index"],
                                       backend="triton", validate=validate, **loss_inputs(batch))
 
-    for validate, syncs in ((True, 1), (False, 0)):
+    # the fused-linear path plans its chunks on the host: one read of token_kind and sample_index together
+    plan_read = int(entry == "fused-linear")
+    for validate, syncs in ((True, 1 + plan_read), (False, plan_read)):
         with LaunchCounter() as counter:
             call(validate)
-        assert counter.syncs == syncs
+        assert counter.syncs == syncs, counter.sync_names
     bad_kind = batch["token_kind"].clone()
     bad_kind[4] = 3
     with pytest.raises(ValueError, match="token_kind must be 0, 1 or 2; row 4 holds 3"):

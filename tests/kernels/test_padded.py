@@ -170,22 +170,23 @@ def test_every_position_as_a_row_equals_the_scored_rows_alone(layout, backend, p
 def test_host_reads_follow_validate(path, device):
     """padded_erpo_loss fwd+bwd on the Triton path reads nothing on the host with validate=False on the logits path
     (no selection of the scored rows, no mask check) and once with validate=True (the loss's row checks; TRL's
-    prompt/completion form holds its mask checks by construction). The fused-linear path adds one read, the
-    selection of the scored rows (their count); the full-sequence form's mask check one more with validate=True."""
+    prompt/completion form holds its mask checks by construction). The fused-linear path adds two reads, the
+    selection of the scored rows (their count) and the chunk plan's read of the layout (fused_linear_erpo_loss); the
+    full-sequence form's mask check one more with validate=True."""
     data = trl_batch(device=device)
     inputs = batch_inputs(data)
     full = dict(inputs, input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
                 attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
     for name in ("prompt_ids", "prompt_mask", "completion_ids"):
         full.pop(name)
-    selection = int(path == "hidden")
+    fused_reads = 2 * int(path == "hidden")
     for form, batch, mask_check in (("prompt/completion", inputs, 0), ("full sequences", full, 1)):
-        for validate, reads in ((False, selection), (True, selection + 1 + mask_check)):
+        for validate, reads in ((False, fused_reads), (True, fused_reads + 1 + mask_check)):
             model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves_of(data, path)))
             with LaunchCounter() as counter:
                 padded_erpo_loss(**model, **batch, **dict(OPTIONS, backend="triton"), validate=validate).loss.backward()
-            assert counter.syncs == reads, (form, validate, counter.names)
-            if path == "logits":   # no boolean-mask indexing either (its host read is inside aten.index, uncounted)
+            assert counter.syncs == reads, (form, validate, counter.sync_names)
+            if path == "logits":   # no boolean-mask indexing either (no data-dependent shape)
                 assert not {"aten.index", "aten.index_put_", "aten.nonzero"} & set(counter.names), counter.names
 
 

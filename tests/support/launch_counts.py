@@ -1,32 +1,63 @@
 """Count what one call costs on the device, on any machine (the counts do not depend on N or V): aten operators that
 launch a kernel (a TorchDispatchMode: allocations and views launch none), Triton kernel launches (a hook on the
-launcher's `run`, compiled or interpreted), and host-device synchronizations (operators that read a device value
-on the host).
+launcher's `run`, compiled or interpreted), and host-device synchronizations: the reads of a device value on the
+host, and the blocking copies from the host, each counted as it would happen on CUDA.
 
     with LaunchCounter() as counter:
         loss = erpo_loss(...).loss
         loss.backward()
-    counter.launches, counter.syncs, counter.names, counter.masked_indexing
+    counter.launches, counter.syncs, counter.names, counter.sync_names
 
 The Triton kernels' own work under the interpreter (its copies to numpy and back) is not counted: one launch is one.
 A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted.
+
+Host syncs. A dispatch mode alone misses most of them: on the CPU `t.cpu()` and `t.to("cpu")` return t and
+`t.numpy()`, `t.tolist()` read its memory, dispatching nothing, and on any device an operator whose output shape
+depends on the values (a boolean index, `unique`, `bincount`, ...) reads them inside aten. So while it is active the
+counter also wraps the Tensor methods and torch functions that move data between host and device (`SYNC_METHODS`,
+`HOST_FACTORIES`; `torch.cuda.Event.synchronize` on CUDA), and counts the scalar reads and data-dependent shapes by
+operator (`_reads_values`). On the CPU a tensor cannot say whether it stands for device or host memory: every tensor
+is taken for a device tensor (the tested tensors are on the `device` fixture's device) but those known to be host
+memory: made from numpy (`torch.from_numpy`), by `torch.tensor` / `torch.as_tensor` without a device or with
+device="cpu" (the string), returned by a counted read (`.cpu()`, `.to("cpu")`), pinned, or computed from host tensors
+alone. A read of a host tensor is no sync; a host tensor's `.to(device)` and `torch.tensor(..., device=...)` are an
+upload, a sync unless non_blocking (a blocking copy makes the host wait for the stream). Not seen: syncs inside
+another library's C++ or Python (a collective, ...), `Tensor.copy_` between host and device.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from collections import Counter
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten operators that read a device value on the host (a synchronization on CUDA)
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique", "_unique2",
-            "masked_select", "repeat_interleave"}
-# aten operators that index by a list of tensors (args[1]); a boolean one is read on the host to find its rows
-MASK_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
-# aten operators that allocate without filling, or alias their input: no kernel launch
+# aten operators that read device values on the host (a synchronization on CUDA), with how many reads CUDA's kernel
+# makes: scalar reads, and operators whose output shape depends on the values (boolean indexing: `_reads_values`);
+# bincount reads the input's min and max, repeat_interleave (without output_size) the total and whether every count
+# is >= 0
+SYNC_OPS = {"_local_scalar_dense": 1, "item": 1, "nonzero": 1, "is_nonzero": 1, "equal": 1, "allclose": 1,
+            "unique": 1, "_unique": 1, "_unique2": 1, "unique_dim": 1, "unique_consecutive": 1,
+            "unique_dim_consecutive": 1, "masked_select": 1, "repeat_interleave": 2, "bincount": 2}
+# aten operators that allocate without filling, alias their input, or work on the host alone (pinning host memory,
+# asking whether it is pinned): no kernel launch
 NO_LAUNCH_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                  "lift_fresh", "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride",
-                 "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+                 "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "is_pinned",
+                 "pin_memory", "_pin_memory"}
+# the Tensor methods and torch functions that move data between host and device, wrapped while the mode is active
+SYNC_METHODS = ("cpu", "numpy", "tolist", "to")
+HOST_FACTORIES = ("from_numpy", "tensor", "as_tensor")
+
+
+def default_device() -> torch.device:
+    """The device the kernel tests put their tensors on (tests/conftest.py's `device` fixture): CUDA when a GPU is
+    present and the interpreter is not forced, else the CPU."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _triton_launchers():
@@ -37,22 +68,34 @@ def _triton_launchers():
 
 
 class LaunchCounter(TorchDispatchMode):
-    """launches: aten kernels + Triton launches; syncs: host reads; names: Counter of what was launched;
-    masked_indexing: indexing by a boolean mask (aten.index / index_put), whose device-to-host read on CUDA happens
-    inside the operator and is not in `syncs`."""
+    """launches: aten kernels + Triton launches; names: Counter of what was launched; syncs: host syncs;
+    sync_names: Counter of what synchronized. `device`: where the tested tensors live (default_device())."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str | None = None):
         super().__init__()
+        self.device = torch.device(device) if device is not None else default_device()
         self.names: Counter = Counter()
-        self.syncs = 0
-        self.masked_indexing = 0
+        self.sync_names: Counter = Counter()
+        self._host = {}  # id -> weakref of the CPU tensors known to hold host memory (module docstring)
         self._inside_triton = 0
-        self._saved_runs = []
+        self._saved = []
         self._depth = 0
 
     @property
     def launches(self) -> int:
         return sum(self.names.values())
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.sync_names.values())
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` holds host memory (a read of it is no sync): a CPU tensor when the device is not the
+        CPU; on the CPU one made on the host (module docstring)."""
+        if tensor.device.type != "cpu":
+            return False
+        known = self._host.get(id(tensor))
+        return self.device.type != "cpu" or (known is not None and known() is tensor) or tensor.is_pinned()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,30 +105,45 @@ class LaunchCounter(TorchDispatchMode):
                 return func.redispatch(_backend_keys(args), *args, **kwargs)
         if not self._inside_triton:
             name = func.overloadpacket.__name__
-            if name in SYNC_OPS:
-                self.syncs += 1
-            if name in MASK_INDEX_OPS and any(isinstance(index, torch.Tensor) and index.dtype == torch.bool
-                                              for index in args[1]):
-                self.masked_indexing += 1
+            reads = _reads_values(name, args, kwargs)
+            if reads and not (args and isinstance(args[0], torch.Tensor) and self.is_host(args[0])):
+                self.sync_names[f"aten.{name}"] += reads
             if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or func.is_view):  # a read: no kernel
                 self.names[f"aten.{name}"] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.device.type == "cpu":  # what is computed from host tensors alone (a view, ...) is on the host
+            inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if inputs and all(self.is_host(a) for a in inputs):
+                for tensor in pytree.tree_leaves(out):
+                    if isinstance(tensor, torch.Tensor):
+                        self._mark_host(tensor)
+        return out
 
     def __enter__(self):
         if self._depth == 0:  # the outermost entry (a custom op re-enters the mode around its implementation)
             for launcher in _triton_launchers():
-                self._saved_runs.append((launcher, launcher.run))
-                launcher.run = self._counting_run(launcher.run)
+                self._patch(launcher, "run", self._counting_run(launcher.run))
+            for name in SYNC_METHODS:
+                self._patch(torch.Tensor, name, getattr(self, f"_{name}")(getattr(torch.Tensor, name)))
+            for name in HOST_FACTORIES:
+                self._patch(torch, name, self._host_factory(getattr(torch, name)))
+            if torch.cuda.is_available():
+                self._patch(torch.cuda.Event, "synchronize", self._counted("event.synchronize",
+                                                                           torch.cuda.Event.synchronize))
         self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            for launcher, original in self._saved_runs:
-                launcher.run = original
-            self._saved_runs = []
+            for owner, name, original in reversed(self._saved):
+                setattr(owner, name, original)
+            self._saved = []
         return super().__exit__(*exc)
+
+    def _patch(self, owner, name, replacement) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
 
     def _counting_run(self, original):
         counter = self
@@ -99,6 +157,94 @@ class LaunchCounter(TorchDispatchMode):
                 counter._inside_triton -= 1
         return run
 
+    def _counted(self, name, original):
+        def synchronize(*args, **kwargs):
+            self.sync_names[name] += 1
+            return original(*args, **kwargs)
+        return synchronize
+
+    def _read(self, name: str, tensor: torch.Tensor) -> bool:
+        """Count a host read of `tensor` under `name` unless it is a host tensor; whether it was counted."""
+        if self.is_host(tensor):
+            return False
+        self.sync_names[name] += 1
+        return True
+
+    def _mark_host(self, tensor: torch.Tensor) -> None:
+        self._host[id(tensor)] = weakref.ref(tensor)
+
+    def _as_host(self, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the result of a read of `source`) marked as host memory: on the CPU, where the read returned
+        `source` itself, an alias of it, so that `source` stays a device tensor."""
+        if tensor is source:
+            tensor = tensor.view_as(tensor)
+        self._mark_host(tensor)
+        return tensor
+
+    def _cpu(self, original):
+        def cpu(tensor, *args, **kwargs):
+            out = original(tensor, *args, **kwargs)
+            return self._as_host(out, tensor) if self._read("Tensor.cpu", tensor) else out
+        return cpu
+
+    def _numpy(self, original):
+        def numpy(tensor, *args, **kwargs):
+            self._read("Tensor.numpy", tensor)
+            return original(tensor, *args, **kwargs)
+        return numpy
+
+    def _tolist(self, original):
+        def tolist(tensor):
+            self._read("Tensor.tolist", tensor)
+            return original(tensor)
+        return tolist
+
+    def _to(self, original):
+        def to(tensor, *args, **kwargs):
+            target, _dtype, non_blocking, _format = torch._C._nn._parse_to(*args, **kwargs)
+            out = original(tensor, *args, **kwargs)
+            if target is None or non_blocking:
+                return out
+            if self.is_host(tensor) and (target.type != "cpu" or self.device.type == "cpu"):  # an upload
+                self.sync_names["upload"] += 1
+                return out.view_as(out) if out is tensor else out  # on the CPU: a device tensor, not the host one
+            to_host = target.type == "cpu" and (tensor.device.type != "cpu" or "cpu" in (*args, kwargs.get("device")))
+            if to_host and self._read("Tensor.to(cpu)", tensor):  # on the CPU only .to("cpu") says it is a read
+                return self._as_host(out, tensor)
+            return out
+        return to
+
+    def _host_factory(self, original):
+        def factory(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if args and out is args[0]:  # as_tensor of a tensor: that tensor
+                return out
+            if kwargs.get("device") in (None, "cpu"):  # on the CPU only the string says it is the host
+                self._mark_host(out)
+            elif torch.device(kwargs["device"]).type == self.device.type:  # built on the host, copied: an upload
+                self.sync_names["upload"] += 1
+            return out
+        return factory
+
+
+def _reads_values(name: str, args, kwargs) -> int:
+    """How many times the aten operator `name` on these arguments reads tensor values on the host: SYNC_OPS'
+    (repeat_interleave none with output_size), and once for an index by a boolean mask (but for the write of one host
+    number through one mask, which aten turns into masked_fill_: no read)."""
+    if name == "repeat_interleave" and kwargs.get("output_size") is not None:
+        return 0
+    if name in SYNC_OPS:
+        return SYNC_OPS[name]
+    if name not in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return 0
+    indices = [i for i in (args[1] if len(args) > 1 else kwargs["indices"]) if i is not None]
+    if not any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return 0
+    if name == "index":
+        return 1
+    value = args[2] if len(args) > 2 else kwargs["values"]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return int(not (len(indices) == 1 and not accumulate and value.numel() == 1 and value.device.type == "cpu"))
 
 
 def _backend_keys(args) -> torch._C.DispatchKeySet:

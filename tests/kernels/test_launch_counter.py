@@ -1,0 +1,136 @@
+"""LaunchCounter's host syncs (tests/support/launch_counts.py): every read of a device value on the host, and every
+blocking copy from the host, counted as CUDA synchronizes (an aten kernel that reads twice counts twice), on the CPU
+too (where `.cpu()`, `.numpy()`, `.tolist()` and the reads inside a data-dependent shape dispatch nothing that shows
+them); a host tensor's reads and the operators that do not read values count none. On CUDA the counts are checked
+against PyTorch's own sync detector (torch.cuda.set_sync_debug_mode)."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from launch_counts import LaunchCounter
+
+
+def _mask(values):
+    return values % 2 == 0
+
+
+# name -> (call on a device tensor of 6 int64 values [0, 6), host syncs on CUDA: reads of device values by aten's CUDA
+# kernels, blocking copies)
+READS = {
+    "cpu": (lambda t: t.cpu(), 1),
+    "to-cpu": (lambda t: t.to("cpu"), 1),
+    "cpu-then-numpy": (lambda t: t.cpu().numpy(), 1),
+    "tolist": (lambda t: t.tolist(), 1),
+    "item": (lambda t: t[0].item(), 1),
+    "bool": (lambda t: bool(t[1]), 1),
+    "int": (lambda t: int(t[1]), 1),
+    "float": (lambda t: float(t[1]), 1),
+    "index-by-tensor": (lambda t: [0, 1][t[1]], 1),
+    "equal": (lambda t: torch.equal(t, t.clone()), 1),  # of t itself aten answers without reading
+    "nonzero": (lambda t: t.nonzero(), 1),
+    "where-one-argument": (lambda t: torch.where(_mask(t)), 1),
+    "boolean-index": (lambda t: t[_mask(t)], 1),
+    "boolean-index-put-of-a-tensor": (lambda t: t.clone().__setitem__(_mask(t), t[:3] + 1), 1),
+    "unique": (lambda t: torch.unique(t), 1),
+    "masked-select": (lambda t: t.masked_select(_mask(t)), 1),
+    "repeat-interleave": (lambda t: t.repeat_interleave(t), 2),  # the total, and that no count is negative
+    "bincount": (lambda t: torch.bincount(t), 2),  # the min (>= 0) and the max (the bins)
+    "upload-from-numpy": (lambda t: torch.from_numpy(np.arange(3)).to(t.device), 1),
+    "tensor-on-the-device": (lambda t: torch.tensor([1, 2], device=t.device), 1),
+    "one-read-of-two-tensors": (lambda t: torch.stack([t, t + 1]).cpu().numpy(), 1),
+    # no sync
+    "repeat-interleave-with-output-size": (lambda t: t.repeat_interleave(t, output_size=15), 0),
+    "boolean-index-put-of-a-number": (lambda t: t.clone().__setitem__(_mask(t), 7), 0),
+    "upload-non-blocking": (lambda t: torch.from_numpy(np.arange(3)).to(t.device, non_blocking=True), 0),
+    "host-tensor-read": (lambda t: int(torch.from_numpy(np.arange(3))[1]), 0),
+    "host-tensor-tolist": (lambda t: torch.tensor([1, 2], device="cpu").tolist(), 0),
+    "device-math": (lambda t: (t.to(torch.float32) * 2).sum().to(t.device), 0),
+}
+@pytest.mark.parametrize("name", READS)
+def test_each_host_read_counts_as_on_cuda(name, device):
+    call, syncs = READS[name]
+    values = torch.arange(6, device=device)
+    with LaunchCounter() as counter:
+        call(values)
+    assert counter.syncs == syncs, counter.sync_names
+
+
+def test_numpy_of_a_device_tensor_is_one_sync(device):
+    if device.type != "cpu":
+        pytest.skip("a CUDA tensor has no numpy(): its read is .cpu(), test_each_host_read_counts_as_on_cuda")
+    with LaunchCounter() as counter:
+        torch.arange(6, device=device).numpy()
+    assert counter.sync_names == {"Tensor.numpy": 1}
+
+
+def test_the_wrapped_methods_are_restored(device):
+    """The counter patches Tensor methods and torch functions only while it is active, nested entries included."""
+    originals = (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist, torch.from_numpy,
+                 torch.tensor)
+    counter = LaunchCounter()
+    with counter:
+        with counter:
+            assert torch.Tensor.cpu is not originals[0]
+        assert torch.Tensor.cpu is not originals[0]
+    assert (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist, torch.from_numpy,
+            torch.tensor) == originals
+    with LaunchCounter() as after:
+        torch.arange(3, device=device).tolist()
+    assert after.syncs == 1 and counter.syncs == 0
+
+
+def cuda_syncs(call) -> list:
+    """The messages of PyTorch's sync detector (torch.cuda.set_sync_debug_mode) while `call()` runs."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", [name for name, (_, syncs) in READS.items() if syncs])
+def test_cuda_agrees(name, device):
+    """On CUDA: the counter's syncs are the ones PyTorch's sync detector warns about."""
+    if device.type != "cuda":
+        pytest.skip("the sync detector is CUDA's")
+    call, syncs = READS[name]
+    values = torch.arange(6, device=device)
+    assert len(cuda_syncs(lambda: call(values))) == syncs
+
+
+@pytest.mark.parametrize("entry", ["erpo_loss", "fused_linear_erpo_loss", "padded_erpo_loss-hidden"])
+def test_cuda_agrees_on_the_entry_points(entry, device):
+    """On CUDA, fwd+bwd with validate=False (with True the row checks wait on an event, which the detector does not
+    report): as many syncs as the counter counts, 0 on the logits path, 1 for the fused-linear chunk plan, 2 for
+    padded_erpo_loss's fused-linear path (its selection of the scored rows, then the plan)."""
+    if device.type != "cuda":
+        pytest.skip("the sync detector is CUDA's")
+    from erpo_kernels import erpo_loss, fused_linear_erpo_loss, padded_erpo_loss
+    from helpers import loss_inputs, random_batch
+    from test_padded import OPTIONS, batch_inputs, leaves_of, trl_batch
+
+    batch, data = random_batch(device=device), trl_batch(device=device)
+    hidden, weight = torch.randn(48, 8, device=device), torch.randn(37, 8, device=device)
+    rows = (batch["targets"], batch["token_kind"], batch["sample_index"])
+    calls = {
+        "erpo_loss": lambda: erpo_loss(batch["logits"].clone().requires_grad_(), *rows, backend="triton",
+                                       validate=False, **loss_inputs(batch)).loss,
+        "fused_linear_erpo_loss": lambda: fused_linear_erpo_loss(
+            hidden.clone().requires_grad_(), weight.clone().requires_grad_(), *rows, backend="triton",
+            validate=False, **loss_inputs(batch)).loss,
+        "padded_erpo_loss-hidden": lambda: padded_erpo_loss(
+            **dict(zip(("hidden", "weight", "bias"), leaves_of(data, "hidden"))), **batch_inputs(data),
+            **dict(OPTIONS, backend="triton"), validate=False).loss,
+    }
+    calls[entry]().backward()  # compiles the kernels first
+    with LaunchCounter() as counter:
+        calls[entry]().backward()
+    detected = cuda_syncs(lambda: calls[entry]().backward())
+    assert len(detected) == counter.syncs == {"erpo_loss": 0, "fused_linear_erpo_loss": 1}.get(entry, 2), (
+        detected, counter.sync_names)
