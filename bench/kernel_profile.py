@@ -96,6 +96,8 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any; a "
+                                                          "GPU machine's copy of the tree may hold another .git)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
@@ -129,7 +131,8 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "N": rows,
             "V": shape.vocab, "dtype": str(dtype).removeprefix("torch."), "calls": 1 if args.smoke else args.calls,
             "command": "python -m bench.kernel_profile " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
+            "commit": args.commit or git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch": torch.__version__}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.md").write_text(markdown(results, meta))

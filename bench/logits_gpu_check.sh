@@ -20,12 +20,15 @@ python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec > >(tee -a "$out/logits_gpu_check.log") 2>&1
-echo "logits_gpu_check: commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+# COMMIT: the commit to record (the GPU machine's copy of the tree has no .git of its own, or a stale one)
+commit="${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+echo "logits_gpu_check: commit $commit, $(date -u +%FT%TZ)"
 if [ "$dry_run" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
     "$python" -m bench --smoke --paths logits --contenders erpo,erpo-log2 --progress "$out/logits.jsonl" \
-        --out "$out/bench"
-    "$python" -m bench.kernel_profile --smoke --contenders erpo,erpo-log2,liger --out "$out/profile"
+        --out "$out/bench" --commit "$commit"
+    "$python" -m bench.kernel_profile --smoke --contenders erpo,erpo-log2,liger --out "$out/profile" \
+        --commit "$commit"
     exit 0
 fi
 wheels=(.whl/liger_kernel-*.whl)
@@ -36,7 +39,7 @@ if [ -e "${wheels[0]}" ]; then
 fi
 status=0
 timeout 48 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "${CONTENDERS:-erpo,erpo-log2,liger}" \
-    --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" || status=$?
+    --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" --commit "$commit" || status=$?
 echo "bench: exit $status"
 timeout 20 "$python" -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out "$out/profile" \
-    || echo "kernel_profile: exit $?"
+    --commit "$commit" || echo "kernel_profile: exit $?"

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_writes_the_bench_rows_and_the_kernel_tables(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"COMMIT": "0123abc"}
     done = subprocess.run(["bash", str(REPO / "bench" / "logits_gpu_check.sh"), "--dry-run", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -19,8 +19,9 @@ def test_dry_run_writes_the_bench_rows_and_the_kernel_tables(tmp_path):
     assert {row["contender"]: row["status"] for row in rows} == {"erpo": "ok", "erpo-log2": "ok"}
     assert (tmp_path / "bench" / "results.md").exists()
     profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
-    assert profile["meta"]["device"] == "cpu" and profile["meta"]["command"].endswith("--out " + str(
-        tmp_path / "profile"))
+    assert profile["meta"]["commit"] == "0123abc"  # COMMIT wins over whatever .git the machine's copy holds
+    assert profile["meta"]["device"] == "cpu"
+    assert f"--out {tmp_path / 'profile'} " in profile["meta"]["command"] + " "
     for key in ("erpo", "erpo-log2"):
         result = profile["results"][key]
         assert result["wall_us"] > 0
@@ -28,4 +29,4 @@ def test_dry_run_writes_the_bench_rows_and_the_kernel_tables(tmp_path):
     assert isinstance(profile["results"]["liger"], (str, dict))  # "not installed: ..." without its wheel
     markdown = (tmp_path / "profile" / "profile.md").read_text()
     assert "## erpo\n" in markdown and "## liger\n" in markdown
-    assert "logits_gpu_check: commit" in (tmp_path / "logits_gpu_check.log").read_text()
+    assert "logits_gpu_check: commit 0123abc" in (tmp_path / "logits_gpu_check.log").read_text()
