@@ -254,7 +254,9 @@ def high_entropy_mask(entropy, rows, top_quantile: float, gather=None):
     pool = gather(entropy[rows].float())
     if pool.numel() == 0:
         return torch.zeros_like(rows)
-    return rows & (entropy >= torch.quantile(pool, 1 - top_quantile))
+    # masked_quantile over the whole pool rather than torch.quantile: the same value bit for bit, without the host
+    # read torch 2.11's quantile makes (aten.equal)
+    return rows & (entropy >= masked_quantile(pool, torch.ones_like(pool, dtype=torch.bool), 1 - top_quantile))
 
 
 def _safe_div(numerator: torch.Tensor, denominator) -> torch.Tensor:

@@ -32,6 +32,7 @@ import triton.language as tl
 from .common import LSE_FLOOR
 from .direct_ops import DirectOp
 from .triton_common import (
+    clamp,
     grad_of_logits,
     online_softmax_finish,
     online_softmax_start,
@@ -97,13 +98,13 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
     with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). The scalars m and m_old - m_new are floored at
     _FAR_BELOW before the multiply by k, which keeps k m and d finite while the row has only seen -inf (m is then
     LSE_FLOOR) and gives 2^d = 0 all the same."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
-    shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))  # drops NaN: a NaN logit's e = 2^a below carries it
+    shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
     scale = tl.exp2(shift)
-    a = x * k - tl.maximum(new_max, _FAR_BELOW) * k
+    a = x * k - tl.maximum(new_max, _FAR_BELOW) * k  # drops NaN: none here, the running max skips NaN
     e = tl.exp2(a)
     # e a is 0 where e is (x = -inf gives a = -inf: 0 * -inf), so a is floored first; a NaN stays NaN through e
-    sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * tl.maximum(a, _LSE_FLOOR), axis=0)
+    sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * clamp(a, _LSE_FLOOR, None), axis=0)
     sum_exp = scale * sum_exp + tl.sum(e, axis=0)
     return new_max, sum_exp, sum_exp_shift
 
@@ -143,7 +144,8 @@ def _logp_entropy_forward_log2_kernel(
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         x = tl.where(cols < vocab_size, x, -float("inf"))
         running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
-    max_z = tl.maximum(running_max, _FAR_BELOW) * unit  # -inf rows: lse = -inf either way, nothing overflows
+    # -inf rows: lse = -inf either way, nothing overflows
+    max_z = tl.maximum(running_max, _FAR_BELOW) * unit  # drops NaN: none here, the running max skips NaN
     log_sum_exp = tl.log(sum_exp)
     _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, max_z + log_sum_exp,
                log_sum_exp - sum_exp_shift * _LN2 / sum_exp, vocab_size, logit_scale, logit_softcap,
@@ -186,12 +188,12 @@ def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, l
         log_p = z - lse
         p = tl.exp2(log_p * _LOG2E)
         # log p floored: a -inf logit gives p = 0 times a finite factor, 0 (not 0 * inf)
-        grad = -p * (c + g_entropy * tl.maximum(log_p, _FAR_BELOW))
+        grad = -p * (c + g_entropy * clamp(log_p, _FAR_BELOW, None))
         return tl.where(is_target, grad + g_logp, grad) * slope
     else:
         log_p = x * unit - lse
         p = tl.exp2(x * (unit * _LOG2E) - lse * _LOG2E)
-        grad = -p * (c * unit + (g_entropy * unit) * tl.maximum(log_p, _FAR_BELOW))
+        grad = -p * (c * unit + (g_entropy * unit) * clamp(log_p, _FAR_BELOW, None))
         return tl.where(is_target, grad + g_logp * unit, grad)
 
 
