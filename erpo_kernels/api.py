@@ -21,6 +21,7 @@ from .validation import (
     check_rows,
     check_tensor,
     check_token_inputs,
+    checks_done,
     start_loss_input_checks,
     with_option_parameters,
 )
@@ -144,7 +145,7 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
 
 
 def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,
-                         triton: bool, finish_checks: Callable[[], None] = lambda: None) -> LossOutput:
+                         triton: bool, finish_checks: Callable[[], None] = checks_done) -> LossOutput:
     """The loss from token_logp [N] and entropy [N] (or None), both differentiable, inputs and options validated:
     with Triton, the fused objective kernels (`triton_objective`) for the options they fuse, else the reference
     objective on the deterministic per-sample sums; without, the reference objective (`objective.erpo_objective`).

@@ -471,10 +471,10 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
         }
         present = {"targets": targets, "token_weight": token_weight, "rollout_logp": rollout_logp}
         check_rows([(masks[name](), messages[name]) for name in ROW_CHECKS if present.get(name, True) is not None])
-    return scored_targets, opts, _checks_done
+    return scored_targets, opts, checks_done
 
 
-def _checks_done() -> None:
+def checks_done() -> None:
     """finish() of checks that ended when they started."""
 
 
