@@ -160,16 +160,24 @@ def _erpo_logits(backend: str, forward_variant: str | None = None):
     return prepare
 
 
-def _erpo_fused(backend: str, batch_invariant: bool = False):
+def _erpo_fused(backend: str, batch_invariant: bool = False, workspace_bytes: int | None = None):
     def prepare(problem: Problem) -> Prepared:
         import erpo_kernels
+
+        workspace = {} if workspace_bytes is None else {"workspace_bytes": workspace_bytes}
 
         def run():
             return erpo_kernels.fused_linear_erpo_loss(
                 problem.hidden, problem.weight, problem.targets, problem.token_kind, problem.sample_index,
-                backend=backend, batch_invariant=batch_invariant, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
+                backend=backend, batch_invariant=batch_invariant, **workspace, **_erpo_tensors(problem),
+                **ERPO_OPTIONS).loss
         return Prepared(run, [problem.hidden, problem.weight], _identity_fused)
     return prepare
+
+
+def erpo_fused_with_workspace(workspace_bytes: int):
+    """Ours on the fused path (Triton) with a workspace budget other than the library's default (bytes)."""
+    return _erpo_fused("triton", workspace_bytes=workspace_bytes)
 
 
 # ---- torch.compile of the plain formula ------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Where one logits-path fwd+bwd spends its time on the GPU: per contender, the CUDA kernels of one call
-(torch.profiler: name, launches, microseconds each call), the call's wall time, the time some kernel ran, and the
-GPU's idle time between the call's first kernel and its last (the host's share: launches, Python, host reads).
+"""Where one fwd+bwd (logits path, or fused path with `--path fused`) spends its time on the GPU: per contender,
+the CUDA kernels of one call (torch.profiler: name, launches, microseconds each call), the call's wall time, the
+time some kernel ran, and the GPU's idle time between the call's first kernel and its last (the host's share:
+launches, Python, host reads).
 
     python -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out DIR   # DIR/profile.{md,json}
+    python -m bench.kernel_profile --path fused --shape qwen2.5-7b --contenders erpo --workspace-gib 4 --out DIR
     TRITON_INTERPRET=1 python -m bench.kernel_profile --smoke --out DIR    # CPU, tiny: the script's dry run
 
 Each contender is warmed up (Triton compiles, allocator growth) and then profiled over `--calls` fwd+bwd calls;
@@ -70,7 +72,8 @@ def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2) -
 
 
 def markdown(results: dict, meta: dict) -> str:
-    lines = [f"# One fwd+bwd, kernel by kernel ({meta['device']}, N={meta['N']}, V={meta['V']}, {meta['dtype']}, "
+    lines = [f"# One {meta['path']}-path fwd+bwd, kernel by kernel ({meta['device']}, N={meta['N']}, D={meta['D']}, "
+             f"V={meta['V']}, {meta['dtype']}, "
              f"{meta['calls']} calls)", "", f"- command: `{meta['command']}`", f"- commit: `{meta['commit']}`",
              f"- date: `{meta['date']}`", f"- torch {meta['torch']}", ""]
     unit = "kernel" if meta["device"] != "cpu" else "top-level CPU operator (dry run: not a measurement)"
@@ -90,8 +93,13 @@ def markdown(results: dict, meta: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=("logits", "fused"), default="logits")
     parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--vocab", type=int, default=152064)
+    parser.add_argument("--vocab", type=int, default=152064, help="the logits path's V")
+    parser.add_argument("--shape", default="qwen2.5-7b", help="the fused path's lm_head (bench.problem.parse_shape)")
+    parser.add_argument("--workspace-gib", default="",
+                        help="fused path: comma-separated workspace budgets for ours (GiB), each profiled as "
+                             "erpo@ws=G; default: the library's")
     parser.add_argument("--contenders", default="erpo,liger")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
@@ -102,34 +110,42 @@ def main(argv=None):
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
     from .__main__ import git_commit
-    from .contenders import CONTENDERS, ERPO_OPTIONS
-    from .problem import Shape, build_problem
+    from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_workspace
+    from .problem import SMOKE_SHAPE, Shape, build_problem, parse_shape
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rows, rows_per_sample = (SMOKE_ROWS, SMOKE_ROWS_PER_SAMPLE) if args.smoke else (args.n, 1024)
-    shape = Shape(f"V={SMOKE_VOCAB if args.smoke else args.vocab}", 0, SMOKE_VOCAB if args.smoke else args.vocab)
+    if args.path == "fused":
+        shape = SMOKE_SHAPE if args.smoke else parse_shape(args.shape)
+    else:
+        shape = Shape(f"V={SMOKE_VOCAB if args.smoke else args.vocab}", 0, SMOKE_VOCAB if args.smoke else args.vocab)
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    problem = build_problem("logits", shape, rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
+    problem = build_problem(args.path, shape, rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
                             device=device, seed=0, chunk_rows=4096, clip_low=ERPO_OPTIONS["clip_low"],
                             clip_high=ERPO_OPTIONS["clip_high"])
-    results = {}
+    prepares = {}
     for key in [key.strip() for key in args.contenders.split(",") if key.strip()]:
-        contender = next((c for c in CONTENDERS if c.key == key and c.path == "logits"), None)
+        contender = next((c for c in CONTENDERS if c.key == key and c.path == args.path), None)
         if contender is None:
-            raise SystemExit(f"--contenders: no logits-path contender {key!r}")
+            raise SystemExit(f"--contenders: no {args.path}-path contender {key!r}")
         missing = contender.requirement(device)
-        if missing is not None:
-            results[key] = f"{missing[0]}: {missing[1]}"
-        else:
-            results[key] = profile_calls(contender.prepare(problem), device, 1 if args.smoke else args.calls,
-                                         warmup=1 if args.smoke else 2)
+        prepares[key] = f"{missing[0]}: {missing[1]}" if missing is not None else contender.prepare
+    for gib in [float(g) for g in args.workspace_gib.split(",") if g.strip()]:
+        if args.path != "fused":
+            raise SystemExit("--workspace-gib: only with --path fused")
+        prepares[f"erpo@ws={gib:g}"] = erpo_fused_with_workspace(int(gib * 2**30))
+    results = {}
+    for key, prepare in prepares.items():
+        results[key] = prepare if isinstance(prepare, str) else profile_calls(
+            prepare(problem), device, 1 if args.smoke else args.calls, warmup=1 if args.smoke else 2)
         print(f"{key}: " + (results[key] if isinstance(results[key], str) else
                             f"wall {results[key]['wall_us']:.0f} us, idle {results[key]['gpu_idle_us']:.0f} us"),
               flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "N": rows,
-            "V": shape.vocab, "dtype": str(dtype).removeprefix("torch."), "calls": 1 if args.smoke else args.calls,
+            "path": args.path, "D": shape.hidden, "V": shape.vocab, "dtype": str(dtype).removeprefix("torch."),
+            "calls": 1 if args.smoke else args.calls,
             "command": "python -m bench.kernel_profile " + " ".join(argv if argv is not None else os.sys.argv[1:]),
             "commit": args.commit or git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__}

@@ -1,0 +1,100 @@
+"""The fused path's GEMMs alone, per row chunk, on the GPU: what a chunk of `rows` rows costs in cuBLAS before any
+of our kernels run, so that the fused path's time can be split into GEMMs, row kernels and the rest.
+
+    python -m bench.gemm_probe --shape qwen2.5-7b --rows 1024,2048,4096 --n 16384 --out DIR   # DIR/gemm_probe.md
+
+Per chunk size, each timed alone (CUDA events, median of `--repeats`) and scaled to N rows (N / rows chunks):
+logits = hidden_c @ W.T with fp32 output and with bf16 output; d hidden = dlogits_c @ W; d weight accumulated
+into an fp32 [V, D] buffer (addmm, beta=1: reads and writes 4 V D bytes per chunk) and, for comparison, formed
+into bf16 with no accumulation. TFLOP/s is 2 rows D V per GEMM over its time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def probe(shape, rows: int, total_rows: int, repeats: int) -> list:
+    """[(name, ms per chunk, ms for total_rows, TFLOP/s)] for one chunk size."""
+    device = torch.device("cuda")
+    d, v = shape.hidden, shape.vocab
+    hidden = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(v, d, device=device, dtype=torch.bfloat16) * 0.02
+    logits32 = torch.empty(rows, v, device=device, dtype=torch.float32)
+    logits16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
+    # dlogits as the fused path holds them: bf16 over the first half of each fp32 logits row (row stride 2 V)
+    dlogits = logits32.view(torch.bfloat16)[:, :v]
+    dlogits.copy_(torch.randn(rows, v, device=device, dtype=torch.bfloat16))
+    dhidden = torch.empty(rows, d, device=device, dtype=torch.bfloat16)
+    dweight32 = torch.zeros(v, d, device=device, dtype=torch.float32)
+    dweight16 = torch.empty(v, d, device=device, dtype=torch.bfloat16)
+    cases = {
+        "logits, fp32 out": lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32, out=logits32),
+        "logits, bf16 out": lambda: torch.mm(hidden, weight.T, out=logits16),
+        "d hidden, bf16 out": lambda: torch.mm(dlogits, weight, out=dhidden),
+        "d weight += (fp32 accumulator)": lambda: torch.addmm(dweight32, dlogits.T, hidden, out_dtype=torch.float32,
+                                                              out=dweight32),
+        "d weight, bf16 out, no accumulation": lambda: torch.mm(dlogits.T, hidden, out=dweight16),
+    }
+    chunks = total_rows / rows
+    flops = 2 * rows * d * v
+    out = []
+    for name, fn in cases.items():
+        try:
+            ms = _median_ms(fn, repeats)
+        except Exception as error:  # an op this torch lacks: say so, go on
+            out.append((name, float("nan"), float("nan"), f"{type(error).__name__}: {str(error)[:80]}"))
+            continue
+        out.append((name, ms, ms * chunks, f"{flops / ms / 1e9:.0f}"))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.gemm_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-7b")
+    parser.add_argument("--rows", default="1024,2048,4096")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.gemm_probe: needs a CUDA device (it times cuBLAS)")
+    from .problem import parse_shape
+    shape = parse_shape(args.shape)
+    lines = [f"# The fused path's GEMMs per row chunk ({torch.cuda.get_device_name()}, {shape.name}: D={shape.hidden}, "
+             f"V={shape.vocab}, bf16 inputs, N={args.n})", "",
+             f"- command: `python -m bench.gemm_probe {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"- commit: `{args.commit}`", f"- date: `{time.strftime('%Y-%m-%dT%H:%M:%S%z')}`",
+             f"- torch {torch.__version__}", "",
+             "| rows per chunk | GEMM | ms per chunk | ms for N rows | TFLOP/s |", "|---|---|---|---|---|"]
+    for rows in [int(r) for r in args.rows.split(",")]:
+        torch.cuda.empty_cache()  # the last size's buffers, freed when probe returned
+        for name, ms, total, rate in probe(shape, rows, args.n, args.repeats):
+            lines.append(f"| {rows} | {name} | {ms:.3f} | {total:.2f} | {rate} |")
+            print(lines[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm_probe.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
