@@ -1,6 +1,8 @@
 """The logits-path kernels compile for sm_90 (H100/H200) with the Triton that CI installs."""
 import re
 
+import pytest
+
 from compile_check import run_compile_script
 
 
@@ -23,17 +25,20 @@ def test_logits_kernels_compile_for_hopper():
         # with the soft-cap (not a bench case) the one-warp variants may spill a little: they must compile
         assert re.search(rf"compiled forward-variant {variant}-softcap bf16 registers=\d+ spill_bytes=\d+\n",
                          out), out
-    # the forward loop's SASS instructions per logit, as launched on aligned bf16 rows: the base-2 loop about 9
-    # (one max, one FMA, one floor, one exp2, one add, one FMA, the conversion), the shifted one about 19 to 24
-    per_logit = {name: float(value) for name, value in
-                 re.findall(r"loop forward-variant (\S+) bf16 registers=\d+ instructions_per_logit=([\d.]+)\n", out)}
-    assert set(per_logit) == {"block", "warp", "warp-1024", "log2-1024", "log2-2048"}, out
-    assert max(per_logit["log2-1024"], per_logit["log2-2048"]) <= 10 < min(per_logit["warp"], per_logit["warp-1024"])
-    # the backward's: a logit's 4 bytes (read and written) leave about 28 instructions at an H200's bandwidth
-    backward = {name: float(value) for name, value in
-                re.findall(r"loop backward-variant (\S+) bf16 registers=\d+ instructions_per_logit=([\d.]+)\n", out)}
-    assert set(backward) == {"shifted", "log2"} and backward["log2"] <= 16 < backward["shifted"], out
     for variant in ("shifted", "log2", "shifted-softcap", "log2-softcap"):
         assert re.search(rf"compiled backward-variant {variant} bf16 registers=\d+ spill_bytes=0\n", out), out
     for kernel in ("objective-finish", "objective-grad", "first-bad-row", "masked-quantile"):
         assert f"compiled {kernel}\n" in out, out
+    if "nvdisasm None\n" in out:
+        pytest.skip("no nvdisasm (neither $TRITON_NVDISASM_PATH nor Triton's own): every kernel compiled without a "
+                    "spill, but the loops' SASS instructions per logit were not counted")
+    # the forward loop's SASS instructions per logit, as launched on aligned bf16 rows: the base-2 loop about 9
+    # (one max, one FMA, one floor, one exp2, one add, one FMA, the conversion), the shifted one about 19 to 24
+    per_logit = {name: float(value) for name, value in
+                 re.findall(r"loop forward-variant (\S+) bf16 instructions_per_logit=([\d.]+)\n", out)}
+    assert set(per_logit) == {"block", "warp", "warp-1024", "log2-1024", "log2-2048"}, out
+    assert max(per_logit["log2-1024"], per_logit["log2-2048"]) <= 10 < min(per_logit["warp"], per_logit["warp-1024"])
+    # the backward's: a logit's 4 bytes (read and written) leave about 28 instructions at an H200's bandwidth
+    backward = {name: float(value) for name, value in
+                re.findall(r"loop backward-variant (\S+) bf16 instructions_per_logit=([\d.]+)\n", out)}
+    assert set(backward) == {"shifted", "log2"} and backward["log2"] <= 16 < backward["shifted"], out

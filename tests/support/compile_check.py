@@ -8,6 +8,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -49,16 +50,26 @@ def register_usage(compiled) -> tuple[int, int]:
     return registers, spills
 
 
-def loop_instructions(compiled) -> int:
-    """SASS instructions in the longest loop of a compiled kernel (a backward branch's span, from Triton's bundled
-    nvdisasm): for a row kernel, what one step of its loop over the vocabulary costs every thread."""
-    from triton.backends.nvidia.compiler import get_ptxas
+def disassembler() -> Optional[str]:
+    """The nvdisasm Triton uses (triton.knobs: $TRITON_NVDISASM_PATH, else the one in triton/backends/nvidia/bin), or
+    None where there is none. Not the one beside ptxas: $TRITON_PTXAS_PATH may name another CUDA's ptxas (on the GPU
+    image, 2026-11-26, ptxas was torch's, torch/bin/ptxas, with no nvdisasm beside it)."""
+    from triton import knobs
 
-    disassembler = Path(get_ptxas(HOPPER.arch).path).with_name("nvdisasm")
+    try:
+        return knobs.nvidia.nvdisasm.path
+    except RuntimeError:  # "Cannot find nvdisasm"
+        return None
+
+
+def loop_instructions(compiled, nvdisasm: str) -> int:
+    """SASS instructions in the longest loop of a compiled kernel (a backward branch's span, from the `nvdisasm` at
+    that path: `disassembler()`): for a row kernel, what one step of its loop over the vocabulary costs every
+    thread."""
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(disassembler), "-c", str(cubin)], capture_output=True, text=True,
+        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
     address = {}  # label -> address of the instruction after it
     pending = []
