@@ -28,7 +28,8 @@ store of whole chunks put more rows in each accumulation than one buffer of chun
 logits (`plan_workspace`: in 1 GiB, 2048 rows against 1744 for bf16 Qwen2.5-7B). The loss value and metrics are
 formed once at the end from the [N] log-probs and entropies by the objective itself (`api.objective_on_backend`);
 backward only scales the stored dH / dW / dbias by the incoming gradient (one vectorized pass each,
-triton_scale.py).
+triton_scale.py). The plan reads the rows' layout on the host once; on CUDA that read waits only for the layout's
+copy, so the logits GEMM of the first chunk's first half, queued after it, runs while the host plans.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
@@ -45,7 +46,7 @@ entropy filter (its threshold, and the kept-row count of the token-mean entropy 
 
 Launches: a constant, 13 per chunk and 5 per group on the Triton backend (per chunk the logits GEMM, the two row
 kernels, the objective's two and a few elementwise ops; per group d hidden, the masked hidden rows, d weight and
-d bias: 26 + 13 x chunks + 5 x groups counted on the CPU, tests/kernels/test_fused_linear_loss.py); the torch
+d bias: 27 + 13 x chunks + 5 x groups counted on the CPU, tests/kernels/test_fused_linear_loss.py); the torch
 backend, the oracle, runs the whole reference objective with autograd per chunk (O(N) work and all its ops each
 time).
 
@@ -70,7 +71,7 @@ from .api import segment_sum_of
 from .common import host_to_device, index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
-from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
+from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions, read_later
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
 # fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
@@ -187,7 +188,12 @@ def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch
 
 def _invariant_rows(rows: int, batch_invariant: bool) -> int:
     """rows, or with batch_invariant the multiple of INVARIANT_ROWS below it (at least INVARIANT_ROWS)."""
-    return max(INVARIANT_ROWS, rows // INVARIANT_ROWS * INVARIANT_ROWS) if batch_invariant else rows
+    return max(INVARIANT_ROWS, _invariant_floor(rows, batch_invariant)) if batch_invariant else rows
+
+
+def _invariant_floor(rows: int, batch_invariant: bool) -> int:
+    """rows, or with batch_invariant the multiple of INVARIANT_ROWS below it (0 included)."""
+    return rows // INVARIANT_ROWS * INVARIANT_ROWS if batch_invariant else rows
 
 
 @dataclass(frozen=True)
@@ -299,20 +305,22 @@ class LogitsBuffer:
         self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
 
-    def logits(self, hidden_rows):
-        """[n, V] fp32 view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
+    def logits(self, hidden_rows, first: int = 0):
+        """[first + n, V] fp32 view of the buffer's first rows, rows first to first + n now holding hidden_rows
+        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant `first`
+        is a multiple of INVARIANT_ROWS)."""
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
-            _write_logits(self.buffer[:num_rows], hidden_rows, self.weight, self.bias)
-            return self.buffer[:num_rows]
+            _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
+            return self.buffer[:first + num_rows]
         for start in range(0, num_rows, INVARIANT_ROWS):
             piece = hidden_rows[start:start + INVARIANT_ROWS]
             if piece.shape[0] < INVARIANT_ROWS:
                 self.staging[:piece.shape[0]] = piece
                 self.staging[piece.shape[0]:] = 0
                 piece = self.staging
-            _write_logits(self.buffer[start:start + INVARIANT_ROWS], piece, self.weight, self.bias)
-        return self.buffer[:num_rows]
+            _write_logits(self.buffer[first + start:first + start + INVARIANT_ROWS], piece, self.weight, self.bias)
+        return self.buffer[:first + num_rows]
 
 
 def _accumulate_product(accumulator, a, b, alpha: float = 1.0, accumulate: bool = True):
@@ -533,8 +541,14 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     transform = options.logit_transform
     workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
-    # the chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA)
-    host_kind, host_sample = torch.stack((token_kind.long(), sample_index.long())).cpu().numpy()
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
+    # The chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA), copied
+    # asynchronously so that a logits GEMM queued meanwhile runs while the host plans: that of rows 0 to `early`,
+    # which the first chunk holds whatever the plan (at least half of min(chunk_rows, N) rows).
+    early = _invariant_floor(min(workspace.chunk_rows, num_rows) // 2, batch_invariant)
+    read_layout = read_later(torch.cat((token_kind.long(), sample_index.long())))  # [2 N]: an O(N) vector
+    logits_buffer.logits(hidden[:early])
+    host_kind, host_sample = read_layout().cpu().numpy().reshape(2, num_rows)
     plan = plan_chunks(
         host_kind, host_sample, inputs.advantages.shape[0], workspace.chunk_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
@@ -543,14 +557,14 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
     # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
     logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
     entropy_out = torch.zeros_like(logp_out)
-    if plan.prepass_rows.size:
+    if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
         prepass = host_to_device(plan.prepass_rows, hidden.device)
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
+        early = 0
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     if plan.chunks:
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
@@ -558,7 +572,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
             segment_sum, entropy_pool))
     for chunk, (start, stop) in enumerate(plan.chunks):
         rows = slice(start, stop)
-        logits = logits_buffer.logits(hidden[rows])
+        ready = early if chunk == 0 else 0  # rows whose logits the buffer holds already
+        logits = logits_buffer.logits(hidden[start + ready:stop], first=ready)
         logp, entropy, lse = kernels.forward(logits, targets[rows], transform)
         logp_out[rows], entropy_out[rows] = logp, entropy
         grad_logp, grad_entropy = objective.gradient(chunk, rows)

@@ -326,12 +326,14 @@ def test_flops_are_6ndv_plus_the_prepass(device):
     assert record(batch, tensors, rows=12).flops == 6 * n * d * v  # every sample whole in a chunk: no pre-pass
     # 8 rows: the 10-row sample split between its query and its response rows, which costs nothing
     assert record(batch, tensors, rows=8).flops == 6 * n * d * v
-    split = record(batch, tensors, rows=4)  # its 4 query rows split: pre-passed (the Query-KL reads their sum)
+    # its 4 query rows split: pre-passed (the Query-KL reads their sum), and the first 2 rows (half a chunk), whose
+    # logits were formed while the host planned, formed again after the pre-pass
+    split = record(batch, tensors, rows=4)
     assert plan(batch, 4, query_sums=True).prepass_rows.tolist() == [9, 10, 11, 12]
-    assert split.flops == 6 * n * d * v + 2 * 4 * d * v
+    assert split.flops == 6 * n * d * v + 2 * (4 + 2) * d * v
     no_qkl = record(batch, tensors, rows=4, qkl_coef=0.0)  # nothing couples rows across chunks
     assert no_qkl.flops == 6 * n * d * v
-    assert record(batch, tensors, rows=4, needs=(True, False)).flops == 4 * n * d * v + 2 * 4 * d * v
+    assert record(batch, tensors, rows=4, needs=(True, False)).flops == 4 * n * d * v + 2 * (4 + 2) * d * v
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
@@ -376,8 +378,9 @@ def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatc
     assert workspace == chunked.Workspace(4, 16, True)
     options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
     recorder = record(batch, tensors, rows=4, backend=backend, budget=budget, **options)
-    assert set(recorder.logits_gemm_rows) <= {1, 2, 3, 4} and max(recorder.group_rows) == 16
-    assert len(recorder.group_rows) == -(-len(recorder.logits_gemm_rows) // 4)
+    chunks = plan(batch, 4, query_sums=True).chunks
+    assert max(recorder.logits_gemm_rows) == 4 and max(recorder.group_rows) == 16
+    assert sum(recorder.group_rows) == len(batch["targets"]) and len(recorder.group_rows) < len(chunks) / 3
     assert 0.5 * budget < recorder.peak_workspace <= budget
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     grads = []
@@ -417,7 +420,8 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
                                    validate=False, workspace_bytes=budget_for(rows, torch.float32, device),
                                    qkl_coef=0.5, ratio_level="sequence", **inputs).loss.backward()
         chunks = 48 // rows
-        assert counter.sync_names == {"Tensor.cpu": 1}  # the chunk plan's one read of the layout
+        # the chunk plan's one read of the layout (on CUDA a wait for its copy to pinned memory)
+        assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
         # once over every sample for the global factors, once per chunk on its samples, once for the value
         assert counter.names["triton._objective_sample_kernel"] == 2 + chunks
         assert counter.names["triton._objective_grad_kernel"] == chunks
@@ -444,7 +448,7 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
         with LaunchCounter() as counter:
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    validate=False, workspace_bytes=budget, qkl_coef=0.5, **inputs).loss.backward()
-        assert counter.sync_names == {"Tensor.cpu": 1}
+        assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
         assert counter.names["triton._objective_grad_kernel"] == 12  # one per chunk, whatever the groups
         counts[groups] = counter.launches
     per_group = counts[2] - counts[1]
