@@ -1,12 +1,14 @@
 """The fused path's GEMMs alone, per row chunk, on the GPU: what a chunk of `rows` rows costs in cuBLAS before any
 of our kernels run, so that the fused path's time can be split into GEMMs, row kernels and the rest.
 
-    python -m bench.gemm_probe --shape qwen2.5-7b --rows 1024,2048,4096 --n 16384 --out DIR   # DIR/gemm_probe.md
+    python -m bench.gemm_probe --shape qwen2.5-7b --rows 512,1024,2048,4096 --n 16384 --out DIR   # DIR/gemm_probe.md
 
-Per chunk size, each timed alone (CUDA events, median of `--repeats`) and scaled to N rows (N / rows chunks):
-logits = hidden_c @ W.T with fp32 output and with bf16 output; d hidden = dlogits_c @ W; d weight accumulated
-into an fp32 [V, D] buffer (addmm, beta=1: reads and writes 4 V D bytes per chunk) and, for comparison, formed
-into bf16 with no accumulation. TFLOP/s is 2 rows D V per GEMM over its time.
+Per row count, each timed alone (CUDA events, median of `--repeats`) and scaled to N rows (N / rows GEMMs):
+logits = hidden_c @ W.T with fp32 output and with bf16 output (a chunk's logits: 512 rows is the fused path's
+chunk beside a dlogits store, fused_linear_loss.LOGITS_ROWS); d hidden = dlogits_g @ W; d weight accumulated into an
+fp32 [V, D] buffer (addmm, beta=1: reads and writes 4 V D bytes per group) and, for comparison, formed into bf16 with
+no accumulation (a group's GEMMs: 2048 rows in the default 1 GiB for bf16 Qwen2.5-7B). dlogits are a dense bf16
+[rows, V] tensor, as the store holds them. TFLOP/s is 2 rows D V per GEMM over its time.
 """
 from __future__ import annotations
 
@@ -40,9 +42,7 @@ def probe(shape, rows: int, total_rows: int, repeats: int) -> list:
     weight = torch.randn(v, d, device=device, dtype=torch.bfloat16) * 0.02
     logits32 = torch.empty(rows, v, device=device, dtype=torch.float32)
     logits16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
-    # dlogits as the fused path holds them: bf16 over the first half of each fp32 logits row (row stride 2 V)
-    dlogits = logits32.view(torch.bfloat16)[:, :v]
-    dlogits.copy_(torch.randn(rows, v, device=device, dtype=torch.bfloat16))
+    dlogits = torch.randn(rows, v, device=device, dtype=torch.bfloat16)  # as the fused path's dlogits store
     dhidden = torch.empty(rows, d, device=device, dtype=torch.bfloat16)
     dweight32 = torch.zeros(v, d, device=device, dtype=torch.float32)
     dweight16 = torch.empty(v, d, device=device, dtype=torch.bfloat16)
@@ -70,7 +70,7 @@ def probe(shape, rows: int, total_rows: int, repeats: int) -> list:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.gemm_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-7b")
-    parser.add_argument("--rows", default="1024,2048,4096")
+    parser.add_argument("--rows", default="512,1024,2048,4096")
     parser.add_argument("--n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--commit", default="unknown")

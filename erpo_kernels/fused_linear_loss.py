@@ -1,6 +1,7 @@
 """The fused-linear ERPO loss in row chunks at 6NDV: the gradient is formed in the forward, as Liger's chunked losses.
 
-Per chunk c of whole samples (a sample-aligned row range, as many rows as `workspace_bytes` allows):
+Per chunk c (a row range of at most `Workspace.chunk_rows` rows, `plan_chunks`), then per group g of consecutive
+chunks (`GradientGroups`):
 
     logits_c  = hidden_c @ W.T (+ bias)          one GEMM (cuBLAS on CUDA) with fp32 output into one reused
                                                  [rows, V] fp32 buffer (never rounded to bf16: the Query-KL sums a
@@ -10,36 +11,51 @@ Per chunk c of whole samples (a sample-aligned row range, as many rows as `works
                                                  Triton, the objective's kernels on c's samples alone (two
                                                  launches, triton_chunk_objective.py); torch, the reference
                                                  objective on [N] vectors, differentiated by autograd (the oracle)
-    dlogits_c                                    the logits path's backward, in hidden's dtype, written over
-                                                 the first half of each fp32 logits row (`gradient_view`)
-    dH_c  = dlogits_c @ W                        one GEMM, rounded once to hidden's dtype
-    dW   += dlogits_c.T @ hidden_c               one GEMM accumulated in fp32 (rows that get no gradient zeroed
-                                                 first, so a non-finite padding row cannot poison dW)
+    dlogits_c                                    the logits path's backward, in hidden's dtype, written into c's
+                                                 rows of the group's dlogits store [G, V] (or, when the budget
+                                                 holds more rows so, over the first half of each fp32 logits row,
+                                                 `gradient_view`, a group being one chunk)
+    dH_g  = dlogits_g @ W                        one GEMM per group, rounded once to hidden's dtype
+    dW   += dlogits_g.T @ hidden_g               one GEMM per group accumulated in fp32, the first group writing it
+                                                 (rows that get no gradient zeroed first, so a non-finite padding
+                                                 row cannot poison dW)
 
-That is 2NDV + 2NDV + 2NDV. The loss value and metrics are formed once at the end from the [N] log-probs and
-entropies by the objective itself (`api.objective_on_backend`); backward only scales the stored dH / dW / dbias by
-the incoming gradient.
+That is 2NDV + 2NDV + 2NDV. Why groups: each accumulation reads and writes the fp32 [V, D] accumulator (4.4 GB for
+Qwen2.5-7B), which on an H200 cost 39.2 ms per 16384 rows in 1024-row passes against 28.4 ms in 2048-row and 25.9
+ms in 4096-row ones (bench/gemm_probe.py, 2026-11-26, commit 2ab6bb9), while the logits GEMM runs at the same rate
+from 1024 to 4096 rows. A bf16 dlogits row costs half an fp32 logits row, so chunks of LOGITS_ROWS rows beside a
+store of whole chunks put more rows in each accumulation than one buffer of chunks whose dlogits lie over their
+logits (`plan_workspace`: in 1 GiB, 2048 rows against 1744 for bf16 Qwen2.5-7B). The loss value and metrics are
+formed once at the end from the [N] log-probs and entropies by the objective itself (`api.objective_on_backend`);
+backward only scales the stored dH / dW / dbias by the incoming gradient (one vectorized pass each,
+triton_scale.py). The plan reads the rows' layout on the host once; on CUDA that read waits only for the layout's
+copy, so the logits GEMM of the first chunk's first half, queued after it, runs while the host plans.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
-values (ell_theta(q) for the Query-KL, the sequence-level ratio, VESPO's weight, the off-policy mask) and (c) the
-entropy filter's batch-wide quantile and kept-row count. The chunk objectives read [N] vectors that hold each
-pre-passed row's value, then each chunk's own rows once formed: (a) the Triton one forms its global factors once
-from counts (one pass over every sample before the chunks), the torch one holds every row; (b) holds because a
-chunk holds whole samples; a sample split by a chunk boundary (longer than a chunk, or interleaved rows) and (c)
-get their coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split samples' query
-rows when the Query-KL needs ell_theta(q), their response rows when a per-sample response value is read, and every
-response row with the entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
+values (ell_theta(q) for the Query-KL, read by the sample's query rows; the sequence-level ratio, VESPO's weight, the
+off-policy mask, read by its response rows) and (c) the entropy filter's batch-wide quantile and kept-row count. The
+chunk objectives read [N] vectors that hold each pre-passed row's value, then each chunk's own rows once formed: (a)
+the Triton one forms its global factors once from counts (one pass over every sample before the chunks), the torch
+one holds every row; (b) holds because the chunks keep a sample's query rows, and its response rows, together where
+they can (`plan_chunks`; its query rows and its response rows may lie in different chunks, no row reading the other
+kind's value); a set a cut splits (longer than half a chunk, or interleaved rows) and (c) get their coupled rows
+from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split query rows when the Query-KL needs
+ell_theta(q), the split response rows when a per-sample response value is read, and every response row with the
+entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
 
-Launches: a constant plus about 17 per chunk on the Triton backend (the logits GEMM, the two row kernels, the
-objective's two, d hidden, d weight and d bias, and a few elementwise ops; tests/kernels/test_fused_linear_loss.py
-counts them: 26 + 17 x chunks); the torch backend, the oracle, runs the whole reference objective with autograd
-per chunk (O(N) work and all its ops each time).
+Launches: a constant, 13 per chunk and 5 per group on the Triton backend (per chunk the logits GEMM, the two row
+kernels, the objective's two and a few elementwise ops; per group d hidden, the masked hidden rows, d weight and
+d bias: 27 + 13 x chunks + 5 x groups counted on the CPU, tests/kernels/test_fused_linear_loss.py); the torch
+backend, the oracle, runs the whole reference objective with autograd per chunk (O(N) work and all its ops each
+time).
 
-Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]); the fp32 d weight
-accumulator [V, D] (4 V D bytes; the weight's own gradient when the weight is fp32) and d bias [V]; the gradients
-d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to the backward; O(N)
-vectors.
+Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]): the fp32 logits buffer and
+the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
+docs/API.md states: the fp32 d weight accumulator [V, D] (4 V D bytes, none for an fp32 weight, whose gradient it
+is): like the fp32 gradient an optimizer keeps, its size is fixed by the lm_head and does not grow with N; d bias
+[V] fp32; the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
+the backward; O(N) vectors.
 """
 from __future__ import annotations
 
@@ -55,7 +71,7 @@ from .api import segment_sum_of
 from .common import host_to_device, index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
-from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions
+from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions, read_later
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
 # fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
@@ -120,20 +136,64 @@ def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, 
     grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
 
 
-def bytes_per_chunk_row(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device,
-                        kernels: RowKernels) -> int:
-    """Workspace bytes of one chunk row: its [V] fp32 logits buffer row, the row pass's temporaries, its masked
-    hidden row [D] and, off CUDA, the fp32 copies of the dlogits and hidden rows that the d weight accumulation
-    upcasts (CUDA multiplies bf16 / fp16 operands into fp32 inside the GEMM)."""
+def logits_row_bytes(vocab_size: int, kernels: RowKernels) -> int:
+    """Workspace bytes of one row of the fp32 logits buffer: 4 V, plus the row pass's temporaries."""
+    return vocab_size * (4 + kernels.temporary_bytes_per_logit)
+
+
+def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Workspace bytes of one group row besides its dlogits: its masked hidden row [D] and, off CUDA, the fp32
+    copies of its dlogits and hidden rows that the d weight GEMM upcasts (CUDA multiplies bf16 / fp16 operands into
+    fp32 inside the GEMM)."""
     item = torch.empty((), dtype=dtype).element_size()
     upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
-    return vocab_size * (4 + kernels.temporary_bytes_per_logit + upcast) + hidden_dim * (item + upcast)
+    return vocab_size * upcast + hidden_dim * (item + upcast)
 
 
-def chunk_rows(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device, kernels: RowKernels,
-               workspace_bytes: int) -> int:
-    """Rows of one chunk: as many as `workspace_bytes` holds (`bytes_per_chunk_row`), at least 1."""
-    return max(1, workspace_bytes // bytes_per_chunk_row(vocab_size, hidden_dim, dtype, device, kernels))
+# Rows of a chunk when the dlogits have a store of their own: the logits GEMM [LOGITS_ROWS, D] x [D, V] is still
+# compute-bound (2 LOGITS_ROWS FLOPs per byte of the weight it reads) and leaves most of the budget to the store.
+LOGITS_ROWS = 512
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """How `workspace_bytes` is spent. chunk_rows: rows of the fp32 logits buffer (a chunk's rows at most);
+    group_rows: rows whose dlogits are held until one d hidden GEMM and one d weight accumulation serve them all;
+    separate_store: the dlogits go into a [group_rows, V] store of the inputs' dtype (else over each chunk's own
+    logits, `gradient_view`: a group is one chunk, group_rows == chunk_rows)."""
+
+    chunk_rows: int
+    group_rows: int
+    separate_store: bool
+
+
+def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                   kernels: RowKernels, workspace_bytes: int, batch_invariant: bool) -> Workspace:
+    """The `Workspace` that gives the most rows per d weight accumulation within `workspace_bytes`: the dlogits over
+    the logits (a row costs `logits_row_bytes` + `gradient_row_bytes`), or, when that holds fewer rows, chunks of
+    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`). Each count
+    at least 1 and at most N; with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    logits_row = logits_row_bytes(vocab_size, kernels)
+    gradient_row = gradient_row_bytes(vocab_size, hidden_dim, dtype, device)
+    rows = max(num_rows, 1)
+    in_place = min(rows, max(1, workspace_bytes // (logits_row + gradient_row)))
+    chunk = _invariant_rows(min(LOGITS_ROWS, rows), batch_invariant)
+    group = min(rows, (workspace_bytes - chunk * logits_row) // (vocab_size * item + gradient_row)) // chunk * chunk
+    if group > in_place:
+        return Workspace(chunk, group, True)
+    in_place = _invariant_rows(in_place, batch_invariant)
+    return Workspace(in_place, in_place, False)
+
+
+def _invariant_rows(rows: int, batch_invariant: bool) -> int:
+    """rows, or with batch_invariant the multiple of INVARIANT_ROWS below it (at least INVARIANT_ROWS)."""
+    return max(INVARIANT_ROWS, _invariant_floor(rows, batch_invariant)) if batch_invariant else rows
+
+
+def _invariant_floor(rows: int, batch_invariant: bool) -> int:
+    """rows, or with batch_invariant the multiple of INVARIANT_ROWS below it (0 included)."""
+    return rows // INVARIANT_ROWS * INVARIANT_ROWS if batch_invariant else rows
 
 
 @dataclass(frozen=True)
@@ -147,47 +207,54 @@ class ChunkPlan:
 
 def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, max_rows: int, *,
                 query_sums: bool, response_values: bool, all_response_entropies: bool) -> ChunkPlan:
-    """Cut [0, N) into chunks of at most `max_rows` rows, each ending at the last place no sample has rows on both
-    sides when that leaves the chunk at least half full (else at `max_rows`, splitting a sample), and list the
-    pre-pass rows: every
-    response row when `all_response_entropies` (the entropy filter); else of the samples a cut splits, their query
-    rows when `query_sums` (the Query-KL reads ell_theta(q)) and their response rows when `response_values`
-    (sequence-level ratio, VESPO, off-policy mask). token_kind, sample_index: host [N] integer arrays."""
+    """Cut [0, N) into chunks of at most `max_rows` rows and list the pre-pass rows. token_kind, sample_index: host
+    [N] integer arrays.
+
+    A per-sample value that a gradient reads couples a sample's rows of one kind: its query rows when `query_sums`
+    (the Query-KL reads ell_theta(q)), its response rows when `response_values` (sequence-level ratio, VESPO, the
+    off-policy mask). Nothing else couples rows across chunks: a query row's gradient reads no response value and a
+    response row's no query value, so a sample's query and response rows may lie in different chunks. Each chunk
+    ends at the last place that splits no coupled set when that leaves the chunk at least half full, else at
+    `max_rows`; a coupled set that a cut splits is pre-passed, and with `all_response_entropies` (the entropy
+    filter) every response row is."""
     num_rows = len(token_kind)
-    scored = token_kind != 0
-    rows = np.nonzero(scored)[0]
-    samples = sample_index[scored].astype(np.int64)
-    first = np.full(num_samples, num_rows, dtype=np.int64)
-    last = np.full(num_samples, -1, dtype=np.int64)
-    np.minimum.at(first, samples, rows)
-    np.maximum.at(last, samples, rows)
-    present = last >= 0
-    open_samples = np.zeros(num_rows + 1, dtype=np.int64)  # open_samples[i]: samples with rows on both sides of i
-    np.add.at(open_samples, first[present] + 1, 1)
-    np.add.at(open_samples, last[present] + 1, -1)
-    clean_cuts = np.nonzero(np.cumsum(open_samples)[1:num_rows] == 0)[0] + 1
+    coupled = [kind for kind, reads in ((1, query_sums), (2, response_values and not all_response_entropies))
+               if reads]
+    spans = {kind: _sample_spans(token_kind, sample_index, num_samples, kind) for kind in coupled}
+    open_sets = np.zeros(num_rows + 1, dtype=np.int64)  # open_sets[i]: coupled sets with rows on both sides of i
+    for first, last in spans.values():
+        present = last >= 0
+        np.add.at(open_sets, first[present] + 1, 1)
+        np.add.at(open_sets, last[present] + 1, -1)
+    free_cuts = np.nonzero(np.cumsum(open_sets)[1:num_rows] == 0)[0] + 1
     chunks, start = [], 0
     while start < num_rows:
         stop = min(start + max_rows, num_rows)
         if stop < num_rows:
-            k = np.searchsorted(clean_cuts, stop, side="right") - 1
-            if k >= 0 and clean_cuts[k] - start >= (stop - start) / 2:  # else a sample longer than the rest of the
-                stop = int(clean_cuts[k])                                 # chunk is split (cheaper than a thin GEMM)
+            k = np.searchsorted(free_cuts, stop, side="right") - 1
+            if k >= 0 and free_cuts[k] - start >= (stop - start) / 2:  # else a set longer than the rest of the
+                stop = int(free_cuts[k])                                 # chunk is split (cheaper than a thin GEMM)
         chunks.append((start, stop))
         start = stop
     cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
-    # a cut c splits sample s when first_s < c <= last_s
-    split = present & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
-    is_split_row = np.zeros(num_rows, dtype=bool)
-    is_split_row[rows] = split[samples]
-    needed = np.zeros(num_rows, dtype=bool)
-    if all_response_entropies:
-        needed |= token_kind == 2
-    if query_sums:
-        needed |= is_split_row & (token_kind == 1)
-    if response_values:
-        needed |= is_split_row & (token_kind == 2)
+    needed = token_kind == 2 if all_response_entropies else np.zeros(num_rows, dtype=bool)
+    for kind, (first, last) in spans.items():
+        # a cut c splits a set whose rows run from first to last when first < c <= last
+        split = (last >= 0) & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
+        rows = np.nonzero(token_kind == kind)[0]
+        needed[rows] |= split[sample_index[rows].astype(np.int64)]
     return ChunkPlan(chunks, np.nonzero(needed)[0])
+
+
+def _sample_spans(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, kind: int):
+    """(first, last) int64 [S]: each sample's first and last row of `kind` (N and -1 for a sample without one)."""
+    rows = np.nonzero(token_kind == kind)[0]
+    samples = sample_index[rows].astype(np.int64)
+    first = np.full(num_samples, len(token_kind), dtype=np.int64)
+    last = np.full(num_samples, -1, dtype=np.int64)
+    np.minimum.at(first, samples, rows)
+    np.maximum.at(last, samples, rows)
+    return first, last
 
 
 def _write_logits(out, hidden_rows, weight, bias):
@@ -238,31 +305,35 @@ class LogitsBuffer:
         self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
 
-    def logits(self, hidden_rows):
-        """[n, V] fp32 view of the buffer holding hidden_rows [n, D] @ weight.T (+ bias)."""
+    def logits(self, hidden_rows, first: int = 0):
+        """[first + n, V] fp32 view of the buffer's first rows, rows first to first + n now holding hidden_rows
+        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant `first`
+        is a multiple of INVARIANT_ROWS)."""
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
-            _write_logits(self.buffer[:num_rows], hidden_rows, self.weight, self.bias)
-            return self.buffer[:num_rows]
+            _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
+            return self.buffer[:first + num_rows]
         for start in range(0, num_rows, INVARIANT_ROWS):
             piece = hidden_rows[start:start + INVARIANT_ROWS]
             if piece.shape[0] < INVARIANT_ROWS:
                 self.staging[:piece.shape[0]] = piece
                 self.staging[piece.shape[0]:] = 0
                 piece = self.staging
-            _write_logits(self.buffer[start:start + INVARIANT_ROWS], piece, self.weight, self.bias)
-        return self.buffer[:num_rows]
+            _write_logits(self.buffer[first + start:first + start + INVARIANT_ROWS], piece, self.weight, self.bias)
+        return self.buffer[:first + num_rows]
 
 
-def _accumulate_product(accumulator, a, b, alpha: float = 1.0):
-    """accumulator [m, k] fp32 += alpha * a [m, n] @ b [n, k]: on CUDA one GEMM with fp32 output (cuBLAS adds the
-    fp32 product of bf16 / fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
+def _accumulate_product(accumulator, a, b, alpha: float = 1.0, accumulate: bool = True):
+    """accumulator [m, k] fp32 (+)= alpha * a [m, n] @ b [n, k], added when `accumulate`, else written (beta = 0: the
+    old contents, even NaN, are not read): on CUDA one GEMM with fp32 output (cuBLAS adds the fp32 product of bf16 /
+    fp16 operands to the accumulator, no rounding to the operands' dtype); elsewhere in fp32."""
+    beta = 1.0 if accumulate else 0.0
     if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b, alpha=alpha)
+        accumulator.addmm_(a, b, beta=beta, alpha=alpha)
     elif accumulator.is_cuda:
-        torch.addmm(accumulator, a, b, alpha=alpha, out_dtype=torch.float32, out=accumulator)
+        torch.addmm(accumulator, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=accumulator)
     else:
-        accumulator.addmm_(a.float(), b.float(), alpha=alpha)
+        accumulator.addmm_(a.float(), b.float(), beta=beta, alpha=alpha)
 
 
 def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
@@ -286,13 +357,11 @@ def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTr
     return logp, entropy
 
 
-def workspace_rows(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
-                   batch_invariant: bool) -> int:
-    """Rows of a chunk: what the budget holds (`chunk_rows`), no more than N; a multiple of INVARIANT_ROWS (at
-    least one) with batch_invariant."""
-    rows = min(max(num_rows, 1), chunk_rows(weight.shape[0], hidden.shape[1], hidden.dtype, hidden.device, kernels,
-                                            workspace_bytes))
-    return max(INVARIANT_ROWS, rows // INVARIANT_ROWS * INVARIANT_ROWS) if batch_invariant else rows
+def workspace_of(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
+                 batch_invariant: bool) -> Workspace:
+    """`plan_workspace` for N rows of `hidden` [N, D] against `weight` [V, D]."""
+    return plan_workspace(num_rows, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, kernels,
+                          workspace_bytes, batch_invariant)
 
 
 def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
@@ -300,7 +369,7 @@ def response_entropies(hidden, weight, bias, targets, token_kind, transform: Log
     """Forward only: entropy [n] fp32 of the n response rows (token_kind == 2), in row order (the entropy filter's
     pool, before a caller's top_entropy_gather)."""
     rows = (token_kind == 2).nonzero().squeeze(1)
-    max_rows = workspace_rows(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant)
+    max_rows = workspace_of(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant).chunk_rows
     logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
     return logp_entropy_of_rows(hidden, targets, rows, transform, kernels, max_rows, logits_buffer)[1]
 
@@ -349,35 +418,94 @@ ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_
                                    TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
-def _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight,
-                    kernels: RowKernels, transform: LogitTransform, grad_hidden_rows, grad_weight, grad_bias):
-    """The backward of one chunk whose fp32 logits [n, V] are in `logits`: d logits (hidden's dtype, written over
-    them: `gradient_view`) of sum(grad_logp * logp + grad_entropy * entropy), then grad_hidden_rows [n, D] :=
-    dlogits @ W, grad_weight [V, D] fp32 += dlogits.T @ hidden rows (rows without gradient zeroed, so a non-finite
-    padding row cannot poison it) and grad_bias [V] fp32 += column sums; each skipped when None. fp16: the dlogits
-    are scaled by a power of two (`_fp16_gradient_scale`) and unscaled in the GEMMs' fp32 alpha."""
-    dtype = hidden_rows.dtype
-    scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
-    dlogits = gradient_view(logits, dtype)
-    if scale != 1.0:
-        grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
-    kernels.backward_into(dlogits, logits, row_targets, lse, entropy, grad_logp.contiguous(),
-                          grad_entropy.contiguous(), transform)
-    if grad_hidden_rows is not None:  # beta = 0: the rows' old contents are not read
-        torch.addmm(grad_hidden_rows, dlogits, weight, beta=0, alpha=1 / scale, out=grad_hidden_rows)
-    if grad_weight is not None:
-        receives = rows_receiving_gradient(row_targets, grad_logp, grad_entropy).unsqueeze(1)
-        _accumulate_product(grad_weight, dlogits.t(), torch.where(receives, hidden_rows, 0.0), 1 / scale)
-    if grad_bias is not None:
-        grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=1 / scale)
+class GradientGroups:
+    """The backward half of the chunks: each chunk's dlogits (d loss / d logits, hidden's dtype) written into its
+    group's rows of the store, then once per group of consecutive chunks d hidden [G, D] := dlogits @ W, the fp32
+    d weight [V, D] += dlogits.T @ hidden (rows without gradient zeroed, so a non-finite padding row cannot poison
+    it; the first group writes it, no zero fill) and the fp32 d bias [V] += column sums.
+
+    A group closes when the next chunk does not follow it, does not fit the store or needs another fp16 scale (the
+    power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
+    alpha); without a separate store every chunk is its own group (its dlogits lie over its logits, which the next
+    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None, targets [N]; needs: (d hidden, d weight,
+    d bias)."""
+
+    def __init__(self, workspace: Workspace, hidden, weight, bias, targets, needs: Tuple[bool, bool, bool]):
+        needs_hidden, needs_weight, needs_bias = needs
+        self.hidden, self.weight, self.bias, self.targets = hidden, weight, bias, targets
+        self.capacity = workspace.group_rows
+        self.store = (hidden.new_empty(workspace.group_rows, weight.shape[0]) if workspace.separate_store
+                      else None)
+        self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
+                            else None)
+        self.weight_written = False
+        self.grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
+                          else None)
+        self.receives = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device) if needs_weight else None
+        self.rows, self.scale, self.dlogits = None, 1.0, None  # the open group: its rows, fp16 scale, dlogits
+
+    def add_chunk(self, rows: slice, logits, lse, entropy, grad_logp, grad_entropy, kernels: RowKernels,
+                  transform: LogitTransform):
+        """Write the dlogits of chunk `rows` (its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
+        grad_entropy [n] fp32) of sum(grad_logp * logp + grad_entropy * entropy) into its group."""
+        dtype = self.hidden.dtype
+        scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
+        if self.rows is not None and (scale != self.scale or rows.start != self.rows.stop
+                                      or rows.stop - self.rows.start > self.capacity):
+            self.flush()
+        if self.rows is None:
+            self.rows, self.scale = slice(rows.start, rows.start), scale
+        if scale != 1.0:
+            grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
+        if self.store is None:
+            dlogits = gradient_view(logits, dtype)
+        else:
+            dlogits = self.store[rows.start - self.rows.start:rows.stop - self.rows.start]
+        kernels.backward_into(dlogits, logits, self.targets[rows], lse, entropy, grad_logp.contiguous(),
+                              grad_entropy.contiguous(), transform)
+        if self.receives is not None:
+            self.receives[rows] = rows_receiving_gradient(self.targets[rows], grad_logp, grad_entropy)
+        self.rows = slice(self.rows.start, rows.stop)
+        if self.store is None:
+            self.dlogits = dlogits
+            self.flush()
+        else:
+            self.dlogits = self.store[:rows.stop - self.rows.start]
+
+    def flush(self):
+        """The open group's GEMMs: d hidden of its rows, d weight and d bias added (nothing when none is open)."""
+        if self.rows is None:
+            return
+        rows, dlogits, inverse = self.rows, self.dlogits, 1 / self.scale
+        if self.grad_hidden is not None:  # beta = 0: the rows' old contents are not read
+            out = self.grad_hidden[rows]
+            torch.addmm(out, dlogits, self.weight, beta=0, alpha=inverse, out=out)
+        if self.grad_weight is not None:
+            masked = torch.where(self.receives[rows].unsqueeze(1), self.hidden[rows], 0.0)
+            _accumulate_product(self.grad_weight, dlogits.t(), masked, inverse, accumulate=self.weight_written)
+            self.weight_written = True
+        if self.grad_bias is not None:
+            self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=inverse)
+        self.rows = self.dlogits = None
+
+    def gradients(self):
+        """(d hidden [N, D], d weight [V, D], d bias [V]) in the inputs' dtypes, None where not needed, after the
+        last group's GEMMs."""
+        self.flush()
+        grad_weight, grad_bias = self.grad_weight, self.grad_bias
+        if grad_weight is not None and not self.weight_written:  # no row at all
+            grad_weight.zero_()
+        return (self.grad_hidden, None if grad_weight is None else grad_weight.to(self.weight.dtype),
+                None if grad_bias is None else grad_bias.to(self.bias.dtype))
 
 
 def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
     """(logp, entropy, lse) [N] fp32 of the transformed logits hidden @ weight.T (+ bias), chunk by chunk
-    (2 N D V FLOPs, chunks of DEFAULT_WORKSPACE_BYTES): `fused_linear_token_logprobs`' forward, whose gradient is
+    (2 N D V FLOPs, the chunks of DEFAULT_WORKSPACE_BYTES): `fused_linear_token_logprobs`' forward, whose gradient is
     not known until its backward."""
     num_rows = hidden.shape[0]
-    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    max_rows = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False).chunk_rows
     logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
     logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
     for rows in index_slices(num_rows, max_rows):
@@ -389,21 +517,16 @@ def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kern
 def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse, entropy, grad_logp, grad_entropy,
                    needs_hidden: bool, needs_weight: bool, needs_bias: bool, kernels: RowKernels):
     """(d hidden [N, D], d weight [V, D], d bias [V]) of sum(grad_logp * logp + grad_entropy * entropy), each None
-    when not needed: the same chunks as `token_forward`, their logits formed again (2 N D V) and `_chunk_backward`
+    when not needed: the same chunks as `token_forward`, their logits formed again (2 N D V) and `GradientGroups`
     (4 N D V)."""
     num_rows = hidden.shape[0]
-    max_rows = workspace_rows(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
-    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
-    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
-    for rows in index_slices(num_rows, max_rows):
-        hidden_rows = hidden[rows]
-        _chunk_backward(logits_buffer.logits(hidden_rows), hidden_rows, targets[rows], lse[rows], entropy[rows],
-                        grad_logp[rows], grad_entropy[rows], weight, kernels, transform,
-                        grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
-    return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype))
+    workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
+    groups = GradientGroups(workspace, hidden, weight, bias, targets, (needs_hidden, needs_weight, needs_bias))
+    for rows in index_slices(num_rows, workspace.chunk_rows):
+        groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
+                         grad_entropy[rows], kernels, transform)
+    return groups.gradients()
 
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
@@ -414,48 +537,48 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
     d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
-    num_rows, hidden_dim = hidden.shape
-    vocab_size = weight.shape[0]
+    num_rows = hidden.shape[0]
     transform = options.logit_transform
-    max_rows = workspace_rows(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
+    workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
-    # the chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA)
-    host_kind, host_sample = torch.stack((token_kind.long(), sample_index.long())).cpu().numpy()
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
+    # The chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA), copied
+    # asynchronously so that a logits GEMM queued meanwhile runs while the host plans: that of rows 0 to `early`,
+    # which the first chunk holds whatever the plan (at least half of min(chunk_rows, N) rows).
+    early = _invariant_floor(min(workspace.chunk_rows, num_rows) // 2, batch_invariant)
+    read_layout = read_later(torch.cat((token_kind.long(), sample_index.long())))  # [2 N]: an O(N) vector
+    logits_buffer.logits(hidden[:early])
+    host_kind, host_sample = read_layout().cpu().numpy().reshape(2, num_rows)
     plan = plan_chunks(
-        host_kind, host_sample, inputs.advantages.shape[0], max_rows,
+        host_kind, host_sample, inputs.advantages.shape[0], workspace.chunk_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
                     and inputs.ref_query_logp is not None),
         response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
     # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
     logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
     entropy_out = torch.zeros_like(logp_out)
-    if plan.prepass_rows.size:
+    if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
         prepass = host_to_device(plan.prepass_rows, hidden.device)
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
-            hidden, targets, prepass, transform, kernels, max_rows, logits_buffer)
-    needs_hidden, needs_weight, needs_bias = needs
-    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
-    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=weight.device) if needs_bias else None
+            hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
+        early = 0
+    groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     if plan.chunks:
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
             plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
             segment_sum, entropy_pool))
     for chunk, (start, stop) in enumerate(plan.chunks):
         rows = slice(start, stop)
-        hidden_rows, row_targets = hidden[rows], targets[rows]
-        logits = logits_buffer.logits(hidden_rows)
-        logp, entropy, lse = kernels.forward(logits, row_targets, transform)
+        ready = early if chunk == 0 else 0  # rows whose logits the buffer holds already
+        logits = logits_buffer.logits(hidden[start + ready:stop], first=ready)
+        logp, entropy, lse = kernels.forward(logits, targets[rows], transform)
         logp_out[rows], entropy_out[rows] = logp, entropy
         grad_logp, grad_entropy = objective.gradient(chunk, rows)
-        _chunk_backward(logits, hidden_rows, row_targets, lse, entropy, grad_logp, grad_entropy, weight, kernels,
-                        transform, grad_hidden[rows] if needs_hidden else None, grad_weight, grad_bias)
-    return (logp_out, entropy_out, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype))
+        groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, kernels, transform)
+    return (logp_out, entropy_out, *groups.gradients())
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
@@ -529,14 +652,23 @@ def _setup_context(ctx, inputs, output):
     logp, entropy, _anchor, *grads = output
     ctx.save_for_backward(inputs[1], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
     ctx.weight_shape = inputs[1].shape
+    ctx.triton = inputs[17] == "triton"
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
 def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
-    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward())."""
+    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward()), each product
+    formed in fp32 and rounded once to the gradient's dtype: one vectorized pass each on the Triton backend
+    (`triton_scale`), torch ops on the torch one."""
     weight, *stored = ctx.saved_tensors
     check_weight_unchanged(weight, ctx.weight_shape)
-    grads = [grad * grad_anchor if needed and grad.numel() else None
+    if ctx.triton:
+        from .triton_scale import scaled_op  # Triton is imported only when its kernels run
+        scale = scaled_op
+    else:
+        def scale(grad, factor):
+            return (grad.float() * factor).to(grad.dtype)
+    grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
              for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
     return (*grads, *([None] * 20))
 

@@ -76,22 +76,33 @@ def linear(num_rows, dtype, device, seed=1, bias=True):
 
 
 def budget_for(rows, dtype, device, backend="triton"):
-    """workspace_bytes giving chunks of `rows` rows of `dtype` inputs on `device` (the budget per row depends on
-    both: `bytes_per_chunk_row`)."""
-    return rows * chunked.bytes_per_chunk_row(VOCAB, HIDDEN_DIM, dtype, device, chunked.ROW_KERNELS[backend])
+    """workspace_bytes giving chunks of `rows` rows of `dtype` inputs on `device`, their dlogits over their logits
+    (the budget per row depends on both: `logits_row_bytes`, `gradient_row_bytes`)."""
+    return rows * (chunked.logits_row_bytes(VOCAB, chunked.ROW_KERNELS[backend])
+                   + chunked.gradient_row_bytes(VOCAB, HIDDEN_DIM, dtype, device))
+
+
+def budget_for_groups(chunk_rows, group_rows, dtype, device, backend="triton"):
+    """workspace_bytes giving chunks of `chunk_rows` rows beside a dlogits store of `group_rows` rows (with
+    chunked.LOGITS_ROWS == chunk_rows; `plan_workspace` takes the store when it holds more rows than the dlogits
+    over the logits would)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return (chunk_rows * chunked.logits_row_bytes(VOCAB, chunked.ROW_KERNELS[backend])
+            + group_rows * (VOCAB * item + chunked.gradient_row_bytes(VOCAB, HIDDEN_DIM, dtype, device)))
 
 
 def leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, **options):
-    """((fused LossOutput, grads), (logits-path LossOutput, grads)) with chunks of `rows` rows."""
+def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, workspace_bytes=None, **options):
+    """((fused LossOutput, grads), (logits-path LossOutput, grads)) with chunks of `rows` rows (or the workspace
+    `workspace_bytes`)."""
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     ours = leaves(*tensors)
+    budget = workspace_bytes or budget_for(rows, tensors[0].dtype, tensors[0].device, backend)
     out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
-                                 workspace_bytes=budget_for(rows, tensors[0].dtype, tensors[0].device, backend),
-                                 batch_invariant=batch_invariant, **inputs, **options)
+                                 workspace_bytes=budget, batch_invariant=batch_invariant, **inputs, **options)
     out.loss.backward()
     ref = leaves(*(None if t is None else t.float() for t in tensors))  # the exact logits: fp32 from the inputs
     logits = ref[0] @ ref[1].t() if ref[2] is None else torch.addmm(ref[2], ref[0], ref[1].t())
@@ -205,19 +216,25 @@ def plan(batch, rows, **needs):
                                len(batch["advantages"]), rows, **flags)
 
 
-def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples(device):
-    # rows: 0-5 | 6-8 | 9-19 | 20-23 (each with a pad row)
+def test_plan_keeps_coupled_rows_together_and_splits_only_long_sets(device):
+    # rows: queries 0-1, responses 2-4 | 6, 7 | 9-12, 13-18 | 20, 21-22 (each sample followed by a pad row)
     batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
-    result = plan(batch, 8, query_sums=True, response_values=True)
-    # (0, 8) ends after sample 1's pad row; from 8 the only clean cut, 9, would leave a 1-row chunk: cut at 16
-    assert result.chunks == [(0, 8), (8, 16), (16, 24)]
-    kind = batch["token_kind"].cpu().numpy()
-    assert result.prepass_rows.tolist() == list(range(9, 19))  # the split 10-row sample's rows only
-    assert plan(batch, 8, query_sums=True).prepass_rows.tolist() == [9, 10, 11, 12]
+    both = plan(batch, 8, query_sums=True, response_values=True)
+    # from 8 the last cut that splits no sample's query rows nor its response rows is 13: sample 2's query rows
+    # and its response rows lie in different chunks, at no cost
+    assert both.chunks == [(0, 8), (8, 13), (13, 21), (21, 24)] and both.prepass_rows.size == 0
+    # 4 rows: sample 2's 6 response rows are split (pre-passed), its query rows are not
+    short = plan(batch, 4, query_sums=True, response_values=True)
+    assert short.chunks == [(0, 2), (2, 6), (6, 9), (9, 13), (13, 17), (17, 21), (21, 24)]
+    assert short.prepass_rows.tolist() == list(range(13, 19))
+    queries = plan(batch, 4, query_sums=True)  # only query rows couple: sample 2's 4 are split at 12
+    assert queries.chunks == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24)]
+    assert queries.prepass_rows.tolist() == [9, 10, 11, 12]
+    assert plan(batch, 8).chunks == [(0, 8), (8, 16), (16, 24)]  # nothing couples: chunks of the budget
     assert plan(batch, 8).prepass_rows.size == 0
-    assert plan(batch, 12).chunks == [(0, 9), (9, 20), (20, 24)]  # every sample whole
     last_row_apart = plan(packed_batch([(0, 6)], device), 5, response_values=True)  # a cut before the sample's last row
     assert last_row_apart.chunks == [(0, 5), (5, 7)] and last_row_apart.prepass_rows.tolist() == list(range(6))
+    kind = batch["token_kind"].cpu().numpy()
     everything = plan(batch, 100, all_response_entropies=True)
     assert everything.chunks == [(0, 24)] and everything.prepass_rows.tolist() == np.nonzero(kind == 2)[0].tolist()
 
@@ -225,9 +242,11 @@ def test_plan_cuts_at_sample_boundaries_and_splits_only_long_samples(device):
 def test_plan_of_interleaved_rows_cuts_at_the_budget(device):
     batch = interleaved_batch(device)
     result = plan(batch, 7, query_sums=True)
-    assert [stop - start for start, stop in result.chunks] == [7] * 6 + [6]
-    kind = batch["token_kind"].cpu().numpy()
-    assert result.prepass_rows.tolist() == np.nonzero(kind == 1)[0].tolist()
+    # the one place no sample's query rows span before row 7 is 4 (sample 3's query rows start there)
+    assert result.chunks == [(0, 4)] + [(start, start + 7) for start in range(4, 46, 7)] + [(46, 48)]
+    kind, sample = batch["token_kind"].cpu().numpy(), batch["sample_index"].cpu().numpy()
+    # samples 2 and 4 have their query rows (44; 34 and 36) in one chunk: only the others' are pre-passed
+    assert result.prepass_rows.tolist() == np.nonzero((kind == 1) & np.isin(sample, [0, 1, 3]))[0].tolist()
 
 
 class Recorder(TorchDispatchMode):
@@ -241,6 +260,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.flops = 0
         self.logits_gemm_rows = []
+        self.group_rows = []  # rows of each d hidden GEMM (dlogits [G, V] @ W): one per group
         self.launches = {"forward": 0, "backward": 0}
         self.exempt = {tuple(s) for s in exempt_shapes}
         self.live = self.peak_workspace = self.largest_rows = 0
@@ -255,6 +275,8 @@ class Recorder(TorchDispatchMode):
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
             if b.shape[1] == VOCAB:
                 self.logits_gemm_rows.append(a.shape[0])
+            if a.shape[1] == VOCAB and b.shape[1] == HIDDEN_DIM:
+                self.group_rows.append(a.shape[0])
         result = func(*args, **(kwargs or {}))
         if not func.is_view and not func._schema.is_mutable:
             for t in torch.utils._pytree.tree_leaves(result):
@@ -279,9 +301,10 @@ def counted(kernels, launches):
                                backward_into=count("backward", kernels.backward_into))
 
 
-def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_invariant=False, **options):
-    """Run the chunk pass itself (inside the op a dispatch mode sees nothing) under a Recorder; needs: d hidden,
-    d weight (d bias with a bias)."""
+def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_invariant=False, budget=None,
+           **options):
+    """Run the chunk pass itself (inside the op a dispatch mode sees nothing) under a Recorder with chunks of `rows`
+    rows (or the workspace `budget`); needs: d hidden, d weight (d bias with a bias)."""
     hidden, weight, bias = tensors
     needs = (*needs, bias is not None)
     opts = LossOptions(**options)
@@ -291,7 +314,8 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
                                segment_sum_of(backend == "triton"),
-                               budget_for(rows, hidden.dtype, hidden.device, backend), needs, batch_invariant)
+                               budget or budget_for(rows, hidden.dtype, hidden.device, backend), needs,
+                               batch_invariant)
     return recorder
 
 
@@ -300,12 +324,16 @@ def test_flops_are_6ndv_plus_the_prepass(device):
     tensors = linear(len(batch["targets"]), torch.float32, device)
     n, d, v = len(batch["targets"]), HIDDEN_DIM, VOCAB
     assert record(batch, tensors, rows=12).flops == 6 * n * d * v  # every sample whole in a chunk: no pre-pass
-    split = record(batch, tensors, rows=8)  # the 10-row sample split: its 4 query rows pre-passed (Query-KL)
-    assert len(plan(batch, 8).chunks) == 3
-    assert split.flops == 6 * n * d * v + 2 * 4 * d * v
-    no_qkl = record(batch, tensors, rows=8, qkl_coef=0.0)  # nothing couples rows across chunks
+    # 8 rows: the 10-row sample split between its query and its response rows, which costs nothing
+    assert record(batch, tensors, rows=8).flops == 6 * n * d * v
+    # its 4 query rows split: pre-passed (the Query-KL reads their sum), and the first 2 rows (half a chunk), whose
+    # logits were formed while the host planned, formed again after the pre-pass
+    split = record(batch, tensors, rows=4)
+    assert plan(batch, 4, query_sums=True).prepass_rows.tolist() == [9, 10, 11, 12]
+    assert split.flops == 6 * n * d * v + 2 * (4 + 2) * d * v
+    no_qkl = record(batch, tensors, rows=4, qkl_coef=0.0)  # nothing couples rows across chunks
     assert no_qkl.flops == 6 * n * d * v
-    assert record(batch, tensors, rows=8, needs=(True, False)).flops == 4 * n * d * v + 2 * 4 * d * v
+    assert record(batch, tensors, rows=4, needs=(True, False)).flops == 4 * n * d * v + 2 * (4 + 2) * d * v
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
@@ -318,6 +346,53 @@ def test_workspace_stays_under_the_budget(backend, dtype, device):
     assert recorder.largest_rows == rows  # the chunk buffer (never N rows: N = 67)
     budget = budget_for(rows, dtype, device, backend)
     assert 0.5 * budget < recorder.peak_workspace <= budget
+
+
+def test_workspace_gives_the_most_rows_per_d_weight_accumulation():
+    """Qwen2.5-7B's lm_head (V = 152064, D = 3584), bf16 on CUDA, N = 16384: 1 GiB holds 1744 rows with the dlogits
+    over the logits, but chunks of 512 rows beside a bf16 store of 4 chunks, 2048 rows per d weight accumulation (8
+    instead of 10 passes over the fp32 [V, D] accumulator); 4 GiB, 24 chunks. fp32 dlogits cost what their logits do:
+    over them. A budget that holds every row: one chunk. batch_invariant: chunks of a multiple of 256 rows."""
+    def workspace(gib, dtype=torch.bfloat16, rows=16384, batch_invariant=False):
+        return chunked.plan_workspace(rows, 3584, 152064, dtype, torch.device("cuda"), chunked.ROW_KERNELS["triton"],
+                                      int(gib * 2**30), batch_invariant)
+
+    assert workspace(1) == chunked.Workspace(512, 2048, True)
+    assert workspace(4) == chunked.Workspace(512, 12288, True)
+    assert workspace(1, torch.float32) == chunked.Workspace(1724, 1724, False)
+    assert workspace(1, rows=1000) == chunked.Workspace(1000, 1000, False)
+    assert workspace(0.001, batch_invariant=True) == chunked.Workspace(256, 256, False)  # 1 row's budget
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatch, device):
+    """bf16, chunks of 4 rows beside a store of 16: the d hidden and d weight GEMMs run once per group of 4 chunks,
+    the workspace stays in its budget, and the loss and gradients are the logits path's, and those of the same
+    chunks with their dlogits over their logits (d weight summed in fp32 in another order: a few bf16 ulps)."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
+    budget = budget_for_groups(4, 16, torch.bfloat16, device, backend)
+    workspace = chunked.plan_workspace(len(batch["targets"]), HIDDEN_DIM, VOCAB, torch.bfloat16, device,
+                                       chunked.ROW_KERNELS[backend], budget, False)
+    assert workspace == chunked.Workspace(4, 16, True)
+    options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
+    recorder = record(batch, tensors, rows=4, backend=backend, budget=budget, **options)
+    chunks = plan(batch, 4, query_sums=True).chunks
+    assert max(recorder.logits_gemm_rows) == 4 and max(recorder.group_rows) == 16
+    assert sum(recorder.group_rows) == len(batch["targets"]) and len(recorder.group_rows) < len(chunks) / 3
+    assert 0.5 * budget < recorder.peak_workspace <= budget
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    grads = []
+    for workspace_bytes in (budget, budget_for(4, torch.bfloat16, device, backend)):
+        ours = leaves(*tensors)
+        fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
+                               workspace_bytes=workspace_bytes, **inputs, **options).loss.backward()
+        grads.append([t.grad for t in ours])
+    for grouped, alone in zip(*grads):
+        torch.testing.assert_close(grouped, alone, rtol=1e-2, atol=1e-5)
+    assert_same_loss(*fused_and_logits_path(batch, tensors, backend, rows=4, workspace_bytes=budget, **options),
+                     dtype=torch.bfloat16)
 
 
 def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
@@ -345,7 +420,8 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
                                    validate=False, workspace_bytes=budget_for(rows, torch.float32, device),
                                    qkl_coef=0.5, ratio_level="sequence", **inputs).loss.backward()
         chunks = 48 // rows
-        assert counter.sync_names == {"Tensor.cpu": 1}  # the chunk plan's one read of the layout
+        # the chunk plan's one read of the layout (on CUDA a wait for its copy to pinned memory)
+        assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
         # once over every sample for the global factors, once per chunk on its samples, once for the value
         assert counter.names["triton._objective_sample_kernel"] == 2 + chunks
         assert counter.names["triton._objective_grad_kernel"] == chunks
@@ -354,6 +430,30 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     constant = counts[1] - per_chunk
     assert all(launches == constant + per_chunk * chunks for chunks, launches in counts.items()), counts
     assert per_chunk <= 18 and constant <= 30, (constant, per_chunk)
+
+
+def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
+    """bf16, 12 chunks of 4 rows with their dlogits in a store of 48, 24 or 16 rows, or over their logits: launches
+    per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the masked hidden rows, the d weight GEMM
+    and d bias; on the CPU also the d weight GEMM's two fp32 copies), one host sync."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    counts = {}
+    for groups, budget in ((1, budget_for_groups(4, 48, torch.bfloat16, device)),
+                           (3, budget_for_groups(4, 16, torch.bfloat16, device)),
+                           (2, budget_for_groups(4, 24, torch.bfloat16, device)),
+                           (12, budget_for(4, torch.bfloat16, device))):
+        hidden, weight, bias = leaves(*linear(48, torch.bfloat16, device))
+        with LaunchCounter() as counter:
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   validate=False, workspace_bytes=budget, qkl_coef=0.5, **inputs).loss.backward()
+        assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
+        assert counter.names["triton._objective_grad_kernel"] == 12  # one per chunk, whatever the groups
+        counts[groups] = counter.launches
+    per_group = counts[2] - counts[1]
+    assert all(launches == counts[1] + per_group * (groups - 1) for groups, launches in counts.items()), counts
+    assert 0 < per_group <= 7, per_group
 
 
 def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
@@ -455,6 +555,31 @@ def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm(device):
     assert error(bf16_sum) > 2 * one_gemm
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, device):
+    """(loss / 3).backward(): the bf16 gradients are the stored ones times the fp32 1/3, rounded once (one bf16 ulp
+    of the exact product at most, the interpreter truncating)."""
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    grads = []
+    for factor in (1.0, 1 / 3):
+        ours = leaves(*tensors)
+        loss = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2],
+                                      backend=backend, **inputs).loss
+        (loss * torch.tensor(factor, device=device)).backward()
+        grads.append([t.grad for t in ours])
+    for plain, scaled in zip(*grads):
+        assert scaled.dtype == torch.bfloat16 and not torch.equal(plain, scaled)
+        torch.testing.assert_close(scaled.float(), plain.float() / 3, rtol=2**-7, atol=0)  # one bf16 ulp
+
+
+def test_scaled_op_passes_opcheck(device):
+    from erpo_kernels.triton_scale import scaled_op
+    x = torch.randn(5, 7, device=device).bfloat16()
+    torch.library.opcheck(scaled_op, (x, torch.tensor(0.5, device=device)))
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_opcheck(kernels, device):
     batch = packed_batch([(2, 3), (1, 1), (4, 6)], device)
@@ -467,11 +592,14 @@ def test_opcheck(kernels, device):
         budget_for(5, torch.float32, device), False, True, True, True))
 
 
-def test_fp16_keeps_tiny_dlogits(monkeypatch, device):
+@pytest.mark.parametrize("grouped", [False, True], ids=["over-logits", "store"])
+def test_fp16_keeps_tiny_dlogits(grouped, monkeypatch, device):
     """fp16 with a token-mean over 10^5 items: g_logp ~ 1e-5 and p_j ~ 1 / V put every non-target dlogit g p_j
     below fp16's smallest subnormal. Each chunk's dlogits are written scaled by a power of two and unscaled inside
-    the GEMMs. With hidden states large enough that d weight is a normal fp16 number, d weight then matches fp32
-    to fp16's precision (< 1%); unscaled it is 9% off."""
+    the GEMMs (a group holding chunks of one power: `grouped`, chunks of 6 rows beside a store of 24). With hidden
+    states large enough that d weight is a normal fp16 number, d weight then matches fp32 to fp16's precision
+    (< 1%); unscaled it is 9% off."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 6)
     batch = packed_batch(SAMPLES, device)
     hidden, weight, bias = linear(len(batch["targets"]), torch.float16, device)
     hidden, weight = hidden * 64, weight / 64  # the same logits; d weight 64 times larger
@@ -481,8 +609,13 @@ def test_fp16_keeps_tiny_dlogits(monkeypatch, device):
     erpo_loss(torch.addmm(exact[2], exact[0], exact[1].t()), *(batch[k] for k in ROW_TENSORS), backend="torch",
               **inputs, **options).loss.backward()
 
+    budget = budget_for_groups(6, 24, torch.float16, device) if grouped else budget_for(6, torch.float16, device)
+    assert chunked.plan_workspace(len(batch["targets"]), HIDDEN_DIM, VOCAB, torch.float16, device,
+                                  chunked.ROW_KERNELS["triton"], budget, False).separate_store == grouped
+
     def weight_error():
-        grads = fused_and_logits_path(batch, (hidden, weight, bias), "triton", rows=6, **options)[0][1]
+        grads = fused_and_logits_path(batch, (hidden, weight, bias), "triton", rows=6, workspace_bytes=budget,
+                                      **options)[0][1]
         return float((grads[1].float() - exact[1].grad).norm() / exact[1].grad.norm())
 
     assert exact[1].grad.abs().max() > 1e-4  # fp16 normals start at 6.1e-5
