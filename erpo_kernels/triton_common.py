@@ -109,10 +109,10 @@ def online_softmax_step(running_max, sum_exp, sum_exp_shifted, z):
 
 
 @triton.jit
-def online_softmax_finish(running_max, sum_exp, sum_exp_shifted):
-    """(lse, entropy) from the running values (any shape, fp32)."""
+def online_softmax_finish(sum_exp, sum_exp_shifted):
+    """(log s, entropy) from the running sums (any shape, fp32); lse = m + log s."""
     log_sum_exp = tl.log(sum_exp)
-    return running_max + log_sum_exp, log_sum_exp - sum_exp_shifted / sum_exp
+    return log_sum_exp, log_sum_exp - sum_exp_shifted / sum_exp
 
 
 @triton.jit
