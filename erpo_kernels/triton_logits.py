@@ -111,8 +111,8 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
     new_max = tl.maximum(running_max, tl.max(x, axis=0))  # drops NaN: a NaN logit's e = 2^a below carries it
     shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
     scale = tl.exp2(shift)
-    # x - m first, exact at the max (and for any x within a factor 2 of it): a = 0 there, e = 1, so a row whose max
-    # holds all the mass sums to s = 1 and u = 0, entropy 0. As x * k - m * k the GPU forms a in one FMA, whose
+    # x - m first, exactly 0 at the max: there a = 0 and e = 1, so a row whose max holds all the mass sums to s = 1
+    # and u = 0, entropy 0. As x * k - m * k the GPU forms a in one FMA, whose
     # rounding of m * k leaves the max's a at +-ulp(m k) / 2: the H200 gave such a row entropy -7.3e-8, and at
     # lse ~ 1000 a logp 6.1e-5 off (2026-11-26). x <= m: a <= 0, -inf for x = -inf.
     a = (x - new_max) * k
