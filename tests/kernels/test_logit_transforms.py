@@ -15,6 +15,7 @@ from erpo_kernels import (
     logit_transforms_from_config,
     token_logprobs,
 )
+from erpo_kernels.triton_logits import FORWARD_VARIANTS, forward_variant
 from helpers import loss_inputs, random_batch
 from plain_formula import plain_erpo_loss
 
@@ -169,6 +170,23 @@ def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap, de
     torch.testing.assert_close(entropy.double(), want_entropy.detach(), rtol=0, atol=4e-6)
     torch.testing.assert_close(x.grad.double(), exact.grad, rtol=1e-5, atol=1e-7)
     assert torch.all(x.grad[2, [8, 17]].abs() < 1e-7)  # +-1e5: saturated, no gradient through the cap
+
+
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_a_soft_capped_row_whose_max_holds_all_the_mass_is_exact(variant, device, fma_as_compiled):
+    """Cap 1000 and a spread of ~390 in z: exp(-390) is 0 in fp32, so the max holds all the mass and the row's logp
+    at the max and its entropy are exactly 0, as in the reference, the max's z = 1000 tanh(0.3) not being a float
+    (under the interpreter with the GPU's FMA contraction: z must reach the loops as a float, not as a product
+    fused into their subtraction of the max). The max in the first of the row's full steps (V = 2 * 2048 + 5)."""
+    logits = torch.full((2, 2 * 2048 + 5), -100.0, device=device)
+    logits[:, 7] = 300.0
+    targets = torch.tensor([7, 8], device=device)
+    with forward_variant(variant):
+        logp, entropy = token_logprobs(logits, targets, logit_softcap=1000.0, return_entropy=True, backend="triton")
+    want_logp, want_entropy = token_logprobs(logits, targets, logit_softcap=1000.0, return_entropy=True,
+                                             backend="torch")
+    assert logp[0] == 0 and torch.all(entropy == 0) and want_logp[0] == 0 and torch.all(want_entropy == 0)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -222,6 +222,26 @@ def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device
         torch.testing.assert_close(got[others], clean[others], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("transform", [dict(temperature=0.7), dict(logit_softcap=1000.0, temperature=0.9)],
+                         ids=["plain", "soft-capped"])
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_entropy_is_never_negative_nor_logp_positive(variant, transform, device, fma_as_compiled):
+    """Peaked rows (one logit 40 to 400 above the rest, each in a different loop step, targets on and off the max):
+    in every kernel the max's term is exactly 1, so s >= 1 and u <= 0, entropy >= 0 and logp <= 0 as the math says,
+    where a rounding of the max's shift gave -7.3e-8 on the H200 (under the interpreter with the GPU's FMA
+    contraction)."""
+    n, v = 32, 2 * 2048 + 37
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(n, v, generator=generator).to(device)
+    rows = torch.arange(n, device=device)
+    peaks = (torch.rand(n, generator=generator) * v).long().to(device)
+    logits[rows, peaks] = (40 + torch.rand(n, generator=generator) * 360).to(device)
+    targets = torch.where(rows % 2 == 0, peaks, (peaks + 1) % v)
+    with forward_variant(variant):
+        logp, entropy = token_logprobs(logits, targets, return_entropy=True, backend="triton", **transform)
+    assert torch.all(entropy >= 0) and torch.all(logp <= 0), (entropy.min(), logp.max())
+
+
 def test_block_size_depends_on_vocabulary_only():
     assert block_size_for(37) == 64 and block_size_for(4096) == 4096 and block_size_for(152064) == 4096
 
