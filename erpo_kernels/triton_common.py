@@ -72,8 +72,10 @@ def transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFT
         y = -2.0 * tl.abs(x)
         e = tl.exp(y)
         growth = expm1_given_exp(y, e)
-        tanh_abs = -growth / (2.0 + growth)
-        z = (logit_softcap * inv_temperature) * tl.where(x < 0, -tanh_abs, tanh_abs)
+        capped = (logit_softcap * inv_temperature) * (-growth / (2.0 + growth))  # c tanh|x| / temperature
+        # the sign by a select, the last operation: compiled, z then reaches the loops' subtraction of the row's max
+        # as a float, exactly 0 at the max, not as a product fused into it (one FMA keeping the product's rounding)
+        z = tl.where(x < 0, -capped, capped)
         slope = (logit_scale * inv_temperature) * (4.0 * e / ((1.0 + e) * (1.0 + e)))
     else:
         slope = logit_scale * inv_temperature
@@ -109,10 +111,10 @@ def online_softmax_step(running_max, sum_exp, sum_exp_shifted, z):
 
 
 @triton.jit
-def online_softmax_finish(running_max, sum_exp, sum_exp_shifted):
-    """(lse, entropy) from the running values (any shape, fp32)."""
+def online_softmax_finish(sum_exp, sum_exp_shifted):
+    """(log s, entropy) from the running sums (any shape, fp32); lse = m + log s."""
     log_sum_exp = tl.log(sum_exp)
-    return running_max + log_sum_exp, log_sum_exp - sum_exp_shifted / sum_exp
+    return log_sum_exp, log_sum_exp - sum_exp_shifted / sum_exp
 
 
 @triton.jit

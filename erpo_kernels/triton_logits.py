@@ -12,9 +12,9 @@ backward (one read, one write): with p = exp(z - lse),
          fp32 as g_logp * (1 - p_t) + ..., so bf16 rounding never cancels it.
 
 Each pass has two loops, picked by the variant (FORWARD_VARIANTS, below): the one above, and a base-2 one with the
-same values (up to float rounding) and about half the instructions per logit (`_logp_entropy_forward_log2_kernel`,
-`_logp_entropy_backward_log2_kernel`: exp2 with log2 e folded into one FMA per logit, the linear transform folded
-into the row's constants, no mask but on the row's last block).
+same values (up to float rounding; exact, as the shifted loop, where the row's max holds all the mass) and about
+half the instructions per logit (`_logp_entropy_forward_log2_kernel`, `_logp_entropy_backward_log2_kernel`: exp2
+with log2 e and the linear transform folded into the row's constants, no mask but on the row's last block).
 
 Offsets are int64 (row * stride and column * stride can pass 2^31 for strided views). BLOCK_V depends only on V,
 and each row is reduced in a fixed order, so results are deterministic and a row's values do not depend on which
@@ -61,26 +61,36 @@ def _logp_entropy_forward_kernel(
         z = tl.where(cols[None, :] < vocab_size, z, -float("inf"))  # after the transform (a soft-cap bounds -inf)
         running_max, sum_exp, sum_exp_shifted = online_softmax_step(running_max, sum_exp, sum_exp_shifted, z)
         start += BLOCK_V
-    lse, entropy = online_softmax_finish(tl.sum(running_max, axis=0), tl.sum(sum_exp, axis=0),
-                                         tl.sum(sum_exp_shifted, axis=0))  # [1] -> scalars
-    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, lse, entropy, vocab_size,
-               logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+    row_max = tl.sum(running_max, axis=0)  # [1] -> scalars
+    log_sum_exp, entropy = online_softmax_finish(tl.sum(sum_exp, axis=0), tl.sum(sum_exp_shifted, axis=0))
+    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, 1.0, log_sum_exp,
+               entropy, vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP, False)
 
 
 @triton.jit
-def _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, lse, entropy, vocab_size,
-               logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr):
-    """Store a row's lse and entropy, and its logp = z_target - lse from one direct load of the target logit."""
+def _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit, log_sum_exp,
+               entropy, vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+               RAW: tl.constexpr):
+    """Store a row's entropy, lse = row_max * unit + log s and logp = (v_target - row_max) * unit - log s, from one
+    direct load of the target logit, where the row's values v are its logits themselves when RAW (`unit` then
+    holds the linear transform: no soft-cap), else z (unit = 1). The target's difference from the max comes before
+    the multiply: exactly 0 where the target holds the max, so a row whose max holds all the mass (log s = 0) gets
+    logp = 0, not the rounding of a product."""
     target = tl.load(targets_ptr + row)
     scored = target != -100
     # column 0 for an ignored row, and for a target outside [0, V): the row checks report that one after this
     # kernel is queued (api.loss_on_token_rows), so the load stays inside the row whatever the targets hold
     safe_target = tl.where((target >= 0) & (target < vocab_size), target, 0)
-    z_target, _ = transformed_logits(tl.load(row_ptr + safe_target * stride_col).to(tl.float32), logit_scale,
-                                     logit_softcap, inv_temperature, SOFTCAP)
-    tl.store(logp_ptr + row, tl.where(scored, z_target - lse, 0.0))
+    value = tl.load(row_ptr + safe_target * stride_col).to(tl.float32)
+    if not RAW:
+        value, _ = transformed_logits(value, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+    # z through a select, as the loop's z pass through their mask: compiled, the product z = logit * slope would
+    # otherwise contract with the subtraction into one FMA, logit * slope - row_max, which keeps the rounding of
+    # the loop's product (not 0 at the max: 3.3 * 1.25 is not a float)
+    value = tl.where(scored, value, row_max)
+    tl.store(logp_ptr + row, tl.where(scored, (value - row_max) * unit - log_sum_exp, 0.0))
     tl.store(entropy_ptr + row, entropy)
-    tl.store(lse_ptr + row, lse)
+    tl.store(lse_ptr + row, row_max * unit + log_sum_exp)
 
 
 _LSE_FLOOR = tl.constexpr(LSE_FLOOR)
@@ -93,15 +103,19 @@ _LN2 = tl.constexpr(0.6931471805599453)
 def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
     """The online log-sum-exp with entropy of `triton_common`, in base 2, for a block x [BLOCK_V] fp32 of the row in
     units where z = x * (k / log2 e) (k > 0): a_j = (x_j - m) k = (z_j - m_z) log2 e, e_j = 2^a_j = exp(z_j - m_z);
-    sum_exp s = sum e_j, sum_exp_shift u = sum e_j a_j. One FMA, one max and one exp2 per logit for a, one add and
-    one FMA for s and u; the block's max, s and u reduce within the warp. A larger max rescales both once per block:
-    with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). The scalars m and m_old - m_new are floored at
-    _FAR_BELOW before the multiply by k, which keeps k m and d finite while the row has only seen -inf (m is then
-    LSE_FLOOR) and gives 2^d = 0 all the same."""
+    sum_exp s = sum e_j, sum_exp_shift u = sum e_j a_j. One max, one subtraction, one multiply and one exp2 per
+    logit for a, one add and one FMA for s and u; the block's max, s and u reduce within the warp. A larger max
+    rescales both once per block: with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). m_old - m_new is
+    floored at _FAR_BELOW before the multiply by k, which keeps d finite while the row has only seen -inf (m_old is
+    then LSE_FLOOR) and gives 2^d = 0 all the same."""
     new_max = tl.maximum(running_max, tl.max(x, axis=0))  # drops NaN: a NaN logit's e = 2^a below carries it
     shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
     scale = tl.exp2(shift)
-    a = x * k - tl.maximum(new_max, _FAR_BELOW) * k  # drops NaN: none here, the running max skips NaN
+    # x - m first, exactly 0 at the max: there a = 0 and e = 1, so a row whose max holds all the mass sums to s = 1
+    # and u = 0, entropy 0. As x * k - m * k the GPU forms a in one FMA, whose
+    # rounding of m * k leaves the max's a at +-ulp(m k) / 2: the H200 gave such a row entropy -7.3e-8, and at
+    # lse ~ 1000 a logp 6.1e-5 off (2026-11-26). x <= m: a <= 0, -inf for x = -inf.
+    a = (x - new_max) * k
     e = tl.exp2(a)
     # e a is 0 where e is (x = -inf gives a = -inf: 0 * -inf), so a is floored first; a NaN stays NaN through e
     sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * clamp(a, _LSE_FLOOR, None), axis=0)
@@ -144,12 +158,12 @@ def _logp_entropy_forward_log2_kernel(
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         x = tl.where(cols < vocab_size, x, -float("inf"))
         running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
-    # -inf rows: lse = -inf either way, nothing overflows
-    max_z = tl.maximum(running_max, _FAR_BELOW) * unit  # drops NaN: none here, the running max skips NaN
+    # the max floored, which keeps max * unit finite on a row of -inf (lse = -inf either way)
+    row_max = tl.maximum(running_max, _FAR_BELOW)  # drops NaN: none here, the running max skips NaN
     log_sum_exp = tl.log(sum_exp)
-    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, max_z + log_sum_exp,
+    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit, log_sum_exp,
                log_sum_exp - sum_exp_shift * _LN2 / sum_exp, vocab_size, logit_scale, logit_softcap,
-               inv_temperature, SOFTCAP)
+               inv_temperature, SOFTCAP, not SOFTCAP)
 
 
 @triton.jit
@@ -287,13 +301,15 @@ class ForwardVariant(NamedTuple):
 #   "warp-1024": the same with 1024-wide steps (149 steps, 32 logits per thread), fewer registers.
 #   "log2-1024", "log2-2048": one warp per row, 1024- / 2048-wide steps of `_logp_entropy_forward_log2_kernel`,
 #                and `_logp_entropy_backward_log2_kernel` for the backward. "log2-1024" is held to 64 registers
-#                (ptxas would take 80): an SM then holds 32 rows, the most one-warp programs it runs at once, so
-#                N=4096 rows fit one wave on 132 SMs (at 80 registers 25 rows an SM, 1.24 waves); no spill, 9.4
-#                instructions a logit instead of 9.3.
+#                (ptxas would take 78, allocated as 80): an SM then holds 32 rows, the most one-warp programs it
+#                runs at once, so N=4096 rows fit one wave on 132 SMs (at 80 registers 25 rows an SM, 1.24 waves);
+#                no spill, 10.3 instructions a logit, as at ptxas' 78.
 # What a logit costs in instructions, read from ptxas' code for sm_90 (tests/workers/logits_compile_check.py, bf16,
 # contiguous aligned rows as launched; 2026-11-26; not a timing): the loop over the vocabulary takes per logit
-# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 9.4 ("log2-1024"), 8.7 ("log2-2048") SASS instructions
-# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 64 and 150 registers; the backward loops
+# 23.7 ("block"), 18.3 ("warp"), 19.0 ("warp-1024"), 10.3 ("log2-1024"), 9.6 ("log2-2048") SASS instructions
+# (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 64 and 150 registers (the base-2 loops took
+# one instruction a logit fewer, 9.4 and 8.7, until _fold_block_log2 subtracted the max before its multiply, which
+# made them exact at the max; the timings below are of that earlier loop); the backward loops
 # 26.8 (`_logp_entropy_backward_kernel`) and 15.4 (log2; Liger's: 16.8). A bf16 logit is 2 bytes: at an H200's
 # 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread instructions) a cycle, about 14 a
 # logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops are over that budget.

@@ -32,12 +32,14 @@ def test_logits_kernels_compile_for_hopper():
     if "nvdisasm None\n" in out:
         pytest.skip("no nvdisasm (neither $TRITON_NVDISASM_PATH nor Triton's own): every kernel compiled without a "
                     "spill, but the loops' SASS instructions per logit were not counted")
-    # the forward loop's SASS instructions per logit, as launched on aligned bf16 rows: the base-2 loop about 9
-    # (one max, one FMA, one floor, one exp2, one add, one FMA, the conversion), the shifted one about 19 to 24
+    # the forward loop's SASS instructions per logit, as launched on aligned bf16 rows: the base-2 loop about 10
+    # (one max, one subtraction, one multiply, one floor, one exp2, one add, one FMA, the conversion; 10.3 and 9.6 on
+    # 2026-11-26), under the ~14 a logit that an H200's bandwidth leaves (triton_logits' variants note); the shifted
+    # one about 19 to 24
     per_logit = {name: float(value) for name, value in
                  re.findall(r"loop forward-variant (\S+) bf16 instructions_per_logit=([\d.]+)\n", out)}
     assert set(per_logit) == {"block", "warp", "warp-1024", "log2-1024", "log2-2048"}, out
-    assert max(per_logit["log2-1024"], per_logit["log2-2048"]) <= 10 < min(per_logit["warp"], per_logit["warp-1024"])
+    assert max(per_logit["log2-1024"], per_logit["log2-2048"]) <= 11 < min(per_logit["warp"], per_logit["warp-1024"])
     # the backward's: a logit's 4 bytes (read and written) leave about 28 instructions at an H200's bandwidth
     backward = {name: float(value) for name, value in
                 re.findall(r"loop backward-variant (\S+) bf16 instructions_per_logit=([\d.]+)\n", out)}

@@ -15,6 +15,7 @@ from erpo_kernels import (
     logit_transforms_from_config,
     token_logprobs,
 )
+from erpo_kernels.triton_logits import FORWARD_VARIANTS, forward_variant
 from helpers import loss_inputs, random_batch
 from plain_formula import plain_erpo_loss
 
@@ -146,11 +147,11 @@ def test_the_cap_bites_in_these_tests(device):
 
 @pytest.mark.parametrize("softcap", [5.0, 1000.0])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap, device):
+def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap, device, fma_as_compiled):
     """The Triton tanh is built from exp without cancellation near 0 (tanh from expm1, itself by Kahan's trick) and
     near saturation (1 - tanh^2 = 4 e / (1 + e)^2): logits from 1e-7 to 1e5 (tanh = 1 in fp32, the slope 0) against
     float64, to fp32 rounding. With the cap of 1000 the logits sit in tanh's linear part, where tanh from
-    1 - exp(-2|x|) would be off by ~c * 6e-8 = 6e-5."""
+    1 - exp(-2|x|) would be off by ~c * 6e-8 = 6e-5. Under the interpreter with the GPU's FMA contraction."""
     magnitudes = torch.tensor([1e-7, 1e-4, 1e-2, 0.3, 1.0, 4.0, 20.0, 90.0, 1e5], device=device)
     logits = torch.cat([magnitudes, -magnitudes, torch.zeros(1, device=device)]).repeat(3, 1)
     logits[:2, [7, 8, 16, 17]] = 0.0  # rows 0 and 1 without saturated logits: lse ~ 20, where fp32 resolves 2e-6
@@ -162,11 +163,30 @@ def test_soft_cap_is_accurate_for_tiny_and_saturated_logits(backend, softcap, de
     exact = logits.double().requires_grad_(True)
     want_logp, want_entropy = formula(exact, targets, 1.0, softcap, 1.0)
     (want_logp.sum() + want_entropy.sum()).backward()
-    # 4e-6: two fp32 ulps of logp ~ -20 (tanh from 1 - exp(-2|x|) is off by 6e-5 here at the cap of 1000)
+    # 4e-6: two fp32 ulps of logp ~ -20 (tanh from 1 - exp(-2|x|) is off by 6e-5 here at the cap of 1000); row 2,
+    # lse ~ 1000, is exact: its max holds all the mass (on the H200, 2026-11-26, the base-2 loop was one ulp of
+    # 1000 off there, 6.1e-5, while it subtracted a rounded product of the max)
     torch.testing.assert_close(logp.double(), want_logp.detach(), rtol=0, atol=4e-6)
     torch.testing.assert_close(entropy.double(), want_entropy.detach(), rtol=0, atol=4e-6)
     torch.testing.assert_close(x.grad.double(), exact.grad, rtol=1e-5, atol=1e-7)
     assert torch.all(x.grad[2, [8, 17]].abs() < 1e-7)  # +-1e5: saturated, no gradient through the cap
+
+
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_a_soft_capped_row_whose_max_holds_all_the_mass_is_exact(variant, device, fma_as_compiled):
+    """Cap 1000 and a spread of ~390 in z: exp(-390) is 0 in fp32, so the max holds all the mass and the row's logp
+    at the max and its entropy are exactly 0, as in the reference, the max's z = 1000 tanh(0.3) not being a float
+    (under the interpreter with the GPU's FMA contraction: z must reach the loops as a float, not as a product
+    fused into their subtraction of the max). The max in the first of the row's full steps (V = 2 * 2048 + 5)."""
+    logits = torch.full((2, 2 * 2048 + 5), -100.0, device=device)
+    logits[:, 7] = 300.0
+    targets = torch.tensor([7, 8], device=device)
+    with forward_variant(variant):
+        logp, entropy = token_logprobs(logits, targets, logit_softcap=1000.0, return_entropy=True, backend="triton")
+    want_logp, want_entropy = token_logprobs(logits, targets, logit_softcap=1000.0, return_entropy=True,
+                                             backend="torch")
+    assert logp[0] == 0 and torch.all(entropy == 0) and want_logp[0] == 0 and torch.all(want_entropy == 0)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -222,6 +222,26 @@ def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device
         torch.testing.assert_close(got[others], clean[others], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("transform", [dict(temperature=0.7), dict(logit_softcap=1000.0, temperature=0.9)],
+                         ids=["plain", "soft-capped"])
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_entropy_is_never_negative_nor_logp_positive(variant, transform, device, fma_as_compiled):
+    """Peaked rows (one logit 40 to 400 above the rest, each in a different loop step, targets on and off the max):
+    in every kernel the max's term is exactly 1, so s >= 1 and u <= 0, entropy >= 0 and logp <= 0 as the math says,
+    where a rounding of the max's shift gave -7.3e-8 on the H200 (under the interpreter with the GPU's FMA
+    contraction)."""
+    n, v = 32, 2 * 2048 + 37
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(n, v, generator=generator).to(device)
+    rows = torch.arange(n, device=device)
+    peaks = (torch.rand(n, generator=generator) * v).long().to(device)
+    logits[rows, peaks] = (40 + torch.rand(n, generator=generator) * 360).to(device)
+    targets = torch.where(rows % 2 == 0, peaks, (peaks + 1) % v)
+    with forward_variant(variant):
+        logp, entropy = token_logprobs(logits, targets, return_entropy=True, backend="triton", **transform)
+    assert torch.all(entropy >= 0) and torch.all(logp <= 0), (entropy.min(), logp.max())
+
+
 def test_block_size_depends_on_vocabulary_only():
     assert block_size_for(37) == 64 and block_size_for(4096) == 4096 and block_size_for(152064) == 4096
 
@@ -230,18 +250,19 @@ def test_block_size_depends_on_vocabulary_only():
                                        dict(logit_scale=1.7, logit_softcap=6.0, temperature=1.3)],
                          ids=["plain", "soft-capped"])
 @pytest.mark.parametrize("variant", FORWARD_VARIANTS)
-def test_every_kernel_variant_matches_reference(variant, transform, device):
+def test_every_kernel_variant_matches_reference(variant, transform, device, fma_as_compiled):
     """Each variant's forward and backward (bench's erpo-* contenders) against the reference, on rows that span
     several loop steps and end in a partial one (V = 2 * 2048 + 37), with a row whose leading and trailing logits
     are -inf (a masked vocabulary: the -inf must neither poison the sums, the entropy nor the gradient), a row of one
     finite logit (entropy 0), rows far from 0 (the running max rescales) and a row that receives no gradient. The
-    backward runs after the variant's block: it is the variant of the forward that formed the loss."""
+    backward runs after the variant's block: it is the variant of the forward that formed the loss. Under the
+    interpreter with the GPU's FMA contraction (`fma_as_compiled`)."""
     n, v = 7, 2 * 2048 + 37
     logits = (torch.randn(n, v) * 4).to(device)
     logits[1, :3000] = float("-inf")
     logits[1, -5:] = float("-inf")
     logits[2] = float("-inf")
-    logits[2, 77] = 3.0
+    logits[2, 77] = 3.3  # times 1 / 0.8 (or log2 e) not a float: the GPU's rounding of a product must not show
     logits[3] += 60.0
     logits[4, -1] = 40.0  # the row's max in its last, partial step
     targets = torch.tensor([5, 3100, 77, v - 1, v - 1, -100, 9], device=device)
@@ -260,11 +281,14 @@ def test_every_kernel_variant_matches_reference(variant, transform, device):
     (ref_logp, ref_entropy, ref_grad), (logp, entropy, grad) = results
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=2e-5)
-    # atol 4e-6: the base-2 loops form exp2(z * log2(e) - m * log2(e)) in one FMA, whose rounding is an ulp of
-    # m * log2(e) (3.8e-6 at the row max 40 of row 4), and the GPU's exp2 is approximate: there p of the row's max
-    # logit is 1 - 2.6e-6 where fp32 rounds the reference's to 1, a gradient of 1.3e-6 where the reference has 0
-    # (H200, 2026-11-26); the shifted loops and the interpreter stay within 1e-6
+    # atol 4e-6: the base-2 backward forms exp2(z * log2(e) - lse * log2(e)) in one FMA, whose rounding is an ulp
+    # of lse * log2(e) (3.8e-6 at the row max 40 of row 4), and the GPU's exp2 is approximate: there p of the row's
+    # max logit is 1 - 2.6e-6 where fp32 rounds the reference's to 1, a gradient of 1.3e-6 where the reference has
+    # 0 (H200, 2026-11-26; by the same rounding row 2's one logit, where p = 1, can get one of that order); the
+    # shifted loops and the interpreter stay within 1e-6
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=4e-6)
     assert logp[5] == 0 and torch.all(grad[6] == 0)
     if "logit_softcap" not in transform:  # a soft-cap makes -inf a finite -c: row 2 then has a spread
+        # exact, as in the reference: every forward kernel forms the max's shift from itself as exactly 0 (on the
+        # H200, 2026-11-26, the base-2 loop then subtracted a rounded product and gave this row entropy -7.3e-8)
         assert entropy[2] == 0 and logp[2] == 0 and torch.all(grad[1, :3000] == 0)

@@ -7,6 +7,9 @@
 - NaN in min / max: compiled, tl.minimum / tl.maximum without propagate_nan return the non-NaN operand (PTX
   min/max.f32); the interpreter's numpy returns NaN. `min_max_drop_nan_as_compiled` makes the interpreter drop it
   too (np.fmin / np.fmax), so a clamp that loses a NaN fails on CPU as it does on a GPU.
+- FMA contraction: compiled (Triton's enable_fp_fusion, on by default), an fp32 product that feeds an add or a
+  subtraction is fused with it into one FMA, rounded once: x * k - m * k at x = m is then the rounding error of m * k,
+  not 0. `fma_contraction_as_compiled` makes the interpreter do the same, for the tests of what must be exact.
 """
 import numpy as np
 
@@ -21,3 +24,34 @@ def min_max_drop_nan_as_compiled(monkeypatch) -> None:
 
     monkeypatch.setattr(InterpreterBuilder, "create_minnumf", lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin))
     monkeypatch.setattr(InterpreterBuilder, "create_maxnumf", lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax))
+
+
+def fma_contraction_as_compiled(monkeypatch) -> None:
+    """Patch (through `monkeypatch`) the interpreter's fp32 multiply to keep its exact product (in float64, exact for
+    fp32 operands) and its add / subtract to use it, as one FMA: round(a * b + c) from the exact a * b, as LLVM
+    contracts them for the GPU (when both operands are products, the left one, as the DAG combiner tries first:
+    x * k - m * k became fma(x, k, -(m * k)) in the base-2 loop's PTX, 2026-11-26). A product that passes through
+    any other operation (a select, a max, a broadcast, a reduction, memory) is a plain fp32 value again, as the
+    compiled code's (its select keeps a product apart from a subtraction). Rounding twice (float64, then fp32) may
+    differ from an FMA's one rounding in the last bit; exact zeros and their absence are what it shows."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def multiply(self, lhs, rhs):
+        out = self.binary_op(lhs, rhs, np.multiply)
+        if out.data.dtype == np.float32:
+            with np.errstate(invalid="ignore"):  # 0 * inf: the fp32 product above has warned of it
+                out.attr["exact_product"] = lhs.data.astype(np.float64) * rhs.data.astype(np.float64)
+        return out
+
+    def contracted(op):
+        def create(self, lhs, rhs):
+            left, right = lhs.attr.get("exact_product"), rhs.attr.get("exact_product")
+            if left is None and right is None:
+                return self.binary_op(lhs, rhs, op)
+            operands = (left, rhs.data.astype(np.float64)) if left is not None else (lhs.data.astype(np.float64), right)
+            return TensorHandle(op(*operands).astype(np.float32), lhs.dtype.scalar)
+        return create
+
+    monkeypatch.setattr(InterpreterBuilder, "create_fmul", multiply)
+    monkeypatch.setattr(InterpreterBuilder, "create_fadd", contracted(np.add))
+    monkeypatch.setattr(InterpreterBuilder, "create_fsub", contracted(np.subtract))
