@@ -383,6 +383,8 @@ def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: tor
     given = {name: tensor.shape[0] for name, tensor in tensors.items()
              if isinstance(tensor, torch.Tensor) and tensor.dim() == 1}
     lengths = list(given.values())
+    if len(set(lengths)) == 1:  # they agree (every call that raises no error): the count is theirs
+        return lengths[0], "the length of " + " and ".join(given)
     votes = {length: lengths.count(length) for length in lengths}
     best = [length for length, count in votes.items() if count == max(votes.values())]
     named = None
