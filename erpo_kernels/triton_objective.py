@@ -1,12 +1,13 @@
 """The ERPO objective on per-token vectors in three Triton kernels: `objective.erpo_objective`'s loss, metrics and
 gradient, for the options trainers use most, without an autograd graph over dozens of eager ops.
 
-    forward   1. one program per sample s walks its rows twice, in a fixed order (the rows sorted by sample, as
-                 `triton_segment`): first the sums the sample's terms need (ell_theta(q_s), the response rows'
-                 count, the sum of their log-ratios for the sequence-level ratio, of their weights and Policy-KLs
-                 for the sequence-level gradient, of the drift behind the off-policy mask, of VESPO's log-weights,
-                 of the query rows' k3 for "k3-token"), then every response row's term_t and the sample's partial sums
-                 (loss, metrics); it writes each row's gradient coefficients, up to one global factor
+    forward   1. one program per sample s walks its rows twice, in a fixed order (row order over the sample's
+                 span, `triton_segment.sample_spans`, as `triton_segment`'s sums: no sort): first the sums the
+                 sample's terms need (ell_theta(q_s), the response rows' count, the sum of their log-ratios for
+                 the sequence-level ratio, of their weights and Policy-KLs for the sequence-level gradient, of the
+                 drift behind the off-policy mask, of VESPO's log-weights, of the query rows' k3 for "k3-token"),
+                 then every response row's term_t and the sample's partial sums (loss, metrics); it writes each
+                 row's gradient coefficients, up to one global factor
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
                  (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
@@ -42,6 +43,7 @@ Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -54,6 +56,7 @@ from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
+from .triton_segment import span_bounds, triton_sample_spans
 from .validation import LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
@@ -162,13 +165,15 @@ def _policy_surrogate(advantage, ratio, logp, clip_low, clip_high, dual_clip, ci
 
 
 @triton.jit
-def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
-                token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
+def _row_values(positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,
+                ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
+                entropy_threshold,
                 HAS_ENTROPY: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF_LOGP: tl.constexpr,
                 HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
                 HAS_KL_CLAMP: tl.constexpr, WEIGHT_BY_IS: tl.constexpr, KL_ON_QUERY: tl.constexpr,
-                HAS_ENTROPY_FILTER: tl.constexpr):
-    """A block of one sample's rows (`positions` in the sorted order, < `stop`): the values both passes read.
+                HAS_ENTROPY_FILTER: tl.constexpr, SPANS: tl.constexpr):
+    """A block of one sample's rows, `positions` < `stop`: rows order[positions], or with SPANS the rows themselves,
+    those whose sample_index is `sample` (the others read as rows of kind 0). The values both passes read.
     Returns (rows, is_query, is_response, logp, entropy, token log-ratio, row weight tw_t rho_t (rho_t only with
     WEIGHT_BY_IS, and 0 where the entropy filter drops the row), rollout weight rho_t, rollout gap, k3_t,
     d k3_t / d logp_t, behaviour drift b_t - logp_t, kept, nonfinite), each [BLOCK]; 0 off the response rows (but
@@ -176,8 +181,13 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
     b_t: rollout_logp, else old_logp, else logp (the off-policy mask's). kept: the response rows the entropy filter
     keeps (H_t >= entropy_threshold; every response row without the filter)."""
     inside = positions < stop
-    rows = tl.load(order_ptr + positions, mask=inside, other=0)
-    kind = tl.load(kind_ptr + rows, mask=inside, other=0)
+    if SPANS:
+        rows = positions
+        mine = tl.load(sample_ptr + rows, mask=inside, other=-1) == sample
+        kind = tl.where(mine, tl.load(kind_ptr + rows, mask=inside, other=0), 0)
+    else:
+        rows = tl.load(order_ptr + positions, mask=inside, other=0)
+        kind = tl.load(kind_ptr + rows, mask=inside, other=0)
     is_query = kind == 1
     is_response = kind == 2
     logp = tl.load(logp_ptr + rows, mask=inside, other=0.0)
@@ -228,7 +238,8 @@ def _row_values(positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old
 
 @triton.jit
 def _objective_sample_kernel(
-    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ids_ptr, advantages_ptr, ref_query_logp_ptr,
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+    ref_query_logp_ptr,
     query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
     partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
@@ -241,8 +252,8 @@ def _objective_sample_kernel(
     USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
-    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, NUM_PARTIALS_: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
+    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
@@ -250,8 +261,11 @@ def _objective_sample_kernel(
     sample = program
     if HAS_SAMPLE_IDS:  # a subset of the samples (a fused-linear chunk's): program p runs sample sample_ids[p]
         sample = tl.load(sample_ids_ptr + program).to(tl.int64)
-    start = tl.load(starts_ptr + program)  # the program's rows: order[start:stop]
-    stop = tl.load(starts_ptr + program + 1)
+    if SPANS:  # the program's rows: those of its sample in its span (starts_ptr: the spans)
+        start, stop = span_bounds(starts_ptr, sample, tl.num_programs(0))
+    else:  # the program's rows: order[start:stop]
+        start = tl.load(starts_ptr + program)
+        stop = tl.load(starts_ptr + program + 1)
     entropy_threshold = 0.0
     if HAS_ENTROPY_FILTER:
         entropy_threshold = tl.load(entropy_threshold_ptr)
@@ -271,10 +285,11 @@ def _objective_sample_kernel(
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
-                positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+                positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,
+                ref_logp_ptr,
                 token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
                 HAS_ENTROPY, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP,
-                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER)
+                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER, SPANS)
         query_sum += tl.where(is_query, logp, 0.0)
         response_sum += tl.where(is_response, logp, 0.0)
         query_rows += is_query.to(tl.float32)
@@ -374,10 +389,11 @@ def _objective_sample_kernel(
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
-                positions, stop, order_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr, ref_logp_ptr,
+                positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,
+                ref_logp_ptr,
                 token_weight_ptr, rollout_logp_ptr, log_ratio_clamp, kl_clamp, log_rollout_is_cap, entropy_threshold,
                 HAS_ENTROPY, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP, HAS_KL_CLAMP,
-                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER)
+                not VESPO, K3_TOKEN, HAS_ENTROPY_FILTER, SPANS)
         kept_entropy = tl.where(kept, entropy, 0.0)  # the entropy bonus's rows
         query_coef = qkl_grad * kl_grad if K3_TOKEN else qkl_grad  # on query rows (kl_grad: their k3's slope)
         if SEQUENCE_RATIO:
@@ -411,9 +427,11 @@ def _objective_sample_kernel(
             coef_entropy = tl.where(kept, -entropy_coef * token_factor, 0.0)
         else:
             coef_entropy = tl.where(kept, -entropy_coef, 0.0)
-        inside = positions < stop
-        tl.store(coef_logp_ptr + rows, coef_logp, mask=inside)
-        tl.store(coef_entropy_ptr + rows, coef_entropy, mask=inside)
+        # the scored rows of the block (of this sample): rows of kind 0 are left unwritten (the gradient kernel
+        # gives them zeros), a span's rows of other samples to their own programs
+        scored = is_query | is_response
+        tl.store(coef_logp_ptr + rows, coef_logp, mask=scored)
+        tl.store(coef_entropy_ptr + rows, coef_entropy, mask=scored)
         term_sum += tl.where(is_response, term, 0.0)
         pg_sum += tl.where(is_response, pg, 0.0)
         policy_kl_sum += tl.where(is_response, policy_kl, 0.0)
@@ -592,18 +610,39 @@ SETTING_NAMES = ("has_entropy", "has_qkl_reference", "has_query_weight", "has_ol
                  "vespo_lambda_neg", "off_policy_mask_threshold", "has_entropy_filter")
 
 
+class _Given(NamedTuple):
+    """Which optional `LossInputs` tensors a call gives: all `objective_settings` reads of them."""
+
+    ref_query_logp: bool
+    query_weight: bool
+    old_logp: bool
+    ref_logp: bool
+    token_weight: bool
+    rollout_logp: bool
+
+
 def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
     """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
     the estimator, loss_agg and pg_objective as their codes; an absent number as 0). has_qkl_reference: the
-    reference the Query-KL's estimator reads is given (ref_query_logp, or ref_logp for "k3-token")."""
+    reference the Query-KL's estimator reads is given (ref_query_logp, or ref_logp for "k3-token"). Built once per
+    distinct (options, given tensors) when no option holds a tensor (a ~20 us dict a call otherwise); the list
+    returned is shared: read it, never change it."""
+    given = _Given(*(tensor is not None for tensor in (inputs.ref_query_logp, inputs.query_weight, inputs.old_logp,
+                                                       inputs.ref_logp, inputs.token_weight, inputs.rollout_logp)))
+    if isinstance(options.num_items, torch.Tensor) or isinstance(options.num_seqs, torch.Tensor):
+        return _settings(options, given, has_entropy)  # a tensor's == reads it: never a cache key
+    return _cached_settings(options, given, has_entropy)
+
+
+def _settings(options: LossOptions, given: _Given, has_entropy: bool) -> List[float]:
     cap = options.rollout_is_cap
-    qkl_reference = inputs.ref_logp if options.qkl_estimator == "k3-token" else inputs.ref_query_logp
+    has_qkl_reference = given.ref_logp if options.qkl_estimator == "k3-token" else given.ref_query_logp
     threshold = options.off_policy_mask_threshold
     settings = dict(
-        has_entropy=has_entropy, has_qkl_reference=qkl_reference is not None,
-        has_query_weight=inputs.query_weight is not None, has_old=inputs.old_logp is not None,
-        has_ref_logp=inputs.ref_logp is not None, has_token_weight=inputs.token_weight is not None,
-        has_rollout=inputs.rollout_logp is not None, has_is_cap=cap is not None,
+        has_entropy=has_entropy, has_qkl_reference=has_qkl_reference,
+        has_query_weight=given.query_weight, has_old=given.old_logp,
+        has_ref_logp=given.ref_logp, has_token_weight=given.token_weight,
+        has_rollout=given.rollout_logp, has_is_cap=cap is not None,
         has_dual=options.dual_clip is not None, has_pg_clamp=options.pg_log_ratio_clamp is not None,
         has_kl_clamp=options.kl_clamp is not None, sequence_ratio=options.ratio_level == "sequence",
         bias_correction=options.policy_kl_bias_correction, qkl_estimator=QKL_ESTIMATOR_CODES[options.qkl_estimator],
@@ -622,6 +661,9 @@ def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bo
         vespo_lambda_neg=options.vespo_lambda_neg, off_policy_mask_threshold=threshold or 0.0,
         has_entropy_filter=options.top_entropy_quantile < 1.0)
     return [float(settings[name]) for name in SETTING_NAMES]
+
+
+_cached_settings = functools.lru_cache(maxsize=64)(_settings)
 
 
 def _denominator_mode(value) -> float:
@@ -651,7 +693,12 @@ class SampleOutputs(NamedTuple):
 
 
 def _flags(settings: List[float]):
-    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term)."""
+    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term), built once per distinct settings."""
+    return _cached_flags(tuple(settings))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_flags(settings: Tuple[float, ...]):
     s = dict(zip(SETTING_NAMES, settings))
     use_qkl = bool(s["has_qkl_reference"]) and s["qkl_coef"] != 0
     entropy_in_term = bool(s["entropy_in_loss_agg"]) and s["entropy_coef"] != 0
@@ -659,20 +706,22 @@ def _flags(settings: List[float]):
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
-                         loss_tensors, entropy_threshold, settings: List[float]) -> None:
+                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None) -> None:
     """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
     order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
-    `out` (its rows' coefficients, its sample's partials). token_logp, entropy [N] fp32; loss_tensors: the
-    `LossInputs` tensors in their order, fp32 or None; entropy_threshold [] fp32 or None; settings:
-    `objective_settings`."""
-    num_programs = starts.shape[0] - 1
+    `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
+    starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
+    token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
+    entropy_threshold [] fp32 or None; settings: `objective_settings`."""
+    spans = sample_index is not None
+    num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
     s, flag, use_qkl, entropy_in_term = _flags(settings)
     any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
     _objective_sample_kernel[(num_programs,)](
-        token_logp, any_tensor if entropy is None else entropy, token_kind, order, starts,
-        any_tensor if sample_ids is None else sample_ids,
+        token_logp, any_tensor if entropy is None else entropy, token_kind, any_tensor if order is None else order,
+        starts, sample_index if spans else any_tensor, any_tensor if sample_ids is None else sample_ids,
         *(any_tensor if t is None else t for t in (*loss_tensors, entropy_threshold)), *out,
         s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
         s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
@@ -689,7 +738,7 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
         PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
         QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
         HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
-        HAS_SAMPLE_IDS=sample_ids is not None, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+        HAS_SAMPLE_IDS=sample_ids is not None, SPANS=spans, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
@@ -733,22 +782,23 @@ ObjectiveOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
-                 order: torch.Tensor, starts: torch.Tensor, advantages: torch.Tensor,
+                 sample_index: torch.Tensor, spans: torch.Tensor, advantages: torch.Tensor,
                  ref_query_logp: Optional[torch.Tensor], query_weight: Optional[torch.Tensor],
                  old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor],
                  token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor],
                  num_items: Optional[torch.Tensor], num_seqs: Optional[torch.Tensor],
                  entropy_threshold: Optional[torch.Tensor], settings: List[float]) -> ObjectiveOutputs:
-    """The objective's forward (module docstring): token_logp, entropy [N] fp32, token_kind [N], order [N] (rows
-    sorted by sample), starts [S + 1], the `LossInputs` tensors, num_items / num_seqs as 1-element tensors when
-    given so, entropy_threshold [] fp32 with the entropy filter (the response rows' entropy quantile,
-    `triton_quantile`), `settings` from `objective_settings`. Returns loss [] fp32, query_logp [S], response_logp [S],
-    metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and for the backward the gradient
-    coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable (in token_logp, entropy)."""
+    """The objective's forward (module docstring): token_logp, entropy [N] fp32, token_kind, sample_index [N]
+    (contiguous), spans [2, S] (`triton_segment.sample_spans` of the scored rows), the `LossInputs` tensors,
+    num_items / num_seqs as 1-element tensors when given so, entropy_threshold [] fp32 with the entropy filter (the
+    response rows' entropy quantile, `triton_quantile`), `settings` from `objective_settings`. Returns loss [] fp32,
+    query_logp [S], response_logp [S], metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, and
+    for the backward the gradient coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable
+    (in token_logp, entropy)."""
     out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
-    launch_sample_kernel(out, token_logp, entropy, token_kind, order, starts, None,
+    launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None,
                          (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
-                         entropy_threshold, settings)
+                         entropy_threshold, settings, sample_index)
     loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
@@ -757,8 +807,8 @@ objective_op = torch.library.custom_op("erpo::triton_objective", objective_forwa
 
 
 @objective_op.register_fake
-def _(token_logp, entropy, token_kind, order, starts, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
-      token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings):
+def _(token_logp, entropy, token_kind, sample_index, spans, advantages, ref_query_logp, query_weight, old_logp,
+      ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings):
     num_rows, num_samples = token_logp.shape[0], advantages.shape[0]
     fp32 = dict(dtype=torch.float32)
     return (token_logp.new_empty((), **fp32), token_logp.new_empty(num_samples, **fp32),
@@ -828,19 +878,18 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     checks): token_logp [N] fp32 and entropy [N] fp32 or None (then the entropy metrics are absent and entropy_coef
     must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated."""
     num_samples = inputs.advantages.shape[0]
-    # The rows sorted by sample, once per call (rows of kind 0 are skipped by the kernels, whatever their index).
-    sorted_samples, order = torch.sort(sample_index, stable=True)
-    starts = torch.searchsorted(sorted_samples, torch.arange(num_samples + 1, dtype=sorted_samples.dtype,
-                                                             device=sample_index.device))
+    token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
+    # Each sample's span of scored rows, once per call (rows of kind 0 belong to none, whatever their index).
+    spans = triton_sample_spans(sample_index, num_samples, token_kind)
 
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
-        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind.contiguous(), 2,
+        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
                                                1.0 - options.top_entropy_quantile)
 
     loss, query_logp, response_logp, metrics, counts, *_ = _objective(
-        token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind.contiguous(), order,
-        starts, *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
+        token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind, sample_index, spans,
+        *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
         objective_settings(options, inputs, entropy is not None))
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)

@@ -1,73 +1,146 @@
-"""Deterministic per-sample sums on the Triton path: [N] -> [S], differentiable (torch twin: segment.SegmentSum).
+"""Each sample's span of rows, and deterministic per-sample sums on the Triton path: [N] -> [S], differentiable
+(torch twin: segment.SegmentSum).
 
-`torch.Tensor.index_add_` uses float atomics on CUDA, so its result can change from run to run. Here the rows are
-sorted by sample once per loss call (a stable integer sort, shared by every sum of that call) and one program sums
-each sample's rows in a fixed order.
+`torch.Tensor.index_add_` uses float atomics on CUDA, so its result can change from run to run. Here one program per
+sample s walks the rows of its span, first_s to last_s (the first and the last row of s, `sample_spans`), in row
+order, and adds the rows that belong to s: a fixed order (the rows of s in ascending order, as a stable sort by
+sample would list them), without sorting. The spans come from one kernel of integer atomic minimums, whose result
+does not depend on the order the programs run in. A sample's program reads its whole span: rows grouped by sample
+(every layout of erpo_kernels.layout, of packed sequences and of padded batches, padding between samples included)
+cost each program its own rows; a layout that interleaves samples is as exact, its programs reading longer spans.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .direct_ops import DirectOp
+
+SPAN_BLOCK = 1024  # rows per program of the spans kernel
+SUM_BLOCK = 256  # rows per loop step of the sums kernel
+
 
 @triton.jit
-def _segment_sum_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, BLOCK: tl.constexpr):
+def _sample_spans_kernel(sample_ptr, kind_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """spans[0, s] = min(first row of s), spans[1, s] = min(-last row of s) over the counted rows (sample in [0, S),
+    and with HAS_KIND token_kind != 0), by atomic minimums on a buffer filled with N + 1 (two minimums rather than a
+    minimum and a maximum: one fill value for both). Only the rows that open or close a run of equal samples take
+    part: a sample's first row opens a run and its last row closes one, so the minimums are the same, with about
+    two atomics per run instead of one per row."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < num_rows
+    sample = tl.load(sample_ptr + rows, mask=inside, other=-1)
+    has_previous = inside & (rows > 0)
+    previous = tl.load(sample_ptr + rows - 1, mask=has_previous, other=-1)
+    has_next = rows + 1 < num_rows
+    following = tl.load(sample_ptr + rows + 1, mask=has_next, other=-1)
+    counted = inside & (sample >= 0) & (sample < num_samples)
+    if HAS_KIND:
+        counted = counted & (tl.load(kind_ptr + rows, mask=inside, other=0) != 0)
+        has_previous = has_previous & (tl.load(kind_ptr + rows - 1, mask=has_previous, other=0) != 0)
+        has_next = has_next & (tl.load(kind_ptr + rows + 1, mask=has_next, other=0) != 0)
+    opens = counted & ~(has_previous & (previous == sample))
+    closes = counted & ~(has_next & (following == sample))
+    column = tl.where(counted, sample, 0).to(tl.int64)
+    tl.atomic_min(spans_ptr + column, rows, mask=opens)
+    tl.atomic_min(spans_ptr + num_samples + column, -rows, mask=closes)
+
+
+def sample_spans(sample_index: torch.Tensor, num_samples: int,
+                 token_kind: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The span of each sample s in [0, S) over sample_index [N] int: [2, S] int64 as `_sample_spans_kernel` leaves
+    it, read in a kernel by `span_bounds`. Entries outside [0, S) belong to no sample; with token_kind [N], neither
+    do rows of kind 0. A sample without rows gets an empty span."""
+    num_rows = sample_index.shape[0]
+    spans = torch.full((2, num_samples), num_rows + 1, dtype=torch.int64, device=sample_index.device)
+    if num_rows > 0 and num_samples > 0:
+        _sample_spans_kernel[(-(-num_rows // SPAN_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
+            sample_index, sample_index if token_kind is None else token_kind, spans, num_rows, num_samples,
+            HAS_KIND=token_kind is not None, BLOCK=SPAN_BLOCK)
+    return spans
+
+
+sample_spans_op = torch.library.custom_op("erpo::triton_sample_spans", sample_spans, mutates_args=())
+
+
+@sample_spans_op.register_fake
+def _(sample_index, num_samples, token_kind=None):
+    return sample_index.new_empty((2, num_samples), dtype=torch.int64)
+
+
+_sample_spans = DirectOp(sample_spans_op, sample_spans)  # the op under torch.compile, else its implementation
+
+
+def triton_sample_spans(sample_index: torch.Tensor, num_samples: int,
+                        token_kind: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`sample_spans` on contiguous inputs (the op under torch.compile)."""
+    return _sample_spans(sample_index.contiguous(), num_samples,
+                         None if token_kind is None else token_kind.contiguous())
+
+
+@triton.jit
+def span_bounds(spans_ptr, sample, num_samples):
+    """(first row, one past the last row) of `sample` in `sample_spans`' [2, S] spans; first >= stop when the sample
+    has no rows (the fill N + 1 gives first = N + 1, stop = -N)."""
+    return tl.load(spans_ptr + sample), 1 - tl.load(spans_ptr + num_samples + sample)
+
+
+@triton.jit
+def _segment_sum_kernel(values_ptr, sample_ptr, spans_ptr, out_ptr, BLOCK: tl.constexpr):
     segment = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts_ptr + segment)
-    stop = tl.load(starts_ptr + segment + 1)
+    start, stop = span_bounds(spans_ptr, segment, tl.num_programs(0))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = start
     while block_start < stop:  # triton_common's note on loop bounds
-        offs = block_start + tl.arange(0, BLOCK)
-        mask = offs < stop
-        rows = tl.load(order_ptr + offs, mask=mask, other=0)
-        acc += tl.load(values_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        rows = block_start + tl.arange(0, BLOCK)
+        inside = rows < stop
+        mine = inside & (tl.load(sample_ptr + rows, mask=inside, other=-1) == segment)
+        acc += tl.load(values_ptr + rows, mask=mine, other=0.0).to(tl.float32)
         block_start += BLOCK
     tl.store(out_ptr + segment, tl.sum(acc, axis=0))
 
 
 @torch.library.custom_op("erpo::triton_segment_sum", mutates_args=())
-def segment_sum_op(values: torch.Tensor, sample_index: torch.Tensor, order: torch.Tensor,
-                   starts: torch.Tensor) -> torch.Tensor:
-    """values [N] -> [S] fp32 sums by sample; order [N] (the rows sorted by sample_index [N]) and starts [S + 1]
-    (each sample's first position in `order`) from `TritonSegmentSum`. A torch.library op: torch.compile keeps it
-    whole (no graph break)."""
-    num_samples = starts.shape[0] - 1
+def segment_sum_op(values: torch.Tensor, sample_index: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """values [N] -> [S] fp32 sums by sample_index [N] (contiguous); spans [2, S] from `sample_spans`. A
+    torch.library op: torch.compile keeps it whole (no graph break)."""
+    num_samples = spans.shape[1]
     out = torch.empty(num_samples, dtype=torch.float32, device=values.device)
     if num_samples > 0:
-        _segment_sum_kernel[(num_samples,)](values.float().contiguous(), order, starts, out, BLOCK=256)
+        _segment_sum_kernel[(num_samples,)](values.float().contiguous(), sample_index, spans, out, BLOCK=SUM_BLOCK)
     return out
 
 
 @segment_sum_op.register_fake
-def _(values, sample_index, order, starts):
-    return values.new_empty(starts.shape[0] - 1, dtype=torch.float32)
+def _(values, sample_index, spans):
+    return values.new_empty(spans.shape[1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    values, sample_index, _, _ = inputs
+    values, sample_index, _ = inputs
     ctx.save_for_backward(sample_index)
     ctx.values_dtype = values.dtype
 
 
 def _backward(ctx, grad_out):
     (sample_index,) = ctx.saved_tensors
-    return grad_out[sample_index].to(ctx.values_dtype), None, None, None
+    return grad_out[sample_index].to(ctx.values_dtype), None, None
 
 
 segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class TritonSegmentSum:
-    """`segment.SegmentSum`'s interface, deterministic on CUDA: the stable sort of the rows by sample and the
-    segment starts are computed once here (no host-device sync) and shared by every call."""
+    """`segment.SegmentSum`'s interface, deterministic on CUDA: the samples' spans are found once here (one kernel,
+    no host-device sync) and shared by every call."""
 
     def __init__(self, sample_index: torch.Tensor, num_samples: int):
-        self.sample_index = sample_index
-        sorted_samples, self.order = torch.sort(sample_index, stable=True)
-        bins = torch.arange(num_samples + 1, dtype=sorted_samples.dtype, device=sample_index.device)
-        self.starts = torch.searchsorted(sorted_samples, bins)
+        self.sample_index = sample_index.contiguous()
+        self.spans = triton_sample_spans(self.sample_index, num_samples)
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        return segment_sum_op(values, self.sample_index, self.order, self.starts)
+        return segment_sum_op(values, self.sample_index, self.spans)

@@ -266,11 +266,14 @@ class LossInputs:
 
     def as_kwargs(self) -> dict:
         """The keyword arguments of `erpo_loss` / `fused_linear_erpo_loss` (tensors are not copied)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in INPUT_NAMES}
 
 
+INPUT_NAMES = tuple(f.name for f in fields(LossInputs))  # LossInputs' fields in order, a constant (as below)
 # LossInputs' per-sample fields (advantages has no "per": it is one), a constant: fields() costs ~5 us a call
 PER_SAMPLE_INPUTS = tuple(f.name for f in fields(LossInputs) if f.metadata.get("per", "sample") == "sample")
+# (name, "sample" or "row") of LossInputs' optional fields, a constant for the same reason
+OPTIONAL_INPUTS = tuple((f.name, f.metadata["per"]) for f in fields(LossInputs) if "per" in f.metadata)
 
 
 def _is_finite_number(value) -> bool:
@@ -340,9 +343,15 @@ def target_message(targets: torch.Tensor, vocab_size: int):
     return lambda row: f"targets must lie in [0, {vocab_size}) on scored rows; row {row} holds {int(targets[row])}"
 
 
+# IGNORE_INDEX as a host 0-dim tensor: torch.where takes it beside device tensors as it is, where a Python number
+# would first be made into a device tensor (one more kernel per call)
+_HOST_IGNORE_INDEX = torch.tensor(IGNORE_INDEX)
+
+
 def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """targets as int64 on `scored` rows, -100 elsewhere."""
-    return torch.where(scored, targets.long(), IGNORE_INDEX)
+    ignored = IGNORE_INDEX if torch.compiler.is_compiling() else _HOST_IGNORE_INDEX  # a constant of the graph
+    return torch.where(scored, targets.long(), ignored)
 
 
 def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,
@@ -374,6 +383,8 @@ def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: tor
     given = {name: tensor.shape[0] for name, tensor in tensors.items()
              if isinstance(tensor, torch.Tensor) and tensor.dim() == 1}
     lengths = list(given.values())
+    if len(set(lengths)) == 1:  # they agree (every call that raises no error): the count is theirs
+        return lengths[0], "the length of " + " and ".join(given)
     votes = {length: lengths.count(length) for length in lengths}
     best = [length for length, count in votes.items() if count == max(votes.values())]
     named = None
@@ -429,11 +440,11 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
                          f"got shape {tuple(advantages.shape)}")
     lengths = {"sample": (num_samples, f" (S, {why})"), "row": (n, " (the number of rows N)")}
     check_tensor("advantages", advantages, ndim=1, length=num_samples, length_name=lengths["sample"][1])
-    for f in fields(inputs):
-        tensor = getattr(inputs, f.name)
-        if "per" in f.metadata and tensor is not None:
-            length, length_name = lengths[f.metadata["per"]]
-            check_tensor(f.name, tensor, ndim=1, length=length, device=device, floating=True,
+    for name, per in OPTIONAL_INPUTS:
+        tensor = getattr(inputs, name)
+        if tensor is not None:
+            length, length_name = lengths[per]
+            check_tensor(name, tensor, ndim=1, length=length, device=device, floating=True,
                          length_name=length_name)
     ref_query_logp, ref_logp = inputs.ref_query_logp, inputs.ref_logp
     token_weight, rollout_logp = inputs.token_weight, inputs.rollout_logp

@@ -16,7 +16,7 @@ from erpo_kernels.triton_logits import (
     logp_entropy_op,
     triton_token_logprobs,
 )
-from erpo_kernels.triton_segment import segment_sum_op
+from erpo_kernels.triton_segment import sample_spans_op, segment_sum_op
 from erpo_kernels.validation import COMPILED_ROWS_MESSAGE, LogitTransform
 from helpers import assert_compiled_equals_eager
 
@@ -85,9 +85,9 @@ def test_eager_calls_bypass_the_op_and_give_its_values_and_gradients(transform, 
 
 def test_opcheck_triton_segment_sum(rows, device):
     values = torch.randn(N).to(device).requires_grad_(True)
-    order = torch.sort(rows.sample_index, stable=True).indices
-    starts = torch.searchsorted(rows.sample_index[order], torch.arange(S + 1, device=device))
-    torch.library.opcheck(segment_sum_op, (values, rows.sample_index, order, starts))
+    spans = sample_spans_op(rows.sample_index, S)
+    torch.library.opcheck(sample_spans_op, (rows.sample_index, S))
+    torch.library.opcheck(segment_sum_op, (values, rows.sample_index, spans))
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

@@ -12,14 +12,14 @@ def test_logits_kernels_compile_for_hopper():
         for kernel in ("forward", "backward", "forward-softcap", "backward-softcap"):  # bandwidth-bound row kernels:
             # a spill is a regression
             assert re.search(rf"compiled {kernel} {dtype} registers=\d+ spill_bytes=0\n", out), out
-    assert "compiled segment_sum fp32" in out
+    assert "compiled segment_sum fp32" in out and "compiled sample-spans" in out
     variants = [(estimator, "ppo-clip") for estimator in ("k1", "k2", "k3", "k3-token")]
     variants += [("k3", objective) for objective in ("cispo", "sapo", "vespo")]
     for sequence in ("False", "True"):  # the objective's per-sample kernel, every option flag off and on
         for estimator, objective in variants:
-            for flags in ("False", "True"):
+            for flags, spans in (("False", "True"), ("True", "True"), ("True", "False")):
                 assert re.search(rf"compiled objective-sample sequence={sequence} {estimator} {objective} "
-                                 rf"flags={flags} registers=\d+ spill_bytes=0\n", out), out
+                                 rf"flags={flags} spans={spans} registers=\d+ spill_bytes=0\n", out), out
     for variant in ("block", "warp", "warp-1024", "log2-1024", "log2-2048"):
         assert re.search(rf"compiled forward-variant {variant} bf16 registers=\d+ spill_bytes=0\n", out), out
         # with the soft-cap (not a bench case) the one-warp variants may spill a little: they must compile

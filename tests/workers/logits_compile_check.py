@@ -28,9 +28,14 @@ def main():
             print(f"compiled backward{variant} {dtype} registers=%d spill_bytes=%d" % register_usage(compiled),
                   flush=True)
     compile_for_hopper(triton_segment._segment_sum_kernel,
-                       {"values_ptr": "*fp32", "order_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"},
-                       {"BLOCK": 256})
+                       {"values_ptr": "*fp32", "sample_ptr": "*i64", "spans_ptr": "*i64", "out_ptr": "*fp32"},
+                       {"BLOCK": triton_segment.SUM_BLOCK})
     print("compiled segment_sum fp32", flush=True)
+    for has_kind in (False, True):
+        compile_for_hopper(triton_segment._sample_spans_kernel,
+                           {"sample_ptr": "*i64", "kind_ptr": "*i64", "spans_ptr": "*i64", "num_rows": "i32",
+                            "num_samples": "i32"}, {"HAS_KIND": has_kind, "BLOCK": triton_segment.SPAN_BLOCK})
+    print("compiled sample-spans", flush=True)
     for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-*)
         signature = {"logits_ptr": "*bf16", "stride_row": "i64", "stride_col": "i32", "targets_ptr": "*i64",
                      "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "vocab_size": "i32",
@@ -91,22 +96,24 @@ def compile_objective_kernels():
                "cispo_clip_max", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
     signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
-                     **{name: "fp32" for name in scalars})
+                     sample_ptr="*i64", sample_ids_ptr="*i64", **{name: "fp32" for name in scalars})
     # every Query-KL estimator with PPO's surrogate, every other surrogate with k3 (the two choices are independent)
     variants = [(estimator, "ppo-clip") for estimator in triton_objective.QKL_ESTIMATOR_CODES]
     variants += [("k3", objective) for objective in triton_objective.PG_OBJECTIVE_CODES if objective != "ppo-clip"]
     for sequence in (False, True):
         for estimator, objective in variants:
-            for on in (False, True):
+            # SPANS: the logits path's rows (each sample's span), else the fused path's (an order of the rows)
+            for on, spans in ((False, True), (True, True), (True, False)):
                 constexprs = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence,
                                   QKL_ESTIMATOR=triton_objective.QKL_ESTIMATOR_CODES[estimator],
                                   PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective],
-                                  NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK)
+                                  NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK,
+                                  SPANS=spans, HAS_SAMPLE_IDS=False)
                 constexprs["HAS_DUAL"] = on and objective == "ppo-clip"  # dual_clip is PPO's only
                 compiled = compile_for_hopper(triton_objective._objective_sample_kernel, signature, constexprs,
                                               num_warps=4)
                 print(f"compiled objective-sample sequence={sequence} {estimator} {objective} flags={on} "
-                      "registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
+                      f"spans={spans} registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
     finish_flags = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_REF_LOGP", "HAS_ROLLOUT", "HAS_IS_CAP", "USE_QKL",
                     "ENTROPY_IN_TERM", "ENTROPY_TOKEN_MEAN", "HAS_OFF_POLICY", "VESPO")
     for loss_agg in (0, 1, 2):

@@ -1,0 +1,86 @@
+"""Each sample's span of rows (erpo_kernels/triton_segment.sample_spans), what the Triton objective and the
+deterministic per-sample sums walk instead of sorting the rows: the spans themselves on any layout, and the loss on
+grouped layouts (the common one: the oracle tests' random batches interleave the samples) against the reference."""
+import pytest
+import torch
+
+from erpo_kernels import erpo_loss, sample_sums
+from erpo_kernels.triton_segment import sample_spans
+from helpers import loss_inputs, random_batch
+
+NUM_SAMPLES = 6
+
+
+def expected_spans(sample_index, num_samples, token_kind=None):
+    """[2, S]: (first row, -last row) of each sample among the counted rows, N + 1 for a sample without rows."""
+    num_rows = sample_index.shape[0]
+    spans = torch.full((2, num_samples), num_rows + 1, dtype=torch.int64)
+    for row, sample in enumerate(sample_index.tolist()):
+        if 0 <= sample < num_samples and (token_kind is None or int(token_kind[row]) != 0):
+            spans[0, sample] = min(int(spans[0, sample]), row)
+            spans[1, sample] = min(int(spans[1, sample]), -row)
+    return spans
+
+
+def layouts(num_rows=2500):
+    """(name, sample_index, token_kind) on the CPU: more rows than one program of the spans kernel holds."""
+    g = torch.Generator().manual_seed(3)
+    kind = torch.randint(0, 3, (num_rows,), generator=g)
+    grouped = torch.sort(torch.randint(0, NUM_SAMPLES - 1, (num_rows,), generator=g)).values  # the last one empty
+    padded = grouped.clone()
+    padded[kind == 0] = torch.randint(-3, NUM_SAMPLES + 3, (int((kind == 0).sum()),), generator=g)
+    interleaved = torch.randint(-1, NUM_SAMPLES + 1, (num_rows,), generator=g)
+    return [("grouped", grouped, kind), ("padding-anywhere", padded, kind), ("interleaved", interleaved, kind),
+            ("one-row", torch.tensor([2]), torch.tensor([1])), ("empty", torch.zeros(0, dtype=torch.int64),
+                                                               torch.zeros(0, dtype=torch.int64))]
+
+
+@pytest.mark.parametrize("with_kind", [False, True])
+@pytest.mark.parametrize("layout", layouts(), ids=lambda layout: layout[0])
+def test_spans_are_each_samples_first_and_last_counted_row(layout, with_kind, device):
+    _, sample_index, kind = layout
+    spans = sample_spans(sample_index.to(device), NUM_SAMPLES, kind.to(device) if with_kind else None)
+    torch.testing.assert_close(spans.cpu(), expected_spans(sample_index, NUM_SAMPLES, kind if with_kind else None),
+                               rtol=0, atol=0)
+
+
+def test_sums_on_any_layout_equal_the_reference(device):
+    g = torch.Generator().manual_seed(5)
+    for _, sample_index, _ in layouts():
+        index = sample_index.clamp(0, NUM_SAMPLES - 1).to(device)  # sample_sums takes every entry in [0, S)
+        values = torch.randn(index.shape[0], generator=g).to(device)
+        torch.testing.assert_close(sample_sums(values, index, NUM_SAMPLES, backend="triton"),
+                                   sample_sums(values, index, NUM_SAMPLES, backend="torch"), rtol=1e-5, atol=1e-5)
+
+
+def grouped_batch(device):
+    """random_batch's rows sorted by sample (stable), the rows of kind 0 holding sample indices outside [0, S)."""
+    batch = random_batch(device="cpu")
+    order = torch.sort(batch["sample_index"], stable=True).indices
+    batch = {name: tensor[order] if tensor.shape[0] == order.shape[0] else tensor for name, tensor in batch.items()}
+    padding = batch["token_kind"] == 0
+    batch["sample_index"][padding] = torch.where(torch.arange(int(padding.sum())) % 2 == 0, -1, 99)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+@pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
+                         ids=["default", "gspo-seq-mean"])
+def test_loss_on_a_grouped_layout_equals_the_reference(case, device):
+    """Padding rows may name any sample (they belong to none): the loss and its gradient are the reference's, and
+    bit for bit those of the same batch with the padding naming sample 0."""
+    batch = grouped_batch(device)
+    results = []
+    for backend, padding_sample in (("torch", None), ("triton", None), ("triton", 0)):
+        sample_index = batch["sample_index"].clone()
+        if padding_sample is not None:
+            sample_index[batch["token_kind"] == 0] = padding_sample
+        logits = batch["logits"].clone().requires_grad_(True)
+        out = erpo_loss(logits, batch["targets"], batch["token_kind"], sample_index, backend=backend,
+                        **loss_inputs(batch), **case)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.query_logp, logits.grad))
+    (ref_loss, ref_query, ref_grad), (loss, query, grad), (loss_0, query_0, grad_0) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(query, ref_query, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert torch.equal(loss, loss_0) and torch.equal(query, query_0) and torch.equal(grad, grad_0)
