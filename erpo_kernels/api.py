@@ -32,7 +32,7 @@ INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.library ops); else the torch reference only
     from .triton_logits import triton_token_logprobs
     from .triton_objective import fuses, triton_objective
-    from .triton_row_checks import triton_first_bad_row
+    from .triton_row_checks import RowChecksWithSpans, triton_first_bad_row
     from .triton_segment import TritonSegmentSum
 
 
@@ -133,27 +133,32 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])` on the chosen backend
     and form the loss (`objective_on_backend`). With Triton the value checks' one host read comes last, once every
     kernel of the forward is queued (`start_loss_input_checks`): the device is never idle while the host waits, and
-    an input that fails them still raises before the loss is returned (the kernels are safe on any row values)."""
+    an input that fails them still raises before the loss is returned (the kernels are safe on any row values).
+    With Triton the value checks' kernel also finds each sample's span of rows for the objective
+    (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both)."""
     triton = use_triton(backend, device)
+    row_checks = RowChecksWithSpans() if triton else None
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
-        sample_index=sample_index, inputs=inputs, options=options, validate=validate,
-        first_bad_row=value_checks_of(triton))
+        sample_index=sample_index, inputs=inputs, options=options, validate=validate, first_bad_row=row_checks)
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                triton=triton, finish_checks=finish_checks)
+                                triton=triton, finish_checks=finish_checks,
+                                spans=None if row_checks is None else row_checks.spans)
 
 
 def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,
-                         triton: bool, finish_checks: Callable[[], None] = checks_done) -> LossOutput:
+                         triton: bool, finish_checks: Callable[[], None] = checks_done, spans=None) -> LossOutput:
     """The loss from token_logp [N] and entropy [N] (or None), both differentiable, inputs and options validated:
     with Triton, the fused objective kernels (`triton_objective`) for the options they fuse, else the reference
     objective on the deterministic per-sample sums; without, the reference objective (`objective.erpo_objective`).
     finish_checks: the input checks' finish() (`start_loss_input_checks`), called after the fused kernels are
     queued (they are safe on any row values) but before the reference objective (it indexes by sample_index).
-    (A default rather than `finish_checks or ...`: torch 2.11's Dynamo cannot take the truth value of a closure.)"""
+    (A default rather than `finish_checks or ...`: torch 2.11's Dynamo cannot take the truth value of a closure.)
+    spans: each sample's span of scored rows when the row checks found them (`RowChecksWithSpans`), else None."""
     if triton and fuses(options, token_logp, entropy):
-        out = triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options)
+        out = triton_objective(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=options,
+                               spans=spans)
         finish_checks()
         return out
     finish_checks()

@@ -873,14 +873,17 @@ def tensor_denominators(options: LossOptions) -> tuple:
 
 
 def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], token_kind: torch.Tensor,
-                     sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions) -> LossOutput:
+                     sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions,
+                     spans: Optional[torch.Tensor] = None) -> LossOutput:
     """`objective.erpo_objective` on these kernels, for options where `fuses(options, ...)` holds (the caller
     checks): token_logp [N] fp32 and entropy [N] fp32 or None (then the entropy metrics are absent and entropy_coef
-    must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated."""
+    must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated; spans [2, S]:
+    each sample's span of scored rows when the row checks found them (`triton_row_checks.RowChecksWithSpans`), else
+    None (found here, `triton_segment.sample_spans`)."""
     num_samples = inputs.advantages.shape[0]
     token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
-    # Each sample's span of scored rows, once per call (rows of kind 0 belong to none, whatever their index).
-    spans = triton_sample_spans(sample_index, num_samples, token_kind)
+    if spans is None:  # each sample's span of scored rows (rows of kind 0 belong to none, whatever their index)
+        spans = triton_sample_spans(sample_index, num_samples, token_kind)
 
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached

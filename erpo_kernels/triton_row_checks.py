@@ -3,7 +3,9 @@
 
 Each check of `validation.ROW_CHECKS`, in that order, marks bad rows; the kernel reduces them to one int64 code,
 check * N + row of the first failing check's first bad row (N * len(ROW_CHECKS) when every row passes), by an
-atomic min over blocks of rows: the result does not depend on the blocks' order.
+atomic min over blocks of rows: the result does not depend on the blocks' order. On the logits path the same kernel
+also finds each sample's span of scored rows (`triton_segment.record_spans`, what the objective walks), so that a
+call with validation on launches one kernel and one fill for both (`RowChecksWithSpans`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .direct_ops import DirectOp
+from .triton_segment import record_spans
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
@@ -22,7 +25,8 @@ BLOCK_ROWS = 1024
 @triton.jit
 def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, rollout_logp_ptr, code_ptr, num_rows,
                           num_samples, vocab_size, HAS_TARGETS: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr,
-                          HAS_ROLLOUT: tl.constexpr, NUM_CHECKS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, NUM_CHECKS: tl.constexpr,
+                          BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = rows < num_rows
     none = num_rows * NUM_CHECKS  # past every code
@@ -45,22 +49,29 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
         # drops NaN: integer codes
         code = tl.minimum(code, tl.where(inside & (kind == 2) & (rollout != rollout), 4 * num_rows + rows, none))
     tl.atomic_min(code_ptr, tl.min(code, axis=0))  # drops NaN: integer codes
+    if WITH_SPANS:  # the spans [2, S] follow the code
+        record_spans(sample_ptr, kind_ptr, code_ptr + 1, rows, num_rows, num_samples, True)
 
 
 def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets: Optional[torch.Tensor],
                      token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor], num_samples: int,
-                     vocab_size: int) -> torch.Tensor:
+                     vocab_size: int, with_spans: bool = False) -> torch.Tensor:
     """[1] int64: check * N + row of the first bad row of the first failing check (module docstring), or
-    N * len(ROW_CHECKS) when none fails. token_kind, sample_index, targets [N] int; token_weight, rollout_logp [N]."""
+    N * len(ROW_CHECKS) when none fails. token_kind, sample_index, targets [N] int; token_weight, rollout_logp [N].
+    with_spans (N > 0): [1 + 2 S] int64, the code followed by the spans of the scored rows
+    (`triton_segment.sample_spans`' [2, S], filled with N * len(ROW_CHECKS) >= N + 1 as their decoding allows)."""
     num_rows = token_kind.shape[0]
-    code = torch.full((1,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
+    if with_spans and num_rows == 0:
+        raise ValueError("first_bad_row: with_spans needs N > 0 rows (the spans' fill N * 5 must exceed N)")
+    length = 1 + 2 * num_samples if with_spans else 1
+    code = torch.full((length,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
     if num_rows > 0:
         _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
             token_kind, sample_index, token_kind if targets is None else targets,
             token_kind if token_weight is None else token_weight, token_kind if rollout_logp is None else rollout_logp,
             code, num_rows, num_samples, vocab_size, HAS_TARGETS=targets is not None,
-            HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, NUM_CHECKS=len(ROW_CHECKS),
-            BLOCK=BLOCK_ROWS)
+            HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, WITH_SPANS=with_spans,
+            NUM_CHECKS=len(ROW_CHECKS), BLOCK=BLOCK_ROWS)
     return code
 
 
@@ -69,14 +80,36 @@ _first_bad_row = DirectOp(first_bad_row_op, first_bad_row)  # the op under torch
 
 
 @first_bad_row_op.register_fake
-def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size):
-    return token_kind.new_empty(1, dtype=torch.int64)
+def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size, with_spans=False):
+    return token_kind.new_empty(1 + 2 * num_samples if with_spans else 1, dtype=torch.int64)
 
 
 def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
                          vocab_size: Optional[int]) -> torch.Tensor:
     """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument)."""
-    def contiguous(tensor):
-        return None if tensor is None else tensor.contiguous()
-    return _first_bad_row(token_kind.contiguous(), sample_index.contiguous(), contiguous(targets),
-                            contiguous(token_weight), contiguous(rollout_logp), num_samples, vocab_size or 0)
+    return _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp), num_samples,
+                          vocab_size or 0)
+
+
+def _contiguous(*tensors):
+    return tuple(None if tensor is None else tensor.contiguous() for tensor in tensors)
+
+
+class RowChecksWithSpans:
+    """`triton_first_bad_row` that also leaves, in `spans`, each sample's span of scored rows ([2, S] int64,
+    `triton_segment.sample_spans`' form) from the same kernel: the logits path passes it to
+    `validation.start_loss_input_checks` and the spans on to the objective. `spans` stays None when the checks did
+    not run (validate=False) or N = 0."""
+
+    def __init__(self):
+        self.spans = None
+
+    def __call__(self, token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
+                 vocab_size: Optional[int]) -> torch.Tensor:
+        if token_kind.shape[0] == 0:
+            return triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
+                                        vocab_size)
+        code_and_spans = _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp),
+                                        num_samples, vocab_size or 0, True)
+        self.spans = code_and_spans[1:].view(2, num_samples)
+        return code_and_spans[:1]

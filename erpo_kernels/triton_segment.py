@@ -24,14 +24,13 @@ SUM_BLOCK = 256  # rows per loop step of the sums kernel
 
 
 @triton.jit
-def _sample_spans_kernel(sample_ptr, kind_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """spans[0, s] = min(first row of s), spans[1, s] = min(-last row of s) over the counted rows (sample in [0, S),
-    and with HAS_KIND token_kind != 0), by atomic minimums on a buffer filled with N + 1 (two minimums rather than a
-    minimum and a maximum: one fill value for both). Only the rows that open or close a run of equal samples take
-    part: a sample's first row opens a run and its last row closes one, so the minimums are the same, with about
-    two atomics per run instead of one per row."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, HAS_KIND: tl.constexpr):
+    """For a block of `rows` (int64, those >= N ignored): spans[0, s] = min(first row of s), spans[1, s] =
+    min(-last row of s) over the counted rows (sample in [0, S), and with HAS_KIND token_kind != 0), by atomic
+    minimums on a buffer filled with one value >= N + 1 (two minimums rather than a minimum and a maximum: one fill
+    value for both). Only the rows that open or close a run of equal samples take part: a sample's first row opens
+    a run and its last row closes one, so the minimums are the same, with about two atomics per run instead of one
+    per row. (The spans kernel's body; the row checks' kernel runs it too.)"""
     inside = rows < num_rows
     sample = tl.load(sample_ptr + rows, mask=inside, other=-1)
     has_previous = inside & (rows > 0)
@@ -48,6 +47,13 @@ def _sample_spans_kernel(sample_ptr, kind_ptr, spans_ptr, num_rows, num_samples,
     column = tl.where(counted, sample, 0).to(tl.int64)
     tl.atomic_min(spans_ptr + column, rows, mask=opens)
     tl.atomic_min(spans_ptr + num_samples + column, -rows, mask=closes)
+
+
+@triton.jit
+def _sample_spans_kernel(sample_ptr, kind_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, HAS_KIND)
 
 
 def sample_spans(sample_index: torch.Tensor, num_samples: int,
@@ -85,7 +91,7 @@ def triton_sample_spans(sample_index: torch.Tensor, num_samples: int,
 @triton.jit
 def span_bounds(spans_ptr, sample, num_samples):
     """(first row, one past the last row) of `sample` in `sample_spans`' [2, S] spans; first >= stop when the sample
-    has no rows (the fill N + 1 gives first = N + 1, stop = -N)."""
+    has no rows (a fill F >= N + 1 gives first = F, stop = 1 - F)."""
     return tl.load(spans_ptr + sample), 1 - tl.load(spans_ptr + num_samples + sample)
 
 

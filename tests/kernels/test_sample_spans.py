@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from erpo_kernels import erpo_loss, sample_sums
+from erpo_kernels.triton_row_checks import RowChecksWithSpans
 from erpo_kernels.triton_segment import sample_spans
+from erpo_kernels.validation import ROW_CHECKS
 from helpers import loss_inputs, random_batch
 
 NUM_SAMPLES = 6
@@ -14,7 +16,7 @@ NUM_SAMPLES = 6
 def expected_spans(sample_index, num_samples, token_kind=None):
     """[2, S]: (first row, -last row) of each sample among the counted rows, N + 1 for a sample without rows."""
     num_rows = sample_index.shape[0]
-    spans = torch.full((2, num_samples), num_rows + 1, dtype=torch.int64)
+    spans = torch.full((2, num_samples), num_rows + 1, dtype=torch.int64, device="cpu")
     for row, sample in enumerate(sample_index.tolist()):
         if 0 <= sample < num_samples and (token_kind is None or int(token_kind[row]) != 0):
             spans[0, sample] = min(int(spans[0, sample]), row)
@@ -22,17 +24,25 @@ def expected_spans(sample_index, num_samples, token_kind=None):
     return spans
 
 
+def decoded(spans):
+    """[(first row, one past the last), or None for a sample without rows] as the kernels read the spans (their
+    fill value, N + 1 or larger, is not part of the contract)."""
+    first, stop = spans[0].tolist(), (1 - spans[1]).tolist()
+    return [(a, b) if a < b else None for a, b in zip(first, stop)]
+
+
 def layouts(num_rows=2500):
     """(name, sample_index, token_kind) on the CPU: more rows than one program of the spans kernel holds."""
     g = torch.Generator().manual_seed(3)
-    kind = torch.randint(0, 3, (num_rows,), generator=g)
-    grouped = torch.sort(torch.randint(0, NUM_SAMPLES - 1, (num_rows,), generator=g)).values  # the last one empty
+    cpu = dict(generator=g, device="cpu")
+    kind = torch.randint(0, 3, (num_rows,), **cpu)
+    grouped = torch.sort(torch.randint(0, NUM_SAMPLES - 1, (num_rows,), **cpu)).values  # the last sample empty
     padded = grouped.clone()
-    padded[kind == 0] = torch.randint(-3, NUM_SAMPLES + 3, (int((kind == 0).sum()),), generator=g)
-    interleaved = torch.randint(-1, NUM_SAMPLES + 1, (num_rows,), generator=g)
+    padded[kind == 0] = torch.randint(-3, NUM_SAMPLES + 3, (int((kind == 0).sum()),), **cpu)
+    interleaved = torch.randint(-1, NUM_SAMPLES + 1, (num_rows,), **cpu)
+    empty = torch.zeros(0, dtype=torch.int64, device="cpu")
     return [("grouped", grouped, kind), ("padding-anywhere", padded, kind), ("interleaved", interleaved, kind),
-            ("one-row", torch.tensor([2]), torch.tensor([1])), ("empty", torch.zeros(0, dtype=torch.int64),
-                                                               torch.zeros(0, dtype=torch.int64))]
+            ("one-row", torch.tensor([2], device="cpu"), torch.tensor([1], device="cpu")), ("empty", empty, empty)]
 
 
 @pytest.mark.parametrize("with_kind", [False, True])
@@ -42,6 +52,20 @@ def test_spans_are_each_samples_first_and_last_counted_row(layout, with_kind, de
     spans = sample_spans(sample_index.to(device), NUM_SAMPLES, kind.to(device) if with_kind else None)
     torch.testing.assert_close(spans.cpu(), expected_spans(sample_index, NUM_SAMPLES, kind if with_kind else None),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", layouts()[:4], ids=lambda layout: layout[0])
+def test_the_row_checks_find_the_same_spans(layout, device):
+    """The row-check kernel's spans (validate=True on the logits path: one kernel for both) are sample_spans'; the
+    code before them is the checks' own (here: every row passes, sample_index being checked on scored rows only)."""
+    _, sample_index, kind = layout
+    sample_index = torch.where(kind != 0, sample_index.clamp(0, NUM_SAMPLES - 1), sample_index).to(device)
+    kind = kind.to(device)
+    checks = RowChecksWithSpans()
+    code = checks(kind, sample_index, None, None, None, NUM_SAMPLES, None)
+    assert int(code[0]) == kind.shape[0] * len(ROW_CHECKS)
+    assert decoded(checks.spans) == decoded(sample_spans(sample_index, NUM_SAMPLES, kind))
+    assert checks.spans.data_ptr() == code.data_ptr() + code.element_size()  # one buffer: code, then the spans
 
 
 def test_sums_on_any_layout_equal_the_reference(device):
@@ -59,7 +83,7 @@ def grouped_batch(device):
     order = torch.sort(batch["sample_index"], stable=True).indices
     batch = {name: tensor[order] if tensor.shape[0] == order.shape[0] else tensor for name, tensor in batch.items()}
     padding = batch["token_kind"] == 0
-    batch["sample_index"][padding] = torch.where(torch.arange(int(padding.sum())) % 2 == 0, -1, 99)
+    batch["sample_index"][padding] = torch.where(torch.arange(int(padding.sum()), device="cpu") % 2 == 0, -1, 99)
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
