@@ -343,15 +343,11 @@ def target_message(targets: torch.Tensor, vocab_size: int):
     return lambda row: f"targets must lie in [0, {vocab_size}) on scored rows; row {row} holds {int(targets[row])}"
 
 
-# IGNORE_INDEX as a host 0-dim tensor: torch.where takes it beside device tensors as it is, where a Python number
-# would first be made into a device tensor (one more kernel per call)
-_HOST_IGNORE_INDEX = torch.tensor(IGNORE_INDEX)
-
-
 def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """targets as int64 on `scored` rows, -100 elsewhere."""
-    ignored = IGNORE_INDEX if torch.compiler.is_compiling() else _HOST_IGNORE_INDEX  # a constant of the graph
-    return torch.where(scored, targets.long(), ignored)
+    """targets as int64 on `scored` rows, -100 elsewhere. -100 goes in as a Python number (a fill kernel on the
+    device): a host 0-dim tensor instead saves that kernel on the CPU but on CUDA becomes a copy from pageable memory,
+    a host sync (the H200's kernel tier, test_launch_counter.py::test_cuda_agrees_on_the_entry_points)."""
+    return torch.where(scored, targets.long(), IGNORE_INDEX)
 
 
 def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,

@@ -86,7 +86,7 @@ def budget_for_groups(chunk_rows, group_rows, dtype, device, backend="triton"):
     """workspace_bytes giving chunks of `chunk_rows` rows beside a dlogits store of `group_rows` rows (with
     chunked.LOGITS_ROWS == chunk_rows; `plan_workspace` takes the store when it holds more rows than the dlogits
     over the logits would)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     return (chunk_rows * chunked.logits_row_bytes(VOCAB, chunked.ROW_KERNELS[backend])
             + group_rows * (VOCAB * item + chunked.gradient_row_bytes(VOCAB, HIDDEN_DIM, dtype, device)))
 
