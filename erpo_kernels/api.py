@@ -84,18 +84,19 @@ def per_token_logp_entropy(logits, scored_targets, transform: LogitTransform, tr
 
 def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: float = 1.0,
                    logit_softcap: float | None = None, return_entropy: bool = False, backend: str = "auto",
-                   inplace_backward: bool = False):
+                   inplace_backward: bool = False, validate: bool = True):
     """Per-token log-probabilities of the targets.
 
     logits [N, V] fp32/bf16/fp16, targets [N] int (in [0, V), or -100 for ignored rows); the logits are multiplied by
     logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature (`LogitTransform`).
     Returns logp [N] fp32 (0 where target == -100), and entropy [N] fp32 (nats) when return_entropy.
     Differentiable with respect to logits. `inplace_backward` (Triton) writes the gradient into `logits`.
+    validate as `erpo_loss`'s: True checks that the targets lie in range (one host read), False skips it (none).
     """
     check_logits(logits)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
-                                        device=logits.device, rows_name="logits")
+                                        device=logits.device, rows_name="logits", validate=validate)
     logp, entropy = per_token_logp_entropy(logits, scored_targets, transform,
                                            use_triton(backend, logits.device), inplace_backward)
     return (logp, entropy) if return_entropy else logp

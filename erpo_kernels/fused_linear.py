@@ -175,18 +175,19 @@ def fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform: L
 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,
                                 logit_scale: float = 1.0, logit_softcap: float | None = None,
-                                return_entropy: bool = False, backend: str = "auto"):
+                                return_entropy: bool = False, backend: str = "auto", validate: bool = True):
     """Per-token log-probabilities of the targets under logits = hidden @ weight.T + bias, never materialized; the
     logits are multiplied by logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature.
 
     hidden [N, D], weight [V, D] (the lm_head, may be tied), bias [V] or None, all fp32/bf16/fp16 of one dtype;
     targets [N] int (in [0, V), or -100 for ignored rows). Returns logp [N] fp32 (nats, 0 where target == -100)
-    and, when return_entropy, entropy [N] fp32 (nats). Differentiable in hidden, weight and bias.
+    and, when return_entropy, entropy [N] fp32 (nats). Differentiable in hidden, weight and bias. validate as
+    `token_logprobs`': True checks that the targets lie in range (one host read), False skips it (none).
     """
     check_linear_inputs(hidden, weight, bias)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=hidden.shape[0], vocab_size=weight.shape[0],
-                                        device=hidden.device, rows_name="hidden")
+                                        device=hidden.device, rows_name="hidden", validate=validate)
     logp, entropy = fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform,
                                               use_triton(backend, hidden.device))
     return (logp, entropy) if return_entropy else logp

@@ -346,14 +346,17 @@ def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tens
 
 
 def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,
-                       rows_name: str) -> torch.Tensor:
+                       rows_name: str, validate: bool = True) -> torch.Tensor:
     """Validate `targets` [N] of `token_logprobs` / `fused_linear_token_logprobs` (their `LogitTransform` checks
     itself). Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
+    validate: as the loss's (`start_loss_input_checks`): False skips the range check, the one that reads values.
     """
+    check_validate(validate)
     check_tensor("targets", targets, ndim=1, length=num_rows, device=device, floating=False,
                  length_name=f" (rows of {rows_name})")
     scored = targets != IGNORE_INDEX
-    check_rows([target_range_check(targets, scored, vocab_size)])
+    if validate:
+        check_rows([target_range_check(targets, scored, vocab_size)])
     return scored_targets_of(targets, scored)
 
 
