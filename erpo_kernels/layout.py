@@ -67,7 +67,6 @@ def packed_rows(input_ids: torch.Tensor, real: torch.Tensor, query: torch.Tensor
                 response: torch.Tensor) -> PackedRows:
     """`from_padded`'s rows from masks it has checked (or that hold by construction): input_ids [B, L], real,
     query, response [B, L] bool (query and response inside real, apart). No host read."""
-    batch, length = input_ids.shape
     # Row t scores token t + 1; the last position of each sequence scores nothing, and neither does a padding
     # position (so the first real token of each sequence, predicted by padding or by nothing, is never scored).
     next_query = torch.zeros_like(query)
@@ -76,11 +75,18 @@ def packed_rows(input_ids: torch.Tensor, real: torch.Tensor, query: torch.Tensor
     next_response[:, :-1] = response[:, 1:]
     # torch.where, not a boolean-mask assignment (an index_put_ that may read the mask on the host)
     kind = torch.where(real & next_response, RESPONSE, torch.where(real & next_query, QUERY, 0))
-    targets = torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long)
-    targets[:, :-1] = torch.where(kind[:, :-1] != 0, input_ids[:, 1:].long(), IGNORE_INDEX)
+    return rows_of_kind(input_ids, kind)
+
+
+def rows_of_kind(input_ids: torch.Tensor, kind: torch.Tensor) -> PackedRows:
+    """The packed rows of input_ids [B, L] whose positions have the kinds `kind` [B, L] int64 (0 on the last
+    column): the target of row t is token t + 1 where its kind is not 0, else -100. No host read."""
+    batch, length = input_ids.shape
+    # the last column's kind is 0, so the token that roll brings round to it is never a target
+    targets = input_ids.long().roll(-1, dims=1).masked_fill(kind == 0, IGNORE_INDEX)
     sample_index = torch.arange(batch, device=input_ids.device).unsqueeze(1).expand(batch, length)
     return PackedRows(targets=targets.reshape(-1), token_kind=kind.reshape(-1),
-                      sample_index=sample_index.reshape(-1).clone())
+                      sample_index=sample_index.reshape(-1))
 
 
 @dataclass
@@ -114,6 +120,10 @@ class CompletionLayout:
         batch, width = self.input_ids.shape
         return row_values.reshape(batch, width)[:, self.prompt_width - 1:width - 1]
 
+    def __post_init__(self):
+        # [B, C] bool: the completion tokens that no response row scores (scatter and gather zero them), formed once
+        self._unscored = self.completion_rows(self.token_kind) != RESPONSE
+
     def scatter(self, values: torch.Tensor, name: str = "values") -> torch.Tensor:
         """[B, C] or [B, 1] completion-aligned values -> [B * T] fp32 values on the response rows (0 elsewhere)."""
         batch, width = self.input_ids.shape
@@ -121,15 +131,13 @@ class CompletionLayout:
         if values.shape[0] != batch or values.shape[1] not in (1, self.response_mask.shape[1]):
             raise ValueError(f"{name} must be completion-aligned, shape [B, C] = {tuple(self.response_mask.shape)} "
                              f"(or [B, 1]), got {tuple(values.shape)}")
-        full = torch.zeros((batch, width), dtype=torch.float32, device=values.device)
-        scored = self.completion_rows(self.token_kind) == RESPONSE
-        full[:, self.prompt_width - 1:width - 1] = torch.where(scored, values.float(), 0.0)
-        return full.reshape(-1)
+        # completion token j onto column P + j - 1, the row that scores it; the other columns 0
+        on_completion = values.float().masked_fill(self._unscored, 0.0)
+        return torch.nn.functional.pad(on_completion, (self.prompt_width - 1, 1)).reshape(-1)
 
     def gather(self, row_values: torch.Tensor) -> torch.Tensor:
         """[B * T] values on the rows -> [B, C] completion-aligned values (0 where nothing is scored)."""
-        scored = self.completion_rows(self.token_kind) == RESPONSE
-        return torch.where(scored, self.completion_rows(row_values), 0)
+        return self.completion_rows(row_values).masked_fill(self._unscored, 0)
 
     def scored(self) -> ScoredRows:
         """The scored rows alone (`ScoredRows`): one host read on CUDA (their number R)."""
@@ -214,18 +222,20 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
                              f"{tuple(tool_mask.shape)}")
         response_mask = completion_mask * tool_mask
     prompt_width = input_ids.shape[1] - completion_mask.shape[1]
-    real = attention_mask.bool()
-    response = torch.zeros_like(real)
-    response[:, prompt_width:] = response_mask.bool()
+    real = attention_mask != 0
+    response = response_mask != 0
     if validate and full_sequences:
-        width = input_ids.shape[1]
-        check_rows([((response & ~real).reshape(-1),
-                     lambda row: f"completion_mask marks completion token {row % width - prompt_width} of sample "
-                                 f"{row // width}, which attention_mask marks as padding; the masks must agree on "
-                                 f"the last C columns")])
-    # The query tokens are the prompt columns' real tokens: inside real and apart from response by construction.
-    query = torch.zeros_like(real)
-    query[:, :prompt_width] = real[:, :prompt_width]
-    packed = packed_rows(input_ids, real, query, response)
+        width = response.shape[1]
+        check_rows([((response & ~real[:, prompt_width:]).reshape(-1),
+                     lambda row: f"completion_mask marks completion token {row % width} of sample {row // width}, "
+                                 f"which attention_mask marks as padding; the masks must agree on the last C "
+                                 f"columns")])
+    # The kind of the token each position predicts, by columns: positions 0 to P - 2 predict a prompt token (a
+    # query token when real), P - 1 to T - 2 a completion token (a response token where response_mask holds),
+    # T - 1 nothing; a position that is padding scores nothing. The query tokens are thus the prompt columns' real
+    # tokens, inside real and apart from the response tokens by construction.
+    next_kind = torch.cat((real[:, 1:prompt_width] * QUERY, response * RESPONSE, torch.zeros_like(real[:, :1])),
+                          dim=1)
+    packed = rows_of_kind(input_ids, next_kind * real)
     return CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
                             prompt_width, response_mask.float())
