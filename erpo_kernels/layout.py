@@ -224,12 +224,6 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
     prompt_width = input_ids.shape[1] - completion_mask.shape[1]
     real = attention_mask != 0
     response = response_mask != 0
-    if validate and full_sequences:
-        width = response.shape[1]
-        check_rows([((response & ~real[:, prompt_width:]).reshape(-1),
-                     lambda row: f"completion_mask marks completion token {row % width} of sample {row // width}, "
-                                 f"which attention_mask marks as padding; the masks must agree on the last C "
-                                 f"columns")])
     # The kind of the token each position predicts, by columns: positions 0 to P - 2 predict a prompt token (a
     # query token when real), P - 1 to T - 2 a completion token (a response token where response_mask holds),
     # T - 1 nothing; a position that is padding scores nothing. The query tokens are thus the prompt columns' real
@@ -237,5 +231,18 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
     next_kind = torch.cat((real[:, 1:prompt_width] * QUERY, response * RESPONSE, torch.zeros_like(real[:, :1])),
                           dim=1)
     packed = rows_of_kind(input_ids, next_kind * real)
-    return CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
-                            prompt_width, response_mask.float())
+    layout = CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
+                              prompt_width, response_mask.float())
+    if validate and full_sequences:
+        check_rows([mask_check(layout)])
+    return layout
+
+
+def mask_check(layout: CompletionLayout):
+    """The `check_rows` pair of `completion_layout`'s full-sequence check: bad [B * C] where completion_mask x
+    tool_mask marks a completion token that attention_mask marks as padding, and its message (no host read)."""
+    width = layout.response_mask.shape[1]
+    bad = (layout.response_mask != 0) & (layout.attention_mask[:, layout.prompt_width:] == 0)
+    return bad.reshape(-1), lambda row: (f"completion_mask marks completion token {row % width} of sample "
+                                         f"{row // width}, which attention_mask marks as padding; the masks must "
+                                         f"agree on the last C columns")
