@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .validation import IGNORE_INDEX, check_rows, check_tensor, check_validate
+from .common import host_to_device
+from .validation import IGNORE_INDEX, check_rows, check_tensor, check_validate, read_later
 
 QUERY, RESPONSE = 1, 2
 
@@ -140,10 +142,15 @@ class CompletionLayout:
         return self.completion_rows(row_values).masked_fill(self._unscored, 0)
 
     def scored(self) -> ScoredRows:
-        """The scored rows alone (`ScoredRows`): one host read on CUDA (their number R)."""
-        index = self.rows.nonzero().squeeze(1)
+        """The scored rows alone (`ScoredRows`): one host read, of token_kind; the rows are found on the host and
+        their positions uploaded without a wait, and the selection's layout stays on the host for the chunk plan of
+        `fused_linear_erpo_loss` (`ScoredRows.host_layout`), which then reads nothing."""
+        host_kind = read_later(self.token_kind)().cpu().numpy()
+        host_index = np.nonzero(host_kind)[0]
+        index = host_to_device(host_index, self.token_kind.device)
+        host_layout = torch.from_numpy(np.stack((host_kind[host_index], host_index // self.input_ids.shape[1])))
         return ScoredRows(self, index, *(rows.index_select(0, index) for rows in (self.targets, self.token_kind,
-                                                                            self.sample_index)))
+                                                                            self.sample_index)), host_layout)
 
 
 @dataclass
@@ -155,6 +162,7 @@ class ScoredRows:
     targets: torch.Tensor       # [R] int64
     token_kind: torch.Tensor    # [R] 1 (query) / 2 (response)
     sample_index: torch.Tensor  # [R] in [0, B)
+    host_layout: torch.Tensor   # [2, R] int64 host memory: token_kind and sample_index of these rows
 
     def select(self, row_values: torch.Tensor) -> torch.Tensor:
         """[B * T, *] values on the layout's rows (hidden states [B * T, D]) -> [R, *] on the scored rows."""

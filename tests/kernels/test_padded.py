@@ -171,18 +171,17 @@ def test_host_reads_follow_validate(path, device):
     """padded_erpo_loss fwd+bwd on the Triton path reads nothing on the host with validate=False on the logits path
     (no selection of the scored rows, no mask check) and once with validate=True: the loss's row checks, and in the
     full-sequence form its mask check with them, in the same read (TRL's prompt/completion form holds the mask check
-    by construction). The fused-linear path adds two reads, the selection of the scored rows (their count) and the
-    chunk plan's read of the layout (fused_linear_erpo_loss); there the full-sequence form's mask check is one more
-    with validate=True."""
+    by construction). The fused-linear path adds one read, the selection of the scored rows, whose host layout the
+    chunk plan reuses (two before 2026-11-26: the plan read the layout again)."""
     data = trl_batch(device=device)
     inputs = batch_inputs(data)
     full = dict(inputs, input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
                 attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
     for name in ("prompt_ids", "prompt_mask", "completion_ids"):
         full.pop(name)
-    fused_reads = 2 * int(path == "hidden")
-    for form, batch, mask_check in (("prompt/completion", inputs, 0), ("full sequences", full, int(path == "hidden"))):
-        for validate, reads in ((False, fused_reads), (True, fused_reads + 1 + mask_check)):
+    fused_reads = int(path == "hidden")
+    for form, batch in (("prompt/completion", inputs), ("full sequences", full)):
+        for validate, reads in ((False, fused_reads), (True, fused_reads + 1)):
             model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves_of(data, path)))
             with LaunchCounter() as counter:
                 padded_erpo_loss(**model, **batch, **dict(OPTIONS, backend="triton"), validate=validate).loss.backward()
