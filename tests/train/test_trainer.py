@@ -234,9 +234,9 @@ def test_nonfinite_loss_can_stop_the_run(tmp_path, cache_dir, nan_on_first_call)
 def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     """The loss step (`accumulate_loss`) over 4 micro-batches, counted by LaunchCounter on the CPU: its metrics, the
     non-finite count and the gap are read once per step (before 2026-11-26 each micro-batch read them one by one,
-    10 reads each: 52 in all). What remains per micro-batch: the model's forward (1, inside transformers), the
-    boolean selection of the scored rows' hidden states and its backward (2), the loss's value checks (1,
-    validate=True) and its chunk plan (1): 4 x 5 + 1 = 21."""
+    10 reads each), and the scored rows' hidden states are selected by their positions (`PackedBatch.row_index`: a
+    boolean index and its backward were 2 reads each): 13, was 52. What remains per micro-batch: the model's
+    forward (1, inside transformers), the loss's value checks (1, validate=True) and its chunk plan (1): 4 x 3 + 1."""
     from launch_counts import LaunchCounter
     real, counts = update_step.accumulate_loss, []
 
@@ -248,7 +248,7 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setattr(update_step, "accumulate_loss", counted)
     train(small_cfg(tmp_path / "reads", cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=4"))
     [(micro_batches, syncs, names)] = counts
-    assert micro_batches == 4 and syncs == 21, names
+    assert micro_batches == 4 and syncs == 13, names
     assert names["Tensor.tolist"] == 1, names   # the step's metrics, in one read
 
 
