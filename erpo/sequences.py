@@ -17,7 +17,9 @@ class PackedBatch:
     """B sequences (prompt + response) right-padded to [B, L], and the scored rows of erpo_kernels' layout.
 
     `rows` [B * L] bool selects the scored rows (query or response); targets / token_kind / sample_index are
-    already restricted to them, so hidden.reshape(-1, D)[rows] lines up with them row for row.
+    already restricted to them, so hidden.reshape(-1, D)[rows] lines up with them row for row. `row_index` [R] int64,
+    when given, holds the same rows' positions, ascending (whoever changes rows must change or drop it):
+    `final_hidden` then selects them without a host read.
     """
     input_ids: torch.Tensor        # [B, L]
     attention_mask: torch.Tensor   # [B, L]
@@ -26,6 +28,7 @@ class PackedBatch:
     token_kind: torch.Tensor       # [R] 1 query, 2 response
     sample_index: torch.Tensor     # [R] in [0, B)
     rollout_logp: torch.Tensor | None = None  # [R] fp32: the rollout engine's log-probs on response rows, else 0
+    row_index: torch.Tensor | None = None     # [R] int64: the positions rows selects (no host read to select them)
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
@@ -58,7 +61,8 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     rows = packed.token_kind != 0
     return PackedBatch(ids.to(device), attn.to(device), rows.to(device), packed.targets[rows].to(device),
                        packed.token_kind[rows].to(device), packed.sample_index[rows].to(device),
-                       None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device))
+                       None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device),
+                       rows.nonzero().squeeze(1).to(device))
 
 
 def final_hidden(model, batch: PackedBatch) -> torch.Tensor:
@@ -72,8 +76,10 @@ def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
     output_router_logits=True for an MoE model's `aux_loss`."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
                 logits_to_keep=1, use_cache=False, **forward_kwargs)
-    hidden = out.hidden_states[-1]
-    return hidden.reshape(-1, hidden.shape[-1])[batch.rows], out
+    hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])
+    if batch.row_index is not None:  # no host read, and a backward that adds rather than a boolean index_put
+        return hidden.index_select(0, batch.row_index), out
+    return hidden[batch.rows], out
 
 
 def logit_transforms(model) -> dict:

@@ -84,18 +84,19 @@ def per_token_logp_entropy(logits, scored_targets, transform: LogitTransform, tr
 
 def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: float = 1.0,
                    logit_softcap: float | None = None, return_entropy: bool = False, backend: str = "auto",
-                   inplace_backward: bool = False):
+                   inplace_backward: bool = False, validate: bool = True):
     """Per-token log-probabilities of the targets.
 
     logits [N, V] fp32/bf16/fp16, targets [N] int (in [0, V), or -100 for ignored rows); the logits are multiplied by
     logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature (`LogitTransform`).
     Returns logp [N] fp32 (0 where target == -100), and entropy [N] fp32 (nats) when return_entropy.
     Differentiable with respect to logits. `inplace_backward` (Triton) writes the gradient into `logits`.
+    validate as `erpo_loss`'s: True checks that the targets lie in range (one host read), False skips it (none).
     """
     check_logits(logits)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
-                                        device=logits.device, rows_name="logits")
+                                        device=logits.device, rows_name="logits", validate=validate)
     logp, entropy = per_token_logp_entropy(logits, scored_targets, transform,
                                            use_triton(backend, logits.device), inplace_backward)
     return (logp, entropy) if return_entropy else logp
@@ -112,35 +113,44 @@ def erpo_loss(logits, targets, token_kind, sample_index, *, advantages, ref_quer
 
     Returns a LossOutput whose `loss` is differentiable with respect to `logits`.
     """
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    return loss_on_logits(logits, targets, token_kind, sample_index, inputs=inputs, options=options, backend=backend,
+                          inplace_backward=inplace_backward, validate=validate)
+
+
+def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInputs, options: dict, backend: str,
+                   inplace_backward: bool = False, validate: bool = True, caller_checks=()) -> LossOutput:
+    """`erpo_loss` on its tensors besides the rows as one LossInputs; caller_checks: `check_rows` pairs of the
+    caller's own, read with the value checks in their one host read (`start_loss_input_checks`)."""
     check_logits(logits)
 
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
 
-    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
-                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     return loss_on_token_rows(
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
         targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options,
-        validate=validate)
+        validate=validate, caller_checks=caller_checks)
 
 
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
                        token_kind, sample_index, inputs: LossInputs, options: dict,
-                       validate: bool = True) -> LossOutput:
+                       validate: bool = True, caller_checks=()) -> LossOutput:
     """The body shared by `erpo_loss` and `logprob_erpo_loss` once their [N, *] source is checked: validate
     the other inputs (`validate`: the value checks too, on the device with Triton), run
     `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])` on the chosen backend
-    and form the loss (`objective_on_backend`). With Triton the value checks' one host read comes last, once every
-    kernel of the forward is queued (`start_loss_input_checks`): the device is never idle while the host waits, and
-    an input that fails them still raises before the loss is returned (the kernels are safe on any row values).
-    With Triton the value checks' kernel also finds each sample's span of rows for the objective
-    (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both)."""
+    and form the loss (`objective_on_backend`); caller_checks as `loss_on_logits`'. With Triton the value checks'
+    one host read comes last, once every kernel of the forward is queued (`start_loss_input_checks`): the device is
+    never idle while the host waits, and an input that fails them still raises before the loss is returned (the
+    kernels are safe on any row values). With Triton the value checks' kernel also finds each sample's span of rows
+    for the objective (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both)."""
     triton = use_triton(backend, device)
     row_checks = RowChecksWithSpans() if triton else None
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
-        sample_index=sample_index, inputs=inputs, options=options, validate=validate, first_bad_row=row_checks)
+        sample_index=sample_index, inputs=inputs, options=options, validate=validate, first_bad_row=row_checks,
+        caller_checks=caller_checks)
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
                                 triton=triton, finish_checks=finish_checks,

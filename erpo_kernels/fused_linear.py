@@ -175,18 +175,19 @@ def fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform: L
 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,
                                 logit_scale: float = 1.0, logit_softcap: float | None = None,
-                                return_entropy: bool = False, backend: str = "auto"):
+                                return_entropy: bool = False, backend: str = "auto", validate: bool = True):
     """Per-token log-probabilities of the targets under logits = hidden @ weight.T + bias, never materialized; the
     logits are multiplied by logit_scale, soft-capped at logit_softcap (None: not capped) and divided by temperature.
 
     hidden [N, D], weight [V, D] (the lm_head, may be tied), bias [V] or None, all fp32/bf16/fp16 of one dtype;
     targets [N] int (in [0, V), or -100 for ignored rows). Returns logp [N] fp32 (nats, 0 where target == -100)
-    and, when return_entropy, entropy [N] fp32 (nats). Differentiable in hidden, weight and bias.
+    and, when return_entropy, entropy [N] fp32 (nats). Differentiable in hidden, weight and bias. validate as
+    `token_logprobs`': True checks that the targets lie in range (one host read), False skips it (none).
     """
     check_linear_inputs(hidden, weight, bias)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=hidden.shape[0], vocab_size=weight.shape[0],
-                                        device=hidden.device, rows_name="hidden")
+                                        device=hidden.device, rows_name="hidden", validate=validate)
     logp, entropy = fused_linear_logp_entropy(hidden, weight, bias, scored_targets, transform,
                                               use_triton(backend, hidden.device))
     return (logp, entropy) if return_entropy else logp
@@ -206,18 +207,31 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
     (`LogitsBuffer`). Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias:
     the gradients are formed in the forward (6 N D V FLOPs) and the backward scales them.
     """
+    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    return fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_index, inputs=inputs,
+                                     options=options, backend=backend, validate=validate,
+                                     workspace_bytes=workspace_bytes, batch_invariant=batch_invariant)
+
+
+def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_index, *, inputs: LossInputs,
+                              options: dict, backend: str, validate: bool = True,
+                              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, batch_invariant: bool = False,
+                              caller_checks=(), host_layout: torch.Tensor | None = None) -> LossOutput:
+    """`fused_linear_erpo_loss` on its tensors besides the rows as one LossInputs. caller_checks: `check_rows` pairs
+    of the caller's own, read with the value checks (`start_loss_input_checks`); host_layout [2, N] int64 in host
+    memory: token_kind and sample_index as the caller read them (`ScoredRows.host_layout`), which spares the chunk
+    plan its host read."""
     check_linear_inputs(hidden, weight, bias)
     if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
         raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-    inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
-                        old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     triton = use_triton(backend, hidden.device)
     scored_targets, opts = check_loss_inputs(
         num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
         token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options, validate=validate,
-        first_bad_row=value_checks_of(triton))
+        first_bad_row=value_checks_of(triton), caller_checks=caller_checks)
     kernels = "triton" if triton else "torch"
     entropy_pool = None
     if opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1:  # the filter's pool over processes
@@ -230,7 +244,8 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
     tensor_counts = [value if isinstance(value, torch.Tensor) else None for value in (opts.num_items, opts.num_seqs)]
     logp, entropy, anchor, *_ = loss_gradients_op(
         hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
-        *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs)
+        *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs,
+        host_layout)
     with torch.no_grad():  # the value and metrics, once, on the [N] vectors (the gradients are the op's)
         out = objective_on_backend(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
                                    triton=triton)

@@ -28,7 +28,8 @@ store of whole chunks put more rows in each accumulation than one buffer of chun
 logits (`plan_workspace`: in 1 GiB, 2048 rows against 1744 for bf16 Qwen2.5-7B). The loss value and metrics are
 formed once at the end from the [N] log-probs and entropies by the objective itself (`api.objective_on_backend`);
 backward only scales the stored dH / dW / dbias by the incoming gradient (one vectorized pass each,
-triton_scale.py). The plan reads the rows' layout on the host once; on CUDA that read waits only for the layout's
+triton_scale.py). The plan reads the rows' layout on the host once (nothing when the caller holds it, as
+`padded_erpo_loss`'s selection of the scored rows does); on CUDA that read waits only for the layout's
 copy, so the logits GEMM of the first chunk's first half, queued after it, runs while the host plans.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
@@ -532,11 +533,13 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
-                   entropy_pool: Optional[torch.Tensor] = None):
+                   entropy_pool: Optional[torch.Tensor] = None, host_layout: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
-    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False."""
+    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False.
+    host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them (then no read here).
+    """
     num_rows = hidden.shape[0]
     transform = options.logit_transform
     workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
@@ -545,10 +548,14 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     # The chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA), copied
     # asynchronously so that a logits GEMM queued meanwhile runs while the host plans: that of rows 0 to `early`,
     # which the first chunk holds whatever the plan (at least half of min(chunk_rows, N) rows).
+    # (With the caller's host_layout there is nothing to read; the first GEMM is cut the same way all the same, so
+    # that the logits, and so the results, are those of a call without it.)
     early = _invariant_floor(min(workspace.chunk_rows, num_rows) // 2, batch_invariant)
-    read_layout = read_later(torch.cat((token_kind.long(), sample_index.long())))  # [2 N]: an O(N) vector
+    if host_layout is None:
+        read_layout = read_later(torch.cat((token_kind.long(), sample_index.long())))  # [2 N]: an O(N) vector
     logits_buffer.logits(hidden[:early])
-    host_kind, host_sample = read_layout().cpu().numpy().reshape(2, num_rows)
+    layout = read_layout().cpu() if host_layout is None else host_layout
+    host_kind, host_sample = layout.numpy().reshape(2, num_rows)
     plan = plan_chunks(
         host_kind, host_sample, inputs.advantages.shape[0], workspace.chunk_rows,
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
@@ -611,10 +618,10 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
                       rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                       num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
                       kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
-                      needs_weight: bool, needs_bias: bool) -> OpOutputs:
+                      needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor]) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
     ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
-    gradient scales the stored ones (loss = objective value + anchor)."""
+    gradient scales the stored ones (loss = objective value + anchor). host_layout: `loss_gradients`'."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
@@ -624,7 +631,7 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     logp, entropy, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant, entropy_pool)
+        batch_invariant, entropy_pool, host_layout)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
@@ -632,7 +639,7 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 @loss_gradients_op.register_fake
 def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
-      batch_invariant, needs_hidden, needs_weight, needs_bias):
+      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
              for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
@@ -670,7 +677,7 @@ def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
             return (grad.float() * factor).to(grad.dtype)
     grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
              for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
-    return (*grads, *([None] * 20))
+    return (*grads, *([None] * 21))
 
 
 loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)

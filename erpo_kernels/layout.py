@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .validation import IGNORE_INDEX, check_rows, check_tensor, check_validate
+from .common import host_to_device
+from .validation import IGNORE_INDEX, check_rows, check_tensor, check_validate, read_later
 
 QUERY, RESPONSE = 1, 2
 
@@ -67,7 +69,6 @@ def packed_rows(input_ids: torch.Tensor, real: torch.Tensor, query: torch.Tensor
                 response: torch.Tensor) -> PackedRows:
     """`from_padded`'s rows from masks it has checked (or that hold by construction): input_ids [B, L], real,
     query, response [B, L] bool (query and response inside real, apart). No host read."""
-    batch, length = input_ids.shape
     # Row t scores token t + 1; the last position of each sequence scores nothing, and neither does a padding
     # position (so the first real token of each sequence, predicted by padding or by nothing, is never scored).
     next_query = torch.zeros_like(query)
@@ -76,11 +77,18 @@ def packed_rows(input_ids: torch.Tensor, real: torch.Tensor, query: torch.Tensor
     next_response[:, :-1] = response[:, 1:]
     # torch.where, not a boolean-mask assignment (an index_put_ that may read the mask on the host)
     kind = torch.where(real & next_response, RESPONSE, torch.where(real & next_query, QUERY, 0))
-    targets = torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long)
-    targets[:, :-1] = torch.where(kind[:, :-1] != 0, input_ids[:, 1:].long(), IGNORE_INDEX)
+    return rows_of_kind(input_ids, kind)
+
+
+def rows_of_kind(input_ids: torch.Tensor, kind: torch.Tensor) -> PackedRows:
+    """The packed rows of input_ids [B, L] whose positions have the kinds `kind` [B, L] int64 (0 on the last
+    column): the target of row t is token t + 1 where its kind is not 0, else -100. No host read."""
+    batch, length = input_ids.shape
+    # the last column's kind is 0, so the token that roll brings round to it is never a target
+    targets = input_ids.long().roll(-1, dims=1).masked_fill(kind == 0, IGNORE_INDEX)
     sample_index = torch.arange(batch, device=input_ids.device).unsqueeze(1).expand(batch, length)
     return PackedRows(targets=targets.reshape(-1), token_kind=kind.reshape(-1),
-                      sample_index=sample_index.reshape(-1).clone())
+                      sample_index=sample_index.reshape(-1))
 
 
 @dataclass
@@ -114,6 +122,10 @@ class CompletionLayout:
         batch, width = self.input_ids.shape
         return row_values.reshape(batch, width)[:, self.prompt_width - 1:width - 1]
 
+    def __post_init__(self):
+        # [B, C] bool: the completion tokens that no response row scores (scatter and gather zero them), formed once
+        self._unscored = self.completion_rows(self.token_kind) != RESPONSE
+
     def scatter(self, values: torch.Tensor, name: str = "values") -> torch.Tensor:
         """[B, C] or [B, 1] completion-aligned values -> [B * T] fp32 values on the response rows (0 elsewhere)."""
         batch, width = self.input_ids.shape
@@ -121,21 +133,24 @@ class CompletionLayout:
         if values.shape[0] != batch or values.shape[1] not in (1, self.response_mask.shape[1]):
             raise ValueError(f"{name} must be completion-aligned, shape [B, C] = {tuple(self.response_mask.shape)} "
                              f"(or [B, 1]), got {tuple(values.shape)}")
-        full = torch.zeros((batch, width), dtype=torch.float32, device=values.device)
-        scored = self.completion_rows(self.token_kind) == RESPONSE
-        full[:, self.prompt_width - 1:width - 1] = torch.where(scored, values.float(), 0.0)
-        return full.reshape(-1)
+        # completion token j onto column P + j - 1, the row that scores it; the other columns 0
+        on_completion = values.float().masked_fill(self._unscored, 0.0)
+        return torch.nn.functional.pad(on_completion, (self.prompt_width - 1, 1)).reshape(-1)
 
     def gather(self, row_values: torch.Tensor) -> torch.Tensor:
         """[B * T] values on the rows -> [B, C] completion-aligned values (0 where nothing is scored)."""
-        scored = self.completion_rows(self.token_kind) == RESPONSE
-        return torch.where(scored, self.completion_rows(row_values), 0)
+        return self.completion_rows(row_values).masked_fill(self._unscored, 0)
 
     def scored(self) -> ScoredRows:
-        """The scored rows alone (`ScoredRows`): one host read on CUDA (their number R)."""
-        index = self.rows.nonzero().squeeze(1)
+        """The scored rows alone (`ScoredRows`): one host read, of token_kind; the rows are found on the host and
+        their positions uploaded without a wait, and the selection's layout stays on the host for the chunk plan of
+        `fused_linear_erpo_loss` (`ScoredRows.host_layout`), which then reads nothing."""
+        host_kind = read_later(self.token_kind)().cpu().numpy()
+        host_index = np.nonzero(host_kind)[0]
+        index = host_to_device(host_index, self.token_kind.device)
+        host_layout = torch.from_numpy(np.stack((host_kind[host_index], host_index // self.input_ids.shape[1])))
         return ScoredRows(self, index, *(rows.index_select(0, index) for rows in (self.targets, self.token_kind,
-                                                                            self.sample_index)))
+                                                                            self.sample_index)), host_layout)
 
 
 @dataclass
@@ -147,6 +162,7 @@ class ScoredRows:
     targets: torch.Tensor       # [R] int64
     token_kind: torch.Tensor    # [R] 1 (query) / 2 (response)
     sample_index: torch.Tensor  # [R] in [0, B)
+    host_layout: torch.Tensor   # [2, R] int64 host memory: token_kind and sample_index of these rows
 
     def select(self, row_values: torch.Tensor) -> torch.Tensor:
         """[B * T, *] values on the layout's rows (hidden states [B * T, D]) -> [R, *] on the scored rows."""
@@ -214,18 +230,27 @@ def completion_layout(*, completion_mask: torch.Tensor, prompt_ids: torch.Tensor
                              f"{tuple(tool_mask.shape)}")
         response_mask = completion_mask * tool_mask
     prompt_width = input_ids.shape[1] - completion_mask.shape[1]
-    real = attention_mask.bool()
-    response = torch.zeros_like(real)
-    response[:, prompt_width:] = response_mask.bool()
+    real = attention_mask != 0
+    response = response_mask != 0
+    # The kind of the token each position predicts, by columns: positions 0 to P - 2 predict a prompt token (a
+    # query token when real), P - 1 to T - 2 a completion token (a response token where response_mask holds),
+    # T - 1 nothing; a position that is padding scores nothing. The query tokens are thus the prompt columns' real
+    # tokens, inside real and apart from the response tokens by construction.
+    next_kind = torch.cat((real[:, 1:prompt_width] * QUERY, response * RESPONSE, torch.zeros_like(real[:, :1])),
+                          dim=1)
+    packed = rows_of_kind(input_ids, next_kind * real)
+    layout = CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
+                              prompt_width, response_mask.float())
     if validate and full_sequences:
-        width = input_ids.shape[1]
-        check_rows([((response & ~real).reshape(-1),
-                     lambda row: f"completion_mask marks completion token {row % width - prompt_width} of sample "
-                                 f"{row // width}, which attention_mask marks as padding; the masks must agree on "
-                                 f"the last C columns")])
-    # The query tokens are the prompt columns' real tokens: inside real and apart from response by construction.
-    query = torch.zeros_like(real)
-    query[:, :prompt_width] = real[:, :prompt_width]
-    packed = packed_rows(input_ids, real, query, response)
-    return CompletionLayout(input_ids, attention_mask, packed.targets, packed.token_kind, packed.sample_index,
-                            prompt_width, response_mask.float())
+        check_rows([mask_check(layout)])
+    return layout
+
+
+def mask_check(layout: CompletionLayout):
+    """The `check_rows` pair of `completion_layout`'s full-sequence check: bad [B * C] where completion_mask x
+    tool_mask marks a completion token that attention_mask marks as padding, and its message (no host read)."""
+    width = layout.response_mask.shape[1]
+    bad = (layout.response_mask != 0) & (layout.attention_mask[:, layout.prompt_width:] == 0)
+    return bad.reshape(-1), lambda row: (f"completion_mask marks completion token {row % width} of sample "
+                                         f"{row // width}, which attention_mask marks as padding; the masks must "
+                                         f"agree on the last C columns")

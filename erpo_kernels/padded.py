@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import erpo_loss
-from .fused_linear import fused_linear_erpo_loss
-from .layout import completion_layout
+from .api import loss_on_logits
+from .fused_linear import fused_linear_loss_on_rows
+from .layout import completion_layout, mask_check
 from .objective import LossMetrics
-from .validation import check_tensor, with_option_parameters
+from .validation import LossInputs, check_tensor, with_option_parameters
 
 
 @dataclass
@@ -59,8 +59,8 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
     advantages, ref_query_logp, query_weight [B]; old_logp, ref_logp, token_weight, rollout_logp [B, C]
     completion-aligned (entry j is completion token j; [B, 1] broadcasts). Options as API.md's table; validate as
     `erpo_loss`'s (the value checks of the packed rows) and `completion_layout`'s (the full-sequence mask check):
-    False reads nothing on the host on the logits path, True once (twice with full sequences); the fused-linear path
-    reads once more, the scored rows' count.
+    False reads nothing on the host on the logits path, True once (the mask check read with the value checks); the
+    fused-linear path reads once more, the selection of the scored rows, whose host layout its chunk plan takes.
     Returns a PaddedLossOutput whose `loss` is differentiable with respect to logits (or hidden, weight, bias).
     """
     if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
@@ -68,25 +68,33 @@ def padded_erpo_loss(*, advantages, completion_mask, logits=None, hidden=None, w
     if options.get("qkl_estimator") == "k3-token":
         raise ValueError("qkl_estimator='k3-token' needs reference log-probs on the prompt rows, which the "
                          "completion-aligned ref_logp [B, C] does not hold; use erpo_loss on packed rows")
+    # With full sequences and validate, the mask check (`completion_layout`'s) is read with the loss's value checks:
+    # one host read for both
     layout = completion_layout(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                                completion_ids=completion_ids, input_ids=input_ids, attention_mask=attention_mask,
-                               tool_mask=tool_mask, validate=validate)
+                               tool_mask=tool_mask, validate=False)
+    checks = [mask_check(layout)] if validate and input_ids is not None else []
     given = dict(old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
     width = tuple(layout.input_ids.shape)
     if logits is not None:
         # Every position is a row (kind 0 where nothing is scored): no selection, so no host read and no copy of
         # the logits; the loss skips the rows of kind 0.
         rows = layout
-        out = erpo_loss(batch_rows("logits", logits, width), layout.targets, layout.token_kind, layout.sample_index,
-                        advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
-                        backend=backend, validate=validate, **scattered(layout, given), **options)
+        inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                            **scattered(layout, given))
+        out = loss_on_logits(batch_rows("logits", logits, width), layout.targets, layout.token_kind,
+                             layout.sample_index, inputs=inputs, options=options, backend=backend, validate=validate,
+                             caller_checks=checks)
     else:
-        # The scored rows alone (one host read): GEMMs on the padding rows would cost FLOPs growing with it.
+        # The scored rows alone (one host read, whose host layout the chunk plan reuses): GEMMs on the padding rows
+        # would cost FLOPs growing with it.
         rows = layout.scored()
-        out = fused_linear_erpo_loss(rows.select(batch_rows("hidden", hidden, width)), weight, rows.targets,
-                                     rows.token_kind, rows.sample_index, bias=bias, advantages=advantages,
-                                     ref_query_logp=ref_query_logp, query_weight=query_weight, backend=backend,
-                                     validate=validate, **scattered(rows, given), **options)
+        inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
+                            **scattered(rows, given))
+        out = fused_linear_loss_on_rows(rows.select(batch_rows("hidden", hidden, width)), weight, bias, rows.targets,
+                                        rows.token_kind, rows.sample_index, inputs=inputs, options=options,
+                                        backend=backend, validate=validate, caller_checks=checks,
+                                        host_layout=rows.host_layout)
     return PaddedLossOutput(loss=out.loss, token_logp=rows.gather(out.token_logp), entropy=rows.gather(out.entropy),
                             query_logp=out.query_logp, response_logp=out.response_logp, metrics=out.metrics)
 

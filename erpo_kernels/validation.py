@@ -351,14 +351,17 @@ def scored_targets_of(targets: torch.Tensor, scored: torch.Tensor) -> torch.Tens
 
 
 def check_token_inputs(targets, *, num_rows: int, vocab_size: int, device: torch.device,
-                       rows_name: str) -> torch.Tensor:
+                       rows_name: str, validate: bool = True) -> torch.Tensor:
     """Validate `targets` [N] of `token_logprobs` / `fused_linear_token_logprobs` (their `LogitTransform` checks
     itself). Returns targets as int64 (-100 stays on ignored rows); `rows_name` names the [N, *] tensor in messages.
+    validate: as the loss's (`start_loss_input_checks`): False skips the range check, the one that reads values.
     """
+    check_validate(validate)
     check_tensor("targets", targets, ndim=1, length=num_rows, device=device, floating=False,
                  length_name=f" (rows of {rows_name})")
     scored = targets != IGNORE_INDEX
-    check_rows([target_range_check(targets, scored, vocab_size)])
+    if validate:
+        check_rows([target_range_check(targets, scored, vocab_size)])
     return scored_targets_of(targets, scored)
 
 
@@ -404,7 +407,7 @@ def check_loss_inputs(**arguments):
 
 def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
                             sample_index, inputs: LossInputs, options: dict, validate: bool = True,
-                            first_bad_row: Callable | None = None):
+                            first_bad_row: Callable | None = None, caller_checks=()):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
     `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
@@ -415,6 +418,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     `finish()`, so that a caller can queue its kernels first (they must then be safe on any row values) and the
     device never waits for the host's read. Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or
     None without targets, LossOptions, finish)`; finish() raises the first bad row's ValueError, if any.
+    caller_checks: `check_rows` pairs of the caller's own (`padded_erpo_loss`'s mask check), run when validate, read
+    in the same host read as the value checks and raised before them.
     """
     check_validate(validate)
     opts = loss_options(options)
@@ -466,8 +471,10 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     scored_targets = None if targets is None else scored_targets_of(targets, scored)
     if validate and first_bad_row is not None:
         code = first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)
+        if caller_checks:  # [1 + K]: the code, then whether each caller check fails
+            code = torch.cat((code, torch.stack([bad.any() for bad, _ in caller_checks]).long()))
         read_code = read_later(code)
-        return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages)
+        return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages, caller_checks)
     if validate:
         masks = {  # the bad rows of each check present
             "token_kind": lambda: (token_kind < 0) | (token_kind > 2),
@@ -477,7 +484,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
             "rollout_logp": lambda: (token_kind == 2) & rollout_logp.isnan(),
         }
         present = {"targets": targets, "token_weight": token_weight, "rollout_logp": rollout_logp}
-        check_rows([(masks[name](), messages[name]) for name in ROW_CHECKS if present.get(name, True) is not None])
+        check_rows([*caller_checks, *((masks[name](), messages[name]) for name in ROW_CHECKS
+                                      if present.get(name, True) is not None)])
     return scored_targets, opts, checks_done
 
 
@@ -503,14 +511,18 @@ def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     return read
 
 
-def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict) -> None:
+def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict, caller_checks=()) -> None:
     """Raise ValueError(messages[check](row)) for `code` [1] int64 = check * N + row (`check_loss_inputs`); nothing
-    when code = N * len(ROW_CHECKS). One host read; under torch.compile a device-side assert instead."""
+    when code = N * len(ROW_CHECKS). With `caller_checks`, code [1 + K] also holds whether each fails (1), which
+    raises first (`check_rows`: their bad rows are read on that way only). One host read; under torch.compile a
+    device-side assert instead."""
     passed = num_rows * len(ROW_CHECKS)
     if torch.compiler.is_compiling():
-        torch._assert_async(code[0] == passed, COMPILED_ROWS_MESSAGE)
+        torch._assert_async((code[0] == passed) & (code[1:] == 0).all(), COMPILED_ROWS_MESSAGE)
         return
-    value = int(code[0])
+    value, *failing = code.tolist() if caller_checks else (int(code[0]),)
+    if any(failing):
+        check_rows(caller_checks)
     if value < passed:
         check, row = divmod(value, num_rows)
         raise ValueError(messages[ROW_CHECKS[check]](row))

@@ -44,7 +44,10 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_options,
                "num_items": plan.num_items, "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
-    sums = {"loss": 0.0}
+    # The sums stay on the device, in fp64 (as Python floats would hold them), and are read once per step: no host
+    # read per micro-batch for the metrics, nor for the finiteness of the loss, which the backward's weight follows
+    # on the device (0 from the first non-finite loss on: that step is discarded whatever its gradient holds).
+    sums: dict = {"loss": 0.0}
     gap_max, nonfinite = None, 0
     rollout = plan.rollout
     for m, mb in enumerate(plan.micro_batches):
@@ -60,12 +63,11 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
                 rollout_logp=batch.rollout_logp, **{**options, "top_entropy_gather": entropy_pool(mb.weight)})
-            if nonfinite or not torch.isfinite(out.loss):
-                nonfinite += 1
+            nonfinite = nonfinite + (nonfinite > 0) + ~torch.isfinite(out.loss.detach())  # counted as before
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
             # others): a stand-in, or a rank that has seen a non-finite loss, runs it with weight 0, and a
             # non-finite step is then discarded on all ranks.
-            scale = D.data_parallel_loss_scale() * mb.weight if not nonfinite else 0.0
+            scale = (nonfinite == 0) * (D.data_parallel_loss_scale() * mb.weight)
             updater.backward(out.loss * scale, m == len(plan.micro_batches) - 1)
         summed = {name: kernel_name for name, kernel_name in SUMMED_METRICS.items() if kernel_name in out.metrics}
         for name in summed:  # stand-ins too: every rank then sums the same names
@@ -74,14 +76,26 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
             gap_max = 0.0
         if not mb.weight:
             continue
-        tokens = float(out.metrics["response_tokens"])
-        sums["loss"] += float(out.loss.detach())
+        tokens = out.metrics["response_tokens"].double()
+        sums["loss"] = sums["loss"] + out.loss.detach().double()
         for name, kernel_name in summed.items():
-            sums[name] += float(out.metrics[kernel_name]) * (tokens if name in TOKEN_MEAN_METRICS else 1.0)
+            value = out.metrics[kernel_name].double()
+            sums[name] = sums[name] + (value * tokens if name in TOKEN_MEAN_METRICS else value)
         if gap_max is not None:
-            gap_max = max(gap_max, float(out.metrics["rollout_logp_gap_max"]))
+            gap_max = torch.maximum(on_device(gap_max, device), out.metrics["rollout_logp_gap_max"].double())
         del hidden, out
-    return sums, gap_max, nonfinite
+    # the one host read of the step: every sum, the gap and the non-finite count together
+    device = plan.micro_batches[0].batch.targets.device if plan.micro_batches else torch.device("cpu")
+    values = [*sums.values(), 0.0 if gap_max is None else gap_max, nonfinite]
+    *totals, gap, count = torch.stack([on_device(value, device) for value in values]).tolist()
+    return dict(zip(sums, totals)), None if gap_max is None else gap, int(count)
+
+
+def on_device(value, device: torch.device) -> torch.Tensor:
+    """`value` (a number, or a 0-dim tensor on `device`) as a 0-dim fp64 tensor on `device`, with no upload."""
+    if isinstance(value, torch.Tensor):
+        return value.double()
+    return torch.full((), value, dtype=torch.float64, device=device)
 
 
 def apply_update(cfg: Config, updater: Updater, nonfinite: int, state: TrainState, prompts: list[int]) -> float:

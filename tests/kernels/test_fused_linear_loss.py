@@ -589,7 +589,7 @@ def test_opcheck(kernels, device):
     torch.library.opcheck(chunked.loss_gradients_op, (
         hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
         *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
-        budget_for(5, torch.float32, device), False, True, True, True))
+        budget_for(5, torch.float32, device), False, True, True, True, None))
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["over-logits", "store"])

@@ -1,8 +1,10 @@
-"""from_padded: left- and right-padded [B, L] batches to packed rows, and the loss on them."""
+"""from_padded: left- and right-padded [B, L] batches to packed rows, and the loss on them; completion_layout's
+rows (TRL's prompt / completion columns) and what building them costs."""
 import pytest
 import torch
 
-from erpo_kernels import erpo_loss, from_padded, token_logprobs
+from erpo_kernels import completion_layout, erpo_loss, from_padded, token_logprobs
+from launch_counts import LaunchCounter
 
 
 def test_right_padded_rows(device):
@@ -115,3 +117,52 @@ def test_multi_turn_query_kl_is_zero_at_theta0_and_tool_rows_get_no_gradient(dev
     tool_rows = [4, 5]  # the rows that predict the tool output 31 32
     assert torch.count_nonzero(logits.grad[tool_rows]) == 0
     assert torch.count_nonzero(logits.grad[[2, 3, 6, 7]], dim=1).min() > 0  # the response rows do learn
+
+
+def trl_columns(device):
+    """Two samples in TRL's columns: prompts [2, 3] left-padded (sample 0: one padding token), completions [2, 4]
+    right-padded (sample 1: two padding tokens), a tool output at completion token 1 of sample 0."""
+    return dict(prompt_ids=torch.tensor([[0, 11, 12], [13, 14, 15]], device=device),
+                prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]], device=device),
+                completion_ids=torch.tensor([[21, 31, 22, 23], [24, 25, 0, 0]], device=device),
+                completion_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], device=device),
+                tool_mask=torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], device=device))
+
+
+@pytest.mark.parametrize("form", ["prompt/completion", "full sequences"])
+def test_completion_layout_rows(form, device):
+    """Row t predicts token t + 1: query rows the prompt's real tokens, response rows the completion tokens that
+    completion_mask x tool_mask keeps, nothing else (padding, the tool output, the last position); the same rows as
+    from_padded on the concatenated batch, in either form of the call."""
+    batch = trl_columns(device)
+    if form == "full sequences":
+        batch = dict(input_ids=torch.cat([batch.pop("prompt_ids"), batch.pop("completion_ids")], dim=1),
+                     attention_mask=torch.cat([batch.pop("prompt_mask"), batch["completion_mask"]], dim=1), **batch)
+    layout = completion_layout(**batch)
+    assert layout.token_kind.tolist() == [0, 1, 2, 0, 2, 2, 0] + [1, 1, 2, 2, 0, 0, 0]
+    assert layout.targets.tolist() == [-100, 12, 21, -100, 22, 23, -100] + [14, 15, 24, 25, -100, -100, -100]
+    assert layout.sample_index.tolist() == [0] * 7 + [1] * 7
+    assert all(t.dtype == torch.int64 and t.is_contiguous()
+               for t in (layout.targets, layout.token_kind, layout.sample_index))
+    input_ids = torch.tensor([[0, 11, 12, 21, 31, 22, 23], [13, 14, 15, 24, 25, 0, 0]], device=device)
+    attention = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]], device=device)
+    response = torch.tensor([[0, 0, 0, 1, 0, 1, 1], [0, 0, 0, 1, 1, 0, 0]], device=device)
+    rows = from_padded(input_ids, attention, response)
+    for name in ("targets", "token_kind", "sample_index"):
+        assert torch.equal(getattr(layout, name), getattr(rows, name)), name
+
+
+def test_completion_layout_launches(device):
+    """completion_layout is a handful of elementwise kernels: 17 launches in TRL's form with a tool mask (two
+    concatenations, the masks, the kinds, the targets, the sample indices, the completion tokens left unscored;
+    29 before 2026-11-26), 15 with full sequences and validate=False; no host read either way."""
+    batch = trl_columns(device)
+    with LaunchCounter() as counter:
+        completion_layout(**batch)
+    assert counter.launches <= 17 and counter.syncs == 0, counter.names
+    full = dict(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                completion_mask=batch["completion_mask"], tool_mask=batch["tool_mask"])
+    with LaunchCounter() as counter:
+        completion_layout(**full, validate=False)
+    assert counter.launches <= 15 and counter.syncs == 0, counter.names

@@ -350,8 +350,9 @@ def test_compiled_fused_loss_equals_eager(case, device):
 
 
 def test_host_syncs_of_the_entry_points_on_log_probs_and_sums(device):
-    """fwd+bwd: logprob_erpo_loss reads the host once with validate=True (the row checks), never with False;
-    token_logprobs, fused_linear_token_logprobs and sample_sums once (their value check; they have no `validate`)."""
+    """fwd+bwd: logprob_erpo_loss, token_logprobs and fused_linear_token_logprobs read the host once with
+    validate=True (their value checks), never with False; sample_sums once (its value check; it has no `validate`).
+    """
     from erpo_kernels import fused_linear_token_logprobs, logprob_erpo_loss, sample_sums, token_logprobs
 
     batch = random_batch(device=device)
@@ -361,18 +362,42 @@ def test_host_syncs_of_the_entry_points_on_log_probs_and_sums(device):
         "logprob_erpo_loss": lambda validate: logprob_erpo_loss(
             token_logp.clone().requires_grad_(), batch["token_kind"], batch["sample_index"], backend="triton",
             validate=validate, **loss_inputs(batch)).loss,
-        "token_logprobs": lambda _: token_logprobs(batch["logits"].clone().requires_grad_(), batch["targets"],
-                                                   backend="triton").sum(),
-        "fused_linear_token_logprobs": lambda _: fused_linear_token_logprobs(
-            hidden.clone().requires_grad_(), weight.clone().requires_grad_(), batch["targets"], backend="triton").sum(),
+        "token_logprobs": lambda validate: token_logprobs(batch["logits"].clone().requires_grad_(), batch["targets"],
+                                                          backend="triton", validate=validate).sum(),
+        "fused_linear_token_logprobs": lambda validate: fused_linear_token_logprobs(
+            hidden.clone().requires_grad_(), weight.clone().requires_grad_(), batch["targets"], backend="triton",
+            validate=validate).sum(),
         "sample_sums": lambda _: sample_sums(token_logp.clone().requires_grad_(), batch["sample_index"], 5,
                                              backend="triton").sum(),
     }
     for name, call in calls.items():
-        for validate in (True, False) if name == "logprob_erpo_loss" else (True,):
+        for validate in (True,) if name == "sample_sums" else (True, False):
             with LaunchCounter() as counter:
                 call(validate).backward()
             assert counter.syncs == int(validate), (name, validate, counter.sync_names)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_logprobs_validate_checks_the_targets_or_skips_them(backend, device):
+    """token_logprobs and fused_linear_token_logprobs: an out-of-range target raises one line naming the row with
+    validate=True; validate=False skips the check (no read) and leaves the in-range rows' values unchanged; a
+    non-bool validate is refused."""
+    from erpo_kernels import fused_linear_token_logprobs, token_logprobs
+
+    batch = random_batch(device=device)
+    hidden, weight = torch.randn(NUM_ROWS, 8, device=device), torch.randn(37, 8, device=device)
+    calls = {"token_logprobs": lambda targets, **kw: token_logprobs(batch["logits"], targets, backend=backend, **kw),
+             "fused_linear_token_logprobs": lambda targets, **kw: fused_linear_token_logprobs(
+                 hidden, weight, targets, backend=backend, **kw)}
+    bad = batch["targets"].clone()
+    bad[3] = 37
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"targets must lie in \[0, 37\) on scored rows; row 3 holds 37"):
+            call(bad)
+        with pytest.raises(TypeError, match="validate must be True or False, got 1"):
+            call(batch["targets"], validate=1)
+        checked = call(batch["targets"])
+        torch.testing.assert_close(call(batch["targets"], validate=False), checked, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("entry", ["module", "fused-linear"])

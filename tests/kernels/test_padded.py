@@ -169,19 +169,19 @@ def test_every_position_as_a_row_equals_the_scored_rows_alone(layout, backend, p
 @pytest.mark.parametrize("path", ["logits", "hidden"])
 def test_host_reads_follow_validate(path, device):
     """padded_erpo_loss fwd+bwd on the Triton path reads nothing on the host with validate=False on the logits path
-    (no selection of the scored rows, no mask check) and once with validate=True (the loss's row checks; TRL's
-    prompt/completion form holds its mask checks by construction). The fused-linear path adds two reads, the
-    selection of the scored rows (their count) and the chunk plan's read of the layout (fused_linear_erpo_loss); the
-    full-sequence form's mask check one more with validate=True."""
+    (no selection of the scored rows, no mask check) and once with validate=True: the loss's row checks, and in the
+    full-sequence form its mask check with them, in the same read (TRL's prompt/completion form holds the mask check
+    by construction). The fused-linear path adds one read, the selection of the scored rows, whose host layout the
+    chunk plan reuses (two before 2026-11-26: the plan read the layout again)."""
     data = trl_batch(device=device)
     inputs = batch_inputs(data)
     full = dict(inputs, input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
                 attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
     for name in ("prompt_ids", "prompt_mask", "completion_ids"):
         full.pop(name)
-    fused_reads = 2 * int(path == "hidden")
-    for form, batch, mask_check in (("prompt/completion", inputs, 0), ("full sequences", full, 1)):
-        for validate, reads in ((False, fused_reads), (True, fused_reads + 1 + mask_check)):
+    fused_reads = int(path == "hidden")
+    for form, batch in (("prompt/completion", inputs), ("full sequences", full)):
+        for validate, reads in ((False, fused_reads), (True, fused_reads + 1)):
             model = dict(zip(("logits",) if path == "logits" else ("hidden", "weight", "bias"), leaves_of(data, path)))
             with LaunchCounter() as counter:
                 padded_erpo_loss(**model, **batch, **dict(OPTIONS, backend="triton"), validate=validate).loss.backward()
@@ -248,6 +248,30 @@ def test_full_sequences_mask_check_follows_validate(device):
     with LaunchCounter() as counter:
         completion_layout(**masks, validate=False)
     assert counter.syncs == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_full_sequences_mask_check_raises_through_the_loss(backend, device):
+    """padded_erpo_loss on the logits path reads the full-sequence mask check with the loss's row checks: a
+    completion token on padding raises its own message first, even when a row check fails too; validate=False
+    skips both."""
+    data = trl_batch(device=device)
+    inputs = batch_inputs(data)
+    attention = torch.cat([inputs.pop("prompt_mask"), inputs["completion_mask"]], dim=1)
+    attention[1, P + 2] = 0
+    full = dict(inputs, input_ids=torch.cat([inputs.pop("prompt_ids"), inputs.pop("completion_ids")], dim=1),
+                attention_mask=attention)
+    bad_weight = torch.ones(B, C, device=device)
+    bad_weight[0, 1] = -1.0  # a row check fails too
+    for extra in ({}, dict(token_weight=bad_weight)):
+        with pytest.raises(ValueError, match="completion_mask marks completion token 2 of sample 1, which "
+                                             "attention_mask marks as padding"):
+            padded_erpo_loss(logits=logits_of(data), **full, **extra, **dict(OPTIONS, backend=backend))
+    with pytest.raises(ValueError, match="token_weight must be finite and >= 0 on scored rows"):
+        attention[1, P + 2] = 1
+        padded_erpo_loss(logits=logits_of(data), **full, token_weight=bad_weight, **dict(OPTIONS, backend=backend))
+    attention[1, P + 2] = 0
+    padded_erpo_loss(logits=logits_of(data), **full, **dict(OPTIONS, backend=backend), validate=False)
 
 
 def test_hidden_path_equals_the_logits_path_values_and_gradients(device):

@@ -35,5 +35,5 @@ def completion_rows(inputs: dict, *, every_position: bool) -> CompletionRows:
         return CompletionRows(layout, layout, layout)
     scored = layout.scored()
     batch = PackedBatch(layout.input_ids, layout.attention_mask, layout.rows, scored.targets, scored.token_kind,
-                        scored.sample_index)
+                        scored.sample_index, row_index=scored.index)
     return CompletionRows(layout, batch, scored)

@@ -150,7 +150,8 @@ class ReferenceMixin:
             return torch.cat([values, torch.zeros_like(values[:, :1])], dim=1)
 
         batch = dataclasses.replace(batch, input_ids=padded(batch.input_ids),
-                                    attention_mask=padded(batch.attention_mask), rows=padded(batch.rows).reshape(-1))
+                                    attention_mask=padded(batch.attention_mask), rows=padded(batch.rows).reshape(-1),
+                                    row_index=None)  # rows' positions moved: the boolean selection (a cache build)
         model = self.model if model is None else model
         if self.args.fused_linear:
             return scored_token_logp(model, batch, self.temperature, autocast=self.accelerator.autocast)
