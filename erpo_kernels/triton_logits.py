@@ -331,7 +331,10 @@ _LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel)
 FORWARD_VARIANTS = {"block": ForwardVariant(4096, None, *_SHIFTED), "warp": ForwardVariant(2048, 1, *_SHIFTED),
                     "warp-1024": ForwardVariant(1024, 1, *_SHIFTED),
                     "log2-1024": ForwardVariant(1024, 1, *_LOG2, max_registers=64),
-                    "log2-2048": ForwardVariant(2048, 1, *_LOG2)}
+                    "log2-2048": ForwardVariant(2048, 1, *_LOG2),
+                    # the base-2 loop as "block" walks a row (8 warps, 4096-wide steps): for launches of few rows
+                    # (the fused path's chunks of 512 fp32 rows: one warp per row leaves an H200's SMs 4 warps each)
+                    "log2-block": ForwardVariant(4096, None, *_LOG2)}
 DEFAULT_FORWARD_VARIANT = "log2-1024"
 _forward_variant = [DEFAULT_FORWARD_VARIANT]
 
