@@ -2,7 +2,7 @@
 launch over [rows, V] logits costs, for the shapes the two paths launch (the logits path: all N rows in bf16; the
 fused path: one chunk of fp32 logits), so that a variant can be chosen per path.
 
-    python -m bench.row_kernel_probe --shapes bf16:4096,bf16:16384,fp32:512,fp32:1024 --out DIR   # DIR/row_kernel_probe.md
+    python -m bench.row_kernel_probe --shapes bf16:4096,fp32:512 --out DIR   # DIR/row_kernel_probe.md
 
 Times: triton.testing.do_bench's median (ms); GB/s is the logits' bytes read over that time.
 """
@@ -46,7 +46,7 @@ def main(argv=None):
         targets = torch.randint(0, args.vocab, (rows,), device="cuda")
         for name in FORWARD_VARIANTS:
             with forward_variant(name):
-                ms = triton.testing.do_bench(lambda: _launch_forward(logits, targets, transform))
+                ms = triton.testing.do_bench(lambda x=logits, t=targets: _launch_forward(x, t, transform))
             lines.append(f"| {dtype_name} | {rows} | {name} | {ms:.4f} | "
                          f"{logits.numel() * logits.element_size() / ms / 1e6:.0f} |")
             print(lines[-1], flush=True)
