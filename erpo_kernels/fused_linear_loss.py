@@ -120,8 +120,18 @@ class ChunkObjectiveInputs:
     entropy_pool: Optional[torch.Tensor]
 
 
+# The chunks' forward kernel walks each row with 8 warps (the base-2 loop in 4096-wide steps): a chunk holds few
+# rows (512 fp32 rows for bf16 Qwen2.5-7B in 1 GiB), and the logits path's one warp per row leaves an H200's SMs
+# about 4 warps each there. `python -m bench.row_kernel_probe` on one H200 (2026-11-26, commit 90e1330, V=152064,
+# fp32), ms per launch: 512 rows 0.089 (log2-1024: 0.154), 1024 rows 0.187 (log2-1024: 0.183). One variant for
+# every chunk keeps a row's values independent of the chunk it lands in.
+CHUNK_FORWARD_VARIANT = "log2-block"
+
+
 def _triton_forward(logits, targets, transform: LogitTransform):
-    return torch.ops.erpo.triton_logp_entropy(logits, targets, *transform.op_arguments(), False)
+    # the logits path's launcher (inside this op's body no op boundary is needed), with the chunks' own variant
+    from .triton_logits import _launch_forward
+    return _launch_forward(logits, targets, transform, CHUNK_FORWARD_VARIANT)
 
 
 def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
