@@ -35,7 +35,9 @@ def test_dry_run_writes_each_stages_results(tmp_path):
                                             "| bench 4: the other peers at N=16384 and 4096",
                                             "| bench 5: the other kernel variants at every N"]
     # the device guard's 2 tests and the bf16 target-gradient test for each of the 5 logits-kernel variants
-    assert "- result: 7 passed" in summary and "- commit: abc123" in summary
+    # the device guard's tests and test_target_gradient_exact_in_bf16 once per forward variant
+    from erpo_kernels.triton_logits import FORWARD_VARIANTS
+    assert f"- result: {len(FORWARD_VARIANTS) + 2} passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
