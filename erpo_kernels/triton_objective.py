@@ -56,7 +56,7 @@ from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
-from .triton_segment import span_bounds, triton_sample_spans
+from .triton_segment import SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
 from .validation import LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
@@ -73,7 +73,9 @@ PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
 VESPO_LOG_WEIGHT_MIN = tl.constexpr(objective.VESPO_LOG_WEIGHT_MIN)
 LOSS_AGG_CODES = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
-ROW_BLOCK = 256  # rows per loop step of the sample kernel, and per program of the gradient kernel
+# rows per loop step of the sample kernel (the per-sample sums' step: its ell_theta(q) is bit-equal to theirs,
+# `first_block_start`), and per program of the gradient kernel
+ROW_BLOCK = SUM_BLOCK
 SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 
 
@@ -280,7 +282,7 @@ def _objective_sample_kernel(
     query_kl_sum = tl.zeros([BLOCK], dtype=tl.float32)
     drift_sum = tl.zeros([BLOCK], dtype=tl.float32)
     vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    block_start = start
+    block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
@@ -384,7 +386,7 @@ def _objective_sample_kernel(
     nonfinite_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_rows = tl.zeros([BLOCK], dtype=tl.float32)
     kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    block_start = start
+    block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
         positions = block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \

@@ -96,11 +96,21 @@ def span_bounds(spans_ptr, sample, num_samples):
 
 
 @triton.jit
+def first_block_start(start, BLOCK: tl.constexpr):
+    """Where a walk over a span that begins at row `start` begins: the multiple of BLOCK at or below it. Lane i of a
+    [BLOCK] accumulator then holds the rows i mod BLOCK, whichever row the span begins at, so two kernels that walk
+    one sample's rows with the same BLOCK add them in the same order (bit-equal sums) even where their spans begin
+    at different rows: the objective's spans (`RowChecksWithSpans`) begin at the first scored row, these sums' at
+    the first row. The rows before `start` in the first block are other samples' (or unscored), added as 0."""
+    return start - start % BLOCK
+
+
+@triton.jit
 def _segment_sum_kernel(values_ptr, sample_ptr, spans_ptr, out_ptr, BLOCK: tl.constexpr):
     segment = tl.program_id(0).to(tl.int64)
     start, stop = span_bounds(spans_ptr, segment, tl.num_programs(0))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    block_start = start
+    block_start = first_block_start(start, BLOCK)
     while block_start < stop:  # triton_common's note on loop bounds
         rows = block_start + tl.arange(0, BLOCK)
         inside = rows < stop
