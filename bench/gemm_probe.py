@@ -8,7 +8,8 @@ logits = hidden_c @ W.T with fp32 output and with bf16 output (a chunk's logits:
 chunk beside a dlogits store, fused_linear_loss.LOGITS_ROWS); d hidden = dlogits_g @ W; d weight accumulated into an
 fp32 [V, D] buffer (addmm, beta=1: reads and writes 4 V D bytes per group) and, for comparison, formed into bf16 with
 no accumulation (a group's GEMMs: 2048 rows in the default 1 GiB for bf16 Qwen2.5-7B). dlogits are a dense bf16
-[rows, V] tensor, as the store holds them. TFLOP/s is 2 rows D V per GEMM over its time.
+[rows, V] tensor, as the store holds them. TFLOP/s is 2 rows D V per GEMM over its time. Timed as the bench
+times (bench/timing.py: CUDA events, one warm-up call, the median of `--repeats`).
 """
 from __future__ import annotations
 
@@ -19,19 +20,7 @@ from pathlib import Path
 
 import torch
 
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from .timing import time_callable
 
 
 def probe(shape, rows: int, total_rows: int, repeats: int) -> list:
@@ -59,7 +48,7 @@ def probe(shape, rows: int, total_rows: int, repeats: int) -> list:
     out = []
     for name, fn in cases.items():
         try:
-            ms = _median_ms(fn, repeats)
+            ms = time_callable(fn, device=device, warmup=1, reps=repeats).median_ms
         except Exception as error:  # an op this torch lacks: say so, go on
             out.append((name, float("nan"), float("nan"), f"{type(error).__name__}: {str(error)[:80]}"))
             continue

@@ -78,7 +78,7 @@ def run_benchmark(config: BenchConfig, log=print, record=None) -> dict:
     `record(kind, item)`, if given, receives each floor ("floor") and each finished row ("row") as soon as it is
     measured, so that a run stopped part-way (a time limit) keeps what it did (`--progress`)."""
     record = record or (lambda kind, item: None)
-    element_bytes = torch.empty((), dtype=config.dtype).element_size()
+    element_bytes = config.dtype.itemsize
     bandwidth = floors.copy_bandwidth(config.device, warmup=config.warmup, reps=max(config.reps, 5))
     log(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     floor_rows, rows_out = [], []

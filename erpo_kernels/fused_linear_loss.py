@@ -156,7 +156,7 @@ def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, dev
     """Workspace bytes of one group row besides its dlogits: its masked hidden row [D] and, off CUDA, the fp32
     copies of its dlogits and hidden rows that the d weight GEMM upcasts (CUDA multiplies bf16 / fp16 operands into
     fp32 inside the GEMM)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     upcast = 0 if device.type == "cuda" or dtype == torch.float32 else 4
     return vocab_size * upcast + hidden_dim * (item + upcast)
 
@@ -184,7 +184,7 @@ def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch
     the logits (a row costs `logits_row_bytes` + `gradient_row_bytes`), or, when that holds fewer rows, chunks of
     LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`). Each count
     at least 1 and at most N; with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     logits_row = logits_row_bytes(vocab_size, kernels)
     gradient_row = gradient_row_bytes(vocab_size, hidden_dim, dtype, device)
     rows = max(num_rows, 1)
