@@ -8,10 +8,16 @@ Every Triton launch is stubbed out (the interpreter's launcher `run` returns at 
 tensors live on the CPU, and each call is timed with `time.perf_counter_ns`. What is left is the host's own work:
 argument checks, option parsing, custom-op and autograd dispatch, allocations, the aten operators (run for real on
 tiny CPU tensors: their CPU time stands in for a CUDA launch's host time, which is larger) and the host read of the
-validation result (no wait here: nothing is queued). Triton's own launch path (argument binding, the cache lookup,
-the driver call: some microseconds per launch on a GPU machine) is not in the numbers: the table counts the Triton
-launches per call instead. On a GPU the host time before the first big kernel and after the last one adds to the
-measured call; the rest overlaps the kernels only when no host read stands between them.
+validation result (no wait here: nothing is queued). Triton's own launch path is not in those rows: the table counts
+the Triton launches per call, and times apart the part of a compiled launch a CPU can run ("Triton launch binding,
+CUDA sm_90"): what Triton 3.6's `JITFunction.run` does on the host before the driver, on the call's own arguments,
+with the binder Triton builds for a CUDA target (`create_function_from_signature` with `make_backend(GPUTarget("cuda",
+90, 32))`: `native_specialize_impl` on every argument, the options dict, `compute_cache_key`, the kernel cache's
+lookup). It cannot count what needs a GPU: the driver's current device and stream, the check of the kernel's global
+values (Triton finds them by compiling: the interpreter's kernels have none to check), and the C launcher (per
+pointer argument a `data_ptr()` call and a `cuPointerGetAttribute`, then `cuLaunchKernelEx`). On a GPU the host time
+before the first big kernel and after the last one adds to the measured call; the rest overlaps the kernels only
+when no host read stands between them.
 
 Phases are measured by wrapping functions of each contender (PHASES: the module attributes the loss calls through);
 "entry" is the call's time outside every wrapped phase. The machine is shared: read medians, not single calls.
@@ -42,11 +48,19 @@ PHASES = {
 BACKWARD = "autograd backward"
 
 
+BINDING = "Triton launch binding, CUDA sm_90 (not in total)"
+
+
 class StubbedTriton:
-    """Within the block, every Triton launch (interpreted) returns at once; `launches` counts them."""
+    """Within the block, every Triton launch (interpreted) returns at once; `launches` counts them and `recorded`
+    keeps the latest call's (kernel, args, kwargs), cleared by `record_next_call`."""
 
     def __init__(self):
         self.launches = 0
+        self.recorded = []
+
+    def record_next_call(self):
+        self.recorded = []
 
     def __enter__(self):
         from triton.runtime.interpreter import InterpretedFunction
@@ -55,12 +69,57 @@ class StubbedTriton:
 
         def run(kernel, *args, grid, warmup, **kwargs):
             stub.launches += 1
+            stub.recorded.append((kernel, args, kwargs))
         InterpretedFunction.run = run
         return self
 
     def __exit__(self, *exc):
         from triton.runtime.interpreter import InterpretedFunction
         InterpretedFunction.run = self._original
+
+
+class CudaBinding:
+    """The host part of a compiled Triton 3.6 launch that runs without a GPU (module docstring), for kernels defined
+    under the interpreter: `time_us(kernel, args, kwargs, reps)` is the median microseconds of `JITFunction.run`'s
+    steps from its option keywords to the kernel cache's lookup, with the binder Triton builds for an sm_90 target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders = {}   # interpreted kernel -> (binder, kernel key cache, number of parameters)
+
+    def binder(self, kernel):
+        if kernel not in self.binders:
+            from triton.runtime.jit import JITFunction, create_function_from_signature
+            compiled = JITFunction(kernel.fn, **kernel.kwargs)
+            self.binders[kernel] = (create_function_from_signature(compiled.signature, compiled.params, self.backend),
+                                    {}, len(compiled.params))
+        return self.binders[kernel]
+
+    def time_us(self, kernel, args, kwargs, reps: int) -> float:
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key
+        binder, key_cache, _ = self.binder(kernel)
+        kernel_cache = {}
+        samples = []
+        for _ in range(reps + 1):  # the first fills the key cache, as a kernel's first launch does
+            begin = time.perf_counter_ns()
+            options = dict(kwargs)   # JITFunction.run's own lines, up to the launch
+            options["debug"] = options.get("debug", None) or knobs.runtime.debug
+            options["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            bound_args, specialization, options = binder(*args, **options)
+            kernel_cache.get(compute_cache_key(key_cache, specialization, options), None)
+            tuple(bound_args.values())
+            samples.append(time.perf_counter_ns() - begin)
+        return statistics.median(samples[1:]) / 1e3
+
+
+def binding_costs(recorded, reps: int) -> list:
+    """[{"kernel", "parameters", "us"}] for each launch of `recorded` (StubbedTriton's), in launch order."""
+    binding = CudaBinding()
+    return [{"kernel": kernel.fn.__name__, "parameters": binding.binder(kernel)[2],
+             "us": binding.time_us(kernel, args, kwargs, reps)} for kernel, args, kwargs in recorded]
 
 
 @contextlib.contextmanager
@@ -90,12 +149,15 @@ def timed_phases(phases, spent: dict):
 
 
 def measure(prepared, phases, reps: int, warmup: int) -> dict:
-    """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), and the Triton launches
-    per call, for `prepared` (bench.contenders.Prepared) with `phases` wrapped and Triton stubbed."""
+    """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), the Triton launches
+    per call, and BINDING: the Triton launches' binding on a CUDA target (`binding_costs` on the last call's
+    launches, their sum in "us", each in "binding"), for `prepared` (bench.contenders.Prepared) with `phases` wrapped
+    and Triton stubbed."""
     samples = defaultdict(list)
     with StubbedTriton() as stub:
         launches_before = stub.launches
         for rep in range(warmup + reps):
+            stub.record_next_call()
             spent = defaultdict(int)
             with timed_phases(phases, spent):
                 begin = time.perf_counter_ns()
@@ -113,8 +175,11 @@ def measure(prepared, phases, reps: int, warmup: int) -> dict:
             for phase, ns in spent.items():
                 samples[phase].append(ns / 1e3)
         launches = (stub.launches - launches_before) / reps
+    binding = binding_costs(stub.recorded, reps)
     order = ["entry"] + [phase for phase, _, _ in phases] + [BACKWARD, "total"]
-    return {"us": {phase: statistics.median(samples[phase]) for phase in order}, "triton_launches": launches}
+    us = {phase: statistics.median(samples[phase]) for phase in order}
+    us[BINDING] = sum(launch["us"] for launch in binding)
+    return {"us": us, "triton_launches": launches, "binding": binding}
 
 
 def build(num_rows: int, vocab: int, rows_per_sample: int):
@@ -146,14 +211,19 @@ def markdown(results: dict) -> str:
     phases = []
     for value in measured.values():
         phases += [phase for phase in value["us"] if phase not in phases]
-    phases.remove("total")
+    phases = [phase for phase in phases if phase not in ("total", BINDING)]
     lines = ["| phase (host us per fwd+bwd, median) | " + " | ".join(measured) + " |",
              "|---|" + "---|" * len(measured)]
     for phase in phases + ["total"]:
         cells = [f"{value['us'][phase]:.0f}" if phase in value["us"] else "-" for value in measured.values()]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
-    lines.append("| Triton launches per call (not timed) | "
+    lines.append("| Triton launches per call | "
                  + " | ".join(f"{value['triton_launches']:g}" for value in measured.values()) + " |")
+    lines.append(f"| {BINDING} | " + " | ".join(f"{value['us'][BINDING]:.0f}" for value in measured.values()) + " |")
+    lines += ["", "| contender | kernel | parameters | binding us (CUDA sm_90) |", "|---|---|---|---|"]
+    for key, value in measured.items():
+        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['us']:.1f} |"
+                  for launch in value["binding"]]
     for key, value in results.items():
         if not isinstance(value, dict):
             lines.append(f"\n{key}: {value}")
