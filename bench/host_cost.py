@@ -25,7 +25,7 @@ Phases are measured by wrapping functions of each contender (PHASES: the module 
 
 `--device cuda` times the same phases on a GPU machine with nothing stubbed: compiled Triton kernels, CUDA aten
 operators, the driver's launches, all at the small V (the kernels take microseconds, so each phase is the host's time,
-its launch paths included, but for the validation read's short wait, in "objective"). The device is synchronized
+its launch paths included, but for the validation read's short wait, in "entry"). The device is synchronized
 before each call, outside the clock. There, the launch count and the binding row are not measured (shown as "-").
 """
 from __future__ import annotations
@@ -46,8 +46,7 @@ import torch
 # through them by these module-level names)
 PHASES = {
     "erpo": [("validation", "erpo_kernels.api", "start_loss_input_checks"),
-             ("forward launch", "erpo_kernels.api", "per_token_logp_entropy"),
-             ("objective", "erpo_kernels.api", "objective_on_backend")],
+             ("loss node (kernels queued, metrics)", "erpo_kernels.api", "triton_logits_loss")],
     "liger": [],
 }
 BACKWARD = "autograd backward"
