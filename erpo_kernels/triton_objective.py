@@ -11,7 +11,8 @@ gradient, for the options trainers use most, without an autograd graph over doze
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
                  (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
-                 block of rows; on the logits path `triton_logits`'s dlogits kernel follows
+                 block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
+                 follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
 
 The gradient coefficients, derived from the reference's equations (API.md's math; sg = detached):
     response row t of sample s, term_t = w_s tw_t rho_t pg_t + beta KL_t - c_H H_t, aggregated with factor
