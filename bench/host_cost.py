@@ -196,6 +196,9 @@ def _phase_medians(prepared, phases, reps: int, warmup: int, device: torch.devic
     if stub is not None:
         stub.launches_per_call = (stub.launches - launches_before) / reps
     order = ["entry"] + [phase for phase, _, _ in phases] + [BACKWARD, "total"]
+    unused = [f"{module}.{attribute}" for phase, module, attribute in phases if not samples[phase]]
+    if unused:
+        raise RuntimeError(f"host_cost: the loss never called {', '.join(unused)}: PHASES names a stale path")
     return {phase: statistics.median(samples[phase]) for phase in order}
 
 
