@@ -85,10 +85,11 @@ def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples
 
 
 def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
-                         vocab_size: Optional[int]) -> torch.Tensor:
-    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument)."""
+                         vocab_size: Optional[int], with_spans: bool = False) -> torch.Tensor:
+    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument):
+    [1] int64, or [1 + 2 S] with_spans (`first_bad_row`)."""
     return _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp), num_samples,
-                          vocab_size or 0)
+                          vocab_size or 0, with_spans)
 
 
 def _contiguous(*tensors):
@@ -106,10 +107,9 @@ class RowChecksWithSpans:
 
     def __call__(self, token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
                  vocab_size: Optional[int]) -> torch.Tensor:
-        if token_kind.shape[0] == 0:
-            return triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
-                                        vocab_size)
-        code_and_spans = _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp),
-                                        num_samples, vocab_size or 0, True)
-        self.spans = code_and_spans[1:].view(2, num_samples)
-        return code_and_spans[:1]
+        with_spans = token_kind.shape[0] > 0  # the spans' fill needs N > 0 rows (`first_bad_row`)
+        code = triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
+                                    vocab_size, with_spans)
+        if with_spans:
+            self.spans = code[1:].view(2, num_samples)
+        return code[:1]

@@ -3,6 +3,7 @@ ERPO's terms are off, and a few real train() steps log the Query-KL and write / 
 Tiny Qwen2 and character tokenizer built locally (erpo.models.tiny); CPU only."""
 import contextlib
 import copy
+import dataclasses
 import importlib.resources
 import json
 import math
@@ -19,7 +20,7 @@ import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
 from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
-from erpo.integrations.trl.scorer import LogitsScorer  # noqa: E402
+from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
@@ -875,6 +876,38 @@ def test_logits_path_scores_every_position_without_a_selection(tiny, tmp_path):
     scored = rows.layout.rows
     alone = token_logprobs(scorer.logits.detach()[scored], rows.layout.targets[scored], temperature=trainer.temperature)
     assert torch.equal(logp[scored], alone) and not logp[~scored].any()
+
+
+def test_fused_linear_path_reads_the_layout_once(tiny, tmp_path):
+    """fused_linear=True: the selection of the scored rows (`completion_rows`: `CompletionLayout.scored()`) reads
+    token_kind on the host once, and the loss's chunk plan takes that read's host layout (`PackedBatch.host_layout`)
+    instead of reading the rows again. Counted by LaunchCounter on the CPU over the rows, the forward and the loss's
+    fwd+bwd: the selection's read, the model forward's (inside transformers) and the value checks' (validate=True),
+    which also check the host layout against the rows; without the host layout the plan reads once more, and the
+    loss and its gradient are the same bit for bit."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    results = []
+    for keep_layout in (True, False):
+        trainer.model.zero_grad()
+        with LaunchCounter(device="cpu") as counter:  # the trainer's device
+            rows = completion_rows(inputs, every_position=False)
+            batch = rows.batch if keep_layout else dataclasses.replace(rows.batch, host_layout=None)
+            options, tensors = trainer._loss_options(inputs, rows, "train")
+            scorer = FusedLinearScorer(trainer.model, batch, temperature=trainer.temperature,
+                                       autocast=contextlib.nullcontext, logit_options={})
+            with scorer.head():
+                loss = scorer.loss(advantages=inputs["advantages"], ref_query_logp=torch.full((4,), -10.0),
+                                   **tensors, **options).loss
+                loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((dict(counter.sync_names), loss.detach(), grads))
+    (reads, loss, grads), (reads_without, loss_without, grads_without) = results
+    assert reads == {"Tensor.cpu": 1, "aten._local_scalar_dense": 2}, reads
+    assert reads_without == {"Tensor.cpu": 2, "aten._local_scalar_dense": 2}, reads_without
+    assert torch.equal(loss, loss_without) and grads and len(grads) == len(grads_without)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_without))
 
 
 def test_reference_cache_scores_the_prompt_rows_alone(tiny, tmp_path, monkeypatch):

@@ -94,7 +94,8 @@ class FusedLinearScorer:
         return logp if scored is None else logp.new_zeros(scored.shape).masked_scatter(scored, logp)
 
     def loss(self, **inputs):
-        """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`."""
+        """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`. The batch's
+        host layout (`completion_rows`' read) spares the chunk plan its own read."""
         b = self.batch
         return fused_linear_erpo_loss(self.hidden, self.weight, b.targets, b.token_kind, b.sample_index,
-                                      bias=self.bias, **inputs)
+                                      bias=self.bias, host_layout=b.host_layout, **inputs)
