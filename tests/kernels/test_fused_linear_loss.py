@@ -640,6 +640,24 @@ def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, devic
         torch.testing.assert_close(scaled.float(), plain.float() / 3, rtol=2**-7, atol=0)  # one bf16 ulp
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_backward_scales_on_the_backend_the_op_was_given(backend, device):
+    """The op's backward finds the backend by the name of its argument (`fused_linear_loss.OP_ARGUMENTS`, the schema's
+    order), not by a position that an argument added before it would move: on "triton" one `triton_scale` pass per
+    gradient (hidden, weight, bias), on "torch" none; and it returns one gradient slot per argument of the op
+    (autograd refuses another count)."""
+    schema = torch.ops.erpo.fused_linear_erpo_loss_gradients.default._schema
+    assert chunked.OP_ARGUMENTS == tuple(argument.name for argument in schema.arguments)
+    batch = packed_batch([(1, 2)] * 3, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend=backend,
+                               validate=False, **inputs).loss.backward()
+    assert counter.names["triton._scale_kernel"] == (3 if backend == "triton" else 0)
+    assert all(t.grad is not None for t in (hidden, weight, bias))
+
+
 def test_scaled_op_passes_opcheck(device):
     from erpo_kernels.triton_scale import scaled_op
     x = torch.randn(5, 7, device=device).bfloat16()
