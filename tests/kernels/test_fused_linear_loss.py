@@ -507,8 +507,8 @@ def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(dev
 @pytest.mark.parametrize("host_layout, error, message", [
     (np.zeros((2, 4), dtype=np.int64), TypeError, r"host_layout must be a \[2, N\] int64 CPU tensor .* got ndarray"),
     (torch.zeros(2, 4, dtype=torch.int64, device="meta"), ValueError, r"host_layout must be in host memory .* on meta"),
-    (torch.zeros(2, 4, dtype=torch.int32), TypeError, r"host_layout must be int64, got torch.int32"),
-    (torch.zeros(4, 2, dtype=torch.int64), ValueError,
+    (torch.zeros(2, 4, dtype=torch.int32, device="cpu"), TypeError, r"host_layout must be int64, got torch.int32"),
+    (torch.zeros(4, 2, dtype=torch.int64, device="cpu"), ValueError,
      r"host_layout must have shape \[2, N\] = \(2, 4\) .* got \(4, 2\)"),
 ], ids=["numpy", "device", "dtype", "shape"])
 def test_a_malformed_host_layout_is_one_line_naming_it(host_layout, error, message, device):
