@@ -532,8 +532,8 @@ def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(dev
 @pytest.mark.parametrize("host_layout, error, message", [
     (np.zeros((2, 4), dtype=np.int64), TypeError, r"host_layout must be a \[2, N\] int64 CPU tensor .* got ndarray"),
     (torch.zeros(2, 4, dtype=torch.int64, device="meta"), ValueError, r"host_layout must be in host memory .* on meta"),
-    (torch.zeros(2, 4, dtype=torch.int32), TypeError, r"host_layout must be int64, got torch.int32"),
-    (torch.zeros(4, 2, dtype=torch.int64), ValueError,
+    (torch.zeros(2, 4, dtype=torch.int32, device="cpu"), TypeError, r"host_layout must be int64, got torch.int32"),
+    (torch.zeros(4, 2, dtype=torch.int64, device="cpu"), ValueError,
      r"host_layout must have shape \[2, N\] = \(2, 4\) .* got \(4, 2\)"),
 ], ids=["numpy", "device", "dtype", "shape"])
 def test_a_malformed_host_layout_is_one_line_naming_it(host_layout, error, message, device):
@@ -663,6 +663,24 @@ def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, devic
     for plain, scaled in zip(*grads):
         assert scaled.dtype == torch.bfloat16 and not torch.equal(plain, scaled)
         torch.testing.assert_close(scaled.float(), plain.float() / 3, rtol=2**-7, atol=0)  # one bf16 ulp
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_backward_scales_on_the_backend_the_op_was_given(backend, device):
+    """The op's backward finds the backend by the name of its argument (`fused_linear_loss.OP_ARGUMENTS`, the schema's
+    order), not by a position that an argument added before it would move: on "triton" one `triton_scale` pass per
+    gradient (hidden, weight, bias), on "torch" none; and it returns one gradient slot per argument of the op
+    (autograd refuses another count)."""
+    schema = torch.ops.erpo.fused_linear_erpo_loss_gradients.default._schema
+    assert chunked.OP_ARGUMENTS == tuple(argument.name for argument in schema.arguments)
+    batch = packed_batch([(1, 2)] * 3, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend=backend,
+                               validate=False, **inputs).loss.backward()
+    assert counter.names["triton._scale_kernel"] == (3 if backend == "triton" else 0)
+    assert all(t.grad is not None for t in (hidden, weight, bias))
 
 
 def test_scaled_op_passes_opcheck(device):

@@ -68,7 +68,7 @@ def test_numpy_of_a_device_tensor_is_one_sync(device):
 def test_a_tensor_declared_host_memory_reads_without_a_sync():
     """A CPU tensor made before the counter counts as device memory on the CPU (a read of it one sync) until
     `host_memory` declares it host memory (a read of it none), as it is on CUDA."""
-    made_before = torch.arange(6)
+    made_before = torch.arange(6, device="cpu")  # host memory on any machine
     for declared, syncs in ((False, 1), (True, 0)):
         with LaunchCounter(device="cpu") as counter:
             if declared:
