@@ -343,11 +343,12 @@ class LogitsBuffer:
 
     def logits(self, hidden_rows, first: int = 0):
         """[first + n, V] fp32 view of the buffer's first rows, rows first to first + n now holding hidden_rows
-        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant `first`
-        is a multiple of INVARIANT_ROWS)."""
+        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant and n > 0
+        `first` is a multiple of INVARIANT_ROWS). No GEMM when n = 0."""
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
-            _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
+            if num_rows:
+                _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
             return self.buffer[:first + num_rows]
         for start in range(0, num_rows, INVARIANT_ROWS):
             piece = hidden_rows[start:start + INVARIANT_ROWS]
@@ -608,6 +609,10 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
         early = 0
+    if plan.chunks:  # the first chunk's other rows' logits (its own GEMM, only earlier): the GPU runs them while the
+        # host sets the objective up
+        logits_buffer.logits(hidden[early:plan.chunks[0][1]], first=early)
+        early = plan.chunks[0][1]
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     if plan.chunks:
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
