@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -694,17 +694,59 @@ class SampleOutputs(NamedTuple):
                    torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
 
 
-def _flags(settings: List[float]):
-    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term), built once per distinct settings."""
-    return _cached_flags(tuple(settings))
+class KernelArguments(NamedTuple):
+    """What the sample and finish kernels take from one `objective_settings` (the scalars in their parameters'
+    order, the constexprs by name), built once per distinct settings (`kernel_arguments`): a launch passes them as
+    they are."""
+
+    sample_scalars: Tuple[float, ...]
+    sample_constexprs: Dict[str, object]
+    finish_scalars: Tuple[float, ...]
+    finish_constexprs: Dict[str, object]
+
+
+def kernel_arguments(settings: List[float]) -> KernelArguments:
+    """`KernelArguments` of `settings` (`objective_settings`), from a cache keyed by their values: shared, never
+    changed (a launch copies the constexprs into its own keywords)."""
+    return _cached_kernel_arguments(tuple(settings))
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_flags(settings: Tuple[float, ...]):
+def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
     s = dict(zip(SETTING_NAMES, settings))
-    use_qkl = bool(s["has_qkl_reference"]) and s["qkl_coef"] != 0
-    entropy_in_term = bool(s["entropy_in_loss_agg"]) and s["entropy_coef"] != 0
-    return s, lambda name: bool(s[name]), use_qkl, entropy_in_term
+
+    def flag(name):
+        return bool(s[name])
+
+    use_qkl = flag("has_qkl_reference") and s["qkl_coef"] != 0
+    entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
+    sample_scalars = tuple(s[name] for name in (
+        "clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap",
+        "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "cispo_clip_max", "sapo_temperature_pos",
+        "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+        "off_policy_mask_threshold"))
+    sample_constexprs = dict(
+        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
+        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
+        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
+        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
+        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
+        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
+        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
+        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
+        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+    finish_scalars = (s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"])
+    finish_constexprs = dict(
+        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
+        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
+        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs)
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
@@ -719,51 +761,27 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
-    s, flag, use_qkl, entropy_in_term = _flags(settings)
-    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
+    arguments = kernel_arguments(settings)
+    # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
+    # launch binds and checks no pointer for it)
     _objective_sample_kernel[(num_programs,)](
-        token_logp, any_tensor if entropy is None else entropy, token_kind, any_tensor if order is None else order,
-        starts, sample_index if spans else any_tensor, any_tensor if sample_ids is None else sample_ids,
-        *(any_tensor if t is None else t for t in (*loss_tensors, entropy_threshold)), *out,
-        s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
-        s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
-        s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
-        s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
-        s["off_policy_mask_threshold"],
-        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
-        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
-        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
-        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
-        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
-        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
-        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
-        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
-        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
-        HAS_SAMPLE_IDS=sample_ids is not None, SPANS=spans, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+        token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
+        *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
+        SPANS=spans)
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
     """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
     factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
-    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    arguments = kernel_arguments(settings)
     device = out.partials.device
     loss = torch.empty((), dtype=torch.float32, device=device)
     metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
     counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
     scales = torch.empty(3, dtype=torch.float32, device=device)
-    any_tensor = out.query_logp
-    _objective_finish_kernel[(1,)](
-        out.partials, out.query_logp, any_tensor if num_items is None else num_items,
-        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
-        out.partials.shape[0], s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
-        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
-        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
-        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
-        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
-        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
-        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    _objective_finish_kernel[(1,)](  # num_items / num_seqs None: as the sample kernel's absent tensors
+        out.partials, out.query_logp, num_items, num_seqs, loss, metrics, counts, scales, out.partials.shape[0],
+        *arguments.finish_scalars, **arguments.finish_constexprs)
     return loss, metrics, counts, scales
 
 

@@ -66,9 +66,10 @@ def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets:
     length = 1 + 2 * num_samples if with_spans else 1
     code = torch.full((length,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
     if num_rows > 0:
-        _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
-            token_kind, sample_index, token_kind if targets is None else targets,
-            token_kind if token_weight is None else token_weight, token_kind if rollout_logp is None else rollout_logp,
+        # cdiv (triton.cdiv is a jit call: ~10 us); an absent tensor goes as None (a constexpr None to Triton: its
+        # flag is off, the kernel never reads it)
+        _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](
+            token_kind, sample_index, targets, token_weight, rollout_logp,
             code, num_rows, num_samples, vocab_size, HAS_TARGETS=targets is not None,
             HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, WITH_SPANS=with_spans,
             NUM_CHECKS=len(ROW_CHECKS), BLOCK=BLOCK_ROWS)

@@ -97,6 +97,9 @@ def compile_objective_kernels():
                "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
     signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
                      sample_ptr="*i64", sample_ids_ptr="*i64", **{name: "fp32" for name in scalars})
+    # what launch_sample_kernel passes as None (a constexpr None) where its flag is off, or its rows' form unused
+    optional = ("entropy_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr",
+                "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr")
     # every Query-KL estimator with PPO's surrogate, every other surrogate with k3 (the two choices are independent)
     variants = [(estimator, "ppo-clip") for estimator in triton_objective.QKL_ESTIMATOR_CODES]
     variants += [("k3", objective) for objective in triton_objective.PG_OBJECTIVE_CODES if objective != "ppo-clip"]
@@ -108,7 +111,9 @@ def compile_objective_kernels():
                                   QKL_ESTIMATOR=triton_objective.QKL_ESTIMATOR_CODES[estimator],
                                   PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective],
                                   NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK,
-                                  SPANS=spans, HAS_SAMPLE_IDS=False)
+                                  SPANS=spans, HAS_SAMPLE_IDS=False, sample_ids_ptr=None,
+                                  **{"sample_ptr" if not spans else "order_ptr": None},
+                                  **{name: None for name in optional if not on})
                 constexprs["HAS_DUAL"] = on and objective == "ppo-clip"  # dual_clip is PPO's only
                 compiled = compile_for_hopper(triton_objective._objective_sample_kernel, signature, constexprs,
                                               num_warps=4)
@@ -120,7 +125,8 @@ def compile_objective_kernels():
         for mode in (0, 1, 2):
             constexprs = dict({name: mode == 1 for name in finish_flags}, NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode,
                               LOSS_AGG=loss_agg, NUM_PARTIALS_=triton_objective.NUM_PARTIALS,
-                              BLOCK=triton_objective.SAMPLE_BLOCK)
+                              BLOCK=triton_objective.SAMPLE_BLOCK,
+                              **({} if mode == 2 else {"num_items_ptr": None, "num_seqs_ptr": None}))
             compile_for_hopper(triton_objective._objective_finish_kernel, dict(
                 partials_ptr="*fp32", query_logp_ptr="*fp32", num_items_ptr="*fp32", num_seqs_ptr="*fp32",
                 loss_ptr="*fp32", metrics_ptr="*fp32", counts_ptr="*i64", scales_ptr="*fp32", num_samples="i32",
@@ -135,7 +141,8 @@ def compile_objective_kernels():
             kind_ptr="*i64", sample_ptr="*i64", targets_ptr="*i64", token_weight_ptr="*fp32",
             rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
             dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, NUM_CHECKS=5,
-                 BLOCK=triton_row_checks.BLOCK_ROWS))
+                 BLOCK=triton_row_checks.BLOCK_ROWS,
+                 **({} if on else {"targets_ptr": None, "token_weight_ptr": None, "rollout_logp_ptr": None})))
     print("compiled first-bad-row", flush=True)
     compile_for_hopper(triton_quantile._masked_quantile_kernel, dict(
         sorted_ptr="*fp32", kind_ptr="*i64", values_ptr="*fp32", out_ptr="*fp32", num_rows="i32", q="fp32"),
