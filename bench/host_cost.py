@@ -4,6 +4,7 @@ dispatch and allocation per fwd+bwd, for erpo_loss and for Liger's triton_grpo_l
     python -m bench.host_cost                       # N=1024 rows, V=128, 200 calls each; a markdown table
     python -m bench.host_cost --n 4096 --reps 500 --json out.json
     python -m bench.host_cost --device cuda --n 4096   # on a GPU: compiled kernels, real launches (below)
+    python -m bench.host_cost --path fused          # the fused path, phase by phase and per chunk (host_cost_fused)
 
 Every Triton launch is stubbed out (the interpreter's launcher `run` returns at once and counts the launch), the
 tensors live on the CPU, and each call is timed with `time.perf_counter_ns`. What is left is the host's own work:
@@ -253,6 +254,12 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
+    path = argparse.ArgumentParser(add_help=False)
+    path.add_argument("--path", choices=("logits", "fused"), default="logits")
+    known, argv = path.parse_known_args(argv)
+    if known.path == "fused":  # the fused path's own options and table: bench/host_cost_fused.py
+        from .host_cost_fused import main as fused_main
+        return fused_main(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1024, help="token rows N")
     parser.add_argument("--vocab", type=int, default=128, help="V (the kernels do not run: small is honest)")

@@ -65,6 +65,7 @@ the backward; O(N) vectors.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -612,15 +613,38 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
             plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
             segment_sum, entropy_pool))
+        chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
+                               objective, groups)
     for chunk, (start, stop) in enumerate(plan.chunks):
-        rows = slice(start, stop)
-        ready = early if chunk == 0 else 0  # rows whose logits the buffer holds already
-        logits = logits_buffer.logits(hidden[start + ready:stop], first=ready)
-        _, entropy, lse = kernels.forward(logits, targets[rows], transform,
-                                          (logp_out[rows], entropy_out[rows], lse_out[rows]))
-        grad_logp, grad_entropy = objective.gradient(chunk, rows)
-        groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, kernels, transform)
+        chunk_pass.run(chunk, slice(start, stop), ready=early if chunk == 0 else 0)
     return (logp_out, entropy_out, *groups.gradients())
+
+
+@dataclass(frozen=True)
+class ChunkPass:
+    """The work of one chunk in `loss_gradients`' loop (host work that the GPU waits for only when the host falls
+    behind it: `python -m bench.host_cost --path fused` times it): the logits GEMM into `logits_buffer`, the forward
+    row kernel into the rows of the call's [N] fp32 vectors logp, entropy and lse, the objective's gradient on
+    the chunk's rows and its dlogits into `groups`."""
+
+    logits_buffer: LogitsBuffer
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    transform: LogitTransform
+    kernels: RowKernels
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+    objective: object
+    groups: GradientGroups
+
+    def run(self, chunk: int, rows: slice, ready: int) -> None:
+        """Chunk number `chunk`, rows `rows`, the buffer holding the logits of its first `ready` rows already."""
+        logits = self.logits_buffer.logits(self.hidden[rows.start + ready:rows.stop], first=ready)
+        _, entropy, lse = self.kernels.forward(logits, self.targets[rows], self.transform,
+                                               (self.logp[rows], self.entropy[rows], self.lse[rows]))
+        grad_logp, grad_entropy = self.objective.gradient(chunk, rows)
+        self.groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, self.kernels, self.transform)
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
@@ -640,8 +664,15 @@ def options_argument(options: LossOptions) -> str:
 
 def options_from_argument(options: str, **tensor_options) -> LossOptions:
     """The LossOptions of an `options_argument` string, with the tensor-valued ones added."""
-    values = dict(item.split("=", 1) for item in options.split(";"))
-    return LossOptions(**{name: ast.literal_eval(value) for name, value in values.items()}, **tensor_options)
+    return LossOptions(**dict(_option_values(options)), **tensor_options)
+
+
+@functools.lru_cache(maxsize=64)
+def _option_values(options: str) -> tuple:
+    """((name, value), ...) of an `options_argument` string (numbers, strings, booleans, None: immutable), parsed
+    once per distinct string: ast.literal_eval of its 31 options took 290 us a call on the CPU, host time after the
+    validation's read that the GPU waits through."""
+    return tuple((name, ast.literal_eval(value)) for name, value in (item.split("=", 1) for item in options.split(";")))
 
 
 def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

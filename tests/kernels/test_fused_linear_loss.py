@@ -218,12 +218,11 @@ def test_gradient_rows_are_the_hidden_rows_receiving_a_gradient(backend, dtype, 
     NaN gradient keeps its row; D over one program's columns (1030) included. Written into a slice of a wider
     buffer, the rest left as it was."""
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(8, hidden_dim, generator=g).to(dtype)
+    hidden = torch.randn(8, hidden_dim, generator=g).to(device, dtype)
     hidden[1] = float("nan")
-    targets = torch.tensor([5, -100, 7, -100, 2, 9, 4, 1])
-    grad_logp = torch.tensor([0.5, 0.3, 0.0, 0.0, -1.0, float("nan"), 0.0, 2.0])
-    grad_entropy = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0])
-    hidden, targets, grad_logp, grad_entropy = (t.to(device) for t in (hidden, targets, grad_logp, grad_entropy))
+    targets = torch.tensor([5, -100, 7, -100, 2, 9, 4, 1], device=device)
+    grad_logp = torch.tensor([0.5, 0.3, 0.0, 0.0, -1.0, float("nan"), 0.0, 2.0], device=device)
+    grad_entropy = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0], device=device)
     buffer = torch.full((10, hidden_dim), 7.0, dtype=dtype, device=device)
     chunked.ROW_KERNELS[backend].gradient_rows_into(buffer[1:9], hidden, targets, grad_logp, grad_entropy)
     receives = torch.tensor([True, False, False, True, True, True, False, True], device=device)

@@ -140,8 +140,8 @@ def compile_objective_kernels():
         compile_for_hopper(triton_row_checks._first_bad_row_kernel, dict(
             kind_ptr="*i64", sample_ptr="*i64", targets_ptr="*i64", token_weight_ptr="*fp32",
             rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
-            dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, NUM_CHECKS=5,
-                 BLOCK=triton_row_checks.BLOCK_ROWS,
+            dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, WITH_SCORED_TARGETS=on,
+                 NUM_CHECKS=5, BLOCK=triton_row_checks.BLOCK_ROWS,
                  **({} if on else {"targets_ptr": None, "token_weight_ptr": None, "rollout_logp_ptr": None})))
     print("compiled first-bad-row", flush=True)
     compile_for_hopper(triton_quantile._masked_quantile_kernel, dict(
