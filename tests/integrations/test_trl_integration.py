@@ -27,7 +27,7 @@ from erpo.reference.cache import (
     compute_query_logp,  # noqa: E402
     prompt_hash,
 )
-from erpo_kernels import token_logprobs  # noqa: E402
+from erpo_kernels import fused_linear_token_logprobs, token_logprobs  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -908,6 +908,30 @@ def test_fused_linear_path_reads_the_layout_once(tiny, tmp_path):
     assert reads_without == {"Tensor.cpu": 2, "aten._local_scalar_dense": 2}, reads_without
     assert torch.equal(loss, loss_without) and grads and len(grads) == len(grads_without)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_without))
+
+
+def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path):
+    """FusedLinearScorer.logprobs(kind) (query_weight="current" scores the query rows alone) finds the rows of that
+    kind in the batch's host layout (`completion_rows`' read) and uploads their positions without a wait: the one
+    host read left is fused_linear_token_logprobs' range check of the targets (validate=True), where the boolean
+    indexes it replaced read the mask twice more (hidden's and targets'). The log-probs are, bit for bit, those of
+    the rows of that kind selected by their mask, 0 on the other rows."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True)
+    rows = completion_rows(with_logps(trainer, trl_inputs(trainer), old=True), every_position=False)
+    scorer = FusedLinearScorer(trainer.model, rows.batch, temperature=trainer.temperature,
+                               autocast=contextlib.nullcontext, logit_options={})
+    with scorer.head():
+        for kind in (1, 2):
+            with LaunchCounter(device="cpu") as counter:  # the trainer's device
+                counter.host_memory(rows.batch.host_layout)  # completion_rows' read, before the counting
+                logp = scorer.logprobs(kind)
+            assert counter.sync_names == {"aten._local_scalar_dense": 1}, counter.sync_names
+            of_kind = rows.batch.token_kind == kind
+            alone = fused_linear_token_logprobs(scorer.hidden.detach()[of_kind], scorer.weight,
+                                                rows.batch.targets[of_kind], bias=scorer.bias,
+                                                temperature=trainer.temperature)
+            assert of_kind.any() and (~of_kind).any()
+            assert torch.equal(logp[of_kind], alone) and not logp[~of_kind].any()
 
 
 def test_reference_cache_scores_the_prompt_rows_alone(tiny, tmp_path, monkeypatch):
