@@ -26,7 +26,7 @@ Phases are measured by wrapping functions of each contender (PHASES: the module 
 
 `--device cuda` times the same phases on a GPU machine with nothing stubbed: compiled Triton kernels, CUDA aten
 operators, the driver's launches, all at the small V (the kernels take microseconds, so each phase is the host's time,
-its launch paths included, but for the validation read's short wait, in "objective"). The device is synchronized
+its launch paths included, but for the validation read's short wait, in "entry"). The device is synchronized
 before each call, outside the clock. There, the launch count and the binding row are not measured (shown as "-").
 """
 from __future__ import annotations
@@ -47,8 +47,7 @@ import torch
 # through them by these module-level names)
 PHASES = {
     "erpo": [("validation", "erpo_kernels.api", "start_loss_input_checks"),
-             ("forward launch", "erpo_kernels.api", "per_token_logp_entropy"),
-             ("objective", "erpo_kernels.api", "objective_on_backend")],
+             ("loss node (kernels queued, metrics)", "erpo_kernels.api", "triton_logits_loss")],
     "liger": [],
 }
 BACKWARD = "autograd backward"
@@ -198,6 +197,9 @@ def _phase_medians(prepared, phases, reps: int, warmup: int, device: torch.devic
     if stub is not None:
         stub.launches_per_call = (stub.launches - launches_before) / reps
     order = ["entry"] + [phase for phase, _, _ in phases] + [BACKWARD, "total"]
+    unused = [f"{module}.{attribute}" for phase, module, attribute in phases if not samples[phase]]
+    if unused:
+        raise RuntimeError(f"host_cost: the loss never called {', '.join(unused)}: PHASES names a stale path")
     return {phase: statistics.median(samples[phase]) for phase in order}
 
 

@@ -11,7 +11,8 @@ gradient, for the options trainers use most, without an autograd graph over doze
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
                  (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
-                 block of rows; on the logits path `triton_logits`'s dlogits kernel follows
+                 block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
+                 follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
 
 The gradient coefficients, derived from the reference's equations (API.md's math; sg = detached):
     response row t of sample s, term_t = w_s tw_t rho_t pg_t + beta KL_t - c_H H_t, aggregated with factor
@@ -82,9 +83,14 @@ SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
     """True when these kernels compute the objective for `options` (module docstring); else the caller runs
     `objective.erpo_objective`."""
-    entropy_filter = options.top_entropy_quantile < 1.0
     return (token_logp.dtype == torch.float32 and (entropy is None or entropy.dtype == torch.float32)
-            and not (entropy_filter and (entropy is None or options.top_entropy_gather is not None)))
+            and fuses_options(options, has_entropy=entropy is not None))
+
+
+def fuses_options(options: LossOptions, has_entropy: bool = True) -> bool:
+    """`fuses` on fp32 log-probs and entropies (or none: has_entropy=False), as the logits path's token pass gives."""
+    entropy_filter = options.top_entropy_quantile < 1.0
+    return not (entropy_filter and (not has_entropy or options.top_entropy_gather is not None))
 
 
 @triton.jit
@@ -583,21 +589,29 @@ def _objective_finish_kernel(
 
 
 @triton.jit
-def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_ptr, scales_ptr, grad_logp_ptr,
-                           grad_entropy_ptr, num_rows, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = rows < num_rows
-    kind = tl.load(kind_ptr + rows, mask=inside, other=0)
+def objective_row_gradients(kind, coef_logp, coef_entropy, scales_ptr, grad_loss_ptr):
+    """(d loss / d logp_t, d loss / d H_t) of rows of token kind `kind` from their gradient coefficients (module
+    docstring, kernel 3), for grad_loss [] and the global factors [3] in memory; also what `triton_logits`' backward
+    kernels form themselves when the loss is one autograd node (`triton_logits_loss`)."""
     grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
     term_scale = tl.load(scales_ptr + 0)
     qkl_scale = tl.load(scales_ptr + 1)
     entropy_scale = tl.load(scales_ptr + 2)
-    coef_logp = tl.load(coef_logp_ptr + rows, mask=inside, other=0.0)
-    coef_entropy = tl.load(coef_entropy_ptr + rows, mask=inside, other=0.0)
     # rows of kind 0 (and rows no sample program visited: their coefficients are never written) get exact zeros
     grad_logp = tl.where(kind == 2, coef_logp * (term_scale * grad_loss),
                          tl.where(kind == 1, coef_logp * (qkl_scale * grad_loss), 0.0))
     grad_entropy = tl.where(kind == 2, coef_entropy * (entropy_scale * grad_loss), 0.0)
+    return grad_logp, grad_entropy
+
+
+@triton.jit
+def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_ptr, scales_ptr, grad_logp_ptr,
+                           grad_entropy_ptr, num_rows, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < num_rows
+    grad_logp, grad_entropy = objective_row_gradients(
+        tl.load(kind_ptr + rows, mask=inside, other=0), tl.load(coef_logp_ptr + rows, mask=inside, other=0.0),
+        tl.load(coef_entropy_ptr + rows, mask=inside, other=0.0), scales_ptr, grad_loss_ptr)
     tl.store(grad_logp_ptr + rows, grad_logp, mask=inside)
     tl.store(grad_entropy_ptr + rows, grad_entropy, mask=inside)
 
@@ -900,20 +914,40 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated; spans [2, S]:
     each sample's span of scored rows when the row checks found them (`triton_row_checks.RowChecksWithSpans`), else
     None (found here, `triton_segment.sample_spans`)."""
-    num_samples = inputs.advantages.shape[0]
-    token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
-    if spans is None:  # each sample's span of scored rows (rows of kind 0 belong to none, whatever their index)
-        spans = triton_sample_spans(sample_index, num_samples, token_kind)
-
-    entropy_threshold = None
-    if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
-        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
-                                               1.0 - options.top_entropy_quantile)
-
+    token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
     loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind, sample_index, spans,
-        *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
-        objective_settings(options, inputs, entropy is not None))
+        *objective_arguments(entropy, token_kind, inputs, options))
+    return loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs, options)
+
+
+def objective_rows(token_kind: torch.Tensor, sample_index: torch.Tensor, spans: Optional[torch.Tensor],
+                   num_samples: int) -> tuple:
+    """(token_kind, sample_index, spans) as the objective's kernels take them: contiguous, and spans [2, S] found
+    here (`triton_segment.sample_spans`) when None (rows of kind 0 belong to no span, whatever their index)."""
+    token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
+    if spans is None:
+        spans = triton_sample_spans(sample_index, num_samples, token_kind)
+    return token_kind, sample_index, spans
+
+
+def objective_arguments(entropy: Optional[torch.Tensor], token_kind: torch.Tensor, inputs: LossInputs,
+                        options: LossOptions) -> tuple:
+    """`objective_forward`'s arguments after the spans: the `LossInputs` tensors in fp32, the tensor denominators,
+    the entropy filter's threshold (its (1 - top_entropy_quantile)-quantile of the detached entropies, else None) and
+    the settings."""
+    entropy_threshold = None
+    if options.top_entropy_quantile < 1.0:
+        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
+                                               1.0 - options.top_entropy_quantile)
+    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
+            objective_settings(options, inputs, entropy is not None))
+
+
+def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs: LossInputs,
+                options: LossOptions) -> LossOutput:
+    """The LossOutput of the objective's outputs (loss [], query_logp, response_logp [S], the metrics and counts
+    vectors) for token_logp and entropy [N] (or None: NaN entropies, the entropy metrics absent)."""
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()

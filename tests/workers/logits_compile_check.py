@@ -5,6 +5,11 @@ from compile_check import compile_for_hopper, disassembler, loop_instructions, r
 from erpo_kernels import triton_logits, triton_objective, triton_quantile, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
+# the backward kernels' two forms: the gradients given (their pointers None), or formed from the objective's
+# coefficients (kind, the global factors and grad_loss read)
+GRADIENTS_GIVEN = {"FROM_COEFFICIENTS": False, "kind_ptr": None, "scales_ptr": None, "grad_loss_ptr": None}
+FROM_COEFFICIENTS = {"FROM_COEFFICIENTS": True}
+COEFFICIENT_POINTERS = {"kind_ptr": "*i64", "scales_ptr": "*fp32", "grad_loss_ptr": "*fp32"}
 
 
 def main():
@@ -24,7 +29,7 @@ def main():
                                           dict(common, grad_ptr=f"*{dtype}", grad_stride_row="i64",
                                                grad_stride_col="i32", lse_ptr="*fp32", entropy_ptr="*fp32",
                                                grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32"),
-                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
+                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **GRADIENTS_GIVEN}, num_warps=8)
             print(f"compiled backward{variant} {dtype} registers=%d spill_bytes=%d" % register_usage(compiled),
                   flush=True)
     compile_for_hopper(triton_segment._segment_sum_kernel,
@@ -66,12 +71,18 @@ def main():
     for name, kernel in (("shifted", triton_logits._logp_entropy_backward_kernel),
                          ("log2", triton_logits._logp_entropy_backward_log2_kernel)):
         for softcap in (False, True):
-            compiled = compile_for_hopper(kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32"),
-                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
-            print(f"compiled backward-variant {name}{'-softcap' if softcap else ''} bf16 registers=%d "
-                  "spill_bytes=%d" % register_usage(compiled), flush=True)
-        compiled = compile_for_hopper(kernel, backward_signature, {"stride_col": 1, "grad_stride_col": 1,
-                                                                   "SOFTCAP": False, "BLOCK_V": BLOCK_V},
+            # the gradients given (the two ops, the fused path), or formed from the objective's coefficients (the
+            # logits path's loss as one node, triton_logits_loss)
+            for gradients, suffix in ((GRADIENTS_GIVEN, ""), (FROM_COEFFICIENTS, "-coefficients")):
+                compiled = compile_for_hopper(
+                    kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32", **COEFFICIENT_POINTERS),
+                    {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **gradients}, num_warps=8)
+                print(f"compiled backward-variant {name}{'-softcap' if softcap else ''}{suffix} bf16 registers=%d "
+                      "spill_bytes=%d" % register_usage(compiled), flush=True)
+        # as the logits path's loss launches it (one node: the gradients formed from the coefficients)
+        compiled = compile_for_hopper(kernel, dict(backward_signature, **COEFFICIENT_POINTERS),
+                                      {"stride_col": 1, "grad_stride_col": 1, "SOFTCAP": False, "BLOCK_V": BLOCK_V,
+                                       **FROM_COEFFICIENTS},
                                       divisible_by_16=("logits_ptr", "stride_row", "grad_ptr", "grad_stride_row",
                                                        "targets_ptr", "lse_ptr", "entropy_ptr", "grad_logp_ptr",
                                                        "grad_entropy_ptr", "vocab_size"), num_warps=8)
