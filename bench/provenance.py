@@ -1,6 +1,6 @@
 """Where a recorded number comes from, written the same way by every bench script (`python -m bench`,
-bench.gemm_probe, bench.row_kernel_probe, bench.kernel_profile): the exact command, the commit, the date (UTC) and
-the versions of torch and Triton."""
+bench.gemm_probe, bench.row_kernel_probe, bench.kernel_profile, bench.host_cost): the exact command, the commit, the
+date (UTC) and the versions of torch and Triton."""
 from __future__ import annotations
 
 import datetime
