@@ -8,7 +8,10 @@ the limit, so a slow stage cannot take the next one's time), each writing its re
    image) stops a hung test and the tier goes on.
 2. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
    (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
-3. bench: `python -m bench` runs (BENCH_RUNS), most wanted first, all appending to one --progress file; each gets
+3. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
+   kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
+   gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
+4. bench: `python -m bench` runs (BENCH_RUNS), most wanted first, all appending to one --progress file; each gets
    what is left before the deadline, up to its own cap. What a run did not reach is in the table as `not reached`.
 
 Then the table merged from the progress file and a summary. The files (8, the device tool's limit) under OUT_DIR:
@@ -16,8 +19,9 @@ summary.md, gpu_check.log (environment, wheel install, each stage's command, lim
 train.log, train-metrics.jsonl, bench.log, bench.jsonl (`python -m bench --merge` reads it) and bench-results.md.
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
-the device-fixture guard and one Triton kernel test for the tier, one tiny training step, the bench's smoke shape
-(logits path, torch and Liger only); no wheels are installed, so missing peers are reported and skipped.
+the device-fixture guard and one Triton kernel test for the tier, one tiny training step, the fused-path profile's
+smoke shape (the CPU's operators, no gaps), the bench's smoke shape (logits path, torch and Liger only); no wheels
+are installed, so missing peers are reported and skipped.
 """
 from __future__ import annotations
 
@@ -50,11 +54,12 @@ KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test d
 KERNEL_WORKERS = 4          # pytest-xdist processes sharing the GPU: compiles, autotuning and CPU-only tests overlap
 TRAIN_LIMIT_S = 65          # measured 51 s
 TRAIN_STEPS = 20
+PROFILE_LIMIT_S = 45        # the fused path's profile at N=16384 ran in 25 s on the H200 at a550ecf (bench/RESULTS.md)
 DRY_RUN_CONTENDERS = "torch,liger"
 # the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
 DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
                         f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
-STAGES = ("kernels", "train", "bench")  # in the order they run (--stages picks some)
+STAGES = ("kernels", "train", "profile", "bench")  # in the order they run (--stages picks some)
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 
 
@@ -231,6 +236,14 @@ class GpuCheck:
         self.run("train", command, self.out / "train.log", TRAIN_LIMIT_S,
                  mirror=(run_dir / "metrics.jsonl", self.out / "train-metrics.jsonl"))
 
+    def profile(self) -> None:
+        command = [sys.executable, "-m", "bench.kernel_profile", "--path", "fused", "--contenders", "erpo",
+                   "--out", str(self.work / "fused-profile")]
+        command += ["--smoke"] if self.dry_run else ["--n", "16384"]
+        if self.commit:
+            command += ["--commit", self.commit]
+        self.run("profile", command, self.out / "bench.log", PROFILE_LIMIT_S)
+
     def bench(self) -> None:
         for index, plan in enumerate(BENCH_RUNS, 1):
             command = [sys.executable, "-m", "bench", *plan.arguments(self.dry_run), "--progress",
@@ -268,6 +281,7 @@ class GpuCheck:
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
+                  "", "## Fused-path profile", "", *profile_summary(self.work / "fused-profile" / "profile.md"),
                   "", "## Bench", "", *bench_summary(self.out / "bench.jsonl")]
         (self.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -289,6 +303,13 @@ def _stop_group(process: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def profile_summary(profile: Path) -> list:
+    """The profile stage's tables (bench.kernel_profile's profile.md, its title left out)."""
+    if not profile.exists():
+        return ["(not run)"]
+    return profile.read_text(encoding="utf-8").splitlines()[1:]
 
 
 def kernel_summary(log: Path) -> list:
@@ -357,6 +378,8 @@ def main(argv=None) -> int:
         check.kernels()
     if "train" in stages:
         check.train()
+    if "profile" in stages:
+        check.profile()
     if "bench" in stages:
         check.bench()
         check.merge_bench()

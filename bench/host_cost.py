@@ -4,6 +4,7 @@ dispatch and allocation per fwd+bwd, for erpo_loss and for Liger's triton_grpo_l
     python -m bench.host_cost                       # N=1024 rows, V=128, 200 calls each; a markdown table
     python -m bench.host_cost --n 4096 --reps 500 --json out.json
     python -m bench.host_cost --device cuda --n 4096   # on a GPU: compiled kernels, real launches (below)
+    python -m bench.host_cost --path fused          # the fused path, phase by phase and per chunk (host_cost_fused)
 
 Every Triton launch is stubbed out (the interpreter's launcher `run` returns at once and counts the launch), the
 tensors live on the CPU, and each call is timed with `time.perf_counter_ns`. What is left is the host's own work:
@@ -41,6 +42,8 @@ import time
 from collections import defaultdict
 
 import torch
+
+from .provenance import provenance
 
 # contender -> [(phase, module, attribute)]: the functions whose time is that phase's (each call of the loss goes
 # through them by these module-level names)
@@ -255,6 +258,13 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
+    command = sys.argv[1:] if argv is None else list(argv)  # the JSON's provenance: the command as given
+    path = argparse.ArgumentParser(add_help=False)
+    path.add_argument("--path", choices=("logits", "fused"), default="logits")
+    known, argv = path.parse_known_args(command)
+    if known.path == "fused":  # the fused path's own options and table: bench/host_cost_fused.py
+        from .host_cost_fused import main as fused_main
+        return fused_main(argv, command)
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1024, help="token rows N")
     parser.add_argument("--vocab", type=int, default=128, help="V (the kernels do not run: small is honest)")
@@ -263,6 +273,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--contenders", default="erpo,liger")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Triton stubbed under its interpreter; cuda: compiled kernels, nothing stubbed")
     args = parser.parse_args(argv)
@@ -282,7 +293,8 @@ def main(argv=None):
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"args": vars(args), "results": results}, file, indent=1)
+            json.dump({"meta": provenance("bench.host_cost", command, args.commit), "args": vars(args),
+                       "results": results}, file, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,27 @@ launches, Python, host reads).
 
 Each contender is warmed up (Triton compiles, allocator growth) and then profiled over `--calls` fwd+bwd calls;
 times are per call. Off CUDA (the dry run) the table lists the top-level CPU operators instead: no measurement.
+
+Where the GPU idles (`idle_gaps`, on CUDA): from the profiler's trace (also written, KEY.trace.json), every gap
+between one kernel's end and the next one's start, split into the time the GPU waited for the host (the next
+kernel's launch call came after the GPU ran dry: host work, or a host read that drained the queue) and launch
+latency; per call, by the kernel after the gap (a per-chunk wait shows as one gap per chunk before the same kernel),
+the largest gaps with the CPU operator that launched the next kernel, and the host's synchronizing CUDA calls.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from .provenance import header_lines, provenance
 
 SMOKE_ROWS, SMOKE_ROWS_PER_SAMPLE, SMOKE_VOCAB = 32, 16, 64  # the dry run's problem: the interpreter is slow
 
@@ -34,9 +44,10 @@ def _busy_us(intervals) -> float:
     return busy
 
 
-def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2) -> dict:
+def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2, trace_path=None) -> dict:
     """{"wall_us", "kernel_busy_us", "gpu_idle_us", "kernels": [{"name", "launches", "us"}]} per fwd+bwd call of
-    `prepared` (bench.contenders.Prepared), the kernels sorted by time; off CUDA the top-level CPU operators."""
+    `prepared` (bench.contenders.Prepared), the kernels sorted by time; off CUDA the top-level CPU operators. On
+    CUDA also "gaps" (`idle_gaps` of the profiler's trace, written to trace_path when given)."""
     on_cuda = device.type == "cuda"
 
     def step():
@@ -68,14 +79,70 @@ def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2) -
     span = (max(end for _, end in spans) - min(start for start, _ in spans)) / calls if spans else 0.0
     table = sorted(({"name": name, "launches": count / calls, "us": total / calls}
                     for name, (count, total) in per_name.items()), key=lambda row: -row["us"])
-    return {"wall_us": wall_us, "kernel_busy_us": busy, "gpu_idle_us": max(span - busy, 0.0), "kernels": table}
+    result = {"wall_us": wall_us, "kernel_busy_us": busy, "gpu_idle_us": max(span - busy, 0.0), "kernels": table}
+    if on_cuda:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(trace_path or Path(folder) / "trace.json")
+            profiler.export_chrome_trace(str(path))
+            result["gaps"] = idle_gaps(json.loads(path.read_text())["traceEvents"], calls)
+    return result
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton), cudaMemcpyAsync...
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
+TOP_GAPS = 12
+
+
+def idle_gaps(events: list, calls: int) -> dict:
+    """Per call: the GPU's idle time between kernels (trace events of a torch.profiler chrome trace, "ts" / "dur"
+    in us), "host_wait_us" of it before a kernel whose launch call ended after the GPU ran dry (the host was late),
+    "by_next_kernel" [{"name", "gaps", "idle_us", "host_wait_us"}] (gaps of at least 1 us), "largest" gaps
+    [{"idle_us", "host_wait_us", "after", "before", "launched_by"}] (the innermost CPU operator around the launch
+    call), "syncs" {CUDA call: {"count", "us"}} (the host blocking on the device: a host read) and "unmatched":
+    kernels whose launch call is not in the trace (their gaps count as launch latency)."""
+    ordered = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+                     key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    per_kernel = defaultdict(lambda: [0, 0.0, 0.0])
+    gaps, idle, waited, reach, previous = [], 0.0, 0.0, None, None
+    unmatched = sum(event.get("args", {}).get("correlation") not in launches for event in ordered)
+    for event in ordered:
+        if reach is not None and event["ts"] > reach:
+            gap = event["ts"] - reach
+            launch = launches.get(event.get("args", {}).get("correlation"))
+            late = min(gap, max(0.0, launch["ts"] + launch["dur"] - reach)) if launch else 0.0
+            idle, waited = idle + gap, waited + late
+            if gap >= 1.0:
+                entry = per_kernel[event["name"]]
+                entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + gap, entry[2] + late
+            gaps.append((gap, late, previous["name"], event["name"], launch))
+        if reach is None or event["ts"] + event["dur"] > reach:
+            reach, previous = event["ts"] + event["dur"], event
+    largest = []
+    for gap, late, after, before, launch in sorted(gaps, key=lambda g: -g[0])[:TOP_GAPS]:
+        around = [op for op in cpu_ops if launch and op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]]
+        largest.append({"idle_us": gap, "host_wait_us": late, "after": after, "before": before,
+                        "launched_by": min(around, key=lambda op: op["dur"])["name"] if around else "-"})
+    syncs = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if event.get("cat") in LAUNCH_CATEGORIES and event.get("name") in SYNC_CALLS:
+            syncs[event["name"]][0] += 1
+            syncs[event["name"]][1] += event.get("dur", 0.0)
+    by_kernel = sorted(({"name": name, "gaps": count / calls, "idle_us": gap / calls, "host_wait_us": late / calls}
+                        for name, (count, gap, late) in per_kernel.items()), key=lambda row: -row["idle_us"])
+    return {"idle_us": idle / calls, "host_wait_us": waited / calls, "by_next_kernel": by_kernel[:TOP_GAPS],
+            "largest": largest, "syncs": {name: {"count": count / calls, "us": us / calls}
+                                          for name, (count, us) in syncs.items()}, "unmatched": unmatched / calls}
 
 
 def markdown(results: dict, meta: dict) -> str:
     lines = [f"# One {meta['path']}-path fwd+bwd, kernel by kernel ({meta['device']}, N={meta['N']}, D={meta['D']}, "
              f"V={meta['V']}, {meta['dtype']}, "
-             f"{meta['calls']} calls)", "", f"- command: `{meta['command']}`", f"- commit: `{meta['commit']}`",
-             f"- date: `{meta['date']}`", f"- torch {meta['torch']}", ""]
+             f"{meta['calls']} calls)", "", *header_lines(meta), ""]
     unit = "kernel" if meta["device"] != "cpu" else "top-level CPU operator (dry run: not a measurement)"
     for key, result in results.items():
         lines.append(f"## {key}")
@@ -88,7 +155,26 @@ def markdown(results: dict, meta: dict) -> str:
                   f"| {unit} | launches | us per call |", "|---|---|---|"]
         lines += [f"| `{row['name'][:110]}` | {row['launches']:g} | {row['us']:.1f} |" for row in result["kernels"]]
         lines.append("")
+        if "gaps" in result:
+            lines += gap_lines(result["gaps"])
     return "\n".join(lines)
+
+
+def gap_lines(gaps: dict) -> list:
+    """The markdown of `idle_gaps`' result."""
+    syncs = ", ".join(f"{name} {value['count']:g} ({value['us']:.0f} us)" for name, value in gaps["syncs"].items())
+    lines = [f"GPU idle between kernels {gaps['idle_us']:.0f} us per call, {gaps['host_wait_us']:.0f} us of it "
+             f"waiting for the host (the next launch call ended after the GPU ran dry); host syncs per call: "
+             f"{syncs or 'none'}; kernels without a launch call in the trace per call: {gaps['unmatched']:g}", "",
+             "| idle before kernel | gaps per call | idle us per call | waiting for the host us per call |",
+             "|---|---|---|---|"]
+    lines += [f"| `{row['name'][:90]}` | {row['gaps']:g} | {row['idle_us']:.1f} | {row['host_wait_us']:.1f} |"
+              for row in gaps["by_next_kernel"]]
+    lines += ["", "| largest gaps (us) | waiting for the host | after kernel | before kernel | launched inside |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {row['idle_us']:.1f} | {row['host_wait_us']:.1f} | `{row['after'][:60]}` | `{row['before'][:60]}` "
+              f"| `{row['launched_by'][:50]}` |" for row in gaps["largest"]]
+    return lines + [""]
 
 
 def main(argv=None):
@@ -109,7 +195,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
-    from .__main__ import git_commit
     from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_workspace
     from .problem import SMOKE_SHAPE, Shape, build_problem, parse_shape
 
@@ -134,10 +219,13 @@ def main(argv=None):
         if args.path != "fused":
             raise SystemExit("--workspace-gib: only with --path fused")
         prepares[f"erpo@ws={gib:g}"] = erpo_fused_with_workspace(int(gib * 2**30))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results = {}
     for key, prepare in prepares.items():
         results[key] = prepare if isinstance(prepare, str) else profile_calls(
-            prepare(problem), device, 1 if args.smoke else args.calls, warmup=1 if args.smoke else 2)
+            prepare(problem), device, 1 if args.smoke else args.calls, warmup=1 if args.smoke else 2,
+            trace_path=out / f"{key}.trace.json")
         print(f"{key}: " + (results[key] if isinstance(results[key], str) else
                             f"wall {results[key]['wall_us']:.0f} us, idle {results[key]['gpu_idle_us']:.0f} us"),
               flush=True)
@@ -146,11 +234,7 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "N": rows,
             "path": args.path, "D": shape.hidden, "V": shape.vocab, "dtype": str(dtype).removeprefix("torch."),
             "calls": 1 if args.smoke else args.calls,
-            "command": "python -m bench.kernel_profile " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "commit": args.commit or git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "torch": torch.__version__}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+            **provenance("bench.kernel_profile", sys.argv[1:] if argv is None else argv, args.commit)}
     (out / "profile.md").write_text(markdown(results, meta))
     (out / "profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 

@@ -30,7 +30,7 @@ if [ "$dry_run" = 1 ]; then
     "$python" -m bench --smoke --paths logits --contenders erpo,erpo-log2 --progress "$out/logits.jsonl" \
         --out "$out/bench" --commit "$commit"
     "$python" -m bench.host_cost --n 64 --rows-per-sample 16 --vocab 37 --reps 3 --warmup 1 \
-        --json "$out/host_cost.json" > "$out/host_cost.md"
+        --json "$out/host_cost.json" --commit "$commit" > "$out/host_cost.md"
     "$python" -m bench.kernel_profile --smoke --contenders erpo,erpo-log2,liger --out "$out/profile" \
         --commit "$commit"
     exit 0
@@ -46,7 +46,7 @@ timeout 48 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "
     --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" --commit "$commit" || status=$?
 echo "bench: exit $status"
 timeout 60 "$python" -m bench.host_cost --device cuda --n 4096 --reps 300 --json "$out/host_cost.json" \
-    > "$out/host_cost.md" || echo "host_cost: exit $?"
+    --commit "$commit" > "$out/host_cost.md" || echo "host_cost: exit $?"
 cat "$out/host_cost.md"
 timeout 20 "$python" -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out "$out/profile" \
     --commit "$commit" || echo "kernel_profile: exit $?"

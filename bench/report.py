@@ -17,8 +17,11 @@ TARGET_VOCAB = 152064
 
 # (issue, path, description, kind, peer, threshold): kind "floor" = ours / floor <= t; "speedup" = peer / ours >= t
 # ("faster than" is > 1, written as threshold 1); "workspace" = workspace / bf16 logits <= t; "budget" = workspace
-# bytes <= t. A threshold is one number for every N or a {N: number} map (no entry: the target says nothing at that N).
-WORKSPACE_BUDGET_BYTES = 1 << 30  # issue 32: the fused path's extra memory, default workspace_bytes
+# bytes <= t + 4 V D (the fp32 d weight accumulator, outside the workspace budget by decision: docs/API.md,
+# `workspace_bytes`). A threshold is one number for every N or a {N: number} map (no entry: the target says nothing at
+# that N).
+WORKSPACE_BUDGET_BYTES = 1 << 30  # issue 32: the fused path's chunk budget, default workspace_bytes
+ACCUMULATOR_BYTES_PER_WEIGHT = 4  # the fp32 d weight accumulator [V, D] of a bf16 / fp16 lm_head
 TARGETS = (
     (32, "logits", "fwd+bwd within 1.3x (N=4096) / 1.2x of the bandwidth floor", "floor", None,
      {4096: 1.3, 16384: 1.2, 65536: 1.2}),
@@ -26,7 +29,8 @@ TARGETS = (
     (32, "fused", "fwd+bwd within 1.5x (N=4096) / 1.2x (N=16384) of the 6NDV matmul floor", "floor", None,
      {4096: 1.5, 16384: 1.2}),
     (32, "fused", "faster than torch.compile's formula", "speedup", "compile", 1.0),
-    (32, "fused", "extra memory (peak minus returned gradients) <= 1 GiB", "budget", None, WORKSPACE_BUDGET_BYTES),
+    (32, "fused", "extra memory (peak minus returned gradients) <= workspace (budget, 1 GiB) + fp32 d weight "
+     "accumulator (4VD, fixed)", "budget", None, WORKSPACE_BUDGET_BYTES),
     (4, "logits", ">= 4x faster than torch eager (backend='torch')", "speedup", "torch", 4.0),
     (4, "logits", ">= 1.5x faster than torch.compile", "speedup", "compile", 1.5),
     (4, "fused", "faster than CCE", "speedup", "cce", 1.0),
@@ -86,6 +90,7 @@ def evaluate_targets(rows: list) -> list:
                     value = mine.get("workspace_frac_logits")
                     verdict = "n/a" if value is None else value <= threshold
                 elif kind == "budget":
+                    threshold += ACCUMULATOR_BYTES_PER_WEIGHT * mine["V"] * mine["D"]
                     value = None if mine.get("workspace_bytes") is None else mine["workspace_bytes"] / GIB
                     verdict = "n/a" if value is None else mine["workspace_bytes"] <= threshold
                 else:

@@ -17,8 +17,9 @@ chunks (`GradientGroups`):
                                                  `gradient_view`, a group being one chunk)
     dH_g  = dlogits_g @ W                        one GEMM per group, rounded once to hidden's dtype
     dW   += dlogits_g.T @ hidden_g               one GEMM per group accumulated in fp32, the first group writing it
-                                                 (rows that get no gradient zeroed first, so a non-finite padding
-                                                 row cannot poison dW)
+                                                 (rows that get no gradient zeroed first, chunk by chunk into the
+                                                 group's [G, D] buffer, so a non-finite padding row cannot poison
+                                                 dW)
 
 That is 2NDV + 2NDV + 2NDV. Why groups: each accumulation reads and writes the fp32 [V, D] accumulator (4.4 GB for
 Qwen2.5-7B), which on an H200 cost 39.2 ms per 16384 rows in 1024-row passes against 28.4 ms in 2048-row and 25.9
@@ -45,11 +46,14 @@ from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split query r
 ell_theta(q), the split response rows when a per-sample response value is read, and every response row with the
 entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
 
-Launches: a constant, 13 per chunk and 5 per group on the Triton backend (per chunk the logits GEMM, the two row
-kernels, the objective's two and a few elementwise ops; per group d hidden, the masked hidden rows, d weight and
-d bias: 27 + 13 x chunks + 5 x groups counted on the CPU, tests/kernels/test_fused_linear_loss.py); the torch
-backend, the oracle, runs the whole reference objective with autograd per chunk (O(N) work and all its ops each
-time).
+Launches: a constant, 6 per chunk and 2 per group on the Triton backend, 2 more per group with a bias (per chunk
+the logits GEMM, the forward row kernel writing straight into the call's [N] vectors, the objective's two, the
+backward row kernel and the hidden rows that d weight reads, `triton_gradient_rows`; per group d hidden and
+d weight, d bias's column sum and its addition: 26 + 6 x chunks + 4 x groups with a bias, counted on the CPU,
+tests/kernels/test_fused_linear_loss.py; per call and per chunk, with the host's microseconds,
+`python -m bench.host_cost --path fused`). No host read inside the chunk loop but fp16's gradient scale (one per
+chunk). The torch backend, the oracle, runs the whole reference objective with autograd per chunk (O(N) work and
+all its ops each time).
 
 Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]): the fp32 logits buffer and
 the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
@@ -61,6 +65,8 @@ the backward; O(N) vectors.
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -84,9 +90,12 @@ class RowKernels:
     """One backend's work on a chunk: the per-row softmax pass on fp32 logits [n, V] (the logits path's kernels)
     and the objective's gradient on the chunk's rows.
 
-    forward(logits, targets [n] int64 -100 = ignored, LogitTransform) -> (logp, entropy, lse) [n] fp32
+    forward(logits, targets [n] int64 -100 = ignored, LogitTransform, out) -> (logp, entropy, lse) [n] fp32, written
+        into out (three contiguous [n] fp32 tensors: views of the call's [N] vectors, so nothing is copied after)
     backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, LogitTransform): writes d logits
         into grad_logits [n, V] (any float dtype; it may alias `logits` row by row, see `gradient_view`)
+    gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy): writes hidden_rows [n, D] into out
+        [n, D], the rows that receive no gradient zeroed (`common.rows_receiving_gradient`): d weight's operand
     temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
     chunk_objective(ChunkObjectiveInputs) -> an object whose gradient(c, rows: slice) gives
         (d loss / d logp, d loss / d entropy) [n] fp32 on chunk c's rows
@@ -95,6 +104,7 @@ class RowKernels:
     name: str
     forward: Callable
     backward_into: Callable
+    gradient_rows_into: Callable
     temporary_bytes_per_logit: int
     chunk_objective: Callable
 
@@ -128,10 +138,16 @@ class ChunkObjectiveInputs:
 CHUNK_FORWARD_VARIANT = "log2-block"
 
 
-def _triton_forward(logits, targets, transform: LogitTransform):
+def _triton_forward(logits, targets, transform: LogitTransform, out):
     # the logits path's launcher (inside this op's body no op boundary is needed), with the chunks' own variant
     from .triton_logits import _launch_forward
-    return _launch_forward(logits, targets, transform, CHUNK_FORWARD_VARIANT)
+    return _launch_forward(logits, targets, transform, CHUNK_FORWARD_VARIANT, out)
+
+
+def _torch_forward(logits, targets, transform: LogitTransform, out):
+    for into, value in zip(out, torch_rows_forward(logits, targets, transform)):
+        into.copy_(value)
+    return out
 
 
 def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
@@ -145,6 +161,15 @@ def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp,
 def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,
                          transform: LogitTransform):
     grad_logits.copy_(torch_rows_gradient(logits, targets, lse, entropy, grad_logp, grad_entropy, transform))
+
+
+def _triton_gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy):
+    from .triton_gradient_rows import gradient_rows_into  # Triton is imported only when its kernels run
+    gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy)
+
+
+def _torch_gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy):
+    out.copy_(torch.where(rows_receiving_gradient(targets, grad_logp, grad_entropy).unsqueeze(1), hidden_rows, 0.0))
 
 
 def logits_row_bytes(vocab_size: int, kernels: RowKernels) -> int:
@@ -318,11 +343,12 @@ class LogitsBuffer:
 
     def logits(self, hidden_rows, first: int = 0):
         """[first + n, V] fp32 view of the buffer's first rows, rows first to first + n now holding hidden_rows
-        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant `first`
-        is a multiple of INVARIANT_ROWS)."""
+        [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant and n > 0
+        `first` is a multiple of INVARIANT_ROWS). No GEMM when n = 0."""
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
-            _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
+            if num_rows:
+                _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
             return self.buffer[:first + num_rows]
         for start in range(0, num_rows, INVARIANT_ROWS):
             piece = hidden_rows[start:start + INVARIANT_ROWS]
@@ -359,12 +385,11 @@ def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTr
                          max_rows: int, logits_buffer: LogitsBuffer):
     """Forward only: (logp, entropy) [P] fp32 of the P rows `rows` (int64 [P] on hidden's device) in pieces of
     `max_rows` rows through `logits_buffer`."""
-    logp = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
-    entropy = torch.empty_like(logp)
+    logp, entropy, lse = (torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(3))
     for piece in index_slices(rows.shape[0], max_rows):
         index = rows[piece]
         logits = logits_buffer.logits(hidden.index_select(0, index))
-        logp[piece], entropy[piece], _ = kernels.forward(logits, targets.index_select(0, index), transform)
+        kernels.forward(logits, targets.index_select(0, index), transform, (logp[piece], entropy[piece], lse[piece]))
     return logp, entropy
 
 
@@ -424,8 +449,9 @@ def _triton_chunk_objective(given: ChunkObjectiveInputs):
                                 given.token_kind, given.inputs, given.options, given.entropy_pool)
 
 
-ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, 0, _triton_chunk_objective),
-               "torch": RowKernels("torch", torch_rows_forward, _torch_backward_into,
+ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, _triton_gradient_rows_into, 0,
+                                    _triton_chunk_objective),
+               "torch": RowKernels("torch", _torch_forward, _torch_backward_into, _torch_gradient_rows_into,
                                    TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
 
 
@@ -453,7 +479,8 @@ class GradientGroups:
         self.weight_written = False
         self.grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
                           else None)
-        self.receives = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device) if needs_weight else None
+        # the open group's hidden rows with those receiving no gradient zeroed (`RowKernels.gradient_rows_into`)
+        self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1]) if needs_weight else None
         self.rows, self.scale, self.dlogits = None, 1.0, None  # the open group: its rows, fp16 scale, dlogits
 
     def add_chunk(self, rows: slice, logits, lse, entropy, grad_logp, grad_entropy, kernels: RowKernels,
@@ -469,14 +496,13 @@ class GradientGroups:
             self.rows, self.scale = slice(rows.start, rows.start), scale
         if scale != 1.0:
             grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
-        if self.store is None:
-            dlogits = gradient_view(logits, dtype)
-        else:
-            dlogits = self.store[rows.start - self.rows.start:rows.stop - self.rows.start]
-        kernels.backward_into(dlogits, logits, self.targets[rows], lse, entropy, grad_logp.contiguous(),
-                              grad_entropy.contiguous(), transform)
-        if self.receives is not None:
-            self.receives[rows] = rows_receiving_gradient(self.targets[rows], grad_logp, grad_entropy)
+        in_group = slice(rows.start - self.rows.start, rows.stop - self.rows.start)
+        dlogits = gradient_view(logits, dtype) if self.store is None else self.store[in_group]
+        targets = self.targets[rows]
+        kernels.backward_into(dlogits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
+        if self.gradient_rows is not None:
+            kernels.gradient_rows_into(self.gradient_rows[in_group], self.hidden[rows], targets, grad_logp,
+                                       grad_entropy)
         self.rows = slice(self.rows.start, rows.stop)
         if self.store is None:
             self.dlogits = dlogits
@@ -493,8 +519,8 @@ class GradientGroups:
             out = self.grad_hidden[rows]
             torch.addmm(out, dlogits, self.weight, beta=0, alpha=inverse, out=out)
         if self.grad_weight is not None:
-            masked = torch.where(self.receives[rows].unsqueeze(1), self.hidden[rows], 0.0)
-            _accumulate_product(self.grad_weight, dlogits.t(), masked, inverse, accumulate=self.weight_written)
+            _accumulate_product(self.grad_weight, dlogits.t(), self.gradient_rows[:rows.stop - rows.start], inverse,
+                                accumulate=self.weight_written)
             self.weight_written = True
         if self.grad_bias is not None:
             self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=inverse)
@@ -520,8 +546,8 @@ def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kern
     logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
     logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
     for rows in index_slices(num_rows, max_rows):
-        logp[rows], entropy[rows], lse[rows] = kernels.forward(logits_buffer.logits(hidden[rows]), targets[rows],
-                                                               transform)
+        kernels.forward(logits_buffer.logits(hidden[rows]), targets[rows], transform,
+                        (logp[rows], entropy[rows], lse[rows]))
     return logp, entropy, lse
 
 
@@ -577,25 +603,53 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
     logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
     entropy_out = torch.zeros_like(logp_out)
+    lse_out = torch.empty_like(logp_out)  # each chunk's, read by its own backward
     if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
         prepass = host_to_device(plan.prepass_rows, hidden.device)
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
         early = 0
+    if plan.chunks:  # the first chunk's other rows' logits (its own GEMM, only earlier): the GPU runs them while the
+        # host sets the objective up
+        logits_buffer.logits(hidden[early:plan.chunks[0][1]], first=early)
+        early = plan.chunks[0][1]
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     if plan.chunks:
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
             plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
             segment_sum, entropy_pool))
+        chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
+                               objective, groups)
     for chunk, (start, stop) in enumerate(plan.chunks):
-        rows = slice(start, stop)
-        ready = early if chunk == 0 else 0  # rows whose logits the buffer holds already
-        logits = logits_buffer.logits(hidden[start + ready:stop], first=ready)
-        logp, entropy, lse = kernels.forward(logits, targets[rows], transform)
-        logp_out[rows], entropy_out[rows] = logp, entropy
-        grad_logp, grad_entropy = objective.gradient(chunk, rows)
-        groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, kernels, transform)
+        chunk_pass.run(chunk, slice(start, stop), ready=early if chunk == 0 else 0)
     return (logp_out, entropy_out, *groups.gradients())
+
+
+@dataclass(frozen=True)
+class ChunkPass:
+    """The work of one chunk in `loss_gradients`' loop (host work that the GPU waits for only when the host falls
+    behind it: `python -m bench.host_cost --path fused` times it): the logits GEMM into `logits_buffer`, the forward
+    row kernel into the rows of the call's [N] fp32 vectors logp, entropy and lse, the objective's gradient on
+    the chunk's rows and its dlogits into `groups`."""
+
+    logits_buffer: LogitsBuffer
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    transform: LogitTransform
+    kernels: RowKernels
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+    objective: object
+    groups: GradientGroups
+
+    def run(self, chunk: int, rows: slice, ready: int) -> None:
+        """Chunk number `chunk`, rows `rows`, the buffer holding the logits of its first `ready` rows already."""
+        logits = self.logits_buffer.logits(self.hidden[rows.start + ready:rows.stop], first=ready)
+        _, entropy, lse = self.kernels.forward(logits, self.targets[rows], self.transform,
+                                               (self.logp[rows], self.entropy[rows], self.lse[rows]))
+        grad_logp, grad_entropy = self.objective.gradient(chunk, rows)
+        self.groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, self.kernels, self.transform)
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
@@ -615,20 +669,27 @@ def options_argument(options: LossOptions) -> str:
 
 def options_from_argument(options: str, **tensor_options) -> LossOptions:
     """The LossOptions of an `options_argument` string, with the tensor-valued ones added."""
-    values = dict(item.split("=", 1) for item in options.split(";"))
-    return LossOptions(**{name: ast.literal_eval(value) for name, value in values.items()}, **tensor_options)
+    return LossOptions(**dict(_option_values(options)), **tensor_options)
 
 
-@torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", mutates_args=())
-def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
-                      advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
-                      query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
-                      ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
-                      rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
-                      num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
-                      kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
-                      needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor]) -> OpOutputs:
+@functools.lru_cache(maxsize=64)
+def _option_values(options: str) -> tuple:
+    """((name, value), ...) of an `options_argument` string (numbers, strings, booleans, None: immutable), parsed
+    once per distinct string: ast.literal_eval of its 31 options took 290 us a call on the CPU, host time after the
+    validation's read that the GPU waits through."""
+    return tuple((name, ast.literal_eval(value)) for name, value in (item.split("=", 1) for item in options.split(";")))
+
+
+def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                   targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
+                                   advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
+                                   query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
+                                   ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
+                                   rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
+                                   num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
+                                   kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
+                                   needs_weight: bool, needs_bias: bool,
+                                   host_layout: Optional[torch.Tensor]) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
     ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
     gradient scales the stored ones (loss = objective value + anchor). host_layout: `loss_gradients`'."""
@@ -644,6 +705,13 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
         batch_invariant, entropy_pool, host_layout)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
+
+
+loss_gradients_op = torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", loss_gradients_of_op_arguments,
+                                            mutates_args=())
+# The op's arguments by name, in its schema's order (inferred from the signature), the order in which autograd hands
+# them to `_setup_context` and takes their gradients back from `_backward`
+OP_ARGUMENTS = tuple(inspect.signature(loss_gradients_of_op_arguments).parameters)
 
 
 @loss_gradients_op.register_fake
@@ -666,10 +734,11 @@ def check_weight_unchanged(weight, forward_shape) -> None:
 
 
 def _setup_context(ctx, inputs, output):
+    arguments = dict(zip(OP_ARGUMENTS, inputs))
     logp, entropy, _anchor, *grads = output
-    ctx.save_for_backward(inputs[1], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
-    ctx.weight_shape = inputs[1].shape
-    ctx.triton = inputs[17] == "triton"
+    ctx.save_for_backward(arguments["weight"], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
+    ctx.weight_shape = arguments["weight"].shape
+    ctx.triton = arguments["kernels"] == "triton"
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
@@ -686,8 +755,8 @@ def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
         def scale(grad, factor):
             return (grad.float() * factor).to(grad.dtype)
     grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
-             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
-    return (*grads, *([None] * 21))
+             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]  # hidden, weight, bias: the first three
+    return (*grads, *([None] * (len(OP_ARGUMENTS) - len(grads))))
 
 
 loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)

@@ -72,10 +72,13 @@ def chunk_layout(chunks: List[Tuple[int, int]], token_kind: np.ndarray, sample_i
     rows_by_sample = scored[np.argsort(samples, kind="stable")]
     sample_sizes = np.bincount(samples, minlength=num_samples)
     sample_starts = np.concatenate(([0], np.cumsum(sample_sizes)))
-    chunk_bounds = np.searchsorted(scored, np.array(chunks, dtype=np.int64).reshape(-1, 2))  # scored rows per chunk
-    per_chunk = [np.unique(samples[low:high]) for low, high in chunk_bounds]
-    program_offsets = np.concatenate(([0], np.cumsum([len(ids) for ids in per_chunk]))).astype(np.int64)
-    sample_ids = np.concatenate(per_chunk).astype(np.int64) if per_chunk else np.zeros(0, dtype=np.int64)
+    # each chunk's samples, ascending: the distinct (chunk, sample) pairs of the scored rows, in one sort
+    starts = np.array([start for start, _ in chunks], dtype=np.int64)
+    stride = max(num_samples, 1)
+    pairs = np.unique((np.searchsorted(starts, scored, side="right") - 1) * stride + samples)
+    program_offsets = np.concatenate(([0], np.cumsum(np.bincount(pairs // stride, minlength=len(chunks)))))
+    program_offsets = program_offsets.astype(np.int64)
+    sample_ids = (pairs % stride).astype(np.int64)
     sizes = sample_sizes[sample_ids]
     program_starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     # position j of program p reads rows_by_sample[sample_starts[sample_ids[p]] + j - program_starts[p]]

@@ -372,11 +372,13 @@ def forward_variant(name: str):
         _forward_variant[0] = previous
 
 
-def _launch_forward(logits, targets, transform: LogitTransform, variant_name: Optional[str] = None):
+def _launch_forward(logits, targets, transform: LogitTransform, variant_name: Optional[str] = None, out=None):
     """(logp, entropy, lse) [N] fp32 of logits [N, V] (targets [N] int64, -100 = ignored) by the forward kernel of
-    FORWARD_VARIANTS[variant_name] (None: the process-wide one, `forward_variant`)."""
+    FORWARD_VARIANTS[variant_name] (None: the process-wide one, `forward_variant`), written into `out` when given
+    (three contiguous [N] fp32 tensors, returned)."""
     num_rows, vocab_size = logits.shape
-    logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    logp, entropy, lse = out if out is not None else (
+        torch.empty(num_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     variant = FORWARD_VARIANTS[variant_name or _forward_variant[0]]
     block_v = block_size_for(vocab_size, variant.widest)
     if num_rows > 0:

@@ -96,10 +96,12 @@ def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples
 
 
 def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
-                         vocab_size: Optional[int]) -> torch.Tensor:
-    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument)."""
+                         vocab_size: Optional[int], with_spans: bool = False,
+                         with_scored_targets: bool = False) -> torch.Tensor:
+    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument):
+    [1] int64, or [1 + 2 S] with_spans, [2 + 2 S + N] with_scored_targets too (`first_bad_row`)."""
     return _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp), num_samples,
-                          vocab_size or 0)
+                          vocab_size or 0, with_spans, with_scored_targets)
 
 
 def _contiguous(*tensors):
@@ -119,11 +121,11 @@ class RowChecksWithSpans:
     def __call__(self, token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
                  vocab_size: Optional[int]):
         num_rows = token_kind.shape[0]
-        if num_rows == 0:
+        if num_rows == 0:  # the spans' fill needs N > 0 rows (`first_bad_row`)
             return triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
                                         vocab_size)
-        checked = _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp),
-                                 num_samples, vocab_size or 0, True, targets is not None)
+        checked = triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
+                                       vocab_size, with_spans=True, with_scored_targets=targets is not None)
         self.spans = checked[1:1 + 2 * num_samples].view(2, num_samples)
         if targets is None:
             return checked[:1]

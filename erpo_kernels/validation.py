@@ -316,7 +316,8 @@ def check_tensor(name: str, tensor, *, ndim: int, length: int | None = None, dev
 
 
 COMPILED_ROWS_MESSAGE = ("erpo_kernels: an input row is invalid (targets, token_kind, sample_index, token_weight or "
-                         "rollout_logp); call the loss without torch.compile to see which row and why")
+                         "rollout_logp), or host_layout disagrees with the rows, or completion_mask with "
+                         "attention_mask; call the loss without torch.compile to see which row and why")
 
 
 def check_rows(checks) -> None:

@@ -210,6 +210,27 @@ def test_nonfinite_padding_row_does_not_poison_the_gradients(device):
     assert torch.all(results[1][0][padding] == 0)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,hidden_dim", [(torch.float32, 24), (torch.bfloat16, 1030)])
+def test_gradient_rows_are_the_hidden_rows_receiving_a_gradient(backend, dtype, hidden_dim, device):
+    """d weight's operand (`RowKernels.gradient_rows_into`) is torch.where(rows_receiving_gradient, hidden, 0.0) bit
+    for bit: rows with an ignored target and only a logp gradient, zero gradients or a NaN hidden row become +0.0, a
+    NaN gradient keeps its row; D over one program's columns (1030) included. Written into a slice of a wider
+    buffer, the rest left as it was."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(8, hidden_dim, generator=g).to(device, dtype)
+    hidden[1] = float("nan")
+    targets = torch.tensor([5, -100, 7, -100, 2, 9, 4, 1], device=device)
+    grad_logp = torch.tensor([0.5, 0.3, 0.0, 0.0, -1.0, float("nan"), 0.0, 2.0], device=device)
+    grad_entropy = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0], device=device)
+    buffer = torch.full((10, hidden_dim), 7.0, dtype=dtype, device=device)
+    chunked.ROW_KERNELS[backend].gradient_rows_into(buffer[1:9], hidden, targets, grad_logp, grad_entropy)
+    receives = torch.tensor([True, False, False, True, True, True, False, True], device=device)
+    expected = torch.where(receives.unsqueeze(1), hidden, 0.0)
+    assert torch.equal(buffer[1:9], expected) and not torch.signbit(buffer[1:9][~receives]).any()
+    assert torch.all(buffer[0] == 7) and torch.all(buffer[9] == 7)
+
+
 def plan(batch, rows, **needs):
     flags = {**dict(query_sums=False, response_values=False, all_response_entropies=False), **needs}
     return chunked.plan_chunks(batch["token_kind"].cpu().numpy(), batch["sample_index"].cpu().numpy(),
@@ -407,8 +428,9 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
 
 def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 12 chunks of whole samples: a + b x chunks
-    exactly, b small (the logits GEMM, the two row kernels, d hidden and d weight, and the objective's gradient in
-    two launches: its sample kernel on the chunk's samples, its gradient kernel on the chunk's rows), one host sync
+    exactly, b small (the logits GEMM, the two row kernels writing straight into the call's vectors, the hidden rows
+    d weight reads, d hidden, d weight and d bias, and the objective's gradient in two launches: its sample kernel
+    on the chunk's samples, its gradient kernel on the chunk's rows), one host sync
     (the chunk plan reads token_kind and sample_index together; the layout goes back without a wait)."""
     batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
@@ -429,13 +451,15 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     per_chunk = counts[2] - counts[1]
     constant = counts[1] - per_chunk
     assert all(launches == constant + per_chunk * chunks for chunks, launches in counts.items()), counts
-    assert per_chunk <= 18 and constant <= 30, (constant, per_chunk)
+    # per chunk (its own group here: fp32 dlogits over the logits) 6 + 4: the logits GEMM, the two row kernels, the
+    # objective's two, d weight's hidden rows; d hidden, d weight, d bias's column sum and its addition
+    assert per_chunk <= 10 and constant <= 26, (constant, per_chunk)
 
 
 def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
     """bf16, 12 chunks of 4 rows with their dlogits in a store of 48, 24 or 16 rows, or over their logits: launches
-    per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the masked hidden rows, the d weight GEMM
-    and d bias; on the CPU also the d weight GEMM's two fp32 copies), one host sync."""
+    per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the d weight GEMM and d bias: the hidden
+    rows that d weight reads are written chunk by chunk), one host sync."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
     batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
@@ -453,7 +477,73 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
         counts[groups] = counter.launches
     per_group = counts[2] - counts[1]
     assert all(launches == counts[1] + per_group * (groups - 1) for groups, launches in counts.items()), counts
-    assert 0 < per_group <= 7, per_group
+    assert 0 < per_group <= 4, per_group  # d hidden, d weight, d bias's column sum and its addition
+
+
+def host_layout_of(batch):
+    """[2, N] int64 host copy of the batch's token_kind and sample_index (what a caller passes as host_layout)."""
+    return torch.stack((batch["token_kind"], batch["sample_index"])).long().cpu()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
+    """fused_linear_erpo_loss(host_layout=...) plans its chunks on the caller's host copy of token_kind and
+    sample_index: one host read fewer per fwd+bwd (0 with validate=False, the value checks' 1 with True, where the copy
+    is checked against the rows in that same read), the same loss, per-row values and gradients bit for bit, with
+    samples split by chunks (a pre-pass) as with whole ones. Launches: 1 fewer with validate=False (the plan's
+    concatenation of the rows), 6 more with True (the copy's comparison with the rows, and its place in the read; on
+    CUDA also the copy's upload)."""
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    results = []
+    for host_layout in (None, host_layout_of(batch)):
+        hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+        with LaunchCounter() as counter:
+            if host_layout is not None:
+                counter.host_memory(host_layout)  # on the CPU, else taken for a device tensor
+            out = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias,
+                                         backend="triton", validate=validate, host_layout=host_layout,
+                                         workspace_bytes=budget_for(12, torch.float32, device), qkl_coef=0.5,
+                                         ratio_level="sequence", **inputs)
+            out.loss.backward()
+        results.append((counter.syncs, counter.launches, out.loss, out.token_logp, hidden.grad, weight.grad,
+                        bias.grad))
+    (reads, launches, *without), (reads_with, launches_with, *given) = results
+    assert (reads, reads_with) == (1 + validate, int(validate))
+    assert launches_with - launches in ({6, 7} if validate and device.type == "cuda" else {6} if validate else {-1})
+    assert all(torch.equal(a, b) for a, b in zip(without, given))
+
+
+def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(device):
+    """With validate=True a host_layout whose token_kind or sample_index differs from the rows' raises, naming the
+    first row that differs, before the loss is returned."""
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, device)
+    for row, value in ((0, 2), (5, 1)):  # row 0's kind (1 -> 2); row 5's sample (0 -> 1)
+        stale = host_layout_of(batch)
+        stale[int(row == 5), row] = value
+        with pytest.raises(ValueError, match=rf"^host_layout disagrees with the rows at row {row}: "):
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   host_layout=stale, **inputs)
+
+
+@pytest.mark.parametrize("host_layout, error, message", [
+    (np.zeros((2, 4), dtype=np.int64), TypeError, r"host_layout must be a \[2, N\] int64 CPU tensor .* got ndarray"),
+    (torch.zeros(2, 4, dtype=torch.int64, device="meta"), ValueError, r"host_layout must be in host memory .* on meta"),
+    (torch.zeros(2, 4, dtype=torch.int32, device="cpu"), TypeError, r"host_layout must be int64, got torch.int32"),
+    (torch.zeros(4, 2, dtype=torch.int64, device="cpu"), ValueError,
+     r"host_layout must have shape \[2, N\] = \(2, 4\) .* got \(4, 2\)"),
+], ids=["numpy", "device", "dtype", "shape"])
+def test_a_malformed_host_layout_is_one_line_naming_it(host_layout, error, message, device):
+    batch = packed_batch([(1, 2)], device)  # 4 rows
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(4, torch.float32, device)
+    for validate in (False, True):
+        with pytest.raises(error, match=message) as raised:
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   validate=validate, host_layout=host_layout, **inputs)
+        assert "\n" not in str(raised.value)
 
 
 def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
@@ -572,6 +662,24 @@ def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, devic
     for plain, scaled in zip(*grads):
         assert scaled.dtype == torch.bfloat16 and not torch.equal(plain, scaled)
         torch.testing.assert_close(scaled.float(), plain.float() / 3, rtol=2**-7, atol=0)  # one bf16 ulp
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_backward_scales_on_the_backend_the_op_was_given(backend, device):
+    """The op's backward finds the backend by the name of its argument (`fused_linear_loss.OP_ARGUMENTS`, the schema's
+    order), not by a position that an argument added before it would move: on "triton" one `triton_scale` pass per
+    gradient (hidden, weight, bias), on "torch" none; and it returns one gradient slot per argument of the op
+    (autograd refuses another count)."""
+    schema = torch.ops.erpo.fused_linear_erpo_loss_gradients.default._schema
+    assert chunked.OP_ARGUMENTS == tuple(argument.name for argument in schema.arguments)
+    batch = packed_batch([(1, 2)] * 3, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend=backend,
+                               validate=False, **inputs).loss.backward()
+    assert counter.names["triton._scale_kernel"] == (3 if backend == "triton" else 0)
+    assert all(t.grad is not None for t in (hidden, weight, bias))
 
 
 def test_scaled_op_passes_opcheck(device):

@@ -29,7 +29,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert {p.name for p in out.iterdir()} == FILES  # the device tool brings back 8 files at most
     summary = (out / "summary.md").read_text()
     stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
-    assert [name for name, _ in stages] == ["| kernels", "| train", "| bench 1: ours at every N",
+    assert [name for name, _ in stages] == ["| kernels", "| train", "| profile", "| bench 1: ours at every N",
                                             "| bench 2: the targets' peers at N=16384 and 4096",
                                             "| bench 3: peers at N=65536",
                                             "| bench 4: the other peers at N=16384 and 4096",
@@ -39,6 +39,8 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     from erpo_kernels.triton_logits import FORWARD_VARIANTS
     assert f"- result: {len(FORWARD_VARIANTS) + 2} passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
+    # the fused path's profile, its smoke shape on the CPU: its operators, in the summary
+    assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
     runs = read_runs(out / "bench.jsonl")
@@ -57,7 +59,8 @@ def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "train.log").exists() and not (tmp_path / "bench.jsonl").exists()
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
-    assert "--stages: expected a comma list of kernels, train, bench, got 'kernels,benhc'" in capsys.readouterr().err
+    expected = "--stages: expected a comma list of kernels, train, profile, bench, got 'kernels,benhc'"
+    assert expected in capsys.readouterr().err
 
 
 @pytest.fixture

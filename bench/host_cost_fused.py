@@ -1,0 +1,248 @@
+"""What one fused-path loss call (`fused_linear_erpo_loss`, Triton backend) costs the host, phase by phase and per
+chunk, with no kernel running: microseconds, aten launches, Triton launches and host reads (host-device syncs on a
+GPU) of each phase, on a small lm_head cut into the chunks and groups of a real one.
+
+    python -m bench.host_cost --path fused                      # N=16384, the plan of qwen2.5-7b in 1 GiB
+    python -m bench.host_cost --path fused --like qwen2.5-32b --workspace-gib 4 --json out.json
+
+The problem is bench.problem's (samples of --rows-per-sample rows, a quarter of them query rows, bf16) with a tiny
+D and V, and a workspace budget chosen so that the chunks and groups are those that `--like`'s lm_head gets on a
+GPU in `--workspace-gib` (for qwen2.5-7b in 1 GiB: chunks of 512 rows, d hidden and d weight per 2048 rows): the
+chunk loop runs as often, the host plans the same layout. As in `bench.host_cost`, every Triton launch is stubbed
+(it returns at once and is counted), the aten operators run for real on tiny CPU tensors (their CPU time stands in
+for a CUDA launch's host time), and Triton's own launch path is not in the times. Launches and host reads are
+counted by the tests' LaunchCounter (tests/support/launch_counts.py) in one call apart from the timed ones.
+
+Phases are exclusive: a phase's time and counts leave out those of the phases called inside it ("chunk" leaves out
+the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). What the GPU waits for:
+on a GPU each host read blocks the host until the queue drains, so the host time after a read, until the next
+kernel is queued, is GPU idle time (the validation's read, then the op setup and the chunk plan after the layout
+read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
+chunk's host time exceeds its kernels' time.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .host_cost import StubbedTriton
+from .provenance import provenance
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
+# (phase, "module:attribute[.attribute]") of the functions each call goes through, timed and counted exclusively
+FUSED_PHASES = [
+    ("validation", "erpo_kernels.fused_linear:check_loss_inputs"),
+    ("op setup", "erpo_kernels.fused_linear_loss:loss_gradients"),
+    ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
+    ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective"),
+    ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
+    ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.flush"),
+    ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),
+]
+ENTRY, BACKWARD = "entry", "autograd backward"
+MEASURES = ("us", "aten", "triton", "reads")
+
+
+def launch_counter():
+    """A new tests/support/launch_counts.LaunchCounter (the tests' own count), loaded from this repository."""
+    spec = importlib.util.spec_from_file_location("launch_counts", REPO / "tests" / "support" / "launch_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LaunchCounter()
+
+
+class PhaseMeter:
+    """Exclusive time (us) and, when `counter` is set, aten launches, Triton launches and host reads per phase, and
+    each phase's calls: `frame(phase)` opens a phase, nested frames' amounts left out of their parent's."""
+
+    def __init__(self, counter=None):
+        self.counter = counter
+        self.totals = defaultdict(lambda: dict.fromkeys(MEASURES, 0.0))
+        self.calls = defaultdict(int)
+        self._stack = []
+
+    def _now(self):
+        names = self.counter.names if self.counter is not None else {}
+        aten = sum(count for name, count in names.items() if name.startswith("aten."))
+        triton = sum(count for name, count in names.items() if name.startswith("triton."))
+        reads = self.counter.syncs if self.counter is not None else 0
+        return {"us": time.perf_counter_ns() / 1e3, "aten": aten, "triton": triton, "reads": reads}
+
+    @contextlib.contextmanager
+    def frame(self, phase: str):
+        start, inside = self._now(), dict.fromkeys(MEASURES, 0.0)
+        self._stack.append(inside)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            end = self._now()
+            spent = {m: end[m] - start[m] for m in MEASURES}
+            for m in MEASURES:
+                self.totals[phase][m] += spent[m] - inside[m]
+                if self._stack:
+                    self._stack[-1][m] += spent[m]
+            self.calls[phase] += 1
+
+
+def _resolve(target: str):
+    """(owner, attribute) of "module:attribute" or "module:Class.attribute"."""
+    module_name, path = target.split(":")
+    owner = importlib.import_module(module_name)
+    *outer, attribute = path.split(".")
+    for name in outer:
+        owner = getattr(owner, name)
+    return owner, attribute
+
+
+@contextlib.contextmanager
+def metered(meter: PhaseMeter, phases=FUSED_PHASES):
+    """Each phase's function wrapped in meter.frame(phase) within the block; restored on exit."""
+    saved = []
+
+    def wrap(phase, function):
+        def metered_call(*args, **kwargs):
+            with meter.frame(phase):
+                return function(*args, **kwargs)
+        return metered_call
+
+    for phase, target in phases:
+        owner, attribute = _resolve(target)
+        original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+        saved.append((owner, attribute, original))
+        setattr(owner, attribute, wrap(phase, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
+
+
+def _one_call(prepared, meter: PhaseMeter) -> None:
+    with meter.frame(ENTRY):
+        loss = prepared.run()
+    with meter.frame(BACKWARD):
+        torch.autograd.grad(loss, prepared.inputs)
+
+
+def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, like_vocab: int,
+                    workspace_bytes: int, dtype: torch.dtype):
+    """(budget bytes, Workspace): the workspace_bytes whose plan for N rows of the small lm_head [vocab, hidden] on
+    the CPU has the chunk and group rows that `plan_workspace` gives [like_vocab, like_hidden] on CUDA in
+    workspace_bytes."""
+    from erpo_kernels.fused_linear_loss import (
+        ROW_KERNELS,
+        gradient_row_bytes,
+        logits_row_bytes,
+        plan_workspace,
+    )
+    kernels, cpu = ROW_KERNELS["triton"], torch.device("cpu")
+    target = plan_workspace(num_rows, like_hidden, like_vocab, dtype, torch.device("cuda"), kernels,
+                            workspace_bytes, False)
+    gradient_row = gradient_row_bytes(vocab, hidden, dtype, cpu)
+    if target.separate_store:
+        budget = (target.chunk_rows * logits_row_bytes(vocab, kernels)
+                  + target.group_rows * (vocab * dtype.itemsize + gradient_row))
+    else:
+        budget = target.chunk_rows * (logits_row_bytes(vocab, kernels) + gradient_row)
+    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False)
+    if small != target:
+        raise SystemExit(f"no budget gives the small lm_head the plan {target} (it gets {small})")
+    return budget, target
+
+
+def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int,
+                  warmup: int) -> dict:
+    """Per phase (FUSED_PHASES, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call, and aten
+    launches, Triton launches and host reads per call; with the plan's chunks and groups."""
+    from .contenders import ERPO_OPTIONS, erpo_fused_with_workspace
+    from .problem import Shape, build_problem, parse_shape
+    like_shape = parse_shape(like)
+    dtype = torch.bfloat16
+    budget, workspace = matching_budget(num_rows, SMALL_HIDDEN, SMALL_VOCAB, like_shape.hidden, like_shape.vocab,
+                                        int(workspace_gib * 2**30), dtype)
+    problem = build_problem("fused", Shape(f"D={SMALL_HIDDEN},V={SMALL_VOCAB}", SMALL_HIDDEN, SMALL_VOCAB),
+                            num_rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
+                            device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
+                            clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
+    prepared = erpo_fused_with_workspace(budget)(problem)
+    per_rep = defaultdict(list)
+    with StubbedTriton():
+        for rep in range(warmup + reps):
+            meter = PhaseMeter()
+            with metered(meter):
+                _one_call(prepared, meter)
+            if rep >= warmup:
+                for phase, amounts in meter.totals.items():
+                    per_rep[phase].append(amounts["us"])
+                per_rep["total"].append(sum(amounts["us"] for amounts in meter.totals.values()))
+        counting = PhaseMeter(launch_counter())
+        with counting.counter, metered(counting):
+            _one_call(prepared, counting)
+    phases = {}
+    for phase in [ENTRY, *(name for name, _ in FUSED_PHASES), BACKWARD]:
+        counts = counting.totals.get(phase, dict.fromkeys(MEASURES, 0))
+        phases[phase] = {"calls": counting.calls[phase], "us": statistics.median(per_rep[phase]),
+                         **{m: counts[m] for m in ("aten", "triton", "reads")}}
+    phases["total"] = {"calls": 1, "us": statistics.median(per_rep["total"]),
+                       **{m: sum(p[m] for p in phases.values()) for m in ("aten", "triton", "reads")}}
+    return {"phases": phases, "chunks": counting.calls["chunk"], "groups": counting.calls["group GEMMs"],
+            "chunk_rows": workspace.chunk_rows, "group_rows": workspace.group_rows, "budget_bytes": budget}
+
+
+def markdown_fused(result: dict) -> str:
+    """One row per phase: calls, host us per call and each, launches and reads each; then the per-chunk line."""
+    lines = ["| phase | calls per fwd+bwd | host us per call (median) | us each | aten launches each | "
+             "Triton launches each | host reads each |", "|---|---|---|---|---|---|---|"]
+    for phase, row in result["phases"].items():
+        calls = row["calls"] or 1
+        lines.append(f"| {phase} | {row['calls']} | {row['us']:.0f} | {row['us'] / calls:.1f} | "
+                     f"{row['aten'] / calls:g} | {row['triton'] / calls:g} | {row['reads'] / calls:g} |")
+    chunk, group = result["phases"]["chunk"], result["phases"]["group GEMMs"]
+    chunks = max(result["chunks"], 1)
+    lines += ["", f"Per chunk, its share of the group GEMMs included: "
+                  f"{(chunk['us'] + group['us']) / chunks:.1f} us, "
+                  f"{(chunk['aten'] + group['aten']) / chunks:g} aten + "
+                  f"{(chunk['triton'] + group['triton']) / chunks:g} Triton launches, "
+                  f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
+                  f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
+                  f"most {result['group_rows']})."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str], command: list[str]):
+    """`python -m bench.host_cost --path fused` (host_cost.main's) with the options `argv`, those past --path;
+    `command`: the whole command's arguments, which the JSON records."""
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost --path fused",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=16384, help="token rows N")
+    parser.add_argument("--rows-per-sample", type=int, default=1024)
+    parser.add_argument("--like", default="qwen2.5-7b", help="the lm_head whose chunks and groups to reproduce "
+                                                             "(bench.problem.parse_shape)")
+    parser.add_argument("--workspace-gib", type=float, default=1.0, help="its workspace budget on the GPU (GiB)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup)
+    print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "
+          f"bf16, CPU, the chunks and groups of {args.like} in {args.workspace_gib:g} GiB "
+          f"(workspace_bytes={result['budget_bytes']} here); {args.reps} calls (after {args.warmup}), "
+          f"torch {torch.__version__}\n")
+    print(markdown_fused(result))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"meta": provenance("bench.host_cost", command, args.commit),
+                       "args": {**vars(args), "path": "fused"}, "results": {"erpo": result}}, file, indent=1)
