@@ -150,7 +150,8 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     one host read comes last, once every kernel of the forward is queued (`start_loss_input_checks`): the device is
     never idle while the host waits, and an input that fails them still raises before the loss is returned (the
     kernels are safe on any row values). With Triton the value checks' kernel also finds each sample's span of rows
-    for the objective (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both).
+    for the objective and writes the scored targets (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill
+    for the three); with validate=False the spans kernel does the last two (`RowChecksWithSpans.without_checks`).
     one_node(scored_targets, LossOptions, spans) -> LossOutput, when given: the token pass and the objective as one
     autograd node (`triton_logits_loss`), taken on the Triton path for the options the objective's kernels fuse
     where nothing traces (`direct_ops.traced`); its kernels are queued before the checks' read as the two passes'."""
@@ -159,7 +160,7 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options, validate=validate, first_bad_row=row_checks,
-        caller_checks=caller_checks)
+        caller_checks=caller_checks, unchecked_scored_targets=None if row_checks is None else row_checks.without_checks)
     spans = None if row_checks is None else row_checks.spans
     if one_node is not None and triton and fuses_options(opts) and not traced():
         out = one_node(scored_targets, opts, spans)

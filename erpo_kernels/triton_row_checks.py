@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .direct_ops import DirectOp
-from .triton_segment import record_spans
+from .triton_segment import record_spans, spans_and_scored_targets, store_scored_targets
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
@@ -42,7 +42,7 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
                                          none))  # drops NaN: integer codes
         if WITH_SCORED_TARGETS:  # after the code, the spans [2, S] and one pad: the targets, -100 on rows of kind 0
-            tl.store(code_ptr + 2 + 2 * num_samples + rows, tl.where(scored, target.to(tl.int64), -100), mask=inside)
+            store_scored_targets(code_ptr + 2 + 2 * num_samples, rows, inside, scored, target)
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)
@@ -112,8 +112,8 @@ class RowChecksWithSpans:
     """`triton_first_bad_row` that also leaves, in `spans`, each sample's span of scored rows ([2, S] int64,
     `triton_segment.sample_spans`' form) from the same kernel, and with targets returns (code, the scored targets
     [N] int64: -100 on rows of kind 0) as `validation.start_loss_input_checks` takes them: the logits path passes
-    it there and the spans on to the objective. `spans` stays None when the checks did not run (validate=False) or
-    N = 0."""
+    it there and the spans on to the objective; with validate=False, `without_checks` forms the spans and the scored
+    targets (the spans kernel). `spans` stays None when neither ran, or with N = 0 and the checks."""
 
     def __init__(self):
         self.spans = None
@@ -130,3 +130,10 @@ class RowChecksWithSpans:
         if targets is None:
             return checked[:1]
         return checked[:1], checked[2 + 2 * num_samples:]
+
+    def without_checks(self, token_kind, sample_index, targets, num_samples: int) -> torch.Tensor:
+        """The scored targets [N] int64 (-100 on rows of kind 0), leaving the spans of the scored rows in `spans`:
+        the spans kernel's fill and launch, no checks (`validation.start_loss_input_checks`'
+        `unchecked_scored_targets`, validate=False)."""
+        self.spans, scored_targets = spans_and_scored_targets(sample_index, num_samples, token_kind, targets)
+        return scored_targets

@@ -50,31 +50,53 @@ def record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, H
 
 
 @triton.jit
-def _sample_spans_kernel(sample_ptr, kind_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def store_scored_targets(out_ptr, rows, inside, scored, target):
+    """The targets the logits kernels read, for a block of `rows`: out[row] = target as int64 on `scored` rows, -100
+    elsewhere (`validation.scored_targets_of`'s), stored where `inside`. (The spans kernel and the row checks' kernel
+    write them.)"""
+    tl.store(out_ptr + rows, tl.where(scored, target.to(tl.int64), -100), mask=inside)
+
+
+@triton.jit
+def _sample_spans_kernel(sample_ptr, kind_ptr, targets_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
+                         WITH_SCORED_TARGETS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, HAS_KIND)
+    if WITH_SCORED_TARGETS:  # after the spans [2, S]: the targets, -100 on rows of kind 0
+        inside = rows < num_rows
+        scored = tl.load(kind_ptr + rows, mask=inside, other=0) != 0
+        target = tl.load(targets_ptr + rows, mask=inside, other=0)
+        store_scored_targets(spans_ptr + 2 * num_samples, rows, inside, scored, target)
 
 
-def sample_spans(sample_index: torch.Tensor, num_samples: int,
-                 token_kind: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sample_spans(sample_index: torch.Tensor, num_samples: int, token_kind: Optional[torch.Tensor] = None,
+                 targets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The span of each sample s in [0, S) over sample_index [N] int: [2, S] int64 as `_sample_spans_kernel` leaves
     it, read in a kernel by `span_bounds`. Entries outside [0, S) belong to no sample; with token_kind [N], neither
-    do rows of kind 0. A sample without rows gets an empty span."""
+    do rows of kind 0. A sample without rows gets an empty span. With targets [N] int (and token_kind): [2 S + N]
+    int64, the spans flattened, then the scored targets from the same kernel (int64, -100 on rows of kind 0:
+    `validation.scored_targets_of`'s; `spans_and_scored_targets` splits them)."""
+    if targets is not None and token_kind is None:
+        raise ValueError("sample_spans: the scored targets need token_kind (rows of kind 0 get -100)")
     num_rows = sample_index.shape[0]
-    spans = torch.full((2, num_samples), num_rows + 1, dtype=torch.int64, device=sample_index.device)
-    if num_rows > 0 and num_samples > 0:
-        _sample_spans_kernel[(-(-num_rows // SPAN_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
-            sample_index, sample_index if token_kind is None else token_kind, spans, num_rows, num_samples,
-            HAS_KIND=token_kind is not None, BLOCK=SPAN_BLOCK)
-    return spans
+    length = 2 * num_samples + (0 if targets is None else num_rows)
+    spans = torch.full((length,), num_rows + 1, dtype=torch.int64, device=sample_index.device)
+    if num_rows > 0 and (num_samples > 0 or targets is not None):
+        # cdiv (triton.cdiv is a jit call: ~10 us); an absent tensor goes as None (a constexpr None to Triton: its
+        # flag is off, the kernel never reads it)
+        _sample_spans_kernel[(-(-num_rows // SPAN_BLOCK),)](
+            sample_index, token_kind, targets, spans, num_rows, num_samples, HAS_KIND=token_kind is not None,
+            WITH_SCORED_TARGETS=targets is not None, BLOCK=SPAN_BLOCK)
+    return spans if targets is not None else spans.view(2, num_samples)
 
 
 sample_spans_op = torch.library.custom_op("erpo::triton_sample_spans", sample_spans, mutates_args=())
 
 
 @sample_spans_op.register_fake
-def _(sample_index, num_samples, token_kind=None):
+def _(sample_index, num_samples, token_kind=None, targets=None):
+    if targets is not None:
+        return sample_index.new_empty(2 * num_samples + sample_index.shape[0], dtype=torch.int64)
     return sample_index.new_empty((2, num_samples), dtype=torch.int64)
 
 
@@ -86,6 +108,15 @@ def triton_sample_spans(sample_index: torch.Tensor, num_samples: int,
     """`sample_spans` on contiguous inputs (the op under torch.compile)."""
     return _sample_spans(sample_index.contiguous(), num_samples,
                          None if token_kind is None else token_kind.contiguous())
+
+
+def spans_and_scored_targets(sample_index: torch.Tensor, num_samples: int, token_kind: torch.Tensor,
+                             targets: torch.Tensor) -> tuple:
+    """(spans [2, S] int64 of the scored rows, as `triton_sample_spans`' with token_kind; the scored targets [N]
+    int64, -100 on rows of kind 0) from one kernel and its fill, on any row values: the logits path's with
+    validate=False, where the row checks' kernel (which forms both with validate=True) does not run."""
+    both = _sample_spans(sample_index.contiguous(), num_samples, token_kind.contiguous(), targets.contiguous())
+    return both[:2 * num_samples].view(2, num_samples), both[2 * num_samples:]
 
 
 @triton.jit

@@ -408,7 +408,8 @@ def check_loss_inputs(**arguments):
 
 def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
                             sample_index, inputs: LossInputs, options: dict, validate: bool = True,
-                            first_bad_row: Callable | None = None, caller_checks=()):
+                            first_bad_row: Callable | None = None, caller_checks=(),
+                            unchecked_scored_targets: Callable | None = None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
     `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
@@ -422,6 +423,9 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     None without targets, LossOptions, finish)`; finish() raises the first bad row's ValueError, if any.
     caller_checks: `check_rows` pairs of the caller's own (`padded_erpo_loss`'s mask check), run when validate, read
     in the same host read as the value checks and raised before them.
+    `unchecked_scored_targets(token_kind, sample_index, targets, num_samples)`, when given, forms the scored targets
+    with validate=False and targets instead of the mask and `where` below (`triton_row_checks.RowChecksWithSpans`'
+    `without_checks`: the spans kernel writes them).
     """
     check_validate(validate)
     opts = loss_options(options)
@@ -478,6 +482,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
         if scored_targets is None and targets is not None:
             scored_targets = scored_targets_of(targets, token_kind != 0)
         return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages, caller_checks)
+    if not validate and targets is not None and unchecked_scored_targets is not None:
+        return unchecked_scored_targets(token_kind, sample_index, targets, num_samples), opts, checks_done
     scored = token_kind != 0
     scored_targets = None if targets is None else scored_targets_of(targets, scored)
     if validate:

@@ -57,9 +57,11 @@ def loss_and_grad(batch, case, two_ops: bool, **extra):
     return out, logits.grad if logits.grad is not None else logits.detach(), node
 
 
-def assert_bit_equal(one, two):
+def assert_bit_equal(one, two, same_node: bool = False):
+    """one: the one node's (loss_and_grad), two: the two ops' (or, same_node, another call on the same path)."""
     (out, grad, node), (two_out, two_grad, two_node) = one, two
-    assert node.startswith("_LogitsLoss") and not two_node.startswith("_LogitsLoss"), (node, two_node)
+    if not same_node:
+        assert node.startswith("_LogitsLoss") and not two_node.startswith("_LogitsLoss"), (node, two_node)
     assert torch.equal(out.loss, two_out.loss)
     assert torch.equal(grad, two_grad)
     for name in ("token_logp", "query_logp", "response_logp", "entropy"):
@@ -73,6 +75,24 @@ def assert_bit_equal(one, two):
 def test_one_node_equals_the_two_ops_bit_for_bit(case, device, fma_as_compiled):
     batch = random_batch(device=device)
     assert_bit_equal(*(loss_and_grad(batch, case, two_ops) for two_ops in (False, True)))
+
+
+@pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
+                         ids=["default", "gspo-seq-mean"])
+def test_validate_false_gives_the_same_bits(case, device):
+    """validate=False takes its scored targets and spans from the spans kernel, validate=True from the row checks'
+    kernel: the same loss, outputs, metrics and d logits, bit for bit, on the one node's path and the two ops'.
+    The batch's rows of kind 0 hold targets outside [0, V) (-1, V): the kernels give them -100, not their value."""
+    batch = random_batch(device=device)
+    padding = batch["token_kind"] == 0
+    assert bool(padding.any())
+    vocab_size = batch["logits"].shape[1]
+    batch["targets"] = torch.where(padding, torch.arange(padding.shape[0], device=device) % 2 * (vocab_size + 1) - 1,
+                                   batch["targets"])
+    for two_ops in (False, True):
+        checked, unchecked = (loss_and_grad(batch, case, two_ops, validate=validate) for validate in (True, False))
+        assert checked[2] == unchecked[2]
+        assert_bit_equal(*(checked, unchecked), same_node=True)
 
 
 @pytest.mark.parametrize("variant", ["block", "log2-1024"])

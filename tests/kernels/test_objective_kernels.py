@@ -152,12 +152,13 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
     assert counter.syncs == 1, counter.names
     unchecked = count_launches(batch, case, validate=False)
     assert unchecked.syncs == 0
-    # validate=False: the spans' own kernel and fill instead of the row-check kernel (which finds the spans and
-    # forms the scored targets too) and its code's fill, and the scored targets' mask and where (on the CPU a third
-    # launch: the where's -100 as a tensor); on CUDA the code's copy to pinned memory (validation.read_later) is
-    # one launch fewer
-    assert unchecked.launches == counter.launches + (1 if device.type == "cuda" else 3)
+    # validate=False: the spans kernel and its fill instead of the row-check kernel and its code's fill, both
+    # finding the spans and writing the scored targets (no mask and where of their own); on CUDA the code's copy to
+    # pinned memory (validation.read_later) is one launch fewer
+    assert unchecked.launches == counter.launches - (1 if device.type == "cuda" else 0)
     assert counter.names["triton._sample_spans_kernel"] == 0 and unchecked.names["triton._sample_spans_kernel"] == 1
+    for name in ("aten.ne", "aten.where"):  # the scored targets' mask and where (the entropy filter has a where)
+        assert unchecked.names[name] == counter.names[name], name
     assert unchecked.names["triton._objective_sample_kernel"] == 1
     assert unchecked.names[f"triton.{FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__}"] == 1
 
@@ -178,15 +179,18 @@ def test_unfused_options_run_the_reference_objective(case, device):
 
 
 def test_launch_count_of_the_default_options_is_8(device):
-    """The count API.md quotes, on the CPU: forward 5 (row checks 2 + 1 read: a fill and one kernel that also finds
-    each sample's span of rows, no sort, and forms the scored targets; logp/entropy 1, objective 2), backward 3
-    (grad_output's ones, the objective's coefficients, dlogits)."""
+    """The count API.md quotes, on the CPU, with validate True and False: forward 5 (row checks 2 + 1 read: a fill
+    and one kernel that also finds each sample's span of rows, no sort, and forms the scored targets; with
+    validate=False the spans kernel and its fill, no read; logp/entropy 1, objective 2), backward 3 (grad_output's
+    ones, the objective's coefficients, dlogits)."""
     if device.type != "cpu":
         pytest.skip("the exact count is the interpreter's (CPU); on a GPU the <= 20 test counts")
     counter = count_launches(random_batch(device=device), {})
     assert counter.launches == 8, counter.names
     assert counter.names["triton._first_bad_row_kernel"] == 1 and counter.names["aten.sort"] == 0
     assert counter.names["aten.ne"] == 0 and counter.names["aten.where"] == 0  # no scored targets of their own
+    # validate=False: the spans kernel and its fill instead, which write the scored targets too
+    assert count_launches(random_batch(device=device), {}, validate=False).launches == 8
     # the entropy filter's threshold first: the pool's mask, its +inf fill, the sort, the quantile program
     filtered = count_launches(random_batch(device=device), dict(top_entropy_quantile=0.5))
     assert filtered.launches == 12 and filtered.names["triton._masked_quantile_kernel"] == 1, filtered.names

@@ -76,6 +76,26 @@ def test_the_row_checks_find_the_same_spans(layout, device):
     assert (scored_targets.data_ptr() - code.data_ptr()) % 16 == 0
 
 
+@pytest.mark.parametrize("layout", layouts(), ids=lambda layout: layout[0])
+def test_the_spans_kernel_writes_the_scored_targets(layout, device):
+    """validate=False on the logits path (`RowChecksWithSpans.without_checks`): the spans kernel writes the scored
+    targets after the spans (validation.scored_targets_of's: -100 on rows of kind 0, whatever their target, in range
+    or not), in one buffer, on 16 bytes; the spans are those without targets."""
+    _, sample_index, kind = layout
+    sample_index, kind = sample_index.to(device), kind.to(device)
+    targets = (torch.arange(kind.shape[0], device=device) % 9 - 1).int()  # -1 and 7, 8 outside a vocabulary of 7
+    checks = RowChecksWithSpans()
+    scored_targets = checks.without_checks(kind, sample_index, targets, NUM_SAMPLES)
+    assert scored_targets.dtype == torch.int64 and scored_targets.shape == targets.shape
+    assert torch.equal(scored_targets, scored_targets_of(targets, kind != 0))
+    assert torch.equal(checks.spans, sample_spans(sample_index, NUM_SAMPLES, kind))
+    if kind.shape[0] > 0:  # (an empty tensor's data_ptr is 0)
+        assert scored_targets.data_ptr() == checks.spans.data_ptr() + checks.spans.numel() * 8  # one buffer
+        assert scored_targets.data_ptr() % 16 == 0
+    with pytest.raises(ValueError, match="the scored targets need token_kind"):
+        sample_spans(sample_index, NUM_SAMPLES, None, targets)
+
+
 def test_sums_on_any_layout_equal_the_reference(device):
     g = torch.Generator().manual_seed(5)
     for _, sample_index, _ in layouts():

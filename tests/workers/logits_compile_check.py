@@ -36,10 +36,14 @@ def main():
                        {"values_ptr": "*fp32", "sample_ptr": "*i64", "spans_ptr": "*i64", "out_ptr": "*fp32"},
                        {"BLOCK": triton_segment.SUM_BLOCK})
     print("compiled segment_sum fp32", flush=True)
-    for has_kind in (False, True):
+    for has_kind, with_scored_targets in ((False, False), (True, False), (True, True)):  # as sample_spans launches
         compile_for_hopper(triton_segment._sample_spans_kernel,
-                           {"sample_ptr": "*i64", "kind_ptr": "*i64", "spans_ptr": "*i64", "num_rows": "i32",
-                            "num_samples": "i32"}, {"HAS_KIND": has_kind, "BLOCK": triton_segment.SPAN_BLOCK})
+                           {"sample_ptr": "*i64", "kind_ptr": "*i64", "targets_ptr": "*i64", "spans_ptr": "*i64",
+                            "num_rows": "i32", "num_samples": "i32"},
+                           dict(HAS_KIND=has_kind, WITH_SCORED_TARGETS=with_scored_targets,
+                                BLOCK=triton_segment.SPAN_BLOCK,
+                                **({} if with_scored_targets else {"targets_ptr": None}),
+                                **({} if has_kind else {"kind_ptr": None})))
     print("compiled sample-spans", flush=True)
     for name, variant in triton_logits.FORWARD_VARIANTS.items():  # the forward's variants (bench's erpo-*)
         signature = {"logits_ptr": "*bf16", "stride_row": "i64", "stride_col": "i32", "targets_ptr": "*i64",
