@@ -3,8 +3,20 @@ import re
 
 import pytest
 
-from compile_check import run_compile_script
+from compile_check import compile_for_hopper, run_compile_script
+from erpo_kernels import triton_segment
 from erpo_kernels.triton_logits import FORWARD_VARIANTS
+
+
+def test_a_kernel_is_not_compiled_without_all_its_constexprs():
+    """triton.compile compiles a kernel whose signature leaves a constexpr out, the branches on it dropped (a missing
+    WITH_SCORED_TARGETS went unnoticed so): compile_for_hopper refuses it, naming the parameter, before compiling."""
+    signature = {"sample_ptr": "*i64", "kind_ptr": "*i64", "targets_ptr": "*i64", "spans_ptr": "*i64",
+                 "num_rows": "i32", "num_samples": "i32"}
+    with pytest.raises(ValueError, match=r"_sample_spans_kernel's constexpr parameters WITH_SCORED_TARGETS are not "
+                                         r"given"):
+        compile_for_hopper(triton_segment._sample_spans_kernel, signature,
+                           {"HAS_KIND": True, "BLOCK": triton_segment.SPAN_BLOCK})
 
 
 def test_logits_kernels_compile_for_hopper():
