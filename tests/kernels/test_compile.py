@@ -87,6 +87,9 @@ def test_opcheck_triton_segment_sum(rows, device):
     values = torch.randn(N).to(device).requires_grad_(True)
     spans = sample_spans_op(rows.sample_index, S)
     torch.library.opcheck(sample_spans_op, (rows.sample_index, S))
+    torch.library.opcheck(sample_spans_op, (rows.sample_index, S, rows.token_kind))
+    # with the targets: the spans then the scored targets, [2 S + N] (the logits path's validate=False)
+    torch.library.opcheck(sample_spans_op, (rows.sample_index, S, rows.token_kind, rows.targets))
     torch.library.opcheck(segment_sum_op, (values, rows.sample_index, spans))
 
 
@@ -116,8 +119,8 @@ class TinyPolicy(torch.nn.Module):
 
 
 def loss_step(model, features, rows, path: str, backend: str, **fused_linear_options):
-    """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "fused-linear", which
-    takes `fused_linear_options`: host_layout, validate)."""
+    """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "logits-unchecked":
+    validate=False, "fused-linear", which takes `fused_linear_options`: host_layout, validate)."""
     device = features.device
     inputs = dict(advantages=torch.tensor([1.0, -0.5, 0.25], device=device),
                   ref_query_logp=torch.tensor([-4.0, -2.5, -3.0], device=device),
@@ -128,7 +131,7 @@ def loss_step(model, features, rows, path: str, backend: str, **fused_linear_opt
                                      bias=model.lm_head.bias, **inputs, **fused_linear_options)
     else:
         out = erpo_loss(model.lm_head(hidden), rows.targets, rows.token_kind, rows.sample_index,
-                        inplace_backward=path == "logits-inplace", **inputs)
+                        inplace_backward=path == "logits-inplace", validate=path != "logits-unchecked", **inputs)
     # the mapping traces whole, its absent metrics too (no ref_logp, rollout_logp, off-policy mask, vespo)
     assert "policy_kl" not in out.metrics and out.metrics.get("vespo_phi_mean") is None and len(out.metrics) == 10
     return out.loss, out.metrics["entropy"]
@@ -141,7 +144,7 @@ def gradients_of(step, model, features):
     return loss.detach(), entropy, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("path", ["logits", "logits-inplace", "fused-linear"])
+@pytest.mark.parametrize("path", ["logits", "logits-inplace", "logits-unchecked", "fused-linear"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compiled_step_equals_eager(path, backend, rows, device):
     model, features = TinyPolicy().to(device), torch.randn(N, 6, generator=torch.Generator().manual_seed(7)).to(device)
