@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from .provenance import provenance
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SMOKE_ROWS = 128
@@ -70,17 +69,6 @@ def parse_args(argv):
     if args.out is None:  # smoke results are no measurement: keep them out of the repository unless asked
         args.out = tempfile.mkdtemp(prefix="erpo-bench-smoke-") if args.smoke else "bench/results"
     return args
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if head.returncode != 0:
-        return "unknown (no commit)"
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _device_name(device: torch.device) -> str:
@@ -154,7 +142,6 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.smoke:
         torch.set_num_threads(1)  # CI boxes are small and shared: one thread is steadier than oversubscribed ones
-    import triton
 
     from .contenders import CONTENDER_KEYS, select
     from .problem import SMOKE_SHAPE, parse_shape
@@ -180,11 +167,8 @@ def main(argv=None) -> int:
                          rows_per_sample=args.rows_per_sample, query_frac=args.query_frac,
                          check_rows=args.check_rows, budget_s=args.budget, time_wrong=args.time_wrong,
                          seed=args.seed)
-    now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
-        "device": _device_name(device), "date": now.isoformat(timespec="seconds"),
-        "commit": args.commit or git_commit(), "command": "python -m bench " + shlex.join(argv),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+        "device": _device_name(device), **provenance("bench", argv, args.commit), "cuda": torch.version.cuda,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "dtype": args.dtype, "reps": args.reps,
         "warmup": args.warmup, "budget_s": args.budget, "rows_per_sample": args.rows_per_sample,
         "query_frac": args.query_frac, "peers": {c.distribution: c.version() for c in contenders if c.distribution},

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from .provenance import header_lines, provenance
 from .timing import time_callable
 
 
@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--rows", default="512,1024,2048,4096")
     parser.add_argument("--n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -71,9 +71,7 @@ def main(argv=None):
     shape = parse_shape(args.shape)
     lines = [f"# The fused path's GEMMs per row chunk ({torch.cuda.get_device_name()}, {shape.name}: D={shape.hidden}, "
              f"V={shape.vocab}, bf16 inputs, N={args.n})", "",
-             f"- command: `python -m bench.gemm_probe {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             f"- commit: `{args.commit}`", f"- date: `{time.strftime('%Y-%m-%dT%H:%M:%S%z')}`",
-             f"- torch {torch.__version__}", "",
+             *header_lines(provenance("bench.gemm_probe", sys.argv[1:] if argv is None else argv, args.commit)), "",
              "| rows per chunk | GEMM | ms per chunk | ms for N rows | TFLOP/s |", "|---|---|---|---|---|"]
     for rows in [int(r) for r in args.rows.split(",")]:
         torch.cuda.empty_cache()  # the last size's buffers, freed when probe returned

@@ -3,19 +3,31 @@ dispatch and allocation per fwd+bwd, for erpo_loss and for Liger's triton_grpo_l
 
     python -m bench.host_cost                       # N=1024 rows, V=128, 200 calls each; a markdown table
     python -m bench.host_cost --n 4096 --reps 500 --json out.json
+    python -m bench.host_cost --device cuda --n 4096   # on a GPU: compiled kernels, real launches (below)
     python -m bench.host_cost --path fused          # the fused path, phase by phase and per chunk (host_cost_fused)
 
 Every Triton launch is stubbed out (the interpreter's launcher `run` returns at once and counts the launch), the
 tensors live on the CPU, and each call is timed with `time.perf_counter_ns`. What is left is the host's own work:
 argument checks, option parsing, custom-op and autograd dispatch, allocations, the aten operators (run for real on
 tiny CPU tensors: their CPU time stands in for a CUDA launch's host time, which is larger) and the host read of the
-validation result (no wait here: nothing is queued). Triton's own launch path (argument binding, the cache lookup,
-the driver call: some microseconds per launch on a GPU machine) is not in the numbers: the table counts the Triton
-launches per call instead. On a GPU the host time before the first big kernel and after the last one adds to the
-measured call; the rest overlaps the kernels only when no host read stands between them.
+validation result (no wait here: nothing is queued). Triton's own launch path is not in those rows: the table counts
+the Triton launches per call, and times apart the part of a compiled launch a CPU can run ("Triton launch binding,
+CUDA sm_90"): what Triton 3.6's `JITFunction.run` does on the host before the driver, on the call's own arguments,
+with the binder Triton builds for a CUDA target (`create_function_from_signature` with `make_backend(GPUTarget("cuda",
+90, 32))`: `native_specialize_impl` on every argument, the options dict, `compute_cache_key`, the kernel cache's
+lookup). It cannot count what needs a GPU: the driver's current device and stream, the check of the kernel's global
+values (Triton finds them by compiling: the interpreter's kernels have none to check), and the C launcher (per
+pointer argument a `data_ptr()` call and a `cuPointerGetAttribute`, then `cuLaunchKernelEx`). On a GPU the host time
+before the first big kernel and after the last one adds to the measured call; the rest overlaps the kernels only
+when no host read stands between them.
 
 Phases are measured by wrapping functions of each contender (PHASES: the module attributes the loss calls through);
 "entry" is the call's time outside every wrapped phase. The machine is shared: read medians, not single calls.
+
+`--device cuda` times the same phases on a GPU machine with nothing stubbed: compiled Triton kernels, CUDA aten
+operators, the driver's launches, all at the small V (the kernels take microseconds, so each phase is the host's time,
+its launch paths included, but for the validation read's short wait, in "entry"). The device is synchronized
+before each call, outside the clock. There, the launch count and the binding row are not measured (shown as "-").
 """
 from __future__ import annotations
 
@@ -25,29 +37,38 @@ import importlib
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter's launcher is the one stubbed
+import torch
 
-import torch  # noqa: E402
+from .provenance import provenance
 
 # contender -> [(phase, module, attribute)]: the functions whose time is that phase's (each call of the loss goes
 # through them by these module-level names)
 PHASES = {
     "erpo": [("validation", "erpo_kernels.api", "start_loss_input_checks"),
-             ("forward launch", "erpo_kernels.api", "per_token_logp_entropy"),
-             ("objective", "erpo_kernels.api", "objective_on_backend")],
+             ("loss node (kernels queued, metrics)", "erpo_kernels.api", "triton_logits_loss")],
     "liger": [],
 }
 BACKWARD = "autograd backward"
 
 
+BINDING = "Triton launch binding, CUDA sm_90 (not in total)"
+
+
 class StubbedTriton:
-    """Within the block, every Triton launch (interpreted) returns at once; `launches` counts them."""
+    """Within the block, every Triton launch (interpreted) returns at once; `launches` counts them and `recorded`
+    keeps the latest call's (kernel, args, kwargs), cleared by `record_next_call`."""
 
     def __init__(self):
         self.launches = 0
+        self.launches_per_call = None   # set by `_phase_medians`
+        self.recorded = []
+
+    def record_next_call(self):
+        self.recorded = []
 
     def __enter__(self):
         from triton.runtime.interpreter import InterpretedFunction
@@ -56,12 +77,57 @@ class StubbedTriton:
 
         def run(kernel, *args, grid, warmup, **kwargs):
             stub.launches += 1
+            stub.recorded.append((kernel, args, kwargs))
         InterpretedFunction.run = run
         return self
 
     def __exit__(self, *exc):
         from triton.runtime.interpreter import InterpretedFunction
         InterpretedFunction.run = self._original
+
+
+class CudaBinding:
+    """The host part of a compiled Triton 3.6 launch that runs without a GPU (module docstring), for kernels defined
+    under the interpreter: `time_us(kernel, args, kwargs, reps)` is the median microseconds of `JITFunction.run`'s
+    steps from its option keywords to the kernel cache's lookup, with the binder Triton builds for an sm_90 target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders = {}   # interpreted kernel -> (binder, kernel key cache, number of parameters)
+
+    def binder(self, kernel):
+        if kernel not in self.binders:
+            from triton.runtime.jit import JITFunction, create_function_from_signature
+            compiled = JITFunction(kernel.fn, **kernel.kwargs)
+            self.binders[kernel] = (create_function_from_signature(compiled.signature, compiled.params, self.backend),
+                                    {}, len(compiled.params))
+        return self.binders[kernel]
+
+    def time_us(self, kernel, args, kwargs, reps: int) -> float:
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key
+        binder, key_cache, _ = self.binder(kernel)
+        kernel_cache = {}
+        samples = []
+        for _ in range(reps + 1):  # the first fills the key cache, as a kernel's first launch does
+            begin = time.perf_counter_ns()
+            options = dict(kwargs)   # JITFunction.run's own lines, up to the launch
+            options["debug"] = options.get("debug", None) or knobs.runtime.debug
+            options["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            bound_args, specialization, options = binder(*args, **options)
+            kernel_cache.get(compute_cache_key(key_cache, specialization, options), None)
+            tuple(bound_args.values())
+            samples.append(time.perf_counter_ns() - begin)
+        return statistics.median(samples[1:]) / 1e3
+
+
+def binding_costs(recorded, reps: int) -> list:
+    """[{"kernel", "parameters", "us"}] for each launch of `recorded` (StubbedTriton's), in launch order."""
+    binding = CudaBinding()
+    return [{"kernel": kernel.fn.__name__, "parameters": binding.binder(kernel)[2],
+             "us": binding.time_us(kernel, args, kwargs, reps)} for kernel, args, kwargs in recorded]
 
 
 @contextlib.contextmanager
@@ -90,54 +156,76 @@ def timed_phases(phases, spent: dict):
             setattr(module, attribute, original)
 
 
-def measure(prepared, phases, reps: int, warmup: int) -> dict:
-    """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), and the Triton launches
-    per call, for `prepared` (bench.contenders.Prepared) with `phases` wrapped and Triton stubbed."""
-    samples = defaultdict(list)
+def measure(prepared, phases, reps: int, warmup: int, device: torch.device = torch.device("cpu")) -> dict:
+    """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), the Triton launches
+    per call, and BINDING: the Triton launches' binding on a CUDA target (`binding_costs` on the last call's
+    launches, their sum in "us", each in "binding"), for `prepared` (bench.contenders.Prepared) with `phases` wrapped
+    and Triton stubbed. On CUDA nothing is stubbed (module docstring): launches None, BINDING and "binding" absent."""
+    if device.type == "cuda":
+        return {"us": _phase_medians(prepared, phases, reps, warmup, device), "triton_launches": None}
     with StubbedTriton() as stub:
-        launches_before = stub.launches
-        for rep in range(warmup + reps):
-            spent = defaultdict(int)
-            with timed_phases(phases, spent):
-                begin = time.perf_counter_ns()
-                loss = prepared.run()
-                forward_done = time.perf_counter_ns()
-                torch.autograd.grad(loss, prepared.inputs)
-                end = time.perf_counter_ns()
-            if rep == warmup - 1 or (warmup == 0 and rep == 0):
+        us = _phase_medians(prepared, phases, reps, warmup, device, stub)
+    binding = binding_costs(stub.recorded, reps)
+    us[BINDING] = sum(launch["us"] for launch in binding)
+    return {"us": us, "triton_launches": stub.launches_per_call, "binding": binding}
+
+
+def _phase_medians(prepared, phases, reps: int, warmup: int, device: torch.device, stub=None) -> dict:
+    """{phase: median us} over `reps` timed fwd+bwd calls after `warmup`; `stub` (StubbedTriton) records the last
+    call's launches and their count per timed call (`launches_per_call`)."""
+    samples = defaultdict(list)
+    launches_before = 0
+    for rep in range(warmup + reps):
+        if stub is not None:
+            stub.record_next_call()
+            if rep == warmup:
                 launches_before = stub.launches
-            if rep < warmup:
-                continue
-            spent["entry"] = (forward_done - begin) - sum(spent.values())
-            spent[BACKWARD] = end - forward_done
-            spent["total"] = end - begin
-            for phase, ns in spent.items():
-                samples[phase].append(ns / 1e3)
-        launches = (stub.launches - launches_before) / reps
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        spent = defaultdict(int)
+        with timed_phases(phases, spent):
+            begin = time.perf_counter_ns()
+            loss = prepared.run()
+            forward_done = time.perf_counter_ns()
+            torch.autograd.grad(loss, prepared.inputs)
+            end = time.perf_counter_ns()
+        if rep < warmup:
+            continue
+        spent["entry"] = (forward_done - begin) - sum(spent.values())
+        spent[BACKWARD] = end - forward_done
+        spent["total"] = end - begin
+        for phase, ns in spent.items():
+            samples[phase].append(ns / 1e3)
+    if stub is not None:
+        stub.launches_per_call = (stub.launches - launches_before) / reps
     order = ["entry"] + [phase for phase, _, _ in phases] + [BACKWARD, "total"]
-    return {"us": {phase: statistics.median(samples[phase]) for phase in order}, "triton_launches": launches}
+    unused = [f"{module}.{attribute}" for phase, module, attribute in phases if not samples[phase]]
+    if unused:
+        raise RuntimeError(f"host_cost: the loss never called {', '.join(unused)}: PHASES names a stale path")
+    return {phase: statistics.median(samples[phase]) for phase in order}
 
 
-def build(num_rows: int, vocab: int, rows_per_sample: int):
+def build(num_rows: int, vocab: int, rows_per_sample: int, device: torch.device = torch.device("cpu")):
     from .contenders import ERPO_OPTIONS
     from .problem import Shape, build_problem
     return build_problem("logits", Shape(f"V={vocab}", 64, vocab), num_rows, rows_per_sample=rows_per_sample,
-                         query_frac=0.25, dtype=torch.bfloat16, device=torch.device("cpu"), seed=0,
+                         query_frac=0.25, dtype=torch.bfloat16, device=device, seed=0,
                          chunk_rows=num_rows, clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
 
 
-def run(num_rows: int, vocab: int, rows_per_sample: int, reps: int, warmup: int, contenders=("erpo", "liger")):
+def run(num_rows: int, vocab: int, rows_per_sample: int, reps: int, warmup: int, contenders=("erpo", "liger"),
+        device: torch.device = torch.device("cpu")):
     """{contender: measure(...)} on one problem; a contender that is not installed maps to its reason."""
     from .contenders import CONTENDERS
-    problem = build(num_rows, vocab, rows_per_sample)
+    problem = build(num_rows, vocab, rows_per_sample, device)
     results = {}
     for key in contenders:
         contender = next(c for c in CONTENDERS if c.key == key and c.path == "logits")
-        missing = contender.requirement(torch.device("cpu"))
+        missing = contender.requirement(device)
         if missing is not None:
             results[key] = f"{missing[0]}: {missing[1]}"
             continue
-        results[key] = measure(contender.prepare(problem), PHASES[key], reps, warmup)
+        results[key] = measure(contender.prepare(problem), PHASES[key], reps, warmup, device)
     return results
 
 
@@ -147,14 +235,22 @@ def markdown(results: dict) -> str:
     phases = []
     for value in measured.values():
         phases += [phase for phase in value["us"] if phase not in phases]
-    phases.remove("total")
+    phases = [phase for phase in phases if phase not in ("total", BINDING)]
     lines = ["| phase (host us per fwd+bwd, median) | " + " | ".join(measured) + " |",
              "|---|" + "---|" * len(measured)]
     for phase in phases + ["total"]:
         cells = [f"{value['us'][phase]:.0f}" if phase in value["us"] else "-" for value in measured.values()]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
-    lines.append("| Triton launches per call (not timed) | "
-                 + " | ".join(f"{value['triton_launches']:g}" for value in measured.values()) + " |")
+    lines.append("| Triton launches per call | " + " | ".join(
+        "-" if value["triton_launches"] is None else f"{value['triton_launches']:g}" for value in measured.values())
+        + " |")
+    lines.append(f"| {BINDING} | " + " | ".join(
+        f"{value['us'][BINDING]:.0f}" if BINDING in value["us"] else "-" for value in measured.values()) + " |")
+    launches = [(key, launch) for key, value in measured.items() for launch in value.get("binding", ())]
+    if launches:
+        lines += ["", "| contender | kernel | parameters | binding us (CUDA sm_90) |", "|---|---|---|---|"]
+        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['us']:.1f} |"
+                  for key, launch in launches]
     for key, value in results.items():
         if not isinstance(value, dict):
             lines.append(f"\n{key}: {value}")
@@ -162,12 +258,13 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
+    command = sys.argv[1:] if argv is None else list(argv)  # the JSON's provenance: the command as given
     path = argparse.ArgumentParser(add_help=False)
     path.add_argument("--path", choices=("logits", "fused"), default="logits")
-    known, argv = path.parse_known_args(argv)
+    known, argv = path.parse_known_args(command)
     if known.path == "fused":  # the fused path's own options and table: bench/host_cost_fused.py
         from .host_cost_fused import main as fused_main
-        return fused_main(argv)
+        return fused_main(argv, command)
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1024, help="token rows N")
     parser.add_argument("--vocab", type=int, default=128, help="V (the kernels do not run: small is honest)")
@@ -176,15 +273,28 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--contenders", default="erpo,liger")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: Triton stubbed under its interpreter; cuda: compiled kernels, nothing stubbed")
     args = parser.parse_args(argv)
+    if args.device == "cpu":  # before triton is imported: the interpreter's launcher is the one stubbed
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("triton was imported without TRITON_INTERPRET=1: run `python -m bench.host_cost` in a "
+                         "process of its own")
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU and compiled kernels (TRITON_INTERPRET unset)")
     torch.set_num_threads(1)
     results = run(args.n, args.vocab, args.rows_per_sample, args.reps, args.warmup,
-                  [key.strip() for key in args.contenders.split(",") if key.strip()])
-    print(f"N={args.n}, V={args.vocab}, {args.reps} calls each (after {args.warmup}), torch {torch.__version__}\n")
+                  [key.strip() for key in args.contenders.split(",") if key.strip()], torch.device(args.device))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, Triton stubbed"
+    print(f"N={args.n}, V={args.vocab}, {args.reps} calls each (after {args.warmup}), torch {torch.__version__}, "
+          f"{where}\n")
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"args": vars(args), "results": results}, file, indent=1)
+            json.dump({"meta": provenance("bench.host_cost", command, args.commit), "args": vars(args),
+                       "results": results}, file, indent=1)
 
 
 if __name__ == "__main__":

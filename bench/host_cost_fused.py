@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .host_cost import StubbedTriton
+from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
@@ -219,7 +220,9 @@ def markdown_fused(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: list[str], command: list[str]):
+    """`python -m bench.host_cost --path fused` (host_cost.main's) with the options `argv`, those past --path;
+    `command`: the whole command's arguments, which the JSON records."""
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost --path fused",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=16384, help="token rows N")
@@ -230,6 +233,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup)
@@ -240,4 +244,5 @@ def main(argv=None):
     print(markdown_fused(result))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"args": {**vars(args), "path": "fused"}, "results": {"erpo": result}}, file, indent=1)
+            json.dump({"meta": provenance("bench.host_cost", command, args.commit),
+                       "args": {**vars(args), "path": "fused"}, "results": {"erpo": result}}, file, indent=1)

@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from .provenance import header_lines, provenance
 
 SMOKE_ROWS, SMOKE_ROWS_PER_SAMPLE, SMOKE_VOCAB = 32, 16, 64  # the dry run's problem: the interpreter is slow
 
@@ -139,8 +142,7 @@ def idle_gaps(events: list, calls: int) -> dict:
 def markdown(results: dict, meta: dict) -> str:
     lines = [f"# One {meta['path']}-path fwd+bwd, kernel by kernel ({meta['device']}, N={meta['N']}, D={meta['D']}, "
              f"V={meta['V']}, {meta['dtype']}, "
-             f"{meta['calls']} calls)", "", f"- command: `{meta['command']}`", f"- commit: `{meta['commit']}`",
-             f"- date: `{meta['date']}`", f"- torch {meta['torch']}", ""]
+             f"{meta['calls']} calls)", "", *header_lines(meta), ""]
     unit = "kernel" if meta["device"] != "cpu" else "top-level CPU operator (dry run: not a measurement)"
     for key, result in results.items():
         lines.append(f"## {key}")
@@ -193,7 +195,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
-    from .__main__ import git_commit
     from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_workspace
     from .problem import SMOKE_SHAPE, Shape, build_problem, parse_shape
 
@@ -233,9 +234,7 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "N": rows,
             "path": args.path, "D": shape.hidden, "V": shape.vocab, "dtype": str(dtype).removeprefix("torch."),
             "calls": 1 if args.smoke else args.calls,
-            "command": "python -m bench.kernel_profile " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "commit": args.commit or git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "torch": torch.__version__}
+            **provenance("bench.kernel_profile", sys.argv[1:] if argv is None else argv, args.commit)}
     (out / "profile.md").write_text(markdown(results, meta))
     (out / "profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 

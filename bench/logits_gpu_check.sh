@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The logits path on a GPU in about 70 s (Triton compiles included), for one short device call: the bench's logits
-# rows for ours (the default forward and the base-2 loop; CONTENDERS overrides the list) and Liger at N = 16384,
-# 4096, 65536 (in that order: a time limit cuts the largest first), then torch.profiler's kernel table of one
-# fwd+bwd of ours and of Liger at N=16384 (bench/kernel_profile.py). Liger comes from .whl/liger_kernel-*.whl when
-# present (installed into a temporary folder, as bench/gpu_check.py does).
+# The logits path on a GPU in about 70 s (Triton compiles included), plus at most 60 s for host_cost (not yet run on
+# a GPU), for one short device call: the bench's logits rows for ours (the default forward and the base-2 loop;
+# CONTENDERS overrides the list) and Liger at N = 16384, 4096, 65536 (in that order: a time limit cuts the largest
+# first), the host's microseconds per fwd+bwd of ours and of Liger phase by phase at N=4096 with compiled kernels and
+# real launches (`python -m bench.host_cost --device cuda`, V=128: the kernels take microseconds), then
+# torch.profiler's kernel table of one fwd+bwd of ours and of Liger at N=16384 (bench/kernel_profile.py). Liger comes
+# from .whl/liger_kernel-*.whl when present (installed into a temporary folder, as bench/gpu_check.py does).
 #
 #   bash bench/logits_gpu_check.sh [--dry-run] [OUT_DIR]    # OUT_DIR default: $OUT
 #
 # Results: OUT_DIR/logits.jsonl (the bench's --progress rows), OUT_DIR/bench/results.{md,json,png},
-# OUT_DIR/profile/profile.{md,json}, OUT_DIR/logits_gpu_check.log. --dry-run: the same on the CPU at smoke size
-# (Triton's interpreter): checks the script, measures nothing.
+# OUT_DIR/host_cost.{md,json}, OUT_DIR/profile/profile.{md,json}, OUT_DIR/logits_gpu_check.log. --dry-run: the same
+# on the CPU at smoke size (Triton's interpreter): checks the script, measures nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
@@ -27,6 +29,8 @@ if [ "$dry_run" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
     "$python" -m bench --smoke --paths logits --contenders erpo,erpo-log2 --progress "$out/logits.jsonl" \
         --out "$out/bench" --commit "$commit"
+    "$python" -m bench.host_cost --n 64 --rows-per-sample 16 --vocab 37 --reps 3 --warmup 1 \
+        --json "$out/host_cost.json" --commit "$commit" > "$out/host_cost.md"
     "$python" -m bench.kernel_profile --smoke --contenders erpo,erpo-log2,liger --out "$out/profile" \
         --commit "$commit"
     exit 0
@@ -41,5 +45,8 @@ status=0
 timeout 48 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "${CONTENDERS:-erpo,erpo-log2,liger}" \
     --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" --commit "$commit" || status=$?
 echo "bench: exit $status"
+timeout 60 "$python" -m bench.host_cost --device cuda --n 4096 --reps 300 --json "$out/host_cost.json" \
+    --commit "$commit" > "$out/host_cost.md" || echo "host_cost: exit $?"
+cat "$out/host_cost.md"
 timeout 20 "$python" -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out "$out/profile" \
     --commit "$commit" || echo "kernel_profile: exit $?"

@@ -1,13 +1,17 @@
 """The long-horizon tiny experiment's summary (docs/tiny_comparison.md, "Long training over temperatures").
 
-    python -m bench.long_horizon --runs RUNS_DIR --history EVAL_DIR/history.csv --out OUT_DIR
+    python -m bench.long_horizon --runs RUNS_DIR --history EVAL_DIR/history.csv --out OUT_DIR [--metric avg@16]
+        [--paired erpo grpo] [--late-from STEP]
 
 RUNS_DIR holds one training run per (algorithm, seed), named ALG-sSEED (its metrics.jsonl is read); history.csv is
 what `erpo eval --model ALG-sSEED=RUNS_DIR/ALG-sSEED@all ...` wrote for them (one call, or several into one output
 directory and a last one over all runs). Writes to OUT_DIR:
 - `long_horizon.md`: per algorithm and kept step, the mean over seeds (and the min-max) of Avg@k at temperatures
   <= 1.0 and 1.2-1.5 (each the mean over that range's temperatures), then of the Query-KL and the entropy, each
-  averaged over the WINDOW rollout steps ending at that step;
+  averaged over the WINDOW rollout steps ending at that step; then, when both algorithms of --paired (A B) have runs,
+  A minus B on the same seed at each temperature range and kept step (and, with --late-from, over each seed's mean of
+  the kept steps from STEP on, one pre-declared number per seed): each seed's difference, their mean and standard
+  error, how many seeds favour A, and the exact sign-flip and paired t p-values (bench/paired.py);
 - `long_horizon_accuracy.png`: accuracy over steps, one panel per algorithm, one line per temperature (means over
   seeds; `erpo.plotting.plot_history`);
 - `long_horizon_drift.png`: Query-KL (log scale) and entropy over steps, one line per algorithm (mean over seeds,
@@ -30,6 +34,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.paired import paired_summary  # noqa: E402
 from erpo.plotting import plot_history  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<algorithm>.+)-s(?P<seed>\d+)$")
@@ -37,11 +42,12 @@ RANGES = ("<=1.0", "1.2-1.5")
 WINDOW = 50   # rollout steps averaged for the Query-KL and entropy at a kept step
 
 
-def algorithm_of(run: str) -> str:
+def split_run(run: str) -> tuple[str, int]:
+    """(algorithm, seed) of a run named ALG-sSEED."""
     match = RUN_NAME.match(run)
     if match is None:
         raise ValueError(f"run {run!r} is not named ALG-sSEED")
-    return match["algorithm"]
+    return match["algorithm"], int(match["seed"])
 
 
 def spread(values: list[float], seeds: int | None = None) -> str:
@@ -74,17 +80,61 @@ def windowed(runs_dir: str, run: str, key: str, steps: list[int]) -> dict[int, f
     return {s: sum(v for t, v in values.items() if s - WINDOW < t <= s) / WINDOW for s in steps if 0 < s <= last}
 
 
+def paired_lines(history: dict, runs_of: dict[str, dict[int, str]], pair: tuple[str, str], steps: list[int],
+                 metric: str, late_from: int | None) -> list[str]:
+    """Markdown tables of `pair` = (A, B): per temperature range, A - B on the same seed at each kept step both runs
+    of a seed reached (and the late-phase row, see the module docstring), as paired_summary sums them up."""
+    a, b = pair
+    seeds = sorted(runs_of[a].keys() & runs_of[b].keys())
+    late = [s for s in steps if late_from is not None and s >= late_from]
+    lines = [f"### {a} - {b}, {metric}: paired over seeds", "",
+             f"{a} minus {b} trained on the same seed: the mean over seeds ± its standard error, in how many seeds {a} "
+             "is higher, the two-sided p-values of the exact sign-flip test (never below 2/2^n: 0.0625 for 5 seeds) "
+             "and of the paired t-test, and each seed's difference.", ""]
+    for name in RANGES:
+        # {algorithm: {seed: {step: value}}}
+        points = {x: {seed: history[runs_of[x][seed]][name] for seed in seeds} for x in pair}
+        rows = [(str(step), {seed: points[a][seed][step] - points[b][seed][step] for seed in seeds
+                             if step in points[a][seed] and step in points[b][seed]})
+                for step in steps]
+        if late:   # only the seeds whose two runs reached every late kept step
+            rows.append((f"mean of steps {late[0]}-{late[-1]} ({len(late)} kept)",
+                         {seed: sum(points[a][seed][s] - points[b][seed][s] for s in late) / len(late)
+                          for seed in seeds if all(s in points[x][seed] for x in pair for s in late)}))
+        lines += [f"#### temperatures {name}", "",
+                  f"| step | seeds | mean ± s.e. | {a} higher | sign-flip p | paired t p | each seed |",
+                  "|---|:---:|:---:|:---:|:---:|:---:|---|"]
+        for label, differences in rows:
+            if not differences:
+                continue
+            summary = paired_summary(list(differences.values()))
+            se = "-" if summary.standard_error is None else f"{summary.standard_error:.3f}"
+            t_p = "-" if summary.t_p is None else f"{summary.t_p:.3g}"
+            each = ", ".join(f"s{seed} {d:+.3f}" for seed, d in differences.items())
+            lines.append(f"| {label} | {summary.n} | {summary.mean:+.3f} ± {se} | {summary.positive}/{summary.n} | "
+                         f"{summary.sign_flip_p:.3g} | {t_p} | {each} |")
+        lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True)
     parser.add_argument("--history", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--metric", default="avg@16")
+    parser.add_argument("--paired", nargs=2, default=["erpo", "grpo"], metavar=("A", "B"),
+                        help="tabulate A minus B on the same seed (skipped unless both have runs)")
+    parser.add_argument("--late-from", type=int, metavar="STEP",
+                        help="add a row of each seed's mean over the kept steps from STEP on (the late phase)")
     args = parser.parse_args(argv)
     history = read_history(args.history, args.metric)
     by_algorithm: dict[str, list[str]] = defaultdict(list)
+    runs_of: dict[str, dict[int, str]] = defaultdict(dict)   # {algorithm: {seed: run}}
     for run in history:
-        by_algorithm[algorithm_of(run)].append(run)
+        algorithm, seed = split_run(run)
+        by_algorithm[algorithm].append(run)
+        runs_of[algorithm][seed] = run
     steps = sorted({s for run in history.values() for points in run.values() for s in points})
     temperatures = sorted({t for run in history.values() for t in run if t not in RANGES and t != "all"}, key=float)
     os.makedirs(args.out, exist_ok=True)
@@ -109,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                      for runs in by_algorithm.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
         lines.append("")
+    if all(algorithm in runs_of for algorithm in args.paired):
+        lines += paired_lines(history, runs_of, tuple(args.paired), steps, args.metric, args.late_from)
     Path(args.out, "long_horizon.md").write_text("\n".join(lines), encoding="utf-8")
 
     curves = {alg: {float(t): {s: sum(v) / len(v) for s in steps

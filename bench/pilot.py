@@ -18,12 +18,17 @@ Everything goes to ROOT/pilot-NAME/ (ROOT outside the repository):
   written at the end;
 - `journal.jsonl`: one line per process started or ended (what, UTC time, commit, machine, exit status).
 
-Runs are trained one after the other, each followed by the evaluation: a finished run is skipped, an unfinished one
-continues from its newest checkpoint with `erpo train --resume` (the trainer's exact resume), so the same command
-after an interruption goes on where the pilot stopped. Every process runs at --nice (default 19: the lowest
-priority) with one CPU thread. With
---until HH:MM (UTC, today) the running process is stopped then (SIGTERM: the trainer writes a checkpoint) and the
-pilot exits with status 3.
+Runs are trained one after the other, seed by seed (GRPO and ERPO of seed 0, then of seed 1, ...: an interruption
+leaves complete pairs for the paired comparison), each followed by the evaluation of every finished run (its sample
+cache samples only what is new): a finished run is skipped, an unfinished one continues from its newest checkpoint
+with `erpo train --resume` (the trainer's exact resume), so the same command after an interruption goes on where the
+pilot stopped; a call that finds every run finished evaluates once (what an interrupted evaluation left). Every
+process runs at --nice (default 19: the lowest priority) with one CPU thread. With --until HH:MM (UTC, today) the
+running process is stopped then (SIGTERM: the trainer writes a checkpoint) and the pilot exits with status 3.
+
+The comparison of issue 35 is a pilot with several seeds (`--seeds 0 1 2 3 4`) under a name of its own, at the
+settings the pilots chose; `bench.long_horizon --paired erpo grpo --late-from STEP` over its evaluation gives the
+per-seed differences and the paired tests (docs/pilots.md).
 """
 from __future__ import annotations
 
@@ -137,6 +142,11 @@ def eval_command(settings: dict, runs: dict[str, Path], spec: str, out_dir: Path
             "--max-new-tokens", str(MAX_NEW_TOKENS), "--output-dir", str(out_dir), "--no-progress"]
 
 
+def planned_runs(directory: Path, algorithms: list[str], seeds: list[int]) -> dict[str, Path]:
+    """{ALG-sSEED: its folder} in training order: seed by seed, each seed's algorithms in the order given."""
+    return {f"{a}-s{s}": directory / f"{a}-s{s}" for s in seeds for a in algorithms}
+
+
 def run_state(run_dir: Path) -> str:
     """'finished' (final/ written), 'resume' (a checkpoint to continue from) or 'fresh'."""
     if (run_dir / "final" / "config.json").is_file():
@@ -195,20 +205,28 @@ def main(argv: list[str] | None = None) -> int:
     check_settings(directory, settings)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     journal, deadline = Journal(directory), deadline_of(args.until)
-    runs = {f"{a}-s{s}": directory / f"{a}-s{s}" for a in args.algorithms for s in args.seeds}
+    runs = planned_runs(directory, args.algorithms, args.seeds)
+
+    def evaluate(after: str) -> None:   # every finished run's history, on both sets
+        evaluated = {n: d for n, d in runs.items() if run_state(d) == "finished"}
+        for set_name, spec in eval_sets(settings).items():
+            run_logged(eval_command(settings, evaluated, spec, directory / f"eval-{set_name}"),
+                       directory / f"eval-{set_name}.log", journal, f"eval {set_name} {after}", deadline, args.nice)
+
     try:
+        trained = False
         for name, run_dir in runs.items():
-            algorithm, seed = name.rsplit("-s", 1)
             state = run_state(run_dir)
-            if state != "finished":
-                command = train_command(settings, algorithm, int(seed), run_dir, directory.parent / "cache",
-                                        resume=state == "resume")
-                run_logged(command, directory / f"{name}.log", journal, f"train {name}", deadline, args.nice)
-            evaluated = {n: d for n, d in runs.items() if run_state(d) == "finished"}
-            for set_name, spec in eval_sets(settings).items():
-                run_logged(eval_command(settings, evaluated, spec, directory / f"eval-{set_name}"),
-                           directory / f"eval-{set_name}.log", journal, f"eval {set_name} {name}", deadline,
-                           args.nice)
+            if state == "finished":
+                continue
+            algorithm, seed = name.rsplit("-s", 1)
+            command = train_command(settings, algorithm, int(seed), run_dir, directory.parent / "cache",
+                                    resume=state == "resume")
+            run_logged(command, directory / f"{name}.log", journal, f"train {name}", deadline, args.nice)
+            trained = True
+            evaluate(after=name)
+        if not trained:   # the last call may have stopped during an evaluation
+            evaluate(after="all")
         for set_name in eval_sets(settings):
             for metric in (f"avg@{args.k}", f"pass@{args.k}"):
                 long_horizon.main(["--runs", str(directory), "--history",

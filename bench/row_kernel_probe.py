@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from .provenance import header_lines, provenance
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -23,7 +24,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="bf16:4096,bf16:16384,fp32:512,fp32:1024",
                         help="comma list of dtype:rows")
     parser.add_argument("--vocab", type=int, default=152064)
-    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -35,9 +36,8 @@ def main(argv=None):
 
     transform = LogitTransform(1.0, 1.0, None)
     lines = [f"# The logits kernels' forward alone ({torch.cuda.get_device_name()}, V={args.vocab})", "",
-             f"- command: `python -m bench.row_kernel_probe {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             f"- commit: `{args.commit}`", f"- date: `{time.strftime('%Y-%m-%dT%H:%M:%S%z')}`",
-             f"- torch {torch.__version__}, triton {triton.__version__}", "",
+             *header_lines(provenance("bench.row_kernel_probe", sys.argv[1:] if argv is None else argv, args.commit)),
+             "",
              "| dtype | rows | variant | ms | GB/s |", "|---|---|---|---|---|"]
     for spec in args.shapes.split(","):
         dtype_name, rows = spec.split(":")

@@ -19,7 +19,9 @@ class PackedBatch:
     `rows` [B * L] bool selects the scored rows (query or response); targets / token_kind / sample_index are
     already restricted to them, so hidden.reshape(-1, D)[rows] lines up with them row for row. `row_index` [R] int64,
     when given, holds the same rows' positions, ascending (whoever changes rows must change or drop it):
-    `final_hidden` then selects them without a host read.
+    `final_hidden` then selects them without a host read. `host_layout` [2, R] int64 in host memory, when given, holds
+    token_kind and sample_index as the host built or read them: `fused_linear_erpo_loss` plans its chunks on it
+    without a host read of its own.
     """
     input_ids: torch.Tensor        # [B, L]
     attention_mask: torch.Tensor   # [B, L]
@@ -29,6 +31,7 @@ class PackedBatch:
     sample_index: torch.Tensor     # [R] in [0, B)
     rollout_logp: torch.Tensor | None = None  # [R] fp32: the rollout engine's log-probs on response rows, else 0
     row_index: torch.Tensor | None = None     # [R] int64: the positions rows selects (no host read to select them)
+    host_layout: torch.Tensor | None = None   # [2, R] int64, host memory: token_kind and sample_index (no read to plan)
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
@@ -59,10 +62,11 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
         masked = ~torch.tensor(response_scored, dtype=torch.bool)
         packed.token_kind[(packed.token_kind == 2) & masked[packed.sample_index]] = 0
     rows = packed.token_kind != 0
-    return PackedBatch(ids.to(device), attn.to(device), rows.to(device), packed.targets[rows].to(device),
-                       packed.token_kind[rows].to(device), packed.sample_index[rows].to(device),
-                       None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device),
-                       rows.nonzero().squeeze(1).to(device))
+    host_layout = torch.stack((packed.token_kind[rows], packed.sample_index[rows]))  # built here: nothing to read
+    token_kind, sample_index = host_layout.to(device)  # one upload for both
+    return PackedBatch(ids.to(device), attn.to(device), rows.to(device), packed.targets[rows].to(device), token_kind,
+                       sample_index, None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device),
+                       rows.nonzero().squeeze(1).to(device), host_layout)
 
 
 def final_hidden(model, batch: PackedBatch) -> torch.Tensor:

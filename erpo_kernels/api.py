@@ -30,8 +30,10 @@ TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 # Triton reads TRITON_INTERPRET when a kernel is defined, here at import: set later, it cannot take effect.
 INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.library ops); else the torch reference only
+    from .direct_ops import traced
     from .triton_logits import triton_token_logprobs
-    from .triton_objective import fuses, triton_objective
+    from .triton_logits_loss import triton_logits_loss
+    from .triton_objective import fuses, fuses_options, triton_objective
     from .triton_row_checks import RowChecksWithSpans, triton_first_bad_row
     from .triton_segment import TritonSegmentSum
 
@@ -128,15 +130,19 @@ def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInp
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
 
+    def one_node(scored_targets, opts, spans):
+        return triton_logits_loss(logits, scored_targets, token_kind, sample_index, inputs=inputs, options=opts,
+                                  inplace_backward=inplace_backward, spans=spans)
+
     return loss_on_token_rows(
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
         targets=targets, token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options,
-        validate=validate, caller_checks=caller_checks)
+        validate=validate, caller_checks=caller_checks, one_node=one_node)
 
 
 def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: torch.device, backend: str, targets,
                        token_kind, sample_index, inputs: LossInputs, options: dict,
-                       validate: bool = True, caller_checks=()) -> LossOutput:
+                       validate: bool = True, caller_checks=(), one_node=None) -> LossOutput:
     """The body shared by `erpo_loss` and `logprob_erpo_loss` once their [N, *] source is checked: validate
     the other inputs (`validate`: the value checks too, on the device with Triton), run
     `token_pass(scored_targets [N] int64, LogitTransform, triton) -> (logp [N], entropy [N])` on the chosen backend
@@ -144,17 +150,24 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     one host read comes last, once every kernel of the forward is queued (`start_loss_input_checks`): the device is
     never idle while the host waits, and an input that fails them still raises before the loss is returned (the
     kernels are safe on any row values). With Triton the value checks' kernel also finds each sample's span of rows
-    for the objective (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both)."""
+    for the objective (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill for both).
+    one_node(scored_targets, LossOptions, spans) -> LossOutput, when given: the token pass and the objective as one
+    autograd node (`triton_logits_loss`), taken on the Triton path for the options the objective's kernels fuse
+    where nothing traces (`direct_ops.traced`); its kernels are queued before the checks' read as the two passes'."""
     triton = use_triton(backend, device)
     row_checks = RowChecksWithSpans() if triton else None
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=num_rows, vocab_size=vocab_size, device=device, targets=targets, token_kind=token_kind,
         sample_index=sample_index, inputs=inputs, options=options, validate=validate, first_bad_row=row_checks,
         caller_checks=caller_checks)
+    spans = None if row_checks is None else row_checks.spans
+    if one_node is not None and triton and fuses_options(opts) and not traced():
+        out = one_node(scored_targets, opts, spans)
+        finish_checks()
+        return out
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)
     return objective_on_backend(token_logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                triton=triton, finish_checks=finish_checks,
-                                spans=None if row_checks is None else row_checks.spans)
+                                triton=triton, finish_checks=finish_checks, spans=spans)
 
 
 def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, inputs: LossInputs, options,

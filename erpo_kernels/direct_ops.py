@@ -16,6 +16,14 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
+def traced() -> bool:
+    """Whether something traces or transforms the ops called now: torch.compile, a dispatch mode (FakeTensorMode,
+    AOTAutograd, a launch counter), a torch.func transform (grad, vmap: the op's own support). Then the ops are
+    called, else their implementations."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active())
+
+
 class DirectOp:
     """`op` (a torch.library custom op) called as `implementation(*args)` where nothing traces (module docstring).
 
@@ -36,8 +44,7 @@ class DirectOp:
                 "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def __call__(self, *args):
-        if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-                or torch._C._are_functorch_transforms_active()):  # torch.func (grad, vmap): the op's own support
+        if traced():
             return self.op(*args)
         if self.function is not None and torch.is_grad_enabled() and any(
                 isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):

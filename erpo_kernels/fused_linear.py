@@ -26,6 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .api import objective_on_backend, use_triton, value_checks_of
+from .common import host_to_device
 from .fused_linear_loss import (
     DEFAULT_WORKSPACE_BYTES,
     ROW_KERNELS,
@@ -198,20 +199,61 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
                            ref_query_logp=None, query_weight=None, old_logp=None, ref_logp=None,
                            token_weight=None, rollout_logp=None, backend: str = "auto", validate: bool = True,
                            workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, batch_invariant: bool = False,
-                           **options) -> LossOutput:
+                           host_layout: torch.Tensor | None = None, **options) -> LossOutput:
     """The ERPO loss (API.md) from hidden [N, D] and the lm_head weight [V, D] (+ bias [V]) without the [N, V]
     logits: targets, token_kind, sample_index [N]; advantages, ref_query_logp, query_weight [S]; old_logp,
     ref_logp, token_weight, rollout_logp [N]; options as API.md's table (and docs/API.md's additions); validate as
     `erpo_loss`'s. workspace_bytes: the budget of the row chunks' buffers (fused_linear_loss.py; default 1 GiB).
     batch_invariant: every logits GEMM of one shape, so a row's log-prob does not depend on the rest of the batch
-    (`LogitsBuffer`). Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight and bias:
-    the gradients are formed in the forward (6 N D V FLOPs) and the backward scales them.
+    (`LogitsBuffer`). host_layout: None, or [2, N] int64 in host memory, token_kind and sample_index as the caller
+    holds them there (`ScoredRows.host_layout`, or the host tensors a batch was built from): the chunk plan takes it
+    instead of reading the rows on the host (one host read fewer); with validate=True it is checked against the rows
+    in the value checks' one read. Returns a LossOutput whose `loss` is differentiable with respect to hidden, weight
+    and bias: the gradients are formed in the forward (6 N D V FLOPs) and the backward scales them.
     """
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
+    checks = host_layout_checks(host_layout, token_kind, sample_index) if validate is True else []
     return fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_index, inputs=inputs,
                                      options=options, backend=backend, validate=validate,
-                                     workspace_bytes=workspace_bytes, batch_invariant=batch_invariant)
+                                     workspace_bytes=workspace_bytes, batch_invariant=batch_invariant,
+                                     caller_checks=checks, host_layout=host_layout)
+
+
+def check_host_layout(host_layout, num_rows: int) -> None:
+    """A caller's host_layout: None, or a [2, N] int64 tensor in host memory (one-line errors naming it)."""
+    if host_layout is None:
+        return
+    if not isinstance(host_layout, torch.Tensor):
+        raise TypeError(f"host_layout must be a [2, N] int64 CPU tensor (token_kind and sample_index, e.g. "
+                        f"ScoredRows.host_layout) or None, got {type(host_layout).__name__}")
+    if host_layout.device.type != "cpu":
+        raise ValueError(f"host_layout must be in host memory (a CPU tensor), got one on {host_layout.device}: it "
+                         f"spares the chunk plan a host read; pass None to let the loss read the rows itself")
+    if host_layout.dtype != torch.int64:
+        raise TypeError(f"host_layout must be int64, got {host_layout.dtype}")
+    if tuple(host_layout.shape) != (2, num_rows):
+        raise ValueError(f"host_layout must have shape [2, N] = (2, {num_rows}) (token_kind and sample_index of "
+                         f"the N rows of hidden), got {tuple(host_layout.shape)}")
+
+
+def host_layout_checks(host_layout, token_kind, sample_index) -> list:
+    """The `check_rows` pair that finds the rows where a caller's host_layout [2, N] disagrees with token_kind or
+    sample_index [N] (on the device: one upload, no host read of its own; read with the value checks), as a list;
+    empty without a host_layout, or when any of the three is malformed: the checks of their forms then raise,
+    naming it, before anything is read."""
+    rows = (token_kind, sample_index)
+    if not (isinstance(host_layout, torch.Tensor) and host_layout.device.type == "cpu"
+            and host_layout.dtype == torch.int64 and host_layout.dim() == 2 and host_layout.shape[0] == 2
+            and all(isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(host_layout.shape[1:])
+                    and t.device == token_kind.device for t in rows)):
+        return []
+    on_device = host_to_device(host_layout.numpy(), token_kind.device)
+    bad = (on_device[0] != token_kind) | (on_device[1] != sample_index)
+    return [(bad, lambda row: f"host_layout disagrees with the rows at row {row}: it holds token_kind "
+                              f"{int(host_layout[0, row])} and sample_index {int(host_layout[1, row])}, the tensors "
+                              f"{int(token_kind[row])} and {int(sample_index[row])}; pass the host copy of these "
+                              f"very rows, or host_layout=None")]
 
 
 def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_index, *, inputs: LossInputs,
@@ -223,6 +265,7 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     memory: token_kind and sample_index as the caller read them (`ScoredRows.host_layout`), which spares the chunk
     plan its host read."""
     check_linear_inputs(hidden, weight, bias)
+    check_host_layout(host_layout, hidden.shape[0])
     if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
         raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
     if not isinstance(batch_invariant, bool):

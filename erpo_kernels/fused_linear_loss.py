@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -684,16 +685,16 @@ def _option_values(options: str) -> tuple:
     return tuple((name, ast.literal_eval(value)) for name, value in (item.split("=", 1) for item in options.split(";")))
 
 
-@torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", mutates_args=())
-def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
-                      advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
-                      query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
-                      ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
-                      rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
-                      num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
-                      kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
-                      needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor]) -> OpOutputs:
+def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                   targets: torch.Tensor, token_kind: torch.Tensor, sample_index: torch.Tensor,
+                                   advantages: torch.Tensor, ref_query_logp: Optional[torch.Tensor],
+                                   query_weight: Optional[torch.Tensor], old_logp: Optional[torch.Tensor],
+                                   ref_logp: Optional[torch.Tensor], token_weight: Optional[torch.Tensor],
+                                   rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
+                                   num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
+                                   kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
+                                   needs_weight: bool, needs_bias: bool,
+                                   host_layout: Optional[torch.Tensor]) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
     ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
     gradient scales the stored ones (loss = objective value + anchor). host_layout: `loss_gradients`'."""
@@ -709,6 +710,13 @@ def loss_gradients_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
         batch_invariant, entropy_pool, host_layout)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
+
+
+loss_gradients_op = torch.library.custom_op("erpo::fused_linear_erpo_loss_gradients", loss_gradients_of_op_arguments,
+                                            mutates_args=())
+# The op's arguments by name, in its schema's order (inferred from the signature), the order in which autograd hands
+# them to `_setup_context` and takes their gradients back from `_backward`
+OP_ARGUMENTS = tuple(inspect.signature(loss_gradients_of_op_arguments).parameters)
 
 
 @loss_gradients_op.register_fake
@@ -731,10 +739,11 @@ def check_weight_unchanged(weight, forward_shape) -> None:
 
 
 def _setup_context(ctx, inputs, output):
+    arguments = dict(zip(OP_ARGUMENTS, inputs))
     logp, entropy, _anchor, *grads = output
-    ctx.save_for_backward(inputs[1], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
-    ctx.weight_shape = inputs[1].shape
-    ctx.triton = inputs[17] == "triton"
+    ctx.save_for_backward(arguments["weight"], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
+    ctx.weight_shape = arguments["weight"].shape
+    ctx.triton = arguments["kernels"] == "triton"
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
@@ -751,8 +760,8 @@ def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
         def scale(grad, factor):
             return (grad.float() * factor).to(grad.dtype)
     grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
-             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]
-    return (*grads, *([None] * 21))
+             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]  # hidden, weight, bias: the first three
+    return (*grads, *([None] * (len(OP_ARGUMENTS) - len(grads))))
 
 
 loss_gradients_op.register_autograd(_backward, setup_context=_setup_context)

@@ -40,6 +40,7 @@ from .triton_common import (
     transform_arguments,
     transformed_logits,
 )
+from .triton_objective import objective_row_gradients
 from .validation import NO_TRANSFORM, LogitTransform
 
 
@@ -167,10 +168,27 @@ def _logp_entropy_forward_log2_kernel(
 
 
 @triton.jit
+def _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
+                      FROM_COEFFICIENTS: tl.constexpr):
+    """(g_logp, g_H) of one row, g_logp 0 on an ignored row: loaded, or with FROM_COEFFICIENTS (the loss as one
+    autograd node, `triton_logits_loss`) formed from the objective's gradient coefficients, which grad_logp_ptr and
+    grad_entropy_ptr then hold, as the objective's gradient kernel forms them (`objective_row_gradients`: the same
+    operations, the same values)."""
+    if FROM_COEFFICIENTS:
+        g_logp, g_entropy = objective_row_gradients(tl.load(kind_ptr + row), tl.load(grad_logp_ptr + row),
+                                                    tl.load(grad_entropy_ptr + row), scales_ptr, grad_loss_ptr)
+    else:
+        g_logp = tl.load(grad_logp_ptr + row)
+        g_entropy = tl.load(grad_entropy_ptr + row)
+    return tl.where(target != -100, g_logp, 0.0), g_entropy
+
+
+@triton.jit
 def _logp_entropy_backward_kernel(
     logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -178,8 +196,8 @@ def _logp_entropy_backward_kernel(
     target = tl.load(targets_ptr + row)
     lse = tl.load(lse_ptr + row)
     entropy = tl.load(entropy_ptr + row)
-    g_logp = tl.where(target != -100, tl.load(grad_logp_ptr + row), 0.0)
-    g_entropy = tl.load(grad_entropy_ptr + row)
+    g_logp, g_entropy = _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr,
+                                          grad_loss_ptr, FROM_COEFFICIENTS)
     # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
     read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
     start = 0
@@ -214,8 +232,9 @@ def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, l
 @triton.jit
 def _logp_entropy_backward_log2_kernel(
     logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
+    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """`_logp_entropy_backward_kernel`'s d logits in about half the instructions per logit (a logit's 4 bytes, read
     and written, leave about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse)
@@ -230,8 +249,8 @@ def _logp_entropy_backward_log2_kernel(
     grad_row_ptr = grad_ptr + row * grad_stride_row
     target = tl.load(targets_ptr + row)
     lse = tl.load(lse_ptr + row)
-    g_logp = tl.where(target != -100, tl.load(grad_logp_ptr + row), 0.0)
-    g_entropy = tl.load(grad_entropy_ptr + row)
+    g_logp, g_entropy = _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr,
+                                          grad_loss_ptr, FROM_COEFFICIENTS)
     unit = logit_scale * inv_temperature  # d z / d logits without the soft-cap
     c = g_logp + g_entropy * tl.load(entropy_ptr + row)
     offsets = tl.arange(0, BLOCK_V)
@@ -370,14 +389,21 @@ def _launch_forward(logits, targets, transform: LogitTransform, variant_name: Op
     return logp, entropy, lse
 
 
-def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform):
+def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform,
+                     coefficients: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+    """d logits into grad_logits [N, V] by the backward kernel of the process-wide variant (`forward_variant`), for
+    grad_logp, grad_entropy [N]; with coefficients = (token_kind [N], the objective's global factors [3], grad_loss
+    []), grad_logp and grad_entropy are the objective's gradient coefficients instead, which the kernel turns into
+    the gradients itself (`_output_gradients`)."""
     num_rows, vocab_size = logits.shape
     block_v = block_size_for(vocab_size)
+    kind, scales, grad_loss = (None, None, None) if coefficients is None else coefficients
     if num_rows > 0:
         FORWARD_VARIANTS[_forward_variant[0]].backward[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
-            targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
-            vocab_size, *transform_arguments(transform), BLOCK_V=block_v, num_warps=_num_warps(block_v))
+            targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(), kind, scales,
+            grad_loss, vocab_size, *transform_arguments(transform), FROM_COEFFICIENTS=coefficients is not None,
+            BLOCK_V=block_v, num_warps=_num_warps(block_v))
 
 
 # torch.library custom ops (what torch.compile sees instead of the kernels: no graph break). The LogitTransform

@@ -11,7 +11,8 @@ gradient, for the options trainers use most, without an autograd graph over doze
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
                  (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
-                 block of rows; on the logits path `triton_logits`'s dlogits kernel follows
+                 block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
+                 follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
 
 The gradient coefficients, derived from the reference's equations (API.md's math; sg = detached):
     response row t of sample s, term_t = w_s tw_t rho_t pg_t + beta KL_t - c_H H_t, aggregated with factor
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -82,9 +83,14 @@ SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
     """True when these kernels compute the objective for `options` (module docstring); else the caller runs
     `objective.erpo_objective`."""
-    entropy_filter = options.top_entropy_quantile < 1.0
     return (token_logp.dtype == torch.float32 and (entropy is None or entropy.dtype == torch.float32)
-            and not (entropy_filter and (entropy is None or options.top_entropy_gather is not None)))
+            and fuses_options(options, has_entropy=entropy is not None))
+
+
+def fuses_options(options: LossOptions, has_entropy: bool = True) -> bool:
+    """`fuses` on fp32 log-probs and entropies (or none: has_entropy=False), as the logits path's token pass gives."""
+    entropy_filter = options.top_entropy_quantile < 1.0
+    return not (entropy_filter and (not has_entropy or options.top_entropy_gather is not None))
 
 
 @triton.jit
@@ -583,21 +589,29 @@ def _objective_finish_kernel(
 
 
 @triton.jit
-def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_ptr, scales_ptr, grad_logp_ptr,
-                           grad_entropy_ptr, num_rows, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = rows < num_rows
-    kind = tl.load(kind_ptr + rows, mask=inside, other=0)
+def objective_row_gradients(kind, coef_logp, coef_entropy, scales_ptr, grad_loss_ptr):
+    """(d loss / d logp_t, d loss / d H_t) of rows of token kind `kind` from their gradient coefficients (module
+    docstring, kernel 3), for grad_loss [] and the global factors [3] in memory; also what `triton_logits`' backward
+    kernels form themselves when the loss is one autograd node (`triton_logits_loss`)."""
     grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
     term_scale = tl.load(scales_ptr + 0)
     qkl_scale = tl.load(scales_ptr + 1)
     entropy_scale = tl.load(scales_ptr + 2)
-    coef_logp = tl.load(coef_logp_ptr + rows, mask=inside, other=0.0)
-    coef_entropy = tl.load(coef_entropy_ptr + rows, mask=inside, other=0.0)
     # rows of kind 0 (and rows no sample program visited: their coefficients are never written) get exact zeros
     grad_logp = tl.where(kind == 2, coef_logp * (term_scale * grad_loss),
                          tl.where(kind == 1, coef_logp * (qkl_scale * grad_loss), 0.0))
     grad_entropy = tl.where(kind == 2, coef_entropy * (entropy_scale * grad_loss), 0.0)
+    return grad_logp, grad_entropy
+
+
+@triton.jit
+def _objective_grad_kernel(grad_loss_ptr, kind_ptr, coef_logp_ptr, coef_entropy_ptr, scales_ptr, grad_logp_ptr,
+                           grad_entropy_ptr, num_rows, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < num_rows
+    grad_logp, grad_entropy = objective_row_gradients(
+        tl.load(kind_ptr + rows, mask=inside, other=0), tl.load(coef_logp_ptr + rows, mask=inside, other=0.0),
+        tl.load(coef_entropy_ptr + rows, mask=inside, other=0.0), scales_ptr, grad_loss_ptr)
     tl.store(grad_logp_ptr + rows, grad_logp, mask=inside)
     tl.store(grad_entropy_ptr + rows, grad_entropy, mask=inside)
 
@@ -694,17 +708,59 @@ class SampleOutputs(NamedTuple):
                    torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
 
 
-def _flags(settings: List[float]):
-    """(the settings by name, flag(name) -> bool, use_qkl, entropy_in_term), built once per distinct settings."""
-    return _cached_flags(tuple(settings))
+class KernelArguments(NamedTuple):
+    """What the sample and finish kernels take from one `objective_settings` (the scalars in their parameters'
+    order, the constexprs by name), built once per distinct settings (`kernel_arguments`): a launch passes them as
+    they are."""
+
+    sample_scalars: Tuple[float, ...]
+    sample_constexprs: Dict[str, object]
+    finish_scalars: Tuple[float, ...]
+    finish_constexprs: Dict[str, object]
+
+
+def kernel_arguments(settings: List[float]) -> KernelArguments:
+    """`KernelArguments` of `settings` (`objective_settings`), from a cache keyed by their values: shared, never
+    changed (a launch copies the constexprs into its own keywords)."""
+    return _cached_kernel_arguments(tuple(settings))
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_flags(settings: Tuple[float, ...]):
+def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
     s = dict(zip(SETTING_NAMES, settings))
-    use_qkl = bool(s["has_qkl_reference"]) and s["qkl_coef"] != 0
-    entropy_in_term = bool(s["entropy_in_loss_agg"]) and s["entropy_coef"] != 0
-    return s, lambda name: bool(s[name]), use_qkl, entropy_in_term
+
+    def flag(name):
+        return bool(s[name])
+
+    use_qkl = flag("has_qkl_reference") and s["qkl_coef"] != 0
+    entropy_in_term = flag("entropy_in_loss_agg") and s["entropy_coef"] != 0
+    sample_scalars = tuple(s[name] for name in (
+        "clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap",
+        "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "cispo_clip_max", "sapo_temperature_pos",
+        "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+        "off_policy_mask_threshold"))
+    sample_constexprs = dict(
+        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
+        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
+        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
+        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
+        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
+        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
+        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
+        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
+        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+    finish_scalars = (s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"])
+    finish_constexprs = dict(
+        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
+        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
+        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
+        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
+        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
+        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
+        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs)
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
@@ -719,51 +775,27 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
-    s, flag, use_qkl, entropy_in_term = _flags(settings)
-    any_tensor = token_logp  # a pointer for the absent optional tensors (never read: their flag is off)
+    arguments = kernel_arguments(settings)
+    # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
+    # launch binds and checks no pointer for it)
     _objective_sample_kernel[(num_programs,)](
-        token_logp, any_tensor if entropy is None else entropy, token_kind, any_tensor if order is None else order,
-        starts, sample_index if spans else any_tensor, any_tensor if sample_ids is None else sample_ids,
-        *(any_tensor if t is None else t for t in (*loss_tensors, entropy_threshold)), *out,
-        s["clip_low"], s["clip_high"], s["dual_clip"], s["pg_log_ratio_clamp"], s["log_ratio_clamp"],
-        s["kl_clamp"], s["log_rollout_is_cap"], s["qkl_coef"], s["qkl_linear_beyond"], s["policy_kl_coef"],
-        s["entropy_coef"], s["cispo_clip_max"], s["sapo_temperature_pos"], s["sapo_temperature_neg"],
-        s["vespo_k_pos"], s["vespo_lambda_pos"], s["vespo_k_neg"], s["vespo_lambda_neg"],
-        s["off_policy_mask_threshold"],
-        HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_QUERY_WEIGHT=flag("has_query_weight"), HAS_OLD=flag("has_old"), HAS_REF_LOGP=flag("has_ref_logp"),
-        HAS_TOKEN_WEIGHT=flag("has_token_weight"), HAS_ROLLOUT=flag("has_rollout"),
-        HAS_IS_CAP=flag("has_is_cap"), HAS_DUAL=flag("has_dual"), HAS_PG_CLAMP=flag("has_pg_clamp"),
-        HAS_KL_CLAMP=flag("has_kl_clamp"), USE_QKL=use_qkl,
-        USE_POLICY_KL=flag("has_ref_logp") and s["policy_kl_coef"] != 0, ENTROPY_IN_TERM=entropy_in_term,
-        SEQUENCE_RATIO=flag("sequence_ratio"), BIAS_CORRECTION=flag("bias_correction"),
-        PER_TOKEN_MEAN=s["loss_agg"] == LOSS_AGG_CODES["seq-mean-token-mean"],
-        QKL_ESTIMATOR=int(s["qkl_estimator"]), PG_OBJECTIVE=int(s["pg_objective"]),
-        HAS_OFF_POLICY=flag("has_off_policy"), HAS_ENTROPY_FILTER=flag("has_entropy_filter"),
-        HAS_SAMPLE_IDS=sample_ids is not None, SPANS=spans, NUM_PARTIALS_=NUM_PARTIALS, BLOCK=ROW_BLOCK)
+        token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
+        *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
+        SPANS=spans)
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
     """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
     factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
-    s, flag, use_qkl, entropy_in_term = _flags(settings)
+    arguments = kernel_arguments(settings)
     device = out.partials.device
     loss = torch.empty((), dtype=torch.float32, device=device)
     metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
     counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
     scales = torch.empty(3, dtype=torch.float32, device=device)
-    any_tensor = out.query_logp
-    _objective_finish_kernel[(1,)](
-        out.partials, out.query_logp, any_tensor if num_items is None else num_items,
-        any_tensor if num_seqs is None else num_seqs, loss, metrics, counts, scales,
-        out.partials.shape[0], s["num_items"], s["num_seqs"], s["qkl_coef"], s["entropy_coef"],
-        NUM_ITEMS_MODE=int(s["num_items_mode"]), NUM_SEQS_MODE=int(s["num_seqs_mode"]),
-        LOSS_AGG=int(s["loss_agg"]), HAS_ENTROPY=flag("has_entropy"), HAS_QKL_REFERENCE=flag("has_qkl_reference"),
-        HAS_REF_LOGP=flag("has_ref_logp"), HAS_ROLLOUT=flag("has_rollout"), HAS_IS_CAP=flag("has_is_cap"),
-        USE_QKL=use_qkl, ENTROPY_IN_TERM=entropy_in_term,
-        ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
-        HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
-        NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
+    _objective_finish_kernel[(1,)](  # num_items / num_seqs None: as the sample kernel's absent tensors
+        out.partials, out.query_logp, num_items, num_seqs, loss, metrics, counts, scales, out.partials.shape[0],
+        *arguments.finish_scalars, **arguments.finish_constexprs)
     return loss, metrics, counts, scales
 
 
@@ -882,20 +914,40 @@ def triton_objective(token_logp: torch.Tensor, entropy: Optional[torch.Tensor], 
     must be 0), both may require grad; token_kind, sample_index [N]; `inputs`, `options` validated; spans [2, S]:
     each sample's span of scored rows when the row checks found them (`triton_row_checks.RowChecksWithSpans`), else
     None (found here, `triton_segment.sample_spans`)."""
-    num_samples = inputs.advantages.shape[0]
-    token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
-    if spans is None:  # each sample's span of scored rows (rows of kind 0 belong to none, whatever their index)
-        spans = triton_sample_spans(sample_index, num_samples, token_kind)
-
-    entropy_threshold = None
-    if options.top_entropy_quantile < 1.0:  # the entropy filter's (1 - top_entropy_quantile)-quantile, detached
-        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
-                                               1.0 - options.top_entropy_quantile)
-
+    token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
     loss, query_logp, response_logp, metrics, counts, *_ = _objective(
         token_logp.contiguous(), None if entropy is None else entropy.contiguous(), token_kind, sample_index, spans,
-        *fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
-        objective_settings(options, inputs, entropy is not None))
+        *objective_arguments(entropy, token_kind, inputs, options))
+    return loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs, options)
+
+
+def objective_rows(token_kind: torch.Tensor, sample_index: torch.Tensor, spans: Optional[torch.Tensor],
+                   num_samples: int) -> tuple:
+    """(token_kind, sample_index, spans) as the objective's kernels take them: contiguous, and spans [2, S] found
+    here (`triton_segment.sample_spans`) when None (rows of kind 0 belong to no span, whatever their index)."""
+    token_kind, sample_index = token_kind.contiguous(), sample_index.contiguous()
+    if spans is None:
+        spans = triton_sample_spans(sample_index, num_samples, token_kind)
+    return token_kind, sample_index, spans
+
+
+def objective_arguments(entropy: Optional[torch.Tensor], token_kind: torch.Tensor, inputs: LossInputs,
+                        options: LossOptions) -> tuple:
+    """`objective_forward`'s arguments after the spans: the `LossInputs` tensors in fp32, the tensor denominators,
+    the entropy filter's threshold (its (1 - top_entropy_quantile)-quantile of the detached entropies, else None) and
+    the settings."""
+    entropy_threshold = None
+    if options.top_entropy_quantile < 1.0:
+        entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
+                                               1.0 - options.top_entropy_quantile)
+    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
+            objective_settings(options, inputs, entropy is not None))
+
+
+def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs: LossInputs,
+                options: LossOptions) -> LossOutput:
+    """The LossOutput of the objective's outputs (loss [], query_logp, response_logp [S], the metrics and counts
+    vectors) for token_logp and entropy [N] (or None: NaN entropies, the entropy metrics absent)."""
     values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
     metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()

@@ -4,8 +4,9 @@
 Each check of `validation.ROW_CHECKS`, in that order, marks bad rows; the kernel reduces them to one int64 code,
 check * N + row of the first failing check's first bad row (N * len(ROW_CHECKS) when every row passes), by an
 atomic min over blocks of rows: the result does not depend on the blocks' order. On the logits path the same kernel
-also finds each sample's span of scored rows (`triton_segment.record_spans`, what the objective walks), so that a
-call with validation on launches one kernel and one fill for both (`RowChecksWithSpans`).
+also finds each sample's span of scored rows (`triton_segment.record_spans`, what the objective walks) and writes the
+targets the logits kernels read (-100 on rows of kind 0: `validation.scored_targets_of`), so that a call with
+validation on launches one kernel and one fill for the three (`RowChecksWithSpans`).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ BLOCK_ROWS = 1024
 @triton.jit
 def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, rollout_logp_ptr, code_ptr, num_rows,
                           num_samples, vocab_size, HAS_TARGETS: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr,
-                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, NUM_CHECKS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, WITH_SCORED_TARGETS: tl.constexpr,
+                          NUM_CHECKS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = rows < num_rows
     none = num_rows * NUM_CHECKS  # past every code
@@ -40,6 +41,8 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
                                          none))  # drops NaN: integer codes
+        if WITH_SCORED_TARGETS:  # after the code, the spans [2, S] and one pad: the targets, -100 on rows of kind 0
+            tl.store(code_ptr + 2 + 2 * num_samples + rows, tl.where(scored, target.to(tl.int64), -100), mask=inside)
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)
@@ -55,23 +58,29 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
 
 def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets: Optional[torch.Tensor],
                      token_weight: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor], num_samples: int,
-                     vocab_size: int, with_spans: bool = False) -> torch.Tensor:
+                     vocab_size: int, with_spans: bool = False, with_scored_targets: bool = False) -> torch.Tensor:
     """[1] int64: check * N + row of the first bad row of the first failing check (module docstring), or
     N * len(ROW_CHECKS) when none fails. token_kind, sample_index, targets [N] int; token_weight, rollout_logp [N].
     with_spans (N > 0): [1 + 2 S] int64, the code followed by the spans of the scored rows
-    (`triton_segment.sample_spans`' [2, S], filled with N * len(ROW_CHECKS) >= N + 1 as their decoding allows)."""
+    (`triton_segment.sample_spans`' [2, S], filled with N * len(ROW_CHECKS) >= N + 1 as their decoding allows).
+    with_scored_targets (with_spans, and targets given): [2 + 2 S + N], then one entry unused (it puts the targets
+    on 16 bytes, as Triton's launches specialize pointers) and the targets as int64 with -100 on rows of kind 0
+    (`validation.scored_targets_of`'s)."""
     num_rows = token_kind.shape[0]
     if with_spans and num_rows == 0:
         raise ValueError("first_bad_row: with_spans needs N > 0 rows (the spans' fill N * 5 must exceed N)")
-    length = 1 + 2 * num_samples if with_spans else 1
+    if with_scored_targets and (not with_spans or targets is None):
+        raise ValueError("first_bad_row: with_scored_targets needs with_spans and the targets")
+    length = (1 + 2 * num_samples if with_spans else 1) + (1 + num_rows if with_scored_targets else 0)
     code = torch.full((length,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
     if num_rows > 0:
-        _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
-            token_kind, sample_index, token_kind if targets is None else targets,
-            token_kind if token_weight is None else token_weight, token_kind if rollout_logp is None else rollout_logp,
+        # cdiv (triton.cdiv is a jit call: ~10 us); an absent tensor goes as None (a constexpr None to Triton: its
+        # flag is off, the kernel never reads it)
+        _first_bad_row_kernel[(-(-num_rows // BLOCK_ROWS),)](
+            token_kind, sample_index, targets, token_weight, rollout_logp,
             code, num_rows, num_samples, vocab_size, HAS_TARGETS=targets is not None,
             HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, WITH_SPANS=with_spans,
-            NUM_CHECKS=len(ROW_CHECKS), BLOCK=BLOCK_ROWS)
+            WITH_SCORED_TARGETS=with_scored_targets, NUM_CHECKS=len(ROW_CHECKS), BLOCK=BLOCK_ROWS)
     return code
 
 
@@ -80,15 +89,19 @@ _first_bad_row = DirectOp(first_bad_row_op, first_bad_row)  # the op under torch
 
 
 @first_bad_row_op.register_fake
-def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size, with_spans=False):
-    return token_kind.new_empty(1 + 2 * num_samples if with_spans else 1, dtype=torch.int64)
+def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size, with_spans=False,
+      with_scored_targets=False):
+    length = (1 + 2 * num_samples if with_spans else 1) + (1 + token_kind.shape[0] if with_scored_targets else 0)
+    return token_kind.new_empty(length, dtype=torch.int64)
 
 
 def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
-                         vocab_size: Optional[int]) -> torch.Tensor:
-    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument)."""
+                         vocab_size: Optional[int], with_spans: bool = False,
+                         with_scored_targets: bool = False) -> torch.Tensor:
+    """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument):
+    [1] int64, or [1 + 2 S] with_spans, [2 + 2 S + N] with_scored_targets too (`first_bad_row`)."""
     return _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp), num_samples,
-                          vocab_size or 0)
+                          vocab_size or 0, with_spans, with_scored_targets)
 
 
 def _contiguous(*tensors):
@@ -97,19 +110,23 @@ def _contiguous(*tensors):
 
 class RowChecksWithSpans:
     """`triton_first_bad_row` that also leaves, in `spans`, each sample's span of scored rows ([2, S] int64,
-    `triton_segment.sample_spans`' form) from the same kernel: the logits path passes it to
-    `validation.start_loss_input_checks` and the spans on to the objective. `spans` stays None when the checks did
-    not run (validate=False) or N = 0."""
+    `triton_segment.sample_spans`' form) from the same kernel, and with targets returns (code, the scored targets
+    [N] int64: -100 on rows of kind 0) as `validation.start_loss_input_checks` takes them: the logits path passes
+    it there and the spans on to the objective. `spans` stays None when the checks did not run (validate=False) or
+    N = 0."""
 
     def __init__(self):
         self.spans = None
 
     def __call__(self, token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
-                 vocab_size: Optional[int]) -> torch.Tensor:
-        if token_kind.shape[0] == 0:
+                 vocab_size: Optional[int]):
+        num_rows = token_kind.shape[0]
+        if num_rows == 0:  # the spans' fill needs N > 0 rows (`first_bad_row`)
             return triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
                                         vocab_size)
-        code_and_spans = _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp),
-                                        num_samples, vocab_size or 0, True)
-        self.spans = code_and_spans[1:].view(2, num_samples)
-        return code_and_spans[:1]
+        checked = triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
+                                       vocab_size, with_spans=True, with_scored_targets=targets is not None)
+        self.spans = checked[1:1 + 2 * num_samples].view(2, num_samples)
+        if targets is None:
+            return checked[:1]
+        return checked[:1], checked[2 + 2 * num_samples:]

@@ -316,7 +316,8 @@ def check_tensor(name: str, tensor, *, ndim: int, length: int | None = None, dev
 
 
 COMPILED_ROWS_MESSAGE = ("erpo_kernels: an input row is invalid (targets, token_kind, sample_index, token_weight or "
-                         "rollout_logp); call the loss without torch.compile to see which row and why")
+                         "rollout_logp), or host_layout disagrees with the rows, or completion_mask with "
+                         "attention_mask; call the loss without torch.compile to see which row and why")
 
 
 def check_rows(checks) -> None:
@@ -414,7 +415,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     validate=False skips the checks that read tensor values (ROW_CHECKS: no host-device synchronization).
     `first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)`, when
     given, runs those checks on the device instead of the torch masks below, returning a [1] int64 code
-    check * N + row (`triton_row_checks`; N * len(ROW_CHECKS) when every row passes); its one host read is left to
+    check * N + row (`triton_row_checks`; N * len(ROW_CHECKS) when every row passes), or (that code, the scored
+    targets below) when it forms them too (`triton_row_checks.RowChecksWithSpans`); its one host read is left to
     `finish()`, so that a caller can queue its kernels first (they must then be safe on any row values) and the
     device never waits for the host's read. Returns `(scored_targets [N] int64 with -100 on rows of kind 0, or
     None without targets, LossOptions, finish)`; finish() raises the first bad row's ValueError, if any.
@@ -467,14 +469,17 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
                                     f"{float(token_weight[row])}",
         "rollout_logp": lambda row: f"rollout_logp is NaN on response row {row}",
     }
-    scored = token_kind != 0
-    scored_targets = None if targets is None else scored_targets_of(targets, scored)
     if validate and first_bad_row is not None:
         code = first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)
+        code, scored_targets = code if isinstance(code, tuple) else (code, None)
         if caller_checks:  # [1 + K]: the code, then whether each caller check fails
             code = torch.cat((code, torch.stack([bad.any() for bad, _ in caller_checks]).long()))
         read_code = read_later(code)
+        if scored_targets is None and targets is not None:
+            scored_targets = scored_targets_of(targets, token_kind != 0)
         return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages, caller_checks)
+    scored = token_kind != 0
+    scored_targets = None if targets is None else scored_targets_of(targets, scored)
     if validate:
         masks = {  # the bad rows of each check present
             "token_kind": lambda: (token_kind < 0) | (token_kind > 2),

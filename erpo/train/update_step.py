@@ -62,7 +62,8 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
                 query_weight=None if query_weight[m] is None else query_weight[m].to(device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
-                rollout_logp=batch.rollout_logp, **{**options, "top_entropy_gather": entropy_pool(mb.weight)})
+                rollout_logp=batch.rollout_logp, host_layout=batch.host_layout,  # pack's: no read to plan the chunks
+                **{**options, "top_entropy_gather": entropy_pool(mb.weight)})
             nonfinite = nonfinite + (nonfinite > 0) + ~torch.isfinite(out.loss.detach())  # counted as before
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
             # others): a stand-in, or a rank that has seen a non-finite loss, runs it with weight 0, and a

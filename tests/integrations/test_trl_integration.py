@@ -3,6 +3,7 @@ ERPO's terms are off, and a few real train() steps log the Query-KL and write / 
 Tiny Qwen2 and character tokenizer built locally (erpo.models.tiny); CPU only."""
 import contextlib
 import copy
+import dataclasses
 import importlib.resources
 import json
 import math
@@ -19,14 +20,14 @@ import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
 from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
-from erpo.integrations.trl.scorer import LogitsScorer  # noqa: E402
+from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
     compute_query_logp,  # noqa: E402
     prompt_hash,
 )
-from erpo_kernels import token_logprobs  # noqa: E402
+from erpo_kernels import fused_linear_token_logprobs, token_logprobs  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -875,6 +876,62 @@ def test_logits_path_scores_every_position_without_a_selection(tiny, tmp_path):
     scored = rows.layout.rows
     alone = token_logprobs(scorer.logits.detach()[scored], rows.layout.targets[scored], temperature=trainer.temperature)
     assert torch.equal(logp[scored], alone) and not logp[~scored].any()
+
+
+def test_fused_linear_path_reads_the_layout_once(tiny, tmp_path):
+    """fused_linear=True: the selection of the scored rows (`completion_rows`: `CompletionLayout.scored()`) reads
+    token_kind on the host once, and the loss's chunk plan takes that read's host layout (`PackedBatch.host_layout`)
+    instead of reading the rows again. Counted by LaunchCounter on the CPU over the rows, the forward and the loss's
+    fwd+bwd: the selection's read, the model forward's (inside transformers) and the value checks' (validate=True),
+    which also check the host layout against the rows; without the host layout the plan reads once more, and the
+    loss and its gradient are the same bit for bit."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    results = []
+    for keep_layout in (True, False):
+        trainer.model.zero_grad()
+        with LaunchCounter(device="cpu") as counter:  # the trainer's device
+            rows = completion_rows(inputs, every_position=False)
+            batch = rows.batch if keep_layout else dataclasses.replace(rows.batch, host_layout=None)
+            options, tensors = trainer._loss_options(inputs, rows, "train")
+            scorer = FusedLinearScorer(trainer.model, batch, temperature=trainer.temperature,
+                                       autocast=contextlib.nullcontext, logit_options={})
+            with scorer.head():
+                loss = scorer.loss(advantages=inputs["advantages"], ref_query_logp=torch.full((4,), -10.0),
+                                   **tensors, **options).loss
+                loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((dict(counter.sync_names), loss.detach(), grads))
+    (reads, loss, grads), (reads_without, loss_without, grads_without) = results
+    assert reads == {"Tensor.cpu": 1, "aten._local_scalar_dense": 2}, reads
+    assert reads_without == {"Tensor.cpu": 2, "aten._local_scalar_dense": 2}, reads_without
+    assert torch.equal(loss, loss_without) and grads and len(grads) == len(grads_without)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_without))
+
+
+def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path):
+    """FusedLinearScorer.logprobs(kind) (query_weight="current" scores the query rows alone) finds the rows of that
+    kind in the batch's host layout (`completion_rows`' read) and uploads their positions without a wait: the one
+    host read left is fused_linear_token_logprobs' range check of the targets (validate=True), where the boolean
+    indexes it replaced read the mask twice more (hidden's and targets'). The log-probs are, bit for bit, those of
+    the rows of that kind selected by their mask, 0 on the other rows."""
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True)
+    rows = completion_rows(with_logps(trainer, trl_inputs(trainer), old=True), every_position=False)
+    scorer = FusedLinearScorer(trainer.model, rows.batch, temperature=trainer.temperature,
+                               autocast=contextlib.nullcontext, logit_options={})
+    with scorer.head():
+        for kind in (1, 2):
+            with LaunchCounter(device="cpu") as counter:  # the trainer's device
+                counter.host_memory(rows.batch.host_layout)  # completion_rows' read, before the counting
+                logp = scorer.logprobs(kind)
+            assert counter.sync_names == {"aten._local_scalar_dense": 1}, counter.sync_names
+            of_kind = rows.batch.token_kind == kind
+            alone = fused_linear_token_logprobs(scorer.hidden.detach()[of_kind], scorer.weight,
+                                                rows.batch.targets[of_kind], bias=scorer.bias,
+                                                temperature=trainer.temperature)
+            assert of_kind.any() and (~of_kind).any()
+            assert torch.equal(logp[of_kind], alone) and not logp[~of_kind].any()
 
 
 def test_reference_cache_scores_the_prompt_rows_alone(tiny, tmp_path, monkeypatch):

@@ -115,8 +115,9 @@ class TinyPolicy(torch.nn.Module):
         self.lm_head = torch.nn.Linear(D, V)
 
 
-def loss_step(model, features, rows, path: str, backend: str):
-    """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "fused-linear")."""
+def loss_step(model, features, rows, path: str, backend: str, **fused_linear_options):
+    """The loss of one training step on `path` ("logits", "logits-inplace": inplace_backward, "fused-linear", which
+    takes `fused_linear_options`: host_layout, validate)."""
     device = features.device
     inputs = dict(advantages=torch.tensor([1.0, -0.5, 0.25], device=device),
                   ref_query_logp=torch.tensor([-4.0, -2.5, -3.0], device=device),
@@ -124,7 +125,7 @@ def loss_step(model, features, rows, path: str, backend: str):
     hidden = torch.tanh(model.body(features))
     if path == "fused-linear":
         out = fused_linear_erpo_loss(hidden, model.lm_head.weight, rows.targets, rows.token_kind, rows.sample_index,
-                                     bias=model.lm_head.bias, **inputs)
+                                     bias=model.lm_head.bias, **inputs, **fused_linear_options)
     else:
         out = erpo_loss(model.lm_head(hidden), rows.targets, rows.token_kind, rows.sample_index,
                         inplace_backward=path == "logits-inplace", **inputs)
@@ -157,6 +158,42 @@ def test_compiled_step_equals_eager(path, backend, rows, device):
     for grad, eager_grad in zip(grads, eager_grads):
         torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-6)
     assert any(grad.abs().sum() > 0 for grad in grads)
+
+
+def host_layout_of(rows) -> torch.Tensor:
+    """[2, N] int64 host copy of the rows' token_kind and sample_index (`fused_linear_erpo_loss`'s host_layout)."""
+    return torch.stack((rows.token_kind, rows.sample_index)).long().cpu()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_fused_linear_loss_plans_on_the_host_layout(backend, validate, rows, device, monkeypatch):
+    """fused_linear_erpo_loss(host_layout=...) under torch.compile(fullgraph=True): the host layout is a tensor
+    argument of the op, so the compiled step plans its chunks on it as the eager one does (the plan's read of the
+    rows, `read_later`, is not called; once a step without it) and gives the eager loss and gradients; with
+    validate=True its check against the rows (an upload and a comparison) is traced into the graph."""
+    import erpo_kernels.fused_linear_loss as fused_linear_loss
+
+    reads = []
+    read_later = fused_linear_loss.read_later
+    monkeypatch.setattr(fused_linear_loss, "read_later", lambda value: reads.append(value) or read_later(value))
+    model, features = TinyPolicy().to(device), torch.randn(N, 6, generator=torch.Generator().manual_seed(7)).to(device)
+    results = {}
+    for host_layout in (None, host_layout_of(rows)):
+        def step(model, features):
+            return loss_step(model, features, rows, "fused-linear", backend, host_layout=host_layout,
+                             validate=validate)
+
+        torch._dynamo.reset()
+        eager = gradients_of(step, model, features)
+        reads.clear()
+        results[host_layout is None] = gradients_of(torch.compile(step, fullgraph=True, backend="aot_eager"), model,
+                                                    features), len(reads)
+        for value, eager_value in zip(results[host_layout is None][0], eager):
+            torch.testing.assert_close(value, eager_value, rtol=1e-5, atol=1e-6)
+    (given, reads_given), (without, reads_without) = results[False], results[True]
+    assert (reads_given, reads_without) == (0, 1)
+    torch.testing.assert_close(given, without, rtol=0, atol=0)
 
 
 OPTION_SETS = {  # options whose code paths differ (each traced whole: fullgraph)
@@ -217,3 +254,22 @@ def test_compiled_loss_rejects_bad_rows():
     assert torch.isfinite(compiled(rows.token_kind))
     with pytest.raises(RuntimeError, match=re.escape(COMPILED_ROWS_MESSAGE)):
         compiled(bad_kind)
+
+
+def test_compiled_loss_rejects_a_host_layout_that_disagrees_with_the_rows():
+    """Under torch.compile with validate=True a host_layout whose token_kind differs from the rows' fails the one
+    device-side assert of the row checks, whose message names host_layout. On the CPU only, as above."""
+    rows = layout(torch.device("cpu"))
+    stale = host_layout_of(rows)
+    stale[0, 3] = 1  # row 3: a response row the layout calls a query row
+    model, features = TinyPolicy(), torch.randn(N, 6, generator=torch.Generator().manual_seed(7), device="cpu")
+
+    def loss(host_layout):
+        return loss_step(model, features, rows, "fused-linear", "torch", host_layout=host_layout)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    assert torch.isfinite(compiled(host_layout_of(rows)))
+    with pytest.raises(RuntimeError, match=re.escape(COMPILED_ROWS_MESSAGE)):
+        compiled(stale)
+    assert "host_layout" in COMPILED_ROWS_MESSAGE

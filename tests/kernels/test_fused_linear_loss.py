@@ -480,6 +480,72 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
     assert 0 < per_group <= 4, per_group  # d hidden, d weight, d bias's column sum and its addition
 
 
+def host_layout_of(batch):
+    """[2, N] int64 host copy of the batch's token_kind and sample_index (what a caller passes as host_layout)."""
+    return torch.stack((batch["token_kind"], batch["sample_index"])).long().cpu()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
+    """fused_linear_erpo_loss(host_layout=...) plans its chunks on the caller's host copy of token_kind and
+    sample_index: one host read fewer per fwd+bwd (0 with validate=False, the value checks' 1 with True, where the copy
+    is checked against the rows in that same read), the same loss, per-row values and gradients bit for bit, with
+    samples split by chunks (a pre-pass) as with whole ones. Launches: 1 fewer with validate=False (the plan's
+    concatenation of the rows), 6 more with True (the copy's comparison with the rows, and its place in the read; on
+    CUDA also the copy's upload)."""
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    results = []
+    for host_layout in (None, host_layout_of(batch)):
+        hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+        with LaunchCounter() as counter:
+            if host_layout is not None:
+                counter.host_memory(host_layout)  # on the CPU, else taken for a device tensor
+            out = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias,
+                                         backend="triton", validate=validate, host_layout=host_layout,
+                                         workspace_bytes=budget_for(12, torch.float32, device), qkl_coef=0.5,
+                                         ratio_level="sequence", **inputs)
+            out.loss.backward()
+        results.append((counter.syncs, counter.launches, out.loss, out.token_logp, hidden.grad, weight.grad,
+                        bias.grad))
+    (reads, launches, *without), (reads_with, launches_with, *given) = results
+    assert (reads, reads_with) == (1 + validate, int(validate))
+    assert launches_with - launches in ({6, 7} if validate and device.type == "cuda" else {6} if validate else {-1})
+    assert all(torch.equal(a, b) for a, b in zip(without, given))
+
+
+def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(device):
+    """With validate=True a host_layout whose token_kind or sample_index differs from the rows' raises, naming the
+    first row that differs, before the loss is returned."""
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, device)
+    for row, value in ((0, 2), (5, 1)):  # row 0's kind (1 -> 2); row 5's sample (0 -> 1)
+        stale = host_layout_of(batch)
+        stale[int(row == 5), row] = value
+        with pytest.raises(ValueError, match=rf"^host_layout disagrees with the rows at row {row}: "):
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   host_layout=stale, **inputs)
+
+
+@pytest.mark.parametrize("host_layout, error, message", [
+    (np.zeros((2, 4), dtype=np.int64), TypeError, r"host_layout must be a \[2, N\] int64 CPU tensor .* got ndarray"),
+    (torch.zeros(2, 4, dtype=torch.int64, device="meta"), ValueError, r"host_layout must be in host memory .* on meta"),
+    (torch.zeros(2, 4, dtype=torch.int32, device="cpu"), TypeError, r"host_layout must be int64, got torch.int32"),
+    (torch.zeros(4, 2, dtype=torch.int64, device="cpu"), ValueError,
+     r"host_layout must have shape \[2, N\] = \(2, 4\) .* got \(4, 2\)"),
+], ids=["numpy", "device", "dtype", "shape"])
+def test_a_malformed_host_layout_is_one_line_naming_it(host_layout, error, message, device):
+    batch = packed_batch([(1, 2)], device)  # 4 rows
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(4, torch.float32, device)
+    for validate in (False, True):
+        with pytest.raises(error, match=message) as raised:
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   validate=validate, host_layout=host_layout, **inputs)
+        assert "\n" not in str(raised.value)
+
+
 def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
     """The Triton backend forms each chunk's d loss / d logp and d loss / d H with the objective's kernels: no
     autograd.grad inside the op (under a TorchDispatchMode on CUDA it fails: PythonFallbackKernel's tls_on_entry
@@ -596,6 +662,24 @@ def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, devic
     for plain, scaled in zip(*grads):
         assert scaled.dtype == torch.bfloat16 and not torch.equal(plain, scaled)
         torch.testing.assert_close(scaled.float(), plain.float() / 3, rtol=2**-7, atol=0)  # one bf16 ulp
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_backward_scales_on_the_backend_the_op_was_given(backend, device):
+    """The op's backward finds the backend by the name of its argument (`fused_linear_loss.OP_ARGUMENTS`, the schema's
+    order), not by a position that an argument added before it would move: on "triton" one `triton_scale` pass per
+    gradient (hidden, weight, bias), on "torch" none; and it returns one gradient slot per argument of the op
+    (autograd refuses another count)."""
+    schema = torch.ops.erpo.fused_linear_erpo_loss_gradients.default._schema
+    assert chunked.OP_ARGUMENTS == tuple(argument.name for argument in schema.arguments)
+    batch = packed_batch([(1, 2)] * 3, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend=backend,
+                               validate=False, **inputs).loss.backward()
+    assert counter.names["triton._scale_kernel"] == (3 if backend == "triton" else 0)
+    assert all(t.grad is not None for t in (hidden, weight, bias))
 
 
 def test_scaled_op_passes_opcheck(device):

@@ -1,38 +1,64 @@
 """`python -m bench.host_cost` (the host's microseconds per loss call, kernels stubbed out) runs on the CPU and
 reports every phase of ours, with the Triton launches a call makes (and with `--path fused`, per phase and per chunk,
-the aten launches and host reads too). It stubs the interpreter's launcher, so it runs
-in its own process with TRITON_INTERPRET=1 (on a GPU machine too); its times are the machine's, not asserted."""
+the aten launches and host reads too); its JSON records where the numbers come from (bench.provenance). It stubs
+the interpreter's launcher, so it runs in its own process with TRITON_INTERPRET=1 (on a GPU machine too); its times
+are the machine's, not asserted."""
+import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from bench.provenance import git_commit
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_provenance(meta: dict, command: str, commit: str) -> None:
+    """The JSON's `meta` is bench.provenance's: the command as run, the commit, a UTC date of the last minutes."""
+    assert (meta["command"], meta["commit"], meta["torch"]) == (command, commit, torch.__version__)
+    date = datetime.datetime.fromisoformat(meta["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert datetime.datetime.now(datetime.timezone.utc) - date < datetime.timedelta(minutes=10)
 
 
 def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--n", "64", "--rows-per-sample", "16",
-                           "--vocab", "37", "--reps", "3", "--warmup", "1", "--json", str(out)],
+    options = ["--n", "64", "--rows-per-sample", "16", "--vocab", "37", "--reps", "3", "--warmup", "1", "--json",
+               str(out), "--commit", "abc123"]
+    done = subprocess.run([sys.executable, "-m", "bench.host_cost", *options],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    record = json.loads(out.read_text())
+    assert_provenance(record["meta"], "python -m bench.host_cost " + shlex.join(options), "abc123")
+    results = record["results"]
     ours = results["erpo"]
-    phases = ["entry", "validation", "forward launch", "objective", "autograd backward"]
-    assert list(ours["us"]) == phases + ["total"]
+    phases = ["entry", "validation", "loss node (kernels queued, metrics)", "autograd backward"]
+    binding = "Triton launch binding, CUDA sm_90 (not in total)"
+    assert list(ours["us"]) == phases + ["total", binding]
     assert all(ours["us"][phase] > 0 for phase in phases)
     # forward: the row checks (which find the samples' spans too), logp/entropy, the objective's two kernels;
-    # backward: the coefficients, dlogits
-    assert ours["triton_launches"] == 6
+    # backward: dlogits, which forms the objective's gradients itself (triton_logits_loss: one autograd node)
+    assert ours["triton_launches"] == 5
+    # each launch bound as Triton binds it for an sm_90 target, in launch order, with its kernel's parameter count
+    assert [launch["kernel"] for launch in ours["binding"]] == [
+        "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_kernel",
+        "_objective_finish_kernel", "_logp_entropy_backward_log2_kernel"]
+    assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
+    assert abs(ours["us"][binding] - sum(launch["us"] for launch in ours["binding"])) < 1e-6
     liger = results["liger"]
     assert isinstance(liger, str) or liger["triton_launches"] == 2  # not installed, or its forward and backward
-    assert "| autograd backward |" in done.stdout and "| Triton launches per call (not timed) | 6 |" in done.stdout
+    assert "| autograd backward |" in done.stdout and "| Triton launches per call | 5 |" in done.stdout
+    assert f"| {binding} |" in done.stdout and "| erpo | `_objective_sample_kernel` |" in done.stdout
 
 
-def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path):
+def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):
     """`--path fused` on a small lm_head cut like qwen2.5-7b in 1 GiB (N=4096: 8 chunks of 512 rows, 2 groups of
     2048). The counts are the tests' LaunchCounter's and may only go down: per chunk 1 aten launch (the logits GEMM)
     and 5 Triton ones (the two row kernels, the objective's two, d weight's hidden rows), no host read; per group the
@@ -44,7 +70,11 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
                            "--warmup", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())["results"]["erpo"]
+    record = json.loads(out.read_text())
+    monkeypatch.chdir(REPO)  # the commit the run found there (git rev-parse HEAD, no --commit given)
+    assert_provenance(record["meta"], f"python -m bench.host_cost --path fused --n 4096 --reps 2 --warmup 1 --json "
+                                      f"{shlex.quote(str(out))}", git_commit())
+    result = record["results"]["erpo"]
     assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 2, 512, 2048)
     phases = result["phases"]
     assert list(phases) == ["entry", "validation", "op setup", "chunk plan", "objective setup", "chunk",

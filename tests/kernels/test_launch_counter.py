@@ -65,6 +65,18 @@ def test_numpy_of_a_device_tensor_is_one_sync(device):
     assert counter.sync_names == {"Tensor.numpy": 1}
 
 
+def test_a_tensor_declared_host_memory_reads_without_a_sync():
+    """A CPU tensor made before the counter counts as device memory on the CPU (a read of it one sync) until
+    `host_memory` declares it host memory (a read of it none), as it is on CUDA."""
+    made_before = torch.arange(6, device="cpu")  # host memory on any machine
+    for declared, syncs in ((False, 1), (True, 0)):
+        with LaunchCounter(device="cpu") as counter:
+            if declared:
+                counter.host_memory(made_before)
+            made_before.numpy()
+        assert counter.syncs == syncs, counter.sync_names
+
+
 def test_the_wrapped_methods_are_restored(device):
     """The counter patches Tensor methods and torch functions only while it is active, nested entries included."""
     originals = (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist, torch.from_numpy,
@@ -125,13 +137,20 @@ def test_cuda_agrees(name, device):
     assert len(cuda_syncs(lambda: call(values))) == syncs
 
 
-@pytest.mark.parametrize("entry", ["erpo_loss", "fused_linear_erpo_loss", "padded_erpo_loss-hidden"])
+# entry -> the counter's host syncs per fwd+bwd on CUDA
+ENTRY_SYNCS = {"erpo_loss": 0, "fused_linear_erpo_loss": 1, "padded_erpo_loss-hidden": 1,
+               "fused_linear_erpo_loss-host_layout": 0, "fused_linear_erpo_loss-host_layout-validate": 1}
+
+
+@pytest.mark.parametrize("entry", ENTRY_SYNCS)
 def test_cuda_agrees_on_the_entry_points(entry, device):
     """On CUDA, fwd+bwd with validate=False (with True the row checks wait on an event, which the detector does not
-    report): the counter counts 0 syncs on the logits path, 1 for the fused-linear chunk plan, 1 for
-    padded_erpo_loss's fused-linear path (its selection of the scored rows, whose host layout the plan reuses); the
-    detector sees each of them but the waits on an event (`validation.read_later`, which both reads use since
-    2026-11-26: the counter's "event.synchronize")."""
+    report): the counter counts 0 syncs on the logits path, 1 for the fused-linear chunk plan, 0 when the caller
+    gives the plan its host_layout, 1 for padded_erpo_loss's fused-linear path (its selection of the scored rows,
+    whose host layout the plan reuses); the detector sees each of them but the waits on an event
+    (`validation.read_later`, which both reads use since 2026-11-26: the counter's "event.synchronize"). With
+    validate=True and a host_layout, the row checks' wait alone: the layout's upload for its check against the rows
+    does not block."""
     if device.type != "cuda":
         pytest.skip("the sync detector is CUDA's")
     from erpo_kernels import erpo_loss, fused_linear_erpo_loss, padded_erpo_loss
@@ -141,12 +160,17 @@ def test_cuda_agrees_on_the_entry_points(entry, device):
     batch, data = random_batch(device=device), trl_batch(device=device)
     hidden, weight = torch.randn(48, 8, device=device), torch.randn(37, 8, device=device)
     rows = (batch["targets"], batch["token_kind"], batch["sample_index"])
+    host_layout = torch.stack(rows[1:]).long().cpu()  # read before the counting: the caller's host copy
     calls = {
         "erpo_loss": lambda: erpo_loss(batch["logits"].clone().requires_grad_(), *rows, backend="triton",
                                        validate=False, **loss_inputs(batch)).loss,
         "fused_linear_erpo_loss": lambda: fused_linear_erpo_loss(
             hidden.clone().requires_grad_(), weight.clone().requires_grad_(), *rows, backend="triton",
             validate=False, **loss_inputs(batch)).loss,
+        **{f"fused_linear_erpo_loss-host_layout{'-validate' * validate}": lambda validate=validate: (
+            fused_linear_erpo_loss(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), *rows,
+                                   backend="triton", validate=validate, **loss_inputs(batch),
+                                   host_layout=host_layout).loss) for validate in (False, True)},
         "padded_erpo_loss-hidden": lambda: padded_erpo_loss(
             **dict(zip(("hidden", "weight", "bias"), leaves_of(data, "hidden"))), **batch_inputs(data),
             **dict(OPTIONS, backend="triton"), validate=False).loss,
@@ -155,6 +179,6 @@ def test_cuda_agrees_on_the_entry_points(entry, device):
     with LaunchCounter() as counter:
         calls[entry]().backward()
     detected = cuda_syncs(lambda: calls[entry]().backward())
-    assert counter.syncs == {"erpo_loss": 0}.get(entry, 1), counter.sync_names
+    assert counter.syncs == ENTRY_SYNCS[entry], counter.sync_names
     assert len(detected) == counter.syncs - counter.sync_names["event.synchronize"], (
         detected, counter.sync_names)

@@ -7,7 +7,7 @@ import torch
 from erpo_kernels import erpo_loss, sample_sums
 from erpo_kernels.triton_row_checks import RowChecksWithSpans
 from erpo_kernels.triton_segment import sample_spans
-from erpo_kernels.validation import ROW_CHECKS
+from erpo_kernels.validation import ROW_CHECKS, scored_targets_of
 from helpers import loss_inputs, random_batch
 
 NUM_SAMPLES = 6
@@ -66,6 +66,14 @@ def test_the_row_checks_find_the_same_spans(layout, device):
     assert int(code[0]) == kind.shape[0] * len(ROW_CHECKS)
     assert decoded(checks.spans) == decoded(sample_spans(sample_index, NUM_SAMPLES, kind))
     assert checks.spans.data_ptr() == code.data_ptr() + code.element_size()  # one buffer: code, then the spans
+    # with targets, the scored targets too (validation.scored_targets_of's: -100 on rows of kind 0), after the spans
+    # in the same buffer, on 16 bytes (Triton's launches specialize a pointer on that)
+    targets = torch.arange(kind.shape[0], device=device) % 7
+    code, scored_targets = RowChecksWithSpans()(kind, sample_index, targets.int(), None, None, NUM_SAMPLES, 7)
+    assert int(code[0]) == kind.shape[0] * len(ROW_CHECKS)
+    assert scored_targets.dtype == torch.int64
+    assert torch.equal(scored_targets, scored_targets_of(targets, kind != 0))
+    assert (scored_targets.data_ptr() - code.data_ptr()) % 16 == 0
 
 
 def test_sums_on_any_layout_equal_the_reference(device):

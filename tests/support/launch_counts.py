@@ -89,6 +89,13 @@ class LaunchCounter(TorchDispatchMode):
     def syncs(self) -> int:
         return sum(self.sync_names.values())
 
+    def host_memory(self, *tensors: torch.Tensor) -> None:
+        """Take `tensors`, made before the counter (a batch built on the host from Python lists), for host memory: on
+        the CPU the counter takes every tensor it did not see made for a device tensor (module docstring); on CUDA a
+        CPU tensor is host memory anyway."""
+        for tensor in tensors:
+            self._mark_host(tensor)
+
     def is_host(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` holds host memory (a read of it is no sync): a CPU tensor when the device is not the
         CPU; on the CPU one made on the host (module docstring)."""

@@ -110,3 +110,38 @@ def test_pilot_trains_evaluates_resumes_and_stops(tmp_path):
     assert [e["event"] for e in _journal(directory)[-2:]] == ["start", "stopped"]
     with pytest.raises(SystemExit, match="other settings"):
         pilot.main([*base, "--algorithms", "grpo"])   # the same pilot without its --set overrides
+
+
+def test_seeds_train_one_at_a_time_pair_by_pair_and_a_rerun_does_only_what_is_left(tmp_path, monkeypatch):
+    """N seeds of both algorithms: trained one process at a time, seed by seed (an interruption leaves whole pairs),
+    every finished run evaluated after each training; a rerun trains only the unfinished run, and a call that finds
+    everything finished evaluates once. The processes are stood in for: a 'train' writes the run's final/."""
+    started, evaluated = [], []   # what each process did; how many runs each evaluation read
+
+    def stand_in(command, log, journal, what, deadline, niceness):
+        started.append(what)
+        if what.startswith("train"):
+            final = pilot.Path(command[command.index("--output-dir") + 1]) / "final"
+            final.mkdir(parents=True)
+            (final / "config.json").write_text("{}")
+        else:
+            evaluated.append(command[command.index("--model") + 1].count("@all"))
+        return 0
+
+    monkeypatch.setattr(pilot, "run_logged", stand_in)
+    monkeypatch.setattr(pilot.long_horizon, "main", lambda argv: None)
+    argv = ["--root", str(tmp_path), "--name", "c", "--lr", "1e-3", "--max-steps", "10", "--seeds", "0", "1", "2"]
+    assert pilot.main(argv) == 0
+    order = ["grpo-s0", "erpo-s0", "grpo-s1", "erpo-s1", "grpo-s2", "erpo-s2"]
+    assert started == [w for name in order for w in (f"train {name}", f"eval train {name}", f"eval heldout {name}")]
+    assert evaluated == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]   # the runs finished so far, on both sets
+
+    started.clear()
+    evaluated.clear()
+    shutil.rmtree(tmp_path / "pilot-c" / "erpo-s1" / "final")   # as if stopped while training erpo-s1
+    assert pilot.main(argv) == 0
+    assert started == ["train erpo-s1", "eval train erpo-s1", "eval heldout erpo-s1"] and evaluated == [6, 6]
+    started.clear()
+    evaluated.clear()
+    assert pilot.main(argv) == 0
+    assert started == ["eval train all", "eval heldout all"] and evaluated == [6, 6]

@@ -235,21 +235,25 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     """The loss step (`accumulate_loss`) over 4 micro-batches, counted by LaunchCounter on the CPU: its metrics, the
     non-finite count and the gap are read once per step (before 2026-11-26 each micro-batch read them one by one,
     10 reads each), and the scored rows' hidden states are selected by their positions (`PackedBatch.row_index`: a
-    boolean index and its backward were 2 reads each): 13, was 52. What remains per micro-batch: the model's
-    forward (1, inside transformers), the loss's value checks (1, validate=True) and its chunk plan (1): 4 x 3 + 1."""
+    boolean index and its backward were 2 reads each): 13, was 52; and the chunk plan takes the host layout `pack`
+    built (`PackedBatch.host_layout`, checked against the rows in the value checks' read): 9, was 13. What remains per
+    micro-batch: the model's forward (1, inside transformers: its sdpa mask reads `padding_mask.all()` to choose
+    is_causal) and the loss's value checks (1, validate=True): 4 x 2 + 1."""
     from launch_counts import LaunchCounter
     real, counts = update_step.accumulate_loss, []
 
     def counted(cfg, updater, ref_model, plan, *args, **kwargs):
         with LaunchCounter(device="cpu") as counter:
+            # built on the host by `pack` (on the CPU the counter would take them for device tensors)
+            counter.host_memory(*(mb.batch.host_layout for mb in plan.micro_batches))
             result = real(cfg, updater, ref_model, plan, *args, **kwargs)
         counts.append((len(plan.micro_batches), counter.syncs, counter.sync_names))
         return result
     monkeypatch.setattr(update_step, "accumulate_loss", counted)
     train(small_cfg(tmp_path / "reads", cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=4"))
     [(micro_batches, syncs, names)] = counts
-    assert micro_batches == 4 and syncs == 13, names
-    assert names["Tensor.tolist"] == 1, names   # the step's metrics, in one read
+    assert micro_batches == 4 and syncs == 9, names
+    assert names == {"aten._local_scalar_dense": 8, "Tensor.tolist": 1}, names   # the step's metrics, in one read
 
 
 def test_micro_batching_does_not_change_the_gradient(tmp_path, cache_dir):

@@ -5,6 +5,11 @@ from compile_check import compile_for_hopper, disassembler, loop_instructions, r
 from erpo_kernels import triton_logits, triton_objective, triton_quantile, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
+# the backward kernels' two forms: the gradients given (their pointers None), or formed from the objective's
+# coefficients (kind, the global factors and grad_loss read)
+GRADIENTS_GIVEN = {"FROM_COEFFICIENTS": False, "kind_ptr": None, "scales_ptr": None, "grad_loss_ptr": None}
+FROM_COEFFICIENTS = {"FROM_COEFFICIENTS": True}
+COEFFICIENT_POINTERS = {"kind_ptr": "*i64", "scales_ptr": "*fp32", "grad_loss_ptr": "*fp32"}
 
 
 def main():
@@ -24,7 +29,7 @@ def main():
                                           dict(common, grad_ptr=f"*{dtype}", grad_stride_row="i64",
                                                grad_stride_col="i32", lse_ptr="*fp32", entropy_ptr="*fp32",
                                                grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32"),
-                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
+                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **GRADIENTS_GIVEN}, num_warps=8)
             print(f"compiled backward{variant} {dtype} registers=%d spill_bytes=%d" % register_usage(compiled),
                   flush=True)
     compile_for_hopper(triton_segment._segment_sum_kernel,
@@ -66,12 +71,18 @@ def main():
     for name, kernel in (("shifted", triton_logits._logp_entropy_backward_kernel),
                          ("log2", triton_logits._logp_entropy_backward_log2_kernel)):
         for softcap in (False, True):
-            compiled = compile_for_hopper(kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32"),
-                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
-            print(f"compiled backward-variant {name}{'-softcap' if softcap else ''} bf16 registers=%d "
-                  "spill_bytes=%d" % register_usage(compiled), flush=True)
-        compiled = compile_for_hopper(kernel, backward_signature, {"stride_col": 1, "grad_stride_col": 1,
-                                                                   "SOFTCAP": False, "BLOCK_V": BLOCK_V},
+            # the gradients given (the two ops, the fused path), or formed from the objective's coefficients (the
+            # logits path's loss as one node, triton_logits_loss)
+            for gradients, suffix in ((GRADIENTS_GIVEN, ""), (FROM_COEFFICIENTS, "-coefficients")):
+                compiled = compile_for_hopper(
+                    kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32", **COEFFICIENT_POINTERS),
+                    {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **gradients}, num_warps=8)
+                print(f"compiled backward-variant {name}{'-softcap' if softcap else ''}{suffix} bf16 registers=%d "
+                      "spill_bytes=%d" % register_usage(compiled), flush=True)
+        # as the logits path's loss launches it (one node: the gradients formed from the coefficients)
+        compiled = compile_for_hopper(kernel, dict(backward_signature, **COEFFICIENT_POINTERS),
+                                      {"stride_col": 1, "grad_stride_col": 1, "SOFTCAP": False, "BLOCK_V": BLOCK_V,
+                                       **FROM_COEFFICIENTS},
                                       divisible_by_16=("logits_ptr", "stride_row", "grad_ptr", "grad_stride_row",
                                                        "targets_ptr", "lse_ptr", "entropy_ptr", "grad_logp_ptr",
                                                        "grad_entropy_ptr", "vocab_size"), num_warps=8)
@@ -97,6 +108,9 @@ def compile_objective_kernels():
                "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
     signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
                      sample_ptr="*i64", sample_ids_ptr="*i64", **{name: "fp32" for name in scalars})
+    # what launch_sample_kernel passes as None (a constexpr None) where its flag is off, or its rows' form unused
+    optional = ("entropy_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr",
+                "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr")
     # every Query-KL estimator with PPO's surrogate, every other surrogate with k3 (the two choices are independent)
     variants = [(estimator, "ppo-clip") for estimator in triton_objective.QKL_ESTIMATOR_CODES]
     variants += [("k3", objective) for objective in triton_objective.PG_OBJECTIVE_CODES if objective != "ppo-clip"]
@@ -108,7 +122,9 @@ def compile_objective_kernels():
                                   QKL_ESTIMATOR=triton_objective.QKL_ESTIMATOR_CODES[estimator],
                                   PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective],
                                   NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK,
-                                  SPANS=spans, HAS_SAMPLE_IDS=False)
+                                  SPANS=spans, HAS_SAMPLE_IDS=False, sample_ids_ptr=None,
+                                  **{"sample_ptr" if not spans else "order_ptr": None},
+                                  **{name: None for name in optional if not on})
                 constexprs["HAS_DUAL"] = on and objective == "ppo-clip"  # dual_clip is PPO's only
                 compiled = compile_for_hopper(triton_objective._objective_sample_kernel, signature, constexprs,
                                               num_warps=4)
@@ -120,7 +136,8 @@ def compile_objective_kernels():
         for mode in (0, 1, 2):
             constexprs = dict({name: mode == 1 for name in finish_flags}, NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode,
                               LOSS_AGG=loss_agg, NUM_PARTIALS_=triton_objective.NUM_PARTIALS,
-                              BLOCK=triton_objective.SAMPLE_BLOCK)
+                              BLOCK=triton_objective.SAMPLE_BLOCK,
+                              **({} if mode == 2 else {"num_items_ptr": None, "num_seqs_ptr": None}))
             compile_for_hopper(triton_objective._objective_finish_kernel, dict(
                 partials_ptr="*fp32", query_logp_ptr="*fp32", num_items_ptr="*fp32", num_seqs_ptr="*fp32",
                 loss_ptr="*fp32", metrics_ptr="*fp32", counts_ptr="*i64", scales_ptr="*fp32", num_samples="i32",
@@ -134,8 +151,9 @@ def compile_objective_kernels():
         compile_for_hopper(triton_row_checks._first_bad_row_kernel, dict(
             kind_ptr="*i64", sample_ptr="*i64", targets_ptr="*i64", token_weight_ptr="*fp32",
             rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
-            dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, NUM_CHECKS=5,
-                 BLOCK=triton_row_checks.BLOCK_ROWS))
+            dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, WITH_SCORED_TARGETS=on,
+                 NUM_CHECKS=5, BLOCK=triton_row_checks.BLOCK_ROWS,
+                 **({} if on else {"targets_ptr": None, "token_weight_ptr": None, "rollout_logp_ptr": None})))
     print("compiled first-bad-row", flush=True)
     compile_for_hopper(triton_quantile._masked_quantile_kernel, dict(
         sorted_ptr="*fp32", kind_ptr="*i64", values_ptr="*fp32", out_ptr="*fp32", num_rows="i32", q="fp32"),

@@ -18,7 +18,8 @@ class CompletionRows:
     With `every_position` (the logits path) batch and loss_rows are the layout itself, kind 0 where nothing is
     scored: the logits [B * T, V] are the rows as the model returns them (no selection, no host read, no copy).
     Otherwise (the fused-linear path) the scored rows alone (`layout.scored()`, one host read), which spares the
-    GEMMs the padding: a PackedBatch whose `rows` select them from the hidden states."""
+    GEMMs the padding: a PackedBatch whose `rows` select them from the hidden states, and whose `host_layout`, that
+    read's, the loss's chunk plan takes instead of reading the rows again."""
 
     layout: CompletionLayout
     batch: CompletionLayout | PackedBatch
@@ -35,5 +36,5 @@ def completion_rows(inputs: dict, *, every_position: bool) -> CompletionRows:
         return CompletionRows(layout, layout, layout)
     scored = layout.scored()
     batch = PackedBatch(layout.input_ids, layout.attention_mask, layout.rows, scored.targets, scored.token_kind,
-                        scored.sample_index, row_index=scored.index)
+                        scored.sample_index, row_index=scored.index, host_layout=scored.host_layout)
     return CompletionRows(layout, batch, scored)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from erpo.sequences import PackedBatch, final_hidden_and_output
@@ -86,15 +87,25 @@ class FusedLinearScorer:
 
     def logprobs(self, kind: int | None = None) -> torch.Tensor:
         """Detached log-probs [R] fp32 of the scored rows, as the loss scores them; with `kind`, of the rows of that
-        kind only (0 elsewhere), whose GEMMs alone run."""
-        scored = None if kind is None else self.batch.token_kind == kind
-        pick = (lambda rows: rows) if scored is None else (lambda rows: rows[scored])
-        logp = fused_linear_token_logprobs(pick(self.hidden.detach()), self.weight, pick(self.batch.targets),
-                                           bias=self.bias, temperature=self.temperature, **self.logit_options)
-        return logp if scored is None else logp.new_zeros(scored.shape).masked_scatter(scored, logp)
+        kind only (0 elsewhere), whose GEMMs alone run. Their number comes from the batch's host layout
+        (`completion_rows`' read; without one, token_kind is read here), so the device finds them with no host read
+        (`nonzero_static`, where a boolean index reads the count)."""
+        def scored_logp(hidden, targets):
+            return fused_linear_token_logprobs(hidden, self.weight, targets, bias=self.bias,
+                                               temperature=self.temperature, **self.logit_options)
+
+        if kind is None:
+            return scored_logp(self.hidden.detach(), self.batch.targets)
+        host_layout = self.batch.host_layout
+        host_kind = (self.batch.token_kind.cpu() if host_layout is None else host_layout[0]).numpy()
+        index = torch.nonzero_static(self.batch.token_kind == kind, size=int(np.count_nonzero(host_kind == kind)))
+        index = index.squeeze(1)
+        logp = scored_logp(self.hidden.detach().index_select(0, index), self.batch.targets.index_select(0, index))
+        return logp.new_zeros(self.batch.targets.shape).index_copy_(0, index, logp)
 
     def loss(self, **inputs):
-        """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`."""
+        """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`. The batch's
+        host layout (`completion_rows`' read) spares the chunk plan its own read."""
         b = self.batch
         return fused_linear_erpo_loss(self.hidden, self.weight, b.targets, b.token_kind, b.sample_index,
-                                      bias=self.bias, **inputs)
+                                      bias=self.bias, host_layout=b.host_layout, **inputs)
