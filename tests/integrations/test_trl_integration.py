@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
-from erpo.integrations.trl.reference import PROMPT_TOKEN_IDS, weights_fingerprint  # noqa: E402
+from erpo.integrations.trl.reference import PROMPT_TOKEN_IDS, device_prompt_ids, weights_fingerprint  # noqa: E402
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
@@ -448,7 +448,7 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
     ell_theta(q) once, to add it to the cache). The values are the cache's entries of the device rows, bit for bit."""
     trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
     inputs = trl_inputs(trainer)
-    device_rows = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+    device_rows = device_prompt_ids(inputs)
     assert inputs[PROMPT_TOKEN_IDS] == device_rows
     forward_ell = torch.tensor([-3.0, -4.5, -2.25, -6.0], dtype=torch.float64)
     counts = []
@@ -462,6 +462,13 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
     assert counts[0]["Tensor.cpu"] == 1 and not {"Tensor.tolist", "aten.index"} & counts[0].keys(), counts
     assert counts[1] == {"upload": 2}, counts
     assert torch.equal(ell, forward_ell.float())   # added at theta0, looked up after it
+    # a micro-batch without the host lists (a subclass's own _generate_and_score_completions): the device rows are
+    # read instead, to the same values
+    without = {key: value for key, value in inputs.items() if key != PROMPT_TOKEN_IDS}
+    with LaunchCounter(device="cpu") as counter:
+        ell_read, weight_read = trainer._reference_of(without, "train_dataset", lambda: forward_ell)
+    assert torch.equal(ell_read, ell) and torch.equal(weight_read, weight)
+    assert counter.sync_names["Tensor.tolist"] == len(device_rows), dict(counter.sync_names)
 
 
 def test_prompts_added_at_theta0_are_shared_by_every_process(tiny, tmp_path, monkeypatch):

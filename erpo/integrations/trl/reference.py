@@ -36,6 +36,12 @@ EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row withou
 PROMPT_TOKEN_IDS = "erpo_prompt_token_ids"  # the inputs' key of each sample's prompt token ids, a host list [B]
 
 
+def device_prompt_ids(inputs: dict) -> list:
+    """Each sample's prompt token ids [B] as host lists, read from the padded prompt_ids / prompt_mask [B, P] (one
+    host read per sample)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """sha256 over the model's state dict (names and raw bytes): the identity of theta0 as passed."""
     digest = hashlib.sha256()
@@ -285,7 +291,9 @@ class ReferenceMixin:
         PROMPT_TOKEN_IDS: no read of the device prompt_ids), from `source` (the data set, for errors). At theta0
         ell_theta0 is `forward_query_logp()` [B] (float64: this forward's ell_theta(q), detached), and the prompts
         the cache lacks are added with it."""
-        prompt_ids = inputs[PROMPT_TOKEN_IDS]   # host lists: the lookup reads nothing from the device
+        prompt_ids = inputs.get(PROMPT_TOKEN_IDS)  # host lists: the lookup reads nothing from the device
+        if prompt_ids is None:  # a subclass's own _generate_and_score_completions: read the device rows instead
+            prompt_ids = device_prompt_ids(inputs)
         device = inputs["prompt_ids"].device
         if self.at_theta0:
             ell = forward_query_logp()
