@@ -257,6 +257,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def use_interpreter(parser: argparse.ArgumentParser) -> None:
+    """Set TRITON_INTERPRET=1 before triton is imported (the interpreter's launcher is the one stubbed); a parser
+    error if triton was imported without it."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("triton was imported without TRITON_INTERPRET=1: run `python -m bench.host_cost` in a "
+                     "process of its own")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv=None):
     command = sys.argv[1:] if argv is None else list(argv)  # the JSON's provenance: the command as given
     path = argparse.ArgumentParser(add_help=False)
@@ -277,11 +286,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Triton stubbed under its interpreter; cuda: compiled kernels, nothing stubbed")
     args = parser.parse_args(argv)
-    if args.device == "cpu":  # before triton is imported: the interpreter's launcher is the one stubbed
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("triton was imported without TRITON_INTERPRET=1: run `python -m bench.host_cost` in a "
-                         "process of its own")
-        os.environ["TRITON_INTERPRET"] = "1"
+    if args.device == "cpu":
+        use_interpreter(parser)
     elif os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU and compiled kernels (TRITON_INTERPRET unset)")
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .host_cost import StubbedTriton
+from .host_cost import StubbedTriton, use_interpreter
 from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,6 +235,7 @@ def main(argv: list[str], command: list[str]):
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
+    use_interpreter(parser)
     torch.set_num_threads(1)
     result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup)
     print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "

@@ -341,6 +341,10 @@ class LogitsBuffer:
         self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
 
+    def formed(self, num_rows: int):
+        """[num_rows, V] fp32 view of the buffer's first rows, as earlier `logits` calls left them."""
+        return self.buffer[:num_rows]
+
     def logits(self, hidden_rows, first: int = 0):
         """[first + n, V] fp32 view of the buffer's first rows, rows first to first + n now holding hidden_rows
         [n, D] @ weight.T (+ bias) (rows before `first` as an earlier call left them; with batch_invariant and n > 0
@@ -609,10 +613,10 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
             hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
         early = 0
-    if plan.chunks:  # the first chunk's other rows' logits (its own GEMM, only earlier): the GPU runs them while the
-        # host sets the objective up
-        logits_buffer.logits(hidden[early:plan.chunks[0][1]], first=early)
-        early = plan.chunks[0][1]
+    # the first chunk's other rows' logits (its own GEMM, only earlier): the GPU runs them while the host sets the
+    # objective up
+    first_stop = plan.chunks[0][1] if plan.chunks else 0
+    logits_buffer.logits(hidden[early:first_stop], first=early)
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     if plan.chunks:
         objective = kernels.chunk_objective(ChunkObjectiveInputs(
@@ -621,7 +625,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
                                objective, groups)
     for chunk, (start, stop) in enumerate(plan.chunks):
-        chunk_pass.run(chunk, slice(start, stop), ready=early if chunk == 0 else 0)
+        chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0)
     return (logp_out, entropy_out, *groups.gradients())
 
 
@@ -643,9 +647,10 @@ class ChunkPass:
     objective: object
     groups: GradientGroups
 
-    def run(self, chunk: int, rows: slice, ready: int) -> None:
-        """Chunk number `chunk`, rows `rows`, the buffer holding the logits of its first `ready` rows already."""
-        logits = self.logits_buffer.logits(self.hidden[rows.start + ready:rows.stop], first=ready)
+    def run(self, chunk: int, rows: slice, logits_ready: bool) -> None:
+        """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk)."""
+        buffer = self.logits_buffer
+        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(self.hidden[rows])
         _, entropy, lse = self.kernels.forward(logits, self.targets[rows], self.transform,
                                                (self.logp[rows], self.entropy[rows], self.lse[rows]))
         grad_logp, grad_entropy = self.objective.gradient(chunk, rows)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
-from erpo.integrations.trl.reference import weights_fingerprint  # noqa: E402
+from erpo.integrations.trl.reference import PROMPT_TOKEN_IDS, device_prompt_ids, weights_fingerprint  # noqa: E402
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
@@ -55,7 +55,8 @@ def trl_inputs(trainer, seed=0):
     """A GRPOTrainer micro-batch as `_generate_and_score_completions` builds it, with every optional tensor:
     left-padded prompts, right-padded completions (one fully masked, as mask_truncated_completions leaves it),
     a tool output inside a completion (tool_mask 0), old and reference log-probs off the current policy,
-    vLLM importance-sampling ratios and num_items_in_batch."""
+    vLLM importance-sampling ratios and num_items_in_batch; and the prompts' token ids as host lists, which
+    ERPOTrainer's `_generate_and_score_completions` adds."""
     g = torch.Generator().manual_seed(seed)
     tokenizer = trainer.processing_class
     prompts = [tokenizer(p)["input_ids"] for p in ["1+1=", "22+3=", "7*8=", "3*33="]]
@@ -72,7 +73,7 @@ def trl_inputs(trainer, seed=0):
     tool_mask[0, 2:4] = 0
     mask = (completion_mask * tool_mask).float()
     return dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, erpo_prompt_token_ids=prompts, completion_ids=completion_ids,
         completion_mask=completion_mask, tool_mask=tool_mask, advantages=torch.tensor([1.0, -0.7, 0.4, -1.3]),
         num_items_in_batch=mask.sum() * 3,
         noise_old=0.3 * torch.randn(4, 6, generator=g), noise_ref=0.3 * torch.randn(4, 6, generator=g),
@@ -439,6 +440,37 @@ def test_missing_prompt_is_added_at_theta0_and_refused_after(tiny, tmp_path):
     assert math.isfinite(trainer._compute_loss(trainer.model, inputs).item())   # from the cache now
 
 
+def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
+    """`_reference_of` looks the micro-batch's ell_theta0(q) and w(q) up by the prompts' token ids as host lists
+    (PROMPT_TOKEN_IDS, kept from TRL's `_generate`), not by the device prompt_ids (before 2026-11-26 a boolean index
+    and a tolist per sample: 8 reads on 4 samples). Counted by LaunchCounter on the CPU, after theta0: no read, only
+    the two uploads of the looked-up values; at theta0 no read of the prompts either (it reads the forward's
+    ell_theta(q) once, to add it to the cache). The values are the cache's entries of the device rows, bit for bit."""
+    trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    inputs = trl_inputs(trainer)
+    device_rows = device_prompt_ids(inputs)
+    assert inputs[PROMPT_TOKEN_IDS] == device_rows
+    forward_ell = torch.tensor([-3.0, -4.5, -2.25, -6.0], dtype=torch.float64)
+    counts = []
+    for at_theta0 in (True, False):
+        trainer.at_theta0 = at_theta0
+        with LaunchCounter(device="cpu") as counter:  # the trainer's device
+            ell, weight = trainer._reference_of(inputs, "train_dataset", lambda: forward_ell)
+        counts.append(dict(counter.sync_names))
+        expected = torch.tensor([trainer.reference_cache.entries[prompt_hash(p)] for p in device_rows])
+        assert torch.equal(ell, expected[:, 0].float()) and torch.equal(weight, expected[:, 1].float())
+    assert counts[0]["Tensor.cpu"] == 1 and not {"Tensor.tolist", "aten.index"} & counts[0].keys(), counts
+    assert counts[1] == {"upload": 2}, counts
+    assert torch.equal(ell, forward_ell.float())   # added at theta0, looked up after it
+    # a micro-batch without the host lists (a subclass's own _generate_and_score_completions): the device rows are
+    # read instead, to the same values
+    without = {key: value for key, value in inputs.items() if key != PROMPT_TOKEN_IDS}
+    with LaunchCounter(device="cpu") as counter:
+        ell_read, weight_read = trainer._reference_of(without, "train_dataset", lambda: forward_ell)
+    assert torch.equal(ell_read, ell) and torch.equal(weight_read, weight)
+    assert counter.sync_names["Tensor.tolist"] == len(device_rows), dict(counter.sync_names)
+
+
 def test_prompts_added_at_theta0_are_shared_by_every_process(tiny, tmp_path, monkeypatch):
     """Leaving theta0 gathers the entries every process added at theta0 (another rank's, faked here) into this
     process's cache, and the main process saves them all."""
@@ -465,7 +497,8 @@ def test_current_query_weight(tiny, tmp_path, fused_linear):
     inputs = with_logps(trainer, trl_inputs(trainer), old=True)
     ours = ERPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
     assert abs(ours - trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()) > 1e-4
-    same = dict(inputs, prompt_ids=inputs["prompt_ids"][[3, 3, 3, 3]], prompt_mask=inputs["prompt_mask"][[3, 3, 3, 3]])
+    same = dict(inputs, prompt_ids=inputs["prompt_ids"][[3, 3, 3, 3]], prompt_mask=inputs["prompt_mask"][[3, 3, 3, 3]],
+                erpo_prompt_token_ids=[inputs["erpo_prompt_token_ids"][3]] * 4)
     assert logged(trainer, ERPOTrainer._compute_loss, same)[2]["query_weight_mean"] == pytest.approx(1.0, abs=1e-6)
     assert_parity(trainer, same)
 
@@ -609,8 +642,10 @@ def rollout_run(tiny, tmp_path, tokenizer, **trainer_kwargs):
     generated, generate = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: generated.append(output := generate(inputs)) or output
     trainer.train()
-    return trainer, [[ids[mask.bool()].tolist() for ids, mask in zip(out["prompt_ids"], out["prompt_mask"])]
-                     for out in generated]
+    prompt_ids = [[ids[mask.bool()].tolist() for ids, mask in zip(out["prompt_ids"], out["prompt_mask"])]
+                  for out in generated]
+    assert [out[PROMPT_TOKEN_IDS] for out in generated] == prompt_ids   # the host lists the lookups take
+    return trainer, prompt_ids
 
 
 def assert_scored_at_theta0(trainer, tiny, rewritten):

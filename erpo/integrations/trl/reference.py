@@ -33,6 +33,13 @@ REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another 
 logger = logging.get_logger(__name__)
 PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one, when an environment owns the data
+PROMPT_TOKEN_IDS = "erpo_prompt_token_ids"  # the inputs' key of each sample's prompt token ids, a host list [B]
+
+
+def device_prompt_ids(inputs: dict) -> list:
+    """Each sample's prompt token ids [B] as host lists, read from the padded prompt_ids / prompt_mask [B, P] (one
+    host read per sample)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -87,6 +94,7 @@ class ReferenceMixin:
     _theta0: Callable[[], contextlib.AbstractContextManager] | None   # theta0 for a rollout's prompts
     _adapter_added: bool            # a LoRA adapter added by the trainer (peft_config): theta0 = adapters off
     _train_surprisal: torch.Tensor  # the training prompts' mean -ell_theta0(q) (float64), set by the cache's load
+    _generated_prompt_ids: list[list[int]]  # the last `_generate`'s prompt token ids, one list per sample
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
@@ -245,15 +253,26 @@ class ReferenceMixin:
                     "the reference cache lacks", sum(p.numel() for p in frozen.parameters()) / 1e6)
         return lambda: contextlib.nullcontext(frozen)
 
+    def _generate(self, prompts: list):
+        """GRPOTrainer's; the prompts' token ids it returns (host lists, one per sample, as they are padded into
+        `prompt_ids`) are kept for `_generate_and_score_completions`."""
+        generated = super()._generate(prompts)
+        self._generated_prompt_ids = [list(map(int, ids)) for ids in generated[0]]
+        return generated
+
     def _generate_and_score_completions(self, inputs):
-        """GRPOTrainer's; then, with a `rollout_func` or `environment_factory`, the generated prompts no process's
-        cache has are scored at theta0 (`_keep_theta0`) and added to every process's cache, saved by the main one
-        (a collective, as generation is)."""
+        """GRPOTrainer's, with each sample's prompt token ids as host lists under PROMPT_TOKEN_IDS (TRL shuffles and
+        splits a list with the tensors), from which `_reference_of` looks the micro-batch up without reading the
+        device; then, with a `rollout_func` or `environment_factory`, the generated prompts no process's cache has
+        are scored at theta0 (`_keep_theta0`) and added to every process's cache, saved by the main one (a
+        collective, as generation is)."""
         output = super()._generate_and_score_completions(inputs)
+        if self.reference_cache is None:
+            return output
+        prompt_ids = output[PROMPT_TOKEN_IDS] = self._generated_prompt_ids
         if self._theta0 is None:
             return output
         cache = self.reference_cache
-        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
         missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
         union = list({prompt_hash(ids): ids for part in gather_object([missing]) for ids in part}.values())
         if union:
@@ -268,10 +287,13 @@ class ReferenceMixin:
         cache.lookup(prompt_ids, self.reference_cache_path, tokenizer=self._tokenizer, why=why)
 
     def _reference_of(self, inputs: dict, source: str, forward_query_logp) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids, from `source` (the data
-        set, for errors). At theta0 ell_theta0 is `forward_query_logp()` [B] (float64: this forward's ell_theta(q),
-        detached), and the prompts the cache lacks are added with it."""
-        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+        """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids (the host lists under
+        PROMPT_TOKEN_IDS: no read of the device prompt_ids), from `source` (the data set, for errors). At theta0
+        ell_theta0 is `forward_query_logp()` [B] (float64: this forward's ell_theta(q), detached), and the prompts
+        the cache lacks are added with it."""
+        prompt_ids = inputs.get(PROMPT_TOKEN_IDS)  # host lists: the lookup reads nothing from the device
+        if prompt_ids is None:  # a subclass's own _generate_and_score_completions: read the device rows instead
+            prompt_ids = device_prompt_ids(inputs)
         device = inputs["prompt_ids"].device
         if self.at_theta0:
             ell = forward_query_logp()
