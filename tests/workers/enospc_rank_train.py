@@ -4,13 +4,12 @@ whose name contains ERPO_TEST_ENOSPC_FILE (default: DeepSpeed's ZeRO optimizer s
 ENOSPC, as a full disk does (used by tests/distributed/test_multirank.py)."""
 import errno
 import os
-import sys
 
 import deepspeed.runtime.engine
 import torch
 import transformers.modeling_utils
 
-from erpo.cli.commands import main
+from erpo.cli import run  # as the console script: a rank ends without the interpreter's teardown (erpo.cli.run)
 
 real_save = torch.save
 FAILING = (os.environ.get("RANK", "0") == os.environ["ERPO_TEST_ENOSPC_RANK"],
@@ -53,4 +52,4 @@ def full_disk_safetensors_save(tensors, filename, *args, **kwargs):   # save_pre
 torch.save = full_disk_save
 deepspeed.runtime.engine.copyfile = full_disk_copy
 transformers.modeling_utils.safe_save_file = full_disk_safetensors_save
-sys.exit(main(sys.argv[1:]))
+run()
