@@ -31,6 +31,7 @@ import weakref
 from collections import Counter
 
 import torch
+import torch._dynamo  # noqa: F401  (before any counter replaces torch.tensor: `__enter__`)
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -127,6 +128,9 @@ class LaunchCounter(TorchDispatchMode):
         return out
 
     def __enter__(self):
+        # torch._dynamo is imported with this module: Dynamo records torch's functions when it is first imported, and
+        # a counter's replacements (torch.tensor & co.) seen then, when a counted loss was the first to import it
+        # (torch.compiler.is_compiling()), left every later torch.compile unable to trace torch.tensor
         if self._depth == 0:  # the outermost entry (a custom op re-enters the mode around its implementation)
             for launcher in _triton_launchers():
                 self._patch(launcher, "run", self._counting_run(launcher.run))
