@@ -222,19 +222,27 @@ def fused_linear_erpo_loss(hidden, weight, targets, token_kind, sample_index, *,
 
 def check_host_layout(host_layout, num_rows: int) -> None:
     """A caller's host_layout: None, or a [2, N] int64 tensor in host memory (one-line errors naming it)."""
+    error = host_layout_error(host_layout, num_rows)
+    if error is not None:
+        raise error
+
+
+def host_layout_error(host_layout, num_rows: int) -> Exception | None:
+    """None when host_layout is None or a [2, num_rows] int64 CPU tensor, else the one-line error naming it."""
     if host_layout is None:
-        return
+        return None
     if not isinstance(host_layout, torch.Tensor):
-        raise TypeError(f"host_layout must be a [2, N] int64 CPU tensor (token_kind and sample_index, e.g. "
-                        f"ScoredRows.host_layout) or None, got {type(host_layout).__name__}")
+        return TypeError(f"host_layout must be a [2, N] int64 CPU tensor (token_kind and sample_index, e.g. "
+                         f"ScoredRows.host_layout) or None, got {type(host_layout).__name__}")
     if host_layout.device.type != "cpu":
-        raise ValueError(f"host_layout must be in host memory (a CPU tensor), got one on {host_layout.device}: it "
-                         f"spares the chunk plan a host read; pass None to let the loss read the rows itself")
+        return ValueError(f"host_layout must be in host memory (a CPU tensor), got one on {host_layout.device}: it "
+                          f"spares the chunk plan a host read; pass None to let the loss read the rows itself")
     if host_layout.dtype != torch.int64:
-        raise TypeError(f"host_layout must be int64, got {host_layout.dtype}")
+        return TypeError(f"host_layout must be int64, got {host_layout.dtype}")
     if tuple(host_layout.shape) != (2, num_rows):
-        raise ValueError(f"host_layout must have shape [2, N] = (2, {num_rows}) (token_kind and sample_index of "
-                         f"the N rows of hidden), got {tuple(host_layout.shape)}")
+        return ValueError(f"host_layout must have shape [2, N] = (2, {num_rows}) (token_kind and sample_index of "
+                          f"the N rows of hidden), got {tuple(host_layout.shape)}")
+    return None
 
 
 def host_layout_checks(host_layout, token_kind, sample_index) -> list:
@@ -243,10 +251,10 @@ def host_layout_checks(host_layout, token_kind, sample_index) -> list:
     empty without a host_layout, or when any of the three is malformed: the checks of their forms then raise,
     naming it, before anything is read."""
     rows = (token_kind, sample_index)
-    if not (isinstance(host_layout, torch.Tensor) and host_layout.device.type == "cpu"
-            and host_layout.dtype == torch.int64 and host_layout.dim() == 2 and host_layout.shape[0] == 2
-            and all(isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(host_layout.shape[1:])
-                    and t.device == token_kind.device for t in rows)):
+    if (host_layout is None
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape == token_kind.shape
+                       and t.device == token_kind.device for t in rows)
+            or host_layout_error(host_layout, token_kind.shape[0]) is not None):
         return []
     on_device = host_to_device(host_layout.numpy(), token_kind.device)
     bad = (on_device[0] != token_kind) | (on_device[1] != sample_index)
