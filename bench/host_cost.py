@@ -131,10 +131,23 @@ def binding_costs(recorded, reps: int) -> list:
 
 
 @contextlib.contextmanager
+def wrapped_attributes(targets, wrap):
+    """Within the block each (phase, owner, attribute) of `targets` is wrap(phase, original), owner a module or a
+    class (whose own attribute is taken, a staticmethod as such); restored on exit."""
+    saved = []
+    for phase, owner, attribute in targets:
+        original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+        saved.append((owner, attribute, original))
+        setattr(owner, attribute, wrap(phase, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
+
+
 def timed_phases(phases, spent: dict):
     """Wrap each (phase, module, attribute) so that its time (ns) adds to spent[phase]; restored on exit."""
-    saved = []
-
     def wrap(phase, function):
         def timed(*args, **kwargs):
             begin = time.perf_counter_ns()
@@ -144,16 +157,8 @@ def timed_phases(phases, spent: dict):
                 spent[phase] += time.perf_counter_ns() - begin
         return timed
 
-    for phase, module_name, attribute in phases:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attribute)
-        saved.append((module, attribute, original))
-        setattr(module, attribute, wrap(phase, original))
-    try:
-        yield
-    finally:
-        for module, attribute, original in saved:
-            setattr(module, attribute, original)
+    return wrapped_attributes([(phase, importlib.import_module(module), attribute)
+                               for phase, module, attribute in phases], wrap)
 
 
 def measure(prepared, phases, reps: int, warmup: int, device: torch.device = torch.device("cpu")) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .host_cost import StubbedTriton, use_interpreter
+from .host_cost import StubbedTriton, use_interpreter, wrapped_attributes
 from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,27 +105,15 @@ def _resolve(target: str):
     return owner, attribute
 
 
-@contextlib.contextmanager
 def metered(meter: PhaseMeter, phases=FUSED_PHASES):
     """Each phase's function wrapped in meter.frame(phase) within the block; restored on exit."""
-    saved = []
-
     def wrap(phase, function):
         def metered_call(*args, **kwargs):
             with meter.frame(phase):
                 return function(*args, **kwargs)
         return metered_call
 
-    for phase, target in phases:
-        owner, attribute = _resolve(target)
-        original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
-        saved.append((owner, attribute, original))
-        setattr(owner, attribute, wrap(phase, original))
-    try:
-        yield
-    finally:
-        for owner, attribute, original in reversed(saved):
-            setattr(owner, attribute, original)
+    return wrapped_attributes([(phase, *_resolve(target)) for phase, target in phases], wrap)
 
 
 def _one_call(prepared, meter: PhaseMeter) -> None:
