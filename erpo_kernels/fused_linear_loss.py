@@ -155,7 +155,8 @@ def _triton_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp,
     # The logits path's backward launcher (inside this op's body no op boundary is needed): one program per row,
     # each vocabulary block loaded before its gradient is stored, so an output aliasing the row's first half is safe.
     from .triton_logits import _launch_backward
-    _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
+    _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform,
+                     variant_name=CHUNK_FORWARD_VARIANT)  # the backward that goes with the chunks' forward
 
 
 def _torch_backward_into(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy,

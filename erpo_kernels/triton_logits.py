@@ -390,16 +390,18 @@ def _launch_forward(logits, targets, transform: LogitTransform, variant_name: Op
 
 
 def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform,
-                     coefficients: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
-    """d logits into grad_logits [N, V] by the backward kernel of the process-wide variant (`forward_variant`), for
-    grad_logp, grad_entropy [N]; with coefficients = (token_kind [N], the objective's global factors [3], grad_loss
-    []), grad_logp and grad_entropy are the objective's gradient coefficients instead, which the kernel turns into
-    the gradients itself (`_output_gradients`)."""
+                     coefficients: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                     variant_name: Optional[str] = None):
+    """d logits into grad_logits [N, V] by the backward kernel of FORWARD_VARIANTS[variant_name] (None: the
+    process-wide one, `forward_variant`; name the variant whose forward ran), for grad_logp, grad_entropy [N]; with
+    coefficients = (token_kind [N], the objective's global factors [3], grad_loss []), grad_logp and grad_entropy are
+    the objective's gradient coefficients instead, which the kernel turns into the gradients itself
+    (`_output_gradients`)."""
     num_rows, vocab_size = logits.shape
     block_v = block_size_for(vocab_size)
     kind, scales, grad_loss = (None, None, None) if coefficients is None else coefficients
     if num_rows > 0:
-        FORWARD_VARIANTS[_forward_variant[0]].backward[(num_rows,)](
+        FORWARD_VARIANTS[variant_name or _forward_variant[0]].backward[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
             targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(), kind, scales,
             grad_loss, vocab_size, *transform_arguments(transform), FROM_COEFFICIENTS=coefficients is not None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .objective import LossOutput
-from .triton_logits import _forward_variant, _launch_backward, _launch_forward, forward_variant
+from .triton_logits import _forward_variant, _launch_backward, _launch_forward
 from .triton_objective import loss_output, objective_arguments, objective_forward, objective_rows
 from .validation import LogitTransform, LossInputs, LossOptions
 
@@ -41,9 +41,8 @@ class _LogitsLoss(torch.autograd.Function):
         if grad_loss is None:
             return (None,) * 9
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        with forward_variant(ctx.variant):
-            _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
-                             (token_kind, scales, grad_loss.float()))
+        _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
+                         (token_kind, scales, grad_loss.float()), ctx.variant)
         return (grad_logits,) + (None,) * 8
 
 

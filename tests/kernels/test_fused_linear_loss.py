@@ -730,3 +730,21 @@ def test_fp16_keeps_tiny_dlogits(grouped, monkeypatch, device):
     assert weight_error() < 1e-2
     monkeypatch.setattr(chunked, "_fp16_gradient_scale", lambda *grads: 1.0)
     assert weight_error() > 0.05  # about 9%: the dlogits below 6e-8 flushed to 0
+
+
+def test_the_chunks_backward_kernel_goes_with_their_forward_whatever_the_process_wide_variant(device):
+    """The chunks' forward is CHUNK_FORWARD_VARIANT's kernel; their dlogits come from that variant's backward kernel,
+    not from the process-wide variant's (`triton_logits.forward_variant`, here a variant of another pair)."""
+    from erpo_kernels.fused_linear_loss import CHUNK_FORWARD_VARIANT
+    from erpo_kernels.triton_logits import FORWARD_VARIANTS, forward_variant
+    chunk_pair = FORWARD_VARIANTS[CHUNK_FORWARD_VARIANT]
+    other = next(name for name, variant in FORWARD_VARIANTS.items() if variant.backward is not chunk_pair.backward)
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with forward_variant(other), LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                               qkl_coef=0.5, **inputs).loss.backward()
+    launched = {name.removeprefix("triton.") for name in counter.names if name.startswith("triton.")}
+    assert {chunk_pair.kernel.__name__, chunk_pair.backward.__name__} <= launched, launched
+    assert FORWARD_VARIANTS[other].backward.__name__ not in launched, launched
