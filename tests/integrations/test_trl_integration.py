@@ -642,8 +642,7 @@ def rollout_run(tiny, tmp_path, tokenizer, **trainer_kwargs):
     generated, generate = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: generated.append(output := generate(inputs)) or output
     trainer.train()
-    prompt_ids = [[ids[mask.bool()].tolist() for ids, mask in zip(out["prompt_ids"], out["prompt_mask"])]
-                  for out in generated]
+    prompt_ids = [device_prompt_ids(out) for out in generated]
     assert [out[PROMPT_TOKEN_IDS] for out in generated] == prompt_ids   # the host lists the lookups take
     return trainer, prompt_ids
 
