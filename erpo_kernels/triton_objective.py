@@ -637,17 +637,26 @@ class _Given(NamedTuple):
     rollout_logp: bool
 
 
+def given_inputs(inputs: LossInputs) -> _Given:
+    """Which optional `LossInputs` tensors `inputs` holds."""
+    return _Given(inputs.ref_query_logp is not None, inputs.query_weight is not None, inputs.old_logp is not None,
+                  inputs.ref_logp is not None, inputs.token_weight is not None, inputs.rollout_logp is not None)
+
+
 def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
     """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
     the estimator, loss_agg and pg_objective as their codes; an absent number as 0). has_qkl_reference: the
     reference the Query-KL's estimator reads is given (ref_query_logp, or ref_logp for "k3-token"). Built once per
     distinct (options, given tensors) when no option holds a tensor (a ~20 us dict a call otherwise); the list
     returned is shared: read it, never change it."""
-    given = _Given(*(tensor is not None for tensor in (inputs.ref_query_logp, inputs.query_weight, inputs.old_logp,
-                                                       inputs.ref_logp, inputs.token_weight, inputs.rollout_logp)))
-    if isinstance(options.num_items, torch.Tensor) or isinstance(options.num_seqs, torch.Tensor):
+    given = given_inputs(inputs)
+    if _holds_tensor(options):
         return _settings(options, given, has_entropy)  # a tensor's == reads it: never a cache key
     return _cached_settings(options, given, has_entropy)
+
+
+def _holds_tensor(options: LossOptions) -> bool:
+    return isinstance(options.num_items, torch.Tensor) or isinstance(options.num_seqs, torch.Tensor)
 
 
 def _settings(options: LossOptions, given: _Given, has_entropy: bool) -> List[float]:
@@ -708,6 +717,22 @@ class SampleOutputs(NamedTuple):
                    torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
 
 
+class FinishOutputs(NamedTuple):
+    """What the finish kernel writes: loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)]
+    int64 and the global factors [3] fp32."""
+
+    loss: torch.Tensor
+    metrics: torch.Tensor
+    counts: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def empty(cls, device) -> FinishOutputs:
+        fp32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32),
+                   torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device), torch.empty(3, **fp32))
+
+
 class KernelArguments(NamedTuple):
     """What the sample and finish kernels take from one `objective_settings` (the scalars in their parameters'
     order, the constexprs by name), built once per distinct settings (`kernel_arguments`): a launch passes them as
@@ -717,6 +742,50 @@ class KernelArguments(NamedTuple):
     sample_constexprs: Dict[str, object]
     finish_scalars: Tuple[float, ...]
     finish_constexprs: Dict[str, object]
+
+
+class ObjectivePlan(NamedTuple):
+    """What a call's options and given inputs fix for the objective (`objective_plan`): the settings, their
+    `KernelArguments`, and for each LossMetrics field its index in the metrics and counts vectors (FLOAT_METRICS,
+    then COUNT_METRICS), None where the metric does not apply (`objective.applicable_metrics`)."""
+
+    settings: List[float]
+    arguments: KernelArguments
+    metric_slots: Tuple[Optional[int], ...]
+
+
+_PLANS: Dict[tuple, ObjectivePlan] = {}
+_MAX_PLANS = 64  # distinct (options, given inputs) kept; a trainer has one or two
+
+
+def objective_plan(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> ObjectivePlan:
+    """The `ObjectivePlan` of a call, built once per distinct (options, given tensors, has_entropy) when no option
+    holds a tensor (then every call); shared: read it, never change it. For the one-node loss, which never traces
+    (`triton_logits_loss`): a dict lookup instead of the settings' and the arguments' caches, the metrics' names."""
+    given = given_inputs(inputs)
+    if _holds_tensor(options):
+        return _objective_plan(options, inputs, given, has_entropy)
+    key = (options, given, has_entropy)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _objective_plan(options, inputs, given, has_entropy)
+    return plan
+
+
+def _objective_plan(options: LossOptions, inputs: LossInputs, given: _Given, has_entropy: bool) -> ObjectivePlan:
+    settings = _settings(options, given, has_entropy)
+    return ObjectivePlan(settings, kernel_arguments(settings),
+                         metric_slots(objective.applicable_metrics(inputs, options, has_entropy=has_entropy)))
+
+
+_METRIC_INDEX = {name: index for index, name in enumerate(FLOAT_METRICS + COUNT_METRICS)}
+
+
+def metric_slots(applicable) -> Tuple[Optional[int], ...]:
+    """For each LossMetrics field, its index in FLOAT_METRICS + COUNT_METRICS when in `applicable`, else None."""
+    return tuple(_METRIC_INDEX[name] if name in applicable else None for name in objective.METRIC_NAMES)
 
 
 def kernel_arguments(settings: List[float]) -> KernelArguments:
@@ -764,18 +833,20 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
-                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None) -> None:
+                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None, *,
+                         arguments: Optional[KernelArguments] = None) -> None:
     """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
     order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
     `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
     starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
     token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
-    entropy_threshold [] fp32 or None; settings: `objective_settings`."""
+    entropy_threshold [] fp32 or None; settings: `objective_settings`; arguments: their `kernel_arguments` when the
+    caller holds them (`ObjectivePlan`: no lookup)."""
     spans = sample_index is not None
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
-    arguments = kernel_arguments(settings)
+    arguments = arguments or kernel_arguments(settings)
     # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
     # launch binds and checks no pointer for it)
     _objective_sample_kernel[(num_programs,)](
@@ -784,15 +855,13 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
         SPANS=spans)
 
 
-def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
+def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float], *,
+                         arguments: Optional[KernelArguments] = None, results: Optional[FinishOutputs] = None):
     """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
-    factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
-    arguments = kernel_arguments(settings)
-    device = out.partials.device
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
-    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
-    scales = torch.empty(3, dtype=torch.float32, device=device)
+    factors [3] fp32) from the partials of every sample, written into `results` when given (else allocated);
+    num_items / num_seqs: 1-element fp32 tensors or None; arguments as `launch_sample_kernel`'s."""
+    arguments = arguments or kernel_arguments(settings)
+    loss, metrics, counts, scales = results or FinishOutputs.empty(out.partials.device)
     _objective_finish_kernel[(1,)](  # num_items / num_seqs None: as the sample kernel's absent tensors
         out.partials, out.query_logp, num_items, num_seqs, loss, metrics, counts, scales, out.partials.shape[0],
         *arguments.finish_scalars, **arguments.finish_constexprs)
@@ -830,10 +899,22 @@ def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor],
     for the backward the gradient coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable
     (in token_logp, entropy)."""
     out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
+    return objective_forward_into(out, FinishOutputs.empty(token_logp.device), token_logp, entropy, token_kind,
+                                  sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
+                                  token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings)
+
+
+def objective_forward_into(out: SampleOutputs, results: FinishOutputs, token_logp, entropy, token_kind,
+                           sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
+                           token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings: List[float],
+                           arguments: Optional[KernelArguments] = None) -> ObjectiveOutputs:
+    """`objective_forward` (its arguments after `out` and `results`) writing into `out` and `results`; arguments as
+    `launch_sample_kernel`'s (the one-node loss holds them, `triton_logits_loss`)."""
     launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None,
                          (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
-                         entropy_threshold, settings, sample_index)
-    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
+                         entropy_threshold, settings, sample_index, arguments=arguments)
+    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings, arguments=arguments,
+                                                         results=results)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
@@ -932,24 +1013,33 @@ def objective_rows(token_kind: torch.Tensor, sample_index: torch.Tensor, spans: 
 
 
 def objective_arguments(entropy: Optional[torch.Tensor], token_kind: torch.Tensor, inputs: LossInputs,
-                        options: LossOptions) -> tuple:
+                        options: LossOptions, settings: Optional[List[float]] = None) -> tuple:
     """`objective_forward`'s arguments after the spans: the `LossInputs` tensors in fp32, the tensor denominators,
     the entropy filter's threshold (its (1 - top_entropy_quantile)-quantile of the detached entropies, else None) and
-    the settings."""
+    the settings (`objective_settings`, unless given)."""
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
                                                1.0 - options.top_entropy_quantile)
-    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
-            objective_settings(options, inputs, entropy is not None))
+    if settings is None:
+        settings = objective_settings(options, inputs, entropy is not None)
+    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold, settings)
 
 
 def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs: LossInputs,
                 options: LossOptions) -> LossOutput:
     """The LossOutput of the objective's outputs (loss [], query_logp, response_logp [S], the metrics and counts
     vectors) for token_logp and entropy [N] (or None: NaN entropies, the entropy metrics absent)."""
-    values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
-    metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
+    slots = metric_slots(objective.applicable_metrics(inputs, options, has_entropy=entropy is not None))
+    return loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, slots)
+
+
+def loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts,
+                         slots: Tuple[Optional[int], ...]) -> LossOutput:
+    """`loss_output` with the metrics' places given (`metric_slots`; `ObjectivePlan.metric_slots`): LossMetrics
+    filled by position, as `LossMetrics.for_call` fills it by name."""
+    values = metrics.unbind() + counts.unbind()
+    metric_values = LossMetrics(*(None if slot is None else values[slot] for slot in slots))
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
                       response_logp=response_logp, entropy=detached_entropy, metrics=metric_values)
