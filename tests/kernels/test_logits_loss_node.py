@@ -118,3 +118,30 @@ def test_one_node_launches_one_triton_kernel_fewer(device):
             loss_and_grad(batch, {}, two_ops)
         assert sum(names.values()) == expected, names
         assert names["_objective_grad_kernel"] == int(two_ops), names
+
+
+def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
+    """The objective's settings, kernel arguments and metric slots are built once per (options, given inputs)
+    (`triton_objective.objective_plan`) and reused; options holding a tensor are planned every call, never stored.
+    The metrics the slots fill are `LossMetrics.for_call`'s, by name; the outputs beside the loss carry no gradient."""
+    from erpo_kernels import triton_objective
+    from erpo_kernels.objective import LossMetrics
+    from erpo_kernels.validation import LossInputs
+
+    batch = random_batch(device=device)
+    triton_objective._PLANS.clear()
+    first, _, _ = loss_and_grad(batch, dict(qkl_coef=0.3, entropy_coef=0.05), False)
+    plans = dict(triton_objective._PLANS)
+    assert len(plans) == 1
+    second, _, _ = loss_and_grad(batch, dict(entropy_coef=0.05, qkl_coef=0.3), False)
+    assert triton_objective._PLANS == plans and next(iter(triton_objective._PLANS.values())) is next(
+        iter(plans.values()))
+    loss_and_grad(batch, FUSED_CASES["tensor-denominators"], False)
+    assert triton_objective._PLANS == plans
+    tensors, _ = call_arguments(batch, {})
+    (options_key, _, _), = plans
+    expected = LossMetrics.for_call(dict(second.metrics), LossInputs(**tensors), options_key)
+    assert list(second.metrics) == list(expected) and len(second.metrics) < len(LossMetrics.__dataclass_fields__)
+    assert all(second.metrics[name] is not None for name in expected)
+    assert not any(tensor.requires_grad for tensor in (second.token_logp, second.entropy, second.query_logp,
+                                                       second.response_logp, *second.metrics.values()))
