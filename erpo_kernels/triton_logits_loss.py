@@ -1,10 +1,13 @@
 """The logits path's loss as one autograd node, where nothing traces (`direct_ops.traced`): the log-prob / entropy
-kernel and the objective's kernels in its forward, and in its backward the dlogits kernel alone, which forms
+kernel and the objective's sample kernel in its forward, whose last program also runs the objective's finish
+(`triton_objective._objective_sample_finish_kernel`), and in its backward the dlogits kernel alone, which forms
 d loss / d logp_t and d loss / d H_t from the objective's gradient coefficients itself (`triton_logits`' backward
 kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel
-folded in). The same kernels, operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
-`triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd one Triton launch,
-one autograd node and three allocations fewer, all host time at a small N (`python -m bench.host_cost`).
+folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
+`triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
+launches, one autograd node and two allocations fewer, all host time at a small N (`python -m bench.host_cost`). What
+depends only on the options and which inputs are given (the objective's settings, kernel arguments and metric slots)
+comes from one `triton_objective.ObjectivePlan` per distinct call.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class _LogitsLoss(torch.autograd.Function):
         logp, entropy, lse = _launch_forward(logits, targets, transform)
         loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales = objective_forward_into(
             SampleOutputs.empty(logp.shape[0], inputs.advantages.shape[0], logp.device),
-            FinishOutputs.empty(logp.device), logp, entropy, token_kind, sample_index, spans,
+            FinishOutputs.empty(logp.device, ticket=True), logp, entropy, token_kind, sample_index, spans,
             *objective_arguments(entropy, token_kind, inputs, options, plan.settings), arguments=plan.arguments)
         ctx.save_for_backward(logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales)
         ctx.transform = transform

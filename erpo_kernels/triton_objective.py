@@ -9,7 +9,10 @@ gradient, for the options trainers use most, without an autograd graph over doze
                  then every response row's term_t and the sample's partial sums (loss, metrics); it writes each
                  row's gradient coefficients, up to one global factor
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
-                 (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
+                 (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's); for the one-node
+                 loss (`triton_logits_loss`) the last program of kernel 1 to store its partials runs it, in the
+                 same launch (`_objective_sample_finish_kernel`: one Triton launch fewer, each costing the host
+                 tens of microseconds), the two ops' path and the fused path launch it apart
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
                  block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
                  follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
@@ -69,6 +72,8 @@ FLOAT_METRICS = ("qkl", "policy_kl", "entropy", "clip_frac", "pg_loss", "ratio_m
                  "rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max", "off_policy_masked_frac",
                  "kept_entropy", "vespo_phi_mean")
 COUNT_METRICS = ("response_tokens", "nonfinite_rows", "kept_tokens")
+# the counter of the sample kernel's programs that are done, with FINISH: counts' entry after COUNT_METRICS
+TICKET = tl.constexpr(len(COUNT_METRICS))
 QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3, "k3-token": 4}
 PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
@@ -266,6 +271,83 @@ def _objective_sample_kernel(
     HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
     NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    _sample_objective(
+        logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+        ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+        entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+        clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+        qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, HAS_ENTROPY,
+        HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
+        HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
+        BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
+        HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, None, None, None, None, None, None, 0.0, 0.0, False, 0, 0, 0,
+        False, 1)
+
+
+@triton.jit
+def _objective_sample_finish_kernel(
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+    ref_query_logp_ptr,
+    query_weight_ptr,
+    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
+    partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+    clip_low: tl.float32, clip_high: tl.float32, dual_clip: tl.float32, pg_log_ratio_clamp: tl.float32,
+    log_ratio_clamp: tl.float32, kl_clamp: tl.float32, log_rollout_is_cap: tl.float32, qkl_coef: tl.float32,
+    qkl_linear_beyond: tl.float32, policy_kl_coef: tl.float32, entropy_coef: tl.float32, cispo_clip_max: tl.float32,
+    sapo_temperature_pos: tl.float32, sapo_temperature_neg: tl.float32, vespo_k_pos: tl.float32,
+    vespo_lambda_pos: tl.float32, vespo_k_neg: tl.float32, vespo_lambda_neg: tl.float32,
+    off_policy_mask_threshold: tl.float32,
+    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
+    HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+    USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
+    SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
+    QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
+    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items: tl.float32,
+    num_seqs: tl.float32, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+):
+    """`_objective_sample_kernel` whose last program also runs kernel 2 (`_finish_objective`): the
+    one-node loss's objective in one launch (`launch_sample_kernel` with `finish`)."""
+    _sample_objective(
+        logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+        ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+        entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+        clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+        qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, HAS_ENTROPY,
+        HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
+        HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
+        BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
+        HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
+        scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, ENTROPY_TOKEN_MEAN,
+        FINISH_BLOCK)
+
+
+@triton.jit
+def _sample_objective(
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+    ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+    entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr, clip_low,
+    clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+    qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, USE_QKL: tl.constexpr,
+    USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, SEQUENCE_RATIO: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr, QKL_ESTIMATOR: tl.constexpr,
+    PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr, HAS_ENTROPY_FILTER: tl.constexpr,
+    HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items, num_seqs,
+    FINISH: tl.constexpr, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+):
+    """Kernel 1's body (module docstring), and with FINISH, in the last program to store its partials,
+    kernel 2's (`_finish_objective`, given the finish kernel's outputs and settings)."""
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
     program = tl.program_id(0).to(tl.int64)
@@ -476,6 +558,19 @@ def _objective_sample_kernel(
     tl.store(out + 14, tl.where(num_response > 0, vespo_phi, 0.0))
     tl.store(out + 15, tl.sum(kept_rows, axis=0))
     tl.store(out + 16, tl.sum(kept_entropy_sum, axis=0))
+    if FINISH:
+        # The last program of the grid reduces every sample's partials (CUDA's threadFenceReduction pattern): each
+        # program takes a ticket from a counter that starts at 0 (counts' extra entry, zeroed by the launch) once
+        # its stores are done; the barrier puts every thread's stores before the ticket, and the atomic's acq_rel
+        # (at GPU scope) makes them visible to the program that takes the last ticket, whose loads come after it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counts_ptr + TICKET, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:
+            _finish_objective(partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr,
+                              counts_ptr, scales_ptr, tl.num_programs(0), num_items, num_seqs, qkl_coef,
+                              entropy_coef, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, HAS_ENTROPY, HAS_QKL_REFERENCE,
+                              HAS_REF_LOGP, HAS_ROLLOUT, HAS_IS_CAP, USE_QKL, ENTROPY_IN_TERM, ENTROPY_TOKEN_MEAN,
+                              HAS_OFF_POLICY, VESPO, NUM_PARTIALS_, FINISH_BLOCK)
 
 
 @triton.jit
@@ -510,6 +605,24 @@ def _objective_finish_kernel(
     USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
     HAS_OFF_POLICY: tl.constexpr, VESPO: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    _finish_objective(partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
+                      scales_ptr, num_samples, num_items, num_seqs, qkl_coef, entropy_coef, NUM_ITEMS_MODE,
+                      NUM_SEQS_MODE, LOSS_AGG, HAS_ENTROPY, HAS_QKL_REFERENCE, HAS_REF_LOGP, HAS_ROLLOUT, HAS_IS_CAP,
+                      USE_QKL, ENTROPY_IN_TERM, ENTROPY_TOKEN_MEAN, HAS_OFF_POLICY, VESPO, NUM_PARTIALS_, BLOCK)
+
+
+@triton.jit
+def _finish_objective(
+    partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr,
+    num_samples, num_items, num_seqs, qkl_coef, entropy_coef,
+    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_QKL_REFERENCE: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
+    HAS_OFF_POLICY: tl.constexpr, VESPO: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Kernel 2's work (module docstring): the loss, the metrics, the counts and the global factors from the
+    partials [S, P] of every sample, in a fixed order. Run by the finish kernel, or by the sample kernel's last
+    program (its FINISH)."""
     response_rows = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK)
     samples_with_query = _column_sum(partials_ptr, num_samples, 0, NUM_PARTIALS_, BLOCK, 0, True)
     samples_with_response = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK, 1, True)
@@ -730,10 +843,13 @@ class FinishOutputs(NamedTuple):
     scales: torch.Tensor
 
     @classmethod
-    def empty(cls, device) -> FinishOutputs:
+    def empty(cls, device, ticket: bool = False) -> FinishOutputs:
+        """ticket: counts get one more entry (TICKET), zeroed, for the sample kernel's FINISH (`launch_sample_kernel`);
+        the kernel leaves it at the number of samples."""
         fp32 = dict(dtype=torch.float32, device=device)
-        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32),
-                   torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device), torch.empty(3, **fp32))
+        counts = (torch.zeros(len(COUNT_METRICS) + 1, dtype=torch.int64, device=device) if ticket else
+                  torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device))
+        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32), counts, torch.empty(3, **fp32))
 
 
 class KernelArguments(NamedTuple):
@@ -745,6 +861,7 @@ class KernelArguments(NamedTuple):
     sample_constexprs: Dict[str, object]
     finish_scalars: Tuple[float, ...]
     finish_constexprs: Dict[str, object]
+    sample_finish_constexprs: Dict[str, object]  # `_objective_sample_finish_kernel`'s
 
 
 class ObjectivePlan(NamedTuple):
@@ -832,19 +949,25 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
         ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
         HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
-    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs)
+    sample_finish_constexprs = dict(sample_constexprs, **{name: finish_constexprs[name] for name in (
+        "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK)
+    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs,
+                           sample_finish_constexprs)
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
                          loss_tensors, entropy_threshold, settings: List[float], sample_index=None, *,
-                         arguments: Optional[KernelArguments] = None) -> None:
+                         arguments: Optional[KernelArguments] = None, finish: Optional[tuple] = None) -> None:
     """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
     order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
     `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
     starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
     token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
     entropy_threshold [] fp32 or None; settings: `objective_settings`; arguments: their `kernel_arguments` when the
-    caller holds them (`ObjectivePlan`: no lookup)."""
+    caller holds them (`ObjectivePlan`: no lookup). finish = (FinishOutputs whose counts hold one more entry, 0,
+    the programs' ticket counter: `FinishOutputs.empty(device, ticket=True)`; num_items, num_seqs as
+    `launch_finish_kernel`'s), with sample_index: the last program to finish writes them as kernel 2 would
+    (`_objective_sample_finish_kernel`), in the same launch."""
     spans = sample_index is not None
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
@@ -852,10 +975,19 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
     arguments = arguments or kernel_arguments(settings)
     # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
     # launch binds and checks no pointer for it)
-    _objective_sample_kernel[(num_programs,)](
-        token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
-        *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
-        SPANS=spans)
+    if finish is None:
+        _objective_sample_kernel[(num_programs,)](
+            token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
+            *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
+            SPANS=spans)
+        return
+    results, num_items, num_seqs = finish
+    item_count, sequence_count = arguments.finish_scalars[:2]
+    _objective_sample_finish_kernel[(num_programs,)](  # the parameters after the constexprs by name
+        token_logp, entropy, token_kind, None, starts, sample_index, None, *loss_tensors, entropy_threshold, *out,
+        *arguments.sample_scalars, **arguments.sample_finish_constexprs, HAS_SAMPLE_IDS=False, SPANS=True,
+        num_items_ptr=num_items, num_seqs_ptr=num_seqs, loss_ptr=results.loss, metrics_ptr=results.metrics,
+        counts_ptr=results.counts, scales_ptr=results.scales, num_items=item_count, num_seqs=sequence_count)
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float], *,
@@ -912,12 +1044,19 @@ def objective_forward_into(out: SampleOutputs, results: FinishOutputs, token_log
                            token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings: List[float],
                            arguments: Optional[KernelArguments] = None) -> ObjectiveOutputs:
     """`objective_forward` (its arguments after `out` and `results`) writing into `out` and `results`; arguments as
-    `launch_sample_kernel`'s (the one-node loss holds them, `triton_logits_loss`)."""
-    launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None,
-                         (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
-                         entropy_threshold, settings, sample_index, arguments=arguments)
-    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings, arguments=arguments,
-                                                         results=results)
+    `launch_sample_kernel`'s (the one-node loss holds them, `triton_logits_loss`). When results' counts carry the
+    ticket counter (`FinishOutputs.empty(device, ticket=True)`) and there are samples, kernel 2 runs in kernel 1's
+    last program (one launch), else in its own."""
+    loss_tensors = (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp)
+    if results.counts.shape[0] > len(COUNT_METRICS) and spans.shape[1] > 0:
+        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
+                             settings, sample_index, arguments=arguments, finish=(results, num_items, num_seqs))
+        loss, metrics, counts, scales = results
+    else:
+        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
+                             settings, sample_index, arguments=arguments)
+        loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings,
+                                                             arguments=arguments, results=results)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 

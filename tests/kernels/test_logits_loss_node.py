@@ -1,6 +1,7 @@
 """The logits path's loss as one autograd node (erpo_kernels/triton_logits_loss.py), taken where nothing traces: the
 same loss, outputs, metrics and d logits, bit for bit, as the two ops in a row (what torch.compile and any dispatch
-mode get, `direct_ops.traced`), with one Triton launch fewer (the objective's gradient kernel, folded into dlogits)."""
+mode get, `direct_ops.traced`), with two Triton launches fewer (the objective's gradient kernel, folded into dlogits,
+and its finish kernel, run by the sample kernel's last program)."""
 import contextlib
 from collections import Counter
 
@@ -107,17 +108,19 @@ def test_one_node_keeps_the_variant_and_the_inplace_backward(variant, inplace_ba
     assert_bit_equal(*results)
 
 
-def test_one_node_launches_one_triton_kernel_fewer(device):
-    """Forward: the row checks, logp / entropy, the objective's two; backward: dlogits alone (the two ops: the
-    objective's gradient kernel too). The aten operators are the same (LaunchCounter, a dispatch mode, counts the two
-    ops' path: test_objective_kernels.py)."""
+def test_one_node_launches_two_triton_kernels_fewer(device):
+    """Forward: the row checks, logp / entropy, the objective's sample kernel whose last program finishes (kernel 2
+    folded in); backward: dlogits alone (the two ops: the objective's finish and gradient kernels too). The aten
+    operators are the same but for the ticket counter's fill (LaunchCounter, a dispatch mode, counts the two ops'
+    path: test_objective_kernels.py)."""
     batch = random_batch(device=device)
-    for two_ops, expected in ((False, 5), (True, 6)):
+    for two_ops, expected in ((False, 4), (True, 6)):
         loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU
         with triton_launches() as names:
             loss_and_grad(batch, {}, two_ops)
         assert sum(names.values()) == expected, names
-        assert names["_objective_grad_kernel"] == int(two_ops), names
+        assert names["_objective_grad_kernel"] == names["_objective_finish_kernel"] == int(two_ops), names
+        assert names["_objective_sample_finish_kernel"] == int(not two_ops), names
 
 
 def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
