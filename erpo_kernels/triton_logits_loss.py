@@ -5,7 +5,8 @@ d loss / d logp_t and d loss / d H_t from the objective's gradient coefficients 
 kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel
 folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
-launches, one autograd node and two allocations fewer, all host time at a small N (`python -m bench.host_cost`). What
+launches, one autograd node and three allocations fewer (the finish's ticket counter costs a fill), all host time at
+a small N (`python -m bench.host_cost`). What
 depends only on the options and which inputs are given (the objective's settings, kernel arguments and metric slots)
 comes from one `triton_objective.ObjectivePlan` per distinct call.
 """
