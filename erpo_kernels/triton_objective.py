@@ -298,6 +298,9 @@ def _objective_sample_finish_kernel(
     sapo_temperature_pos: tl.float32, sapo_temperature_neg: tl.float32, vespo_k_pos: tl.float32,
     vespo_lambda_pos: tl.float32, vespo_k_neg: tl.float32, vespo_lambda_neg: tl.float32,
     off_policy_mask_threshold: tl.float32,
+    # kernel 2's outputs and numbers, before the constexprs: a launch passes them by position
+    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items: tl.float32,
+    num_seqs: tl.float32,
     HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
     HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
@@ -306,8 +309,7 @@ def _objective_sample_finish_kernel(
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
     HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
     NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
-    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items: tl.float32,
-    num_seqs: tl.float32, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
     ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
 ):
     """`_objective_sample_kernel` whose last program also runs kernel 2 (`_finish_objective`): the
@@ -861,7 +863,7 @@ class KernelArguments(NamedTuple):
     sample_constexprs: Dict[str, object]
     finish_scalars: Tuple[float, ...]
     finish_constexprs: Dict[str, object]
-    sample_finish_constexprs: Dict[str, object]  # `_objective_sample_finish_kernel`'s
+    sample_finish_constexprs: Dict[str, object]  # `_objective_sample_finish_kernel`'s, all of them
 
 
 class ObjectivePlan(NamedTuple):
@@ -950,7 +952,8 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
         HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
     sample_finish_constexprs = dict(sample_constexprs, **{name: finish_constexprs[name] for name in (
-        "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK)
+        "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK,
+        HAS_SAMPLE_IDS=False, SPANS=True)
     return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs,
                            sample_finish_constexprs)
 
@@ -982,12 +985,10 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
             SPANS=spans)
         return
     results, num_items, num_seqs = finish
-    item_count, sequence_count = arguments.finish_scalars[:2]
-    _objective_sample_finish_kernel[(num_programs,)](  # the parameters after the constexprs by name
+    _objective_sample_finish_kernel[(num_programs,)](
         token_logp, entropy, token_kind, None, starts, sample_index, None, *loss_tensors, entropy_threshold, *out,
-        *arguments.sample_scalars, **arguments.sample_finish_constexprs, HAS_SAMPLE_IDS=False, SPANS=True,
-        num_items_ptr=num_items, num_seqs_ptr=num_seqs, loss_ptr=results.loss, metrics_ptr=results.metrics,
-        counts_ptr=results.counts, scales_ptr=results.scales, num_items=item_count, num_seqs=sequence_count)
+        *arguments.sample_scalars, num_items, num_seqs, *results, *arguments.finish_scalars[:2],
+        **arguments.sample_finish_constexprs)
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float], *,
