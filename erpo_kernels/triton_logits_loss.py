@@ -6,9 +6,9 @@ kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradient
 folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
 launches, one autograd node and three allocations fewer (the finish's ticket counter costs a fill), all host time at
-a small N (`python -m bench.host_cost`). What
-depends only on the options and which inputs are given (the objective's settings, kernel arguments and metric slots)
-comes from one `triton_objective.ObjectivePlan` per distinct call.
+a small N (`python -m bench.host_cost`). What depends only on the options and on which inputs are given (the
+objective's settings, kernel arguments and metric slots) comes from one `triton_objective.ObjectivePlan` per distinct
+(options, given inputs).
 """
 from __future__ import annotations
 
