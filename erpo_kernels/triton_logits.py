@@ -47,7 +47,8 @@ from .validation import NO_TRANSFORM, LogitTransform
 @triton.jit
 def _logp_entropy_forward_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -127,7 +128,8 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
 @triton.jit
 def _logp_entropy_forward_log2_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """`_logp_entropy_forward_kernel`'s results with fewer instructions per logit (a bf16 logit is 2 bytes: at the
     H200's 4.8 TB/s one SM gets ~9 logits a cycle, so a loop of ~12 instructions a logit is issue-bound):
@@ -187,7 +189,8 @@ def _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, sc
 def _logp_entropy_backward_kernel(
     logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
     targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr,
     FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -233,7 +236,8 @@ def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, l
 def _logp_entropy_backward_log2_kernel(
     logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
     targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
-    vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr,
     FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """`_logp_entropy_backward_kernel`'s d logits in about half the instructions per logit (a logit's 4 bytes, read

@@ -1,10 +1,14 @@
 """The logits path's loss as one autograd node, where nothing traces (`direct_ops.traced`): the log-prob / entropy
-kernel and the objective's kernels in its forward, and in its backward the dlogits kernel alone, which forms
+kernel and the objective's sample kernel in its forward, whose last program also runs the objective's finish
+(`triton_objective._objective_sample_finish_kernel`), and in its backward the dlogits kernel alone, which forms
 d loss / d logp_t and d loss / d H_t from the objective's gradient coefficients itself (`triton_logits`' backward
 kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel
-folded in). The same kernels, operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
-`triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd one Triton launch,
-one autograd node and three allocations fewer, all host time at a small N (`python -m bench.host_cost`).
+folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
+`triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
+launches, one autograd node and three allocations fewer (the finish's ticket counter costs a fill), all host time at
+a small N (`python -m bench.host_cost`). What depends only on the options and on which inputs are given (the
+objective's settings, kernel arguments and metric slots) comes from one `triton_objective.ObjectivePlan` per distinct
+(options, given inputs).
 """
 from __future__ import annotations
 
@@ -12,38 +16,50 @@ import torch
 
 from .objective import LossOutput
 from .triton_logits import _forward_variant, _launch_backward, _launch_forward
-from .triton_objective import loss_output, objective_arguments, objective_forward, objective_rows
+from .triton_objective import (
+    FinishOutputs,
+    ObjectivePlan,
+    SampleOutputs,
+    loss_output_in_slots,
+    objective_arguments,
+    objective_forward_into,
+    objective_plan,
+    objective_rows,
+)
 from .validation import LogitTransform, LossInputs, LossOptions
 
 
 class _LogitsLoss(torch.autograd.Function):
     """forward(logits [N, V], targets [N] int64 (-100 = ignored), transform, inplace_backward, token_kind,
-    sample_index [N], spans [2, S], inputs, options) -> (loss [], logp, entropy [N], query_logp, response_logp [S],
-    metrics, counts); only loss is differentiable, in logits."""
+    sample_index [N], spans [2, S], inputs, options, plan, outputs) -> loss [], differentiable in logits; the
+    outputs that are not (logp, entropy [N], query_logp, response_logp [S], metrics, counts) are appended to the list
+    `outputs` rather than returned: autograd then wraps one output, not seven (`python -m bench.host_cost`)."""
 
     @staticmethod
     def forward(ctx, logits, targets, transform: LogitTransform, inplace_backward: bool, token_kind, sample_index,
-                spans, inputs: LossInputs, options: LossOptions):
+                spans, inputs: LossInputs, options: LossOptions, plan: ObjectivePlan, outputs: list):
         logp, entropy, lse = _launch_forward(logits, targets, transform)
-        loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales = objective_forward(
-            logp, entropy, token_kind, sample_index, spans, *objective_arguments(entropy, token_kind, inputs, options))
+        loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales = objective_forward_into(
+            SampleOutputs.empty(logp.shape[0], inputs.advantages.shape[0], logp.device),
+            FinishOutputs.empty(logp.device, ticket=True), logp, entropy, token_kind, sample_index, spans,
+            *objective_arguments(entropy, token_kind, inputs, options, plan.settings), arguments=plan.arguments)
         ctx.save_for_backward(logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales)
         ctx.transform = transform
         ctx.inplace_backward = inplace_backward
         ctx.variant = _forward_variant[0]  # the backward kernel that goes with the forward that ran
-        ctx.mark_non_differentiable(logp, entropy, query_logp, response_logp, metrics, counts)
         ctx.set_materialize_grads(False)
-        return loss, logp, entropy, query_logp, response_logp, metrics, counts
+        outputs += (logp, entropy, query_logp, response_logp, metrics, counts)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_loss, *_unused):
+    def backward(ctx, grad_loss):
         logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 9
+            return (None,) * 11
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
                          (token_kind, scales, grad_loss.float()), ctx.variant)
-        return (grad_logits,) + (None,) * 8
+        return (grad_logits,) + (None,) * 10
 
 
 def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token_kind: torch.Tensor,
@@ -54,7 +70,9 @@ def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token
     scored_targets [N] int (-100 on rows not scored), token_kind, sample_index [N]; `inputs`, `options` validated;
     spans [2, S] as `triton_objective.triton_objective`'s; inplace_backward writes d logits into `logits`."""
     token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
-    loss, logp, entropy, query_logp, response_logp, metrics, counts = _LogitsLoss.apply(
-        logits, scored_targets.long().contiguous(), options.logit_transform, bool(inplace_backward), token_kind,
-        sample_index, spans, inputs, options)
-    return loss_output(loss, logp, entropy, query_logp, response_logp, metrics, counts, inputs, options)
+    plan = objective_plan(options, inputs, has_entropy=True)
+    outputs = []
+    loss = _LogitsLoss.apply(logits, scored_targets.long().contiguous(), options.logit_transform,
+                             bool(inplace_backward), token_kind, sample_index, spans, inputs, options, plan, outputs)
+    logp, entropy, query_logp, response_logp, metrics, counts = outputs
+    return loss_output_in_slots(loss, logp, entropy, query_logp, response_logp, metrics, counts, plan.metric_slots)

@@ -9,7 +9,10 @@ gradient, for the options trainers use most, without an autograd graph over doze
                  then every response row's term_t and the sample's partial sums (loss, metrics); it writes each
                  row's gradient coefficients, up to one global factor
               2. one program reduces the [S, P] partials in a fixed order: loss, metrics, and the global factors
-                 (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's)
+                 (the aggregation's denominator, the Query-KL's, the token-mean entropy bonus's); for the one-node
+                 loss (`triton_logits_loss`) the last program of kernel 1 to store its partials runs it, in the
+                 same launch (`_objective_sample_finish_kernel`: one Triton launch fewer, each costing the host
+                 tens of microseconds), the two ops' path and the fused path launch it apart
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
                  block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
                  follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
@@ -69,6 +72,8 @@ FLOAT_METRICS = ("qkl", "policy_kl", "entropy", "clip_frac", "pg_loss", "ratio_m
                  "rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max", "off_policy_masked_frac",
                  "kept_entropy", "vespo_phi_mean")
 COUNT_METRICS = ("response_tokens", "nonfinite_rows", "kept_tokens")
+# the counter of the sample kernel's programs that are done, with FINISH: counts' entry after COUNT_METRICS
+TICKET = tl.constexpr(len(COUNT_METRICS))
 QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3, "k3-token": 4}
 PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
@@ -251,9 +256,12 @@ def _objective_sample_kernel(
     query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
     partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
-    clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap,
-    qkl_coef, qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos,
-    sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+    clip_low: tl.float32, clip_high: tl.float32, dual_clip: tl.float32, pg_log_ratio_clamp: tl.float32,
+    log_ratio_clamp: tl.float32, kl_clamp: tl.float32, log_rollout_is_cap: tl.float32, qkl_coef: tl.float32,
+    qkl_linear_beyond: tl.float32, policy_kl_coef: tl.float32, entropy_coef: tl.float32, cispo_clip_max: tl.float32,
+    sapo_temperature_pos: tl.float32, sapo_temperature_neg: tl.float32, vespo_k_pos: tl.float32,
+    vespo_lambda_pos: tl.float32, vespo_k_neg: tl.float32, vespo_lambda_neg: tl.float32,
+    off_policy_mask_threshold: tl.float32,
     HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
     HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
@@ -263,6 +271,85 @@ def _objective_sample_kernel(
     HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
     NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    _sample_objective(
+        logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+        ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+        entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+        clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+        qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, HAS_ENTROPY,
+        HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
+        HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
+        BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
+        HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, None, None, None, None, None, None, 0.0, 0.0, False, 0, 0, 0,
+        False, 1)
+
+
+@triton.jit
+def _objective_sample_finish_kernel(
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+    ref_query_logp_ptr,
+    query_weight_ptr,
+    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
+    partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+    clip_low: tl.float32, clip_high: tl.float32, dual_clip: tl.float32, pg_log_ratio_clamp: tl.float32,
+    log_ratio_clamp: tl.float32, kl_clamp: tl.float32, log_rollout_is_cap: tl.float32, qkl_coef: tl.float32,
+    qkl_linear_beyond: tl.float32, policy_kl_coef: tl.float32, entropy_coef: tl.float32, cispo_clip_max: tl.float32,
+    sapo_temperature_pos: tl.float32, sapo_temperature_neg: tl.float32, vespo_k_pos: tl.float32,
+    vespo_lambda_pos: tl.float32, vespo_k_neg: tl.float32, vespo_lambda_neg: tl.float32,
+    off_policy_mask_threshold: tl.float32,
+    # kernel 2's outputs and numbers, before the constexprs: a launch passes them by position
+    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items: tl.float32,
+    num_seqs: tl.float32,
+    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
+    HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+    USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
+    SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
+    QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
+    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+):
+    """`_objective_sample_kernel` whose last program also runs kernel 2 (`_finish_objective`): the
+    one-node loss's objective in one launch (`launch_sample_kernel` with `finish`)."""
+    _sample_objective(
+        logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+        ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+        entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
+        clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+        qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, HAS_ENTROPY,
+        HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
+        HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
+        BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
+        HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
+        scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, ENTROPY_TOKEN_MEAN,
+        FINISH_BLOCK)
+
+
+@triton.jit
+def _sample_objective(
+    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+    ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
+    entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr, clip_low,
+    clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
+    qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg,
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, USE_QKL: tl.constexpr,
+    USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, SEQUENCE_RATIO: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr, QKL_ESTIMATOR: tl.constexpr,
+    PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr, HAS_ENTROPY_FILTER: tl.constexpr,
+    HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items, num_seqs,
+    FINISH: tl.constexpr, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+):
+    """Kernel 1's body (module docstring), and with FINISH, in the last program to store its partials,
+    kernel 2's (`_finish_objective`, given the finish kernel's outputs and settings)."""
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
     program = tl.program_id(0).to(tl.int64)
@@ -473,6 +560,19 @@ def _objective_sample_kernel(
     tl.store(out + 14, tl.where(num_response > 0, vespo_phi, 0.0))
     tl.store(out + 15, tl.sum(kept_rows, axis=0))
     tl.store(out + 16, tl.sum(kept_entropy_sum, axis=0))
+    if FINISH:
+        # The last program of the grid reduces every sample's partials (CUDA's threadFenceReduction pattern): each
+        # program takes a ticket from a counter that starts at 0 (counts' extra entry, zeroed by the launch) once
+        # its stores are done; the barrier puts every thread's stores before the ticket, and the atomic's acq_rel
+        # (at GPU scope) makes them visible to the program that takes the last ticket, whose loads come after it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counts_ptr + TICKET, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:
+            _finish_objective(partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr,
+                              counts_ptr, scales_ptr, tl.num_programs(0), num_items, num_seqs, qkl_coef,
+                              entropy_coef, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, HAS_ENTROPY, HAS_QKL_REFERENCE,
+                              HAS_REF_LOGP, HAS_ROLLOUT, HAS_IS_CAP, USE_QKL, ENTROPY_IN_TERM, ENTROPY_TOKEN_MEAN,
+                              HAS_OFF_POLICY, VESPO, NUM_PARTIALS_, FINISH_BLOCK)
 
 
 @triton.jit
@@ -501,12 +601,30 @@ def _column_sum(partials_ptr, num_samples, COLUMN: tl.constexpr, NUM_PARTIALS_: 
 @triton.jit
 def _objective_finish_kernel(
     partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr,
+    num_samples, num_items: tl.float32, num_seqs: tl.float32, qkl_coef: tl.float32, entropy_coef: tl.float32,
+    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_QKL_REFERENCE: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
+    USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
+    HAS_OFF_POLICY: tl.constexpr, VESPO: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+):
+    _finish_objective(partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
+                      scales_ptr, num_samples, num_items, num_seqs, qkl_coef, entropy_coef, NUM_ITEMS_MODE,
+                      NUM_SEQS_MODE, LOSS_AGG, HAS_ENTROPY, HAS_QKL_REFERENCE, HAS_REF_LOGP, HAS_ROLLOUT, HAS_IS_CAP,
+                      USE_QKL, ENTROPY_IN_TERM, ENTROPY_TOKEN_MEAN, HAS_OFF_POLICY, VESPO, NUM_PARTIALS_, BLOCK)
+
+
+@triton.jit
+def _finish_objective(
+    partials_ptr, query_logp_ptr, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr,
     num_samples, num_items, num_seqs, qkl_coef, entropy_coef,
     NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_QKL_REFERENCE: tl.constexpr, HAS_REF_LOGP: tl.constexpr, HAS_ROLLOUT: tl.constexpr, HAS_IS_CAP: tl.constexpr,
     USE_QKL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr, ENTROPY_TOKEN_MEAN: tl.constexpr,
     HAS_OFF_POLICY: tl.constexpr, VESPO: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Kernel 2's work (module docstring): the loss, the metrics, the counts and the global factors from the
+    partials [S, P] of every sample, in a fixed order. Run by the finish kernel, or by the sample kernel's last
+    program (its FINISH)."""
     response_rows = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK)
     samples_with_query = _column_sum(partials_ptr, num_samples, 0, NUM_PARTIALS_, BLOCK, 0, True)
     samples_with_response = _column_sum(partials_ptr, num_samples, 1, NUM_PARTIALS_, BLOCK, 1, True)
@@ -637,17 +755,26 @@ class _Given(NamedTuple):
     rollout_logp: bool
 
 
+def given_inputs(inputs: LossInputs) -> _Given:
+    """Which optional `LossInputs` tensors `inputs` holds."""
+    return _Given(inputs.ref_query_logp is not None, inputs.query_weight is not None, inputs.old_logp is not None,
+                  inputs.ref_logp is not None, inputs.token_weight is not None, inputs.rollout_logp is not None)
+
+
 def objective_settings(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> List[float]:
     """The options the kernels read, as the list of floats the op takes, in SETTING_NAMES' order (flags as 0 / 1,
     the estimator, loss_agg and pg_objective as their codes; an absent number as 0). has_qkl_reference: the
     reference the Query-KL's estimator reads is given (ref_query_logp, or ref_logp for "k3-token"). Built once per
     distinct (options, given tensors) when no option holds a tensor (a ~20 us dict a call otherwise); the list
     returned is shared: read it, never change it."""
-    given = _Given(*(tensor is not None for tensor in (inputs.ref_query_logp, inputs.query_weight, inputs.old_logp,
-                                                       inputs.ref_logp, inputs.token_weight, inputs.rollout_logp)))
-    if isinstance(options.num_items, torch.Tensor) or isinstance(options.num_seqs, torch.Tensor):
+    given = given_inputs(inputs)
+    if _holds_tensor(options):
         return _settings(options, given, has_entropy)  # a tensor's == reads it: never a cache key
     return _cached_settings(options, given, has_entropy)
+
+
+def _holds_tensor(options: LossOptions) -> bool:
+    return isinstance(options.num_items, torch.Tensor) or isinstance(options.num_seqs, torch.Tensor)
 
 
 def _settings(options: LossOptions, given: _Given, has_entropy: bool) -> List[float]:
@@ -708,6 +835,25 @@ class SampleOutputs(NamedTuple):
                    torch.empty(num_samples, **fp32), torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32))
 
 
+class FinishOutputs(NamedTuple):
+    """What the finish kernel writes: loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)]
+    int64 and the global factors [3] fp32."""
+
+    loss: torch.Tensor
+    metrics: torch.Tensor
+    counts: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def empty(cls, device, ticket: bool = False) -> FinishOutputs:
+        """ticket: counts get one more entry (TICKET), zeroed, for the sample kernel's FINISH (`launch_sample_kernel`);
+        the kernel leaves it at the number of samples."""
+        fp32 = dict(dtype=torch.float32, device=device)
+        counts = (torch.zeros(len(COUNT_METRICS) + 1, dtype=torch.int64, device=device) if ticket else
+                  torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device))
+        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32), counts, torch.empty(3, **fp32))
+
+
 class KernelArguments(NamedTuple):
     """What the sample and finish kernels take from one `objective_settings` (the scalars in their parameters'
     order, the constexprs by name), built once per distinct settings (`kernel_arguments`): a launch passes them as
@@ -717,6 +863,51 @@ class KernelArguments(NamedTuple):
     sample_constexprs: Dict[str, object]
     finish_scalars: Tuple[float, ...]
     finish_constexprs: Dict[str, object]
+    sample_finish_constexprs: Dict[str, object]  # `_objective_sample_finish_kernel`'s, all of them
+
+
+class ObjectivePlan(NamedTuple):
+    """What a call's options and given inputs fix for the objective (`objective_plan`): the settings, their
+    `KernelArguments`, and for each LossMetrics field its index in the metrics and counts vectors (FLOAT_METRICS,
+    then COUNT_METRICS), None where the metric does not apply (`objective.applicable_metrics`)."""
+
+    settings: List[float]
+    arguments: KernelArguments
+    metric_slots: Tuple[Optional[int], ...]
+
+
+_PLANS: Dict[tuple, ObjectivePlan] = {}
+_MAX_PLANS = 64  # distinct (options, given inputs) kept; a trainer has one or two
+
+
+def objective_plan(options: LossOptions, inputs: LossInputs, has_entropy: bool) -> ObjectivePlan:
+    """The `ObjectivePlan` of a call, built once per distinct (options, given tensors, has_entropy) when no option
+    holds a tensor (then every call); shared: read it, never change it. For the one-node loss, which never traces
+    (`triton_logits_loss`): a dict lookup instead of the settings' and the arguments' caches, the metrics' names."""
+    given = given_inputs(inputs)
+    if _holds_tensor(options):
+        return _objective_plan(options, inputs, given, has_entropy)
+    key = (options, given, has_entropy)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _objective_plan(options, inputs, given, has_entropy)
+    return plan
+
+
+def _objective_plan(options: LossOptions, inputs: LossInputs, given: _Given, has_entropy: bool) -> ObjectivePlan:
+    settings = _settings(options, given, has_entropy)
+    return ObjectivePlan(settings, kernel_arguments(settings),
+                         metric_slots(objective.applicable_metrics(inputs, options, has_entropy=has_entropy)))
+
+
+_METRIC_INDEX = {name: index for index, name in enumerate(FLOAT_METRICS + COUNT_METRICS)}
+
+
+def metric_slots(applicable) -> Tuple[Optional[int], ...]:
+    """For each LossMetrics field, its index in FLOAT_METRICS + COUNT_METRICS when in `applicable`, else None."""
+    return tuple(_METRIC_INDEX[name] if name in applicable else None for name in objective.METRIC_NAMES)
 
 
 def kernel_arguments(settings: List[float]) -> KernelArguments:
@@ -760,39 +951,53 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
         ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
         HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
-    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs)
+    sample_finish_constexprs = dict(sample_constexprs, **{name: finish_constexprs[name] for name in (
+        "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK,
+        HAS_SAMPLE_IDS=False, SPANS=True)
+    return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs,
+                           sample_finish_constexprs)
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
-                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None) -> None:
+                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None, *,
+                         arguments: Optional[KernelArguments] = None, finish: Optional[tuple] = None) -> None:
     """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
     order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
     `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
     starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
     token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
-    entropy_threshold [] fp32 or None; settings: `objective_settings`."""
+    entropy_threshold [] fp32 or None; settings: `objective_settings`; arguments: their `kernel_arguments` when the
+    caller holds them (`ObjectivePlan`: no lookup). finish = (FinishOutputs whose counts hold one more entry, 0,
+    the programs' ticket counter: `FinishOutputs.empty(device, ticket=True)`; num_items, num_seqs as
+    `launch_finish_kernel`'s), with sample_index: the last program to finish writes them as kernel 2 would
+    (`_objective_sample_finish_kernel`), in the same launch."""
     spans = sample_index is not None
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
-    arguments = kernel_arguments(settings)
+    arguments = arguments or kernel_arguments(settings)
     # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
     # launch binds and checks no pointer for it)
-    _objective_sample_kernel[(num_programs,)](
-        token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
-        *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
-        SPANS=spans)
+    if finish is None:
+        _objective_sample_kernel[(num_programs,)](
+            token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
+            *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
+            SPANS=spans)
+        return
+    results, num_items, num_seqs = finish
+    _objective_sample_finish_kernel[(num_programs,)](
+        token_logp, entropy, token_kind, None, starts, sample_index, None, *loss_tensors, entropy_threshold, *out,
+        *arguments.sample_scalars, num_items, num_seqs, *results, *arguments.finish_scalars[:2],
+        **arguments.sample_finish_constexprs)
 
 
-def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float]):
+def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float], *,
+                         arguments: Optional[KernelArguments] = None, results: Optional[FinishOutputs] = None):
     """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
-    factors [3] fp32) from the partials of every sample; num_items / num_seqs: 1-element fp32 tensors or None."""
-    arguments = kernel_arguments(settings)
-    device = out.partials.device
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    metrics = torch.empty(len(FLOAT_METRICS), dtype=torch.float32, device=device)
-    counts = torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device)
-    scales = torch.empty(3, dtype=torch.float32, device=device)
+    factors [3] fp32) from the partials of every sample, written into `results` when given (else allocated);
+    num_items / num_seqs: 1-element fp32 tensors or None; arguments as `launch_sample_kernel`'s."""
+    arguments = arguments or kernel_arguments(settings)
+    loss, metrics, counts, scales = results or FinishOutputs.empty(out.partials.device)
     _objective_finish_kernel[(1,)](  # num_items / num_seqs None: as the sample kernel's absent tensors
         out.partials, out.query_logp, num_items, num_seqs, loss, metrics, counts, scales, out.partials.shape[0],
         *arguments.finish_scalars, **arguments.finish_constexprs)
@@ -830,10 +1035,29 @@ def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor],
     for the backward the gradient coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable
     (in token_logp, entropy)."""
     out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
-    launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None,
-                         (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp),
-                         entropy_threshold, settings, sample_index)
-    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
+    return objective_forward_into(out, FinishOutputs.empty(token_logp.device), token_logp, entropy, token_kind,
+                                  sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
+                                  token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings)
+
+
+def objective_forward_into(out: SampleOutputs, results: FinishOutputs, token_logp, entropy, token_kind,
+                           sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
+                           token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings: List[float],
+                           arguments: Optional[KernelArguments] = None) -> ObjectiveOutputs:
+    """`objective_forward` (its arguments after `out` and `results`) writing into `out` and `results`; arguments as
+    `launch_sample_kernel`'s (the one-node loss holds them, `triton_logits_loss`). When results' counts carry the
+    ticket counter (`FinishOutputs.empty(device, ticket=True)`) and there are samples, kernel 2 runs in kernel 1's
+    last program (one launch), else in its own."""
+    loss_tensors = (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp)
+    if results.counts.shape[0] > len(COUNT_METRICS) and spans.shape[1] > 0:
+        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
+                             settings, sample_index, arguments=arguments, finish=(results, num_items, num_seqs))
+        loss, metrics, counts, scales = results
+    else:
+        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
+                             settings, sample_index, arguments=arguments)
+        loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings,
+                                                             arguments=arguments, results=results)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
@@ -932,24 +1156,33 @@ def objective_rows(token_kind: torch.Tensor, sample_index: torch.Tensor, spans: 
 
 
 def objective_arguments(entropy: Optional[torch.Tensor], token_kind: torch.Tensor, inputs: LossInputs,
-                        options: LossOptions) -> tuple:
+                        options: LossOptions, settings: Optional[List[float]] = None) -> tuple:
     """`objective_forward`'s arguments after the spans: the `LossInputs` tensors in fp32, the tensor denominators,
     the entropy filter's threshold (its (1 - top_entropy_quantile)-quantile of the detached entropies, else None) and
-    the settings."""
+    the settings (`objective_settings`, unless given)."""
     entropy_threshold = None
     if options.top_entropy_quantile < 1.0:
         entropy_threshold = masked_quantile_op(entropy.detach().contiguous(), token_kind, 2,
                                                1.0 - options.top_entropy_quantile)
-    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold,
-            objective_settings(options, inputs, entropy is not None))
+    if settings is None:
+        settings = objective_settings(options, inputs, entropy is not None)
+    return (*fp32_loss_tensors(inputs), *tensor_denominators(options), entropy_threshold, settings)
 
 
 def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, inputs: LossInputs,
                 options: LossOptions) -> LossOutput:
     """The LossOutput of the objective's outputs (loss [], query_logp, response_logp [S], the metrics and counts
     vectors) for token_logp and entropy [N] (or None: NaN entropies, the entropy metrics absent)."""
-    values = dict(zip(FLOAT_METRICS, metrics.unbind()), **dict(zip(COUNT_METRICS, counts.unbind())))
-    metric_values = LossMetrics.for_call(values, inputs, options, has_entropy=entropy is not None)
+    slots = metric_slots(objective.applicable_metrics(inputs, options, has_entropy=entropy is not None))
+    return loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, slots)
+
+
+def loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts,
+                         slots: Tuple[Optional[int], ...]) -> LossOutput:
+    """`loss_output` with the metrics' places given (`metric_slots`; `ObjectivePlan.metric_slots`): LossMetrics
+    filled by position, as `LossMetrics.for_call` fills it by name."""
+    values = metrics.unbind() + counts.unbind()
+    metric_values = LossMetrics(*(None if slot is None else values[slot] for slot in slots))
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
                       response_logp=response_logp, entropy=detached_entropy, metrics=metric_values)

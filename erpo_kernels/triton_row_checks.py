@@ -126,10 +126,11 @@ class RowChecksWithSpans:
                                         vocab_size)
         checked = triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
                                        vocab_size, with_spans=True, with_scored_targets=targets is not None)
-        self.spans = checked[1:1 + 2 * num_samples].view(2, num_samples)
-        if targets is None:
-            return checked[:1]
-        return checked[:1], checked[2 + 2 * num_samples:]
+        # the code, the spans, then with targets the pad and the scored targets: one split, not a slice each
+        code, spans, *rest = checked.split_with_sizes((1, 2 * num_samples) + ((1, num_rows) if targets is not None
+                                                                             else ()))
+        self.spans = spans.view(2, num_samples)
+        return code if targets is None else (code, rest[1])
 
     def without_checks(self, token_kind, sample_index, targets, num_samples: int) -> torch.Tensor:
         """The scored targets [N] int64 (-100 on rows of kind 0), leaving the spans of the scored rows in `spans`:

@@ -179,16 +179,17 @@ class LossOptions:
         return cls(**options)
 
 
-_PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
+_PLAIN_OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
 
 
 def loss_options(options: dict) -> LossOptions:
     """`LossOptions.from_kwargs(options)`, built once per distinct set of plain values (numbers, strings, None;
     LossOptions is frozen): a loss call then skips its ~30 us of checks. Options holding a tensor or a function are
     built every time."""
-    if all(type(value) in _PLAIN_OPTION_TYPES for value in options.values()):
+    types = tuple(map(type, options.values()))  # map and zip, not generators: every loss call runs this
+    if _PLAIN_OPTION_TYPES.issuperset(types):
         # the value's type is part of the key: True == 1 == 1.0 must not share an entry (a bool is rejected)
-        return _plain_loss_options(tuple((name, type(value), value) for name, value in options.items()))
+        return _plain_loss_options(tuple(zip(options, types, options.values())))
     return LossOptions.from_kwargs(options)
 
 
@@ -379,11 +380,13 @@ def sample_count(inputs: LossInputs, sample_index: torch.Tensor, token_kind: tor
     query_weight) share, and what says so, for messages. When they disagree: the length most of them have; on a tie,
     the one that covers the samples the scored rows name (1 + their largest sample_index, read only on this way to
     an error), else advantages'. The tensor of another length is the one then reported."""
-    tensors = {name: getattr(inputs, name) for name in PER_SAMPLE_INPUTS}
-    given = {name: tensor.shape[0] for name, tensor in tensors.items()
-             if isinstance(tensor, torch.Tensor) and tensor.dim() == 1}
+    given = {}
+    for name in PER_SAMPLE_INPUTS:
+        tensor = getattr(inputs, name)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+            given[name] = tensor.shape[0]
     lengths = list(given.values())
-    if len(set(lengths)) == 1:  # they agree (every call that raises no error): the count is theirs
+    if lengths.count(lengths[0]) == len(lengths):  # they agree (every call that raises no error): the count is theirs
         return lengths[0], "the length of " + " and ".join(given)
     votes = {length: lengths.count(length) for length in lengths}
     best = [length for length, count in votes.items() if count == max(votes.values())]
@@ -531,7 +534,7 @@ def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict, calle
     if torch.compiler.is_compiling():
         torch._assert_async((code[0] == passed) & (code[1:] == 0).all(), COMPILED_ROWS_MESSAGE)
         return
-    value, *failing = code.tolist() if caller_checks else (int(code[0]),)
+    value, *failing = code.tolist() if caller_checks else (code.item(),)
     if any(failing):
         check_rows(caller_checks)
     if value < passed:

@@ -33,6 +33,12 @@ def test_logits_kernels_compile_for_hopper():
             for flags, spans in (("False", "True"), ("True", "True"), ("True", "False")):
                 assert re.search(rf"compiled objective-sample sequence={sequence} {estimator} {objective} "
                                  rf"flags={flags} spans={spans} registers=\d+ spill_bytes=0\n", out), out
+    # the one-node loss's sample kernel with kernel 2 in its last program: four variants; with a sequence-level ratio
+    # ptxas spills 4 bytes at 80 registers (Triton 3.6, 2026-11-26), immaterial in a kernel of one program a sample
+    finished = re.findall(r"compiled objective-sample-finish .* sequence=(\w+) .* registers=\d+ spill_bytes=(\d+)\n",
+                          out)
+    assert len(finished) == 4 and all(spill == "0" or (sequence == "True" and int(spill) <= 8)
+                                      for sequence, spill in finished), out
     for variant in FORWARD_VARIANTS:
         assert re.search(rf"compiled forward-variant {variant} bf16 registers=\d+ spill_bytes=0\n", out), out
         # with the soft-cap (not a bench case) the one-warp variants may spill a little: they must compile

@@ -43,19 +43,20 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     binding = "Triton launch binding, CUDA sm_90 (not in total)"
     assert list(ours["us"]) == phases + ["total", binding]
     assert all(ours["us"][phase] > 0 for phase in phases)
-    # forward: the row checks (which find the samples' spans too), logp/entropy, the objective's two kernels;
-    # backward: dlogits, which forms the objective's gradients itself (triton_logits_loss: one autograd node)
-    assert ours["triton_launches"] == 5
+    # forward: the row checks (which find the samples' spans too), logp/entropy, the objective's sample kernel (whose
+    # last program finishes); backward: dlogits, which forms the objective's gradients itself (triton_logits_loss:
+    # one autograd node)
+    assert ours["triton_launches"] == 4
     # each launch bound as Triton binds it for an sm_90 target, in launch order, with its kernel's parameter count
     assert [launch["kernel"] for launch in ours["binding"]] == [
-        "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_kernel",
-        "_objective_finish_kernel", "_logp_entropy_backward_log2_kernel"]
+        "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_finish_kernel",
+        "_logp_entropy_backward_log2_kernel"]
     assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
     assert abs(ours["us"][binding] - sum(launch["us"] for launch in ours["binding"])) < 1e-6
     liger = results["liger"]
     assert isinstance(liger, str) or liger["triton_launches"] == 2  # not installed, or its forward and backward
-    assert "| autograd backward |" in done.stdout and "| Triton launches per call | 5 |" in done.stdout
-    assert f"| {binding} |" in done.stdout and "| erpo | `_objective_sample_kernel` |" in done.stdout
+    assert "| autograd backward |" in done.stdout and "| Triton launches per call | 4 |" in done.stdout
+    assert f"| {binding} |" in done.stdout and "| erpo | `_objective_sample_finish_kernel` |" in done.stdout
 
 
 def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):

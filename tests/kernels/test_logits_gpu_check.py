@@ -19,7 +19,7 @@ def test_dry_run_writes_the_bench_rows_and_the_kernel_tables(tmp_path):
     assert {row["contender"]: row["status"] for row in rows} == {"erpo": "ok", "erpo-log2": "ok"}
     assert (tmp_path / "bench" / "results.md").exists()
     host_cost = json.loads((tmp_path / "host_cost.json").read_text())
-    assert host_cost["args"]["device"] == "cpu" and host_cost["results"]["erpo"]["triton_launches"] == 5
+    assert host_cost["args"]["device"] == "cpu" and host_cost["results"]["erpo"]["triton_launches"] == 4
     assert host_cost["meta"]["commit"] == "0123abc"
     assert "| total |" in (tmp_path / "host_cost.md").read_text()
     profile = json.loads((tmp_path / "profile" / "profile.json").read_text())

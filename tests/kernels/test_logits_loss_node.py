@@ -1,6 +1,7 @@
 """The logits path's loss as one autograd node (erpo_kernels/triton_logits_loss.py), taken where nothing traces: the
 same loss, outputs, metrics and d logits, bit for bit, as the two ops in a row (what torch.compile and any dispatch
-mode get, `direct_ops.traced`), with one Triton launch fewer (the objective's gradient kernel, folded into dlogits)."""
+mode get, `direct_ops.traced`), with two Triton launches fewer (the objective's gradient kernel, folded into dlogits,
+and its finish kernel, run by the sample kernel's last program)."""
 import contextlib
 from collections import Counter
 
@@ -107,14 +108,43 @@ def test_one_node_keeps_the_variant_and_the_inplace_backward(variant, inplace_ba
     assert_bit_equal(*results)
 
 
-def test_one_node_launches_one_triton_kernel_fewer(device):
-    """Forward: the row checks, logp / entropy, the objective's two; backward: dlogits alone (the two ops: the
-    objective's gradient kernel too). The aten operators are the same (LaunchCounter, a dispatch mode, counts the two
-    ops' path: test_objective_kernels.py)."""
+def test_one_node_launches_two_triton_kernels_fewer(device):
+    """Forward: the row checks, logp / entropy, the objective's sample kernel whose last program finishes (kernel 2
+    folded in); backward: dlogits alone (the two ops: the objective's finish and gradient kernels too). The aten
+    operators are the same but for the ticket counter's fill (LaunchCounter, a dispatch mode, counts the two ops'
+    path: test_objective_kernels.py)."""
     batch = random_batch(device=device)
-    for two_ops, expected in ((False, 5), (True, 6)):
+    for two_ops, expected in ((False, 4), (True, 6)):
         loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU
         with triton_launches() as names:
             loss_and_grad(batch, {}, two_ops)
         assert sum(names.values()) == expected, names
-        assert names["_objective_grad_kernel"] == int(two_ops), names
+        assert names["_objective_grad_kernel"] == names["_objective_finish_kernel"] == int(two_ops), names
+        assert names["_objective_sample_finish_kernel"] == int(not two_ops), names
+
+
+def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
+    """The objective's settings, kernel arguments and metric slots are built once per (options, given inputs)
+    (`triton_objective.objective_plan`) and reused; options holding a tensor are planned every call, never stored.
+    The metrics the slots fill are `LossMetrics.for_call`'s, by name; the outputs beside the loss carry no gradient."""
+    from erpo_kernels import triton_objective
+    from erpo_kernels.objective import LossMetrics
+    from erpo_kernels.validation import LossInputs
+
+    batch = random_batch(device=device)
+    triton_objective._PLANS.clear()
+    first, _, _ = loss_and_grad(batch, dict(qkl_coef=0.3, entropy_coef=0.05), False)
+    plans = dict(triton_objective._PLANS)
+    assert len(plans) == 1
+    second, _, _ = loss_and_grad(batch, dict(entropy_coef=0.05, qkl_coef=0.3), False)
+    assert triton_objective._PLANS == plans and next(iter(triton_objective._PLANS.values())) is next(
+        iter(plans.values()))
+    loss_and_grad(batch, FUSED_CASES["tensor-denominators"], False)
+    assert triton_objective._PLANS == plans
+    tensors, _ = call_arguments(batch, {})
+    (options_key, _, _), = plans
+    expected = LossMetrics.for_call(dict(second.metrics), LossInputs(**tensors), options_key)
+    assert list(second.metrics) == list(expected) and len(second.metrics) < len(LossMetrics.__dataclass_fields__)
+    assert all(second.metrics[name] is not None for name in expected)
+    assert not any(tensor.requires_grad for tensor in (second.token_logp, second.entropy, second.query_logp,
+                                                       second.response_logp, *second.metrics.values()))
