@@ -45,7 +45,7 @@ if [ -e "${wheels[0]}" ]; then
 fi
 status=0
 timeout 60 "$python" -m pytest -q -p no:cacheprovider tests/kernels/test_logits_loss_node.py \
-    -k "bit_for_bit and (default or gspo or seq-mean or tensor or vespo or entropy-filter)" || echo "node tests: exit $?"
+    -k "last_program or (bit_for_bit and (default or gspo or seq-mean or tensor or vespo or entropy-filter))" || echo "node tests: exit $?"
 timeout 48 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "${CONTENDERS:-erpo,erpo-log2,liger}" \
     --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" --commit "$commit" || status=$?
 echo "bench: exit $status"

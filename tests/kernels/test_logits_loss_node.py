@@ -148,3 +148,17 @@ def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
     assert all(second.metrics[name] is not None for name in expected)
     assert not any(tensor.requires_grad for tensor in (second.token_logp, second.entropy, second.query_logp,
                                                        second.response_logp, *second.metrics.values()))
+
+
+def test_the_last_program_reduces_every_samples_partials_call_after_call(device, fma_as_compiled):
+    """The fold's handoff between programs (a ticket taken with acq_rel after each program's partial sums are stored;
+    the last ticket's program reads them all) under many concurrent programs: 2048 samples, the two ops' finish
+    kernel as the oracle, bit for bit, 200 calls on a GPU, where a missing ordering would show now and then, not
+    always. The interpreter runs programs one after another: one smaller call is all it can check."""
+    on_gpu = device.type == "cuda"
+    batch = random_batch(num_rows=8192 if on_gpu else 256, vocab=64, num_samples=2048 if on_gpu else 64,
+                         device=device)
+    case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")
+    expected = loss_and_grad(batch, case, two_ops=True)
+    for _ in range(200 if on_gpu else 1):
+        assert_bit_equal(loss_and_grad(batch, case, two_ops=False), expected)
