@@ -85,4 +85,14 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
     assert chunk["aten"] <= 1 * 8 and chunk["triton"] <= 5 * 8 and chunk["reads"] == 0
     assert group["aten"] <= 2 * 2 and group["triton"] == 0 and group["reads"] == 0
     assert phases["total"]["reads"] == 2
+    # each read against the GEMMs queued around it: the validation's waits for all queued before the layout's copy
+    # and has none queued after its copy; the layout's has the first chunk's first half (256 rows: 2 x 256 x D x V
+    # FLOPs at qwen2.5-7b's D=3584, V=152064) queued after its copy, which it does not wait for
+    half_chunk = 2 * 256 * 3584 * 152064 / 1e9
+    validation, layout = result["reads"]
+    assert validation["GFLOP queued, not waited for"] == 0
+    assert abs(layout["GFLOP queued, not waited for"] - half_chunk) < 1e-6
+    assert all(read["us to next GEMM"] > 0 and read["us to chunk loop"] > read["us to next GEMM"]
+               for read in result["reads"])
+    assert abs(layout["GFLOP queued before chunk loop"] - 2 * half_chunk) < 1e-6  # the whole first chunk
     assert "| chunk | 8 |" in done.stdout and "Per chunk, its share of the group GEMMs included" in done.stdout
