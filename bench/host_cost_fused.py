@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
 # (phase, "module:attribute[.attribute]") of the functions each call goes through, timed and counted exclusively
 FUSED_PHASES = [
-    ("validation", "erpo_kernels.fused_linear:check_loss_inputs"),
+    ("validation", "erpo_kernels.fused_linear:start_loss_input_checks"),
     ("op setup", "erpo_kernels.fused_linear_loss:loss_gradients"),
     ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
     ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective"),

@@ -488,11 +488,12 @@ def host_layout_of(batch):
 @pytest.mark.parametrize("validate", [False, True])
 def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
     """fused_linear_erpo_loss(host_layout=...) plans its chunks on the caller's host copy of token_kind and
-    sample_index: one host read fewer per fwd+bwd (0 with validate=False, the value checks' 1 with True, where the copy
-    is checked against the rows in that same read), the same loss, per-row values and gradients bit for bit, with
-    samples split by chunks (a pre-pass) as with whole ones. Launches: 1 fewer with validate=False (the plan's
-    concatenation of the rows), 6 more with True (the copy's comparison with the rows, and its place in the read; on
-    CUDA also the copy's upload)."""
+    sample_index: the same loss, per-row values and gradients bit for bit, with samples split by chunks (a pre-pass)
+    as with whole ones. Host reads per fwd+bwd: without it one, the rows' layout read by the op (with validate=True
+    together with the value checks' code); with it none with validate=False, and with True the checks' one, where
+    the copy is checked against the rows. Launches: 1 fewer with validate=False (the concatenation of the rows
+    for their read), 6 more with True (the copy's comparison with the rows, and its place in the read; on CUDA also
+    the copy's upload)."""
     batch = packed_batch(SAMPLES, device)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     results = []
@@ -509,7 +510,7 @@ def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
         results.append((counter.syncs, counter.launches, out.loss, out.token_logp, hidden.grad, weight.grad,
                         bias.grad))
     (reads, launches, *without), (reads_with, launches_with, *given) = results
-    assert (reads, reads_with) == (1 + validate, int(validate))
+    assert (reads, reads_with) == (1, int(validate))
     assert launches_with - launches in ({6, 7} if validate and device.type == "cuda" else {6} if validate else {-1})
     assert all(torch.equal(a, b) for a, b in zip(without, given))
 
@@ -526,6 +527,32 @@ def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(dev
         with pytest.raises(ValueError, match=rf"^host_layout disagrees with the rows at row {row}: "):
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    host_layout=stale, **inputs)
+
+
+@pytest.mark.parametrize("column, row, value, message", [
+    ("token_kind", 5, 3, r"^token_kind must be 0, 1 or 2; row 5 holds 3$"),
+    ("sample_index", 2, 40, r"^sample_index must lie in \[0, 9\) \(S = len\(advantages\)\) on scored rows; row 2 "
+                            r"holds 40$"),
+    ("targets", 7, VOCAB, rf"^targets must lie in \[0, {VOCAB}\) on scored rows; row 7 holds {VOCAB}$"),
+])
+def test_a_bad_row_is_raised_from_the_op_s_one_read_before_any_plan(column, row, value, message, monkeypatch,
+                                                                     device):
+    """validate=True on the Triton backend: the value checks' code is read by the op together with the rows' layout
+    (one host read, after the first GEMM is queued); a bad row raises that row's own one-line ValueError, chained to
+    nothing, before the chunk plan sees the rows (a sample_index of 40 among 9 samples would index past its arrays)."""
+    def no_plan(*args, **kwargs):
+        raise AssertionError("the chunk plan ran on rows the checks refuse")
+
+    monkeypatch.setattr(chunked, "plan_chunks", no_plan)
+    batch = packed_batch(SAMPLES, device)
+    batch[column] = batch[column].clone()
+    batch[column][row] = value
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, device)
+    with pytest.raises(ValueError, match=message) as raised:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                               qkl_coef=0.5, **inputs)
+    assert raised.value.__context__ is None and raised.value.__cause__ is None
 
 
 @pytest.mark.parametrize("host_layout, error, message", [
@@ -697,7 +724,7 @@ def test_opcheck(kernels, device):
     torch.library.opcheck(chunked.loss_gradients_op, (
         hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
         *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
-        budget_for(5, torch.float32, device), False, True, True, True, None))
+        budget_for(5, torch.float32, device), False, True, True, True, None, None))
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["over-logits", "store"])
