@@ -534,14 +534,18 @@ class GradientGroups:
         self.rows = self.dlogits = None
 
     def gradients(self):
-        """(d hidden [N, D], d weight [V, D], d bias [V]) in the inputs' dtypes, None where not needed, after the
-        last group's GEMMs."""
+        """(d hidden [N, D] in hidden's dtype, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after
+        the last group's GEMMs: d weight and d bias are the fp32 accumulators, which whoever returns them rounds to
+        the inputs' dtype once (`rounded`; the loss's backward, in its scale pass)."""
         self.flush()
-        grad_weight, grad_bias = self.grad_weight, self.grad_bias
-        if grad_weight is not None and not self.weight_written:  # no row at all
-            grad_weight.zero_()
-        return (self.grad_hidden, None if grad_weight is None else grad_weight.to(self.weight.dtype),
-                None if grad_bias is None else grad_bias.to(self.bias.dtype))
+        if self.grad_weight is not None and not self.weight_written:  # no row at all
+            self.grad_weight.zero_()
+        return self.grad_hidden, self.grad_weight, self.grad_bias
+
+
+def rounded(gradient: Optional[torch.Tensor], like: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """gradient (an fp32 accumulator, or None) in like's dtype (no copy when it is fp32)."""
+    return None if gradient is None else gradient.to(like.dtype)
 
 
 def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
@@ -570,7 +574,8 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     for rows in index_slices(num_rows, workspace.chunk_rows):
         groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
                          grad_entropy[rows], kernels, transform)
-    return groups.gradients()
+    grad_hidden, grad_weight, grad_bias = groups.gradients()
+    return grad_hidden, rounded(grad_weight, weight), rounded(grad_bias, bias)
 
 
 class RowChecksFailed(Exception):
@@ -608,7 +613,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
-    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False.
+    d weight [V, D] fp32, d bias [V] fp32) of the loss, a gradient None where `needs` (hidden, weight, bias) is
+    False; d weight and d bias are their fp32 accumulators (the op's backward rounds them once, scaled).
     host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them (then no read of
     them here). check_code [1 + K] int64: the value checks' code, read here with the layout
     (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
@@ -732,10 +738,11 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
                                    kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
                                    needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor],
                                    check_code: Optional[torch.Tensor]) -> OpOutputs:
-    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
-    ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
-    gradient scales the stored ones (loss = objective value + anchor). host_layout, check_code: `loss_gradients`'
-    (RowChecksFailed when the code names a bad row)."""
+    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in hidden's dtype, d weight [V, D] fp32,
+    d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
+    differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
+    and d bias to the inputs' dtype once (kept in fp32 until then: no rounded copy in the forward). host_layout,
+    check_code: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
@@ -762,8 +769,9 @@ def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_q
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
       batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
-             for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
+    grads = [torch.empty_like(t, dtype=dtype) if needed else hidden.new_empty(0)
+             for t, dtype, needed in ((hidden, hidden.dtype, needs_hidden), (weight, torch.float32, needs_weight),
+                                      (bias, torch.float32, needs_bias))]
     return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
 
 
@@ -781,24 +789,30 @@ def _setup_context(ctx, inputs, output):
     logp, entropy, _anchor, *grads = output
     ctx.save_for_backward(arguments["weight"], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
     ctx.weight_shape = arguments["weight"].shape
+    ctx.dtypes = [None if arguments[name] is None else arguments[name].dtype for name in ("hidden", "weight", "bias")]
+    # the other outputs take no gradient: autograd would fill zeros of their shapes for `_backward` to ignore
+    # (logp and entropy [N], d hidden [N, D], d weight [V, D] and d bias [V]: memory-bound fills of the gradients' size)
+    ctx.set_materialize_grads(False)
     ctx.triton = arguments["kernels"] == "triton"
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
 def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
-    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward()), each product
-    formed in fp32 and rounded once to the gradient's dtype: one vectorized pass each on the Triton backend
-    (`triton_scale`), torch ops on the torch one."""
+    """d hidden, d weight, d bias: the stored gradients (d weight and d bias the fp32 accumulators) times
+    d loss / d anchor (1 for loss.backward()), each product formed in fp32 and rounded once to its input's dtype:
+    one vectorized pass each on the Triton backend (`triton_scale`), torch ops on the torch one."""
     weight, *stored = ctx.saved_tensors
     check_weight_unchanged(weight, ctx.weight_shape)
+    if grad_anchor is None:  # not materialized: no gradient reached the anchor
+        return (None,) * len(OP_ARGUMENTS)
     if ctx.triton:
         from .triton_scale import scaled_op  # Triton is imported only when its kernels run
         scale = scaled_op
     else:
-        def scale(grad, factor):
-            return (grad.float() * factor).to(grad.dtype)
-    grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
-             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]  # hidden, weight, bias: the first three
+        def scale(grad, factor, dtype):
+            return (grad.float() * factor).to(dtype)
+    grads = [scale(grad, grad_anchor, dtype) if needed and grad.numel() else None
+             for grad, dtype, needed in zip(stored, ctx.dtypes, ctx.needs_input_grad[:3])]  # hidden, weight, bias
     return (*grads, *([None] * (len(OP_ARGUMENTS) - len(grads))))
 
 
