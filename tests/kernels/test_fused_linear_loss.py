@@ -677,7 +677,7 @@ def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm(device):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, device):
     """(loss / 3).backward(): the bf16 gradients are the stored ones times the fp32 1/3, rounded once (one bf16 ulp
-    of the exact product at most, the interpreter truncating)."""
+    of the exact product at most: to nearest even, on the interpreter too, triton_scale)."""
     batch = packed_batch(SAMPLES, device)
     tensors = linear(len(batch["targets"]), torch.bfloat16, device)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
