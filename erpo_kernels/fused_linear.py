@@ -304,11 +304,14 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     # The value checks' kernels are queued here and their code read by the op with the rows' layout, after its first
     # GEMM (DeferredCheckRead: one host read per call, which waits for no kernel of the op), unless the entropy
     # filter's pre-pass below needs the rows checked first, or under torch.compile (a device-side assert)
-    deferred = DeferredCheckRead()
+    # (The checks' kernel, or with validate=False the spans kernel, writes the scored targets and finds the samples'
+    # spans of scored rows for the objective's value at the end.)
+    deferred, row_checks = DeferredCheckRead(), value_checks_of(triton)
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
         token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options, validate=validate,
-        first_bad_row=value_checks_of(triton), caller_checks=caller_checks, read_code=deferred)
+        first_bad_row=row_checks, caller_checks=caller_checks, read_code=deferred,
+        unchecked_scored_targets=None if row_checks is None else row_checks.without_checks)
     kernels = "triton" if triton else "torch"
     entropy_pool = None
     pooled = opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1
@@ -335,5 +338,5 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     logp, entropy, anchor, *_ = outputs
     with torch.no_grad():  # the value and metrics, once, on the [N] vectors (the gradients are the op's)
         out = objective_on_backend(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                   triton=triton)
+                                   triton=triton, spans=None if row_checks is None else row_checks.spans)
     return dataclasses.replace(out, loss=out.loss + anchor)
