@@ -18,7 +18,10 @@ the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and t
 on a GPU each host read blocks the host until the queue drains, so the host time after a read, until the next
 kernel is queued, is GPU idle time (the validation's read, then the op setup and the chunk plan after the layout
 read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
-chunk's host time exceeds its kernels' time.
+chunk's host time exceeds its kernels' time. The second table puts each read against the long kernels around it
+(`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued and to the chunk loop, and
+the GEMM work queued after the read's copy, which the GPU still has to run when the read returns, in GFLOP at
+`--like`'s lm_head (a CPU cannot time the GPU; FLOPs it can count).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
 # (phase, "module:attribute[.attribute]") of the functions each call goes through, timed and counted exclusively
 FUSED_PHASES = [
-    ("validation", "erpo_kernels.fused_linear:check_loss_inputs"),
+    ("validation", "erpo_kernels.fused_linear:start_loss_input_checks"),
     ("op setup", "erpo_kernels.fused_linear_loss:loss_gradients"),
     ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
     ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective"),
@@ -51,6 +54,13 @@ FUSED_PHASES = [
 ]
 ENTRY, BACKWARD = "entry", "autograd backward"
 MEASURES = ("us", "aten", "triton", "reads")
+# Where a host read is queued and made (the copy to host memory, then the wait for it: `validation.read_later`,
+# imported by name into the modules that read), where the long kernels are queued (the logits GEMM of some rows; a
+# group's d hidden and d weight GEMMs), and where the chunk loop starts
+READ_LATER_USERS = ("erpo_kernels.validation", "erpo_kernels.fused_linear_loss")
+LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
+GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.flush"
+CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
 
 
 def launch_counter():
@@ -116,11 +126,91 @@ def metered(meter: PhaseMeter, phases=FUSED_PHASES):
     return wrapped_attributes([(phase, *_resolve(target)) for phase, target in phases], wrap)
 
 
-def _one_call(prepared, meter: PhaseMeter) -> None:
-    with meter.frame(ENTRY):
-        loss = prepared.run()
-    with meter.frame(BACKWARD):
-        torch.autograd.grad(loss, prepared.inputs)
+class ReadTimeline:
+    """One call's host reads against the long kernels queued around them. On a GPU a read returns once the work
+    queued before its copy is done; the GPU then runs only what was queued after the copy (GEMMs that the read does
+    not wait for) while the host works on, until the host queues more: what the read costs in idle GPU time is the
+    host's time from the read's return to the next long kernel beyond what that queued work covers. Times are the
+    host's (us since an arbitrary origin); `counter` (a LaunchCounter), when set, also gives the launches queued
+    between each read's copy and its return."""
+
+    def __init__(self, counter=None):
+        self.counter = counter
+        self.reads = []  # per read: {"copy", "return"} us and the launches counted at each
+        self.gemms = []  # (us once queued, GEMMs x rows: the FLOPs over 2 D V)
+        self.loop_start = None
+
+    def _stamp(self, into: dict, key: str) -> None:
+        into[key] = time.perf_counter_ns() / 1e3
+        into[f"{key} launches"] = self.counter.launches if self.counter is not None else 0
+
+    def recording(self):
+        """The block within which the call's reads, GEMMs and chunk loop are recorded."""
+        def wrap(point, function):
+            if point == "read":
+                def read_later(value):
+                    reader, entry = function(value), {}
+                    self._stamp(entry, "copy")
+                    self.reads.append(entry)
+
+                    def read():
+                        value_read = reader()
+                        self._stamp(entry, "return")
+                        return value_read
+                    return read
+                return read_later
+            if point == "loop":
+                def run(*args, **kwargs):
+                    if self.loop_start is None:
+                        self.loop_start = time.perf_counter_ns() / 1e3
+                    return function(*args, **kwargs)
+                return run
+
+            def gemms(*args, **kwargs):
+                if point == "logits":  # _write_logits(out, hidden_rows, weight, bias): one GEMM
+                    row_gemms = args[1].shape[0]
+                else:  # GradientGroups.flush(self): d hidden and d weight, those needed, of the open group's rows
+                    group = args[0]
+                    row_gemms = 0 if group.rows is None else (group.rows.stop - group.rows.start) * (
+                        (group.grad_hidden is not None) + (group.grad_weight is not None))
+                out = function(*args, **kwargs)
+                if row_gemms:
+                    self.gemms.append((time.perf_counter_ns() / 1e3, row_gemms))
+                return out
+            return gemms
+
+        targets = [("read", importlib.import_module(module), "read_later") for module in READ_LATER_USERS]
+        targets += [(point, *_resolve(target)) for point, target in (("logits", LOGITS_GEMM), ("group", GROUP_GEMMS),
+                                                                     ("loop", CHUNK_LOOP))]
+        return wrapped_attributes(targets, wrap)
+
+    def summary(self, hidden: int, vocab: int) -> list:
+        """Per read, in call order: host us from its return to the next GEMM queued and to the chunk loop's start;
+        GFLOP (at an lm_head [vocab, hidden]) of the GEMMs queued after its copy and before its return (the GPU runs
+        them after the read) and of those queued after its copy and before the chunk loop; launches between its
+        copy and its return (with a counter)."""
+        def gflop(since: float, until: float) -> float:
+            return sum(rows for at, rows in self.gemms if since < at < until) * 2 * hidden * vocab / 1e9
+
+        rows = []
+        for entry in self.reads:
+            back = entry["return"]
+            next_gemm = next((at for at, _ in self.gemms if at > back), None)
+            loop = self.loop_start if self.loop_start is not None and self.loop_start > back else None
+            rows.append({"us to next GEMM": None if next_gemm is None else next_gemm - back,
+                         "us to chunk loop": None if loop is None else loop - back,
+                         "GFLOP queued, not waited for": gflop(entry["copy"], back),
+                         "GFLOP queued before chunk loop": None if loop is None else gflop(entry["copy"], loop),
+                         "launches between copy and read": entry["return launches"] - entry["copy launches"]})
+        return rows
+
+
+def _one_call(prepared, meter: PhaseMeter, timeline: ReadTimeline) -> None:
+    with timeline.recording():
+        with meter.frame(ENTRY):
+            loss = prepared.run()
+        with meter.frame(BACKWARD):
+            torch.autograd.grad(loss, prepared.inputs)
 
 
 def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, like_vocab: int,
@@ -164,19 +254,21 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                             device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
                             clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
     prepared = erpo_fused_with_workspace(budget)(problem)
-    per_rep = defaultdict(list)
+    per_rep, reads_per_rep = defaultdict(list), []
     with StubbedTriton():
         for rep in range(warmup + reps):
-            meter = PhaseMeter()
+            meter, timeline = PhaseMeter(), ReadTimeline()
             with metered(meter):
-                _one_call(prepared, meter)
+                _one_call(prepared, meter, timeline)
             if rep >= warmup:
                 for phase, amounts in meter.totals.items():
                     per_rep[phase].append(amounts["us"])
                 per_rep["total"].append(sum(amounts["us"] for amounts in meter.totals.values()))
+                reads_per_rep.append(timeline.summary(like_shape.hidden, like_shape.vocab))
         counting = PhaseMeter(launch_counter())
+        counted_reads = ReadTimeline(counting.counter)
         with counting.counter, metered(counting):
-            _one_call(prepared, counting)
+            _one_call(prepared, counting, counted_reads)
     phases = {}
     for phase in [ENTRY, *(name for name, _ in FUSED_PHASES), BACKWARD]:
         counts = counting.totals.get(phase, dict.fromkeys(MEASURES, 0))
@@ -184,8 +276,19 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                          **{m: counts[m] for m in ("aten", "triton", "reads")}}
     phases["total"] = {"calls": 1, "us": statistics.median(per_rep["total"]),
                        **{m: sum(p[m] for p in phases.values()) for m in ("aten", "triton", "reads")}}
-    return {"phases": phases, "chunks": counting.calls["chunk"], "groups": counting.calls["group GEMMs"],
-            "chunk_rows": workspace.chunk_rows, "group_rows": workspace.group_rows, "budget_bytes": budget}
+    reads = []
+    for number, counted in enumerate(counted_reads.summary(like_shape.hidden, like_shape.vocab)):
+        timed = [rep[number] for rep in reads_per_rep]
+        reads.append({**counted, **{key: _median_or_none([row[key] for row in timed])
+                                    for key in ("us to next GEMM", "us to chunk loop")}})
+    return {"phases": phases, "reads": reads, "chunks": counting.calls["chunk"],
+            "groups": counting.calls["group GEMMs"], "chunk_rows": workspace.chunk_rows,
+            "group_rows": workspace.group_rows, "budget_bytes": budget}
+
+
+def _median_or_none(values: list):
+    """The median of `values`, None when any is None (the event did not follow the read)."""
+    return None if any(value is None for value in values) else statistics.median(values)
 
 
 def markdown_fused(result: dict) -> str:
@@ -205,7 +308,19 @@ def markdown_fused(result: dict) -> str:
                   f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
                   f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
                   f"most {result['group_rows']})."]
+    lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the chunk loop | "
+                  "GFLOP queued after its copy, not waited for | GFLOP queued after its copy, before the chunk loop | "
+                  "launches between its copy and its return |", "|---|---|---|---|---|---|"]
+    for number, read in enumerate(result["reads"], 1):
+        cells = [_cell(read[key], "{:.0f}") for key in ("us to next GEMM", "us to chunk loop")]
+        cells += [_cell(read[key], "{:.1f}") for key in ("GFLOP queued, not waited for",
+                                                          "GFLOP queued before chunk loop")]
+        lines.append(f"| {number} | {' | '.join(cells)} | {read['launches between copy and read']} |")
     return "\n".join(lines)
+
+
+def _cell(value, form: str) -> str:
+    return "-" if value is None else form.format(value)
 
 
 def main(argv: list[str], command: list[str]):

@@ -34,7 +34,7 @@ if TRITON_INSTALLED:  # the Triton path (importing it registers its torch.librar
     from .triton_logits import triton_token_logprobs
     from .triton_logits_loss import triton_logits_loss
     from .triton_objective import fuses, fuses_options, triton_objective
-    from .triton_row_checks import RowChecksWithSpans, triton_first_bad_row
+    from .triton_row_checks import RowChecksWithSpans
     from .triton_segment import TritonSegmentSum
 
 
@@ -191,9 +191,11 @@ def objective_on_backend(token_logp, entropy, token_kind, sample_index, *, input
 
 
 def value_checks_of(triton: bool):
-    """The value checks' device-side form on the Triton path (`triton_row_checks`: one host read), or None for
-    check_loss_inputs' torch masks."""
-    return triton_first_bad_row if triton else None
+    """The value checks' device-side form on the Triton path, or None for check_loss_inputs' torch masks: a new
+    `triton_row_checks.RowChecksWithSpans` (one host read; its kernel writes the scored targets and leaves each
+    sample's span of scored rows in `spans` for the objective, as `loss_on_rows` uses it; `without_checks` forms
+    the two with validate=False)."""
+    return RowChecksWithSpans() if triton else None
 
 
 def segment_sum_of(triton: bool):

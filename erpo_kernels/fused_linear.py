@@ -30,6 +30,7 @@ from .common import host_to_device
 from .fused_linear_loss import (
     DEFAULT_WORKSPACE_BYTES,
     ROW_KERNELS,
+    RowChecksFailed,
     check_weight_unchanged,
     loss_gradients_op,
     options_argument,
@@ -43,9 +44,10 @@ from .validation import (
     FLOAT_DTYPES,
     LogitTransform,
     LossInputs,
-    check_loss_inputs,
     check_tensor,
     check_token_inputs,
+    read_later,
+    start_loss_input_checks,
     with_option_parameters,
 )
 
@@ -264,6 +266,26 @@ def host_layout_checks(host_layout, token_kind, sample_index) -> list:
                               f"very rows, or host_layout=None")]
 
 
+class DeferredCheckRead:
+    """The value checks' host read left to the op: `start_loss_input_checks(read_code=deferred)` hands the device
+    code [1 + K] over (`code`); the op reads it in its one read, with the rows' layout, after its first GEMM is queued,
+    and raises RowChecksFailed with the host copy when a row is bad, before it plans anything on the rows. `read()`,
+    the checks' finish() (on a failure, or when a caller needs the checks done before the op): that copy when the op
+    made one, else a read of its own."""
+
+    def __init__(self):
+        self.code, self.host = None, None
+
+    def __call__(self, code: torch.Tensor):
+        self.code = code
+        return self.read
+
+    def read(self) -> torch.Tensor:
+        if self.host is None:
+            self.host = read_later(self.code)()
+        return self.host
+
+
 def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_index, *, inputs: LossInputs,
                               options: dict, backend: str, validate: bool = True,
                               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, batch_invariant: bool = False,
@@ -279,13 +301,24 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     triton = use_triton(backend, hidden.device)
-    scored_targets, opts = check_loss_inputs(
+    # The value checks' kernels are queued here and their code read by the op with the rows' layout, after its first
+    # GEMM (DeferredCheckRead: one host read per call, which waits for no kernel of the op), unless the entropy
+    # filter's pre-pass below needs the rows checked first, or under torch.compile (a device-side assert)
+    # (The checks' kernel, or with validate=False the spans kernel, writes the scored targets and finds the samples'
+    # spans of scored rows for the objective's value at the end.)
+    deferred, row_checks = DeferredCheckRead(), value_checks_of(triton)
+    scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
         token_kind=token_kind, sample_index=sample_index, inputs=inputs, options=options, validate=validate,
-        first_bad_row=value_checks_of(triton), caller_checks=caller_checks)
+        first_bad_row=row_checks, caller_checks=caller_checks, read_code=deferred,
+        unchecked_scored_targets=None if row_checks is None else row_checks.without_checks)
     kernels = "triton" if triton else "torch"
     entropy_pool = None
-    if opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1:  # the filter's pool over processes
+    pooled = opts.top_entropy_gather is not None and opts.top_entropy_quantile < 1
+    if pooled or deferred.code is None or torch.compiler.is_compiling():
+        finish_checks()
+        deferred.code = None
+    if pooled:  # the filter's pool over processes
         with torch.no_grad():
             entropy_pool = opts.top_entropy_gather(response_entropies(
                 hidden, weight, bias, scored_targets, token_kind, opts.logit_transform, ROW_KERNELS[kernels],
@@ -293,11 +326,17 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
         opts = dataclasses.replace(opts, top_entropy_gather=lambda _entropies: entropy_pool)
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     tensor_counts = [value if isinstance(value, torch.Tensor) else None for value in (opts.num_items, opts.num_seqs)]
-    logp, entropy, anchor, *_ = loss_gradients_op(
-        hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
-        *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs,
-        host_layout)
+    try:
+        outputs = loss_gradients_op(
+            hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
+            *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs,
+            host_layout, deferred.code)
+    except RowChecksFailed as failed:
+        deferred.host, outputs = failed.code, None
+    if outputs is None:  # the op read a bad row's code: the row's own error, raised here (not within the op's)
+        finish_checks()
+    logp, entropy, anchor, *_ = outputs
     with torch.no_grad():  # the value and metrics, once, on the [N] vectors (the gradients are the op's)
         out = objective_on_backend(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                   triton=triton)
+                                   triton=triton, spans=None if row_checks is None else row_checks.spans)
     return dataclasses.replace(out, loss=out.loss + anchor)

@@ -29,9 +29,11 @@ store of whole chunks put more rows in each accumulation than one buffer of chun
 logits (`plan_workspace`: in 1 GiB, 2048 rows against 1744 for bf16 Qwen2.5-7B). The loss value and metrics are
 formed once at the end from the [N] log-probs and entropies by the objective itself (`api.objective_on_backend`);
 backward only scales the stored dH / dW / dbias by the incoming gradient (one vectorized pass each,
-triton_scale.py). The plan reads the rows' layout on the host once (nothing when the caller holds it, as
-`padded_erpo_loss`'s selection of the scored rows does); on CUDA that read waits only for the layout's
-copy, so the logits GEMM of the first chunk's first half, queued after it, runs while the host plans.
+triton_scale.py). The op makes the call's one host read: the rows' layout for the plan (not when the caller
+holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the value checks' code (validate=True);
+on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
+runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
+before the call does.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
@@ -78,7 +80,7 @@ from .api import segment_sum_of
 from .common import host_to_device, index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
-from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions, read_later
+from .validation import OPTION_NAMES, LogitTransform, LossInputs, LossOptions, read_later, rows_passed
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # the chunk buffers' budget (1 GiB)
 # fp32 temporaries per logit that the torch row pass makes on top of the buffer (z, p and their products)
@@ -532,14 +534,18 @@ class GradientGroups:
         self.rows = self.dlogits = None
 
     def gradients(self):
-        """(d hidden [N, D], d weight [V, D], d bias [V]) in the inputs' dtypes, None where not needed, after the
-        last group's GEMMs."""
+        """(d hidden [N, D] in hidden's dtype, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after
+        the last group's GEMMs: d weight and d bias are the fp32 accumulators, which whoever returns them rounds to
+        the inputs' dtype once (`rounded`; the loss's backward, in its scale pass)."""
         self.flush()
-        grad_weight, grad_bias = self.grad_weight, self.grad_bias
-        if grad_weight is not None and not self.weight_written:  # no row at all
-            grad_weight.zero_()
-        return (self.grad_hidden, None if grad_weight is None else grad_weight.to(self.weight.dtype),
-                None if grad_bias is None else grad_bias.to(self.bias.dtype))
+        if self.grad_weight is not None and not self.weight_written:  # no row at all
+            self.grad_weight.zero_()
+        return self.grad_hidden, self.grad_weight, self.grad_bias
+
+
+def rounded(gradient: Optional[torch.Tensor], like: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """gradient (an fp32 accumulator, or None) in like's dtype (no copy when it is fp32)."""
+    return None if gradient is None else gradient.to(like.dtype)
 
 
 def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
@@ -568,34 +574,70 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     for rows in index_slices(num_rows, workspace.chunk_rows):
         groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
                          grad_entropy[rows], kernels, transform)
-    return groups.gradients()
+    grad_hidden, grad_weight, grad_bias = groups.gradients()
+    return grad_hidden, rounded(grad_weight, weight), rounded(grad_bias, bias)
+
+
+class RowChecksFailed(Exception):
+    """The value checks' code that the op read with the layout (`fused_linear.DeferredCheckRead`) names a bad row:
+    `code` [1 + K] int64, its host copy, from which the caller raises that row's own error."""
+
+    def __init__(self, code: torch.Tensor):
+        super().__init__("the value checks found a bad row (the loss raises its error)")
+        self.code = code
+
+
+def read_rows(token_kind, sample_index, check_code: Optional[torch.Tensor], host_layout: Optional[torch.Tensor]):
+    """The call's one host read queued: a function returning (host code [K] int64 or None, host layout [2, N] int64)
+    that waits only for this copy: the value checks' code when the op is to read it (`fused_linear.DeferredCheckRead`),
+    and token_kind and sample_index unless the caller holds them (host_layout), concatenated into one copy."""
+    parts = ([] if check_code is None else [check_code]) + (
+        [token_kind.long(), sample_index.long()] if host_layout is None else [])
+    if not parts:
+        return lambda: (None, host_layout)
+    read = read_later(parts[0] if len(parts) == 1 else torch.cat(parts))  # an O(N) vector
+    checks = 0 if check_code is None else check_code.shape[0]
+
+    def values():
+        host = read().cpu()
+        layout = host[checks:] if host_layout is None else host_layout  # [2 N] or [2, N]
+        return (host[:checks] if checks else None), layout
+    return values
 
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
-                   entropy_pool: Optional[torch.Tensor] = None, host_layout: Optional[torch.Tensor] = None):
+                   entropy_pool: Optional[torch.Tensor] = None, host_layout: Optional[torch.Tensor] = None,
+                   check_code: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
-    d weight [V, D], d bias [V]) of the loss, a gradient None where `needs` (hidden, weight, bias) is False.
-    host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them (then no read here).
+    d weight [V, D] fp32, d bias [V] fp32) of the loss, a gradient None where `needs` (hidden, weight, bias) is
+    False; d weight and d bias are their fp32 accumulators (the op's backward rounds them once, scaled).
+    host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them (then no read of
+    them here). check_code [1 + K] int64: the value checks' code, read here with the layout
+    (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
+    row.
     """
     num_rows = hidden.shape[0]
     transform = options.logit_transform
     workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
-    # The chunk plan needs the layout on the host: one read of both tensors (a host-device sync on CUDA), copied
-    # asynchronously so that a logits GEMM queued meanwhile runs while the host plans: that of rows 0 to `early`,
-    # which the first chunk holds whatever the plan (at least half of min(chunk_rows, N) rows).
-    # (With the caller's host_layout there is nothing to read; the first GEMM is cut the same way all the same, so
-    # that the logits, and so the results, are those of a call without it.)
+    # The chunk plan needs the layout on the host: one read (a host-device sync on CUDA) of both tensors and of the
+    # value checks' code, copied asynchronously so that a logits GEMM queued meanwhile runs while the host plans:
+    # that of rows 0 to `early`, which the first chunk holds whatever the plan (at least half of min(chunk_rows, N)
+    # rows), and which reads hidden and weight alone (safe on rows the checks may refuse). The read then waits for
+    # the work queued before the call alone, and the host's work before it (the op's dispatch, this setup) runs
+    # while that work does. (With the caller's host_layout and no code there is nothing to read; the first GEMM is
+    # cut the same way all the same, so that the logits, and so the results, are those of a call without it.)
     early = _invariant_floor(min(workspace.chunk_rows, num_rows) // 2, batch_invariant)
-    if host_layout is None:
-        read_layout = read_later(torch.cat((token_kind.long(), sample_index.long())))  # [2 N]: an O(N) vector
+    read = read_rows(token_kind, sample_index, check_code, host_layout)
     logits_buffer.logits(hidden[:early])
-    layout = read_layout().cpu() if host_layout is None else host_layout
+    code, layout = read()
+    if code is not None and not rows_passed(code, num_rows):
+        raise RowChecksFailed(code)
     host_kind, host_sample = layout.numpy().reshape(2, num_rows)
     plan = plan_chunks(
         host_kind, host_sample, inputs.advantages.shape[0], workspace.chunk_rows,
@@ -694,11 +736,13 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
                                    rollout_logp: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                                    num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
                                    kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
-                                   needs_weight: bool, needs_bias: bool,
-                                   host_layout: Optional[torch.Tensor]) -> OpOutputs:
-    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D], d weight [V, D], d bias [V]) of the
-    ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one differentiable output: its
-    gradient scales the stored ones (loss = objective value + anchor). host_layout: `loss_gradients`'."""
+                                   needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor],
+                                   check_code: Optional[torch.Tensor]) -> OpOutputs:
+    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in hidden's dtype, d weight [V, D] fp32,
+    d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
+    differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
+    and d bias to the inputs' dtype once (kept in fp32 until then: no rounded copy in the forward). host_layout,
+    check_code: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
@@ -708,7 +752,7 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
     logp, entropy, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant, entropy_pool, host_layout)
+        batch_invariant, entropy_pool, host_layout, check_code)
     anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
@@ -723,10 +767,11 @@ OP_ARGUMENTS = tuple(inspect.signature(loss_gradients_of_op_arguments).parameter
 @loss_gradients_op.register_fake
 def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
-      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout):
+      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    grads = [torch.empty_like(t) if needed else hidden.new_empty(0)
-             for t, needed in ((hidden, needs_hidden), (weight, needs_weight), (bias, needs_bias))]
+    grads = [torch.empty_like(t, dtype=dtype) if needed else hidden.new_empty(0)
+             for t, dtype, needed in ((hidden, hidden.dtype, needs_hidden), (weight, torch.float32, needs_weight),
+                                      (bias, torch.float32, needs_bias))]
     return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
 
 
@@ -744,24 +789,30 @@ def _setup_context(ctx, inputs, output):
     logp, entropy, _anchor, *grads = output
     ctx.save_for_backward(arguments["weight"], *grads)  # the weight only to see whether ZeRO-3 re-partitioned it
     ctx.weight_shape = arguments["weight"].shape
+    ctx.dtypes = [None if arguments[name] is None else arguments[name].dtype for name in ("hidden", "weight", "bias")]
+    # the other outputs take no gradient: autograd would fill zeros of their shapes for `_backward` to ignore
+    # (logp and entropy [N], d hidden [N, D], d weight [V, D] and d bias [V]: memory-bound fills of the gradients' size)
+    ctx.set_materialize_grads(False)
     ctx.triton = arguments["kernels"] == "triton"
     ctx.mark_non_differentiable(logp, entropy, *grads)
 
 
 def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
-    """d hidden, d weight, d bias: the stored gradients times d loss / d anchor (1 for loss.backward()), each product
-    formed in fp32 and rounded once to the gradient's dtype: one vectorized pass each on the Triton backend
-    (`triton_scale`), torch ops on the torch one."""
+    """d hidden, d weight, d bias: the stored gradients (d weight and d bias the fp32 accumulators) times
+    d loss / d anchor (1 for loss.backward()), each product formed in fp32 and rounded once to its input's dtype:
+    one vectorized pass each on the Triton backend (`triton_scale`), torch ops on the torch one."""
     weight, *stored = ctx.saved_tensors
     check_weight_unchanged(weight, ctx.weight_shape)
+    if grad_anchor is None:  # not materialized: no gradient reached the anchor
+        return (None,) * len(OP_ARGUMENTS)
     if ctx.triton:
         from .triton_scale import scaled_op  # Triton is imported only when its kernels run
         scale = scaled_op
     else:
-        def scale(grad, factor):
-            return (grad.float() * factor).to(grad.dtype)
-    grads = [scale(grad, grad_anchor) if needed and grad.numel() else None
-             for grad, needed in zip(stored, ctx.needs_input_grad[:3])]  # hidden, weight, bias: the first three
+        def scale(grad, factor, dtype):
+            return (grad.float() * factor).to(dtype)
+    grads = [scale(grad, grad_anchor, dtype) if needed and grad.numel() else None
+             for grad, dtype, needed in zip(stored, ctx.dtypes, ctx.needs_input_grad[:3])]  # hidden, weight, bias
     return (*grads, *([None] * (len(OP_ARGUMENTS) - len(grads))))
 
 

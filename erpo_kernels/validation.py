@@ -412,7 +412,8 @@ def check_loss_inputs(**arguments):
 def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: torch.device, targets, token_kind,
                             sample_index, inputs: LossInputs, options: dict, validate: bool = True,
                             first_bad_row: Callable | None = None, caller_checks=(),
-                            unchecked_scored_targets: Callable | None = None):
+                            unchecked_scored_targets: Callable | None = None,
+                            read_code: Callable[[torch.Tensor], Callable[[], torch.Tensor]] | None = None):
     """Validate the non-logits inputs of `erpo_loss` / `fused_linear_erpo_loss`; with `targets=None` (and
     `vocab_size=None`), those of `erpo_objective` on log-probs a caller scored itself (verl's).
 
@@ -429,6 +430,9 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     `unchecked_scored_targets(token_kind, sample_index, targets, num_samples)`, when given, forms the scored targets
     with validate=False and targets instead of the mask and `where` below (`triton_row_checks.RowChecksWithSpans`'
     `without_checks`: the spans kernel writes them).
+    `read_code(code)`: how first_bad_row's code [1] (or [1 + K]) is to be read, a function returning its host copy
+    (default `read_later`: a copy queued now); the fused path's hands the code to its op, which reads it with the rows'
+    layout in one read (`fused_linear.DeferredCheckRead`).
     """
     check_validate(validate)
     opts = loss_options(options)
@@ -481,10 +485,10 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
         code, scored_targets = code if isinstance(code, tuple) else (code, None)
         if caller_checks:  # [1 + K]: the code, then whether each caller check fails
             code = torch.cat((code, torch.stack([bad.any() for bad, _ in caller_checks]).long()))
-        read_code = read_later(code)
+        read_host_code = (read_code or read_later)(code)
         if scored_targets is None and targets is not None:
             scored_targets = scored_targets_of(targets, token_kind != 0)
-        return scored_targets, opts, lambda: raise_first_bad_row(read_code(), n, messages, caller_checks)
+        return scored_targets, opts, lambda: raise_first_bad_row(read_host_code(), n, messages, caller_checks)
     if not validate and targets is not None and unchecked_scored_targets is not None:
         return unchecked_scored_targets(token_kind, sample_index, targets, num_samples), opts, checks_done
     scored = token_kind != 0
@@ -523,6 +527,12 @@ def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
         copied.synchronize()
         return host
     return read
+
+
+def rows_passed(code: torch.Tensor, num_rows: int) -> bool:
+    """Whether the value checks' host code [1] or [1 + K] (`raise_first_bad_row`'s) says that every row passed."""
+    value, *failing = code.tolist()
+    return value == num_rows * len(ROW_CHECKS) and not any(failing)
 
 
 def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict, caller_checks=()) -> None:
