@@ -16,6 +16,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 # One torch thread per test process (trainer.cpu_threads defaults to OMP_NUM_THREADS, else all cores): tests run
 # tiny matrices, often several processes at once, where more threads only contend.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch, imported above, has read the variable already: its thread count is set here, not only for subprocesses
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 
