@@ -1049,15 +1049,12 @@ def objective_forward_into(out: SampleOutputs, results: FinishOutputs, token_log
     ticket counter (`FinishOutputs.empty(device, ticket=True)`) and there are samples, kernel 2 runs in kernel 1's
     last program (one launch), else in its own."""
     loss_tensors = (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp)
-    if results.counts.shape[0] > len(COUNT_METRICS) and spans.shape[1] > 0:
-        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
-                             settings, sample_index, arguments=arguments, finish=(results, num_items, num_seqs))
-        loss, metrics, counts, scales = results
-    else:
-        launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
-                             settings, sample_index, arguments=arguments)
-        loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings,
-                                                             arguments=arguments, results=results)
+    folded = results.counts.shape[0] > len(COUNT_METRICS) and spans.shape[1] > 0
+    launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
+                         settings, sample_index, arguments=arguments,
+                         finish=(results, num_items, num_seqs) if folded else None)
+    loss, metrics, counts, scales = results if folded else launch_finish_kernel(
+        out, num_items, num_seqs, settings, arguments=arguments, results=results)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
