@@ -34,6 +34,14 @@ class PackedBatch:
     host_layout: torch.Tensor | None = None   # [2, R] int64, host memory: token_kind and sample_index (no read to plan)
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` (a tensor the host built, any shape) on `device`, the host not waiting: on CUDA copied from pinned memory
+    with non_blocking (a blocking copy from pageable memory waits for every kernel queued before it; the caching host
+    allocator keeps the pinned block until the copy is done). The same values; on the CPU, `host` itself."""
+    device = torch.device(device)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
          response_scored: list[bool] | None = None,
          response_logp: list[list[float]] | None = None) -> PackedBatch:

@@ -17,6 +17,10 @@ w(q) = 1 it is verl's `ppo_loss` (tests/integrations/test_verl_integration.py, o
 ell_theta0(q) and w(q) come from erpo's reference cache, looked up by the prompt's token ids (what reaches the
 loss); a prompt the cache lacks is an error naming it.
 
+Host reads per micro-batch: 3 (tests/integrations/test_verl_integration.py counts them): one copy of the rows'
+lengths and prompt tokens (with the advantages' check), the kernels' value checks, and one copy of the metrics, which
+verl's `Metric` holds as host numbers; the looked-up ell_theta0(q) and w(q) go up from pinned memory without a wait.
+
 Wiring. `erpo_loss_fn(actor_config, settings, reference)` is the `loss_fn` of `ActorRolloutRefWorker.set_loss_fn`
 (verl's default is `partial(ppo_loss, config=actor_config)`). The trainer mode `erpo` (registered when verl loads
 its `verl.plugins` entry points) is verl's synchronous trainer that builds or reads the cache at start and sets
@@ -24,6 +28,7 @@ that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ import torch
 
 from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_entries, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.sequences import to_device
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss
 
@@ -102,42 +108,68 @@ class ActorRows:
     """One micro-batch of verl's actor as erpo_kernels' rows: row i of the engine's full-sequence log-probs (the
     jagged tensor's values, sample after sample) scores token i + 1 of its sample. Query rows score prompt tokens
     2..P, response rows the response tokens that response_mask keeps (not tool outputs); the last row of each
-    sample scores nothing."""
+    sample scores nothing. The prompts come from `actor_rows`' one read of the device."""
 
     token_kind: torch.Tensor      # [N] int64: 0 not scored, 1 query, 2 response
     sample_index: torch.Tensor    # [N] int64
     response_slot: torch.Tensor   # [N] int64: the response position k a row scores (0 where none)
-    prompt_ids: list[list[int]]   # B prompts, unpadded
+    in_response: torch.Tensor     # [N] bool: the row scores a response token (a tool output's too)
+    prompt_ids: list[list[int]]   # B prompts, unpadded (host)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[B, R] response-aligned values (verl's padded layout) -> [N] fp32 on response rows, 0 elsewhere."""
         picked = values.float()[self.sample_index, self.response_slot]
         return torch.where(self.token_kind == 2, picked, torch.zeros((), device=picked.device))
 
+    def gather(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """[N] row values -> [B, width] response-aligned, 0 past each response: verl's `no_padding_2_padding` (its
+        row P - 1 + k at position k, tool outputs included) without its host reads (one per sample)."""
+        out = values.new_zeros(len(self.prompt_ids), width + 1)
+        column = torch.where(self.in_response, self.response_slot, width)   # the other rows go to a spare column
+        return out.index_put_((self.sample_index, column), values)[:, :width]
 
-def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
+
+ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator such as grpo or rloo); these "
+                   "advantages vary along the response (algorithm.adv_estimator=gae?)")
+
+
+def actor_rows(data, response_mask: torch.Tensor, num_rows: int,
+               advantages_vary: torch.Tensor | None = None) -> ActorRows:
     """The rows of a micro-batch `data` (verl's TensorDict: `prompts` and `responses` jagged or padded with
-    `attention_mask`, as `no_padding_2_padding` reads them), response_mask [B, R] padded."""
+    `attention_mask`, as `no_padding_2_padding` reads them), response_mask [B, R] padded. One device -> host copy:
+    the lengths and the prompt tokens together, with `advantages_vary` (`sample_advantages`' 0-dim check) when
+    given; the checks are made on that copy (a ValueError naming what is wrong)."""
     prompts, responses = data["prompts"], data["responses"]
+    device = response_mask.device
     if prompts.is_nested:
         prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
-        flat = prompts.values().tolist()           # one device -> host copy for the whole micro-batch
+        tokens, token_mask = prompts.values(), None
     else:
         real = data["attention_mask"]
         width = prompts.shape[1]
-        prompt_mask = real[:, :width].bool()
+        prompt_mask = real[:, :width]
         prompt_lens, response_lens = prompt_mask.sum(1), real[:, width:].sum(1)
-        flat = prompts[prompt_mask].tolist()       # left padding: each row's real tokens, in order
-    bounds = [0] + prompt_lens.cumsum(0).tolist()
-    prompt_ids = [flat[start:end] for start, end in zip(bounds, bounds[1:])]
-    device = response_mask.device
+        tokens, token_mask = prompts.reshape(-1), prompt_mask.reshape(-1)   # left padding: selected on the host
     prompt_lens, response_lens = prompt_lens.to(device), response_lens.to(device)
-    lengths = prompt_lens + response_lens
-    if int(lengths.sum()) != num_rows:
+    num = prompt_lens.shape[0]
+    vary = torch.zeros(1, dtype=torch.long, device=device) if advantages_vary is None else advantages_vary.reshape(1)
+    parts = [prompt_lens, response_lens, vary, tokens] + ([] if token_mask is None else [token_mask])
+    host = torch.cat([part.to(device=device, dtype=torch.long) for part in parts]).tolist()   # the one read
+    host_prompt_lens, host_response_lens = host[:num], host[num:2 * num]
+    flat = host[2 * num + 1:2 * num + 1 + tokens.numel()]
+    if token_mask is not None:
+        flat = [token for token, real in zip(flat, host[2 * num + 1 + tokens.numel():]) if real]
+    total = sum(host_prompt_lens) + sum(host_response_lens)
+    if total != num_rows:
         raise ValueError(f"the engine's log-probs hold {num_rows} rows, the micro-batch's prompts + responses "
-                         f"{int(lengths.sum())} tokens")
-    if bool((prompt_lens == 0).any()):
+                         f"{total} tokens")
+    if 0 in host_prompt_lens:
         raise ValueError("a sample has an empty prompt; ERPO needs at least one prompt token per sample")
+    if host[2 * num]:
+        raise ValueError(ADVANTAGES_VARY)
+    bounds = [0] + list(itertools.accumulate(host_prompt_lens))
+    prompt_ids = [flat[start:end] for start, end in zip(bounds, bounds[1:])]
+    lengths = prompt_lens + response_lens
     ends = lengths.cumsum(0)
     rows = torch.arange(num_rows, device=device)
     sample = torch.searchsorted(ends, rows, right=True)     # the sample whose [start, end) holds the row
@@ -147,19 +179,37 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int) -> ActorRows:
     slot = torch.where(in_response, slot, 0).clamp(max=max(response_mask.shape[1] - 1, 0))
     scored_response = in_response & response_mask.bool()[sample, slot]
     kind = torch.where(scored_response, 2, torch.where(position < prompt_lens[sample] - 1, 1, 0))
-    return ActorRows(kind.long(), sample.long(), slot.long(), prompt_ids)
+    return ActorRows(kind.long(), sample.long(), slot.long(), in_response, prompt_ids)
 
 
-def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """verl's token-level advantages [B, R] -> one per sample [B]: the outcome estimators (GRPO, RLOO, ...)
-    broadcast one value over the response; a per-token advantage (GAE) is refused."""
+def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's token-level advantages [B, R] -> (one per sample [B] fp32, whether any varies along its response: a
+    0-dim bool on the device, no read; `actor_rows` refuses it in its read). The outcome estimators (GRPO, RLOO,
+    ...) broadcast one value over the response; a per-token advantage (GAE) is refused."""
     mask = response_mask.bool()
     first = torch.where(mask.any(1), mask.float().argmax(1), 0)
     per_sample = torch.where(mask.any(1), advantages.float().gather(1, first[:, None]).squeeze(1), 0.0)
-    if bool((mask & (advantages.float() != per_sample[:, None])).any()):
-        raise ValueError("ERPO needs one advantage per sample (an outcome estimator such as grpo or rloo); these "
-                         "advantages vary along the response (algorithm.adv_estimator=gae?)")
-    return per_sample
+    return per_sample, (mask & (advantages.float() != per_sample[:, None])).any()
+
+
+def vanilla_pg_metrics(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                       response_mask: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """The metrics of verl's `compute_policy_loss_vanilla` (0.9.1) on [B, R] response-aligned values, as 0-dim device
+    tensors: its formulas, without its three `.item()` reads. pg_clipfrac: the clipped branch's fraction; ppo_kl:
+    the mean of -log ratio (clamped to +-20); pg_clipfrac_lower: the dual clip's fraction on negative advantages."""
+    from verl.utils.torch_functional import masked_mean
+    clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-VERL_LOG_RATIO_CLAMP, max=VERL_LOG_RATIO_CLAMP)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * config.get("clip_ratio_c", 3.0)
+    return {"actor/pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
+            "actor/ppo_kl": masked_mean(-negative_approx_kl, response_mask),
+            "actor/pg_clipfrac_lower": masked_mean(
+                torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)}
 
 
 def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSettings,
@@ -170,9 +220,8 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     [B, prompt + response] from the engine's forward; `data`: the micro-batch TensorDict (prompts, responses,
     response_mask, old_log_probs, advantages, optional rollout_is_weights and ref_log_prob, and the global batch
     info dp_size / batch_num_tokens / global_batch_size verl's engine sets)."""
-    from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
     from verl.utils.metric import AggregationType, Metric
-    from verl.workers.utils.padding import no_padding_2_padding
 
     check_actor_config(config)
     log_probs, entropy = model_output["log_probs"], model_output.get("entropy", None)
@@ -191,7 +240,8 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
         name for name in ("rollout_is_weights", "ref_log_prob") if name in data]
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].bool()
-    rows = actor_rows(data, response_mask, token_logp.shape[0])
+    advantages, advantages_vary = sample_advantages(padded["advantages"], response_mask)
+    rows = actor_rows(data, response_mask, token_logp.shape[0], advantages_vary)
     rollout_is_weights = padded.get("rollout_is_weights", None)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError("actor.entropy_coeff != 0 but the engine computed no entropy (calculate_entropy)")
@@ -199,9 +249,9 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
 
     ref_query_logp = query_weight = None
     if reference is not None and settings.needs_reference:
-        ell, weight = reference.lookup(rows.prompt_ids)
-        ref_query_logp = ell.to(token_logp.device) if settings.qkl_coef != 0 else None
-        query_weight = weight.to(token_logp.device) if settings.query_weight == "static" else None
+        ell, weight = to_device(torch.stack(reference.lookup(rows.prompt_ids)), token_logp.device)  # no wait
+        ref_query_logp = ell if settings.qkl_coef != 0 else None
+        query_weight = weight if settings.query_weight == "static" else None
     elif settings.needs_reference:
         raise ValueError("erpo_ppo_loss needs the reference cache (ell_theta0, w) for qkl_coef != 0 or "
                          "query_weight='static'")
@@ -223,38 +273,40 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
         num_items=1 if mode == "token-sum" else batch_num_tokens, num_seqs=global_batch_size)
     out = logprob_erpo_loss(
         token_logp, rows.token_kind, rows.sample_index, entropy=row_entropy,
-        advantages=sample_advantages(padded["advantages"], response_mask), ref_query_logp=ref_query_logp,
+        advantages=advantages, ref_query_logp=ref_query_logp,
         query_weight=query_weight, old_logp=rows.scatter(padded["old_log_probs"]),
         ref_logp=rows.scatter(padded["ref_log_prob"]) if config.use_kl_loss else None,
         token_weight=None if rollout_is_weights is None else rows.scatter(rollout_is_weights), **options)
     scale = dp_size / horizon
     loss = out.loss * scale
 
-    # verl's metrics, under verl's names and by verl's own functions (detached), then ERPO's.
+    # verl's metrics, under verl's names and by verl's formulas (detached), then ERPO's: device values read in one copy
     with torch.no_grad():
-        log_prob = no_padding_2_padding(token_logp.detach(), data)
-        _, pg_metrics = get_policy_loss_fn("vanilla")(
-            old_log_prob=padded["old_log_probs"], log_prob=log_prob, advantages=padded["advantages"],
-            response_mask=response_mask, loss_agg_mode=mode, config=config, rollout_is_weights=rollout_is_weights)
-        metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
-        metrics["actor/pg_loss"] = Metric(value=out.metrics["pg_loss"] * scale, aggregation=aggregation)
+        width = response_mask.shape[1]
+        log_prob = rows.gather(token_logp.detach(), width)     # verl's no_padding_2_padding, without its reads
+        values = {name: (value, AggregationType.MEAN) for name, value in vanilla_pg_metrics(
+            padded["old_log_probs"], log_prob, padded["advantages"], response_mask, config).items()}
+        values["actor/pg_loss"] = (out.metrics["pg_loss"] * scale, aggregation)
         if entropy is not None:
-            entropy_loss = agg_loss(loss_mat=no_padding_2_padding(row_entropy.detach(), data), loss_mask=response_mask,
-                                    loss_agg_mode=mode, **config.global_batch_info)
-            metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=aggregation)
+            values["actor/entropy_loss"] = (agg_loss(
+                loss_mat=rows.gather(row_entropy.detach(), width), loss_mask=response_mask, loss_agg_mode=mode,
+                **config.global_batch_info), aggregation)
         if config.use_kl_loss:
             kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
-            metrics["kl_loss"] = Metric(value=agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=mode,
-                                                       **config.global_batch_info), aggregation=aggregation)
-            metrics["kl_coef"] = config.kl_loss_coef
+            values["kl_loss"] = (agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=mode,
+                                          **config.global_batch_info), aggregation)
         queries = sum(len(ids) > 1 for ids in rows.prompt_ids)   # samples with query rows
         if "qkl" in out.metrics and queries:  # a metric that does not apply to the loss is left out
             # the loss's qkl is sum_s qkl_s / num_seqs; logged as the mean over this micro-batch's queries
             qkl_mean = out.metrics["qkl"] * (global_batch_size if global_batch_size is not None else queries) / queries
-            metrics["actor/qkl"] = Metric(value=qkl_mean, aggregation=AggregationType.MEAN)
-        metrics["actor/query_logp"] = Metric(value=out.metrics["query_logp_mean"], aggregation=AggregationType.MEAN)
+            values["actor/qkl"] = (qkl_mean, AggregationType.MEAN)
+        values["actor/query_logp"] = (out.metrics["query_logp_mean"], AggregationType.MEAN)
         if query_weight is not None:
-            metrics["actor/query_weight_mean"] = Metric(value=query_weight.mean(), aggregation=AggregationType.MEAN)
+            values["actor/query_weight_mean"] = (query_weight.mean(), AggregationType.MEAN)
+        read = torch.stack([value.double() for value, _ in values.values()]).tolist()   # the metrics' one read
+    metrics = {name: Metric(value=number, aggregation=kind) for (name, (_, kind)), number in zip(values.items(), read)}
+    if config.use_kl_loss:
+        metrics["kl_coef"] = config.kl_loss_coef
     return loss, metrics
 
 

@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # before verl: its plugins (ours too) load on import
 verl = pytest.importorskip("verl")
-pytest.importorskip("tensordict")
+tensordict = pytest.importorskip("tensordict")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
@@ -21,6 +21,7 @@ from bench import verl_engine  # noqa: E402  (registers the CPU platform before 
 from erpo.integrations.verl import (  # noqa: E402
     ERPOSettings,
     QueryReference,
+    actor_rows,
     check_actor_config,
     erpo_loss_fn,
     load_or_build_reference,
@@ -28,6 +29,7 @@ from erpo.integrations.verl import (  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import prompt_hash  # noqa: E402
 from erpo_kernels import erpo_loss, from_padded  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "3*33="]
@@ -320,6 +322,53 @@ def test_loss_inputs_are_checked_as_erpo_loss_checks_them(tiny):
     data["rollout_is_weights"] = -data["rollout_is_weights"]
     with pytest.raises(ValueError, match="token_weight must be finite and >= 0 on scored rows"):
         verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), OFF, None))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["jagged", "padded-fields"])
+@pytest.mark.parametrize("with_reference", [False, True], ids=["no-reference", "reference"])
+def test_host_reads_per_micro_batch(tiny, nested, with_reference):
+    """erpo_ppo_loss reads the host 3 times a micro-batch, counted by LaunchCounter on the CPU (the engine's device)
+    around the loss function on verl's engine (not the forward before it, nor the backward after it): the rows' one
+    read (lengths, prompt tokens and the advantages' check in one copy), the kernels' value checks (validate=True)
+    and the metrics' one read; the looked-up ell_theta0(q) and w(q) are uploaded from pinned memory without a wait.
+    Before 2026-11-26: 29 reads on jagged fields, 27 on padded ones, and 2 blocking uploads with the reference
+    (one read per sample in verl's no_padding_2_padding, three in its policy-loss metrics, one per Metric)."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    config = actor_config()
+    data = batch(tiny, engine, nested=nested)
+    settings, reference = (ERPOSettings(qkl_coef=0.5), reference_of(tiny, batch(tiny, engine, nested=False))) \
+        if with_reference else (OFF, None)
+    loss_fn, counts = erpo_loss_fn(config, settings, reference), []
+
+    def counted(*args, **kwargs):
+        with LaunchCounter(device="cpu") as counter:
+            out = loss_fn(*args, **kwargs)
+        counts.append(dict(counter.sync_names))
+        return out
+
+    verl_engine.loss_and_grads(engine, data, counted)
+    assert counts == [{"Tensor.tolist": 2, "aten._local_scalar_dense": 1}] * 2, counts   # two micro-batches
+
+
+def test_actor_rows_read_padded_fields_and_refuse_a_mismatch():
+    """actor_rows on left-padded prompts: the prompts' real tokens, rows of each kind where verl's layout puts them,
+    `gather` = verl's no_padding_2_padding; a row count other than the fields' and an empty prompt are refused."""
+    from verl.workers.utils.padding import no_padding_2_padding
+    prompts, responses = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[3, 4, 2], [5, 0, 0]])
+    attention = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    data = tensordict.TensorDict(prompts=prompts, responses=responses, attention_mask=attention, batch_size=[2])
+    response_mask = torch.tensor([[1, 0, 1], [1, 0, 0]])   # a tool output at the first sample's second token
+    rows = actor_rows(data, response_mask, 9)
+    assert rows.prompt_ids == [[5, 6], [7, 8, 9]]
+    assert rows.token_kind.tolist() == [1, 2, 0, 2, 0, 1, 1, 2, 0]
+    values = torch.arange(9.0)
+    assert torch.equal(rows.gather(values, 3), no_padding_2_padding(values, data))
+    with pytest.raises(ValueError, match=r"^the engine's log-probs hold 10 rows, the micro-batch's prompts \+ "
+                                         r"responses 9 tokens$"):
+        actor_rows(data, response_mask, 10)
+    data["attention_mask"] = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="a sample has an empty prompt; ERPO needs at least one prompt token"):
+        actor_rows(data, response_mask, 7)
 
 
 def test_settings_are_checked():
