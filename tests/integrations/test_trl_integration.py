@@ -460,7 +460,7 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
         expected = torch.tensor([trainer.reference_cache.entries[prompt_hash(p)] for p in device_rows])
         assert torch.equal(ell, expected[:, 0].float()) and torch.equal(weight, expected[:, 1].float())
     assert counts[0]["Tensor.cpu"] == 1 and not {"Tensor.tolist", "aten.index"} & counts[0].keys(), counts
-    assert counts[1] == {"upload": 2}, counts
+    assert counts[1] == {}, counts   # uploaded from pinned memory, no wait
     assert torch.equal(ell, forward_ell.float())   # added at theta0, looked up after it
     # a micro-batch without the host lists (a subclass's own _generate_and_score_completions): the device rows are
     # read instead, to the same values
@@ -469,6 +469,43 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
         ell_read, weight_read = trainer._reference_of(without, "train_dataset", lambda: forward_ell)
     assert torch.equal(ell_read, ell) and torch.equal(weight_read, weight)
     assert counter.sync_names["Tensor.tolist"] == len(device_rows), dict(counter.sync_names)
+
+
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused"])
+def test_host_reads_per_micro_batch(tiny, tmp_path, fused_linear):
+    """One micro-batch's `_compute_loss` and backward after theta0 (grpo with the Policy-KL, the Query-KL and static
+    w(q)), counted by LaunchCounter on the CPU: the model forward's read (inside transformers: its sdpa mask reads
+    `padding_mask.all()`), the kernels' value checks (validate=True), the metrics' one read, and on the fused-linear
+    path the selection of the scored rows (`completion_rows`); no blocking upload (ell_theta0 and w go up from
+    pinned memory without a wait). Before 2026-11-26: 13 reads (logits) / 14 (fused), one per metric, and 2
+    blocking uploads; TRL's own `_compute_loss` reads 12 times on this micro-batch."""
+    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, beta=0.04, fused_linear=fused_linear)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    trainer.at_theta0 = False
+    inputs = with_logps(trainer, trl_inputs(trainer), old=True)
+    with LaunchCounter(device="cpu") as counter:  # the trainer's device
+        ERPOTrainer._compute_loss(trainer, trainer.model, inputs).backward()
+    expected = {"aten._local_scalar_dense": 2, "Tensor.tolist": 1} | ({"Tensor.cpu": 1} if fused_linear else {})
+    assert dict(counter.sync_names) == expected, counter.sync_names
+    assert {"kl", "qkl", "query_weight_mean", "clip_ratio/low_min"} <= trainer._metrics["train"].keys()
+
+
+def test_clip_ratio_extremes_leave_out_unscored_sequences(tiny, tmp_path):
+    """clip_ratio/low_min and high_max over the sequences with scored tokens (TRL drops the NaN of the others), NaN
+    when none has any, computed on the device without TRL's boolean index."""
+    trainer = make_trainer(tiny, tmp_path)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    ratio = torch.tensor([[0.5, 1.0], [0.1, 0.1], [1.5, 1.0]])
+    advantages = torch.tensor([[-1.0], [-1.0], [1.0]])
+
+    def global_mean(values):
+        return (values * mask).sum() / mask.sum()
+
+    values = trainer._clip_ratios(mask, ratio, advantages, global_mean)
+    assert values["clip_ratio/low_min"].item() == 0.0 and values["clip_ratio/high_max"].item() == 1.0
+    values = trainer._clip_ratios(torch.zeros_like(mask), ratio, advantages, global_mean)
+    assert values["clip_ratio/low_min"].isnan() and values["clip_ratio/high_max"].isnan()
 
 
 def test_prompts_added_at_theta0_are_shared_by_every_process(tiny, tmp_path, monkeypatch):

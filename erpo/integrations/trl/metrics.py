@@ -1,6 +1,8 @@
 """ERPOTrainer's logged loss metrics: TRL's own (same names and reductions over processes), then ERPO's (qkl,
 query_logp, query_weight_mean). A metric that does not apply to the call is left out, as TRL leaves out its own (no
-`kl` without a reference model). A mixin of ERPOTrainer (it writes the trainer's `_metrics`)."""
+`kl` without a reference model). Each is reduced over the processes on the device, and a micro-batch's metrics
+are read on the host in one copy (TRL reads each with its own `.item()`). A mixin of ERPOTrainer (it writes the
+trainer's `_metrics`)."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +23,9 @@ class LossMetricsMixin:
 
     def _log_loss_metrics(self, mode: str, inputs: dict, rows: CompletionRows, out, query_weight, options,
                           aux_loss) -> None:
+        """Append this micro-batch's metrics to `_metrics[mode]`: one host read for all of them."""
         metrics = self._metrics[mode]
+        values = {}   # name -> 0-dim device tensor, read below
         mask = rows.layout.response_mask
         logp = rows.loss_rows.gather(out.token_logp)
         old = inputs.get("old_per_token_logps")
@@ -33,7 +37,7 @@ class LossMetricsMixin:
 
         def global_mean(values):
             total = self.accelerator.reduce(masked_mean(values, mask), reduction="sum")
-            return (total[0] / total[1].clamp(min=1.0)).item()
+            return total[0] / total[1].clamp(min=1.0)
 
         qkl_part = options["qkl_coef"] * out.metrics["qkl"] if options["qkl_coef"] != 0 else 0.0
         if self._entropy_bonus_enabled:  # TRL's loss before the bonus (a mean over the rows the entropy filter
@@ -41,45 +45,50 @@ class LossMetricsMixin:
             policy_loss = out.loss.detach() + options["entropy_coef"] * out.metrics["kept_entropy"] - qkl_part
             if mode == "train" and self.loss_type not in BATCH_NORMALIZED:
                 policy_loss = policy_loss * self.current_gradient_accumulation_steps
-            metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            values["policy_loss"] = self.accelerator.gather(policy_loss).nanmean()
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
         if aux_loss is not None:
-            metrics["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+            values["aux_loss"] = self.accelerator.gather_for_metrics(aux_loss.detach()).mean()
         if self.beta != 0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.expm1(ref - logp) - (ref - logp)
-            metrics["kl"].append(global_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
-        metrics["entropy"].append(global_mean(rows.loss_rows.gather(out.entropy)))
+            values["kl"] = global_mean(kl * ratio if self.args.use_bias_correction_kl else kl)
+        values["entropy"] = global_mean(rows.loss_rows.gather(out.entropy))
         if PG_OBJECTIVES[self.loss_type] == "ppo-clip":
-            self._log_clip_ratios(metrics, mask, ratio, advantages, global_mean)
+            values.update(self._clip_ratios(mask, ratio, advantages, global_mean))
         elif self.loss_type == "cispo":   # truncated weights of positive advantages only (our clip_frac counts all)
-            metrics["cispo_clip_ratio"].append(global_mean(((ratio > self.epsilon_high) & (advantages > 0)).float()))
+            values["cispo_clip_ratio"] = global_mean(((ratio > self.epsilon_high) & (advantages > 0)).float())
         elif self.loss_type == "vespo":   # a mean over all B samples, phi = 1 for one without scored tokens (w = 1)
             num, scored = mask.shape[0], (mask.sum(-1) > 0).sum()
             phi_sum = out.metrics["vespo_phi_mean"].float() * scored + (num - scored)
             total = self.accelerator.reduce(torch.stack([phi_sum, phi_sum.new_tensor(float(num))]), reduction="sum")
-            metrics["vespo/phi_seq_mean"].append((total[0] / total[1].clamp(min=1.0)).item())
+            values["vespo/phi_seq_mean"] = total[0] / total[1].clamp(min=1.0)
 
         num = inputs["prompt_ids"].shape[0]
         if "qkl" in out.metrics:  # absent without ref_query_logp; the loss's qkl is a sum over samples / num_seqs
-            metrics["qkl"].append(self.accelerator.gather(out.metrics["qkl"] * options["num_seqs"] / num).mean().item())
-        metrics["query_logp"].append(self.accelerator.gather(out.query_logp.mean()).mean().item())
+            values["qkl"] = self.accelerator.gather(out.metrics["qkl"] * options["num_seqs"] / num).mean()
+        values["query_logp"] = self.accelerator.gather(out.query_logp.mean()).mean()
         if query_weight is not None:
-            metrics["query_weight_mean"].append(self.accelerator.gather(query_weight.float().mean()).mean().item())
+            values["query_weight_mean"] = self.accelerator.gather(query_weight.float().mean()).mean()
+        read = torch.stack([value.double() for value in values.values()]).tolist()   # the one host read
+        for name, number in zip(values, read):
+            metrics[name].append(number)
 
-    def _log_clip_ratios(self, metrics, mask, ratio, advantages, global_mean) -> None:
-        """TRL's clip_ratio/* of the clipped-surrogate loss types."""
+    def _clip_ratios(self, mask, ratio, advantages, global_mean) -> dict[str, torch.Tensor]:
+        """TRL's clip_ratio/* of the clipped-surrogate loss types, as 0-dim device tensors."""
         low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
-        metrics["clip_ratio/low_mean"].append(global_mean(low))
-        metrics["clip_ratio/high_mean"].append(global_mean(high))
-        metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
+        values = {"clip_ratio/low_mean": global_mean(low), "clip_ratio/high_mean": global_mean(high),
+                  "clip_ratio/region_mean": global_mean(torch.maximum(low, high))}
 
         def per_sequence(values):  # NaN for sequences without scored tokens, as TRL
             return values.squeeze(1) if values.shape[1] == 1 else (values * mask).sum(-1) / mask.sum(-1)
 
-        for name, values, reduce in (("low_min", low, torch.min), ("high_max", high, torch.max)):
-            gathered = self.accelerator.gather(per_sequence(values))
-            gathered = gathered[~gathered.isnan()]
-            metrics[f"clip_ratio/{name}"].append(reduce(gathered).item() if gathered.numel() else float("nan"))
+        for name, fractions, reduce, neutral in (("low_min", low, torch.min, float("inf")),
+                                                 ("high_max", high, torch.max, -float("inf"))):
+            gathered = self.accelerator.gather(per_sequence(fractions))
+            unscored = gathered.isnan()   # TRL drops them (a boolean index, a host read): here the neutral value
+            extreme = reduce(torch.where(unscored, neutral, gathered))
+            values[f"clip_ratio/{name}"] = torch.where(unscored.all(), float("nan"), extreme)   # NaN: none scored
+        return values

@@ -26,7 +26,7 @@ from transformers.utils import logging
 from erpo.models.lora import reference_model
 from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import PackedBatch, model_precision, scored_token_logp
+from erpo.sequences import PackedBatch, model_precision, scored_token_logp, to_device
 from erpo_kernels import query_weights, token_logprobs
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
@@ -288,9 +288,9 @@ class ReferenceMixin:
 
     def _reference_of(self, inputs: dict, source: str, forward_query_logp) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B], static w [B]) of the micro-batch's prompts, by their token ids (the host lists under
-        PROMPT_TOKEN_IDS: no read of the device prompt_ids), from `source` (the data set, for errors). At theta0
-        ell_theta0 is `forward_query_logp()` [B] (float64: this forward's ell_theta(q), detached), and the prompts
-        the cache lacks are added with it."""
+        PROMPT_TOKEN_IDS: no read of the device prompt_ids), uploaded from pinned memory without a wait, from
+        `source` (the data set, for errors). At theta0 ell_theta0 is `forward_query_logp()` [B] (float64: this
+        forward's ell_theta(q), detached), and the prompts the cache lacks are added with it."""
         prompt_ids = inputs.get(PROMPT_TOKEN_IDS)  # host lists: the lookup reads nothing from the device
         if prompt_ids is None:  # a subclass's own _generate_and_score_completions: read the device rows instead
             prompt_ids = device_prompt_ids(inputs)
@@ -298,13 +298,14 @@ class ReferenceMixin:
         if self.at_theta0:
             ell = forward_query_logp()
             self._add_at_theta0(prompt_ids, ell.cpu())
-            return ell.float(), self.reference_cache.lookup(prompt_ids)[1].to(device)
+            return ell.float(), to_device(self.reference_cache.lookup(prompt_ids)[1], device)   # no wait
         self._check_cached(self.reference_cache, prompt_ids, (
             f"and theta0 is gone (an optimizer step was taken): it comes from the {source}, which ERPOTrainer did not "
             "read at construction (an IterableDataset is read up to ERPOConfig.iterable_prompts rows); pass it as "
             "train_dataset / eval_dataset, raise iterable_prompts, or evaluate it before training"))
-        ell, weight = self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)
-        return ell.to(device), weight.to(device)
+        ell, weight = to_device(torch.stack(self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)),
+                                device)   # one upload for both
+        return ell, weight
 
     def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:
         """Add the prompts the cache lacks with their ell_theta0 [B] (float64) taken from the forward at theta0, and
