@@ -42,25 +42,31 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
+def to_device_together(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Integer or bool host tensors on `device` in one upload (`to_device` of their concatenation as int64), each in
+    its own shape and dtype: the same values."""
+    parts = to_device(torch.cat([t.reshape(-1).long() for t in tensors]), device).split([t.numel() for t in tensors])
+    return [part.reshape(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
+
+
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
          response_scored: list[bool] | None = None,
          response_logp: list[list[float]] | None = None) -> PackedBatch:
-    """Right-pad prompt + response token lists into a PackedBatch on `device`. A sample whose
-    `response_scored` entry is False keeps its query rows but its response rows are not scored.
+    """Right-pad prompt + response token lists into a PackedBatch on `device`: built on the host from the lists,
+    uploaded in one copy from pinned memory without a wait (`to_device_together`). A sample whose `response_scored`
+    entry is False keeps its query rows but its response rows are not scored.
     `response_logp` (one log-prob per response token, from the rollout engine) becomes `rollout_logp`."""
     if len(prompt_ids) != len(response_ids) or not prompt_ids:
         raise ValueError(f"prompt_ids and response_ids must be non-empty and of equal length, got "
                          f"{len(prompt_ids)} and {len(response_ids)}")
-    width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    batch = len(prompt_ids)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((batch, width), dtype=torch.long)
-    resp = torch.zeros((batch, width), dtype=torch.long)
-    sampled_logp = None if response_logp is None else torch.zeros((batch, width), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attn[i, :len(p) + len(r)] = 1
-        resp[i, len(p):len(p) + len(r)] = 1
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(lengths)
+    pairs = list(zip(prompt_ids, response_ids, lengths))
+    ids = torch.tensor([[*p, *r] + [pad_id] * (width - n) for p, r, n in pairs], dtype=torch.long)
+    attn = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], dtype=torch.long)
+    resp = torch.tensor([[0] * len(p) + [1] * len(r) + [0] * (width - n) for p, r, n in pairs], dtype=torch.long)
+    sampled_logp = None if response_logp is None else torch.tensor([[0.0] * width] * len(pairs), dtype=torch.float32)
+    for i, (p, r, _) in enumerate(pairs):
         if sampled_logp is not None:  # the row at position t predicts token t + 1
             if len(response_logp[i]) != len(r):
                 raise ValueError(f"sample {i}: {len(response_logp[i])} rollout log-probs for {len(r)} response tokens")
@@ -71,10 +77,11 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
         packed.token_kind[(packed.token_kind == 2) & masked[packed.sample_index]] = 0
     rows = packed.token_kind != 0
     host_layout = torch.stack((packed.token_kind[rows], packed.sample_index[rows]))  # built here: nothing to read
-    token_kind, sample_index = host_layout.to(device)  # one upload for both
-    return PackedBatch(ids.to(device), attn.to(device), rows.to(device), packed.targets[rows].to(device), token_kind,
-                       sample_index, None if sampled_logp is None else sampled_logp.reshape(-1)[rows].to(device),
-                       rows.nonzero().squeeze(1).to(device), host_layout)
+    input_ids, attention_mask, on_device_rows, targets, layout, row_index = to_device_together(   # one upload, no wait
+        [ids, attn, rows, packed.targets[rows], host_layout, rows.nonzero().squeeze(1)], device)
+    return PackedBatch(input_ids, attention_mask, on_device_rows, targets, layout[0], layout[1],
+                       None if sampled_logp is None else to_device(sampled_logp.reshape(-1)[rows], device),
+                       row_index, host_layout)
 
 
 def final_hidden(model, batch: PackedBatch) -> torch.Tensor:

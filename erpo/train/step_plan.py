@@ -56,7 +56,8 @@ def plan_step(cfg: Config, rollout: Rollout, ps: PromptSet, pad_id: int, device)
         first = torch.zeros(1, dtype=torch.long)
         stand_in = MicroBatch(first, 0.0, pack_rollout(cfg, rollout, first, ps, pad_id, device))
         micro_batches += [stand_in] * missing
-    local = torch.tensor([sum(int((mb.batch.token_kind == 2).sum()) for mb in micro_batches if mb.weight), len(kept)])
+    response_rows = sum(int((mb.batch.host_layout[0] == 2).sum()) for mb in micro_batches if mb.weight)  # on the host
+    local = torch.tensor([response_rows, len(kept)])
     num_items, num_seqs = D.all_reduce_sum(local).tolist()
     return StepPlan(rollout, micro_batches, num_items, num_seqs)
 

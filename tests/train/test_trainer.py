@@ -256,6 +256,36 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     assert names == {"aten._local_scalar_dense": 8, "Tensor.tolist": 1}, names   # the step's metrics, in one read
 
 
+def test_plan_step_uploads_each_micro_batch_without_a_wait(tmp_path, cache_dir, monkeypatch):
+    """plan_step packs each micro-batch on the host and uploads it in one copy from pinned memory without a wait
+    (`erpo.sequences.to_device_together`), and counts the response rows on the host layout it built: counted by
+    LaunchCounter on the CPU, no sync at all. The rollout's tensors and pack's layout (`from_padded` of the host
+    lists' tensors) are host memory, which the counter cannot see on the CPU: they are marked. Before 2026-11-26: 4
+    blocking uploads and a read of token_kind per micro-batch counted here (6 uploads by the code: the counter took
+    torch.full's and torch.zeros' host tensors for device tensors)."""
+    import erpo.sequences as sequences
+    from launch_counts import LaunchCounter
+    real_plan, real_layout, counts = trainer_module.plan_step, sequences.from_padded, []
+    counter = LaunchCounter(device="cpu")
+
+    def host_layout(*args, **kwargs):
+        layout = real_layout(*args, **kwargs)
+        counter.host_memory(layout.targets, layout.token_kind, layout.sample_index)
+        return layout
+
+    def counted(cfg, rollout, *args):
+        counter.sync_names.clear()
+        with counter:
+            counter.host_memory(rollout.prompts, rollout.truncated, rollout.keep)
+            plan = real_plan(cfg, rollout, *args)
+        counts.append((len(plan.micro_batches), dict(counter.sync_names)))
+        return plan
+    monkeypatch.setattr(sequences, "from_padded", host_layout)
+    monkeypatch.setattr(trainer_module, "plan_step", counted)
+    train(small_cfg(tmp_path / "plan", cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=4"))
+    assert counts == [(4, {})], counts
+
+
 def test_micro_batching_does_not_change_the_gradient(tmp_path, cache_dir):
     """The same optimizer step accumulated over 1 or 3 micro-batches gives the same update."""
     finals = []
