@@ -14,7 +14,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.sequences import final_hidden, scored_token_logp
+from erpo.sequences import final_hidden, scored_token_logp, to_device
 from erpo.train.metrics import SUMMED_METRICS, TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.train_state import TrainState
@@ -58,9 +58,9 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
         with whole_lm_head(updater.model) as (weight, bias):
             out = fused_linear_erpo_loss(
                 hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
-                advantages=rollout.advantages[mb.index].to(device),
-                ref_query_logp=ref_query_logp[rollout.prompts[mb.index]].to(device),
-                query_weight=None if query_weight[m] is None else query_weight[m].to(device),
+                advantages=to_device(rollout.advantages[mb.index], device),   # host values: uploaded without a wait
+                ref_query_logp=to_device(ref_query_logp[rollout.prompts[mb.index]], device),
+                query_weight=None if query_weight[m] is None else to_device(query_weight[m], device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
                 rollout_logp=batch.rollout_logp, host_layout=batch.host_layout,  # pack's: no read to plan the chunks
                 **{**options, "top_entropy_gather": entropy_pool(mb.weight)})

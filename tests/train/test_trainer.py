@@ -238,14 +238,20 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     boolean index and its backward were 2 reads each): 13, was 52; and the chunk plan takes the host layout `pack`
     built (`PackedBatch.host_layout`, checked against the rows in the value checks' read): 9, was 13. What remains per
     micro-batch: the model's forward (1, inside transformers: its sdpa mask reads `padding_mask.all()` to choose
-    is_causal) and the loss's value checks (1, validate=True): 4 x 2 + 1."""
+    is_causal) and the loss's value checks (1, validate=True): 4 x 2 + 1. The micro-batch's advantages,
+    ell_theta0(q) and w(q), host values, go up from pinned memory without a wait (3 blocking uploads per micro-batch
+    before 2026-11-26, 12 in this count)."""
     from launch_counts import LaunchCounter
     real, counts = update_step.accumulate_loss, []
 
     def counted(cfg, updater, ref_model, plan, *args, **kwargs):
+        query_weight, ref_query_logp = args[1], args[2]
         with LaunchCounter(device="cpu") as counter:
-            # built on the host by `pack` (on the CPU the counter would take them for device tensors)
-            counter.host_memory(*(mb.batch.host_layout for mb in plan.micro_batches))
+            # host memory (on the CPU the counter would take them for device tensors): the layouts `pack` built, the
+            # rollout's advantages and prompts, the step's sample indices, the cache's ell_theta0(q) and the weights
+            counter.host_memory(*(mb.batch.host_layout for mb in plan.micro_batches), plan.rollout.advantages,
+                                plan.rollout.prompts, *(mb.index for mb in plan.micro_batches), ref_query_logp,
+                                *(w for w in query_weight if w is not None))
             result = real(cfg, updater, ref_model, plan, *args, **kwargs)
         counts.append((len(plan.micro_batches), counter.syncs, counter.sync_names))
         return result
