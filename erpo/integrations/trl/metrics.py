@@ -14,7 +14,7 @@ from erpo.integrations.trl.loss import BATCH_NORMALIZED, PG_OBJECTIVES
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of [B, T] (or per-sequence [B, 1]) values over mask [B, T], as (sum, count) for a global reduction."""
     if values.shape[1] == 1:
-        return torch.stack([values.sum(), torch.tensor(float(values.shape[0]), device=values.device)])
+        return torch.stack([values.sum(), torch.full((), float(values.shape[0]), device=values.device)])  # no upload
     return torch.stack([(values * mask).sum(), mask.sum()])
 
 
@@ -62,7 +62,7 @@ class LossMetricsMixin:
         elif self.loss_type == "vespo":   # a mean over all B samples, phi = 1 for one without scored tokens (w = 1)
             num, scored = mask.shape[0], (mask.sum(-1) > 0).sum()
             phi_sum = out.metrics["vespo_phi_mean"].float() * scored + (num - scored)
-            total = self.accelerator.reduce(torch.stack([phi_sum, phi_sum.new_tensor(float(num))]), reduction="sum")
+            total = self.accelerator.reduce(torch.stack([phi_sum, phi_sum.new_full((), float(num))]), reduction="sum")
             values["vespo/phi_seq_mean"] = total[0] / total[1].clamp(min=1.0)
 
         num = inputs["prompt_ids"].shape[0]
