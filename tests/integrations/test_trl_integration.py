@@ -471,18 +471,23 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
     assert counter.sync_names["Tensor.tolist"] == len(device_rows), dict(counter.sync_names)
 
 
-@pytest.mark.parametrize("fused_linear, level", [(False, "token"), (True, "token"), (False, "sequence")],
-                         ids=["logits", "fused", "logits-sequence"])
-def test_host_reads_per_micro_batch(tiny, tmp_path, fused_linear, level):
+@pytest.mark.parametrize("fused_linear, settings", [
+    (False, {}), (True, {}), (False, dict(importance_sampling_level="sequence")),
+    (False, dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05)),
+    (True, dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05))],
+    ids=["logits", "fused", "logits-sequence", "logits-entropy-filter", "fused-entropy-filter"])
+def test_host_reads_per_micro_batch(tiny, tmp_path, fused_linear, settings):
     """One micro-batch's `_compute_loss` and backward after theta0 (grpo with the Policy-KL, the Query-KL and static
-    w(q)), counted by LaunchCounter on the CPU: the model forward's read (inside transformers: its sdpa mask reads
-    `padding_mask.all()`), the kernels' value checks (validate=True), the metrics' one read, and on the fused-linear
-    path the selection of the scored rows (`completion_rows`); no blocking upload (ell_theta0 and w go up from
-    pinned memory without a wait, the sequence-level metrics' counts are filled on the device). Before 2026-11-26:
-    13 reads (logits) / 14 (fused), one per metric, and 2 blocking uploads (5 with sequence-level ratios); TRL's own
-    `_compute_loss` reads 12 times on this micro-batch."""
-    trainer = make_trainer(tiny, tmp_path, qkl_coef=0.5, beta=0.04, fused_linear=fused_linear,
-                           importance_sampling_level=level)
+    w(q); sequence-level ratios; TRL's entropy filter), counted by LaunchCounter on the CPU: the model forward's read
+    (inside transformers: its sdpa mask reads `padding_mask.all()`), the kernels' value checks (validate=True), the
+    metrics' one read, and on the fused-linear path the selection of the scored rows (`completion_rows`); no
+    blocking upload (ell_theta0 and w go up from pinned memory without a wait, the sequence-level metrics' counts are
+    filled on the device); in one process the entropy filter's quantile needs no gather. Before 2026-11-26: 13 reads
+    (logits) / 14 (fused), one per metric, and 2 blocking uploads (5 with sequence-level ratios); the entropy
+    filter's gather added 4 syncs (logits) / 6 (fused); TRL's own `_compute_loss` reads 12 times on this
+    micro-batch."""
+    trainer = make_trainer(tiny, tmp_path, **{"qkl_coef": 0.5, "beta": 0.04, "fused_linear": fused_linear,
+                                              **settings})
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     trainer.at_theta0 = False
@@ -491,7 +496,7 @@ def test_host_reads_per_micro_batch(tiny, tmp_path, fused_linear, level):
         ERPOTrainer._compute_loss(trainer, trainer.model, inputs).backward()
     expected = {"aten._local_scalar_dense": 2, "Tensor.tolist": 1} | ({"Tensor.cpu": 1} if fused_linear else {})
     assert dict(counter.sync_names) == expected, counter.sync_names
-    assert {"kl", "qkl", "query_weight_mean", "clip_ratio/low_min"} <= trainer._metrics["train"].keys()
+    assert {"kl", "qkl", "query_weight_mean", "clip_ratio/low_min", "entropy"} <= trainer._metrics["train"].keys()
 
 
 def test_clip_ratio_extremes_leave_out_unscored_sequences(tiny, tmp_path):

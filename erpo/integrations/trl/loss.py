@@ -60,8 +60,10 @@ def trl_loss_options(trainer, inputs: dict, mode: str) -> tuple[dict, dict]:
         vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=max(args.vespo_lambda_neg, VESPO_LAMBDA_MIN),
         off_policy_mask_threshold=trainer.off_policy_mask_threshold,
         top_entropy_quantile=trainer.top_entropy_quantile,
+        # the quantile over every process's entropies; in one process over this call's rows, with no gather (whose
+        # padding, sizes and boolean selection cost three host syncs)
         top_entropy_gather=functools.partial(gather_entropies, trainer.accelerator)
-        if trainer.top_entropy_quantile < 1.0 else None,
+        if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1 else None,
         # TRL's entropy bonus: a token mean over the kept tokens of the micro-batch, divided by the accumulation steps
         entropy_coef=applied_entropy_coef(trainer) / accumulation, entropy_agg="token-mean", rollout_is_cap=None,
         num_seqs=num * accumulation)   # per-sample means (grpo, sapo, luspo; the Query-KL) over the optimizer step
