@@ -231,7 +231,8 @@ def test_nonfinite_loss_can_stop_the_run(tmp_path, cache_dir, nan_on_first_call)
     assert saved["nonfinite_skipped"] == 0
 
 
-def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
+@pytest.mark.parametrize("overrides", [(), ("algorithm.top_entropy_quantile=0.5",)], ids=["default", "entropy-filter"])
+def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch, overrides):
     """The loss step (`accumulate_loss`) over 4 micro-batches, counted by LaunchCounter on the CPU: its metrics, the
     non-finite count and the gap are read once per step (before 2026-11-26 each micro-batch read them one by one,
     10 reads each), and the scored rows' hidden states are selected by their positions (`PackedBatch.row_index`: a
@@ -240,7 +241,8 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
     micro-batch: the model's forward (1, inside transformers: its sdpa mask reads `padding_mask.all()` to choose
     is_causal) and the loss's value checks (1, validate=True): 4 x 2 + 1. The micro-batch's advantages,
     ell_theta0(q) and w(q), host values, go up from pinned memory without a wait (3 blocking uploads per micro-batch
-    before 2026-11-26, 12 in this count)."""
+    before 2026-11-26, 12 in this count). With the entropy filter, the same (21 before 2026-11-26: in one process
+    the loss selected the entropy pool from the rows, 3 reads per micro-batch, where it needs no gather)."""
     from launch_counts import LaunchCounter
     real, counts = update_step.accumulate_loss, []
 
@@ -256,7 +258,7 @@ def test_host_reads_per_update_step(tmp_path, cache_dir, monkeypatch):
         counts.append((len(plan.micro_batches), counter.syncs, counter.sync_names))
         return result
     monkeypatch.setattr(update_step, "accumulate_loss", counted)
-    train(small_cfg(tmp_path / "reads", cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=4"))
+    train(small_cfg(tmp_path / "reads", cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=4", *overrides))
     [(micro_batches, syncs, names)] = counts
     assert micro_batches == 4 and syncs == 9, names
     assert names == {"aten._local_scalar_dense": 8, "Tensor.tolist": 1}, names   # the step's metrics, in one read
