@@ -151,21 +151,21 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int,
         prompt_lens, response_lens = prompt_mask.sum(1), real[:, width:].sum(1)
         tokens, token_mask = prompts.reshape(-1), prompt_mask.reshape(-1)   # left padding: selected on the host
     prompt_lens, response_lens = prompt_lens.to(device), response_lens.to(device)
-    num = prompt_lens.shape[0]
     vary = torch.zeros(1, dtype=torch.long, device=device) if advantages_vary is None else advantages_vary.reshape(1)
     parts = [prompt_lens, response_lens, vary, tokens] + ([] if token_mask is None else [token_mask])
     host = torch.cat([part.to(device=device, dtype=torch.long) for part in parts]).tolist()   # the one read
-    host_prompt_lens, host_response_lens = host[:num], host[num:2 * num]
-    flat = host[2 * num + 1:2 * num + 1 + tokens.numel()]
-    if token_mask is not None:
-        flat = [token for token, real in zip(flat, host[2 * num + 1 + tokens.numel():]) if real]
+    part_ends = list(itertools.accumulate(part.numel() for part in parts))
+    host_prompt_lens, host_response_lens, (varies,), flat, *real_tokens = (
+        host[start:end] for start, end in zip([0] + part_ends, part_ends))
+    if real_tokens:
+        flat = [token for token, kept in zip(flat, real_tokens[0]) if kept]
     total = sum(host_prompt_lens) + sum(host_response_lens)
     if total != num_rows:
         raise ValueError(f"the engine's log-probs hold {num_rows} rows, the micro-batch's prompts + responses "
                          f"{total} tokens")
     if 0 in host_prompt_lens:
         raise ValueError("a sample has an empty prompt; ERPO needs at least one prompt token per sample")
-    if host[2 * num]:
+    if varies:
         raise ValueError(ADVANTAGES_VARY)
     bounds = [0] + list(itertools.accumulate(host_prompt_lens))
     prompt_ids = [flat[start:end] for start, end in zip(bounds, bounds[1:])]
