@@ -443,16 +443,18 @@ def test_missing_prompt_is_added_at_theta0_and_refused_after(tiny, tmp_path):
 def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
     """`_reference_of` looks the micro-batch's ell_theta0(q) and w(q) up by the prompts' token ids as host lists
     (PROMPT_TOKEN_IDS, kept from TRL's `_generate`), not by the device prompt_ids (before 2026-11-26 a boolean index
-    and a tolist per sample: 8 reads on 4 samples). Counted by LaunchCounter on the CPU, after theta0: no read, only
-    the two uploads of the looked-up values; at theta0 no read of the prompts either (it reads the forward's
-    ell_theta(q) once, to add it to the cache). The values are the cache's entries of the device rows, bit for bit."""
+    and a tolist per sample: 8 reads on 4 samples). Counted by LaunchCounter on the CPU, after theta0: no sync (the
+    looked-up values go up from pinned memory without a wait; 2 blocking uploads before 2026-11-26); at theta0 no read
+    of the prompts either: it reads the forward's ell_theta(q) once when the cache lacks a prompt, to add it, and not
+    at all when it has them all (one read before 2026-11-26). The values are the cache's entries of the device rows,
+    bit for bit."""
     trainer = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
     inputs = trl_inputs(trainer)
     device_rows = device_prompt_ids(inputs)
     assert inputs[PROMPT_TOKEN_IDS] == device_rows
     forward_ell = torch.tensor([-3.0, -4.5, -2.25, -6.0], dtype=torch.float64)
     counts = []
-    for at_theta0 in (True, False):
+    for at_theta0 in (True, False, True):   # at theta0 the cache lacks the prompts, then has them
         trainer.at_theta0 = at_theta0
         with LaunchCounter(device="cpu") as counter:  # the trainer's device
             ell, weight = trainer._reference_of(inputs, "train_dataset", lambda: forward_ell)
@@ -460,7 +462,7 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
         expected = torch.tensor([trainer.reference_cache.entries[prompt_hash(p)] for p in device_rows])
         assert torch.equal(ell, expected[:, 0].float()) and torch.equal(weight, expected[:, 1].float())
     assert counts[0]["Tensor.cpu"] == 1 and not {"Tensor.tolist", "aten.index"} & counts[0].keys(), counts
-    assert counts[1] == {}, counts   # uploaded from pinned memory, no wait
+    assert counts[1] == {} and counts[2] == {}, counts
     assert torch.equal(ell, forward_ell.float())   # added at theta0, looked up after it
     # a micro-batch without the host lists (a subclass's own _generate_and_score_completions): the device rows are
     # read instead, to the same values

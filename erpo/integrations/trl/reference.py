@@ -297,7 +297,7 @@ class ReferenceMixin:
         device = inputs["prompt_ids"].device
         if self.at_theta0:
             ell = forward_query_logp()
-            self._add_at_theta0(prompt_ids, ell.cpu())
+            self._add_at_theta0(prompt_ids, ell)
             return ell.float(), to_device(self.reference_cache.lookup(prompt_ids)[1], device)   # no wait
         self._check_cached(self.reference_cache, prompt_ids, (
             f"and theta0 is gone (an optimizer step was taken): it comes from the {source}, which ERPOTrainer did not "
@@ -308,12 +308,14 @@ class ReferenceMixin:
         return ell, weight
 
     def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:
-        """Add the prompts the cache lacks with their ell_theta0 [B] (float64) taken from the forward at theta0, and
-        keep them to be shared with the other processes and saved (`_share_theta0_entries`)."""
+        """Add the prompts the cache lacks with their ell_theta0 [B] (float64, on the device) taken from the forward at
+        theta0, and keep them to be shared with the other processes and saved (`_share_theta0_entries`). `ell` is
+        read on the host only when a prompt is missing."""
         new = {prompt_hash(ids): i for i, ids in enumerate(prompt_ids) if prompt_hash(ids) not in
                self.reference_cache.entries}
         if not new:
             return
+        ell = ell.cpu()
         weights = self._held_out_weights(ell[list(new.values())])
         added = {key: (float(ell[i]), float(w)) for (key, i), w in zip(new.items(), weights)}
         self.reference_cache.entries.update(added)
