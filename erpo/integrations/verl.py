@@ -123,7 +123,7 @@ class ActorRows:
 
     def gather(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[N] row values -> [B, width] response-aligned, 0 past each response: verl's `no_padding_2_padding` (its
-        row P - 1 + k at position k, tool outputs included) without its host reads (one per sample)."""
+        row P - 1 + k at position k, tool outputs included) without its host reads (three per sample)."""
         out = values.new_zeros(len(self.prompt_ids), width + 1)
         column = torch.where(self.in_response, self.response_slot, width)   # the other rows go to a spare column
         return out.index_put_((self.sample_index, column), values)[:, :width]

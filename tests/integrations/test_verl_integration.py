@@ -332,7 +332,8 @@ def test_host_reads_per_micro_batch(tiny, nested, with_reference):
     read (lengths, prompt tokens and the advantages' check in one copy), the kernels' value checks (validate=True)
     and the metrics' one read; the looked-up ell_theta0(q) and w(q) are uploaded from pinned memory without a wait.
     Before 2026-11-26: 29 reads on jagged fields, 27 on padded ones, and 2 blocking uploads with the reference
-    (one read per sample in verl's no_padding_2_padding, three in its policy-loss metrics, one per Metric)."""
+    (three reads per sample and up to three more in each of verl's no_padding_2_padding, three in its policy-loss
+    metrics, one per Metric)."""
     engine = engine_for(tiny, use_remove_padding=True)
     config = actor_config()
     data = batch(tiny, engine, nested=nested)
