@@ -390,6 +390,27 @@ def test_pack_scores_prompt_and_response_rows_and_masks_truncated_responses():
     assert batch.rollout_logp.tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.5]
     with pytest.raises(ValueError, match="sample 1: 2 rollout log-probs for 1 response tokens"):
         pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5, -1.0]])
+    # the tensors' types, as the model and the loss take them (uploaded together as int64 and cast back)
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert batch.rows.dtype == torch.bool and batch.rows.tolist() == [1, 1, 1, 1, 0, 1, 1, 0, 0, 0]
+    assert batch.row_index.tolist() == [0, 1, 2, 3, 5, 6] and batch.rollout_logp.dtype == torch.float32
+    assert all(t.dtype == torch.int64 for t in (batch.input_ids, batch.attention_mask, batch.targets,
+                                                 batch.token_kind, batch.sample_index, batch.host_layout))
+    assert batch.host_layout.tolist() == [batch.token_kind.tolist(), batch.sample_index.tolist()]
+
+
+def test_to_device_together_keeps_shapes_dtypes_and_values_without_a_sync():
+    """One upload for several host tensors, each back in its shape and dtype (bool, int32, int64), no sync (on CUDA
+    from pinned memory with non_blocking; LaunchCounter on the CPU sees any blocking upload of a host tensor)."""
+    from erpo.sequences import to_device_together
+    from launch_counts import LaunchCounter
+    with LaunchCounter(device="cpu") as counter:
+        host = [torch.tensor([[3, -1], [2**40, 0]]), torch.tensor([True, False, True]),
+                torch.tensor([7, 8], dtype=torch.int32)]
+        out = to_device_together(host, "cpu")
+    assert counter.syncs == 0, counter.sync_names
+    assert [(t.shape, t.dtype) for t in out] == [(t.shape, t.dtype) for t in host]
+    assert all(torch.equal(a, b) for a, b in zip(out, host))
 
 
 def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, cache_dir):
