@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from typing import Callable
 
@@ -271,33 +272,54 @@ MAX_QUERY_WEIGHT = 2.0   # the upper clip of the static w(q) (paper appendix C);
 
 
 def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_QUERY_WEIGHT, *,
-                  mean_surprisal: float | torch.Tensor | None = None) -> torch.Tensor:
+                  mean_surprisal: float | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """Static per-query weights (paper appendix C): s_i = -ell_theta0(q_i), w_i = clip(mean_j s_j / s_i, 0, 2).
 
     ref_query_logp [Q]: the cached ell_theta0 of every training query (nats, <= 0). max_weight: the upper clip
     (None: unclipped, mean_j s_j / s_i as the official code's per-step current-policy weight). mean_surprisal: the
     mean of s over the set the weights are relative to (nats, > 0; None: these queries' own mean), e.g. the training
-    set's for held-out queries, whose weights then sit on the training queries' scale. Returns w [Q] fp32.
+    set's for held-out queries, whose weights then sit on the training queries' scale. validate: check the values
+    (one host read); False reads nothing and leaves bad values' weights undefined. Returns w [Q] fp32.
     """
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
         raise ValueError("ref_query_logp must hold at least one query")
-    if not bool(torch.isfinite(ref_query_logp).all()):
-        raise ValueError("ref_query_logp must be finite")
-    if bool((ref_query_logp > 0).any()):
-        raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
     surprisal = -ref_query_logp.double()
-    if mean_surprisal is not None:
-        mean = torch.as_tensor(mean_surprisal, dtype=torch.float64, device=surprisal.device)
-        if mean.numel() != 1 or not bool(torch.isfinite(mean)) or not bool(mean > 0):
+    if mean_surprisal is None:
+        mean = surprisal.mean()
+    elif isinstance(mean_surprisal, torch.Tensor):
+        if mean_surprisal.numel() != 1:
             raise ValueError(f"mean_surprisal must be a finite number > 0 (nats), got {mean_surprisal!r}")
-        weights = mean / surprisal
-        return (weights if max_weight is None else weights.clamp(0.0, max_weight)).float()
-    if not bool((surprisal > 0).any()):
+        mean = mean_surprisal.to(device=surprisal.device, dtype=torch.float64).reshape(())
+    else:
+        mean = float(mean_surprisal)   # a host number stays on the host: no upload, checked without a read
+    if validate:
+        _check_surprisal(surprisal, mean, mean_given=mean_surprisal is not None, clipped=max_weight is not None,
+                         mean_surprisal=mean_surprisal)
+    weights = mean / surprisal
+    return (weights if max_weight is None else weights.clamp(0.0, max_weight)).float()
+
+
+def _check_surprisal(surprisal: torch.Tensor, mean: torch.Tensor | float, *, mean_given: bool, clipped: bool,
+                     mean_surprisal) -> None:
+    """query_weights' value checks in one host read: every condition on device values is reduced on the device,
+    stacked and read together, then the first that fails raises (in the order the checks are listed)."""
+    positive = surprisal > 0
+    flags = [~torch.isfinite(surprisal).all(), (surprisal < 0).any(), ~positive.any(), ~positive.all()]
+    mean_on_device = mean_given and isinstance(mean, torch.Tensor)
+    if mean_on_device:
+        flags.append(~(torch.isfinite(mean) & (mean > 0)))
+    failed = torch.stack(flags).tolist()
+    not_finite, positive_logp, all_zero, some_zero = failed[:4]
+    bad_mean = failed[4] if mean_on_device else mean_given and not (math.isfinite(mean) and mean > 0)
+    if not_finite:
+        raise ValueError("ref_query_logp must be finite")
+    if positive_logp:
+        raise ValueError("ref_query_logp holds a positive log-likelihood; expected values <= 0 (nats)")
+    if bad_mean:
+        raise ValueError(f"mean_surprisal must be a finite number > 0 (nats), got {mean_surprisal!r}")
+    if not mean_given and all_zero:
         raise ValueError("ref_query_logp is 0 for every query (empty queries?): the weights mean(s) / s_i are "
                          "undefined")
-    if max_weight is None:
-        if not bool((surprisal > 0).all()):
-            raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")
-        return (surprisal.mean() / surprisal).float()
-    return (surprisal.mean() / surprisal).clamp(0.0, max_weight).float()
+    if not mean_given and not clipped and some_zero:
+        raise ValueError("ref_query_logp is 0 for some query: its unclipped weight mean(s) / 0 is unbounded")

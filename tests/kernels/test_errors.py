@@ -4,8 +4,9 @@ import os
 import pytest
 import torch
 
-from erpo_kernels import ERPOLoss, erpo_loss, query_weights, resolve_backend, token_logprobs
+from erpo_kernels import MAX_QUERY_WEIGHT, ERPOLoss, erpo_loss, query_weights, resolve_backend, token_logprobs
 from helpers import loss_inputs, random_batch
+from launch_counts import LaunchCounter
 
 
 def call(batch, backend="triton", **changes):
@@ -145,6 +146,20 @@ def test_query_weights_relative_to_another_set(device):
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="mean_surprisal must be a finite number > 0"):
             query_weights(logp, mean_surprisal=bad)
+
+
+def test_query_weights_reads_the_host_once_and_not_at_all_unvalidated(device):
+    """Every value check of query_weights in one host read (TRL's current-policy weights call it each micro-batch);
+    validate=False reads nothing and gives the same weights."""
+    logp = torch.tensor([-1.0, -4.0, -20.0], dtype=torch.float64, device=device)
+    mean_on_device = torch.tensor(4.0, dtype=torch.float64, device=device)
+    for max_weight, mean_surprisal in ((MAX_QUERY_WEIGHT, None), (None, None), (MAX_QUERY_WEIGHT, 4.0), (None, 4.0),
+                                       (MAX_QUERY_WEIGHT, mean_on_device)):
+        for validate, reads in ((True, 1), (False, 0)):
+            with LaunchCounter(device) as counter:
+                w = query_weights(logp, max_weight, mean_surprisal=mean_surprisal, validate=validate)
+            assert counter.syncs == reads, (max_weight, mean_surprisal, validate, counter.sync_names)
+            assert torch.equal(w, query_weights(logp, max_weight, mean_surprisal=mean_surprisal))
 
 
 def test_backend_resolution(monkeypatch):
