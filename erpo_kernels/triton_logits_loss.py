@@ -5,10 +5,13 @@ d loss / d logp_t and d loss / d H_t from the objective's gradient coefficients 
 kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel
 folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
-launches, one autograd node and three allocations fewer (the finish's ticket counter costs a fill), all host time at
-a small N (`python -m bench.host_cost`). What depends only on the options and on which inputs are given (the
-objective's settings, kernel arguments and metric slots) comes from one `triton_objective.ObjectivePlan` per distinct
-(options, given inputs).
+launches and one autograd node fewer, all host time at a small N (`python -m bench.host_cost`). The forward's fp32
+tensors are regions of one allocation (`triton_objective.NodeWorkspace`; the counts and the finish's ticket counter, a
+fill, beside it), which the sample kernel finds from one pointer. What depends only on the options and on which
+inputs are given (the objective's settings, kernel arguments, metric slots and the logit transform) comes from one
+`triton_objective.ObjectivePlan` per distinct (options, given inputs), the sample kernel's float settings from one
+device vector per distinct values (`triton_objective.node_scalars`); the metrics record is made on its first read
+(`triton_objective.SlotMetrics`).
 """
 from __future__ import annotations
 

@@ -1032,22 +1032,23 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
                            sample_finish_constexprs, tuple(s[name] for name in NODE_SCALARS))
 
 
-_NODE_SCALARS: Dict[tuple, torch.Tensor] = {}  # (NODE_SCALARS' values, device) -> the fp32 vector on the device
+# (NODE_SCALARS' values, device) -> (the fp32 vector on the device, its host copy)
+_NODE_SCALARS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def node_scalars(arguments: KernelArguments, device: torch.device) -> torch.Tensor:
     """`arguments.node_scalars` as an fp32 vector on `device`, made once per distinct values and device and then
     shared (read-only): a launch passes one pointer, not 21 floats. Made on CUDA by a copy from pinned memory, which
-    does not block the host."""
+    does not block the host; the pinned source is kept with it (a CUDA graph that captured the copy reads it again)."""
     key = (arguments.node_scalars, device)
-    scalars = _NODE_SCALARS.get(key)
-    if scalars is None:
+    cached = _NODE_SCALARS.get(key)
+    if cached is None:
         if len(_NODE_SCALARS) >= _MAX_PLANS:
             _NODE_SCALARS.clear()
         on_cuda = device.type == "cuda"
-        scalars = torch.tensor(arguments.node_scalars, dtype=torch.float32, pin_memory=on_cuda)
-        scalars = _NODE_SCALARS[key] = scalars.to(device, non_blocking=on_cuda)
-    return scalars
+        host = torch.tensor(arguments.node_scalars, dtype=torch.float32, pin_memory=on_cuda)
+        cached = _NODE_SCALARS[key] = (host.to(device, non_blocking=on_cuda), host)
+    return cached[0]
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
