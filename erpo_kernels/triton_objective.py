@@ -285,12 +285,6 @@ def _objective_sample_kernel(
         False, 1)
 
 
-# The one-node loss's fp32 workspace (`NodeWorkspace`), region by region in this order, N rows and S samples: what
-# the logits kernels write (logp, entropy, lse [N]), the objective's gradient coefficients (coef_logp, coef_entropy
-# [N]), query_logp, response_logp [S], the partials [S, NUM_PARTIALS], loss [1], the metrics [len(FLOAT_METRICS)]
-# and the global factors [3]: one allocation, and one pointer to the sample kernel, which finds each region itself.
-NODE_WORKSPACE_REGIONS = ("logp", "entropy", "lse", "coef_logp", "coef_entropy", "query_logp", "response_logp",
-                          "partials", "loss", "metrics", "scales")
 # The scalars `_objective_sample_finish_kernel` loads from one fp32 vector (`node_scalars`), in this order: the
 # sample kernel's float parameters, then the finish's numbers num_items and num_seqs.
 NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp",
@@ -301,8 +295,9 @@ NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log
 
 @triton.jit
 def _node_regions(workspace_ptr, num_rows, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr):
-    """Pointers to the regions of the one-node loss's workspace (NODE_WORKSPACE_REGIONS, lse skipped): logp,
-    entropy, coef_logp, coef_entropy, query_logp, response_logp, partials, loss, metrics, scales."""
+    """Pointers to the regions of the one-node loss's fp32 workspace (`NodeWorkspace`: one allocation, N rows and S
+    samples, its regions in the order of its fields), lse skipped: logp, entropy, coef_logp, coef_entropy [N],
+    query_logp, response_logp [S], partials [S, NUM_PARTIALS], loss [1], metrics [NUM_METRICS], scales [3]."""
     logp_ptr = workspace_ptr
     entropy_ptr = logp_ptr + num_rows
     coef_logp_ptr = entropy_ptr + 2 * num_rows  # after lse
@@ -346,8 +341,8 @@ def _objective_sample_finish_kernel(
     """`_objective_sample_kernel` on each sample's span whose last program also runs kernel 2
     (`_finish_objective`): the one-node loss's objective in one launch (`launch_node_objective`). Its fp32 inputs and
     outputs (logp, entropy, the coefficients, the partials, the finish's results) are regions of one workspace
-    (`_node_regions`), its float settings one vector (`_node_scalars`): 17 parameters besides the constexprs, where
-    the two kernels' launches took 48, each one a launch binds on the host (`python -m bench.host_cost`)."""
+    (`_node_regions`), its float settings one vector (`_node_scalars`): 17 parameters besides the constexprs, was 47,
+    each one a launch binds on the host (`python -m bench.host_cost`)."""
     logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr, \
         loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, num_rows, tl.num_programs(0), NUM_PARTIALS_,
                                                           NUM_METRICS)
@@ -893,10 +888,10 @@ class FinishOutputs(NamedTuple):
 
 
 class NodeWorkspace(NamedTuple):
-    """The one-node loss's fp32 tensors (`triton_logits_loss`) as views of one allocation, `whole`, in
-    NODE_WORKSPACE_REGIONS' order: logp, entropy, lse [N] (the logits kernels' outputs), coef_logp, coef_entropy
-    [N], query_logp, response_logp [S], partials [S * NUM_PARTIALS], loss [] , metrics [len(FLOAT_METRICS)],
-    scales [3]."""
+    """The one-node loss's fp32 tensors (`triton_logits_loss`) as views of one allocation, `whole`, in the order of
+    the fields: logp, entropy, lse [N] (the logits kernels' outputs), coef_logp, coef_entropy [N], query_logp,
+    response_logp [S], partials [S * NUM_PARTIALS], loss [], metrics [len(FLOAT_METRICS)], scales [3]; the sample
+    kernel finds them from `whole` (`_node_regions`)."""
 
     whole: torch.Tensor
     logp: torch.Tensor
