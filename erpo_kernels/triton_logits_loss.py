@@ -5,61 +5,85 @@ d loss / d logp_t and d loss / d H_t from the objective's gradient coefficients 
 kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel
 folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
-launches, one autograd node and three allocations fewer (the finish's ticket counter costs a fill), all host time at
-a small N (`python -m bench.host_cost`). What depends only on the options and on which inputs are given (the
-objective's settings, kernel arguments and metric slots) comes from one `triton_objective.ObjectivePlan` per distinct
-(options, given inputs).
+launches and one autograd node fewer, all host time at a small N (`python -m bench.host_cost`). The forward's fp32
+tensors are regions of one allocation (`triton_objective.NodeWorkspace`; the counts and the finish's ticket counter, a
+fill, beside it), which the sample kernel finds from one pointer. What depends only on the options and on which
+inputs are given (the objective's settings, kernel arguments, metric slots and the logit transform) comes from one
+`triton_objective.ObjectivePlan` per distinct (options, given inputs), the sample kernel's float settings from one
+device vector per distinct values (`triton_objective.node_scalars`); the metrics record is made on its first read
+(`triton_objective.SlotMetrics`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .objective import LossOutput
 from .triton_logits import _forward_variant, _launch_backward, _launch_forward
 from .triton_objective import (
-    FinishOutputs,
+    NodeWorkspace,
     ObjectivePlan,
-    SampleOutputs,
+    launch_node_objective,
     loss_output_in_slots,
     objective_arguments,
-    objective_forward_into,
     objective_plan,
     objective_rows,
 )
-from .validation import LogitTransform, LossInputs, LossOptions
+from .validation import LossInputs, LossOptions
+
+
+class _NodeCall(NamedTuple):
+    """What `_LogitsLoss` takes besides the logits, as one argument: autograd's `apply` handles each argument it is
+    given on the host (about 1 us each in `python -m bench.host_cost`), and none of these takes a gradient.
+    targets [N] int64 (-100 = ignored), token_kind, sample_index [N], spans [2, S]; `outputs`: the list the outputs
+    that carry no gradient are appended to."""
+
+    targets: torch.Tensor
+    inplace_backward: bool
+    token_kind: torch.Tensor
+    sample_index: torch.Tensor
+    spans: torch.Tensor
+    inputs: LossInputs
+    options: LossOptions
+    plan: ObjectivePlan
+    outputs: list
 
 
 class _LogitsLoss(torch.autograd.Function):
-    """forward(logits [N, V], targets [N] int64 (-100 = ignored), transform, inplace_backward, token_kind,
-    sample_index [N], spans [2, S], inputs, options, plan, outputs) -> loss [], differentiable in logits; the
-    outputs that are not (logp, entropy [N], query_logp, response_logp [S], metrics, counts) are appended to the list
-    `outputs` rather than returned: autograd then wraps one output, not seven (`python -m bench.host_cost`)."""
+    """forward(logits [N, V], call: _NodeCall) -> loss [], differentiable in logits; the outputs that are not (logp,
+    entropy [N], query_logp, response_logp [S], metrics, counts) are appended to the list `call.outputs` rather than
+    returned: autograd then wraps one output, not seven (`python -m bench.host_cost`)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, transform: LogitTransform, inplace_backward: bool, token_kind, sample_index,
-                spans, inputs: LossInputs, options: LossOptions, plan: ObjectivePlan, outputs: list):
-        logp, entropy, lse = _launch_forward(logits, targets, transform)
-        loss, query_logp, response_logp, metrics, counts, coef_logp, coef_entropy, scales = objective_forward_into(
-            SampleOutputs.empty(logp.shape[0], inputs.advantages.shape[0], logp.device),
-            FinishOutputs.empty(logp.device, ticket=True), logp, entropy, token_kind, sample_index, spans,
-            *objective_arguments(entropy, token_kind, inputs, options, plan.settings), arguments=plan.arguments)
-        ctx.save_for_backward(logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales)
-        ctx.transform = transform
-        ctx.inplace_backward = inplace_backward
+    def forward(ctx, logits, call: _NodeCall):
+        inputs, plan = call.inputs, call.plan
+        workspace = NodeWorkspace.empty(logits.shape[0], inputs.advantages.shape[0], logits.device)
+        _launch_forward(logits, call.targets, plan.logit_transform,
+                        out=(workspace.logp, workspace.entropy, workspace.lse))
+        *loss_tensors, num_items, num_seqs, entropy_threshold, settings = objective_arguments(
+            workspace.entropy, call.token_kind, inputs, call.options, plan.settings)
+        counts = launch_node_objective(workspace, call.token_kind, call.sample_index, call.spans, loss_tensors,
+                                       num_items, num_seqs, entropy_threshold, settings, plan.arguments)
+        ctx.save_for_backward(logits, call.targets, workspace.lse, workspace.entropy, call.token_kind,
+                              workspace.coef_logp, workspace.coef_entropy, workspace.scales)
+        ctx.transform = plan.logit_transform
+        ctx.inplace_backward = call.inplace_backward
         ctx.variant = _forward_variant[0]  # the backward kernel that goes with the forward that ran
         ctx.set_materialize_grads(False)
-        outputs += (logp, entropy, query_logp, response_logp, metrics, counts)
-        return loss
+        call.outputs.extend((workspace.logp, workspace.entropy, workspace.query_logp, workspace.response_logp,
+                             workspace.metrics, counts))
+        return workspace.loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 11
+            return None, None
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
                          (token_kind, scales, grad_loss.float()), ctx.variant)
-        return (grad_logits,) + (None,) * 10
+        return grad_logits, None
 
 
 def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token_kind: torch.Tensor,
@@ -72,7 +96,7 @@ def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token
     token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
     plan = objective_plan(options, inputs, has_entropy=True)
     outputs = []
-    loss = _LogitsLoss.apply(logits, scored_targets.long().contiguous(), options.logit_transform,
-                             bool(inplace_backward), token_kind, sample_index, spans, inputs, options, plan, outputs)
+    loss = _LogitsLoss.apply(logits, _NodeCall(scored_targets.long().contiguous(), bool(inplace_backward), token_kind,
+                                               sample_index, spans, inputs, options, plan, outputs))
     logp, entropy, query_logp, response_logp, metrics, counts = outputs
     return loss_output_in_slots(loss, logp, entropy, query_logp, response_logp, metrics, counts, plan.metric_slots)

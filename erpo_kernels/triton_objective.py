@@ -61,7 +61,7 @@ from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
 from .triton_segment import SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
-from .validation import LossInputs, LossOptions
+from .validation import LogitTransform, LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
 QUERY_ROWS, RESPONSE_ROWS, QKL, TERM, PG, POLICY_KL, ENTROPY, CLIPPED, RATIO, IS_WEIGHT, GAP_ABS, GAP_MAX, \
@@ -285,37 +285,73 @@ def _objective_sample_kernel(
         False, 1)
 
 
+# The scalars `_objective_sample_finish_kernel` loads from one fp32 vector (`node_scalars`), in this order: the
+# sample kernel's float parameters, then the finish's numbers num_items and num_seqs.
+NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp",
+                "log_rollout_is_cap", "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef",
+                "cispo_clip_max", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "num_items", "num_seqs")
+
+
+@triton.jit
+def _node_regions(workspace_ptr, num_rows, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr):
+    """Pointers to the regions of the one-node loss's fp32 workspace (`NodeWorkspace`: one allocation, N rows and S
+    samples, its regions in the order of its fields), lse skipped: logp, entropy, coef_logp, coef_entropy [N],
+    query_logp, response_logp [S], partials [S, NUM_PARTIALS], loss [1], metrics [NUM_METRICS], scales [3]."""
+    logp_ptr = workspace_ptr
+    entropy_ptr = logp_ptr + num_rows
+    coef_logp_ptr = entropy_ptr + 2 * num_rows  # after lse
+    coef_entropy_ptr = coef_logp_ptr + num_rows
+    query_logp_ptr = coef_entropy_ptr + num_rows
+    response_logp_ptr = query_logp_ptr + num_samples
+    partials_ptr = response_logp_ptr + num_samples
+    loss_ptr = partials_ptr + num_samples * NUM_PARTIALS_
+    metrics_ptr = loss_ptr + 1
+    scales_ptr = metrics_ptr + NUM_METRICS
+    return (logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr,
+            loss_ptr, metrics_ptr, scales_ptr)
+
+
+@triton.jit
+def _node_scalars(scalars_ptr):
+    """The values of NODE_SCALARS, in its order, from the fp32 vector they are stored in (`node_scalars`)."""
+    return (tl.load(scalars_ptr + 0), tl.load(scalars_ptr + 1), tl.load(scalars_ptr + 2), tl.load(scalars_ptr + 3),
+            tl.load(scalars_ptr + 4), tl.load(scalars_ptr + 5), tl.load(scalars_ptr + 6), tl.load(scalars_ptr + 7),
+            tl.load(scalars_ptr + 8), tl.load(scalars_ptr + 9), tl.load(scalars_ptr + 10), tl.load(scalars_ptr + 11),
+            tl.load(scalars_ptr + 12), tl.load(scalars_ptr + 13), tl.load(scalars_ptr + 14),
+            tl.load(scalars_ptr + 15), tl.load(scalars_ptr + 16), tl.load(scalars_ptr + 17),
+            tl.load(scalars_ptr + 18), tl.load(scalars_ptr + 19), tl.load(scalars_ptr + 20))
+
+
 @triton.jit
 def _objective_sample_finish_kernel(
-    logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
-    ref_query_logp_ptr,
-    query_weight_ptr,
-    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr,
-    partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
-    clip_low: tl.float32, clip_high: tl.float32, dual_clip: tl.float32, pg_log_ratio_clamp: tl.float32,
-    log_ratio_clamp: tl.float32, kl_clamp: tl.float32, log_rollout_is_cap: tl.float32, qkl_coef: tl.float32,
-    qkl_linear_beyond: tl.float32, policy_kl_coef: tl.float32, entropy_coef: tl.float32, cispo_clip_max: tl.float32,
-    sapo_temperature_pos: tl.float32, sapo_temperature_neg: tl.float32, vespo_k_pos: tl.float32,
-    vespo_lambda_pos: tl.float32, vespo_k_neg: tl.float32, vespo_lambda_neg: tl.float32,
-    off_policy_mask_threshold: tl.float32,
-    # kernel 2's outputs and numbers, before the constexprs: a launch passes them by position
-    num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items: tl.float32,
-    num_seqs: tl.float32,
+    workspace_ptr, num_rows, kind_ptr, spans_ptr, sample_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
+    old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr, scalars_ptr,
+    num_items_ptr, num_seqs_ptr, counts_ptr,
     HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
     HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
     USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
-    HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
-    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ENTROPY_FILTER: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
     NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
-    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr, NUM_METRICS: tl.constexpr,
 ):
-    """`_objective_sample_kernel` whose last program also runs kernel 2 (`_finish_objective`): the
-    one-node loss's objective in one launch (`launch_sample_kernel` with `finish`)."""
+    """`_objective_sample_kernel` on each sample's span whose last program also runs kernel 2
+    (`_finish_objective`): the one-node loss's objective in one launch (`launch_node_objective`). Its fp32 inputs and
+    outputs (logp, entropy, the coefficients, the partials, the finish's results) are regions of one workspace
+    (`_node_regions`), its float settings one vector (`_node_scalars`): 17 parameters besides the constexprs, was 47,
+    each one a launch binds on the host (`python -m bench.host_cost`)."""
+    logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr, \
+        loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, num_rows, tl.num_programs(0), NUM_PARTIALS_,
+                                                          NUM_METRICS)
+    clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef, \
+        qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg, \
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, num_items, \
+        num_seqs = _node_scalars(scalars_ptr)
     _sample_objective(
-        logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
+        logp_ptr, entropy_ptr, kind_ptr, None, spans_ptr, sample_ptr, None, advantages_ptr,
         ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
         entropy_threshold_ptr, partials_ptr, query_logp_ptr, response_logp_ptr, coef_logp_ptr, coef_entropy_ptr,
         clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef,
@@ -324,7 +360,7 @@ def _objective_sample_finish_kernel(
         HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
         HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
         BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
-        HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
+        False, True, NUM_PARTIALS_, BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
         scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, ENTROPY_TOKEN_MEAN,
         FINISH_BLOCK)
 
@@ -845,13 +881,42 @@ class FinishOutputs(NamedTuple):
     scales: torch.Tensor
 
     @classmethod
-    def empty(cls, device, ticket: bool = False) -> FinishOutputs:
-        """ticket: counts get one more entry (TICKET), zeroed, for the sample kernel's FINISH (`launch_sample_kernel`);
-        the kernel leaves it at the number of samples."""
+    def empty(cls, device) -> FinishOutputs:
         fp32 = dict(dtype=torch.float32, device=device)
-        counts = (torch.zeros(len(COUNT_METRICS) + 1, dtype=torch.int64, device=device) if ticket else
-                  torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device))
-        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32), counts, torch.empty(3, **fp32))
+        return cls(torch.empty((), **fp32), torch.empty(len(FLOAT_METRICS), **fp32),
+                   torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device), torch.empty(3, **fp32))
+
+
+class NodeWorkspace(NamedTuple):
+    """The one-node loss's fp32 tensors (`triton_logits_loss`) as views of one allocation, `whole`, in the order of
+    the fields: logp, entropy, lse [N] (the logits kernels' outputs), coef_logp, coef_entropy [N], query_logp,
+    response_logp [S], partials [S * NUM_PARTIALS], loss [], metrics [len(FLOAT_METRICS)], scales [3]; the sample
+    kernel finds them from `whole` (`_node_regions`)."""
+
+    whole: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+    coef_logp: torch.Tensor
+    coef_entropy: torch.Tensor
+    query_logp: torch.Tensor
+    response_logp: torch.Tensor
+    partials: torch.Tensor
+    loss: torch.Tensor
+    metrics: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rows: int, num_samples: int, device) -> NodeWorkspace:
+        sizes = (num_rows,) * 5 + (num_samples, num_samples, num_samples * NUM_PARTIALS, 1, len(FLOAT_METRICS), 3)
+        whole = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+        *regions, loss, metrics, scales = whole.split_with_sizes(sizes)
+        return cls(whole, *regions, loss.view(()), metrics, scales)
+
+    def sample_outputs(self) -> SampleOutputs:
+        """The regions the sample kernel writes, as `launch_sample_kernel` takes them."""
+        return SampleOutputs(self.partials.view(-1, NUM_PARTIALS), self.query_logp, self.response_logp,
+                             self.coef_logp, self.coef_entropy)
 
 
 class KernelArguments(NamedTuple):
@@ -864,16 +929,19 @@ class KernelArguments(NamedTuple):
     finish_scalars: Tuple[float, ...]
     finish_constexprs: Dict[str, object]
     sample_finish_constexprs: Dict[str, object]  # `_objective_sample_finish_kernel`'s, all of them
+    node_scalars: Tuple[float, ...]  # its NODE_SCALARS, stored on the device by `node_scalars`
 
 
 class ObjectivePlan(NamedTuple):
     """What a call's options and given inputs fix for the objective (`objective_plan`): the settings, their
     `KernelArguments`, and for each LossMetrics field its index in the metrics and counts vectors (FLOAT_METRICS,
-    then COUNT_METRICS), None where the metric does not apply (`objective.applicable_metrics`)."""
+    then COUNT_METRICS), None where the metric does not apply (`objective.applicable_metrics`); and the options'
+    `LogitTransform`, which the one-node loss hands its logits kernels (`triton_logits_loss`)."""
 
     settings: List[float]
     arguments: KernelArguments
     metric_slots: Tuple[Optional[int], ...]
+    logit_transform: LogitTransform
 
 
 _PLANS: Dict[tuple, ObjectivePlan] = {}
@@ -899,7 +967,8 @@ def objective_plan(options: LossOptions, inputs: LossInputs, has_entropy: bool) 
 def _objective_plan(options: LossOptions, inputs: LossInputs, given: _Given, has_entropy: bool) -> ObjectivePlan:
     settings = _settings(options, given, has_entropy)
     return ObjectivePlan(settings, kernel_arguments(settings),
-                         metric_slots(objective.applicable_metrics(inputs, options, has_entropy=has_entropy)))
+                         metric_slots(objective.applicable_metrics(inputs, options, has_entropy=has_entropy)),
+                         options.logit_transform)
 
 
 _METRIC_INDEX = {name: index for index, name in enumerate(FLOAT_METRICS + COUNT_METRICS)}
@@ -953,50 +1022,79 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
     sample_finish_constexprs = dict(sample_constexprs, **{name: finish_constexprs[name] for name in (
         "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK,
-        HAS_SAMPLE_IDS=False, SPANS=True)
+        NUM_METRICS=len(FLOAT_METRICS))
     return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs,
-                           sample_finish_constexprs)
+                           sample_finish_constexprs, tuple(s[name] for name in NODE_SCALARS))
+
+
+# (NODE_SCALARS' values, device) -> (the fp32 vector on the device, its host copy)
+_NODE_SCALARS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def node_scalars(arguments: KernelArguments, device: torch.device) -> torch.Tensor:
+    """`arguments.node_scalars` as an fp32 vector on `device`, made once per distinct values and device and then
+    shared (read-only): a launch passes one pointer, not 21 floats. Made on CUDA by a copy from pinned memory, which
+    does not block the host; the pinned source is kept with it (a CUDA graph that captured the copy reads it again)."""
+    key = (arguments.node_scalars, device)
+    cached = _NODE_SCALARS.get(key)
+    if cached is None:
+        if len(_NODE_SCALARS) >= _MAX_PLANS:
+            _NODE_SCALARS.clear()
+        on_cuda = device.type == "cuda"
+        host = torch.tensor(arguments.node_scalars, dtype=torch.float32, pin_memory=on_cuda)
+        cached = _NODE_SCALARS[key] = (host.to(device, non_blocking=on_cuda), host)
+    return cached[0]
 
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
-                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None, *,
-                         arguments: Optional[KernelArguments] = None, finish: Optional[tuple] = None) -> None:
+                         loss_tensors, entropy_threshold, settings: List[float], sample_index=None) -> None:
     """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
     order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
     `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
     starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
     token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
-    entropy_threshold [] fp32 or None; settings: `objective_settings`; arguments: their `kernel_arguments` when the
-    caller holds them (`ObjectivePlan`: no lookup). finish = (FinishOutputs whose counts hold one more entry, 0,
-    the programs' ticket counter: `FinishOutputs.empty(device, ticket=True)`; num_items, num_seqs as
-    `launch_finish_kernel`'s), with sample_index: the last program to finish writes them as kernel 2 would
-    (`_objective_sample_finish_kernel`), in the same launch."""
+    entropy_threshold [] fp32 or None; settings: `objective_settings`."""
     spans = sample_index is not None
     num_programs = starts.shape[1] if spans else starts.shape[0] - 1
     if num_programs <= 0:
         return
-    arguments = arguments or kernel_arguments(settings)
+    arguments = kernel_arguments(settings)
     # an absent tensor goes as None (a constexpr None to Triton: its flag is off, the kernel never reads it; a
     # launch binds and checks no pointer for it)
-    if finish is None:
-        _objective_sample_kernel[(num_programs,)](
-            token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
-            *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
-            SPANS=spans)
-        return
-    results, num_items, num_seqs = finish
-    _objective_sample_finish_kernel[(num_programs,)](
-        token_logp, entropy, token_kind, None, starts, sample_index, None, *loss_tensors, entropy_threshold, *out,
-        *arguments.sample_scalars, num_items, num_seqs, *results, *arguments.finish_scalars[:2],
+    _objective_sample_kernel[(num_programs,)](
+        token_logp, entropy, token_kind, order, starts, sample_index, sample_ids, *loss_tensors, entropy_threshold,
+        *out, *arguments.sample_scalars, **arguments.sample_constexprs, HAS_SAMPLE_IDS=sample_ids is not None,
+        SPANS=spans)
+
+
+def launch_node_objective(workspace: NodeWorkspace, token_kind, sample_index, spans, loss_tensors, num_items,
+                          num_seqs, entropy_threshold, settings: List[float], arguments: KernelArguments):
+    """Kernels 1 and 2 (module docstring) for the one-node loss (`triton_logits_loss`), on logp and entropy in
+    `workspace` (`NodeWorkspace`), writing its other regions: one launch of `_objective_sample_finish_kernel` (its
+    last program runs kernel 2) when there are samples, else kernel 2 alone. token_kind, sample_index [N]
+    contiguous; spans [2, S] (`triton_segment.sample_spans`); loss_tensors, entropy_threshold as
+    `launch_sample_kernel`'s; num_items, num_seqs as `launch_finish_kernel`'s; arguments: `kernel_arguments(settings)`
+    (`ObjectivePlan`). Returns the counts [len(COUNT_METRICS) + 1] int64 (the last entry: the programs' ticket
+    counter, zeroed here, left at S)."""
+    counts = torch.zeros(len(COUNT_METRICS) + 1, dtype=torch.int64, device=workspace.whole.device)
+    num_samples = spans.shape[1]
+    if num_samples == 0:
+        launch_finish_kernel(workspace.sample_outputs(), num_items, num_seqs, settings, results=FinishOutputs(
+            workspace.loss, workspace.metrics, counts, workspace.scales))
+        return counts
+    _objective_sample_finish_kernel[(num_samples,)](
+        workspace.whole, token_kind.shape[0], token_kind, spans, sample_index, *loss_tensors, entropy_threshold,
+        node_scalars(arguments, workspace.whole.device), num_items, num_seqs, counts,
         **arguments.sample_finish_constexprs)
+    return counts
 
 
 def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List[float], *,
-                         arguments: Optional[KernelArguments] = None, results: Optional[FinishOutputs] = None):
+                         results: Optional[FinishOutputs] = None):
     """Kernel 2: (loss [] fp32, metrics [len(FLOAT_METRICS)] fp32, counts [len(COUNT_METRICS)] int64, the global
     factors [3] fp32) from the partials of every sample, written into `results` when given (else allocated);
-    num_items / num_seqs: 1-element fp32 tensors or None; arguments as `launch_sample_kernel`'s."""
-    arguments = arguments or kernel_arguments(settings)
+    num_items / num_seqs: 1-element fp32 tensors or None; settings: `objective_settings`."""
+    arguments = kernel_arguments(settings)
     loss, metrics, counts, scales = results or FinishOutputs.empty(out.partials.device)
     _objective_finish_kernel[(1,)](  # num_items / num_seqs None: as the sample kernel's absent tensors
         out.partials, out.query_logp, num_items, num_seqs, loss, metrics, counts, scales, out.partials.shape[0],
@@ -1035,26 +1133,10 @@ def objective_forward(token_logp: torch.Tensor, entropy: Optional[torch.Tensor],
     for the backward the gradient coefficients [N] x 2 and the global factors [3]. Only `loss` is differentiable
     (in token_logp, entropy)."""
     out = SampleOutputs.empty(token_logp.shape[0], advantages.shape[0], token_logp.device)
-    return objective_forward_into(out, FinishOutputs.empty(token_logp.device), token_logp, entropy, token_kind,
-                                  sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
-                                  token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings)
-
-
-def objective_forward_into(out: SampleOutputs, results: FinishOutputs, token_logp, entropy, token_kind,
-                           sample_index, spans, advantages, ref_query_logp, query_weight, old_logp, ref_logp,
-                           token_weight, rollout_logp, num_items, num_seqs, entropy_threshold, settings: List[float],
-                           arguments: Optional[KernelArguments] = None) -> ObjectiveOutputs:
-    """`objective_forward` (its arguments after `out` and `results`) writing into `out` and `results`; arguments as
-    `launch_sample_kernel`'s (the one-node loss holds them, `triton_logits_loss`). When results' counts carry the
-    ticket counter (`FinishOutputs.empty(device, ticket=True)`) and there are samples, kernel 2 runs in kernel 1's
-    last program (one launch), else in its own."""
     loss_tensors = (advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight, rollout_logp)
-    folded = results.counts.shape[0] > len(COUNT_METRICS) and spans.shape[1] > 0
     launch_sample_kernel(out, token_logp, entropy, token_kind, None, spans, None, loss_tensors, entropy_threshold,
-                         settings, sample_index, arguments=arguments,
-                         finish=(results, num_items, num_seqs) if folded else None)
-    loss, metrics, counts, scales = results if folded else launch_finish_kernel(
-        out, num_items, num_seqs, settings, arguments=arguments, results=results)
+                         settings, sample_index)
+    loss, metrics, counts, scales = launch_finish_kernel(out, num_items, num_seqs, settings)
     return loss, out.query_logp, out.response_logp, metrics, counts, out.coef_logp, out.coef_entropy, scales
 
 
@@ -1177,9 +1259,32 @@ def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, c
 def loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts,
                          slots: Tuple[Optional[int], ...]) -> LossOutput:
     """`loss_output` with the metrics' places given (`metric_slots`; `ObjectivePlan.metric_slots`): LossMetrics
-    filled by position, as `LossMetrics.for_call` fills it by name."""
-    values = metrics.unbind() + counts.unbind()
-    metric_values = LossMetrics(*(None if slot is None else values[slot] for slot in slots))
+    filled by position, as `LossMetrics.for_call` fills it by name, on its first read (`SlotMetrics`)."""
     detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
     return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
-                      response_logp=response_logp, entropy=detached_entropy, metrics=metric_values)
+                      response_logp=response_logp, entropy=detached_entropy,
+                      metrics=SlotMetrics.of(metrics, counts, slots))
+
+
+class SlotMetrics(LossMetrics):
+    """A LossMetrics whose fields, 0-dim views of the finish kernel's metrics and counts vectors (FLOAT_METRICS, then
+    COUNT_METRICS) placed by `metric_slots`, are made when one is first read (as an attribute, by name, or by
+    `dataclasses`): a loss call queues its kernels without making them (two unbinds and the record, about 10 us of
+    host time a call, `python -m bench.host_cost`). Once made, the record is LossMetrics' own, field for field."""
+
+    @classmethod
+    def of(cls, metrics: torch.Tensor, counts: torch.Tensor, slots: Tuple[Optional[int], ...]) -> "SlotMetrics":
+        record = object.__new__(cls)
+        object.__setattr__(record, "_vectors", (metrics, counts, slots))
+        return record
+
+    def __getattr__(self, name: str):  # reached only for what the instance does not hold: its fields before a read
+        vectors = self.__dict__.get("_vectors")
+        if vectors is None or name not in objective.METRIC_NAMES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        metrics, counts, slots = vectors
+        values = metrics.unbind() + counts.unbind()
+        for field_name, slot in zip(objective.METRIC_NAMES, slots):
+            object.__setattr__(self, field_name, None if slot is None else values[slot])
+        object.__delattr__(self, "_vectors")
+        return getattr(self, name)

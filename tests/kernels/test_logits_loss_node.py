@@ -133,12 +133,20 @@ def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
 
     batch = random_batch(device=device)
     triton_objective._PLANS.clear()
+    triton_objective._NODE_SCALARS.clear()
     first, _, _ = loss_and_grad(batch, dict(qkl_coef=0.3, entropy_coef=0.05), False)
     plans = dict(triton_objective._PLANS)
     assert len(plans) == 1
+    (scalars, _), = triton_objective._NODE_SCALARS.values()  # the sample kernel's float settings, on the device
     second, _, _ = loss_and_grad(batch, dict(entropy_coef=0.05, qkl_coef=0.3), False)
     assert triton_objective._PLANS == plans and next(iter(triton_objective._PLANS.values())) is next(
         iter(plans.values()))
+    assert [vector for vector, _ in triton_objective._NODE_SCALARS.values()] == [scalars]
+    named = dict(zip(triton_objective.NODE_SCALARS, scalars.tolist()))
+    assert scalars.device.type == device.type and scalars.dtype == torch.float32
+    assert named["clip_low"] == named["clip_high"] == pytest.approx(0.2)
+    assert (named["qkl_coef"], named["entropy_coef"], named["num_items"]) == (pytest.approx(0.3), pytest.approx(0.05),
+                                                                            0.0)
     loss_and_grad(batch, FUSED_CASES["tensor-denominators"], False)
     assert triton_objective._PLANS == plans
     tensors, _ = call_arguments(batch, {})
@@ -162,3 +170,34 @@ def test_the_last_program_reduces_every_samples_partials_call_after_call(device,
     expected = loss_and_grad(batch, case, two_ops=True)
     for _ in range(200 if on_gpu else 1):
         assert_bit_equal(loss_and_grad(batch, case, two_ops=False), expected)
+
+
+def test_the_metrics_record_is_made_on_its_first_read(device):
+    """The one node's LossMetrics holds the finish kernel's two vectors until a field is first read
+    (`triton_objective.SlotMetrics`), then the fields `LossMetrics.for_call` gives by name; a copy, a pickle and
+    `dataclasses.replace` see the same values, before and after."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from erpo_kernels.objective import METRIC_NAMES, LossMetrics
+    from erpo_kernels.validation import LossInputs, LossOptions
+
+    batch = random_batch(device=device)
+    case = dict(qkl_coef=0.3, entropy_coef=0.05)
+    out, _, _ = loss_and_grad(batch, case, False)
+    record = out.metrics
+    assert isinstance(record, LossMetrics) and "_vectors" in vars(record) and "qkl" not in vars(record)
+    unread = [copy.deepcopy(record), pickle.loads(pickle.dumps(record))]
+    tensors, options = call_arguments(batch, case)
+    expected = LossMetrics.for_call(dict(loss_and_grad(batch, case, True)[0].metrics), LossInputs(**tensors),
+                                    LossOptions(**options))
+    for metrics in [record, *unread]:
+        assert list(metrics) == list(expected) and set(vars(metrics)) == set(METRIC_NAMES)
+        for name in METRIC_NAMES:
+            torch.testing.assert_close(getattr(metrics, name), getattr(expected, name), rtol=0, atol=0,
+                                       equal_nan=True, msg=name)
+    replaced = dataclasses.replace(loss_and_grad(batch, case, False)[0].metrics, qkl=None)
+    assert replaced.qkl is None and torch.equal(replaced.pg_loss, record.pg_loss)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_metric'"):
+        record.not_a_metric

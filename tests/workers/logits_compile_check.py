@@ -134,21 +134,26 @@ def compile_objective_kernels():
                                               num_warps=4)
                 print(f"compiled objective-sample sequence={sequence} {estimator} {objective} flags={on} "
                       f"spans={spans} registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
-    # the one-node loss's sample kernel, whose last program finishes (spans; every flag off and on, each loss_agg and
-    # denominator mode, a sequence-level ratio with VESPO)
-    finish_pointers = dict(num_items_ptr="*fp32", num_seqs_ptr="*fp32", loss_ptr="*fp32", metrics_ptr="*fp32",
-                           counts_ptr="*i64", scales_ptr="*fp32", num_items="fp32", num_seqs="fp32")
+    # the one-node loss's sample kernel, whose last program finishes (spans; its fp32 tensors in one workspace, its
+    # float settings in one vector; every flag off and on, each loss_agg and denominator mode, a sequence-level ratio
+    # with VESPO)
+    node_signature = dict({name: signature[name] for name in (
+        "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr",
+        "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr", "kind_ptr", "sample_ptr")},
+        workspace_ptr="*fp32", num_rows="i32", spans_ptr="*i64", scalars_ptr="*fp32", num_items_ptr="*fp32",
+        num_seqs_ptr="*fp32", counts_ptr="*i64")
     for on, loss_agg, mode, sequence, objective in ((False, 0, 0, False, "ppo-clip"), (True, 1, 2, False, "ppo-clip"),
                                                     (True, 2, 1, True, "vespo"), (True, 0, 0, True, "cispo")):
-        constexprs = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence, QKL_ESTIMATOR=3,
+        constexprs = dict(triton_objective.kernel_arguments(
+            [0.0] * len(triton_objective.SETTING_NAMES)).sample_finish_constexprs)
+        constexprs.update({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence, QKL_ESTIMATOR=3,
                           PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective], HAS_DUAL=on and objective ==
-                          "ppo-clip", NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK,
-                          SPANS=True, HAS_SAMPLE_IDS=False, sample_ids_ptr=None, order_ptr=None, NUM_ITEMS_MODE=mode,
-                          NUM_SEQS_MODE=mode, LOSS_AGG=loss_agg, ENTROPY_TOKEN_MEAN=on,
-                          FINISH_BLOCK=triton_objective.SAMPLE_BLOCK, **{name: None for name in optional if not on},
+                          "ppo-clip", NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode, LOSS_AGG=loss_agg,
+                          ENTROPY_TOKEN_MEAN=on,
+                          **{name: None for name in optional if not on and name != "entropy_ptr"},
                           **({} if mode == 2 else {"num_items_ptr": None, "num_seqs_ptr": None}))
-        compiled = compile_for_hopper(triton_objective._objective_sample_finish_kernel,
-                                      dict(signature, **finish_pointers), constexprs, num_warps=4)
+        compiled = compile_for_hopper(triton_objective._objective_sample_finish_kernel, node_signature, constexprs,
+                                      num_warps=4)
         print(f"compiled objective-sample-finish flags={on} loss_agg={loss_agg} mode={mode} sequence={sequence} "
               f"{objective} registers=%d spill_bytes=%d" % register_usage(compiled), flush=True)
     finish_flags = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_REF_LOGP", "HAS_ROLLOUT", "HAS_IS_CAP", "USE_QKL",
