@@ -67,6 +67,7 @@ the backward; O(N) vectors.
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import inspect
 import math
@@ -271,41 +272,66 @@ def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: i
                if reads]
     rows_of = {kind: np.flatnonzero(token_kind == kind) for kind in coupled}
     spans = {kind: _sample_spans(rows_of[kind], sample_index, num_samples, num_rows) for kind in coupled}
-    # a cut at row i (between rows i - 1 and i) splits the coupled sets with first < i <= last
-    open_sets = np.zeros(num_rows + 1, dtype=np.int64)
-    for first, last in spans.values():
-        present = last >= 0
-        open_sets += np.bincount(first[present] + 1, minlength=num_rows + 1)
-        open_sets -= np.bincount(last[present] + 1, minlength=num_rows + 1)
-    free_cuts = np.flatnonzero(np.cumsum(open_sets[:num_rows]) == 0)  # free_cuts[0] = 0: no cut
+    # O(S) work from here on, but for the pre-pass rows' list when a set is split (host time between the call's read
+    # and the first chunk's GEMM: no more passes over the N rows than finding each kind's)
+    forbidden_lo, forbidden_hi = _forbidden_cuts(spans.values())
     chunks, start = [], 0
-    while start < num_rows:  # a few scalar steps per chunk (host time before the first chunk's GEMM)
+    while start < num_rows:
         stop = min(start + max_rows, num_rows)
         if stop < num_rows:
-            free = int(free_cuts[free_cuts.searchsorted(stop, "right") - 1])  # the last free cut up to stop
+            k = bisect.bisect_right(forbidden_lo, stop) - 1
+            free = forbidden_lo[k] - 1 if k >= 0 and stop <= forbidden_hi[k] else stop  # the last free cut <= stop
             if free - start >= (stop - start) / 2:  # else a set longer than the rest of the chunk is split
                 stop = free                          # (cheaper than a thin GEMM)
         chunks.append((start, stop))
         start = stop
     cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
-    needed = token_kind == 2 if all_response_entropies else np.zeros(num_rows, dtype=bool)
+    needed = token_kind == 2 if all_response_entropies else None
     for kind, (first, last) in spans.items():
         # a cut c splits a set whose rows run from first to last when first < c <= last
         split = (last >= 0) & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
         if split.any():
             rows = rows_of[kind]
+            needed = np.zeros(num_rows, dtype=bool) if needed is None else needed
             needed[rows] |= split[sample_index[rows]]
-    return ChunkPlan(chunks, np.flatnonzero(needed))
+    return ChunkPlan(chunks, np.zeros(0, dtype=np.int64) if needed is None else np.flatnonzero(needed))
+
+
+def _forbidden_cuts(spans) -> Tuple[list, list]:
+    """(lo, hi): the cuts that split a coupled set, as disjoint ranges lo[k] <= c <= hi[k], ascending, with at least
+    one free cut between two ranges; spans: (first, last) int64 [S] pairs (`_sample_spans`). A cut at row c (between
+    rows c - 1 and c) splits the set whose rows run from first to last when first < c <= last."""
+    firsts, lasts = [], []
+    for first, last in spans:
+        spread = (last >= 0) & (first < last)
+        firsts.append(first[spread] + 1)
+        lasts.append(last[spread])
+    lo = np.concatenate(firsts) if firsts else np.zeros(0, dtype=np.int64)
+    if lo.size == 0:
+        return [], []
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(np.concatenate(lasts)[order])
+    opens = np.ones(lo.shape[0], dtype=bool)  # a range opens where a set begins beyond every earlier one's reach
+    np.greater(lo[1:], reach[:-1] + 1, out=opens[1:])
+    closes = np.append(opens[1:], True)
+    return lo[opens].tolist(), reach[closes].tolist()
 
 
 def _sample_spans(rows: np.ndarray, sample_index: np.ndarray, num_samples: int, num_rows: int):
     """(first, last) int64 [S]: each sample's first and last row among `rows` (ascending row numbers; N and -1 for
-    a sample without one)."""
+    a sample without one). Samples in consecutive rows (their ids ascending along `rows`) take one pass over their
+    boundaries; interleaved ones a scatter of the minimum and the maximum."""
     samples = sample_index[rows]
     first = np.full(num_samples, num_rows, dtype=np.int64)
     last = np.full(num_samples, -1, dtype=np.int64)
-    np.minimum.at(first, samples, rows)
-    np.maximum.at(last, samples, rows)
+    if samples.size and bool(np.all(samples[1:] >= samples[:-1])):
+        begins = np.flatnonzero(samples[1:] != samples[:-1]) + 1  # each sample's run of rows, one run a sample
+        ids = samples[np.append(0, begins)]
+        first[ids] = rows[np.append(0, begins)]
+        last[ids] = rows[np.append(begins - 1, rows.shape[0] - 1)]
+    else:
+        np.minimum.at(first, samples, rows)
+        np.maximum.at(last, samples, rows)
     return first, last
 
 

@@ -4,6 +4,7 @@ pre-pass), the workspace, launches, determinism, batch invariance and the accura
 `device` fixture's device: Triton compiled on a GPU when one is present, the interpreter on CPU. Random values are
 drawn on the CPU (the same on every device) and then moved."""
 import dataclasses
+import itertools
 import os
 import weakref
 
@@ -622,6 +623,51 @@ def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
     fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                            workspace_bytes=budget_for(5, torch.float32, device), **inputs, **options).loss.backward()
     assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() > 0
+
+
+def plan_by_definition(kind, sample, max_rows, query_sums, response_values, all_response_entropies):
+    """plan_chunks' rule, row by row: a cut c (between rows c - 1 and c) is free when no coupled set (a sample's rows
+    of one coupled kind) has rows on both sides; each chunk ends at the last free cut up to max_rows rows when that
+    leaves it at least half full; the rows of a set some cut splits are pre-passed (every response row with
+    all_response_entropies)."""
+    coupled = [k for k, reads in ((1, query_sums), (2, response_values and not all_response_entropies)) if reads]
+    sets = [np.flatnonzero((kind == k) & (sample == s)) for k in coupled for s in np.unique(sample)]
+    sets = [rows for rows in sets if rows.size]
+    free = [c for c in range(len(kind) + 1) if not any(rows[0] < c <= rows[-1] for rows in sets)]
+    chunks, start = [], 0
+    while start < len(kind):
+        stop = min(start + max_rows, len(kind))
+        if stop < len(kind):
+            best = max(c for c in free if c <= stop)
+            stop = best if best - start >= (stop - start) / 2 else stop
+        chunks.append((start, stop))
+        start = stop
+    cuts = [stop for _, stop in chunks[:-1]]
+    needed = set(np.flatnonzero(kind == 2).tolist()) if all_response_entropies else set()
+    for rows in sets:
+        if any(rows[0] < c <= rows[-1] for c in cuts):
+            needed |= set(rows.tolist())
+    return chunks, sorted(needed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_matches_its_definition_on_random_layouts(seed):
+    """plan_chunks (its sets' spans by one pass over packed samples or a scatter over interleaved ones, its cuts from
+    the merged ranges the sets forbid) against `plan_by_definition` on random layouts: packed samples of random
+    lengths (some without query or response rows) and interleaved rows, every coupling and chunk size."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, size=9)
+    packed_kind = np.concatenate([np.r_[[1] * rng.integers(0, n + 1), [2] * n][:n] for n in lengths])
+    packed_sample = np.repeat(np.arange(9), lengths)
+    packed_kind[rng.random(packed_kind.shape[0]) < 0.1] = 0  # padding rows inside samples
+    layouts = [(packed_kind, packed_sample), (rng.integers(0, 3, 60), rng.integers(0, 9, 60))]
+    for (kind, sample), max_rows in itertools.product(layouts, (3, 7, 16, 100)):
+        for query_sums, response_values, all_response_entropies in itertools.product((False, True), repeat=3):
+            flags = dict(query_sums=query_sums, response_values=response_values,
+                         all_response_entropies=all_response_entropies)
+            plan = chunked.plan_chunks(kind, sample, 9, max_rows, **flags)
+            chunks, needed = plan_by_definition(kind, sample, max_rows, **flags)
+            assert plan.chunks == chunks and plan.prepass_rows.tolist() == needed, (max_rows, flags)
 
 
 def test_chunk_layout_lists_each_chunks_samples_with_all_their_rows():
