@@ -47,7 +47,7 @@ FUSED_PHASES = [
     ("validation", "erpo_kernels.fused_linear:start_loss_input_checks"),
     ("op setup", "erpo_kernels.fused_linear_loss:loss_gradients"),
     ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
-    ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective"),
+    ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective.start"),
     ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
     ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.flush"),
     ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),

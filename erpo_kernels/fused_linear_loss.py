@@ -51,11 +51,11 @@ entropy filter (its threshold, and the kept-row count of the token-mean entropy 
 Launches: a constant, 6 per chunk and 2 per group on the Triton backend, 2 more per group with a bias (per chunk
 the logits GEMM, the forward row kernel writing straight into the call's [N] vectors, the objective's two, the
 backward row kernel and the hidden rows that d weight reads, `triton_gradient_rows`; per group d hidden and
-d weight, d bias's column sum and its addition: 26 + 6 x chunks + 4 x groups with a bias, counted on the CPU,
-tests/kernels/test_fused_linear_loss.py; per call and per chunk, with the host's microseconds,
-`python -m bench.host_cost --path fused`). No host read inside the chunk loop but fp16's gradient scale (one per
-chunk). The torch backend, the oracle, runs the whole reference objective with autograd per chunk (O(N) work and
-all its ops each time).
+d weight, d bias's column sum and its addition, the first group's written instead: 13 + 6 x chunks + 4 x groups
+with a bias and validate=False, counted on the CPU, tests/kernels/test_fused_linear_loss.py; per call and per
+chunk, with the host's microseconds, `python -m bench.host_cost --path fused`). No host read inside the chunk
+loop but fp16's gradient scale (one per chunk). The torch backend, the oracle, runs the whole reference objective
+with autograd per chunk (O(N) work and all its ops each time).
 
 Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]): the fp32 logits buffer and
 the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
@@ -67,6 +67,7 @@ the backward; O(N) vectors.
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import inspect
 import math
@@ -99,8 +100,11 @@ class RowKernels:
     gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy): writes hidden_rows [n, D] into out
         [n, D], the rows that receive no gradient zeroed (`common.rows_receiving_gradient`): d weight's operand
     temporary_bytes_per_logit: what the pass allocates per logit beyond the buffer (for the workspace budget)
-    chunk_objective(ChunkObjectiveInputs) -> an object whose gradient(c, rows: slice) gives
+    chunk_objective(ChunkObjectiveInputs) -> an object made before the call's host read whose
+        start(chunks, host_kind, host_sample) takes the plan's chunks and the host [N] token_kind and sample_index
+        once the pre-pass values are written, and whose gradient(c, rows: slice) then gives
         (d loss / d logp, d loss / d entropy) [n] fp32 on chunk c's rows
+    zero_fill(first, second, third): writes zeros into three contiguous fp32 tensors (Triton: one launch)
     """
 
     name: str
@@ -109,19 +113,16 @@ class RowKernels:
     gradient_rows_into: Callable
     temporary_bytes_per_logit: int
     chunk_objective: Callable
+    zero_fill: Callable
 
 
 @dataclass(frozen=True)
 class ChunkObjectiveInputs:
-    """What a chunk's objective gradient reads. plan: the `ChunkPlan`; host_kind, host_sample: host [N] copies of
-    token_kind, sample_index; logp, entropy [N] fp32: the rows' values as the chunks go (the pre-pass values at
-    first, each chunk's own written before its gradient is asked); token_kind, sample_index [N]; inputs, options
-    validated; segment_sum: the backend's per-sample sums; entropy_pool: the entropy filter's pool gathered across
-    processes (top_entropy_gather), or None."""
+    """What a chunk's objective gradient reads besides the rows' layout (`start`'s). logp, entropy [N] fp32: the rows'
+    values as the chunks go (the pre-pass values at first, each chunk's own written before its gradient is asked);
+    token_kind, sample_index [N]; inputs, options validated; segment_sum: the backend's per-sample sums;
+    entropy_pool: the entropy filter's pool gathered across processes (top_entropy_gather), or None."""
 
-    plan: ChunkPlan
-    host_kind: np.ndarray
-    host_sample: np.ndarray
     logp: torch.Tensor
     entropy: torch.Tensor
     token_kind: torch.Tensor
@@ -173,6 +174,16 @@ def _triton_gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entrop
 
 def _torch_gradient_rows_into(out, hidden_rows, targets, grad_logp, grad_entropy):
     out.copy_(torch.where(rows_receiving_gradient(targets, grad_logp, grad_entropy).unsqueeze(1), hidden_rows, 0.0))
+
+
+def _triton_zero_fill(first, second, third):
+    from .triton_fill import zero_fill  # Triton is imported only when its kernels run
+    zero_fill(first, second, third)
+
+
+def _torch_zero_fill(first, second, third):
+    for tensor in (first, second, third):
+        tensor.zero_()
 
 
 def logits_row_bytes(vocab_size: int, kernels: RowKernels) -> int:
@@ -259,40 +270,68 @@ def plan_chunks(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: i
     num_rows = len(token_kind)
     coupled = [kind for kind, reads in ((1, query_sums), (2, response_values and not all_response_entropies))
                if reads]
-    spans = {kind: _sample_spans(token_kind, sample_index, num_samples, kind) for kind in coupled}
-    open_sets = np.zeros(num_rows + 1, dtype=np.int64)  # open_sets[i]: coupled sets with rows on both sides of i
-    for first, last in spans.values():
-        present = last >= 0
-        np.add.at(open_sets, first[present] + 1, 1)
-        np.add.at(open_sets, last[present] + 1, -1)
-    free_cuts = np.nonzero(np.cumsum(open_sets)[1:num_rows] == 0)[0] + 1
+    rows_of = {kind: np.flatnonzero(token_kind == kind) for kind in coupled}
+    spans = {kind: _sample_spans(rows_of[kind], sample_index, num_samples, num_rows) for kind in coupled}
+    # O(S) work from here on, but for the pre-pass rows' list when a set is split (host time between the call's read
+    # and the first chunk's GEMM: no more passes over the N rows than finding each kind's)
+    forbidden_lo, forbidden_hi = _forbidden_cuts(spans.values())
     chunks, start = [], 0
     while start < num_rows:
         stop = min(start + max_rows, num_rows)
         if stop < num_rows:
-            k = np.searchsorted(free_cuts, stop, side="right") - 1
-            if k >= 0 and free_cuts[k] - start >= (stop - start) / 2:  # else a set longer than the rest of the
-                stop = int(free_cuts[k])                                 # chunk is split (cheaper than a thin GEMM)
+            k = bisect.bisect_right(forbidden_lo, stop) - 1
+            free = forbidden_lo[k] - 1 if k >= 0 and stop <= forbidden_hi[k] else stop  # the last free cut <= stop
+            if free - start >= (stop - start) / 2:  # else a set longer than the rest of the chunk is split
+                stop = free                          # (cheaper than a thin GEMM)
         chunks.append((start, stop))
         start = stop
     cuts = np.array([stop for _, stop in chunks[:-1]], dtype=np.int64)
-    needed = token_kind == 2 if all_response_entropies else np.zeros(num_rows, dtype=bool)
+    needed = token_kind == 2 if all_response_entropies else None
     for kind, (first, last) in spans.items():
         # a cut c splits a set whose rows run from first to last when first < c <= last
         split = (last >= 0) & (np.searchsorted(cuts, last, side="right") > np.searchsorted(cuts, first, side="right"))
-        rows = np.nonzero(token_kind == kind)[0]
-        needed[rows] |= split[sample_index[rows].astype(np.int64)]
-    return ChunkPlan(chunks, np.nonzero(needed)[0])
+        if split.any():
+            rows = rows_of[kind]
+            needed = np.zeros(num_rows, dtype=bool) if needed is None else needed
+            needed[rows] |= split[sample_index[rows]]
+    return ChunkPlan(chunks, np.zeros(0, dtype=np.int64) if needed is None else np.flatnonzero(needed))
 
 
-def _sample_spans(token_kind: np.ndarray, sample_index: np.ndarray, num_samples: int, kind: int):
-    """(first, last) int64 [S]: each sample's first and last row of `kind` (N and -1 for a sample without one)."""
-    rows = np.nonzero(token_kind == kind)[0]
-    samples = sample_index[rows].astype(np.int64)
-    first = np.full(num_samples, len(token_kind), dtype=np.int64)
+def _forbidden_cuts(spans) -> Tuple[list, list]:
+    """(lo, hi): the cuts that split a coupled set, as disjoint ranges lo[k] <= c <= hi[k], ascending, with at least
+    one free cut between two ranges; spans: (first, last) int64 [S] pairs (`_sample_spans`). A cut at row c (between
+    rows c - 1 and c) splits the set whose rows run from first to last when first < c <= last."""
+    firsts, lasts = [], []
+    for first, last in spans:
+        spread = (last >= 0) & (first < last)
+        firsts.append(first[spread] + 1)
+        lasts.append(last[spread])
+    lo = np.concatenate(firsts) if firsts else np.zeros(0, dtype=np.int64)
+    if lo.size == 0:
+        return [], []
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(np.concatenate(lasts)[order])
+    opens = np.ones(lo.shape[0], dtype=bool)  # a range opens where a set begins beyond every earlier one's reach
+    np.greater(lo[1:], reach[:-1] + 1, out=opens[1:])
+    closes = np.append(opens[1:], True)
+    return lo[opens].tolist(), reach[closes].tolist()
+
+
+def _sample_spans(rows: np.ndarray, sample_index: np.ndarray, num_samples: int, num_rows: int):
+    """(first, last) int64 [S]: each sample's first and last row among `rows` (ascending row numbers; N and -1 for
+    a sample without one). Samples in consecutive rows (their ids ascending along `rows`) take one pass over their
+    boundaries; interleaved ones a scatter of the minimum and the maximum."""
+    samples = sample_index[rows]
+    first = np.full(num_samples, num_rows, dtype=np.int64)
     last = np.full(num_samples, -1, dtype=np.int64)
-    np.minimum.at(first, samples, rows)
-    np.maximum.at(last, samples, rows)
+    if samples.size and bool(np.all(samples[1:] >= samples[:-1])):
+        begins = np.flatnonzero(samples[1:] != samples[:-1]) + 1  # each sample's run of rows, one run a sample
+        ids = samples[np.append(0, begins)]
+        first[ids] = rows[np.append(0, begins)]
+        last[ids] = rows[np.append(begins - 1, rows.shape[0] - 1)]
+    else:
+        np.minimum.at(first, samples, rows)
+        np.maximum.at(last, samples, rows)
     return first, last
 
 
@@ -433,6 +472,9 @@ class ReferenceChunkObjective:
     def __init__(self, given: ChunkObjectiveInputs):
         self.given = given
 
+    def start(self, chunks, host_kind: np.ndarray, host_sample: np.ndarray) -> None:
+        """Nothing: the reference objective reads every row each chunk, whatever the layout."""
+
     def gradient(self, chunk: int, rows: slice):
         """(d loss / d logp, d loss / d entropy) [n] fp32 on chunk `chunk`'s rows `rows`."""
         g = self.given
@@ -452,21 +494,21 @@ class ReferenceChunkObjective:
 
 def _triton_chunk_objective(given: ChunkObjectiveInputs):
     from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
-    return TritonChunkObjective(given.plan.chunks, given.host_kind, given.host_sample, given.logp, given.entropy,
-                                given.token_kind, given.inputs, given.options, given.entropy_pool)
+    return TritonChunkObjective(given.logp, given.entropy, given.token_kind, given.inputs, given.options,
+                                given.entropy_pool)
 
 
 ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, _triton_gradient_rows_into, 0,
-                                    _triton_chunk_objective),
+                                    _triton_chunk_objective, _triton_zero_fill),
                "torch": RowKernels("torch", _torch_forward, _torch_backward_into, _torch_gradient_rows_into,
-                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective)}
+                                   TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective, _torch_zero_fill)}
 
 
 class GradientGroups:
     """The backward half of the chunks: each chunk's dlogits (d loss / d logits, hidden's dtype) written into its
     group's rows of the store, then once per group of consecutive chunks d hidden [G, D] := dlogits @ W, the fp32
     d weight [V, D] += dlogits.T @ hidden (rows without gradient zeroed, so a non-finite padding row cannot poison
-    it; the first group writes it, no zero fill) and the fp32 d bias [V] += column sums.
+    it) and the fp32 d bias [V] += column sums, the first group writing both (no zero fill).
 
     A group closes when the next chunk does not follow it, does not fit the store or needs another fp16 scale (the
     power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
@@ -483,9 +525,9 @@ class GradientGroups:
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
                             else None)
-        self.weight_written = False
-        self.grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
+        self.grad_bias = (torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
                           else None)
+        self.written = False  # d weight and d bias hold a group's sums (the first group writes them: no zero fill)
         # the open group's hidden rows with those receiving no gradient zeroed (`RowKernels.gradient_rows_into`)
         self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1]) if needs_weight else None
         self.rows, self.scale, self.dlogits = None, 1.0, None  # the open group: its rows, fp16 scale, dlogits
@@ -527,10 +569,14 @@ class GradientGroups:
             torch.addmm(out, dlogits, self.weight, beta=0, alpha=inverse, out=out)
         if self.grad_weight is not None:
             _accumulate_product(self.grad_weight, dlogits.t(), self.gradient_rows[:rows.stop - rows.start], inverse,
-                                accumulate=self.weight_written)
-            self.weight_written = True
-        if self.grad_bias is not None:
+                                accumulate=self.written)
+        if self.grad_bias is not None and self.written:
             self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=inverse)
+        elif self.grad_bias is not None:  # 0 + inverse x sums, as the additions would make it
+            torch.sum(dlogits, 0, dtype=torch.float32, out=self.grad_bias)
+            if inverse != 1:
+                self.grad_bias.mul_(inverse)
+        self.written = True
         self.rows = self.dlogits = None
 
     def gradients(self):
@@ -538,8 +584,10 @@ class GradientGroups:
         the last group's GEMMs: d weight and d bias are the fp32 accumulators, which whoever returns them rounds to
         the inputs' dtype once (`rounded`; the loss's backward, in its scale pass)."""
         self.flush()
-        if self.grad_weight is not None and not self.weight_written:  # no row at all
-            self.grad_weight.zero_()
+        if not self.written:  # no row at all
+            for gradient in (self.grad_weight, self.grad_bias):
+                if gradient is not None:
+                    gradient.zero_()
         return self.grad_hidden, self.grad_weight, self.grad_bias
 
 
@@ -612,11 +660,11 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                    check_code: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
-    options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, d hidden [N, D],
-    d weight [V, D] fp32, d bias [V] fp32) of the loss, a gradient None where `needs` (hidden, weight, bias) is
-    False; d weight and d bias are their fp32 accumulators (the op's backward rounds them once, scaled).
-    host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them (then no read of
-    them here). check_code [1 + K] int64: the value checks' code, read here with the layout
+    options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, a 0-dim fp32 zero (the op's
+    anchor), d hidden [N, D], d weight [V, D] fp32, d bias [V] fp32) of the loss, a gradient None where `needs`
+    (hidden, weight, bias) is False; d weight and d bias are their fp32 accumulators (the op's backward rounds them
+    once, scaled). host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them
+    (then no read of them here). check_code [1 + K] int64: the value checks' code, read here with the layout
     (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
     row.
     """
@@ -635,6 +683,16 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     early = _invariant_floor(min(workspace.chunk_rows, num_rows) // 2, batch_invariant)
     read = read_rows(token_kind, sample_index, check_code, host_layout)
     logits_buffer.logits(hidden[:early])
+    # What does not depend on the layout is made before the read, so that the host's work between the read and the
+    # next GEMM is the plan's alone: the rows' log-probs and entropies as the objective reads them (zeros, then the
+    # pre-pass values and each chunk's own), each chunk's lse (read by its own backward), the op's anchor (zeroed
+    # with the two in one launch) and the objective's settings and outputs. (The gradients' buffers come after the
+    # pre-pass, whose gathered hidden rows the workspace budget does not hold beside the group's.)
+    logp_out, entropy_out, lse_out = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))
+    anchor = hidden.new_empty((), dtype=torch.float32)
+    kernels.zero_fill(logp_out, entropy_out, anchor)
+    objective = kernels.chunk_objective(ChunkObjectiveInputs(
+        logp_out, entropy_out, token_kind, sample_index, inputs, options, segment_sum, entropy_pool))
     code, layout = read()
     if code is not None and not rows_passed(code, num_rows):
         raise RowChecksFailed(code)
@@ -647,10 +705,6 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    # The rows' log-probs and entropies as the objective reads them: the pre-pass values, then each chunk's own.
-    logp_out = torch.zeros(num_rows, dtype=torch.float32, device=hidden.device)
-    entropy_out = torch.zeros_like(logp_out)
-    lse_out = torch.empty_like(logp_out)  # each chunk's, read by its own backward
     if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
         prepass = host_to_device(plan.prepass_rows, hidden.device)
         logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
@@ -661,15 +715,13 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     first_stop = plan.chunks[0][1] if plan.chunks else 0
     logits_buffer.logits(hidden[early:first_stop], first=early)
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
+    chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
+                           objective, groups)
     if plan.chunks:
-        objective = kernels.chunk_objective(ChunkObjectiveInputs(
-            plan, host_kind, host_sample, logp_out, entropy_out, token_kind, sample_index, inputs, options,
-            segment_sum, entropy_pool))
-        chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
-                               objective, groups)
+        objective.start(plan.chunks, host_kind, host_sample)
     for chunk, (start, stop) in enumerate(plan.chunks):
         chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0)
-    return (logp_out, entropy_out, *groups.gradients())
+    return (logp_out, entropy_out, anchor, *groups.gradients())
 
 
 @dataclass(frozen=True)
@@ -749,11 +801,10 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
     opts = options_from_argument(options, **extra)
     inputs = LossInputs(advantages=advantages, ref_query_logp=ref_query_logp, query_weight=query_weight,
                         old_logp=old_logp, ref_logp=ref_logp, token_weight=token_weight, rollout_logp=rollout_logp)
-    logp, entropy, *grads = loss_gradients(
+    logp, entropy, anchor, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
         batch_invariant, entropy_pool, host_layout, check_code)
-    anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
 

@@ -2,8 +2,8 @@
 d loss / d logp_t and d loss / d H_t on one chunk's rows, with no autograd, in two launches per chunk and work in
 proportion to the rows the chunk's samples hold.
 
-    once     the host layout (`chunk_layout`, from token_kind and sample_index, uploaded in one copy): per chunk,
-             the samples with scored rows in it, each with its scored rows in row order;
+    once     the host layout (`chunk_layout`, from token_kind and sample_index, uploaded in one copy): every
+             sample's scored rows in row order, and per chunk the samples with scored rows in it;
              the entropy filter's threshold (`triton_quantile`: over the pre-passed response rows, or over the
              gathered pool with top_entropy_gather);
              the global factors (1 / num_items or 1 / num_seqs for the terms, 1 / the query samples for the
@@ -11,8 +11,10 @@ proportion to the rows the chunk's samples hold.
              pre-pass vectors. They read counts alone, known before any chunk: the row and sample counts from
              token_kind, the kept rows from the response rows' entropies, all pre-passed whenever the entropy
              filter's count enters a gradient (`fused_linear_loss.plan_chunks`)
-    chunk c  kernel 1 on c's samples only (program p runs sample sample_ids[p]): each walks its scored rows, its
-             rows outside c holding the pre-pass values or an earlier chunk's, and writes its rows' coefficients;
+    chunk c  kernel 1 on c's samples only (program p runs sample sample_ids[p] over its rows where the pass over
+             every sample found them: the kernel indexes the samples' row ranges by sample, no copy per chunk):
+             each walks its scored rows, its rows outside c holding the pre-pass values or an earlier chunk's, and
+             writes its rows' coefficients;
              kernel 3 on c's rows: coefficient x global factor
 
 Why a chunk's coefficients are exact: a row's coefficient reads its own values, its sample's sums and counts, and
@@ -52,77 +54,89 @@ from .validation import LossInputs, LossOptions
 class ChunkLayout:
     """Where kernel 1 finds each sample's rows, int64 host arrays. Every sample: its scored rows `rows_by_sample`
     [R] (row order within a sample), sample s at rows_by_sample[sample_starts[s]:sample_starts[s + 1]]
-    (sample_starts [S + 1]). Chunk c: programs program_offsets[c] to program_offsets[c + 1] (program_offsets
-    [C + 1]), program p running sample sample_ids[p] over chunk_rows[program_starts[p]:program_starts[p + 1]]
-    (sample_ids [P], program_starts [P + 1], chunk_rows [R'])."""
+    (sample_starts [S + 1]). Chunk c: the samples with scored rows in it, ascending,
+    sample_ids[program_offsets[c]:program_offsets[c + 1]] (sample_ids [P], program_offsets [C + 1]): its programs,
+    each walking all its sample's rows where `rows_by_sample` holds them."""
 
     sample_starts: np.ndarray
     rows_by_sample: np.ndarray
     program_offsets: np.ndarray
     sample_ids: np.ndarray
-    program_starts: np.ndarray
-    chunk_rows: np.ndarray
 
 
 def chunk_layout(chunks: List[Tuple[int, int]], token_kind: np.ndarray, sample_index: np.ndarray,
                  num_samples: int) -> ChunkLayout:
-    """The `ChunkLayout` of `chunks` ((start, stop) row ranges) over host [N] token_kind and sample_index."""
-    scored = np.nonzero(token_kind != 0)[0]
-    samples = sample_index[scored].astype(np.int64)
-    rows_by_sample = scored[np.argsort(samples, kind="stable")]
-    sample_sizes = np.bincount(samples, minlength=num_samples)
-    sample_starts = np.concatenate(([0], np.cumsum(sample_sizes)))
-    # each chunk's samples, ascending: the distinct (chunk, sample) pairs of the scored rows, in one sort
-    starts = np.array([start for start, _ in chunks], dtype=np.int64)
+    """The `ChunkLayout` of `chunks` ((start, stop) row ranges covering the rows in order) over host [N]
+    token_kind and sample_index: O(N) vectorised passes (host time between the call's read and its chunk loop,
+    with only the first chunk's logits GEMM queued), a sort only when the scored rows' samples are not ascending
+    already (interleaved samples)."""
+    scored = np.flatnonzero(token_kind)
+    samples = sample_index[scored].astype(np.int64, copy=False)
+    in_order = _ascending(samples)  # packed samples: their rows in row order are already grouped by sample
+    rows_by_sample = scored if in_order else scored[np.argsort(samples, kind="stable")]
+    sample_starts = np.zeros(num_samples + 1, dtype=np.int64)
+    np.cumsum(np.bincount(samples, minlength=num_samples), out=sample_starts[1:])
+    # each chunk's samples, ascending: the distinct (chunk, sample) pairs of the scored rows (the scored rows are
+    # ascending, so chunk c's are scored[bounds[c]:bounds[c + 1]])
+    bounds = np.searchsorted(scored, [start for start, _ in chunks] + [len(token_kind)])
     stride = max(num_samples, 1)
-    pairs = np.unique((np.searchsorted(starts, scored, side="right") - 1) * stride + samples)
-    program_offsets = np.concatenate(([0], np.cumsum(np.bincount(pairs // stride, minlength=len(chunks)))))
-    program_offsets = program_offsets.astype(np.int64)
-    sample_ids = (pairs % stride).astype(np.int64)
-    sizes = sample_sizes[sample_ids]
-    program_starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-    # position j of program p reads rows_by_sample[sample_starts[sample_ids[p]] + j - program_starts[p]]
-    shift = np.repeat(sample_starts[sample_ids] - program_starts[:-1], sizes)
-    chunk_rows = rows_by_sample[shift + np.arange(program_starts[-1], dtype=np.int64)]
-    return ChunkLayout(sample_starts.astype(np.int64), rows_by_sample.astype(np.int64), program_offsets, sample_ids,
-                       program_starts, chunk_rows)
+    keys = np.repeat(np.arange(len(chunks), dtype=np.int64) * stride, np.diff(bounds)) + samples
+    pairs = _distinct_ascending(keys) if in_order else np.unique(keys)
+    program_offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(pairs // stride, minlength=len(chunks)), out=program_offsets[1:])
+    return ChunkLayout(sample_starts, rows_by_sample.astype(np.int64, copy=False), program_offsets, pairs % stride)
+
+
+def _ascending(values: np.ndarray) -> bool:
+    """Whether values [n] never decrease."""
+    return bool(np.all(values[1:] >= values[:-1]))
+
+
+def _distinct_ascending(values: np.ndarray) -> np.ndarray:
+    """The distinct entries of ascending values [n] (np.unique's result without its sort)."""
+    first = np.ones(values.shape[0], dtype=bool)
+    np.not_equal(values[1:], values[:-1], out=first[1:])
+    return values[first]
 
 
 class TritonChunkObjective:
-    """`gradient(c, rows)` -> (d loss / d logp, d loss / d H) [n] fp32 on chunk c's rows (module docstring).
+    """`gradient(c, rows)` -> (d loss / d logp, d loss / d H) [n] fp32 on chunk c's rows (module docstring), once
+    `start` has run.
 
     logp, entropy [N] fp32: the vectors the chunks fill (pre-pass values at first; chunk c's own written before its
-    `gradient`), read by reference as they change; token_kind [N] on the device; chunks and the host token_kind,
-    sample_index as `chunk_layout`'s; inputs, options validated; entropy_pool [m] fp32: the filter's pool when
-    options.top_entropy_gather gathered one (fused_linear_erpo_loss does it before the op), else None."""
+    `gradient`), read by reference as they change; token_kind [N] on the device; inputs, options validated;
+    entropy_pool [m] fp32: the filter's pool when options.top_entropy_gather gathered one (fused_linear_erpo_loss
+    does it before the op), else None. Made before the call's host read (nothing here needs the layout)."""
 
-    def __init__(self, chunks, host_kind: np.ndarray, host_sample: np.ndarray, logp, entropy, token_kind,
-                 inputs: LossInputs, options: LossOptions, entropy_pool: Optional[torch.Tensor]):
-        device = logp.device
-        num_samples = inputs.advantages.shape[0]
-        layout = chunk_layout(chunks, host_kind, host_sample, num_samples)
-        parts = [layout.sample_starts, layout.rows_by_sample, layout.sample_ids, layout.program_starts,
-                 layout.chunk_rows]
-        uploaded = host_to_device(np.concatenate(parts), device).split([len(part) for part in parts])
-        sample_starts, rows_by_sample, self.sample_ids, self.program_starts, self.chunk_rows = uploaded
-        self.program_offsets = layout.program_offsets.tolist()
+    def __init__(self, logp, entropy, token_kind, inputs: LossInputs, options: LossOptions,
+                 entropy_pool: Optional[torch.Tensor]):
         self.logp, self.entropy, self.token_kind = logp, entropy, token_kind.contiguous()
+        self.options, self.entropy_pool = options, entropy_pool
         self.loss_tensors = fp32_loss_tensors(inputs)
         self.settings = objective_settings(options, inputs, has_entropy=True)
-        self.threshold = _entropy_threshold(entropy, self.token_kind, options, entropy_pool)
-        self.outputs = SampleOutputs.empty(logp.shape[0], num_samples, device)
-        launch_sample_kernel(self.outputs, logp, entropy, self.token_kind, rows_by_sample, sample_starts, None,
-                             self.loss_tensors, self.threshold, self.settings)
-        self.scales = launch_finish_kernel(self.outputs, *tensor_denominators(options), self.settings)[3]
-        self.grad_loss = torch.ones((), dtype=torch.float32, device=device)  # d loss / d loss: the op's backward
-        # scales the stored gradients by the incoming one
+        self.outputs = SampleOutputs.empty(logp.shape[0], inputs.advantages.shape[0], logp.device)
+
+    def start(self, chunks, host_kind: np.ndarray, host_sample: np.ndarray) -> None:
+        """The once-per-call work on the rows' layout (host arrays as `chunk_layout`'s) and the pre-pass values:
+        the layout's upload, the entropy filter's threshold, kernels 1 and 2 over every sample (the global
+        factors)."""
+        layout = chunk_layout(chunks, host_kind, host_sample, self.outputs.query_logp.shape[0])
+        parts = [layout.sample_starts, layout.rows_by_sample, layout.sample_ids]
+        uploaded = host_to_device(np.concatenate(parts), self.logp.device).split([len(part) for part in parts])
+        self.sample_starts, self.rows_by_sample, self.sample_ids = uploaded
+        self.program_offsets = layout.program_offsets.tolist()
+        self.threshold = _entropy_threshold(self.entropy, self.token_kind, self.options, self.entropy_pool)
+        launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, self.rows_by_sample,
+                             self.sample_starts, None, self.loss_tensors, self.threshold, self.settings)
+        self.scales = launch_finish_kernel(self.outputs, *tensor_denominators(self.options), self.settings)[3]
 
     def gradient(self, chunk: int, rows: slice):
         first, last = self.program_offsets[chunk], self.program_offsets[chunk + 1]
-        launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, self.chunk_rows,
-                             self.program_starts[first:last + 1], self.sample_ids[first:last], self.loss_tensors,
-                             self.threshold, self.settings)
-        return launch_grad_kernel(self.grad_loss, self.token_kind[rows], self.outputs.coef_logp[rows],
+        launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, self.rows_by_sample,
+                             self.sample_starts, self.sample_ids[first:last], self.loss_tensors, self.threshold,
+                             self.settings)
+        # d loss / d loss = 1 (grad_loss None): the op's backward scales the stored gradients by the incoming one
+        return launch_grad_kernel(None, self.token_kind[rows], self.outputs.coef_logp[rows],
                                   self.outputs.coef_entropy[rows], self.scales)
 
 

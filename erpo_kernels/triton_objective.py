@@ -394,9 +394,9 @@ def _sample_objective(
         sample = tl.load(sample_ids_ptr + program).to(tl.int64)
     if SPANS:  # the program's rows: those of its sample in its span (starts_ptr: the spans)
         start, stop = span_bounds(starts_ptr, sample, tl.num_programs(0))
-    else:  # the program's rows: order[start:stop]
-        start = tl.load(starts_ptr + program)
-        stop = tl.load(starts_ptr + program + 1)
+    else:  # the program's rows: order[start:stop], its sample's (starts by sample: a chunk's programs need no copy)
+        start = tl.load(starts_ptr + sample)
+        stop = tl.load(starts_ptr + sample + 1)
     entropy_threshold = 0.0
     if HAS_ENTROPY_FILTER:
         entropy_threshold = tl.load(entropy_threshold_ptr)
@@ -745,9 +745,12 @@ def _finish_objective(
 @triton.jit
 def objective_row_gradients(kind, coef_logp, coef_entropy, scales_ptr, grad_loss_ptr):
     """(d loss / d logp_t, d loss / d H_t) of rows of token kind `kind` from their gradient coefficients (module
-    docstring, kernel 3), for grad_loss [] and the global factors [3] in memory; also what `triton_logits`' backward
-    kernels form themselves when the loss is one autograd node (`triton_logits_loss`)."""
-    grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
+    docstring, kernel 3), for grad_loss [] (None: 1, the fused path's d loss / d loss) and the global factors [3]
+    in memory; also what `triton_logits`' backward kernels form themselves when the loss is one autograd node
+    (`triton_logits_loss`)."""
+    grad_loss = 1.0
+    if grad_loss_ptr is not None:
+        grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
     term_scale = tl.load(scales_ptr + 0)
     qkl_scale = tl.load(scales_ptr + 1)
     entropy_scale = tl.load(scales_ptr + 2)
@@ -1048,14 +1051,14 @@ def node_scalars(arguments: KernelArguments, device: torch.device) -> torch.Tens
 
 def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, order, starts, sample_ids,
                          loss_tensors, entropy_threshold, settings: List[float], sample_index=None) -> None:
-    """Kernel 1 (module docstring), one program per entry of starts[:-1]: program p walks the rows
-    order[starts[p]:starts[p + 1]] of sample p, or of sample sample_ids[p] when sample_ids is given, and writes
-    `out` (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
+    """Kernel 1 (module docstring), one program per entry of starts[:-1], or per entry of sample_ids when given:
+    program p walks the rows order[starts[s]:starts[s + 1]] of its sample s (p, or sample_ids[p]) and writes `out`
+    (its rows' coefficients, its sample's partials). With sample_index [N] (order and sample_ids None),
     starts is `triton_segment.sample_spans`' [2, S] instead and program p walks the span of sample p.
     token_logp, entropy [N] fp32; loss_tensors: the `LossInputs` tensors in their order, fp32 or None;
     entropy_threshold [] fp32 or None; settings: `objective_settings`."""
     spans = sample_index is not None
-    num_programs = starts.shape[1] if spans else starts.shape[0] - 1
+    num_programs = starts.shape[1] if spans else starts.shape[0] - 1 if sample_ids is None else sample_ids.shape[0]
     if num_programs <= 0:
         return
     arguments = kernel_arguments(settings)
@@ -1104,7 +1107,7 @@ def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List
 
 def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales):
     """Kernel 3: (d loss / d token_logp, d loss / d entropy), each [n] fp32, of the n rows whose token_kind and
-    coefficients are given ([n] each), for grad_loss [] and the global factors [3]."""
+    coefficients are given ([n] each), for grad_loss [] (None: 1) and the global factors [3]."""
     num_rows = coef_logp.shape[0]
     grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
     if num_rows > 0:

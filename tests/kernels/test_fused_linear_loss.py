@@ -4,6 +4,7 @@ pre-pass), the workspace, launches, determinism, batch invariance and the accura
 `device` fixture's device: Triton compiled on a GPU when one is present, the interpreter on CPU. Random values are
 drawn on the CPU (the same on every device) and then moved."""
 import dataclasses
+import itertools
 import os
 import weakref
 
@@ -452,12 +453,41 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     constant = counts[1] - per_chunk
     assert all(launches == constant + per_chunk * chunks for chunks, launches in counts.items()), counts
     # per chunk (its own group here: fp32 dlogits over the logits) 6 + 4: the logits GEMM, the two row kernels, the
-    # objective's two, d weight's hidden rows; d hidden, d weight, d bias's column sum and its addition
-    # per call 18 (26 before 2026-11-26: the backward filled zeros for the op's five outputs that take no gradient,
+    # objective's two, d weight's hidden rows; d hidden, d weight, d bias's column sum and its addition (the first
+    # group writes d bias: its addition is one of the constant's)
+    # per call 13 (26 before 2026-11-26: the backward filled zeros for the op's five outputs that take no gradient,
     # and the scored targets' mask and `where` and the objective's own spans kernel are now the spans kernel's one
     # pass; bf16 / fp16 inputs also save d weight's and d bias's rounding in the forward, now in the backward's
-    # scale passes)
-    assert per_chunk <= 10 and constant <= 18, (constant, per_chunk)
+    # scale passes; 18 before branch fusedsetup: one launch zero-fills logp, entropy and the anchor instead of three
+    # aten fills, d bias is written by its first group instead of filled, d loss / d loss is the gradient kernel's
+    # constant instead of an aten `ones`)
+    assert per_chunk <= 10 and constant <= 13, (constant, per_chunk)
+
+
+@pytest.mark.parametrize("dtype, validate, bias", [(torch.bfloat16, True, False), (torch.float32, False, True)],
+                         ids=["bf16-validate", "fp32-bias-no-validate"])
+def test_a_fwd_bwd_makes_no_fill_and_no_constant_tensor(dtype, validate, bias, device):
+    """The small launches the op once made every call are gone (LaunchCounter's names over one fwd+bwd): the zeros of
+    logp, entropy and the anchor are one Triton launch (`triton_fill`), d bias is written by its first group, not
+    filled, and d loss / d loss is the gradient kernel's constant 1, not an aten `ones`. What aten launches remain:
+    the value checks' buffer (`full`), the read's copy (`cat`), the GEMMs, d bias's column sums and additions, the
+    loss's addition of the anchor and autograd's seed (`ones_like`, loss.backward()'s); on CUDA also the copies to
+    and from host memory (the layout's upload, the read's copy), which the CPU makes without a launch."""
+    batch = packed_batch([(1, 2)] * 12, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, b = leaves(*linear(48, dtype, device, bias=bias))
+    with LaunchCounter() as counter:
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=b, backend="triton",
+                               validate=validate, workspace_bytes=budget_for(12, dtype, device), qkl_coef=0.5,
+                               **inputs).loss.backward()
+    aten = {name.removeprefix("aten.") for name in counter.names if name.startswith("aten.")}
+    gemms = {"mm", "addmm", "addmm_"}
+    copies = {"_to_copy", "copy_"} if device.type == "cuda" else set()
+    assert aten <= {"full", "cat", "add", "ones_like", *gemms, *copies, *({"sum", "add_"} if bias else ())}, \
+        counter.names
+    assert counter.names["triton._zero_kernel"] == 1
+    assert counter.names["aten.add"] == 1 and counter.names["aten.add_"] == (3 if bias else 0)  # 4 chunks, 4 groups
+    assert torch.isfinite(hidden.grad).all() and (b is None or torch.isfinite(b.grad).all())
 
 
 def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
@@ -595,6 +625,51 @@ def test_triton_chunk_gradient_takes_no_autograd(monkeypatch, device):
     assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() > 0
 
 
+def plan_by_definition(kind, sample, max_rows, query_sums, response_values, all_response_entropies):
+    """plan_chunks' rule, row by row: a cut c (between rows c - 1 and c) is free when no coupled set (a sample's rows
+    of one coupled kind) has rows on both sides; each chunk ends at the last free cut up to max_rows rows when that
+    leaves it at least half full; the rows of a set some cut splits are pre-passed (every response row with
+    all_response_entropies)."""
+    coupled = [k for k, reads in ((1, query_sums), (2, response_values and not all_response_entropies)) if reads]
+    sets = [np.flatnonzero((kind == k) & (sample == s)) for k in coupled for s in np.unique(sample)]
+    sets = [rows for rows in sets if rows.size]
+    free = [c for c in range(len(kind) + 1) if not any(rows[0] < c <= rows[-1] for rows in sets)]
+    chunks, start = [], 0
+    while start < len(kind):
+        stop = min(start + max_rows, len(kind))
+        if stop < len(kind):
+            best = max(c for c in free if c <= stop)
+            stop = best if best - start >= (stop - start) / 2 else stop
+        chunks.append((start, stop))
+        start = stop
+    cuts = [stop for _, stop in chunks[:-1]]
+    needed = set(np.flatnonzero(kind == 2).tolist()) if all_response_entropies else set()
+    for rows in sets:
+        if any(rows[0] < c <= rows[-1] for c in cuts):
+            needed |= set(rows.tolist())
+    return chunks, sorted(needed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_matches_its_definition_on_random_layouts(seed):
+    """plan_chunks (its sets' spans by one pass over packed samples or a scatter over interleaved ones, its cuts from
+    the merged ranges the sets forbid) against `plan_by_definition` on random layouts: packed samples of random
+    lengths (some without query or response rows) and interleaved rows, every coupling and chunk size."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, size=9)
+    packed_kind = np.concatenate([np.r_[[1] * rng.integers(0, n + 1), [2] * n][:n] for n in lengths])
+    packed_sample = np.repeat(np.arange(9), lengths)
+    packed_kind[rng.random(packed_kind.shape[0]) < 0.1] = 0  # padding rows inside samples
+    layouts = [(packed_kind, packed_sample), (rng.integers(0, 3, 60), rng.integers(0, 9, 60))]
+    for (kind, sample), max_rows in itertools.product(layouts, (3, 7, 16, 100)):
+        for query_sums, response_values, all_response_entropies in itertools.product((False, True), repeat=3):
+            flags = dict(query_sums=query_sums, response_values=response_values,
+                         all_response_entropies=all_response_entropies)
+            plan = chunked.plan_chunks(kind, sample, 9, max_rows, **flags)
+            chunks, needed = plan_by_definition(kind, sample, max_rows, **flags)
+            assert plan.chunks == chunks and plan.prepass_rows.tolist() == needed, (max_rows, flags)
+
+
 def test_chunk_layout_lists_each_chunks_samples_with_all_their_rows():
     # rows: 0 1 2 | 3 4 5 | 6 7 | 8 (chunks); samples: 0 0 1 | 1 - 2 | 0 2 | - (rows 4 and 8 not scored)
     kind = np.array([1, 2, 1, 2, 0, 2, 2, 1, 0])
@@ -602,10 +677,34 @@ def test_chunk_layout_lists_each_chunks_samples_with_all_their_rows():
     layout = chunk_layout([(0, 3), (3, 6), (6, 8), (8, 9)], kind, sample, 3)
     assert layout.program_offsets.tolist() == [0, 2, 4, 6, 6]  # the last chunk runs no program
     assert layout.sample_ids.tolist() == [0, 1, 1, 2, 0, 2]
-    runs = [layout.chunk_rows[a:b].tolist() for a, b in zip(layout.program_starts[:-1], layout.program_starts[1:])]
-    assert runs == [[0, 1, 6], [2, 3], [2, 3], [5, 7], [0, 1, 6], [5, 7]]
     assert layout.sample_starts.tolist() == [0, 3, 5, 7]
     assert layout.rows_by_sample.tolist() == [0, 1, 6, 2, 3, 5, 7]
+    runs = [layout.rows_by_sample[layout.sample_starts[s]:layout.sample_starts[s + 1]].tolist()
+            for s in layout.sample_ids]  # what each chunk's programs walk
+    assert runs == [[0, 1, 6], [2, 3], [2, 3], [5, 7], [0, 1, 6], [5, 7]]
+
+
+def test_chunk_layout_of_packed_samples_takes_no_sort():
+    """Samples in consecutive rows (the scored rows' samples ascending): the same layout as the sorting path gives
+    for the same rows with the samples renumbered in reverse (a descending order, so sorted), mapped back."""
+    kind = np.array([0, 1, 1, 2, 2, 0, 1, 2, 2, 2, 0, 2, 1, 2])
+    sample = np.array([5, 0, 0, 0, 0, 5, 1, 1, 1, 1, 5, 3, 3, 3])  # sample 2 has no rows, 4 none either
+    chunks = [(0, 4), (4, 8), (8, 13), (13, 14)]
+    packed = chunk_layout(chunks, kind, sample, 5)
+    assert packed.rows_by_sample.tolist() == [1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13]
+    assert packed.sample_starts.tolist() == [0, 4, 8, 8, 11, 11]
+    assert packed.program_offsets.tolist() == [0, 1, 3, 5, 6]
+    assert packed.sample_ids.tolist() == [0, 0, 1, 1, 3, 3]
+    reversed_ids = np.where(kind != 0, 4 - sample, sample)  # descending: the sorting path
+    unsorted = chunk_layout(chunks, kind, reversed_ids, 5)
+    for c in range(len(chunks)):
+        ids = unsorted.sample_ids[unsorted.program_offsets[c]:unsorted.program_offsets[c + 1]]
+        packed_ids = packed.sample_ids[packed.program_offsets[c]:packed.program_offsets[c + 1]]
+        assert sorted((4 - ids).tolist()) == packed_ids.tolist()
+        for s in ids:
+            rows = unsorted.rows_by_sample[unsorted.sample_starts[s]:unsorted.sample_starts[s + 1]].tolist()
+            mine = packed.rows_by_sample[packed.sample_starts[4 - s]:packed.sample_starts[5 - s]].tolist()
+            assert rows == mine
 
 
 @pytest.mark.parametrize("options", [dict(qkl_coef=0.5),
@@ -727,7 +826,7 @@ def test_dweight_is_rounded_once_from_its_fp32_accumulator(factor, device):
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     options = dict(qkl_coef=0.5, ratio_level="sequence")
     opts = LossOptions(**options)
-    _, _, _, accumulator, _ = chunked.loss_gradients(
+    _, _, _, _, accumulator, _ = chunked.loss_gradients(
         *tensors, *(batch[k] for k in ROW_TENSORS), LossInputs(**inputs), opts, chunked.ROW_KERNELS["triton"],
         segment_sum_of(True), chunked.DEFAULT_WORKSPACE_BYTES, (True, True, True))
     assert accumulator.dtype == torch.float32
