@@ -290,7 +290,7 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_Q
     elif isinstance(mean_surprisal, torch.Tensor):
         if mean_surprisal.numel() != 1:
             raise ValueError(f"mean_surprisal must be a finite number > 0 (nats), got {mean_surprisal!r}")
-        mean = mean_surprisal.to(device=surprisal.device, dtype=torch.float64).reshape(())
+        mean = torch.as_tensor(mean_surprisal, dtype=torch.float64, device=surprisal.device).reshape(())
     else:
         mean = float(mean_surprisal)   # a host number stays on the host: no upload, checked without a read
     if validate:

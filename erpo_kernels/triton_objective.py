@@ -1269,6 +1269,13 @@ def loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, m
                       metrics=SlotMetrics.of(metrics, counts, slots))
 
 
+def slot_fields(metrics: torch.Tensor, counts: torch.Tensor, slots: Tuple[Optional[int], ...]) -> dict:
+    """{LossMetrics field: 0-dim view of metrics [len(FLOAT_METRICS)] or counts [len(COUNT_METRICS)], or None} by
+    `metric_slots`' places (FLOAT_METRICS, then COUNT_METRICS)."""
+    values = metrics.unbind() + counts.unbind()
+    return {name: None if slot is None else values[slot] for name, slot in zip(objective.METRIC_NAMES, slots)}
+
+
 class SlotMetrics(LossMetrics):
     """A LossMetrics whose fields, 0-dim views of the finish kernel's metrics and counts vectors (FLOAT_METRICS, then
     COUNT_METRICS) placed by `metric_slots`, are made when one is first read (as an attribute, by name, or by
@@ -1276,7 +1283,9 @@ class SlotMetrics(LossMetrics):
     host time a call, `python -m bench.host_cost`). Once made, the record is LossMetrics' own, field for field."""
 
     @classmethod
-    def of(cls, metrics: torch.Tensor, counts: torch.Tensor, slots: Tuple[Optional[int], ...]) -> "SlotMetrics":
+    def of(cls, metrics: torch.Tensor, counts: torch.Tensor, slots: Tuple[Optional[int], ...]) -> LossMetrics:
+        if torch.compiler.is_compiling():  # Dynamo cannot trace the first read's __delattr__: the fields made now
+            return LossMetrics(**slot_fields(metrics, counts, slots))
         record = object.__new__(cls)
         object.__setattr__(record, "_vectors", (metrics, counts, slots))
         return record
@@ -1285,9 +1294,7 @@ class SlotMetrics(LossMetrics):
         vectors = self.__dict__.get("_vectors")
         if vectors is None or name not in objective.METRIC_NAMES:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        metrics, counts, slots = vectors
-        values = metrics.unbind() + counts.unbind()
-        for field_name, slot in zip(objective.METRIC_NAMES, slots):
-            object.__setattr__(self, field_name, None if slot is None else values[slot])
+        for field_name, value in slot_fields(*vectors).items():
+            object.__setattr__(self, field_name, value)
         object.__delattr__(self, "_vectors")
         return getattr(self, name)

@@ -461,7 +461,10 @@ def test_reference_lookup_reads_no_prompt_ids_from_the_device(tiny, tmp_path):
         counts.append(dict(counter.sync_names))
         expected = torch.tensor([trainer.reference_cache.entries[prompt_hash(p)] for p in device_rows])
         assert torch.equal(ell, expected[:, 0].float()) and torch.equal(weight, expected[:, 1].float())
-    assert counts[0]["Tensor.cpu"] == 1 and not {"Tensor.tolist", "aten.index"} & counts[0].keys(), counts
+    # one tolist: query_weights' checks of the added prompts' ell_theta0, host values the counter takes for device
+    # ones (selected by a list index, whose index tensor aten makes unseen); a read of the prompts would be 4
+    assert counts[0]["Tensor.cpu"] == 1 and counts[0].get("Tensor.tolist", 0) <= 1 and "aten.index" not in counts[0], \
+        counts
     assert counts[1] == {} and counts[2] == {}, counts
     assert torch.equal(ell, forward_ell.float())   # added at theta0, looked up after it
     # a micro-batch without the host lists (a subclass's own _generate_and_score_completions): the device rows are

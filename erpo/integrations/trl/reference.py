@@ -93,7 +93,7 @@ class ReferenceMixin:
     _theta0_entries: dict[str, tuple[float, float]]   # added at theta0, not yet shared with the other processes
     _theta0: Callable[[], contextlib.AbstractContextManager] | None   # theta0 for a rollout's prompts
     _adapter_added: bool            # a LoRA adapter added by the trainer (peft_config): theta0 = adapters off
-    _train_surprisal: torch.Tensor  # the training prompts' mean -ell_theta0(q) (float64), set by the cache's load
+    _train_surprisal: float  # the training prompts' mean -ell_theta0(q) (nats), set by the cache's load
     _generated_prompt_ids: list[list[int]]  # the last `_generate`'s prompt token ids, one list per sample
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
@@ -199,8 +199,8 @@ class ReferenceMixin:
                 tokenizer_fp=identity["tokenizer_fp"], progress=True, score=self._score_reference,
                 precision=self._reference_precision())
             changed = True
-        self._train_surprisal = -torch.tensor(
-            [cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}], dtype=torch.float64).mean()
+        self._train_surprisal = -float(torch.tensor(
+            [cache.entries[key][0] for key in {prompt_hash(ids) for ids in train_ids}], dtype=torch.float64).mean())
         changed |= self._add_held_out(cache, eval_ids)
         if changed and self.accelerator.is_main_process:
             cache.save(path)
