@@ -131,9 +131,9 @@ def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInp
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
 
-    def one_node(scored_targets, opts, spans):
+    def one_node(scored_targets, opts, row_checks):
         return triton_logits_loss(logits, scored_targets, token_kind, sample_index, inputs=inputs, options=opts,
-                                  inplace_backward=inplace_backward, spans=spans)
+                                  inplace_backward=inplace_backward, spans=row_checks.spans, counts=row_checks.counts)
 
     return loss_on_token_rows(
         token_pass, num_rows=logits.shape[0], vocab_size=logits.shape[1], device=logits.device, backend=backend,
@@ -153,9 +153,10 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
     kernels are safe on any row values). With Triton the value checks' kernel also finds each sample's span of rows
     for the objective and writes the scored targets (`triton_row_checks.RowChecksWithSpans`: one kernel and one fill
     for the three); with validate=False the spans kernel does the last two (`RowChecksWithSpans.without_checks`).
-    one_node(scored_targets, LossOptions, spans) -> LossOutput, when given: the token pass and the objective as one
-    autograd node (`triton_logits_loss`), taken on the Triton path for the options the objective's kernels fuse
-    where nothing traces (`direct_ops.traced`); its kernels are queued before the checks' read as the two passes'."""
+    one_node(scored_targets, LossOptions, RowChecksWithSpans) -> LossOutput, when given: the token pass and the
+    objective as one autograd node (`triton_logits_loss`, given the spans and the counts the row checks left),
+    taken on the Triton path for the options the objective's kernels fuse where nothing traces
+    (`direct_ops.traced`); its kernels are queued before the checks' read as the two passes'."""
     triton = use_triton(backend, device)
     row_checks = RowChecksWithSpans() if triton else None
     scored_targets, opts, finish_checks = start_loss_input_checks(
@@ -164,7 +165,7 @@ def loss_on_token_rows(token_pass, *, num_rows: int, vocab_size: int, device: to
         caller_checks=caller_checks, unchecked_scored_targets=None if row_checks is None else row_checks.without_checks)
     spans = None if row_checks is None else row_checks.spans
     if one_node is not None and triton and fuses_options(opts) and not traced():
-        out = one_node(scored_targets, opts, spans)
+        out = one_node(scored_targets, opts, row_checks)
         finish_checks()
         return out
     token_logp, entropy = token_pass(scored_targets, opts.logit_transform, triton)

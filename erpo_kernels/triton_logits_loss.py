@@ -6,8 +6,9 @@ kernels with FROM_COEFFICIENTS, through `triton_objective.objective_row_gradient
 folded in). The same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get; per fwd+bwd two Triton
 launches and one autograd node fewer, all host time at a small N (`python -m bench.host_cost`). The forward's fp32
-tensors are regions of one allocation (`triton_objective.NodeWorkspace`; the counts and the finish's ticket counter, a
-fill, beside it), which the sample kernel finds from one pointer. What depends only on the options and on which
+tensors are regions of one allocation (`triton_objective.NodeWorkspace`; the counts and the finish's ticket counter
+beside it, in the row checks' or the spans kernel's buffer, which zeroes the ticket: no fill launch), which the
+sample kernel finds from one pointer. What depends only on the options and on which
 inputs are given (the objective's settings, kernel arguments, metric slots and the logit transform) comes from one
 `triton_objective.ObjectivePlan` per distinct (options, given inputs), the sample kernel's float settings from one
 device vector per distinct values (`triton_objective.node_scalars`); the metrics record is made on its first read
@@ -36,14 +37,16 @@ from .validation import LossInputs, LossOptions
 class _NodeCall(NamedTuple):
     """What `_LogitsLoss` takes besides the logits, as one argument: autograd's `apply` handles each argument it is
     given on the host (about 1 us each in `python -m bench.host_cost`), and none of these takes a gradient.
-    targets [N] int64 (-100 = ignored), token_kind, sample_index [N], spans [2, S]; `outputs`: the list the outputs
-    that carry no gradient are appended to."""
+    targets [N] int64 (-100 = ignored), token_kind, sample_index [N], spans [2, S]; counts: the objective's counts
+    [4] int64 with the ticket zeroed, or None (`triton_objective.launch_node_objective`); `outputs`: the list the
+    outputs that carry no gradient are appended to."""
 
     targets: torch.Tensor
     inplace_backward: bool
     token_kind: torch.Tensor
     sample_index: torch.Tensor
     spans: torch.Tensor
+    counts: torch.Tensor | None
     inputs: LossInputs
     options: LossOptions
     plan: ObjectivePlan
@@ -64,7 +67,7 @@ class _LogitsLoss(torch.autograd.Function):
         *loss_tensors, num_items, num_seqs, entropy_threshold, settings = objective_arguments(
             workspace.entropy, call.token_kind, inputs, call.options, plan.settings)
         counts = launch_node_objective(workspace, call.token_kind, call.sample_index, call.spans, loss_tensors,
-                                       num_items, num_seqs, entropy_threshold, settings, plan.arguments)
+                                       num_items, num_seqs, entropy_threshold, settings, plan.arguments, call.counts)
         ctx.save_for_backward(logits, call.targets, workspace.lse, workspace.entropy, call.token_kind,
                               workspace.coef_logp, workspace.coef_entropy, workspace.scales)
         ctx.transform = plan.logit_transform
@@ -88,15 +91,18 @@ class _LogitsLoss(torch.autograd.Function):
 
 def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token_kind: torch.Tensor,
                        sample_index: torch.Tensor, *, inputs: LossInputs, options: LossOptions,
-                       inplace_backward: bool = False, spans: torch.Tensor | None = None) -> LossOutput:
+                       inplace_backward: bool = False, spans: torch.Tensor | None = None,
+                       counts: torch.Tensor | None = None) -> LossOutput:
     """The loss on logits [N, V] (`api.erpo_loss`'s, Triton path) as one autograd node (module docstring), for options
     the objective's kernels fuse (`triton_objective.fuses`, the caller checks) and where nothing traces:
     scored_targets [N] int (-100 on rows not scored), token_kind, sample_index [N]; `inputs`, `options` validated;
-    spans [2, S] as `triton_objective.triton_objective`'s; inplace_backward writes d logits into `logits`."""
+    spans [2, S] as `triton_objective.triton_objective`'s; counts [4] int64 with their ticket counter zeroed, from
+    the kernel that formed the spans (`triton_row_checks.RowChecksWithSpans.counts`), or None (a fill here);
+    inplace_backward writes d logits into `logits`."""
     token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
     plan = objective_plan(options, inputs, has_entropy=True)
     outputs = []
     loss = _LogitsLoss.apply(logits, _NodeCall(scored_targets.long().contiguous(), bool(inplace_backward), token_kind,
-                                               sample_index, spans, inputs, options, plan, outputs))
+                                               sample_index, spans, counts, inputs, options, plan, outputs))
     logp, entropy, query_logp, response_logp, metrics, counts = outputs
     return loss_output_in_slots(loss, logp, entropy, query_logp, response_logp, metrics, counts, plan.metric_slots)

@@ -60,7 +60,7 @@ from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
-from .triton_segment import SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
+from .triton_segment import NODE_COUNTS, NODE_TICKET, SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
 from .validation import LogitTransform, LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
@@ -72,8 +72,10 @@ FLOAT_METRICS = ("qkl", "policy_kl", "entropy", "clip_frac", "pg_loss", "ratio_m
                  "rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max", "off_policy_masked_frac",
                  "kept_entropy", "vespo_phi_mean")
 COUNT_METRICS = ("response_tokens", "nonfinite_rows", "kept_tokens")
-# the counter of the sample kernel's programs that are done, with FINISH: counts' entry after COUNT_METRICS
-TICKET = tl.constexpr(len(COUNT_METRICS))
+# the counter of the sample kernel's programs that are done, with FINISH: counts' entry after COUNT_METRICS (the
+# counts the spans' kernels leave beside the spans have that layout: triton_segment.NODE_COUNTS)
+TICKET = NODE_TICKET
+assert len(COUNT_METRICS) + 1 == NODE_COUNTS and TICKET == len(COUNT_METRICS)
 QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3, "k3-token": 4}
 PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
@@ -598,7 +600,7 @@ def _sample_objective(
     tl.store(out + 16, tl.sum(kept_entropy_sum, axis=0))
     if FINISH:
         # The last program of the grid reduces every sample's partials (CUDA's threadFenceReduction pattern): each
-        # program takes a ticket from a counter that starts at 0 (counts' extra entry, zeroed by the launch) once
+        # program takes a ticket from a counter that starts at 0 (counts' extra entry, zeroed before the launch) once
         # its stores are done; the barrier puts every thread's stores before the ticket, and the atomic's acq_rel
         # (at GPU scope) makes them visible to the program that takes the last ticket, whose loads come after it.
         tl.debug_barrier()
@@ -1071,15 +1073,18 @@ def launch_sample_kernel(out: SampleOutputs, token_logp, entropy, token_kind, or
 
 
 def launch_node_objective(workspace: NodeWorkspace, token_kind, sample_index, spans, loss_tensors, num_items,
-                          num_seqs, entropy_threshold, settings: List[float], arguments: KernelArguments):
+                          num_seqs, entropy_threshold, settings: List[float], arguments: KernelArguments,
+                          counts: Optional[torch.Tensor] = None):
     """Kernels 1 and 2 (module docstring) for the one-node loss (`triton_logits_loss`), on logp and entropy in
     `workspace` (`NodeWorkspace`), writing its other regions: one launch of `_objective_sample_finish_kernel` (its
     last program runs kernel 2) when there are samples, else kernel 2 alone. token_kind, sample_index [N]
     contiguous; spans [2, S] (`triton_segment.sample_spans`); loss_tensors, entropy_threshold as
     `launch_sample_kernel`'s; num_items, num_seqs as `launch_finish_kernel`'s; arguments: `kernel_arguments(settings)`
-    (`ObjectivePlan`). Returns the counts [len(COUNT_METRICS) + 1] int64 (the last entry: the programs' ticket
-    counter, zeroed here, left at S)."""
-    counts = torch.zeros(len(COUNT_METRICS) + 1, dtype=torch.int64, device=workspace.whole.device)
+    (`ObjectivePlan`); counts: [len(COUNT_METRICS) + 1] int64 whose last entry, the programs' ticket counter, is
+    zeroed by a kernel queued before (`triton_row_checks.RowChecksWithSpans.counts`), else None (zeroed here, a fill
+    launch). Returns the counts, the ticket left at S."""
+    if counts is None:
+        counts = torch.zeros(NODE_COUNTS, dtype=torch.int64, device=workspace.whole.device)
     num_samples = spans.shape[1]
     if num_samples == 0:
         launch_finish_kernel(workspace.sample_outputs(), num_items, num_seqs, settings, results=FinishOutputs(

@@ -17,7 +17,14 @@ import triton
 import triton.language as tl
 
 from .direct_ops import DirectOp
-from .triton_segment import record_spans, spans_and_scored_targets, store_scored_targets
+from .triton_segment import (
+    NODE_COUNTS,
+    NODE_COUNTS_LENGTH,
+    record_spans,
+    spans_and_scored_targets,
+    store_scored_targets,
+    zero_ticket,
+)
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
@@ -41,8 +48,9 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
                                          none))  # drops NaN: integer codes
-        if WITH_SCORED_TARGETS:  # after the code, the spans [2, S] and one pad: the targets, -100 on rows of kind 0
-            store_scored_targets(code_ptr + 2 + 2 * num_samples, rows, inside, scored, target)
+        if WITH_SCORED_TARGETS:  # after the code, the spans [2, S], the node's counts and one pad: the targets
+            store_scored_targets(code_ptr + 2 + 2 * num_samples + NODE_COUNTS_LENGTH, rows, inside, scored, target)
+            zero_ticket(code_ptr + 1 + 2 * num_samples)
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)
@@ -63,15 +71,16 @@ def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets:
     N * len(ROW_CHECKS) when none fails. token_kind, sample_index, targets [N] int; token_weight, rollout_logp [N].
     with_spans (N > 0): [1 + 2 S] int64, the code followed by the spans of the scored rows
     (`triton_segment.sample_spans`' [2, S], filled with N * len(ROW_CHECKS) >= N + 1 as their decoding allows).
-    with_scored_targets (with_spans, and targets given): [2 + 2 S + N], then one entry unused (it puts the targets
-    on 16 bytes, as Triton's launches specialize pointers) and the targets as int64 with -100 on rows of kind 0
+    with_scored_targets (with_spans, and targets given): [6 + 2 S + N], then the one-node objective's counts
+    (`triton_segment.NODE_COUNTS`, their ticket counter zeroed), one entry unused (it puts the targets on 16 bytes,
+    as Triton's launches specialize pointers) and the targets as int64 with -100 on rows of kind 0
     (`validation.scored_targets_of`'s)."""
     num_rows = token_kind.shape[0]
     if with_spans and num_rows == 0:
         raise ValueError("first_bad_row: with_spans needs N > 0 rows (the spans' fill N * 5 must exceed N)")
     if with_scored_targets and (not with_spans or targets is None):
         raise ValueError("first_bad_row: with_scored_targets needs with_spans and the targets")
-    length = (1 + 2 * num_samples if with_spans else 1) + (1 + num_rows if with_scored_targets else 0)
+    length = (1 + 2 * num_samples if with_spans else 1) + (NODE_COUNTS + 1 + num_rows if with_scored_targets else 0)
     code = torch.full((length,), num_rows * len(ROW_CHECKS), dtype=torch.int64, device=token_kind.device)
     if num_rows > 0:
         # cdiv (triton.cdiv is a jit call: ~10 us); an absent tensor goes as None (a constexpr None to Triton: its
@@ -91,7 +100,8 @@ _first_bad_row = DirectOp(first_bad_row_op, first_bad_row)  # the op under torch
 @first_bad_row_op.register_fake
 def _(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size, with_spans=False,
       with_scored_targets=False):
-    length = (1 + 2 * num_samples if with_spans else 1) + (1 + token_kind.shape[0] if with_scored_targets else 0)
+    length = (1 + 2 * num_samples if with_spans else 1) + (
+        NODE_COUNTS + 1 + token_kind.shape[0] if with_scored_targets else 0)
     return token_kind.new_empty(length, dtype=torch.int64)
 
 
@@ -99,7 +109,7 @@ def triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollou
                          vocab_size: Optional[int], with_spans: bool = False,
                          with_scored_targets: bool = False) -> torch.Tensor:
     """`first_bad_row_op` on contiguous inputs (`validation.start_loss_input_checks`' `first_bad_row` argument):
-    [1] int64, or [1 + 2 S] with_spans, [2 + 2 S + N] with_scored_targets too (`first_bad_row`)."""
+    [1] int64, or [1 + 2 S] with_spans, [6 + 2 S + N] with_scored_targets too (`first_bad_row`)."""
     return _first_bad_row(*_contiguous(token_kind, sample_index, targets, token_weight, rollout_logp), num_samples,
                           vocab_size or 0, with_spans, with_scored_targets)
 
@@ -113,10 +123,13 @@ class RowChecksWithSpans:
     `triton_segment.sample_spans`' form) from the same kernel, and with targets returns (code, the scored targets
     [N] int64: -100 on rows of kind 0) as `validation.start_loss_input_checks` takes them: the logits path passes
     it there and the spans on to the objective; with validate=False, `without_checks` forms the spans and the scored
-    targets (the spans kernel). `spans` stays None when neither ran, or with N = 0 and the checks."""
+    targets (the spans kernel). `spans` stays None when neither ran, or with N = 0 and the checks. With targets and
+    N > 0, `counts` is the one-node objective's counts [NODE_COUNTS] int64 from the same buffer, their ticket
+    counter zeroed by the same kernel (`triton_objective.launch_node_objective`: no fill of its own), else None."""
 
     def __init__(self):
         self.spans = None
+        self.counts = None
 
     def __call__(self, token_kind, sample_index, targets, token_weight, rollout_logp, num_samples: int,
                  vocab_size: Optional[int]):
@@ -126,15 +139,20 @@ class RowChecksWithSpans:
                                         vocab_size)
         checked = triton_first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples,
                                        vocab_size, with_spans=True, with_scored_targets=targets is not None)
-        # the code, the spans, then with targets the pad and the scored targets: one split, not a slice each
-        code, spans, *rest = checked.split_with_sizes((1, 2 * num_samples) + ((1, num_rows) if targets is not None
-                                                                             else ()))
+        # the code, the spans, then with targets the counts, the pad and the scored targets: one split, not a slice
+        # each
+        code, spans, *rest = checked.split_with_sizes(
+            (1, 2 * num_samples) + ((NODE_COUNTS, 1, num_rows) if targets is not None else ()))
         self.spans = spans.view(2, num_samples)
-        return code if targets is None else (code, rest[1])
+        if targets is None:
+            return code
+        self.counts = rest[0]
+        return code, rest[2]
 
     def without_checks(self, token_kind, sample_index, targets, num_samples: int) -> torch.Tensor:
         """The scored targets [N] int64 (-100 on rows of kind 0), leaving the spans of the scored rows in `spans`:
         the spans kernel's fill and launch, no checks (`validation.start_loss_input_checks`'
-        `unchecked_scored_targets`, validate=False)."""
-        self.spans, scored_targets = spans_and_scored_targets(sample_index, num_samples, token_kind, targets)
+        `unchecked_scored_targets`, validate=False); and the counts in `counts` (None with N = 0)."""
+        self.spans, self.counts, scored_targets = spans_and_scored_targets(sample_index, num_samples, token_kind,
+                                                                           targets)
         return scored_targets

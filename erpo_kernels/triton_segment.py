@@ -21,6 +21,12 @@ from .direct_ops import DirectOp
 
 SPAN_BLOCK = 1024  # rows per program of the spans kernel
 SUM_BLOCK = 256  # rows per loop step of the sums kernel
+# Where the scored targets are formed with the spans (the logits path's one node): the objective's counts
+# (`triton_objective.COUNT_METRICS`) and its sample kernel's ticket counter, last, between the spans and the
+# targets, the ticket zeroed by the kernel that writes the targets (no fill launch of its own)
+NODE_COUNTS = 4
+NODE_COUNTS_LENGTH = tl.constexpr(NODE_COUNTS)  # the same, as kernels read a global
+NODE_TICKET = tl.constexpr(NODE_COUNTS - 1)
 
 
 @triton.jit
@@ -62,24 +68,34 @@ def _sample_spans_kernel(sample_ptr, kind_ptr, targets_ptr, spans_ptr, num_rows,
                          WITH_SCORED_TARGETS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, HAS_KIND)
-    if WITH_SCORED_TARGETS:  # after the spans [2, S]: the targets, -100 on rows of kind 0
+    if WITH_SCORED_TARGETS:  # after the spans [2, S]: the node's counts (NODE_COUNTS), then the targets
         inside = rows < num_rows
         scored = tl.load(kind_ptr + rows, mask=inside, other=0) != 0
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
-        store_scored_targets(spans_ptr + 2 * num_samples, rows, inside, scored, target)
+        store_scored_targets(spans_ptr + 2 * num_samples + NODE_COUNTS_LENGTH, rows, inside, scored, target)
+        zero_ticket(spans_ptr + 2 * num_samples)
+
+
+@triton.jit
+def zero_ticket(counts_ptr):
+    """Program 0 zeroes the ticket counter of the node's counts at `counts_ptr` (NODE_COUNTS): the objective's
+    sample kernel, queued after, counts its programs there from 0. (The spans kernel and the row checks' kernel.)"""
+    if tl.program_id(0) == 0:
+        tl.store(counts_ptr + NODE_TICKET, 0)
 
 
 def sample_spans(sample_index: torch.Tensor, num_samples: int, token_kind: Optional[torch.Tensor] = None,
                  targets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The span of each sample s in [0, S) over sample_index [N] int: [2, S] int64 as `_sample_spans_kernel` leaves
     it, read in a kernel by `span_bounds`. Entries outside [0, S) belong to no sample; with token_kind [N], neither
-    do rows of kind 0. A sample without rows gets an empty span. With targets [N] int (and token_kind): [2 S + N]
-    int64, the spans flattened, then the scored targets from the same kernel (int64, -100 on rows of kind 0:
-    `validation.scored_targets_of`'s; `spans_and_scored_targets` splits them)."""
+    do rows of kind 0. A sample without rows gets an empty span. With targets [N] int (and token_kind): [2 S + 4 + N]
+    int64, the spans flattened, the one-node objective's counts (NODE_COUNTS, the ticket counter zeroed when N > 0),
+    then the scored targets from the same kernel (int64, -100 on rows of kind 0: `validation.scored_targets_of`'s;
+    `spans_and_scored_targets` splits them)."""
     if targets is not None and token_kind is None:
         raise ValueError("sample_spans: the scored targets need token_kind (rows of kind 0 get -100)")
     num_rows = sample_index.shape[0]
-    length = 2 * num_samples + (0 if targets is None else num_rows)
+    length = 2 * num_samples + (0 if targets is None else NODE_COUNTS + num_rows)
     spans = torch.full((length,), num_rows + 1, dtype=torch.int64, device=sample_index.device)
     if num_rows > 0 and (num_samples > 0 or targets is not None):
         # cdiv (triton.cdiv is a jit call: ~10 us); an absent tensor goes as None (a constexpr None to Triton: its
@@ -96,7 +112,7 @@ sample_spans_op = torch.library.custom_op("erpo::triton_sample_spans", sample_sp
 @sample_spans_op.register_fake
 def _(sample_index, num_samples, token_kind=None, targets=None):
     if targets is not None:
-        return sample_index.new_empty(2 * num_samples + sample_index.shape[0], dtype=torch.int64)
+        return sample_index.new_empty(2 * num_samples + NODE_COUNTS + sample_index.shape[0], dtype=torch.int64)
     return sample_index.new_empty((2, num_samples), dtype=torch.int64)
 
 
@@ -112,11 +128,13 @@ def triton_sample_spans(sample_index: torch.Tensor, num_samples: int,
 
 def spans_and_scored_targets(sample_index: torch.Tensor, num_samples: int, token_kind: torch.Tensor,
                              targets: torch.Tensor) -> tuple:
-    """(spans [2, S] int64 of the scored rows, as `triton_sample_spans`' with token_kind; the scored targets [N]
-    int64, -100 on rows of kind 0) from one kernel and its fill, on any row values: the logits path's with
-    validate=False, where the row checks' kernel (which forms both with validate=True) does not run."""
+    """(spans [2, S] int64 of the scored rows, as `triton_sample_spans`' with token_kind; the one-node objective's
+    counts [NODE_COUNTS] int64, their ticket counter zeroed (None when N = 0: no kernel runs); the scored targets
+    [N] int64, -100 on rows of kind 0) from one kernel and its fill, on any row values: the logits path's with
+    validate=False, where the row checks' kernel (which forms them with validate=True) does not run."""
     both = _sample_spans(sample_index.contiguous(), num_samples, token_kind.contiguous(), targets.contiguous())
-    return both[:2 * num_samples].view(2, num_samples), both[2 * num_samples:]
+    spans, counts, scored_targets = both.split_with_sizes((2 * num_samples, NODE_COUNTS, sample_index.shape[0]))
+    return spans.view(2, num_samples), counts if sample_index.shape[0] > 0 else None, scored_targets
 
 
 @triton.jit

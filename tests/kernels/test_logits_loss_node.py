@@ -111,8 +111,8 @@ def test_one_node_keeps_the_variant_and_the_inplace_backward(variant, inplace_ba
 def test_one_node_launches_two_triton_kernels_fewer(device):
     """Forward: the row checks, logp / entropy, the objective's sample kernel whose last program finishes (kernel 2
     folded in); backward: dlogits alone (the two ops: the objective's finish and gradient kernels too). The aten
-    operators are the same but for the ticket counter's fill (LaunchCounter, a dispatch mode, counts the two ops'
-    path: test_objective_kernels.py)."""
+    operators are the same: the sample kernel's ticket counter sits in the row checks' buffer, zeroed by their kernel
+    (test_sample_spans.py; LaunchCounter, a dispatch mode, counts the two ops' path: test_objective_kernels.py)."""
     batch = random_batch(device=device)
     for two_ops, expected in ((False, 4), (True, 6)):
         loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU

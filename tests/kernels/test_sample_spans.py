@@ -6,7 +6,7 @@ import torch
 
 from erpo_kernels import erpo_loss, sample_sums
 from erpo_kernels.triton_row_checks import RowChecksWithSpans
-from erpo_kernels.triton_segment import sample_spans
+from erpo_kernels.triton_segment import NODE_COUNTS, sample_spans
 from erpo_kernels.validation import ROW_CHECKS, scored_targets_of
 from helpers import loss_inputs, random_batch
 
@@ -69,18 +69,23 @@ def test_the_row_checks_find_the_same_spans(layout, device):
     # with targets, the scored targets too (validation.scored_targets_of's: -100 on rows of kind 0), after the spans
     # in the same buffer, on 16 bytes (Triton's launches specialize a pointer on that)
     targets = torch.arange(kind.shape[0], device=device) % 7
-    code, scored_targets = RowChecksWithSpans()(kind, sample_index, targets.int(), None, None, NUM_SAMPLES, 7)
+    checks = RowChecksWithSpans()
+    code, scored_targets = checks(kind, sample_index, targets.int(), None, None, NUM_SAMPLES, 7)
     assert int(code[0]) == kind.shape[0] * len(ROW_CHECKS)
     assert scored_targets.dtype == torch.int64
     assert torch.equal(scored_targets, scored_targets_of(targets, kind != 0))
     assert (scored_targets.data_ptr() - code.data_ptr()) % 16 == 0
+    # the one-node objective's counts between them, their ticket counter zeroed by the same kernel (no fill launch)
+    assert checks.counts.shape == (NODE_COUNTS,) and int(checks.counts[NODE_COUNTS - 1]) == 0
+    assert checks.counts.data_ptr() == code.data_ptr() + (1 + 2 * NUM_SAMPLES) * 8
 
 
 @pytest.mark.parametrize("layout", layouts(), ids=lambda layout: layout[0])
 def test_the_spans_kernel_writes_the_scored_targets(layout, device):
     """validate=False on the logits path (`RowChecksWithSpans.without_checks`): the spans kernel writes the scored
-    targets after the spans (validation.scored_targets_of's: -100 on rows of kind 0, whatever their target, in range
-    or not), in one buffer, on 16 bytes; the spans are those without targets."""
+    targets after the spans and the one-node objective's counts (validation.scored_targets_of's: -100 on rows of kind
+    0, whatever their target, in range or not), in one buffer, on 16 bytes, and zeroes the counts' ticket counter;
+    the spans are those without targets."""
     _, sample_index, kind = layout
     sample_index, kind = sample_index.to(device), kind.to(device)
     targets = (torch.arange(kind.shape[0], device=device) % 9 - 1).int()  # -1 and 7, 8 outside a vocabulary of 7
@@ -90,8 +95,12 @@ def test_the_spans_kernel_writes_the_scored_targets(layout, device):
     assert torch.equal(scored_targets, scored_targets_of(targets, kind != 0))
     assert torch.equal(checks.spans, sample_spans(sample_index, NUM_SAMPLES, kind))
     if kind.shape[0] > 0:  # (an empty tensor's data_ptr is 0)
-        assert scored_targets.data_ptr() == checks.spans.data_ptr() + checks.spans.numel() * 8  # one buffer
+        assert checks.counts.data_ptr() == checks.spans.data_ptr() + checks.spans.numel() * 8  # one buffer
+        assert scored_targets.data_ptr() == checks.counts.data_ptr() + NODE_COUNTS * 8
         assert scored_targets.data_ptr() % 16 == 0
+        assert int(checks.counts[NODE_COUNTS - 1]) == 0
+    else:
+        assert checks.counts is None  # no kernel runs: launch_node_objective zeroes its own
     with pytest.raises(ValueError, match="the scored targets need token_kind"):
         sample_spans(sample_index, NUM_SAMPLES, None, targets)
 
