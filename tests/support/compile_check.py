@@ -19,6 +19,26 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200
 
 
+# triton_objective._objective_sample_kernel: its option flags (constexpr branches) and its signature, pointers and
+# float settings, as both paths launch it (tests/workers/logits_compile_check.py, fused_compile_check.py)
+OBJECTIVE_SAMPLE_FLAGS = (
+    "HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP", "HAS_TOKEN_WEIGHT",
+    "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP", "USE_QKL", "USE_POLICY_KL",
+    "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION", "PER_TOKEN_MEAN", "HAS_OFF_POLICY", "HAS_ENTROPY_FILTER")
+_OBJECTIVE_SAMPLE_POINTERS = (
+    "logp_ptr", "entropy_ptr", "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr",
+    "ref_logp_ptr", "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr", "partials_ptr", "query_logp_ptr",
+    "response_logp_ptr", "coef_logp_ptr", "coef_entropy_ptr")
+_OBJECTIVE_SAMPLE_SCALARS = (
+    "clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp", "log_rollout_is_cap",
+    "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef", "cispo_clip_max", "sapo_temperature_pos",
+    "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "off_policy_mask_threshold")
+OBJECTIVE_SAMPLE_SIGNATURE = dict({name: "*fp32" for name in _OBJECTIVE_SAMPLE_POINTERS}, kind_ptr="*i64",
+                                  order_ptr="*i64", starts_ptr="*i64", sample_ptr="*i64", sample_ids_ptr="*i64",
+                                  **{name: "fp32" for name in _OBJECTIVE_SAMPLE_SCALARS})
+
+
 def compile_for_hopper(kernel, signature: dict, constexprs: dict, divisible_by_16=(), **options):
     """Compile `kernel` (@triton.jit, possibly in interpreter mode) for sm_90; returns the compiled kernel.
     constexprs: every constexpr parameter's value (a ValueError names those left out), and None for a pointer the

@@ -1,7 +1,7 @@
 """Compile the fused-linear path's Triton kernels for sm_90, as `fused_linear_loss` launches them (run without
 TRITON_INTERPRET; used by tests/kernels/test_compile_hopper.py). Prints one 'compiled ...' line per kernel and form,
 with its registers per thread and spill bytes (ptxas)."""
-from compile_check import compile_for_hopper, register_usage
+from compile_check import OBJECTIVE_SAMPLE_FLAGS, OBJECTIVE_SAMPLE_SIGNATURE, compile_for_hopper, register_usage
 from erpo_kernels import triton_fill, triton_gradient_rows, triton_logits, triton_objective, triton_scale
 from erpo_kernels.fused_linear_loss import CHUNK_FORWARD_VARIANT
 
@@ -52,19 +52,7 @@ def main():
 def compile_chunk_objective():
     """The objective's kernels as the chunks launch them: the sample kernel over a chunk's samples (sample_ids, the
     rows in the samples' order, every option flag off and on), the gradient kernel with d loss / d loss = 1."""
-    sample_flags = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP",
-                    "HAS_TOKEN_WEIGHT", "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP",
-                    "USE_QKL", "USE_POLICY_KL", "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION",
-                    "PER_TOKEN_MEAN", "HAS_OFF_POLICY", "HAS_ENTROPY_FILTER")
-    pointers = ("logp_ptr", "entropy_ptr", "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr",
-                "ref_logp_ptr", "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr", "partials_ptr",
-                "query_logp_ptr", "response_logp_ptr", "coef_logp_ptr", "coef_entropy_ptr")
-    scalars = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log_ratio_clamp", "kl_clamp",
-               "log_rollout_is_cap", "qkl_coef", "qkl_linear_beyond", "policy_kl_coef", "entropy_coef",
-               "cispo_clip_max", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-               "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
-    signature = dict({name: "*fp32" for name in pointers}, kind_ptr="*i64", order_ptr="*i64", starts_ptr="*i64",
-                     sample_ids_ptr="*i64", **{name: "fp32" for name in scalars})
+    sample_flags, signature = OBJECTIVE_SAMPLE_FLAGS, OBJECTIVE_SAMPLE_SIGNATURE
     optional = ("ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr", "token_weight_ptr",
                 "rollout_logp_ptr", "entropy_threshold_ptr")  # the chunks always pass the entropies
     for sequence in (False, True):
