@@ -121,8 +121,9 @@ class GpuCheck:
     """One run of the check: its stages so far, the environment they run in, the files under `out`; temporary
     files (the training run, the bench's own outputs, the wheels' site folder) go to `work`."""
 
-    def __init__(self, out_dir: Path, dry_run: bool, commit: str | None):
+    def __init__(self, out_dir: Path, dry_run: bool, commit: str | None, deadline_s: float = DEADLINE_S):
         self.out = out_dir
+        self.deadline_s = deadline_s
         self.dry_run = dry_run
         self.commit = commit
         self.start = time.monotonic()
@@ -145,7 +146,7 @@ class GpuCheck:
         print(stamp + text, flush=True)
 
     def time_left(self) -> float:
-        return DEADLINE_S - SUMMARY_RESERVE_S - (time.monotonic() - self.start)
+        return self.deadline_s - SUMMARY_RESERVE_S - (time.monotonic() - self.start)
 
     def run(self, name: str, command: list, log_file: Path, limit_s: float, mirror: tuple | None = None) -> Stage:
         """Run `command` (output appended to `log_file`) for at most `limit_s` seconds and at most what is left before
@@ -364,6 +365,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma list of {', '.join(STAGES)} (default: all); e.g. --stages kernels, the kernel "
                              "tier alone (126 s on the 2026-11-25 H200 run), for a lease too short for the rest")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
+                        help=f"the whole command's time (default {DEADLINE_S}); less leaves room for a second check in "
+                             "the same device call")
     args = parser.parse_args(argv)
     if not args.out_dir:
         parser.error("give OUT_DIR (or set $OUT)")
@@ -372,7 +376,9 @@ def main(argv=None) -> int:
         parser.error(f"--stages: expected a comma list of {', '.join(STAGES)}, got {args.stages!r}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    check = GpuCheck(out, args.dry_run, args.commit)
+    if args.deadline < SUMMARY_RESERVE_S + MIN_STAGE_S:
+        parser.error(f"--deadline: at least {SUMMARY_RESERVE_S + MIN_STAGE_S} s (the summary's reserve and one stage)")
+    check = GpuCheck(out, args.dry_run, args.commit, args.deadline)
     check.setup()
     if "kernels" in stages:
         check.kernels()

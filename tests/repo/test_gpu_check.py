@@ -98,8 +98,8 @@ def test_a_stage_past_its_limit_is_stopped_with_its_children(check, tmp_path):
     assert "| sleepy | time limit |" in (tmp_path / "summary.md").read_text()
 
 
-def test_no_stage_starts_past_the_deadline(check, tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "DEADLINE_S", gpu_check.SUMMARY_RESERVE_S)
+def test_no_stage_starts_past_the_deadline(check, tmp_path):
+    check.deadline_s = gpu_check.SUMMARY_RESERVE_S
     stage = check.run("late", ["bash", "-c", f"touch {tmp_path / 'ran'}"], tmp_path / "late.log", limit_s=60)
     assert stage.status == "not run" and not (tmp_path / "ran").exists()
     assert "not started" in stage.notes[0]
@@ -124,3 +124,10 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
     every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
     assert every - planned == {(65536, "torch")} and planned <= every
     assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
+
+
+def test_a_deadline_too_short_for_one_stage_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--dry-run", "--deadline", str(gpu_check.SUMMARY_RESERVE_S), str(tmp_path)])
+    assert stop.value.code == 2 and "--deadline: at least" in capsys.readouterr().err
+    assert not (tmp_path / "summary.md").exists()
