@@ -238,12 +238,14 @@ class GpuCheck:
         if self.dry_run:
             command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DRY_RUN_KERNEL_TESTS]
         else:
-            command = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=0",
-                       "--durations-min=1", KERNEL_TIER]
-            if _version("pytest-timeout") >= (2, 3):  # --session-timeout since 2.3 (the GPU image: 2.5.0)
-                command[4:4] = ["--timeout", str(KERNEL_TEST_TIMEOUT_S), "--session-timeout", str(KERNEL_SESSION_S)]
+            # not -q: the header names the plugins, the limits and the number of tests collected
+            command = [python, "-m", "pytest", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=0",
+                       "--durations-min=1"]
             if importlib.util.find_spec("xdist"):  # a file per worker: module fixtures (the bench smoke run) once
-                command[4:4] = ["-n", str(KERNEL_WORKERS), "--dist", "loadfile"]
+                command += ["-n", str(KERNEL_WORKERS), "--dist", "loadfile"]
+            if _version("pytest-timeout") >= (2, 3):  # --session-timeout since 2.3 (the GPU image: 2.5.0)
+                command += ["--timeout", str(KERNEL_TEST_TIMEOUT_S), "--session-timeout", str(KERNEL_SESSION_S)]
+            command.append(KERNEL_TIER)
         self.run("kernels", command, self.out / "kernel-tests.log", KERNEL_LIMIT_S)
 
     def logits(self) -> None:
@@ -373,10 +375,12 @@ def pytest_summary(lines: list) -> list:
     """pytest's result line (its last), why it stopped early (pytest-timeout's session timeout), its failures and
     errors (one line each, with the message where the log is wide enough) and its five slowest tests."""
     results = _result_lines(lines)
+    collected = [found[1] for line in lines if (found := re.search(r"(?:^collected |workers \[)(\d+) item", line))]
     stopped = [line.strip("! ") for line in lines if "session-timeout" in line and line.startswith("!")]
     failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
     slowest = [line for line in lines if re.match(r"[\d.]+s (call|setup|teardown) ", line)][:5]
-    return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"]
+    return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"
+             + (f" (of {collected[-1]} collected)" if collected else "")]
             + [f"- stopped early: {line} (the tests not yet started did not run)" for line in stopped[-1:]]
             + [f"- {line}" for line in failures] + [f"- slow: `{line}`" for line in slowest])
 

@@ -152,6 +152,7 @@ def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypa
     ((command, limit_s),) = commands
     flags = " ".join(command[3:])
     assert f"-n {gpu_check.KERNEL_WORKERS} --dist loadfile" in flags and "-rfE --tb=short" in flags
+    assert "-q" not in command  # the header: plugins, limits, the tests collected
     assert f"--timeout {gpu_check.KERNEL_TEST_TIMEOUT_S} --session-timeout {gpu_check.KERNEL_SESSION_S}" in flags
     assert command[-1] == "tests/kernels" and limit_s == gpu_check.KERNEL_LIMIT_S
     assert gpu_check.KERNEL_SESSION_S + 60 <= gpu_check.KERNEL_LIMIT_S  # room for the tests running at its end
@@ -160,7 +161,7 @@ def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypa
 
 def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_stop():
     """The lines pytest (9, xdist 3.8, pytest-timeout 2.5) printed for a tier stopped by its session timeout."""
-    log = ["....FF....", "=== short test summary info ===",
+    log = ["created: 12/12 workers", "12 workers [10 items]", "", "....FF....", "=== short test summary info ===",
            "FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
            "ERROR tests/kernels/test_bench_smoke.py::test_writes_all_outputs - Failed: Timeout (>180.0s) from "
            "pytest-timeout.",
@@ -168,7 +169,7 @@ def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_sto
            "========== 1 failed, 8 passed, 1 error in 161.40s (0:02:41) ==========",
            "12.01s setup    tests/kernels/test_bench_smoke.py::test_writes_all_outputs"]
     assert gpu_check.pytest_summary(log) == [
-        "- result: 1 failed, 8 passed, 1 error in 161.40s (0:02:41)",
+        "- result: 1 failed, 8 passed, 1 error in 161.40s (0:02:41) (of 10 collected)",
         "- stopped early: xdist.dsession.Interrupted: session-timeout: 150.0 sec exceeded (the tests not yet started "
         "did not run)",
         "- FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
