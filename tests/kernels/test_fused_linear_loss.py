@@ -869,6 +869,35 @@ def test_the_backward_scales_on_the_backend_the_op_was_given(backend, device):
     assert all(t.grad is not None for t in (hidden, weight, bias))
 
 
+
+def test_the_torch_backends_chunk_gradient_keeps_the_python_snapshot_key(monkeypatch, device):
+    """The torch backend's chunk gradient is an autograd.grad inside the op's body. Under LaunchCounter (a dispatch
+    mode that re-enters itself in __torch_dispatch__ to count inside an op) that body runs with the mode's Python key
+    included and, but for `fused_linear_loss._KEYS_PUT_BACK`, the PythonTLSSnapshot key excluded; on CUDA autograd
+    runs the gradient's backward on its device thread, which takes these key sets and the mode but not the snapshot
+    that the Python key's fallback reads: torch 2.11 asserted there (`tls_on_entry.has_value()`, the H100 run of
+    2026-11-26, in the test above with "torch"). The CPU runs that backward on the calling thread and torch 2.13 no
+    longer asserts, so what is checked, on any device, is the state the device thread would take: wherever the
+    gradient is taken, the Python key is not without the snapshot's."""
+    keys = torch._C.DispatchKey
+    states = []
+    grad = torch.autograd.grad
+
+    def recording_grad(*args, **kwargs):
+        states.append((torch._C._dispatch_tls_is_dispatch_key_included(keys.Python),
+                       torch._C._dispatch_tls_is_dispatch_key_excluded(keys.PythonTLSSnapshot)))
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording_grad)
+    batch = packed_batch([(1, 2)] * 3, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = leaves(*linear(len(batch["targets"]), torch.float32, device))
+    with LaunchCounter():
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="torch",
+                               validate=False, **inputs).loss.backward()
+    assert states and all(python for python, _ in states), states  # the mode's key, as on the device thread
+    assert not any(snapshot_excluded for _, snapshot_excluded in states), states
+
 def test_scaled_op_passes_opcheck(device):
     from erpo_kernels.triton_scale import scaled_op
     x = torch.randn(5, 7, device=device).bfloat16()
