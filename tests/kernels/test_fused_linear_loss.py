@@ -464,8 +464,8 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     # constant instead of an aten `ones`). On CUDA 14 (the H100 run of 2026-11-26, torch 2.11, commit b8b4a78): one
     # more, the copy of the plan's read into pinned memory (`validation.read_later`'s copy_, a launch there; on the CPU
     # the read takes the tensor itself). The chunk layout's upload (`common.host_to_device`) is in both counts alike:
-    # with the caller's layout, which spares the read but not that upload, that run counted the CPU's 82 launches
-    # (test_a_host_layout_spares_the_chunk_plan_its_read)
+    # with the caller's layout, which spares the read but not that upload, that run counted 82 launches, as the CPU
+    # does (torch 2.13; test_a_host_layout_spares_the_chunk_plan_its_read)
     assert per_chunk <= 10 and constant <= (14 if device.type == "cuda" else 13), (constant, per_chunk, names[1])
 
 
