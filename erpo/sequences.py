@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config, sample_sums
-from erpo_kernels.layout import from_padded
+from erpo_kernels.layout import from_padded, host_to_device
 from erpo_kernels.lm_head import whole_lm_head
 
 
@@ -34,18 +34,11 @@ class PackedBatch:
     host_layout: torch.Tensor | None = None   # [2, R] int64, host memory: token_kind and sample_index (no read to plan)
 
 
-def to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """`host` (a tensor the host built, any shape) on `device`, the host not waiting: on CUDA copied from pinned memory
-    with non_blocking (a blocking copy from pageable memory waits for every kernel queued before it; the caching host
-    allocator keeps the pinned block until the copy is done). The same values; on the CPU, `host` itself."""
-    device = torch.device(device)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-
-
 def to_device_together(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Integer or bool host tensors on `device` in one upload (`to_device` of their concatenation as int64), each in
-    its own shape and dtype: the same values."""
-    parts = to_device(torch.cat([t.reshape(-1).long() for t in tensors]), device).split([t.numel() for t in tensors])
+    """Integer or bool host tensors on `device` in one upload (`erpo_kernels.layout.host_to_device` of their
+    concatenation as int64: no wait), each in its own shape and dtype: the same values."""
+    together = host_to_device(torch.cat([t.reshape(-1).long() for t in tensors]), device)
+    parts = together.split([t.numel() for t in tensors])
     return [part.reshape(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
 
 
@@ -53,7 +46,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
          response_scored: list[bool] | None = None,
          response_logp: list[list[float]] | None = None) -> PackedBatch:
     """Right-pad prompt + response token lists into a PackedBatch on `device`: built on the host from the lists,
-    uploaded in one copy from pinned memory without a wait (`to_device_together`). A sample whose `response_scored`
+    uploaded in one copy without a wait (`to_device_together`). A sample whose `response_scored`
     entry is False keeps its query rows but its response rows are not scored.
     `response_logp` (one log-prob per response token, from the rollout engine) becomes `rollout_logp`."""
     if len(prompt_ids) != len(response_ids) or not prompt_ids:
@@ -80,7 +73,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     input_ids, attention_mask, on_device_rows, targets, layout, row_index = to_device_together(   # one upload, no wait
         [ids, attn, rows, packed.targets[rows], host_layout, rows.nonzero().squeeze(1)], device)
     return PackedBatch(input_ids, attention_mask, on_device_rows, targets, layout[0], layout[1],
-                       None if sampled_logp is None else to_device(sampled_logp.reshape(-1)[rows], device),
+                       None if sampled_logp is None else host_to_device(sampled_logp.reshape(-1)[rows], device),
                        row_index, host_layout)
 
 

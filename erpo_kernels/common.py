@@ -21,12 +21,18 @@ from .validation import IGNORE_INDEX
 LSE_FLOOR = -3.0e38  # finite floor of the running max (see the module docstring)
 
 
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` (host, any shape) as a tensor on `device`, the host not waiting: on CUDA copied from pinned memory
-    with non_blocking (a blocking copy from pageable memory makes the host wait for every kernel queued before it;
-    the caching host allocator keeps the pinned block until the copy is done)."""
-    host = torch.from_numpy(array)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+def host_to_device(host: torch.Tensor | np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """`host` (a tensor in host memory or a numpy array, any shape) as a tensor on `device`, the host not waiting: on
+    CUDA copied with non_blocking from pinned memory (from pageable memory the driver may make the host wait for the
+    stream before it stages the copy, and a blocking copy waits for every kernel queued before it; the caching host
+    allocator keeps the pinned block until the copy is done; a tensor already pinned is copied from where it lies).
+    Under torch.compile the copy is traced from `host` as it lies (FakeTensor cannot pin: `aten._pin_memory` is not
+    implemented), with non_blocking: the graph's copy waits for nothing when its caller pinned `host`. On the CPU,
+    `host` itself (a numpy array shares its memory)."""
+    host, device = torch.as_tensor(host), torch.device(device)
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def index_slices(size: int, step: int) -> list[slice]:

@@ -258,8 +258,8 @@ def host_layout_checks(host_layout, token_kind, sample_index) -> list:
                        and t.device == token_kind.device for t in rows)
             or host_layout_error(host_layout, token_kind.shape[0]) is not None):
         return []
-    on_device = host_to_device(host_layout.numpy(), token_kind.device)
-    bad = (on_device[0] != token_kind) | (on_device[1] != sample_index)
+    kinds, samples = host_to_device(host_layout, token_kind.device).unbind()
+    bad = (kinds != token_kind) | (samples != sample_index)
     return [(bad, lambda row: f"host_layout disagrees with the rows at row {row}: it holds token_kind "
                               f"{int(host_layout[0, row])} and sample_index {int(host_layout[1, row])}, the tensors "
                               f"{int(token_kind[row])} and {int(sample_index[row])}; pass the host copy of these "

@@ -460,9 +460,16 @@ def response_entropies(hidden, weight, bias, targets, token_kind, transform: Log
 # never records a graph, whatever the grad mode. The torch backend's chunk gradient is taken with autograd
 # nonetheless (the oracle), so these keys are put back for that one computation (torch.func.grad would work too, but
 # not under an outer TorchDispatchMode). The Triton backend needs none of this (triton_chunk_objective.py).
-_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+# Called from a TorchDispatchMode's __torch_dispatch__ (the Python fallback excludes every key above Python) by a
+# mode that re-enters itself to see inside the op (tests/support/launch_counts.py), the body also runs with the
+# PythonTLSSnapshot key excluded and the mode's Python key included; that key is put back too. On CUDA autograd runs
+# the gradient's backward on its device thread, which takes these key sets and the mode but not the snapshot that
+# the Python fallback reads (a thread-local of its own, set by the PythonTLSSnapshot key): without the key, torch
+# 2.11 asserted there (`tls_on_entry.has_value()`, PythonFallbackKernel.cpp; the H100 run of 2026-11-26).
+_KEYS_PUT_BACK = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
 
 
 class ReferenceChunkObjective:
@@ -478,7 +485,7 @@ class ReferenceChunkObjective:
     def gradient(self, chunk: int, rows: slice):
         """(d loss / d logp, d loss / d entropy) [n] fp32 on chunk `chunk`'s rows `rows`."""
         g = self.given
-        exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+        exclude = torch._C._dispatch_tls_local_exclude_set() - _KEYS_PUT_BACK
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
                 torch.enable_grad():
             logp = g.logp[rows].detach().requires_grad_(True)

@@ -38,9 +38,9 @@ import torch
 
 from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_entries, with_temperature
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import to_device
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss
+from erpo_kernels.layout import host_to_device
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -249,7 +249,7 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
 
     ref_query_logp = query_weight = None
     if reference is not None and settings.needs_reference:
-        ell, weight = to_device(torch.stack(reference.lookup(rows.prompt_ids)), token_logp.device)  # no wait
+        ell, weight = host_to_device(torch.stack(reference.lookup(rows.prompt_ids)), token_logp.device)  # no wait
         ref_query_logp = ell if settings.qkl_coef != 0 else None
         query_weight = weight if settings.query_weight == "static" else None
     elif settings.needs_reference:

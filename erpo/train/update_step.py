@@ -14,12 +14,13 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.sequences import final_hidden, scored_token_logp, to_device
+from erpo.sequences import final_hidden, scored_token_logp
 from erpo.train.metrics import SUMMED_METRICS, TOKEN_MEAN_METRICS, step_record
 from erpo.train.step_plan import StepPlan
 from erpo.train.train_state import TrainState
 from erpo.train.updater import Updater
 from erpo_kernels import fused_linear_erpo_loss
+from erpo_kernels.layout import host_to_device
 from erpo_kernels.lm_head import whole_lm_head
 
 log = logging.getLogger("erpo")
@@ -60,9 +61,9 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
         with whole_lm_head(updater.model) as (weight, bias):
             out = fused_linear_erpo_loss(
                 hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index, bias=bias,
-                advantages=to_device(rollout.advantages[mb.index], device),   # host values: uploaded without a wait
-                ref_query_logp=to_device(ref_query_logp[rollout.prompts[mb.index]], device),
-                query_weight=None if query_weight[m] is None else to_device(query_weight[m], device),
+                advantages=host_to_device(rollout.advantages[mb.index], device),  # host values: uploaded without a wait
+                ref_query_logp=host_to_device(ref_query_logp[rollout.prompts[mb.index]], device),
+                query_weight=None if query_weight[m] is None else host_to_device(query_weight[m], device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
                 rollout_logp=batch.rollout_logp, host_layout=batch.host_layout,  # pack's: no read to plan the chunks
                 **{**options, "top_entropy_gather": entropy_pool(mb.weight) if D.world_size() > 1 else None})

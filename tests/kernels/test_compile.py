@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss
-from erpo_kernels.fused_linear import fused_linear_backward_op, fused_linear_op
+from erpo_kernels.fused_linear import fused_linear_backward_op, fused_linear_op, host_layout_checks
 from erpo_kernels.triton_logits import (
     logp_entropy_backward_inplace_op,
     logp_entropy_backward_op,
@@ -198,6 +198,37 @@ def test_compiled_fused_linear_loss_plans_on_the_host_layout(backend, validate, 
     assert (reads_given, reads_without) == (0, 1)
     torch.testing.assert_close(given, without, rtol=0, atol=0)
 
+
+
+def test_the_host_layout_check_compiles_for_cuda_without_pinning():
+    """On CUDA the eager check pins host_layout before its upload (`common.host_to_device`), and FakeTensor cannot
+    pin (`aten._pin_memory`: not implemented): a compiled step with a host_layout on a GPU failed to trace (the H100
+    run of 2026-11-26, both backends). Checked on any machine, GPU or not: the check of fake CUDA rows
+    (FakeTensorMode makes CUDA tensors without a GPU) traced by torch.compile(fullgraph=True) into a graph that is
+    recorded and run on the fake tensors: one upload of the host layout to CUDA, non_blocking, nothing pinned, and
+    the rows that disagree as a CUDA mask."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def recorded(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def disagreeing_rows(host_layout, token_kind, sample_index):
+        (bad, _message), = host_layout_checks(host_layout, token_kind, sample_index)
+        return bad
+
+    torch._dynamo.reset()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        host_layout = torch.empty(2, N, dtype=torch.int64, device="cpu")
+        token_kind, sample_index = torch.empty(2, N, dtype=torch.int64, device="cuda").unbind()
+        bad = torch.compile(disagreeing_rows, fullgraph=True, backend=recorded)(host_layout, token_kind, sample_index)
+    assert bad.device.type == "cuda" and bad.dtype == torch.bool and bad.shape == (N,)
+    (graph,) = graphs
+    uploads = [node for node in graph.graph.nodes if node.target == "to"]
+    assert len(uploads) == 1 and uploads[0].args[1].type == "cuda" and uploads[0].kwargs == {"non_blocking": True}
+    assert "pin_memory" not in graph.code
 
 OPTION_SETS = {  # options whose code paths differ (each traced whole: fullgraph)
     "gspo-seq-mean": dict(ratio_level="sequence", loss_agg="seq-mean-token-mean"),

@@ -1,9 +1,11 @@
 """from_padded: left- and right-padded [B, L] batches to packed rows, and the loss on them; completion_layout's
 rows (TRL's prompt / completion columns) and what building them costs."""
+import numpy as np
 import pytest
 import torch
 
 from erpo_kernels import completion_layout, erpo_loss, from_padded, token_logprobs
+from erpo_kernels.layout import host_to_device
 from launch_counts import LaunchCounter
 
 
@@ -166,3 +168,18 @@ def test_completion_layout_launches(device):
     with LaunchCounter() as counter:
         completion_layout(**full, validate=False)
     assert counter.launches <= 15 and counter.syncs == 0, counter.names
+
+
+def test_host_to_device_uploads_without_a_wait(device):
+    """`host_to_device`, the one upload of the loss, the trainer and the integrations: a numpy array or a host
+    tensor on the device (named or a torch.device), the same values and dtype, and no host sync (LaunchCounter: a
+    non_blocking copy; on CUDA from pinned memory); on the CPU the host memory itself, not a copy."""
+    array = np.arange(6, dtype=np.int64).reshape(2, 3)
+    with LaunchCounter() as counter:
+        uploads = [host_to_device(array, device), host_to_device(torch.from_numpy(array), str(device))]
+    assert counter.syncs == 0, counter.sync_names
+    for upload in uploads:
+        assert upload.device.type == device.type and upload.dtype == torch.int64
+        assert upload.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
+    if device.type == "cpu":
+        assert all(upload.data_ptr() == array.ctypes.data for upload in uploads)
