@@ -60,7 +60,15 @@ from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
-from .triton_segment import NODE_COUNTS, NODE_TICKET, SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
+from .triton_segment import (
+    NODE_COUNTS,
+    NODE_TICKET,
+    SUM_BLOCK,
+    first_block_start,
+    span_block_rows,
+    span_bounds,
+    triton_sample_spans,
+)
 from .validation import LogitTransform, LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
@@ -415,7 +423,7 @@ def _sample_objective(
     vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
-        positions = block_start + tl.arange(0, BLOCK)
+        positions = span_block_rows(block_start, BLOCK) if SPANS else block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
                 positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,
@@ -519,7 +527,7 @@ def _sample_objective(
     kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
-        positions = block_start + tl.arange(0, BLOCK)
+        positions = span_block_rows(block_start, BLOCK) if SPANS else block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
                 positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,

@@ -155,13 +155,26 @@ def first_block_start(start, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def span_block_rows(block_start, BLOCK: tl.constexpr):
+    """The rows of one step of a span walk, block_start + [0, BLOCK), block_start a multiple of BLOCK
+    (`first_block_start`, then steps of BLOCK), and said so to the compiler (tl.multiple_of): how it lays a [BLOCK]
+    tensor over the threads, and so the order in which tl.sum adds its lanes, then follows the alignment of the
+    walk's own aligned pointers, which every kernel that walks spans has (the layout: the most elements a thread
+    can load at once from any load of the kernel with that shape, up to BLOCK / threads; without it, the row
+    offsets' unknown alignment made that 1 where no other load said more: the one-node sample kernel, whose
+    finish loads aligned samples, then summed a sample's rows in another order than the two ops' sample kernel,
+    in the last bits, on a GPU; tests/kernels/test_reduction_layouts.py)."""
+    return tl.max_contiguous(tl.multiple_of(block_start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+
+
+@triton.jit
 def _segment_sum_kernel(values_ptr, sample_ptr, spans_ptr, out_ptr, BLOCK: tl.constexpr):
     segment = tl.program_id(0).to(tl.int64)
     start, stop = span_bounds(spans_ptr, segment, tl.num_programs(0))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK)
     while block_start < stop:  # triton_common's note on loop bounds
-        rows = block_start + tl.arange(0, BLOCK)
+        rows = span_block_rows(block_start, BLOCK)
         inside = rows < stop
         mine = inside & (tl.load(sample_ptr + rows, mask=inside, other=-1) == segment)
         acc += tl.load(values_ptr + rows, mask=mine, other=0.0).to(tl.float32)

@@ -78,6 +78,41 @@ def test_one_node_equals_the_two_ops_bit_for_bit(case, device, fma_as_compiled):
     assert_bit_equal(*(loss_and_grad(batch, case, two_ops) for two_ops in (False, True)))
 
 
+def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_path):
+    """On a GPU, tl.sum adds a [BLOCK] tensor's lanes in an order its layout fixes, and Triton lays every [BLOCK]
+    tensor of a kernel out from the best alignment among the kernel's loads of that shape. The one node's sample
+    kernel also loads the finish's aligned sample columns: before `triton_segment.span_block_rows` told the compiler
+    that a span walk's rows start at a multiple of BLOCK, it laid out its rows two to a thread where the two ops'
+    sample kernel laid them one to a thread, and a sample's sums (response_logp, the Policy-KL's, ...) differed in
+    the last bits (H100, 2026-11-26, at b8b4a78: bench/measured/h100-2026-11-26). Each kernel compiled for sm_90
+    as launched here (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a
+    multiple of 16 and not, with few option flags and many: the one node's sample kernel, the two ops' sample and
+    finish kernels and the per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their
+    [BLOCK] tensors in one and the same layout."""
+    import json
+
+    from compile_check import launch_specializations, run_compile_script
+    from erpo_kernels import sample_sums
+
+    kernels = ("_objective_sample_finish_kernel", "_objective_sample_kernel", "_objective_finish_kernel",
+               "_segment_sum_kernel")
+    with launch_specializations(kernels) as launches:
+        for num_rows, case in ((48, FUSED_CASES["vespo-rollout-pg-clamp"]), (47, FUSED_CASES["policy-kl-bias-gspo"])):
+            batch = random_batch(num_rows=num_rows, device=device)
+            for two_ops in (False, True):
+                loss_and_grad(batch, case, two_ops)
+            sample_sums(batch["old_logp"], batch["sample_index"], 5, backend="triton")
+    assert Counter(launch["kernel"] for launch in launches) == dict.fromkeys(kernels, 2), launches
+    assert any("num_rows" not in launch["divisible_by_16"] for launch in launches
+               if launch["kernel"] == "_objective_sample_finish_kernel"), launches  # N = 47 taken as such
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches))
+    compiled = [json.loads(line) for line in run_compile_script("reduction_layout_check.py", str(path)).splitlines()]
+    assert [layouts["kernel"] for layouts in compiled] == [launch["kernel"] for launch in launches]
+    layouts = {layout for each in compiled for key in ("reduced", "carried") for layout in each[key]}
+    assert len(layouts) == 1 and all(each["reduced"] and each["carried"] for each in compiled), compiled
+
+
 @pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
                          ids=["default", "gspo-seq-mean"])
 def test_validate_false_gives_the_same_bits(case, device):
