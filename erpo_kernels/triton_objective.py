@@ -13,6 +13,13 @@ gradient, for the options trainers use most, without an autograd graph over doze
                  loss (`triton_logits_loss`) the last program of kernel 1 to store its partials runs it, in the
                  same launch (`_objective_sample_finish_kernel`: one Triton launch fewer, each costing the host
                  tens of microseconds), the two ops' path and the fused path launch it apart
+              Both forms are to give the same bits on a GPU too (they did not at b8b4a78, H100: the sums of a
+              sample's rows differed in the last bits; not rerun on a GPU since). There tl.sum adds a [BLOCK]
+              tensor's lanes in an order its layout fixes, which Triton takes from the best-aligned load of that
+              shape in the whole kernel (the one-node kernel's finish loads aligned sample columns); the span walks
+              declare their rows aligned (`triton_segment.span_block_rows`), so kernels 1 and 2, fused or apart,
+              and `triton_segment`'s sums lay out every [BLOCK] tensor alike (compiled for sm_90 as launched:
+              tests/kernels/test_logits_loss_node.py)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
                  block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
                  follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
