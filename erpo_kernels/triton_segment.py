@@ -148,22 +148,23 @@ def span_bounds(spans_ptr, sample, num_samples):
 def first_block_start(start, BLOCK: tl.constexpr):
     """Where a walk over a span that begins at row `start` begins: the multiple of BLOCK at or below it. Lane i of a
     [BLOCK] accumulator then holds the rows i mod BLOCK, whichever row the span begins at, so two kernels that walk
-    one sample's rows with the same BLOCK add them in the same order (bit-equal sums) even where their spans begin
-    at different rows: the objective's spans (`RowChecksWithSpans`) begin at the first scored row, these sums' at
-    the first row. The rows before `start` in the first block are other samples' (or unscored), added as 0."""
+    one sample's rows with the same BLOCK (and, on a GPU, the same layout: `span_block_rows`) add them in the same
+    order (bit-equal sums) even where their spans begin at different rows: the objective's spans
+    (`RowChecksWithSpans`) begin at the first scored row, these sums' at the first row. The rows before `start` in
+    the first block are other samples' (or unscored), added as 0."""
     return start - start % BLOCK
 
 
 @triton.jit
 def span_block_rows(block_start, BLOCK: tl.constexpr):
-    """The rows of one step of a span walk, block_start + [0, BLOCK), block_start a multiple of BLOCK
-    (`first_block_start`, then steps of BLOCK), and said so to the compiler (tl.multiple_of): how it lays a [BLOCK]
-    tensor over the threads, and so the order in which tl.sum adds its lanes, then follows the alignment of the
-    walk's own aligned pointers, which every kernel that walks spans has (the layout: the most elements a thread
-    can load at once from any load of the kernel with that shape, up to BLOCK / threads; without it, the row
-    offsets' unknown alignment made that 1 where no other load said more: the one-node sample kernel, whose
-    finish loads aligned samples, then summed a sample's rows in another order than the two ops' sample kernel,
-    in the last bits, on a GPU; tests/kernels/test_reduction_layouts.py)."""
+    """The rows of one step of a span walk: block_start + [0, BLOCK), block_start a multiple of BLOCK
+    (`first_block_start`, then steps of BLOCK), as the compiler is told (tl.multiple_of). Why: on a GPU tl.sum adds
+    a [BLOCK] tensor's lanes in an order its layout fixes, and Triton gives the [BLOCK] tensors of a kernel the
+    layout of their best-aligned load (as many lanes a thread as one load of it takes, up to BLOCK / threads).
+    Rows of unknown alignment left that to the kernel's other loads: the one node's sample kernel, whose finish
+    loads aligned sample columns, laid its rows two lanes a thread, the two ops' sample kernel one, and a sample's
+    sums differed in the last bits (H100, b8b4a78). Told, every span walk that loads from an aligned tensor lays
+    its rows out alike (tests/kernels/test_logits_loss_node.py compiles the kernels as launched)."""
     return tl.max_contiguous(tl.multiple_of(block_start + tl.arange(0, BLOCK), BLOCK), BLOCK)
 
 
