@@ -1,27 +1,31 @@
-"""`bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages LIST] [OUT_DIR]`: what one short GPU lease
-measures, in one command that ends within 9 minutes (bench/README.md, "One command for a GPU lease").
+"""`bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages LIST] [--deadline S] [OUT_DIR]`: what one short
+GPU lease measures, in one command that ends within 570 s (bench/README.md, "One command for a GPU lease").
 
-Stages, in this order, each a subprocess in its own process group under its own time limit (the group is killed at
-the limit, so a slow stage cannot take the next one's time), each writing its results as it goes:
+Stages, most wanted first, each a subprocess in its own process group under its own time limit (the group is killed
+at the limit, so a slow stage cannot take the next one's time), each writing its results as it goes:
 
-1. kernels: the kernel test tier (`tests/kernels`) on CUDA, with every test's duration; pytest-timeout (in the GPU
-   image) stops a hung test and the tier goes on.
-2. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
+1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, every test's duration and the
+   failures' one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts
+   no test late, so that the tier ends with its result line inside the stage's limit.
+2. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
+   the host's microseconds, the kernel tables), its folder packed into one file.
+3. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
    (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
-3. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
+4. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
    kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
    gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
-4. bench: `python -m bench` runs (BENCH_RUNS), most wanted first, all appending to one --progress file; each gets
+5. bench: `python -m bench` runs (BENCH_RUNS), most wanted first, all appending to one --progress file; each gets
    what is left before the deadline, up to its own cap. What a run did not reach is in the table as `not reached`.
 
-Then the table merged from the progress file and a summary. The files (8, the device tool's limit) under OUT_DIR:
-summary.md, gpu_check.log (environment, wheel install, each stage's command, limit, time, exit), kernel-tests.log,
-train.log, train-metrics.jsonl, bench.log, bench.jsonl (`python -m bench --merge` reads it) and bench-results.md.
+Then the table merged from the progress file and a summary holding it. The files (8, the device tool's limit) under
+OUT_DIR: summary.md, gpu_check.log (environment, wheel install, each stage's command, limit, time, exit),
+kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train.log, train-metrics.jsonl, bench.log and
+bench.jsonl (`python -m bench --merge` reads it).
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
-the device-fixture guard and one Triton kernel test for the tier, one tiny training step, the fused-path profile's
-smoke shape (the CPU's operators, no gaps), the bench's smoke shape (logits path, torch and Liger only); no wheels
-are installed, so missing peers are reported and skipped.
+the device-fixture guard and one Triton kernel test for the tier, logits_gpu_check.sh's own --dry-run, one tiny
+training step, the fused-path profile's smoke shape (the CPU's operators, no gaps), the bench's smoke shape (logits
+path, torch and Liger only); no wheels are installed, so missing peers are reported and skipped.
 """
 from __future__ import annotations
 
@@ -36,42 +40,53 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEADLINE_S = 540            # the whole command: 9 minutes, inside the device tool's 10-minute limit per call
+DEADLINE_S = 570            # the whole command: inside the device tool's 600 s per call (the call's timeout_s)
 SUMMARY_RESERVE_S = 25      # kept back from the stages for the merge and the summary
 MIN_STAGE_S = 15            # a stage with less time left than this is not started
 KERNEL_TIER = "tests/kernels"
-# The limits come from this command's 2026-11-25 run on an H200 (commit fd4ea16; its files are in
-# bench/measured/h200-2026-11-25/, the stage times in gpu_check.log there): each stage's measured time plus about a
-# fifth, so that the peers get what the measured stages leave.
-KERNEL_LIMIT_S = 150        # measured 126 s (issue 31 asks at most 3 minutes)
-KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test does not cost the tier
-KERNEL_WORKERS = 4          # pytest-xdist processes sharing the GPU: compiles, autotuning and CPU-only tests overlap
-TRAIN_LIMIT_S = 65          # measured 51 s
+# The limits come from this command's 2026-11-26 run on an H100 (commit b8b4a78, `--deadline 365`, then
+# logits_gpu_check.sh in the same device call; the files are in bench/measured/h100-2026-11-26/: gpu_check.log,
+# kernel-tier-n6.log, logits/logits_gpu_check.log): each stage's measured time plus about a fifth, so that the bench's
+# peers get what the measured stages leave.
+KERNEL_WORKERS = 12         # pytest-xdist processes sharing the GPU and the machine's 16 cores: Triton's compiles (on
+#                             the CPU) overlap. 4 workers passed the 150 s limit at about 95 % of the tier; 6 took 187 s
+KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test does not cost the tier; the bench smoke
+#                             module carries its own, longer, mark (tests/kernels/test_bench_smoke.py)
+KERNEL_SESSION_S = 150      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
+#                             result line and failures (the 4-worker run, killed at its limit, printed neither)
+KERNEL_LIMIT_S = 210        # the session's 150 s and the tests then running (the bench smoke's module fixture: >90 s)
+LOGITS_LIMIT_S = 120        # logits_gpu_check.sh measured about 85 s (the call's 435 s less gpu_check's 350 s)
+TRAIN_LIMIT_S = 70          # measured 57 s
 TRAIN_STEPS = 20
-PROFILE_LIMIT_S = 45        # the fused path's profile at N=16384 ran in 25 s on the H200 at a550ecf (bench/RESULTS.md)
+PROFILE_LIMIT_S = 30        # measured 16 s
 DRY_RUN_CONTENDERS = "torch,liger"
 # the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
 DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
                         f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
-STAGES = ("kernels", "train", "profile", "bench")  # in the order they run (--stages picks some)
+STAGES = ("kernels", "logits", "train", "profile", "bench")  # in the order they run (--stages picks some)
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
+# pytest's one-line failure messages are cut to the terminal's width (80 columns in a pipe): wide enough for a message
+WIDE_COLUMNS = "300"
 
 
 @dataclass
 class BenchRun:
-    """One `python -m bench` run of the bench stage: rows N, contenders kept / left out, and why some are left out."""
+    """One `python -m bench` run of the bench stage: rows N, paths, contenders kept / left out, and why some are left
+    out."""
 
     name: str
     n: str
     cap_s: float
     contenders: str | None = None
     skip: tuple = ()
+    paths: str | None = None
     left_out: str = ""
 
     def arguments(self, dry_run: bool) -> list:
@@ -79,26 +94,30 @@ class BenchRun:
         if dry_run:  # the smoke shape on the CPU, logits path, the quick contenders (the interpreter and Inductor's
             # C++ builds take minutes there; tests/kernels/test_bench_smoke.py runs them)
             return ["--smoke", "--paths", "logits", "--contenders", DRY_RUN_CONTENDERS, *skip]
-        return ["--n", self.n, "--budget", "2"] + (["--contenders", self.contenders] if self.contenders else []) + skip
+        return (["--n", self.n, "--budget", "2"] + (["--paths", self.paths] if self.paths else [])
+                + (["--contenders", self.contenders] if self.contenders else []) + skip)
 
 
-# Most wanted first. On the 2026-11-25 H200 run, "ours" took 78 s; every peer at N=16384 and 4096 in one run (torch
-# eager first at each case, in bench/contenders.py's order) passed its 200 s cap with 2 rows left, and N=65536 then
-# had 56 s, not enough for its first row: 12 rows not reached. So the peers the targets name (issue 32: Liger's
-# triton_grpo_loss on the logits path, torch.compile on the fused path) run first, at the target size N=16384 first;
-# then N=65536; the other peers (the batch-invariant variant, torch eager, CCE, and any new contender) last. That
-# run's files hold no per-row times, so the caps of bench 2 and 3 split what the measured stages leave (about 260 s)
-# roughly by their rows.
+# Most wanted first; the logits stage has already measured ours and Liger on the logits path at every N. On the
+# 2026-11-26 H100 run, ours at every N (now bench 3) took 77 s; torch.compile of the logits loss at N=16384 took 30 s
+# (its first row: compiling), and the peers' run then stopped at its 39 s. So the fused path's targets come first:
+# ours, torch.compile and Liger side by side in one run at the target size N=16384, then 4096 (its cap is for an
+# estimate of about 100 s, not measured as one run: on the H200, 2026-11-26, ours and torch.compile there took 55 s of
+# rows, and Liger's fused fwd+bwd took 0.3-1.4 s a call, 2026-11-25); then torch.compile on the logits path; then
+# the rest (N=65536, the other peers and kernel variants, any new contender) with whatever is left.
 BENCH_RUNS = (
+    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=150,
+             paths="fused", contenders="erpo,compile,liger"),
+    BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=90, paths="logits",
+             contenders="compile"),
     # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant
     BenchRun("ours at every N", "4096,16384,65536", cap_s=95, contenders="erpo,erpo-warp-1024,erpo-log2-2048"),
-    BenchRun("the targets' peers at N=16384 and 4096", "16384,4096", cap_s=150, contenders="compile,liger"),
     BenchRun("peers at N=65536", "65536", cap_s=150, skip=("erpo", "torch"),
              left_out="torch eager (backend='torch', the readable reference) at N=65536: the slowest contender by "
                       "far (bench/RESULTS.md, N=16384); at four times the rows its check and at least 3 timed runs "
                       "each of fwd and fwd+bwd would take most of the bench stage"),
     BenchRun("the other peers at N=16384 and 4096", "16384,4096", cap_s=DEADLINE_S, skip=("erpo", "compile", "liger")),
-    # the logits kernels' variants not in the first run ("log2-1024" is erpo's default): whatever time is left
+    # the logits kernels' variants not in bench 3 ("log2-1024" is erpo's default): whatever time is left
     BenchRun("the other kernel variants at every N", "4096,16384,65536", cap_s=DEADLINE_S,
              contenders="erpo-warp,erpo-block,erpo-log2"),
 )
@@ -134,6 +153,8 @@ class GpuCheck:
         self.wheels = "none"
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH")) if p)
+        # pytest's failure lines uncut; logits_gpu_check.sh runs this interpreter and records this commit
+        self.env.update(COLUMNS=WIDE_COLUMNS, PYTHON=sys.executable, **({"COMMIT": commit} if commit else {}))
         if dry_run:  # the CPU even on a GPU machine
             self.env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
 
@@ -217,13 +238,24 @@ class GpuCheck:
         if self.dry_run:
             command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DRY_RUN_KERNEL_TESTS]
         else:
-            command = [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0",
-                       "--durations-min=1", KERNEL_TIER]
-            if importlib.util.find_spec("pytest_timeout"):
-                command[4:4] = ["--timeout", str(KERNEL_TEST_TIMEOUT_S)]
+            # not -q: the header names the plugins, the limits and the number of tests collected
+            command = [python, "-m", "pytest", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=0",
+                       "--durations-min=1"]
             if importlib.util.find_spec("xdist"):  # a file per worker: module fixtures (the bench smoke run) once
-                command[4:4] = ["-n", str(KERNEL_WORKERS), "--dist", "loadfile"]
+                command += ["-n", str(KERNEL_WORKERS), "--dist", "loadfile"]
+            if _version("pytest-timeout") >= (2, 3):  # --session-timeout since 2.3 (the GPU image: 2.5.0)
+                command += ["--timeout", str(KERNEL_TEST_TIMEOUT_S), "--session-timeout", str(KERNEL_SESSION_S)]
+            command.append(KERNEL_TIER)
         self.run("kernels", command, self.out / "kernel-tests.log", KERNEL_LIMIT_S)
+
+    def logits(self) -> None:
+        """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz."""
+        folder = self.work / "logits"
+        command = ["bash", "bench/logits_gpu_check.sh", *(["--dry-run"] if self.dry_run else []), str(folder)]
+        self.run("logits", command, self.work / "logits-stage.log", LOGITS_LIMIT_S)
+        if folder.exists():
+            with tarfile.open(self.out / "logits.tar.gz", "w:gz") as tar:
+                tar.add(folder, arcname="logits")
 
     def train(self) -> None:
         run_dir = self.work / "train"
@@ -256,14 +288,13 @@ class GpuCheck:
                 stage.notes.append("left out: " + plan.left_out)
 
     def merge_bench(self) -> None:
+        """The bench stage's runs as one table (its markdown goes into summary.md)."""
         progress = self.out / "bench.jsonl"
         if not progress.exists():
             return
-        merged = self.work / "bench-merged"
-        done = subprocess.run([sys.executable, "-m", "bench", "--merge", str(progress), "--out", str(merged)],
-                              cwd=REPO, env=self.env, capture_output=True, text=True, timeout=SUMMARY_RESERVE_S)
-        if done.returncode == 0:
-            shutil.copyfile(merged / "results.md", self.out / "bench-results.md")
+        done = subprocess.run([sys.executable, "-m", "bench", "--merge", str(progress), "--out",
+                               str(self.work / "bench-merged")], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=SUMMARY_RESERVE_S)
         self.log(f"bench merge: exit {done.returncode}" + (f"\n{done.stderr[-2000:]}" if done.returncode else ""))
 
     # ---- the summary ------------------------------------------------------------------------------------------
@@ -281,9 +312,10 @@ class GpuCheck:
                          f"{stage.exit_code} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
+                  "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
                   "", "## Fused-path profile", "", *profile_summary(self.work / "fused-profile" / "profile.md"),
-                  "", "## Bench", "", *bench_summary(self.out / "bench.jsonl")]
+                  "", "## Bench", "", *bench_summary(self.out / "bench.jsonl", self.work / "bench-merged/results.md")]
         (self.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -306,24 +338,83 @@ def _stop_group(process: subprocess.Popen) -> None:
             continue
 
 
+def _version(distribution: str) -> tuple:
+    """An installed distribution's (major, minor), (0, 0) when it is missing."""
+    try:
+        return tuple(int(part) for part in importlib.metadata.version(distribution).split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _demoted(markdown: str) -> list:
+    """A results.md under one of the summary's sections: its title and its columns' legend (bench/README.md has it)
+    left out, its headings one level down."""
+    lines = markdown.splitlines()[1:]
+    lines = lines[:lines.index("## Columns")] if "## Columns" in lines else lines
+    return [("#" + line if line.startswith("#") else line) for line in lines]
+
+
 def profile_summary(profile: Path) -> list:
     """The profile stage's tables (bench.kernel_profile's profile.md, its title left out)."""
     if not profile.exists():
         return ["(not run)"]
-    return profile.read_text(encoding="utf-8").splitlines()[1:]
+    return _demoted(profile.read_text(encoding="utf-8"))
+
+
+def _result_lines(lines: list) -> list:
+    """pytest's result lines ("3 failed, 97 passed in 12.5s") in a log."""
+    return [line.strip("= ") for line in lines if re.search(r"\d+ (passed|failed|error|deselected)", line)
+            and re.search(r" in [\d.]+s", line)]
+
+
+def pytest_summary(lines: list) -> list:
+    """pytest's result line (its last), why it stopped early (pytest-timeout's session timeout), its failures and
+    errors (one line each, with the message where the log is wide enough) and its five slowest tests."""
+    results = _result_lines(lines)
+    collected = [found[1] for line in lines if (found := re.search(r"(?:^collected |workers \[)(\d+) item", line))]
+    stopped = [line.strip("! ") for line in lines if "session-timeout" in line and line.startswith("!")]
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    slowest = [line for line in lines if re.match(r"[\d.]+s (call|setup|teardown) ", line)][:5]
+    return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"
+             + (f" (of {collected[-1]} collected)" if collected else "")]
+            + [f"- stopped early: {line} (the tests not yet started did not run)" for line in stopped[-1:]]
+            + [f"- {line}" for line in failures] + [f"- slow: `{line}`" for line in slowest])
 
 
 def kernel_summary(log: Path) -> list:
-    """pytest's result line, its failures and its five slowest tests, from the kernel stage's log."""
+    """The kernel stage's pytest summary (pytest_summary)."""
     if not log.exists():
         return ["(no log)"]
-    text = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    results = [line.strip("= ") for line in text if re.search(r"\d+ (passed|failed|error)", line)
-               and re.search(r" in [\d.]+s", line)]
-    failures = [line for line in text if line.startswith(("FAILED ", "ERROR "))]
-    slowest = [line for line in text if re.match(r"[\d.]+s (call|setup|teardown) ", line)][:5]
-    return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"]
-            + [f"- {line}" for line in failures] + [f"- slow: `{line}`" for line in slowest])
+    return pytest_summary(log.read_text(encoding="utf-8", errors="replace").splitlines())
+
+
+def logits_summary(folder: Path) -> list:
+    """logits_gpu_check.sh's results: the one-node loss's tests, each step's exit, the bench rows (fwd and fwd+bwd
+    ms), the host's microseconds table and the profile's wall and idle time per contender."""
+    log = folder / "logits_gpu_check.log"
+    if not log.exists():
+        return ["(not run)"]
+    from .progress import read_runs
+
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    ran_tests = _result_lines(lines) or any(line.startswith("node tests: exit") for line in lines)
+    summary = ["Node tests:", *(pytest_summary(lines) if ran_tests else ["- not run (the dry run has none)"]), ""]
+    summary += [f"- {line}" for line in lines if re.match(r"[\w ]+: exit \d+$", line)]
+    summary += [f"- profile: {line}" for line in lines if re.match(r"[\w.-]+: wall \d+ us", line)]
+    progress = folder / "logits.jsonl"
+    if progress.exists():
+        summary += ["", "| path | shape | N | contender | status | fwd ms | fwd+bwd ms |", "|---" * 7 + "|"]
+        summary += [f"| {row['path']} | {row['shape']} | {row['N']} | {row['contender']} | {row['status']} | "
+                    f"{_ms(row.get('fwd_ms'))} | {_ms(row.get('fwdbwd_ms'))} |"
+                    for run in read_runs(progress) for row in run["rows"]]
+    host_cost = folder / "host_cost.md"
+    if host_cost.exists():
+        summary += ["", *host_cost.read_text(encoding="utf-8").splitlines()]
+    return summary
 
 
 def train_summary(metrics: Path) -> list:
@@ -338,8 +429,8 @@ def train_summary(metrics: Path) -> list:
     return [f"- {len(steps)} steps logged; the last: " + ", ".join(f"{k}={last.get(k)}" for k in keys)]
 
 
-def bench_summary(progress: Path) -> list:
-    """Rows per status, and the rows not reached, from the bench stage's --progress file."""
+def bench_summary(progress: Path, table: Path) -> list:
+    """Rows per status and the rows not reached, from the bench stage's --progress file, then the merged table."""
     if not progress.exists():
         return ["(no bench.jsonl)"]
     from .progress import NOT_REACHED, read_runs
@@ -349,11 +440,12 @@ def bench_summary(progress: Path) -> list:
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     lines = ["- rows: " + ", ".join(f"{count} {status}" for status, count in counts.items()),
-             "- the table: bench-results.md (`python -m bench --merge bench.jsonl --out DIR` rebuilds it)"]
+             "- the table below is merged from bench.jsonl (`python -m bench --merge bench.jsonl --out DIR` rebuilds "
+             "it, with its plot)"]
     lines += [f"- {row['status']}: {row['path']} {row['shape']} N={row['N']} {row['contender']}"
               + (f" ({row['detail']})" if row.get("detail") and row["status"] != NOT_REACHED else "")
               for row in rows if row["status"] not in ("ok",)]
-    return lines
+    return lines + (["", *_demoted(table.read_text(encoding="utf-8"))] if table.exists() else [])
 
 
 def main(argv=None) -> int:
@@ -364,7 +456,7 @@ def main(argv=None) -> int:
     parser.add_argument("--commit", default=None, help="the commit the working tree is (recorded by the bench)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma list of {', '.join(STAGES)} (default: all); e.g. --stages kernels, the kernel "
-                             "tier alone (126 s on the 2026-11-25 H200 run), for a lease too short for the rest")
+                             f"tier alone (at most {KERNEL_LIMIT_S} s), for a lease too short for the rest")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
                         help=f"the whole command's time (default {DEADLINE_S}); less leaves room for a second check in "
                              "the same device call")
@@ -382,6 +474,8 @@ def main(argv=None) -> int:
     check.setup()
     if "kernels" in stages:
         check.kernels()
+    if "logits" in stages:
+        check.logits()
     if "train" in stages:
         check.train()
     if "profile" in stages:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The one command of a GPU lease (bench/README.md, "One command for a GPU lease"): the kernel tier on CUDA, 20 steps
-# of `erpo train` and the bench table, each stage under its own time limit, all within 9 minutes; 8 result files in
-# OUT_DIR (default: $OUT, the device machine's result folder). The stages are bench/gpu_check.py.
+# The one command of a GPU lease (bench/README.md, "One command for a GPU lease"): the kernel tier on CUDA, the
+# logits check (bench/logits_gpu_check.sh), 20 steps of `erpo train`, the fused path's profile and the bench table,
+# each stage under its own time limit, all within 570 s; 8 result files in OUT_DIR (default: $OUT, the device
+# machine's result folder). The stages are bench/gpu_check.py.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages kernels,train,bench] [OUT_DIR]
+#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages kernels,logits,train,profile,bench]
+#                           [--deadline SECONDS] [OUT_DIR]
 #
 # PYTHON picks the interpreter (default python3, which on the GPU image is the one holding torch).
 set -euo pipefail

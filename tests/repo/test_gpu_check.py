@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from bench import gpu_check
 from bench.progress import read_runs
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "train.log", "train-metrics.jsonl", "bench.log",
-         "bench.jsonl", "bench-results.md"}
+FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train.log", "train-metrics.jsonl",
+         "bench.log", "bench.jsonl"}
 
 
 def test_dry_run_writes_each_stages_results(tmp_path):
@@ -28,13 +29,10 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == FILES  # the device tool brings back 8 files at most
     summary = (out / "summary.md").read_text()
-    stages = [line.split(" | ")[:2] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line]
-    assert [name for name, _ in stages] == ["| kernels", "| train", "| profile", "| bench 1: ours at every N",
-                                            "| bench 2: the targets' peers at N=16384 and 4096",
-                                            "| bench 3: peers at N=65536",
-                                            "| bench 4: the other peers at N=16384 and 4096",
-                                            "| bench 5: the other kernel variants at every N"]
-    # the device guard's 2 tests and the bf16 target-gradient test for each of the 5 logits-kernel variants
+    table = summary[:summary.index("## Kernel tier")]  # the stages' table (the summary's later tables hold rows too)
+    stages = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and " | ok | " in line]
+    assert [name for name, _ in stages] == ["| kernels", "| logits", "| train", "| profile"] + [
+        f"| bench {index}: {run.name}" for index, run in enumerate(gpu_check.BENCH_RUNS, 1)]
     # the device guard's tests and test_target_gradient_exact_in_bf16 once per forward variant
     from erpo_kernels.triton_logits import FORWARD_VARIANTS
     assert f"- result: {len(FORWARD_VARIANTS) + 2} passed" in summary and "- commit: abc123" in summary
@@ -44,10 +42,22 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
     runs = read_runs(out / "bench.jsonl")
-    assert len(runs) == len(gpu_check.BENCH_RUNS) == 5 and all(run["meta"]["commit"] == "abc123" for run in runs)
+    assert len(runs) == len(gpu_check.BENCH_RUNS) == 6 and all(run["meta"]["commit"] == "abc123" for run in runs)
     assert [(r["contender"], r["status"]) for r in runs[0]["rows"]][0] == ("torch", "ok")
     assert {r["contender"] for run in runs[1:] for r in run["rows"]} <= {"torch", "liger"}
-    assert "| V=1000 | 128 | torch | erpo | ok |" in (out / "bench-results.md").read_text()
+    # the merged table, in the summary without its columns' legend
+    assert "| V=1000 | 128 | torch | erpo | ok |" in summary and "### Columns" not in summary
+    # the logits stage: logits_gpu_check.sh's dry run, its folder packed, its rows and host table in the summary
+    with tarfile.open(out / "logits.tar.gz") as tar:
+        assert {"logits/logits.jsonl", "logits/host_cost.md", "logits/profile/profile.md",
+                "logits/bench/results.md"} <= set(tar.getnames())
+        log = tar.extractfile("logits/logits_gpu_check.log").read().decode()
+    assert "logits_gpu_check: commit abc123" in log
+    logits = summary[summary.index("## Logits check"):summary.index("## Training")]
+    assert "- not run (the dry run has none)" in logits
+    assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
+    assert "| phase (host us per fwd+bwd, median) | erpo | liger |" in logits
+    assert "- profile: erpo: wall " in logits
 
 
 def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
@@ -59,7 +69,7 @@ def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "train.log").exists() and not (tmp_path / "bench.jsonl").exists()
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
-    expected = "--stages: expected a comma list of kernels, train, profile, bench, got 'kernels,benhc'"
+    expected = "--stages: expected a comma list of kernels, logits, train, profile, bench, got 'kernels,benhc'"
     assert expected in capsys.readouterr().err
 
 
@@ -113,17 +123,61 @@ def test_a_failing_stage_is_reported_and_the_next_one_runs(check, tmp_path):
 
 def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
     from bench.__main__ import parse_args
-    from bench.contenders import CONTENDER_KEYS
+    from bench.contenders import CONTENDER_KEYS, select
 
     planned = set()
     for run in gpu_check.BENCH_RUNS:
         args = parse_args(run.arguments(dry_run=False) + ["--out", "unused"])
         keys = set(args.contenders.split(",")) - set(filter(None, args.skip.split(",")))
         assert keys <= set(CONTENDER_KEYS) and args.budget == 2
-        planned |= {(int(n), key) for n in args.n.split(",") for key in keys}
+        kept = {c.key for c in select(keys, args.paths.split(","))}  # a contender only on a path not run: none
+        planned |= {(int(n), key) for n in args.n.split(",") for key in kept}
     every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
     assert every - planned == {(65536, "torch")} and planned <= every
     assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
+    # the first run: the fused path's targets, ours beside torch.compile and Liger, the target size first
+    first = parse_args(gpu_check.BENCH_RUNS[0].arguments(dry_run=False) + ["--out", "unused"])
+    assert (first.paths, first.n, first.contenders) == ("fused", "16384,4096", "erpo,compile,liger")
+
+
+def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypatch):
+    """On the GPU image (pytest-timeout 2.5.0, pytest-xdist): the tier's workers, each test's limit and the session's,
+    which ends the tier with its result line before the stage's own limit kills it."""
+    commands = []
+    monkeypatch.setattr(check, "run", lambda name, command, log, limit_s: commands.append((command, limit_s)))
+    monkeypatch.setattr(check, "dry_run", False)
+    monkeypatch.setattr(gpu_check, "_version", lambda name: (2, 5))
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: name == "xdist")
+    check.kernels()
+    ((command, limit_s),) = commands
+    flags = " ".join(command[3:])
+    assert f"-n {gpu_check.KERNEL_WORKERS} --dist loadfile" in flags and "-rfE --tb=short" in flags
+    assert "-q" not in command  # the header: plugins, limits, the tests collected
+    assert f"--timeout {gpu_check.KERNEL_TEST_TIMEOUT_S} --session-timeout {gpu_check.KERNEL_SESSION_S}" in flags
+    assert command[-1] == "tests/kernels" and limit_s == gpu_check.KERNEL_LIMIT_S
+    assert gpu_check.KERNEL_SESSION_S + 60 <= gpu_check.KERNEL_LIMIT_S  # room for the tests running at its end
+    assert check.env["COLUMNS"] == gpu_check.WIDE_COLUMNS  # the failures' messages uncut
+
+
+def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_stop():
+    """The lines pytest (9, xdist 3.8, pytest-timeout 2.5) printed for a tier stopped by its session timeout."""
+    log = ["created: 12/12 workers", "12 workers [10 items]", "", "....FF....", "=== short test summary info ===",
+           "FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
+           "ERROR tests/kernels/test_bench_smoke.py::test_writes_all_outputs - Failed: Timeout (>180.0s) from "
+           "pytest-timeout.",
+           "!!!!!!!!!! xdist.dsession.Interrupted: session-timeout: 150.0 sec exceeded !!!!!!!!!!",
+           "========== 1 failed, 8 passed, 1 error in 161.40s (0:02:41) ==========",
+           "12.01s setup    tests/kernels/test_bench_smoke.py::test_writes_all_outputs"]
+    assert gpu_check.pytest_summary(log) == [
+        "- result: 1 failed, 8 passed, 1 error in 161.40s (0:02:41) (of 10 collected)",
+        "- stopped early: xdist.dsession.Interrupted: session-timeout: 150.0 sec exceeded (the tests not yet started "
+        "did not run)",
+        "- FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
+        "- ERROR tests/kernels/test_bench_smoke.py::test_writes_all_outputs - Failed: Timeout (>180.0s) from "
+        "pytest-timeout.",
+        "- slow: `12.01s setup    tests/kernels/test_bench_smoke.py::test_writes_all_outputs`"]
+    assert gpu_check.pytest_summary(["....", "[gpu_check] stopped at the stage's time limit (210 s)"]) == [
+        "- result: no result line (stopped?)"]
 
 
 def test_a_deadline_too_short_for_one_stage_is_refused(tmp_path, capsys):
