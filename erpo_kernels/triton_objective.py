@@ -16,7 +16,7 @@ gradient, for the options trainers use most, without an autograd graph over doze
               Both forms are to give the same bits on a GPU too (they did not at b8b4a78, H100: the sums of a
               sample's rows differed in the last bits; not rerun on a GPU since). There tl.sum adds a [BLOCK]
               tensor's lanes in an order its layout fixes, which Triton takes from the best-aligned load of that
-              shape in the whole kernel (the one-node kernel's finish loads aligned sample columns); the span walks
+              shape in the whole kernel (the one-node kernel's finish loads query_logp [S] aligned); the span walks
               declare their rows aligned (`triton_segment.span_block_rows`), so kernels 1 and 2, fused or apart,
               and `triton_segment`'s sums lay out every [BLOCK] tensor alike (compiled for sm_90 as launched:
               tests/kernels/test_logits_loss_node.py)

@@ -162,7 +162,7 @@ def span_block_rows(block_start, BLOCK: tl.constexpr):
     a [BLOCK] tensor's lanes in an order its layout fixes, and Triton gives the [BLOCK] tensors of a kernel the
     layout of their best-aligned load (as many lanes a thread as one load of it takes, up to BLOCK / threads).
     Rows of unknown alignment left that to the kernel's other loads: the one node's sample kernel, whose finish
-    loads aligned sample columns, laid its rows two lanes a thread, the two ops' sample kernel one, and a sample's
+    loads query_logp [S] aligned, laid its rows two lanes a thread, the two ops' sample kernel one, and a sample's
     sums differed in the last bits (H100, b8b4a78). Told, every span walk that loads from an aligned tensor lays
     its rows out alike (tests/kernels/test_logits_loss_node.py compiles the kernels as launched)."""
     return tl.max_contiguous(tl.multiple_of(block_start + tl.arange(0, BLOCK), BLOCK), BLOCK)

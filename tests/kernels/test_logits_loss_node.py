@@ -79,16 +79,16 @@ def test_one_node_equals_the_two_ops_bit_for_bit(case, device, fma_as_compiled):
 
 
 def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_path):
-    """On a GPU, tl.sum adds a [BLOCK] tensor's lanes in an order its layout fixes, and Triton lays every [BLOCK]
-    tensor of a kernel out from the best alignment among the kernel's loads of that shape. The one node's sample
-    kernel also loads the finish's aligned sample columns: before `triton_segment.span_block_rows` told the compiler
-    that a span walk's rows start at a multiple of BLOCK, it laid out its rows two to a thread where the two ops'
-    sample kernel laid them one to a thread, and a sample's sums (response_logp, the Policy-KL's, ...) differed in
-    the last bits (H100, 2026-11-26, at b8b4a78: bench/measured/h100-2026-11-26). Each kernel compiled for sm_90
-    as launched here (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a
-    multiple of 16 and not, with few option flags and many: the one node's sample kernel, the two ops' sample and
-    finish kernels and the per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their
-    [BLOCK] tensors in one and the same layout."""
+    """On a GPU, tl.sum adds a [BLOCK] tensor's lanes in an order its layout fixes, and Triton lays every [BLOCK] tensor
+    of a kernel out from the best alignment among the kernel's loads of that shape. The one node's sample kernel also
+    holds the finish's aligned loads of query_logp [S]: before `triton_segment.span_block_rows` told the compiler that a
+    span walk's rows start at a multiple of BLOCK, it laid out its rows two to a thread where the two ops' sample kernel
+    laid them one to a thread, and a sample's sums (response_logp, the Policy-KL's, ...) differed in the last bits
+    (H100, 2026-11-26, at b8b4a78: bench/measured/h100-2026-11-26). Each kernel compiled for sm_90 as launched here
+    (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a multiple of 16 and not,
+    with few option flags and many: the one node's sample kernel, the two ops' sample and finish kernels and the
+    per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their [BLOCK] tensors in one and the
+    same layout."""
     import json
 
     from compile_check import launch_specializations, run_compile_script
