@@ -13,6 +13,13 @@ gradient, for the options trainers use most, without an autograd graph over doze
                  loss (`triton_logits_loss`) the last program of kernel 1 to store its partials runs it, in the
                  same launch (`_objective_sample_finish_kernel`: one Triton launch fewer, each costing the host
                  tens of microseconds), the two ops' path and the fused path launch it apart
+              Both forms are to give the same bits on a GPU too (they did not at b8b4a78, H100: the sums of a
+              sample's rows differed in the last bits; not rerun on a GPU since). There tl.sum adds a [BLOCK]
+              tensor's lanes in an order its layout fixes, which Triton takes from the best-aligned load of that
+              shape in the whole kernel (the one-node kernel's finish loads query_logp [S] aligned); the span walks
+              declare their rows aligned (`triton_segment.span_block_rows`), so kernels 1 and 2, fused or apart,
+              and `triton_segment`'s sums lay out every [BLOCK] tensor alike (compiled for sm_90 as launched:
+              tests/kernels/test_logits_loss_node.py)
     backward  3. d loss / d logp_t and d loss / d H_t = coefficient x global factor x grad_output, one program per
                  block of rows (`objective_row_gradients`); on the logits path `triton_logits`'s dlogits kernel
                  follows, or, the loss being one autograd node (`triton_logits_loss`), forms them itself
@@ -60,7 +67,15 @@ from .direct_ops import DirectOp
 from .objective import LossMetrics, LossOutput
 from .triton_common import clamp, expm1
 from .triton_quantile import masked_quantile_op
-from .triton_segment import NODE_COUNTS, NODE_TICKET, SUM_BLOCK, first_block_start, span_bounds, triton_sample_spans
+from .triton_segment import (
+    NODE_COUNTS,
+    NODE_TICKET,
+    SUM_BLOCK,
+    first_block_start,
+    span_block_rows,
+    span_bounds,
+    triton_sample_spans,
+)
 from .validation import LogitTransform, LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
@@ -415,7 +430,7 @@ def _sample_objective(
     vespo_log_weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
-        positions = block_start + tl.arange(0, BLOCK)
+        positions = span_block_rows(block_start, BLOCK) if SPANS else block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
                 positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,
@@ -519,7 +534,7 @@ def _sample_objective(
     kept_entropy_sum = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK) if SPANS else start
     while block_start < stop:  # triton_common's note on loop bounds
-        positions = block_start + tl.arange(0, BLOCK)
+        positions = span_block_rows(block_start, BLOCK) if SPANS else block_start + tl.arange(0, BLOCK)
         rows, is_query, is_response, logp, entropy, log_ratio, weight, is_weight, gap, kl, kl_grad, drift, kept, \
             nonfinite = _row_values(
                 positions, stop, sample, order_ptr, sample_ptr, kind_ptr, logp_ptr, entropy_ptr, old_logp_ptr,

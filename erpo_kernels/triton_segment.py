@@ -148,10 +148,24 @@ def span_bounds(spans_ptr, sample, num_samples):
 def first_block_start(start, BLOCK: tl.constexpr):
     """Where a walk over a span that begins at row `start` begins: the multiple of BLOCK at or below it. Lane i of a
     [BLOCK] accumulator then holds the rows i mod BLOCK, whichever row the span begins at, so two kernels that walk
-    one sample's rows with the same BLOCK add them in the same order (bit-equal sums) even where their spans begin
-    at different rows: the objective's spans (`RowChecksWithSpans`) begin at the first scored row, these sums' at
-    the first row. The rows before `start` in the first block are other samples' (or unscored), added as 0."""
+    one sample's rows with the same BLOCK (and, on a GPU, the same layout: `span_block_rows`) add them in the same
+    order (bit-equal sums) even where their spans begin at different rows: the objective's spans
+    (`RowChecksWithSpans`) begin at the first scored row, these sums' at the first row. The rows before `start` in
+    the first block are other samples' (or unscored), added as 0."""
     return start - start % BLOCK
+
+
+@triton.jit
+def span_block_rows(block_start, BLOCK: tl.constexpr):
+    """The rows of one step of a span walk: block_start + [0, BLOCK), block_start a multiple of BLOCK
+    (`first_block_start`, then steps of BLOCK), as the compiler is told (tl.multiple_of). Why: on a GPU tl.sum adds
+    a [BLOCK] tensor's lanes in an order its layout fixes, and Triton gives the [BLOCK] tensors of a kernel the
+    layout of their best-aligned load (as many lanes a thread as one load of it takes, up to BLOCK / threads).
+    Rows of unknown alignment left that to the kernel's other loads: the one node's sample kernel, whose finish
+    loads query_logp [S] aligned, laid its rows two lanes a thread, the two ops' sample kernel one, and a sample's
+    sums differed in the last bits (H100, b8b4a78). Told, every span walk that loads from an aligned tensor lays
+    its rows out alike (tests/kernels/test_logits_loss_node.py compiles the kernels as launched)."""
+    return tl.max_contiguous(tl.multiple_of(block_start + tl.arange(0, BLOCK), BLOCK), BLOCK)
 
 
 @triton.jit
@@ -161,7 +175,7 @@ def _segment_sum_kernel(values_ptr, sample_ptr, spans_ptr, out_ptr, BLOCK: tl.co
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     block_start = first_block_start(start, BLOCK)
     while block_start < stop:  # triton_common's note on loop bounds
-        rows = block_start + tl.arange(0, BLOCK)
+        rows = span_block_rows(block_start, BLOCK)
         inside = rows < stop
         mine = inside & (tl.load(sample_ptr + rows, mask=inside, other=-1) == segment)
         acc += tl.load(values_ptr + rows, mask=mine, other=0.0).to(tl.float32)

@@ -78,6 +78,41 @@ def test_one_node_equals_the_two_ops_bit_for_bit(case, device, fma_as_compiled):
     assert_bit_equal(*(loss_and_grad(batch, case, two_ops) for two_ops in (False, True)))
 
 
+def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_path):
+    """On a GPU, tl.sum adds a [BLOCK] tensor's lanes in an order its layout fixes, and Triton lays every [BLOCK] tensor
+    of a kernel out from the best alignment among the kernel's loads of that shape. The one node's sample kernel also
+    holds the finish's aligned loads of query_logp [S]: before `triton_segment.span_block_rows` told the compiler that a
+    span walk's rows start at a multiple of BLOCK, it laid out its rows two to a thread where the two ops' sample kernel
+    laid them one to a thread, and a sample's sums (response_logp, the Policy-KL's, ...) differed in the last bits
+    (H100, 2026-11-26, at b8b4a78: bench/measured/h100-2026-11-26). Each kernel compiled for sm_90 as launched here
+    (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a multiple of 16 and not,
+    with few option flags and many: the one node's sample kernel, the two ops' sample and finish kernels and the
+    per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their [BLOCK] tensors in one and the
+    same layout."""
+    import json
+
+    from compile_check import launch_specializations, run_compile_script
+    from erpo_kernels import sample_sums
+
+    kernels = ("_objective_sample_finish_kernel", "_objective_sample_kernel", "_objective_finish_kernel",
+               "_segment_sum_kernel")
+    with launch_specializations(kernels) as launches:
+        for num_rows, case in ((48, FUSED_CASES["vespo-rollout-pg-clamp"]), (47, FUSED_CASES["policy-kl-bias-gspo"])):
+            batch = random_batch(num_rows=num_rows, device=device)
+            for two_ops in (False, True):
+                loss_and_grad(batch, case, two_ops)
+            sample_sums(batch["old_logp"], batch["sample_index"], 5, backend="triton")
+    assert Counter(launch["kernel"] for launch in launches) == dict.fromkeys(kernels, 2), launches
+    assert any("num_rows" not in launch["divisible_by_16"] for launch in launches
+               if launch["kernel"] == "_objective_sample_finish_kernel"), launches  # N = 47 taken as such
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches))
+    compiled = [json.loads(line) for line in run_compile_script("reduction_layout_check.py", str(path)).splitlines()]
+    assert [layouts["kernel"] for layouts in compiled] == [launch["kernel"] for launch in launches]
+    layouts = {layout for each in compiled for key in ("reduced", "carried") for layout in each[key]}
+    assert len(layouts) == 1 and all(each["reduced"] and each["carried"] for each in compiled), compiled
+
+
 @pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
                          ids=["default", "gspo-seq-mean"])
 def test_validate_false_gives_the_same_bits(case, device):
@@ -160,16 +195,19 @@ def test_one_node_plans_once_per_options_and_fills_the_metrics_by_name(device):
 
 def test_the_last_program_reduces_every_samples_partials_call_after_call(device, fma_as_compiled):
     """The fold's handoff between programs (a ticket taken with acq_rel after each program's partial sums are stored;
-    the last ticket's program reads them all) under many concurrent programs: 2048 samples, the two ops' finish
-    kernel as the oracle, bit for bit, 200 calls on a GPU, where a missing ordering would show now and then, not
-    always. The interpreter runs programs one after another: one smaller call is all it can check."""
+    the last ticket's program reads them all) under many concurrent programs: 2048 samples, 200 calls on a GPU,
+    each bit for bit the first (a missing ordering would show now and then, not always), which is the two ops' (their
+    finish kernel as the oracle; a difference in every call alike is the kernels' reduction order, not a race:
+    test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled). The interpreter runs programs one after
+    another: two smaller calls are all it can check."""
     on_gpu = device.type == "cuda"
     batch = random_batch(num_rows=8192 if on_gpu else 256, vocab=64, num_samples=2048 if on_gpu else 64,
                          device=device)
     case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")
-    expected = loss_and_grad(batch, case, two_ops=True)
-    for _ in range(200 if on_gpu else 1):
-        assert_bit_equal(loss_and_grad(batch, case, two_ops=False), expected)
+    first = loss_and_grad(batch, case, two_ops=False)
+    for _ in range(199 if on_gpu else 1):
+        assert_bit_equal(loss_and_grad(batch, case, two_ops=False), first, same_node=True)
+    assert_bit_equal(first, loss_and_grad(batch, case, two_ops=True))
 
 
 def test_the_metrics_record_is_made_on_its_first_read(device):

@@ -4,6 +4,9 @@ Triton ships ptxas, so `triton.compile` lowers a kernel to a cubin with no GPU p
 interpreter cannot (type errors in loop-carried values, ops without a GPU lowering, shared-memory overflow)
 on the Triton version CI installs, which is the GPU image's (3.6). Works whether or not TRITON_INTERPRET is set.
 """
+import contextlib
+import importlib
+import inspect
 import re
 import subprocess
 import tempfile
@@ -58,6 +61,85 @@ def compile_for_hopper(kernel, signature: dict, constexprs: dict, divisible_by_1
     assert compiled.asm["cubin"], "no cubin produced"
     assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"shared memory {compiled.metadata.shared} B"
     return compiled
+
+
+@contextlib.contextmanager
+def launch_specializations(kernel_names):
+    """Yields a list that gets, for each launch in the block of a Triton kernel whose name is in `kernel_names`
+    (compiled or interpreted; the launch goes on), how the compiled launcher specializes it (Triton 3.6's
+    `native_specialize_impl` with the CUDA backend, as `JITFunction.run` calls it): a dict of the kernel's module and
+    name, num_warps, each parameter's signature type (constexprs, None and integers equal to 1 as "constexpr"), the
+    constexpr values, and the pointers and integers it takes as multiples of 16. `compile_launch` compiles it."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = []
+    saved = [(launcher, launcher.run) for launcher in (JITFunction, InterpretedFunction)]
+
+    def recording(original):
+        def run(kernel, *args, grid, warmup, **kwargs):
+            if not warmup and kernel.fn.__name__ in kernel_names:
+                parameters = inspect.signature(kernel.fn).parameters
+                bound = inspect.signature(kernel.fn).bind(*args, **{name: value for name, value in kwargs.items()
+                                                                   if name in parameters})
+                bound.apply_defaults()
+                signature, constexprs, divisible = {}, {}, []
+                for name, value in bound.arguments.items():
+                    if "constexpr" in str(parameters[name].annotation):
+                        signature[name], constexprs[name] = "constexpr", value
+                        continue
+                    kind, key = native_specialize_impl(CUDABackend, value, False, True, True)
+                    signature[name] = kind
+                    if kind == "constexpr":
+                        constexprs[name] = key
+                    elif key == "D":
+                        divisible.append(name)
+                launches.append(dict(module=kernel.fn.__module__, kernel=kernel.fn.__name__,
+                                     num_warps=kwargs.get("num_warps", 4), signature=signature,
+                                     constexprs=constexprs, divisible_by_16=divisible))
+            return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+        return run
+
+    for launcher, original in saved:
+        launcher.run = recording(original)
+    try:
+        yield launches
+    finally:
+        for launcher, original in saved:
+            launcher.run = original
+
+
+def compile_launch(launch: dict):
+    """Compile for sm_90 one launch `launch_specializations` recorded, as the launcher would compile it."""
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    signature = {name: kind for name, kind in launch["signature"].items() if kind != "constexpr"}
+    return compile_for_hopper(kernel, signature, launch["constexprs"], divisible_by_16=launch["divisible_by_16"],
+                              num_warps=launch["num_warps"])
+
+
+def reduction_layouts(ttgir: str) -> dict:
+    """The layouts (their #ttg definitions) in a kernel's TTGIR that fix the order of its sums on the GPU: of each
+    tensor a `tl.sum` / `tl.max` reduces ("reduced"; a constant's left out: zeros sum to zero in any order), and
+    of each tensor a loop carries (its accumulators, "carried"). A thread first adds the lanes it holds, in
+    register order, then the threads' sums are combined by warp shuffles and across warps: the same layout, the
+    same order, the same bits."""
+    definitions = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, flags=re.MULTILINE))
+    reduced, carried = set(), set()
+    operand = None
+    for line in ttgir.splitlines():
+        opening = re.search(r'"tt\.reduce"\((%[\w#]+)\)', line)
+        if opening:
+            operand = opening.group(1)
+            continue
+        closing = re.match(r"\s*\}\) : \(tensor<[^,]+, (#\w+)>\)", line)
+        if operand is not None and closing:
+            if not operand.startswith("%cst"):
+                reduced.add(definitions[closing.group(1)])
+            operand = None
+        if "scf.while" in line or "scf.for" in line:
+            carried.update(definitions[alias] for alias in re.findall(r"tensor<\d+xf32, (#\w+)>", line))
+    return dict(reduced=sorted(reduced), carried=sorted(carried))
 
 
 def register_usage(compiled) -> tuple[int, int]:
@@ -120,9 +202,10 @@ def loop_instructions(compiled, nvdisasm: str) -> int:
     return longest
 
 
-def run_compile_script(script: str) -> str:
-    """Run tests/workers/`script` in a fresh process without TRITON_INTERPRET (under the interpreter, triton.language's
-    own @jit helpers and tensor methods cannot be compiled); returns its stdout, asserting it exited 0."""
+def run_compile_script(script: str, *arguments: str) -> str:
+    """Run tests/workers/`script` (with `arguments`) in a fresh process without TRITON_INTERPRET (under the
+    interpreter, triton.language's own @jit helpers and tensor methods cannot be compiled); returns its stdout,
+    asserting it exited 0."""
     import os
     import subprocess
     import sys
@@ -131,6 +214,7 @@ def run_compile_script(script: str) -> str:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = worker_pythonpath()
-    proc = subprocess.run([sys.executable, str(WORKERS / script)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(WORKERS / script), *arguments], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
