@@ -657,13 +657,17 @@ def read_rows(token_kind, sample_index, check_code: Optional[torch.Tensor], host
 def plannable_layout(host_layout: torch.Tensor, num_samples: int) -> bool:
     """Whether `plan_chunks` can run on host_layout [2, N] int64 (host memory): every token_kind in {0, 1, 2} and
     every sample_index of a scored row in [0, num_samples) (rows the value checks accept; elsewhere the plan could
-    index past its arrays). Two passes over the host rows, no device work."""
+    index past its arrays). A few passes over the host rows (the scored rows picked out only when some row's
+    sample_index is out of range), no device work."""
     kind, sample = host_layout.numpy()
     if kind.size == 0:
         return True
-    scored = sample[kind != 0]
-    return bool(kind.min() >= 0 and kind.max() <= 2 and (scored.size == 0 or (scored.min() >= 0
-                                                                                 and scored.max() < num_samples)))
+    if kind.min() < 0 or kind.max() > 2:
+        return False
+    if sample.min() >= 0 and sample.max() < num_samples:
+        return True
+    scored = sample[kind != 0]  # rows of kind 0 may hold anything
+    return scored.size == 0 or bool(scored.min() >= 0 and scored.max() < num_samples)
 
 
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,

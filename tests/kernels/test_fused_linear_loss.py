@@ -652,6 +652,19 @@ def test_a_bad_row_with_the_caller_s_layout_raises_its_own_error_after_the_plan_
     assert len(plans) == (column == "targets")
 
 
+def test_a_layout_is_planned_on_only_where_the_value_checks_accept_it():
+    """plannable_layout: token_kind in {0, 1, 2}, and sample_index in [0, S) on scored rows (rows of kind 0 may hold
+    anything), on the host layout alone."""
+    layout = torch.tensor([[1, 2, 0, 1, 2], [0, 0, 1, 2, 2]])
+    assert chunked.plannable_layout(layout, 3) and chunked.plannable_layout(torch.zeros(2, 0, dtype=torch.int64), 0)
+    assert not chunked.plannable_layout(layout, 2)  # sample 2 on scored rows, S = 2
+    for row, kind_or_sample, value, plannable in ((2, 1, -7, True), (2, 1, 9, True), (0, 1, -1, False),
+                                                  (4, 1, 3, False), (1, 0, 3, False), (1, 0, -1, False)):
+        changed = layout.clone()
+        changed[kind_or_sample, row] = value
+        assert chunked.plannable_layout(changed, 3) == plannable, (row, kind_or_sample, value)
+
+
 @pytest.mark.parametrize("host_layout, error, message", [
     (np.zeros((2, 4), dtype=np.int64), TypeError, r"host_layout must be a \[2, N\] int64 CPU tensor .* got ndarray"),
     (torch.zeros(2, 4, dtype=torch.int64, device="meta"), ValueError, r"host_layout must be in host memory .* on meta"),
