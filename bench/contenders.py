@@ -185,6 +185,13 @@ def erpo_fused_with_workspace(workspace_bytes: int, host_layout: torch.Tensor | 
     return _erpo_fused("triton", workspace_bytes=workspace_bytes, host_layout=host_layout)
 
 
+def erpo_fused_with_host_layout(problem: Problem) -> Prepared:
+    """Ours on the fused path (Triton, the library's workspace) given the problem's token_kind and sample_index in
+    host memory, as erpo's trainer passes them (`fused_linear_erpo_loss(host_layout=...)`: no read to plan)."""
+    layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu()  # once, as a trainer holds it
+    return _erpo_fused("triton", host_layout=layout)(problem)
+
+
 # ---- torch.compile of the plain formula ------------------------------------------------------------------------
 
 _COMPILED: dict = {}

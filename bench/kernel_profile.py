@@ -5,6 +5,7 @@ launches, Python, host reads).
 
     python -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out DIR   # DIR/profile.{md,json}
     python -m bench.kernel_profile --path fused --shape qwen2.5-7b --contenders erpo --workspace-gib 4 --out DIR
+    python -m bench.kernel_profile --path fused --contenders erpo --host-layout --out DIR   # and erpo@host-layout
     TRITON_INTERPRET=1 python -m bench.kernel_profile --smoke --out DIR    # CPU, tiny: the script's dry run
 
 Each contender is warmed up (Triton compiles, allocator growth), runs one more call under the profiler's warm-up
@@ -199,6 +200,9 @@ def main(argv=None):
     parser.add_argument("--workspace-gib", default="",
                         help="fused path: comma-separated workspace budgets for ours (GiB), each profiled as "
                              "erpo@ws=G; default: the library's")
+    parser.add_argument("--host-layout", action="store_true",
+                        help="fused path: also ours given the rows' layout in host memory (host_layout=, as erpo's "
+                             "trainer passes it), profiled as erpo@host-layout")
     parser.add_argument("--contenders", default="erpo,liger")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
@@ -208,7 +212,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
-    from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_workspace
+    from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_host_layout, erpo_fused_with_workspace
     from .problem import SMOKE_SHAPE, Shape, build_problem, parse_shape
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -232,6 +236,10 @@ def main(argv=None):
         if args.path != "fused":
             raise SystemExit("--workspace-gib: only with --path fused")
         prepares[f"erpo@ws={gib:g}"] = erpo_fused_with_workspace(int(gib * 2**30))
+    if args.host_layout:
+        if args.path != "fused":
+            raise SystemExit("--host-layout: only with --path fused")
+        prepares["erpo@host-layout"] = erpo_fused_with_host_layout
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
