@@ -160,24 +160,36 @@ def _erpo_logits(backend: str, forward_variant: str | None = None):
     return prepare
 
 
-def _erpo_fused(backend: str, batch_invariant: bool = False, workspace_bytes: int | None = None):
+def _erpo_fused(backend: str, batch_invariant: bool = False, workspace_bytes: int | None = None,
+                host_layout: torch.Tensor | None = None):
     def prepare(problem: Problem) -> Prepared:
         import erpo_kernels
 
-        workspace = {} if workspace_bytes is None else {"workspace_bytes": workspace_bytes}
+        extra = {} if workspace_bytes is None else {"workspace_bytes": workspace_bytes}
+        if host_layout is not None:
+            extra["host_layout"] = host_layout
 
         def run():
             return erpo_kernels.fused_linear_erpo_loss(
                 problem.hidden, problem.weight, problem.targets, problem.token_kind, problem.sample_index,
-                backend=backend, batch_invariant=batch_invariant, **workspace, **_erpo_tensors(problem),
+                backend=backend, batch_invariant=batch_invariant, **extra, **_erpo_tensors(problem),
                 **ERPO_OPTIONS).loss
         return Prepared(run, [problem.hidden, problem.weight], _identity_fused)
     return prepare
 
 
-def erpo_fused_with_workspace(workspace_bytes: int):
-    """Ours on the fused path (Triton) with a workspace budget other than the library's default (bytes)."""
-    return _erpo_fused("triton", workspace_bytes=workspace_bytes)
+def erpo_fused_with_workspace(workspace_bytes: int, host_layout: torch.Tensor | None = None):
+    """Ours on the fused path (Triton) with a workspace budget other than the library's default (bytes); host_layout:
+    None, or the problem's token_kind and sample_index [2, N] int64 in host memory, passed to each call as a trainer
+    holding them does (`fused_linear_erpo_loss(host_layout=...)`)."""
+    return _erpo_fused("triton", workspace_bytes=workspace_bytes, host_layout=host_layout)
+
+
+def erpo_fused_with_host_layout(problem: Problem) -> Prepared:
+    """Ours on the fused path (Triton, the library's workspace) given the problem's token_kind and sample_index in
+    host memory, as erpo's trainer passes them (`fused_linear_erpo_loss(host_layout=...)`: no read to plan)."""
+    layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu()  # once, as a trainer holds it
+    return _erpo_fused("triton", host_layout=layout)(problem)
 
 
 # ---- torch.compile of the plain formula ------------------------------------------------------------------------

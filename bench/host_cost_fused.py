@@ -240,9 +240,10 @@ def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, li
 
 
 def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int,
-                  warmup: int) -> dict:
+                  warmup: int, host_layout: bool = False) -> dict:
     """Per phase (FUSED_PHASES, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call, and aten
-    launches, Triton launches and host reads per call; with the plan's chunks and groups."""
+    launches, Triton launches and host reads per call; with the plan's chunks and groups. host_layout: the loss is
+    given the rows' layout in host memory (a trainer's way)."""
     from .contenders import ERPO_OPTIONS, erpo_fused_with_workspace
     from .problem import Shape, build_problem, parse_shape
     like_shape = parse_shape(like)
@@ -253,7 +254,9 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                             num_rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
                             device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
                             clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
-    prepared = erpo_fused_with_workspace(budget)(problem)
+    # the rows' layout in host memory, as a trainer holds it (read here once, not per call)
+    layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu() if host_layout else None
+    prepared = erpo_fused_with_workspace(budget, layout)(problem)
     per_rep, reads_per_rep = defaultdict(list), []
     with StubbedTriton():
         for rep in range(warmup + reps):
@@ -267,6 +270,8 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                 reads_per_rep.append(timeline.summary(like_shape.hidden, like_shape.vocab))
         counting = PhaseMeter(launch_counter())
         counted_reads = ReadTimeline(counting.counter)
+        if layout is not None:
+            counting.counter.host_memory(layout)  # on the CPU, else taken for a device tensor
         with counting.counter, metered(counting):
             _one_call(prepared, counting, counted_reads)
     phases = {}
@@ -335,13 +340,17 @@ def main(argv: list[str], command: list[str]):
     parser.add_argument("--workspace-gib", type=float, default=1.0, help="its workspace budget on the GPU (GiB)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--host-layout", action="store_true",
+                        help="give the loss the rows' layout in host memory (host_layout=, as erpo's trainer does)")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
     use_interpreter(parser)
     torch.set_num_threads(1)
-    result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup)
+    result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup,
+                           args.host_layout)
     print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "
+          f"{'the rows layout given in host memory (host_layout), ' if args.host_layout else ''}"
           f"bf16, CPU, the chunks and groups of {args.like} in {args.workspace_gib:g} GiB "
           f"(workspace_bytes={result['budget_bytes']} here); {args.reps} calls (after {args.warmup}), "
           f"torch {torch.__version__}\n")

@@ -5,10 +5,18 @@ launches, Python, host reads).
 
     python -m bench.kernel_profile --n 16384 --contenders erpo,erpo-log2,liger --out DIR   # DIR/profile.{md,json}
     python -m bench.kernel_profile --path fused --shape qwen2.5-7b --contenders erpo --workspace-gib 4 --out DIR
+    python -m bench.kernel_profile --path fused --contenders erpo --host-layout --out DIR   # and erpo@host-layout
     TRITON_INTERPRET=1 python -m bench.kernel_profile --smoke --out DIR    # CPU, tiny: the script's dry run
 
-Each contender is warmed up (Triton compiles, allocator growth) and then profiled over `--calls` fwd+bwd calls;
-times are per call. Off CUDA (the dry run) the table lists the top-level CPU operators instead: no measurement.
+Each contender is warmed up (Triton compiles, allocator growth), runs one more call under the profiler's warm-up
+step, and is then profiled over `--calls` fwd+bwd calls, back to back; times are per call. Off CUDA (the dry run) the
+table lists the top-level CPU operators instead: no measurement.
+
+PROFILER_WARMUP: until b8b4a78 the first profiled call was also the profiler's first traced one, and it started on
+an empty queue: on the H100 (bench/measured/h100-2026-11-26) it alone held the gaps that the tables' per-call
+averages spread over every call (the logits path's 565 of 575 us before the forward kernel, the other two calls 4.8
+us each; the fused path's 950 us after the row checks). The recorded calls now follow one in flight, as the bench's
+timed calls do and a training step's loss follows its model's forward.
 
 Where the GPU idles (`idle_gaps`, on CUDA): from the profiler's trace (also written, KEY.trace.json), every gap
 between one kernel's end and the next one's start, split into the time the GPU waited for the host (the next
@@ -58,7 +66,12 @@ def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2, t
     if on_cuda:
         torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
-    with torch.profiler.profile(activities=activities) as profiler:
+    # one call under the profiler's warm-up step (set up, traced and discarded), then the calls recorded: the
+    # profiler's start-up stays out of them (PROFILER_WARMUP)
+    with torch.profiler.profile(activities=activities,
+                                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as profiler:
+        step()
+        profiler.step()
         begin = time.perf_counter()
         for _ in range(calls):
             step()
@@ -69,7 +82,8 @@ def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2, t
     if on_cuda:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
-        kernels = [e for e in events if e.cpu_parent is None]
+        kernels = [e for e in events if not e.name.startswith("ProfilerStep")  # the schedule's step, around all
+                   and (e.cpu_parent is None or e.cpu_parent.name.startswith("ProfilerStep"))]
     per_name = defaultdict(lambda: [0, 0.0])
     for event in kernels:
         per_name[event.name][0] += 1
@@ -186,6 +200,9 @@ def main(argv=None):
     parser.add_argument("--workspace-gib", default="",
                         help="fused path: comma-separated workspace budgets for ours (GiB), each profiled as "
                              "erpo@ws=G; default: the library's")
+    parser.add_argument("--host-layout", action="store_true",
+                        help="fused path: also ours given the rows' layout in host memory (host_layout=, as erpo's "
+                             "trainer passes it), profiled as erpo@host-layout")
     parser.add_argument("--contenders", default="erpo,liger")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
@@ -195,7 +212,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the contenders import Triton
-    from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_workspace
+    from .contenders import CONTENDERS, ERPO_OPTIONS, erpo_fused_with_host_layout, erpo_fused_with_workspace
     from .problem import SMOKE_SHAPE, Shape, build_problem, parse_shape
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -219,6 +236,10 @@ def main(argv=None):
         if args.path != "fused":
             raise SystemExit("--workspace-gib: only with --path fused")
         prepares[f"erpo@ws={gib:g}"] = erpo_fused_with_workspace(int(gib * 2**30))
+    if args.host_layout:
+        if args.path != "fused":
+            raise SystemExit("--host-layout: only with --path fused")
+        prepares["erpo@host-layout"] = erpo_fused_with_host_layout
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -33,7 +33,8 @@ triton_scale.py). The op makes the call's one host read: the rows' layout for th
 holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the value checks' code (validate=True);
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
-before the call does.
+before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
+before the wait for the checks' code, and the host's work after it is the objective's setup alone.
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
@@ -660,6 +661,22 @@ def read_rows(token_kind, sample_index, check_code: Optional[torch.Tensor], host
     return values
 
 
+def plannable_layout(host_layout: torch.Tensor, num_samples: int) -> bool:
+    """Whether `plan_chunks` can run on host_layout [2, N] int64 (host memory): every token_kind in {0, 1, 2} and
+    every sample_index of a scored row in [0, num_samples) (rows the value checks accept; elsewhere the plan could
+    index past its arrays). A few passes over the host rows (the scored rows picked out only when some row's
+    sample_index is out of range), no device work."""
+    kind, sample = host_layout.numpy()
+    if kind.size == 0:
+        return True
+    if kind.min() < 0 or kind.max() > 2:
+        return False
+    if sample.min() >= 0 and sample.max() < num_samples:
+        return True
+    scored = sample[kind != 0]  # rows of kind 0 may hold anything
+    return scored.size == 0 or bool(scored.min() >= 0 and scored.max() < num_samples)
+
+
 def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inputs: LossInputs,
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
@@ -675,7 +692,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
     row.
     """
-    num_rows = hidden.shape[0]
+    num_rows, num_samples = hidden.shape[0], inputs.advantages.shape[0]
     transform = options.logit_transform
     workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
@@ -700,27 +717,43 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
         logp_out, entropy_out, token_kind, sample_index, inputs, options, segment_sum, entropy_pool))
+
+    def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
+        """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
+        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up)."""
+        plan = plan_chunks(
+            host_kind, host_sample, num_samples, workspace.chunk_rows,
+            query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
+                        and inputs.ref_query_logp is not None),
+            response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
+                             or options.off_policy_mask_threshold is not None),
+            all_response_entropies=options.top_entropy_quantile < 1 and (
+                not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
+        first = early
+        if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
+            prepass = host_to_device(plan.prepass_rows, hidden.device)
+            logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
+                hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
+            first = 0
+        logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
+        return plan
+
+    # With the caller's host_layout the plan needs nothing read: it is made, and the pre-pass and the first chunk's
+    # logits queued, before the wait for the value checks' code (validate=True), which then waits for their copy
+    # alone while the GPU runs those GEMMs. Only when the layout's own values can be planned on
+    # (`plannable_layout`); a row the checks refuse raises after the wait all the same, what was queued having
+    # written the op's own buffers alone, by kernels safe on any row values (the forward row kernels read a target
+    # outside [0, V) as column 0).
+    planned_early = host_layout is not None and plannable_layout(host_layout, num_samples)
+    if planned_early:
+        host_kind, host_sample = host_layout.numpy()
+        plan = plan_and_queue_first_chunk(host_kind, host_sample)
     code, layout = read()
     if code is not None and not rows_passed(code, num_rows):
         raise RowChecksFailed(code)
-    host_kind, host_sample = layout.numpy().reshape(2, num_rows)
-    plan = plan_chunks(
-        host_kind, host_sample, inputs.advantages.shape[0], workspace.chunk_rows,
-        query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
-                    and inputs.ref_query_logp is not None),
-        response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
-                         or options.off_policy_mask_threshold is not None),
-        all_response_entropies=options.top_entropy_quantile < 1 and (
-            not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
-        prepass = host_to_device(plan.prepass_rows, hidden.device)
-        logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
-            hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
-        early = 0
-    # the first chunk's other rows' logits (its own GEMM, only earlier): the GPU runs them while the host sets the
-    # objective up
-    first_stop = plan.chunks[0][1] if plan.chunks else 0
-    logits_buffer.logits(hidden[early:first_stop], first=early)
+    if not planned_early:
+        host_kind, host_sample = layout.numpy().reshape(2, num_rows)
+        plan = plan_and_queue_first_chunk(host_kind, host_sample)
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
                            objective, groups)

@@ -574,12 +574,56 @@ def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(dev
                                    host_layout=stale, **inputs)
 
 
-@pytest.mark.parametrize("column, row, value, message", [
+def launches_and_read(batch, rows, host_layout=None, **options):
+    """[(kind, name)] of one forward's launches and host reads in order (LaunchCounter.order), Triton backend,
+    validate=True, chunks of `rows` rows, the Query-KL and the sequence-level ratio."""
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, batch["targets"].device)
+    with LaunchCounter() as counter:
+        if host_layout is not None:
+            counter.host_memory(host_layout)  # on the CPU, else taken for a device tensor
+        fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                               host_layout=host_layout, workspace_bytes=budget_for(rows, torch.float32, hidden.device),
+                               qkl_coef=0.5, ratio_level="sequence", **inputs, **options)
+    return counter.order
+
+
+@pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device):
+    """validate=True: the op's one host read (the checks' code, with the rows' layout unless the caller holds it)
+    waits after the first half chunk's logits GEMM is queued (rows the first chunk holds whatever the plan), and,
+    with the caller's host_layout, after the plan's GEMMs too: the pre-pass (when a chunk splits a coupled set) and
+    the rest of the first chunk; then only the objective's setup comes between the read and the chunk loop. On CUDA
+    the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
+    batch = packed_batch(SAMPLES, device)
+    layout = host_layout_of(batch)
+    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
+    for host_layout in (None, layout):
+        order = launches_and_read(batch, rows, host_layout)
+        reads = [i for i, (kind, _) in enumerate(order) if kind == "sync"]
+        assert len(reads) == 1, order
+        before, after = order[:reads[0]], order[reads[0] + 1:]
+        loop = after.index(objective_setup[0])
+        assert after[loop:loop + 2] == objective_setup, after
+        early = before.index(gemm)  # the first half chunk's logits, queued before the read on both ways
+        # queued by the plan: per pre-pass piece (when a chunk splits a coupled set) its GEMM and forward row kernel,
+        # then the rest of the first chunk's logits; with host_layout before the read, else after it
+        planned = before[early + 1:] if host_layout is not None else after[:loop]
+        assert (forward in planned) == prepass, order
+        assert planned.count(gemm) == 1 + planned.count(forward), order
+        assert gemm not in (after[:loop] if host_layout is not None else before[early + 1:]), order
+
+
+BAD_ROWS = [
     ("token_kind", 5, 3, r"^token_kind must be 0, 1 or 2; row 5 holds 3$"),
     ("sample_index", 2, 40, r"^sample_index must lie in \[0, 9\) \(S = len\(advantages\)\) on scored rows; row 2 "
                             r"holds 40$"),
     ("targets", 7, VOCAB, rf"^targets must lie in \[0, {VOCAB}\) on scored rows; row 7 holds {VOCAB}$"),
-])
+]
+
+
+@pytest.mark.parametrize("column, row, value, message", BAD_ROWS)
 def test_a_bad_row_is_raised_from_the_op_s_one_read_before_any_plan(column, row, value, message, monkeypatch,
                                                                      device):
     """validate=True on the Triton backend: the value checks' code is read by the op together with the rows' layout
@@ -598,6 +642,38 @@ def test_a_bad_row_is_raised_from_the_op_s_one_read_before_any_plan(column, row,
         fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                qkl_coef=0.5, **inputs)
     assert raised.value.__context__ is None and raised.value.__cause__ is None
+
+
+@pytest.mark.parametrize("column, row, value, message", BAD_ROWS, ids=["token_kind", "sample_index", "targets"])
+def test_a_bad_row_with_the_caller_s_layout_raises_its_own_error_after_the_plan_s_gemms(column, row, value, message,
+                                                                                       monkeypatch, device):
+    """With a host_layout that holds the rows as they are, the plan runs before the checks' read when the layout's
+    own values allow it (a bad target: the pre-pass's forward row kernels and the first chunk's GEMMs run on it,
+    safe on any target), never on a token_kind or sample_index they refuse (it would index past its arrays); either
+    way the bad row's own one-line ValueError, chained to nothing, before the loss is returned."""
+    plans = []
+    plan_chunks = chunked.plan_chunks
+    monkeypatch.setattr(chunked, "plan_chunks", lambda *args, **kwargs: plans.append(1) or plan_chunks(*args, **kwargs))
+    batch = packed_batch(SAMPLES, device)
+    batch[column] = batch[column].clone()
+    batch[column][row] = value
+    with pytest.raises(ValueError, match=message) as raised:
+        launches_and_read(batch, 6, host_layout_of(batch))  # chunks of 6 rows: a pre-pass
+    assert raised.value.__context__ is None and raised.value.__cause__ is None
+    assert len(plans) == (column == "targets")
+
+
+def test_a_layout_is_planned_on_only_where_the_value_checks_accept_it():
+    """plannable_layout: token_kind in {0, 1, 2}, and sample_index in [0, S) on scored rows (rows of kind 0 may hold
+    anything), on the host layout alone."""
+    layout = torch.tensor([[1, 2, 0, 1, 2], [0, 0, 1, 2, 2]])
+    assert chunked.plannable_layout(layout, 3) and chunked.plannable_layout(torch.zeros(2, 0, dtype=torch.int64), 0)
+    assert not chunked.plannable_layout(layout, 2)  # sample 2 on scored rows, S = 2
+    for row, kind_or_sample, value, plannable in ((2, 1, -7, True), (2, 1, 9, True), (0, 1, -1, False),
+                                                  (4, 1, 3, False), (1, 0, 3, False), (1, 0, -1, False)):
+        changed = layout.clone()
+        changed[kind_or_sample, row] = value
+        assert chunked.plannable_layout(changed, 3) == plannable, (row, kind_or_sample, value)
 
 
 @pytest.mark.parametrize("host_layout, error, message", [

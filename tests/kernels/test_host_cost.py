@@ -99,3 +99,24 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
     assert 0 < read["us to next GEMM"] < read["us to chunk loop"]
     assert abs(read["GFLOP queued before chunk loop"] - 2 * half_chunk) < 1e-6  # the whole first chunk
     assert "| chunk | 8 |" in done.stdout and "Per chunk, its share of the group GEMMs included" in done.stdout
+
+
+def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_read(tmp_path):
+    """`--path fused --host-layout` (the rows' layout given in host memory, erpo's trainer's way): the call's one
+    host read, the value checks' code, returns with the whole first chunk's logits GEMMs queued after its copy (the
+    plan needs no read: `fused_linear_loss.plannable_layout`), and the next GEMM comes in the chunk loop."""
+    out = tmp_path / "fused.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "1",
+                           "--warmup", "1", "--host-layout", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]["erpo"]
+    assert result["phases"]["total"]["reads"] == 1 and result["phases"]["op setup"]["reads"] == 1
+    (read,) = result["reads"]
+    first_chunk = 2 * 512 * 3584 * 152064 / 1e9
+    assert abs(read["GFLOP queued, not waited for"] - first_chunk) < 1e-6
+    assert abs(read["GFLOP queued before chunk loop"] - first_chunk) < 1e-6
+    assert 0 < read["us to chunk loop"] < read["us to next GEMM"]
+    assert "host_layout" in done.stdout

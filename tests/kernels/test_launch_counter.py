@@ -57,6 +57,17 @@ def test_each_host_read_counts_as_on_cuda(name, device):
     assert counter.syncs == syncs, counter.sync_names
 
 
+def test_order_lists_launches_and_reads_as_they_happen(device):
+    """`order`: each launch and each read, in the order they happened."""
+    values = torch.arange(6, device=device)
+    with LaunchCounter() as counter:
+        doubled = values * 2
+        doubled.sum().item()
+        (doubled + 1).tolist()
+    assert counter.order == [("launch", "aten.mul"), ("launch", "aten.sum"), ("sync", "aten._local_scalar_dense"),
+                             ("launch", "aten.add"), ("sync", "Tensor.tolist")], counter.order
+
+
 def test_numpy_of_a_device_tensor_is_one_sync(device):
     if device.type != "cpu":
         pytest.skip("a CUDA tensor has no numpy(): its read is .cpu(), test_each_host_read_counts_as_on_cuda")

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import erpo_kernels.validation as validation
 from erpo_kernels import erpo_loss
-from erpo_kernels.triton_logits import forward_variant
+from erpo_kernels.triton_logits import DEFAULT_FORWARD_VARIANT, FORWARD_VARIANTS, forward_variant
 from helpers import random_batch
 from test_objective_kernels import FUSED_CASES, call_arguments
 
@@ -239,3 +240,77 @@ def test_the_metrics_record_is_made_on_its_first_read(device):
     assert replaced.qkl is None and torch.equal(replaced.pg_loss, record.pg_loss)
     with pytest.raises(AttributeError, match="no attribute 'not_a_metric'"):
         record.not_a_metric
+
+
+
+@contextlib.contextmanager
+def launches_and_reads(monkeypatch):
+    """[name, ...]: the Triton kernels launched in the block and "read" where the value checks' host read waits
+    (when the function `validation.read_later` returned is called: on CUDA the wait on the event recorded after the
+    code's copy), in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    order = []
+    read_later = validation.read_later
+
+    def logged_read_later(value):
+        read = read_later(value)
+        return lambda: order.append("read") or read()
+
+    def logged(original):
+        def run(kernel, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                order.append(kernel.fn.__name__)
+            return original(kernel, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(validation, "read_later", logged_read_later)
+    for launcher in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(launcher, "run", logged(launcher.run))
+    yield order
+
+
+@pytest.mark.parametrize("two_ops", [False, True], ids=["one-node", "two-ops"])
+def test_the_checks_read_waits_after_the_forward_is_queued(two_ops, monkeypatch, device):
+    """validate=True: the value checks' one host read waits only once the forward's kernels are queued (the
+    log-prob / entropy kernel and the objective's), so the device runs them while the host waits for the checks'
+    code (on CUDA a copy to pinned memory and an event recorded right after it: the wait is for the checks and the
+    copy, not for the kernels queued after them); only the backward is launched after it."""
+    batch = random_batch(device=device)
+    loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU
+    with launches_and_reads(monkeypatch) as order:
+        loss_and_grad(batch, {}, two_ops)
+    forward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].kernel.__name__
+    objective = ["_objective_sample_kernel", "_objective_finish_kernel"] if two_ops else [
+        "_objective_sample_finish_kernel"]
+    backward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__
+    after = ["_objective_grad_kernel", backward] if two_ops else [backward]
+    assert order == ["_first_bad_row_kernel", forward, *objective, "read", *after], order
+
+
+SAMPLE_RANGE = r"sample_index must lie in \[0, 5\) \(S = len\(advantages\)\) on scored rows;"
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("targets", 37, r"^targets must lie in \[0, 37\) on scored rows; row 4 holds 37$"),
+    ("targets", -5, r"^targets must lie in \[0, 37\) on scored rows; row 4 holds -5$"),
+    ("sample_index", 9, rf"^{SAMPLE_RANGE} row 4 holds 9$"),
+    ("sample_index", -1, rf"^{SAMPLE_RANGE} row 4 holds -1$"),
+    ("token_kind", 3, r"^token_kind must be 0, 1 or 2; row 4 holds 3$"),
+], ids=["target-V", "target-negative", "sample-S", "sample-negative", "kind-3"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
+def test_a_bad_row_raises_before_the_one_node_returns_and_leaves_the_logits(column, value, message, device):
+    """The one node's kernels are queued before the checks' read (the test above): on a bad row (non-finite logits
+    beside it) they run on it, and then the row's own one-line ValueError is raised before erpo_loss returns: no
+    loss to call backward on, and with inplace_backward the logits are left as they were."""
+    batch = random_batch(device=device)
+    row = int((batch["token_kind"] != 0).nonzero()[4])  # the fifth scored row
+    batch[column] = batch[column].clone()
+    batch[column][row] = value
+    batch["logits"][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    logits = batch["logits"].clone()
+    with pytest.raises(ValueError, match=message.replace("row 4", f"row {row}")) as raised:
+        loss_and_grad(batch, {}, two_ops=False, inplace_backward=True)
+    assert "\n" not in str(raised.value)
+    torch.testing.assert_close(batch["logits"], logits, rtol=0, atol=0, equal_nan=True)

@@ -1,7 +1,13 @@
 """bench.kernel_profile.idle_gaps on a hand-made profiler trace (the GPU run writes the real one): the GPU's idle time
 between kernels, the part it waited for a late launch call, per next kernel, the largest gaps with the operator
 that launched the next kernel, and the host's synchronizing CUDA calls."""
+import json
+import os
+import subprocess
+import sys
+
 from bench.kernel_profile import gap_lines, idle_gaps
+from paths import REPO, worker_pythonpath
 
 
 def kernel(name, ts, dur, correlation):
@@ -44,3 +50,22 @@ def test_idle_gaps_split_host_waits_from_launch_latency_per_call():
     assert gaps["syncs"] == {"cudaStreamSynchronize": {"count": 0.5, "us": 10.0}} and gaps["unmatched"] == 0
     text = "\n".join(gap_lines(gaps))
     assert "cudaStreamSynchronize 0.5 (10 us)" in text and "| `objective` | 0.5 | 27.5 | 26.0 |" in text
+
+
+def test_the_fused_profile_adds_ours_with_a_host_layout(tmp_path):
+    """`--path fused --host-layout` (the dry run on the CPU): ours given the rows' layout in host memory, as erpo's
+    trainer passes it, profiled beside ours without it (its own section, the loss op at its top); the logits path
+    refuses the flag in one line."""
+    out = tmp_path / "profile"
+    env = {**os.environ, "PYTHONPATH": worker_pythonpath()}
+    command = [sys.executable, "-m", "bench.kernel_profile", "--smoke", "--path", "fused", "--contenders", "erpo",
+               "--host-layout", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((out / "profile.json").read_text())["results"]
+    assert list(results) == ["erpo", "erpo@host-layout"]
+    assert results["erpo@host-layout"]["kernels"][0]["name"] == "erpo::fused_linear_erpo_loss_gradients"
+    refused = subprocess.run([*command[:5], "logits", *command[6:]], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
+        "--host-layout: only with --path fused")

@@ -6,7 +6,7 @@ host, and the blocking copies from the host, each counted as it would happen on 
     with LaunchCounter() as counter:
         loss = erpo_loss(...).loss
         loss.backward()
-    counter.launches, counter.syncs, counter.names, counter.sync_names
+    counter.launches, counter.syncs, counter.names, counter.sync_names, counter.order
 
 The Triton kernels' own work under the interpreter (its copies to numpy and back) is not counted: one launch is one.
 A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted.
@@ -68,15 +68,31 @@ def _triton_launchers():
     return JITFunction, InterpretedFunction
 
 
+class _LoggedCounter(Counter):
+    """A Counter that also appends (kind, name) to `order` each time a count of it goes up."""
+
+    def __init__(self, kind: str, order: list):
+        super().__init__()
+        self.kind, self.order = kind, order
+
+    def __setitem__(self, name, count):
+        if count > self[name]:
+            self.order.append((self.kind, name))
+        super().__setitem__(name, count)
+
+
 class LaunchCounter(TorchDispatchMode):
     """launches: aten kernels + Triton launches; names: Counter of what was launched; syncs: host syncs;
-    sync_names: Counter of what synchronized. `device`: where the tested tensors live (default_device())."""
+    sync_names: Counter of what synchronized; order: [(kind, name)] of both in the order they happened, kind "launch"
+    or "sync" (where a call's host read falls among its launches). `device`: where the tested tensors live
+    (default_device())."""
 
     def __init__(self, device: torch.device | str | None = None):
         super().__init__()
         self.device = torch.device(device) if device is not None else default_device()
-        self.names: Counter = Counter()
-        self.sync_names: Counter = Counter()
+        self.order: list = []
+        self.names: Counter = _LoggedCounter("launch", self.order)
+        self.sync_names: Counter = _LoggedCounter("sync", self.order)
         self._host = {}  # id -> weakref of the CPU tensors known to hold host memory (module docstring)
         self._inside_triton = 0
         self._saved = []
