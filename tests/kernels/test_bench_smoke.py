@@ -106,14 +106,20 @@ def test_speedups_compare_ours_with_each_timed_peer(smoke):
     assert not any(t["at_target_shape"] for t in results["targets"])
 
 
-def test_missing_peers_are_reported_not_crashed(smoke):
+def test_installed_peers_are_checked_and_missing_ones_reported_not_crashed(smoke):
+    """The GPU image installs Liger and CCE (.whl/) into a folder on PYTHONPATH: Liger's rows then run in the
+    interpreter and pass the check, CCE's need CUDA (unavailable in the smoke, on the CPU even there)."""
     _, results, _, _ = smoke
-    for path, contender, module in [("logits", "liger", "liger_kernel"), ("fused", "cce", "cut_cross_entropy")]:
+    for path, contender, module, installed in [("logits", "liger", "liger_kernel", "ok"),
+                                               ("fused", "liger", "liger_kernel", "ok"),
+                                               ("fused", "cce", "cut_cross_entropy", "unavailable")]:
         row = _row(results, path, contender)
         try:
             __import__(module)
         except ImportError:
             assert row["status"] == "not installed" and module in row["detail"], row
+        else:
+            assert row["status"] == installed and (installed != "ok" or row["correct"] is True), row
 
 
 def test_the_smoke_run_sees_the_callers_pythonpath_after_the_repository(tmp_path, monkeypatch):
