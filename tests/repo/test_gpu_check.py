@@ -1,6 +1,7 @@
 """`bash bench/gpu_check.sh --dry-run`: the GPU lease's one command, run on the CPU with its stages shrunk, writes
 every stage's results into at most 8 files; a stage past its time limit is stopped with its children, and no stage
-starts past the deadline."""
+starts past the deadline. The dry run's logits stage is CI's one run of `bash bench/logits_gpu_check.sh --dry-run`:
+its results are checked here."""
 import json
 import os
 import re
