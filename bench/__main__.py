@@ -55,6 +55,8 @@ def parse_args(argv):
     parser.add_argument("--progress", default=None, metavar="FILE",
                         help="also append the run as JSON lines to FILE, each floor and row as soon as it is measured")
     parser.add_argument("--time-wrong", action="store_true", help="also time contenders whose check failed")
+    parser.add_argument("--plan", action="store_true",
+                        help="no run: check the arguments and print the rows the run would measure, one a line")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
@@ -167,6 +169,11 @@ def main(argv=None) -> int:
                          rows_per_sample=args.rows_per_sample, query_frac=args.query_frac,
                          check_rows=args.check_rows, budget_s=args.budget, time_wrong=args.time_wrong,
                          seed=args.seed)
+    if args.plan:
+        rows = planned_rows(config)
+        print("".join(f"plan: {row['path']} {row['shape']} N={row['N']} {row['contender']}\n" for row in rows)
+              + f"{len(rows)} rows planned, none run (--plan)")
+        return 0
     meta = {
         "device": _device_name(device), **provenance("bench", argv, args.commit), "cuda": torch.version.cuda,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "dtype": args.dtype, "reps": args.reps,

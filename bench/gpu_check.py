@@ -24,8 +24,9 @@ bench.jsonl (`python -m bench --merge` reads it).
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, logits_gpu_check.sh's own --dry-run, one tiny
-training step, the fused-path profile's smoke shape (the CPU's operators, no gaps), the bench's smoke shape (logits
-path, torch and Liger only); no wheels are installed, so missing peers are reported and skipped.
+training step, the fused-path profile's smoke shape (the CPU's operators, no gaps), the first bench run at the bench's
+smoke shape (logits path, torch and Liger only) and the other bench runs' own arguments checked by the bench, their rows
+listed (`python -m bench ... --plan`); no wheels are installed, so missing peers are reported and skipped.
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ class BenchRun:
     paths: str | None = None
     left_out: str = ""
 
-    def arguments(self, dry_run: bool) -> list:
+    def arguments(self, smoke: bool) -> list:
         skip = ["--skip", ",".join(self.skip)] if self.skip else []
-        if dry_run:  # the smoke shape on the CPU, logits path, the quick contenders (the interpreter and Inductor's
+        if smoke:  # the smoke shape on the CPU, logits path, the quick contenders (the interpreter and Inductor's
             # C++ builds take minutes there; tests/kernels/test_bench_smoke.py runs them)
             return ["--smoke", "--paths", "logits", "--contenders", DRY_RUN_CONTENDERS, *skip]
         return (["--n", self.n, "--budget", "2"] + (["--paths", self.paths] if self.paths else [])
@@ -187,7 +188,10 @@ class GpuCheck:
             process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
                                        start_new_session=True)
             while process.poll() is None and time.monotonic() - begin < limit:
-                time.sleep(1)
+                try:  # returns as the stage ends (a short stage costs no more than its own time)
+                    process.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
                 if mirror and int(time.monotonic() - begin) % 5 == 0:
                     _copy(*mirror)
             if process.poll() is None:
@@ -278,14 +282,22 @@ class GpuCheck:
         self.run("profile", command, self.out / "bench.log", PROFILE_LIMIT_S)
 
     def bench(self) -> None:
+        """Each of BENCH_RUNS in turn. The dry run runs the first at smoke size (the bench's rows, progress file and
+        merge) and gives the others their own arguments with `--plan`: the bench checks them and lists the rows they
+        would measure, running none (a smoke run each would only repeat the first's)."""
         for index, plan in enumerate(BENCH_RUNS, 1):
-            command = [sys.executable, "-m", "bench", *plan.arguments(self.dry_run), "--progress",
+            smoke = self.dry_run and index == 1
+            command = [sys.executable, "-m", "bench", *plan.arguments(smoke), "--progress",
                        str(self.out / "bench.jsonl"), "--out", str(self.work / f"bench-{index}")]
             if self.commit:
                 command += ["--commit", self.commit]
+            if self.dry_run and not smoke:
+                command.append("--plan")
             stage = self.run(f"bench {index}: {plan.name}", command, self.out / "bench.log", plan.cap_s)
             if plan.left_out:
                 stage.notes.append("left out: " + plan.left_out)
+            if "--plan" in command:
+                stage.notes.append("dry run: its arguments checked and its rows listed in bench.log (--plan), none run")
 
     def merge_bench(self) -> None:
         """The bench stage's runs as one table (its markdown goes into summary.md)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from interpreter_as_gpu import NUMPY_SCALAR_ERROR
+from paths import worker_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 # The smoke runs on the CPU on a GPU machine too (--smoke: Triton's interpreter, Inductor's C++ builds from that
@@ -23,12 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
 
+def smoke_env() -> dict:
+    """The smoke run's environment: the interpreter, numpy's scalar warning an error, and PYTHONPATH the repository
+    then the caller's (on the GPU image bench/gpu_check.py puts the folder holding the `.whl` peers, Liger and CCE,
+    there: without it their rows say "not installed")."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": worker_pythonpath(),
+            "PYTHONWARNINGS": NUMPY_SCALAR_ERROR}
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": NUMPY_SCALAR_ERROR}
     done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out), "--progress",
-                           str(out / "progress.jsonl")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           str(out / "progress.jsonl")], cwd=REPO, env=smoke_env(), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text(), done.stdout
 
@@ -97,14 +106,35 @@ def test_speedups_compare_ours_with_each_timed_peer(smoke):
     assert not any(t["at_target_shape"] for t in results["targets"])
 
 
-def test_missing_peers_are_reported_not_crashed(smoke):
+def test_installed_peers_are_checked_and_missing_ones_reported_not_crashed(smoke):
+    """The GPU image installs Liger and CCE (.whl/) into a folder on PYTHONPATH: Liger's rows then run in the
+    interpreter and pass the check, CCE's need CUDA (unavailable in the smoke, on the CPU even there)."""
     _, results, _, _ = smoke
-    for path, contender, module in [("logits", "liger", "liger_kernel"), ("fused", "cce", "cut_cross_entropy")]:
+    for path, contender, module, installed in [("logits", "liger", "liger_kernel", "ok"),
+                                               ("fused", "liger", "liger_kernel", "ok"),
+                                               ("fused", "cce", "cut_cross_entropy", "unavailable")]:
         row = _row(results, path, contender)
         try:
             __import__(module)
         except ImportError:
             assert row["status"] == "not installed" and module in row["detail"], row
+        else:
+            assert row["status"] == installed and (installed != "ok" or row["correct"] is True), row
+
+
+def test_the_smoke_run_sees_the_callers_pythonpath_after_the_repository(tmp_path, monkeypatch):
+    """A peer installed into a folder on the caller's PYTHONPATH (as gpu_check.py installs the `.whl` wheels) is
+    importable in the smoke run, and the repository's bench still comes first."""
+    site = tmp_path / "site"
+    (site / "bench").mkdir(parents=True)
+    (site / "fake_peer.py").write_text("INSTALLED = 'from the caller'\n")
+    (site / "bench" / "__init__.py").write_text("raise ImportError('a stale bench ahead of the repository')\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    probe = "import bench, fake_peer; print(bench.__file__); print(fake_peer.INSTALLED)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=smoke_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [str(REPO / "bench" / "__init__.py"), "from the caller"]
 
 
 # ---- the correctness gate itself (fast: torch only, no subprocess) -------------------------------------------

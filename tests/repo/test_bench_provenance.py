@@ -1,16 +1,14 @@
-"""bench/provenance.py: the command, commit, date and versions that every bench report records, written one way."""
+"""bench/provenance.py: the command, commit, date and versions that every bench report records, written one way.
+(That bench.kernel_profile's report, the one that runs on the CPU, opens with them: tests/repo/test_gpu_check.py, on
+the dry run's logits stage.)"""
 import datetime
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from bench.provenance import git_commit, header_lines, provenance
-from paths import REPO, worker_pythonpath
+from paths import REPO
 
 
 def test_provenance_records_the_exact_command_the_commit_the_utc_date_and_the_versions():
@@ -37,17 +35,3 @@ def test_header_lines_name_each_field_and_leave_out_a_missing_triton():
     assert header_lines(record) == ["- command: `python -m bench --smoke`", "- commit: `abc123`",
                                     "- date: `2026-11-26T06:00:00+00:00`", "- torch 2.11.0, triton 3.6.0"]
     assert header_lines({**record, "triton": None})[-1] == "- torch 2.11.0"
-
-
-def test_kernel_profile_writes_the_header_of_its_meta(tmp_path):
-    """The one of the three reports that runs on the CPU (a dry run); gemm_probe and row_kernel_probe need CUDA and
-    write the same `header_lines(provenance(...))`."""
-    out = tmp_path / "profile"
-    done = subprocess.run([sys.executable, "-m", "bench.kernel_profile", "--smoke", "--contenders", "erpo", "--out",
-                           str(out), "--commit", "abc123"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": worker_pythonpath()})
-    assert done.returncode == 0, done.stderr[-2000:]
-    meta = json.loads((out / "profile.json").read_text())["meta"]
-    assert meta["command"].startswith("python -m bench.kernel_profile --smoke") and meta["commit"] == "abc123"
-    report = (out / "profile.md").read_text().splitlines()
-    assert report[2:6] == header_lines(meta)

@@ -1,8 +1,10 @@
 """`bash bench/gpu_check.sh --dry-run`: the GPU lease's one command, run on the CPU with its stages shrunk, writes
 every stage's results into at most 8 files; a stage past its time limit is stopped with its children, and no stage
-starts past the deadline."""
+starts past the deadline. The dry run's logits stage is CI's one run of `bash bench/logits_gpu_check.sh --dry-run`:
+its results are checked here."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 
 from bench import gpu_check
 from bench.progress import read_runs
+from bench.provenance import header_lines
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train.log", "train-metrics.jsonl",
@@ -41,18 +44,27 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
-    runs = read_runs(out / "bench.jsonl")
-    assert len(runs) == len(gpu_check.BENCH_RUNS) == 6 and all(run["meta"]["commit"] == "abc123" for run in runs)
-    assert [(r["contender"], r["status"]) for r in runs[0]["rows"]][0] == ("torch", "ok")
-    assert {r["contender"] for run in runs[1:] for r in run["rows"]} <= {"torch", "liger"}
+    # the bench: its first run at smoke size (torch and Liger), the others' own arguments checked by the bench (--plan)
+    (run,) = read_runs(out / "bench.jsonl")
+    assert run["meta"]["commit"] == "abc123" and "--smoke" in run["meta"]["command"]
+    assert [(r["contender"], r["status"]) for r in run["rows"]][0] == ("torch", "ok")
+    assert {r["contender"] for r in run["rows"]} <= {"torch", "liger"}
+    commands = {line.split(" | ")[0][2:]: line.rsplit("`", 2)[1] for line in table.splitlines()
+                if line.startswith("| bench ")}
+    for index, plan in enumerate(gpu_check.BENCH_RUNS[1:], 2):
+        command = commands[f"bench {index}: {plan.name}"]
+        assert " ".join(plan.arguments(smoke=False)) in command and command.endswith(" --plan"), command
+    planned = re.findall(r"^(\d+) rows planned, none run \(--plan\)$", (out / "bench.log").read_text(), re.M)
+    assert len(planned) == len(gpu_check.BENCH_RUNS) - 1 and all(int(count) > 0 for count in planned)
+    assert "dry run: its arguments checked and its rows listed in bench.log (--plan), none run" in summary
     # the merged table, in the summary without its columns' legend
     assert "| V=1000 | 128 | torch | erpo | ok |" in summary and "### Columns" not in summary
     # the logits stage: logits_gpu_check.sh's dry run, its folder packed, its rows and host table in the summary
     with tarfile.open(out / "logits.tar.gz") as tar:
         assert {"logits/logits.jsonl", "logits/host_cost.md", "logits/profile/profile.md",
                 "logits/bench/results.md"} <= set(tar.getnames())
-        log = tar.extractfile("logits/logits_gpu_check.log").read().decode()
-    assert "logits_gpu_check: commit abc123" in log
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert_logits_dry_run_results(tmp_path / "unpacked" / "logits", commit="abc123")
     logits = summary[summary.index("## Logits check"):summary.index("## Training")]
     assert "- not run (the dry run has none)" in logits
     assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
@@ -60,13 +72,45 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert "- profile: erpo: wall " in logits
 
 
+def assert_logits_dry_run_results(folder: Path, commit: str) -> None:
+    """What `bash bench/logits_gpu_check.sh --dry-run FOLDER` (the dry run's logits stage, with COMMIT set) writes: the
+    bench rows of ours, the host's microseconds, the kernel profile of ours (and Liger's, or why not) and its log."""
+    rows = [json.loads(line)["row"] for line in (folder / "logits.jsonl").read_text().splitlines() if '"row"' in line]
+    assert {row["contender"]: row["status"] for row in rows} == {"erpo": "ok", "erpo-log2": "ok"}
+    assert (folder / "bench" / "results.md").exists()
+    host_cost = json.loads((folder / "host_cost.json").read_text())
+    assert host_cost["args"]["device"] == "cpu" and host_cost["results"]["erpo"]["triton_launches"] == 4
+    assert host_cost["meta"]["commit"] == commit
+    assert "| total |" in (folder / "host_cost.md").read_text()
+    profile = json.loads((folder / "profile" / "profile.json").read_text())
+    assert profile["meta"]["commit"] == commit  # COMMIT wins over whatever .git the machine's copy holds
+    command = profile["meta"]["command"]
+    assert profile["meta"]["device"] == "cpu" and command.startswith("python -m bench.kernel_profile --smoke"), command
+    assert re.search(r"--out \S+/logits/profile( |$)", command), command
+    for key in ("erpo", "erpo-log2"):
+        result = profile["results"][key]
+        assert result["wall_us"] > 0
+        # the loss's forward: one autograd node (`_LogitsLoss`) where nothing traces, the logp/entropy op otherwise
+        assert any(name in row["name"] for row in result["kernels"] for name in ("_LogitsLoss", "logp_entropy")), \
+            result["kernels"]
+    assert isinstance(profile["results"]["liger"], (str, dict))  # "not installed: ..." without its wheel
+    markdown = (folder / "profile" / "profile.md").read_text()
+    assert "## erpo\n" in markdown and "## liger\n" in markdown
+    assert markdown.splitlines()[2:6] == header_lines(profile["meta"])  # bench/provenance.py's header of its meta
+    assert f"logits_gpu_check: commit {commit}" in (folder / "logits_gpu_check.log").read_text()
+
+
 def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the dry run sets it for its stages itself
+    def run(check, name, command, log_file, limit_s, mirror=None):  # the stages' commands run in the dry run's test
+        stage = gpu_check.Stage(name, command, limit_s, exit_code=0, status="ok")
+        check.stages.append(stage)
+        return stage
+
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", run)
     assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path)]) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line] \
         == ["| kernels"]
-    assert not (tmp_path / "train.log").exists() and not (tmp_path / "bench.jsonl").exists()
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
     expected = "--stages: expected a comma list of kernels, logits, train, profile, bench, got 'kernels,benhc'"
@@ -127,7 +171,7 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
 
     planned = set()
     for run in gpu_check.BENCH_RUNS:
-        args = parse_args(run.arguments(dry_run=False) + ["--out", "unused"])
+        args = parse_args(run.arguments(smoke=False) + ["--out", "unused"])
         keys = set(args.contenders.split(",")) - set(filter(None, args.skip.split(",")))
         assert keys <= set(CONTENDER_KEYS) and args.budget == 2
         kept = {c.key for c in select(keys, args.paths.split(","))}  # a contender only on a path not run: none
@@ -136,7 +180,7 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
     assert every - planned == {(65536, "torch")} and planned <= every
     assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
     # the first run: the fused path's targets, ours beside torch.compile and Liger, the target size first
-    first = parse_args(gpu_check.BENCH_RUNS[0].arguments(dry_run=False) + ["--out", "unused"])
+    first = parse_args(gpu_check.BENCH_RUNS[0].arguments(smoke=False) + ["--out", "unused"])
     assert (first.paths, first.n, first.contenders) == ("fused", "16384,4096", "erpo,compile,liger")
 
 
