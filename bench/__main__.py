@@ -163,7 +163,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(skipped) - set(CONTENDER_KEYS))
     if unknown:
         raise SystemExit(f"--skip: unknown {unknown}; known: {list(CONTENDER_KEYS)}")
-    contenders = select([key for key in _csv(args.contenders) if key not in skipped], paths)
+    try:
+        contenders = select([key for key in _csv(args.contenders) if key not in skipped], paths)
+    except ValueError as error:  # an unknown --contenders name: the user's, one line
+        raise SystemExit(str(error))
     config = BenchConfig(shapes=shapes, ns=ns, paths=paths, contenders=contenders, device=device,
                          dtype=DTYPES[args.dtype], reps=args.reps, warmup=args.warmup,
                          rows_per_sample=args.rows_per_sample, query_frac=args.query_frac,

@@ -307,6 +307,8 @@ def test_skip_leaves_contenders_out_and_rejects_unknown_names():
 
     with pytest.raises(SystemExit, match=r"--skip: unknown \['torhc'\]"):
         main(["--smoke", "--skip", "torhc"])
+    with pytest.raises(SystemExit, match=r"--contenders: unknown \['compiel'\]"):
+        main(["--smoke", "--contenders", "compiel"])
 
 
 def test_timing_budget_cuts_slow_cases_but_keeps_three_reps():
