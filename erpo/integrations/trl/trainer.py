@@ -110,9 +110,10 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         """GRPOTrainer's; whether each sample's sampling log-probs (the host lists it returns) hold a token vLLM could
         not score is kept for `_generate_and_score_completions`."""
         generated = super()._generate(prompts)
-        logprobs = generated[4]
+        logprobs = generated[4]   # as GRPOTrainer makes its sampling log-probs of them: None is NaN
         self._generated_unscored = None if logprobs is None else [
-            any(logp is None or math.isnan(logp) for logp in sample) for sample in logprobs]
+            bool(torch.tensor([math.nan if logp is None else logp for logp in sample]).isnan().any())
+            for sample in logprobs]
         return generated
 
     def _generate_and_score_completions(self, inputs):
