@@ -58,7 +58,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     ids = torch.tensor([[*p, *r] + [pad_id] * (width - n) for p, r, n in pairs], dtype=torch.long)
     attn = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], dtype=torch.long)
     resp = torch.tensor([[0] * len(p) + [1] * len(r) + [0] * (width - n) for p, r, n in pairs], dtype=torch.long)
-    sampled_logp = None if response_logp is None else torch.tensor([[0.0] * width] * len(pairs), dtype=torch.float32)
+    sampled_logp = None if response_logp is None else torch.zeros((len(pairs), width), dtype=torch.float32)
     for i, (p, r, _) in enumerate(pairs):
         if sampled_logp is not None:  # the row at position t predicts token t + 1
             if len(response_logp[i]) != len(r):

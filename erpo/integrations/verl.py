@@ -40,7 +40,6 @@ from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_e
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss
-from erpo_kernels.layout import host_to_device
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -84,10 +83,11 @@ class QueryReference:
     def from_cache(cls, cache: ReferenceCache, path: str, tokenizer=None) -> QueryReference:
         return cls(dict(cache.entries), str(path), tokenizer)
 
-    def lookup(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts (`erpo.reference.cache.lookup_entries`)."""
+    def lookup(self, prompt_ids: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
+        (`erpo.reference.cache.lookup_entries`)."""
         return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
-            f"(the data, chat template or tokenizer changed since it was built). {REBUILD}"))
+            f"(the data, chat template or tokenizer changed since it was built). {REBUILD}"), device=device)
 
 
 def check_actor_config(config) -> None:
@@ -249,7 +249,7 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
 
     ref_query_logp = query_weight = None
     if reference is not None and settings.needs_reference:
-        ell, weight = host_to_device(torch.stack(reference.lookup(rows.prompt_ids)), token_logp.device)  # no wait
+        ell, weight = reference.lookup(rows.prompt_ids, device=token_logp.device)  # one upload, no wait
         ref_query_logp = ell if settings.qkl_coef != 0 else None
         query_weight = weight if settings.query_weight == "static" else None
     elif settings.needs_reference:

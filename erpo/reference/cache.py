@@ -26,6 +26,7 @@ from erpo.progress import progress as progress_display
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
+from erpo_kernels.layout import host_to_device
 
 FORMAT_VERSION = 2   # 2: the precision is recorded
 REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
@@ -127,16 +128,17 @@ class ReferenceCache:
             raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
 
     def lookup(self, prompt_ids: list[list[int]], path: str | None = None, *, tokenizer=None,
-               why: str = DATASET_CHANGED) -> tuple[torch.Tensor, torch.Tensor]:
+               why: str = DATASET_CHANGED, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`lookup_entries` on this cache's entries."""
-        return lookup_entries(self.entries, prompt_ids, path, tokenizer=tokenizer, why=why)
+        return lookup_entries(self.entries, prompt_ids, path, tokenizer=tokenizer, why=why, device=device)
 
 
 def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]], path: str | None = None, *,
-                   tokenizer=None, why: str = DATASET_CHANGED) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ell_theta0 [Q] fp32, w [Q] fp32) of these prompts from a cache's `entries` (the cache at `path`). A prompt
-    not there is a ValueError naming the first one (decoded by `tokenizer` when given, else its token ids), how many
-    are missing, and `why`: the likely cause and what to do."""
+                   tokenizer=None, why: str = DATASET_CHANGED, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ell_theta0 [Q] fp32, w [Q] fp32) of these prompts from a cache's `entries` (the cache at `path`), on the
+    host, or on `device` when given: both in one upload without a wait (`host_to_device`). A prompt not there is a
+    ValueError naming the first one (decoded by `tokenizer` when given, else its token ids), how many are missing,
+    and `why`: the likely cause and what to do."""
     keys = [prompt_hash(p) for p in prompt_ids]
     missing = [i for i, k in enumerate(keys) if k not in entries]
     if missing:
@@ -144,8 +146,10 @@ def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[lis
         shown = repr(tokenizer.decode(ids)[:300]) if tokenizer is not None else f"with token ids {ids[:40]}"
         raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache{f' {path}' if path else ''} "
                          f"({len(missing)} of {len(keys)} prompts missing) {why}")
-    values = torch.tensor([entries[k] for k in keys], dtype=torch.float64).reshape(-1, 2)
-    return values[:, 0].float(), values[:, 1].float()
+    values = torch.tensor([entries[k] for k in keys], dtype=torch.float64).reshape(-1, 2).T.float().contiguous()
+    if device is not None:
+        values = host_to_device(values, device)
+    return values[0], values[1]
 
 
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,

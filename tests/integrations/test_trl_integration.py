@@ -21,6 +21,7 @@ from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
 from erpo.integrations.trl.reference import PROMPT_TOKEN_IDS, device_prompt_ids, weights_fingerprint  # noqa: E402
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
+from erpo.integrations.trl.trainer import UNSCORED_SAMPLES  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
@@ -683,7 +684,8 @@ def test_evaluate_a_new_dataset(tiny, tmp_path):
 
 def rollout_run(tiny, tmp_path, tokenizer, **trainer_kwargs):
     """An ERPOTrainer at ERPOConfig's defaults (Query-KL 0.01, static w(q)) with `trainer_kwargs` (a rollout_func
-    or an environment_factory), trained 3 steps, the prompt token ids of each generation recorded."""
+    or an environment_factory), trained 3 steps, the prompt token ids of each generation recorded, and the inputs of
+    each micro-batch's loss (`trainer.micro_batches`)."""
     args = ERPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
                       seed=0, bf16=False, learning_rate=3e-2, max_steps=3, temperature=1.0)
@@ -691,6 +693,8 @@ def rollout_run(tiny, tmp_path, tokenizer, **trainer_kwargs):
                           train_dataset=conversation(PROMPTS), **trainer_kwargs)
     generated, generate = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: generated.append(output := generate(inputs)) or output
+    trainer.micro_batches, compute_loss = [], trainer._compute_loss
+    trainer._compute_loss = lambda model, inputs: trainer.micro_batches.append(inputs) or compute_loss(model, inputs)
     trainer.train()
     prompt_ids = [device_prompt_ids(out) for out in generated]
     assert [out[PROMPT_TOKEN_IDS] for out in generated] == prompt_ids   # the host lists the lookups take
@@ -867,6 +871,54 @@ def test_vllm_unscored_tokens_take_the_capped_log_prob(tiny_gemma2, tmp_path, fu
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])[0]
     refilled = rows.loss_rows.gather(seen["rollout_logp"])[1, 1]
     assert refilled.item() == pytest.approx(logps[1, 1].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("unscored", [True, False], ids=["unscored-token", "all-scored"])
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_unscored_tokens_are_known_without_a_host_read(tiny, tmp_path, fused_linear, unscored):
+    """On-policy with vLLM's sampling log-probs (the off-policy mask): UNSCORED_SAMPLES, the host flags kept from
+    TRL's `_generate`, tells `_fill_unscored` whether the micro-batch has a token vLLM could not score, where it read
+    rollout_logp's NaN on the host before 2026-11-26 (still so without the flags): one host read fewer a
+    micro-batch (LaunchCounter on the CPU), the same loss, gradients and metrics bit for bit."""
+    trainer = make_trainer(tiny, tmp_path, loss_type="dapo", fused_linear=fused_linear, qkl_coef=0.0,
+                           query_weight="none", off_policy_mask_threshold=0.02)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
+    inputs = with_logps(trainer, trl_inputs(trainer), old=False, sampling=True, nan_at=(1, 1))
+    if not unscored:
+        inputs["sampling_per_token_logps"] = inputs["sampling_per_token_logps"].nan_to_num(nan=-1.0)
+    samples = inputs["advantages"].shape[0]
+    flagged = dict(inputs, **{UNSCORED_SAMPLES: [unscored and i == 1 for i in range(samples)]})
+    results, reads = [], []
+    for given in (inputs, flagged):
+        with LaunchCounter(device="cpu") as counter:
+            results.append(logged(trainer, ERPOTrainer._compute_loss, given))
+        reads.append(counter.syncs)
+    (loss, grads, metrics), (flagged_loss, flagged_grads, flagged_metrics) = results
+    assert torch.equal(loss, flagged_loss) and metrics == flagged_metrics
+    assert grads.keys() == flagged_grads.keys() and all(torch.equal(grads[n], flagged_grads[n]) for n in grads)
+    assert reads[1] == reads[0] - 1, reads
+
+
+def test_generated_unscored_flags_follow_the_sampling_log_probs(tiny, tmp_path):
+    """The flags each micro-batch's inputs hold under UNSCORED_SAMPLES (from the host lists of `_generate`, a None
+    where vLLM could not score a token), after TRL's shuffle and split, are its sampling log-probs' NaN per sample."""
+    tokenizer = tiny[1]
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        completions = [[5 + i % 7] * (1 + i % 4) for i in range(len(prompts))]
+        logprobs = [[None if (i % 3 == 0 and t == len(ids) - 1) else -0.5 for t in range(len(ids))]
+                    for i, ids in enumerate(completions)]
+        return {"prompt_ids": [list(ids) for ids in prompt_ids], "completion_ids": completions, "logprobs": logprobs}
+
+    trainer, _ = rollout_run(tiny, tmp_path, tokenizer, rollout_func=rollout_func)
+    assert any(any(inputs[UNSCORED_SAMPLES]) for inputs in trainer.micro_batches)
+    assert not all(all(inputs[UNSCORED_SAMPLES]) for inputs in trainer.micro_batches)
+    for inputs in trainer.micro_batches:
+        assert inputs[UNSCORED_SAMPLES] == inputs["sampling_per_token_logps"].isnan().any(1).tolist()
 
 
 def test_unknown_logit_transform_is_refused(tiny, tmp_path):

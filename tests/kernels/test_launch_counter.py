@@ -88,17 +88,55 @@ def test_a_tensor_declared_host_memory_reads_without_a_sync():
         assert counter.syncs == syncs, counter.sync_names
 
 
+# name -> (call on a device tensor, what the host does: Counter of aten operators; none launches on the device)
+HOST_WORK = {
+    "factory-without-a-device": (lambda t: torch.zeros(3), {"aten.zeros": 1}),
+    "factory-on-the-cpu-string": (lambda t: torch.full((2, 3), 7, device="cpu"), {"aten.full": 1}),
+    "math-on-host-tensors": (lambda t: torch.arange(4) * torch.tensor([1, 2, 3, 4]), {"aten.arange": 1, "aten.mul": 1}),
+    "a-host-read-then-math": (lambda t: t.cpu() + 1, {"aten.add": 1}),
+    "zeros-like-of-a-host-tensor": (lambda t: torch.zeros_like(torch.ones(2)), {"aten.ones": 1, "aten.zeros_like": 1}),
+}
+
+
+@pytest.mark.parametrize("name", HOST_WORK)
+def test_host_work_is_no_launch(name, device):
+    """The operators on host memory alone (a factory given no device, math on host tensors) are host work: counted in
+    host_names, not as launches; their results are host memory (a read of them is no sync)."""
+    call, host_work = HOST_WORK[name]
+    values = torch.arange(6, device=device)
+    with LaunchCounter() as counter:
+        result = call(values)
+        result.tolist()
+    reads = name == "a-host-read-then-math"
+    launches = {"aten._to_copy": 1} if reads and device.type == "cuda" else {}  # the read's copy (on the CPU: none)
+    assert counter.host_names == host_work and counter.names == launches, (counter.host_names, counter.names)
+    assert counter.sync_names == ({"Tensor.cpu": 1} if reads else {}), counter.sync_names
+
+
+def test_device_work_next_to_host_work(device):
+    """A factory given the device, the upload of a host tensor and math on it are the device's launches, beside the
+    host's work."""
+    with LaunchCounter() as counter:
+        host = torch.zeros(3)
+        on_device = torch.ones(3, device=device) + host.to(device, non_blocking=True)
+        on_device.sum()
+    expected = {"aten.ones": 1, "aten.add": 1, "aten.sum": 1}
+    if device.type == "cuda":
+        expected["aten._to_copy"] = 1  # the upload's copy (on the CPU `.to` returns the host tensor: no operator)
+    assert counter.host_names == {"aten.zeros": 1} and counter.names == expected, (counter.host_names, counter.names)
+
+
 def test_the_wrapped_methods_are_restored(device):
     """The counter patches Tensor methods and torch functions only while it is active, nested entries included."""
     originals = (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist, torch.from_numpy,
-                 torch.tensor)
+                 torch.tensor, torch.zeros)
     counter = LaunchCounter()
     with counter:
         with counter:
-            assert torch.Tensor.cpu is not originals[0]
+            assert torch.Tensor.cpu is not originals[0] and torch.zeros is not originals[-1]
         assert torch.Tensor.cpu is not originals[0]
     assert (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist, torch.from_numpy,
-            torch.tensor) == originals
+            torch.tensor, torch.zeros) == originals
     with LaunchCounter() as after:
         torch.arange(3, device=device).tolist()
     assert after.syncs == 1 and counter.syncs == 0

@@ -1,12 +1,15 @@
 """Count what one call costs on the device, on any machine (the counts do not depend on N or V): aten operators that
 launch a kernel (a TorchDispatchMode: allocations and views launch none), Triton kernel launches (a hook on the
 launcher's `run`, compiled or interpreted), and host-device synchronizations: the reads of a device value on the
-host, and the blocking copies from the host, each counted as it would happen on CUDA.
+host, and the blocking copies from the host, each counted as it would happen on CUDA. The aten operators the host
+runs on host memory (a batch built from Python lists, `torch.zeros(n)` without a device) launch nothing on the
+device: they are host work, counted apart (`host_ops`, `host_names`).
 
     with LaunchCounter() as counter:
         loss = erpo_loss(...).loss
         loss.backward()
-    counter.launches, counter.syncs, counter.names, counter.sync_names, counter.order
+    counter.launches, counter.syncs, counter.names, counter.sync_names, counter.order, counter.host_ops,
+    counter.host_names
 
 The Triton kernels' own work under the interpreter (its copies to numpy and back) is not counted: one launch is one.
 A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted.
@@ -18,11 +21,13 @@ counter also wraps the Tensor methods and torch functions that move data between
 `HOST_FACTORIES`; `torch.cuda.Event.synchronize` on CUDA), and counts the scalar reads and data-dependent shapes by
 operator (`_reads_values`). On the CPU a tensor cannot say whether it stands for device or host memory: every tensor
 is taken for a device tensor (the tested tensors are on the `device` fixture's device) but those known to be host
-memory: made from numpy (`torch.from_numpy`), by `torch.tensor` / `torch.as_tensor` without a device or with
-device="cpu" (the string), returned by a counted read (`.cpu()`, `.to("cpu")`), pinned, or computed from host tensors
-alone. A read of a host tensor is no sync; a host tensor's `.to(device)` and `torch.tensor(..., device=...)` are an
-upload, a sync unless non_blocking (a blocking copy makes the host wait for the stream). Not seen: syncs inside
-another library's C++ or Python (a collective, ...), `Tensor.copy_` between host and device.
+memory: made from numpy (`torch.from_numpy`), by `torch.tensor` / `torch.as_tensor` or a factory (`torch.zeros`,
+`torch.full`, ...: `HOST_FACTORIES`) without a device or with device="cpu" (the string), returned by a counted read
+(`.cpu()`, `.to("cpu")`), pinned, or computed from host tensors alone. A read of a host tensor is no sync; a host
+tensor's `.to(device)` and `torch.tensor(..., device=...)` are an upload, a sync unless non_blocking (a blocking copy
+makes the host wait for the stream). The operators on host tensors alone are host work, not launches: on CUDA those
+on CPU tensors (but a copy to the device), on the CPU those on host memory as said. Not seen: syncs inside another
+library's C++ or Python (a collective, ...), `Tensor.copy_` between host and device.
 """
 from __future__ import annotations
 
@@ -50,7 +55,12 @@ NO_LAUNCH_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty
                  "pin_memory", "_pin_memory"}
 # the Tensor methods and torch functions that move data between host and device, wrapped while the mode is active
 SYNC_METHODS = ("cpu", "numpy", "tolist", "to")
-HOST_FACTORIES = ("from_numpy", "tensor", "as_tensor")
+# the torch functions that make a tensor on the host when given no device (wrapped while the mode is active): those
+# that copy given values there (an upload when given the device) ...
+HOST_COPIES = ("from_numpy", "tensor", "as_tensor")
+# ... and those that fill it (made on the device when given it: a launch, no upload)
+HOST_FACTORIES = (*HOST_COPIES, "zeros", "ones", "full", "empty", "arange", "linspace", "eye", "rand", "randn",
+                  "randint", "randperm")
 
 
 def default_device() -> torch.device:
@@ -82,10 +92,10 @@ class _LoggedCounter(Counter):
 
 
 class LaunchCounter(TorchDispatchMode):
-    """launches: aten kernels + Triton launches; names: Counter of what was launched; syncs: host syncs;
+    """launches: aten kernels + Triton launches on the device; names: Counter of what was launched; syncs: host syncs;
     sync_names: Counter of what synchronized; order: [(kind, name)] of both in the order they happened, kind "launch"
-    or "sync" (where a call's host read falls among its launches). `device`: where the tested tensors live
-    (default_device())."""
+    or "sync" (where a call's host read falls among its launches); host_ops: aten operators on host memory alone;
+    host_names: Counter of them. `device`: where the tested tensors live (default_device())."""
 
     def __init__(self, device: torch.device | str | None = None):
         super().__init__()
@@ -93,8 +103,10 @@ class LaunchCounter(TorchDispatchMode):
         self.order: list = []
         self.names: Counter = _LoggedCounter("launch", self.order)
         self.sync_names: Counter = _LoggedCounter("sync", self.order)
+        self.host_names: Counter = Counter()
         self._host = {}  # id -> weakref of the CPU tensors known to hold host memory (module docstring)
         self._inside_triton = 0
+        self._inside_host_factory = 0
         self._saved = []
         self._depth = 0
 
@@ -105,6 +117,10 @@ class LaunchCounter(TorchDispatchMode):
     @property
     def syncs(self) -> int:
         return sum(self.sync_names.values())
+
+    @property
+    def host_ops(self) -> int:
+        return sum(self.host_names.values())
 
     def host_memory(self, *tensors: torch.Tensor) -> None:
         """Take `tensors`, made before the counter (a batch built on the host from Python lists), for host memory: on
@@ -127,20 +143,23 @@ class LaunchCounter(TorchDispatchMode):
         if namespace not in ("aten", "prims") and not self._inside_triton:
             with self:  # a custom op: run its implementation (below this mode's dispatch key) and count inside
                 return func.redispatch(_backend_keys(args), *args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outputs = [a for a in pytree.tree_leaves(out) if isinstance(a, torch.Tensor)]
+        # host work: a host factory's filling, or what is computed from host tensors alone (on the CPU its outputs are
+        # taken for host memory: a view, ...; on CUDA they are CPU tensors, but for an upload's copy to the device)
+        on_host = self._inside_host_factory > 0 or (bool(inputs) and all(self.is_host(a) for a in inputs) and (
+            self.device.type == "cpu" or all(self.is_host(a) for a in outputs)))
         if not self._inside_triton:
             name = func.overloadpacket.__name__
             reads = _reads_values(name, args, kwargs)
             if reads and not (args and isinstance(args[0], torch.Tensor) and self.is_host(args[0])):
                 self.sync_names[f"aten.{name}"] += reads
             if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or func.is_view):  # a read: no kernel
-                self.names[f"aten.{name}"] += 1
-        out = func(*args, **kwargs)
-        if self.device.type == "cpu":  # what is computed from host tensors alone (a view, ...) is on the host
-            inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if inputs and all(self.is_host(a) for a in inputs):
-                for tensor in pytree.tree_leaves(out):
-                    if isinstance(tensor, torch.Tensor):
-                        self._mark_host(tensor)
+                (self.host_names if on_host else self.names)[f"aten.{name}"] += 1
+        if on_host and self.device.type == "cpu":
+            for tensor in outputs:
+                self._mark_host(tensor)
         return out
 
     def __enter__(self):
@@ -153,7 +172,7 @@ class LaunchCounter(TorchDispatchMode):
             for name in SYNC_METHODS:
                 self._patch(torch.Tensor, name, getattr(self, f"_{name}")(getattr(torch.Tensor, name)))
             for name in HOST_FACTORIES:
-                self._patch(torch, name, self._host_factory(getattr(torch, name)))
+                self._patch(torch, name, self._host_factory(getattr(torch, name), copies=name in HOST_COPIES))
             if torch.cuda.is_available():
                 self._patch(torch.cuda.Event, "synchronize", self._counted("event.synchronize",
                                                                            torch.cuda.Event.synchronize))
@@ -241,14 +260,22 @@ class LaunchCounter(TorchDispatchMode):
             return out
         return to
 
-    def _host_factory(self, original):
+    def _host_factory(self, original, copies: bool):
+        """`original` (a torch function of HOST_FACTORIES), whose tensor is host memory, and the operators that fill
+        it host work, when it is given no device or device="cpu" (on the CPU only the string says it is the host);
+        given the device, a function that `copies` values from the host makes an upload."""
         def factory(*args, **kwargs):
-            out = original(*args, **kwargs)
+            on_host = kwargs.get("device") in (None, "cpu")
+            self._inside_host_factory += on_host
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._inside_host_factory -= on_host
             if args and out is args[0]:  # as_tensor of a tensor: that tensor
                 return out
-            if kwargs.get("device") in (None, "cpu"):  # on the CPU only the string says it is the host
+            if on_host:
                 self._mark_host(out)
-            elif torch.device(kwargs["device"]).type == self.device.type:  # built on the host, copied: an upload
+            elif copies and torch.device(kwargs["device"]).type == self.device.type:  # built on the host, copied
                 self.sync_names["upload"] += 1
             return out
         return factory

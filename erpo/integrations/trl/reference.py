@@ -28,7 +28,6 @@ from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_h
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import query_weights, token_logprobs
-from erpo_kernels.layout import host_to_device
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 logger = logging.get_logger(__name__)
@@ -299,14 +298,12 @@ class ReferenceMixin:
         if self.at_theta0:
             ell = forward_query_logp()
             self._add_at_theta0(prompt_ids, ell)
-            return ell.float(), host_to_device(self.reference_cache.lookup(prompt_ids)[1], device)   # no wait
+            return ell.float(), self.reference_cache.lookup(prompt_ids, device=device)[1]   # no wait
         self._check_cached(self.reference_cache, prompt_ids, (
             f"and theta0 is gone (an optimizer step was taken): it comes from the {source}, which ERPOTrainer did not "
             "read at construction (an IterableDataset is read up to ERPOConfig.iterable_prompts rows); pass it as "
             "train_dataset / eval_dataset, raise iterable_prompts, or evaluate it before training"))
-        entries = self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path)
-        ell, weight = host_to_device(torch.stack(entries), device)   # one upload for both
-        return ell, weight
+        return self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path, device=device)  # one upload
 
     def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:
         """Add the prompts the cache lacks with their ell_theta0 [B] (float64, on the device) taken from the forward at

@@ -2,6 +2,7 @@
 and the metrics are its mixins (reference.py, loss.py, metrics.py)."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -17,6 +18,10 @@ from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer
 from erpo.models.lora import peft_model_of
 from erpo.reference.cache import CACHE_FILE
 from erpo.sequences import logit_transforms, per_sample_sum
+
+# the inputs' key of whether each sample holds a token vLLM could not score (its sampling log-prob None or NaN), a host
+# list [B] of bools, from the host lists TRL's `_generate` returns
+UNSCORED_SAMPLES = "erpo_unscored_samples"
 
 
 class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTrainer):
@@ -83,7 +88,7 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
                 with torch.no_grad():  # detached; every row scored gives the loss's own sums bit for bit
                     return per_sample_sum(scorer.logprobs(1 if query_rows_only else None), batch, kind=1)
 
-            tensors = self._fill_unscored(tensors, scorer.logprobs)
+            tensors = self._fill_unscored(tensors, scorer.logprobs, inputs.get(UNSCORED_SAMPLES))
             ref_query_logp, static_weight = self._reference_of(
                 inputs, "train_dataset" if mode == "train" else "eval dataset",
                 forward_query_logp) if self.args.needs_reference else (None, None)
@@ -101,13 +106,36 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         self._log_loss_metrics(mode, inputs, rows, out, query_weight, options, aux_loss)
         return loss
 
+    def _generate(self, prompts: list):
+        """GRPOTrainer's; whether each sample's sampling log-probs (the host lists it returns) hold a token vLLM could
+        not score is kept for `_generate_and_score_completions`."""
+        generated = super()._generate(prompts)
+        logprobs = generated[4]   # as GRPOTrainer makes its sampling log-probs of them: None is NaN
+        self._generated_unscored = None if logprobs is None else [
+            bool(torch.tensor([math.nan if logp is None else logp for logp in sample]).isnan().any())
+            for sample in logprobs]
+        return generated
+
+    def _generate_and_score_completions(self, inputs):
+        """GRPOTrainer's (and the reference's, reference.py), with UNSCORED_SAMPLES, which TRL shuffles and splits
+        with the tensors: `_fill_unscored` knows from it, with no host read, whether a micro-batch has such a token."""
+        output = super()._generate_and_score_completions(inputs)
+        unscored, self._generated_unscored = getattr(self, "_generated_unscored", None), None
+        if unscored is not None:
+            output[UNSCORED_SAMPLES] = unscored
+        return output
+
     @staticmethod
-    def _fill_unscored(tensors: dict, current_logp) -> dict:
+    def _fill_unscored(tensors: dict, current_logp, unscored: list[bool] | None) -> dict:
         """vLLM's NaN sampling log-probs (tokens it could not score) left by `trl_loss_options` (only without old
         log-probs: on-policy) become the current ones, `current_logp()` [N] (the scorer's rows, with the model's
-        logit transform, as the loss scores): no drift there in the off-policy mask, as TRL's nan_to_num."""
+        logit transform, as the loss scores): no drift there in the off-policy mask, as TRL's nan_to_num. Whether
+        the micro-batch has any comes from `unscored` (its UNSCORED_SAMPLES, host bools [B]); without it (a
+        subclass's own `_generate_and_score_completions`) rollout_logp is read on the host."""
         rollout = tensors["rollout_logp"]
-        if rollout is None or not rollout.isnan().any():
+        if rollout is None or tensors["old_logp"] is not None:
+            return tensors
+        if not (any(unscored) if unscored is not None else rollout.isnan().any()):
             return tensors
         with torch.no_grad():
             return dict(tensors, rollout_logp=torch.where(rollout.isnan(), current_logp().float(), rollout))
