@@ -88,7 +88,7 @@ def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_
     (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a multiple of 16 and not,
     with few option flags and many: the one node's sample kernel, the two ops' sample and finish kernels and the
     per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their [BLOCK] tensors in one and the
-    same layout."""
+    same layout, and none converts a layout in its loops (`compile_check.loop_layout_conversions`)."""
     import json
 
     from compile_check import launch_specializations, run_compile_script
@@ -103,14 +103,19 @@ def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_
                 loss_and_grad(batch, case, two_ops)
             sample_sums(batch["old_logp"], batch["sample_index"], 5, backend="triton")
     assert Counter(launch["kernel"] for launch in launches) == dict.fromkeys(kernels, 2), launches
-    assert any("num_rows" not in launch["divisible_by_16"] for launch in launches
-               if launch["kernel"] == "_objective_sample_finish_kernel"), launches  # N = 47 taken as such
+    node_launches = [launch for launch in launches if launch["kernel"] == "_objective_sample_finish_kernel"]
+    assert all("row_stride" in launch["divisible_by_16"] for launch in node_launches), node_launches  # N = 47 too
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     compiled = [json.loads(line) for line in run_compile_script("reduction_layout_check.py", str(path)).splitlines()]
     assert [layouts["kernel"] for layouts in compiled] == [launch["kernel"] for launch in launches]
     layouts = {layout for each in compiled for key in ("reduced", "carried") for layout in each[key]}
     assert len(layouts) == 1 and all(each["reduced"] and each["carried"] for each in compiled), compiled
+    # and no loop converts a layout: the one node's workspace regions begin at multiples of 16 elements whatever N
+    # (`triton_objective._node_regions`; at N = 47 its pass 2 took three conversions a step before)
+    node_loops = [each["loop_conversions"] for each in compiled if each["kernel"] == "_objective_sample_finish_kernel"]
+    assert all(len(loops) > 2 for loops in node_loops), node_loops  # the two passes, then the finish's
+    assert not any(count for each in compiled for count in each["loop_conversions"]), compiled
 
 
 @pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
