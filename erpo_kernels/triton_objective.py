@@ -55,7 +55,9 @@ Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -927,6 +929,20 @@ def aligned_length(count: int) -> int:
     return -(-count // REGION_ALIGN.value) * REGION_ALIGN.value
 
 
+# the pieces of a NodeWorkspace after its partials: loss [1], metrics, scales [3], each but the last padded
+_FINISH_PIECES = (1, REGION_ALIGN.value - 1, len(FLOAT_METRICS), -len(FLOAT_METRICS) % REGION_ALIGN.value, 3)
+
+
+def _region_pieces(rows_padded: bool, samples_padded: bool):
+    """The NodeWorkspace regions among the pieces `NodeWorkspace.empty` splits it into (a getter of them), where the
+    row regions are followed by padding or not, and the sample regions."""
+    pieces_per_region = [1 + rows_padded] * 5 + [1 + samples_padded] * 3 + [2, 2, 1]
+    return operator.itemgetter(*itertools.accumulate(pieces_per_region[:-1], initial=0))
+
+
+_REGION_PIECES = {(rows, samples): _region_pieces(rows, samples) for rows in (False, True) for samples in (False, True)}
+
+
 class NodeWorkspace(NamedTuple):
     """The one-node loss's fp32 tensors (`triton_logits_loss`) as views of one allocation, `whole`, in the order of
     the fields: logp, entropy, lse [N] (the logits kernels' outputs), coef_logp, coef_entropy [N], query_logp,
@@ -949,18 +965,17 @@ class NodeWorkspace(NamedTuple):
 
     @classmethod
     def empty(cls, num_rows: int, num_samples: int, device) -> NodeWorkspace:
-        lengths = (num_rows,) * 5 + (num_samples, num_samples, num_samples * NUM_PARTIALS, 1, len(FLOAT_METRICS), 3)
-        pieces, regions = [], []  # the regions, each followed by its padding where it has any (not the last)
-        for length in lengths:
-            if regions:
-                padding = aligned_length(pieces[-1]) - pieces[-1]
-                if padding:
-                    pieces.append(padding)
-            regions.append(len(pieces))
-            pieces.append(length)
+        # the pieces of the allocation: each region, then its padding up to REGION_ALIGN where it has any (the row
+        # regions' where N is not a multiple of it, the sample regions' where S is not: S * NUM_PARTIALS neither)
+        row_padding, sample_padding = -num_rows % REGION_ALIGN.value, -num_samples % REGION_ALIGN.value
+        rows = (num_rows, row_padding) if row_padding else (num_rows,)
+        samples = (num_samples, sample_padding) if sample_padding else (num_samples,)
+        partials = num_samples * NUM_PARTIALS
+        pieces = rows * 5 + samples * 2 + ((partials, -partials % REGION_ALIGN.value) if sample_padding
+                                           else (partials,)) + _FINISH_PIECES
         whole = torch.empty(sum(pieces), dtype=torch.float32, device=device)
-        split = whole.split_with_sizes(pieces)
-        *views, loss, metrics, scales = [split[index] for index in regions]
+        *views, loss, metrics, scales = _REGION_PIECES[bool(row_padding), bool(sample_padding)](
+            whole.split_with_sizes(pieces))
         return cls(whole, *views, loss.view(()), metrics, scales)
 
     def sample_outputs(self) -> SampleOutputs:

@@ -244,3 +244,23 @@ def test_the_metrics_record_is_made_on_its_first_read(device):
     assert replaced.qkl is None and torch.equal(replaced.pg_loss, record.pg_loss)
     with pytest.raises(AttributeError, match="no attribute 'not_a_metric'"):
         record.not_a_metric
+
+
+@pytest.mark.parametrize("num_samples", [0, 1, 5, 16])
+@pytest.mark.parametrize("num_rows", [0, 1, 47, 48])
+def test_the_workspace_regions_begin_at_multiples_of_16_in_one_allocation(num_rows, num_samples, device):
+    """`triton_objective.NodeWorkspace`: its regions are views of `whole` (one allocation), in the fields' order,
+    each of its own length and at a multiple of REGION_ALIGN = 16 elements, where `_node_regions` finds them (a region
+    begins where the one before, rounded up, ends), whatever N and S."""
+    from erpo_kernels.triton_objective import FLOAT_METRICS, NUM_PARTIALS, NodeWorkspace, aligned_length
+
+    whole, *regions = NodeWorkspace.empty(num_rows, num_samples, device)
+    lengths = [num_rows] * 5 + [num_samples] * 2 + [num_samples * NUM_PARTIALS, 1, len(FLOAT_METRICS), 3]
+    offset = 0
+    for region, length in zip(regions, lengths, strict=True):
+        assert region.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        assert (region.storage_offset(), region.numel(), region.is_contiguous()) == (offset, length, True)
+        assert offset % 16 == 0
+        offset += aligned_length(length)
+    assert whole.numel() == offset - aligned_length(3) + 3 and whole.storage_offset() == 0
+    assert regions[-3].shape == ()  # the loss
