@@ -55,7 +55,9 @@ Counts (rows per sample, samples with rows) are summed in fp32: exact below 2^24
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -100,6 +102,9 @@ LOSS_AGG_CODES = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum
 # `first_block_start`), and per program of the gradient kernel
 ROW_BLOCK = SUM_BLOCK
 SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
+# Each region of the one-node loss's workspace (`NodeWorkspace`) begins at a multiple of this many elements (64
+# bytes), whatever N and S: `_node_regions`.
+REGION_ALIGN = tl.constexpr(16)
 
 
 def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
@@ -311,20 +316,32 @@ NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log
 
 
 @triton.jit
-def _node_regions(workspace_ptr, num_rows, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr):
+def _aligned_length(count):
+    """count rounded up to a multiple of REGION_ALIGN (`aligned_length`), as the compiler is told."""
+    return tl.multiple_of(tl.cdiv(count, REGION_ALIGN) * REGION_ALIGN, REGION_ALIGN)
+
+
+@triton.jit
+def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr):
     """Pointers to the regions of the one-node loss's fp32 workspace (`NodeWorkspace`: one allocation, N rows and S
-    samples, its regions in the order of its fields), lse skipped: logp, entropy, coef_logp, coef_entropy [N],
-    query_logp, response_logp [S], partials [S, NUM_PARTIALS], loss [1], metrics [NUM_METRICS], scales [3]."""
+    samples, its regions in the order of its fields, each at a multiple of REGION_ALIGN elements), lse skipped: logp,
+    entropy, coef_logp, coef_entropy [N], query_logp, response_logp [S], partials [S, NUM_PARTIALS], loss [1], metrics
+    [NUM_METRICS], scales [3]. row_stride: N rounded up (`aligned_length`), which the launcher specializes as a
+    multiple of 16 (it is never 1); the samples' strides are rounded up here. The compiler then knows every region's
+    pointer as aligned as the workspace's, whatever N and S: at N not a multiple of 16 the coefficients' stores in
+    pass 2 took the layout of an unaligned pointer, three layout conversions a step (sm_90 TTGIR:
+    tests/kernels/test_logits_loss_node.py compiles the kernel as launched, at N = 47 and 48)."""
+    sample_stride = _aligned_length(num_samples)
     logp_ptr = workspace_ptr
-    entropy_ptr = logp_ptr + num_rows
-    coef_logp_ptr = entropy_ptr + 2 * num_rows  # after lse
-    coef_entropy_ptr = coef_logp_ptr + num_rows
-    query_logp_ptr = coef_entropy_ptr + num_rows
-    response_logp_ptr = query_logp_ptr + num_samples
-    partials_ptr = response_logp_ptr + num_samples
-    loss_ptr = partials_ptr + num_samples * NUM_PARTIALS_
-    metrics_ptr = loss_ptr + 1
-    scales_ptr = metrics_ptr + NUM_METRICS
+    entropy_ptr = logp_ptr + row_stride
+    coef_logp_ptr = entropy_ptr + 2 * row_stride  # after lse
+    coef_entropy_ptr = coef_logp_ptr + row_stride
+    query_logp_ptr = coef_entropy_ptr + row_stride
+    response_logp_ptr = query_logp_ptr + sample_stride
+    partials_ptr = response_logp_ptr + sample_stride
+    loss_ptr = partials_ptr + _aligned_length(num_samples * NUM_PARTIALS_)
+    metrics_ptr = loss_ptr + REGION_ALIGN
+    scales_ptr = metrics_ptr + tl.cdiv(NUM_METRICS, REGION_ALIGN) * REGION_ALIGN  # constexprs: known
     return (logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr,
             loss_ptr, metrics_ptr, scales_ptr)
 
@@ -342,7 +359,7 @@ def _node_scalars(scalars_ptr):
 
 @triton.jit
 def _objective_sample_finish_kernel(
-    workspace_ptr, num_rows, kind_ptr, spans_ptr, sample_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
+    workspace_ptr, row_stride, kind_ptr, spans_ptr, sample_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr, scalars_ptr,
     num_items_ptr, num_seqs_ptr, counts_ptr,
     HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
@@ -361,7 +378,7 @@ def _objective_sample_finish_kernel(
     (`_node_regions`), its float settings one vector (`_node_scalars`): 17 parameters besides the constexprs, was 47,
     each one a launch binds on the host (`python -m bench.host_cost`)."""
     logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr, \
-        loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, num_rows, tl.num_programs(0), NUM_PARTIALS_,
+        loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, row_stride, tl.num_programs(0), NUM_PARTIALS_,
                                                           NUM_METRICS)
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef, \
         qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg, \
@@ -907,11 +924,31 @@ class FinishOutputs(NamedTuple):
                    torch.empty(len(COUNT_METRICS), dtype=torch.int64, device=device), torch.empty(3, **fp32))
 
 
+def aligned_length(count: int) -> int:
+    """count rounded up to a multiple of REGION_ALIGN: the elements a `NodeWorkspace` region of that length takes."""
+    return -(-count // REGION_ALIGN.value) * REGION_ALIGN.value
+
+
+# the pieces of a NodeWorkspace after its partials: loss [1], metrics, scales [3], each but the last padded
+_FINISH_PIECES = (1, REGION_ALIGN.value - 1, len(FLOAT_METRICS), -len(FLOAT_METRICS) % REGION_ALIGN.value, 3)
+
+
+def _region_pieces(rows_padded: bool, samples_padded: bool):
+    """The NodeWorkspace regions among the pieces `NodeWorkspace.empty` splits it into (a getter of them), where the
+    row regions are followed by padding or not, and the sample regions."""
+    pieces_per_region = [1 + rows_padded] * 5 + [1 + samples_padded] * 3 + [2, 2, 1]
+    return operator.itemgetter(*itertools.accumulate(pieces_per_region[:-1], initial=0))
+
+
+_REGION_PIECES = {(rows, samples): _region_pieces(rows, samples) for rows in (False, True) for samples in (False, True)}
+
+
 class NodeWorkspace(NamedTuple):
     """The one-node loss's fp32 tensors (`triton_logits_loss`) as views of one allocation, `whole`, in the order of
     the fields: logp, entropy, lse [N] (the logits kernels' outputs), coef_logp, coef_entropy [N], query_logp,
-    response_logp [S], partials [S * NUM_PARTIALS], loss [], metrics [len(FLOAT_METRICS)], scales [3]; the sample
-    kernel finds them from `whole` (`_node_regions`)."""
+    response_logp [S], partials [S * NUM_PARTIALS], loss [], metrics [len(FLOAT_METRICS)], scales [3], each at a
+    multiple of REGION_ALIGN elements (a region's length rounded up to it, `aligned_length`, is where the next one
+    begins); the sample kernel finds them from `whole` (`_node_regions`)."""
 
     whole: torch.Tensor
     logp: torch.Tensor
@@ -928,10 +965,18 @@ class NodeWorkspace(NamedTuple):
 
     @classmethod
     def empty(cls, num_rows: int, num_samples: int, device) -> NodeWorkspace:
-        sizes = (num_rows,) * 5 + (num_samples, num_samples, num_samples * NUM_PARTIALS, 1, len(FLOAT_METRICS), 3)
-        whole = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-        *regions, loss, metrics, scales = whole.split_with_sizes(sizes)
-        return cls(whole, *regions, loss.view(()), metrics, scales)
+        # the pieces of the allocation: each region, then its padding up to REGION_ALIGN where it has any (the row
+        # regions' where N is not a multiple of it, the sample regions' where S is not: S * NUM_PARTIALS neither)
+        row_padding, sample_padding = -num_rows % REGION_ALIGN.value, -num_samples % REGION_ALIGN.value
+        rows = (num_rows, row_padding) if row_padding else (num_rows,)
+        samples = (num_samples, sample_padding) if sample_padding else (num_samples,)
+        partials = num_samples * NUM_PARTIALS
+        pieces = rows * 5 + samples * 2 + ((partials, -partials % REGION_ALIGN.value) if sample_padding
+                                           else (partials,)) + _FINISH_PIECES
+        whole = torch.empty(sum(pieces), dtype=torch.float32, device=device)
+        *views, loss, metrics, scales = _REGION_PIECES[bool(row_padding), bool(sample_padding)](
+            whole.split_with_sizes(pieces))
+        return cls(whole, *views, loss.view(()), metrics, scales)
 
     def sample_outputs(self) -> SampleOutputs:
         """The regions the sample kernel writes, as `launch_sample_kernel` takes them."""
@@ -1106,8 +1151,8 @@ def launch_node_objective(workspace: NodeWorkspace, token_kind, sample_index, sp
             workspace.loss, workspace.metrics, counts, workspace.scales))
         return counts
     _objective_sample_finish_kernel[(num_samples,)](
-        workspace.whole, token_kind.shape[0], token_kind, spans, sample_index, *loss_tensors, entropy_threshold,
-        node_scalars(arguments, workspace.whole.device), num_items, num_seqs, counts,
+        workspace.whole, aligned_length(token_kind.shape[0]), token_kind, spans, sample_index, *loss_tensors,
+        entropy_threshold, node_scalars(arguments, workspace.whole.device), num_items, num_seqs, counts,
         **arguments.sample_finish_constexprs)
     return counts
 

@@ -89,7 +89,7 @@ def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_
     (every pointer's and integer's divisibility by 16, as the launcher specializes them), at N a multiple of 16 and not,
     with few option flags and many: the one node's sample kernel, the two ops' sample and finish kernels and the
     per-sample sums' kernel (`sample_sums`, ell_theta(q)'s sums) reduce and carry their [BLOCK] tensors in one and the
-    same layout."""
+    same layout, and none converts a layout in its loops (`compile_check.loop_layout_conversions`)."""
     import json
 
     from compile_check import launch_specializations, run_compile_script
@@ -104,14 +104,19 @@ def test_one_node_and_the_two_ops_add_in_the_same_order_as_compiled(device, tmp_
                 loss_and_grad(batch, case, two_ops)
             sample_sums(batch["old_logp"], batch["sample_index"], 5, backend="triton")
     assert Counter(launch["kernel"] for launch in launches) == dict.fromkeys(kernels, 2), launches
-    assert any("num_rows" not in launch["divisible_by_16"] for launch in launches
-               if launch["kernel"] == "_objective_sample_finish_kernel"), launches  # N = 47 taken as such
+    node_launches = [launch for launch in launches if launch["kernel"] == "_objective_sample_finish_kernel"]
+    assert all("row_stride" in launch["divisible_by_16"] for launch in node_launches), node_launches  # N = 47 too
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     compiled = [json.loads(line) for line in run_compile_script("reduction_layout_check.py", str(path)).splitlines()]
     assert [layouts["kernel"] for layouts in compiled] == [launch["kernel"] for launch in launches]
     layouts = {layout for each in compiled for key in ("reduced", "carried") for layout in each[key]}
     assert len(layouts) == 1 and all(each["reduced"] and each["carried"] for each in compiled), compiled
+    # and no loop converts a layout: the one node's workspace regions begin at multiples of 16 elements whatever N
+    # (`triton_objective._node_regions`; at N = 47 its pass 2 took three conversions a step before)
+    node_loops = [each["loop_conversions"] for each in compiled if each["kernel"] == "_objective_sample_finish_kernel"]
+    assert all(len(loops) > 2 for loops in node_loops), node_loops  # the two passes, then the finish's
+    assert not any(count for each in compiled for count in each["loop_conversions"]), compiled
 
 
 @pytest.mark.parametrize("case", [{}, dict(ratio_level="sequence", loss_agg="seq-mean-token-mean")],
@@ -314,3 +319,23 @@ def test_a_bad_row_raises_before_the_one_node_returns_and_leaves_the_logits(colu
         loss_and_grad(batch, {}, two_ops=False, inplace_backward=True)
     assert "\n" not in str(raised.value)
     torch.testing.assert_close(batch["logits"], logits, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("num_samples", [0, 1, 5, 16])
+@pytest.mark.parametrize("num_rows", [0, 1, 47, 48])
+def test_the_workspace_regions_begin_at_multiples_of_16_in_one_allocation(num_rows, num_samples, device):
+    """`triton_objective.NodeWorkspace`: its regions are views of `whole` (one allocation), in the fields' order,
+    each of its own length and at a multiple of REGION_ALIGN = 16 elements, where `_node_regions` finds them (a region
+    begins where the one before, rounded up, ends), whatever N and S."""
+    from erpo_kernels.triton_objective import FLOAT_METRICS, NUM_PARTIALS, NodeWorkspace, aligned_length
+
+    whole, *regions = NodeWorkspace.empty(num_rows, num_samples, device)
+    lengths = [num_rows] * 5 + [num_samples] * 2 + [num_samples * NUM_PARTIALS, 1, len(FLOAT_METRICS), 3]
+    offset = 0
+    for region, length in zip(regions, lengths, strict=True):
+        assert region.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        assert (region.storage_offset(), region.numel(), region.is_contiguous()) == (offset, length, True)
+        assert offset % 16 == 0
+        offset += aligned_length(length)
+    assert whole.numel() == offset - aligned_length(3) + 3 and whole.storage_offset() == 0
+    assert regions[-3].shape == ()  # the loss

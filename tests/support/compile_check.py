@@ -142,6 +142,24 @@ def reduction_layouts(ttgir: str) -> dict:
     return dict(reduced=sorted(reduced), carried=sorted(carried))
 
 
+def loop_layout_conversions(ttgir: str) -> list:
+    """The layout conversions (`ttg.convert_layout`) in each outermost loop (`scf.while` / `scf.for`) of a kernel's
+    TTGIR, in the loops' order (a loop nested in another counts in its outer one). Each one inside a loop is a
+    shuffle, often through shared memory, at every step: what a store or load whose pointer the compiler cannot prove
+    as aligned as the loop's others costs (`triton_objective._node_regions`)."""
+    counts, depth, loop_depth = [], 0, None
+    for line in ttgir.splitlines():
+        if loop_depth is None and re.search(r"\bscf\.(while|for)\b", line):
+            loop_depth = depth
+            counts.append(0)
+        if loop_depth is not None and "ttg.convert_layout" in line:
+            counts[-1] += 1
+        depth += line.count("{") - line.count("}")
+        if loop_depth is not None and depth <= loop_depth:
+            loop_depth = None
+    return counts
+
+
 def register_usage(compiled) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) of a compiled kernel, from `ptxas -v` on its PTX (Triton runs the
     same ptxas but keeps its report only on a cache miss). Spills to local memory cost a kernel its speed."""

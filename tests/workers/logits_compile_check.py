@@ -135,7 +135,7 @@ def compile_objective_kernels():
     node_signature = dict({name: signature[name] for name in (
         "advantages_ptr", "ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr",
         "token_weight_ptr", "rollout_logp_ptr", "entropy_threshold_ptr", "kind_ptr", "sample_ptr")},
-        workspace_ptr="*fp32", num_rows="i32", spans_ptr="*i64", scalars_ptr="*fp32", num_items_ptr="*fp32",
+        workspace_ptr="*fp32", row_stride="i32", spans_ptr="*i64", scalars_ptr="*fp32", num_items_ptr="*fp32",
         num_seqs_ptr="*fp32", counts_ptr="*i64")
     for on, loss_agg, mode, sequence, objective in ((False, 0, 0, False, "ppo-clip"), (True, 1, 2, False, "ppo-clip"),
                                                     (True, 2, 1, True, "vespo"), (True, 0, 0, True, "cispo")):
