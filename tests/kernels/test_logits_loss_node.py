@@ -14,6 +14,7 @@ from erpo_kernels import erpo_loss
 from erpo_kernels.triton_logits import DEFAULT_FORWARD_VARIANT, FORWARD_VARIANTS, forward_variant
 from helpers import random_batch
 from test_objective_kernels import FUSED_CASES, call_arguments
+from triton_hooks import watched_launches
 
 
 class TwoOps(TorchDispatchMode):
@@ -26,26 +27,9 @@ class TwoOps(TorchDispatchMode):
 @contextlib.contextmanager
 def triton_launches():
     """Counter of the Triton kernels launched in the block, by name (no dispatch mode: the one node's path)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     names = Counter()
-    saved = [(launcher, launcher.run) for launcher in (JITFunction, InterpretedFunction)]
-
-    def counting(original):
-        def run(kernel, *args, **kwargs):
-            if not kwargs.get("warmup"):
-                names[kernel.fn.__name__] += 1
-            return original(kernel, *args, **kwargs)
-        return run
-
-    for launcher, original in saved:
-        launcher.run = counting(original)
-    try:
+    with watched_launches(lambda kernel, args, kwargs: names.update([kernel.fn.__name__])):
         yield names
-    finally:
-        for launcher, original in saved:
-            launcher.run = original
 
 
 def loss_and_grad(batch, case, two_ops: bool, **extra):
@@ -253,9 +237,6 @@ def launches_and_reads(monkeypatch):
     """[name, ...]: the Triton kernels launched in the block and "read" where the value checks' host read waits
     (when the function `validation.read_later` returned is called: on CUDA the wait on the event recorded after the
     code's copy), in order."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     order = []
     read_later = validation.read_later
 
@@ -263,17 +244,9 @@ def launches_and_reads(monkeypatch):
         read = read_later(value)
         return lambda: order.append("read") or read()
 
-    def logged(original):
-        def run(kernel, *args, **kwargs):
-            if not kwargs.get("warmup"):
-                order.append(kernel.fn.__name__)
-            return original(kernel, *args, **kwargs)
-        return run
-
     monkeypatch.setattr(validation, "read_later", logged_read_later)
-    for launcher in (JITFunction, InterpretedFunction):
-        monkeypatch.setattr(launcher, "run", logged(launcher.run))
-    yield order
+    with watched_launches(lambda kernel, args, kwargs: order.append(kernel.fn.__name__)):
+        yield order
 
 
 @pytest.mark.parametrize("two_ops", [False, True], ids=["one-node", "two-ops"])

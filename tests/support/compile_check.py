@@ -18,6 +18,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from triton_hooks import watched_launches
+
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200
 
@@ -72,42 +74,32 @@ def launch_specializations(kernel_names):
     constexpr values, and the pointers and integers it takes as multiples of 16. `compile_launch` compiles it."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.interpreter import InterpretedFunction
 
     launches = []
-    saved = [(launcher, launcher.run) for launcher in (JITFunction, InterpretedFunction)]
 
-    def recording(original):
-        def run(kernel, *args, grid, warmup, **kwargs):
-            if not warmup and kernel.fn.__name__ in kernel_names:
-                parameters = inspect.signature(kernel.fn).parameters
-                bound = inspect.signature(kernel.fn).bind(*args, **{name: value for name, value in kwargs.items()
-                                                                   if name in parameters})
-                bound.apply_defaults()
-                signature, constexprs, divisible = {}, {}, []
-                for name, value in bound.arguments.items():
-                    if "constexpr" in str(parameters[name].annotation):
-                        signature[name], constexprs[name] = "constexpr", value
-                        continue
-                    kind, key = native_specialize_impl(CUDABackend, value, False, True, True)
-                    signature[name] = kind
-                    if kind == "constexpr":
-                        constexprs[name] = key
-                    elif key == "D":
-                        divisible.append(name)
-                launches.append(dict(module=kernel.fn.__module__, kernel=kernel.fn.__name__,
-                                     num_warps=kwargs.get("num_warps", 4), signature=signature,
-                                     constexprs=constexprs, divisible_by_16=divisible))
-            return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
-        return run
+    def record(kernel, args, kwargs):
+        if kernel.fn.__name__ in kernel_names:
+            parameters = inspect.signature(kernel.fn).parameters
+            bound = inspect.signature(kernel.fn).bind(*args, **{name: value for name, value in kwargs.items()
+                                                               if name in parameters})
+            bound.apply_defaults()
+            signature, constexprs, divisible = {}, {}, []
+            for name, value in bound.arguments.items():
+                if "constexpr" in str(parameters[name].annotation):
+                    signature[name], constexprs[name] = "constexpr", value
+                    continue
+                kind, key = native_specialize_impl(CUDABackend, value, False, True, True)
+                signature[name] = kind
+                if kind == "constexpr":
+                    constexprs[name] = key
+                elif key == "D":
+                    divisible.append(name)
+            launches.append(dict(module=kernel.fn.__module__, kernel=kernel.fn.__name__,
+                                 num_warps=kwargs.get("num_warps", 4), signature=signature,
+                                 constexprs=constexprs, divisible_by_16=divisible))
 
-    for launcher, original in saved:
-        launcher.run = recording(original)
-    try:
+    with watched_launches(record):
         yield launches
-    finally:
-        for launcher, original in saved:
-            launcher.run = original
 
 
 def compile_launch(launch: dict):

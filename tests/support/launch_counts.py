@@ -40,6 +40,8 @@ import torch._dynamo  # noqa: F401  (before any counter replaces torch.tensor: `
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from triton_hooks import triton_launchers
+
 # aten operators that read device values on the host (a synchronization on CUDA), with how many reads CUDA's kernel
 # makes: scalar reads, and operators whose output shape depends on the values (boolean indexing: `_reads_values`);
 # bincount reads the input's min and max, repeat_interleave (without output_size) the total and whether every count
@@ -69,13 +71,6 @@ def default_device() -> torch.device:
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-def _triton_launchers():
-    """The classes whose `run` launches a Triton kernel: the compiled path's JITFunction and the interpreter's."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-    return JITFunction, InterpretedFunction
 
 
 class _LoggedCounter(Counter):
@@ -167,7 +162,7 @@ class LaunchCounter(TorchDispatchMode):
         # a counter's replacements (torch.tensor & co.) seen then, when a counted loss was the first to import it
         # (torch.compiler.is_compiling()), left every later torch.compile unable to trace torch.tensor
         if self._depth == 0:  # the outermost entry (a custom op re-enters the mode around its implementation)
-            for launcher in _triton_launchers():
+            for launcher in triton_launchers():
                 self._patch(launcher, "run", self._counting_run(launcher.run))
             for name in SYNC_METHODS:
                 self._patch(torch.Tensor, name, getattr(self, f"_{name}")(getattr(torch.Tensor, name)))
