@@ -666,8 +666,9 @@ def test_a_bad_row_with_the_caller_s_layout_raises_its_own_error_after_the_plan_
 def test_a_layout_is_planned_on_only_where_the_value_checks_accept_it():
     """plannable_layout: token_kind in {0, 1, 2}, and sample_index in [0, S) on scored rows (rows of kind 0 may hold
     anything), on the host layout alone."""
-    layout = torch.tensor([[1, 2, 0, 1, 2], [0, 0, 1, 2, 2]])
-    assert chunked.plannable_layout(layout, 3) and chunked.plannable_layout(torch.zeros(2, 0, dtype=torch.int64), 0)
+    layout = torch.tensor([[1, 2, 0, 1, 2], [0, 0, 1, 2, 2]], device="cpu")  # host memory, as a host layout is
+    assert chunked.plannable_layout(layout, 3) and chunked.plannable_layout(
+        torch.zeros(2, 0, dtype=torch.int64, device="cpu"), 0)
     assert not chunked.plannable_layout(layout, 2)  # sample 2 on scored rows, S = 2
     for row, kind_or_sample, value, plannable in ((2, 1, -7, True), (2, 1, 9, True), (0, 1, -1, False),
                                                   (4, 1, 3, False), (1, 0, 3, False), (1, 0, -1, False)):

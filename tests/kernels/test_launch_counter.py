@@ -90,11 +90,13 @@ def test_a_tensor_declared_host_memory_reads_without_a_sync():
 
 # name -> (call on a device tensor, what the host does: Counter of aten operators; none launches on the device)
 HOST_WORK = {
-    "factory-without-a-device": (lambda t: torch.zeros(3), {"aten.zeros": 1}),
+    "factory-without-a-device": (lambda t: torch.zeros(3, device=None), {"aten.zeros": 1}),  # None: the default
     "factory-on-the-cpu-string": (lambda t: torch.full((2, 3), 7, device="cpu"), {"aten.full": 1}),
-    "math-on-host-tensors": (lambda t: torch.arange(4) * torch.tensor([1, 2, 3, 4]), {"aten.arange": 1, "aten.mul": 1}),
+    "math-on-host-tensors": (lambda t: torch.arange(4, device="cpu") * torch.tensor([1, 2, 3, 4], device="cpu"),
+                             {"aten.arange": 1, "aten.mul": 1}),
     "a-host-read-then-math": (lambda t: t.cpu() + 1, {"aten.add": 1}),
-    "zeros-like-of-a-host-tensor": (lambda t: torch.zeros_like(torch.ones(2)), {"aten.ones": 1, "aten.zeros_like": 1}),
+    "zeros-like-of-a-host-tensor": (lambda t: torch.zeros_like(torch.ones(2, device="cpu")),
+                                    {"aten.ones": 1, "aten.zeros_like": 1}),
 }
 
 

@@ -286,7 +286,7 @@ def test_a_bad_row_raises_before_the_one_node_returns_and_leaves_the_logits(colu
     row = int((batch["token_kind"] != 0).nonzero()[4])  # the fifth scored row
     batch[column] = batch[column].clone()
     batch[column][row] = value
-    batch["logits"][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    batch["logits"][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=device)
     logits = batch["logits"].clone()
     with pytest.raises(ValueError, match=message.replace("row 4", f"row {row}")) as raised:
         loss_and_grad(batch, {}, two_ops=False, inplace_backward=True)
