@@ -13,8 +13,8 @@ import erpo_kernels.validation as validation
 from erpo_kernels import erpo_loss
 from erpo_kernels.triton_logits import DEFAULT_FORWARD_VARIANT, FORWARD_VARIANTS, forward_variant
 from helpers import random_batch
+from launch_counts import watched_launches
 from test_objective_kernels import FUSED_CASES, call_arguments
-from triton_hooks import watched_launches
 
 
 class TwoOps(TorchDispatchMode):

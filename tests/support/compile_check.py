@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from triton_hooks import watched_launches
+from launch_counts import watched_launches
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200

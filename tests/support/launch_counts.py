@@ -31,16 +31,16 @@ library's C++ or Python (a collective, ...), `Tensor.copy_` between host and dev
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections import Counter
+from typing import Callable
 
 import torch
 import torch._dynamo  # noqa: F401  (before any counter replaces torch.tensor: `__enter__`)
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from triton_hooks import triton_launchers
 
 # aten operators that read device values on the host (a synchronization on CUDA), with how many reads CUDA's kernel
 # makes: scalar reads, and operators whose output shape depends on the values (boolean indexing: `_reads_values`);
@@ -71,6 +71,35 @@ def default_device() -> torch.device:
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def triton_launchers() -> tuple:
+    """The classes whose `run` launches a Triton kernel: the compiled path's JITFunction and the interpreter's."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    return JITFunction, InterpretedFunction
+
+
+@contextlib.contextmanager
+def watched_launches(before: Callable[[object, tuple, dict], None]):
+    """In the block, `before(kernel, args, kwargs)` is called ahead of each Triton kernel launch (warm-ups, which
+    compile without launching, left out), then the kernel launches as it would have."""
+    saved = [(launcher, launcher.run) for launcher in triton_launchers()]
+
+    def watching(original):
+        def run(kernel, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                before(kernel, args, kwargs)
+            return original(kernel, *args, **kwargs)
+        return run
+
+    for launcher, original in saved:
+        launcher.run = watching(original)
+    try:
+        yield
+    finally:
+        for launcher, original in saved:
+            launcher.run = original
 
 
 class _LoggedCounter(Counter):
