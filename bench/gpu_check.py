@@ -478,10 +478,10 @@ def main(argv=None) -> int:
     stages = [name for name in args.stages.split(",") if name]
     if not stages or set(stages) - set(STAGES):
         parser.error(f"--stages: expected a comma list of {', '.join(STAGES)}, got {args.stages!r}")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if args.deadline < SUMMARY_RESERVE_S + MIN_STAGE_S:
         parser.error(f"--deadline: at least {SUMMARY_RESERVE_S + MIN_STAGE_S} s (the summary's reserve and one stage)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     check = GpuCheck(out, args.dry_run, args.commit, args.deadline)
     check.setup()
     if "kernels" in stages:

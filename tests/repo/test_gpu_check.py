@@ -226,6 +226,6 @@ def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_sto
 
 def test_a_deadline_too_short_for_one_stage_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        gpu_check.main(["--dry-run", "--deadline", str(gpu_check.SUMMARY_RESERVE_S), str(tmp_path)])
+        gpu_check.main(["--dry-run", "--deadline", str(gpu_check.SUMMARY_RESERVE_S), str(tmp_path / "out")])
     assert stop.value.code == 2 and "--deadline: at least" in capsys.readouterr().err
-    assert not (tmp_path / "summary.md").exists()
+    assert not (tmp_path / "out").exists()  # refused before any folder or file is made
