@@ -1,0 +1,181 @@
+"""What the fused path's time depends on, in one short GPU run: its chunk rows and workspace, the trainer's
+`host_layout`, and whether a group's two GEMMs gain from running side by side.
+
+    python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md
+    TRITON_INTERPRET=1 python -m bench.fused_probe --smoke --out DIR                    # CPU, tiny: the dry run
+
+Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem,
+1024 rows a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits
+store (`fused_linear_loss.LOGITS_ROWS`, set for the variant's calls), the workspace budget, and the layout in host
+memory as erpo's trainer passes it. Each row says how `plan_workspace` spent the budget (chunk rows, group rows).
+
+Part 2, per shape: one group's d hidden and d weight GEMMs (`--group-rows` rows of bf16 dlogits, the fused path's
+calls: `mm` into d hidden, `addmm` into the fp32 [V, D] accumulator) one after the other on one stream, against
+the two on two streams (d hidden on a side stream, joined by events), and d hidden split over the vocabulary into
+4 GEMMs of one batched call (`baddbmm`-free: `bmm` then a sum): the d hidden GEMM has few output tiles ([G, D]) for
+its long reduction, so part of its last wave idles.
+
+Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
+choosing what to build, the bench is the measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+from .provenance import header_lines, provenance
+from .timing import time_callable
+
+GIB = 1 << 30
+# (name, LOGITS_ROWS or None for the library's, workspace GiB or None for the library's, host layout)
+VARIANTS = (
+    ("library default", None, None, False),
+    ("host layout (the trainer's call)", None, None, True),
+    ("chunk rows 384", 384, None, False),
+    ("chunk rows 768", 768, None, False),
+    ("chunk rows 1024", 1024, None, False),
+    ("workspace 2 GiB", None, 2, False),
+    ("workspace 4 GiB", None, 4, False),
+)
+SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": 16, "gib": 1 / 4096, "repeats": 1}
+
+
+@contextlib.contextmanager
+def logits_rows(rows):
+    """`fused_linear_loss.LOGITS_ROWS` set to `rows` (None: left as it is) while the block runs."""
+    from erpo_kernels import fused_linear_loss
+    saved = fused_linear_loss.LOGITS_ROWS
+    fused_linear_loss.LOGITS_ROWS = saved if rows is None else rows
+    try:
+        yield
+    finally:
+        fused_linear_loss.LOGITS_ROWS = saved
+
+
+def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
+    """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
+    import erpo_kernels
+    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
+
+    from .contenders import ERPO_OPTIONS, _erpo_tensors
+
+    layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu()
+    out = []
+    for name, rows, gib, host in VARIANTS:
+        budget = DEFAULT_WORKSPACE_BYTES if gib is None else int(gib * gib_unit * GIB)
+        extra = {"host_layout": layout} if host else {}
+
+        def step():
+            loss = erpo_kernels.fused_linear_erpo_loss(
+                problem.hidden, problem.weight, problem.targets, problem.token_kind, problem.sample_index,
+                backend="triton", workspace_bytes=budget, **extra, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
+            torch.autograd.grad(loss, [problem.hidden, problem.weight])
+
+        with logits_rows(rows):
+            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
+            timing = time_callable(step, device=device, warmup=warmup, reps=repeats)
+        out.append((name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
+    return out
+
+
+def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
+    """[(case, median ms)] of one group's d hidden and d weight GEMMs, on one stream, on two, d hidden split 4-way."""
+    d, v = shape.hidden, shape.vocab
+    dtype = torch.bfloat16
+    hidden = torch.randn(group_rows, d, device=device, dtype=dtype)
+    weight = torch.randn(v, d, device=device, dtype=dtype) * 0.02
+    dlogits = torch.randn(group_rows, v, device=device, dtype=dtype)
+    dhidden = torch.empty(group_rows, d, device=device, dtype=dtype)
+    dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
+    split = 4 if v % 4 == 0 else 1
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def d_hidden():
+        torch.mm(dlogits, weight, out=dhidden)
+
+    def d_weight():
+        torch.addmm(dweight, dlogits.T, hidden, out_dtype=torch.float32, out=dweight)
+
+    def one_stream():
+        d_hidden()
+        d_weight()
+
+    def two_streams():
+        if side is None:  # the dry run: no streams on the CPU
+            return one_stream()
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            d_hidden()
+        d_weight()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def d_hidden_split():
+        parts = torch.bmm(dlogits.view(group_rows, split, v // split).transpose(0, 1),
+                          weight.view(split, v // split, d), out_dtype=torch.float32)
+        torch.sum(parts, dim=0, out=dhidden)
+
+    cases = {"d hidden": d_hidden, "d weight += (fp32)": d_weight, "both, one stream": one_stream,
+             "both, two streams": two_streams, f"d hidden, {split} vocabulary slices (bmm, sum)": d_hidden_split}
+    out = []
+    for name, fn in cases.items():
+        try:
+            out.append((name, time_callable(fn, device=device, warmup=2, reps=repeats).median_ms))
+        except (RuntimeError, TypeError) as error:  # an overload this torch lacks: say so, go on
+            out.append((name, f"{type(error).__name__}: {str(error)[:80]}"))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.fused_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--group-rows", type=int, default=2048, help="part 2's rows of dlogits (the 1 GiB group)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from .problem import build_problem, parse_shape
+    on_cuda = torch.cuda.is_available() and not args.smoke
+    if not on_cuda and not args.smoke:
+        raise SystemExit("bench.fused_probe: needs a CUDA device (or --smoke for the CPU dry run)")
+    device = torch.device("cuda" if on_cuda else "cpu")
+    shapes = [SMOKE["shape"]] if args.smoke else args.shapes.split(",")
+    n, per_sample = (SMOKE["n"], SMOKE["rows_per_sample"]) if args.smoke else (args.n, 1024)
+    group_rows = SMOKE["group_rows"] if args.smoke else args.group_rows
+    repeats, warmup = (SMOKE["repeats"], 0) if args.smoke else (args.repeats, 2)
+    name = torch.cuda.get_device_name() if on_cuda else "CPU dry run"
+    lines = [f"# The fused path's variants ({name}, N={n}, bf16)", "",
+             *header_lines(provenance("bench.fused_probe", sys.argv[1:] if argv is None else argv, args.commit)), ""]
+    for spec in shapes:
+        shape = parse_shape(spec)
+        problem = build_problem("fused", shape, n, rows_per_sample=per_sample, query_frac=0.25,
+                                dtype=torch.bfloat16, device=device, seed=0, chunk_rows=1024, clip_low=0.2,
+                                clip_high=0.2)
+        lines += [f"## {shape.name}: D={shape.hidden}, V={shape.vocab}", "",
+                  "| variant | chunk rows | group rows | fwd+bwd ms (median) | p20 | p80 |",
+                  "|---|---|---|---|---|---|"]
+        for row in fused_variants(problem, device, repeats, warmup, SMOKE["gib"] if args.smoke else 1.0):
+            lines.append("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |".format(*row))
+            print(lines[-1], flush=True)
+        del problem
+        if on_cuda:
+            torch.cuda.empty_cache()
+        lines += ["", f"One group's GEMMs, {group_rows} rows:", "", "| case | ms (median) |", "|---|---|"]
+        for case, ms in group_gemms(shape, group_rows, device, repeats):
+            lines.append(f"| {case} | {ms if isinstance(ms, str) else f'{ms:.3f}'} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+        if on_cuda:
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused_probe.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
