@@ -9,14 +9,26 @@ launches, Python, host reads).
     TRITON_INTERPRET=1 python -m bench.kernel_profile --smoke --out DIR    # CPU, tiny: the script's dry run
 
 Each contender is warmed up (Triton compiles, allocator growth), runs one more call under the profiler's warm-up
-step, and is then profiled over `--calls` fwd+bwd calls, back to back; times are per call. Off CUDA (the dry run) the
-table lists the top-level CPU operators instead: no measurement.
+step, and is then profiled over `--calls` fwd+bwd calls, back to back, inside a `record_function` range
+(RECORDED_CALLS); times are per call. Off CUDA (the dry run) the table lists the top-level CPU operators of that range
+instead: no measurement.
 
 PROFILER_WARMUP: until b8b4a78 the first profiled call was also the profiler's first traced one, and it started on
 an empty queue: on the H100 (bench/measured/h100-2026-11-26) it alone held the gaps that the tables' per-call
 averages spread over every call (the logits path's 565 of 575 us before the forward kernel, the other two calls 4.8
 us each; the fused path's 950 us after the row checks). The recorded calls now follow one in flight, as the bench's
 timed calls do and a training step's loss follows its model's forward.
+
+What is counted (`recorded_calls_events`): the call in flight is queued in a few ms but runs for up to its whole GPU
+time (a fused call: ~96 ms) after the profiler moves to its active step, so the trace holds the tail of its kernels
+too; at 60b3625 (bench/measured/h100-2026-11-26-60b3625) they were counted as recorded ones (the fused path's
+once-per-chunk kernels at 41 launches per call for 32 chunks, the profiler's own `ProfilerStep*` range listed as a
+kernel and covering the busy time). Now every device event (kernel, copy, memset) is attributed to the CPU launch
+call that queued it (the trace's `correlation` ids) and kept only when that call lies in RECORDED_CALLS: the table,
+the busy time, the first-to-last-kernel span and `idle_gaps` all count the recorded calls' own device events, the
+ones left out are counted ("left_out"), and the host's CUDA calls (syncs) are those inside the range. The wall is
+timed on CUDA by events from the end of the call in flight to the end of the last recorded call (the GPU's time
+for the recorded calls, the host's share included where the GPU waited for it); off CUDA by the host's clock.
 
 Where the GPU idles (`idle_gaps`, on CUDA): from the profiler's trace (also written, KEY.trace.json), every gap
 between one kernel's end and the next one's start, split into the time the GPU waited for the host (the next
@@ -40,6 +52,7 @@ import torch
 from .provenance import header_lines, provenance
 
 SMOKE_ROWS, SMOKE_ROWS_PER_SAMPLE, SMOKE_VOCAB = 32, 16, 64  # the dry run's problem: the interpreter is slow
+RECORDED_CALLS = "kernel_profile: recorded calls"  # the record_function range around the calls profiled
 
 
 def _busy_us(intervals) -> float:
@@ -52,10 +65,26 @@ def _busy_us(intervals) -> float:
     return busy
 
 
+def per_call_figures(intervals: list, calls: int) -> dict:
+    """{"kernel_busy_us", "gpu_idle_us", "kernels": [{"name", "launches", "us"}]} per call of (name, start us,
+    end us) intervals run by `calls` calls: the time some interval ran, the time none did between the first start and
+    the last end, and per name the launches and microseconds, sorted by time."""
+    per_name = defaultdict(lambda: [0, 0.0])
+    for name, start, end in intervals:
+        per_name[name][0] += 1
+        per_name[name][1] += end - start
+    busy = _busy_us((start, end) for _, start, end in intervals)
+    span = max(end for _, _, end in intervals) - min(start for _, start, _ in intervals) if intervals else 0.0
+    table = sorted(({"name": name, "launches": count / calls, "us": total / calls}
+                    for name, (count, total) in per_name.items()), key=lambda row: -row["us"])
+    return {"kernel_busy_us": busy / calls, "gpu_idle_us": max(span - busy, 0.0) / calls, "kernels": table}
+
+
 def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2, trace_path=None) -> dict:
     """{"wall_us", "kernel_busy_us", "gpu_idle_us", "kernels": [{"name", "launches", "us"}]} per fwd+bwd call of
     `prepared` (bench.contenders.Prepared), the kernels sorted by time; off CUDA the top-level CPU operators. On
-    CUDA also "gaps" (`idle_gaps` of the profiler's trace, written to trace_path when given)."""
+    CUDA the figures are `trace_profile`'s of the profiler's trace (written to trace_path when given): also "gaps"
+    and "left_out"."""
     on_cuda = device.type == "cuda"
 
     def step():
@@ -65,41 +94,34 @@ def profile_calls(prepared, device: torch.device, calls: int, warmup: int = 2, t
         step()
     if on_cuda:
         torch.cuda.synchronize(device)
+        in_flight_done, recorded_done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
     # one call under the profiler's warm-up step (set up, traced and discarded), then the calls recorded: the
-    # profiler's start-up stays out of them (PROFILER_WARMUP)
+    # profiler's start-up stays out of them, and they follow that call in flight (PROFILER_WARMUP)
     with torch.profiler.profile(activities=activities,
                                 schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as profiler:
         step()
+        if on_cuda:
+            in_flight_done.record()
         profiler.step()
         begin = time.perf_counter()
-        for _ in range(calls):
-            step()
+        with torch.profiler.record_function(RECORDED_CALLS):
+            for _ in range(calls):
+                step()
         if on_cuda:
+            recorded_done.record()
             torch.cuda.synchronize(device)
-        wall_us = (time.perf_counter() - begin) * 1e6 / calls
-    events = profiler.events()
-    if on_cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    else:
-        kernels = [e for e in events if not e.name.startswith("ProfilerStep")  # the schedule's step, around all
-                   and (e.cpu_parent is None or e.cpu_parent.name.startswith("ProfilerStep"))]
-    per_name = defaultdict(lambda: [0, 0.0])
-    for event in kernels:
-        per_name[event.name][0] += 1
-        per_name[event.name][1] += event.time_range.elapsed_us()
-    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
-    busy = _busy_us(spans) / calls
-    span = (max(end for _, end in spans) - min(start for start, _ in spans)) / calls if spans else 0.0
-    table = sorted(({"name": name, "launches": count / calls, "us": total / calls}
-                    for name, (count, total) in per_name.items()), key=lambda row: -row["us"])
-    result = {"wall_us": wall_us, "kernel_busy_us": busy, "gpu_idle_us": max(span - busy, 0.0), "kernels": table}
-    if on_cuda:
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(trace_path or Path(folder) / "trace.json")
-            profiler.export_chrome_trace(str(path))
-            result["gaps"] = idle_gaps(json.loads(path.read_text())["traceEvents"], calls)
-    return result
+            wall_us = in_flight_done.elapsed_time(recorded_done) * 1e3 / calls
+        else:
+            wall_us = (time.perf_counter() - begin) * 1e6 / calls
+    if not on_cuda:
+        operators = [e for e in profiler.events() if e.cpu_parent is not None and e.cpu_parent.name == RECORDED_CALLS]
+        return {"wall_us": wall_us, **per_call_figures(
+            [(e.name, e.time_range.start, e.time_range.end) for e in operators], calls)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(trace_path or Path(folder) / "trace.json")
+        profiler.export_chrome_trace(str(path))
+        return {"wall_us": wall_us, **trace_profile(json.loads(path.read_text())["traceEvents"], calls)}
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -109,13 +131,44 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 TOP_GAPS = 12
 
 
+def recorded_calls_events(events: list, marker: str = RECORDED_CALLS) -> tuple[list, int]:
+    """The events of a torch.profiler chrome trace ("ts" / "dur" in us) that belong to the calls run inside the host
+    range `marker` (a record_function: "user_annotation" in the trace), and how many device events were left out.
+    Kept: the host events that start inside the range, and the device events (kernels, copies, memsets) whose launch
+    call, matched by "correlation", is one of them. Left out: device events queued before the range (a call still in
+    flight when it began: its launch calls fall before the trace's active window) or after it."""
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] == marker]
+    if len(ranges) != 1:
+        raise ValueError(f"trace: {len(ranges)} ranges named {marker!r}, expected one (the record_function around "
+                         f"the recorded calls)")
+    begin, end = ranges[0]["ts"], ranges[0]["ts"] + ranges[0]["dur"]
+    complete = [e for e in events if e.get("ph") == "X" and e is not ranges[0]]
+    host = [e for e in complete if e.get("cat") not in (*DEVICE_CATEGORIES, "gpu_user_annotation")
+            and begin <= e["ts"] <= end]
+    launched = {e["args"]["correlation"] for e in host
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    device = [e for e in complete if e.get("cat") in DEVICE_CATEGORIES]
+    kept = [e for e in device if e.get("args", {}).get("correlation") in launched]
+    return host + kept, len(device) - len(kept)
+
+
+def trace_profile(events: list, calls: int, marker: str = RECORDED_CALLS) -> dict:
+    """`per_call_figures` of the device events (kernels, copies, memsets) of the `calls` calls inside `marker`
+    (`recorded_calls_events` of a torch.profiler chrome trace), with "gaps" (`idle_gaps` of the same events: its
+    "idle_us" is the figures' "gpu_idle_us") and "left_out" (device events in the trace not theirs: a count)."""
+    recorded, left_out = recorded_calls_events(events, marker)
+    device = [e for e in recorded if e.get("cat") in DEVICE_CATEGORIES]
+    return {**per_call_figures([(e["name"], e["ts"], e["ts"] + e["dur"]) for e in device], calls),
+            "gaps": idle_gaps(recorded, calls), "left_out": left_out}
+
+
 def idle_gaps(events: list, calls: int) -> dict:
     """Per call: the GPU's idle time between kernels (trace events of a torch.profiler chrome trace, "ts" / "dur"
     in us), "host_wait_us" of it before a kernel whose launch call ended after the GPU ran dry (the host was late),
     "by_next_kernel" [{"name", "gaps", "idle_us", "host_wait_us"}] (gaps of at least 1 us), "largest" gaps
     [{"idle_us", "host_wait_us", "after", "before", "launched_by"}] (the innermost CPU operator around the launch
-    call), "syncs" {CUDA call: {"count", "us"}} (the host blocking on the device: a host read) and "unmatched":
-    kernels whose launch call is not in the trace (their gaps count as launch latency)."""
+    call) and "syncs" {CUDA call: {"count", "us"}} (the host blocking on the device: a host read). A kernel whose
+    launch call is not among the events (`recorded_calls_events` keeps none such) counts its gap as launch latency."""
     ordered = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
                      key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
@@ -123,7 +176,6 @@ def idle_gaps(events: list, calls: int) -> dict:
     cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     per_kernel = defaultdict(lambda: [0, 0.0, 0.0])
     gaps, idle, waited, reach, previous = [], 0.0, 0.0, None, None
-    unmatched = sum(event.get("args", {}).get("correlation") not in launches for event in ordered)
     for event in ordered:
         if reach is not None and event["ts"] > reach:
             gap = event["ts"] - reach
@@ -150,7 +202,7 @@ def idle_gaps(events: list, calls: int) -> dict:
                         for name, (count, gap, late) in per_kernel.items()), key=lambda row: -row["idle_us"])
     return {"idle_us": idle / calls, "host_wait_us": waited / calls, "by_next_kernel": by_kernel[:TOP_GAPS],
             "largest": largest, "syncs": {name: {"count": count / calls, "us": us / calls}
-                                          for name, (count, us) in syncs.items()}, "unmatched": unmatched / calls}
+                                          for name, (count, us) in syncs.items()}}
 
 
 def markdown(results: dict, meta: dict) -> str:
@@ -163,9 +215,11 @@ def markdown(results: dict, meta: dict) -> str:
         if isinstance(result, str):
             lines += ["", result, ""]
             continue
+        left_out = (f"; device events in the trace launched outside the recorded calls (left out: the call in flight "
+                    f"before them) {result['left_out']}" if "left_out" in result else "")
         lines += ["", f"wall {result['wall_us']:.0f} us per call (the profiler's host overhead included: the bench's "
                       f"times are the measurement); some kernel running {result['kernel_busy_us']:.0f} us; GPU idle "
-                      f"between the call's first and last kernel {result['gpu_idle_us']:.0f} us", "",
+                      f"between the call's first and last kernel {result['gpu_idle_us']:.0f} us{left_out}", "",
                   f"| {unit} | launches | us per call |", "|---|---|---|"]
         lines += [f"| `{row['name'][:110]}` | {row['launches']:g} | {row['us']:.1f} |" for row in result["kernels"]]
         lines.append("")
@@ -179,7 +233,7 @@ def gap_lines(gaps: dict) -> list:
     syncs = ", ".join(f"{name} {value['count']:g} ({value['us']:.0f} us)" for name, value in gaps["syncs"].items())
     lines = [f"GPU idle between kernels {gaps['idle_us']:.0f} us per call, {gaps['host_wait_us']:.0f} us of it "
              f"waiting for the host (the next launch call ended after the GPU ran dry); host syncs per call: "
-             f"{syncs or 'none'}; kernels without a launch call in the trace per call: {gaps['unmatched']:g}", "",
+             f"{syncs or 'none'}", "",
              "| idle before kernel | gaps per call | idle us per call | waiting for the host us per call |",
              "|---|---|---|---|"]
     lines += [f"| `{row['name'][:90]}` | {row['gaps']:g} | {row['idle_us']:.1f} | {row['host_wait_us']:.1f} |"
