@@ -32,7 +32,8 @@ def parse_args(argv):
     parser.add_argument("--contenders", default="erpo,erpo-invariant,torch,compile,liger,cce",
                         help="comma list of: erpo, erpo-block, erpo-warp, erpo-warp-1024, erpo-log2, erpo-log2-2048 "
                              "(logits path: ours with one of the forward kernel's variants, "
-                             "triton_logits.FORWARD_VARIANTS), erpo-invariant (fused path: batch_invariant=True), "
+                             "triton_logits.FORWARD_VARIANTS), erpo-ws2g (fused path: workspace_bytes=2 GiB), "
+                             "erpo-invariant (fused path: batch_invariant=True), "
                              "torch, compile, liger, cce (default: erpo, erpo-invariant, torch, compile, liger, cce)")
     parser.add_argument("--skip", default="",
                         help="comma list of contenders to leave out of --contenders (e.g. torch: the slow reference)")

@@ -106,9 +106,14 @@ class BenchRun:
 # estimate of about 100 s, not measured as one run: on the H200, 2026-11-26, ours and torch.compile there took 55 s of
 # rows, and Liger's fused fwd+bwd took 0.3-1.4 s a call, 2026-11-25); then torch.compile on the logits path; then
 # the rest (N=65536, the other peers and kernel variants, any new contender) with whatever is left.
+# Bench 1 also times ours with a 2 GiB workspace (erpo-ws2g: what a user with the memory gets, issue 32), right after
+# ours at each case: at 60b3625 (bench/measured/h100-2026-11-26-60b3625/, H100) the run took 125 s of its 150 s cap
+# and ours' four rows 21.6 s of it (bench.jsonl's wall_s, the first compiling the kernels), so about 145 s with
+# erpo-ws2g (an estimate: its four rows should cost about ours' less the compiles); the cap is that plus about a
+# fifth. Its rows at N=65536 come last, with whatever is left.
 BENCH_RUNS = (
-    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=150,
-             paths="fused", contenders="erpo,compile,liger"),
+    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=175,
+             paths="fused", contenders="erpo,erpo-ws2g,compile,liger"),
     BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=90, paths="logits",
              contenders="compile"),
     # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant
@@ -121,6 +126,9 @@ BENCH_RUNS = (
     # the logits kernels' variants not in bench 3 ("log2-1024" is erpo's default): whatever time is left
     BenchRun("the other kernel variants at every N", "4096,16384,65536", cap_s=DEADLINE_S,
              contenders="erpo-warp,erpo-block,erpo-log2"),
+    # measured at 55b63b0 by bench.fused_probe (bench/measured/h100-2026-11-26-55b63b0/): here beside ours in one run
+    BenchRun("ours with a 2 GiB workspace at N=65536", "65536", cap_s=DEADLINE_S, paths="fused",
+             contenders="erpo,erpo-ws2g"),
 )
 
 

@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 
 GIB = 2 ** 30
-COLORS = {"erpo": "tab:blue", "erpo-invariant": "tab:cyan", "torch": "tab:orange", "compile": "tab:green",
-          "liger": "tab:red", "cce": "tab:purple"}
+COLORS = {"erpo": "tab:blue", "erpo-ws2g": "tab:olive", "erpo-invariant": "tab:cyan", "torch": "tab:orange",
+          "compile": "tab:green", "liger": "tab:red", "cce": "tab:purple"}
 TARGET_ROWS = 16384
 TARGET_VOCAB = 152064
 

@@ -147,6 +147,8 @@ class TrainerConfig:
     rollout_batch_size: int = 32              # prompts rolled out per rollout step
     update_batch_size: int = 32               # prompts per optimizer step (several updates per rollout)
     micro_batch_size: int = 64                # samples (prompt + response) per forward/backward
+    loss_workspace_mib: int = 1024            # the fused-linear loss's workspace_bytes in MiB (its default, 1 GiB):
+                                              # more memory, fewer passes over d weight, faster (docs/training.md)
     lr: float = 3e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -430,6 +432,7 @@ def resolve(cfg: Config) -> Config:
         t.cpu_threads = default_cpu_threads()
     positive = {"trainer.max_steps": t.max_steps, "trainer.rollout_batch_size": t.rollout_batch_size,
                 "trainer.update_batch_size": t.update_batch_size, "trainer.micro_batch_size": t.micro_batch_size,
+                "trainer.loss_workspace_mib": t.loss_workspace_mib,
                 "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "data.max_prompt_length": cfg.data.max_prompt_length}
     for key, value in positive.items():

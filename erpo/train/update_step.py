@@ -66,6 +66,7 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 query_weight=None if query_weight[m] is None else host_to_device(query_weight[m], device),
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
                 rollout_logp=batch.rollout_logp, host_layout=batch.host_layout,  # pack's: no read to plan the chunks
+                workspace_bytes=cfg.trainer.loss_workspace_mib << 20,
                 **{**options, "top_entropy_gather": entropy_pool(mb.weight) if D.world_size() > 1 else None})
             nonfinite = nonfinite + (nonfinite > 0) + ~torch.isfinite(out.loss.detach())  # counted as before
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the

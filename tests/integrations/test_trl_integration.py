@@ -16,6 +16,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
+import erpo.integrations.trl.scorer as scorer_module  # noqa: E402
 import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
@@ -325,6 +326,7 @@ def test_moe_router_aux_loss_equals_trl(tiny_moe, tmp_path, fused_linear):
 @pytest.mark.parametrize("setting, message", [
     (dict(loss_type="ppo"), "loss_type='ppo'"), (dict(query_weight="dynamic"), "query_weight"),
     (dict(qkl_estimator="k3-token"), "k3-token"), (dict(delta=1.1), "delta must be > 1 \\+ epsilon_high"),
+    (dict(loss_workspace_mib=0), "^loss_workspace_mib must be an integer >= 1 \\(MiB\\), got 0$"),
     (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"), "token_mask"),
     (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
           vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min"),
@@ -1032,7 +1034,8 @@ def test_fused_linear_path_reads_the_layout_once(tiny, tmp_path):
             batch = rows.batch if keep_layout else dataclasses.replace(rows.batch, host_layout=None)
             options, tensors = trainer._loss_options(inputs, rows, "train")
             scorer = FusedLinearScorer(trainer.model, batch, temperature=trainer.temperature,
-                                       autocast=contextlib.nullcontext, logit_options={})
+                                       autocast=contextlib.nullcontext, logit_options={},
+                                       workspace_bytes=trainer.args.loss_workspace_mib << 20)
             with scorer.head():
                 loss = scorer.loss(advantages=inputs["advantages"], ref_query_logp=torch.full((4,), -10.0),
                                    **tensors, **options).loss
@@ -1046,6 +1049,19 @@ def test_fused_linear_path_reads_the_layout_once(tiny, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_without))
 
 
+def test_loss_workspace_reaches_the_fused_loss(tiny, tmp_path, monkeypatch):
+    """ERPOConfig.loss_workspace_mib is the fused loss's workspace_bytes (MiB -> bytes)."""
+    budgets, loss = [], scorer_module.fused_linear_erpo_loss
+
+    def recording(*args, **kwargs):
+        budgets.append(kwargs["workspace_bytes"])
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(scorer_module, "fused_linear_erpo_loss", recording)
+    trainer = make_trainer(tiny, tmp_path, fused_linear=True, loss_workspace_mib=3)
+    ERPOTrainer._compute_loss(trainer, trainer.model, with_logps(trainer, trl_inputs(trainer), old=True))
+    assert budgets == [3 << 20]
+
+
 def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path):
     """FusedLinearScorer.logprobs(kind) (query_weight="current" scores the query rows alone) finds the rows of that
     kind in the batch's host layout (`completion_rows`' read) and uploads their positions without a wait: the one
@@ -1055,7 +1071,8 @@ def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path)
     trainer = make_trainer(tiny, tmp_path, fused_linear=True)
     rows = completion_rows(with_logps(trainer, trl_inputs(trainer), old=True), every_position=False)
     scorer = FusedLinearScorer(trainer.model, rows.batch, temperature=trainer.temperature,
-                               autocast=contextlib.nullcontext, logit_options={})
+                               autocast=contextlib.nullcontext, logit_options={},
+                               workspace_bytes=trainer.args.loss_workspace_mib << 20)
     with scorer.head():
         for kind in (1, 2):
             with LaunchCounter(device="cpu") as counter:  # the trainer's device

@@ -1,7 +1,8 @@
 """Every documented setting of ERPOTrainer trains, saves and resumes: each case runs train() for 2 optimizer steps with
 a checkpoint after each, then a new trainer resumes from checkpoint-1 and logs at step 2 what the uninterrupted run
 logged, ending with its weights. The cases cover each TRL loss type, the Query-KL on and off, each query-weight mode,
-the fused-linear and the logits path, a LoRA adapter (peft_config), bf16 autocast and gradient accumulation."""
+the fused-linear path (with a loss workspace other than the default) and the logits path, a LoRA adapter
+(peft_config), bf16 autocast and gradient accumulation."""
 import math
 
 import datasets
@@ -15,7 +16,8 @@ from test_trl_integration import PROMPTS, reward_length  # noqa: E402
 
 GA = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
 CASES = {
-    "grpo-qkl-static-fused": dict(loss_type="grpo", qkl_coef=0.5, query_weight="static"),
+    "grpo-qkl-static-fused-workspace": dict(loss_type="grpo", qkl_coef=0.5, query_weight="static",
+                                            loss_workspace_mib=2),
     "bnpo-off-none-logits-accumulation": dict(loss_type="bnpo", qkl_coef=0.0, query_weight="none",
                                               fused_linear=False, **GA),
     "dr_grpo-qkl-current-fused-bf16": dict(loss_type="dr_grpo", qkl_coef=0.5, query_weight="current", bf16=True),

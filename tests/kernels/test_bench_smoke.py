@@ -94,6 +94,37 @@ def test_fused_rows_are_checked_when_the_fused_path_exists(smoke):
             assert row["status"] == "unavailable" and "fused_linear_erpo_loss" in row["detail"]
 
 
+def test_the_2gib_workspace_contender_is_ours_with_that_budget(device, monkeypatch):
+    """erpo-ws2g (not in the smoke's default list) calls the fused loss with workspace_bytes = 2 GiB and gives the
+    loss and gradients of ours with the default budget: at the smoke shape both budgets hold every row in one chunk,
+    so the results are the same bits."""
+    import torch
+
+    import erpo_kernels
+    from bench.contenders import CONTENDERS, ERPO_OPTIONS
+    from bench.problem import SMOKE_SHAPE, build_problem
+
+    budgets = []
+    loss = erpo_kernels.fused_linear_erpo_loss
+
+    def recording(*args, **kwargs):
+        budgets.append(kwargs.get("workspace_bytes"))
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", recording)
+    problem = build_problem("fused", SMOKE_SHAPE, 128, rows_per_sample=64, query_frac=0.25, dtype=torch.float32,
+                            device=device, seed=0, chunk_rows=128, clip_low=ERPO_OPTIONS["clip_low"],
+                            clip_high=ERPO_OPTIONS["clip_high"])
+    results = {}
+    for key in ("erpo", "erpo-ws2g"):
+        (contender,) = [c for c in CONTENDERS if c.key == key and c.path == "fused"]
+        prepared = contender.prepare(problem)
+        value = prepared.run()
+        results[key] = (value.detach(), *torch.autograd.grad(value, prepared.inputs))
+    assert budgets == [None, 2 << 30]  # ours leaves the library's default
+    for ours, ws2g in zip(results["erpo"], results["erpo-ws2g"]):
+        assert torch.equal(ours, ws2g)
+
+
 def test_speedups_compare_ours_with_each_timed_peer(smoke):
     _, results, _, _ = smoke
     ours = _row(results, "logits", "erpo")

@@ -179,9 +179,10 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
     every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
     assert every - planned == {(65536, "torch")} and planned <= every
     assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
-    # the first run: the fused path's targets, ours beside torch.compile and Liger, the target size first
+    # the first run: the fused path's targets, ours (with the default and a 2 GiB workspace) beside torch.compile and
+    # Liger, the target size first
     first = parse_args(gpu_check.BENCH_RUNS[0].arguments(smoke=False) + ["--out", "unused"])
-    assert (first.paths, first.n, first.contenders) == ("fused", "16384,4096", "erpo,compile,liger")
+    assert (first.paths, first.n, first.contenders) == ("fused", "16384,4096", "erpo,erpo-ws2g,compile,liger")
 
 
 def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypatch):

@@ -13,6 +13,16 @@ def test_defaults_are_the_tiny_run_and_resolve_to_the_erpo_preset():
     assert resolve(load_config(shipped_config("tiny"))) == cfg
 
 
+def test_the_loss_workspace_default_is_the_loss_functions():
+    """trainer.loss_workspace_mib's default, in bytes, is fused_linear_erpo_loss's workspace_bytes default (1 GiB)."""
+    import inspect
+
+    from erpo_kernels import fused_linear_erpo_loss
+
+    default = inspect.signature(fused_linear_erpo_loss).parameters["workspace_bytes"].default
+    assert Config().trainer.loss_workspace_mib << 20 == default == 1 << 30
+
+
 @pytest.mark.parametrize("name,qkl,pkl,weight", [("grpo", 0.0, 0.01, "none"), ("grpo+qw", 0.0, 0.01, "static"),
                                                   ("grpo+qkl", 0.01, 0.0, "none"), ("erpo", 0.01, 0.0, "static")])
 def test_presets(name, qkl, pkl, weight):
@@ -47,7 +57,7 @@ def test_bad_override_keys(override, match):
 
 
 @pytest.mark.parametrize("override", ["trainer.max_steps=ten", "trainer.max_steps=1.5", "trainer.lr=fast",
-                                      "model.gradient_checkpointing=maybe"])
+                                      "model.gradient_checkpointing=maybe", "trainer.loss_workspace_mib=1.5"])
 def test_bad_override_types(override):
     with pytest.raises(TypeError, match=override.split("=")[0]):
         apply_overrides(Config(), [override])
@@ -87,6 +97,7 @@ def test_yaml_round_trip():
     (["trainer.save_steps=5", "trainer.keep_every=-5"], r"keep_every >= 0, got .*keep_every=-5"),
     (["trainer.keep_every=10"], r"keep_every=10 keeps checkpoints that are never written.*now 0"),
     (["trainer.save_steps=4", "trainer.keep_every=10"], r"multiple of trainer.save_steps \(now 4"),
+    (["trainer.loss_workspace_mib=0"], r"^config key 'trainer.loss_workspace_mib' must be > 0, got 0$"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):

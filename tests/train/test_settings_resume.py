@@ -2,8 +2,9 @@
 optimizer steps: 2 updates per rollout step) keeping a checkpoint per step, then goes back to the step-1 checkpoint
 (step 2's checkpoint, metrics and export removed) and resumes: the resumed step logs what the uninterrupted one did.
 Together the cases cover each preset (Query-KL on and off, the policy KL's live reference), each query-weight mode,
-each policy term (pg_objective), both ratio levels, the k3-token estimator, LoRA, bf16 weights and gradient
-accumulation over micro-batches; the default setting is tests/train/test_resume.py's."""
+each policy term (pg_objective), both ratio levels, the k3-token estimator, LoRA, bf16 weights, gradient
+accumulation over micro-batches and a loss workspace other than the default; the default setting is
+tests/train/test_resume.py's."""
 import json
 import shutil
 
@@ -13,8 +14,8 @@ from test_resume import assert_same_metrics, erpo_train, metrics_by_step
 
 CASES = {
     "grpo-policy-kl-seq-mean": ("algorithm.name=grpo", "algorithm.loss_agg=seq-mean-token-mean"),
-    "erpo-current-cispo-accumulation": ("algorithm.query_weight=current", "algorithm.pg_objective=cispo",
-                                        "trainer.micro_batch_size=1"),
+    "erpo-current-cispo-accumulation-workspace": ("algorithm.query_weight=current", "algorithm.pg_objective=cispo",
+                                                  "trainer.micro_batch_size=1", "trainer.loss_workspace_mib=2"),
     "grpo+qw-sapo-bf16": ("algorithm.name=grpo+qw", "algorithm.pg_objective=sapo", "model.dtype=bfloat16"),
     "grpo+qkl-unclipped-vespo-lora": ("algorithm.name=grpo+qkl", "algorithm.query_weight=current-unclipped",
                                       "algorithm.pg_objective=vespo", "model.lora.rank=4"),

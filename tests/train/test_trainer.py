@@ -131,6 +131,18 @@ def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_di
     assert seen[1] is not None and seen[1].dtype == torch.float32 and torch.isfinite(seen[1]).all()
 
 
+def test_loss_workspace_reaches_every_loss_call(tmp_path, cache_dir, monkeypatch):
+    """trainer.loss_workspace_mib is the fused loss's workspace_bytes (MiB -> bytes) on every micro-batch."""
+    real, budgets = update_step.fused_linear_erpo_loss, []
+
+    def recording(*args, **kwargs):
+        budgets.append(kwargs["workspace_bytes"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    train(small_cfg(tmp_path / "ws", cache_dir, "trainer.max_steps=1", "trainer.loss_workspace_mib=3"))
+    assert budgets and budgets == [3 << 20] * len(budgets)
+
+
 def test_logit_transform_is_read_once_and_reaches_every_scoring(tmp_path, cache_dir, monkeypatch):
     """The model's logit transform is read once at setup and passed as one object to the loss, the old log-probs
     and the current w(q) of every step (a stand-in transform here, soft-cap 50: the tiny Qwen2 has none)."""

@@ -157,9 +157,11 @@ def test_config_errors_exit_2_without_a_config_dump(capsys):
 @pytest.mark.parametrize("setting, message", [
     ("rollout.importance_sampling_cap=null", "config key 'rollout.importance_sampling_cap': expected a number"),
     ("algorithm.pg_objective=grpo", "config key 'algorithm.pg_objective' = 'grpo'; expected one of ppo-clip"),
-    ("algorithm.top_entropy_quantile=1.5", "top_entropy_quantile must be a number in [0, 1]")])
+    ("algorithm.top_entropy_quantile=1.5", "top_entropy_quantile must be a number in [0, 1]"),
+    ("trainer.loss_workspace_mib=0", "config key 'trainer.loss_workspace_mib' must be > 0, got 0")])
 def test_loss_option_errors_are_one_line(capsys, setting, message):
-    """No cap for the importance weight (null) and out-of-range policy options are one line, exit 2."""
+    """No cap for the importance weight (null), out-of-range policy options and no loss workspace are one line, exit
+    2."""
     assert main(["train", "--set", setting]) == 2
     assert message in one_error_line(capsys, "train")
 

@@ -28,6 +28,9 @@ class ERPOConfig(GRPOConfig):
                 "prompt beyond them is scored at theta0 from the first step's forward, and refused after it"})
     fused_linear: bool = field(default=True, metadata={
         "help": "score hidden states x lm_head without the [N, V] logits (False: the model's own logits)"})
+    loss_workspace_mib: int = field(default=1024, metadata={
+        "help": "fused_linear=True: the loss's workspace_bytes in MiB (default 1 GiB, the loss's own): more memory, "
+                "fewer passes over the fp32 d weight accumulator, faster (docs/training.md)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -38,6 +41,9 @@ class ERPOConfig(GRPOConfig):
         check_qkl_coef(self.qkl_coef)
         if not (isinstance(self.iterable_prompts, int) and self.iterable_prompts >= 1):
             raise ValueError(f"iterable_prompts must be an integer >= 1, got {self.iterable_prompts!r}")
+        if isinstance(self.loss_workspace_mib, bool) or not (isinstance(self.loss_workspace_mib, int)
+                                                             and self.loss_workspace_mib >= 1):
+            raise ValueError(f"loss_workspace_mib must be an integer >= 1 (MiB), got {self.loss_workspace_mib!r}")
         if self.loss_type not in PG_OBJECTIVES:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported by ERPOTrainer; use one of "
                              f"{list(PG_OBJECTIVES)}")

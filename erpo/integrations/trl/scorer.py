@@ -58,11 +58,13 @@ class LogitsScorer:
 
 class FusedLinearScorer:
     """The final hidden states [R, D] of the scored rows (the forward under `autocast`) and, inside `head()`, the whole
-    lm_head (`whole_lm_head`: gathered under ZeRO-3 or FSDP2) with the model's logit transform `logit_options`."""
+    lm_head (`whole_lm_head`: gathered under ZeRO-3 or FSDP2) with the model's logit transform `logit_options`;
+    `workspace_bytes`: the loss's row-chunk budget (bytes)."""
 
     def __init__(self, model, batch: PackedBatch, *, temperature: float, autocast, logit_options: dict,
-                 **forward_kwargs):
+                 workspace_bytes: int, **forward_kwargs):
         self.model, self.batch, self.temperature, self.logit_options = model, batch, temperature, logit_options
+        self.workspace_bytes = workspace_bytes
         with autocast():
             self.hidden, self.output = final_hidden_and_output(model, batch, **forward_kwargs)
         # whole_lm_head would reshard an FSDP2 head at the end of its block, before TRL's backward
@@ -108,4 +110,5 @@ class FusedLinearScorer:
         host layout (`completion_rows`' read) spares the chunk plan its own read."""
         b = self.batch
         return fused_linear_erpo_loss(self.hidden, self.weight, b.targets, b.token_kind, b.sample_index,
-                                      bias=self.bias, host_layout=b.host_layout, **inputs)
+                                      bias=self.bias, host_layout=b.host_layout, workspace_bytes=self.workspace_bytes,
+                                      **inputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -78,9 +79,10 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         tensors = dict(advantages=advantages.float(), **row_tensors)
 
         router = dict(output_router_logits=True) if self.aux_loss_enabled else {}   # the MoE aux_loss, as TRL
-        scorer = (FusedLinearScorer if self.args.fused_linear else LogitsScorer)(
-            model, batch, temperature=self.temperature, autocast=self.accelerator.autocast,
-            logit_options=self._logit_options, **router)
+        scorer_class = (partial(FusedLinearScorer, workspace_bytes=self.args.loss_workspace_mib << 20)
+                        if self.args.fused_linear else LogitsScorer)
+        scorer = scorer_class(model, batch, temperature=self.temperature, autocast=self.accelerator.autocast,
+                              logit_options=self._logit_options, **router)
         aux_loss = scorer.output.aux_loss if self.aux_loss_enabled else None
         scorer.release_output()
         with scorer.head():
