@@ -15,6 +15,11 @@ the two on two streams (d hidden on a side stream, joined by events), and d hidd
 4 GEMMs of one batched call (`baddbmm`-free: `bmm` then a sum): the d hidden GEMM has few output tiles ([G, D]) for
 its long reduction, so part of its last wave idles.
 
+Part 3, per shape: one chunk's row passes (the fused path's forward and backward row kernels on a [512, V] fp32
+logits buffer, its dlogits into a bf16 store) beside one group's d weight accumulation (the previous group's), on
+one stream and on two: whether the memory-bound row passes hide behind the compute-bound GEMM, which a pipelined
+chunk loop (a second store) would need.
+
 Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
 choosing what to build, the bench is the measurement.
 """
@@ -129,6 +134,52 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     return out
 
 
+def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repeats: int) -> list:
+    """[(case, median ms)]: one chunk's forward and backward row kernels (Triton) and one group's d weight
+    accumulation, each alone, one after the other, and on two streams."""
+    from erpo_kernels.fused_linear_loss import ROW_KERNELS
+    from erpo_kernels.validation import LogitTransform
+    d, v = shape.hidden, shape.vocab
+    kernels, transform = ROW_KERNELS["triton"], LogitTransform()
+    logits = torch.randn(chunk_rows, v, device=device) * 2
+    targets = torch.randint(0, v, (chunk_rows,), device=device)
+    stats = torch.empty(3, chunk_rows, device=device)
+    grad_logp, grad_entropy = torch.randn(chunk_rows, device=device), torch.zeros(chunk_rows, device=device)
+    store = torch.empty(chunk_rows, v, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(group_rows, d, device=device, dtype=torch.bfloat16)
+    dlogits = torch.randn(group_rows, v, device=device, dtype=torch.bfloat16)
+    dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def row_passes():
+        logp, entropy, lse = stats.unbind(0)
+        kernels.forward(logits, targets, transform, (logp, entropy, lse))
+        kernels.backward_into(store, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
+
+    def d_weight():
+        if device.type == "cuda":
+            torch.addmm(dweight, dlogits.T, hidden, out_dtype=torch.float32, out=dweight)
+        else:  # the dry run: the CPU has no fp32 output for bf16 operands
+            dweight.addmm_(dlogits.T.float(), hidden.float())
+
+    def one_stream():
+        row_passes()
+        d_weight()
+
+    def two_streams():
+        if side is None:
+            return one_stream()
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            row_passes()
+        d_weight()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    cases = {f"row passes, {chunk_rows} rows": row_passes, f"d weight +=, {group_rows} rows": d_weight,
+             "both, one stream": one_stream, "both, two streams": two_streams}
+    return [(name, time_callable(fn, device=device, warmup=1, reps=repeats).median_ms) for name, fn in cases.items()]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.fused_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b")
@@ -168,6 +219,12 @@ def main(argv=None):
         lines += ["", f"One group's GEMMs, {group_rows} rows:", "", "| case | ms (median) |", "|---|---|"]
         for case, ms in group_gemms(shape, group_rows, device, repeats):
             lines.append(f"| {case} | {ms if isinstance(ms, str) else f'{ms:.3f}'} |")
+            print(lines[-1], flush=True)
+        chunk_rows = SMOKE["n"] if args.smoke else 512
+        lines += ["", "One chunk's row passes beside one group's d weight GEMM:", "", "| case | ms (median) |",
+                  "|---|---|"]
+        for case, ms in row_passes_beside_gemm(shape, group_rows, chunk_rows, device, repeats):
+            lines.append(f"| {case} | {ms:.3f} |")
             print(lines[-1], flush=True)
         lines.append("")
         if on_cuda:

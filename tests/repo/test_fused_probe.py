@@ -1,6 +1,6 @@
 """bench.fused_probe's dry run on the CPU (the GPU run times the same calls): one row per variant with the plan
-`plan_workspace` made for it, the group GEMMs' table, the chunk rows put back after each variant, and the one-line
-refusal without a GPU."""
+`plan_workspace` made for it, the group GEMMs' table, the row passes beside a GEMM, the chunk rows put back after
+each variant, and the one-line refusal without a GPU."""
 import pytest
 import torch
 
@@ -19,6 +19,11 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
         assert int(chunk) == int(group) == fused_probe.SMOKE["n"]  # the smoke batch fits one chunk in every budget
         assert 0 < float(p20) <= float(median) <= float(p80.removesuffix(" |"))
     assert any(line.startswith("| d hidden | ") for line in lines)  # the group GEMMs' table (CPU: some refused)
+    part3 = lines[lines.index("One chunk's row passes beside one group's d weight GEMM:"):]
+    timed = [line.split(" | ")[0].removeprefix("| ") for line in part3 if line.count(" | ") == 1][1:]
+    smoke = fused_probe.SMOKE
+    assert timed == [f"row passes, {smoke['n']} rows", f"d weight +=, {smoke['group_rows']} rows",
+                     "both, one stream", "both, two streams"]
     assert fused_linear_loss.LOGITS_ROWS == library_rows
 
 
