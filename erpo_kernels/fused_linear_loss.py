@@ -522,23 +522,33 @@ class GradientGroups:
     power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
     alpha); without a separate store every chunk is its own group (its dlogits lie over its logits, which the next
     chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None, targets [N]; needs: (d hidden, d weight,
-    d bias)."""
+    d bias). The gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which
+    the first `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the
+    pre-pass, whose gathered rows the budget does not hold beside them)."""
 
     def __init__(self, workspace: Workspace, hidden, weight, bias, targets, needs: Tuple[bool, bool, bool]):
         needs_hidden, needs_weight, needs_bias = needs
+        self.workspace, self.needs_weight = workspace, needs_weight
         self.hidden, self.weight, self.bias, self.targets = hidden, weight, bias, targets
         self.capacity = workspace.group_rows
-        self.store = (hidden.new_empty(workspace.group_rows, weight.shape[0]) if workspace.separate_store
-                      else None)
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
                             else None)
         self.grad_bias = (torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
                           else None)
         self.written = False  # d weight and d bias hold a group's sums (the first group writes them: no zero fill)
-        # the open group's hidden rows with those receiving no gradient zeroed (`RowKernels.gradient_rows_into`)
-        self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1]) if needs_weight else None
+        self.store = self.gradient_rows = None  # `allocate_buffers`
         self.rows, self.scale, self.dlogits = None, 1.0, None  # the open group: its rows, fp16 scale, dlogits
+
+    def allocate_buffers(self) -> None:
+        """The workspace's group buffers: the dlogits store [group_rows, V] in hidden's dtype (with a separate store)
+        and the open group's hidden rows [group_rows, D] with those receiving no gradient zeroed
+        (`RowKernels.gradient_rows_into`; d weight's operand, when it is needed)."""
+        workspace, hidden = self.workspace, self.hidden
+        if workspace.separate_store:
+            self.store = hidden.new_empty(workspace.group_rows, self.weight.shape[0])
+        if self.needs_weight:
+            self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1])
 
     def add_chunk(self, rows: slice, logits, lse, entropy, grad_logp, grad_entropy, kernels: RowKernels,
                   transform: LogitTransform):
@@ -554,18 +564,19 @@ class GradientGroups:
         if scale != 1.0:
             grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
         in_group = slice(rows.start - self.rows.start, rows.stop - self.rows.start)
-        dlogits = gradient_view(logits, dtype) if self.store is None else self.store[in_group]
+        separate_store = self.workspace.separate_store
+        dlogits = self.store[in_group] if separate_store else gradient_view(logits, dtype)
         targets = self.targets[rows]
         kernels.backward_into(dlogits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
-        if self.gradient_rows is not None:
+        if self.needs_weight:
             kernels.gradient_rows_into(self.gradient_rows[in_group], self.hidden[rows], targets, grad_logp,
                                        grad_entropy)
         self.rows = slice(self.rows.start, rows.stop)
-        if self.store is None:
+        if separate_store:
+            self.dlogits = self.store[:rows.stop - self.rows.start]
+        else:
             self.dlogits = dlogits
             self.flush()
-        else:
-            self.dlogits = self.store[:rows.stop - self.rows.start]
 
     def flush(self):
         """The open group's GEMMs: d hidden of its rows, d weight and d bias added (nothing when none is open)."""
@@ -627,6 +638,7 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
     groups = GradientGroups(workspace, hidden, weight, bias, targets, (needs_hidden, needs_weight, needs_bias))
+    groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):
         groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
                          grad_entropy[rows], kernels, transform)
@@ -708,27 +720,34 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     read = read_rows(token_kind, sample_index, check_code, host_layout)
     logits_buffer.logits(hidden[:early])
     # What does not depend on the layout is made before the read, so that the host's work between the read and the
-    # next GEMM is the plan's alone: the rows' log-probs and entropies as the objective reads them (zeros, then the
+    # first chunk's row kernel is the plan's and the objective's setup alone (the GPU runs dry there once the GEMMs
+    # queued run out; before the read the host works while the GPU runs what was queued before the call, in a
+    # training step the model): the rows' log-probs and entropies as the objective reads them (zeros, then the
     # pre-pass values and each chunk's own), each chunk's lse (read by its own backward), the op's anchor (zeroed
-    # with the two in one launch) and the objective's settings and outputs. (The gradients' buffers come after the
-    # pre-pass, whose gathered hidden rows the workspace budget does not hold beside the group's.)
+    # with the two in one launch), the objective's settings, outputs and upload buffer, the gradients, the chunk
+    # pass and the plan's settings. (The groups' buffers come after the pre-pass, whose gathered hidden rows the
+    # workspace budget does not hold beside them.)
     logp_out, entropy_out, lse_out = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))
     anchor = hidden.new_empty((), dtype=torch.float32)
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
         logp_out, entropy_out, token_kind, sample_index, inputs, options, segment_sum, entropy_pool))
+    groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
+    chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
+                           objective, groups)
+    coupling = dict(
+        query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
+                    and inputs.ref_query_logp is not None),
+        response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
+                         or options.off_policy_mask_threshold is not None),
+        all_response_entropies=options.top_entropy_quantile < 1 and (
+            not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
 
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
-        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up)."""
-        plan = plan_chunks(
-            host_kind, host_sample, num_samples, workspace.chunk_rows,
-            query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
-                        and inputs.ref_query_logp is not None),
-            response_values=(options.ratio_level == "sequence" or options.pg_objective == "vespo"
-                             or options.off_policy_mask_threshold is not None),
-            all_response_entropies=options.top_entropy_quantile < 1 and (
-                not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
+        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
+        buffers."""
+        plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
             prepass = host_to_device(plan.prepass_rows, hidden.device)
@@ -736,6 +755,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                 hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
+        groups.allocate_buffers()
         return plan
 
     # With the caller's host_layout the plan needs nothing read: it is made, and the pre-pass and the first chunk's
@@ -754,9 +774,6 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     if not planned_early:
         host_kind, host_sample = layout.numpy().reshape(2, num_rows)
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
-    groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
-    chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
-                           objective, groups)
     if plan.chunks:
         objective.start(plan.chunks, host_kind, host_sample)
     for chunk, (start, stop) in enumerate(plan.chunks):

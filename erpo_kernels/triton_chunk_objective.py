@@ -38,6 +38,7 @@ import torch
 
 from .common import host_to_device
 from .triton_objective import (
+    FinishOutputs,
     SampleOutputs,
     fp32_loss_tensors,
     launch_finish_kernel,
@@ -70,7 +71,7 @@ def chunk_layout(chunks: List[Tuple[int, int]], token_kind: np.ndarray, sample_i
     token_kind and sample_index: O(N) vectorised passes (host time between the call's read and its chunk loop,
     with only the first chunk's logits GEMM queued), a sort only when the scored rows' samples are not ascending
     already (interleaved samples)."""
-    scored = np.flatnonzero(token_kind)
+    scored = np.flatnonzero(token_kind != 0)  # a boolean's nonzero: a third of an int64's time
     samples = sample_index[scored].astype(np.int64, copy=False)
     in_order = _ascending(samples)  # packed samples: their rows in row order are already grouped by sample
     rows_by_sample = scored if in_order else scored[np.argsort(samples, kind="stable")]
@@ -106,15 +107,21 @@ class TritonChunkObjective:
     logp, entropy [N] fp32: the vectors the chunks fill (pre-pass values at first; chunk c's own written before its
     `gradient`), read by reference as they change; token_kind [N] on the device; inputs, options validated;
     entropy_pool [m] fp32: the filter's pool when options.top_entropy_gather gathered one (fused_linear_erpo_loss
-    does it before the op), else None. Made before the call's host read (nothing here needs the layout)."""
+    does it before the op), else None. Made before the call's host read, with what needs no layout (the outputs of
+    kernels 1 and 2, the [N] gradients whose rows each chunk's kernel 3 writes), so that `start`, between the read
+    and the first chunk, is the layout's work alone."""
 
     def __init__(self, logp, entropy, token_kind, inputs: LossInputs, options: LossOptions,
                  entropy_pool: Optional[torch.Tensor]):
         self.logp, self.entropy, self.token_kind = logp, entropy, token_kind.contiguous()
         self.options, self.entropy_pool = options, entropy_pool
         self.loss_tensors = fp32_loss_tensors(inputs)
+        self.denominators = tensor_denominators(options)
         self.settings = objective_settings(options, inputs, has_entropy=True)
-        self.outputs = SampleOutputs.empty(logp.shape[0], inputs.advantages.shape[0], logp.device)
+        num_rows, num_samples = logp.shape[0], inputs.advantages.shape[0]
+        self.outputs = SampleOutputs.empty(num_rows, num_samples, logp.device)
+        self.finish = FinishOutputs.empty(logp.device)  # kernel 2's, of which the chunks read the global factors
+        self.grad_logp, self.grad_entropy = torch.empty_like(logp), torch.empty_like(entropy)
 
     def start(self, chunks, host_kind: np.ndarray, host_sample: np.ndarray) -> None:
         """The once-per-call work on the rows' layout (host arrays as `chunk_layout`'s) and the pre-pass values:
@@ -128,7 +135,7 @@ class TritonChunkObjective:
         self.threshold = _entropy_threshold(self.entropy, self.token_kind, self.options, self.entropy_pool)
         launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, self.rows_by_sample,
                              self.sample_starts, None, self.loss_tensors, self.threshold, self.settings)
-        self.scales = launch_finish_kernel(self.outputs, *tensor_denominators(self.options), self.settings)[3]
+        launch_finish_kernel(self.outputs, *self.denominators, self.settings, results=self.finish)
 
     def gradient(self, chunk: int, rows: slice):
         first, last = self.program_offsets[chunk], self.program_offsets[chunk + 1]
@@ -137,7 +144,8 @@ class TritonChunkObjective:
                              self.settings)
         # d loss / d loss = 1 (grad_loss None): the op's backward scales the stored gradients by the incoming one
         return launch_grad_kernel(None, self.token_kind[rows], self.outputs.coef_logp[rows],
-                                  self.outputs.coef_entropy[rows], self.scales)
+                                  self.outputs.coef_entropy[rows], self.finish.scales,
+                                  out=(self.grad_logp[rows], self.grad_entropy[rows]))
 
 
 def _entropy_threshold(entropy, token_kind, options: LossOptions, entropy_pool):

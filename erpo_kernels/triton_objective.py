@@ -1170,11 +1170,13 @@ def launch_finish_kernel(out: SampleOutputs, num_items, num_seqs, settings: List
     return loss, metrics, counts, scales
 
 
-def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales):
+def launch_grad_kernel(grad_loss, token_kind, coef_logp, coef_entropy, scales, out=None):
     """Kernel 3: (d loss / d token_logp, d loss / d entropy), each [n] fp32, of the n rows whose token_kind and
-    coefficients are given ([n] each), for grad_loss [] (None: 1) and the global factors [3]."""
+    coefficients are given ([n] each), for grad_loss [] (None: 1) and the global factors [3]; written into `out`
+    when given (two contiguous [n] fp32 tensors, returned), else allocated."""
     num_rows = coef_logp.shape[0]
-    grad_logp, grad_entropy = torch.empty_like(coef_logp), torch.empty_like(coef_entropy)
+    grad_logp, grad_entropy = out if out is not None else (torch.empty_like(coef_logp),
+                                                           torch.empty_like(coef_entropy))
     if num_rows > 0:
         _objective_grad_kernel[(-(-num_rows // ROW_BLOCK),)](  # cdiv (triton.cdiv is a jit call: ~10 us)
             grad_loss, token_kind, coef_logp, coef_entropy, scales, grad_logp, grad_entropy, num_rows, BLOCK=ROW_BLOCK)

@@ -576,12 +576,15 @@ def test_a_host_layout_that_disagrees_with_the_rows_is_refused_with_validate(dev
                                    host_layout=stale, **inputs)
 
 
-def launches_and_read(batch, rows, host_layout=None, **options):
-    """[(kind, name)] of one forward's launches and host reads in order (LaunchCounter.order), Triton backend,
-    validate=True, chunks of `rows` rows, the Query-KL and the sequence-level ratio."""
+def launches_and_read(batch, rows, host_layout=None, counter=None, gradients=False, **options):
+    """[(kind, name)] of one forward's launches and host reads in order (LaunchCounter.order, or that of `counter`, a
+    LaunchCounter), Triton backend, validate=True, chunks of `rows` rows, the Query-KL and the sequence-level ratio;
+    gradients: hidden, weight and bias require them (the op forms them in its forward)."""
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     hidden, weight, bias = linear(len(batch["targets"]), torch.float32, batch["targets"].device)
-    with LaunchCounter() as counter:
+    if gradients:
+        hidden, weight, bias = leaves(hidden, weight, bias)
+    with counter or LaunchCounter() as counter:
         if host_layout is not None:
             counter.host_memory(host_layout)  # on the CPU, else taken for a device tensor
         fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
@@ -615,6 +618,45 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
         assert (forward in planned) == prepass, order
         assert planned.count(gemm) == 1 + planned.count(forward), order
         assert gemm not in (after[:loop] if host_layout is not None else before[early + 1:]), order
+
+
+class AllocationsInOrder(LaunchCounter):
+    """A LaunchCounter whose `order` also lists each aten allocation, as ("alloc", name): host work that the GPU
+    waits through when it falls between the call's read and its next launch."""
+
+    ALLOCATIONS = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name in self.ALLOCATIONS and not self._inside_triton:
+            self.order.append(("alloc", f"aten.{name}"))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, device):
+    """validate=True without host_layout (`python -m bench --paths fused`'s call): what needs no layout is made
+    before the op's one host read (the objective's outputs, its [N] gradients and the layout's upload buffer, the
+    op's gradients: on CUDA host work the GPU waits through once the GEMMs queued run out), so that between the read
+    and the first chunk's forward row kernel come the plan's GEMMs (with a pre-pass its three vectors too), the
+    groups' buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them) and the
+    objective setup's two launches, nothing else."""
+    batch = packed_batch(SAMPLES, device)
+    order = launches_and_read(batch, rows, counter=AllocationsInOrder(), gradients=True)
+    read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
+    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
+    first_chunk = order.index(forward, order.index(objective_setup[-1], read))  # its forward row kernel
+    before, after = order[:read], order[read + 1:first_chunk]
+    assert before.index(gemm) < before.index(("launch", "triton._zero_kernel")), before
+    # after the read: the pre-pass's logp, entropy and lse, then d weight's masked hidden rows (budget_for's plan:
+    # the dlogits over the logits, no store)
+    prepass_vectors = [("alloc", "aten.empty")] * 3 * prepass
+    assert [entry for entry in after if entry[0] == "alloc"] == prepass_vectors + [("alloc", "aten.new_empty")], after
+    assert after[-2:] == objective_setup, after
+    planned = [entry for entry in after[:-2] if entry[0] == "launch"]  # per pre-pass piece its gathers, GEMM, forward
+    assert planned[-1] == gemm and planned.count(gemm) == 1 + planned.count(forward), after
+    assert (forward in planned) == prepass, after
 
 
 BAD_ROWS = [
