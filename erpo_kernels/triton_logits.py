@@ -40,7 +40,7 @@ from .triton_common import (
     transform_arguments,
     transformed_logits,
 )
-from .triton_objective import objective_row_gradients
+from .triton_objective import as_fp32, objective_row_gradients
 from .validation import NO_TRANSFORM, LogitTransform
 
 
@@ -407,7 +407,7 @@ def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad
     if num_rows > 0:
         FORWARD_VARIANTS[variant_name or _forward_variant[0]].backward[(num_rows,)](
             logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
-            targets, lse, entropy, grad_logp.float().contiguous(), grad_entropy.float().contiguous(), kind, scales,
+            targets, lse, entropy, as_fp32(grad_logp), as_fp32(grad_entropy), kind, scales,
             grad_loss, vocab_size, *transform_arguments(transform), FROM_COEFFICIENTS=coefficients is not None,
             BLOCK_V=block_v, num_warps=_num_warps(block_v))
 

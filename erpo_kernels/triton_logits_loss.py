@@ -26,6 +26,7 @@ from .triton_logits import _forward_variant, _launch_backward, _launch_forward
 from .triton_objective import (
     NodeWorkspace,
     ObjectivePlan,
+    as_fp32,
     launch_node_objective,
     loss_output_in_slots,
     objective_arguments,
@@ -86,7 +87,7 @@ class _LogitsLoss(torch.autograd.Function):
             return None, None
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
-                         (token_kind, scales, grad_loss.float()), ctx.variant)
+                         (token_kind, scales, as_fp32(grad_loss)), ctx.variant)
         return grad_logits, None
 
 

@@ -78,7 +78,7 @@ from .triton_segment import (
     span_bounds,
     triton_sample_spans,
 )
-from .validation import LogitTransform, LossInputs, LossOptions
+from .validation import INPUT_NAMES, LogitTransform, LossInputs, LossOptions
 
 # Columns of the per-sample partials [S, P] (fp32) written by the sample kernel and reduced by the finish kernel.
 QUERY_ROWS, RESPONSE_ROWS, QKL, TERM, PG, POLICY_KL, ENTROPY, CLIPPED, RATIO, IS_WEIGHT, GAP_ABS, GAP_MAX, \
@@ -105,6 +105,26 @@ SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 # Each region of the one-node loss's workspace (`NodeWorkspace`) begins at a multiple of this many elements (64
 # bytes), whatever N and S: `_node_regions`.
 REGION_ALIGN = tl.constexpr(16)
+# What `_objective_sample_finish_kernel` reads as globals rather than parameters (each parameter a launch binds costs
+# the host; these never change): NUM_PARTIALS, ROW_BLOCK, SAMPLE_BLOCK and the length of FLOAT_METRICS
+NODE_NUM_PARTIALS = tl.constexpr(NUM_PARTIALS)
+NODE_ROW_BLOCK = tl.constexpr(ROW_BLOCK)
+NODE_SAMPLE_BLOCK = tl.constexpr(SAMPLE_BLOCK)
+NODE_NUM_METRICS = tl.constexpr(len(FLOAT_METRICS))
+# The option flags of `_objective_sample_finish_kernel` (the sample kernel's and the finish kernel's constexprs of
+# these names), packed into its one constexpr FLAGS: bit i is NODE_FLAGS[i] (`node_flags`; the kernel unpacks them in
+# this order). One parameter instead of twenty: binding a launch's parameters is host time (`python -m
+# bench.host_cost`'s binding row).
+NODE_FLAGS = ("HAS_ENTROPY", "HAS_QKL_REFERENCE", "HAS_QUERY_WEIGHT", "HAS_OLD", "HAS_REF_LOGP", "HAS_TOKEN_WEIGHT",
+              "HAS_ROLLOUT", "HAS_IS_CAP", "HAS_DUAL", "HAS_PG_CLAMP", "HAS_KL_CLAMP", "USE_QKL", "USE_POLICY_KL",
+              "ENTROPY_IN_TERM", "SEQUENCE_RATIO", "BIAS_CORRECTION", "PER_TOKEN_MEAN", "HAS_OFF_POLICY",
+              "HAS_ENTROPY_FILTER", "ENTROPY_TOKEN_MEAN")
+
+
+def node_flags(flags: dict) -> int:
+    """`_objective_sample_finish_kernel`'s FLAGS from {name: bool} for every name of NODE_FLAGS (a KeyError names
+    one left out): bit i set where NODE_FLAGS[i] is true."""
+    return sum(1 << bit for bit, name in enumerate(NODE_FLAGS) if flags[name])
 
 
 def fuses(options: LossOptions, token_logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> bool:
@@ -361,25 +381,39 @@ def _node_scalars(scalars_ptr):
 def _objective_sample_finish_kernel(
     workspace_ptr, row_stride, kind_ptr, spans_ptr, sample_ptr, advantages_ptr, ref_query_logp_ptr, query_weight_ptr,
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr, scalars_ptr,
-    num_items_ptr, num_seqs_ptr, counts_ptr,
-    HAS_ENTROPY: tl.constexpr, HAS_QKL_REFERENCE: tl.constexpr, HAS_QUERY_WEIGHT: tl.constexpr, HAS_OLD: tl.constexpr,
-    HAS_REF_LOGP: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr, HAS_ROLLOUT: tl.constexpr,
-    HAS_IS_CAP: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_PG_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
-    USE_QKL: tl.constexpr, USE_POLICY_KL: tl.constexpr, ENTROPY_IN_TERM: tl.constexpr,
-    SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
-    QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
-    HAS_ENTROPY_FILTER: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
-    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr, NUM_METRICS: tl.constexpr,
+    num_items_ptr, num_seqs_ptr, counts_ptr, FLAGS: tl.constexpr, QKL_ESTIMATOR: tl.constexpr,
+    PG_OBJECTIVE: tl.constexpr, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
 ):
     """`_objective_sample_kernel` on each sample's span whose last program also runs kernel 2
     (`_finish_objective`): the one-node loss's objective in one launch (`launch_node_objective`). Its fp32 inputs and
     outputs (logp, entropy, the coefficients, the partials, the finish's results) are regions of one workspace
-    (`_node_regions`), its float settings one vector (`_node_scalars`): 17 parameters besides the constexprs, was 47,
-    each one a launch binds on the host (`python -m bench.host_cost`)."""
+    (`_node_regions`), its float settings one vector (`_node_scalars`), its option flags the bits of FLAGS
+    (NODE_FLAGS' order, `node_flags`) and its fixed sizes globals: 23 parameters, was 46 with a constexpr for each
+    flag and size (and 76 before the workspace and the vector), each one a launch binds on the host (`python -m
+    bench.host_cost`)."""
+    HAS_ENTROPY: tl.constexpr = (FLAGS >> 0) & 1 == 1
+    HAS_QKL_REFERENCE: tl.constexpr = (FLAGS >> 1) & 1 == 1
+    HAS_QUERY_WEIGHT: tl.constexpr = (FLAGS >> 2) & 1 == 1
+    HAS_OLD: tl.constexpr = (FLAGS >> 3) & 1 == 1
+    HAS_REF_LOGP: tl.constexpr = (FLAGS >> 4) & 1 == 1
+    HAS_TOKEN_WEIGHT: tl.constexpr = (FLAGS >> 5) & 1 == 1
+    HAS_ROLLOUT: tl.constexpr = (FLAGS >> 6) & 1 == 1
+    HAS_IS_CAP: tl.constexpr = (FLAGS >> 7) & 1 == 1
+    HAS_DUAL: tl.constexpr = (FLAGS >> 8) & 1 == 1
+    HAS_PG_CLAMP: tl.constexpr = (FLAGS >> 9) & 1 == 1
+    HAS_KL_CLAMP: tl.constexpr = (FLAGS >> 10) & 1 == 1
+    USE_QKL: tl.constexpr = (FLAGS >> 11) & 1 == 1
+    USE_POLICY_KL: tl.constexpr = (FLAGS >> 12) & 1 == 1
+    ENTROPY_IN_TERM: tl.constexpr = (FLAGS >> 13) & 1 == 1
+    SEQUENCE_RATIO: tl.constexpr = (FLAGS >> 14) & 1 == 1
+    BIAS_CORRECTION: tl.constexpr = (FLAGS >> 15) & 1 == 1
+    PER_TOKEN_MEAN: tl.constexpr = (FLAGS >> 16) & 1 == 1
+    HAS_OFF_POLICY: tl.constexpr = (FLAGS >> 17) & 1 == 1
+    HAS_ENTROPY_FILTER: tl.constexpr = (FLAGS >> 18) & 1 == 1
+    ENTROPY_TOKEN_MEAN: tl.constexpr = (FLAGS >> 19) & 1 == 1
     logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr, \
-        loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, row_stride, tl.num_programs(0), NUM_PARTIALS_,
-                                                          NUM_METRICS)
+        loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, row_stride, tl.num_programs(0),
+                                                          NODE_NUM_PARTIALS, NODE_NUM_METRICS)
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef, \
         qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg, \
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, num_items, \
@@ -394,9 +428,9 @@ def _objective_sample_finish_kernel(
         HAS_QKL_REFERENCE, HAS_QUERY_WEIGHT, HAS_OLD, HAS_REF_LOGP, HAS_TOKEN_WEIGHT, HAS_ROLLOUT, HAS_IS_CAP,
         HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
         BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
-        False, True, NUM_PARTIALS_, BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr,
-        scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG, ENTROPY_TOKEN_MEAN,
-        FINISH_BLOCK)
+        False, True, NODE_NUM_PARTIALS, NODE_ROW_BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr,
+        counts_ptr, scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG,
+        ENTROPY_TOKEN_MEAN, NODE_SAMPLE_BLOCK)
 
 
 @triton.jit
@@ -1085,9 +1119,10 @@ def _cached_kernel_arguments(settings: Tuple[float, ...]) -> KernelArguments:
         ENTROPY_TOKEN_MEAN=not flag("entropy_in_loss_agg") and s["entropy_coef"] != 0,
         HAS_OFF_POLICY=flag("has_off_policy"), VESPO=s["pg_objective"] == PG_OBJECTIVE_CODES["vespo"],
         NUM_PARTIALS_=NUM_PARTIALS, BLOCK=SAMPLE_BLOCK)
-    sample_finish_constexprs = dict(sample_constexprs, **{name: finish_constexprs[name] for name in (
-        "NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG", "ENTROPY_TOKEN_MEAN")}, FINISH_BLOCK=SAMPLE_BLOCK,
-        NUM_METRICS=len(FLOAT_METRICS))
+    sample_finish_constexprs = dict(
+        FLAGS=node_flags(dict(sample_constexprs, ENTROPY_TOKEN_MEAN=finish_constexprs["ENTROPY_TOKEN_MEAN"])),
+        **{name: sample_constexprs[name] for name in ("QKL_ESTIMATOR", "PG_OBJECTIVE")},
+        **{name: finish_constexprs[name] for name in ("NUM_ITEMS_MODE", "NUM_SEQS_MODE", "LOSS_AGG")})
     return KernelArguments(sample_scalars, sample_constexprs, finish_scalars, finish_constexprs,
                            sample_finish_constexprs, tuple(s[name] for name in NODE_SCALARS))
 
@@ -1263,19 +1298,23 @@ _objective = DirectOp(objective_op, objective_forward, _setup_context, _backward
 _objective_backward = DirectOp(objective_backward_op, objective_backward)
 
 
-def _as_fp32(tensor):
-    return None if tensor is None else tensor.float().contiguous()
+def as_fp32(tensor):
+    """`tensor` as fp32 and contiguous (itself when it is: no dispatch of the no-op `float` and `contiguous`, about
+    1 us a tensor on the host), or None."""
+    if tensor is None or (tensor.dtype == torch.float32 and tensor.is_contiguous()):
+        return tensor
+    return tensor.float().contiguous()
 
 
 def fp32_loss_tensors(inputs: LossInputs) -> tuple:
     """The `LossInputs` tensors in their order, as the kernels read them: fp32, contiguous, or None."""
-    return tuple(_as_fp32(tensor) for tensor in inputs.as_kwargs().values())
+    return tuple([as_fp32(getattr(inputs, name)) for name in INPUT_NAMES])
 
 
 def tensor_denominators(options: LossOptions) -> tuple:
     """(num_items, num_seqs), each a 1-element fp32 tensor when the option is a tensor, else None (a number or None
     travels in the settings)."""
-    return tuple(_as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
+    return tuple(as_fp32(value.reshape(1)) if isinstance(value, torch.Tensor) else None
                  for value in (options.num_items, options.num_seqs))
 
 
@@ -1323,17 +1362,19 @@ def loss_output(loss, token_logp, entropy, query_logp, response_logp, metrics, c
     """The LossOutput of the objective's outputs (loss [], query_logp, response_logp [S], the metrics and counts
     vectors) for token_logp and entropy [N] (or None: NaN entropies, the entropy metrics absent)."""
     slots = metric_slots(objective.applicable_metrics(inputs, options, has_entropy=entropy is not None))
-    return loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts, slots)
+    detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
+    return loss_output_in_slots(loss, token_logp.detach(), detached_entropy, query_logp, response_logp, metrics,
+                                counts, slots)
 
 
 def loss_output_in_slots(loss, token_logp, entropy, query_logp, response_logp, metrics, counts,
                          slots: Tuple[Optional[int], ...]) -> LossOutput:
-    """`loss_output` with the metrics' places given (`metric_slots`; `ObjectivePlan.metric_slots`): LossMetrics
-    filled by position, as `LossMetrics.for_call` fills it by name, on its first read (`SlotMetrics`)."""
-    detached_entropy = torch.full_like(token_logp, float("nan")) if entropy is None else entropy.detach()
-    return LossOutput(loss=loss, token_logp=token_logp.detach(), query_logp=query_logp,
-                      response_logp=response_logp, entropy=detached_entropy,
-                      metrics=SlotMetrics.of(metrics, counts, slots))
+    """`loss_output` with the metrics' places given (`metric_slots`; `ObjectivePlan.metric_slots`) and token_logp,
+    entropy [N] that carry no gradient (detached, or made without one: the one-node loss's, whose two detaches
+    were two more dispatches a call): LossMetrics filled by position, as `LossMetrics.for_call` fills it by name,
+    on its first read (`SlotMetrics`)."""
+    return LossOutput(loss=loss, token_logp=token_logp, query_logp=query_logp, response_logp=response_logp,
+                      entropy=entropy, metrics=SlotMetrics.of(metrics, counts, slots))
 
 
 def slot_fields(metrics: torch.Tensor, counts: torch.Tensor, slots: Tuple[Optional[int], ...]) -> dict:

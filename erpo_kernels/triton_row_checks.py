@@ -28,14 +28,16 @@ from .triton_segment import (
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
+# the kernel's fixed sizes, as globals rather than parameters (each parameter a launch binds costs the host)
+CHECK_BLOCK = tl.constexpr(BLOCK_ROWS)
+NUM_CHECKS = tl.constexpr(len(ROW_CHECKS))
 
 
 @triton.jit
 def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, rollout_logp_ptr, code_ptr, num_rows,
                           num_samples, vocab_size, HAS_TARGETS: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr,
-                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, WITH_SCORED_TARGETS: tl.constexpr,
-                          NUM_CHECKS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, WITH_SCORED_TARGETS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * CHECK_BLOCK + tl.arange(0, CHECK_BLOCK)
     inside = rows < num_rows
     none = num_rows * NUM_CHECKS  # past every code
     kind = tl.load(kind_ptr + rows, mask=inside, other=0)
@@ -89,7 +91,7 @@ def first_bad_row(token_kind: torch.Tensor, sample_index: torch.Tensor, targets:
             token_kind, sample_index, targets, token_weight, rollout_logp,
             code, num_rows, num_samples, vocab_size, HAS_TARGETS=targets is not None,
             HAS_TOKEN_WEIGHT=token_weight is not None, HAS_ROLLOUT=rollout_logp is not None, WITH_SPANS=with_spans,
-            WITH_SCORED_TARGETS=with_scored_targets, NUM_CHECKS=len(ROW_CHECKS), BLOCK=BLOCK_ROWS)
+            WITH_SCORED_TARGETS=with_scored_targets)
     return code
 
 

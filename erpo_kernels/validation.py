@@ -167,6 +167,19 @@ class LossOptions:
             raise TypeError(f"top_entropy_gather must be None or a function [n] -> [m], got "
                             f"{type(self.top_entropy_gather).__name__}")
 
+    def __hash__(self) -> int:
+        """The dataclass's hash of the fields (equal options hash alike), computed once: an instance is frozen, and a
+        loss call looks its options up (`triton_objective.objective_plan`), which hashed the 32 fields anew, ~2 us."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, name) for name in OPTION_NAMES))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        """The fields alone, for pickle and copy: a string's hash differs from one process to the next."""
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @property
     def logit_transform(self) -> LogitTransform:
         """temperature, logit_scale and logit_softcap as the one object the token pass (every backend) takes."""
@@ -471,15 +484,16 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     if opts.policy_kl_coef != 0 and ref_logp is None:
         raise ValueError("ref_logp (reference log-probs, shape [N]) is required when policy_kl_coef != 0")
 
-    messages = {  # ROW_CHECKS' messages, naming the row
-        "token_kind": lambda row: f"token_kind must be 0, 1 or 2; row {row} holds {int(token_kind[row])}",
-        "sample_index": lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on scored "
-                                    f"rows; row {row} holds {int(sample_index[row])}",
-        "targets": target_message(targets, vocab_size),
-        "token_weight": lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
-                                    f"{float(token_weight[row])}",
-        "rollout_logp": lambda row: f"rollout_logp is NaN on response row {row}",
-    }
+    def messages() -> dict:  # ROW_CHECKS' messages, naming the row; made only where a row fails (or to check rows)
+        return {
+            "token_kind": lambda row: f"token_kind must be 0, 1 or 2; row {row} holds {int(token_kind[row])}",
+            "sample_index": lambda row: f"sample_index must lie in [0, {num_samples}) (S = len(advantages)) on "
+                                        f"scored rows; row {row} holds {int(sample_index[row])}",
+            "targets": target_message(targets, vocab_size),
+            "token_weight": lambda row: f"token_weight must be finite and >= 0 on scored rows; row {row} holds "
+                                        f"{float(token_weight[row])}",
+            "rollout_logp": lambda row: f"rollout_logp is NaN on response row {row}",
+        }
     if validate and first_bad_row is not None:
         code = first_bad_row(token_kind, sample_index, targets, token_weight, rollout_logp, num_samples, vocab_size)
         code, scored_targets = code if isinstance(code, tuple) else (code, None)
@@ -502,7 +516,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
             "rollout_logp": lambda: (token_kind == 2) & rollout_logp.isnan(),
         }
         present = {"targets": targets, "token_weight": token_weight, "rollout_logp": rollout_logp}
-        check_rows([*caller_checks, *((masks[name](), messages[name]) for name in ROW_CHECKS
+        message = messages()
+        check_rows([*caller_checks, *((masks[name](), message[name]) for name in ROW_CHECKS
                                       if present.get(name, True) is not None)])
     return scored_targets, opts, checks_done
 
@@ -535,8 +550,8 @@ def rows_passed(code: torch.Tensor, num_rows: int) -> bool:
     return value == num_rows * len(ROW_CHECKS) and not any(failing)
 
 
-def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict, caller_checks=()) -> None:
-    """Raise ValueError(messages[check](row)) for `code` [1] int64 = check * N + row (`check_loss_inputs`); nothing
+def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: Callable[[], dict], caller_checks=()) -> None:
+    """Raise ValueError(messages()[check](row)) for `code` [1] int64 = check * N + row (`check_loss_inputs`); nothing
     when code = N * len(ROW_CHECKS). With `caller_checks`, code [1 + K] also holds whether each fails (1), which
     raises first (`check_rows`: their bad rows are read on that way only). One host read; under torch.compile a
     device-side assert instead."""
@@ -549,4 +564,4 @@ def raise_first_bad_row(code: torch.Tensor, num_rows: int, messages: dict, calle
         check_rows(caller_checks)
     if value < passed:
         check, row = divmod(value, num_rows)
-        raise ValueError(messages[ROW_CHECKS[check]](row))
+        raise ValueError(messages()[ROW_CHECKS[check]](row))

@@ -96,3 +96,20 @@ def test_api_options_table_is_loss_options():
     table = api_options_table()
     assert sorted(name for name, _ in table) == sorted(option.name for option in OPTIONS)   # each once
     assert dict(table) == {option.name: option.default for option in OPTIONS}
+
+
+def test_options_hash_once_as_the_dataclass_and_equal_options_alike():
+    """LossOptions keeps its hash after the first (a loss call looks its options up in caches): equal options hash
+    alike whichever was hashed first, unequal ones apart, and pickle / copy carry the fields, not the cached hash
+    (a string's hash differs from one process to the next)."""
+    import copy
+    import pickle
+
+    first, second = LossOptions(qkl_coef=0.02, pg_objective="cispo"), LossOptions(qkl_coef=0.02, pg_objective="cispo")
+    assert hash(first) == hash(first) == hash(second) and first == second
+    assert hash(first) == hash(tuple(getattr(first, field.name) for field in OPTIONS))  # the dataclass's own rule
+    assert {first: 1}[second] == 1 and LossOptions(qkl_coef=0.03) not in {first: 1}
+    for clone in (pickle.loads(pickle.dumps(first)), copy.deepcopy(first), copy.copy(first),
+                  dataclasses.replace(first)):
+        assert "_hash" not in vars(clone) and clone == first and hash(clone) == hash(first)
+    assert dataclasses.asdict(first) == dataclasses.asdict(second) and "_hash" not in dataclasses.asdict(first)

@@ -139,14 +139,16 @@ def compile_objective_kernels():
         num_seqs_ptr="*fp32", counts_ptr="*i64")
     for on, loss_agg, mode, sequence, objective in ((False, 0, 0, False, "ppo-clip"), (True, 1, 2, False, "ppo-clip"),
                                                     (True, 2, 1, True, "vespo"), (True, 0, 0, True, "cispo")):
-        constexprs = dict(triton_objective.kernel_arguments(
-            [0.0] * len(triton_objective.SETTING_NAMES)).sample_finish_constexprs)
-        constexprs.update({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence, QKL_ESTIMATOR=3,
-                          PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective], HAS_DUAL=on and objective ==
-                          "ppo-clip", NUM_ITEMS_MODE=mode, NUM_SEQS_MODE=mode, LOSS_AGG=loss_agg,
-                          ENTROPY_TOKEN_MEAN=on,
+        flags = dict({name: on for name in sample_flags}, SEQUENCE_RATIO=sequence,
+                     HAS_DUAL=on and objective == "ppo-clip", ENTROPY_TOKEN_MEAN=on)
+        constexprs = dict(FLAGS=triton_objective.node_flags(flags), QKL_ESTIMATOR=3,
+                          PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective], NUM_ITEMS_MODE=mode,
+                          NUM_SEQS_MODE=mode, LOSS_AGG=loss_agg,
                           **{name: None for name in optional if not on and name != "entropy_ptr"},
                           **({} if mode == 2 else {"num_items_ptr": None, "num_seqs_ptr": None}))
+        # the constexprs a launch passes (`kernel_arguments`), and no others
+        assert constexprs.keys() >= triton_objective.kernel_arguments(
+            [0.0] * len(triton_objective.SETTING_NAMES)).sample_finish_constexprs.keys()
         compiled = compile_for_hopper(triton_objective._objective_sample_finish_kernel, node_signature, constexprs,
                                       num_warps=4)
         print(f"compiled objective-sample-finish flags={on} loss_agg={loss_agg} mode={mode} sequence={sequence} "
@@ -173,7 +175,6 @@ def compile_objective_kernels():
             kind_ptr="*i64", sample_ptr="*i64", targets_ptr="*i64", token_weight_ptr="*fp32",
             rollout_logp_ptr="*fp32", code_ptr="*i64", num_rows="i32", num_samples="i32", vocab_size="i32"),
             dict(HAS_TARGETS=on, HAS_TOKEN_WEIGHT=on, HAS_ROLLOUT=on, WITH_SPANS=on, WITH_SCORED_TARGETS=on,
-                 NUM_CHECKS=5, BLOCK=triton_row_checks.BLOCK_ROWS,
                  **({} if on else {"targets_ptr": None, "token_weight_ptr": None, "rollout_logp_ptr": None})))
     print("compiled first-bad-row", flush=True)
     compile_for_hopper(triton_quantile._masked_quantile_kernel, dict(
