@@ -87,6 +87,27 @@ def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) 
     return out
 
 
+def one_and_two_streams(side_work, main_work, device):
+    """(one_stream, two_streams): callables that run side_work then main_work on the current stream, and the two side
+    by side, side_work on a side stream joined by events (on the CPU, the dry run, one stream both times)."""
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def one_stream():
+        side_work()
+        main_work()
+
+    def two_streams():
+        if side is None:  # the dry run: no streams on the CPU
+            return one_stream()
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            side_work()
+        main_work()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    return one_stream, two_streams
+
+
 def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     """[(case, median ms)] of one group's d hidden and d weight GEMMs, on one stream, on two, d hidden split 4-way."""
     d, v = shape.hidden, shape.vocab
@@ -97,7 +118,6 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     dhidden = torch.empty(group_rows, d, device=device, dtype=dtype)
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
     split = 4 if v % 4 == 0 else 1
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def d_hidden():
         torch.mm(dlogits, weight, out=dhidden)
@@ -105,18 +125,7 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     def d_weight():
         torch.addmm(dweight, dlogits.T, hidden, out_dtype=torch.float32, out=dweight)
 
-    def one_stream():
-        d_hidden()
-        d_weight()
-
-    def two_streams():
-        if side is None:  # the dry run: no streams on the CPU
-            return one_stream()
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            d_hidden()
-        d_weight()
-        torch.cuda.current_stream(device).wait_stream(side)
+    one_stream, two_streams = one_and_two_streams(d_hidden, d_weight, device)
 
     def d_hidden_split():
         parts = torch.bmm(dlogits.view(group_rows, split, v // split).transpose(0, 1),
@@ -149,7 +158,6 @@ def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repe
     hidden = torch.randn(group_rows, d, device=device, dtype=torch.bfloat16)
     dlogits = torch.randn(group_rows, v, device=device, dtype=torch.bfloat16)
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def row_passes():
         logp, entropy, lse = stats.unbind(0)
@@ -162,18 +170,7 @@ def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repe
         else:  # the dry run: the CPU has no fp32 output for bf16 operands
             dweight.addmm_(dlogits.T.float(), hidden.float())
 
-    def one_stream():
-        row_passes()
-        d_weight()
-
-    def two_streams():
-        if side is None:
-            return one_stream()
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            row_passes()
-        d_weight()
-        torch.cuda.current_stream(device).wait_stream(side)
+    one_stream, two_streams = one_and_two_streams(row_passes, d_weight, device)
 
     cases = {f"row passes, {chunk_rows} rows": row_passes, f"d weight +=, {group_rows} rows": d_weight,
              "both, one stream": one_stream, "both, two streams": two_streams}
