@@ -63,22 +63,18 @@ def logits_rows(rows):
 
 def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
     """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
-    import erpo_kernels
     from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
 
-    from .contenders import ERPO_OPTIONS, _erpo_tensors
+    from .contenders import erpo_fused_with_workspace
 
     layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu()
     out = []
     for name, rows, gib, host in VARIANTS:
         budget = DEFAULT_WORKSPACE_BYTES if gib is None else int(gib * gib_unit * GIB)
-        extra = {"host_layout": layout} if host else {}
+        prepared = erpo_fused_with_workspace(budget, layout if host else None)(problem)  # the bench's own call
 
         def step():
-            loss = erpo_kernels.fused_linear_erpo_loss(
-                problem.hidden, problem.weight, problem.targets, problem.token_kind, problem.sample_index,
-                backend="triton", workspace_bytes=budget, **extra, **_erpo_tensors(problem), **ERPO_OPTIONS).loss
-            torch.autograd.grad(loss, [problem.hidden, problem.weight])
+            torch.autograd.grad(prepared.run(), prepared.inputs)
 
         with logits_rows(rows):
             plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
