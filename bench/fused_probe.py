@@ -13,7 +13,9 @@ Part 2, per shape: one group's d hidden and d weight GEMMs (`--group-rows` rows 
 calls: `mm` into d hidden, `addmm` into the fp32 [V, D] accumulator) one after the other on one stream, against
 the two on two streams (d hidden on a side stream, joined by events), and d hidden split over the vocabulary into
 4 GEMMs of one batched call (`baddbmm`-free: `bmm` then a sum): the d hidden GEMM has few output tiles ([G, D]) for
-its long reduction, so part of its last wave idles.
+its long reduction, so part of its last wave idles. Two more d weight cases price the fp32 accumulator: written
+with beta 0 (the first group's call: the accumulator is not read), and accumulated transposed ([D, V] += hidden^T @
+dlogits, another cuBLAS kernel choice, which the backward's rounding pass could transpose back).
 
 Part 3, per shape: one chunk's row passes (the fused path's forward and backward row kernels on a [512, V] fp32
 logits buffer, its dlogits into a bf16 store) beside one group's d weight accumulation (the previous group's), on
@@ -113,13 +115,17 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     dlogits = torch.randn(group_rows, v, device=device, dtype=dtype)
     dhidden = torch.empty(group_rows, d, device=device, dtype=dtype)
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
+    dweight_t = torch.zeros(d, v, device=device, dtype=torch.float32)
     split = 4 if v % 4 == 0 else 1
 
     def d_hidden():
         torch.mm(dlogits, weight, out=dhidden)
 
-    def d_weight():
-        torch.addmm(dweight, dlogits.T, hidden, out_dtype=torch.float32, out=dweight)
+    def d_weight(beta: float = 1.0):
+        torch.addmm(dweight, dlogits.T, hidden, beta=beta, out_dtype=torch.float32, out=dweight)
+
+    def d_weight_transposed():
+        torch.addmm(dweight_t, hidden.T, dlogits, out_dtype=torch.float32, out=dweight_t)
 
     one_stream, two_streams = one_and_two_streams(d_hidden, d_weight, device)
 
@@ -128,7 +134,9 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
                           weight.view(split, v // split, d), out_dtype=torch.float32)
         torch.sum(parts, dim=0, out=dhidden)
 
-    cases = {"d hidden": d_hidden, "d weight += (fp32)": d_weight, "both, one stream": one_stream,
+    cases = {"d hidden": d_hidden, "d weight += (fp32)": d_weight,
+             "d weight = (fp32, beta 0: the accumulator not read)": lambda: d_weight(beta=0.0),
+             "d weight^T += (fp32, a [D, V] accumulator)": d_weight_transposed, "both, one stream": one_stream,
              "both, two streams": two_streams, f"d hidden, {split} vocabulary slices (bmm, sum)": d_hidden_split}
     out = []
     for name, fn in cases.items():

@@ -18,7 +18,11 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
     for _name, chunk, group, median, p20, p80 in rows:
         assert int(chunk) == int(group) == fused_probe.SMOKE["n"]  # the smoke batch fits one chunk in every budget
         assert 0 < float(p20) <= float(median) <= float(p80.removesuffix(" |"))
-    assert any(line.startswith("| d hidden | ") for line in lines)  # the group GEMMs' table (CPU: some refused)
+    part2 = lines[lines.index(f"One group's GEMMs, {fused_probe.SMOKE['group_rows']} rows:"):]
+    cases = [line.split(" | ")[0].removeprefix("| ") for line in part2[4:part2.index("", 2)] if line.startswith("| ")]
+    assert cases == ["d hidden", "d weight += (fp32)", "d weight = (fp32, beta 0: the accumulator not read)",
+                     "d weight^T += (fp32, a [D, V] accumulator)", "both, one stream", "both, two streams",
+                     "d hidden, 4 vocabulary slices (bmm, sum)"]  # the group GEMMs' table (CPU: some refused)
     part3 = lines[lines.index("One chunk's row passes beside one group's d weight GEMM:"):]
     timed = [line.split(" | ")[0].removeprefix("| ") for line in part3 if line.count(" | ") == 1][1:]
     smoke = fused_probe.SMOKE
