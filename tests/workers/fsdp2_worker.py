@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
 from lm_head_workers import DIM, GRADED_OPTIONS, ROWS_PER_RANK, VOCAB, TinyLM, batch_loss, rank_batch
-from torchrun import exit_worker
+from torchrun import finish_worker
 
 LAYERS = 2
 LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
@@ -131,10 +131,7 @@ def main():
     result = {(layout, str(dtype)): one_case(layout, dtype)
               for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
     result["unowned_dtensor_error"] = unowned_dtensor_error()
-    if dist.get_rank() == 0:
-        torch.save(result, args.out)
-    dist.barrier()
-    exit_worker()
+    finish_worker(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from erpo_kernels.lm_head import whole_lm_head
 from lm_head_workers import DIM, GRADED_OPTIONS, TinyLM, batch_loss, rank_batch
-from torchrun import exit_worker
+from torchrun import finish_worker
 
 
 class MixLM(TinyLM):
@@ -86,10 +86,7 @@ def main():
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     result = {tied: one_step(tied, args.zero_stage) for tied in (False, True)}
-    if dist.get_rank() == 0:
-        torch.save(result, args.out)
-    dist.barrier()
-    exit_worker()
+    finish_worker(result, args.out)
 
 
 if __name__ == "__main__":
