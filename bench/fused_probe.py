@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 
 import torch
 
-from .provenance import header_lines, provenance
+from .provenance import header_lines, provenance, write_report
 from .timing import time_callable
 
 GIB = 1 << 30
@@ -230,9 +229,7 @@ def main(argv=None):
         lines.append("")
         if on_cuda:
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fused_probe.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "fused_probe.md", lines)
 
 
 if __name__ == "__main__":

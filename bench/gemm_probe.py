@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from .provenance import header_lines, provenance
+from .provenance import header_lines, provenance, write_report
 from .timing import time_callable
 
 
@@ -78,9 +77,7 @@ def main(argv=None):
         for name, ms, total, rate in probe(shape, rows, args.n, args.repeats):
             lines.append(f"| {rows} | {name} | {ms:.3f} | {total:.2f} | {rate} |")
             print(lines[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_probe.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "gemm_probe.md", lines)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Where a recorded number comes from, written the same way by every bench script (`python -m bench`,
-bench.gemm_probe, bench.row_kernel_probe, bench.kernel_profile, bench.host_cost): the exact command, the commit, the
-date (UTC) and the versions of torch and Triton."""
+bench.gemm_probe, bench.row_kernel_probe, bench.fused_probe, bench.kernel_profile, bench.host_cost): the exact
+command, the commit, the date (UTC) and the versions of torch and Triton; and the probes' markdown report that opens
+with them, written one way (`write_report`)."""
 from __future__ import annotations
 
 import datetime
 import shlex
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -42,3 +44,12 @@ def header_lines(record: dict) -> list[str]:
     versions = f"torch {record['torch']}" + (f", triton {record['triton']}" if record.get("triton") else "")
     return [f"- command: `{record['command']}`", f"- commit: `{record['commit']}`", f"- date: `{record['date']}`",
             f"- {versions}"]
+
+
+def write_report(out: str | Path, name: str, lines: list[str]) -> Path:
+    """Write a probe's markdown report, `lines` (its title, `header_lines`, its tables) one a line, to the file
+    `name` in the folder `out` (made, with its parents, when missing); returns the file's path."""
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path

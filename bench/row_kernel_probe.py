@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from .provenance import header_lines, provenance
+from .provenance import header_lines, provenance, write_report
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -52,9 +51,7 @@ def main(argv=None):
             print(lines[-1], flush=True)
         del logits, targets
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "row_kernel_probe.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "row_kernel_probe.md", lines)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from damage import truncate  # noqa: E402
 from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from paths import WORKERS, worker_pythonpath  # noqa: E402
 from rank_update import make_optimizer, rank_loss  # noqa: E402
+from run_metrics import assert_same_metrics, metrics_by_step  # noqa: E402
 from torchrun import free_port, run_worker  # noqa: E402
 
 WORKER = WORKERS / "multirank_worker.py"
@@ -212,15 +213,6 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def metrics(out: Path) -> dict[int, dict]:
-    """Last record per optimizer step, without wall-clock fields."""
-    records = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = {k: v for k, v in record.items() if not k.endswith("_seconds")}
-    return records
-
-
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory):
     """2 rollout steps of `erpo train` under the deepspeed launcher (2 CPU ranks, ZeRO-3)."""
@@ -254,20 +246,10 @@ def three_step_run(two_step_run):
     return SimpleNamespace(dir=out, second=second, ranks=ranks)
 
 
-def assert_same_metrics(resumed: dict, full: dict):
-    assert sorted(resumed) == sorted(full) == list(range(1, 7))
-    for step, record in full.items():
-        for key, value in record.items():
-            if isinstance(value, float):
-                assert resumed[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-            else:
-                assert resumed[step][key] == value, (step, key)
-
-
 def test_erpo_train_under_deepspeed_launcher_zero3(two_step_run):
     """The documented launch trains, checkpoints with DeepSpeed and exports a whole model."""
     out = two_step_run / "run"
-    records = metrics(out)
+    records = metrics_by_step(out)
     assert len(records) == 4                                   # written once (rank 0), 2 updates per rollout
     assert all(r["num_samples"] == 4 for r in records.values())  # global counts: 2 prompts x 2 responses
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
@@ -282,7 +264,7 @@ def test_two_rank_zero3_resume_is_exact(two_step_run, three_step_run):
     DeepSpeed's partitioned model/optimizer/scheduler state, every rank's RNG and the data position."""
     root = two_step_run
     erpo_train_2ranks("torchrun", root / "run", root / "cache", "--max-steps", "3", "--resume")
-    assert_same_metrics(metrics(root / "run"), metrics(three_step_run.dir))
+    assert_same_metrics(metrics_by_step(root / "run"), metrics_by_step(three_step_run.dir))
 
 
 def test_killing_the_launcher_leaves_its_ranks_running_and_a_second_writer_out(three_step_run):
@@ -293,7 +275,7 @@ def test_killing_the_launcher_leaves_its_ranks_running_and_a_second_writer_out(t
     [line] = [line for line in second.stderr.splitlines() if line.startswith("erpo train:")]
     assert f"erpo train: --output-dir {three_step_run.dir}: another run is writing it (host " in line
     assert f", pid {three_step_run.ranks[0]}, since " in line
-    assert sorted(metrics(three_step_run.dir)) == list(range(1, 7))
+    assert sorted(metrics_by_step(three_step_run.dir)) == list(range(1, 7))
     assert not (three_step_run.dir / "run.lock").exists()
 
 
@@ -320,7 +302,7 @@ def test_a_killed_rank_ends_the_job_and_a_truncated_shard_of_rank_1_is_skipped(t
     assert len(warnings) == 1, warnings                          # rank 0 says it, once
     assert f"checkpoint {run / 'checkpoints' / 'step-2'} is damaged (engine/{shard.name}: " in warnings[0]
     assert "Traceback" not in proc.stderr
-    assert_same_metrics(metrics(run), metrics(three_step_run.dir))
+    assert_same_metrics(metrics_by_step(run), metrics_by_step(three_step_run.dir))
     assert not (run / "run.lock").exists()                       # rank 0 held it, and released it
 
 
@@ -356,7 +338,7 @@ def test_a_full_disk_on_rank_1_stops_every_rank_in_one_line_and_the_previous_che
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert not (run / "run.lock").exists()
     erpo_train_2ranks("torchrun", run, root / "cache", "--max-steps", "3", "--resume")
-    assert_same_metrics(metrics(run), metrics(three_step_run.dir))
+    assert_same_metrics(metrics_by_step(run), metrics_by_step(three_step_run.dir))
 
 
 def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
@@ -370,7 +352,7 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
                PYTHONPATH=worker_pythonpath())
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    records = metrics(out)
+    records = metrics_by_step(out)
     assert records[1]["nonfinite_skipped"] == 1 and records[1]["grad_norm"] is None
     assert records[2]["nonfinite_skipped"] == 1 and records[2]["grad_norm"] is not None
 
@@ -386,7 +368,7 @@ def test_lora_grpo_on_two_ranks(tmp_path, zero_stage):
     erpo_train_2ranks("torchrun", out, tmp_path / "cache", "--max-steps", "1", "--algorithm", "grpo", "--set",
                       "model.lora.rank=4", "model.lora.export_merged=true", f"trainer.zero_stage={zero_stage}",
                       "trainer.lr=0.01", f"reward.functions=[{reward}:varied]")
-    records = metrics(out)
+    records = metrics_by_step(out)
     assert sorted(records) == [1, 2] and records[1]["policy_kl"] == pytest.approx(0.0, abs=1e-6)
     assert records[2]["policy_kl"] > 0 and records[2]["qkl"] is not None and records[2]["reward"] is not None
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())

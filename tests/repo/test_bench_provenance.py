@@ -1,4 +1,5 @@
-"""bench/provenance.py: the command, commit, date and versions that every bench report records, written one way.
+"""bench/provenance.py: the command, commit, date and versions that every bench report records, written one way,
+and the probes' report file.
 (That bench.kernel_profile's report, the one that runs on the CPU, opens with them: tests/repo/test_gpu_check.py, on
 the dry run's logits stage.)"""
 import datetime
@@ -7,7 +8,7 @@ import re
 import pytest
 import torch
 
-from bench.provenance import git_commit, header_lines, provenance
+from bench.provenance import git_commit, header_lines, provenance, write_report
 from paths import REPO
 
 
@@ -35,3 +36,11 @@ def test_header_lines_name_each_field_and_leave_out_a_missing_triton():
     assert header_lines(record) == ["- command: `python -m bench --smoke`", "- commit: `abc123`",
                                     "- date: `2026-11-26T06:00:00+00:00`", "- torch 2.11.0, triton 3.6.0"]
     assert header_lines({**record, "triton": None})[-1] == "- torch 2.11.0"
+
+
+def test_write_report_makes_the_folder_and_writes_one_line_each(tmp_path):
+    path = write_report(tmp_path / "new" / "dir", "probe.md", ["# A probe", "", "| a | b |"])
+    assert path == tmp_path / "new" / "dir" / "probe.md"
+    assert path.read_text() == "# A probe\n\n| a | b |\n"
+    write_report(tmp_path / "new" / "dir", "probe.md", ["# Again"])  # the folder exists: the file is replaced
+    assert path.read_text() == "# Again\n"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from paths import worker_pythonpath
 
@@ -29,10 +30,13 @@ def run_worker(worker: Path, out: Path, *args: str, nproc: int = 2) -> dict:
     return torch.load(out, weights_only=True)
 
 
-def exit_worker() -> None:
-    """End a worker (after its results are saved and every rank passed the last barrier) without the interpreter's
-    teardown: there, about 1 run in 10 of a gloo worker aborted ("terminate called without an active exception")
-    after every result was written, which failed the test."""
+def finish_worker(result, out: str) -> None:
+    """End a worker: rank 0 saves `result` to `out` (what `run_worker` loads), every rank waits at a barrier for it,
+    then exits without the interpreter's teardown: there, about 1 run in 10 of a gloo worker aborted ("terminate
+    called without an active exception") after every result was written, which failed the test."""
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from terminal import TerminalRun
@@ -50,17 +51,25 @@ def resume_and_check(out: Path, cache: Path, max_steps: int) -> None:
     assert logged_rollout_steps(out)[-1] == max_steps
 
 
-def test_ctrl_c_finishes_the_step_saves_and_exits_130_in_one_line(tmp_path):
-    out, cache = tmp_path / "run", tmp_path / "cache"
-    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS), "--save-steps", "1"), env=env())
+def stop_with_ctrl_c(run: TerminalRun, *moments: tuple[Callable[[], bool], float, str], timeout: float) -> None:
+    """Type Ctrl-C at each of `moments` in turn (when its condition holds: `TerminalRun.wait_for`'s condition,
+    timeout in s and what), then assert that `run` exits with status 130 within `timeout` s and that no process
+    printed a traceback; the run is killed whatever happens."""
     try:
-        run.wait_for(lambda: checkpoint_steps(out), timeout=240, what="first checkpoint")
-        run.ctrl_c()
-        status = run.wait(timeout=240)
+        for condition, wait, what in moments:
+            run.wait_for(condition, timeout=wait, what=what)
+            run.ctrl_c()
+        status = run.wait(timeout=timeout)
     finally:
         run.kill()
     assert status == 130, run.output[-4000:]
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_130_in_one_line(tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS), "--save-steps", "1"), env=env())
+    stop_with_ctrl_c(run, (lambda: checkpoint_steps(out), 240, "first checkpoint"), timeout=240)
     received = [line for line in run.output.splitlines() if "received SIGINT" in line]
     stopped = [line for line in run.output.splitlines() if "stopped by signal after rollout step" in line]
     assert len(received) == 1 and len(stopped) == 1, run.output[-4000:]
@@ -74,16 +83,8 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_in_one_line(tmp_path):
 def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "cache"
     run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS), "--save-steps", "1"), env=env())
-    try:
-        run.wait_for(lambda: checkpoint_steps(out), timeout=240, what="first checkpoint")
-        run.ctrl_c()
-        run.wait_for(lambda: "received SIGINT" in run.output, timeout=60, what="the first Ctrl-C's line")
-        run.ctrl_c()
-        status = run.wait(timeout=240)
-    finally:
-        run.kill()
-    assert status == 130, run.output[-4000:]
-    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+    stop_with_ctrl_c(run, (lambda: checkpoint_steps(out), 240, "first checkpoint"),
+                     (lambda: "received SIGINT" in run.output, 60, "the first Ctrl-C's line"), timeout=240)
     # the second Ctrl-C either stopped the step at once (one line says so) or came after it had finished and saved
     ends = [line for line in run.output.splitlines()
             if "erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept" in line
@@ -139,14 +140,8 @@ def test_the_math_verify_child_leaves_ctrl_c_to_its_parent(tmp_path):
 def test_ctrl_c_during_the_sft_warm_start_stops_in_one_line_and_caches_nothing_partial(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "cache"
     run = TerminalRun(train_command(out, cache, "--max-steps", "2") + ["tiny.sft_steps=100000"], env=env())
-    try:
-        run.wait_for(lambda: "tiny theta0 SFT:" in run.output, timeout=240, what="the warm start's progress bar")
-        run.ctrl_c()
-        status = run.wait(timeout=120)
-    finally:
-        run.kill()
-    assert status == 130, run.output[-4000:]
-    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+    stop_with_ctrl_c(run, (lambda: "tiny theta0 SFT:" in run.output, 240, "the warm start's progress bar"),
+                     timeout=120)
     last = run.output.rstrip().splitlines()[-1]   # after the bar and the terminal's echo of Ctrl-C
     assert last.endswith("erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept (--resume continues "
                          "from the newest)"), run.output[-2000:]

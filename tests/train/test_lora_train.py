@@ -1,7 +1,5 @@
 """`erpo train` with LoRA adapters (model.lora.rank > 0) on a very small tiny-model run, plain torch updater:
 only the adapters train, the reference is the policy with its adapters off, exports, exact resume."""
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,6 +10,7 @@ from erpo.config import Config, apply_overrides, resolve
 from erpo.models.loading import load_causal_lm, model_path_for
 from erpo.models.lora import MERGED_DIR, inference_weights, is_adapter_dir, peft_model_of
 from erpo.train.loop import train
+from run_metrics import assert_same_metrics, metrics_by_step
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +33,6 @@ def lora_cfg(out, cache_dir, *overrides):
         "logging.tensorboard=false", "logging.plot=false", *overrides]))
 
 
-def read_metrics(out):
-    records = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():   # the last record of a step logged twice
-        record = json.loads(line)
-        records[record["step"]] = {k: v for k, v in record.items() if not k.endswith("_seconds")}
-    return records
-
-
 @pytest.fixture
 def kept_updater(monkeypatch):
     """The run's updater, kept for inspection after `train` returns."""
@@ -60,7 +51,7 @@ def test_grpo_with_lora_trains_only_the_adapters(tmp_path, cache_dir, kept_updat
     cfg = lora_cfg(out, cache_dir, "algorithm.name=grpo", "model.lora.export_merged=true",
                    "model.gradient_checkpointing=true")
     train(cfg)
-    records = read_metrics(out)
+    records = metrics_by_step(out)
     assert sorted(records) == [1, 2, 3, 4]
     for r in records.values():
         assert r["reward"] is not None and r["qkl"] is not None and r["policy_kl"] is not None
@@ -104,15 +95,10 @@ def test_lora_resume_matches_the_uninterrupted_run(tmp_path, cache_dir, updater)
     train(lora_cfg(full, cache_dir, *settings))
     train(lora_cfg(halves, cache_dir, "trainer.max_steps=1", *settings))
     train(lora_cfg(halves, cache_dir, *settings), resume=True)
-    expected, actual = read_metrics(full), read_metrics(halves)
-    assert sorted(actual) == sorted(expected) == [1, 2, 3, 4]
+    expected, actual = metrics_by_step(full), metrics_by_step(halves)
+    assert sorted(expected) == [1, 2, 3, 4]
     assert len({round(r["loss"], 12) for r in expected.values()}) > 1
-    for step, record in expected.items():
-        for key, value in record.items():
-            if isinstance(value, float):
-                assert actual[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-            else:
-                assert actual[step][key] == value, (step, key)
+    assert_same_metrics(actual, expected)
     a, b = (load_file(run / "final" / "adapter_model.safetensors") for run in (halves, full))
     assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 

@@ -9,6 +9,7 @@ The LR schedule is constant (trainer.min_lr_ratio=1) because a cosine schedule's
 --max-steps, which legitimately differs between the two halves of the interrupted run; with a cosine schedule
 such a resume is refused. Every checkpoint holds a Hugging Face export of its model (`step-N/hf/`).
 """
+import functools
 import json
 import os
 import signal
@@ -21,8 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import run_metrics
+from run_metrics import metrics_by_step
+
 REPO = Path(__file__).resolve().parents[2]
-TIMING_KEYS = ("rollout_seconds", "step_seconds")
 
 
 def small_run_args(cache_dir: Path) -> list[str]:
@@ -51,24 +54,18 @@ def erpo_train(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = 
     return proc
 
 
-def metrics_by_step(out: Path) -> dict[int, dict]:
-    """The last record logged for each optimizer step (a resumed run re-logs steps after its checkpoint)."""
-    records = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = {k: v for k, v in record.items() if k not in TIMING_KEYS}
-    return records
+# `erpo train`'s runs in child processes, each compared with the uninterrupted one to this absolute tolerance
+assert_same_metrics = functools.partial(run_metrics.assert_same_metrics, abs_tol=1e-5)
 
 
-def assert_same_metrics(actual: dict, expected: dict):
-    assert sorted(actual) == sorted(expected)
-    for step, record in expected.items():
-        assert sorted(actual[step]) == sorted(record), step
-        for key, value in record.items():
-            if isinstance(value, float):
-                assert actual[step][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (step, key)
-            else:
-                assert actual[step][key] == value, (step, key)
+def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
+    """Wait until the run `proc` (its stderr a text pipe) has saved `out`/checkpoints/step-1; fail with the end of its
+    stderr if it ends first, or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (out / "checkpoints" / "step-1").is_dir():
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
 
 
 def assert_same_model(a: Path, b: Path):
@@ -134,11 +131,7 @@ def test_sigterm_saves_and_resume_matches(uninterrupted):
            *small_run_args(root / "cache")]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (run / "checkpoints" / "step-1").is_dir():
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_for_first_checkpoint(proc, run)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=240)
     finally:

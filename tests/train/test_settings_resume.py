@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from test_resume import assert_same_metrics, erpo_train, metrics_by_step
+from run_metrics import metrics_by_step
+from test_resume import assert_same_metrics, erpo_train
 
 CASES = {
     "grpo-policy-kl-seq-mean": ("algorithm.name=grpo", "algorithm.loss_agg=seq-mean-token-mean"),

@@ -14,12 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from damage import flip_bit, truncate
-from test_resume import assert_same_metrics, env, erpo_train, metrics_by_step, small_run_args
+from run_metrics import metrics_by_step
+from test_resume import assert_same_metrics, env, erpo_train, small_run_args, wait_for_first_checkpoint
 
 ENOSPC_AT_STEP_3 = r"""
 import errno, os, sys
@@ -110,11 +110,7 @@ def test_a_second_writer_is_refused_until_the_first_is_killed(runs):
                               *small_run_args(root / "cache")], env=env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (run / "checkpoints" / "step-1").is_dir():
-            assert first.poll() is None, first.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_for_first_checkpoint(first, run)
         first.send_signal(signal.SIGSTOP)      # alive, holding the lock, making no progress
         second = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", succeed=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr

@@ -19,10 +19,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import is_dtensor, whole_lm_head
-from lm_head_batch import DIM, ROWS_PER_RANK, VOCAB, rank_batch
-from torchrun import exit_worker
+from lm_head_workers import DIM, GRADED_OPTIONS, ROWS_PER_RANK, VOCAB, TinyLM, batch_loss, rank_batch
+from torchrun import finish_worker
 
 LAYERS = 2
 LAYOUTS = ("untied", "tied", "own_unit", "accelerate")
@@ -37,23 +36,13 @@ class Block(torch.nn.Module):
         return x + torch.tanh(self.mix(x))
 
 
-class TinyLM(torch.nn.Module):
+class LayersLM(TinyLM):
     """Embedding -> residual blocks -> hidden states [N, D]. The forward also runs `lm_head` on the last position,
     whose logits nobody uses (as erpo's `final_hidden_and_output` with logits_to_keep=1); the fused loss reads
     the head's weight."""
 
-    def __init__(self, tied: bool):
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, DIM)
+    def add_body(self):
         self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
-        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=not tied)
-        with torch.no_grad():
-            self.embed.weight.mul_(0.5)
-        if tied:
-            self.lm_head.weight = self.embed.weight
-
-    def get_output_embeddings(self):
-        return self.lm_head
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -64,12 +53,10 @@ class TinyLM(torch.nn.Module):
 
 
 def loss_of(hidden, weight, bias, batch):
-    return fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"], bias=bias,
-                                  advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"],
-                                  qkl_coef=0.5, entropy_coef=0.1, backend="torch").loss
+    return batch_loss(hidden, weight, batch, bias=bias, **GRADED_OPTIONS).loss
 
 
-def sharded_error(model: TinyLM, dtype: torch.dtype) -> str:
+def sharded_error(model: LayersLM, dtype: torch.dtype) -> str:
     """The error the loss gives for lm_head.weight passed as the DTensor shard FSDP2 leaves outside the forward."""
     try:
         loss_of(torch.zeros(ROWS_PER_RANK, DIM, dtype=dtype), model.lm_head.weight, None, rank_batch(0))
@@ -91,7 +78,7 @@ def unowned_dtensor_error() -> str:
     return ""
 
 
-def unsharded_run(model: TinyLM) -> dict:
+def unsharded_run(model: LayersLM) -> dict:
     """Loss and gradients of the unsharded `model` on each rank's rows, one backward per rank's rows."""
     losses, grads = [], []
     for rank in range(dist.get_world_size()):
@@ -107,7 +94,7 @@ def unsharded_run(model: TinyLM) -> dict:
 
 def one_case(layout: str, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    model = TinyLM(tied=layout == "tied").to(dtype)
+    model = LayersLM(tied=layout == "tied").to(dtype)
     reference = unsharded_run(copy.deepcopy(model))
     for layer in model.layers:
         fully_shard(layer)
@@ -144,10 +131,7 @@ def main():
     result = {(layout, str(dtype)): one_case(layout, dtype)
               for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
     result["unowned_dtensor_error"] = unowned_dtensor_error()
-    if dist.get_rank() == 0:
-        torch.save(result, args.out)
-    dist.barrier()
-    exit_worker()
+    finish_worker(result, args.out)
 
 
 if __name__ == "__main__":

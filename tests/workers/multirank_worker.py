@@ -22,7 +22,7 @@ from erpo.models.weights import gathered_state_dict
 from erpo.rollout.vllm import VLLMRollout
 from erpo.train.checkpoint import CheckpointManager
 from rank_update import make_optimizer, rank_loss
-from torchrun import exit_worker
+from torchrun import finish_worker
 
 
 def local_update(engine, batch, sample_ids, loss_agg):
@@ -89,10 +89,7 @@ def main():
         local_update(engine, batch, sample_ids, args.loss_agg)
         result["step2_resumed"] = gathered_state_dict(engine.module)
         export_hf(engine, None, os.path.join(args.ckpt_dir, "final"))
-    if D.is_main():
-        torch.save(result, args.out)
-    D.barrier()
-    exit_worker()
+    finish_worker(result, args.out)
 
 
 if __name__ == "__main__":

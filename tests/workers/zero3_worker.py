@@ -13,27 +13,16 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from erpo_kernels.fused_linear import fused_linear_erpo_loss
 from erpo_kernels.lm_head import whole_lm_head
-from lm_head_batch import DIM, VOCAB, rank_batch
-from torchrun import exit_worker
+from lm_head_workers import DIM, GRADED_OPTIONS, TinyLM, batch_loss, rank_batch
+from torchrun import finish_worker
 
 
-class TinyLM(torch.nn.Module):
+class MixLM(TinyLM):
     """Embedding -> MLP block -> hidden states; `lm_head` is not used by forward (as with `model.model(...)`)."""
 
-    def __init__(self, tied: bool):
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, DIM)
+    def add_body(self):
         self.mix = torch.nn.Linear(DIM, DIM)
-        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=not tied)
-        with torch.no_grad():
-            self.embed.weight.mul_(0.5)
-        if tied:
-            self.lm_head.weight = self.embed.weight
-
-    def get_output_embeddings(self):
-        return self.lm_head
 
     def forward(self, ids):
         return torch.tanh(self.mix(self.embed(ids)))
@@ -47,7 +36,7 @@ def config(stage: int) -> dict:
 
 def one_step(tied: bool, stage: int) -> dict:
     torch.manual_seed(0)
-    model = TinyLM(tied)
+    model = MixLM(tied)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(stage))
@@ -57,15 +46,12 @@ def one_step(tied: bool, stage: int) -> dict:
     shard_numel, shard_error = shard.numel(), ""
     if shard_numel == 0:
         try:
-            fused_linear_erpo_loss(hidden, shard, batch["ids"][1:], batch["kind"], batch["sample_index"],
-                                   advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"])
+            batch_loss(hidden, shard, batch)
         except ValueError as error:
             shard_error = str(error)
     with whole_lm_head(engine) as (weight, bias):
         gathered_shape = tuple(weight.shape)
-        out = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
-                                     bias=bias, advantages=batch["advantages"], ref_query_logp=batch["ref_query_logp"],
-                                     qkl_coef=0.5, entropy_coef=0.1, backend="torch")
+        out = batch_loss(hidden, weight, batch, bias=bias, **GRADED_OPTIONS)
         engine.backward(out.loss)
     engine.step()
     loss = out.loss.detach().clone()
@@ -83,9 +69,7 @@ def backward_outside_block(engine, batch) -> str:
     """The error a backward after the block gets (ZeRO-3 re-partitioned the weight); '' when it runs."""
     hidden = engine(batch["ids"][:-1])
     with whole_lm_head(engine) as (weight, bias):
-        loss = fused_linear_erpo_loss(hidden, weight, batch["ids"][1:], batch["kind"], batch["sample_index"],
-                                      bias=bias, advantages=batch["advantages"],
-                                      ref_query_logp=batch["ref_query_logp"], backend="torch").loss
+        loss = batch_loss(hidden, weight, batch, bias=bias, backend="torch").loss
     try:
         engine.backward(loss)
     except RuntimeError as error:
@@ -102,10 +86,7 @@ def main():
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     result = {tied: one_step(tied, args.zero_stage) for tied in (False, True)}
-    if dist.get_rank() == 0:
-        torch.save(result, args.out)
-    dist.barrier()
-    exit_worker()
+    finish_worker(result, args.out)
 
 
 if __name__ == "__main__":
