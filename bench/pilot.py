@@ -281,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch in training_batches(runs, args.parallel):
             todo = {name: train_job(name, run_dir) for name, run_dir in batch.items()
                     if run_state(run_dir) != "finished"}
+            if not todo:
+                continue
             if len(todo) == 1:
                 (job,) = todo.values()
                 run_logged(job.command, job.log, journal, job.what, deadline, args.nice)
-            elif todo:
-                run_together(list(todo.values()), journal, deadline, args.nice)
             else:
-                continue
+                run_together(list(todo.values()), journal, deadline, args.nice)
             trained = True
             evaluate(after=" ".join(todo))
         if not trained:   # the last call may have stopped during an evaluation
