@@ -6,8 +6,8 @@ under /work/runs, is gone by the next session; what the comparison needs of each
 For every run (ALG-sSEED/) of the pilot folders (made by bench.pilot of this or an older commit) that is finished
 (its final/ written) and evaluated (both sets' eval-SET/history.csv have its rows at step 0 and at each of its kept
 checkpoints), writes its record OUT/ALG-sSEED/ (history-SET.csv, metrics.csv.gz, journal.jsonl: bench/run_record.py)
-and OUT/settings.json; a run not yet finished or evaluated is skipped and said so. `bench.long_horizon --records OUT`
-summarizes the records of every session together.
+and, with the first record, OUT/settings.json; a run not yet finished or evaluated is skipped and said so.
+`bench.long_horizon --records OUT` summarizes the records of every session together.
 
 One record folder holds one setting: pilot folders with the same settings.json (e.g. a seed's GRPO and ERPO run as
 two pilots side by side) go into one OUT; pilots, or an OUT, of other settings are refused, naming the field. A
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.out / run}: a different record of {run} is there (differing from "
                              f"{folder / run}'s in {differing(existing[run], record)}); records are never "
                              "overwritten: remove it first if the new one is right, or give another --out")
-    if not saved.is_file():
+    if records and not saved.is_file():
         publish(saved, lambda tmp: tmp.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8"))
     for run, (folder, record) in records.items():
         if existing[run] == record:

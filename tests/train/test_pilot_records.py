@@ -168,7 +168,7 @@ def test_unfinished_and_unevaluated_runs_are_skipped(tmp_path, capsys):
     lines = record(["--pilot", str(folder), "--out", str(out)], capsys)
     assert lines == [f"{folder / 'erpo-s0'}: skipped, not finished",
                      f"{folder / 'grpo-s0'}: skipped, not evaluated on heldout at steps [15]"]
-    assert sorted(p.name for p in out.iterdir()) == ["settings.json"]
+    assert not out.exists()
 
 
 def test_other_settings_and_a_different_record_are_refused_and_an_identical_one_is_left_as_it_is(tmp_path, capsys):
