@@ -4,11 +4,11 @@ and journal from a record or from the pilot's own folders alike.
 
 A record folder (`bench.pilot_records` writes it) holds `settings.json` (the pilot's settings, one setting per
 folder) and one folder per run, ALG-sSEED/:
-- `history-SET.csv`: the run's rows of the pilot's `eval-SET/history.csv` (SET: train, heldout), copied as they are;
+- `history-SET.csv`: the run's rows of the pilot's `eval-SET/history.csv` (SET: train, heldout), values as spelled;
 - `metrics.csv.gz`: per rollout step (a step's last record: a resumed run appends), the STEP_COLUMNS of the run's
   metrics.jsonl, each value written as Python's repr of the float (read back exactly), gzip-compressed;
 - `journal.jsonl`: the pilot journal's lines that name the run (its trainings and the evaluations after them: UTC
-  times, commit, machine, exit status).
+  times, commit, machine, exit status; a call that only evaluates, "eval SET all", names no run and is left out).
 """
 from __future__ import annotations
 
