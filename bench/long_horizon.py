@@ -2,13 +2,18 @@
 
     python -m bench.long_horizon --runs RUNS_DIR --history EVAL_DIR/history.csv --out OUT_DIR [--metric avg@16]
         [--paired erpo grpo] [--late-from STEP]
+    python -m bench.long_horizon --records RECORDS_DIR [--set train] --out OUT_DIR [...]
 
 RUNS_DIR holds one training run per (algorithm, seed), named ALG-sSEED (its metrics.jsonl is read); history.csv is
 what `erpo eval --model ALG-sSEED=RUNS_DIR/ALG-sSEED@all ...` wrote for them (one call, or several into one output
-directory and a last one over all runs). Writes to OUT_DIR:
-- `long_horizon.md`: per algorithm and kept step, the mean over seeds (and the min-max) of Avg@k at temperatures
-  <= 1.0 and 1.2-1.5 (each the mean over that range's temperatures), then of the Query-KL and the entropy, each
-  averaged over the WINDOW rollout steps ending at that step; then, when both algorithms of --paired (A B) have runs,
+directory and a last one over all runs). RECORDS_DIR instead is a folder of `bench.pilot_records` (bench/run_record.py):
+the runs' records from any number of sessions and machines, each with its rows of the --set's history. Writes to
+OUT_DIR:
+- `long_horizon.md`: the runs, each with the commit and machine it trained on and when (from the pilot's
+  journal.jsonl in RUNS_DIR, or the record's; "-" where there is none); then per algorithm and kept step, the mean
+  over seeds (and the min-max) of Avg@k at temperatures <= 1.0 and 1.2-1.5 (each the mean over that range's
+  temperatures), then of the Query-KL and the entropy, each averaged over the WINDOW rollout steps ending at that
+  step; then, when both algorithms of --paired (A B) have runs,
   A minus B on the same seed at each temperature range and kept step (and, with --late-from, over each seed's mean of
   the kept steps from STEP on, one pre-declared number per seed): each seed's difference, their mean and standard
   error, how many seeds favour A, and the exact sign-flip and paired t p-values (bench/paired.py);
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import re
 from collections import defaultdict
@@ -35,6 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.paired import paired_summary  # noqa: E402
+from bench.run_record import history_name, provenance, record_histories, run_journal, step_values  # noqa: E402
 from erpo.plotting import plot_history  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<algorithm>.+)-s(?P<seed>\d+)$")
@@ -58,24 +63,20 @@ def spread(values: list[float], seeds: int | None = None) -> str:
     return shown if seeds is None or len(values) == seeds else f"{shown} ({len(values)}/{seeds} seeds)"
 
 
-def read_history(path: str, metric: str) -> dict[str, dict[str, dict[int, float]]]:
-    """{run: {temperature or range: {step: metric}}} from history.csv."""
+def read_history(paths: list[str], metric: str) -> dict[str, dict[str, dict[int, float]]]:
+    """{run: {temperature or range: {step: metric}}} from history.csv files (one, or a record's file per run)."""
     out: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
-    with open(path, encoding="utf-8") as handle:
-        for row in csv.DictReader(handle):
-            out[row["run"]][row["temperature"]][int(row["step"])] = float(row[metric])
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            for row in csv.DictReader(handle):
+                out[row["run"]][row["temperature"]][int(row["step"])] = float(row[metric])
     return out
 
 
 def windowed(runs_dir: str, run: str, key: str, steps: list[int]) -> dict[int, float]:
-    """{step: mean of `key` over the WINDOW rollout steps ending at step} from the run's metrics.jsonl, for the
-    steps the run has logged."""
-    values = {}
-    with open(os.path.join(runs_dir, run, "metrics.jsonl"), encoding="utf-8") as handle:
-        for line in handle:
-            record = json.loads(line)
-            if record.get(key) is not None:
-                values[int(record["step"])] = float(record[key])
+    """{step: mean of `key` over the WINDOW rollout steps ending at step} from the run's metrics (its record's or
+    its metrics.jsonl), for the steps the run has logged."""
+    values = step_values(Path(runs_dir, run), key)
     last = max(values, default=0)
     return {s: sum(v for t, v in values.items() if s - WINDOW < t <= s) / WINDOW for s in steps if 0 < s <= last}
 
@@ -119,8 +120,11 @@ def paired_lines(history: dict, runs_of: dict[str, dict[int, str]], pair: tuple[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", required=True)
-    parser.add_argument("--history", required=True)
+    parser.add_argument("--runs", help="the runs' folder (ALG-sSEED/metrics.jsonl), with --history")
+    parser.add_argument("--history", help="their evaluation's history.csv")
+    parser.add_argument("--records", help="a bench.pilot_records folder instead of --runs and --history")
+    parser.add_argument("--set", default="train", dest="set_name",
+                        help="with --records: the evaluation set whose rows are read (train, heldout)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--metric", default="avg@16")
     parser.add_argument("--paired", nargs=2, default=["erpo", "grpo"], metavar=("A", "B"),
@@ -128,7 +132,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--late-from", type=int, metavar="STEP",
                         help="add a row of each seed's mean over the kept steps from STEP on (the late phase)")
     args = parser.parse_args(argv)
-    history = read_history(args.history, args.metric)
+    if args.records is not None and (args.runs or args.history):
+        parser.error("give --records, or --runs and --history, not both")
+    if args.records is not None:
+        args.runs = args.records
+        histories = [str(path) for path in record_histories(Path(args.records), args.set_name)]
+        if not histories:
+            parser.error(f"--records {args.records}: no run has a {history_name(args.set_name)}; check the folder "
+                         "and --set")
+    elif args.runs and args.history:
+        histories = [args.history]
+    else:
+        parser.error("give --runs and --history (a pilot's folders), or --records (bench.pilot_records)")
+    history = read_history(histories, args.metric)
     by_algorithm: dict[str, list[str]] = defaultdict(list)
     runs_of: dict[str, dict[int, str]] = defaultdict(dict)   # {algorithm: {seed: run}}
     for run in history:
@@ -139,8 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     temperatures = sorted({t for run in history.values() for t in run if t not in RANGES and t != "all"}, key=float)
     os.makedirs(args.out, exist_ok=True)
 
-    lines = [f"{args.metric} over kept steps: mean over seeds (min-max); seeds per algorithm: "
-             + ", ".join(f"{a} {len(r)}" for a, r in by_algorithm.items()), ""]
+    lines = ["### runs: where and when each trained (its journal)", "",
+             "| run | commit | machine | trained (UTC) |", "|---|---|---|---|"]
+    for run in sorted(history, key=split_run):
+        where = provenance(run_journal(Path(args.runs), run), run)
+        lines.append(f"| {run} | {where['commit']} | {where['machine']} | {where['trained']} |")
+    lines += ["", f"{args.metric} over kept steps: mean over seeds (min-max); seeds per algorithm: "
+              + ", ".join(f"{a} {len(r)}" for a, r in by_algorithm.items()), ""]
     for name in RANGES:
         lines += [f"### {args.metric}, temperatures {name}", "", "| step | " + " | ".join(by_algorithm) + " |",
                   "|---|" + ":---:|" * len(by_algorithm)]

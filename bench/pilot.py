@@ -4,7 +4,7 @@ distribution and on the held-out set.
 
     python -m bench.pilot --root /work/runs --name NAME --lr 1e-3 --max-steps 3000 [--warmup-ratio 0.01]
         [--max-operand 10] [--algorithms grpo erpo] [--seeds 0] [--save-steps 100] [--keep-every 500]
-        [--eval-n 128] [--k 16] [--set KEY=VALUE ...] [--nice 19] [--until HH:MM]
+        [--eval-n 128] [--k 16] [--set KEY=VALUE ...] [--nice 19] [--until HH:MM] [--parallel]
 
 Everything goes to ROOT/pilot-NAME/ (ROOT outside the repository):
 - `settings.json`: the pilot's settings, written by its first call; a later call with other settings is refused, so
@@ -20,15 +20,18 @@ Everything goes to ROOT/pilot-NAME/ (ROOT outside the repository):
 
 Runs are trained one after the other, seed by seed (GRPO and ERPO of seed 0, then of seed 1, ...: an interruption
 leaves complete pairs for the paired comparison), each followed by the evaluation of every finished run (its sample
-cache samples only what is new): a finished run is skipped, an unfinished one continues from its newest checkpoint
-with `erpo train --resume` (the trainer's exact resume), so the same command after an interruption goes on where the
-pilot stopped; a call that finds every run finished evaluates once (what an interrupted evaluation left). Every
-process runs at --nice (default 19: the lowest priority) with one CPU thread. With --until HH:MM (UTC, today) the
-running process is stopped then (SIGTERM: the trainer writes a checkpoint) and the pilot exits with status 3.
+cache samples only what is new); with --parallel a seed's runs (GRPO and ERPO) train side by side, two processes on
+two cores, and are evaluated when both have finished. A finished run is skipped, an unfinished one continues from its
+newest checkpoint with `erpo train --resume` (the trainer's exact resume), so the same command after an interruption
+goes on where the pilot stopped; a call that finds every run finished evaluates once (what an interrupted evaluation
+left). Evaluations run one at a time. Every process runs at --nice (default 19: the lowest priority) with one CPU
+thread. With --until HH:MM (UTC, today) the running processes are stopped then (SIGTERM: the trainer writes a
+checkpoint) and the pilot exits with status 3.
 
 The comparison of issue 35 is a pilot with several seeds (`--seeds 0 1 2 3 4`) under a name of its own, at the
 settings the pilots chose; `bench.long_horizon --paired erpo grpo --late-from STEP` over its evaluation gives the
-per-seed differences and the paired tests (docs/pilots.md).
+per-seed differences and the paired tests (docs/pilots.md). Only the repository outlives a session's machine:
+`bench.pilot_records` copies what the comparison needs of every finished and evaluated run into it.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from bench import long_horizon
 from erpo.cli.compare import code_commit, machine_description
@@ -50,6 +54,7 @@ TEMPERATURES = "0.1,0.6,1.0,1.2,1.5"
 TRAIN_SET_SEED = 7          # the training-distribution problems of the 1000-step experiment (synthetic seed 7)
 MAX_NEW_TOKENS = 16         # the tiny default's response budget (rollout.max_new_tokens)
 STOPPED = 3                 # exit status when --until stopped the pilot
+POLL_SECONDS = 1.0          # how often processes run side by side are checked for their end
 
 
 class Deadline(Exception):
@@ -75,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="further `erpo train --set` overrides of every run (part of the settings)")
     p.add_argument("--nice", type=int, default=19, help="niceness of every process started (never lowered)")
-    p.add_argument("--until", help="HH:MM UTC today: stop the running process then (it checkpoints) and exit")
+    p.add_argument("--until", help="HH:MM UTC today: stop the running processes then (they checkpoint) and exit")
+    p.add_argument("--parallel", action="store_true",
+                   help="train a seed's algorithms side by side (one process each), then evaluate them")
     args = p.parse_args(argv)
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         p.error(f"--name {args.name!r}: use letters, digits, '.', '_' and '-' only")
@@ -87,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def settings_of(args: argparse.Namespace) -> dict:
     """What defines the pilot's runs and evaluation (settings.json)."""
     keys = ("lr", "max_steps", "warmup_ratio", "max_operand", "save_steps", "keep_every", "eval_n", "k", "overrides")
-    # --root, --algorithms, --seeds, --nice and --until may differ between calls
+    # --root, --algorithms, --seeds, --nice, --until and --parallel may differ between calls
     return {key: getattr(args, key) for key in keys}
 
 
@@ -99,14 +106,19 @@ def pilot_dir(root: str, name: str) -> Path:
     return path
 
 
+def settings_difference(first: dict, second: dict) -> dict:
+    """{key: (first's value, second's)} of every setting the two differ in (None: absent); {} when equal."""
+    return {k: (first.get(k), second.get(k)) for k in sorted(first.keys() | second.keys())
+            if first.get(k) != second.get(k)}
+
+
 def check_settings(directory: Path, settings: dict) -> None:
     """Write settings.json on the first call; refuse a later call whose settings differ."""
     path = directory / "settings.json"
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
         if saved != settings:
-            changed = {k: (saved.get(k), settings.get(k)) for k in settings.keys() | saved.keys()
-                       if saved.get(k) != settings.get(k)}
+            changed = settings_difference(saved, settings)
             raise SystemExit(f"{path}: this pilot was started with other settings ({changed}, as (saved, asked)); "
                              "rerun it with the saved ones or name a new pilot")
         return
@@ -147,6 +159,17 @@ def planned_runs(directory: Path, algorithms: list[str], seeds: list[int]) -> di
     return {f"{a}-s{s}": directory / f"{a}-s{s}" for s in seeds for a in algorithms}
 
 
+def training_batches(runs: dict[str, Path], parallel: bool) -> list[dict[str, Path]]:
+    """The runs trained at once, in order: each run alone, or with `parallel` each seed's runs (ALG-sSEED with the
+    same SEED) together."""
+    if not parallel:
+        return [{name: run_dir} for name, run_dir in runs.items()]
+    by_seed: dict[str, dict[str, Path]] = {}
+    for name, run_dir in runs.items():
+        by_seed.setdefault(name.rsplit("-s", 1)[1], {})[name] = run_dir
+    return list(by_seed.values())
+
+
 def run_state(run_dir: Path) -> str:
     """'finished' (final/ written), 'resume' (a checkpoint to continue from) or 'fresh'."""
     if (run_dir / "final" / "config.json").is_file():
@@ -174,28 +197,62 @@ class Journal:
             handle.write(json.dumps({**entry, **self.context}) + "\n")
 
 
-def run_logged(command: list[str], log: Path, journal: Journal, what: str,
-               deadline: datetime.datetime | None, niceness: int) -> int:
-    """Run `command` (at `niceness`, one thread, this checkout first on the path) appending to `log`; stop it with
-    SIGTERM at `deadline` (raises Deadline) or when this process is terminated. Returns its exit status."""
+class Job(NamedTuple):
+    """One process to run: its command, the log it appends to and what the journal calls it."""
+    command: list[str]
+    log: Path
+    what: str
+
+
+def run_together(jobs: list[Job], journal: Journal, deadline: datetime.datetime | None, niceness: int) -> None:
+    """Run the jobs' commands side by side (each at `niceness`, one thread, this checkout first on the path), each
+    appending to its log, and wait for all of them. At `deadline` (raises Deadline) or when this process is
+    terminated, every one still running is stopped with SIGTERM (the trainer checkpoints). A job that fails does not
+    stop the others: SystemExit naming each failed one once all have ended."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    journal.write(event="start", what=what, command=" ".join(command))
-    with open(log, "a", encoding="utf-8") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                   preexec_fn=lambda: os.nice(max(0, niceness - os.nice(0))))
+    running: dict[str, tuple[Job, subprocess.Popen]] = {}   # by what the journal calls them
+    failed = []
     try:
-        left = None if deadline is None else (deadline - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
-        status = process.wait(timeout=None if left is None else max(left, 0))
-    except BaseException as stop:  # the deadline, or this process terminated / interrupted
-        process.send_signal(signal.SIGTERM)
-        status = process.wait()
-        journal.write(event="stopped", what=what, status=status)
-        raise Deadline(what) if isinstance(stop, subprocess.TimeoutExpired) else stop
-    journal.write(event="end", what=what, status=status)
-    if status != 0:
-        raise SystemExit(f"{what} failed with exit status {status}; see {log}")
-    return status
+        for job in jobs:
+            journal.write(event="start", what=job.what, command=" ".join(job.command))
+            with open(job.log, "a", encoding="utf-8") as handle:
+                running[job.what] = job, subprocess.Popen(
+                    job.command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                    preexec_fn=lambda: os.nice(max(0, niceness - os.nice(0))))
+        while True:
+            for job, process in list(running.values()):
+                if (status := process.poll()) is not None:
+                    del running[job.what]
+                    journal.write(event="end", what=job.what, status=status)
+                    if status != 0:
+                        failed.append(f"{job.what} failed with exit status {status}; see {job.log}")
+            if not running:
+                break
+            left = POLL_SECONDS if deadline is None else min(
+                POLL_SECONDS, (deadline - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+            if left <= 0:
+                raise Deadline(", ".join(running))
+            _, first = next(iter(running.values()))
+            try:   # wakes as soon as the first one ends; the others are checked every POLL_SECONDS
+                first.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                pass
+    except BaseException:  # the deadline, or this process terminated / interrupted
+        for _, process in running.values():
+            process.send_signal(signal.SIGTERM)
+        for what, (_, process) in running.items():
+            journal.write(event="stopped", what=what, status=process.wait())
+        raise
+    if failed:
+        raise SystemExit("; ".join(failed))
+
+
+def run_logged(command: list[str], log: Path, journal: Journal, what: str,
+               deadline: datetime.datetime | None, niceness: int) -> int:
+    """Run one `command` as `run_together` runs several. Returns its exit status (0: any other raises)."""
+    run_together([Job(command, log, what)], journal, deadline, niceness)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,18 +270,26 @@ def main(argv: list[str] | None = None) -> int:
             run_logged(eval_command(settings, evaluated, spec, directory / f"eval-{set_name}"),
                        directory / f"eval-{set_name}.log", journal, f"eval {set_name} {after}", deadline, args.nice)
 
+    def train_job(name: str, run_dir: Path) -> Job:
+        algorithm, seed = name.rsplit("-s", 1)
+        command = train_command(settings, algorithm, int(seed), run_dir, directory.parent / "cache",
+                                resume=run_state(run_dir) == "resume")
+        return Job(command, directory / f"{name}.log", f"train {name}")
+
     try:
         trained = False
-        for name, run_dir in runs.items():
-            state = run_state(run_dir)
-            if state == "finished":
+        for batch in training_batches(runs, args.parallel):
+            todo = {name: train_job(name, run_dir) for name, run_dir in batch.items()
+                    if run_state(run_dir) != "finished"}
+            if not todo:
                 continue
-            algorithm, seed = name.rsplit("-s", 1)
-            command = train_command(settings, algorithm, int(seed), run_dir, directory.parent / "cache",
-                                    resume=state == "resume")
-            run_logged(command, directory / f"{name}.log", journal, f"train {name}", deadline, args.nice)
+            if len(todo) == 1:
+                (job,) = todo.values()
+                run_logged(job.command, job.log, journal, job.what, deadline, args.nice)
+            else:
+                run_together(list(todo.values()), journal, deadline, args.nice)
             trained = True
-            evaluate(after=name)
+            evaluate(after=" ".join(todo))
         if not trained:   # the last call may have stopped during an evaluation
             evaluate(after="all")
         for set_name in eval_sets(settings):

@@ -116,24 +116,47 @@ def test_pilot_trains_evaluates_resumes_and_stops(tmp_path, monkeypatch):
         pilot.main([*base, "--algorithms", "grpo"])   # the same pilot without its --set overrides
 
 
-def test_seeds_train_one_at_a_time_pair_by_pair_and_a_rerun_does_only_what_is_left(tmp_path, monkeypatch):
-    """N seeds of both algorithms: trained one process at a time, seed by seed (an interruption leaves whole pairs),
-    every finished run evaluated after each training; a rerun trains only the unfinished run, and a call that finds
-    everything finished evaluates once. The processes are stood in for: a 'train' writes the run's final/."""
-    started, evaluated = [], []   # what each process did; how many runs each evaluation read
+class StandIns:
+    """Stand-ins for the pilot's processes: a 'train' writes the run's final/, an 'eval' counts the runs it reads.
+    `started`: what each process did (a list of them for processes run side by side); `evaluated`: how many runs
+    each evaluation read; `commands`: each training's command by its journal name."""
 
-    def stand_in(command, log, journal, what, deadline, niceness):
-        started.append(what)
+    def __init__(self, monkeypatch):
+        self.started, self.evaluated, self.commands = [], [], {}
+        monkeypatch.setattr(pilot, "run_logged", self.run_logged)
+        monkeypatch.setattr(pilot, "run_together", self.run_together)
+        monkeypatch.setattr(pilot.long_horizon, "main", lambda argv: None)
+
+    def process(self, command, what):
         if what.startswith("train"):
+            self.commands[what] = command
             final = pilot.Path(command[command.index("--output-dir") + 1]) / "final"
             final.mkdir(parents=True)
             (final / "config.json").write_text("{}")
         else:
-            evaluated.append(command[command.index("--model") + 1].count("@all"))
+            self.evaluated.append(command[command.index("--model") + 1].count("@all"))
+
+    def run_logged(self, command, log, journal, what, deadline, niceness):
+        self.started.append(what)
+        self.process(command, what)
         return 0
 
-    monkeypatch.setattr(pilot, "run_logged", stand_in)
-    monkeypatch.setattr(pilot.long_horizon, "main", lambda argv: None)
+    def run_together(self, jobs, journal, deadline, niceness):
+        self.started.append([job.what for job in jobs])
+        for job in jobs:
+            self.process(job.command, job.what)
+
+    def clear(self):
+        self.started.clear()
+        self.evaluated.clear()
+
+
+def test_seeds_train_one_at_a_time_pair_by_pair_and_a_rerun_does_only_what_is_left(tmp_path, monkeypatch):
+    """N seeds of both algorithms: trained one process at a time, seed by seed (an interruption leaves whole pairs),
+    every finished run evaluated after each training; a rerun trains only the unfinished run, and a call that finds
+    everything finished evaluates once. The processes are stood in for: a 'train' writes the run's final/."""
+    stand_ins = StandIns(monkeypatch)
+    started, evaluated = stand_ins.started, stand_ins.evaluated
     argv = ["--root", str(tmp_path), "--name", "c", "--lr", "1e-3", "--max-steps", "10", "--seeds", "0", "1", "2"]
     assert pilot.main(argv) == 0
     order = ["grpo-s0", "erpo-s0", "grpo-s1", "erpo-s1", "grpo-s2", "erpo-s2"]
@@ -149,3 +172,65 @@ def test_seeds_train_one_at_a_time_pair_by_pair_and_a_rerun_does_only_what_is_le
     evaluated.clear()
     assert pilot.main(argv) == 0
     assert started == ["eval train all", "eval heldout all"] and evaluated == [6, 6]
+
+
+def test_parallel_trains_a_seeds_runs_side_by_side_then_evaluates_them_and_resumes(tmp_path, monkeypatch):
+    """--parallel: each seed's GRPO and ERPO in one run_together call, then one evaluation process at a time over
+    every finished run, named after the pair; a run stopped with a checkpoint resumes alone with the same command."""
+    stand_ins = StandIns(monkeypatch)
+    argv = ["--root", str(tmp_path), "--name", "p", "--lr", "1e-3", "--max-steps", "10", "--seeds", "0", "1",
+            "--parallel"]
+    assert pilot.main(argv) == 0
+    assert stand_ins.started == [
+        ["train grpo-s0", "train erpo-s0"], "eval train grpo-s0 erpo-s0", "eval heldout grpo-s0 erpo-s0",
+        ["train grpo-s1", "train erpo-s1"], "eval train grpo-s1 erpo-s1", "eval heldout grpo-s1 erpo-s1"]
+    assert stand_ins.evaluated == [2, 2, 4, 4]
+    assert "--resume" not in stand_ins.commands["train erpo-s1"]
+
+    run = tmp_path / "pilot-p" / "erpo-s1"   # as if stopped at step 5, its checkpoint written
+    shutil.rmtree(run / "final")
+    (run / "checkpoints" / "step-5").mkdir(parents=True)
+    (run / "checkpoints" / "step-5" / "meta.json").write_text("{}")
+    stand_ins.clear()
+    assert pilot.main(argv) == 0
+    assert stand_ins.started == ["train erpo-s1", "eval train erpo-s1", "eval heldout erpo-s1"]
+    assert stand_ins.commands["train erpo-s1"][-1] == "--resume" and stand_ins.evaluated == [4, 4]
+
+
+# a process that marks its start (argv[1]) and ends 0 once its partner's mark (argv[2]) shows, 1 after 30 s without
+WAIT_FOR_PARTNER = """import pathlib, sys, time
+here, there = map(pathlib.Path, sys.argv[1:])
+here.touch()
+give_up = time.time() + 30
+while not there.exists() and time.time() < give_up:
+    time.sleep(0.05)
+sys.exit(0 if there.exists() else 1)"""
+
+
+def test_run_together_runs_side_by_side_waits_for_all_and_stops_all_at_the_deadline(tmp_path):
+    """Real processes: two that each wait for the other end 0 (they ran at once); a failing one does not stop the
+    other and is named once both end; at the deadline every one still running is stopped (SIGTERM) and journaled."""
+    journal = pilot.Journal(tmp_path)
+    python = [pilot.sys.executable, "-c"]
+    marks = [str(tmp_path / "a.mark"), str(tmp_path / "b.mark")]
+    pilot.run_together([pilot.Job([*python, WAIT_FOR_PARTNER, *marks], tmp_path / "a.log", "a"),
+                        pilot.Job([*python, WAIT_FOR_PARTNER, *marks[::-1]], tmp_path / "b.log", "b")],
+                       journal, None, 0)
+    events = [(e["event"], e["what"], e.get("status")) for e in _journal(tmp_path)]
+    assert events[:2] == [("start", "a", None), ("start", "b", None)]
+    assert sorted(events[2:]) == [("end", "a", 0), ("end", "b", 0)]
+
+    with pytest.raises(SystemExit, match=r"^fails failed with exit status 3; see .*fails.log$"):
+        pilot.run_together([pilot.Job([*python, "import sys; sys.exit(3)"], tmp_path / "fails.log", "fails"),
+                            pilot.Job([*python, "import time; time.sleep(1)"], tmp_path / "ok.log", "ok")],
+                           journal, None, 0)
+    assert sorted((e["event"], e["what"], e["status"]) for e in _journal(tmp_path)[4:] if e["event"] == "end") == [
+        ("end", "fails", 3), ("end", "ok", 0)]
+
+    past = pilot.datetime.datetime.now(pilot.datetime.timezone.utc) - pilot.datetime.timedelta(seconds=1)
+    sleep = [*python, "import time; time.sleep(60)"]
+    sleepers = [pilot.Job(sleep, tmp_path / "s.log", "slow"), pilot.Job(sleep, tmp_path / "t.log", "slower")]
+    with pytest.raises(pilot.Deadline, match="slow, slower"):
+        pilot.run_together(sleepers, journal, past, 0)
+    assert [(e["event"], e["what"], e.get("status")) for e in _journal(tmp_path)[-4:]] == [
+        ("start", "slow", None), ("start", "slower", None), ("stopped", "slow", -15), ("stopped", "slower", -15)]
