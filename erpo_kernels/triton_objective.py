@@ -459,7 +459,7 @@ def _sample_objective(
 ):
     """Kernel 1's body (module docstring), and with FINISH, in the last program to store its partials,
     kernel 2's (`_finish_objective`, given the finish kernel's outputs and settings). VESPO_LOG_RATIO_CLAMP,
-    VESPO_LOG_WEIGHT_MIN and TICKET: the globals' values, from the kernel's parameters."""
+    VESPO_LOG_WEIGHT_MIN and TICKET: the module's constants, from the kernel's parameters."""
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
     program = tl.program_id(0).to(tl.int64)

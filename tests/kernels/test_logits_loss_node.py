@@ -235,16 +235,16 @@ def test_the_metrics_record_is_made_on_its_first_read(device):
 @contextlib.contextmanager
 def launches_and_reads(monkeypatch):
     """[name, ...]: the Triton kernels launched in the block and "read" where the value checks' host read waits
-    (when the function `validation.read_later` returned is called: on CUDA the wait on the event recorded after the
-    code's copy), in order."""
+    (when the function `validation.read_code_later` returned is called: on CUDA the wait on the event recorded after
+    the code's copy), in order."""
     order = []
-    read_later = validation.read_later
+    read_code_later = validation.read_code_later
 
-    def logged_read_later(value):
-        read = read_later(value)
+    def logged_read_code_later(value):
+        read = read_code_later(value)
         return lambda: order.append("read") or read()
 
-    monkeypatch.setattr(validation, "read_later", logged_read_later)
+    monkeypatch.setattr(validation, "read_code_later", logged_read_code_later)
     with watched_launches(lambda kernel, args, kwargs: order.append(kernel.fn.__name__)):
         yield order
 
