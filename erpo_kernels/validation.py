@@ -563,15 +563,15 @@ def read_code_later(code: torch.Tensor) -> Callable[[], torch.Tensor]:
     after the previous one's read (a pinned allocation, its release and an event's creation and destruction fewer per
     call: host time on CUDA only, `python -m bench.host_cost --device cuda`). The returned host tensor holds the code
     until this thread's next read of a code of that length: read it before. A call made while an earlier one's read
-    is pending (another copy in flight) gets a buffer of its own, as `read_later`'s."""
+    is pending (another copy in flight, or a read that never came: an error in between) gets a new buffer, which the
+    later calls reuse; the pending one stays its reader's."""
     if code.device.type != "cuda" or torch.compiler.is_compiling():
         return lambda: code
     reads = _CODE_READS.__dict__
     key = (code.device, code.shape[0])
     slot = reads.get(key)
     if slot is None or slot.busy:
-        slot = _CodeRead(code.shape[0])
-        reads.setdefault(key, slot)  # the first is kept; one made beside a pending read is not
+        slot = reads[key] = _CodeRead(code.shape[0])
     slot.busy = True
     slot.host.copy_(code, non_blocking=True)
     slot.copied.record()

@@ -270,7 +270,7 @@ def test_the_checks_read_waits_after_the_forward_is_queued(two_ops, monkeypatch,
 def test_the_checks_code_read_reuses_its_pinned_buffer_but_not_under_a_pending_read(device):
     """`validation.read_code_later` (the value checks' one read): on CUDA each call after the previous one's read
     copies into the same pinned buffer (no allocation, no new event), and a call made while a read is pending gets a
-    buffer of its own, each read returning its own code; elsewhere the code itself."""
+    new buffer, which the later calls reuse, each read returning its own code; elsewhere the code itself."""
     first, second = torch.arange(3, device=device), torch.arange(10, 13, device=device)
     if device.type != "cuda":
         assert validation.read_code_later(first)() is first
@@ -281,8 +281,11 @@ def test_the_checks_code_read_reuses_its_pinned_buffer_but_not_under_a_pending_r
     assert again.data_ptr() == host.data_ptr() and again.tolist() == [10, 11, 12]
     pending = validation.read_code_later(first)
     beside = validation.read_code_later(second)  # queued before the first one's read
-    assert beside().tolist() == [10, 11, 12] and pending().tolist() == [0, 1, 2]
-    assert validation.read_code_later(second)().data_ptr() == host.data_ptr()
+    beside_host = beside()
+    assert beside_host.tolist() == [10, 11, 12] and beside_host.data_ptr() != host.data_ptr()
+    pending_host = pending()
+    assert pending_host.tolist() == [0, 1, 2] and pending_host.data_ptr() == host.data_ptr()
+    assert validation.read_code_later(first)().data_ptr() == beside_host.data_ptr()
 
 
 SAMPLE_RANGE = r"sample_index must lie in \[0, 5\) \(S = len\(advantages\)\) on scored rows;"
