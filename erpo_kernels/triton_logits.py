@@ -108,7 +108,7 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k, FAR_BELOW: tl.co
     sum_exp s = sum e_j, sum_exp_shift u = sum e_j a_j. One max, one subtraction, one multiply and one exp2 per
     logit for a, one add and one FMA for s and u; the block's max, s and u reduce within the warp. A larger max
     rescales both once per block: with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). m_old - m_new is
-    floored at FAR_BELOW (_FAR_BELOW, the kernel's parameter, as LSE_FLOOR) before the multiply by k, which keeps d
+    floored at FAR_BELOW (the kernel's _FAR_BELOW; LSE_FLOOR its _LSE_FLOOR) before the multiply by k, which keeps d
     finite while the row has only seen -inf (m_old is then LSE_FLOOR) and gives 2^d = 0 all the same."""
     new_max = tl.maximum(running_max, tl.max(x, axis=0))  # drops NaN: a NaN logit's e = 2^a below carries it
     shift = tl.maximum(running_max - new_max, FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
@@ -157,7 +157,7 @@ def _logp_entropy_forward_log2_kernel(
         if SOFTCAP:
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k,
-                                                                    _FAR_BELOW, _LSE_FLOOR)
+                                                               _FAR_BELOW, _LSE_FLOOR)
         start += BLOCK_V
     if inside_end < vocab_size:
         cols = inside_end + offsets
@@ -166,7 +166,7 @@ def _logp_entropy_forward_log2_kernel(
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         x = tl.where(cols < vocab_size, x, -float("inf"))
         running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k,
-                                                                    _FAR_BELOW, _LSE_FLOOR)
+                                                               _FAR_BELOW, _LSE_FLOOR)
     # the max floored, which keeps max * unit finite on a row of -inf (lse = -inf either way)
     row_max = tl.maximum(running_max, _FAR_BELOW)  # drops NaN: none here, the running max skips NaN
     log_sum_exp = tl.log(sum_exp)

@@ -333,8 +333,7 @@ NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log
 
 @triton.jit
 def _aligned_length(count, REGION_ALIGN: tl.constexpr):
-    """count rounded up to a multiple of REGION_ALIGN (the global's value, `aligned_length`), as the compiler is
-    told."""
+    """count rounded up to a multiple of REGION_ALIGN (the kernel's, `aligned_length`'s), as the compiler is told."""
     return tl.multiple_of(tl.cdiv(count, REGION_ALIGN) * REGION_ALIGN, REGION_ALIGN)
 
 
