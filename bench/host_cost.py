@@ -129,12 +129,14 @@ class CudaBinding:
 
 
 def binding_costs(recorded, reps: int) -> list:
-    """[{"kernel", "parameters", "us", "globals", "globals_us"}] for each launch of `recorded` (StubbedTriton's), in
-    launch order: the binding's microseconds (`CudaBinding`), and the global values its compiled kernel checks on
-    each launch with that check's microseconds (`bench.kernel_globals`)."""
+    """[{"kernel", "parameters", "pointers", "us", "globals", "globals_us"}] for each launch of `recorded`
+    (StubbedTriton's), in launch order: its tensor arguments (on CUDA the C launcher's `data_ptr()` and
+    `cuPointerGetAttribute` each, not timed here), the binding's microseconds (`CudaBinding`), and the global values
+    its compiled kernel checks on each launch with that check's microseconds (`bench.kernel_globals`)."""
     binding = CudaBinding()
     checks = global_checks([kernel for kernel, _, _ in recorded], reps)
     return [{"kernel": kernel.fn.__name__, "parameters": binding.binder(kernel)[2],
+             "pointers": sum(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())),
              "us": binding.time_us(kernel, args, kwargs, reps), "globals": len(checks[_reference(kernel)]["globals"]),
              "globals_us": checks[_reference(kernel)]["us"]} for kernel, args, kwargs in recorded]
 
@@ -283,10 +285,11 @@ def markdown(results: dict) -> str:
             f"{value['us'][row]:.0f}" if row in value["us"] else "-" for value in measured.values()) + " |")
     launches = [(key, launch) for key, value in measured.items() for launch in value.get("binding", ())]
     if launches:
-        lines += ["", "| contender | kernel | parameters | binding us (CUDA sm_90) | globals | their check us |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['us']:.1f} | "
-                  f"{launch['globals']} | {launch['globals_us']:.1f} |" for key, launch in launches]
+        lines += ["", "| contender | kernel | parameters | pointers | binding us (CUDA sm_90) | globals | their check "
+                      "us |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['pointers']} | "
+                  f"{launch['us']:.1f} | {launch['globals']} | {launch['globals_us']:.1f} |"
+                  for key, launch in launches]
     for key, value in results.items():
         if not isinstance(value, dict):
             lines.append(f"\n{key}: {value}")

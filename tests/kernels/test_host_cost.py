@@ -54,6 +54,9 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
         "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_finish_kernel",
         "_logp_entropy_backward_log2_kernel"]
     assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
+    # each launch's tensor arguments (a pointer each for the C launcher on CUDA): the row checks' token_kind,
+    # sample_index, targets and code buffer (this problem has no token_weight or rollout_logp: passed as None)
+    assert ours["binding"][0]["pointers"] == 4
     assert abs(ours["us"][binding] - sum(launch["us"] for launch in ours["binding"])) < 1e-6
     # each launch's check of its compiled kernel's global values (bench.kernel_globals, Triton's own list of them)
     assert abs(ours["us"][checks] - sum(launch["globals_us"] for launch in ours["binding"])) < 1e-6
