@@ -15,9 +15,11 @@ the Triton launches per call, and times apart the part of a compiled launch a CP
 CUDA sm_90"): what Triton 3.6's `JITFunction.run` does on the host before the driver, on the call's own arguments,
 with the binder Triton builds for a CUDA target (`create_function_from_signature` with `make_backend(GPUTarget("cuda",
 90, 32))`: `native_specialize_impl` on every argument, the options dict, `compute_cache_key`, the kernel cache's
-lookup). It cannot count what needs a GPU: the driver's current device and stream, the check of the kernel's global
-values (Triton finds them by compiling: the interpreter's kernels have none to check), and the C launcher (per
-pointer argument a `data_ptr()` call and a `cuPointerGetAttribute`, then `cuLaunchKernelEx`). On a GPU the host time
+lookup). The step after it, the check of the kernel's global values (each module-level `tl.constexpr` the kernel
+and its jit functions read, compared with its value at compile time on every launch), is timed apart ("Triton
+global-value checks"): `bench.kernel_globals`, in a process of its own without the interpreter, finds them as Triton
+does. It cannot count what needs a GPU: the driver's current device and stream and the C launcher (per pointer
+argument a `data_ptr()` call and a `cuPointerGetAttribute`, then `cuLaunchKernelEx`). On a GPU the host time
 before the first big kernel and after the last one adds to the measured call; the rest overlaps the kernels only
 when no host read stands between them.
 
@@ -37,9 +39,11 @@ import importlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -56,6 +60,7 @@ BACKWARD = "autograd backward"
 
 
 BINDING = "Triton launch binding, CUDA sm_90 (not in total)"
+GLOBALS = "Triton global-value checks (not in total)"
 
 
 class StubbedTriton:
@@ -124,10 +129,34 @@ class CudaBinding:
 
 
 def binding_costs(recorded, reps: int) -> list:
-    """[{"kernel", "parameters", "us"}] for each launch of `recorded` (StubbedTriton's), in launch order."""
+    """[{"kernel", "parameters", "pointers", "us", "globals", "globals_us"}] for each launch of `recorded`
+    (StubbedTriton's), in launch order: its tensor arguments (on CUDA the C launcher's `data_ptr()` and
+    `cuPointerGetAttribute` each, not timed here), the binding's microseconds (`CudaBinding`), and the global values
+    its compiled kernel checks on each launch with that check's microseconds (`bench.kernel_globals`)."""
     binding = CudaBinding()
+    checks = global_checks([kernel for kernel, _, _ in recorded], reps)
     return [{"kernel": kernel.fn.__name__, "parameters": binding.binder(kernel)[2],
-             "us": binding.time_us(kernel, args, kwargs, reps)} for kernel, args, kwargs in recorded]
+             "pointers": sum(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())),
+             "us": binding.time_us(kernel, args, kwargs, reps), "globals": len(checks[_reference(kernel)]["globals"]),
+             "globals_us": checks[_reference(kernel)]["us"]} for kernel, args, kwargs in recorded]
+
+
+def _reference(kernel) -> str:
+    return f"{kernel.fn.__module__}:{kernel.fn.__name__}"
+
+
+def global_checks(kernels, reps: int) -> dict:
+    """`bench.kernel_globals.measure` of the interpreted `kernels`, run in a process without the interpreter."""
+    references = sorted({_reference(kernel) for kernel in kernels})
+    if not references:
+        return {}
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "bench.kernel_globals", *references, "--reps", str(reps)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.kernel_globals failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @contextlib.contextmanager
@@ -163,15 +192,17 @@ def timed_phases(phases, spent: dict):
 
 def measure(prepared, phases, reps: int, warmup: int, device: torch.device = torch.device("cpu")) -> dict:
     """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), the Triton launches
-    per call, and BINDING: the Triton launches' binding on a CUDA target (`binding_costs` on the last call's
-    launches, their sum in "us", each in "binding"), for `prepared` (bench.contenders.Prepared) with `phases` wrapped
-    and Triton stubbed. On CUDA nothing is stubbed (module docstring): launches None, BINDING and "binding" absent."""
+    per call, BINDING: the Triton launches' binding on a CUDA target and GLOBALS: their compiled kernels' checks of
+    global values (`binding_costs` on the last call's launches, their sums in "us", each in "binding"), for
+    `prepared` (bench.contenders.Prepared) with `phases` wrapped and Triton stubbed. On CUDA nothing is stubbed
+    (module docstring): launches None, BINDING, GLOBALS and "binding" absent."""
     if device.type == "cuda":
         return {"us": _phase_medians(prepared, phases, reps, warmup, device), "triton_launches": None}
     with StubbedTriton() as stub:
         us = _phase_medians(prepared, phases, reps, warmup, device, stub)
     binding = binding_costs(stub.recorded, reps)
     us[BINDING] = sum(launch["us"] for launch in binding)
+    us[GLOBALS] = sum(launch["globals_us"] for launch in binding)
     return {"us": us, "triton_launches": stub.launches_per_call, "binding": binding}
 
 
@@ -240,7 +271,7 @@ def markdown(results: dict) -> str:
     phases = []
     for value in measured.values():
         phases += [phase for phase in value["us"] if phase not in phases]
-    phases = [phase for phase in phases if phase not in ("total", BINDING)]
+    phases = [phase for phase in phases if phase not in ("total", BINDING, GLOBALS)]
     lines = ["| phase (host us per fwd+bwd, median) | " + " | ".join(measured) + " |",
              "|---|" + "---|" * len(measured)]
     for phase in phases + ["total"]:
@@ -249,12 +280,15 @@ def markdown(results: dict) -> str:
     lines.append("| Triton launches per call | " + " | ".join(
         "-" if value["triton_launches"] is None else f"{value['triton_launches']:g}" for value in measured.values())
         + " |")
-    lines.append(f"| {BINDING} | " + " | ".join(
-        f"{value['us'][BINDING]:.0f}" if BINDING in value["us"] else "-" for value in measured.values()) + " |")
+    for row in (BINDING, GLOBALS):
+        lines.append(f"| {row} | " + " | ".join(
+            f"{value['us'][row]:.0f}" if row in value["us"] else "-" for value in measured.values()) + " |")
     launches = [(key, launch) for key, value in measured.items() for launch in value.get("binding", ())]
     if launches:
-        lines += ["", "| contender | kernel | parameters | binding us (CUDA sm_90) |", "|---|---|---|---|"]
-        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['us']:.1f} |"
+        lines += ["", "| contender | kernel | parameters | pointers | binding us (CUDA sm_90) | globals | their check "
+                      "us |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {key} | `{launch['kernel']}` | {launch['parameters']} | {launch['pointers']} | "
+                  f"{launch['us']:.1f} | {launch['globals']} | {launch['globals_us']:.1f} |"
                   for key, launch in launches]
     for key, value in results.items():
         if not isinstance(value, dict):

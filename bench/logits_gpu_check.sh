@@ -48,7 +48,7 @@ if [ -e "${wheels[0]}" ]; then
 fi
 status=0
 timeout 60 "$python" -m pytest -q -p no:cacheprovider tests/kernels/test_logits_loss_node.py \
-    -k "last_program or metrics_record or inplace_backward or same_order or workspace or (bit_for_bit and (default or gspo or seq-mean or tensor or vespo or entropy-filter or policy-kl))" \
+    -k "last_program or metrics_record or inplace_backward or same_order or workspace or pinned_buffer or (bit_for_bit and (default or gspo or seq-mean or tensor or vespo or entropy-filter or policy-kl))" \
     || echo "node tests: exit $?"
 timeout 60 "$python" -m bench --paths logits --n 16384,4096,65536 --contenders "${CONTENDERS:-erpo,erpo-log2,liger}" \
     --budget 1 --progress "$out/logits.jsonl" --out "$out/bench" --commit "$commit" || status=$?

@@ -95,23 +95,23 @@ def _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse
     tl.store(lse_ptr + row, row_max * unit + log_sum_exp)
 
 
-_LSE_FLOOR = tl.constexpr(LSE_FLOOR)
-_FAR_BELOW = tl.constexpr(-1.0e30)  # below any logit, and finite times any k < 3e8
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
+# the log2 kernels' constants, the defaults of their parameters (`_logp_entropy_forward_log2_kernel`)
+_FAR_BELOW = -1.0e30  # below any logit, and finite times any k < 3e8
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
+def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k, FAR_BELOW: tl.constexpr, LSE_FLOOR: tl.constexpr):
     """The online log-sum-exp with entropy of `triton_common`, in base 2, for a block x [BLOCK_V] fp32 of the row in
     units where z = x * (k / log2 e) (k > 0): a_j = (x_j - m) k = (z_j - m_z) log2 e, e_j = 2^a_j = exp(z_j - m_z);
     sum_exp s = sum e_j, sum_exp_shift u = sum e_j a_j. One max, one subtraction, one multiply and one exp2 per
     logit for a, one add and one FMA for s and u; the block's max, s and u reduce within the warp. A larger max
     rescales both once per block: with d = (m_old - m_new) k, s <- 2^d s and u <- 2^d (u + d s). m_old - m_new is
-    floored at _FAR_BELOW before the multiply by k, which keeps d finite while the row has only seen -inf (m_old is
-    then LSE_FLOOR) and gives 2^d = 0 all the same."""
+    floored at FAR_BELOW (the kernel's _FAR_BELOW; LSE_FLOOR its _LSE_FLOOR) before the multiply by k, which keeps d
+    finite while the row has only seen -inf (m_old is then LSE_FLOOR) and gives 2^d = 0 all the same."""
     new_max = tl.maximum(running_max, tl.max(x, axis=0))  # drops NaN: a NaN logit's e = 2^a below carries it
-    shift = tl.maximum(running_max - new_max, _FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
+    shift = tl.maximum(running_max - new_max, FAR_BELOW) * k  # drops NaN: none here, both maxes skip NaN
     scale = tl.exp2(shift)
     # x - m first, exactly 0 at the max: there a = 0 and e = 1, so a row whose max holds all the mass sums to s = 1
     # and u = 0, entropy 0. As x * k - m * k the GPU forms a in one FMA, whose
@@ -120,7 +120,7 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
     a = (x - new_max) * k
     e = tl.exp2(a)
     # e a is 0 where e is (x = -inf gives a = -inf: 0 * -inf), so a is floored first; a NaN stays NaN through e
-    sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * clamp(a, _LSE_FLOOR, None), axis=0)
+    sum_exp_shift = scale * (sum_exp_shift + shift * sum_exp) + tl.sum(e * clamp(a, LSE_FLOOR, None), axis=0)
     sum_exp = scale * sum_exp + tl.sum(e, axis=0)
     return new_max, sum_exp, sum_exp_shift
 
@@ -129,12 +129,16 @@ def _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k):
 def _logp_entropy_forward_log2_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
     vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR,
+    _FAR_BELOW: tl.constexpr = _FAR_BELOW, _LOG2E: tl.constexpr = _LOG2E, _LN2: tl.constexpr = _LN2,
 ):
     """`_logp_entropy_forward_kernel`'s results with fewer instructions per logit (a bf16 logit is 2 bytes: at the
     H200's 4.8 TB/s one SM gets ~9 logits a cycle, so a loop of ~12 instructions a logit is issue-bound):
     `_fold_block_log2` on the raw logits when there is no soft-cap (the linear transform's factor folded into k,
-    no multiply per logit), the blocks that lie inside the row loaded without a mask and only the last one with it."""
+    no multiply per logit), the blocks that lie inside the row loaded without a mask and only the last one with it.
+    Its constants are parameters with plain numbers as defaults (a launch passes none of them), not globals read in
+    the kernel: a compiled kernel checks the value of each global it reads, its helpers' too, on every launch
+    (`triton_row_checks`' note)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     if SOFTCAP:
@@ -152,7 +156,8 @@ def _logp_entropy_forward_log2_kernel(
         x = tl.load(row_ptr + (start + offsets).to(tl.int64) * stride_col).to(tl.float32)
         if SOFTCAP:
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
-        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
+        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k,
+                                                               _FAR_BELOW, _LSE_FLOOR)
         start += BLOCK_V
     if inside_end < vocab_size:
         cols = inside_end + offsets
@@ -160,7 +165,8 @@ def _logp_entropy_forward_log2_kernel(
         if SOFTCAP:
             x, _ = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         x = tl.where(cols < vocab_size, x, -float("inf"))
-        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k)
+        running_max, sum_exp, sum_exp_shift = _fold_block_log2(x, running_max, sum_exp, sum_exp_shift, k,
+                                                               _FAR_BELOW, _LSE_FLOOR)
     # the max floored, which keeps max * unit finite on a row of -inf (lse = -inf either way)
     row_max = tl.maximum(running_max, _FAR_BELOW)  # drops NaN: none here, the running max skips NaN
     log_sum_exp = tl.log(sum_exp)
@@ -216,19 +222,20 @@ def _logp_entropy_backward_kernel(
 
 @triton.jit
 def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap, inv_temperature,
-                   SOFTCAP: tl.constexpr):
-    """d logits of a block x [BLOCK_V] fp32 of logits, c = g_logp + g_H H (`_logp_entropy_backward_log2_kernel`)."""
+                   SOFTCAP: tl.constexpr, LOG2E: tl.constexpr, FAR_BELOW: tl.constexpr):
+    """d logits of a block x [BLOCK_V] fp32 of logits, c = g_logp + g_H H (`_logp_entropy_backward_log2_kernel`,
+    whose parameters LOG2E and FAR_BELOW hold _LOG2E and _FAR_BELOW)."""
     if SOFTCAP:
         z, slope = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         log_p = z - lse
-        p = tl.exp2(log_p * _LOG2E)
+        p = tl.exp2(log_p * LOG2E)
         # log p floored: a -inf logit gives p = 0 times a finite factor, 0 (not 0 * inf)
-        grad = -p * (c + g_entropy * clamp(log_p, _FAR_BELOW, None))
+        grad = -p * (c + g_entropy * clamp(log_p, FAR_BELOW, None))
         return tl.where(is_target, grad + g_logp, grad) * slope
     else:
         log_p = x * unit - lse
-        p = tl.exp2(x * (unit * _LOG2E) - lse * _LOG2E)
-        grad = -p * (c * unit + (g_entropy * unit) * clamp(log_p, _FAR_BELOW, None))
+        p = tl.exp2(x * (unit * LOG2E) - lse * LOG2E)
+        grad = -p * (c * unit + (g_entropy * unit) * clamp(log_p, FAR_BELOW, None))
         return tl.where(is_target, grad + g_logp * unit, grad)
 
 
@@ -238,7 +245,8 @@ def _logp_entropy_backward_log2_kernel(
     targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
     vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
     SOFTCAP: tl.constexpr,
-    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
+    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr, _LOG2E: tl.constexpr = _LOG2E,
+    _FAR_BELOW: tl.constexpr = _FAR_BELOW,
 ):
     """`_logp_entropy_backward_kernel`'s d logits in about half the instructions per logit (a logit's 4 bytes, read
     and written, leave about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse)
@@ -247,7 +255,8 @@ def _logp_entropy_backward_log2_kernel(
     and without the soft-cap d z / d logits = u = logit_scale / temperature is folded into the row's constants:
     dlogits_j = -p_j (u c + u g_H log p_j) + [j = t] u g_logp, with p_j and log p_j one FMA each from the raw logit.
     A row that receives no gradient is written zeros without reading its logits; the blocks inside the row are
-    loaded without a mask and only the last one with it."""
+    loaded without a mask and only the last one with it. Its constants are parameters with plain defaults, as the
+    forward's (`_logp_entropy_forward_log2_kernel`)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     grad_row_ptr = grad_ptr + row * grad_stride_row
@@ -265,13 +274,13 @@ def _logp_entropy_backward_log2_kernel(
             cols = start + offsets
             x = tl.load(row_ptr + cols.to(tl.int64) * stride_col).to(tl.float32)
             grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
-                                  inv_temperature, SOFTCAP)
+                                  inv_temperature, SOFTCAP, _LOG2E, _FAR_BELOW)
             tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty))
             start += BLOCK_V
         cols = inside_end + offsets
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
         grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
-                              inv_temperature, SOFTCAP)
+                              inv_temperature, SOFTCAP, _LOG2E, _FAR_BELOW)
         tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty),
                  mask=cols < vocab_size)
     else:

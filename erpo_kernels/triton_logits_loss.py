@@ -104,7 +104,9 @@ def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token
     token_kind, sample_index, spans = objective_rows(token_kind, sample_index, spans, inputs.advantages.shape[0])
     plan = objective_plan(options, inputs, has_entropy=True)
     outputs = []
-    loss = _LogitsLoss.apply(logits, _NodeCall(scored_targets.long().contiguous(), bool(inplace_backward), token_kind,
+    # the kernels that form the scored targets write int64: no `long()` dispatched for nothing (a no-op aten::to)
+    targets = scored_targets if scored_targets.dtype == torch.int64 else scored_targets.long()
+    loss = _LogitsLoss.apply(logits, _NodeCall(targets.contiguous(), bool(inplace_backward), token_kind,
                                                sample_index, spans, counts, inputs, options, plan, outputs))
     logp, entropy, query_logp, response_logp, metrics, counts = outputs
     return loss_output_in_slots(loss, logp, entropy, query_logp, response_logp, metrics, counts, plan.metric_slots)

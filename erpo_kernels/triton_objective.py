@@ -95,8 +95,8 @@ TICKET = NODE_TICKET
 assert len(COUNT_METRICS) + 1 == NODE_COUNTS and TICKET == len(COUNT_METRICS)
 QKL_ESTIMATOR_CODES = {"k1": 1, "k2": 2, "k3": 3, "k3-token": 4}
 PG_OBJECTIVE_CODES = {"ppo-clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
-VESPO_LOG_RATIO_CLAMP = tl.constexpr(objective.VESPO_LOG_RATIO_CLAMP)  # TRL's clamps of VESPO's log-weights
-VESPO_LOG_WEIGHT_MIN = tl.constexpr(objective.VESPO_LOG_WEIGHT_MIN)
+VESPO_LOG_RATIO_CLAMP = objective.VESPO_LOG_RATIO_CLAMP  # TRL's clamps of VESPO's log-weights
+VESPO_LOG_WEIGHT_MIN = objective.VESPO_LOG_WEIGHT_MIN
 LOSS_AGG_CODES = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
 # rows per loop step of the sample kernel (the per-sample sums' step: its ell_theta(q) is bit-equal to theirs,
 # `first_block_start`), and per program of the gradient kernel
@@ -104,13 +104,7 @@ ROW_BLOCK = SUM_BLOCK
 SAMPLE_BLOCK = 256  # samples per loop step of the finish kernel
 # Each region of the one-node loss's workspace (`NodeWorkspace`) begins at a multiple of this many elements (64
 # bytes), whatever N and S: `_node_regions`.
-REGION_ALIGN = tl.constexpr(16)
-# What `_objective_sample_finish_kernel` reads as globals rather than parameters (each parameter a launch binds costs
-# the host; these never change): NUM_PARTIALS, ROW_BLOCK, SAMPLE_BLOCK and the length of FLOAT_METRICS
-NODE_NUM_PARTIALS = tl.constexpr(NUM_PARTIALS)
-NODE_ROW_BLOCK = tl.constexpr(ROW_BLOCK)
-NODE_SAMPLE_BLOCK = tl.constexpr(SAMPLE_BLOCK)
-NODE_NUM_METRICS = tl.constexpr(len(FLOAT_METRICS))
+REGION_ALIGN = 16
 # The option flags of `_objective_sample_finish_kernel` (the sample kernel's and the finish kernel's constexprs of
 # these names), packed into its one constexpr FLAGS: bit i is NODE_FLAGS[i] (`node_flags`; the kernel unpacks them in
 # this order). One parameter instead of twenty: binding a launch's parameters is host time (`python -m
@@ -311,8 +305,10 @@ def _objective_sample_kernel(
     SEQUENCE_RATIO: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PER_TOKEN_MEAN: tl.constexpr,
     QKL_ESTIMATOR: tl.constexpr, PG_OBJECTIVE: tl.constexpr, HAS_OFF_POLICY: tl.constexpr,
     HAS_ENTROPY_FILTER: tl.constexpr, HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr,
-    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr, VESPO_LOG_RATIO_CLAMP: tl.constexpr = VESPO_LOG_RATIO_CLAMP,
+    VESPO_LOG_WEIGHT_MIN: tl.constexpr = VESPO_LOG_WEIGHT_MIN, TICKET: tl.constexpr = TICKET,
 ):
+    # constants as parameters with plain defaults, not globals (`_objective_sample_finish_kernel`'s note)
     _sample_objective(
         logp_ptr, entropy_ptr, kind_ptr, order_ptr, starts_ptr, sample_ptr, sample_ids_ptr, advantages_ptr,
         ref_query_logp_ptr, query_weight_ptr, old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr,
@@ -324,7 +320,7 @@ def _objective_sample_kernel(
         HAS_DUAL, HAS_PG_CLAMP, HAS_KL_CLAMP, USE_QKL, USE_POLICY_KL, ENTROPY_IN_TERM, SEQUENCE_RATIO,
         BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
         HAS_SAMPLE_IDS, SPANS, NUM_PARTIALS_, BLOCK, None, None, None, None, None, None, 0.0, 0.0, False, 0, 0, 0,
-        False, 1)
+        False, 1, VESPO_LOG_RATIO_CLAMP, VESPO_LOG_WEIGHT_MIN, TICKET)
 
 
 # The scalars `_objective_sample_finish_kernel` loads from one fp32 vector (`node_scalars`), in this order: the
@@ -336,13 +332,14 @@ NODE_SCALARS = ("clip_low", "clip_high", "dual_clip", "pg_log_ratio_clamp", "log
 
 
 @triton.jit
-def _aligned_length(count):
-    """count rounded up to a multiple of REGION_ALIGN (`aligned_length`), as the compiler is told."""
+def _aligned_length(count, REGION_ALIGN: tl.constexpr):
+    """count rounded up to a multiple of REGION_ALIGN (the kernel's, `aligned_length`'s), as the compiler is told."""
     return tl.multiple_of(tl.cdiv(count, REGION_ALIGN) * REGION_ALIGN, REGION_ALIGN)
 
 
 @triton.jit
-def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr):
+def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr,
+                  REGION_ALIGN: tl.constexpr):
     """Pointers to the regions of the one-node loss's fp32 workspace (`NodeWorkspace`: one allocation, N rows and S
     samples, its regions in the order of its fields, each at a multiple of REGION_ALIGN elements), lse skipped: logp,
     entropy, coef_logp, coef_entropy [N], query_logp, response_logp [S], partials [S, NUM_PARTIALS], loss [1], metrics
@@ -351,7 +348,7 @@ def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.cons
     pointer as aligned as the workspace's, whatever N and S: at N not a multiple of 16 the coefficients' stores in
     pass 2 took the layout of an unaligned pointer, three layout conversions a step (sm_90 TTGIR:
     tests/kernels/test_logits_loss_node.py compiles the kernel as launched, at N = 47 and 48)."""
-    sample_stride = _aligned_length(num_samples)
+    sample_stride = _aligned_length(num_samples, REGION_ALIGN)
     logp_ptr = workspace_ptr
     entropy_ptr = logp_ptr + row_stride
     coef_logp_ptr = entropy_ptr + 2 * row_stride  # after lse
@@ -359,7 +356,7 @@ def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.cons
     query_logp_ptr = coef_entropy_ptr + row_stride
     response_logp_ptr = query_logp_ptr + sample_stride
     partials_ptr = response_logp_ptr + sample_stride
-    loss_ptr = partials_ptr + _aligned_length(num_samples * NUM_PARTIALS_)
+    loss_ptr = partials_ptr + _aligned_length(num_samples * NUM_PARTIALS_, REGION_ALIGN)
     metrics_ptr = loss_ptr + REGION_ALIGN
     scales_ptr = metrics_ptr + tl.cdiv(NUM_METRICS, REGION_ALIGN) * REGION_ALIGN  # constexprs: known
     return (logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr,
@@ -383,14 +380,20 @@ def _objective_sample_finish_kernel(
     old_logp_ptr, ref_logp_ptr, token_weight_ptr, rollout_logp_ptr, entropy_threshold_ptr, scalars_ptr,
     num_items_ptr, num_seqs_ptr, counts_ptr, FLAGS: tl.constexpr, QKL_ESTIMATOR: tl.constexpr,
     PG_OBJECTIVE: tl.constexpr, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
+    NODE_NUM_PARTIALS: tl.constexpr = NUM_PARTIALS, NODE_ROW_BLOCK: tl.constexpr = ROW_BLOCK,
+    NODE_SAMPLE_BLOCK: tl.constexpr = SAMPLE_BLOCK, NODE_NUM_METRICS: tl.constexpr = len(FLOAT_METRICS),
+    REGION_ALIGN: tl.constexpr = REGION_ALIGN, VESPO_LOG_RATIO_CLAMP: tl.constexpr = VESPO_LOG_RATIO_CLAMP,
+    VESPO_LOG_WEIGHT_MIN: tl.constexpr = VESPO_LOG_WEIGHT_MIN, TICKET: tl.constexpr = TICKET,
 ):
     """`_objective_sample_kernel` on each sample's span whose last program also runs kernel 2
     (`_finish_objective`): the one-node loss's objective in one launch (`launch_node_objective`). Its fp32 inputs and
     outputs (logp, entropy, the coefficients, the partials, the finish's results) are regions of one workspace
     (`_node_regions`), its float settings one vector (`_node_scalars`), its option flags the bits of FLAGS
-    (NODE_FLAGS' order, `node_flags`) and its fixed sizes globals: 23 parameters, was 46 with a constexpr for each
-    flag and size (and 76 before the workspace and the vector), each one a launch binds on the host (`python -m
-    bench.host_cost`)."""
+    (NODE_FLAGS' order, `node_flags`): 23 parameters a launch passes, was 46 with a constexpr for each flag (and 76
+    before the workspace and the vector), each one a launch binds on the host (`python -m bench.host_cost`). Its
+    fixed sizes and constants, its helpers' too, are parameters after those with plain numbers as defaults (a launch
+    passes none of them), not globals read in the kernel: a compiled kernel checks the value of each global it or a
+    jit function it calls reads on every launch, about 0.5 us each (`triton_row_checks`' note)."""
     HAS_ENTROPY: tl.constexpr = (FLAGS >> 0) & 1 == 1
     HAS_QKL_REFERENCE: tl.constexpr = (FLAGS >> 1) & 1 == 1
     HAS_QUERY_WEIGHT: tl.constexpr = (FLAGS >> 2) & 1 == 1
@@ -413,7 +416,7 @@ def _objective_sample_finish_kernel(
     ENTROPY_TOKEN_MEAN: tl.constexpr = (FLAGS >> 19) & 1 == 1
     logp_ptr, entropy_ptr, coef_logp_ptr, coef_entropy_ptr, query_logp_ptr, response_logp_ptr, partials_ptr, \
         loss_ptr, metrics_ptr, scales_ptr = _node_regions(workspace_ptr, row_stride, tl.num_programs(0),
-                                                          NODE_NUM_PARTIALS, NODE_NUM_METRICS)
+                                                          NODE_NUM_PARTIALS, NODE_NUM_METRICS, REGION_ALIGN)
     clip_low, clip_high, dual_clip, pg_log_ratio_clamp, log_ratio_clamp, kl_clamp, log_rollout_is_cap, qkl_coef, \
         qkl_linear_beyond, policy_kl_coef, entropy_coef, cispo_clip_max, sapo_temperature_pos, sapo_temperature_neg, \
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, num_items, \
@@ -430,7 +433,7 @@ def _objective_sample_finish_kernel(
         BIAS_CORRECTION, PER_TOKEN_MEAN, QKL_ESTIMATOR, PG_OBJECTIVE, HAS_OFF_POLICY, HAS_ENTROPY_FILTER,
         False, True, NODE_NUM_PARTIALS, NODE_ROW_BLOCK, num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr,
         counts_ptr, scales_ptr, num_items, num_seqs, True, NUM_ITEMS_MODE, NUM_SEQS_MODE, LOSS_AGG,
-        ENTROPY_TOKEN_MEAN, NODE_SAMPLE_BLOCK)
+        ENTROPY_TOKEN_MEAN, NODE_SAMPLE_BLOCK, VESPO_LOG_RATIO_CLAMP, VESPO_LOG_WEIGHT_MIN, TICKET)
 
 
 @triton.jit
@@ -450,10 +453,12 @@ def _sample_objective(
     HAS_SAMPLE_IDS: tl.constexpr, SPANS: tl.constexpr, NUM_PARTIALS_: tl.constexpr, BLOCK: tl.constexpr,
     num_items_ptr, num_seqs_ptr, loss_ptr, metrics_ptr, counts_ptr, scales_ptr, num_items, num_seqs,
     FINISH: tl.constexpr, NUM_ITEMS_MODE: tl.constexpr, NUM_SEQS_MODE: tl.constexpr, LOSS_AGG: tl.constexpr,
-    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+    ENTROPY_TOKEN_MEAN: tl.constexpr, FINISH_BLOCK: tl.constexpr, VESPO_LOG_RATIO_CLAMP: tl.constexpr,
+    VESPO_LOG_WEIGHT_MIN: tl.constexpr, TICKET: tl.constexpr,
 ):
     """Kernel 1's body (module docstring), and with FINISH, in the last program to store its partials,
-    kernel 2's (`_finish_objective`, given the finish kernel's outputs and settings)."""
+    kernel 2's (`_finish_objective`, given the finish kernel's outputs and settings). VESPO_LOG_RATIO_CLAMP,
+    VESPO_LOG_WEIGHT_MIN and TICKET: the module's constants, from the kernel's parameters."""
     K3_TOKEN: tl.constexpr = QKL_ESTIMATOR == 4
     VESPO: tl.constexpr = PG_OBJECTIVE == 3
     program = tl.program_id(0).to(tl.int64)
@@ -960,11 +965,11 @@ class FinishOutputs(NamedTuple):
 
 def aligned_length(count: int) -> int:
     """count rounded up to a multiple of REGION_ALIGN: the elements a `NodeWorkspace` region of that length takes."""
-    return -(-count // REGION_ALIGN.value) * REGION_ALIGN.value
+    return -(-count // REGION_ALIGN) * REGION_ALIGN
 
 
 # the pieces of a NodeWorkspace after its partials: loss [1], metrics, scales [3], each but the last padded
-_FINISH_PIECES = (1, REGION_ALIGN.value - 1, len(FLOAT_METRICS), -len(FLOAT_METRICS) % REGION_ALIGN.value, 3)
+_FINISH_PIECES = (1, REGION_ALIGN - 1, len(FLOAT_METRICS), -len(FLOAT_METRICS) % REGION_ALIGN, 3)
 
 
 def _region_pieces(rows_padded: bool, samples_padded: bool):
@@ -1001,11 +1006,11 @@ class NodeWorkspace(NamedTuple):
     def empty(cls, num_rows: int, num_samples: int, device) -> NodeWorkspace:
         # the pieces of the allocation: each region, then its padding up to REGION_ALIGN where it has any (the row
         # regions' where N is not a multiple of it, the sample regions' where S is not: S * NUM_PARTIALS neither)
-        row_padding, sample_padding = -num_rows % REGION_ALIGN.value, -num_samples % REGION_ALIGN.value
+        row_padding, sample_padding = -num_rows % REGION_ALIGN, -num_samples % REGION_ALIGN
         rows = (num_rows, row_padding) if row_padding else (num_rows,)
         samples = (num_samples, sample_padding) if sample_padding else (num_samples,)
         partials = num_samples * NUM_PARTIALS
-        pieces = rows * 5 + samples * 2 + ((partials, -partials % REGION_ALIGN.value) if sample_padding
+        pieces = rows * 5 + samples * 2 + ((partials, -partials % REGION_ALIGN) if sample_padding
                                            else (partials,)) + _FINISH_PIECES
         whole = torch.empty(sum(pieces), dtype=torch.float32, device=device)
         *views, loss, metrics, scales = _REGION_PIECES[bool(row_padding), bool(sample_padding)](

@@ -19,7 +19,7 @@ import triton.language as tl
 from .direct_ops import DirectOp
 from .triton_segment import (
     NODE_COUNTS,
-    NODE_COUNTS_LENGTH,
+    NODE_TICKET,
     record_spans,
     spans_and_scored_targets,
     store_scored_targets,
@@ -28,15 +28,18 @@ from .triton_segment import (
 from .validation import ROW_CHECKS
 
 BLOCK_ROWS = 1024
-# the kernel's fixed sizes, as globals rather than parameters (each parameter a launch binds costs the host)
-CHECK_BLOCK = tl.constexpr(BLOCK_ROWS)
-NUM_CHECKS = tl.constexpr(len(ROW_CHECKS))
 
 
+# The kernel's fixed sizes are parameters with defaults (a launch passes none of them), plain numbers, not globals
+# read in the kernel: a compiled kernel checks the value of each global it reads (its jit functions' too) on every
+# launch, about 0.5 us each on the host, a parameter with a plain default costs its binding about 0.07 us
+# (`python -m bench.host_cost`'s global-value checks and binding rows; a tl.constexpr default 0.2 us).
 @triton.jit
 def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, rollout_logp_ptr, code_ptr, num_rows,
                           num_samples, vocab_size, HAS_TARGETS: tl.constexpr, HAS_TOKEN_WEIGHT: tl.constexpr,
-                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, WITH_SCORED_TARGETS: tl.constexpr):
+                          HAS_ROLLOUT: tl.constexpr, WITH_SPANS: tl.constexpr, WITH_SCORED_TARGETS: tl.constexpr,
+                          CHECK_BLOCK: tl.constexpr = BLOCK_ROWS, NUM_CHECKS: tl.constexpr = len(ROW_CHECKS),
+                          NODE_COUNTS: tl.constexpr = NODE_COUNTS, NODE_TICKET: tl.constexpr = NODE_TICKET):
     rows = tl.program_id(0).to(tl.int64) * CHECK_BLOCK + tl.arange(0, CHECK_BLOCK)
     inside = rows < num_rows
     none = num_rows * NUM_CHECKS  # past every code
@@ -51,8 +54,8 @@ def _first_bad_row_kernel(kind_ptr, sample_ptr, targets_ptr, token_weight_ptr, r
         code = tl.minimum(code, tl.where(scored & ((target < 0) | (target >= vocab_size)), 2 * num_rows + rows,
                                          none))  # drops NaN: integer codes
         if WITH_SCORED_TARGETS:  # after the code, the spans [2, S], the node's counts and one pad: the targets
-            store_scored_targets(code_ptr + 2 + 2 * num_samples + NODE_COUNTS_LENGTH, rows, inside, scored, target)
-            zero_ticket(code_ptr + 1 + 2 * num_samples)
+            store_scored_targets(code_ptr + 2 + 2 * num_samples + NODE_COUNTS, rows, inside, scored, target)
+            zero_ticket(code_ptr + 1 + 2 * num_samples, NODE_TICKET)
     if HAS_TOKEN_WEIGHT:
         weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(tl.float32)
         good = (weight >= 0) & (weight < float("inf"))  # finite and >= 0 (NaN fails both)

@@ -25,8 +25,7 @@ SUM_BLOCK = 256  # rows per loop step of the sums kernel
 # (`triton_objective.COUNT_METRICS`) and its sample kernel's ticket counter, last, between the spans and the
 # targets, the ticket zeroed by the kernel that writes the targets (no fill launch of its own)
 NODE_COUNTS = 4
-NODE_COUNTS_LENGTH = tl.constexpr(NODE_COUNTS)  # the same, as kernels read a global
-NODE_TICKET = tl.constexpr(NODE_COUNTS - 1)
+NODE_TICKET = NODE_COUNTS - 1
 
 
 @triton.jit
@@ -65,23 +64,27 @@ def store_scored_targets(out_ptr, rows, inside, scored, target):
 
 @triton.jit
 def _sample_spans_kernel(sample_ptr, kind_ptr, targets_ptr, spans_ptr, num_rows, num_samples, HAS_KIND: tl.constexpr,
-                         WITH_SCORED_TARGETS: tl.constexpr, BLOCK: tl.constexpr):
+                         WITH_SCORED_TARGETS: tl.constexpr, BLOCK: tl.constexpr,
+                         NODE_COUNTS: tl.constexpr = NODE_COUNTS, NODE_TICKET: tl.constexpr = NODE_TICKET):
+    # the layout's sizes are parameters with these defaults, not read as globals: a compiled kernel checks the value
+    # of each global it reads on every launch (`triton_row_checks`' note)
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     record_spans(sample_ptr, kind_ptr, spans_ptr, rows, num_rows, num_samples, HAS_KIND)
     if WITH_SCORED_TARGETS:  # after the spans [2, S]: the node's counts (NODE_COUNTS), then the targets
         inside = rows < num_rows
         scored = tl.load(kind_ptr + rows, mask=inside, other=0) != 0
         target = tl.load(targets_ptr + rows, mask=inside, other=0)
-        store_scored_targets(spans_ptr + 2 * num_samples + NODE_COUNTS_LENGTH, rows, inside, scored, target)
-        zero_ticket(spans_ptr + 2 * num_samples)
+        store_scored_targets(spans_ptr + 2 * num_samples + NODE_COUNTS, rows, inside, scored, target)
+        zero_ticket(spans_ptr + 2 * num_samples, NODE_TICKET)
 
 
 @triton.jit
-def zero_ticket(counts_ptr):
-    """Program 0 zeroes the ticket counter of the node's counts at `counts_ptr` (NODE_COUNTS): the objective's
-    sample kernel, queued after, counts its programs there from 0. (The spans kernel and the row checks' kernel.)"""
+def zero_ticket(counts_ptr, TICKET: tl.constexpr):
+    """Program 0 zeroes the ticket counter of the node's counts at `counts_ptr` (NODE_COUNTS), entry TICKET
+    (NODE_TICKET, the caller's parameter): the objective's sample kernel, queued after, counts its programs there
+    from 0. (The spans kernel and the row checks' kernel.)"""
     if tl.program_id(0) == 0:
-        tl.store(counts_ptr + NODE_TICKET, 0)
+        tl.store(counts_ptr + TICKET, 0)
 
 
 def sample_spans(sample_index: torch.Tensor, num_samples: int, token_kind: Optional[torch.Tensor] = None,

@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import math
+import threading
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -444,8 +445,8 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
     with validate=False and targets instead of the mask and `where` below (`triton_row_checks.RowChecksWithSpans`'
     `without_checks`: the spans kernel writes them).
     `read_code(code)`: how first_bad_row's code [1] (or [1 + K]) is to be read, a function returning its host copy
-    (default `read_later`: a copy queued now); the fused path's hands the code to its op, which reads it with the rows'
-    layout in one read (`fused_linear.DeferredCheckRead`).
+    (default `read_code_later`: a copy queued now, into a pinned buffer reused call after call); the fused path's
+    hands the code to its op, which reads it with the rows' layout in one read (`fused_linear.DeferredCheckRead`).
     """
     check_validate(validate)
     opts = loss_options(options)
@@ -499,7 +500,7 @@ def start_loss_input_checks(*, num_rows: int, vocab_size: int | None, device: to
         code, scored_targets = code if isinstance(code, tuple) else (code, None)
         if caller_checks:  # [1 + K]: the code, then whether each caller check fails
             code = torch.cat((code, torch.stack([bad.any() for bad, _ in caller_checks]).long()))
-        read_host_code = (read_code or read_later)(code)
+        read_host_code = (read_code or read_code_later)(code)
         if scored_targets is None and targets is not None:
             scored_targets = scored_targets_of(targets, token_kind != 0)
         return scored_targets, opts, lambda: raise_first_bad_row(read_host_code(), n, messages, caller_checks)
@@ -541,6 +542,44 @@ def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     def read():
         copied.synchronize()
         return host
+    return read
+
+
+class _CodeRead:
+    """A pinned host buffer for a [K] int64 code and a CUDA event, reused by `read_code_later` while not `busy`."""
+
+    def __init__(self, length: int):
+        self.host = torch.empty(length, dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()
+        self.busy = False
+
+
+_CODE_READS = threading.local()  # this thread's {(device, length): _CodeRead}
+
+
+def read_code_later(code: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`read_later` for the value checks' code [K] int64 (`start_loss_input_checks`), whose reader reads it at once: on
+    CUDA the pinned buffer and the event are this thread's, made once per device and length and reused by each call
+    after the previous one's read (a pinned allocation, its release and an event's creation and destruction fewer per
+    call: host time on CUDA only, `python -m bench.host_cost --device cuda`). The returned host tensor holds the code
+    until this thread's next read of a code of that length: read it before. A call made while an earlier one's read
+    is pending (another copy in flight, or a read that never came: an error in between) gets a new buffer, which the
+    later calls reuse; the pending one stays its reader's."""
+    if code.device.type != "cuda" or torch.compiler.is_compiling():
+        return lambda: code
+    reads = _CODE_READS.__dict__
+    key = (code.device, code.shape[0])
+    slot = reads.get(key)
+    if slot is None or slot.busy:
+        slot = reads[key] = _CodeRead(code.shape[0])
+    slot.busy = True
+    slot.host.copy_(code, non_blocking=True)
+    slot.copied.record()
+
+    def read():
+        slot.copied.synchronize()
+        slot.busy = False
+        return slot.host
     return read
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from bench.provenance import git_commit
+from paths import worker_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,8 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     ours = results["erpo"]
     phases = ["entry", "validation", "loss node (kernels queued, metrics)", "autograd backward"]
     binding = "Triton launch binding, CUDA sm_90 (not in total)"
-    assert list(ours["us"]) == phases + ["total", binding]
+    checks = "Triton global-value checks (not in total)"
+    assert list(ours["us"]) == phases + ["total", binding, checks]
     assert all(ours["us"][phase] > 0 for phase in phases)
     # forward: the row checks (which find the samples' spans too), logp/entropy, the objective's sample kernel (whose
     # last program finishes); backward: dlogits, which forms the objective's gradients itself (triton_logits_loss:
@@ -52,11 +54,21 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
         "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_finish_kernel",
         "_logp_entropy_backward_log2_kernel"]
     assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
+    # each launch's tensor arguments (a pointer each for the C launcher on CUDA): the row checks' token_kind,
+    # sample_index, targets and code buffer (this problem has no token_weight or rollout_logp: passed as None)
+    assert ours["binding"][0]["pointers"] == 4
     assert abs(ours["us"][binding] - sum(launch["us"] for launch in ours["binding"])) < 1e-6
+    # each launch's check of its compiled kernel's global values (bench.kernel_globals, Triton's own list of them)
+    assert abs(ours["us"][checks] - sum(launch["globals_us"] for launch in ours["binding"])) < 1e-6
+    assert all(launch["globals_us"] >= 0 for launch in ours["binding"])
+    # ours read no global in their kernels or the jit functions they call (their constants are parameters with
+    # defaults): nothing to check per launch (18 globals before branch hostcost2, about 9 us on this CPU)
+    assert [launch["globals"] for launch in ours["binding"]] == [0, 0, 0, 0]
     liger = results["liger"]
     assert isinstance(liger, str) or liger["triton_launches"] == 2  # not installed, or its forward and backward
     assert "| autograd backward |" in done.stdout and "| Triton launches per call | 4 |" in done.stdout
     assert f"| {binding} |" in done.stdout and "| erpo | `_objective_sample_finish_kernel` |" in done.stdout
+    assert f"| {checks} |" in done.stdout
 
 
 def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):
@@ -120,3 +132,19 @@ def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_r
     assert abs(read["GFLOP queued before chunk loop"] - first_chunk) < 1e-6
     assert 0 < read["us to chunk loop"] < read["us to next GEMM"]
     assert "host_layout" in done.stdout
+
+
+def test_kernel_globals_lists_what_triton_checks_on_each_launch():
+    """bench.kernel_globals names the module-level constexprs a compiled kernel checks on every launch, its helpers'
+    included, as Triton's own `used_global_vals` holds them, and refuses the interpreter's kernels (which have none)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = worker_pythonpath()
+    kernel = "global_reading_kernel:reads_two_globals"
+    done = subprocess.run([sys.executable, "-m", "bench.kernel_globals", kernel, "--reps", "3"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.splitlines()[-1])[kernel]
+    assert record["globals"] == ["HELPER_GLOBAL", "KERNEL_GLOBAL"] and record["us"] >= 0
+    refused = subprocess.run([sys.executable, "-m", "bench.kernel_globals", kernel], cwd=REPO,
+                             env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "without TRITON_INTERPRET=1" in refused.stderr

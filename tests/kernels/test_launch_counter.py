@@ -200,7 +200,8 @@ def test_cuda_agrees_on_the_entry_points(entry, device):
     report): the counter counts 0 syncs on the logits path, 1 for the fused-linear chunk plan, 0 when the caller
     gives the plan its host_layout, 1 for padded_erpo_loss's fused-linear path (its selection of the scored rows,
     whose host layout the plan reuses); the detector sees each of them but the waits on an event
-    (`validation.read_later`, which both reads use since 2026-11-26: the counter's "event.synchronize"). With
+    (`validation.read_code_later` on the logits path, `read_later` on the fused path: the counter's
+    "event.synchronize"). With
     validate=True and a host_layout, the row checks' wait alone: the layout's upload for its check against the rows
     does not block."""
     if device.type != "cuda":

@@ -235,16 +235,16 @@ def test_the_metrics_record_is_made_on_its_first_read(device):
 @contextlib.contextmanager
 def launches_and_reads(monkeypatch):
     """[name, ...]: the Triton kernels launched in the block and "read" where the value checks' host read waits
-    (when the function `validation.read_later` returned is called: on CUDA the wait on the event recorded after the
-    code's copy), in order."""
+    (when the function `validation.read_code_later` returned is called: on CUDA the wait on the event recorded after
+    the code's copy), in order."""
     order = []
-    read_later = validation.read_later
+    read_code_later = validation.read_code_later
 
-    def logged_read_later(value):
-        read = read_later(value)
+    def logged_read_code_later(value):
+        read = read_code_later(value)
         return lambda: order.append("read") or read()
 
-    monkeypatch.setattr(validation, "read_later", logged_read_later)
+    monkeypatch.setattr(validation, "read_code_later", logged_read_code_later)
     with watched_launches(lambda kernel, args, kwargs: order.append(kernel.fn.__name__)):
         yield order
 
@@ -265,6 +265,27 @@ def test_the_checks_read_waits_after_the_forward_is_queued(two_ops, monkeypatch,
     backward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__
     after = ["_objective_grad_kernel", backward] if two_ops else [backward]
     assert order == ["_first_bad_row_kernel", forward, *objective, "read", *after], order
+
+
+def test_the_checks_code_read_reuses_its_pinned_buffer_but_not_under_a_pending_read(device):
+    """`validation.read_code_later` (the value checks' one read): on CUDA each call after the previous one's read
+    copies into the same pinned buffer (no allocation, no new event), and a call made while a read is pending gets a
+    new buffer, which the later calls reuse, each read returning its own code; elsewhere the code itself."""
+    first, second = torch.arange(3, device=device), torch.arange(10, 13, device=device)
+    if device.type != "cuda":
+        assert validation.read_code_later(first)() is first
+        return
+    host = validation.read_code_later(first)()
+    assert host.is_pinned() and host.tolist() == [0, 1, 2]
+    again = validation.read_code_later(second)()
+    assert again.data_ptr() == host.data_ptr() and again.tolist() == [10, 11, 12]
+    pending = validation.read_code_later(first)
+    beside = validation.read_code_later(second)  # queued before the first one's read
+    beside_host = beside()
+    assert beside_host.tolist() == [10, 11, 12] and beside_host.data_ptr() != host.data_ptr()
+    pending_host = pending()
+    assert pending_host.tolist() == [0, 1, 2] and pending_host.data_ptr() == host.data_ptr()
+    assert validation.read_code_later(first)().data_ptr() == beside_host.data_ptr()
 
 
 SAMPLE_RANGE = r"sample_index must lie in \[0, 5\) \(S = len\(advantages\)\) on scored rows;"

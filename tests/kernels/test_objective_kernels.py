@@ -154,7 +154,7 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
     assert unchecked.syncs == 0
     # validate=False: the spans kernel and its fill instead of the row-check kernel and its code's fill, both
     # finding the spans and writing the scored targets (no mask and where of their own); on CUDA the code's copy to
-    # pinned memory (validation.read_later) is one launch fewer
+    # pinned memory (validation.read_code_later) is one launch fewer
     assert unchecked.launches == counter.launches - (1 if device.type == "cuda" else 0)
     assert counter.names["triton._sample_spans_kernel"] == 0 and unchecked.names["triton._sample_spans_kernel"] == 1
     for name in ("aten.ne", "aten.where"):  # the scored targets' mask and where (the entropy filter has a where)
@@ -167,7 +167,7 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
 def test_unfused_options_run_the_reference_objective(case, device):
     """The gathered entropy filter reads the host once more than the row checks, whatever `validate`: its pool,
     the response rows' entropies, has a data-dependent length (a boolean selection). The row checks' one read is
-    their code's: on CUDA a wait on the event after its copy to pinned memory (validation.read_later), then a read
+    their code's: on CUDA a wait on the event after its copy to pinned memory (validation.read_code_later), then a read
     of host memory; elsewhere a scalar read of the code itself."""
     batch = random_batch(device=device)
     assert_matches_reference(batch, case)

@@ -46,12 +46,14 @@ OBJECTIVE_SAMPLE_SIGNATURE = dict({name: "*fp32" for name in _OBJECTIVE_SAMPLE_P
 
 def compile_for_hopper(kernel, signature: dict, constexprs: dict, divisible_by_16=(), **options):
     """Compile `kernel` (@triton.jit, possibly in interpreter mode) for sm_90; returns the compiled kernel.
-    constexprs: every constexpr parameter's value (a ValueError names those left out), and None for a pointer the
-    launch passes as None.
+    constexprs: every constexpr parameter's value (a ValueError names those left out; one with a default takes it
+    when left out, as a launch does), and None for a pointer the launch passes as None.
     divisible_by_16: the arguments the launcher would specialize as multiples of 16 (aligned pointers, strides and
     sizes such as V = 152064), which lets Triton vectorize the loads as it does at run time."""
     python_fn = getattr(kernel, "fn", kernel)
     jit_fn = python_fn if isinstance(python_fn, JITFunction) else JITFunction(python_fn)
+    constexprs = {**{param.name: param.default for param in jit_fn.params if param.is_constexpr and param.has_default},
+                  **constexprs}
     missing = [param.name for param in jit_fn.params if param.is_constexpr and param.name not in constexprs]
     if missing:  # triton.compile would compile the kernel without them (a branch on a missing flag drops silently)
         raise ValueError(f"compile_for_hopper: {jit_fn.__name__}'s constexpr parameters {', '.join(missing)} are not "
