@@ -537,7 +537,7 @@ def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
     host.copy_(value, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(value.device))  # the copy's stream: value's device, not the current one
 
     def read():
         copied.synchronize()
@@ -574,7 +574,7 @@ def read_code_later(code: torch.Tensor) -> Callable[[], torch.Tensor]:
         slot = reads[key] = _CodeRead(code.shape[0])
     slot.busy = True
     slot.host.copy_(code, non_blocking=True)
-    slot.copied.record()
+    slot.copied.record(torch.cuda.current_stream(code.device))  # the copy's stream, as in read_later
 
     def read():
         slot.copied.synchronize()
