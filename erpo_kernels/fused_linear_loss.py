@@ -34,20 +34,23 @@ holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the va
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
 before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
-before the wait for the checks' code, and the host's work after it is the objective's setup alone.
+before the wait for the checks' code, and the host's work after it is the objective's setup alone (the chunks'
+layout: its global factors, which read counts alone, are launched before the read but with the entropy filter).
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
 values (ell_theta(q) for the Query-KL, read by the sample's query rows; the sequence-level ratio, VESPO's weight, the
 off-policy mask, read by its response rows) and (c) the entropy filter's batch-wide quantile and kept-row count. The
 chunk objectives read [N] vectors that hold each pre-passed row's value, then each chunk's own rows once formed: (a)
-the Triton one forms its global factors once from counts (one pass over every sample before the chunks), the torch
-one holds every row; (b) holds because the chunks keep a sample's query rows, and its response rows, together where
-they can (`plan_chunks`; its query rows and its response rows may lie in different chunks, no row reading the other
-kind's value); a set a cut splits (longer than half a chunk, or interleaved rows) and (c) get their coupled rows
-from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split query rows when the Query-KL needs
-ell_theta(q), the split response rows when a per-sample response value is read, and every response row with the
-entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
+the Triton one forms its global factors once from counts (one pass over every sample's span before the chunks:
+before the op's host read, nothing there needing the layout on the host, but with the entropy filter, whose kept
+rows it counts on the pre-pass values), the torch one holds every row; (b) holds because the chunks keep a sample's
+query rows, and its response rows, together where they can (`plan_chunks`; its query rows and its response rows may
+lie in different chunks, no row reading the other kind's value); a set a cut splits (longer than half a chunk, or
+interleaved rows) and (c) get their coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row):
+the split query rows when the Query-KL needs ell_theta(q), the split response rows when a per-sample response value
+is read, and every response row with the entropy filter (its threshold, and the kept-row count of the token-mean
+entropy bonus).
 
 Launches: a constant, 6 per chunk and 2 per group on the Triton backend, 2 more per group with a bias (per chunk
 the logits GEMM, the forward row kernel writing straight into the call's [N] vectors, the objective's two, the
@@ -121,13 +124,16 @@ class RowKernels:
 class ChunkObjectiveInputs:
     """What a chunk's objective gradient reads besides the rows' layout (`start`'s). logp, entropy [N] fp32: the rows'
     values as the chunks go (the pre-pass values at first, each chunk's own written before its gradient is asked);
-    token_kind, sample_index [N]; inputs, options validated; segment_sum: the backend's per-sample sums;
-    entropy_pool: the entropy filter's pool gathered across processes (top_entropy_gather), or None."""
+    token_kind, sample_index [N]; spans [2, S] int64: each sample's span of scored rows when the value checks or the
+    spans kernel found them before the op (`triton_segment.sample_spans`' form), else None; inputs, options
+    validated; segment_sum: the backend's per-sample sums; entropy_pool: the entropy filter's pool gathered across
+    processes (top_entropy_gather), or None."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
     token_kind: torch.Tensor
     sample_index: torch.Tensor
+    spans: Optional[torch.Tensor]
     inputs: LossInputs
     options: LossOptions
     segment_sum: Callable
@@ -502,8 +508,8 @@ class ReferenceChunkObjective:
 
 def _triton_chunk_objective(given: ChunkObjectiveInputs):
     from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
-    return TritonChunkObjective(given.logp, given.entropy, given.token_kind, given.inputs, given.options,
-                                given.entropy_pool)
+    return TritonChunkObjective(given.logp, given.entropy, given.token_kind, given.sample_index, given.spans,
+                                given.inputs, given.options, given.entropy_pool)
 
 
 ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, _triton_gradient_rows_into, 0,
@@ -693,7 +699,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
                    entropy_pool: Optional[torch.Tensor] = None, host_layout: Optional[torch.Tensor] = None,
-                   check_code: Optional[torch.Tensor] = None):
+                   check_code: Optional[torch.Tensor] = None, spans: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, a 0-dim fp32 zero (the op's
@@ -702,7 +708,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     once, scaled). host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them
     (then no read of them here). check_code [1 + K] int64: the value checks' code, read here with the layout
     (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
-    row.
+    row. spans [2, S] int64: each sample's span of scored rows as the value checks or the spans kernel found them
+    (`ChunkObjectiveInputs`), or None.
     """
     num_rows, num_samples = hidden.shape[0], inputs.advantages.shape[0]
     transform = options.logit_transform
@@ -724,14 +731,15 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     # queued run out; before the read the host works while the GPU runs what was queued before the call, in a
     # training step the model): the rows' log-probs and entropies as the objective reads them (zeros, then the
     # pre-pass values and each chunk's own), each chunk's lse (read by its own backward), the op's anchor (zeroed
-    # with the two in one launch), the objective's settings, outputs and upload buffer, the gradients, the chunk
+    # with the two in one launch), the objective's settings and outputs, and without the entropy filter its global
+    # factors (two launches over every sample's span, on the zeroed vectors: counts alone), the gradients, the chunk
     # pass and the plan's settings. (The groups' buffers come after the pre-pass, whose gathered hidden rows the
     # workspace budget does not hold beside them.)
     logp_out, entropy_out, lse_out = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))
     anchor = hidden.new_empty((), dtype=torch.float32)
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
-        logp_out, entropy_out, token_kind, sample_index, inputs, options, segment_sum, entropy_pool))
+        logp_out, entropy_out, token_kind, sample_index, spans, inputs, options, segment_sum, entropy_pool))
     groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
     chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
                            objective, groups)
@@ -846,12 +854,12 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
                                    num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
                                    kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
                                    needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor],
-                                   check_code: Optional[torch.Tensor]) -> OpOutputs:
+                                   check_code: Optional[torch.Tensor], spans: Optional[torch.Tensor]) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in hidden's dtype, d weight [V, D] fp32,
     d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
     differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
     and d bias to the inputs' dtype once (kept in fp32 until then: no rounded copy in the forward). host_layout,
-    check_code: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
+    check_code, spans: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
@@ -861,7 +869,7 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
     logp, entropy, anchor, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant, entropy_pool, host_layout, check_code)
+        batch_invariant, entropy_pool, host_layout, check_code, spans)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
 
@@ -875,7 +883,7 @@ OP_ARGUMENTS = tuple(inspect.signature(loss_gradients_of_op_arguments).parameter
 @loss_gradients_op.register_fake
 def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
-      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code):
+      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code, spans):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     grads = [torch.empty_like(t, dtype=dtype) if needed else hidden.new_empty(0)
              for t, dtype, needed in ((hidden, hidden.dtype, needs_hidden), (weight, torch.float32, needs_weight),
