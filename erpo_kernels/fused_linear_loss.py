@@ -527,15 +527,15 @@ class GradientGroups:
     A group closes when the next chunk does not follow it, does not fit the store or needs another fp16 scale (the
     power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
     alpha); without a separate store every chunk is its own group (its dlogits lie over its logits, which the next
-    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None, targets [N]; needs: (d hidden, d weight,
-    d bias). The gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which
-    the first `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the
-    pre-pass, whose gathered rows the budget does not hold beside them)."""
+    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None; needs: (d hidden, d weight, d bias). The
+    gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which the first
+    `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the pre-pass,
+    whose gathered rows the budget does not hold beside them)."""
 
-    def __init__(self, workspace: Workspace, hidden, weight, bias, targets, needs: Tuple[bool, bool, bool]):
+    def __init__(self, workspace: Workspace, hidden, weight, bias, needs: Tuple[bool, bool, bool]):
         needs_hidden, needs_weight, needs_bias = needs
         self.workspace, self.needs_weight = workspace, needs_weight
-        self.hidden, self.weight, self.bias, self.targets = hidden, weight, bias, targets
+        self.hidden, self.weight, self.bias = hidden, weight, bias
         self.capacity = workspace.group_rows
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
@@ -556,9 +556,10 @@ class GradientGroups:
         if self.needs_weight:
             self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1])
 
-    def add_chunk(self, rows: slice, logits, lse, entropy, grad_logp, grad_entropy, kernels: RowKernels,
-                  transform: LogitTransform):
-        """Write the dlogits of chunk `rows` (its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
+    def add_chunk(self, rows: slice, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy,
+                  kernels: RowKernels, transform: LogitTransform):
+        """Write the dlogits of chunk `rows` (its hidden rows [n, D] and targets [n], as the caller sliced them for
+        its logits GEMM and forward row kernel; its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
         grad_entropy [n] fp32) of sum(grad_logp * logp + grad_entropy * entropy) into its group."""
         dtype = self.hidden.dtype
         scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
@@ -572,11 +573,9 @@ class GradientGroups:
         in_group = slice(rows.start - self.rows.start, rows.stop - self.rows.start)
         separate_store = self.workspace.separate_store
         dlogits = self.store[in_group] if separate_store else gradient_view(logits, dtype)
-        targets = self.targets[rows]
         kernels.backward_into(dlogits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
         if self.needs_weight:
-            kernels.gradient_rows_into(self.gradient_rows[in_group], self.hidden[rows], targets, grad_logp,
-                                       grad_entropy)
+            kernels.gradient_rows_into(self.gradient_rows[in_group], hidden_rows, targets, grad_logp, grad_entropy)
         self.rows = slice(self.rows.start, rows.stop)
         if separate_store:
             self.dlogits = self.store[:rows.stop - self.rows.start]
@@ -643,11 +642,12 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     num_rows = hidden.shape[0]
     workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
-    groups = GradientGroups(workspace, hidden, weight, bias, targets, (needs_hidden, needs_weight, needs_bias))
+    groups = GradientGroups(workspace, hidden, weight, bias, (needs_hidden, needs_weight, needs_bias))
     groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):
-        groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
-                         grad_entropy[rows], kernels, transform)
+        hidden_rows = hidden[rows]
+        groups.add_chunk(rows, hidden_rows, targets[rows], logits_buffer.logits(hidden_rows), lse[rows], entropy[rows],
+                         grad_logp[rows], grad_entropy[rows], kernels, transform)
     grad_hidden, grad_weight, grad_bias = groups.gradients()
     return grad_hidden, rounded(grad_weight, weight), rounded(grad_bias, bias)
 
@@ -740,7 +740,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
         logp_out, entropy_out, token_kind, sample_index, spans, inputs, options, segment_sum, entropy_pool))
-    groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
+    groups = GradientGroups(workspace, hidden, weight, bias, needs)
     chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
                            objective, groups)
     coupling = dict(
@@ -810,11 +810,13 @@ class ChunkPass:
     def run(self, chunk: int, rows: slice, logits_ready: bool) -> None:
         """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk)."""
         buffer = self.logits_buffer
-        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(self.hidden[rows])
-        _, entropy, lse = self.kernels.forward(logits, self.targets[rows], self.transform,
+        hidden_rows, targets = self.hidden[rows], self.targets[rows]  # sliced once: the GEMM, both row kernels
+        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(hidden_rows)
+        _, entropy, lse = self.kernels.forward(logits, targets, self.transform,
                                                (self.logp[rows], self.entropy[rows], self.lse[rows]))
         grad_logp, grad_entropy = self.objective.gradient(chunk, rows)
-        self.groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, self.kernels, self.transform)
+        self.groups.add_chunk(rows, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy, self.kernels,
+                              self.transform)
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
