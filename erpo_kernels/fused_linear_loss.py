@@ -34,8 +34,9 @@ holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the va
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
 before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
-before the wait for the checks' code, and the host's work after it is the objective's setup alone (the chunks'
-layout: its global factors, which read counts alone, are launched before the read but with the entropy filter).
+before the wait for the checks' code, and so does the objective's setup on the layout: the chunk loop follows the
+read at once. (The objective's global factors, which read counts alone, are queued before the read either way; with
+the entropy filter, whose kept rows they count on the pre-pass, as part of that setup.)
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
@@ -754,7 +755,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
         (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
-        buffers."""
+        buffers and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -764,14 +765,17 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
         groups.allocate_buffers()
+        if plan.chunks:
+            objective.start(plan.chunks, host_kind, host_sample)
         return plan
 
-    # With the caller's host_layout the plan needs nothing read: it is made, and the pre-pass and the first chunk's
-    # logits queued, before the wait for the value checks' code (validate=True), which then waits for their copy
-    # alone while the GPU runs those GEMMs. Only when the layout's own values can be planned on
-    # (`plannable_layout`); a row the checks refuse raises after the wait all the same, what was queued having
-    # written the op's own buffers alone, by kernels safe on any row values (the forward row kernels read a target
-    # outside [0, V) as column 0).
+    # With the caller's host_layout the plan needs nothing read: it is made, the pre-pass and the first chunk's
+    # logits queued and the objective set up on the layout, before the wait for the value checks' code
+    # (validate=True), which then waits for their copy alone while the GPU runs those GEMMs, and the chunk loop
+    # follows the read at once. Only when the layout's own values can be planned on (`plannable_layout`: the
+    # objective's layout then indexes within its arrays too); a row the checks refuse raises after the wait all the
+    # same, what was queued having written the op's own buffers alone, by kernels safe on any row values (the forward
+    # row kernels read a target outside [0, V) as column 0).
     planned_early = host_layout is not None and plannable_layout(host_layout, num_samples)
     if planned_early:
         host_kind, host_sample = host_layout.numpy()
@@ -782,8 +786,6 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     if not planned_early:
         host_kind, host_sample = layout.numpy().reshape(2, num_rows)
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
-    if plan.chunks:
-        objective.start(plan.chunks, host_kind, host_sample)
     for chunk, (start, stop) in enumerate(plan.chunks):
         chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0)
     return (logp_out, entropy_out, anchor, *groups.gradients())

@@ -274,7 +274,8 @@ def test_plan_of_interleaved_rows_cuts_at_the_budget(device):
 
 class Recorder(TorchDispatchMode):
     """Per op: the matmul FLOPs (2 m n k) and the live bytes of every 2-D tensor the ops create apart from
-    `exempt_shapes` (the gradients [N, D] and [V, D], the objective's per-sample partials [S, NUM_PARTIALS]): the
+    `exempt_shapes` (the gradients [N, D] and [V, D], the objective's per-sample partials [S, NUM_PARTIALS] and the
+    samples' spans [2, S], which `loss_gradients` finds itself when its caller does not give them): the
     peak_workspace, the chunk buffers and temporaries; `launches` counts the row kernels' calls (`counted`)."""
 
     MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
@@ -332,7 +333,8 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     needs = (*needs, bias is not None)
     opts = LossOptions(**options)
     inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
-    recorder = Recorder([hidden.shape, weight.shape, (len(batch["advantages"]), NUM_PARTIALS)])
+    num_samples = len(batch["advantages"])
+    recorder = Recorder([hidden.shape, weight.shape, (num_samples, NUM_PARTIALS), (2, num_samples)])
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
@@ -599,8 +601,9 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
     """validate=True: the op's one host read (the checks' code, with the rows' layout unless the caller holds it)
     waits after the first half chunk's logits GEMM and the objective's global factors (two launches) are queued, and,
     with the caller's host_layout, after the plan's GEMMs too: the pre-pass (when a chunk splits a coupled set) and
-    the rest of the first chunk; then no launch but the plan's comes between the read and the chunk loop. On CUDA
-    the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
+    the rest of the first chunk, and the objective's setup on the layout (its upload), so that the chunk loop
+    follows the read at once; without it no launch but the plan's comes between the read and the chunk loop. On
+    CUDA the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
     batch = packed_batch(SAMPLES, device)
     layout = host_layout_of(batch)
     gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
@@ -620,6 +623,7 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
         assert (forward in planned) == prepass, order
         assert planned.count(gemm) == 1 + planned.count(forward), order
         assert gemm not in (after[:loop] if host_layout is not None else before[early + 1:]), order
+        assert host_layout is None or after[:loop] == [], order
 
 
 def first_chunk_in(order) -> int:
