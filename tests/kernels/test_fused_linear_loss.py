@@ -877,16 +877,41 @@ def test_chunk_layout_of_packed_samples_takes_no_sort():
     assert packed.sample_starts.tolist() == [0, 4, 8, 8, 11, 11]
     assert packed.program_offsets.tolist() == [0, 1, 3, 5, 6]
     assert packed.sample_ids.tolist() == [0, 0, 1, 1, 3, 3]
-    reversed_ids = np.where(kind != 0, 4 - sample, sample)  # descending: the sorting path
-    unsorted = chunk_layout(chunks, kind, reversed_ids, 5)
+    assert_sorting_path_agrees(packed, chunks, kind, sample, 5)
+
+
+def assert_sorting_path_agrees(packed, chunks, kind, sample, num_samples):
+    """`packed` (chunk_layout of packed samples) lists, per chunk, the samples and rows that the sorting path lists
+    for the same rows with the samples renumbered in reverse (a descending order), mapped back."""
+    top = num_samples - 1
+    reversed_ids = np.where(kind != 0, top - sample, sample)  # descending: the sorting path
+    unsorted = chunk_layout(chunks, kind, reversed_ids, num_samples)
+    assert packed.program_offsets.tolist() == unsorted.program_offsets.tolist()
     for c in range(len(chunks)):
         ids = unsorted.sample_ids[unsorted.program_offsets[c]:unsorted.program_offsets[c + 1]]
         packed_ids = packed.sample_ids[packed.program_offsets[c]:packed.program_offsets[c + 1]]
-        assert sorted((4 - ids).tolist()) == packed_ids.tolist()
+        assert sorted((top - ids).tolist()) == packed_ids.tolist()
         for s in ids:
             rows = unsorted.rows_by_sample[unsorted.sample_starts[s]:unsorted.sample_starts[s + 1]].tolist()
-            mine = packed.rows_by_sample[packed.sample_starts[4 - s]:packed.sample_starts[5 - s]].tolist()
+            mine = packed.rows_by_sample[packed.sample_starts[top - s]:packed.sample_starts[top - s + 1]].tolist()
             assert rows == mine
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunk_layout_of_packed_samples_agrees_with_the_sorting_path_on_random_layouts(seed):
+    """Packed samples of random lengths (some without scored rows, padding rows of any sample_index inside and
+    between them) cut into random chunks (some without a scored row): each chunk's samples, found from the samples'
+    runs alone, are those the sorting path finds from every row."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        num_samples = int(rng.integers(1, 12))
+        sample = np.repeat(np.arange(num_samples), rng.integers(0, 10, num_samples))
+        kind = rng.integers(0, 3, sample.shape[0])
+        sample = np.where(kind == 0, rng.integers(0, num_samples + 3, sample.shape[0]), sample)
+        cuts = sorted({int(c) for c in rng.integers(1, max(sample.shape[0], 2), 4)} - {sample.shape[0]})
+        edges = [0, *cuts, sample.shape[0]] if sample.shape[0] else []
+        chunks = list(zip(edges[:-1], edges[1:]))
+        assert_sorting_path_agrees(chunk_layout(chunks, kind, sample, num_samples), chunks, kind, sample, num_samples)
 
 
 @pytest.mark.parametrize("options", [dict(qkl_coef=0.5),
