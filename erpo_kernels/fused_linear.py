@@ -305,7 +305,8 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     # GEMM (DeferredCheckRead: one host read per call, which waits for no kernel of the op), unless the entropy
     # filter's pre-pass below needs the rows checked first, or under torch.compile (a device-side assert)
     # (The checks' kernel, or with validate=False the spans kernel, writes the scored targets and finds the samples'
-    # spans of scored rows for the objective's value at the end.)
+    # spans of scored rows, which the op's chunk objective walks for its global factors and the objective's value
+    # at the end.)
     deferred, row_checks = DeferredCheckRead(), value_checks_of(triton)
     scored_targets, opts, finish_checks = start_loss_input_checks(
         num_rows=hidden.shape[0], vocab_size=weight.shape[0], device=hidden.device, targets=targets,
@@ -326,11 +327,12 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
         opts = dataclasses.replace(opts, top_entropy_gather=lambda _entropies: entropy_pool)
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     tensor_counts = [value if isinstance(value, torch.Tensor) else None for value in (opts.num_items, opts.num_seqs)]
+    spans = None if row_checks is None else row_checks.spans
     try:
         outputs = loss_gradients_op(
             hidden, weight, bias, scored_targets, token_kind, sample_index, *inputs.as_kwargs().values(),
             *tensor_counts, entropy_pool, options_argument(opts), kernels, workspace_bytes, batch_invariant, *needs,
-            host_layout, deferred.code)
+            host_layout, deferred.code, spans)
     except RowChecksFailed as failed:
         deferred.host, outputs = failed.code, None
     if outputs is None:  # the op read a bad row's code: the row's own error, raised here (not within the op's)
@@ -338,5 +340,5 @@ def fused_linear_loss_on_rows(hidden, weight, bias, targets, token_kind, sample_
     logp, entropy, anchor, *_ = outputs
     with torch.no_grad():  # the value and metrics, once, on the [N] vectors (the gradients are the op's)
         out = objective_on_backend(logp, entropy, token_kind, sample_index, inputs=inputs, options=opts,
-                                   triton=triton, spans=None if row_checks is None else row_checks.spans)
+                                   triton=triton, spans=spans)
     return dataclasses.replace(out, loss=out.loss + anchor)

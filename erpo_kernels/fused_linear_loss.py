@@ -34,20 +34,24 @@ holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the va
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
 before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
-before the wait for the checks' code, and the host's work after it is the objective's setup alone.
+before the wait for the checks' code, and so does the objective's setup on the layout: the chunk loop follows the
+read at once. (The objective's global factors, which read counts alone, are queued before the read either way; with
+the entropy filter, whose kept rows they count on the pre-pass, as part of that setup.)
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
 values (ell_theta(q) for the Query-KL, read by the sample's query rows; the sequence-level ratio, VESPO's weight, the
 off-policy mask, read by its response rows) and (c) the entropy filter's batch-wide quantile and kept-row count. The
 chunk objectives read [N] vectors that hold each pre-passed row's value, then each chunk's own rows once formed: (a)
-the Triton one forms its global factors once from counts (one pass over every sample before the chunks), the torch
-one holds every row; (b) holds because the chunks keep a sample's query rows, and its response rows, together where
-they can (`plan_chunks`; its query rows and its response rows may lie in different chunks, no row reading the other
-kind's value); a set a cut splits (longer than half a chunk, or interleaved rows) and (c) get their coupled rows
-from a forward-only pre-pass (2 D V FLOPs per pre-passed row): the split query rows when the Query-KL needs
-ell_theta(q), the split response rows when a per-sample response value is read, and every response row with the
-entropy filter (its threshold, and the kept-row count of the token-mean entropy bonus).
+the Triton one forms its global factors once from counts (one pass over every sample's span before the chunks:
+before the op's host read, nothing there needing the layout on the host, but with the entropy filter, whose kept
+rows it counts on the pre-pass values), the torch one holds every row; (b) holds because the chunks keep a sample's
+query rows, and its response rows, together where they can (`plan_chunks`; its query rows and its response rows may
+lie in different chunks, no row reading the other kind's value); a set a cut splits (longer than half a chunk, or
+interleaved rows) and (c) get their coupled rows from a forward-only pre-pass (2 D V FLOPs per pre-passed row):
+the split query rows when the Query-KL needs ell_theta(q), the split response rows when a per-sample response value
+is read, and every response row with the entropy filter (its threshold, and the kept-row count of the token-mean
+entropy bonus).
 
 Launches: a constant, 6 per chunk and 2 per group on the Triton backend, 2 more per group with a bias (per chunk
 the logits GEMM, the forward row kernel writing straight into the call's [N] vectors, the objective's two, the
@@ -121,13 +125,16 @@ class RowKernels:
 class ChunkObjectiveInputs:
     """What a chunk's objective gradient reads besides the rows' layout (`start`'s). logp, entropy [N] fp32: the rows'
     values as the chunks go (the pre-pass values at first, each chunk's own written before its gradient is asked);
-    token_kind, sample_index [N]; inputs, options validated; segment_sum: the backend's per-sample sums;
-    entropy_pool: the entropy filter's pool gathered across processes (top_entropy_gather), or None."""
+    token_kind, sample_index [N]; spans [2, S] int64: each sample's span of scored rows when the value checks or the
+    spans kernel found them before the op (`triton_segment.sample_spans`' form), else None; inputs, options
+    validated; segment_sum: the backend's per-sample sums; entropy_pool: the entropy filter's pool gathered across
+    processes (top_entropy_gather), or None."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
     token_kind: torch.Tensor
     sample_index: torch.Tensor
+    spans: Optional[torch.Tensor]
     inputs: LossInputs
     options: LossOptions
     segment_sum: Callable
@@ -502,8 +509,8 @@ class ReferenceChunkObjective:
 
 def _triton_chunk_objective(given: ChunkObjectiveInputs):
     from .triton_chunk_objective import TritonChunkObjective  # Triton is imported only when its kernels run
-    return TritonChunkObjective(given.logp, given.entropy, given.token_kind, given.inputs, given.options,
-                                given.entropy_pool)
+    return TritonChunkObjective(given.logp, given.entropy, given.token_kind, given.sample_index, given.spans,
+                                given.inputs, given.options, given.entropy_pool)
 
 
 ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_into, _triton_gradient_rows_into, 0,
@@ -521,15 +528,15 @@ class GradientGroups:
     A group closes when the next chunk does not follow it, does not fit the store or needs another fp16 scale (the
     power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
     alpha); without a separate store every chunk is its own group (its dlogits lie over its logits, which the next
-    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None, targets [N]; needs: (d hidden, d weight,
-    d bias). The gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which
-    the first `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the
-    pre-pass, whose gathered rows the budget does not hold beside them)."""
+    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None; needs: (d hidden, d weight, d bias). The
+    gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which the first
+    `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the pre-pass,
+    whose gathered rows the budget does not hold beside them)."""
 
-    def __init__(self, workspace: Workspace, hidden, weight, bias, targets, needs: Tuple[bool, bool, bool]):
+    def __init__(self, workspace: Workspace, hidden, weight, bias, needs: Tuple[bool, bool, bool]):
         needs_hidden, needs_weight, needs_bias = needs
         self.workspace, self.needs_weight = workspace, needs_weight
-        self.hidden, self.weight, self.bias, self.targets = hidden, weight, bias, targets
+        self.hidden, self.weight, self.bias = hidden, weight, bias
         self.capacity = workspace.group_rows
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
@@ -550,9 +557,10 @@ class GradientGroups:
         if self.needs_weight:
             self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1])
 
-    def add_chunk(self, rows: slice, logits, lse, entropy, grad_logp, grad_entropy, kernels: RowKernels,
-                  transform: LogitTransform):
-        """Write the dlogits of chunk `rows` (its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
+    def add_chunk(self, rows: slice, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy,
+                  kernels: RowKernels, transform: LogitTransform):
+        """Write the dlogits of chunk `rows` (its hidden rows [n, D] and targets [n], as the caller sliced them for
+        its logits GEMM and forward row kernel; its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
         grad_entropy [n] fp32) of sum(grad_logp * logp + grad_entropy * entropy) into its group."""
         dtype = self.hidden.dtype
         scale = _fp16_gradient_scale(grad_logp, grad_entropy) if dtype == torch.float16 else 1.0
@@ -566,11 +574,9 @@ class GradientGroups:
         in_group = slice(rows.start - self.rows.start, rows.stop - self.rows.start)
         separate_store = self.workspace.separate_store
         dlogits = self.store[in_group] if separate_store else gradient_view(logits, dtype)
-        targets = self.targets[rows]
         kernels.backward_into(dlogits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
         if self.needs_weight:
-            kernels.gradient_rows_into(self.gradient_rows[in_group], self.hidden[rows], targets, grad_logp,
-                                       grad_entropy)
+            kernels.gradient_rows_into(self.gradient_rows[in_group], hidden_rows, targets, grad_logp, grad_entropy)
         self.rows = slice(self.rows.start, rows.stop)
         if separate_store:
             self.dlogits = self.store[:rows.stop - self.rows.start]
@@ -637,11 +643,12 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     num_rows = hidden.shape[0]
     workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
-    groups = GradientGroups(workspace, hidden, weight, bias, targets, (needs_hidden, needs_weight, needs_bias))
+    groups = GradientGroups(workspace, hidden, weight, bias, (needs_hidden, needs_weight, needs_bias))
     groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):
-        groups.add_chunk(rows, logits_buffer.logits(hidden[rows]), lse[rows], entropy[rows], grad_logp[rows],
-                         grad_entropy[rows], kernels, transform)
+        hidden_rows = hidden[rows]
+        groups.add_chunk(rows, hidden_rows, targets[rows], logits_buffer.logits(hidden_rows), lse[rows], entropy[rows],
+                         grad_logp[rows], grad_entropy[rows], kernels, transform)
     grad_hidden, grad_weight, grad_bias = groups.gradients()
     return grad_hidden, rounded(grad_weight, weight), rounded(grad_bias, bias)
 
@@ -693,7 +700,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                    options: LossOptions, kernels: RowKernels, segment_sum, workspace_bytes: int,
                    needs: Tuple[bool, bool, bool], batch_invariant: bool = False,
                    entropy_pool: Optional[torch.Tensor] = None, host_layout: Optional[torch.Tensor] = None,
-                   check_code: Optional[torch.Tensor] = None):
+                   check_code: Optional[torch.Tensor] = None, spans: Optional[torch.Tensor] = None):
     """The 6NDV pass (module docstring) on validated inputs: hidden [N, D], weight [V, D], bias [V] or None,
     targets [N] int64 (-100 on rows of kind 0); entropy_pool [m] fp32: the entropy filter's pool when
     options.top_entropy_gather gathered one. Returns (logp [N] fp32, entropy [N] fp32, a 0-dim fp32 zero (the op's
@@ -702,7 +709,8 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     once, scaled). host_layout [2, N] int64 in host memory: token_kind and sample_index as the caller read them
     (then no read of them here). check_code [1 + K] int64: the value checks' code, read here with the layout
     (`fused_linear.DeferredCheckRead`; the inputs are validated once it passes); RowChecksFailed when it names a bad
-    row.
+    row. spans [2, S] int64: each sample's span of scored rows as the value checks or the spans kernel found them
+    (`ChunkObjectiveInputs`), or None.
     """
     num_rows, num_samples = hidden.shape[0], inputs.advantages.shape[0]
     transform = options.logit_transform
@@ -724,15 +732,16 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     # queued run out; before the read the host works while the GPU runs what was queued before the call, in a
     # training step the model): the rows' log-probs and entropies as the objective reads them (zeros, then the
     # pre-pass values and each chunk's own), each chunk's lse (read by its own backward), the op's anchor (zeroed
-    # with the two in one launch), the objective's settings, outputs and upload buffer, the gradients, the chunk
+    # with the two in one launch), the objective's settings and outputs, and without the entropy filter its global
+    # factors (two launches over every sample's span, on the zeroed vectors: counts alone), the gradients, the chunk
     # pass and the plan's settings. (The groups' buffers come after the pre-pass, whose gathered hidden rows the
     # workspace budget does not hold beside them.)
     logp_out, entropy_out, lse_out = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))
     anchor = hidden.new_empty((), dtype=torch.float32)
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
-        logp_out, entropy_out, token_kind, sample_index, inputs, options, segment_sum, entropy_pool))
-    groups = GradientGroups(workspace, hidden, weight, bias, targets, needs)
+        logp_out, entropy_out, token_kind, sample_index, spans, inputs, options, segment_sum, entropy_pool))
+    groups = GradientGroups(workspace, hidden, weight, bias, needs)
     chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
                            objective, groups)
     coupling = dict(
@@ -746,7 +755,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
         (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
-        buffers."""
+        buffers and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -756,14 +765,17 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
         groups.allocate_buffers()
+        if plan.chunks:
+            objective.start(plan.chunks, host_kind, host_sample)
         return plan
 
-    # With the caller's host_layout the plan needs nothing read: it is made, and the pre-pass and the first chunk's
-    # logits queued, before the wait for the value checks' code (validate=True), which then waits for their copy
-    # alone while the GPU runs those GEMMs. Only when the layout's own values can be planned on
-    # (`plannable_layout`); a row the checks refuse raises after the wait all the same, what was queued having
-    # written the op's own buffers alone, by kernels safe on any row values (the forward row kernels read a target
-    # outside [0, V) as column 0).
+    # With the caller's host_layout the plan needs nothing read: it is made, the pre-pass and the first chunk's
+    # logits queued and the objective set up on the layout, before the wait for the value checks' code
+    # (validate=True), which then waits for their copy alone while the GPU runs those GEMMs, and the chunk loop
+    # follows the read at once. Only when the layout's own values can be planned on (`plannable_layout`: the
+    # objective's layout then indexes within its arrays too); a row the checks refuse raises after the wait all the
+    # same, what was queued having written the op's own buffers alone, by kernels safe on any row values (the forward
+    # row kernels read a target outside [0, V) as column 0).
     planned_early = host_layout is not None and plannable_layout(host_layout, num_samples)
     if planned_early:
         host_kind, host_sample = host_layout.numpy()
@@ -774,8 +786,6 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     if not planned_early:
         host_kind, host_sample = layout.numpy().reshape(2, num_rows)
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
-    if plan.chunks:
-        objective.start(plan.chunks, host_kind, host_sample)
     for chunk, (start, stop) in enumerate(plan.chunks):
         chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0)
     return (logp_out, entropy_out, anchor, *groups.gradients())
@@ -802,11 +812,13 @@ class ChunkPass:
     def run(self, chunk: int, rows: slice, logits_ready: bool) -> None:
         """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk)."""
         buffer = self.logits_buffer
-        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(self.hidden[rows])
-        _, entropy, lse = self.kernels.forward(logits, self.targets[rows], self.transform,
+        hidden_rows, targets = self.hidden[rows], self.targets[rows]  # sliced once: the GEMM, both row kernels
+        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(hidden_rows)
+        _, entropy, lse = self.kernels.forward(logits, targets, self.transform,
                                                (self.logp[rows], self.entropy[rows], self.lse[rows]))
         grad_logp, grad_entropy = self.objective.gradient(chunk, rows)
-        self.groups.add_chunk(rows, logits, lse, entropy, grad_logp, grad_entropy, self.kernels, self.transform)
+        self.groups.add_chunk(rows, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy, self.kernels,
+                              self.transform)
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
@@ -846,12 +858,12 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
                                    num_seqs: Optional[torch.Tensor], entropy_pool: Optional[torch.Tensor], options: str,
                                    kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
                                    needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor],
-                                   check_code: Optional[torch.Tensor]) -> OpOutputs:
+                                   check_code: Optional[torch.Tensor], spans: Optional[torch.Tensor]) -> OpOutputs:
     """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in hidden's dtype, d weight [V, D] fp32,
     d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
     differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
     and d bias to the inputs' dtype once (kept in fp32 until then: no rounded copy in the forward). host_layout,
-    check_code: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
+    check_code, spans: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
@@ -861,7 +873,7 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
     logp, entropy, anchor, *grads = loss_gradients(
         hidden.contiguous(), weight, bias, targets, token_kind, sample_index, inputs, opts, ROW_KERNELS[kernels],
         segment_sum_of(kernels == "triton"), workspace_bytes, (needs_hidden, needs_weight, needs_bias),
-        batch_invariant, entropy_pool, host_layout, check_code)
+        batch_invariant, entropy_pool, host_layout, check_code, spans)
     return (logp, entropy, anchor, *(hidden.new_empty(0) if grad is None else grad for grad in grads))
 
 
@@ -875,7 +887,7 @@ OP_ARGUMENTS = tuple(inspect.signature(loss_gradients_of_op_arguments).parameter
 @loss_gradients_op.register_fake
 def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_query_logp, query_weight, old_logp,
       ref_logp, token_weight, rollout_logp, num_items, num_seqs, entropy_pool, options, kernels, workspace_bytes,
-      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code):
+      batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code, spans):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     grads = [torch.empty_like(t, dtype=dtype) if needed else hidden.new_empty(0)
              for t, dtype, needed in ((hidden, hidden.dtype, needs_hidden), (weight, torch.float32, needs_weight),

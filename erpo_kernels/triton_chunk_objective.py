@@ -2,15 +2,18 @@
 d loss / d logp_t and d loss / d H_t on one chunk's rows, with no autograd, in two launches per chunk and work in
 proportion to the rows the chunk's samples hold.
 
-    once     the host layout (`chunk_layout`, from token_kind and sample_index, uploaded in one copy): every
+    once     the global factors (1 / num_items or 1 / num_seqs for the terms, 1 / the query samples for the
+             Query-KL, 1 / the kept rows for the token-mean entropy bonus): kernels 1 and 2 over every sample, each
+             program walking its sample's span of scored rows (`triton_segment.sample_spans`, found on the device
+             before the op: no host layout). They read counts alone, exact integers in fp32 whichever rows a program
+             walks: the row and sample counts from token_kind and sample_index, so without the entropy filter they
+             are launched before the call's host read (the op's setup, on the zeroed vectors); with it the kept rows
+             too, from the response rows' entropies, all pre-passed whenever the entropy filter's count enters a
+             gradient (`fused_linear_loss.plan_chunks`), so then after the pre-pass, on its values;
+             the host layout (`chunk_layout`, from token_kind and sample_index, uploaded in one copy): every
              sample's scored rows in row order, and per chunk the samples with scored rows in it;
              the entropy filter's threshold (`triton_quantile`: over the pre-passed response rows, or over the
-             gathered pool with top_entropy_gather);
-             the global factors (1 / num_items or 1 / num_seqs for the terms, 1 / the query samples for the
-             Query-KL, 1 / the kept rows for the token-mean entropy bonus): kernels 1 and 2 over every sample on the
-             pre-pass vectors. They read counts alone, known before any chunk: the row and sample counts from
-             token_kind, the kept rows from the response rows' entropies, all pre-passed whenever the entropy
-             filter's count enters a gradient (`fused_linear_loss.plan_chunks`)
+             gathered pool with top_entropy_gather)
     chunk c  kernel 1 on c's samples only (program p runs sample sample_ids[p] over its rows where the pass over
              every sample found them: the kernel indexes the samples' row ranges by sample, no copy per chunk):
              each walks its scored rows, its rows outside c holding the pre-pass values or an earlier chunk's, and
@@ -26,7 +29,8 @@ of c reads. Its row counts come from token_kind, whatever the values.
 
 Cost per chunk: kernel 1 reads the scored rows of the samples c touches (c's own, plus the other rows of a sample a
 cut splits: a sample spread over k chunks is read k times), kernel 3 the rows of c; once: the layout's upload, one
-pass of kernels 1 and 2 over every row, and, with the entropy filter, one sort of the rows for the threshold.
+pass of kernels 1 and 2 over every sample's span, and, with the entropy filter, one sort of the rows for the
+threshold.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from .triton_objective import (
     tensor_denominators,
 )
 from .triton_quantile import masked_quantile_op
+from .triton_segment import triton_sample_spans
 from .validation import LossInputs, LossOptions
 
 
@@ -68,24 +73,46 @@ class ChunkLayout:
 def chunk_layout(chunks: List[Tuple[int, int]], token_kind: np.ndarray, sample_index: np.ndarray,
                  num_samples: int) -> ChunkLayout:
     """The `ChunkLayout` of `chunks` ((start, stop) row ranges covering the rows in order) over host [N]
-    token_kind and sample_index: O(N) vectorised passes (host time between the call's read and its chunk loop,
-    with only the first chunk's logits GEMM queued), a sort only when the scored rows' samples are not ascending
-    already (interleaved samples)."""
+    token_kind and sample_index: a few O(N) vectorised passes (host time between the call's read and its chunk
+    loop), a sort only when the scored rows' samples are not ascending already (interleaved samples)."""
     scored = np.flatnonzero(token_kind != 0)  # a boolean's nonzero: a third of an int64's time
     samples = sample_index[scored].astype(np.int64, copy=False)
     in_order = _ascending(samples)  # packed samples: their rows in row order are already grouped by sample
     rows_by_sample = scored if in_order else scored[np.argsort(samples, kind="stable")]
+    rows_per_sample = np.bincount(samples, minlength=num_samples)
     sample_starts = np.zeros(num_samples + 1, dtype=np.int64)
-    np.cumsum(np.bincount(samples, minlength=num_samples), out=sample_starts[1:])
-    # each chunk's samples, ascending: the distinct (chunk, sample) pairs of the scored rows (the scored rows are
-    # ascending, so chunk c's are scored[bounds[c]:bounds[c + 1]])
+    np.cumsum(rows_per_sample, out=sample_starts[1:])
+    # chunk c's scored rows are scored[bounds[c]:bounds[c + 1]] (the scored rows are ascending)
     bounds = np.searchsorted(scored, [start for start, _ in chunks] + [len(token_kind)])
-    stride = max(num_samples, 1)
-    keys = np.repeat(np.arange(len(chunks), dtype=np.int64) * stride, np.diff(bounds)) + samples
-    pairs = _distinct_ascending(keys) if in_order else np.unique(keys)
-    program_offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(pairs // stride, minlength=len(chunks)), out=program_offsets[1:])
-    return ChunkLayout(sample_starts, rows_by_sample.astype(np.int64, copy=False), program_offsets, pairs % stride)
+    if in_order:
+        program_offsets, sample_ids = _packed_chunk_samples(bounds, samples, rows_per_sample)
+    else:  # each chunk's samples, ascending: the distinct (chunk, sample) pairs of the scored rows
+        stride = max(num_samples, 1)
+        pairs = np.unique(np.repeat(np.arange(len(chunks), dtype=np.int64) * stride, np.diff(bounds)) + samples)
+        program_offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(pairs // stride, minlength=len(chunks)), out=program_offsets[1:])
+        sample_ids = pairs % stride
+    return ChunkLayout(sample_starts, rows_by_sample.astype(np.int64, copy=False), program_offsets, sample_ids)
+
+
+def _packed_chunk_samples(bounds: np.ndarray, samples: np.ndarray, rows_per_sample: np.ndarray):
+    """(program_offsets [C + 1], sample_ids [P]) of `ChunkLayout` when the scored rows' samples [R] ascend: chunk c
+    (scored rows bounds[c] to bounds[c + 1]) holds the samples with rows from its first row's to its last row's, in
+    that order. O(S + C): no pass over the rows (an O(N) key per row cost the call's host ~110 us at N = 16384)."""
+    present = np.flatnonzero(rows_per_sample)  # the samples with scored rows, in the rows' order
+    lo, hi = bounds[:-1], bounds[1:]
+    filled = hi > lo
+    first = np.searchsorted(present, samples[lo[filled]])
+    last = np.searchsorted(present, samples[hi[filled] - 1], side="right")
+    programs = np.zeros(lo.shape[0], dtype=np.int64)
+    programs[filled] = last - first
+    program_offsets = np.zeros(lo.shape[0] + 1, dtype=np.int64)
+    np.cumsum(programs, out=program_offsets[1:])
+    # program p of chunk c runs present[first[c] + p - program_offsets[c]]
+    starts = np.zeros(lo.shape[0], dtype=np.int64)
+    starts[filled] = first
+    return program_offsets, present[np.repeat(starts - program_offsets[:-1], programs)
+                                    + np.arange(program_offsets[-1], dtype=np.int64)]
 
 
 def _ascending(values: np.ndarray) -> bool:
@@ -93,25 +120,21 @@ def _ascending(values: np.ndarray) -> bool:
     return bool(np.all(values[1:] >= values[:-1]))
 
 
-def _distinct_ascending(values: np.ndarray) -> np.ndarray:
-    """The distinct entries of ascending values [n] (np.unique's result without its sort)."""
-    first = np.ones(values.shape[0], dtype=bool)
-    np.not_equal(values[1:], values[:-1], out=first[1:])
-    return values[first]
-
-
 class TritonChunkObjective:
     """`gradient(c, rows)` -> (d loss / d logp, d loss / d H) [n] fp32 on chunk c's rows (module docstring), once
     `start` has run.
 
-    logp, entropy [N] fp32: the vectors the chunks fill (pre-pass values at first; chunk c's own written before its
-    `gradient`), read by reference as they change; token_kind [N] on the device; inputs, options validated;
-    entropy_pool [m] fp32: the filter's pool when options.top_entropy_gather gathered one (fused_linear_erpo_loss
-    does it before the op), else None. Made before the call's host read, with what needs no layout (the outputs of
-    kernels 1 and 2, the [N] gradients whose rows each chunk's kernel 3 writes), so that `start`, between the read
-    and the first chunk, is the layout's work alone."""
+    logp, entropy [N] fp32: the vectors the chunks fill (zeros, then the pre-pass values; chunk c's own written
+    before its `gradient`), read by reference as they change; token_kind, sample_index [N] on the device; spans [2, S]
+    int64: each sample's span of scored rows (`triton_segment.sample_spans`' form, as the value checks' or the spans
+    kernel leave it), or None (found here: one fill and one launch more); inputs, options validated; entropy_pool [m]
+    fp32: the filter's pool when options.top_entropy_gather gathered one (fused_linear_erpo_loss does it before the
+    op), else None. Made before the call's host read, with what needs no layout (the outputs of kernels 1 and 2, the
+    [N] gradients whose rows each chunk's kernel 3 writes) and, without the entropy filter, kernels 1 and 2 over every
+    sample (the global factors), so that `start`, between the read and the first chunk, is the layout's work
+    alone."""
 
-    def __init__(self, logp, entropy, token_kind, inputs: LossInputs, options: LossOptions,
+    def __init__(self, logp, entropy, token_kind, sample_index, spans, inputs: LossInputs, options: LossOptions,
                  entropy_pool: Optional[torch.Tensor]):
         self.logp, self.entropy, self.token_kind = logp, entropy, token_kind.contiguous()
         self.options, self.entropy_pool = options, entropy_pool
@@ -122,20 +145,36 @@ class TritonChunkObjective:
         self.outputs = SampleOutputs.empty(num_rows, num_samples, logp.device)
         self.finish = FinishOutputs.empty(logp.device)  # kernel 2's, of which the chunks read the global factors
         self.grad_logp, self.grad_entropy = torch.empty_like(logp), torch.empty_like(entropy)
+        self.sample_index, self.spans = sample_index.contiguous(), spans
+        self.threshold = None  # the entropy filter's, set by `start`
+        self.filtered = options.top_entropy_quantile < 1.0
+        # without the filter the global factors read counts alone, from token_kind and sample_index: made now (with
+        # it, the kept rows' count is known once the pre-pass is written: `start`; with N = 0 no chunk reads them)
+        if num_rows and not self.filtered:
+            self._global_factors()
+
+    def _global_factors(self) -> None:
+        """Kernels 1 and 2 over every sample's span of scored rows on logp and entropy as they hold now, with the
+        entropy filter's threshold when set: the global factors in `self.finish.scales`. Kernel 1's other outputs
+        are rewritten by each chunk's before they are read."""
+        if self.spans is None:
+            self.spans = triton_sample_spans(self.sample_index, self.outputs.query_logp.shape[0], self.token_kind)
+        launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, None, self.spans, None,
+                             self.loss_tensors, self.threshold, self.settings, sample_index=self.sample_index)
+        launch_finish_kernel(self.outputs, *self.denominators, self.settings, results=self.finish)
 
     def start(self, chunks, host_kind: np.ndarray, host_sample: np.ndarray) -> None:
         """The once-per-call work on the rows' layout (host arrays as `chunk_layout`'s) and the pre-pass values:
-        the layout's upload, the entropy filter's threshold, kernels 1 and 2 over every sample (the global
-        factors)."""
+        the layout's upload and, with the entropy filter, its threshold and the global factors (kernels 1 and 2
+        over every sample)."""
         layout = chunk_layout(chunks, host_kind, host_sample, self.outputs.query_logp.shape[0])
         parts = [layout.sample_starts, layout.rows_by_sample, layout.sample_ids]
         uploaded = host_to_device(np.concatenate(parts), self.logp.device).split([len(part) for part in parts])
         self.sample_starts, self.rows_by_sample, self.sample_ids = uploaded
         self.program_offsets = layout.program_offsets.tolist()
-        self.threshold = _entropy_threshold(self.entropy, self.token_kind, self.options, self.entropy_pool)
-        launch_sample_kernel(self.outputs, self.logp, self.entropy, self.token_kind, self.rows_by_sample,
-                             self.sample_starts, None, self.loss_tensors, self.threshold, self.settings)
-        launch_finish_kernel(self.outputs, *self.denominators, self.settings, results=self.finish)
+        if self.filtered:
+            self.threshold = _entropy_threshold(self.entropy, self.token_kind, self.options, self.entropy_pool)
+            self._global_factors()
 
     def gradient(self, chunk: int, rows: slice):
         first, last = self.program_offsets[chunk], self.program_offsets[chunk + 1]

@@ -73,7 +73,7 @@ def test_fused_kernels_compile_for_hopper():
     """Every Triton kernel the fused path launches, in each form it launches it (tests/workers/fused_compile_check.py),
     compiles for sm_90 without a spill: the chunks' row kernels on the fp32 logits buffer (the backward writing
     dlogits in each input dtype), d weight's hidden rows, the backward's scale passes (with bf16's rounding written
-    out), the zero fill, and the objective's sample kernel (over every sample, and over a chunk's samples) and
+    out), the zero fill, and the objective's sample kernel (over every sample's span, and over a chunk's samples) and
     gradient kernel (d loss / d loss = 1, no pointer)."""
     out = run_compile_script("fused_compile_check.py")
     compiled = dict(re.findall(r"compiled (.+) registers=\d+ spill_bytes=(\d+)\n", out))

@@ -20,6 +20,7 @@ from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
 from erpo_kernels.triton_chunk_objective import chunk_layout  # noqa: E402
 from erpo_kernels.triton_objective import NUM_PARTIALS  # noqa: E402
+from erpo_kernels.triton_segment import sample_spans  # noqa: E402
 from erpo_kernels.validation import LossInputs, LossOptions  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from test_reference import OPTION_CASES  # noqa: E402
@@ -273,7 +274,8 @@ def test_plan_of_interleaved_rows_cuts_at_the_budget(device):
 
 class Recorder(TorchDispatchMode):
     """Per op: the matmul FLOPs (2 m n k) and the live bytes of every 2-D tensor the ops create apart from
-    `exempt_shapes` (the gradients [N, D] and [V, D], the objective's per-sample partials [S, NUM_PARTIALS]): the
+    `exempt_shapes` (the gradients [N, D] and [V, D], the objective's per-sample partials [S, NUM_PARTIALS] and the
+    samples' spans [2, S], which `loss_gradients` finds itself when its caller does not give them): the
     peak_workspace, the chunk buffers and temporaries; `launches` counts the row kernels' calls (`counted`)."""
 
     MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
@@ -331,7 +333,8 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     needs = (*needs, bias is not None)
     opts = LossOptions(**options)
     inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
-    recorder = Recorder([hidden.shape, weight.shape, (len(batch["advantages"]), NUM_PARTIALS)])
+    num_samples = len(batch["advantages"])
+    recorder = Recorder([hidden.shape, weight.shape, (num_samples, NUM_PARTIALS), (2, num_samples)])
     with recorder:
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
@@ -596,10 +599,11 @@ def launches_and_read(batch, rows, host_layout=None, counter=None, gradients=Fal
 @pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
 def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device):
     """validate=True: the op's one host read (the checks' code, with the rows' layout unless the caller holds it)
-    waits after the first half chunk's logits GEMM is queued (rows the first chunk holds whatever the plan), and,
+    waits after the first half chunk's logits GEMM and the objective's global factors (two launches) are queued, and,
     with the caller's host_layout, after the plan's GEMMs too: the pre-pass (when a chunk splits a coupled set) and
-    the rest of the first chunk; then only the objective's setup comes between the read and the chunk loop. On CUDA
-    the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
+    the rest of the first chunk, and the objective's setup on the layout (its upload), so that the chunk loop
+    follows the read at once; without it no launch but the plan's comes between the read and the chunk loop. On
+    CUDA the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
     batch = packed_batch(SAMPLES, device)
     layout = host_layout_of(batch)
     gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
@@ -609,15 +613,24 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
         reads = [i for i, (kind, _) in enumerate(order) if kind == "sync"]
         assert len(reads) == 1, order
         before, after = order[:reads[0]], order[reads[0] + 1:]
-        loop = after.index(objective_setup[0])
-        assert after[loop:loop + 2] == objective_setup, after
+        zero_fill = before.index(("launch", "triton._zero_kernel"))
+        assert before[zero_fill + 1:zero_fill + 3] == objective_setup, before
+        loop = first_chunk_in(after)
         early = before.index(gemm)  # the first half chunk's logits, queued before the read on both ways
         # queued by the plan: per pre-pass piece (when a chunk splits a coupled set) its GEMM and forward row kernel,
         # then the rest of the first chunk's logits; with host_layout before the read, else after it
-        planned = before[early + 1:] if host_layout is not None else after[:loop]
+        planned = before[zero_fill + 3:] if host_layout is not None else after[:loop]
         assert (forward in planned) == prepass, order
         assert planned.count(gemm) == 1 + planned.count(forward), order
         assert gemm not in (after[:loop] if host_layout is not None else before[early + 1:]), order
+        assert host_layout is None or after[:loop] == [], order
+
+
+def first_chunk_in(order) -> int:
+    """Where the chunk loop begins in `order` (entries after the op's read): the forward row kernel of the first chunk,
+    which its objective's sample kernel follows (a pre-pass piece's forward row kernel comes before the plan's last
+    GEMM and no sample kernel follows it)."""
+    return order.index(("launch", "triton._objective_sample_kernel")) - 1
 
 
 class AllocationsInOrder(LaunchCounter):
@@ -636,28 +649,65 @@ class AllocationsInOrder(LaunchCounter):
 @pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
 def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, device):
     """validate=True without host_layout (`python -m bench --paths fused`'s call): what needs no layout is made
-    before the op's one host read (the objective's outputs, its [N] gradients and the layout's upload buffer, the
-    op's gradients: on CUDA host work the GPU waits through once the GEMMs queued run out), so that between the read
-    and the first chunk's forward row kernel come the plan's GEMMs (with a pre-pass its three vectors too), the
-    groups' buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them) and the
-    objective setup's two launches, nothing else."""
+    before the op's one host read (the objective's outputs, its [N] gradients and its global factors' two launches,
+    the op's gradients: on CUDA host work the GPU waits through once the GEMMs queued run out), so that between the
+    read and the first chunk's forward row kernel come the plan's GEMMs (with a pre-pass its three vectors too) and
+    the groups' buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them),
+    nothing else."""
     batch = packed_batch(SAMPLES, device)
     order = launches_and_read(batch, rows, counter=AllocationsInOrder(), gradients=True)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
     gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
     objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
-    first_chunk = order.index(forward, order.index(objective_setup[-1], read))  # its forward row kernel
-    before, after = order[:read], order[read + 1:first_chunk]
-    assert before.index(gemm) < before.index(("launch", "triton._zero_kernel")), before
+    before, after = order[:read], order[read + 1:]
+    after = after[:first_chunk_in(after)]
+    launched = [entry for entry in before if entry[0] == "launch"]
+    zero_fill = launched.index(("launch", "triton._zero_kernel"))
+    assert launched.index(gemm) < zero_fill and launched[zero_fill + 1:zero_fill + 3] == objective_setup, before
     # after the read: the pre-pass's logp, entropy and lse, then d weight's masked hidden rows (budget_for's plan:
     # the dlogits over the logits, no store)
     prepass_vectors = [("alloc", "aten.empty")] * 3 * prepass
     assert [entry for entry in after if entry[0] == "alloc"] == prepass_vectors + [("alloc", "aten.new_empty")], after
-    assert after[-2:] == objective_setup, after
-    planned = [entry for entry in after[:-2] if entry[0] == "launch"]  # per pre-pass piece its gathers, GEMM, forward
+    planned = [entry for entry in after if entry[0] == "launch"]  # per pre-pass piece its gathers, GEMM, forward
     assert planned[-1] == gemm and planned.count(gemm) == 1 + planned.count(forward), after
     assert (forward in planned) == prepass, after
 
+
+
+@pytest.mark.parametrize("entropy_filter", [False, True], ids=["counts", "entropy-filter"])
+def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filter(entropy_filter, device):
+    """The Triton chunk objective's global factors (its sample kernel over every sample's span, then the finish
+    kernel: once per call) read counts alone. Without the entropy filter they come from token_kind and sample_index
+    and are queued before the op's read; with it the kept rows' count comes from the pre-passed response rows'
+    entropies, so they follow the read and the pre-pass's forward row kernels. Either way before the first chunk's
+    own sample kernel."""
+    options = dict(top_entropy_quantile=0.5, entropy_coef=0.05, entropy_agg="token-mean") if entropy_filter else {}
+    order = launches_and_read(packed_batch(SAMPLES, device), 10, **options)
+    read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
+    sample, finish = ("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")
+    forward = ("launch", "triton._logp_entropy_forward_log2_kernel")
+    factors = order.index(finish)  # the first finish (the objective's value at the end launches another)
+    assert order[factors - 1] == sample and order.index(sample) == factors - 1, order
+    assert (factors > read) == entropy_filter, order
+    assert (forward in order[read:factors]) == entropy_filter, order  # the pre-pass (every response row)
+    # once more per chunk (beside its gradient kernel), once for the objective's value
+    assert order.count(sample) == 2 + order.count(("launch", "triton._objective_grad_kernel")), order
+
+
+def test_the_chunk_objective_finds_the_spans_when_not_given(device):
+    """loss_gradients with each sample's span of scored rows given (as the value checks leave them) and without
+    (the chunk objective finds them itself, one launch more): the same log-probs, entropies and gradients bit for
+    bit."""
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
+    inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
+    opts = LossOptions(qkl_coef=0.5, ratio_level="sequence", entropy_coef=0.01)
+    spans = sample_spans(batch["sample_index"], len(batch["advantages"]), batch["token_kind"])
+    results = [chunked.loss_gradients(*tensors, *(batch[k] for k in ROW_TENSORS), inputs, opts,
+                                      chunked.ROW_KERNELS["triton"], segment_sum_of(True),
+                                      budget_for(6, torch.float32, device), (True, True, True), spans=given)
+               for given in (spans, None)]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 BAD_ROWS = [
     ("token_kind", 5, 3, r"^token_kind must be 0, 1 or 2; row 5 holds 3$"),
@@ -827,16 +877,41 @@ def test_chunk_layout_of_packed_samples_takes_no_sort():
     assert packed.sample_starts.tolist() == [0, 4, 8, 8, 11, 11]
     assert packed.program_offsets.tolist() == [0, 1, 3, 5, 6]
     assert packed.sample_ids.tolist() == [0, 0, 1, 1, 3, 3]
-    reversed_ids = np.where(kind != 0, 4 - sample, sample)  # descending: the sorting path
-    unsorted = chunk_layout(chunks, kind, reversed_ids, 5)
+    assert_sorting_path_agrees(packed, chunks, kind, sample, 5)
+
+
+def assert_sorting_path_agrees(packed, chunks, kind, sample, num_samples):
+    """`packed` (chunk_layout of packed samples) lists, per chunk, the samples and rows that the sorting path lists
+    for the same rows with the samples renumbered in reverse (a descending order), mapped back."""
+    top = num_samples - 1
+    reversed_ids = np.where(kind != 0, top - sample, sample)  # descending: the sorting path
+    unsorted = chunk_layout(chunks, kind, reversed_ids, num_samples)
+    assert packed.program_offsets.tolist() == unsorted.program_offsets.tolist()
     for c in range(len(chunks)):
         ids = unsorted.sample_ids[unsorted.program_offsets[c]:unsorted.program_offsets[c + 1]]
         packed_ids = packed.sample_ids[packed.program_offsets[c]:packed.program_offsets[c + 1]]
-        assert sorted((4 - ids).tolist()) == packed_ids.tolist()
+        assert sorted((top - ids).tolist()) == packed_ids.tolist()
         for s in ids:
             rows = unsorted.rows_by_sample[unsorted.sample_starts[s]:unsorted.sample_starts[s + 1]].tolist()
-            mine = packed.rows_by_sample[packed.sample_starts[4 - s]:packed.sample_starts[5 - s]].tolist()
+            mine = packed.rows_by_sample[packed.sample_starts[top - s]:packed.sample_starts[top - s + 1]].tolist()
             assert rows == mine
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunk_layout_of_packed_samples_agrees_with_the_sorting_path_on_random_layouts(seed):
+    """Packed samples of random lengths (some without scored rows, padding rows of any sample_index inside and
+    between them) cut into random chunks (some without a scored row): each chunk's samples, found from the samples'
+    runs alone, are those the sorting path finds from every row."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        num_samples = int(rng.integers(1, 12))
+        sample = np.repeat(np.arange(num_samples), rng.integers(0, 10, num_samples))
+        kind = rng.integers(0, 3, sample.shape[0])
+        sample = np.where(kind == 0, rng.integers(0, num_samples + 3, sample.shape[0]), sample)
+        cuts = sorted({int(c) for c in rng.integers(1, max(sample.shape[0], 2), 4)} - {sample.shape[0]})
+        edges = [0, *cuts, sample.shape[0]] if sample.shape[0] else []
+        chunks = list(zip(edges[:-1], edges[1:]))
+        assert_sorting_path_agrees(chunk_layout(chunks, kind, sample, num_samples), chunks, kind, sample, num_samples)
 
 
 @pytest.mark.parametrize("options", [dict(qkl_coef=0.5),
@@ -1046,7 +1121,7 @@ def test_opcheck(kernels, device):
     torch.library.opcheck(chunked.loss_gradients_op, (
         hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
         *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(opts), kernels,
-        budget_for(5, torch.float32, device), False, True, True, True, None, None))
+        budget_for(5, torch.float32, device), False, True, True, True, None, None, None))
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["over-logits", "store"])

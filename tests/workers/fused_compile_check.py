@@ -50,22 +50,24 @@ def main():
 
 
 def compile_chunk_objective():
-    """The objective's kernels as the chunks launch them: the sample kernel over a chunk's samples (sample_ids, the
-    rows in the samples' order, every option flag off and on), the gradient kernel with d loss / d loss = 1."""
+    """The objective's kernels as the chunks launch them: the sample kernel over every sample's span (the global
+    factors) and over a chunk's samples (sample_ids, the rows in the samples' order), every option flag off and on;
+    the gradient kernel with d loss / d loss = 1."""
     sample_flags, signature = OBJECTIVE_SAMPLE_FLAGS, OBJECTIVE_SAMPLE_SIGNATURE
     optional = ("ref_query_logp_ptr", "query_weight_ptr", "old_logp_ptr", "ref_logp_ptr", "token_weight_ptr",
                 "rollout_logp_ptr", "entropy_threshold_ptr")  # the chunks always pass the entropies
     for sequence in (False, True):
         for estimator, objective in (("k3", "ppo-clip"), ("k3-token", "ppo-clip"), ("k1", "vespo")):
             for on in (False, True):
-                # once over every sample (the global factors), then per chunk over its samples (sample_ids)
+                # once over every sample's span (the global factors), then per chunk over its samples (sample_ids,
+                # their rows in the samples' order)
                 for chunk in (False, True):
+                    absent_rows = {"sample_ptr": None} if chunk else {"sample_ids_ptr": None, "order_ptr": None}
                     constexprs = dict({name: on for name in sample_flags}, HAS_ENTROPY=True, SEQUENCE_RATIO=sequence,
                                       QKL_ESTIMATOR=triton_objective.QKL_ESTIMATOR_CODES[estimator],
                                       PG_OBJECTIVE=triton_objective.PG_OBJECTIVE_CODES[objective],
                                       NUM_PARTIALS_=triton_objective.NUM_PARTIALS, BLOCK=triton_objective.ROW_BLOCK,
-                                      SPANS=False, HAS_SAMPLE_IDS=chunk, sample_ptr=None,
-                                      **({} if chunk else {"sample_ids_ptr": None}),
+                                      SPANS=not chunk, HAS_SAMPLE_IDS=chunk, **absent_rows,
                                       **{name: None for name in optional if not on})
                     constexprs["HAS_DUAL"] = on and objective == "ppo-clip"
                     report(f"chunk-objective-sample sequence={sequence} {estimator} {objective} flags={on} "
