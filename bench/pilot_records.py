@@ -26,10 +26,9 @@ from pathlib import Path
 
 from bench import pilot
 from bench.long_horizon import RUN_NAME
-from bench.run_record import JOURNAL, METRICS_RECORD, SETTINGS, history_name, metrics_text, names_run
+from bench.run_record import JOURNAL, METRICS_RECORD, SETTINGS, history_name, metrics_text, run_journal
 from erpo.atomic import publish
 from erpo.manifest import CHECKPOINTS_DIR, complete_checkpoints
-from erpo.records import iter_jsonl
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,8 +94,7 @@ def run_record(folder: Path, run: str, histories: dict[str, tuple[list[str], dic
             return f"not evaluated on {set_name} at steps {sorted(missing)}"
         files[history_name(set_name)] = csv_text(header, rows)
     files[METRICS_RECORD] = metrics_text(run_dir)
-    entries = [entry for _, entry in iter_jsonl(str(folder / JOURNAL)) if names_run(entry, run)]
-    files[JOURNAL] = "".join(json.dumps(entry) + "\n" for entry in entries)
+    files[JOURNAL] = "".join(json.dumps(entry) + "\n" for entry in run_journal(folder, run))
     return files
 
 
