@@ -1,13 +1,20 @@
 """What the fused path's time depends on, in one short GPU run: its chunk rows and workspace, the trainer's
-`host_layout`, and whether a group's two GEMMs gain from running side by side.
+`host_layout`, the pipelined chunk loop, and whether GEMMs and row passes gain from running side by side.
 
     python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md
     TRITON_INTERPRET=1 python -m bench.fused_probe --smoke --out DIR                    # CPU, tiny: the dry run
 
 Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem,
 1024 rows a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits
-store (`fused_linear_loss.LOGITS_ROWS`, set for the variant's calls), the workspace budget, and the layout in host
-memory as erpo's trainer passes it. Each row says how `plan_workspace` spent the budget (chunk rows, group rows).
+store (`fused_linear_loss.LOGITS_ROWS`, set for the variant's calls), the workspace budget, the layout in host
+memory as erpo's trainer passes it, and the pipelined chunk loop (`fused_linear_loss.PIPELINE`: chunk c's row work
+on a side stream beside chunk c + 1's logits GEMM, two fp32 logits buffers in the budget), its logits GEMMs leaving
+k SMs to the row kernels (`fused_linear_loss.ROW_PASS_SMS`, cuBLASLt's SM carveout), at 1 GiB and 2 GiB, and with
+256-row chunks (whose groups in 1 GiB hold 2304 rows, against 1024 beside 512-row chunks). Each row says how
+`plan_workspace` spent the budget (chunk rows, group rows). The pipelined variants decide the default: one that
+beats "library default" at 1 GiB on both shapes becomes it. Cost, an estimate from the 55b63b0 run (33 s for both
+shapes, 7 variants and parts 2-3; not timed per variant): a variant is 7 calls (2 warm-up, 5 timed) of about 95 ms
+(7b) and 130 ms (32b), so about 1.6 s for both shapes; the 8 pipelined ones add about 13 s.
 
 Part 2, per shape: one group's d hidden and d weight GEMMs (`--group-rows` rows of bf16 dlogits, the fused path's
 calls: `mm` into d hidden, `addmm` into the fp32 [V, D] accumulator) one after the other on one stream, against
@@ -18,9 +25,11 @@ with beta 0 (the first group's call: the accumulator is not read), and accumulat
 dlogits, another cuBLAS kernel choice, which the backward's rounding pass could transpose back).
 
 Part 3, per shape: one chunk's row passes (the fused path's forward and backward row kernels on a [512, V] fp32
-logits buffer, its dlogits into a bf16 store) beside one group's d weight accumulation (the previous group's), on
-one stream and on two: whether the memory-bound row passes hide behind the compute-bound GEMM, which a pipelined
-chunk loop (a second store) would need.
+logits buffer, its dlogits into a bf16 store) beside a compute-bound GEMM, one group's d weight accumulation or
+the next chunk's logits GEMM ([512, D] x [D, V], fp32 output: what the pipelined loop runs them beside), on one
+stream and on two, the GEMM also leaving k SMs (`chunk_streams.sm_carveout`): whether the memory-bound row passes
+hide behind the GEMM. The GEMM alone under each carveout says whether cuBLAS heeded it (cuBLASLt does, cuBLAS's
+other kernels do not: the same time with and without means the carveout rows measured nothing).
 
 Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
 choosing what to build, the bench is the measurement.
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,50 +47,75 @@ from .provenance import header_lines, provenance, write_report
 from .timing import time_callable
 
 GIB = 1 << 30
-# (name, LOGITS_ROWS or None for the library's, workspace GiB or None for the library's, host layout)
+
+
+class Variant(NamedTuple):
+    """One row of part 1: rows, LOGITS_ROWS (None: the library's); gib, the workspace (None: the library's);
+    host_layout, the trainer's call; pipeline, PIPELINE; sms, ROW_PASS_SMS."""
+
+    name: str
+    rows: Optional[int] = None
+    gib: Optional[float] = None
+    host_layout: bool = False
+    pipeline: bool = False
+    sms: int = 0
+
+
+CARVEOUTS = (16, 32)  # SMs the pipelined loop's logits GEMMs leave to the row kernels (of an H100's 132)
 VARIANTS = (
-    ("library default", None, None, False),
-    ("host layout (the trainer's call)", None, None, True),
-    ("chunk rows 384", 384, None, False),
-    ("chunk rows 768", 768, None, False),
-    ("chunk rows 1024", 1024, None, False),
-    ("workspace 2 GiB", None, 2, False),
-    ("workspace 4 GiB", None, 4, False),
+    Variant("library default"),
+    Variant("host layout (the trainer's call)", host_layout=True),
+    Variant("chunk rows 384", rows=384),
+    Variant("chunk rows 768", rows=768),
+    Variant("chunk rows 1024", rows=1024),
+    Variant("workspace 2 GiB", gib=2),
+    Variant("workspace 4 GiB", gib=4),
+    *(Variant(f"pipelined{'' if gib is None else ', workspace 2 GiB'}{f', GEMMs leave {sms} SMs' if sms else ''}",
+              gib=gib, pipeline=True, sms=sms) for gib in (None, 2) for sms in (0, *CARVEOUTS)),
+    Variant("pipelined, chunk rows 256", rows=256, pipeline=True),
+    Variant(f"pipelined, chunk rows 256, GEMMs leave {CARVEOUTS[-1]} SMs", rows=256, pipeline=True,
+            sms=CARVEOUTS[-1]),
 )
 SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": 16, "gib": 1 / 4096, "repeats": 1}
 
 
 @contextlib.contextmanager
-def logits_rows(rows):
-    """`fused_linear_loss.LOGITS_ROWS` set to `rows` (None: left as it is) while the block runs."""
+def fused_knobs(variant: Variant):
+    """`fused_linear_loss`'s probe knobs (LOGITS_ROWS, PIPELINE, ROW_PASS_SMS) set as `variant` says while the
+    block runs, put back after it, also on an exception."""
     from erpo_kernels import fused_linear_loss
-    saved = fused_linear_loss.LOGITS_ROWS
-    fused_linear_loss.LOGITS_ROWS = saved if rows is None else rows
+    names = ("LOGITS_ROWS", "PIPELINE", "ROW_PASS_SMS")
+    saved = {name: getattr(fused_linear_loss, name) for name in names}
+    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows, variant.pipeline, variant.sms)
     try:
+        for name, value in zip(names, values):
+            setattr(fused_linear_loss, name, value)
         yield
     finally:
-        fused_linear_loss.LOGITS_ROWS = saved
+        for name, value in saved.items():
+            setattr(fused_linear_loss, name, value)
 
 
 def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
     """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
-    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
+    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, logits_buffers_for, workspace_of
 
     from .contenders import erpo_fused_with_workspace
 
     layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu()
     out = []
-    for name, rows, gib, host in VARIANTS:
-        budget = DEFAULT_WORKSPACE_BYTES if gib is None else int(gib * gib_unit * GIB)
-        prepared = erpo_fused_with_workspace(budget, layout if host else None)(problem)  # the bench's own call
+    for variant in VARIANTS:
+        budget = DEFAULT_WORKSPACE_BYTES if variant.gib is None else int(variant.gib * gib_unit * GIB)
+        prepared = erpo_fused_with_workspace(budget, layout if variant.host_layout else None)(problem)  # the bench's
 
         def step():
             torch.autograd.grad(prepared.run(), prepared.inputs)
 
-        with logits_rows(rows):
-            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
+        with fused_knobs(variant):
+            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False,
+                                logits_buffers_for(problem.hidden.dtype))
             timing = time_callable(step, device=device, warmup=warmup, reps=repeats)
-        out.append((name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
+        out.append((variant.name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
     return out
 
 
@@ -147,8 +182,11 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
 
 
 def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repeats: int) -> list:
-    """[(case, median ms)]: one chunk's forward and backward row kernels (Triton) and one group's d weight
-    accumulation, each alone, one after the other, and on two streams."""
+    """[(case, median ms)]: one chunk's forward and backward row kernels (Triton) alone; then per GEMM, one group's d
+    weight accumulation and the next chunk's logits GEMM: the GEMM alone, the two one after the other, and on two
+    streams (the row passes on the side stream, as the pipelined loop runs them), the GEMM alone and on two streams
+    also leaving each of CARVEOUTS SMs."""
+    from erpo_kernels.chunk_streams import sm_carveout
     from erpo_kernels.fused_linear_loss import ROW_KERNELS
     from erpo_kernels.validation import LogitTransform
     d, v = shape.hidden, shape.vocab
@@ -159,8 +197,16 @@ def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repe
     grad_logp, grad_entropy = torch.randn(chunk_rows, device=device), torch.zeros(chunk_rows, device=device)
     store = torch.empty(chunk_rows, v, device=device, dtype=torch.bfloat16)
     hidden = torch.randn(group_rows, d, device=device, dtype=torch.bfloat16)
+    next_hidden = torch.randn(chunk_rows, d, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(v, d, device=device, dtype=torch.bfloat16) * 0.02
     dlogits = torch.randn(group_rows, v, device=device, dtype=torch.bfloat16)
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
+    next_logits = torch.empty(chunk_rows, v, device=device)
+    # the dry run: the CPU has no fp32 output for bf16 operands
+    fp32_output = {"out_dtype": torch.float32} if device.type == "cuda" else {}
+
+    def operand(t):
+        return t if fp32_output else t.float()
 
     def row_passes():
         logp, entropy, lse = stats.unbind(0)
@@ -168,15 +214,28 @@ def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repe
         kernels.backward_into(store, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
 
     def d_weight():
-        if device.type == "cuda":
-            torch.addmm(dweight, dlogits.T, hidden, out_dtype=torch.float32, out=dweight)
-        else:  # the dry run: the CPU has no fp32 output for bf16 operands
-            dweight.addmm_(dlogits.T.float(), hidden.float())
+        torch.addmm(dweight, operand(dlogits.T), operand(hidden), out=dweight, **fp32_output)
 
-    one_stream, two_streams = one_and_two_streams(row_passes, d_weight, device)
+    def logits_gemm():
+        torch.mm(operand(next_hidden), operand(weight.T), out=next_logits, **fp32_output)
 
-    cases = {f"row passes, {chunk_rows} rows": row_passes, f"d weight +=, {group_rows} rows": d_weight,
-             "both, one stream": one_stream, "both, two streams": two_streams}
+    def under_carveout(gemm, sms):
+        def call():
+            with sm_carveout(sms):
+                gemm()
+        return call
+
+    cases = {f"row passes, {chunk_rows} rows": row_passes}
+    for gemm_name, gemm in ((f"d weight +=, {group_rows} rows", d_weight),
+                            (f"logits GEMM, {chunk_rows} rows", logits_gemm)):
+        one_stream, two_streams = one_and_two_streams(row_passes, gemm, device)
+        cases.update({gemm_name: gemm, f"{gemm_name} and row passes, one stream": one_stream,
+                      f"{gemm_name} and row passes, two streams": two_streams})
+        for sms in CARVEOUTS:
+            carved = under_carveout(gemm, sms)
+            cases[f"{gemm_name}, leaving {sms} SMs"] = carved
+            cases[f"{gemm_name} (leaving {sms} SMs) and row passes, two streams"] = one_and_two_streams(
+                row_passes, carved, device)[1]
     return [(name, time_callable(fn, device=device, warmup=1, reps=repeats).median_ms) for name, fn in cases.items()]
 
 
@@ -221,8 +280,8 @@ def main(argv=None):
             lines.append(f"| {case} | {ms if isinstance(ms, str) else f'{ms:.3f}'} |")
             print(lines[-1], flush=True)
         chunk_rows = SMOKE["n"] if args.smoke else 512
-        lines += ["", "One chunk's row passes beside one group's d weight GEMM:", "", "| case | ms (median) |",
-                  "|---|---|"]
+        lines += ["", "One chunk's row passes beside a GEMM (a group's d weight, the next chunk's logits):", "",
+                  "| case | ms (median) |", "|---|---|"]
         for case, ms in row_passes_beside_gemm(shape, group_rows, chunk_rows, device, repeats):
             lines.append(f"| {case} | {ms:.3f} |")
             print(lines[-1], flush=True)

@@ -1,6 +1,6 @@
 """bench.fused_probe's dry run on the CPU (the GPU run times the same calls): one row per variant with the plan
 `plan_workspace` made for it, the group GEMMs' table, the row passes beside a GEMM, the chunk rows put back after
-each variant, and the one-line refusal without a GPU."""
+each variant and the pipelined loop's knobs with them, and the one-line refusal without a GPU."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from erpo_kernels import fused_linear_loss
 
 
 def test_the_dry_run_writes_a_row_per_variant(tmp_path):
-    library_rows = fused_linear_loss.LOGITS_ROWS
+    library_knobs = knobs()
     fused_probe.main(["--smoke", "--out", str(tmp_path)])
     lines = (tmp_path / "fused_probe.md").read_text().splitlines()
     rows = [line.split(" | ") for line in lines if line.startswith("| ") and line.count(" | ") == 5
@@ -23,20 +23,35 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
     assert cases == ["d hidden", "d weight += (fp32)", "d weight = (fp32, beta 0: the accumulator not read)",
                      "d weight^T += (fp32, a [D, V] accumulator)", "both, one stream", "both, two streams",
                      "d hidden, 4 vocabulary slices (bmm, sum)"]  # the group GEMMs' table (CPU: some refused)
-    part3 = lines[lines.index("One chunk's row passes beside one group's d weight GEMM:"):]
+    part3 = lines[lines.index("One chunk's row passes beside a GEMM (a group's d weight, the next chunk's logits):"):]
     timed = [line.split(" | ")[0].removeprefix("| ") for line in part3 if line.count(" | ") == 1][1:]
     smoke = fused_probe.SMOKE
-    assert timed == [f"row passes, {smoke['n']} rows", f"d weight +=, {smoke['group_rows']} rows",
-                     "both, one stream", "both, two streams"]
-    assert fused_linear_loss.LOGITS_ROWS == library_rows
+    expected = [f"row passes, {smoke['n']} rows"]
+    for gemm in (f"d weight +=, {smoke['group_rows']} rows", f"logits GEMM, {smoke['n']} rows"):
+        expected += [gemm, f"{gemm} and row passes, one stream", f"{gemm} and row passes, two streams"]
+        for sms in fused_probe.CARVEOUTS:
+            expected += [f"{gemm}, leaving {sms} SMs", f"{gemm} (leaving {sms} SMs) and row passes, two streams"]
+    assert timed == expected
+    assert knobs() == library_knobs
+    assert torch._C._get_sm_carveout_experimental() is None  # part 3's carveouts put back
 
 
-def test_chunk_rows_are_put_back_when_a_variant_fails():
-    library_rows = fused_linear_loss.LOGITS_ROWS
-    with pytest.raises(RuntimeError), fused_probe.logits_rows(7):
-        assert fused_linear_loss.LOGITS_ROWS == 7
+def knobs():
+    return fused_linear_loss.LOGITS_ROWS, fused_linear_loss.PIPELINE, fused_linear_loss.ROW_PASS_SMS
+
+
+def test_the_pipelined_variants_cover_both_workspaces_and_each_carveout():
+    pipelined = {(variant.gib, variant.sms) for variant in fused_probe.VARIANTS if variant.pipeline}
+    assert {(gib, sms) for gib in (None, 2) for sms in (0, *fused_probe.CARVEOUTS)} <= pipelined
+
+
+def test_the_knobs_are_put_back_when_a_variant_fails():
+    library = knobs()
+    variant = fused_probe.Variant("failing", rows=7, pipeline=True, sms=16)
+    with pytest.raises(RuntimeError), fused_probe.fused_knobs(variant):
+        assert knobs() == (7, True, 16)
         raise RuntimeError("a variant's call failed")
-    assert fused_linear_loss.LOGITS_ROWS == library_rows
+    assert knobs() == library
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
