@@ -64,9 +64,9 @@ with autograd per chunk (O(N) work and all its ops each time).
 
 The pipelined loop (`run_pipelined`; PIPELINE, off by default: the probe's knob, bench.fused_probe): the two
 memory-bound row kernels on a chunk's fp32 logits (3.7 + 5.0 ms of Qwen2.5-7B's 93.6 busy at N = 16384, in series
-with the GEMMs: the H100 profile at b8b4a78, bench/RESULTS.md) run beside the next chunk's logits GEMM. Two fp32 logits buffers, chunk c's logits in buffer
-c mod 2 (chunk 0's formed before the loop, as above); two queues (`chunk_streams.ChunkStreams`: the current stream,
-main, and a side stream), ordered by events alone:
+with the GEMMs: the H100 profile at b8b4a78, bench/RESULTS.md) run beside the next chunk's logits GEMM. Two fp32
+logits buffers, chunk c's logits in buffer c mod 2 (chunk 0's formed before the loop, as above); two queues
+(`chunk_streams.ChunkStreams`: the current stream, main, and a side stream), ordered by events alone:
 
     main: [wait: row work c - 2 done, the last to read buffer c mod 2]  logits_c GEMM into it  -> event formed_c
     side: [wait formed_c]  forward row kernel, the objective's gradient (chunk c's rows)
