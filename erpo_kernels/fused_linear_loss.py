@@ -626,7 +626,8 @@ class GradientGroups:
         of the group it closes (and, without a separate store, of its own)."""
         scale = _fp16_gradient_scale(grad_logp, grad_entropy) if self.hidden.dtype == torch.float16 else 1.0
         closed, in_group = self.place(rows, logits, scale)
-        self.run_group(closed)
+        if closed is not None:
+            self.run_group(closed)
         self.write(in_group, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy, kernels,
                    transform, scale)
         if not self.workspace.separate_store:  # the next chunk's logits overwrite these dlogits
@@ -673,11 +674,9 @@ class GradientGroups:
         self.rows = self.dlogits = None
         return closed
 
-    def run_group(self, closed: Optional[ClosedGroup]) -> None:
-        """A closed group's GEMMs: d hidden of its rows, d weight and d bias added (written by the first group;
-        nothing for None). Reads no state that `place` or `close` change."""
-        if closed is None:
-            return
+    def run_group(self, closed: ClosedGroup) -> None:
+        """A closed group's GEMMs: d hidden of its rows, d weight and d bias added (written by the first group).
+        Reads no state that `place` or `close` change."""
         rows, dlogits, inverse = closed.rows, closed.dlogits, closed.inverse
         if self.grad_hidden is not None:  # beta = 0: the rows' old contents are not read
             out = self.grad_hidden[rows]
@@ -694,7 +693,9 @@ class GradientGroups:
 
     def flush(self):
         """The open group's GEMMs: d hidden of its rows, d weight and d bias added (nothing when none is open)."""
-        self.run_group(self.close())
+        closed = self.close()
+        if closed is not None:
+            self.run_group(closed)
 
     def gradients(self):
         """(d hidden [N, D] in hidden's dtype, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after

@@ -94,7 +94,8 @@ def pipelined_budget(serial_budget: int, chunk_rows: int) -> int:
     return serial_budget + chunk_rows * 4 * VOCAB
 
 
-def workspace(num_rows, dtype, device, budget, backend="triton", batch_invariant=False):
+def loop_workspace(num_rows, dtype, device, budget, backend="triton", batch_invariant=False):
+    """The `Workspace` the loss plans for num_rows rows of `dtype` on `device` within `budget` under the knobs."""
     return chunked.plan_workspace(num_rows, HIDDEN_DIM, VOCAB, dtype, device, chunked.ROW_KERNELS[backend], budget,
                                   batch_invariant, chunked.logits_buffers_for(dtype))
 
@@ -141,7 +142,7 @@ def test_the_pipelined_loop_gives_the_serial_loop_s_results_bit_for_bit(case, qu
     results, plans = [], []
     for pipeline, budget in ((False, serial), (True, pipelined_budget(serial, chunk_rows))):
         monkeypatch.setattr(chunked, "PIPELINE", pipeline)
-        plans.append(workspace(num_rows, dtype, device, budget, backend, invariant))
+        plans.append(loop_workspace(num_rows, dtype, device, budget, backend, invariant))
         results.append(run_loss(batch, tensors, backend, budget, invariant, host_layout, **options))
     assert plans[0] == chunked.Workspace(chunk_rows, group_rows or chunk_rows, group_rows is not None, 1)
     assert plans[1] == chunked.Workspace(chunk_rows, group_rows or chunk_rows, group_rows is not None, 2)
@@ -164,7 +165,7 @@ def test_the_pipelined_loop_matches_the_reference(options, dtype, monkeypatch, d
     tensors = linear(len(batch["targets"]), dtype, device)
     serial = budget_for_groups(4, 12, dtype, device) if dtype == torch.bfloat16 else budget_for(4, dtype, device)
     budget = pipelined_budget(serial, 4)
-    assert workspace(len(batch["targets"]), dtype, device, budget).logits_buffers == 2
+    assert loop_workspace(len(batch["targets"]), dtype, device, budget).logits_buffers == 2
     assert_same_loss(*fused_and_logits_path(batch, tensors, "triton", rows=4, workspace_bytes=budget, **options),
                      dtype=dtype)
 
@@ -179,7 +180,7 @@ def test_fp16_runs_the_serial_loop_under_the_knob(monkeypatch, device):
     results = []
     for pipeline in (False, True):
         monkeypatch.setattr(chunked, "PIPELINE", pipeline)
-        assert workspace(len(batch["targets"]), torch.float16, device, budget).logits_buffers == 1
+        assert loop_workspace(len(batch["targets"]), torch.float16, device, budget).logits_buffers == 1
         results.append(run_loss(batch, tensors, "triton", budget, **QKL))
         monkeypatch.setattr(chunked, "ChunkStreams", None)  # a pipelined loop would fail to make its queues
     assert all(torch.equal(a, b) for a, b in zip(*results))
