@@ -48,12 +48,14 @@ from .validation import NO_TRANSFORM, LogitTransform
 def _logp_entropy_forward_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
     vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR,
 ):
+    """The shifted loop's forward (module docstring). LSE_FLOOR is a parameter with a plain number as its default,
+    not a global, as in `_logp_entropy_forward_log2_kernel`: no global value to check per launch."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
-    running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
+    # The row as a [1, BLOCK_V] tile of `triton_common`'s online softmax, which works on [rows, columns] tiles.
+    running_max, sum_exp, sum_exp_shifted = online_softmax_start(1, _LSE_FLOOR)
     start = 0
     while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
