@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .objective import LossOutput
-from .triton_logits import _forward_variant, _launch_backward, _launch_forward
+from .triton_logits import _forward_variant, _launch_forward, _launch_node_backward
 from .triton_objective import (
     NodeWorkspace,
     ObjectivePlan,
@@ -70,8 +70,7 @@ class _LogitsLoss(torch.autograd.Function):
             workspace.entropy, call.token_kind, inputs, call.options, plan.settings)
         counts = launch_node_objective(workspace, call.token_kind, call.sample_index, call.spans, loss_tensors,
                                        num_items, num_seqs, entropy_threshold, settings, plan.arguments, call.counts)
-        ctx.save_for_backward(logits, call.targets, workspace.lse, workspace.entropy, call.token_kind,
-                              workspace.coef_logp, workspace.coef_entropy, workspace.scales)
+        ctx.save_for_backward(logits, call.targets, call.token_kind, workspace.whole, workspace.scales)
         ctx.transform = plan.logit_transform
         ctx.inplace_backward = call.inplace_backward
         ctx.variant = _forward_variant[0]  # the backward kernel that goes with the forward that ran
@@ -82,12 +81,12 @@ class _LogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
+        logits, targets, token_kind, workspace, scales = ctx.saved_tensors
         if grad_loss is None:
             return None, None
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
-                         (token_kind, scales, as_fp32(grad_loss)), ctx.variant)
+        _launch_node_backward(grad_logits, logits, targets, workspace, token_kind, scales, as_fp32(grad_loss),
+                              ctx.transform, ctx.variant)
         return grad_logits, None
 
 

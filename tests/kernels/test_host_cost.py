@@ -52,7 +52,7 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     # each launch bound as Triton binds it for an sm_90 target, in launch order, with its kernel's parameter count
     assert [launch["kernel"] for launch in ours["binding"]] == [
         "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_finish_kernel",
-        "_logp_entropy_backward_log2_kernel"]
+        "_node_backward_log2_kernel"]
     assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
     # each launch's tensor arguments (a pointer each for the C launcher on CUDA): the row checks' token_kind,
     # sample_index, targets and code buffer (this problem has no token_weight or rollout_logp: passed as None)

@@ -260,10 +260,10 @@ def test_the_checks_read_waits_after_the_forward_is_queued(two_ops, monkeypatch,
     loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU
     with launches_and_reads(monkeypatch) as order:
         loss_and_grad(batch, {}, two_ops)
-    forward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].kernel.__name__
     objective = ["_objective_sample_kernel", "_objective_finish_kernel"] if two_ops else [
         "_objective_sample_finish_kernel"]
-    backward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__
+    variant = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT]
+    forward, backward = variant.kernel.__name__, (variant.backward if two_ops else variant.node_backward).__name__
     after = ["_objective_grad_kernel", backward] if two_ops else [backward]
     assert order == ["_first_bad_row_kernel", forward, *objective, "read", *after], order
 
