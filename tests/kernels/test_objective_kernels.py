@@ -160,7 +160,7 @@ def test_fwd_bwd_launches_at_most_20_with_one_sync(case, device):
     for name in ("aten.ne", "aten.where"):  # the scored targets' mask and where (the entropy filter has a where)
         assert unchecked.names[name] == counter.names[name], name
     assert unchecked.names["triton._objective_sample_kernel"] == 1
-    assert unchecked.names[f"triton.{FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].node_backward.__name__}"] == 1
+    assert unchecked.names[f"triton.{FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__}"] == 1
 
 
 @pytest.mark.parametrize("case", FALLBACK_CASES.values(), ids=FALLBACK_CASES.keys())
