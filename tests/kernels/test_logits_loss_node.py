@@ -293,7 +293,7 @@ def test_the_checks_code_read_reuses_its_pinned_buffer_but_not_under_a_pending_r
     assert kept.tolist() == [0, 1, 2] and later.tolist() == [10, 11, 12]
 
 
-def test_a_reused_read_s_buffer_is_reused_only_once_the_previous_read_is_done(monkeypatch):
+def test_a_reused_read_s_buffer_is_reused_only_once_the_previous_read_is_done(monkeypatch, device):
     """`validation.read_later(reuse=True)`'s choice of pinned buffer and event (`_reused_read`), on any machine (the
     buffer is CUDA's: a stand-in holds the value's shape here): one per device, shape and dtype, the same one again
     once its read is done, a new one while it is pending, which the later calls then get."""
@@ -303,10 +303,11 @@ def test_a_reused_read_s_buffer_is_reused_only_once_the_previous_read_is_done(mo
 
     monkeypatch.setattr(validation, "_PinnedRead", Place)
     monkeypatch.setattr(validation, "_REUSED_READS", threading.local())
-    code = torch.zeros(3, dtype=torch.int64)
+    code = torch.zeros(3, dtype=torch.int64, device=device)
     first = validation._reused_read(code)
-    assert validation._reused_read(torch.ones(3, dtype=torch.int64)) is first  # not busy: no read pending
-    others = [validation._reused_read(torch.zeros(4, dtype=torch.int64)), validation._reused_read(code.float())]
+    assert validation._reused_read(torch.ones(3, dtype=torch.int64, device=device)) is first  # no read pending
+    others = [validation._reused_read(torch.zeros(4, dtype=torch.int64, device=device)),
+              validation._reused_read(code.float())]
     assert len({id(place) for place in (first, *others)}) == 3 and others[0].shape == (4,)
     first.busy = True  # a copy queued, its read to come
     beside = validation._reused_read(code)
