@@ -148,8 +148,8 @@ class ReadTimeline:
         """The block within which the call's reads, GEMMs and chunk loop are recorded."""
         def wrap(point, function):
             if point == "read":
-                def read_later(value):
-                    reader, entry = function(value), {}
+                def read_later(value, *options, **named_options):  # validation.read_later's reuse too
+                    reader, entry = function(value, *options, **named_options), {}
                     self._stamp(entry, "copy")
                     self.reads.append(entry)
 

@@ -6,6 +6,7 @@ key, which the interpreter's kernels do not have: this module runs in a process 
 TRITON_INTERPRET, and needs no GPU.
 
     python -m bench.kernel_globals MODULE:KERNEL ... --reps 300   # one JSON line: {"MODULE:KERNEL": {...}}
+    python -m bench.kernel_globals erpo_kernels                    # every jit function of a package or module
 
 Each kernel's globals are taken as Triton holds them once every jit function of the kernels' modules has its cache
 key (a helper's globals join a kernel's only when the helper's key was made first: a process that has compiled
@@ -17,6 +18,7 @@ import argparse
 import importlib
 import json
 import os
+import pkgutil
 import statistics
 import time
 
@@ -49,12 +51,26 @@ def check_us(kernel, reps: int) -> float:
     return statistics.median(samples[1:]) / 1e3
 
 
+def jit_functions(name: str) -> list:
+    """["MODULE:FUNCTION", ...]: every @triton.jit function defined in module `name`, or in each module of package
+    `name` (those a module imports from another are listed under their own module), in name order."""
+    from triton.runtime.jit import JITFunction
+    package = importlib.import_module(name)
+    modules = [package] + [importlib.import_module(info.name)
+                           for info in pkgutil.walk_packages(getattr(package, "__path__", []), f"{name}.")]
+    return sorted(f"{module.__name__}:{attribute}" for module in modules
+                  for attribute, value in vars(module).items()
+                  if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__)
+
+
 def measure(references: list, reps: int) -> dict:
-    """{"MODULE:KERNEL": {"globals": [name, ...], "us": median check us}} for each reference."""
+    """{"MODULE:KERNEL": {"globals": [name, ...], "us": median check us}} for each reference; a reference without a
+    ":" stands for every jit function of that module or package (`jit_functions`)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("bench.kernel_globals needs compiled-mode kernels: run it without TRITON_INTERPRET=1")
     kernels = {}
-    for reference in references:
+    for reference in [each for given in references for each in (jit_functions(given) if ":" not in given
+                                                                  else [given])]:
         module, name = reference.split(":")
         kernels[reference] = getattr(importlib.import_module(module), name)
     names = steady_globals(list(kernels.values()))
@@ -64,7 +80,8 @@ def measure(references: list, reps: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_globals", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernels", nargs="+", help="MODULE:KERNEL, a @triton.jit kernel")
+    parser.add_argument("kernels", nargs="+",
+                        help="MODULE:KERNEL, a @triton.jit kernel, or MODULE / PACKAGE: each jit function in it")
     parser.add_argument("--reps", type=int, default=300)
     args = parser.parse_args(argv)
     print(json.dumps(measure(args.kernels, args.reps)))

@@ -17,10 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LSE_FLOOR
 from .validation import LogitTransform
-
-_LSE_FLOOR = tl.constexpr(LSE_FLOOR)
 
 
 def transform_arguments(transform: LogitTransform):
@@ -84,9 +81,11 @@ def transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFT
 
 
 @triton.jit
-def online_softmax_start(BLOCK_M: tl.constexpr):
-    """(running_max, sum_exp, sum_exp_shifted), each [BLOCK_M] fp32, before any logit is seen."""
-    return (tl.full([BLOCK_M], _LSE_FLOOR, tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+def online_softmax_start(BLOCK_M: tl.constexpr, LSE_FLOOR: tl.constexpr):
+    """(running_max, sum_exp, sum_exp_shifted), each [BLOCK_M] fp32, before any logit is seen. LSE_FLOOR is
+    `common.LSE_FLOOR`, handed down by the kernel (its parameter's default): a global read here would be checked on
+    every launch of every kernel that calls this."""
+    return (tl.full([BLOCK_M], LSE_FLOOR, tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
             tl.zeros([BLOCK_M], dtype=tl.float32))
 
 

@@ -19,13 +19,15 @@ import triton.language as tl
 
 from .validation import IGNORE_INDEX
 
-_IGNORE_INDEX = tl.constexpr(IGNORE_INDEX)
 MAX_BLOCK_D = 1024  # columns a program copies (D = 3584 for Qwen2.5-7B: 4 programs a row)
 
 
 @triton.jit
 def _gradient_rows_kernel(hidden_ptr, hidden_stride, targets_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
-                          out_stride, hidden_dim, BLOCK_D: tl.constexpr):
+                          out_stride, hidden_dim, BLOCK_D: tl.constexpr,
+                          _IGNORE_INDEX: tl.constexpr = IGNORE_INDEX):
+    # IGNORE_INDEX a parameter with a plain number as its default, which no launch passes: a global read here would
+    # be checked on each of the kernel's launches (one per chunk; `triton_row_checks`' note)
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = columns < hidden_dim

@@ -40,7 +40,7 @@ from .triton_common import (
     transform_arguments,
     transformed_logits,
 )
-from .triton_objective import as_fp32, objective_row_gradients
+from .triton_objective import aligned_length, as_fp32, node_row_regions, objective_row_gradients
 from .validation import NO_TRANSFORM, LogitTransform
 
 
@@ -48,12 +48,14 @@ from .validation import NO_TRANSFORM, LogitTransform
 def _logp_entropy_forward_kernel(
     logits_ptr, stride_row, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
     vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR,
 ):
+    """The shifted loop's forward (module docstring). LSE_FLOOR is a parameter with a plain number as its default,
+    not a global, as in `_logp_entropy_forward_log2_kernel`: no global value to check per launch."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    # The row as a [1, BLOCK_V] tile, so the shared online-softmax helper serves here and in the fused kernel.
-    running_max, sum_exp, sum_exp_shifted = online_softmax_start(1)
+    # The row as a [1, BLOCK_V] tile of `triton_common`'s online softmax, which works on [rows, columns] tiles.
+    running_max, sum_exp, sum_exp_shifted = online_softmax_start(1, _LSE_FLOOR)
     start = 0
     while start < vocab_size:  # triton_common's note on loop bounds
         cols = start + tl.arange(0, BLOCK_V)
@@ -176,37 +178,29 @@ def _logp_entropy_forward_log2_kernel(
 
 
 @triton.jit
-def _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
-                      FROM_COEFFICIENTS: tl.constexpr):
-    """(g_logp, g_H) of one row, g_logp 0 on an ignored row: loaded, or with FROM_COEFFICIENTS (the loss as one
-    autograd node, `triton_logits_loss`) formed from the objective's gradient coefficients, which grad_logp_ptr and
-    grad_entropy_ptr then hold, as the objective's gradient kernel forms them (`objective_row_gradients`: the same
-    operations, the same values)."""
-    if FROM_COEFFICIENTS:
-        g_logp, g_entropy = objective_row_gradients(tl.load(kind_ptr + row), tl.load(grad_logp_ptr + row),
-                                                    tl.load(grad_entropy_ptr + row), scales_ptr, grad_loss_ptr)
-    else:
-        g_logp = tl.load(grad_logp_ptr + row)
-        g_entropy = tl.load(grad_entropy_ptr + row)
-    return tl.where(target != -100, g_logp, 0.0), g_entropy
+def _given_gradients(row, target, grad_logp_ptr, grad_entropy_ptr):
+    """(g_logp, g_H) of one row as given (the two ops, the fused path), g_logp 0 on an ignored row."""
+    return tl.where(target != -100, tl.load(grad_logp_ptr + row), 0.0), tl.load(grad_entropy_ptr + row)
 
 
 @triton.jit
-def _logp_entropy_backward_kernel(
-    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
-    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-    SOFTCAP: tl.constexpr,
-    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    grad_row_ptr = grad_ptr + row * grad_stride_row
-    target = tl.load(targets_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    entropy = tl.load(entropy_ptr + row)
-    g_logp, g_entropy = _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr,
-                                          grad_loss_ptr, FROM_COEFFICIENTS)
+def _node_row_values(row, target, workspace_ptr, row_stride, kind_ptr, scales_ptr, grad_loss_ptr):
+    """(lse, entropy, g_logp, g_H) of one row of the loss as one autograd node (`triton_logits_loss`): lse and
+    entropy from the node's workspace (`triton_objective.node_row_regions`), the gradients formed from the
+    objective's coefficients there as its gradient kernel forms them (`objective_row_gradients`: the same
+    operations, the same values), g_logp 0 on an ignored row."""
+    _, entropy_ptr, lse_ptr, coef_logp_ptr, coef_entropy_ptr = node_row_regions(workspace_ptr, row_stride)
+    g_logp, g_entropy = objective_row_gradients(tl.load(kind_ptr + row), tl.load(coef_logp_ptr + row),
+                                                tl.load(coef_entropy_ptr + row), scales_ptr, grad_loss_ptr)
+    return tl.load(lse_ptr + row), tl.load(entropy_ptr + row), tl.where(target != -100, g_logp, 0.0), g_entropy
+
+
+@triton.jit
+def _dlogits_row(row_ptr, stride_col, grad_row_ptr, grad_stride_col, target, lse, entropy, g_logp, g_entropy,
+                 vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """The shifted loop's d logits of one row (module docstring) into grad_row_ptr, from its lse, entropy and
+    gradients."""
     # A row that receives no gradient gets zeros (grad_of_logits) and its logits are not even read.
     read_limit = tl.where((g_logp != 0) | (g_entropy != 0), vocab_size, 0)
     start = 0
@@ -216,15 +210,49 @@ def _logp_entropy_backward_kernel(
         logits = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < read_limit, other=0.0)
         z, slope = transformed_logits(logits.to(tl.float32), logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         grad = grad_of_logits(z, lse, entropy, g_logp, g_entropy, cols == target, slope)
-        tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_row_ptr.dtype.element_ty),
+                 mask=mask)
         start += BLOCK_V
+
+
+@triton.jit
+def _logp_entropy_backward_kernel(
+    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    g_logp, g_entropy = _given_gradients(row, target, grad_logp_ptr, grad_entropy_ptr)
+    _dlogits_row(logits_ptr + row * stride_row, stride_col, grad_ptr + row * grad_stride_row, grad_stride_col,
+                 target, tl.load(lse_ptr + row), tl.load(entropy_ptr + row), g_logp, g_entropy, vocab_size,
+                 logit_scale, logit_softcap, inv_temperature, SOFTCAP, BLOCK_V)
+
+
+@triton.jit
+def _node_backward_kernel(
+    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
+    targets_ptr, workspace_ptr, row_stride, kind_ptr, scales_ptr, grad_loss_ptr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """`_logp_entropy_backward_kernel` for the loss as one autograd node: lse, entropy and the objective's
+    coefficients read from its workspace, one pointer (`_node_row_values`)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    lse, entropy, g_logp, g_entropy = _node_row_values(row, target, workspace_ptr, row_stride, kind_ptr, scales_ptr,
+                                                       grad_loss_ptr)
+    _dlogits_row(logits_ptr + row * stride_row, stride_col, grad_ptr + row * grad_stride_row, grad_stride_col,
+                 target, lse, entropy, g_logp, g_entropy, vocab_size, logit_scale, logit_softcap, inv_temperature,
+                 SOFTCAP, BLOCK_V)
 
 
 @triton.jit
 def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap, inv_temperature,
                    SOFTCAP: tl.constexpr, LOG2E: tl.constexpr, FAR_BELOW: tl.constexpr):
-    """d logits of a block x [BLOCK_V] fp32 of logits, c = g_logp + g_H H (`_logp_entropy_backward_log2_kernel`,
-    whose parameters LOG2E and FAR_BELOW hold _LOG2E and _FAR_BELOW)."""
+    """d logits of a block x [BLOCK_V] fp32 of logits, c = g_logp + g_H H (`_dlogits_row_log2`, whose LOG2E and
+    FAR_BELOW are its kernel's _LOG2E and _FAR_BELOW)."""
     if SOFTCAP:
         z, slope = transformed_logits(x, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
         log_p = z - lse
@@ -240,32 +268,19 @@ def _dlogits_block(x, is_target, lse, c, g_logp, g_entropy, unit, logit_scale, l
 
 
 @triton.jit
-def _logp_entropy_backward_log2_kernel(
-    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr, grad_loss_ptr,
-    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-    SOFTCAP: tl.constexpr,
-    FROM_COEFFICIENTS: tl.constexpr, BLOCK_V: tl.constexpr, _LOG2E: tl.constexpr = _LOG2E,
-    _FAR_BELOW: tl.constexpr = _FAR_BELOW,
-):
-    """`_logp_entropy_backward_kernel`'s d logits in about half the instructions per logit (a logit's 4 bytes, read
-    and written, leave about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse)
-    log2 e) and c = g_logp + g_H H (a constant of the row), grad_of_logits' dz_j is
+def _dlogits_row_log2(row_ptr, stride_col, grad_row_ptr, grad_stride_col, target, lse, entropy, g_logp, g_entropy,
+                      vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
+                      BLOCK_V: tl.constexpr, LOG2E: tl.constexpr, FAR_BELOW: tl.constexpr):
+    """`_dlogits_row`'s d logits in about half the instructions per logit (a logit's 4 bytes, read and written, leave
+    about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse) log2 e) and
+    c = g_logp + g_H H (a constant of the row), grad_of_logits' dz_j is
         dz_j = -p_j (c + g_H log p_j) + [j = t] g_logp,
     and without the soft-cap d z / d logits = u = logit_scale / temperature is folded into the row's constants:
     dlogits_j = -p_j (u c + u g_H log p_j) + [j = t] u g_logp, with p_j and log p_j one FMA each from the raw logit.
     A row that receives no gradient is written zeros without reading its logits; the blocks inside the row are
-    loaded without a mask and only the last one with it. Its constants are parameters with plain defaults, as the
-    forward's (`_logp_entropy_forward_log2_kernel`)."""
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    grad_row_ptr = grad_ptr + row * grad_stride_row
-    target = tl.load(targets_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    g_logp, g_entropy = _output_gradients(row, target, grad_logp_ptr, grad_entropy_ptr, kind_ptr, scales_ptr,
-                                          grad_loss_ptr, FROM_COEFFICIENTS)
+    loaded without a mask and only the last one with it."""
     unit = logit_scale * inv_temperature  # d z / d logits without the soft-cap
-    c = g_logp + g_entropy * tl.load(entropy_ptr + row)
+    c = g_logp + g_entropy * entropy
     offsets = tl.arange(0, BLOCK_V)
     inside_end = vocab_size - vocab_size % BLOCK_V
     if (g_logp != 0) | (g_entropy != 0):
@@ -274,22 +289,58 @@ def _logp_entropy_backward_log2_kernel(
             cols = start + offsets
             x = tl.load(row_ptr + cols.to(tl.int64) * stride_col).to(tl.float32)
             grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
-                                  inv_temperature, SOFTCAP, _LOG2E, _FAR_BELOW)
-            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty))
+                                  inv_temperature, SOFTCAP, LOG2E, FAR_BELOW)
+            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_row_ptr.dtype.element_ty))
             start += BLOCK_V
         cols = inside_end + offsets
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_col, mask=cols < vocab_size, other=0.0).to(tl.float32)
         grad = _dlogits_block(x, cols == target, lse, c, g_logp, g_entropy, unit, logit_scale, logit_softcap,
-                              inv_temperature, SOFTCAP, _LOG2E, _FAR_BELOW)
-        tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty),
+                              inv_temperature, SOFTCAP, LOG2E, FAR_BELOW)
+        tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col, grad.to(grad_row_ptr.dtype.element_ty),
                  mask=cols < vocab_size)
     else:
         start = 0
         while start < vocab_size:
             cols = start + offsets
             tl.store(grad_row_ptr + cols.to(tl.int64) * grad_stride_col,
-                     tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty), mask=cols < vocab_size)
+                     tl.zeros([BLOCK_V], dtype=grad_row_ptr.dtype.element_ty), mask=cols < vocab_size)
             start += BLOCK_V
+
+
+@triton.jit
+def _logp_entropy_backward_log2_kernel(
+    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, _LOG2E: tl.constexpr = _LOG2E,
+    _FAR_BELOW: tl.constexpr = _FAR_BELOW,
+):
+    """`_logp_entropy_backward_kernel`'s d logits by the base-2 loop (`_dlogits_row_log2`). Its constants are
+    parameters with plain defaults, as the forward's (`_logp_entropy_forward_log2_kernel`)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    g_logp, g_entropy = _given_gradients(row, target, grad_logp_ptr, grad_entropy_ptr)
+    _dlogits_row_log2(logits_ptr + row * stride_row, stride_col, grad_ptr + row * grad_stride_row, grad_stride_col,
+                      target, tl.load(lse_ptr + row), tl.load(entropy_ptr + row), g_logp, g_entropy, vocab_size,
+                      logit_scale, logit_softcap, inv_temperature, SOFTCAP, BLOCK_V, _LOG2E, _FAR_BELOW)
+
+
+@triton.jit
+def _node_backward_log2_kernel(
+    logits_ptr, stride_row, stride_col, grad_ptr, grad_stride_row, grad_stride_col,
+    targets_ptr, workspace_ptr, row_stride, kind_ptr, scales_ptr, grad_loss_ptr,
+    vocab_size, logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
+    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, _LOG2E: tl.constexpr = _LOG2E,
+    _FAR_BELOW: tl.constexpr = _FAR_BELOW,
+):
+    """`_logp_entropy_backward_log2_kernel` for the loss as one autograd node, as `_node_backward_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    lse, entropy, g_logp, g_entropy = _node_row_values(row, target, workspace_ptr, row_stride, kind_ptr, scales_ptr,
+                                                       grad_loss_ptr)
+    _dlogits_row_log2(logits_ptr + row * stride_row, stride_col, grad_ptr + row * grad_stride_row, grad_stride_col,
+                      target, lse, entropy, g_logp, g_entropy, vocab_size, logit_scale, logit_softcap,
+                      inv_temperature, SOFTCAP, BLOCK_V, _LOG2E, _FAR_BELOW)
 
 
 def block_size_for(vocab_size: int, widest: int = 4096) -> int:
@@ -305,13 +356,15 @@ def _num_warps(block_v: int) -> int:
 class ForwardVariant(NamedTuple):
     """How the forward kernel walks a row: `widest` logits per loop step, `num_warps` warps per row (None: 8 for
     steps of >= 2048, else 4), and `kernel`, the loop; `backward`, the dlogits kernel that goes with it (4096-wide
-    steps, 8 warps). Each forward step costs three reductions across the row's threads (max, sum exp, sum exp times
-    shift); across warps each is a shared-memory exchange and a barrier, within one warp only shuffles."""
+    steps, 8 warps), and `node_backward`, that loop for the loss as one autograd node. Each forward step costs three
+    reductions across the row's threads (max, sum exp, sum exp times shift); across warps each is a shared-memory
+    exchange and a barrier, within one warp only shuffles."""
 
     widest: int
     num_warps: Optional[int]
     kernel: object  # a @triton.jit kernel with _logp_entropy_forward_kernel's arguments
     backward: object  # a @triton.jit kernel with _logp_entropy_backward_kernel's arguments
+    node_backward: object  # the same loop with _node_backward_kernel's arguments (the loss as one autograd node)
     # the forward's registers per thread at most without the soft-cap (Triton's maxnreg; None: ptxas' choice); with
     # it the loop needs more (the cap would spill), so none is set
     max_registers: Optional[int] = None
@@ -358,8 +411,8 @@ class ForwardVariant(NamedTuple):
 #   N=65536  warp-1024 6.969 / 17.25, block 8.755 / 18.77, log2-1024 4.667 / 14.34, log2-2048 5.355 / 15.10
 # so the default is "log2-1024": 15-17% faster than "warp-1024" fwd+bwd at 16384 and 65536 (its forward at its
 # bandwidth floor there), 12% slower at 4096, where "log2-2048" is the fastest.
-_SHIFTED = (_logp_entropy_forward_kernel, _logp_entropy_backward_kernel)
-_LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel)
+_SHIFTED = (_logp_entropy_forward_kernel, _logp_entropy_backward_kernel, _node_backward_kernel)
+_LOG2 = (_logp_entropy_forward_log2_kernel, _logp_entropy_backward_log2_kernel, _node_backward_log2_kernel)
 FORWARD_VARIANTS = {"block": ForwardVariant(4096, None, *_SHIFTED), "warp": ForwardVariant(2048, 1, *_SHIFTED),
                     "warp-1024": ForwardVariant(1024, 1, *_SHIFTED),
                     "log2-1024": ForwardVariant(1024, 1, *_LOG2, max_registers=64),
@@ -403,22 +456,32 @@ def _launch_forward(logits, targets, transform: LogitTransform, variant_name: Op
 
 
 def _launch_backward(grad_logits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform: LogitTransform,
-                     coefficients: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                      variant_name: Optional[str] = None):
     """d logits into grad_logits [N, V] by the backward kernel of FORWARD_VARIANTS[variant_name] (None: the
-    process-wide one, `forward_variant`; name the variant whose forward ran), for grad_logp, grad_entropy [N]; with
-    coefficients = (token_kind [N], the objective's global factors [3], grad_loss []), grad_logp and grad_entropy are
-    the objective's gradient coefficients instead, which the kernel turns into the gradients itself
-    (`_output_gradients`)."""
+    process-wide one, `forward_variant`; name the variant whose forward ran), for grad_logp, grad_entropy [N]."""
+    _launch_dlogits(FORWARD_VARIANTS[variant_name or _forward_variant[0]].backward, grad_logits, logits, targets,
+                    (lse, entropy, as_fp32(grad_logp), as_fp32(grad_entropy)), transform)
+
+
+def _launch_node_backward(grad_logits, logits, targets, workspace: torch.Tensor, token_kind, scales, grad_loss,
+                          transform: LogitTransform, variant_name: str):
+    """`_launch_backward` for the loss as one autograd node (`triton_logits_loss`): lse, entropy and the objective's
+    gradient coefficients read from the node's fp32 workspace (`NodeWorkspace.whole`, one pointer where they were four
+    of its views: a launch binds each pointer on the host), which the kernel turns into the gradients itself with
+    token_kind [N], the global factors `scales` [3] and grad_loss [] fp32."""
+    _launch_dlogits(FORWARD_VARIANTS[variant_name].node_backward, grad_logits, logits, targets,
+                    (workspace, aligned_length(logits.shape[0]), token_kind, scales, grad_loss), transform)
+
+
+def _launch_dlogits(kernel, grad_logits, logits, targets, row_arguments: tuple, transform: LogitTransform):
+    """Launch a backward kernel, a program per row, on logits [N, V] and its row arguments (those between the targets
+    and V: the kernel's own)."""
     num_rows, vocab_size = logits.shape
-    block_v = block_size_for(vocab_size)
-    kind, scales, grad_loss = (None, None, None) if coefficients is None else coefficients
     if num_rows > 0:
-        FORWARD_VARIANTS[variant_name or _forward_variant[0]].backward[(num_rows,)](
-            logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0), grad_logits.stride(1),
-            targets, lse, entropy, as_fp32(grad_logp), as_fp32(grad_entropy), kind, scales,
-            grad_loss, vocab_size, *transform_arguments(transform), FROM_COEFFICIENTS=coefficients is not None,
-            BLOCK_V=block_v, num_warps=_num_warps(block_v))
+        block_v = block_size_for(vocab_size)
+        kernel[(num_rows,)](logits, logits.stride(0), logits.stride(1), grad_logits, grad_logits.stride(0),
+                            grad_logits.stride(1), targets, *row_arguments, vocab_size, *transform_arguments(transform),
+                            BLOCK_V=block_v, num_warps=_num_warps(block_v))
 
 
 # torch.library custom ops (what torch.compile sees instead of the kernels: no graph break). The LogitTransform

@@ -1,19 +1,19 @@
 """The logits path's loss as one autograd node, where nothing traces (`direct_ops.traced`): the log-prob / entropy
 kernel and the objective's sample kernel in its forward, whose last program also runs the objective's finish
 (`triton_objective._objective_sample_finish_kernel`), and in its backward the dlogits kernel alone, which forms d loss /
-d logp_t and d loss / d H_t from the objective's gradient coefficients itself (`triton_logits`' backward kernels with
-FROM_COEFFICIENTS, through `triton_objective.objective_row_gradients`: the objective's gradient kernel folded in). The
+d logp_t and d loss / d H_t from the objective's gradient coefficients itself (`triton_logits`' node backward kernels,
+through `triton_objective.objective_row_gradients`: the objective's gradient kernel folded in). The
 same operations and values as the two ops in a row (`triton_logits.logp_entropy_op`, then
 `triton_objective.objective_op`), which torch.compile and the dispatch modes still get (bit for bit under the
 interpreter; on a GPU the objective's kernels lay their sums out alike, what bit-equality takes there:
 `triton_objective`'s docstring); per fwd+bwd two Triton launches and one autograd node fewer, all host time at a small N
 (`python -m bench.host_cost`). The forward's fp32 tensors are regions of one allocation
 (`triton_objective.NodeWorkspace`; the counts and the finish's ticket counter beside it, in the row checks' or the spans
-kernel's buffer, which zeroes the ticket: no fill launch), which the sample kernel finds from one pointer. What depends
-only on the options and on which inputs are given (the objective's settings, kernel arguments, metric slots and the
-logit transform) comes from one `triton_objective.ObjectivePlan` per distinct (options, given inputs), the sample
-kernel's float settings from one device vector per distinct values (`triton_objective.node_scalars`); the metrics record
-is made on its first read (`triton_objective.SlotMetrics`).
+kernel's buffer, which zeroes the ticket: no fill launch), which the sample kernel and the backward's dlogits kernel
+find from one pointer. What depends only on the options and on which inputs are given (the objective's settings,
+kernel arguments, metric slots and the logit transform) comes from one `triton_objective.ObjectivePlan` per distinct
+(options, given inputs), the sample kernel's float settings from one device vector per distinct values
+(`triton_objective.node_scalars`); the metrics record is made on its first read (`triton_objective.SlotMetrics`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .objective import LossOutput
-from .triton_logits import _forward_variant, _launch_backward, _launch_forward
+from .triton_logits import _forward_variant, _launch_forward, _launch_node_backward
 from .triton_objective import (
     NodeWorkspace,
     ObjectivePlan,
@@ -70,8 +70,7 @@ class _LogitsLoss(torch.autograd.Function):
             workspace.entropy, call.token_kind, inputs, call.options, plan.settings)
         counts = launch_node_objective(workspace, call.token_kind, call.sample_index, call.spans, loss_tensors,
                                        num_items, num_seqs, entropy_threshold, settings, plan.arguments, call.counts)
-        ctx.save_for_backward(logits, call.targets, workspace.lse, workspace.entropy, call.token_kind,
-                              workspace.coef_logp, workspace.coef_entropy, workspace.scales)
+        ctx.save_for_backward(logits, call.targets, call.token_kind, workspace.whole, workspace.scales)
         ctx.transform = plan.logit_transform
         ctx.inplace_backward = call.inplace_backward
         ctx.variant = _forward_variant[0]  # the backward kernel that goes with the forward that ran
@@ -82,12 +81,12 @@ class _LogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, targets, lse, entropy, token_kind, coef_logp, coef_entropy, scales = ctx.saved_tensors
+        logits, targets, token_kind, workspace, scales = ctx.saved_tensors
         if grad_loss is None:
             return None, None
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        _launch_backward(grad_logits, logits, targets, lse, entropy, coef_logp, coef_entropy, ctx.transform,
-                         (token_kind, scales, as_fp32(grad_loss)), ctx.variant)
+        _launch_node_backward(grad_logits, logits, targets, workspace, token_kind, scales, as_fp32(grad_loss),
+                              ctx.transform, ctx.variant)
         return grad_logits, None
 
 

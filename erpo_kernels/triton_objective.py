@@ -338,6 +338,18 @@ def _aligned_length(count, REGION_ALIGN: tl.constexpr):
 
 
 @triton.jit
+def node_row_regions(workspace_ptr, row_stride):
+    """Pointers to the [N] regions of the one-node loss's fp32 workspace (`NodeWorkspace`, its first five: logp,
+    entropy, lse, coef_logp, coef_entropy), row_stride apart (N rounded up, `aligned_length`): read by the sample
+    kernel (`_node_regions`) and by `triton_logits`' dlogits kernels of the one node, which take the workspace as
+    one pointer."""
+    entropy_ptr = workspace_ptr + row_stride
+    lse_ptr = entropy_ptr + row_stride
+    coef_logp_ptr = lse_ptr + row_stride
+    return workspace_ptr, entropy_ptr, lse_ptr, coef_logp_ptr, coef_logp_ptr + row_stride
+
+
+@triton.jit
 def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.constexpr, NUM_METRICS: tl.constexpr,
                   REGION_ALIGN: tl.constexpr):
     """Pointers to the regions of the one-node loss's fp32 workspace (`NodeWorkspace`: one allocation, N rows and S
@@ -349,10 +361,7 @@ def _node_regions(workspace_ptr, row_stride, num_samples, NUM_PARTIALS_: tl.cons
     pass 2 took the layout of an unaligned pointer, three layout conversions a step (sm_90 TTGIR:
     tests/kernels/test_logits_loss_node.py compiles the kernel as launched, at N = 47 and 48)."""
     sample_stride = _aligned_length(num_samples, REGION_ALIGN)
-    logp_ptr = workspace_ptr
-    entropy_ptr = logp_ptr + row_stride
-    coef_logp_ptr = entropy_ptr + 2 * row_stride  # after lse
-    coef_entropy_ptr = coef_logp_ptr + row_stride
+    logp_ptr, entropy_ptr, _, coef_logp_ptr, coef_entropy_ptr = node_row_regions(workspace_ptr, row_stride)
     query_logp_ptr = coef_entropy_ptr + row_stride
     response_logp_ptr = query_logp_ptr + sample_stride
     partials_ptr = response_logp_ptr + sample_stride

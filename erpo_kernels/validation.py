@@ -527,60 +527,61 @@ def checks_done() -> None:
     """finish() of checks that ended when they started."""
 
 
-def read_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A function returning `value`'s contents, readable on the host, that waits only for the work queued before
-    this call: on CUDA the value is copied now, asynchronously, into pinned host memory and the function waits for
-    that copy alone (kernels queued in between keep running while the host reads); elsewhere, and under
-    torch.compile, `value` itself."""
-    if value.device.type != "cuda" or torch.compiler.is_compiling():
-        return lambda: value
-    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    host.copy_(value, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(value.device))  # the copy's stream: value's device, not the current one
+class _PinnedRead:
+    """One host read's place (`read_later`): a pinned host buffer of a value's shape and dtype, and a CUDA event
+    recorded after the value's copy into it; `busy` from the copy until the read."""
 
-    def read():
-        copied.synchronize()
-        return host
-    return read
-
-
-class _CodeRead:
-    """A pinned host buffer for a [K] int64 code and a CUDA event, reused by `read_code_later` while not `busy`."""
-
-    def __init__(self, length: int):
-        self.host = torch.empty(length, dtype=torch.int64, pin_memory=True)
+    def __init__(self, value: torch.Tensor):
+        self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         self.copied = torch.cuda.Event()
         self.busy = False
 
 
-_CODE_READS = threading.local()  # this thread's {(device, length): _CodeRead}
+_REUSED_READS = threading.local()  # this thread's {(device, shape, dtype): _PinnedRead} of read_later(reuse=True)
+
+
+def _reused_read(value: torch.Tensor) -> _PinnedRead:
+    """This thread's place for values of `value`'s device, shape and dtype, made at the first call, or anew when the
+    previous one's read is pending (the new one is then the one the later calls reuse)."""
+    reads = _REUSED_READS.__dict__
+    key = (value.device, value.shape, value.dtype)
+    place = reads.get(key)
+    if place is None or place.busy:
+        place = reads[key] = _PinnedRead(value)
+    return place
+
+
+def read_later(value: torch.Tensor, reuse: bool = False) -> Callable[[], torch.Tensor]:
+    """A function returning `value`'s contents, readable on the host, that waits only for the work queued before
+    this call: on CUDA the value is copied now, asynchronously, into pinned host memory and the function waits for
+    that copy alone (kernels queued in between keep running while the host reads); elsewhere, and under
+    torch.compile, `value` itself.
+
+    reuse=False: each call's pinned buffer and event are its own (the caller may keep the host tensor). reuse=True:
+    this thread's buffer and event for values of that device, shape and dtype, reused by each call after the
+    previous one's read (a pinned allocation, its release and an event's creation and destruction fewer per call:
+    host time on CUDA only), so the host tensor holds the value until this thread's next such read: read it before.
+    A call made while an earlier one's read is pending (its copy in flight, or a read that never came: an error in
+    between) gets a new buffer, which the later calls reuse; the pending one stays its reader's."""
+    if value.device.type != "cuda" or torch.compiler.is_compiling():
+        return lambda: value
+    place = _reused_read(value) if reuse else _PinnedRead(value)
+    place.busy = True
+    place.host.copy_(value, non_blocking=True)
+    # the copy's stream, that of value's device, which need not be the current device
+    place.copied.record(torch.cuda.current_stream(value.device))
+
+    def read():
+        place.copied.synchronize()
+        place.busy = False
+        return place.host
+    return read
 
 
 def read_code_later(code: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """`read_later` for the value checks' code [K] int64 (`start_loss_input_checks`), whose reader reads it at once: on
-    CUDA the pinned buffer and the event are this thread's, made once per device and length and reused by each call
-    after the previous one's read (a pinned allocation, its release and an event's creation and destruction fewer per
-    call: host time on CUDA only, `python -m bench.host_cost --device cuda`). The returned host tensor holds the code
-    until this thread's next read of a code of that length: read it before. A call made while an earlier one's read
-    is pending (another copy in flight, or a read that never came: an error in between) gets a new buffer, which the
-    later calls reuse; the pending one stays its reader's."""
-    if code.device.type != "cuda" or torch.compiler.is_compiling():
-        return lambda: code
-    reads = _CODE_READS.__dict__
-    key = (code.device, code.shape[0])
-    slot = reads.get(key)
-    if slot is None or slot.busy:
-        slot = reads[key] = _CodeRead(code.shape[0])
-    slot.busy = True
-    slot.host.copy_(code, non_blocking=True)
-    slot.copied.record(torch.cuda.current_stream(code.device))  # the copy's stream, as in read_later
-
-    def read():
-        slot.copied.synchronize()
-        slot.busy = False
-        return slot.host
-    return read
+    """`read_later(code, reuse=True)` for the value checks' code [K] int64 (`start_loss_input_checks`' default
+    read_code), whose reader reads it at once."""
+    return read_later(code, reuse=True)
 
 
 def rows_passed(code: torch.Tensor, num_rows: int) -> bool:

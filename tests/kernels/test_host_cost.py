@@ -52,7 +52,7 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     # each launch bound as Triton binds it for an sm_90 target, in launch order, with its kernel's parameter count
     assert [launch["kernel"] for launch in ours["binding"]] == [
         "_first_bad_row_kernel", "_logp_entropy_forward_log2_kernel", "_objective_sample_finish_kernel",
-        "_logp_entropy_backward_log2_kernel"]
+        "_node_backward_log2_kernel"]
     assert all(launch["parameters"] > 0 and launch["us"] > 0 for launch in ours["binding"])
     # each launch's tensor arguments (a pointer each for the C launcher on CUDA): the row checks' token_kind,
     # sample_index, targets and code buffer (this problem has no token_weight or rollout_logp: passed as None)
@@ -136,17 +136,47 @@ def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_r
     assert "host_layout" in done.stdout
 
 
-def test_kernel_globals_lists_what_triton_checks_on_each_launch():
-    """bench.kernel_globals names the module-level constexprs a compiled kernel checks on every launch, its helpers'
-    included, as Triton's own `used_global_vals` holds them, and refuses the interpreter's kernels (which have none)."""
+def kernel_globals(*references: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    """`python -m bench.kernel_globals REFERENCE ... --reps 3` in a process of its own, the interpreter off unless
+    `interpret`, tests/support importable."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = worker_pythonpath()
-    kernel = "global_reading_kernel:reads_two_globals"
-    done = subprocess.run([sys.executable, "-m", "bench.kernel_globals", kernel, "--reps", "3"],
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "bench.kernel_globals", *references, "--reps", "3"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_kernel_globals_lists_what_triton_checks_on_each_launch():
+    """bench.kernel_globals names the module-level constexprs a compiled kernel checks on every launch, its helpers'
+    included, as Triton's own `used_global_vals` holds them, of one kernel or of every jit function of a module, and
+    refuses the interpreter's kernels (which have none)."""
+    kernel = "global_reading_kernel:reads_two_globals"
+    done = kernel_globals(kernel)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.splitlines()[-1])[kernel]
     assert record["globals"] == ["HELPER_GLOBAL", "KERNEL_GLOBAL"] and record["us"] >= 0
-    refused = subprocess.run([sys.executable, "-m", "bench.kernel_globals", kernel], cwd=REPO,
-                             env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    done = kernel_globals("global_reading_kernel")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.splitlines()[-1])
+    assert {reference: record["globals"] for reference, record in records.items()} == {
+        kernel: ["HELPER_GLOBAL", "KERNEL_GLOBAL"], "global_reading_kernel:_times_helper_global": ["HELPER_GLOBAL"]}
+    refused = kernel_globals(kernel, interpret=True)
     assert refused.returncode != 0 and "without TRITON_INTERPRET=1" in refused.stderr
+
+
+def test_no_jit_function_of_the_package_reads_a_global():
+    """No kernel of erpo_kernels, nor a jit function they call, reads a module-level constexpr: a compiled launch
+    checks each such global's value anew (about 0.5 us a global on this project's CPU). Their constants are
+    parameters with plain numbers as defaults (branch hostcost2; the shifted forward kernel's LSE_FLOOR and
+    `_gradient_rows_kernel`'s IGNORE_INDEX since branch leftovers)."""
+    done = kernel_globals("erpo_kernels")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.splitlines()[-1])
+    # the listing holds the launched kernels of both paths and their helpers, so an empty result is not vacuous
+    assert {"erpo_kernels.triton_logits:_logp_entropy_forward_kernel",
+            "erpo_kernels.triton_logits:_logp_entropy_forward_log2_kernel",
+            "erpo_kernels.triton_gradient_rows:_gradient_rows_kernel",
+            "erpo_kernels.triton_common:online_softmax_start",
+            "erpo_kernels.triton_row_checks:_first_bad_row_kernel"} <= set(records)
+    assert {reference: record["globals"] for reference, record in records.items() if record["globals"]} == {}

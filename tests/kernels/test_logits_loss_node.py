@@ -3,6 +3,7 @@ same loss, outputs, metrics and d logits, bit for bit, as the two ops in a row (
 mode get, `direct_ops.traced`), with two Triton launches fewer (the objective's gradient kernel, folded into dlogits,
 and its finish kernel, run by the sample kernel's last program)."""
 import contextlib
+import threading
 from collections import Counter
 
 import pytest
@@ -259,10 +260,10 @@ def test_the_checks_read_waits_after_the_forward_is_queued(two_ops, monkeypatch,
     loss_and_grad(batch, {}, two_ops)  # compiled first on a GPU
     with launches_and_reads(monkeypatch) as order:
         loss_and_grad(batch, {}, two_ops)
-    forward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].kernel.__name__
     objective = ["_objective_sample_kernel", "_objective_finish_kernel"] if two_ops else [
         "_objective_sample_finish_kernel"]
-    backward = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT].backward.__name__
+    variant = FORWARD_VARIANTS[DEFAULT_FORWARD_VARIANT]
+    forward, backward = variant.kernel.__name__, (variant.backward if two_ops else variant.node_backward).__name__
     after = ["_objective_grad_kernel", backward] if two_ops else [backward]
     assert order == ["_first_bad_row_kernel", forward, *objective, "read", *after], order
 
@@ -286,6 +287,33 @@ def test_the_checks_code_read_reuses_its_pinned_buffer_but_not_under_a_pending_r
     pending_host = pending()
     assert pending_host.tolist() == [0, 1, 2] and pending_host.data_ptr() == host.data_ptr()
     assert validation.read_code_later(first)().data_ptr() == beside_host.data_ptr()
+    # without reuse (the fused path's reads, whose results are kept): a buffer per call, each keeping its value
+    kept, later = validation.read_later(first)(), validation.read_later(second)()
+    assert kept.is_pinned() and kept.data_ptr() not in (later.data_ptr(), host.data_ptr(), beside_host.data_ptr())
+    assert kept.tolist() == [0, 1, 2] and later.tolist() == [10, 11, 12]
+
+
+def test_a_reused_read_s_buffer_is_reused_only_once_the_previous_read_is_done(monkeypatch, device):
+    """`validation.read_later(reuse=True)`'s choice of pinned buffer and event (`_reused_read`), on any machine (the
+    buffer is CUDA's: a stand-in holds the value's shape here): one per device, shape and dtype, the same one again
+    once its read is done, a new one while it is pending, which the later calls then get."""
+    class Place:
+        def __init__(self, value):
+            self.shape, self.dtype, self.busy = value.shape, value.dtype, False
+
+    monkeypatch.setattr(validation, "_PinnedRead", Place)
+    monkeypatch.setattr(validation, "_REUSED_READS", threading.local())
+    code = torch.zeros(3, dtype=torch.int64, device=device)
+    first = validation._reused_read(code)
+    assert validation._reused_read(torch.ones(3, dtype=torch.int64, device=device)) is first  # no read pending
+    others = [validation._reused_read(torch.zeros(4, dtype=torch.int64, device=device)),
+              validation._reused_read(code.float())]
+    assert len({id(place) for place in (first, *others)}) == 3 and others[0].shape == (4,)
+    first.busy = True  # a copy queued, its read to come
+    beside = validation._reused_read(code)
+    assert beside is not first and validation._reused_read(code) is beside
+    first.busy = False  # the pending read done: its buffer is its reader's, the calls go on with the new one
+    assert validation._reused_read(code) is beside
 
 
 SAMPLE_RANGE = r"sample_index must lie in \[0, 5\) \(S = len\(advantages\)\) on scored rows;"

@@ -132,6 +132,18 @@ def test_bad_arguments(tmp_path):
         manager.load(TorchBundle(bundle.model, torch.optim.SGD(bundle.model.parameters(), lr=1.0)))
 
 
+def wait_for_path(proc: subprocess.Popen, path: Path, what: str, timeout: float = 120) -> None:
+    """Wait until `path` exists, made by the script `proc` runs when it reaches `what`; fail naming `what` if the
+    script ends first (with the end of its stderr when piped, as bytes) or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            stderr = proc.stderr.read().decode(errors="replace")[-4000:] if proc.stderr else ""
+            raise AssertionError(f"the script ended (status {proc.returncode}) before {what}\n{stderr}")
+        assert time.monotonic() < deadline, f"the script never reached {what} within {timeout} s"
+        time.sleep(0.1)
+
+
 KILL_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path
@@ -161,11 +173,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "inside_save").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the script never reached the save"
-            time.sleep(0.1)
+        wait_for_path(proc, tmp_path / "inside_save", "the save")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -224,10 +232,7 @@ def test_sigterm_finishes_step_and_saves(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "running").exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for_path(proc, tmp_path / "running", "its first step")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -30,8 +30,7 @@ def main():
                 VARIANT.backward, dict(rows, grad_ptr=f"*{dtype}", grad_stride_row="i64", grad_stride_col="i32",
                                        lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32",
                                        grad_entropy_ptr="*fp32"),
-                {"SOFTCAP": softcap, "BLOCK_V": triton_logits.block_size_for(VOCAB), "FROM_COEFFICIENTS": False,
-                 "kind_ptr": None, "scales_ptr": None, "grad_loss_ptr": None}, num_warps=8))
+                {"SOFTCAP": softcap, "BLOCK_V": triton_logits.block_size_for(VOCAB)}, num_warps=8))
     for dtype in ("bf16", "fp16", "fp32"):
         report(f"gradient-rows {dtype}", compile_for_hopper(
             triton_gradient_rows._gradient_rows_kernel,

@@ -12,11 +12,12 @@ from compile_check import (
 from erpo_kernels import triton_logits, triton_objective, triton_quantile, triton_row_checks, triton_segment
 
 BLOCK_V = triton_logits.block_size_for(152064)
-# the backward kernels' two forms: the gradients given (their pointers None), or formed from the objective's
-# coefficients (kind, the global factors and grad_loss read)
-GRADIENTS_GIVEN = {"FROM_COEFFICIENTS": False, "kind_ptr": None, "scales_ptr": None, "grad_loss_ptr": None}
-FROM_COEFFICIENTS = {"FROM_COEFFICIENTS": True}
-COEFFICIENT_POINTERS = {"kind_ptr": "*i64", "scales_ptr": "*fp32", "grad_loss_ptr": "*fp32"}
+# the backward kernels' two forms: the gradients given (`backward`: lse, entropy and the gradients, four pointers),
+# or formed from the objective's coefficients (`node_backward`: the one node's workspace holding lse, entropy and the
+# coefficients, with kind, the global factors and grad_loss)
+GRADIENTS_GIVEN = {"lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32"}
+FROM_COEFFICIENTS = {"workspace_ptr": "*fp32", "row_stride": "i32", "kind_ptr": "*i64", "scales_ptr": "*fp32",
+                     "grad_loss_ptr": "*fp32"}
 
 
 def main():
@@ -34,9 +35,8 @@ def main():
                   flush=True)
             compiled = compile_for_hopper(triton_logits._logp_entropy_backward_kernel,
                                           dict(common, grad_ptr=f"*{dtype}", grad_stride_row="i64",
-                                               grad_stride_col="i32", lse_ptr="*fp32", entropy_ptr="*fp32",
-                                               grad_logp_ptr="*fp32", grad_entropy_ptr="*fp32"),
-                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **GRADIENTS_GIVEN}, num_warps=8)
+                                               grad_stride_col="i32", **GRADIENTS_GIVEN),
+                                          {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
             print(f"compiled backward{variant} {dtype} registers=%d spill_bytes=%d" % register_usage(compiled),
                   flush=True)
     compile_for_hopper(triton_segment._segment_sum_kernel,
@@ -76,27 +76,30 @@ def main():
             print(f"loop forward-variant {name} bf16 instructions_per_logit=%.1f" % (
                 loop_instructions(compiled, nvdisasm) / per_thread), flush=True)
     backward_signature = {"logits_ptr": "*bf16", "stride_row": "i64", "grad_ptr": "*bf16", "grad_stride_row": "i64",
-                          "targets_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
-                          "grad_entropy_ptr": "*fp32", "vocab_size": "i32", "logit_scale": "fp32",
-                          "logit_softcap": "fp32", "inv_temperature": "fp32"}
-    for name, kernel in (("shifted", triton_logits._logp_entropy_backward_kernel),
-                         ("log2", triton_logits._logp_entropy_backward_log2_kernel)):
-        for softcap in (False, True):
-            # the gradients given (the two ops, the fused path), or formed from the objective's coefficients (the
-            # logits path's loss as one node, triton_logits_loss)
-            for gradients, suffix in ((GRADIENTS_GIVEN, ""), (FROM_COEFFICIENTS, "-coefficients")):
+                          "targets_ptr": "*i64", "vocab_size": "i32", "logit_scale": "fp32", "logit_softcap": "fp32",
+                          "inv_temperature": "fp32"}
+    for name, shifted, log2 in (("backward", triton_logits._logp_entropy_backward_kernel,
+                                 triton_logits._logp_entropy_backward_log2_kernel),
+                                ("node_backward", triton_logits._node_backward_kernel,
+                                 triton_logits._node_backward_log2_kernel)):
+        # the gradients given (the two ops, the fused path), or formed from the objective's coefficients (the
+        # logits path's loss as one node, triton_logits_loss)
+        rows, suffix = (GRADIENTS_GIVEN, "") if name == "backward" else (FROM_COEFFICIENTS, "-coefficients")
+        for variant, kernel in (("shifted", shifted), ("log2", log2)):
+            for softcap in (False, True):
                 compiled = compile_for_hopper(
-                    kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32", **COEFFICIENT_POINTERS),
-                    {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V, **gradients}, num_warps=8)
-                print(f"compiled backward-variant {name}{'-softcap' if softcap else ''}{suffix} bf16 registers=%d "
+                    kernel, dict(backward_signature, stride_col="i32", grad_stride_col="i32", **rows),
+                    {"SOFTCAP": softcap, "BLOCK_V": BLOCK_V}, num_warps=8)
+                print(f"compiled backward-variant {variant}{'-softcap' if softcap else ''}{suffix} bf16 registers=%d "
                       "spill_bytes=%d" % register_usage(compiled), flush=True)
+    for name, kernel in (("shifted", triton_logits._node_backward_kernel),
+                         ("log2", triton_logits._node_backward_log2_kernel)):
         # as the logits path's loss launches it (one node: the gradients formed from the coefficients)
-        compiled = compile_for_hopper(kernel, dict(backward_signature, **COEFFICIENT_POINTERS),
-                                      {"stride_col": 1, "grad_stride_col": 1, "SOFTCAP": False, "BLOCK_V": BLOCK_V,
-                                       **FROM_COEFFICIENTS},
+        compiled = compile_for_hopper(kernel, dict(backward_signature, **FROM_COEFFICIENTS),
+                                      {"stride_col": 1, "grad_stride_col": 1, "SOFTCAP": False, "BLOCK_V": BLOCK_V},
                                       divisible_by_16=("logits_ptr", "stride_row", "grad_ptr", "grad_stride_row",
-                                                       "targets_ptr", "lse_ptr", "entropy_ptr", "grad_logp_ptr",
-                                                       "grad_entropy_ptr", "vocab_size"), num_warps=8)
+                                                       "targets_ptr", "workspace_ptr", "row_stride", "vocab_size"),
+                                      num_warps=8)
         print(f"loop backward-variant {name} bf16 registers=%d" % register_usage(compiled)[0], flush=True)
         if nvdisasm:
             print(f"loop backward-variant {name} bf16 instructions_per_logit=%.1f" % (
