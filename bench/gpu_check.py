@@ -6,27 +6,36 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
 
 1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, every test's duration and the
    failures' one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts
-   no test late, so that the tier ends with its result line inside the stage's limit.
-2. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
+   no test late, so that the tier ends with its result line inside the stage's limit. The tier holds the pipelined
+   chunk loop's race check (tests/kernels/test_pipelined_chunks.py: bit for bit the serial loop on two CUDA streams).
+2. probe: `python -m bench.fused_probe` at N=16384 on the Qwen2.5-7B and 32B lm_heads: ours on the fused path under
+   each variant (chunk rows, workspace, host layout, the pipelined chunk loop and its SM carveouts), one group's
+   GEMMs, one chunk's row passes beside a GEMM; its rows decide the fused path's next design (whether the pipelined
+   loop becomes the default). Its report is copied into summary.md (its rows, as it prints them, go to bench.log).
+3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
+   Liger.
+4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
    the host's microseconds, the kernel tables), its folder packed into one file.
-3. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
+5. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
    (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
-4. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
+6. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
    kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
    gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
-5. bench: `python -m bench` runs (BENCH_RUNS), most wanted first, all appending to one --progress file; each gets
-   what is left before the deadline, up to its own cap. What a run did not reach is in the table as `not reached`.
+7. bench 2 and on: the other `python -m bench` runs, most wanted first. Every bench run appends to one --progress
+   file and gets what is left before the deadline, up to its own cap; what a run did not reach is in the table as
+   `not reached`.
 
 Then the table merged from the progress file and a summary holding it. The files (8, the device tool's limit) under
 OUT_DIR: summary.md, gpu_check.log (environment, wheel install, each stage's command, limit, time, exit),
-kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train.log, train-metrics.jsonl, bench.log and
-bench.jsonl (`python -m bench --merge` reads it).
+kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train.log, train-metrics.jsonl, bench.log (the
+probe's, the profile's and the bench runs' output) and bench.jsonl (`python -m bench --merge` reads it).
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
-the device-fixture guard and one Triton kernel test for the tier, logits_gpu_check.sh's own --dry-run, one tiny
-training step, the fused-path profile's smoke shape (the CPU's operators, no gaps), the first bench run at the bench's
-smoke shape (logits path, torch and Liger only) and the other bench runs' own arguments checked by the bench, their rows
-listed (`python -m bench ... --plan`); no wheels are installed, so missing peers are reported and skipped.
+the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
+variant and case once), the first bench run at the bench's smoke shape (logits path, torch and Liger only),
+logits_gpu_check.sh's own --dry-run, one tiny training step, the fused-path profile's smoke shape (the CPU's
+operators, no gaps) and the other bench runs' own arguments checked by the bench, their rows listed (`python -m bench
+... --plan`); no wheels are installed, so missing peers are reported and skipped.
 """
 from __future__ import annotations
 
@@ -63,15 +72,35 @@ KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test d
 KERNEL_SESSION_S = 150      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
 #                             result line and failures (the 4-worker run, killed at its limit, printed neither)
 KERNEL_LIMIT_S = 210        # the session's 150 s and the tests then running (the bench smoke's module fixture: >90 s)
-LOGITS_LIMIT_S = 120        # logits_gpu_check.sh measured about 85 s (the call's 435 s less gpu_check's 350 s)
-TRAIN_LIMIT_S = 70          # measured 57 s
+PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 33 s (the H100 at 55b63b0, its 7 variants then
+#                             and parts 2-3; bench/measured/h100-2026-11-26-55b63b0/), plus about 13 s for the 8
+#                             pipelined variants and part 3's carveout rows added since (their author's estimate, not
+#                             measured): 46 s, plus about a fifth
+PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
+PROBE_N = 16384                          # the targets' size
+LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
+#                             and 70 s (60b3625): the larger plus about a fifth
+TRAIN_LIMIT_S = 70          # measured 57 s (b8b4a78) and 45 s (60b3625)
 TRAIN_STEPS = 20
 PROFILE_LIMIT_S = 45        # measured 16 s (b8b4a78) and 12 s (60b3625) for ours alone; now ours twice
 DRY_RUN_CONTENDERS = "torch,liger"
 # the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
 DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
                         f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
-STAGES = ("kernels", "logits", "train", "profile", "bench")  # in the order they run (--stages picks some)
+# --stages picks some. They run in this order, except the bench's first TARGET_RUNS runs (the fused path's targets),
+# which run right after the probe, its others last.
+STAGES = ("kernels", "probe", "logits", "train", "profile", "bench")
+TARGET_RUNS = 1
+# The schedule's arithmetic, from the 60b3625 run's measured stage times (bench/measured/h100-2026-11-26-60b3625/
+# gpu_check.log, the H100; its stages then ran kernels, logits, train, profile, bench): the stages share DEADLINE_S
+# less SUMMARY_RESERVE_S = 545 s. At their measured times, in the order they now run: setup 1 + kernels 130 + probe
+# 46 (33 measured, 13 estimated) + bench 1 145 (125 measured, about 20 estimated for erpo-ws2g's rows) + logits 70 +
+# train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an estimate) = 461 s, leaving about 84 s
+# for bench 2 (19 s measured) and bench 3 (70 s measured: stopped at about 65 s, its rows kept as measured). Where
+# the first stages run to their limits instead, kernels 210 + probe 55 + bench 1 175 = 440 s (441 with the setup)
+# leave 104 s: the logits check within its 100 s, then the training and profile are not started (4 s left): the most
+# wanted work first. The limits are each stage's measured time plus about a fifth, no more, so that a hung stage
+# costs the later ones as little as it can.
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 # pytest's one-line failure messages are cut to the terminal's width (80 columns in a pipe): wide enough for a message
 WIDE_COLUMNS = "300"
@@ -114,9 +143,11 @@ class BenchRun:
 BENCH_RUNS = (
     BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=175,
              paths="fused", contenders="erpo,erpo-ws2g,compile,liger"),
-    BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=90, paths="logits",
+    # measured 19 s at 60b3625; its first row at N=16384 (compiling) took 30 s at b8b4a78: that plus about a fifth
+    BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=40, paths="logits",
              contenders="compile"),
-    # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant
+    # ours with each forward-kernel variant side by side (bench/contenders.py), so one lease picks the variant:
+    # measured 77 s (b8b4a78) and 70 s (60b3625)
     BenchRun("ours at every N", "4096,16384,65536", cap_s=95, contenders="erpo,erpo-warp-1024,erpo-log2-2048"),
     BenchRun("peers at N=65536", "65536", cap_s=150, skip=("erpo", "torch"),
              left_out="torch eager (backend='torch', the readable reference) at N=65536: the slowest contender by "
@@ -260,6 +291,15 @@ class GpuCheck:
             command.append(KERNEL_TIER)
         self.run("kernels", command, self.out / "kernel-tests.log", KERNEL_LIMIT_S)
 
+    def probe(self) -> None:
+        """bench.fused_probe into the work folder (its report goes into summary.md, its rows as they come to
+        bench.log); the dry run runs its --smoke under the interpreter."""
+        command = [sys.executable, "-m", "bench.fused_probe", "--out", str(self.work / "fused-probe")]
+        command += ["--smoke"] if self.dry_run else ["--shapes", PROBE_SHAPES, "--n", str(PROBE_N)]
+        if self.commit:
+            command += ["--commit", self.commit]
+        self.run("probe", command, self.out / "bench.log", PROBE_LIMIT_S)
+
     def logits(self) -> None:
         """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz."""
         folder = self.work / "logits"
@@ -289,11 +329,13 @@ class GpuCheck:
             command += ["--commit", self.commit]
         self.run("profile", command, self.out / "bench.log", PROFILE_LIMIT_S)
 
-    def bench(self) -> None:
-        """Each of BENCH_RUNS in turn. The dry run runs the first at smoke size (the bench's rows, progress file and
-        merge) and gives the others their own arguments with `--plan`: the bench checks them and lists the rows they
-        would measure, running none (a smoke run each would only repeat the first's)."""
-        for index, plan in enumerate(BENCH_RUNS, 1):
+    def bench(self, numbers: range) -> None:
+        """The bench runs `numbers` (1 is BENCH_RUNS' first) in turn. The dry run runs the first at smoke size (the
+        bench's rows, progress file and merge) and gives the others their own arguments with `--plan`: the bench
+        checks them and lists the rows they would measure, running none (a smoke run each would only repeat the
+        first's)."""
+        for index in numbers:
+            plan = BENCH_RUNS[index - 1]
             smoke = self.dry_run and index == 1
             command = [sys.executable, "-m", "bench", *plan.arguments(smoke), "--progress",
                        str(self.out / "bench.jsonl"), "--out", str(self.work / f"bench-{index}")]
@@ -332,9 +374,10 @@ class GpuCheck:
                          f"{stage.exit_code} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
+                  "", "## Fused probe", "", *report_summary(self.work / "fused-probe" / "fused_probe.md"),
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
-                  "", "## Fused-path profile", "", *profile_summary(self.work / "fused-profile" / "profile.md"),
+                  "", "## Fused-path profile", "", *report_summary(self.work / "fused-profile" / "profile.md"),
                   "", "## Bench", "", *bench_summary(self.out / "bench.jsonl", self.work / "bench-merged/results.md")]
         (self.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -378,11 +421,12 @@ def _demoted(markdown: str) -> list:
     return [("#" + line if line.startswith("#") else line) for line in lines]
 
 
-def profile_summary(profile: Path) -> list:
-    """The profile stage's tables (bench.kernel_profile's profile.md, its title left out)."""
-    if not profile.exists():
-        return ["(not run)"]
-    return _demoted(profile.read_text(encoding="utf-8"))
+def report_summary(report: Path) -> list:
+    """A stage's markdown report (the probe's fused_probe.md, the profile's profile.md), its title left out. The
+    stages write it at their end: one stopped at its limit has none, its rows so far are in bench.log."""
+    if not report.exists():
+        return ["(no report: not run, failed or stopped; what it printed is in bench.log)"]
+    return _demoted(report.read_text(encoding="utf-8"))
 
 
 def _result_lines(lines: list) -> list:
@@ -475,8 +519,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same stages on the CPU, shrunk (CI)")
     parser.add_argument("--commit", default=None, help="the commit the working tree is (recorded by the bench)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma list of {', '.join(STAGES)} (default: all); e.g. --stages kernels, the kernel "
-                             f"tier alone (at most {KERNEL_LIMIT_S} s), for a lease too short for the rest")
+                        help=f"comma list of {', '.join(STAGES)} (default: all; the bench's first run right after the "
+                             f"probe, its others last); e.g. --stages kernels,probe, the kernel tier and the fused "
+                             f"probe alone (at most {KERNEL_LIMIT_S + PROBE_LIMIT_S} s), for a lease too short for "
+                             "the rest")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
                         help=f"the whole command's time (default {DEADLINE_S}); less leaves room for a second check in "
                              "the same device call")
@@ -494,6 +540,10 @@ def main(argv=None) -> int:
     check.setup()
     if "kernels" in stages:
         check.kernels()
+    if "probe" in stages:
+        check.probe()
+    if "bench" in stages:
+        check.bench(range(1, TARGET_RUNS + 1))
     if "logits" in stages:
         check.logits()
     if "train" in stages:
@@ -501,7 +551,7 @@ def main(argv=None) -> int:
     if "profile" in stages:
         check.profile()
     if "bench" in stages:
-        check.bench()
+        check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
         check.merge_bench()
     check.write_summary()
     shutil.rmtree(check.work, ignore_errors=True)

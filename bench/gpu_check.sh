@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one command of a GPU lease (bench/README.md, "One command for a GPU lease"): the kernel tier on CUDA, the
-# logits check (bench/logits_gpu_check.sh), 20 steps of `erpo train`, the fused path's profile and the bench table,
+# fused path's probe (bench.fused_probe), the fused path's targets (bench 1), the logits check
+# (bench/logits_gpu_check.sh), 20 steps of `erpo train`, the fused path's profile and the rest of the bench table,
 # each stage under its own time limit, all within 570 s; 8 result files in OUT_DIR (default: $OUT, the device
 # machine's result folder). The stages are bench/gpu_check.py.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages kernels,logits,train,profile,bench]
+#   bash bench/gpu_check.sh [--dry-run] [--commit HASH] [--stages kernels,probe,logits,train,profile,bench]
 #                           [--deadline SECONDS] [OUT_DIR]
 #
 # PYTHON picks the interpreter (default python3, which on the GPU image is the one holding torch).

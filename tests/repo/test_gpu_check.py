@@ -34,12 +34,17 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     summary = (out / "summary.md").read_text()
     table = summary[:summary.index("## Kernel tier")]  # the stages' table (the summary's later tables hold rows too)
     stages = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and " | ok | " in line]
-    assert [name for name, _ in stages] == ["| kernels", "| logits", "| train", "| profile"] + [
-        f"| bench {index}: {run.name}" for index, run in enumerate(gpu_check.BENCH_RUNS, 1)]
+    assert [name for name, _ in stages] == RUN_ORDER
     # the device guard's tests and test_target_gradient_exact_in_bf16 once per forward variant
     from erpo_kernels.triton_logits import FORWARD_VARIANTS
     assert f"- result: {len(FORWARD_VARIANTS) + 2} passed" in summary and "- commit: abc123" in summary
     assert "left out: torch eager" in summary
+    # the fused probe's smoke run under the interpreter: its report in the summary, a row per variant, this commit
+    from bench import fused_probe
+    probe = summary[summary.index("## Fused probe"):summary.index("## Logits check")]
+    assert "- command: `python -m bench.fused_probe --out " in probe and "- commit: `abc123`" in probe
+    assert f"### {fused_probe.SMOKE['shape']}: " in probe and "# The fused path's variants" not in probe
+    assert all(f"| {variant.name} | " in probe for variant in fused_probe.VARIANTS)
     # the fused path's profile, its smoke shape on the CPU: its operators, in the summary
     assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
@@ -100,20 +105,54 @@ def assert_logits_dry_run_results(folder: Path, commit: str) -> None:
     assert f"logits_gpu_check: commit {commit}" in (folder / "logits_gpu_check.log").read_text()
 
 
-def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
-    def run(check, name, command, log_file, limit_s, mirror=None):  # the stages' commands run in the dry run's test
-        stage = gpu_check.Stage(name, command, limit_s, exit_code=0, status="ok")
-        check.stages.append(stage)
-        return stage
+# the stages as they run: the fused path's probe and targets right after the kernel tier, the other bench runs last
+RUN_ORDER = (["| kernels", "| probe", f"| bench 1: {gpu_check.BENCH_RUNS[0].name}", "| logits", "| train", "| profile"]
+             + [f"| bench {index}: {run.name}" for index, run in enumerate(gpu_check.BENCH_RUNS[1:], 2)])
 
-    monkeypatch.setattr(gpu_check.GpuCheck, "run", run)
+
+def fake_run(check, name, command, log_file, limit_s, mirror=None):
+    """GpuCheck.run without running: every stage ok but the probe, which fails (the stages' commands run in the dry
+    run's test)."""
+    failed = name == "probe"
+    stage = gpu_check.Stage(name, command, limit_s, exit_code=int(failed), status="failed" if failed else "ok")
+    check.stages.append(stage)
+    return stage
+
+
+def test_a_failing_probe_is_reported_and_the_later_stages_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", fake_run)
+    assert gpu_check.main(["--dry-run", str(tmp_path)]) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    table = summary[:summary.index("## Kernel tier")]
+    assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "| exit |" not in line
+            and not line.startswith("|---")] == RUN_ORDER
+    assert "| probe | failed | " in table and table.count(" | ok | ") == len(RUN_ORDER) - 1
+    probe = summary[summary.index("## Fused probe"):summary.index("## Logits check")]
+    assert "(no report: not run, failed or stopped; what it printed is in bench.log)" in probe
+
+
+def test_the_probe_runs_both_target_shapes_at_the_target_size(check, monkeypatch):
+    commands = []
+    monkeypatch.setattr(check, "run", lambda name, command, log, limit_s: commands.append((command, log, limit_s)))
+    monkeypatch.setattr(check, "dry_run", False)
+    monkeypatch.setattr(check, "commit", "abc123")
+    check.probe()
+    ((command, log, limit_s),) = commands
+    assert command[1:3] == ["-m", "bench.fused_probe"] and "--smoke" not in command
+    assert " --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --commit abc123" in " ".join(command)
+    assert log.name == "bench.log" and limit_s == gpu_check.PROBE_LIMIT_S  # one of the 8 files
+
+
+def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", fake_run)
     assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path)]) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and " | ok | " in line] \
         == ["| kernels"]
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
-    expected = "--stages: expected a comma list of kernels, logits, train, profile, bench, got 'kernels,benhc'"
+    expected = ("--stages: expected a comma list of kernels, probe, logits, train, profile, bench, got "
+                "'kernels,benhc'")
     assert expected in capsys.readouterr().err
 
 
