@@ -26,7 +26,8 @@ on a GPU each host read blocks the host until the queue drains, so the host time
 kernel is queued, is GPU idle time (the validation's read, then the op setup and the chunk plan after the layout
 read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
 chunk's host time exceeds its kernels' time. The second table puts each read against the long kernels around it
-(`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued and to the chunk loop, and
+(`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued, to the first chunk's
+forward row kernel queued and to the chunk loop, and
 the GEMM work queued after the read's copy, which the GPU still has to run when the read returns, in GFLOP at
 `--like`'s lm_head (a CPU cannot time the GPU; FLOPs it can count).
 """
@@ -64,6 +65,7 @@ FUSED_PHASES = [
 CHUNK_LOOPS = {False: ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
                True: ("pipelined chunk loop", "erpo_kernels.fused_linear_loss:run_pipelined")}
 CHUNK_ROWS_PASS = "erpo_kernels.fused_linear_loss:ChunkPass.row_forward"  # once a chunk, in either loop
+CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"  # a chunk's forward row kernel queued
 ENTRY, BACKWARD = "entry", "autograd backward"
 MEASURES = ("us", "aten", "triton", "reads")
 # Where a host read is queued and made (the copy to host memory, then the wait for it: `validation.read_later`,
@@ -155,7 +157,7 @@ class ReadTimeline:
         self.counter, self.chunk_loop = counter, CHUNK_LOOPS[pipeline][1]
         self.reads = []  # per read: {"copy", "return"} us and the launches counted at each
         self.gemms = []  # (us once queued, GEMMs x rows: the FLOPs over 2 D V)
-        self.loop_start = None
+        self.loop_start = self.first_forward = None  # us: the chunk loop's start, the first chunk's forward row kernel
 
     def _stamp(self, into: dict, key: str) -> None:
         into[key] = time.perf_counter_ns() / 1e3
@@ -176,11 +178,14 @@ class ReadTimeline:
                         return value_read
                     return read
                 return read_later
-            if point == "loop":
+            if point in ("loop", "forward"):
                 def run(*args, **kwargs):
-                    if self.loop_start is None:
+                    if point == "loop" and self.loop_start is None:
                         self.loop_start = time.perf_counter_ns() / 1e3
-                    return function(*args, **kwargs)
+                    out = function(*args, **kwargs)
+                    if point == "forward" and self.first_forward is None:  # once queued
+                        self.first_forward = time.perf_counter_ns() / 1e3
+                    return out
                 return run
 
             def gemms(*args, **kwargs):
@@ -198,11 +203,13 @@ class ReadTimeline:
 
         targets = [("read", importlib.import_module(module), "read_later") for module in READ_LATER_USERS]
         targets += [(point, *_resolve(target)) for point, target in (("logits", LOGITS_GEMM), ("group", GROUP_GEMMS),
-                                                                     ("loop", self.chunk_loop))]
+                                                                     ("loop", self.chunk_loop),
+                                                                     ("forward", CHUNK_FORWARD))]
         return wrapped_attributes(targets, wrap)
 
     def summary(self, hidden: int, vocab: int) -> list:
-        """Per read, in call order: host us from its return to the next GEMM queued and to the chunk loop's start;
+        """Per read, in call order: host us from its return to the next GEMM queued, to the first chunk's forward row
+        kernel queued (None when queued before the return) and to the chunk loop's start;
         GFLOP (at an lm_head [vocab, hidden]) of the GEMMs queued after its copy and before its return (the GPU runs
         them after the read) and of those queued after its copy and before the chunk loop; launches between its
         copy and its return (with a counter)."""
@@ -214,7 +221,9 @@ class ReadTimeline:
             back = entry["return"]
             next_gemm = next((at for at, _ in self.gemms if at > back), None)
             loop = self.loop_start if self.loop_start is not None and self.loop_start > back else None
+            forward = self.first_forward if self.first_forward is not None and self.first_forward > back else None
             rows.append({"us to next GEMM": None if next_gemm is None else next_gemm - back,
+                         "us to first row kernel": None if forward is None else forward - back,
                          "us to chunk loop": None if loop is None else loop - back,
                          "GFLOP queued, not waited for": gflop(entry["copy"], back),
                          "GFLOP queued before chunk loop": None if loop is None else gflop(entry["copy"], loop),
@@ -333,7 +342,7 @@ def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib
     for number, counted in enumerate(counted_reads.summary(like_shape.hidden, like_shape.vocab)):
         timed = [rep[number] for rep in reads_per_rep]
         reads.append({**counted, **{key: _median_or_none([row[key] for row in timed])
-                                    for key in ("us to next GEMM", "us to chunk loop")}})
+                                    for key in ("us to next GEMM", "us to first row kernel", "us to chunk loop")}})
     return {"phases": phases, "reads": reads, "loop": loop, "chunks": len(chunks),
             "groups": counting.calls["group GEMMs"], "chunk_rows": workspace.chunk_rows,
             "group_rows": workspace.group_rows, "budget_bytes": budget}
@@ -362,11 +371,13 @@ def markdown_fused(result: dict) -> str:
                   f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
                   f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
                   f"most {result['group_rows']}; {result['loop']})."]
-    lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the chunk loop | "
-                  "GFLOP queued after its copy, not waited for | GFLOP queued after its copy, before the chunk loop | "
-                  "launches between its copy and its return |", "|---|---|---|---|---|---|"]
+    lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the first chunk's "
+                  "forward row kernel | to the chunk loop | GFLOP queued after its copy, not waited for | GFLOP "
+                  "queued after its copy, before the chunk loop | launches between its copy and its return |",
+              "|---|---|---|---|---|---|---|"]
     for number, read in enumerate(result["reads"], 1):
-        cells = [_cell(read[key], "{:.0f}") for key in ("us to next GEMM", "us to chunk loop")]
+        cells = [_cell(read[key], "{:.0f}") for key in ("us to next GEMM", "us to first row kernel",
+                                                         "us to chunk loop")]
         cells += [_cell(read[key], "{:.1f}") for key in ("GFLOP queued, not waited for",
                                                           "GFLOP queued before chunk loop")]
         lines.append(f"| {number} | {' | '.join(cells)} | {read['launches between copy and read']} |")
