@@ -33,7 +33,10 @@ triton_scale.py). The op makes the call's one host read: the rows' layout for th
 holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the value checks' code (validate=True);
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
-before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
+before the call does. After the plan, the rest of the first chunk's logits and (but with the entropy filter, whose
+setup reads the pre-passed entropies that it would replace) its forward row kernel are queued before the objective's
+setup on the layout (`chunk_layout` and its upload), so the GPU runs them while the host does that setup. When the
+caller holds the layout, the plan, the pre-pass and the whole first chunk's logits and forward row kernel come
 before the wait for the checks' code, and so does the objective's setup on the layout: the chunk loop follows the
 read at once. (The objective's global factors, which read counts alone, are queued before the read either way; with
 the entropy filter, whose kept rows they count on the pre-pass, as part of that setup.)

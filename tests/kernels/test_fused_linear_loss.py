@@ -685,8 +685,9 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     """The Triton chunk objective's global factors (its sample kernel over every sample's span, then the finish
     kernel: once per call) read counts alone. Without the entropy filter they come from token_kind and sample_index
     and are queued before the op's read; with it the kept rows' count comes from the pre-passed response rows'
-    entropies, so they follow the read and the pre-pass's forward row kernels. Either way before the first chunk's
-    own sample kernel."""
+    entropies, so they follow the read and the pre-pass's forward row kernels, and the first chunk's forward row
+    kernel, which would replace some of those entropies, follows them (without the filter the plan queues it before
+    the objective's setup). Either way before the first chunk's own sample kernel."""
     options = dict(top_entropy_quantile=0.5, entropy_coef=0.05, entropy_agg="token-mean") if entropy_filter else {}
     order = launches_and_read(packed_batch(SAMPLES, device), 10, **options)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
@@ -696,6 +697,9 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     assert order[factors - 1] == sample and order.index(sample) == factors - 1, order
     assert (factors > read) == entropy_filter, order
     assert (forward in order[read:factors]) == entropy_filter, order  # the pre-pass (every response row)
+    if entropy_filter:  # per pre-pass piece a GEMM and a forward row kernel, then the first chunk's rest of logits
+        gemm = ("launch", "aten.addmm")
+        assert order[read:factors].count(gemm) == 1 + order[read:factors].count(forward), order
     # once more per chunk (beside its gradient kernel), once for the objective's value
     assert order.count(sample) == 2 + order.count(("launch", "triton._objective_grad_kernel")), order
 
