@@ -72,21 +72,27 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     assert f"| {checks} |" in done.stdout
 
 
+def run_fused_host_cost(*options: str) -> subprocess.CompletedProcess:
+    """`python -m bench.host_cost --path fused --n 4096 --warmup 1 OPTIONS` in a process of its own under the
+    interpreter, from the repository (its `--reps`, `--json` and other options given); asserts that it succeeded."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--warmup", "1",
+                           *options], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):
     """`--path fused` on a small lm_head cut like qwen2.5-7b in 1 GiB (N=4096: 8 chunks of 512 rows, 2 groups of
     2048). The counts are the tests' LaunchCounter's and may only go down: per chunk 1 aten launch (the logits GEMM)
     and 5 Triton ones (the two row kernels, the objective's two, d weight's hidden rows), no host read; per group the
     d hidden and d weight GEMMs; per call 1 host read (the chunk plan's layout with the value checks' code)."""
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "2",
-                           "--warmup", "1", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_fused_host_cost("--reps", "2", "--json", str(out))
     record = json.loads(out.read_text())
     monkeypatch.chdir(REPO)  # the commit the run found there (git rev-parse HEAD, no --commit given)
-    assert_provenance(record["meta"], f"python -m bench.host_cost --path fused --n 4096 --reps 2 --warmup 1 --json "
+    assert_provenance(record["meta"], f"python -m bench.host_cost --path fused --n 4096 --warmup 1 --reps 2 --json "
                                       f"{shlex.quote(str(out))}", git_commit())
     result = record["results"]["erpo"]
     assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 2, 512, 2048)
@@ -127,12 +133,7 @@ def test_fused_path_times_the_pipelined_loop_with_pipeline(tmp_path):
     host read; the plan counts its second logits buffer
     (N=4096 like qwen2.5-7b in 1 GiB: 8 chunks of 512 rows, 4 groups of 1024), and the knob is put back after."""
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "1",
-                           "--warmup", "1", "--pipeline", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_fused_host_cost("--reps", "1", "--pipeline", "--json", str(out))
     result = json.loads(out.read_text())["results"]["erpo"]
     assert result["loop"] == "pipelined chunk loop"
     assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 4, 512, 1024)
@@ -164,12 +165,7 @@ def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_r
     host read, the value checks' code, returns with the whole first chunk's logits GEMMs queued after its copy (the
     plan needs no read: `fused_linear_loss.plannable_layout`), and the next GEMM comes in the chunk loop."""
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "1",
-                           "--warmup", "1", "--host-layout", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_fused_host_cost("--reps", "1", "--host-layout", "--json", str(out))
     result = json.loads(out.read_text())["results"]["erpo"]
     assert result["phases"]["total"]["reads"] == 1 and result["phases"]["op setup"]["reads"] == 1
     (read,) = result["reads"]
