@@ -4,6 +4,7 @@ GPU) of each phase, on a small lm_head cut into the chunks and groups of a real 
 
     python -m bench.host_cost --path fused                      # N=16384, the plan of qwen2.5-7b in 1 GiB
     python -m bench.host_cost --path fused --like qwen2.5-32b --workspace-gib 4 --json out.json
+    python -m bench.host_cost --path fused --pipeline           # the pipelined chunk loop (fused_linear_loss.PIPELINE)
 
 The problem is bench.problem's (samples of --rows-per-sample rows, a quarter of them query rows, bf16) with a tiny
 D and V, and a workspace budget chosen so that the chunks and groups are those that `--like`'s lm_head gets on a
@@ -14,12 +15,19 @@ for a CUDA launch's host time), and Triton's own launch path is not in the times
 counted by the tests' LaunchCounter (tests/support/launch_counts.py) in one call apart from the timed ones.
 
 Phases are exclusive: a phase's time and counts leave out those of the phases called inside it ("chunk" leaves out
-the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). What the GPU waits for:
+the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). The chunk loop is the one
+the knob selects: by default the serial loop, timed per chunk ("chunk": `ChunkPass.run`, one call a chunk); with
+--pipeline `fused_linear_loss.PIPELINE` is set for the run (the plan then counts a second logits buffer, as on a
+GPU) and its loop, `run_pipelined`, is timed whole ("pipelined chunk loop", one call: the loop body's slicing,
+events, group planning and both queues' work, which off CUDA runs as it is queued), less the group GEMMs; the
+per-chunk line divides each loop's time by the chunks (counted as `ChunkPass.row_forward`'s calls, once a chunk in
+either loop). What the GPU waits for:
 on a GPU each host read blocks the host until the queue drains, so the host time after a read, until the next
 kernel is queued, is GPU idle time (the validation's read, then the op setup and the chunk plan after the layout
 read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
 chunk's host time exceeds its kernels' time. The second table puts each read against the long kernels around it
-(`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued and to the chunk loop, and
+(`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued, to the first chunk's
+forward row kernel queued and to the chunk loop, and
 the GEMM work queued after the read's copy, which the GPU still has to run when the read returns, in GFLOP at
 `--like`'s lm_head (a CPU cannot time the GPU; FLOPs it can count).
 """
@@ -52,6 +60,12 @@ FUSED_PHASES = [
     ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.run_group"),
     ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),
 ]
+# The chunk loop's phase (replacing FUSED_PHASES' "chunk" entry) by the PIPELINE knob: the serial loop's per chunk,
+# the pipelined loop whole (no function of its runs once a chunk on the host alone)
+CHUNK_LOOPS = {False: ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
+               True: ("pipelined chunk loop", "erpo_kernels.fused_linear_loss:run_pipelined")}
+CHUNK_ROWS_PASS = "erpo_kernels.fused_linear_loss:ChunkPass.row_forward"  # once a chunk, in either loop
+CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"  # a chunk's forward row kernel queued
 ENTRY, BACKWARD = "entry", "autograd backward"
 MEASURES = ("us", "aten", "triton", "reads")
 # Where a host read is queued and made (the copy to host memory, then the wait for it: `validation.read_later`,
@@ -60,7 +74,11 @@ MEASURES = ("us", "aten", "triton", "reads")
 READ_LATER_USERS = ("erpo_kernels.validation", "erpo_kernels.fused_linear_loss")
 LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
 GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.run_group"
-CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
+
+
+def fused_phases(pipeline: bool) -> list:
+    """FUSED_PHASES with the chunk loop's phase of that knob (CHUNK_LOOPS)."""
+    return [CHUNK_LOOPS[pipeline] if phase == "chunk" else (phase, target) for phase, target in FUSED_PHASES]
 
 
 def launch_counter():
@@ -132,13 +150,14 @@ class ReadTimeline:
     not wait for) while the host works on, until the host queues more: what the read costs in idle GPU time is the
     host's time from the read's return to the next long kernel beyond what that queued work covers. Times are the
     host's (us since an arbitrary origin); `counter` (a LaunchCounter), when set, also gives the launches queued
-    between each read's copy and its return."""
+    between each read's copy and its return; `pipeline`: the loop whose first call starts the chunk loop
+    (CHUNK_LOOPS)."""
 
-    def __init__(self, counter=None):
-        self.counter = counter
+    def __init__(self, counter=None, pipeline: bool = False):
+        self.counter, self.chunk_loop = counter, CHUNK_LOOPS[pipeline][1]
         self.reads = []  # per read: {"copy", "return"} us and the launches counted at each
         self.gemms = []  # (us once queued, GEMMs x rows: the FLOPs over 2 D V)
-        self.loop_start = None
+        self.loop_start = self.first_forward = None  # us: the chunk loop's start, the first chunk's forward row kernel
 
     def _stamp(self, into: dict, key: str) -> None:
         into[key] = time.perf_counter_ns() / 1e3
@@ -159,11 +178,14 @@ class ReadTimeline:
                         return value_read
                     return read
                 return read_later
-            if point == "loop":
+            if point in ("loop", "forward"):
                 def run(*args, **kwargs):
-                    if self.loop_start is None:
+                    if point == "loop" and self.loop_start is None:
                         self.loop_start = time.perf_counter_ns() / 1e3
-                    return function(*args, **kwargs)
+                    out = function(*args, **kwargs)
+                    if point == "forward" and self.first_forward is None:  # once queued
+                        self.first_forward = time.perf_counter_ns() / 1e3
+                    return out
                 return run
 
             def gemms(*args, **kwargs):
@@ -181,11 +203,13 @@ class ReadTimeline:
 
         targets = [("read", importlib.import_module(module), "read_later") for module in READ_LATER_USERS]
         targets += [(point, *_resolve(target)) for point, target in (("logits", LOGITS_GEMM), ("group", GROUP_GEMMS),
-                                                                     ("loop", CHUNK_LOOP))]
+                                                                     ("loop", self.chunk_loop),
+                                                                     ("forward", CHUNK_FORWARD))]
         return wrapped_attributes(targets, wrap)
 
     def summary(self, hidden: int, vocab: int) -> list:
-        """Per read, in call order: host us from its return to the next GEMM queued and to the chunk loop's start;
+        """Per read, in call order: host us from its return to the next GEMM queued, to the first chunk's forward row
+        kernel queued (None when queued before the return) and to the chunk loop's start;
         GFLOP (at an lm_head [vocab, hidden]) of the GEMMs queued after its copy and before its return (the GPU runs
         them after the read) and of those queued after its copy and before the chunk loop; launches between its
         copy and its return (with a counter)."""
@@ -197,7 +221,9 @@ class ReadTimeline:
             back = entry["return"]
             next_gemm = next((at for at, _ in self.gemms if at > back), None)
             loop = self.loop_start if self.loop_start is not None and self.loop_start > back else None
+            forward = self.first_forward if self.first_forward is not None and self.first_forward > back else None
             rows.append({"us to next GEMM": None if next_gemm is None else next_gemm - back,
+                         "us to first row kernel": None if forward is None else forward - back,
                          "us to chunk loop": None if loop is None else loop - back,
                          "GFLOP queued, not waited for": gflop(entry["copy"], back),
                          "GFLOP queued before chunk loop": None if loop is None else gflop(entry["copy"], loop),
@@ -214,10 +240,10 @@ def _one_call(prepared, meter: PhaseMeter, timeline: ReadTimeline) -> None:
 
 
 def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, like_vocab: int,
-                    workspace_bytes: int, dtype: torch.dtype):
+                    workspace_bytes: int, dtype: torch.dtype, logits_buffers: int = 1):
     """(budget bytes, Workspace): the workspace_bytes whose plan for N rows of the small lm_head [vocab, hidden] on
     the CPU has the chunk and group rows that `plan_workspace` gives [like_vocab, like_hidden] on CUDA in
-    workspace_bytes."""
+    workspace_bytes, with `logits_buffers` fp32 logits buffers (2: the pipelined loop's)."""
     from erpo_kernels.fused_linear_loss import (
         ROW_KERNELS,
         gradient_row_bytes,
@@ -226,30 +252,52 @@ def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, li
     )
     kernels, cpu = ROW_KERNELS["triton"], torch.device("cpu")
     target = plan_workspace(num_rows, like_hidden, like_vocab, dtype, torch.device("cuda"), kernels,
-                            workspace_bytes, False)
+                            workspace_bytes, False, logits_buffers)
     gradient_row = gradient_row_bytes(vocab, hidden, dtype, cpu)
+    logits_row = logits_row_bytes(vocab, kernels, logits_buffers)
     if target.separate_store:
-        budget = (target.chunk_rows * logits_row_bytes(vocab, kernels)
-                  + target.group_rows * (vocab * dtype.itemsize + gradient_row))
+        budget = target.chunk_rows * logits_row + target.group_rows * (vocab * dtype.itemsize + gradient_row)
     else:
-        budget = target.chunk_rows * (logits_row_bytes(vocab, kernels) + gradient_row)
-    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False)
+        budget = target.chunk_rows * (logits_row + gradient_row)
+    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False, logits_buffers)
     if small != target:
         raise SystemExit(f"no budget gives the small lm_head the plan {target} (it gets {small})")
     return budget, target
 
 
+@contextlib.contextmanager
+def chunk_loop_knob(pipeline: bool):
+    """Within the block `fused_linear_loss.PIPELINE` is `pipeline` (the loop the loss runs); restored on exit."""
+    from erpo_kernels import fused_linear_loss
+    saved, fused_linear_loss.PIPELINE = fused_linear_loss.PIPELINE, pipeline
+    try:
+        yield
+    finally:
+        fused_linear_loss.PIPELINE = saved
+
+
 def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int,
-                  warmup: int, host_layout: bool = False) -> dict:
-    """Per phase (FUSED_PHASES, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call, and aten
-    launches, Triton launches and host reads per call; with the plan's chunks and groups. host_layout: the loss is
-    given the rows' layout in host memory (a trainer's way)."""
+                  warmup: int, host_layout: bool = False, pipeline: bool = False) -> dict:
+    """Per phase (`fused_phases(pipeline)`, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call,
+    and aten launches, Triton launches and host reads per call; with the plan's chunks and groups and the chunk
+    loop's phase ("loop"). host_layout: the loss is given the rows' layout in host memory (a trainer's way);
+    pipeline: the loss runs the pipelined chunk loop (`fused_linear_loss.PIPELINE`), the plan with its two logits
+    buffers."""
+    with chunk_loop_knob(pipeline):
+        return _measure_fused(num_rows, rows_per_sample, like, workspace_gib, reps, warmup, host_layout, pipeline)
+
+
+def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int, warmup: int,
+                   host_layout: bool, pipeline: bool) -> dict:
+    from erpo_kernels.fused_linear_loss import logits_buffers_for
+
     from .contenders import ERPO_OPTIONS, erpo_fused_with_workspace
     from .problem import Shape, build_problem, parse_shape
     like_shape = parse_shape(like)
     dtype = torch.bfloat16
+    phases_timed, (loop, _) = fused_phases(pipeline), CHUNK_LOOPS[pipeline]
     budget, workspace = matching_budget(num_rows, SMALL_HIDDEN, SMALL_VOCAB, like_shape.hidden, like_shape.vocab,
-                                        int(workspace_gib * 2**30), dtype)
+                                        int(workspace_gib * 2**30), dtype, logits_buffers_for(dtype))
     problem = build_problem("fused", Shape(f"D={SMALL_HIDDEN},V={SMALL_VOCAB}", SMALL_HIDDEN, SMALL_VOCAB),
                             num_rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
                             device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
@@ -260,8 +308,8 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
     per_rep, reads_per_rep = defaultdict(list), []
     with StubbedTriton():
         for rep in range(warmup + reps):
-            meter, timeline = PhaseMeter(), ReadTimeline()
-            with metered(meter):
+            meter, timeline = PhaseMeter(), ReadTimeline(pipeline=pipeline)
+            with metered(meter, phases_timed):
                 _one_call(prepared, meter, timeline)
             if rep >= warmup:
                 for phase, amounts in meter.totals.items():
@@ -269,13 +317,22 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                 per_rep["total"].append(sum(amounts["us"] for amounts in meter.totals.values()))
                 reads_per_rep.append(timeline.summary(like_shape.hidden, like_shape.vocab))
         counting = PhaseMeter(launch_counter())
-        counted_reads = ReadTimeline(counting.counter)
+        counted_reads = ReadTimeline(counting.counter, pipeline)
         if layout is not None:
             counting.counter.host_memory(layout)  # on the CPU, else taken for a device tensor
-        with counting.counter, metered(counting):
+        chunks = []  # one entry per chunk's row pass (CHUNK_ROWS_PASS), in either loop
+
+        def count_chunks(_phase, function):
+            def row_forward(*args, **kwargs):
+                chunks.append(None)
+                return function(*args, **kwargs)
+            return row_forward
+
+        with counting.counter, metered(counting, phases_timed), \
+                wrapped_attributes([(None, *_resolve(CHUNK_ROWS_PASS))], count_chunks):
             _one_call(prepared, counting, counted_reads)
     phases = {}
-    for phase in [ENTRY, *(name for name, _ in FUSED_PHASES), BACKWARD]:
+    for phase in [ENTRY, *(name for name, _ in phases_timed), BACKWARD]:
         counts = counting.totals.get(phase, dict.fromkeys(MEASURES, 0))
         phases[phase] = {"calls": counting.calls[phase], "us": statistics.median(per_rep[phase]),
                          **{m: counts[m] for m in ("aten", "triton", "reads")}}
@@ -285,8 +342,8 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
     for number, counted in enumerate(counted_reads.summary(like_shape.hidden, like_shape.vocab)):
         timed = [rep[number] for rep in reads_per_rep]
         reads.append({**counted, **{key: _median_or_none([row[key] for row in timed])
-                                    for key in ("us to next GEMM", "us to chunk loop")}})
-    return {"phases": phases, "reads": reads, "chunks": counting.calls["chunk"],
+                                    for key in ("us to next GEMM", "us to first row kernel", "us to chunk loop")}})
+    return {"phases": phases, "reads": reads, "loop": loop, "chunks": len(chunks),
             "groups": counting.calls["group GEMMs"], "chunk_rows": workspace.chunk_rows,
             "group_rows": workspace.group_rows, "budget_bytes": budget}
 
@@ -297,14 +354,15 @@ def _median_or_none(values: list):
 
 
 def markdown_fused(result: dict) -> str:
-    """One row per phase: calls, host us per call and each, launches and reads each; then the per-chunk line."""
+    """One row per phase: calls, host us per call and each, launches and reads each; then the per-chunk line (the
+    chunk loop's phase, `result["loop"]`, and the group GEMMs over the chunks)."""
     lines = ["| phase | calls per fwd+bwd | host us per call (median) | us each | aten launches each | "
              "Triton launches each | host reads each |", "|---|---|---|---|---|---|---|"]
     for phase, row in result["phases"].items():
         calls = row["calls"] or 1
         lines.append(f"| {phase} | {row['calls']} | {row['us']:.0f} | {row['us'] / calls:.1f} | "
                      f"{row['aten'] / calls:g} | {row['triton'] / calls:g} | {row['reads'] / calls:g} |")
-    chunk, group = result["phases"]["chunk"], result["phases"]["group GEMMs"]
+    chunk, group = result["phases"][result["loop"]], result["phases"]["group GEMMs"]
     chunks = max(result["chunks"], 1)
     lines += ["", f"Per chunk, its share of the group GEMMs included: "
                   f"{(chunk['us'] + group['us']) / chunks:.1f} us, "
@@ -312,12 +370,14 @@ def markdown_fused(result: dict) -> str:
                   f"{(chunk['triton'] + group['triton']) / chunks:g} Triton launches, "
                   f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
                   f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
-                  f"most {result['group_rows']})."]
-    lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the chunk loop | "
-                  "GFLOP queued after its copy, not waited for | GFLOP queued after its copy, before the chunk loop | "
-                  "launches between its copy and its return |", "|---|---|---|---|---|---|"]
+                  f"most {result['group_rows']}; {result['loop']})."]
+    lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the first chunk's "
+                  "forward row kernel | to the chunk loop | GFLOP queued after its copy, not waited for | GFLOP "
+                  "queued after its copy, before the chunk loop | launches between its copy and its return |",
+              "|---|---|---|---|---|---|---|"]
     for number, read in enumerate(result["reads"], 1):
-        cells = [_cell(read[key], "{:.0f}") for key in ("us to next GEMM", "us to chunk loop")]
+        cells = [_cell(read[key], "{:.0f}") for key in ("us to next GEMM", "us to first row kernel",
+                                                         "us to chunk loop")]
         cells += [_cell(read[key], "{:.1f}") for key in ("GFLOP queued, not waited for",
                                                           "GFLOP queued before chunk loop")]
         lines.append(f"| {number} | {' | '.join(cells)} | {read['launches between copy and read']} |")
@@ -342,15 +402,19 @@ def main(argv: list[str], command: list[str]):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-layout", action="store_true",
                         help="give the loss the rows' layout in host memory (host_layout=, as erpo's trainer does)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="run the pipelined chunk loop (fused_linear_loss.PIPELINE; off by default, as in the "
+                             "library)")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
     use_interpreter(parser)
     torch.set_num_threads(1)
     result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup,
-                           args.host_layout)
+                           args.host_layout, args.pipeline)
     print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "
           f"{'the rows layout given in host memory (host_layout), ' if args.host_layout else ''}"
+          f"{'the pipelined chunk loop (PIPELINE), ' if args.pipeline else ''}"
           f"bf16, CPU, the chunks and groups of {args.like} in {args.workspace_gib:g} GiB "
           f"(workspace_bytes={result['budget_bytes']} here); {args.reps} calls (after {args.warmup}), "
           f"torch {torch.__version__}\n")

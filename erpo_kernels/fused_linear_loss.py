@@ -33,7 +33,10 @@ triton_scale.py). The op makes the call's one host read: the rows' layout for th
 holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the value checks' code (validate=True);
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
-before the call does. When the caller holds the layout, the plan, the pre-pass and the whole first chunk's logits come
+before the call does. After the plan, the rest of the first chunk's logits and (but with the entropy filter, whose
+setup reads the pre-passed entropies that it would replace) its forward row kernel are queued before the objective's
+setup on the layout (`chunk_layout` and its upload), so the GPU runs them while the host does that setup. When the
+caller holds the layout, the plan, the pre-pass and the whole first chunk's logits and forward row kernel come
 before the wait for the checks' code, and so does the objective's setup on the layout: the chunk loop follows the
 read at once. (The objective's global factors, which read counts alone, are queued before the read either way; with
 the entropy filter, whose kept rows they count on the pre-pass, as part of that setup.)
@@ -845,11 +848,17 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
+    # The first chunk's forward row kernel is queued before the objective's setup (`start`) unless that setup reads
+    # the rows' values: with the entropy filter its threshold and kept-row count read the pre-passed response rows'
+    # entropies, which the chunk's own values (formed by another GEMM shape, so not always the same bits) must not
+    # replace first.
+    first_forward_early = options.top_entropy_quantile >= 1
 
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
         (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
-        buffers and the objective's setup on the layout (`start`)."""
+        buffers, the first chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more
+        work for the GPU while the host sets the objective up) and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -860,6 +869,9 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
         groups.allocate_buffers()
         if plan.chunks:
+            if first_forward_early:
+                start, stop = plan.chunks[0]
+                chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
             objective.start(plan.chunks, host_kind, host_sample)
         return plan
 
@@ -882,10 +894,11 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
     if workspace.logits_buffers == 2:
         second_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
-        run_pipelined(chunk_pass, plan.chunks, second_buffer, ROW_PASS_SMS)
+        run_pipelined(chunk_pass, plan.chunks, second_buffer, ROW_PASS_SMS, first_forward_early)
     else:
         for chunk, (start, stop) in enumerate(plan.chunks):
-            chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0)
+            chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0,
+                           forward_queued=chunk == 0 and first_forward_early)
     return (logp_out, entropy_out, anchor, *groups.gradients())
 
 
@@ -907,30 +920,41 @@ class ChunkPass:
     objective: object
     groups: GradientGroups
 
-    def run(self, chunk: int, rows: slice, logits_ready: bool) -> None:
-        """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk)."""
+    def run(self, chunk: int, rows: slice, logits_ready: bool, forward_queued: bool = False) -> None:
+        """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk);
+        forward_queued: so is its forward row kernel (`forward`)."""
         buffer = self.logits_buffer
         hidden_rows, targets = self.hidden[rows], self.targets[rows]  # sliced once: the GEMM, both row kernels
         logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(hidden_rows)
-        self.groups.add_chunk(rows, hidden_rows, targets, logits, *self.row_forward(chunk, rows, targets, logits),
-                              self.kernels, self.transform)
+        self.groups.add_chunk(rows, hidden_rows, targets, logits,
+                              *self.row_forward(chunk, rows, targets, logits, forward_queued), self.kernels,
+                              self.transform)
 
-    def row_forward(self, chunk: int, rows: slice, targets, logits):
-        """The forward row kernel on chunk `chunk`'s fp32 logits [n, V] (rows `rows`, targets [n]) into the call's
-        vectors, then the objective's gradient there: (lse, entropy, d loss / d logp, d loss / d entropy) [n] fp32."""
+    def forward(self, rows: slice, targets, logits):
+        """The forward row kernel on the fp32 logits [n, V] of rows `rows` (targets [n]) into the call's vectors:
+        (lse, entropy) [n] fp32, their rows."""
         _, entropy, lse = self.kernels.forward(logits, targets, self.transform,
                                                (self.logp[rows], self.entropy[rows], self.lse[rows]))
+        return lse, entropy
+
+    def row_forward(self, chunk: int, rows: slice, targets, logits, forward_queued: bool = False):
+        """The forward row kernel on chunk `chunk`'s fp32 logits [n, V] (rows `rows`, targets [n]) into the call's
+        vectors (unless `forward_queued`: queued already), then the objective's gradient there: (lse, entropy,
+        d loss / d logp, d loss / d entropy) [n] fp32."""
+        lse, entropy = (self.lse[rows], self.entropy[rows]) if forward_queued else self.forward(rows, targets, logits)
         return (lse, entropy, *self.objective.gradient(chunk, rows))
 
 
-def run_pipelined(chunk_pass: ChunkPass, chunks, second_buffer: LogitsBuffer, carveout_sms: int) -> None:
+def run_pipelined(chunk_pass: ChunkPass, chunks, second_buffer: LogitsBuffer, carveout_sms: int,
+                  first_forward_queued: bool = False) -> None:
     """`loss_gradients`' chunk loop with PIPELINE (module docstring, "The pipelined loop"): chunk c's row work on
     the side queue while the main one forms chunk c + 1's logits in the other of two buffers (`chunk_pass`'s, which
     holds chunk 0's logits already, and `second_buffer`); the groups' GEMMs on the main queue, each after its
     group's last row work, the next group's first backward row kernel after them. The logits GEMMs of chunks 1 on
-    run under an SM carveout of `carveout_sms` (0: none). All the work is queued and the main queue waits for the
-    side's before this returns (also on an exception); the last group stays open for `GradientGroups.gradients`'
-    flush."""
+    run under an SM carveout of `carveout_sms` (0: none); first_forward_queued: chunk 0's forward row kernel is
+    queued on the main queue already (the side's wait for chunk 0's logits covers it). All the work is queued and
+    the main queue waits for the side's before this returns (also on an exception); the last group stays open for
+    `GradientGroups.gradients`' flush."""
     streams = ChunkStreams(chunk_pass.hidden.device)
     buffers = (chunk_pass.logits_buffer, second_buffer)
     groups = chunk_pass.groups
@@ -947,7 +971,8 @@ def run_pipelined(chunk_pass: ChunkPass, chunks, second_buffer: LogitsBuffer, ca
             logits = buffer.formed(stop - start)
             streams.side_waits(streams.record_main())
             values = []  # the row forward's results, from the side's first part of the chunk to its second
-            streams.on_side(functools.partial(_forward_part, chunk_pass, chunk, rows, targets, logits, values))
+            streams.on_side(functools.partial(_forward_part, chunk_pass, chunk, rows, targets, logits, values,
+                                              chunk == 0 and first_forward_queued))
             closed, in_group = groups.place(rows, logits)
             if closed is not None:  # the group's GEMMs read its store: after its last row work, before the next's
                 streams.main_waits(last_row_work)
@@ -963,8 +988,9 @@ def run_pipelined(chunk_pass: ChunkPass, chunks, second_buffer: LogitsBuffer, ca
 # The pipelined loop's two parts of a chunk's row work, queued on the side with their arguments bound (the host goes
 # on to the next chunk before they run): the forward row kernel and the objective's gradient, whose results `values`
 # carries to the backward row kernel and the hidden rows d weight reads.
-def _forward_part(chunk_pass: ChunkPass, chunk: int, rows: slice, targets, logits, values: list) -> None:
-    values.extend(chunk_pass.row_forward(chunk, rows, targets, logits))
+def _forward_part(chunk_pass: ChunkPass, chunk: int, rows: slice, targets, logits, values: list,
+                  forward_queued: bool) -> None:
+    values.extend(chunk_pass.row_forward(chunk, rows, targets, logits, forward_queued))
 
 
 def _backward_part(chunk_pass: ChunkPass, in_group: slice, hidden_rows, targets, logits, values: list) -> None:

@@ -600,10 +600,11 @@ def launches_and_read(batch, rows, host_layout=None, counter=None, gradients=Fal
 def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device):
     """validate=True: the op's one host read (the checks' code, with the rows' layout unless the caller holds it)
     waits after the first half chunk's logits GEMM and the objective's global factors (two launches) are queued, and,
-    with the caller's host_layout, after the plan's GEMMs too: the pre-pass (when a chunk splits a coupled set) and
-    the rest of the first chunk, and the objective's setup on the layout (its upload), so that the chunk loop
-    follows the read at once; without it no launch but the plan's comes between the read and the chunk loop. On
-    CUDA the read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
+    with the caller's host_layout, after the plan's work too: the pre-pass (when a chunk splits a coupled set), the
+    rest of the first chunk's logits and its forward row kernel, and the objective's setup on the layout (its
+    upload), so that the chunk loop follows the read at once; without it no launch but the plan's comes between the
+    read and the chunk loop, the first chunk's forward row kernel last, before the objective's setup. On CUDA the
+    read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
     batch = packed_batch(SAMPLES, device)
     layout = host_layout_of(batch)
     gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
@@ -618,8 +619,11 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
         loop = first_chunk_in(after)
         early = before.index(gemm)  # the first half chunk's logits, queued before the read on both ways
         # queued by the plan: per pre-pass piece (when a chunk splits a coupled set) its GEMM and forward row kernel,
-        # then the rest of the first chunk's logits; with host_layout before the read, else after it
+        # then the rest of the first chunk's logits and its forward row kernel; with host_layout before the read,
+        # else after it
         planned = before[zero_fill + 3:] if host_layout is not None else after[:loop]
+        assert planned[-2:] == [gemm, forward], order
+        planned = planned[:-1]
         assert (forward in planned) == prepass, order
         assert planned.count(gemm) == 1 + planned.count(forward), order
         assert gemm not in (after[:loop] if host_layout is not None else before[early + 1:]), order
@@ -627,10 +631,10 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
 
 
 def first_chunk_in(order) -> int:
-    """Where the chunk loop begins in `order` (entries after the op's read): the forward row kernel of the first chunk,
-    which its objective's sample kernel follows (a pre-pass piece's forward row kernel comes before the plan's last
-    GEMM and no sample kernel follows it)."""
-    return order.index(("launch", "triton._objective_sample_kernel")) - 1
+    """Where the chunk loop begins in `order` (entries after the op's read): the first chunk's objective sample
+    kernel (its forward row kernel, without the entropy filter, is the plan's last launch, before the objective's
+    setup)."""
+    return order.index(("launch", "triton._objective_sample_kernel"))
 
 
 class AllocationsInOrder(LaunchCounter):
@@ -651,9 +655,9 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
     """validate=True without host_layout (`python -m bench --paths fused`'s call): what needs no layout is made
     before the op's one host read (the objective's outputs, its [N] gradients and its global factors' two launches,
     the op's gradients: on CUDA host work the GPU waits through once the GEMMs queued run out), so that between the
-    read and the first chunk's forward row kernel come the plan's GEMMs (with a pre-pass its three vectors too) and
-    the groups' buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them),
-    nothing else."""
+    read and the first chunk's objective come the plan's GEMMs (with a pre-pass its three vectors too), the groups'
+    buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them) and the first
+    chunk's forward row kernel, nothing else."""
     batch = packed_batch(SAMPLES, device)
     order = launches_and_read(batch, rows, counter=AllocationsInOrder(), gradients=True)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
@@ -669,7 +673,9 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
     prepass_vectors = [("alloc", "aten.empty")] * 3 * prepass
     assert [entry for entry in after if entry[0] == "alloc"] == prepass_vectors + [("alloc", "aten.new_empty")], after
     planned = [entry for entry in after if entry[0] == "launch"]  # per pre-pass piece its gathers, GEMM, forward
-    assert planned[-1] == gemm and planned.count(gemm) == 1 + planned.count(forward), after
+    assert planned[-2:] == [gemm, forward], after  # the first chunk's rest of logits, then its forward row kernel
+    planned = planned[:-1]
+    assert planned.count(gemm) == 1 + planned.count(forward), after
     assert (forward in planned) == prepass, after
 
 
@@ -679,8 +685,9 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     """The Triton chunk objective's global factors (its sample kernel over every sample's span, then the finish
     kernel: once per call) read counts alone. Without the entropy filter they come from token_kind and sample_index
     and are queued before the op's read; with it the kept rows' count comes from the pre-passed response rows'
-    entropies, so they follow the read and the pre-pass's forward row kernels. Either way before the first chunk's
-    own sample kernel."""
+    entropies, so they follow the read and the pre-pass's forward row kernels, and the first chunk's forward row
+    kernel, which would replace some of those entropies, follows them (without the filter the plan queues it before
+    the objective's setup). Either way before the first chunk's own sample kernel."""
     options = dict(top_entropy_quantile=0.5, entropy_coef=0.05, entropy_agg="token-mean") if entropy_filter else {}
     order = launches_and_read(packed_batch(SAMPLES, device), 10, **options)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
@@ -690,6 +697,9 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     assert order[factors - 1] == sample and order.index(sample) == factors - 1, order
     assert (factors > read) == entropy_filter, order
     assert (forward in order[read:factors]) == entropy_filter, order  # the pre-pass (every response row)
+    if entropy_filter:  # per pre-pass piece a GEMM and a forward row kernel, then the first chunk's rest of logits
+        gemm = ("launch", "aten.addmm")
+        assert order[read:factors].count(gemm) == 1 + order[read:factors].count(forward), order
     # once more per chunk (beside its gradient kernel), once for the objective's value
     assert order.count(sample) == 2 + order.count(("launch", "triton._objective_grad_kernel")), order
 

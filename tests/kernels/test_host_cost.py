@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.provenance import git_commit
@@ -71,21 +72,27 @@ def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     assert f"| {checks} |" in done.stdout
 
 
+def run_fused_host_cost(*options: str) -> subprocess.CompletedProcess:
+    """`python -m bench.host_cost --path fused --n 4096 --warmup 1 OPTIONS` in a process of its own under the
+    interpreter, from the repository (its `--reps`, `--json` and other options given); asserts that it succeeded."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--warmup", "1",
+                           *options], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):
     """`--path fused` on a small lm_head cut like qwen2.5-7b in 1 GiB (N=4096: 8 chunks of 512 rows, 2 groups of
     2048). The counts are the tests' LaunchCounter's and may only go down: per chunk 1 aten launch (the logits GEMM)
     and 5 Triton ones (the two row kernels, the objective's two, d weight's hidden rows), no host read; per group the
     d hidden and d weight GEMMs; per call 1 host read (the chunk plan's layout with the value checks' code)."""
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "2",
-                           "--warmup", "1", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_fused_host_cost("--reps", "2", "--json", str(out))
     record = json.loads(out.read_text())
     monkeypatch.chdir(REPO)  # the commit the run found there (git rev-parse HEAD, no --commit given)
-    assert_provenance(record["meta"], f"python -m bench.host_cost --path fused --n 4096 --reps 2 --warmup 1 --json "
+    assert_provenance(record["meta"], f"python -m bench.host_cost --path fused --n 4096 --warmup 1 --reps 2 --json "
                                       f"{shlex.quote(str(out))}", git_commit())
     result = record["results"]["erpo"]
     assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 2, 512, 2048)
@@ -100,19 +107,57 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
     # no fill or constant tensor per call (branch fusedsetup): d loss / d loss is the gradient kernel's constant, the
     # entry launches only the loss's addition of the anchor, which the op setup zeroes with logp and entropy in one
     # Triton launch; the op setup also queues the objective's global factors (two launches, before the read: branch
-    # fusedgaps2), so the objective's setup after the read launches nothing (the layout's host work and upload)
+    # fusedgaps2), so the objective's setup after the read launches nothing (the layout's host work and upload); the
+    # first chunk's forward row kernel is the op setup's too (queued by the plan, before the objective's setup:
+    # branch gapsfollow), one of the chunks' 5 x 8 Triton launches
     assert phases["objective setup"]["aten"] == 0 and phases["objective setup"]["triton"] == 0
     assert phases["entry"]["aten"] <= 1
-    assert phases["op setup"]["aten"] <= 3 and phases["op setup"]["triton"] <= 3
+    assert phases["op setup"]["aten"] <= 3 and phases["op setup"]["triton"] <= 4
+    assert chunk["triton"] + phases["op setup"]["triton"] <= 5 * 8 + 4
     # one host read, in the op: the rows' layout with the value checks' code, copied before the first chunk's first
     # half's GEMM (256 rows: 2 x 256 x D x V FLOPs at qwen2.5-7b's D=3584, V=152064), which it does not wait for
     assert phases["total"]["reads"] == 1 and phases["validation"]["reads"] == 0 and phases["op setup"]["reads"] == 1
     half_chunk = 2 * 256 * 3584 * 152064 / 1e9
     (read,) = result["reads"]
     assert abs(read["GFLOP queued, not waited for"] - half_chunk) < 1e-6
-    assert 0 < read["us to next GEMM"] < read["us to chunk loop"]
+    # the first chunk's forward row kernel is queued by the plan, before the objective's setup and the chunk loop
+    assert 0 < read["us to next GEMM"] < read["us to first row kernel"] < read["us to chunk loop"]
     assert abs(read["GFLOP queued before chunk loop"] - 2 * half_chunk) < 1e-6  # the whole first chunk
     assert "| chunk | 8 |" in done.stdout and "Per chunk, its share of the group GEMMs included" in done.stdout
+
+
+def test_fused_path_times_the_pipelined_loop_with_pipeline(tmp_path):
+    """`--path fused --pipeline` runs the pipelined chunk loop (`fused_linear_loss.PIPELINE`, which `ChunkPass.run`
+    is not part of) and times it whole, less its group GEMMs: its row is not empty and holds the serial loop's
+    launches per chunk (the logits GEMM, 5 Triton launches; the first chunk's forward row kernel is the plan's), no
+    host read; the plan counts its second logits buffer
+    (N=4096 like qwen2.5-7b in 1 GiB: 8 chunks of 512 rows, 4 groups of 1024), and the knob is put back after."""
+    out = tmp_path / "fused.json"
+    done = run_fused_host_cost("--reps", "1", "--pipeline", "--json", str(out))
+    result = json.loads(out.read_text())["results"]["erpo"]
+    assert result["loop"] == "pipelined chunk loop"
+    assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 4, 512, 1024)
+    phases = result["phases"]
+    assert "chunk" not in phases
+    loop, group = phases["pipelined chunk loop"], phases["group GEMMs"]
+    assert loop["calls"] == 1 and loop["us"] > 0 and group["calls"] == 4
+    # the first chunk's forward row kernel is queued by the plan (the op setup's), the rest as the serial loop's
+    assert 0 < loop["aten"] <= 1 * 8 and loop["triton"] == 5 * 8 - 1 and loop["reads"] == 0
+    assert group["aten"] <= 2 * 4 and group["triton"] == 0
+    assert phases["total"]["reads"] == 1
+    assert "| pipelined chunk loop | 1 |" in done.stdout and "; pipelined chunk loop)." in done.stdout
+
+
+def test_the_pipeline_knob_is_put_back_after_a_measurement():
+    """`host_cost_fused.chunk_loop_knob` sets `fused_linear_loss.PIPELINE` within its block alone, also when the
+    block raises."""
+    from bench.host_cost_fused import chunk_loop_knob
+    from erpo_kernels import fused_linear_loss
+    before = fused_linear_loss.PIPELINE
+    with pytest.raises(RuntimeError, match="^inside$"), chunk_loop_knob(not before):
+        assert fused_linear_loss.PIPELINE is (not before)
+        raise RuntimeError("inside")
+    assert fused_linear_loss.PIPELINE is before
 
 
 def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_read(tmp_path):
@@ -120,12 +165,7 @@ def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_r
     host read, the value checks' code, returns with the whole first chunk's logits GEMMs queued after its copy (the
     plan needs no read: `fused_linear_loss.plannable_layout`), and the next GEMM comes in the chunk loop."""
     out = tmp_path / "fused.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "bench.host_cost", "--path", "fused", "--n", "4096", "--reps", "1",
-                           "--warmup", "1", "--host-layout", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_fused_host_cost("--reps", "1", "--host-layout", "--json", str(out))
     result = json.loads(out.read_text())["results"]["erpo"]
     assert result["phases"]["total"]["reads"] == 1 and result["phases"]["op setup"]["reads"] == 1
     (read,) = result["reads"]
@@ -133,6 +173,7 @@ def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_r
     assert abs(read["GFLOP queued, not waited for"] - first_chunk) < 1e-6
     assert abs(read["GFLOP queued before chunk loop"] - first_chunk) < 1e-6
     assert 0 < read["us to chunk loop"] < read["us to next GEMM"]
+    assert read["us to first row kernel"] is None  # queued with the first chunk's logits, before the read
     assert "host_layout" in done.stdout
 
 

@@ -133,14 +133,16 @@ def test_bad_arguments(tmp_path):
 
 
 def wait_for_path(proc: subprocess.Popen, path: Path, what: str, timeout: float = 120) -> None:
-    """Wait until `path` exists, made by the script `proc` runs when it reaches `what`; fail naming `what` if the
-    script ends first (with the end of its stderr when piped, as bytes) or after `timeout` s."""
+    """Wait until `path` exists, made by the process `proc` when it reaches `what`; fail naming `what` if the
+    process ends first (with the end of its stderr when piped, as bytes or text) or after `timeout` s. The one
+    file-wait loop of the train tier (test_resume's and test_storage_faults' wait for a run's first checkpoint)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            stderr = proc.stderr.read().decode(errors="replace")[-4000:] if proc.stderr else ""
-            raise AssertionError(f"the script ended (status {proc.returncode}) before {what}\n{stderr}")
-        assert time.monotonic() < deadline, f"the script never reached {what} within {timeout} s"
+            stderr = proc.stderr.read() if proc.stderr else ""
+            stderr = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr)[-4000:]
+            raise AssertionError(f"the process ended (status {proc.returncode}) before {what}\n{stderr}")
+        assert time.monotonic() < deadline, f"the process never reached {what} within {timeout} s"
         time.sleep(0.1)
 
 

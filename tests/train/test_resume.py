@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from safetensors.torch import load_file
 
 import run_metrics
 from run_metrics import metrics_by_step
+from test_checkpoint import wait_for_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,13 +59,9 @@ assert_same_metrics = functools.partial(run_metrics.assert_same_metrics, abs_tol
 
 
 def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
-    """Wait until the run `proc` (its stderr a text pipe) has saved `out`/checkpoints/step-1; fail with the end of its
+    """Wait until the run `proc` (its stderr a pipe) has saved `out`/checkpoints/step-1; fail with the end of its
     stderr if it ends first, or after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not (out / "checkpoints" / "step-1").is_dir():
-        assert proc.poll() is None, proc.stderr.read()[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
+    wait_for_path(proc, out / "checkpoints" / "step-1", "its first checkpoint", timeout)
 
 
 def assert_same_model(a: Path, b: Path):
