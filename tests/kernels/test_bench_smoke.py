@@ -17,10 +17,10 @@ from paths import worker_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 # The smoke runs on the CPU on a GPU machine too (--smoke: Triton's interpreter, Inductor's C++ builds from that
-# machine's cold cache), one thread beside the kernel tier's other workers compiling Triton kernels: its module
-# fixture took 78 s on the H200 (4 workers, 2026-11-25) and passed the tier's 90 s per test on the H100 (6 workers,
-# 2026-11-26), 62 s alone on a shared 2-core CPU with cold caches. Its own limit (pytest-timeout's mark, registered in
-# pytest.ini for runs without the plugin) keeps the tier's --timeout for every other test.
+# machine's cold cache): the tests of its run are cpu_only (pytest.ini), which the GPU lease's kernel tier leaves out
+# (its module fixture took 78 s there on the H200 with 4 workers, 2026-11-25, and 132 s beside 11 other workers,
+# 2026-11-27). It took 62 s alone on a shared 2-core CPU with cold caches. Its own limit (pytest-timeout's mark,
+# registered in pytest.ini for runs without the plugin) serves the runs that hold it under a per-test --timeout.
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -48,6 +48,7 @@ def _row(results, path, contender):
     return matches[0]
 
 
+@pytest.mark.cpu_only
 def test_writes_all_outputs(smoke):
     out, results, markdown, _ = smoke
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,6 +58,7 @@ def test_writes_all_outputs(smoke):
     assert "## Logits path" in markdown and "## Fused-linear path" in markdown
 
 
+@pytest.mark.cpu_only
 def test_every_contender_has_a_row_on_each_path(smoke):
     _, results, _, _ = smoke
     logits = {r["contender"] for r in results["rows"] if r["path"] == "logits"}
@@ -67,6 +69,7 @@ def test_every_contender_has_a_row_on_each_path(smoke):
         assert row["status"] in {"ok", "not installed", "unavailable"}, (row["path"], row["contender"], row)
 
 
+@pytest.mark.cpu_only
 def test_ours_and_the_torch_rows_pass_the_check_and_are_timed(smoke):
     _, results, markdown, _ = smoke
     for path, contender in [("logits", "erpo"), ("logits", "torch"), ("logits", "compile"), ("fused", "compile")]:
@@ -82,6 +85,7 @@ def test_ours_and_the_torch_rows_pass_the_check_and_are_timed(smoke):
     assert "| **erpo** |" in markdown
 
 
+@pytest.mark.cpu_only
 def test_fused_rows_are_checked_when_the_fused_path_exists(smoke):
     _, results, _, _ = smoke
     import erpo_kernels
@@ -125,6 +129,7 @@ def test_the_2gib_workspace_contender_is_ours_with_that_budget(device, monkeypat
         assert torch.equal(ours, ws2g)
 
 
+@pytest.mark.cpu_only
 def test_speedups_compare_ours_with_each_timed_peer(smoke):
     _, results, _, _ = smoke
     ours = _row(results, "logits", "erpo")
@@ -137,6 +142,7 @@ def test_speedups_compare_ours_with_each_timed_peer(smoke):
     assert not any(t["at_target_shape"] for t in results["targets"])
 
 
+@pytest.mark.cpu_only
 def test_installed_peers_are_checked_and_missing_ones_reported_not_crashed(smoke):
     """The GPU image installs Liger and CCE (.whl/) into a folder on PYTHONPATH: Liger's rows then run in the
     interpreter and pass the check, CCE's need CUDA (unavailable in the smoke, on the CPU even there)."""
@@ -253,6 +259,7 @@ def test_wrong_or_untimed_rows_never_enter_ratios_or_targets():
     assert all(t["at_target_shape"] for t in results["targets"])
 
 
+@pytest.mark.cpu_only
 def test_merge_of_two_runs_keeps_every_row(smoke, tmp_path):
     from bench.__main__ import merge
 
@@ -264,6 +271,7 @@ def test_merge_of_two_runs_keeps_every_row(smoke, tmp_path):
     assert files["png"].exists() and files["md"].exists()
 
 
+@pytest.mark.cpu_only
 def test_progress_file_holds_the_runs_rows_and_merges_like_its_results(smoke, tmp_path):
     from bench.__main__ import merge
     from bench.progress import read_runs

@@ -1,7 +1,8 @@
 """`python -m bench.host_cost` (the host's microseconds per loss call, kernels stubbed out) runs on the CPU and
 reports every phase of ours, with the Triton launches a call makes (and with `--path fused`, per phase and per chunk,
 the aten launches and host reads too); its JSON records where the numbers come from (bench.provenance). It stubs
-the interpreter's launcher, so it runs in its own process with TRITON_INTERPRET=1 (on a GPU machine too); its times
+the interpreter's launcher, so it runs in its own process with TRITON_INTERPRET=1 (on a GPU machine too: those tests
+are cpu_only, left out of the GPU lease's tier, whose logits stage runs `bench.host_cost --device cuda`); its times
 are the machine's, not asserted."""
 import datetime
 import json
@@ -28,6 +29,7 @@ def assert_provenance(meta: dict, command: str, commit: str) -> None:
     assert datetime.datetime.now(datetime.timezone.utc) - date < datetime.timedelta(minutes=10)
 
 
+@pytest.mark.cpu_only
 def test_reports_each_phase_of_a_call_and_its_triton_launches(tmp_path):
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -83,6 +85,7 @@ def run_fused_host_cost(*options: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.cpu_only
 def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp_path, monkeypatch):
     """`--path fused` on a small lm_head cut like qwen2.5-7b in 1 GiB (N=4096: 8 chunks of 512 rows, 2 groups of
     2048). The counts are the tests' LaunchCounter's and may only go down: per chunk 1 aten launch (the logits GEMM)
@@ -126,6 +129,7 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
     assert "| chunk | 8 |" in done.stdout and "Per chunk, its share of the group GEMMs included" in done.stdout
 
 
+@pytest.mark.cpu_only
 def test_fused_path_times_the_pipelined_loop_with_pipeline(tmp_path):
     """`--path fused --pipeline` runs the pipelined chunk loop (`fused_linear_loss.PIPELINE`, which `ChunkPass.run`
     is not part of) and times it whole, less its group GEMMs: its row is not empty and holds the serial loop's
@@ -160,6 +164,7 @@ def test_the_pipeline_knob_is_put_back_after_a_measurement():
     assert fused_linear_loss.PIPELINE is before
 
 
+@pytest.mark.cpu_only
 def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_read(tmp_path):
     """`--path fused --host-layout` (the rows' layout given in host memory, erpo's trainer's way): the call's one
     host read, the value checks' code, returns with the whole first chunk's logits GEMMs queued after its copy (the

@@ -76,6 +76,7 @@ def test_triton_interpret_set_after_the_import_is_one_line_saying_what_to_do():
         "or use backend='torch'"]
 
 
+@pytest.mark.cpu_only
 def test_the_interpreter_runs_the_kernels_without_a_runtime_warning():
     # the forward's masked columns computed 0 * -inf (a NaN then discarded) and numpy warned on every call; every
     # kernel looped over range() of a run-time bound, which numpy 2.5 refuses (interpreter_as_gpu.py): an error here
