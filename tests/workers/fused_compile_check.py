@@ -1,6 +1,6 @@
 """Compile the fused-linear path's Triton kernels for sm_90, as `fused_linear_loss` launches them (run without
-TRITON_INTERPRET; used by tests/kernels/test_compile_hopper.py). Prints one 'compiled ...' line per kernel and form,
-with its registers per thread and spill bytes (ptxas)."""
+TRITON_INTERPRET; used by tests/kernels/test_compile_hopper_fused.py). Prints one 'compiled ...' line per kernel and
+form, with its registers per thread and spill bytes (ptxas)."""
 from compile_check import OBJECTIVE_SAMPLE_FLAGS, OBJECTIVE_SAMPLE_SIGNATURE, compile_for_hopper, register_usage
 from erpo_kernels import triton_fill, triton_gradient_rows, triton_logits, triton_objective, triton_scale
 from erpo_kernels.fused_linear_loss import CHUNK_FORWARD_VARIANT
