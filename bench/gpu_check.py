@@ -4,10 +4,11 @@ GPU lease measures, in one command that ends within 570 s (bench/README.md, "One
 Stages, most wanted first, each a subprocess in its own process group under its own time limit (the group is killed
 at the limit, so a slow stage cannot take the next one's time), each writing its results as it goes:
 
-1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, every test's duration and the
-   failures' one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts
-   no test late, so that the tier ends with its result line inside the stage's limit. The tier holds the pipelined
-   chunk loop's race check (tests/kernels/test_pipelined_chunks.py: bit for bit the serial loop on two CUDA streams).
+1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, its slowest files first and its
+   cpu_only tests (on the CPU whatever the machine: CI runs them) left out, every test's duration and the failures'
+   one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts no test
+   late, so that the tier ends with its result line inside the stage's limit. The tier holds the pipelined chunk
+   loop's race check (tests/kernels/test_pipelined_chunks.py: bit for bit the serial loop on two CUDA streams).
 2. probe: `python -m bench.fused_probe` at N=16384 on the Qwen2.5-7B and 32B lm_heads: ours on the fused path under
    each variant (chunk rows, workspace, host layout, the pipelined chunk loop and its SM carveouts), one group's
    GEMMs, one chunk's row passes beside a GEMM; its rows decide the fused path's next design (whether the pipelined
@@ -65,13 +66,47 @@ KERNEL_TIER = "tests/kernels"
 # logits_gpu_check.sh in the same device call; the files are in bench/measured/h100-2026-11-26/: gpu_check.log,
 # kernel-tier-n6.log, logits/logits_gpu_check.log): each stage's measured time plus about a fifth, so that the bench's
 # peers get what the measured stages leave.
-KERNEL_WORKERS = 12         # pytest-xdist processes sharing the GPU and the machine's 16 cores: Triton's compiles (on
-#                             the CPU) overlap. 4 workers passed the 150 s limit at about 95 % of the tier; 6 took 187 s
-KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test does not cost the tier; the bench smoke
-#                             module carries its own, longer, mark (tests/kernels/test_bench_smoke.py)
+# The kernel tier's schedule comes from its durations on the H200 lease of 2026-11-27 at e17ad62 (bench/measured/
+# h200-2026-11-27-e17ad62/kernel-tests.log, --durations; 12 workers, then 90 s a test: 1 failed, 1014 passed,
+# 2 skipped of 1036 in 173 s, 19 never started). xdist's loadfile gives a worker a whole file, and xdist 3.8 hands out
+# the files with the most tests first, so the three slowest files, which hold few tests, started last: the sm_90
+# compile checks (3 tests, 122 s: the logits one stopped at 90 s, 30 s alone right after, its Triton cache then warm),
+# the bench smoke (its run, a module fixture: 132 s) and bench.host_cost's runs (74 s), which outlasted the session.
+# So: the tests that run ours on the CPU in Triton's interpreter whatever the machine (the bench smoke's run,
+# bench.host_cost's, one interpreter check: 221 s of the tier there) are cpu_only, run by CI, left out here
+# (KERNEL_MARKS), and with them the CPU they took from the compile checks (the smoke's Inductor builds among it);
+# the two compile checks are a file each (test_compile_hopper.py, test_compile_hopper_fused.py) and start first, on
+# two workers, the other slow files after them (KERNEL_FILES_FIRST, the command line's order, which
+# --no-loadscope-reorder, new in xdist 3.8.0, keeps). The tier then lasts about as long as the logits compile check
+# (cold: about 47 s of CPU on this project's CPU, more than 90 s there beside 11 workers), if the rest fits beside it:
+# the 1023 tests left took 383 s there in its 165 tests of 1 s or more, besides 855 tests under 1 s (the log lists
+# none of them: at an assumed 0.1 s each, 469 s in all).
+KERNEL_WORKERS = 10         # pytest-xdist processes sharing the GPU and the machine's 16 cores: with the compile checks
+#                             on 2 of them, the other 469 s on 9 take about 52 s, under the logits check beside them,
+#                             with 2 CPU-bound processes fewer beside it than 2026-11-27's 12 (the H100's runs of
+#                             2026-11-26, in xdist's own order: 4 workers passed 150 s at about 95 % of the tier, 6
+#                             took 187 s)
+KERNEL_TEST_TIMEOUT_S = 40  # one test (pytest-timeout), so that one hung test does not cost the tier: the slowest test
+#                             left but the compile checks took 16.5 s there (test_logits_loss_node's compiled one);
+#                             the compile checks carry their own mark (tests/support/compile_check.py: 130 s)
 KERNEL_SESSION_S = 150      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
-#                             result line and failures (the 4-worker run, killed at its limit, printed neither)
-KERNEL_LIMIT_S = 210        # the session's 150 s and the tests then running (the bench smoke's module fixture: >90 s)
+#                             result line and failures (the 4-worker run, killed at its limit, printed neither). A test
+#                             still running then makes xdist report the tier interrupted even when no test is left, so
+#                             every test should end before it: the compile checks start once the tier is collected
+#                             (8.5 s of the session's clock on this project's loaded 2-core CPU: pytest-timeout starts
+#                             it after the imports) and stop at their 130 s
+KERNEL_LIMIT_S = 210        # the session's 150 s (from the workers' start), a test started then stopped at its 40 s,
+#                             and the report (today's limit: the bench stages need the rest of the deadline)
+KERNEL_MARKS = "not cpu_only"  # pytest -m: the tests that run on the CPU whatever the machine stay CI's (pytest.ini)
+KERNEL_FILES_FIRST = (      # the files that start first, slowest first (there, their tests of 1 s or more); the others
+#                             follow, sorted
+    "test_compile_hopper.py",         # the logits kernels' compile check: stopped at 90 s
+    "test_compile_hopper_fused.py",   # the fused kernels': 32 s
+    "test_objective_kernels.py",      # 68 s
+    "test_logits_loss_node.py",       # 62 s
+    "test_fused_linear_loss.py",      # 44 s
+    "test_compile.py",                # 38 s
+)
 PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 33 s (the H100 at 55b63b0, its 7 variants then
 #                             and parts 2-3; bench/measured/h100-2026-11-26-55b63b0/), plus about 13 s for the 8
 #                             pipelined variants and part 3's carveout rows added since (their author's estimate, not
@@ -264,7 +299,7 @@ class GpuCheck:
                      + (f"\n{done.stdout}{done.stderr}" if done.returncode else ""))
             self.env["PYTHONPATH"] = os.pathsep.join([str(site), self.env["PYTHONPATH"]])
         versions = []
-        for name in ("torch", "triton", "transformers", "pytest", "pytest-timeout"):
+        for name in ("torch", "triton", "transformers", "pytest", "pytest-timeout", "pytest-xdist"):
             try:
                 versions.append(f"{name} {importlib.metadata.version(name)}")
             except importlib.metadata.PackageNotFoundError:
@@ -284,11 +319,14 @@ class GpuCheck:
             # not -q: the header names the plugins, the limits and the number of tests collected
             command = [python, "-m", "pytest", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=0",
                        "--durations-min=1"]
-            if importlib.util.find_spec("xdist"):  # a file per worker: module fixtures (the bench smoke run) once
+            command += ["-m", KERNEL_MARKS]
+            if importlib.util.find_spec("xdist"):  # a file per worker: a module fixture runs once
                 command += ["-n", str(KERNEL_WORKERS), "--dist", "loadfile"]
+                if _version("pytest-xdist") >= (3, 8):  # the files in the command line's order (the GPU image: 3.8.0)
+                    command.append("--no-loadscope-reorder")
             if _version("pytest-timeout") >= (2, 3):  # --session-timeout since 2.3 (the GPU image: 2.5.0)
                 command += ["--timeout", str(KERNEL_TEST_TIMEOUT_S), "--session-timeout", str(KERNEL_SESSION_S)]
-            command.append(KERNEL_TIER)
+            command += kernel_files()
         self.run("kernels", command, self.out / "kernel-tests.log", KERNEL_LIMIT_S)
 
     def probe(self) -> None:
@@ -399,6 +437,15 @@ def _stop_group(process: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def kernel_files() -> list:
+    """The kernel tier's test files (paths from the repository's root): KERNEL_FILES_FIRST in their order, then the
+    others sorted, as pytest collects a folder. A name there that no longer exists is left out (CI's
+    tests/repo/test_gpu_check.py fails on it first)."""
+    first = [f"{KERNEL_TIER}/{name}" for name in KERNEL_FILES_FIRST if (REPO / KERNEL_TIER / name).is_file()]
+    every = sorted(path.relative_to(REPO).as_posix() for path in (REPO / KERNEL_TIER).rglob("test_*.py"))
+    return first + [path for path in every if path not in first]
 
 
 def _version(distribution: str) -> tuple:

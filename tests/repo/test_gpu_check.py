@@ -225,22 +225,51 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
 
 
 def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypatch):
-    """On the GPU image (pytest-timeout 2.5.0, pytest-xdist): the tier's workers, each test's limit and the session's,
-    which ends the tier with its result line before the stage's own limit kills it."""
+    """On the GPU image (pytest-timeout 2.5.0, pytest-xdist 3.8.0): the tier's workers, each test's limit and the
+    session's, which ends the tier with its result line before the stage's own limit kills it; its cpu_only tests
+    left out, every file of the tier given, the slowest first, in an order xdist keeps."""
+    from compile_check import COMPILE_TIMEOUT_S
+
     commands = []
     monkeypatch.setattr(check, "run", lambda name, command, log, limit_s: commands.append((command, limit_s)))
     monkeypatch.setattr(check, "dry_run", False)
-    monkeypatch.setattr(gpu_check, "_version", lambda name: (2, 5))
+    versions = {"pytest-timeout": (2, 5), "pytest-xdist": (3, 8)}
+    monkeypatch.setattr(gpu_check, "_version", lambda name: versions[name])
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: name == "xdist")
     check.kernels()
     ((command, limit_s),) = commands
     flags = " ".join(command[3:])
-    assert f"-n {gpu_check.KERNEL_WORKERS} --dist loadfile" in flags and "-rfE --tb=short" in flags
-    assert "-q" not in command  # the header: plugins, limits, the tests collected
+    assert f"-n {gpu_check.KERNEL_WORKERS} --dist loadfile --no-loadscope-reorder" in flags
+    assert "-rfE --tb=short" in flags and "-q" not in command  # the header: plugins, limits, the tests collected
     assert f"--timeout {gpu_check.KERNEL_TEST_TIMEOUT_S} --session-timeout {gpu_check.KERNEL_SESSION_S}" in flags
-    assert command[-1] == "tests/kernels" and limit_s == gpu_check.KERNEL_LIMIT_S
-    assert gpu_check.KERNEL_SESSION_S + 60 <= gpu_check.KERNEL_LIMIT_S  # room for the tests running at its end
+    assert command[command.index("-m", 3) + 1] == "not cpu_only" and limit_s == gpu_check.KERNEL_LIMIT_S
+    first = [f"tests/kernels/{name}" for name in gpu_check.KERNEL_FILES_FIRST]
+    files = command[command.index(first[0]):]
+    assert files[:len(first)] == first
+    assert sorted(files) == sorted(f"tests/kernels/{path.name}" for path in (REPO / "tests/kernels").glob("test_*.py"))
+    # a test started as the session ends (its clock starts in each worker, after the imports), stopped at its limit,
+    # leaves time for the report; the compile checks, which start once the tier is collected (8.5 s here) and carry
+    # their own limit, end inside the session (a test still running then makes xdist report the tier interrupted)
+    assert gpu_check.KERNEL_SESSION_S + gpu_check.KERNEL_TEST_TIMEOUT_S + 15 <= gpu_check.KERNEL_LIMIT_S
+    assert COMPILE_TIMEOUT_S + 15 <= gpu_check.KERNEL_SESSION_S
     assert check.env["COLUMNS"] == gpu_check.WIDE_COLUMNS  # the failures' messages uncut
+    commands.clear()
+    versions["pytest-xdist"] = (3, 7)  # before --no-loadscope-reorder: xdist's own order, the tier still whole
+    check.kernels()
+    ((command, _),) = commands
+    assert "--no-loadscope-reorder" not in command and "--dist" in command
+
+
+def test_the_files_first_exist_and_the_bench_smoke_run_stays_off_the_gpu():
+    """KERNEL_FILES_FIRST names files of the tier; every test of the bench smoke's run (its module fixture took 132 s
+    of the tier on the H200, 2026-11-27) is cpu_only, which the GPU lease's tier leaves out."""
+    import ast
+
+    assert all((REPO / "tests/kernels" / name).is_file() for name in gpu_check.KERNEL_FILES_FIRST)
+    tree = ast.parse((REPO / "tests/kernels/test_bench_smoke.py").read_text())
+    smoke_tests = {node.name: {ast.unparse(mark) for mark in node.decorator_list} for node in tree.body
+                   if isinstance(node, ast.FunctionDef) and "smoke" in [arg.arg for arg in node.args.args]}
+    assert len(smoke_tests) >= 8 and all("pytest.mark.cpu_only" in marks for marks in smoke_tests.values())
 
 
 def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_stop():
