@@ -483,16 +483,22 @@ def _result_lines(lines: list) -> list:
 
 
 def pytest_summary(lines: list) -> list:
-    """pytest's result line (its last), why it stopped early (pytest-timeout's session timeout), its failures and
-    errors (one line each, with the message where the log is wide enough) and its five slowest tests."""
+    """pytest's result line (its last), why it stopped early (pytest-timeout's session timeout) and how many tests
+    did not run then, its failures and errors (one line each, with the message where the log is wide enough) and its
+    five slowest tests."""
     results = _result_lines(lines)
     collected = [found[1] for line in lines if (found := re.search(r"(?:^collected |workers \[)(\d+) item", line))]
     stopped = [line.strip("! ") for line in lines if "session-timeout" in line and line.startswith("!")]
     failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
     slowest = [line for line in lines if re.match(r"[\d.]+s (call|setup|teardown) ", line)][:5]
+    ran = sum(int(count) for count, _ in re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)\b",
+                                                    results[-1])) if results else 0
+    not_run = int(collected[-1]) - ran if results and collected else None  # None: not known
+    unrun = ("the tests not yet started did not run" + (f": {not_run} of them" if not_run else "")
+             if not_run is None or not_run > 0 else "after every collected test had run")
     return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"
              + (f" (of {collected[-1]} collected)" if collected else "")]
-            + [f"- stopped early: {line} (the tests not yet started did not run)" for line in stopped[-1:]]
+            + [f"- stopped early: {line} ({unrun})" for line in stopped[-1:]]
             + [f"- {line}" for line in failures] + [f"- slow: `{line}`" for line in slowest])
 
 

@@ -273,8 +273,9 @@ def test_the_files_first_exist_and_the_bench_smoke_run_stays_off_the_gpu():
 
 
 def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_stop():
-    """The lines pytest (9, xdist 3.8, pytest-timeout 2.5) printed for a tier stopped by its session timeout."""
-    log = ["created: 12/12 workers", "12 workers [10 items]", "", "....FF....", "=== short test summary info ===",
+    """The lines pytest (9, xdist 3.8, pytest-timeout 2.5) printed for a tier stopped by its session timeout: with
+    tests not yet started, counted, or after its last test, which ended past the session's end."""
+    log = ["created: 12/12 workers", "12 workers [12 items]", "", "....FF....", "=== short test summary info ===",
            "FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
            "ERROR tests/kernels/test_bench_smoke.py::test_writes_all_outputs - Failed: Timeout (>180.0s) from "
            "pytest-timeout.",
@@ -282,13 +283,16 @@ def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_sto
            "========== 1 failed, 8 passed, 1 error in 161.40s (0:02:41) ==========",
            "12.01s setup    tests/kernels/test_bench_smoke.py::test_writes_all_outputs"]
     assert gpu_check.pytest_summary(log) == [
-        "- result: 1 failed, 8 passed, 1 error in 161.40s (0:02:41) (of 10 collected)",
+        "- result: 1 failed, 8 passed, 1 error in 161.40s (0:02:41) (of 12 collected)",
         "- stopped early: xdist.dsession.Interrupted: session-timeout: 150.0 sec exceeded (the tests not yet started "
-        "did not run)",
+        "did not run: 2 of them)",
         "- FAILED tests/kernels/test_x.py::test_d[a] - AssertionError: response_logp",
         "- ERROR tests/kernels/test_bench_smoke.py::test_writes_all_outputs - Failed: Timeout (>180.0s) from "
         "pytest-timeout.",
         "- slow: `12.01s setup    tests/kernels/test_bench_smoke.py::test_writes_all_outputs`"]
+    log[1] = "12 workers [10 items]"
+    assert gpu_check.pytest_summary(log)[1] == ("- stopped early: xdist.dsession.Interrupted: session-timeout: 150.0 "
+                                                "sec exceeded (after every collected test had run)")
     assert gpu_check.pytest_summary(["....", "[gpu_check] stopped at the stage's time limit (210 s)"]) == [
         "- result: no result line (stopped?)"]
 
