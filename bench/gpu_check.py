@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -254,10 +255,10 @@ class GpuCheck:
             stage.notes.append(f"not started: {max(limit, 0):.0f} s left before the deadline")
             self.log(f"{name}: not started ({max(limit, 0):.0f} s left)")
             return stage
-        self.log(f"{name}: limit {limit:.0f} s: {' '.join(command)}")
+        self.log(f"{name}: limit {limit:.0f} s: {shlex.join(command)}")  # as a shell takes it: -m 'not cpu_only'
         begin = time.monotonic()
         with open(log_file, "a", encoding="utf-8") as handle:
-            handle.write(f"$ {' '.join(command)}\n")
+            handle.write(f"$ {shlex.join(command)}\n")
             handle.flush()
             process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
                                        start_new_session=True)
@@ -407,7 +408,7 @@ class GpuCheck:
                  f"- command: `bash bench/gpu_check.sh {' '.join(sys.argv[1:])}`", "",
                  "| stage | status | seconds | limit s | exit | command |", "|---|---|---|---|---|---|"]
         for stage in self.stages:
-            command = " ".join(stage.command).replace(str(self.work), "$WORK").replace(str(self.out), "$OUT")
+            command = shlex.join(stage.command).replace(str(self.work), "$WORK").replace(str(self.out), "$OUT")
             lines.append(f"| {stage.name} | {stage.status} | {stage.seconds:.0f} | {stage.limit_s:.0f} | "
                          f"{stage.exit_code} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]

@@ -202,6 +202,9 @@ def test_a_failing_stage_is_reported_and_the_next_one_runs(check, tmp_path):
     first = check.run("broken", ["bash", "-c", "exit 3"], tmp_path / "a.log", limit_s=30)
     second = check.run("fine", ["bash", "-c", "true"], tmp_path / "b.log", limit_s=30)
     assert (first.status, first.exit_code) == ("failed", 3) and (second.status, second.exit_code) == ("ok", 0)
+    # each command as a shell takes it, in its log and in the summary (the kernel tier's `-m 'not cpu_only'`)
+    assert (tmp_path / "a.log").read_text().splitlines()[0] == "$ bash -c 'exit 3'"
+    assert "| broken | failed | 0 | 30 | 3 | `bash -c 'exit 3'` |" in (tmp_path / "summary.md").read_text()
 
 
 def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
