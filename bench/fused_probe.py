@@ -1,5 +1,5 @@
 """What the fused path's time depends on, in one short GPU run: its chunk rows and workspace, the trainer's
-`host_layout`, the pipelined chunk loop, and whether GEMMs and row passes gain from running side by side.
+`host_layout`, and one group's GEMMs.
 
     python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md
     TRITON_INTERPRET=1 python -m bench.fused_probe --smoke --out DIR                    # CPU, tiny: the dry run
@@ -7,14 +7,8 @@
 Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem,
 1024 rows a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits
 store (`fused_linear_loss.LOGITS_ROWS`, set for the variant's calls), the workspace budget, the layout in host
-memory as erpo's trainer passes it, and the pipelined chunk loop (`fused_linear_loss.PIPELINE`: chunk c's row work
-on a side stream beside chunk c + 1's logits GEMM, two fp32 logits buffers in the budget), its logits GEMMs leaving
-k SMs to the row kernels (`fused_linear_loss.ROW_PASS_SMS`, cuBLASLt's SM carveout), at 1 GiB and 2 GiB, and with
-256-row chunks (whose groups in 1 GiB hold 2304 rows, against 1024 beside 512-row chunks). Each row says how
-`plan_workspace` spent the budget (chunk rows, group rows). The pipelined variants decide the default: one that
-beats "library default" at 1 GiB on both shapes becomes it. Cost, an estimate from the 55b63b0 run (33 s for both
-shapes, 7 variants and parts 2-3; not timed per variant): a variant is 7 calls (2 warm-up, 5 timed) of about 95 ms
-(7b) and 130 ms (32b), so about 1.6 s for both shapes; the 8 pipelined ones add about 13 s.
+memory as erpo's trainer passes it. Each row says how `plan_workspace` spent the budget (chunk rows, group rows).
+A variant is 7 calls (2 warm-up, 5 timed) of about 93 ms (7b) and 133 ms (32b).
 
 Part 2, per shape: one group's d hidden and d weight GEMMs (`--group-rows` rows of bf16 dlogits, the fused path's
 calls: `mm` into d hidden, `addmm` into the fp32 [V, D] accumulator) one after the other on one stream, against
@@ -23,13 +17,6 @@ the two on two streams (d hidden on a side stream, joined by events), and d hidd
 its long reduction, so part of its last wave idles. Two more d weight cases price the fp32 accumulator: written
 with beta 0 (the first group's call: the accumulator is not read), and accumulated transposed ([D, V] += hidden^T @
 dlogits, another cuBLAS kernel choice, which the backward's rounding pass could transpose back).
-
-Part 3, per shape: one chunk's row passes (the fused path's forward and backward row kernels on a [512, V] fp32
-logits buffer, its dlogits into a bf16 store) beside a compute-bound GEMM, one group's d weight accumulation or
-the next chunk's logits GEMM ([512, D] x [D, V], fp32 output: what the pipelined loop runs them beside), on one
-stream and on two, the GEMM also leaving k SMs (`chunk_streams.sm_carveout`): whether the memory-bound row passes
-hide behind the GEMM. The GEMM alone under each carveout says whether cuBLAS heeded it (cuBLASLt does, cuBLAS's
-other kernels do not: the same time with and without means the carveout rows measured nothing).
 
 Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
 choosing what to build, the bench is the measurement.
@@ -51,17 +38,14 @@ GIB = 1 << 30
 
 class Variant(NamedTuple):
     """One row of part 1: rows, LOGITS_ROWS (None: the library's); gib, the workspace (None: the library's);
-    host_layout, the trainer's call; pipeline, PIPELINE; sms, ROW_PASS_SMS."""
+    host_layout, the trainer's call."""
 
     name: str
     rows: Optional[int] = None
     gib: Optional[float] = None
     host_layout: bool = False
-    pipeline: bool = False
-    sms: int = 0
 
 
-CARVEOUTS = (16, 32)  # SMs the pipelined loop's logits GEMMs leave to the row kernels (of an H100's 132)
 VARIANTS = (
     Variant("library default"),
     Variant("host layout (the trainer's call)", host_layout=True),
@@ -70,23 +54,18 @@ VARIANTS = (
     Variant("chunk rows 1024", rows=1024),
     Variant("workspace 2 GiB", gib=2),
     Variant("workspace 4 GiB", gib=4),
-    *(Variant(f"pipelined{'' if gib is None else ', workspace 2 GiB'}{f', GEMMs leave {sms} SMs' if sms else ''}",
-              gib=gib, pipeline=True, sms=sms) for gib in (None, 2) for sms in (0, *CARVEOUTS)),
-    Variant("pipelined, chunk rows 256", rows=256, pipeline=True),
-    Variant(f"pipelined, chunk rows 256, GEMMs leave {CARVEOUTS[-1]} SMs", rows=256, pipeline=True,
-            sms=CARVEOUTS[-1]),
 )
 SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": 16, "gib": 1 / 4096, "repeats": 1}
 
 
 @contextlib.contextmanager
 def fused_knobs(variant: Variant):
-    """`fused_linear_loss`'s probe knobs (LOGITS_ROWS, PIPELINE, ROW_PASS_SMS) set as `variant` says while the
-    block runs, put back after it, also on an exception."""
+    """`fused_linear_loss`'s probe knob (LOGITS_ROWS) set as `variant` says while the block runs, put back after
+    it, also on an exception."""
     from erpo_kernels import fused_linear_loss
-    names = ("LOGITS_ROWS", "PIPELINE", "ROW_PASS_SMS")
+    names = ("LOGITS_ROWS",)
     saved = {name: getattr(fused_linear_loss, name) for name in names}
-    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows, variant.pipeline, variant.sms)
+    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows,)
     try:
         for name, value in zip(names, values):
             setattr(fused_linear_loss, name, value)
@@ -98,7 +77,7 @@ def fused_knobs(variant: Variant):
 
 def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
     """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
-    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, logits_buffers_for, workspace_of
+    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
 
     from .contenders import erpo_fused_with_workspace
 
@@ -112,8 +91,7 @@ def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) 
             torch.autograd.grad(prepared.run(), prepared.inputs)
 
         with fused_knobs(variant):
-            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False,
-                                logits_buffers_for(problem.hidden.dtype))
+            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
             timing = time_callable(step, device=device, warmup=warmup, reps=repeats)
         out.append((variant.name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
     return out
@@ -181,64 +159,6 @@ def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
     return out
 
 
-def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repeats: int) -> list:
-    """[(case, median ms)]: one chunk's forward and backward row kernels (Triton) alone; then per GEMM, one group's d
-    weight accumulation and the next chunk's logits GEMM: the GEMM alone, the two one after the other, and on two
-    streams (the row passes on the side stream, as the pipelined loop runs them), the GEMM alone and on two streams
-    also leaving each of CARVEOUTS SMs."""
-    from erpo_kernels.chunk_streams import sm_carveout
-    from erpo_kernels.fused_linear_loss import ROW_KERNELS
-    from erpo_kernels.validation import LogitTransform
-    d, v = shape.hidden, shape.vocab
-    kernels, transform = ROW_KERNELS["triton"], LogitTransform()
-    logits = torch.randn(chunk_rows, v, device=device) * 2
-    targets = torch.randint(0, v, (chunk_rows,), device=device)
-    stats = torch.empty(3, chunk_rows, device=device)
-    grad_logp, grad_entropy = torch.randn(chunk_rows, device=device), torch.zeros(chunk_rows, device=device)
-    store = torch.empty(chunk_rows, v, device=device, dtype=torch.bfloat16)
-    hidden = torch.randn(group_rows, d, device=device, dtype=torch.bfloat16)
-    next_hidden = torch.randn(chunk_rows, d, device=device, dtype=torch.bfloat16)
-    weight = torch.randn(v, d, device=device, dtype=torch.bfloat16) * 0.02
-    dlogits = torch.randn(group_rows, v, device=device, dtype=torch.bfloat16)
-    dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
-    next_logits = torch.empty(chunk_rows, v, device=device)
-    # the dry run: the CPU has no fp32 output for bf16 operands
-    fp32_output = {"out_dtype": torch.float32} if device.type == "cuda" else {}
-
-    def operand(t):
-        return t if fp32_output else t.float()
-
-    def row_passes():
-        logp, entropy, lse = stats.unbind(0)
-        kernels.forward(logits, targets, transform, (logp, entropy, lse))
-        kernels.backward_into(store, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
-
-    def d_weight():
-        torch.addmm(dweight, operand(dlogits.T), operand(hidden), out=dweight, **fp32_output)
-
-    def logits_gemm():
-        torch.mm(operand(next_hidden), operand(weight.T), out=next_logits, **fp32_output)
-
-    def under_carveout(gemm, sms):
-        def call():
-            with sm_carveout(sms):
-                gemm()
-        return call
-
-    cases = {f"row passes, {chunk_rows} rows": row_passes}
-    for gemm_name, gemm in ((f"d weight +=, {group_rows} rows", d_weight),
-                            (f"logits GEMM, {chunk_rows} rows", logits_gemm)):
-        one_stream, two_streams = one_and_two_streams(row_passes, gemm, device)
-        cases.update({gemm_name: gemm, f"{gemm_name} and row passes, one stream": one_stream,
-                      f"{gemm_name} and row passes, two streams": two_streams})
-        for sms in CARVEOUTS:
-            carved = under_carveout(gemm, sms)
-            cases[f"{gemm_name}, leaving {sms} SMs"] = carved
-            cases[f"{gemm_name} (leaving {sms} SMs) and row passes, two streams"] = one_and_two_streams(
-                row_passes, carved, device)[1]
-    return [(name, time_callable(fn, device=device, warmup=1, reps=repeats).median_ms) for name, fn in cases.items()]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.fused_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b")
@@ -278,12 +198,6 @@ def main(argv=None):
         lines += ["", f"One group's GEMMs, {group_rows} rows:", "", "| case | ms (median) |", "|---|---|"]
         for case, ms in group_gemms(shape, group_rows, device, repeats):
             lines.append(f"| {case} | {ms if isinstance(ms, str) else f'{ms:.3f}'} |")
-            print(lines[-1], flush=True)
-        chunk_rows = SMOKE["n"] if args.smoke else 512
-        lines += ["", "One chunk's row passes beside a GEMM (a group's d weight, the next chunk's logits):", "",
-                  "| case | ms (median) |", "|---|---|"]
-        for case, ms in row_passes_beside_gemm(shape, group_rows, chunk_rows, device, repeats):
-            lines.append(f"| {case} | {ms:.3f} |")
             print(lines[-1], flush=True)
         lines.append("")
         if on_cuda:
