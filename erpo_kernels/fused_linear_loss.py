@@ -220,6 +220,11 @@ def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, dev
 # Rows of a chunk when the dlogits have a store of their own: the logits GEMM [LOGITS_ROWS, D] x [D, V] is still
 # compute-bound (2 LOGITS_ROWS FLOPs per byte of the weight it reads) and leaves most of the budget to the store.
 LOGITS_ROWS = 512
+# A cap on the store's rows (None: none), the probe's knob for the group's geometry (bench.fused_probe sets it, as
+# it does LOGITS_ROWS; not public API). When set, the plan is chunks of LOGITS_ROWS rows beside a store of at most
+# GROUP_ROWS rows, whole chunks, whenever the budget holds one chunk there, even where the dlogits over the logits
+# would hold more rows: the d hidden GEMM's shape [G, V] x [V, D] is what a variant measures.
+GROUP_ROWS = None
 
 @dataclass(frozen=True)
 class Workspace:
@@ -237,16 +242,18 @@ def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch
                    kernels: RowKernels, workspace_bytes: int, batch_invariant: bool) -> Workspace:
     """The `Workspace` that gives the most rows per d weight accumulation within `workspace_bytes`: the dlogits over
     the logits (a row costs `logits_row_bytes` + `gradient_row_bytes`), or, when that holds fewer rows, chunks of
-    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`). Each count
-    at least 1 and at most N; with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
+    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`; at most
+    GROUP_ROWS rows when set, and then the store whenever it holds a chunk). Each count at least 1 and at most N;
+    with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
     item = dtype.itemsize
     logits_row = logits_row_bytes(vocab_size, kernels)
     gradient_row = gradient_row_bytes(vocab_size, hidden_dim, dtype, device)
     rows = max(num_rows, 1)
     in_place = min(rows, max(1, workspace_bytes // (logits_row + gradient_row)))
     chunk = _invariant_rows(min(LOGITS_ROWS, rows), batch_invariant)
-    group = min(rows, (workspace_bytes - chunk * logits_row) // (vocab_size * item + gradient_row)) // chunk * chunk
-    if group > in_place:
+    group = min(rows, (workspace_bytes - chunk * logits_row) // (vocab_size * item + gradient_row))
+    group = (group if GROUP_ROWS is None else min(group, GROUP_ROWS)) // chunk * chunk
+    if group > in_place or (GROUP_ROWS is not None and group > 0):
         return Workspace(chunk, group, True)
     in_place = _invariant_rows(in_place, batch_invariant)
     return Workspace(in_place, in_place, False)
