@@ -6,12 +6,11 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
 
 1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, every test's duration and the
    failures' one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts
-   no test late, so that the tier ends with its result line inside the stage's limit. The tier holds the pipelined
-   chunk loop's race check (tests/kernels/test_pipelined_chunks.py: bit for bit the serial loop on two CUDA streams).
+   no test late, so that the tier ends with its result line inside the stage's limit.
 2. probe: `python -m bench.fused_probe` at N=16384 on the Qwen2.5-7B and 32B lm_heads: ours on the fused path under
-   each variant (chunk rows, workspace, host layout, the pipelined chunk loop and its SM carveouts), one group's
-   GEMMs, one chunk's row passes beside a GEMM; its rows decide the fused path's next design (whether the pipelined
-   loop becomes the default). Its report is copied into summary.md (its rows, as it prints them, go to bench.log).
+   each variant (chunk rows, group rows, workspace, host layout), one group's d hidden and d weight GEMMs at each
+   group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
+   summary.md (its rows, as it prints them, go to bench.log).
 3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
    Liger.
 4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
@@ -72,10 +71,9 @@ KERNEL_TEST_TIMEOUT_S = 90  # one test (pytest-timeout), so that one hung test d
 KERNEL_SESSION_S = 150      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
 #                             result line and failures (the 4-worker run, killed at its limit, printed neither)
 KERNEL_LIMIT_S = 210        # the session's 150 s and the tests then running (the bench smoke's module fixture: >90 s)
-PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 33 s (the H100 at 55b63b0, its 7 variants then
-#                             and parts 2-3; bench/measured/h100-2026-11-26-55b63b0/), plus about 13 s for the 8
-#                             pipelined variants and part 3's carveout rows added since (their author's estimate, not
-#                             measured): 46 s, plus about a fifth
+PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the H200 at e17ad62, 15 variants and a
+#                             third part; bench/measured/h200-2026-11-27-e17ad62/), plus about a fifth; its 11
+#                             variants and two-GEMM part 2 since should take less (an estimate, not measured)
 PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
 PROBE_N = 16384                          # the targets' size
 LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
@@ -94,8 +92,9 @@ TARGET_RUNS = 1
 # The schedule's arithmetic, from the 60b3625 run's measured stage times (bench/measured/h100-2026-11-26-60b3625/
 # gpu_check.log, the H100; its stages then ran kernels, logits, train, profile, bench): the stages share DEADLINE_S
 # less SUMMARY_RESERVE_S = 545 s. At their measured times, in the order they now run: setup 1 + kernels 130 + probe
-# 46 (33 measured, 13 estimated) + bench 1 145 (125 measured, about 20 estimated for erpo-ws2g's rows) + logits 70 +
-# train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an estimate) = 461 s, leaving about 84 s
+# 42 (measured on the H200 at e17ad62 with 15 variants, now 11) + bench 1 145 (125 measured, about 20 estimated for
+# erpo-ws2g's rows) + logits 70 + train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an
+# estimate) = 457 s, leaving about 88 s
 # for bench 2 (19 s measured) and bench 3 (70 s measured: stopped at about 65 s, its rows kept as measured). Where
 # the first stages run to their limits instead, kernels 210 + probe 55 + bench 1 175 = 440 s (441 with the setup)
 # leave 104 s: the logits check within its 100 s, then the training and profile are not started (4 s left): the most
