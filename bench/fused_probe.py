@@ -1,35 +1,26 @@
-"""What the fused path's time depends on, in one short GPU run: its chunk rows and workspace, the trainer's
-`host_layout`, the pipelined chunk loop, and whether GEMMs and row passes gain from running side by side.
+"""Which group geometry makes the fused path fastest in its workspace, in one short GPU run: its chunk rows, its
+group rows and workspace, the trainer's `host_layout`, and one group's GEMMs at each group size.
 
     python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md
     TRITON_INTERPRET=1 python -m bench.fused_probe --smoke --out DIR                    # CPU, tiny: the dry run
 
 Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem,
 1024 rows a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits
-store (`fused_linear_loss.LOGITS_ROWS`, set for the variant's calls), the workspace budget, the layout in host
-memory as erpo's trainer passes it, and the pipelined chunk loop (`fused_linear_loss.PIPELINE`: chunk c's row work
-on a side stream beside chunk c + 1's logits GEMM, two fp32 logits buffers in the budget), its logits GEMMs leaving
-k SMs to the row kernels (`fused_linear_loss.ROW_PASS_SMS`, cuBLASLt's SM carveout), at 1 GiB and 2 GiB, and with
-256-row chunks (whose groups in 1 GiB hold 2304 rows, against 1024 beside 512-row chunks). Each row says how
-`plan_workspace` spent the budget (chunk rows, group rows). The pipelined variants decide the default: one that
-beats "library default" at 1 GiB on both shapes becomes it. Cost, an estimate from the 55b63b0 run (33 s for both
-shapes, 7 variants and parts 2-3; not timed per variant): a variant is 7 calls (2 warm-up, 5 timed) of about 95 ms
-(7b) and 130 ms (32b), so about 1.6 s for both shapes; the 8 pipelined ones add about 13 s.
+store (`fused_linear_loss.LOGITS_ROWS`) and a cap on the store's rows (`fused_linear_loss.GROUP_ROWS`, whole
+chunks), both set for the variant's calls, the workspace budget, the layout in host memory as erpo's trainer
+passes it. Each row says how `plan_workspace` spent the budget (chunk rows, group rows). The question: which group
+geometry is fastest at the 1 GiB default. In the H200 run of 2026-11-27 bigger groups helped (2 GiB's groups of
+5632 rows: 90.0 ms against the default's 93.2 at 7b; 256-row chunks with groups of 2304 beat 512-row ones with
+1024 in the pipelined loop since dropped), but 384-row chunks with groups of 2688 were slower (94.5 ms): in 1 GiB,
+chunk rows 256 give groups of 2816 and 384 give 2688 (7b) or 2304 (32b), and the capped variants hold the group
+at 2304 beside 256- or 384-row chunks and at 1536 beside the default's 512 (bench/RESULTS.md, the H200 lease of
+2026-11-27). A variant is 7 calls (2 warm-up, 5 timed) of about 93 ms (7b) and 133 ms (32b).
 
-Part 2, per shape: one group's d hidden and d weight GEMMs (`--group-rows` rows of bf16 dlogits, the fused path's
-calls: `mm` into d hidden, `addmm` into the fp32 [V, D] accumulator) one after the other on one stream, against
-the two on two streams (d hidden on a side stream, joined by events), and d hidden split over the vocabulary into
-4 GEMMs of one batched call (`baddbmm`-free: `bmm` then a sum): the d hidden GEMM has few output tiles ([G, D]) for
-its long reduction, so part of its last wave idles. Two more d weight cases price the fp32 accumulator: written
-with beta 0 (the first group's call: the accumulator is not read), and accumulated transposed ([D, V] += hidden^T @
-dlogits, another cuBLAS kernel choice, which the backward's rounding pass could transpose back).
-
-Part 3, per shape: one chunk's row passes (the fused path's forward and backward row kernels on a [512, V] fp32
-logits buffer, its dlogits into a bf16 store) beside a compute-bound GEMM, one group's d weight accumulation or
-the next chunk's logits GEMM ([512, D] x [D, V], fp32 output: what the pipelined loop runs them beside), on one
-stream and on two, the GEMM also leaving k SMs (`chunk_streams.sm_carveout`): whether the memory-bound row passes
-hide behind the GEMM. The GEMM alone under each carveout says whether cuBLAS heeded it (cuBLASLt does, cuBLAS's
-other kernels do not: the same time with and without means the carveout rows measured nothing).
+Part 2, per shape: one group's d hidden GEMM ([G, V] x [V, D] into [G, D] bf16, `mm`) and d weight accumulation
+([V, G] x [G, D] added into the fp32 [V, D] accumulator, `addmm`), the fused path's calls, at each of `--group-rows`
+rows G, with each time per 1000 rows: whether the GEMMs' rate depends on G beyond its size (one hypothesis, not a
+fact: the d hidden GEMM's few output tiles, [G, D] in 256 x 128 tiles over an H100's or H200's 132 SMs, fill 1.70
+waves at G = 2048 and D = 3584, 1.91 at 2304, 2.33 at 2688).
 
 Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
 choosing what to build, the bench is the measurement.
@@ -50,43 +41,41 @@ GIB = 1 << 30
 
 
 class Variant(NamedTuple):
-    """One row of part 1: rows, LOGITS_ROWS (None: the library's); gib, the workspace (None: the library's);
-    host_layout, the trainer's call; pipeline, PIPELINE; sms, ROW_PASS_SMS."""
+    """One row of part 1: rows, LOGITS_ROWS (None: the library's); group, GROUP_ROWS (None: no cap); gib, the
+    workspace (None: the library's); host_layout, the trainer's call."""
 
     name: str
     rows: Optional[int] = None
+    group: Optional[int] = None
     gib: Optional[float] = None
     host_layout: bool = False
-    pipeline: bool = False
-    sms: int = 0
 
 
-CARVEOUTS = (16, 32)  # SMs the pipelined loop's logits GEMMs leave to the row kernels (of an H100's 132)
 VARIANTS = (
     Variant("library default"),
     Variant("host layout (the trainer's call)", host_layout=True),
+    Variant("chunk rows 256", rows=256),
+    Variant("chunk rows 256, group 2304", rows=256, group=2304),
     Variant("chunk rows 384", rows=384),
+    Variant("chunk rows 384, group 2304", rows=384, group=2304),
+    Variant("chunk rows 512, group 1536", rows=512, group=1536),
     Variant("chunk rows 768", rows=768),
     Variant("chunk rows 1024", rows=1024),
     Variant("workspace 2 GiB", gib=2),
     Variant("workspace 4 GiB", gib=4),
-    *(Variant(f"pipelined{'' if gib is None else ', workspace 2 GiB'}{f', GEMMs leave {sms} SMs' if sms else ''}",
-              gib=gib, pipeline=True, sms=sms) for gib in (None, 2) for sms in (0, *CARVEOUTS)),
-    Variant("pipelined, chunk rows 256", rows=256, pipeline=True),
-    Variant(f"pipelined, chunk rows 256, GEMMs leave {CARVEOUTS[-1]} SMs", rows=256, pipeline=True,
-            sms=CARVEOUTS[-1]),
 )
-SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": 16, "gib": 1 / 4096, "repeats": 1}
+GROUP_ROWS = "1536,2048,2304,2560,2816"  # part 2's group sizes: the 1 GiB default's 2048 and its neighbours
+SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": "8,16", "gib": 1 / 4096, "repeats": 1}
 
 
 @contextlib.contextmanager
 def fused_knobs(variant: Variant):
-    """`fused_linear_loss`'s probe knobs (LOGITS_ROWS, PIPELINE, ROW_PASS_SMS) set as `variant` says while the
-    block runs, put back after it, also on an exception."""
+    """`fused_linear_loss`'s probe knobs (LOGITS_ROWS, GROUP_ROWS) set as `variant` says while the block runs, put
+    back after it, also on an exception."""
     from erpo_kernels import fused_linear_loss
-    names = ("LOGITS_ROWS", "PIPELINE", "ROW_PASS_SMS")
+    names = ("LOGITS_ROWS", "GROUP_ROWS")
     saved = {name: getattr(fused_linear_loss, name) for name in names}
-    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows, variant.pipeline, variant.sms)
+    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows, variant.group)
     try:
         for name, value in zip(names, values):
             setattr(fused_linear_loss, name, value)
@@ -98,7 +87,7 @@ def fused_knobs(variant: Variant):
 
 def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
     """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
-    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, logits_buffers_for, workspace_of
+    from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
 
     from .contenders import erpo_fused_with_workspace
 
@@ -112,138 +101,50 @@ def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) 
             torch.autograd.grad(prepared.run(), prepared.inputs)
 
         with fused_knobs(variant):
-            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False,
-                                logits_buffers_for(problem.hidden.dtype))
+            plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
             timing = time_callable(step, device=device, warmup=warmup, reps=repeats)
         out.append((variant.name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
     return out
 
 
-def one_and_two_streams(side_work, main_work, device):
-    """(one_stream, two_streams): callables that run side_work then main_work on the current stream, and the two side
-    by side, side_work on a side stream joined by events (on the CPU, the dry run, one stream both times)."""
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def one_stream():
-        side_work()
-        main_work()
-
-    def two_streams():
-        if side is None:  # the dry run: no streams on the CPU
-            return one_stream()
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            side_work()
-        main_work()
-        torch.cuda.current_stream(device).wait_stream(side)
-
-    return one_stream, two_streams
-
-
-def group_gemms(shape, group_rows: int, device, repeats: int) -> list:
-    """[(case, median ms)] of one group's d hidden and d weight GEMMs, on one stream, on two, d hidden split 4-way."""
+def group_gemms(shape, group_rows: list, device, repeats: int) -> list:
+    """[(G, d hidden median ms, d weight += median ms)] of one group's two GEMMs at each G of group_rows (a case
+    this torch refuses, as the CPU does some: its error, in place of the ms)."""
     d, v = shape.hidden, shape.vocab
-    dtype = torch.bfloat16
-    hidden = torch.randn(group_rows, d, device=device, dtype=dtype)
+    dtype, most = torch.bfloat16, max(group_rows)
+    hidden = torch.randn(most, d, device=device, dtype=dtype)
     weight = torch.randn(v, d, device=device, dtype=dtype) * 0.02
-    dlogits = torch.randn(group_rows, v, device=device, dtype=dtype)
-    dhidden = torch.empty(group_rows, d, device=device, dtype=dtype)
+    dlogits = torch.randn(most, v, device=device, dtype=dtype)
+    dhidden = torch.empty(most, d, device=device, dtype=dtype)
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
-    dweight_t = torch.zeros(d, v, device=device, dtype=torch.float32)
-    split = 4 if v % 4 == 0 else 1
-
-    def d_hidden():
-        torch.mm(dlogits, weight, out=dhidden)
-
-    def d_weight(beta: float = 1.0):
-        torch.addmm(dweight, dlogits.T, hidden, beta=beta, out_dtype=torch.float32, out=dweight)
-
-    def d_weight_transposed():
-        torch.addmm(dweight_t, hidden.T, dlogits, out_dtype=torch.float32, out=dweight_t)
-
-    one_stream, two_streams = one_and_two_streams(d_hidden, d_weight, device)
-
-    def d_hidden_split():
-        parts = torch.bmm(dlogits.view(group_rows, split, v // split).transpose(0, 1),
-                          weight.view(split, v // split, d), out_dtype=torch.float32)
-        torch.sum(parts, dim=0, out=dhidden)
-
-    cases = {"d hidden": d_hidden, "d weight += (fp32)": d_weight,
-             "d weight = (fp32, beta 0: the accumulator not read)": lambda: d_weight(beta=0.0),
-             "d weight^T += (fp32, a [D, V] accumulator)": d_weight_transposed, "both, one stream": one_stream,
-             "both, two streams": two_streams, f"d hidden, {split} vocabulary slices (bmm, sum)": d_hidden_split}
     out = []
-    for name, fn in cases.items():
-        try:
-            out.append((name, time_callable(fn, device=device, warmup=2, reps=repeats).median_ms))
-        except (RuntimeError, TypeError) as error:  # an overload this torch lacks: say so, go on
-            out.append((name, f"{type(error).__name__}: {str(error)[:80]}"))
+    for rows in group_rows:
+        def d_hidden(rows=rows):
+            torch.mm(dlogits[:rows], weight, out=dhidden[:rows])
+
+        def d_weight(rows=rows):
+            torch.addmm(dweight, dlogits[:rows].T, hidden[:rows], out_dtype=torch.float32, out=dweight)
+
+        times = []
+        for fn in (d_hidden, d_weight):
+            try:
+                times.append(time_callable(fn, device=device, warmup=2, reps=repeats).median_ms)
+            except (RuntimeError, TypeError) as error:  # an overload this torch lacks: say so, go on
+                times.append(f"{type(error).__name__}: {str(error)[:80]}")
+        out.append((rows, *times))
     return out
 
 
-def row_passes_beside_gemm(shape, group_rows: int, chunk_rows: int, device, repeats: int) -> list:
-    """[(case, median ms)]: one chunk's forward and backward row kernels (Triton) alone; then per GEMM, one group's d
-    weight accumulation and the next chunk's logits GEMM: the GEMM alone, the two one after the other, and on two
-    streams (the row passes on the side stream, as the pipelined loop runs them), the GEMM alone and on two streams
-    also leaving each of CARVEOUTS SMs."""
-    from erpo_kernels.chunk_streams import sm_carveout
-    from erpo_kernels.fused_linear_loss import ROW_KERNELS
-    from erpo_kernels.validation import LogitTransform
-    d, v = shape.hidden, shape.vocab
-    kernels, transform = ROW_KERNELS["triton"], LogitTransform()
-    logits = torch.randn(chunk_rows, v, device=device) * 2
-    targets = torch.randint(0, v, (chunk_rows,), device=device)
-    stats = torch.empty(3, chunk_rows, device=device)
-    grad_logp, grad_entropy = torch.randn(chunk_rows, device=device), torch.zeros(chunk_rows, device=device)
-    store = torch.empty(chunk_rows, v, device=device, dtype=torch.bfloat16)
-    hidden = torch.randn(group_rows, d, device=device, dtype=torch.bfloat16)
-    next_hidden = torch.randn(chunk_rows, d, device=device, dtype=torch.bfloat16)
-    weight = torch.randn(v, d, device=device, dtype=torch.bfloat16) * 0.02
-    dlogits = torch.randn(group_rows, v, device=device, dtype=torch.bfloat16)
-    dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
-    next_logits = torch.empty(chunk_rows, v, device=device)
-    # the dry run: the CPU has no fp32 output for bf16 operands
-    fp32_output = {"out_dtype": torch.float32} if device.type == "cuda" else {}
-
-    def operand(t):
-        return t if fp32_output else t.float()
-
-    def row_passes():
-        logp, entropy, lse = stats.unbind(0)
-        kernels.forward(logits, targets, transform, (logp, entropy, lse))
-        kernels.backward_into(store, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
-
-    def d_weight():
-        torch.addmm(dweight, operand(dlogits.T), operand(hidden), out=dweight, **fp32_output)
-
-    def logits_gemm():
-        torch.mm(operand(next_hidden), operand(weight.T), out=next_logits, **fp32_output)
-
-    def under_carveout(gemm, sms):
-        def call():
-            with sm_carveout(sms):
-                gemm()
-        return call
-
-    cases = {f"row passes, {chunk_rows} rows": row_passes}
-    for gemm_name, gemm in ((f"d weight +=, {group_rows} rows", d_weight),
-                            (f"logits GEMM, {chunk_rows} rows", logits_gemm)):
-        one_stream, two_streams = one_and_two_streams(row_passes, gemm, device)
-        cases.update({gemm_name: gemm, f"{gemm_name} and row passes, one stream": one_stream,
-                      f"{gemm_name} and row passes, two streams": two_streams})
-        for sms in CARVEOUTS:
-            carved = under_carveout(gemm, sms)
-            cases[f"{gemm_name}, leaving {sms} SMs"] = carved
-            cases[f"{gemm_name} (leaving {sms} SMs) and row passes, two streams"] = one_and_two_streams(
-                row_passes, carved, device)[1]
-    return [(name, time_callable(fn, device=device, warmup=1, reps=repeats).median_ms) for name, fn in cases.items()]
+def gemm_cells(ms, rows: int) -> str:
+    """A part 2 time's two cells: ms and ms per 1000 rows ("-" for a refused case's)."""
+    return f"{ms} | -" if isinstance(ms, str) else f"{ms:.3f} | {ms * 1000 / rows:.3f}"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.fused_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b")
     parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--group-rows", type=int, default=2048, help="part 2's rows of dlogits (the 1 GiB group)")
+    parser.add_argument("--group-rows", default=GROUP_ROWS, help="part 2's group sizes G, a comma list")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, Triton interpreter: a dry run")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if any)")
@@ -256,7 +157,7 @@ def main(argv=None):
     device = torch.device("cuda" if on_cuda else "cpu")
     shapes = [SMOKE["shape"]] if args.smoke else args.shapes.split(",")
     n, per_sample = (SMOKE["n"], SMOKE["rows_per_sample"]) if args.smoke else (args.n, 1024)
-    group_rows = SMOKE["group_rows"] if args.smoke else args.group_rows
+    group_rows = [int(rows) for rows in (SMOKE["group_rows"] if args.smoke else args.group_rows).split(",")]
     repeats, warmup = (SMOKE["repeats"], 0) if args.smoke else (args.repeats, 2)
     name = torch.cuda.get_device_name() if on_cuda else "CPU dry run"
     lines = [f"# The fused path's variants ({name}, N={n}, bf16)", "",
@@ -275,15 +176,11 @@ def main(argv=None):
         del problem
         if on_cuda:
             torch.cuda.empty_cache()
-        lines += ["", f"One group's GEMMs, {group_rows} rows:", "", "| case | ms (median) |", "|---|---|"]
-        for case, ms in group_gemms(shape, group_rows, device, repeats):
-            lines.append(f"| {case} | {ms if isinstance(ms, str) else f'{ms:.3f}'} |")
-            print(lines[-1], flush=True)
-        chunk_rows = SMOKE["n"] if args.smoke else 512
-        lines += ["", "One chunk's row passes beside a GEMM (a group's d weight, the next chunk's logits):", "",
-                  "| case | ms (median) |", "|---|---|"]
-        for case, ms in row_passes_beside_gemm(shape, group_rows, chunk_rows, device, repeats):
-            lines.append(f"| {case} | {ms:.3f} |")
+        lines += ["", "One group's GEMMs by its rows G:", "",
+                  "| G | d hidden ms (median) | d hidden ms per 1000 rows | d weight += ms (median) | "
+                  "d weight += ms per 1000 rows |", "|---|---|---|---|---|"]
+        for rows, d_hidden_ms, d_weight_ms in group_gemms(shape, group_rows, device, repeats):
+            lines.append(f"| {rows} | {gemm_cells(d_hidden_ms, rows)} | {gemm_cells(d_weight_ms, rows)} |")
             print(lines[-1], flush=True)
         lines.append("")
         if on_cuda:

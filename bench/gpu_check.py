@@ -7,12 +7,11 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
 1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, its slowest files first and its
    cpu_only tests (on the CPU whatever the machine: CI runs them) left out, every test's duration and the failures'
    one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts no test
-   late, so that the tier ends with its result line inside the stage's limit. The tier holds the pipelined chunk
-   loop's race check (tests/kernels/test_pipelined_chunks.py: bit for bit the serial loop on two CUDA streams).
+   late, so that the tier ends with its result line inside the stage's limit.
 2. probe: `python -m bench.fused_probe` at N=16384 on the Qwen2.5-7B and 32B lm_heads: ours on the fused path under
-   each variant (chunk rows, workspace, host layout, the pipelined chunk loop and its SM carveouts), one group's
-   GEMMs, one chunk's row passes beside a GEMM; its rows decide the fused path's next design (whether the pipelined
-   loop becomes the default). Its report is copied into summary.md (its rows, as it prints them, go to bench.log).
+   each variant (chunk rows, group rows, workspace, host layout), one group's d hidden and d weight GEMMs at each
+   group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
+   summary.md (its rows, as it prints them, go to bench.log).
 3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
    Liger.
 4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
@@ -74,19 +73,19 @@ KERNEL_TIER = "tests/kernels"
 # compile checks (3 tests, 122 s: the logits one stopped at 90 s, 30 s alone right after, its Triton cache then warm),
 # the bench smoke (its run, a module fixture: 132 s) and bench.host_cost's runs (74 s), which outlasted the session.
 # So: the tests that run ours on the CPU in Triton's interpreter whatever the machine (the bench smoke's run,
-# bench.host_cost's, one interpreter check: 221 s of the tier there) are cpu_only, run by CI, left out here
+# bench.host_cost's, one interpreter check: 211 s of the tier there) are cpu_only, run by CI, left out here
 # (KERNEL_MARKS), and with them the CPU they took from the compile checks (the smoke's Inductor builds among it);
 # the two compile checks are a file each (test_compile_hopper.py, test_compile_hopper_fused.py) and start first, on
 # two workers, the other slow files after them (KERNEL_FILES_FIRST, the command line's order, which
 # --no-loadscope-reorder, new in xdist 3.8.0, keeps). The tier then lasts about as long as the logits compile check
 # (cold: about 47 s of CPU on this project's CPU, more than 90 s there beside 11 workers), if the rest fits beside it:
-# the 1023 tests left took 383 s there in its 165 tests of 1 s or more, besides 855 tests under 1 s (the log lists
-# none of them: at an assumed 0.1 s each, 469 s in all).
+# the 993 other tests left (the pipelined chunk loop's have gone since) took 366 s there in their 158 tests of 1 s
+# or more, besides 835 tests under 1 s (the log lists none of them: at an assumed 0.1 s each, 449 s in all).
 KERNEL_WORKERS = 10         # pytest-xdist processes sharing the GPU and the machine's 16 cores: with the compile checks
-#                             on 2 of them, the other 469 s on 9 take about 52 s, but one file cannot be shared:
+#                             on 2 of them, the other 449 s on 9 take about 50 s, but one file cannot be shared:
 #                             test_objective_kernels.py, about 74 s in all, which starts right after the checks.
-#                             Handing these files' times out in this order, all but the logits check end by 74 s on 9
-#                             to 12 workers (77 s on 8), under that check (2026-11-27: more than 90 s). So 10: 2
+#                             Handing these files' times out in this order, all but the logits check end by 74 s on 8
+#                             to 12 workers, under that check (2026-11-27: more than 90 s). So 10: 2
 #                             CPU-bound processes fewer beside the logits check than 2026-11-27's 12, no later end.
 #                             (The H100's runs of 2026-11-26, in xdist's own order: 4 workers passed 150 s at about
 #                             95 % of the tier, 6 took 187 s.)
@@ -113,10 +112,9 @@ KERNEL_FILES_FIRST = (      # the files that start first, slowest first (there, 
     "test_padded.py",                 # 27 s
     "test_triton_logits.py",          # 25 s: the last of them alphabetically, so not left to end the tier
 )
-PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 33 s (the H100 at 55b63b0, its 7 variants then
-#                             and parts 2-3; bench/measured/h100-2026-11-26-55b63b0/), plus about 13 s for the 8
-#                             pipelined variants and part 3's carveout rows added since (their author's estimate, not
-#                             measured): 46 s, plus about a fifth
+PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the H200 at e17ad62, 15 variants and a
+#                             third part; bench/measured/h200-2026-11-27-e17ad62/), plus about a fifth; its 11
+#                             variants and two-GEMM part 2 since should take less (an estimate, not measured)
 PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
 PROBE_N = 16384                          # the targets' size
 LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
@@ -135,8 +133,9 @@ TARGET_RUNS = 1
 # The schedule's arithmetic, from the 60b3625 run's measured stage times (bench/measured/h100-2026-11-26-60b3625/
 # gpu_check.log, the H100; its stages then ran kernels, logits, train, profile, bench): the stages share DEADLINE_S
 # less SUMMARY_RESERVE_S = 545 s. At their measured times, in the order they now run: setup 1 + kernels 130 + probe
-# 46 (33 measured, 13 estimated) + bench 1 145 (125 measured, about 20 estimated for erpo-ws2g's rows) + logits 70 +
-# train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an estimate) = 461 s, leaving about 84 s
+# 42 (measured on the H200 at e17ad62 with 15 variants, now 11) + bench 1 145 (125 measured, about 20 estimated for
+# erpo-ws2g's rows) + logits 70 + train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an
+# estimate) = 457 s, leaving about 88 s
 # for bench 2 (19 s measured) and bench 3 (70 s measured: stopped at about 65 s, its rows kept as measured). Where
 # the first stages run to their limits instead, kernels 210 + probe 55 + bench 1 175 = 440 s (441 with the setup)
 # leave 104 s: the logits check within its 100 s, then the training and profile are not started (4 s left): the most

@@ -4,7 +4,6 @@ GPU) of each phase, on a small lm_head cut into the chunks and groups of a real 
 
     python -m bench.host_cost --path fused                      # N=16384, the plan of qwen2.5-7b in 1 GiB
     python -m bench.host_cost --path fused --like qwen2.5-32b --workspace-gib 4 --json out.json
-    python -m bench.host_cost --path fused --pipeline           # the pipelined chunk loop (fused_linear_loss.PIPELINE)
 
 The problem is bench.problem's (samples of --rows-per-sample rows, a quarter of them query rows, bf16) with a tiny
 D and V, and a workspace budget chosen so that the chunks and groups are those that `--like`'s lm_head gets on a
@@ -15,13 +14,7 @@ for a CUDA launch's host time), and Triton's own launch path is not in the times
 counted by the tests' LaunchCounter (tests/support/launch_counts.py) in one call apart from the timed ones.
 
 Phases are exclusive: a phase's time and counts leave out those of the phases called inside it ("chunk" leaves out
-the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). The chunk loop is the one
-the knob selects: by default the serial loop, timed per chunk ("chunk": `ChunkPass.run`, one call a chunk); with
---pipeline `fused_linear_loss.PIPELINE` is set for the run (the plan then counts a second logits buffer, as on a
-GPU) and its loop, `run_pipelined`, is timed whole ("pipelined chunk loop", one call: the loop body's slicing,
-events, group planning and both queues' work, which off CUDA runs as it is queued), less the group GEMMs; the
-per-chunk line divides each loop's time by the chunks (counted as `ChunkPass.row_forward`'s calls, once a chunk in
-either loop). What the GPU waits for:
+the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). What the GPU waits for:
 on a GPU each host read blocks the host until the queue drains, so the host time after a read, until the next
 kernel is queued, is GPU idle time (the validation's read, then the op setup and the chunk plan after the layout
 read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
@@ -60,11 +53,6 @@ FUSED_PHASES = [
     ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.run_group"),
     ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),
 ]
-# The chunk loop's phase (replacing FUSED_PHASES' "chunk" entry) by the PIPELINE knob: the serial loop's per chunk,
-# the pipelined loop whole (no function of its runs once a chunk on the host alone)
-CHUNK_LOOPS = {False: ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
-               True: ("pipelined chunk loop", "erpo_kernels.fused_linear_loss:run_pipelined")}
-CHUNK_ROWS_PASS = "erpo_kernels.fused_linear_loss:ChunkPass.row_forward"  # once a chunk, in either loop
 CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"  # a chunk's forward row kernel queued
 ENTRY, BACKWARD = "entry", "autograd backward"
 MEASURES = ("us", "aten", "triton", "reads")
@@ -74,11 +62,7 @@ MEASURES = ("us", "aten", "triton", "reads")
 READ_LATER_USERS = ("erpo_kernels.validation", "erpo_kernels.fused_linear_loss")
 LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
 GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.run_group"
-
-
-def fused_phases(pipeline: bool) -> list:
-    """FUSED_PHASES with the chunk loop's phase of that knob (CHUNK_LOOPS)."""
-    return [CHUNK_LOOPS[pipeline] if phase == "chunk" else (phase, target) for phase, target in FUSED_PHASES]
+CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
 
 
 def launch_counter():
@@ -150,11 +134,10 @@ class ReadTimeline:
     not wait for) while the host works on, until the host queues more: what the read costs in idle GPU time is the
     host's time from the read's return to the next long kernel beyond what that queued work covers. Times are the
     host's (us since an arbitrary origin); `counter` (a LaunchCounter), when set, also gives the launches queued
-    between each read's copy and its return; `pipeline`: the loop whose first call starts the chunk loop
-    (CHUNK_LOOPS)."""
+    between each read's copy and its return."""
 
-    def __init__(self, counter=None, pipeline: bool = False):
-        self.counter, self.chunk_loop = counter, CHUNK_LOOPS[pipeline][1]
+    def __init__(self, counter=None):
+        self.counter = counter
         self.reads = []  # per read: {"copy", "return"} us and the launches counted at each
         self.gemms = []  # (us once queued, GEMMs x rows: the FLOPs over 2 D V)
         self.loop_start = self.first_forward = None  # us: the chunk loop's start, the first chunk's forward row kernel
@@ -203,7 +186,7 @@ class ReadTimeline:
 
         targets = [("read", importlib.import_module(module), "read_later") for module in READ_LATER_USERS]
         targets += [(point, *_resolve(target)) for point, target in (("logits", LOGITS_GEMM), ("group", GROUP_GEMMS),
-                                                                     ("loop", self.chunk_loop),
+                                                                     ("loop", CHUNK_LOOP),
                                                                      ("forward", CHUNK_FORWARD))]
         return wrapped_attributes(targets, wrap)
 
@@ -240,10 +223,10 @@ def _one_call(prepared, meter: PhaseMeter, timeline: ReadTimeline) -> None:
 
 
 def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, like_vocab: int,
-                    workspace_bytes: int, dtype: torch.dtype, logits_buffers: int = 1):
+                    workspace_bytes: int, dtype: torch.dtype):
     """(budget bytes, Workspace): the workspace_bytes whose plan for N rows of the small lm_head [vocab, hidden] on
     the CPU has the chunk and group rows that `plan_workspace` gives [like_vocab, like_hidden] on CUDA in
-    workspace_bytes, with `logits_buffers` fp32 logits buffers (2: the pipelined loop's)."""
+    workspace_bytes."""
     from erpo_kernels.fused_linear_loss import (
         ROW_KERNELS,
         gradient_row_bytes,
@@ -252,52 +235,30 @@ def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, li
     )
     kernels, cpu = ROW_KERNELS["triton"], torch.device("cpu")
     target = plan_workspace(num_rows, like_hidden, like_vocab, dtype, torch.device("cuda"), kernels,
-                            workspace_bytes, False, logits_buffers)
+                            workspace_bytes, False)
     gradient_row = gradient_row_bytes(vocab, hidden, dtype, cpu)
-    logits_row = logits_row_bytes(vocab, kernels, logits_buffers)
+    logits_row = logits_row_bytes(vocab, kernels)
     if target.separate_store:
         budget = target.chunk_rows * logits_row + target.group_rows * (vocab * dtype.itemsize + gradient_row)
     else:
         budget = target.chunk_rows * (logits_row + gradient_row)
-    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False, logits_buffers)
+    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False)
     if small != target:
         raise SystemExit(f"no budget gives the small lm_head the plan {target} (it gets {small})")
     return budget, target
 
 
-@contextlib.contextmanager
-def chunk_loop_knob(pipeline: bool):
-    """Within the block `fused_linear_loss.PIPELINE` is `pipeline` (the loop the loss runs); restored on exit."""
-    from erpo_kernels import fused_linear_loss
-    saved, fused_linear_loss.PIPELINE = fused_linear_loss.PIPELINE, pipeline
-    try:
-        yield
-    finally:
-        fused_linear_loss.PIPELINE = saved
-
-
 def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int,
-                  warmup: int, host_layout: bool = False, pipeline: bool = False) -> dict:
-    """Per phase (`fused_phases(pipeline)`, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call,
-    and aten launches, Triton launches and host reads per call; with the plan's chunks and groups and the chunk
-    loop's phase ("loop"). host_layout: the loss is given the rows' layout in host memory (a trainer's way);
-    pipeline: the loss runs the pipelined chunk loop (`fused_linear_loss.PIPELINE`), the plan with its two logits
-    buffers."""
-    with chunk_loop_knob(pipeline):
-        return _measure_fused(num_rows, rows_per_sample, like, workspace_gib, reps, warmup, host_layout, pipeline)
-
-
-def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int, warmup: int,
-                   host_layout: bool, pipeline: bool) -> dict:
-    from erpo_kernels.fused_linear_loss import logits_buffers_for
-
+                  warmup: int, host_layout: bool = False) -> dict:
+    """Per phase (FUSED_PHASES, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call, and aten
+    launches, Triton launches and host reads per call; with the plan's chunks and groups. host_layout: the loss is
+    given the rows' layout in host memory (a trainer's way)."""
     from .contenders import ERPO_OPTIONS, erpo_fused_with_workspace
     from .problem import Shape, build_problem, parse_shape
     like_shape = parse_shape(like)
     dtype = torch.bfloat16
-    phases_timed, (loop, _) = fused_phases(pipeline), CHUNK_LOOPS[pipeline]
     budget, workspace = matching_budget(num_rows, SMALL_HIDDEN, SMALL_VOCAB, like_shape.hidden, like_shape.vocab,
-                                        int(workspace_gib * 2**30), dtype, logits_buffers_for(dtype))
+                                        int(workspace_gib * 2**30), dtype)
     problem = build_problem("fused", Shape(f"D={SMALL_HIDDEN},V={SMALL_VOCAB}", SMALL_HIDDEN, SMALL_VOCAB),
                             num_rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
                             device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
@@ -308,8 +269,8 @@ def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib
     per_rep, reads_per_rep = defaultdict(list), []
     with StubbedTriton():
         for rep in range(warmup + reps):
-            meter, timeline = PhaseMeter(), ReadTimeline(pipeline=pipeline)
-            with metered(meter, phases_timed):
+            meter, timeline = PhaseMeter(), ReadTimeline()
+            with metered(meter):
                 _one_call(prepared, meter, timeline)
             if rep >= warmup:
                 for phase, amounts in meter.totals.items():
@@ -317,22 +278,13 @@ def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib
                 per_rep["total"].append(sum(amounts["us"] for amounts in meter.totals.values()))
                 reads_per_rep.append(timeline.summary(like_shape.hidden, like_shape.vocab))
         counting = PhaseMeter(launch_counter())
-        counted_reads = ReadTimeline(counting.counter, pipeline)
+        counted_reads = ReadTimeline(counting.counter)
         if layout is not None:
             counting.counter.host_memory(layout)  # on the CPU, else taken for a device tensor
-        chunks = []  # one entry per chunk's row pass (CHUNK_ROWS_PASS), in either loop
-
-        def count_chunks(_phase, function):
-            def row_forward(*args, **kwargs):
-                chunks.append(None)
-                return function(*args, **kwargs)
-            return row_forward
-
-        with counting.counter, metered(counting, phases_timed), \
-                wrapped_attributes([(None, *_resolve(CHUNK_ROWS_PASS))], count_chunks):
+        with counting.counter, metered(counting):
             _one_call(prepared, counting, counted_reads)
     phases = {}
-    for phase in [ENTRY, *(name for name, _ in phases_timed), BACKWARD]:
+    for phase in [ENTRY, *(name for name, _ in FUSED_PHASES), BACKWARD]:
         counts = counting.totals.get(phase, dict.fromkeys(MEASURES, 0))
         phases[phase] = {"calls": counting.calls[phase], "us": statistics.median(per_rep[phase]),
                          **{m: counts[m] for m in ("aten", "triton", "reads")}}
@@ -343,7 +295,7 @@ def _measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib
         timed = [rep[number] for rep in reads_per_rep]
         reads.append({**counted, **{key: _median_or_none([row[key] for row in timed])
                                     for key in ("us to next GEMM", "us to first row kernel", "us to chunk loop")}})
-    return {"phases": phases, "reads": reads, "loop": loop, "chunks": len(chunks),
+    return {"phases": phases, "reads": reads, "chunks": counting.calls["chunk"],
             "groups": counting.calls["group GEMMs"], "chunk_rows": workspace.chunk_rows,
             "group_rows": workspace.group_rows, "budget_bytes": budget}
 
@@ -354,15 +306,14 @@ def _median_or_none(values: list):
 
 
 def markdown_fused(result: dict) -> str:
-    """One row per phase: calls, host us per call and each, launches and reads each; then the per-chunk line (the
-    chunk loop's phase, `result["loop"]`, and the group GEMMs over the chunks)."""
+    """One row per phase: calls, host us per call and each, launches and reads each; then the per-chunk line."""
     lines = ["| phase | calls per fwd+bwd | host us per call (median) | us each | aten launches each | "
              "Triton launches each | host reads each |", "|---|---|---|---|---|---|---|"]
     for phase, row in result["phases"].items():
         calls = row["calls"] or 1
         lines.append(f"| {phase} | {row['calls']} | {row['us']:.0f} | {row['us'] / calls:.1f} | "
                      f"{row['aten'] / calls:g} | {row['triton'] / calls:g} | {row['reads'] / calls:g} |")
-    chunk, group = result["phases"][result["loop"]], result["phases"]["group GEMMs"]
+    chunk, group = result["phases"]["chunk"], result["phases"]["group GEMMs"]
     chunks = max(result["chunks"], 1)
     lines += ["", f"Per chunk, its share of the group GEMMs included: "
                   f"{(chunk['us'] + group['us']) / chunks:.1f} us, "
@@ -370,7 +321,7 @@ def markdown_fused(result: dict) -> str:
                   f"{(chunk['triton'] + group['triton']) / chunks:g} Triton launches, "
                   f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
                   f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
-                  f"most {result['group_rows']}; {result['loop']})."]
+                  f"most {result['group_rows']})."]
     lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the first chunk's "
                   "forward row kernel | to the chunk loop | GFLOP queued after its copy, not waited for | GFLOP "
                   "queued after its copy, before the chunk loop | launches between its copy and its return |",
@@ -402,19 +353,15 @@ def main(argv: list[str], command: list[str]):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-layout", action="store_true",
                         help="give the loss the rows' layout in host memory (host_layout=, as erpo's trainer does)")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="run the pipelined chunk loop (fused_linear_loss.PIPELINE; off by default, as in the "
-                             "library)")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
     use_interpreter(parser)
     torch.set_num_threads(1)
     result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup,
-                           args.host_layout, args.pipeline)
+                           args.host_layout)
     print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "
           f"{'the rows layout given in host memory (host_layout), ' if args.host_layout else ''}"
-          f"{'the pipelined chunk loop (PIPELINE), ' if args.pipeline else ''}"
           f"bf16, CPU, the chunks and groups of {args.like} in {args.workspace_gib:g} GiB "
           f"(workspace_bytes={result['budget_bytes']} here); {args.reps} calls (after {args.warmup}), "
           f"torch {torch.__version__}\n")

@@ -65,35 +65,14 @@ chunk, with the host's microseconds, `python -m bench.host_cost --path fused`). 
 loop but fp16's gradient scale (one per chunk). The torch backend, the oracle, runs the whole reference objective
 with autograd per chunk (O(N) work and all its ops each time).
 
-The pipelined loop (`run_pipelined`; PIPELINE, off by default: the probe's knob, bench.fused_probe): the two
-memory-bound row kernels on a chunk's fp32 logits (3.7 + 5.0 ms of Qwen2.5-7B's 93.6 busy at N = 16384, in series
-with the GEMMs: the H100 profile at b8b4a78, bench/RESULTS.md) run beside the next chunk's logits GEMM. Two fp32
-logits buffers, chunk c's logits in buffer c mod 2 (chunk 0's formed before the loop, as above); two queues
-(`chunk_streams.ChunkStreams`: the current stream, main, and a side stream), ordered by events alone:
-
-    main: [wait: row work c - 2 done, the last to read buffer c mod 2]  logits_c GEMM into it  -> event formed_c
-    side: [wait formed_c]  forward row kernel, the objective's gradient (chunk c's rows)
-    main: (when chunk c closes a group) [wait: the group's last row work]  d hidden, d weight, d bias  -> event
-    side: [wait for that event]  backward row kernel into the store (or over chunk c's logits), the hidden rows
-          d weight reads  -> event (row work c done)
-
-and at the end the main stream waits for all the side's (also on an exception), after which `gradients`' flush
-runs the last group's GEMMs. So chunk c's row work runs while the main stream forms chunk c + 1's logits; a group's
-GEMMs run beside the next chunk's forward row kernel. The logits GEMMs of chunks 1 on run under a cuBLASLt SM
-carveout of ROW_PASS_SMS SMs when set (`chunk_streams.sm_carveout`: a persistent GEMM kernel holds every SM, so the
-row kernels' blocks would run only in its tail; whether the freed SMs pay for the GEMM's loss is the probe's to
-say). Budget: the second buffer is counted (`plan_workspace`, `logits_row_bytes`), the store gets what is left: in 1
-GiB, bf16 V = 152064 (Qwen2.5-7B and 32B alike), groups of 1024 rows beside 512-row chunks instead of 2048 (16 d
-weight accumulations of 16384 rows instead of 8), or of 2304 beside 256-row chunks. The same launches as the serial
-loop and no host read (the host plans the groups: `GradientGroups.place`, `close`); fp16, whose gradient scale is a
-host read per chunk, always runs the serial loop. Off CUDA the same loop runs on one queue, the work in the order it
-is queued, with the same two buffers (tests/kernels/test_pipelined_chunks.py also replays it with either queue held
-back until the other waits for it: a missing wait there changes the results). The results are the serial loop's bit
-for bit where both have the same chunks and groups.
+A pipelined chunk loop (chunk c's row kernels on a side stream beside chunk c + 1's logits GEMM, in a second fp32
+logits buffer, optionally under a cuBLASLt SM carveout) was built and measured: on an H200 it lost on both shapes
+at 1 and 2 GiB (Qwen2.5-7B, N = 16384: 107.1 ms against the serial loop's 93.2), since the row passes did not
+overlap a GEMM on a second stream and the second buffer halved the groups (bench/RESULTS.md, the H200 lease of
+2026-11-27). It was dropped; the serial loop above is the only one.
 
 Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never [N, V]): the fp32 logits buffer and
-the row pass's temporaries (two buffers in the pipelined loop), the dlogits store and the group's masked hidden rows
-(`plan_workspace`). Outside it, as
+the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
 docs/API.md states: the fp32 d weight accumulator [V, D] (4 V D bytes, none for an fp32 weight, whose gradient it
 is): like the fp32 gradient an optimizer keeps, its size is fixed by the lm_head and does not grow with N; d bias
 [V] fp32; the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
@@ -113,7 +92,6 @@ import numpy as np
 import torch
 
 from .api import segment_sum_of
-from .chunk_streams import ChunkStreams, sm_carveout
 from .common import host_to_device, index_slices, rows_receiving_gradient
 from .objective import erpo_objective
 from .torch_fused_linear import torch_rows_forward, torch_rows_gradient
@@ -225,10 +203,9 @@ def _torch_zero_fill(first, second, third):
         tensor.zero_()
 
 
-def logits_row_bytes(vocab_size: int, kernels: RowKernels, buffers: int = 1) -> int:
-    """Workspace bytes of one chunk row: 4 V in each of `buffers` fp32 logits buffers (2 for the pipelined loop),
-    plus the row pass's temporaries (one row pass at a time)."""
-    return vocab_size * (4 * buffers + kernels.temporary_bytes_per_logit)
+def logits_row_bytes(vocab_size: int, kernels: RowKernels) -> int:
+    """Workspace bytes of one row of the fp32 logits buffer: 4 V, plus the row pass's temporaries."""
+    return vocab_size * (4 + kernels.temporary_bytes_per_logit)
 
 
 def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -243,57 +220,43 @@ def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, dev
 # Rows of a chunk when the dlogits have a store of their own: the logits GEMM [LOGITS_ROWS, D] x [D, V] is still
 # compute-bound (2 LOGITS_ROWS FLOPs per byte of the weight it reads) and leaves most of the budget to the store.
 LOGITS_ROWS = 512
-
-# The pipelined chunk loop's knobs (`run_pipelined`): bench.fused_probe sets them for its variants, as it does
-# LOGITS_ROWS; not public API. PIPELINE: chunk c's row work runs on a side stream beside chunk c + 1's logits GEMM,
-# in two fp32 logits buffers (off: one buffer, one stream). ROW_PASS_SMS > 0: those GEMMs run under a cuBLASLt SM
-# carveout of that many SMs (`chunk_streams.sm_carveout`), which the row kernels beside them may use. Off until a
-# GPU run shows a gain (bench/RESULTS.md, "Next lease").
-PIPELINE = False
-ROW_PASS_SMS = 0
-
-
-def logits_buffers_for(dtype: torch.dtype) -> int:
-    """The fp32 logits buffers of the loop for inputs of `dtype`: 2 with PIPELINE (the pipelined loop), else 1; fp16
-    always 1 (its per-chunk gradient scale is a host read of the chunk's gradient: nothing to overlap)."""
-    return 2 if PIPELINE and dtype != torch.float16 else 1
-
+# A cap on the store's rows (None: none), the probe's knob for the group's geometry (bench.fused_probe sets it, as
+# it does LOGITS_ROWS; not public API). When set, the plan is chunks of LOGITS_ROWS rows beside a store of at most
+# GROUP_ROWS rows, whole chunks, whenever the budget holds one chunk there, even where the dlogits over the logits
+# would hold more rows: the d hidden GEMM's shape [G, V] x [V, D] is what a variant measures.
+GROUP_ROWS = None
 
 @dataclass(frozen=True)
 class Workspace:
     """How `workspace_bytes` is spent. chunk_rows: rows of the fp32 logits buffer (a chunk's rows at most);
     group_rows: rows whose dlogits are held until one d hidden GEMM and one d weight accumulation serve them all;
     separate_store: the dlogits go into a [group_rows, V] store of the inputs' dtype (else over each chunk's own
-    logits, `gradient_view`: a group is one chunk, group_rows == chunk_rows); logits_buffers: fp32 logits buffers of
-    chunk_rows rows (2: the pipelined loop, `run_pipelined`)."""
+    logits, `gradient_view`: a group is one chunk, group_rows == chunk_rows)."""
 
     chunk_rows: int
     group_rows: int
     separate_store: bool
-    logits_buffers: int = 1
 
 
 def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                   kernels: RowKernels, workspace_bytes: int, batch_invariant: bool,
-                   logits_buffers: int = 1) -> Workspace:
+                   kernels: RowKernels, workspace_bytes: int, batch_invariant: bool) -> Workspace:
     """The `Workspace` that gives the most rows per d weight accumulation within `workspace_bytes`: the dlogits over
     the logits (a row costs `logits_row_bytes` + `gradient_row_bytes`), or, when that holds fewer rows, chunks of
-    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`). Each count
-    at least 1 and at most N; with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one).
-    logits_buffers: 2 for the pipelined loop, whose second fp32 buffer the store pays for (in 1 GiB, bf16 V =
-    152064: groups of 1024 rows instead of 2048 beside 512-row chunks, D = 3584 and 5120 alike; 2304 beside
-    256-row chunks)."""
+    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`; at most
+    GROUP_ROWS rows when set, and then the store whenever it holds a chunk). Each count at least 1 and at most N;
+    with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
     item = dtype.itemsize
-    logits_row = logits_row_bytes(vocab_size, kernels, logits_buffers)
+    logits_row = logits_row_bytes(vocab_size, kernels)
     gradient_row = gradient_row_bytes(vocab_size, hidden_dim, dtype, device)
     rows = max(num_rows, 1)
     in_place = min(rows, max(1, workspace_bytes // (logits_row + gradient_row)))
     chunk = _invariant_rows(min(LOGITS_ROWS, rows), batch_invariant)
-    group = min(rows, (workspace_bytes - chunk * logits_row) // (vocab_size * item + gradient_row)) // chunk * chunk
-    if group > in_place:
-        return Workspace(chunk, group, True, logits_buffers)
+    group = min(rows, (workspace_bytes - chunk * logits_row) // (vocab_size * item + gradient_row))
+    group = (group if GROUP_ROWS is None else min(group, GROUP_ROWS)) // chunk * chunk
+    if group > in_place or (GROUP_ROWS is not None and group > 0):
+        return Workspace(chunk, group, True)
     in_place = _invariant_rows(in_place, batch_invariant)
-    return Workspace(in_place, in_place, False, logits_buffers)
+    return Workspace(in_place, in_place, False)
 
 
 def _invariant_rows(rows: int, batch_invariant: bool) -> int:
@@ -500,10 +463,10 @@ def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTr
 
 
 def workspace_of(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
-                 batch_invariant: bool, logits_buffers: int = 1) -> Workspace:
+                 batch_invariant: bool) -> Workspace:
     """`plan_workspace` for N rows of `hidden` [N, D] against `weight` [V, D]."""
     return plan_workspace(num_rows, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, kernels,
-                          workspace_bytes, batch_invariant, logits_buffers)
+                          workspace_bytes, batch_invariant)
 
 
 def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
@@ -656,9 +619,7 @@ class GradientGroups:
     def write(self, in_group: slice, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy,
               kernels: RowKernels, transform: LogitTransform, scale: float = 1.0) -> None:
         """The device's part of adding a chunk (`add_chunk`'s arguments; in_group: its rows within its group, as
-        `place` gave them): its dlogits, times the fp16 `scale`, and the hidden rows d weight reads. Reads no state
-        that `place` or `close` change, so it may run after the host has gone on (the pipelined loop's side
-        stream)."""
+        `place` gave them): its dlogits, times the fp16 `scale`, and the hidden rows d weight reads."""
         if scale != 1.0:
             grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
         dlogits = (self.store[in_group] if self.workspace.separate_store
@@ -678,8 +639,7 @@ class GradientGroups:
         return closed
 
     def run_group(self, closed: ClosedGroup) -> None:
-        """A closed group's GEMMs: d hidden of its rows, d weight and d bias added (written by the first group).
-        Reads no state that `place` or `close` change."""
+        """A closed group's GEMMs: d hidden of its rows, d weight and d bias added (written by the first group)."""
         rows, dlogits, inverse = closed.rows, closed.dlogits, closed.inverse
         if self.grad_hidden is not None:  # beta = 0: the rows' old contents are not read
             out = self.grad_hidden[rows]
@@ -810,8 +770,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     """
     num_rows, num_samples = hidden.shape[0], inputs.advantages.shape[0]
     transform = options.logit_transform
-    workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant,
-                             logits_buffers_for(hidden.dtype))
+    workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
     gather = options.top_entropy_gather is not None
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
     # The chunk plan needs the layout on the host: one read (a host-device sync on CUDA) of both tensors and of the
@@ -892,13 +851,9 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     if not planned_early:
         host_kind, host_sample = layout.numpy().reshape(2, num_rows)
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
-    if workspace.logits_buffers == 2:
-        second_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
-        run_pipelined(chunk_pass, plan.chunks, second_buffer, ROW_PASS_SMS, first_forward_early)
-    else:
-        for chunk, (start, stop) in enumerate(plan.chunks):
-            chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0,
-                           forward_queued=chunk == 0 and first_forward_early)
+    for chunk, (start, stop) in enumerate(plan.chunks):
+        chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0,
+                       forward_queued=chunk == 0 and first_forward_early)
     return (logp_out, entropy_out, anchor, *groups.gradients())
 
 
@@ -943,58 +898,6 @@ class ChunkPass:
         d loss / d logp, d loss / d entropy) [n] fp32."""
         lse, entropy = (self.lse[rows], self.entropy[rows]) if forward_queued else self.forward(rows, targets, logits)
         return (lse, entropy, *self.objective.gradient(chunk, rows))
-
-
-def run_pipelined(chunk_pass: ChunkPass, chunks, second_buffer: LogitsBuffer, carveout_sms: int,
-                  first_forward_queued: bool = False) -> None:
-    """`loss_gradients`' chunk loop with PIPELINE (module docstring, "The pipelined loop"): chunk c's row work on
-    the side queue while the main one forms chunk c + 1's logits in the other of two buffers (`chunk_pass`'s, which
-    holds chunk 0's logits already, and `second_buffer`); the groups' GEMMs on the main queue, each after its
-    group's last row work, the next group's first backward row kernel after them. The logits GEMMs of chunks 1 on
-    run under an SM carveout of `carveout_sms` (0: none); first_forward_queued: chunk 0's forward row kernel is
-    queued on the main queue already (the side's wait for chunk 0's logits covers it). All the work is queued and
-    the main queue waits for the side's before this returns (also on an exception); the last group stays open for
-    `GradientGroups.gradients`' flush."""
-    streams = ChunkStreams(chunk_pass.hidden.device)
-    buffers = (chunk_pass.logits_buffer, second_buffer)
-    groups = chunk_pass.groups
-    freed = [None, None]  # per buffer: the side's event after the row work that last read it
-    last_row_work = None
-    try:
-        for chunk, (start, stop) in enumerate(chunks):
-            rows, buffer = slice(start, stop), buffers[chunk % 2]
-            hidden_rows, targets = chunk_pass.hidden[rows], chunk_pass.targets[rows]
-            if chunk:  # chunk 0's logits were formed before the loop
-                streams.main_waits(freed[chunk % 2])
-                with sm_carveout(carveout_sms):
-                    streams.on_main(functools.partial(buffer.logits, hidden_rows))
-            logits = buffer.formed(stop - start)
-            streams.side_waits(streams.record_main())
-            values = []  # the row forward's results, from the side's first part of the chunk to its second
-            streams.on_side(functools.partial(_forward_part, chunk_pass, chunk, rows, targets, logits, values,
-                                              chunk == 0 and first_forward_queued))
-            closed, in_group = groups.place(rows, logits)
-            if closed is not None:  # the group's GEMMs read its store: after its last row work, before the next's
-                streams.main_waits(last_row_work)
-                streams.on_main(functools.partial(groups.run_group, closed))
-                streams.side_waits(streams.record_main())
-            streams.on_side(functools.partial(_backward_part, chunk_pass, in_group, hidden_rows, targets, logits,
-                                              values))
-            last_row_work = freed[chunk % 2] = streams.record_side()
-    finally:
-        streams.join()  # also what the last group's GEMMs (`gradients`' flush, on the main queue) wait for
-
-
-# The pipelined loop's two parts of a chunk's row work, queued on the side with their arguments bound (the host goes
-# on to the next chunk before they run): the forward row kernel and the objective's gradient, whose results `values`
-# carries to the backward row kernel and the hidden rows d weight reads.
-def _forward_part(chunk_pass: ChunkPass, chunk: int, rows: slice, targets, logits, values: list,
-                  forward_queued: bool) -> None:
-    values.extend(chunk_pass.row_forward(chunk, rows, targets, logits, forward_queued))
-
-
-def _backward_part(chunk_pass: ChunkPass, in_group: slice, hidden_rows, targets, logits, values: list) -> None:
-    chunk_pass.groups.write(in_group, hidden_rows, targets, logits, *values, chunk_pass.kernels, chunk_pass.transform)
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as

@@ -391,6 +391,51 @@ def test_workspace_gives_the_most_rows_per_d_weight_accumulation():
     assert workspace(0.001, batch_invariant=True) == chunked.Workspace(256, 256, False)  # 1 row's budget
 
 
+def test_group_rows_cap_gives_that_group_in_whole_chunks(monkeypatch):
+    """GROUP_ROWS (bench.fused_probe's knob) caps the store's rows, rounded down to whole chunks, and takes the store
+    whenever it holds a chunk: in 1 GiB (Qwen2.5-7B, bf16, N = 16384) 2304 rows beside 256- and 384-row chunks,
+    1536 beside 512-row chunks although the dlogits over the logits would hold 1744; a cap above the budget's group
+    leaves the budget's; a cap under one chunk leaves the plan without it."""
+    def workspace(chunk_rows, cap, gib=1):
+        monkeypatch.setattr(chunked, "LOGITS_ROWS", chunk_rows)
+        monkeypatch.setattr(chunked, "GROUP_ROWS", cap)
+        return chunked.plan_workspace(16384, 3584, 152064, torch.bfloat16, torch.device("cuda"),
+                                      chunked.ROW_KERNELS["triton"], int(gib * 2**30), False)
+
+    assert workspace(256, 2304) == chunked.Workspace(256, 2304, True)
+    assert workspace(384, 2304) == chunked.Workspace(384, 2304, True)
+    assert workspace(512, 1536) == chunked.Workspace(512, 1536, True)
+    assert workspace(512, 2000) == chunked.Workspace(512, 1536, True)  # whole chunks
+    assert workspace(512, 4096) == chunked.Workspace(512, 2048, True)  # the budget's group
+    assert workspace(2048, 1536) == chunked.Workspace(1744, 1744, False)  # no chunk fits under the cap
+    assert workspace(512, None) == chunked.Workspace(512, 2048, True)  # the library's
+
+
+def test_capped_groups_give_the_uncapped_gradients(monkeypatch, device):
+    """bf16, chunks of 4 rows, the store capped at 12 rows (GROUP_ROWS) in a budget that holds 16: every d hidden
+    GEMM serves at most 12 rows, and the loss and gradients are those of the uncapped groups (d weight summed in
+    fp32 in another order: a few bf16 ulps)."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
+    budget = budget_for_groups(4, 16, torch.bfloat16, device)
+    options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    results = []
+    for cap in (None, 12):
+        monkeypatch.setattr(chunked, "GROUP_ROWS", cap)
+        recorder = record(batch, tensors, rows=4, budget=budget, **options)
+        assert max(recorder.group_rows) == (16 if cap is None else 12)
+        assert sum(recorder.group_rows) == len(batch["targets"])
+        ours = leaves(*tensors)
+        out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2],
+                                     workspace_bytes=budget, **inputs, **options)
+        out.loss.backward()
+        results.append([out.loss.detach(), *(t.grad for t in ours)])
+    for uncapped, capped in zip(*results):
+        torch.testing.assert_close(capped, uncapped, rtol=1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatch, device):
     """bf16, chunks of 4 rows beside a store of 16: the d hidden and d weight GEMMs run once per group of 4 chunks,

@@ -130,41 +130,6 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
 
 
 @pytest.mark.cpu_only
-def test_fused_path_times_the_pipelined_loop_with_pipeline(tmp_path):
-    """`--path fused --pipeline` runs the pipelined chunk loop (`fused_linear_loss.PIPELINE`, which `ChunkPass.run`
-    is not part of) and times it whole, less its group GEMMs: its row is not empty and holds the serial loop's
-    launches per chunk (the logits GEMM, 5 Triton launches; the first chunk's forward row kernel is the plan's), no
-    host read; the plan counts its second logits buffer
-    (N=4096 like qwen2.5-7b in 1 GiB: 8 chunks of 512 rows, 4 groups of 1024), and the knob is put back after."""
-    out = tmp_path / "fused.json"
-    done = run_fused_host_cost("--reps", "1", "--pipeline", "--json", str(out))
-    result = json.loads(out.read_text())["results"]["erpo"]
-    assert result["loop"] == "pipelined chunk loop"
-    assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 4, 512, 1024)
-    phases = result["phases"]
-    assert "chunk" not in phases
-    loop, group = phases["pipelined chunk loop"], phases["group GEMMs"]
-    assert loop["calls"] == 1 and loop["us"] > 0 and group["calls"] == 4
-    # the first chunk's forward row kernel is queued by the plan (the op setup's), the rest as the serial loop's
-    assert 0 < loop["aten"] <= 1 * 8 and loop["triton"] == 5 * 8 - 1 and loop["reads"] == 0
-    assert group["aten"] <= 2 * 4 and group["triton"] == 0
-    assert phases["total"]["reads"] == 1
-    assert "| pipelined chunk loop | 1 |" in done.stdout and "; pipelined chunk loop)." in done.stdout
-
-
-def test_the_pipeline_knob_is_put_back_after_a_measurement():
-    """`host_cost_fused.chunk_loop_knob` sets `fused_linear_loss.PIPELINE` within its block alone, also when the
-    block raises."""
-    from bench.host_cost_fused import chunk_loop_knob
-    from erpo_kernels import fused_linear_loss
-    before = fused_linear_loss.PIPELINE
-    with pytest.raises(RuntimeError, match="^inside$"), chunk_loop_knob(not before):
-        assert fused_linear_loss.PIPELINE is (not before)
-        raise RuntimeError("inside")
-    assert fused_linear_loss.PIPELINE is before
-
-
-@pytest.mark.cpu_only
 def test_fused_path_with_a_host_layout_queues_the_whole_first_chunk_before_its_read(tmp_path):
     """`--path fused --host-layout` (the rows' layout given in host memory, erpo's trainer's way): the call's one
     host read, the value checks' code, returns with the whole first chunk's logits GEMMs queued after its copy (the

@@ -1,6 +1,6 @@
 """bench.fused_probe's dry run on the CPU (the GPU run times the same calls): one row per variant with the plan
-`plan_workspace` made for it, the group GEMMs' table, the row passes beside a GEMM, the chunk rows put back after
-each variant and the pipelined loop's knobs with them, and the one-line refusal without a GPU."""
+`plan_workspace` made for it, the group GEMMs' table at each group size, the chunk and group rows put back after
+each variant, the variants' plans at full size, and the one-line refusal without a GPU."""
 import pytest
 import torch
 
@@ -18,38 +18,43 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
     for _name, chunk, group, median, p20, p80 in rows:
         assert int(chunk) == int(group) == fused_probe.SMOKE["n"]  # the smoke batch fits one chunk in every budget
         assert 0 < float(p20) <= float(median) <= float(p80.removesuffix(" |"))
-    part2 = lines[lines.index(f"One group's GEMMs, {fused_probe.SMOKE['group_rows']} rows:"):]
-    cases = [line.split(" | ")[0].removeprefix("| ") for line in part2[4:part2.index("", 2)] if line.startswith("| ")]
-    assert cases == ["d hidden", "d weight += (fp32)", "d weight = (fp32, beta 0: the accumulator not read)",
-                     "d weight^T += (fp32, a [D, V] accumulator)", "both, one stream", "both, two streams",
-                     "d hidden, 4 vocabulary slices (bmm, sum)"]  # the group GEMMs' table (CPU: some refused)
-    part3 = lines[lines.index("One chunk's row passes beside a GEMM (a group's d weight, the next chunk's logits):"):]
-    timed = [line.split(" | ")[0].removeprefix("| ") for line in part3 if line.count(" | ") == 1][1:]
-    smoke = fused_probe.SMOKE
-    expected = [f"row passes, {smoke['n']} rows"]
-    for gemm in (f"d weight +=, {smoke['group_rows']} rows", f"logits GEMM, {smoke['n']} rows"):
-        expected += [gemm, f"{gemm} and row passes, one stream", f"{gemm} and row passes, two streams"]
-        for sms in fused_probe.CARVEOUTS:
-            expected += [f"{gemm}, leaving {sms} SMs", f"{gemm} (leaving {sms} SMs) and row passes, two streams"]
-    assert timed == expected
+    part2 = lines[lines.index("One group's GEMMs by its rows G:"):]
+    table = [line.removeprefix("| ").removesuffix(" |").split(" | ") for line in part2[4:part2.index("", 2)]]
+    assert [int(row[0]) for row in table] == [int(rows) for rows in fused_probe.SMOKE["group_rows"].split(",")]
+    for rows, *cells in table:
+        for ms, per_1000 in (cells[:2], cells[2:]):  # a time and its per-1000-rows share, or a case refused
+            rounding = 5e-4 * 1000 / int(rows) + 5e-4  # both cells are printed to 3 decimals
+            assert (per_1000 == "-" and not ms[0].isdigit()) or (
+                abs(float(ms) * 1000 / int(rows) - float(per_1000)) <= rounding and float(ms) > 0)
     assert knobs() == library_knobs
-    assert torch._C._get_sm_carveout_experimental() is None  # part 3's carveouts put back
 
 
 def knobs():
-    return fused_linear_loss.LOGITS_ROWS, fused_linear_loss.PIPELINE, fused_linear_loss.ROW_PASS_SMS
+    return fused_linear_loss.LOGITS_ROWS, fused_linear_loss.GROUP_ROWS
 
 
-def test_the_pipelined_variants_cover_both_workspaces_and_each_carveout():
-    pipelined = {(variant.gib, variant.sms) for variant in fused_probe.VARIANTS if variant.pipeline}
-    assert {(gib, sms) for gib in (None, 2) for sms in (0, *fused_probe.CARVEOUTS)} <= pipelined
+@pytest.mark.parametrize("hidden_dim", [3584, 5120])
+def test_each_variant_gets_the_chunks_and_group_it_names(hidden_dim):
+    """Under each variant's knobs the plan of the probe's problem (N = 16384, bf16, V = 152064, on CUDA) has the
+    chunk rows it sets and, where it caps the group, that group (the store's, whole chunks): the GROUP_ROWS knob
+    reaches `plan_workspace`."""
+    for variant in fused_probe.VARIANTS:
+        with fused_probe.fused_knobs(variant):
+            plan = fused_linear_loss.plan_workspace(16384, hidden_dim, 152064, torch.bfloat16, torch.device("cuda"),
+                                                    fused_linear_loss.ROW_KERNELS["triton"],
+                                                    int((variant.gib or 1) * fused_probe.GIB), False)
+        if variant.group is not None:
+            assert (plan.chunk_rows, plan.group_rows, plan.separate_store) == (variant.rows, variant.group, True)
+        elif variant.rows is not None and variant.rows < 768:  # 768 and 1024 leave no room for a store in 1 GiB
+            assert plan.chunk_rows == variant.rows and plan.group_rows > 2048
+    assert {(v.rows, v.group) for v in fused_probe.VARIANTS} >= {(256, None), (256, 2304), (384, 2304), (512, 1536)}
 
 
 def test_the_knobs_are_put_back_when_a_variant_fails():
     library = knobs()
-    variant = fused_probe.Variant("failing", rows=7, pipeline=True, sms=16)
+    variant = fused_probe.Variant("failing", rows=7, group=21)
     with pytest.raises(RuntimeError), fused_probe.fused_knobs(variant):
-        assert knobs() == (7, True, 16)
+        assert knobs() == (7, 21)
         raise RuntimeError("a variant's call failed")
     assert knobs() == library
 
