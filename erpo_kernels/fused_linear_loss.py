@@ -856,9 +856,10 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
 
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
-        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
-        buffers, the first chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more
-        work for the GPU while the host sets the objective up) and the objective's setup on the layout (`start`)."""
+        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the first
+        chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more work for the GPU while
+        the host sets the objective up), the groups' buffers (host work: after the launches, which the GPU runs
+        meanwhile) and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -867,11 +868,11 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                 hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
+        if plan.chunks and first_forward_early:
+            start, stop = plan.chunks[0]
+            chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
         groups.allocate_buffers()
         if plan.chunks:
-            if first_forward_early:
-                start, stop = plan.chunks[0]
-                chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
             objective.start(plan.chunks, host_kind, host_sample)
         return plan
 
