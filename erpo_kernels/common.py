@@ -35,6 +35,14 @@ def host_to_device(host: torch.Tensor | np.ndarray, device: torch.device | str) 
     return host.to(device, non_blocking=True)
 
 
+def staging_for(device: torch.device | str, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [size] host tensor of `dtype` to fill and hand to `host_to_device` for `device`: pinned on CUDA
+    (outside torch.compile), so that the upload copies it from where it lies instead of first copying it into a
+    pinned block (host time before the copy, which the GPU may be waiting for); plain host memory elsewhere."""
+    pinned = torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
+    return torch.empty(size, dtype=dtype, pin_memory=pinned)
+
+
 def index_slices(size: int, step: int) -> list[slice]:
     """[0, size) cut into consecutive slices of `step` indices (the last may be shorter)."""
     return [slice(start, min(start + step, size)) for start in range(0, size, step)]

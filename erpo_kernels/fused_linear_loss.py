@@ -34,12 +34,19 @@ holds it, as `padded_erpo_loss`'s selection of the scored rows does) with the va
 on CUDA that read waits only for their copy, so the logits GEMM of the first chunk's first half, queued after it,
 runs while the host plans, and the host's work before it (the op's dispatch, its setup) runs while the work queued
 before the call does. After the plan, the rest of the first chunk's logits and (but with the entropy filter, whose
-setup reads the pre-passed entropies that it would replace) its forward row kernel are queued before the objective's
-setup on the layout (`chunk_layout` and its upload), so the GPU runs them while the host does that setup. When the
-caller holds the layout, the plan, the pre-pass and the whole first chunk's logits and forward row kernel come
-before the wait for the checks' code, and so does the objective's setup on the layout: the chunk loop follows the
-read at once. (The objective's global factors, which read counts alone, are queued before the read either way; with
-the entropy filter, whose kept rows they count on the pre-pass, as part of that setup.)
+setup reads the pre-passed entropies that it would replace) its forward row kernel are queued before the host work
+that feeds neither (the groups' buffers, the objective's setup on the layout: `chunk_layout`, its staging buffer),
+so the GPU runs them while the host does that work; the layout's upload then comes last (but with the entropy
+filter, whose threshold and global factors follow it), right before the first chunk's sample kernel that reads it.
+What the GPU still waits for there is the host's work beyond those queued kernels (the plan beyond half a chunk's
+GEMM, the layout and the first chunk's launches beyond the rest of it): the read cannot come earlier (it waits for
+the value checks' code, and on CUDA for all that was queued before the call), and with one logits buffer nothing
+else is free of the plan, so only less host work there, or the caller's layout, shortens it (bench/RESULTS.md, "Host
+order of the default fused call (CPU)"). When the caller holds the layout, the plan, the pre-pass and the whole
+first chunk's logits and forward row kernel come before the wait for the checks' code, and so does the objective's
+setup on the layout: the chunk loop follows the read at once. (The objective's global factors, which read counts
+alone, are queued before the read either way; with the entropy filter, whose kept rows they count on the pre-pass,
+as part of that setup.)
 
 Why chunk c's gradient is exact: d loss / d logp_t depends on other rows only through (a) counts known from
 token_kind alone (num_items, the response-sample and query-sample counts, which stay separate), (b) per-sample
@@ -815,9 +822,10 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
 
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
-        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the groups'
-        buffers, the first chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more
-        work for the GPU while the host sets the objective up) and the objective's setup on the layout (`start`)."""
+        (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the first
+        chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more work for the GPU while
+        the host sets the objective up), the groups' buffers (host work: after the launches, which the GPU runs
+        meanwhile) and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -826,11 +834,11 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                 hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
+        if plan.chunks and first_forward_early:
+            start, stop = plan.chunks[0]
+            chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
         groups.allocate_buffers()
         if plan.chunks:
-            if first_forward_early:
-                start, stop = plan.chunks[0]
-                chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
             objective.start(plan.chunks, host_kind, host_sample)
         return plan
 

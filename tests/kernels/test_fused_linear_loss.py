@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
+import erpo_kernels.triton_chunk_objective as chunk_objective  # noqa: E402
 from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
 from erpo_kernels.triton_chunk_objective import chunk_layout  # noqa: E402
@@ -714,15 +715,42 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
     zero_fill = launched.index(("launch", "triton._zero_kernel"))
     assert launched.index(gemm) < zero_fill and launched[zero_fill + 1:zero_fill + 3] == objective_setup, before
     # after the read: the pre-pass's logp, entropy and lse, then d weight's masked hidden rows (budget_for's plan:
-    # the dlogits over the logits, no store)
+    # the dlogits over the logits, no store), then the host buffer the chunk layout is uploaded from
     prepass_vectors = [("alloc", "aten.empty")] * 3 * prepass
-    assert [entry for entry in after if entry[0] == "alloc"] == prepass_vectors + [("alloc", "aten.new_empty")], after
+    assert [entry for entry in after if entry[0] == "alloc"] == prepass_vectors + [
+        ("alloc", "aten.new_empty"), ("alloc", "aten.empty")], after
     planned = [entry for entry in after if entry[0] == "launch"]  # per pre-pass piece its gathers, GEMM, forward
     assert planned[-2:] == [gemm, forward], after  # the first chunk's rest of logits, then its forward row kernel
     planned = planned[:-1]
     assert planned.count(gemm) == 1 + planned.count(forward), after
     assert (forward in planned) == prepass, after
 
+
+
+@pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+def test_after_the_read_the_host_works_behind_the_launches_it_does_not_feed(rows, prepass, device, monkeypatch):
+    """validate=True without host_layout: between the op's read and the first chunk's objective sample kernel the
+    GPU runs only what is queued there, so the host queues the first chunk's logits and forward row kernel before
+    its work that feeds neither (the groups' buffers, the chunk layout and its staging buffer), and the layout's
+    upload, which the sample kernel reads, is the last thing before that kernel: no launch, allocation or read
+    between them (the GPU profile's gaps after the read, bench/RESULTS.md "Host order of the default fused call")."""
+    batch = packed_batch(SAMPLES, device)
+    counter = AllocationsInOrder()
+    upload = chunk_objective.host_to_device
+
+    def recorded_upload(host, to):
+        counter.order.append(("upload", "chunk layout"))
+        return upload(host, to)
+
+    monkeypatch.setattr(chunk_objective, "host_to_device", recorded_upload)
+    order = launches_and_read(batch, rows, counter=counter, gradients=True)
+    read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
+    after = order[read + 1:]
+    after = after[:first_chunk_in(after)]
+    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    assert after[-5:] == [gemm, forward, ("alloc", "aten.new_empty"), ("alloc", "aten.empty"),
+                          ("upload", "chunk layout")], after
+    assert after.count(("upload", "chunk layout")) == 1 and (forward in after[:-4]) == prepass, after
 
 
 @pytest.mark.parametrize("entropy_filter", [False, True], ids=["counts", "entropy-filter"])
