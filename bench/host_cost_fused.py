@@ -50,7 +50,7 @@ FUSED_PHASES = [
     ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
     ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective.start"),
     ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
-    ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.run_group"),
+    ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.close_group"),
     ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),
 ]
 CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"  # a chunk's forward row kernel queued
@@ -61,7 +61,7 @@ MEASURES = ("us", "aten", "triton", "reads")
 # group's d hidden and d weight GEMMs), and where the chunk loop starts
 READ_LATER_USERS = ("erpo_kernels.validation", "erpo_kernels.fused_linear_loss")
 LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
-GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.run_group"
+GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.close_group"
 CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
 
 
@@ -174,9 +174,9 @@ class ReadTimeline:
             def gemms(*args, **kwargs):
                 if point == "logits":  # _write_logits(out, hidden_rows, weight, bias): one GEMM
                     row_gemms = args[1].shape[0]
-                else:  # GradientGroups.run_group(self, closed): d hidden and d weight, those needed, of its rows
-                    group, closed = args[0], args[1]
-                    row_gemms = (closed.rows.stop - closed.rows.start) * (
+                else:  # GradientGroups.close_group(self): d hidden and d weight, those needed, of the open group's rows
+                    group = args[0]
+                    row_gemms = (group.rows.stop - group.rows.start) * (
                         (group.grad_hidden is not None) + (group.grad_weight is not None))
                 out = function(*args, **kwargs)
                 if row_gemms:

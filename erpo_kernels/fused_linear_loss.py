@@ -541,18 +541,6 @@ ROW_KERNELS = {"triton": RowKernels("triton", _triton_forward, _triton_backward_
                                    TORCH_ROW_TEMPORARY_BYTES, ReferenceChunkObjective, _torch_zero_fill)}
 
 
-@dataclass(frozen=True)
-class ClosedGroup:
-    """A group of chunks whose dlogits are all queued (`GradientGroups.close`): rows, its row range of the batch;
-    dlogits [G, V], its rows of the store (or of the one chunk's logits buffer); inverse, 1 / its fp16 scale;
-    accumulate, whether d weight and d bias hold an earlier group's sums (else this group writes them)."""
-
-    rows: slice
-    dlogits: torch.Tensor
-    inverse: float
-    accumulate: bool
-
-
 class GradientGroups:
     """The backward half of the chunks: each chunk's dlogits (d loss / d logits, hidden's dtype) written into its
     group's rows of the store, then once per group of consecutive chunks d hidden [G, D] := dlogits @ W, the fp32
@@ -571,7 +559,6 @@ class GradientGroups:
         needs_hidden, needs_weight, needs_bias = needs
         self.workspace, self.needs_weight = workspace, needs_weight
         self.hidden, self.weight, self.bias = hidden, weight, bias
-        self.capacity = workspace.group_rows
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
                             else None)
@@ -595,83 +582,53 @@ class GradientGroups:
                   kernels: RowKernels, transform: LogitTransform):
         """Write the dlogits of chunk `rows` (its hidden rows [n, D] and targets [n], as the caller sliced them for
         its logits GEMM and forward row kernel; its fp32 logits [n, V] in `logits`; lse, entropy, grad_logp,
-        grad_entropy [n] fp32) of sum(grad_logp * logp + grad_entropy * entropy) into its group, running the GEMMs
-        of the group it closes (and, without a separate store, of its own)."""
+        grad_entropy [n] fp32) of sum(grad_logp * logp + grad_entropy * entropy), times the fp16 scale, into its
+        group, with the hidden rows d weight reads, running the GEMMs of the group it closes first (and, without a
+        separate store, of its own after)."""
         scale = _fp16_gradient_scale(grad_logp, grad_entropy) if self.hidden.dtype == torch.float16 else 1.0
-        closed, in_group = self.place(rows, logits, scale)
-        if closed is not None:
-            self.run_group(closed)
-        self.write(in_group, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy, kernels,
-                   transform, scale)
-        if not self.workspace.separate_store:  # the next chunk's logits overwrite these dlogits
-            self.flush()
-
-    def place(self, rows: slice, logits, scale: float = 1.0):
-        """The host's part of adding chunk `rows` (fp32 logits [n, V], fp16 scale `scale`): (the open group's
-        `ClosedGroup` when the chunk closes it, else None; the chunk's rows within its group). No device work: the
-        caller runs the closed group's GEMMs (`run_group`) before the chunk's `write`."""
-        closed = None
+        separate_store = self.workspace.separate_store
         if self.rows is not None and (scale != self.scale or rows.start != self.rows.stop
-                                      or rows.stop - self.rows.start > self.capacity
-                                      or not self.workspace.separate_store):  # over the logits: a group a chunk
-            closed = self.close()
+                                      or rows.stop - self.rows.start > self.workspace.group_rows):
+            self.close_group()
         if self.rows is None:
             self.rows, self.scale = slice(rows.start, rows.start), scale
         in_group = slice(rows.start - self.rows.start, rows.stop - self.rows.start)
         self.rows = slice(self.rows.start, rows.stop)
-        self.dlogits = (self.store[:rows.stop - self.rows.start] if self.workspace.separate_store
-                        else gradient_view(logits, self.hidden.dtype))
-        return closed, in_group
-
-    def write(self, in_group: slice, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy,
-              kernels: RowKernels, transform: LogitTransform, scale: float = 1.0) -> None:
-        """The device's part of adding a chunk (`add_chunk`'s arguments; in_group: its rows within its group, as
-        `place` gave them): its dlogits, times the fp16 `scale`, and the hidden rows d weight reads."""
+        self.dlogits = self.store[:in_group.stop] if separate_store else gradient_view(logits, self.hidden.dtype)
         if scale != 1.0:
             grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
-        dlogits = (self.store[in_group] if self.workspace.separate_store
-                   else gradient_view(logits, self.hidden.dtype))
-        kernels.backward_into(dlogits, logits, targets, lse, entropy, grad_logp, grad_entropy, transform)
+        kernels.backward_into(self.store[in_group] if separate_store else self.dlogits, logits, targets, lse, entropy,
+                              grad_logp, grad_entropy, transform)
         if self.needs_weight:
             kernels.gradient_rows_into(self.gradient_rows[in_group], hidden_rows, targets, grad_logp, grad_entropy)
+        if not separate_store:  # the next chunk's logits overwrite these dlogits: a group a chunk
+            self.close_group()
 
-    def close(self) -> Optional[ClosedGroup]:
-        """The host's part of closing the open group: its `ClosedGroup` (None when none is open), the group then
-        closed. The caller runs its GEMMs (`run_group`) once its chunks' `write`s are done."""
-        if self.rows is None:
-            return None
-        closed = ClosedGroup(self.rows, self.dlogits, 1 / self.scale, accumulate=self.written)
-        self.written = True
-        self.rows = self.dlogits = None
-        return closed
-
-    def run_group(self, closed: ClosedGroup) -> None:
-        """A closed group's GEMMs: d hidden of its rows, d weight and d bias added (written by the first group)."""
-        rows, dlogits, inverse = closed.rows, closed.dlogits, closed.inverse
+    def close_group(self) -> None:
+        """The open group's GEMMs (one must be open): d hidden of its rows, d weight and d bias added (written by
+        the first group), each product times 1 / its fp16 scale; the group then closed."""
+        rows, dlogits, inverse = self.rows, self.dlogits, 1 / self.scale
         if self.grad_hidden is not None:  # beta = 0: the rows' old contents are not read
             out = self.grad_hidden[rows]
             torch.addmm(out, dlogits, self.weight, beta=0, alpha=inverse, out=out)
         if self.grad_weight is not None:
             _accumulate_product(self.grad_weight, dlogits.t(), self.gradient_rows[:rows.stop - rows.start], inverse,
-                                accumulate=closed.accumulate)
-        if self.grad_bias is not None and closed.accumulate:
+                                accumulate=self.written)
+        if self.grad_bias is not None and self.written:
             self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32), alpha=inverse)
         elif self.grad_bias is not None:  # 0 + inverse x sums, as the additions would make it
             torch.sum(dlogits, 0, dtype=torch.float32, out=self.grad_bias)
             if inverse != 1:
                 self.grad_bias.mul_(inverse)
-
-    def flush(self):
-        """The open group's GEMMs: d hidden of its rows, d weight and d bias added (nothing when none is open)."""
-        closed = self.close()
-        if closed is not None:
-            self.run_group(closed)
+        self.written = True
+        self.rows = self.dlogits = None
 
     def gradients(self):
         """(d hidden [N, D] in hidden's dtype, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after
         the last group's GEMMs: d weight and d bias are the fp32 accumulators, which whoever returns them rounds to
         the inputs' dtype once (`rounded`; the loss's backward, in its scale pass)."""
-        self.flush()
+        if self.rows is not None:
+            self.close_group()
         if not self.written:  # no row at all
             for gradient in (self.grad_weight, self.grad_bias):
                 if gradient is not None:
