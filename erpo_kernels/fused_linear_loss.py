@@ -762,8 +762,12 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
         logp_out, entropy_out, token_kind, sample_index, spans, inputs, options, segment_sum, entropy_pool))
     groups = GradientGroups(workspace, hidden, weight, bias, needs)
+    # The first chunk's forward row kernel is queued before the objective's setup (`start`) unless that setup reads
+    # the rows' values: with the entropy filter its threshold and kept-row count read the pre-passed response rows'
+    # entropies, which the chunk's own values (formed by another GEMM shape, so not always the same bits) must not
+    # replace first.
     chunk_pass = ChunkPass(logits_buffer, hidden, targets, transform, kernels, logp_out, entropy_out, lse_out,
-                           objective, groups)
+                           objective, groups, first_forward_queued=options.top_entropy_quantile >= 1)
     coupling = dict(
         query_sums=(options.qkl_coef != 0 and options.qkl_estimator != "k3-token"
                     and inputs.ref_query_logp is not None),
@@ -771,18 +775,13 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                          or options.off_policy_mask_threshold is not None),
         all_response_entropies=options.top_entropy_quantile < 1 and (
             not gather or (options.entropy_coef != 0 and options.entropy_agg == "token-mean")))
-    # The first chunk's forward row kernel is queued before the objective's setup (`start`) unless that setup reads
-    # the rows' values: with the entropy filter its threshold and kept-row count read the pre-passed response rows'
-    # entropies, which the chunk's own values (formed by another GEMM shape, so not always the same bits) must not
-    # replace first.
-    first_forward_early = options.top_entropy_quantile >= 1
 
     def plan_and_queue_first_chunk(host_kind, host_sample) -> ChunkPlan:
         """The chunk plan on the host layout, with the pre-pass and the first chunk's other rows' logits queued
         (its own GEMM, only earlier: the GPU runs them while the host sets the objective up), then the first
-        chunk's forward row kernel when `first_forward_early` (its own too, only earlier: more work for the GPU while
-        the host sets the objective up), the groups' buffers (host work: after the launches, which the GPU runs
-        meanwhile) and the objective's setup on the layout (`start`)."""
+        chunk's forward row kernel when `chunk_pass.first_forward_queued` (its own too, only earlier: more work for
+        the GPU while the host sets the objective up), the groups' buffers (host work: after the launches, which the
+        GPU runs meanwhile) and the objective's setup on the layout (`start`)."""
         plan = plan_chunks(host_kind, host_sample, num_samples, workspace.chunk_rows, **coupling)
         first = early
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
@@ -791,7 +790,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
                 hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
-        if plan.chunks and first_forward_early:
+        if plan.chunks and chunk_pass.first_forward_queued:
             start, stop = plan.chunks[0]
             chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
         groups.allocate_buffers()
@@ -817,8 +816,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         host_kind, host_sample = layout.numpy().reshape(2, num_rows)
         plan = plan_and_queue_first_chunk(host_kind, host_sample)
     for chunk, (start, stop) in enumerate(plan.chunks):
-        chunk_pass.run(chunk, slice(start, stop), logits_ready=chunk == 0,
-                       forward_queued=chunk == 0 and first_forward_early)
+        chunk_pass.run(chunk, slice(start, stop))
     return (logp_out, entropy_out, anchor, *groups.gradients())
 
 
@@ -827,7 +825,8 @@ class ChunkPass:
     """The work of one chunk in `loss_gradients`' loop (host work that the GPU waits for only when the host falls
     behind it: `python -m bench.host_cost --path fused` times it): the logits GEMM into `logits_buffer`, the forward
     row kernel into the rows of the call's [N] fp32 vectors logp, entropy and lse, the objective's gradient on
-    the chunk's rows and its dlogits into `groups`."""
+    the chunk's rows and its dlogits into `groups`. The first chunk's logits are formed with the plan
+    (`loss_gradients`), and so is its forward row kernel when `first_forward_queued`."""
 
     logits_buffer: LogitsBuffer
     hidden: torch.Tensor
@@ -839,16 +838,19 @@ class ChunkPass:
     lse: torch.Tensor
     objective: object
     groups: GradientGroups
+    first_forward_queued: bool
 
-    def run(self, chunk: int, rows: slice, logits_ready: bool, forward_queued: bool = False) -> None:
-        """Chunk number `chunk`, rows `rows`; logits_ready: the buffer holds its logits already (the first chunk);
-        forward_queued: so is its forward row kernel (`forward`)."""
-        buffer = self.logits_buffer
+    def run(self, chunk: int, rows: slice) -> None:
+        """Chunk number `chunk`, rows `rows`."""
         hidden_rows, targets = self.hidden[rows], self.targets[rows]  # sliced once: the GEMM, both row kernels
-        logits = buffer.formed(rows.stop - rows.start) if logits_ready else buffer.logits(hidden_rows)
-        self.groups.add_chunk(rows, hidden_rows, targets, logits,
-                              *self.row_forward(chunk, rows, targets, logits, forward_queued), self.kernels,
-                              self.transform)
+        buffer = self.logits_buffer
+        logits = buffer.formed(rows.stop - rows.start) if chunk == 0 else buffer.logits(hidden_rows)
+        if chunk == 0 and self.first_forward_queued:
+            lse, entropy = self.lse[rows], self.entropy[rows]
+        else:
+            lse, entropy = self.forward(rows, targets, logits)
+        self.groups.add_chunk(rows, hidden_rows, targets, logits, lse, entropy, *self.objective.gradient(chunk, rows),
+                              self.kernels, self.transform)
 
     def forward(self, rows: slice, targets, logits):
         """The forward row kernel on the fp32 logits [n, V] of rows `rows` (targets [n]) into the call's vectors:
@@ -856,13 +858,6 @@ class ChunkPass:
         _, entropy, lse = self.kernels.forward(logits, targets, self.transform,
                                                (self.logp[rows], self.entropy[rows], self.lse[rows]))
         return lse, entropy
-
-    def row_forward(self, chunk: int, rows: slice, targets, logits, forward_queued: bool = False):
-        """The forward row kernel on chunk `chunk`'s fp32 logits [n, V] (rows `rows`, targets [n]) into the call's
-        vectors (unless `forward_queued`: queued already), then the objective's gradient there: (lse, entropy,
-        d loss / d logp, d loss / d entropy) [n] fp32."""
-        lse, entropy = (self.lse[rows], self.entropy[rows]) if forward_queued else self.forward(rows, targets, logits)
-        return (lse, entropy, *self.objective.gradient(chunk, rows))
 
 
 # The torch.library op: what torch.compile sees (no graph break, no trace of the chunk loop). The options travel as
