@@ -550,15 +550,14 @@ class GradientGroups:
     A group closes when the next chunk does not follow it, does not fit the store or needs another fp16 scale (the
     power of two that keeps fp16 dlogits above the subnormals, `_fp16_gradient_scale`, unscaled in the GEMMs' fp32
     alpha); without a separate store every chunk is its own group (its dlogits lie over its logits, which the next
-    chunk's overwrite). hidden [N, D], weight [V, D], bias [V] or None; needs: (d hidden, d weight, d bias). The
-    gradients are allocated when made, the group's buffers in the workspace by `allocate_buffers`, which the first
-    `add_chunk` needs (`loss_gradients` makes the groups before its host read and their buffers after the pre-pass,
-    whose gathered rows the budget does not hold beside them)."""
+    chunk's overwrite). hidden [N, D], weight [V, D]; needs: (d hidden, d weight, d bias). The gradients are
+    allocated when made, the group's buffers in the workspace by `allocate_buffers`, which the first `add_chunk`
+    needs (`loss_gradients` makes the groups before its host read and their buffers after the pre-pass, whose
+    gathered rows the budget does not hold beside them)."""
 
-    def __init__(self, workspace: Workspace, hidden, weight, bias, needs: Tuple[bool, bool, bool]):
+    def __init__(self, workspace: Workspace, hidden, weight, needs: Tuple[bool, bool, bool]):
         needs_hidden, needs_weight, needs_bias = needs
-        self.workspace, self.needs_weight = workspace, needs_weight
-        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.workspace, self.hidden, self.weight = workspace, hidden, weight
         self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
                             else None)
@@ -575,7 +574,7 @@ class GradientGroups:
         workspace, hidden = self.workspace, self.hidden
         if workspace.separate_store:
             self.store = hidden.new_empty(workspace.group_rows, self.weight.shape[0])
-        if self.needs_weight:
+        if self.grad_weight is not None:
             self.gradient_rows = hidden.new_empty(workspace.group_rows, hidden.shape[1])
 
     def add_chunk(self, rows: slice, hidden_rows, targets, logits, lse, entropy, grad_logp, grad_entropy,
@@ -599,7 +598,7 @@ class GradientGroups:
             grad_logp, grad_entropy = grad_logp * scale, grad_entropy * scale
         kernels.backward_into(self.store[in_group] if separate_store else self.dlogits, logits, targets, lse, entropy,
                               grad_logp, grad_entropy, transform)
-        if self.needs_weight:
+        if self.grad_weight is not None:
             kernels.gradient_rows_into(self.gradient_rows[in_group], hidden_rows, targets, grad_logp, grad_entropy)
         if not separate_store:  # the next chunk's logits overwrite these dlogits: a group a chunk
             self.close_group()
@@ -663,7 +662,7 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     num_rows = hidden.shape[0]
     workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
     logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
-    groups = GradientGroups(workspace, hidden, weight, bias, (needs_hidden, needs_weight, needs_bias))
+    groups = GradientGroups(workspace, hidden, weight, (needs_hidden, needs_weight, needs_bias))
     groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):
         hidden_rows = hidden[rows]
@@ -761,7 +760,7 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     kernels.zero_fill(logp_out, entropy_out, anchor)
     objective = kernels.chunk_objective(ChunkObjectiveInputs(
         logp_out, entropy_out, token_kind, sample_index, spans, inputs, options, segment_sum, entropy_pool))
-    groups = GradientGroups(workspace, hidden, weight, bias, needs)
+    groups = GradientGroups(workspace, hidden, weight, needs)
     # The first chunk's forward row kernel is queued before the objective's setup (`start`) unless that setup reads
     # the rows' values: with the entropy filter its threshold and kept-row count read the pre-passed response rows'
     # entropies, which the chunk's own values (formed by another GEMM shape, so not always the same bits) must not
