@@ -20,9 +20,8 @@ kernel is queued, is GPU idle time (the validation's read, then the op setup and
 read, less the first half chunk's logits GEMM queued before it); inside the chunk loop the GPU waits only when a
 chunk's host time exceeds its kernels' time. The second table puts each read against the long kernels around it
 (`ReadTimeline`): the host's microseconds from the read's return to the next GEMM queued, to the first chunk's
-forward row kernel queued and to the chunk loop, and
-the GEMM work queued after the read's copy, which the GPU still has to run when the read returns, in GFLOP at
-`--like`'s lm_head (a CPU cannot time the GPU; FLOPs it can count).
+forward row kernel queued and to the chunk loop, and the GEMM work queued after the read's copy, which the GPU still
+has to run when the read returns, in GFLOP at `--like`'s lm_head (a CPU cannot time the GPU; FLOPs it can count).
 """
 from __future__ import annotations
 
@@ -43,26 +42,27 @@ from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
+# Where the chunk loop's work is queued: a chunk's (from its logits GEMM to its dlogits), a group's d hidden and
+# d weight GEMMs (those of the group the chunk closes), a chunk's forward row kernel, and a logits GEMM of some rows
+CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
+GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.close_group"
+CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"
+LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
 # (phase, "module:attribute[.attribute]") of the functions each call goes through, timed and counted exclusively
 FUSED_PHASES = [
     ("validation", "erpo_kernels.fused_linear:start_loss_input_checks"),
     ("op setup", "erpo_kernels.fused_linear_loss:loss_gradients"),
     ("chunk plan", "erpo_kernels.fused_linear_loss:plan_chunks"),
     ("objective setup", "erpo_kernels.triton_chunk_objective:TritonChunkObjective.start"),
-    ("chunk", "erpo_kernels.fused_linear_loss:ChunkPass.run"),
-    ("group GEMMs", "erpo_kernels.fused_linear_loss:GradientGroups.close_group"),
+    ("chunk", CHUNK_LOOP),
+    ("group GEMMs", GROUP_GEMMS),
     ("objective value", "erpo_kernels.fused_linear:objective_on_backend"),
 ]
-CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"  # a chunk's forward row kernel queued
 ENTRY, BACKWARD = "entry", "autograd backward"
 MEASURES = ("us", "aten", "triton", "reads")
 # Where a host read is queued and made (the copy to host memory, then the wait for it: `validation.read_later`,
-# imported by name into the modules that read), where the long kernels are queued (the logits GEMM of some rows; a
-# group's d hidden and d weight GEMMs), and where the chunk loop starts
+# imported by name into the modules that read)
 READ_LATER_USERS = ("erpo_kernels.validation", "erpo_kernels.fused_linear_loss")
-LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
-GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.close_group"
-CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
 
 
 def launch_counter():
