@@ -13,7 +13,8 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
    summary.md (its rows, as it prints them, go to bench.log).
 3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
-   Liger.
+   Liger, and the probe's pick (bench.probe_pick: the 1 GiB chunk/group geometry faster than the library default on
+   both shapes, if any, as the contender erpo-geom-ROWS[-GROUP]; nothing when the probe failed or did not run).
 4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
    the host's microseconds, the kernel tables), its folder packed into one file.
 5. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
