@@ -32,11 +32,17 @@ def probe_geometry(row: dict) -> Optional[Geometry]:
 
 
 def pick_geometry(probe_json: Path) -> Pick:
-    """The pick (module docstring) from the probe's results file; nothing picked when it is missing or holds no
-    default row or no geometry variant on some shape."""
+    """The pick (module docstring) from the probe's results file; nothing picked when it is missing or unreadable or
+    holds no default row or no geometry variant on some shape."""
     if not probe_json.exists():
         return Pick(None, f"none: no {probe_json.name} (the probe did not finish)")
-    shapes = json.loads(probe_json.read_text(encoding="utf-8"))["shapes"]
+    try:
+        return _pick(json.loads(probe_json.read_text(encoding="utf-8"))["shapes"])
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as error:  # the lease goes on without a pick
+        return Pick(None, f"none: {probe_json.name} unreadable ({type(error).__name__}: {error})")
+
+
+def _pick(shapes: dict) -> Pick:
     ratios = {}  # variant name -> [its median / the default's, per shape]
     for shape, rows in shapes.items():
         default = [row["median_ms"] for row in rows if row["variant"] == DEFAULT_VARIANT]

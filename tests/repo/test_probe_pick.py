@@ -53,3 +53,6 @@ def test_nothing_is_picked_without_the_probe_s_results(tmp_path):
                                          if row["variant"] != DEFAULT_VARIANT]
     (tmp_path / PROBE_JSON).write_text(json.dumps(measured))
     assert pick_geometry(tmp_path / PROBE_JSON) == (None, f"none: no {DEFAULT_VARIANT!r} row for qwen2.5-32b")
+    (tmp_path / PROBE_JSON).write_text('{"shapes": ')  # cut short: the lease goes on without a pick
+    pick = pick_geometry(tmp_path / PROBE_JSON)
+    assert pick.key is None and pick.why.startswith(f"none: {PROBE_JSON} unreadable (JSONDecodeError: ")
