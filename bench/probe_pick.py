@@ -43,7 +43,7 @@ def pick_geometry(probe_json: Path) -> Pick:
 
 
 def _pick(shapes: dict) -> Pick:
-    ratios = {}  # variant name -> [its median / the default's, per shape]
+    ratios = {}  # variant name -> {shape: its median / the default's}
     for shape, rows in shapes.items():
         default = [row["median_ms"] for row in rows if row["variant"] == DEFAULT_VARIANT]
         if not default:
