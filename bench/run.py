@@ -139,7 +139,7 @@ def _measure(contender, problem, row: dict, config: BenchConfig, log) -> None:
     prepared = None
     try:
         prepared = contender.prepare(problem)
-        tolerance = OURS if contender.ours or contender.held_to_ours else PEERS
+        tolerance = OURS if contender.held_to_ours else PEERS
         check = check_contender(problem, prepared, contender.computes, config.check_rows, tolerance)
         row.update(tolerance=asdict(tolerance), correct=check.ok, loss=check.loss, ref_loss=check.ref_loss,
                    loss_err=check.loss_err, grad_err=check.grad_err, check_failures=check.failures)

@@ -8,7 +8,7 @@ import torch
 import erpo_kernels
 from bench.__main__ import main as bench_main
 from bench.check import OURS
-from bench.contenders import ERPO_OPTIONS, select
+from bench.contenders import CONTENDER_KEYS, ERPO_OPTIONS, select
 from bench.geometry import Geometry, geometry_key, parse_geometry_key
 from bench.problem import SMOKE_SHAPE, build_problem
 from bench.run import BenchConfig, run_benchmark
@@ -30,6 +30,12 @@ def test_a_geometry_key_names_its_chunk_and_group_rows(key, geometry):
     assert (contender.key, contender.path, contender.ours, contender.held_to_ours) == (key, "fused", False, True)
     assert f"LOGITS_ROWS={geometry.rows}" in contender.label
     assert select([key], ["logits"]) == []  # a fused-path contender
+
+
+def test_every_variant_of_ours_and_no_peer_is_held_to_ours_tolerance():
+    held = {(c.path, c.key): c.held_to_ours for c in select(list(CONTENDER_KEYS), ["logits", "fused"])}
+    assert held[("fused", "erpo-ws2g")] and held[("fused", "erpo-invariant")] and held[("logits", "erpo-log2")]
+    assert not any(held[(path, key)] for path, key in held if key in ("torch", "compile", "liger", "cce"))
 
 
 @pytest.mark.parametrize("key", ["erpo-geom-", "erpo-geom-256-", "erpo-geom-0-512", "erpo-geom-256-1000",
