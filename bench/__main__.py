@@ -33,6 +33,7 @@ def parse_args(argv):
                         help="comma list of: erpo, erpo-block, erpo-warp, erpo-warp-1024, erpo-log2, erpo-log2-2048 "
                              "(logits path: ours with one of the forward kernel's variants, "
                              "triton_logits.FORWARD_VARIANTS), erpo-ws2g (fused path: workspace_bytes=2 GiB), "
+                             "erpo-geom-ROWS[-GROUP] (fused path: chunk rows, group rows, e.g. erpo-geom-256-2304), "
                              "erpo-invariant (fused path: batch_invariant=True), "
                              "torch, compile, liger, cce (default: erpo, erpo-invariant, torch, compile, liger, cce)")
     parser.add_argument("--skip", default="",
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     if args.smoke:
         torch.set_num_threads(1)  # CI boxes are small and shared: one thread is steadier than oversubscribed ones
 
-    from .contenders import CONTENDER_KEYS, select
+    from .contenders import check_keys, select
     from .problem import SMOKE_SHAPE, parse_shape
     from .progress import ProgressWriter
     from .report import add_ratios, write_outputs
@@ -161,12 +162,10 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"--n: expected a comma list of integers, got {args.n!r}")
     skipped = _csv(args.skip)
-    unknown = sorted(set(skipped) - set(CONTENDER_KEYS))
-    if unknown:
-        raise SystemExit(f"--skip: unknown {unknown}; known: {list(CONTENDER_KEYS)}")
     try:
+        check_keys(skipped, "--skip")
         contenders = select([key for key in _csv(args.contenders) if key not in skipped], paths)
-    except ValueError as error:  # an unknown --contenders name: the user's, one line
+    except ValueError as error:  # an unknown or malformed --skip / --contenders name: the user's, one line
         raise SystemExit(str(error))
     config = BenchConfig(shapes=shapes, ns=ns, paths=paths, contenders=contenders, device=device,
                          dtype=DTYPES[args.dtype], reps=args.reps, warmup=args.warmup,

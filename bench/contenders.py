@@ -17,15 +17,17 @@ Peers that are not installed are reported, not crashed on. Imports happen inside
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
 from .formula import plain_erpo_from_hidden, plain_erpo_from_logits, plain_erpo_from_logp
+from .geometry import KEY_FORM, fused_knobs, is_geometry_key, parse_geometry_key
 from .problem import Problem
 
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
@@ -51,7 +53,7 @@ class Prepared:
 class Contender:
     """A benchmarked implementation on one path ("logits" or "fused")."""
 
-    key: str          # one of CONTENDER_KEYS
+    key: str          # one of CONTENDER_KEYS, or a geometry's (erpo_geometry)
     path: str
     label: str        # the call that is timed
     ours: bool
@@ -59,6 +61,15 @@ class Contender:
     distribution: str | None  # the pip distribution that provides it, for its version
     prepare: Callable[[Problem], Prepared]
     requirement: Callable[[torch.device], tuple | None]  # None when usable, else (status, why not)
+    # what every call of the contender runs under (bench.run: its prepare, check, timing and peak memory)
+    knobs: Callable[[], ContextManager] = contextlib.nullcontext
+
+    @property
+    def held_to_ours(self) -> bool:
+        """Checked with ours' tolerance (bench.check.OURS): ours and every variant of ours (erpo-ws2g, erpo-geom-*,
+        the kernel variants), whose rows are not `ours` but whose errors are ours (all well inside OURS on the
+        H100 and H200 at full size, bench/measured/)."""
+        return self.ours or self.key.startswith("erpo")
 
     def version(self) -> str | None:
         """Installed version of the providing distribution (None for torch-only contenders)."""
@@ -331,9 +342,35 @@ CONTENDERS = (
 )
 
 
-def select(keys, paths) -> list:
-    """The contenders whose key is in `keys` and path in `paths`, in CONTENDERS order."""
-    unknown = sorted(set(keys) - set(CONTENDER_KEYS))
+def erpo_geometry(key: str) -> Contender:
+    """Ours on the fused path (Triton, the library's 1 GiB workspace) with the chunk geometry `key` names
+    (bench.geometry: erpo-geom-ROWS[-GROUP], LOGITS_ROWS and GROUP_ROWS) set for every call of the contender and put
+    back after each; ValueError if `key` is malformed. Its "ours faster by" is its time over ours with the library's
+    geometry; it is held to ours' tolerance, being the candidate for that default."""
+    geometry = parse_geometry_key(key)
+    cap = "no group cap" if geometry.group is None else f"GROUP_ROWS={geometry.group}"
+    label = f"erpo_kernels.fused_linear_erpo_loss(backend='triton'), LOGITS_ROWS={geometry.rows}, {cap}"
+    return Contender(key, "fused", label, False, "erpo", None, _erpo_fused("triton"),
+                     _triton_requirement("erpo_kernels", "fused_linear_erpo_loss"),
+                     knobs=lambda: fused_knobs(*geometry))
+
+
+def check_keys(keys, option: str) -> None:
+    """ValueError (one line naming `option` and the key) unless every key is in CONTENDER_KEYS or a well-formed
+    geometry key."""
+    unknown = sorted(set(key for key in keys if not is_geometry_key(key)) - set(CONTENDER_KEYS))
     if unknown:
-        raise ValueError(f"--contenders: unknown {unknown}; known: {list(CONTENDER_KEYS)}")
-    return [c for c in CONTENDERS if c.key in keys and c.path in paths]
+        raise ValueError(f"{option}: unknown {unknown}; known: {list(CONTENDER_KEYS)} and {KEY_FORM}")
+    for key in filter(is_geometry_key, keys):
+        try:
+            parse_geometry_key(key)
+        except ValueError as error:
+            raise ValueError(f"{option}: {error}") from None
+
+
+def select(keys, paths) -> list:
+    """The contenders whose key is in `keys` and path in `paths`, in CONTENDERS order, then the geometry contenders
+    of `keys` (erpo_geometry) in their order: each case's last rows."""
+    check_keys(keys, "--contenders")
+    geometries = [erpo_geometry(key) for key in dict.fromkeys(keys) if is_geometry_key(key)]
+    return [c for c in (*CONTENDERS, *geometries) if c.key in keys and c.path in paths]

@@ -1,20 +1,22 @@
 """Which group geometry makes the fused path fastest in its workspace, in one short GPU run: its chunk rows, its
 group rows and workspace, the trainer's `host_layout`, and one group's GEMMs at each group size.
 
-    python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md
+    python -m bench.fused_probe --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --out DIR      # DIR/fused_probe.md, .json
     TRITON_INTERPRET=1 python -m bench.fused_probe --smoke --out DIR                    # CPU, tiny: the dry run
 
-Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem,
-1024 rows a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits
-store (`fused_linear_loss.LOGITS_ROWS`) and a cap on the store's rows (`fused_linear_loss.GROUP_ROWS`, whole
-chunks), both set for the variant's calls, the workspace budget, the layout in host memory as erpo's trainer
-passes it. Each row says how `plan_workspace` spent the budget (chunk rows, group rows). The question: which group
-geometry is fastest at the 1 GiB default. In the H200 run of 2026-11-27 bigger groups helped (2 GiB's groups of
-5632 rows: 90.0 ms against the default's 93.2 at 7b; 256-row chunks with groups of 2304 beat 512-row ones with
-1024 in the pipelined loop since dropped), but 384-row chunks with groups of 2688 were slower (94.5 ms): in 1 GiB,
-chunk rows 256 give groups of 2816 and 384 give 2688 (7b) or 2304 (32b), and the capped variants hold the group
-at 2304 beside 256- or 384-row chunks and at 1536 beside the default's 512 (bench/RESULTS.md, the H200 lease of
-2026-11-27). A variant is 7 calls (2 warm-up, 5 timed) of about 93 ms (7b) and 133 ms (32b).
+Part 1, per shape: ours (`fused_linear_erpo_loss`, Triton) fwd+bwd on the bench's problem (bench.problem, 1024 rows
+a sample, a quarter of them query rows) under each variant of VARIANTS: the chunk rows beside the dlogits store
+(`fused_linear_loss.LOGITS_ROWS`) and a cap on the store's rows (`fused_linear_loss.GROUP_ROWS`, whole chunks), both
+set for the variant's calls (bench.geometry.fused_knobs), the workspace budget, the layout in host memory as erpo's
+trainer passes it; fused_probe.json holds these rows for bench.probe_pick, which picks the geometry gpu_check's
+bench 1 times beside torch.compile. Each row says how `plan_workspace` spent the budget (chunk rows, group rows).
+The question: which group geometry is fastest at the 1 GiB default. In the H200 run of 2026-11-27 bigger groups
+helped (2 GiB's groups of 5632 rows: 90.0 ms against the default's 93.2 at 7b; 256-row chunks with groups of 2304
+beat 512-row ones with 1024 in the pipelined loop since dropped), but 384-row chunks with groups of 2688 were slower
+(94.5 ms): in 1 GiB, chunk rows 256 give groups of 2816 and 384 give 2688 (7b) or 2304 (32b), and the capped
+variants hold the group at 2304 beside 256- or 384-row chunks and at 1536 beside the default's 512
+(bench/RESULTS.md, the H200 lease of 2026-11-27). A variant is 7 calls (2 warm-up, 5 timed) of about 93 ms (7b) and
+133 ms (32b).
 
 Part 2, per shape: one group's d hidden GEMM ([G, V] x [V, D] into [G, D] bf16, `mm`) and d weight accumulation
 ([V, G] x [G, D] added into the fp32 [V, D] accumulator, `addmm`), the fused path's calls, at each of `--group-rows`
@@ -28,12 +30,14 @@ choosing what to build, the bench is the measurement.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import sys
 from typing import NamedTuple, Optional
 
 import torch
 
+from .geometry import fused_knobs
+from .probe_pick import DEFAULT_VARIANT, PROBE_JSON
 from .provenance import header_lines, provenance, write_report
 from .timing import time_callable
 
@@ -52,7 +56,7 @@ class Variant(NamedTuple):
 
 
 VARIANTS = (
-    Variant("library default"),
+    Variant(DEFAULT_VARIANT),
     Variant("host layout (the trainer's call)", host_layout=True),
     Variant("chunk rows 256", rows=256),
     Variant("chunk rows 256, group 2304", rows=256, group=2304),
@@ -68,25 +72,8 @@ GROUP_ROWS = "1536,2048,2304,2560,2816"  # part 2's group sizes: the 1 GiB defau
 SMOKE = {"shape": "32x128", "n": 32, "rows_per_sample": 16, "group_rows": "8,16", "gib": 1 / 4096, "repeats": 1}
 
 
-@contextlib.contextmanager
-def fused_knobs(variant: Variant):
-    """`fused_linear_loss`'s probe knobs (LOGITS_ROWS, GROUP_ROWS) set as `variant` says while the block runs, put
-    back after it, also on an exception."""
-    from erpo_kernels import fused_linear_loss
-    names = ("LOGITS_ROWS", "GROUP_ROWS")
-    saved = {name: getattr(fused_linear_loss, name) for name in names}
-    values = (saved["LOGITS_ROWS"] if variant.rows is None else variant.rows, variant.group)
-    try:
-        for name, value in zip(names, values):
-            setattr(fused_linear_loss, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(fused_linear_loss, name, value)
-
-
 def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) -> list:
-    """[(variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
+    """[(Variant, chunk rows, group rows, median ms, p20 ms, p80 ms)] of ours fwd+bwd on `problem`."""
     from erpo_kernels.fused_linear_loss import DEFAULT_WORKSPACE_BYTES, ROW_KERNELS, workspace_of
 
     from .contenders import erpo_fused_with_workspace
@@ -100,10 +87,10 @@ def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) 
         def step():
             torch.autograd.grad(prepared.run(), prepared.inputs)
 
-        with fused_knobs(variant):
+        with fused_knobs(variant.rows, variant.group):
             plan = workspace_of(problem.num_rows, problem.hidden, problem.weight, ROW_KERNELS["triton"], budget, False)
             timing = time_callable(step, device=device, warmup=warmup, reps=repeats)
-        out.append((variant.name, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
+        out.append((variant, plan.chunk_rows, plan.group_rows, timing.median_ms, timing.p20_ms, timing.p80_ms))
     return out
 
 
@@ -160,8 +147,9 @@ def main(argv=None):
     group_rows = [int(rows) for rows in (SMOKE["group_rows"] if args.smoke else args.group_rows).split(",")]
     repeats, warmup = (SMOKE["repeats"], 0) if args.smoke else (args.repeats, 2)
     name = torch.cuda.get_device_name() if on_cuda else "CPU dry run"
-    lines = [f"# The fused path's variants ({name}, N={n}, bf16)", "",
-             *header_lines(provenance("bench.fused_probe", sys.argv[1:] if argv is None else argv, args.commit)), ""]
+    record = provenance("bench.fused_probe", sys.argv[1:] if argv is None else argv, args.commit)
+    lines = [f"# The fused path's variants ({name}, N={n}, bf16)", "", *header_lines(record), ""]
+    measured = {"meta": {**record, "device": name, "N": n}, "shapes": {}}  # fused_probe.json: part 1's rows
     for spec in shapes:
         shape = parse_shape(spec)
         problem = build_problem("fused", shape, n, rows_per_sample=per_sample, query_frac=0.25,
@@ -170,9 +158,13 @@ def main(argv=None):
         lines += [f"## {shape.name}: D={shape.hidden}, V={shape.vocab}", "",
                   "| variant | chunk rows | group rows | fwd+bwd ms (median) | p20 | p80 |",
                   "|---|---|---|---|---|---|"]
-        for row in fused_variants(problem, device, repeats, warmup, SMOKE["gib"] if args.smoke else 1.0):
-            lines.append("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |".format(*row))
+        measured["shapes"][shape.name] = []
+        for variant, *row in fused_variants(problem, device, repeats, warmup, SMOKE["gib"] if args.smoke else 1.0):
+            lines.append("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |".format(variant.name, *row))
             print(lines[-1], flush=True)
+            measured["shapes"][shape.name].append(
+                dict(zip(("variant", *Variant._fields[1:], "chunk_rows", "group_rows", "median_ms", "p20_ms", "p80_ms"),
+                         (*variant, *row))))
         del problem
         if on_cuda:
             torch.cuda.empty_cache()
@@ -185,7 +177,8 @@ def main(argv=None):
         lines.append("")
         if on_cuda:
             torch.cuda.empty_cache()
-    write_report(args.out, "fused_probe.md", lines)
+    report = write_report(args.out, "fused_probe.md", lines)
+    report.with_name(PROBE_JSON).write_text(json.dumps(measured, indent=1) + "\n")
 
 
 if __name__ == "__main__":

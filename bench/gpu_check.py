@@ -13,7 +13,8 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
    summary.md (its rows, as it prints them, go to bench.log).
 3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
-   Liger.
+   Liger, and the probe's pick (bench.probe_pick: the 1 GiB chunk/group geometry faster than the library default on
+   both shapes, if any, as the contender erpo-geom-ROWS[-GROUP]; nothing when the probe failed or did not run).
 4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
    the host's microseconds, the kernel tables), its folder packed into one file.
 5. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
@@ -54,8 +55,10 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .probe_pick import PROBE_JSON, Pick, pick_geometry
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 570            # the whole command: inside the device tool's 600 s per call (the call's timeout_s)
@@ -117,6 +120,17 @@ PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the
 #                             variants and two-GEMM part 2 since should take less (an estimate, not measured)
 PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
 PROBE_N = 16384                          # the targets' size
+PICKED_CAP_S = 20           # bench 1's cap grows by this when the probe picks a geometry (bench.probe_pick) and bench 1
+#                             times it as one more contender at both N: like erpo-ws2g (ours, another geometry), whose
+#                             four rows took 16.3 s of the H200's bench 1 at e17ad62 (bench/measured/h200-2026-11-27-
+#                             e17ad62/bench.jsonl, wall_s: 5.6 + 6.6 at N=16384, 1.8 + 2.3 at 4096; the run 158 s of
+#                             its 175), so 16 s plus about a fifth: 195 s. 158 + 16 = 174 s would sit at the plain
+#                             175 s cap, where its last rows (Liger's and the candidate's at N=4096, 32b) would be the
+#                             first lost. The deadline stays 570 s; what the pick takes comes from the stages after
+#                             bench 1: at the H200's stage times (kernels 181, probe 42, bench 1 158 + 16, logits 84,
+#                             train 56 s) the profile (12 s there, measured that lease) has 7 s left and is not
+#                             started; where kernels, probe and bench 1 run to their limits (210 + 55 + 195 + 1 s of
+#                             setup = 461 s), the logits check gets 84 s of its 100 (84-85 s measured) instead of 104
 LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
 #                             and 70 s (60b3625): the larger plus about a fifth
 TRAIN_LIMIT_S = 70          # measured 57 s (b8b4a78) and 45 s (60b3625)
@@ -148,8 +162,8 @@ WIDE_COLUMNS = "300"
 
 @dataclass
 class BenchRun:
-    """One `python -m bench` run of the bench stage: rows N, paths, contenders kept / left out, and why some are left
-    out."""
+    """One `python -m bench` run of the bench stage: rows N, paths, contenders kept / left out, why some are left
+    out, and the contender the fused probe picked for it (bench 1 only: `GpuCheck.bench`)."""
 
     name: str
     n: str
@@ -158,14 +172,18 @@ class BenchRun:
     skip: tuple = ()
     paths: str | None = None
     left_out: str = ""
+    picked: str | None = None
 
     def arguments(self, smoke: bool) -> list:
         skip = ["--skip", ",".join(self.skip)] if self.skip else []
+        picked = [self.picked] if self.picked else []
         if smoke:  # the smoke shape on the CPU, logits path, the quick contenders (the interpreter and Inductor's
-            # C++ builds take minutes there; tests/kernels/test_bench_smoke.py runs them)
-            return ["--smoke", "--paths", "logits", "--contenders", DRY_RUN_CONTENDERS, *skip]
+            # C++ builds take minutes there; tests/kernels/test_bench_smoke.py runs them); a picked fused-path
+            # contender is in the command, checked by the bench and, off its path, not run
+            return ["--smoke", "--paths", "logits", "--contenders", ",".join([DRY_RUN_CONTENDERS, *picked]), *skip]
+        contenders = ",".join(filter(None, [self.contenders, *picked]))
         return (["--n", self.n, "--budget", "2"] + (["--paths", self.paths] if self.paths else [])
-                + (["--contenders", self.contenders] if self.contenders else []) + skip)
+                + (["--contenders", contenders] if contenders else []) + skip)
 
 
 # Most wanted first; the logits stage has already measured ours and Liger on the logits path at every N. On the
@@ -231,6 +249,7 @@ class GpuCheck:
         self.stages: list = []
         self.device = "CPU (dry run)" if dry_run else "no nvidia-smi"
         self.wheels = "none"
+        self.pick = Pick(None, "none: the probe did not run")  # the probe's geometry for bench 1 (bench.probe_pick)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH")) if p)
         # pytest's failure lines uncut; logits_gpu_check.sh runs this interpreter and records this commit
@@ -341,7 +360,10 @@ class GpuCheck:
         command += ["--smoke"] if self.dry_run else ["--shapes", PROBE_SHAPES, "--n", str(PROBE_N)]
         if self.commit:
             command += ["--commit", self.commit]
-        self.run("probe", command, self.out / "bench.log", PROBE_LIMIT_S)
+        stage = self.run("probe", command, self.out / "bench.log", PROBE_LIMIT_S)
+        self.pick = (pick_geometry(self.work / "fused-probe" / PROBE_JSON) if stage.status == "ok"
+                     else Pick(None, f"none: the probe {stage.status}"))
+        self.log(f"bench 1's geometry pick: {self.pick.why}")
 
     def logits(self) -> None:
         """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz."""
@@ -379,6 +401,8 @@ class GpuCheck:
         first's)."""
         for index in numbers:
             plan = BENCH_RUNS[index - 1]
+            if index == 1 and self.pick.key:  # the probe's geometry beside ours and torch.compile (PICKED_CAP_S)
+                plan = replace(plan, picked=self.pick.key, cap_s=plan.cap_s + PICKED_CAP_S)
             smoke = self.dry_run and index == 1
             command = [sys.executable, "-m", "bench", *plan.arguments(smoke), "--progress",
                        str(self.out / "bench.jsonl"), "--out", str(self.work / f"bench-{index}")]
@@ -389,6 +413,8 @@ class GpuCheck:
             stage = self.run(f"bench {index}: {plan.name}", command, self.out / "bench.log", plan.cap_s)
             if plan.left_out:
                 stage.notes.append("left out: " + plan.left_out)
+            if plan.picked:
+                stage.notes.append(f"with the probe's pick {plan.picked} (its rows last in each case)")
             if "--plan" in command:
                 stage.notes.append("dry run: its arguments checked and its rows listed in bench.log (--plan), none run")
 
@@ -417,7 +443,8 @@ class GpuCheck:
                          f"{stage.exit_code} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
-                  "", "## Fused probe", "", *report_summary(self.work / "fused-probe" / "fused_probe.md"),
+                  "", "## Fused probe", "", f"- bench 1's geometry pick: {self.pick.why}",
+                  *report_summary(self.work / "fused-probe" / "fused_probe.md"),
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
                   "", "## Fused-path profile", "", *report_summary(self.work / "fused-profile" / "profile.md"),

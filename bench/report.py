@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+from .geometry import is_geometry_key
+
 GIB = 2 ** 30
 COLORS = {"erpo": "tab:blue", "erpo-ws2g": "tab:olive", "erpo-invariant": "tab:cyan", "torch": "tab:orange",
           "compile": "tab:green", "liger": "tab:red", "cce": "tab:purple"}
@@ -70,14 +72,19 @@ def add_ratios(results: dict) -> None:
 
 
 def evaluate_targets(rows: list) -> list:
-    """The issue's targets on every case that has our row; `at_target_shape` marks N=16384, V=152064."""
+    """The issues' targets on every case that has our row, and issue 32's fused-path targets on each candidate
+    geometry's row too (an erpo-geom-* contender, bench.geometry: what gpu_check's bench 1 adds when the fused probe
+    picks one), each target's `contender` saying whose row it judges; `at_target_shape` marks N=16384, V=152064."""
     by_case = {}
     for row in rows:
         by_case.setdefault(_case(row), {})[row["contender"]] = row
     out = []
+    candidate_targets = [target for target in TARGETS if target[:2] == (32, "fused")]
     for (path, shape, rows_n), members in by_case.items():
-        mine = members.get("erpo")
-        for issue, target_path, text, kind, peer, thresholds in TARGETS:
+        judged = [("erpo", target) for target in TARGETS] + [
+            (key, target) for key in members if is_geometry_key(key) for target in candidate_targets]
+        for subject, (issue, target_path, text, kind, peer, thresholds) in judged:
+            mine = members.get(subject)
             threshold = thresholds.get(rows_n) if isinstance(thresholds, dict) else thresholds
             if target_path != path or threshold is None:
                 continue
@@ -98,7 +105,8 @@ def evaluate_targets(rows: list) -> list:
                     if other is not None and _timed(other):
                         value = other["fwdbwd_ms"] / mine["fwdbwd_ms"]
                         verdict = value > threshold if threshold == 1.0 else value >= threshold
-            out.append({"issue": issue, "path": path, "shape": shape, "N": rows_n, "target": text, "value": value,
+            out.append({"issue": issue, "path": path, "shape": shape, "N": rows_n, "contender": subject,
+                        "target": text, "value": value,
                         "threshold": threshold, "pass": verdict,
                         "at_target_shape": rows_n == TARGET_ROWS and members[next(iter(members))]["V"] == TARGET_VOCAB})
     return out
@@ -159,10 +167,11 @@ def markdown(results: dict) -> str:
                 f"{_fmt(None if peak is None else peak / GIB)} | {_fmt(None if frac is None else 100 * frac)} |")
     if results.get("targets"):
         lines += ["", "## Targets (issues 32 and 4; bf16, V=152064; a budget's value is in GiB)", "",
-                  "| issue | path | shape | N | target | value | pass |", "|---|---|---|---|---|---|---|"]
+                  "| issue | path | shape | N | contender | target | value | pass |", "|---" * 8 + "|"]
         for t in results["targets"]:
             verdict = t["pass"] if t["pass"] == "n/a" else ("yes" if t["pass"] else "NO")
-            lines.append(f"| {t['issue']} | {t['path']} | {t['shape']} | {t['N']} | {t['target']} | "
+            subject = t["contender"] + (" (candidate geometry)" if is_geometry_key(t["contender"]) else "")
+            lines.append(f"| {t['issue']} | {t['path']} | {t['shape']} | {t['N']} | {subject} | {t['target']} | "
                          f"{_fmt(t['value'])} | {verdict} |")
     lines += ["", "## Columns", "", LEGEND]
     return "\n".join(lines) + "\n"

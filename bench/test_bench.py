@@ -39,7 +39,7 @@ def test_forward_backward(benchmark, contender):
         pytest.skip(f"{contender.key}: {missing[0]}: {missing[1]}")
     problem = _problem(contender.path)
     prepared = contender.prepare(problem)
-    check = check_contender(problem, prepared, contender.computes, 4096, OURS if contender.ours else PEERS)
+    check = check_contender(problem, prepared, contender.computes, 4096, OURS if contender.held_to_ours else PEERS)
     assert check.ok, check.failures
 
     def step():

@@ -405,3 +405,32 @@ def test_issue_32_targets_take_their_threshold_per_n_and_the_workspace_budget_in
     budget = {t["N"]: (t["pass"], t["value"]) for t in results["targets"]
               if "workspace (budget, 1 GiB) + fp32 d weight accumulator (4VD, fixed)" in t["target"]}
     assert budget[4096] == (True, (GIB + accumulator) / GIB) and budget[16384][0] is False
+
+
+def test_a_candidate_geometry_gets_issue_32s_fused_targets_of_its_own():
+    """An erpo-geom-* row (gpu_check's bench 1 adds the probe's pick) is judged on issue 32's fused targets as ours
+    is, against the same peers, marked as the candidate geometry; issue 4's targets and the logits path stay ours'."""
+    from bench.report import GIB, add_ratios, markdown
+
+    def row(contender, ms, ours=False, **extra):
+        return {"path": "fused", "shape": "qwen2.5-7b", "N": 16384, "D": 3584, "V": 152064, "logits_bytes": 1,
+                "floor_fwd_ms": 25.0, "floor_fwdbwd_ms": 75.0, "computes": "erpo", "contender": contender,
+                "ours": ours, "status": "ok", "fwd_ms": 1.0, "fwdbwd_ms": ms, **extra}
+
+    results = {"rows": [row("erpo", 96.0, ours=True, workspace_bytes=GIB), row("compile", 90.0),
+                        row("erpo-geom-256-2304", 88.0, workspace_bytes=GIB)],
+               "meta": {"device": "NVIDIA H200"}, "floors": []}
+    add_ratios(results)
+    candidate = {t["target"]: t for t in results["targets"] if t["contender"] == "erpo-geom-256-2304"}
+    ours = {t["target"]: t for t in results["targets"] if t["contender"] == "erpo"}
+    assert {t["issue"] for t in candidate.values()} == {32} and len(candidate) == 3 and len(ours) == 6
+    faster = "faster than torch.compile's formula"
+    assert (candidate[faster]["value"], candidate[faster]["pass"]) == (pytest.approx(90 / 88), True)
+    assert (ours[faster]["value"], ours[faster]["pass"]) == (pytest.approx(90 / 96), False)
+    floor = "fwd+bwd within 1.5x (N=4096) / 1.2x (N=16384) of the 6NDV matmul floor"
+    assert candidate[floor]["value"] == pytest.approx(88 / 75) and candidate[floor]["pass"] is True
+    assert ours[floor]["pass"] is False
+    table = markdown(results)
+    assert f"| 32 | fused | qwen2.5-7b | 16384 | erpo-geom-256-2304 (candidate geometry) | {faster} | 1.02 | yes |" \
+        in table
+    assert f"| 32 | fused | qwen2.5-7b | 16384 | erpo | {faster} | 0.938 | NO |" in table

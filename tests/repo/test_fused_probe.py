@@ -1,10 +1,13 @@
 """bench.fused_probe's dry run on the CPU (the GPU run times the same calls): one row per variant with the plan
-`plan_workspace` made for it, the group GEMMs' table at each group size, the chunk and group rows put back after
-each variant, the variants' plans at full size, and the one-line refusal without a GPU."""
+`plan_workspace` made for it (also in fused_probe.json), the group GEMMs' table at each group size, the chunk and
+group rows put back after each variant, the variants' plans at full size, and the one-line refusal without a GPU."""
+import json
+
 import pytest
 import torch
 
 from bench import fused_probe
+from bench.geometry import fused_knobs
 from erpo_kernels import fused_linear_loss
 
 
@@ -27,6 +30,16 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
             assert (per_1000 == "-" and not ms[0].isdigit()) or (
                 abs(float(ms) * 1000 / int(rows) - float(per_1000)) <= rounding and float(ms) > 0)
     assert knobs() == library_knobs
+    # fused_probe.json beside it: the same rows, each with the variant's knobs, for bench.probe_pick
+    measured = json.loads((tmp_path / "fused_probe.json").read_text())
+    assert measured["meta"]["command"].startswith("python -m bench.fused_probe --smoke")
+    (shape_rows,) = measured["shapes"].values()
+    assert [(row["variant"], row["rows"], row["group"], row["gib"], row["host_layout"]) for row in shape_rows] == [
+        tuple(variant) for variant in fused_probe.VARIANTS]
+    assert [f"| {row['variant']} | {row['chunk_rows']} | {row['group_rows']} | {row['median_ms']:.2f} | "
+            for row in shape_rows] == [line[:line.rindex(" | ", 0, line.rindex(" | ")) + 3] for line in lines
+                                       if line.startswith("| ") and line.count(" | ") == 5
+                                       and not line.startswith("| variant")]
 
 
 def knobs():
@@ -39,7 +52,7 @@ def test_each_variant_gets_the_chunks_and_group_it_names(hidden_dim):
     chunk rows it sets and, where it caps the group, that group (the store's, whole chunks): the GROUP_ROWS knob
     reaches `plan_workspace`."""
     for variant in fused_probe.VARIANTS:
-        with fused_probe.fused_knobs(variant):
+        with fused_knobs(variant.rows, variant.group):
             plan = fused_linear_loss.plan_workspace(16384, hidden_dim, 152064, torch.bfloat16, torch.device("cuda"),
                                                     fused_linear_loss.ROW_KERNELS["triton"],
                                                     int((variant.gib or 1) * fused_probe.GIB), False)
@@ -53,7 +66,7 @@ def test_each_variant_gets_the_chunks_and_group_it_names(hidden_dim):
 def test_the_knobs_are_put_back_when_a_variant_fails():
     library = knobs()
     variant = fused_probe.Variant("failing", rows=7, group=21)
-    with pytest.raises(RuntimeError), fused_probe.fused_knobs(variant):
+    with pytest.raises(RuntimeError), fused_knobs(variant.rows, variant.group):
         assert knobs() == (7, 21)
         raise RuntimeError("a variant's call failed")
     assert knobs() == library

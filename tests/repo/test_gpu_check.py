@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert "- command: `python -m bench.fused_probe --out " in probe and "- commit: `abc123`" in probe
     assert f"### {fused_probe.SMOKE['shape']}: " in probe and "# The fused path's variants" not in probe
     assert all(f"| {variant.name} | " in probe for variant in fused_probe.VARIANTS)
+    assert "- bench 1's geometry pick: " in probe  # from the smoke's CPU times: either way, the dry run goes on
     # the fused path's profile, its smoke shape on the CPU: its operators, in the summary
     assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
@@ -133,7 +135,11 @@ def test_a_failing_probe_is_reported_and_the_later_stages_run(tmp_path, monkeypa
 
 def test_the_probe_runs_both_target_shapes_at_the_target_size(check, monkeypatch):
     commands = []
-    monkeypatch.setattr(check, "run", lambda name, command, log, limit_s: commands.append((command, log, limit_s)))
+
+    def run(name, command, log, limit_s):
+        commands.append((command, log, limit_s))
+        return gpu_check.Stage(name, command, limit_s, exit_code=0, status="ok")
+    monkeypatch.setattr(check, "run", run)
     monkeypatch.setattr(check, "dry_run", False)
     monkeypatch.setattr(check, "commit", "abc123")
     check.probe()
@@ -141,6 +147,45 @@ def test_the_probe_runs_both_target_shapes_at_the_target_size(check, monkeypatch
     assert command[1:3] == ["-m", "bench.fused_probe"] and "--smoke" not in command
     assert " --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --commit abc123" in " ".join(command)
     assert log.name == "bench.log" and limit_s == gpu_check.PROBE_LIMIT_S  # one of the 8 files
+
+
+@pytest.mark.parametrize("stages, probe_status, ratio, picked", [
+    ("probe,bench", "ok", 0.96, "erpo-geom-256-2304"),  # faster than the library default on both shapes
+    ("probe,bench", "ok", (0.9, 1.01), None),  # on one only
+    ("probe,bench", "failed", 0.96, None),  # its results are not read
+    ("bench", None, None, None)])  # the probe did not run
+def test_bench_1_times_the_probe_s_pick_beside_ours_and_torch_compile(tmp_path, monkeypatch, stages, probe_status,
+                                                                      ratio, picked):
+    """The dry run's bench 1 command (its smoke, the pick in --contenders) and limit with and without the probe's
+    pick (bench.probe_pick), the pick or why none in the summary; the GPU run's bench 1 arguments with it."""
+    from test_probe_pick import write_probe
+
+    def run(check, name, command, log_file, limit_s, mirror=None):  # the probe writes its results, nothing runs
+        if name == "probe":
+            folder = Path(command[command.index("--out") + 1])
+            folder.mkdir(parents=True)
+            write_probe(folder, {"chunk rows 256, group 2304": ratio})
+        stage = gpu_check.Stage(name, command, limit_s, exit_code=0, status=probe_status or "ok")
+        check.stages.append(stage)
+        return stage
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", run)
+    gpu_check.main(["--dry-run", "--stages", stages, str(tmp_path)])
+    summary = (tmp_path / "summary.md").read_text()
+    (line,) = [line for line in summary.splitlines() if line.startswith("| bench 1: ")]
+    cells = line.split(" | ")
+    contenders = gpu_check.DRY_RUN_CONTENDERS + (f",{picked}" if picked else "")
+    assert f" --smoke --paths logits --contenders {contenders} --progress " in cells[-1]
+    first = gpu_check.BENCH_RUNS[0]
+    assert float(cells[3]) == first.cap_s + (gpu_check.PICKED_CAP_S if picked else 0)
+    why = {"ok": "erpo-geom-256-2304: 'chunk rows 256, group 2304'" if picked else "none: 'chunk rows 256, group",
+           "failed": "none: the probe failed", None: "none: the probe did not run"}[probe_status]
+    assert f"- bench 1's geometry pick: {why}" in summary
+    assert (f"- bench 1: {first.name}: with the probe's pick {picked}" in summary) == bool(picked)
+    if picked:  # on the GPU: the fused targets' run with the candidate last, which the bench accepts
+        arguments = replace(first, picked=picked).arguments(smoke=False)
+        assert arguments[arguments.index("--contenders") + 1] == f"{first.contenders},{picked}"
+        from bench.__main__ import main as bench_main
+        assert bench_main([*arguments, "--out", str(tmp_path / "plan"), "--plan"]) == 0
 
 
 def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,56 @@
+"""The fused path's chunk geometry as the bench sets it: `fused_linear_loss.LOGITS_ROWS` (a chunk's rows beside the
+dlogits store) and `fused_linear_loss.GROUP_ROWS` (a cap on the store's rows, whole chunks), private knobs of
+erpo_kernels, set for a block of calls by `fused_knobs` (bench.fused_probe's variants, the bench's `erpo-geom-*`
+contenders), and the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import NamedTuple, Optional
+
+GEOMETRY_PREFIX = "erpo-geom-"
+KEY_FORM = "erpo-geom-ROWS or erpo-geom-ROWS-GROUP (chunk rows, group rows a multiple of them, e.g. erpo-geom-256-2304)"
+
+
+class Geometry(NamedTuple):
+    """rows: LOGITS_ROWS, a chunk's rows; group: GROUP_ROWS, the store's rows at most (None: no cap)."""
+
+    rows: int
+    group: Optional[int] = None
+
+
+@contextlib.contextmanager
+def fused_knobs(rows: Optional[int], group: Optional[int]):
+    """`fused_linear_loss.LOGITS_ROWS` = rows (None: the library's) and `GROUP_ROWS` = group (None: no cap) while the
+    block runs, both put back after it, also on an exception."""
+    from erpo_kernels import fused_linear_loss
+    names = ("LOGITS_ROWS", "GROUP_ROWS")
+    saved = {name: getattr(fused_linear_loss, name) for name in names}
+    values = (saved["LOGITS_ROWS"] if rows is None else rows, group)
+    try:
+        for name, value in zip(names, values):
+            setattr(fused_linear_loss, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fused_linear_loss, name, value)
+
+
+def is_geometry_key(key: str) -> bool:
+    """Whether `key` is meant as a geometry contender (well formed or not: `parse_geometry_key` says)."""
+    return key.startswith(GEOMETRY_PREFIX)
+
+
+def geometry_key(geometry: Geometry) -> str:
+    """The contender key of `geometry`: erpo-geom-256-2304, or erpo-geom-256 without a group cap."""
+    return GEOMETRY_PREFIX + "-".join(str(count) for count in geometry if count is not None)
+
+
+def parse_geometry_key(key: str) -> Geometry:
+    """The geometry `key` names; ValueError (one line: the key and the form expected) if it is malformed."""
+    found = re.fullmatch(re.escape(GEOMETRY_PREFIX) + r"([1-9]\d*)(?:-([1-9]\d*))?", key)
+    rows, group = (None, None) if found is None else (int(found[1]), found[2] and int(found[2]))
+    if rows is None or (group is not None and group % rows):
+        raise ValueError(f"{key!r} is no geometry contender; expected {KEY_FORM}")
+    return Geometry(rows, group)

@@ -1,0 +1,129 @@
+"""The bench's geometry contenders (`erpo-geom-ROWS[-GROUP]`, bench.geometry): their keys and the one-line refusal of
+a malformed one, their chunk and group rows set around every call of the contender in a bench run (its check,
+timing and peak memory) and put back after it, also when a call fails, and ours' loss and gradients under that other
+geometry, checked with ours' tolerance and against ours with the library's geometry."""
+import pytest
+import torch
+
+import erpo_kernels
+from bench.__main__ import main as bench_main
+from bench.check import OURS
+from bench.contenders import CONTENDER_KEYS, ERPO_OPTIONS, select
+from bench.geometry import Geometry, geometry_key, parse_geometry_key
+from bench.problem import SMOKE_SHAPE, build_problem
+from bench.run import BenchConfig, run_benchmark
+from erpo_kernels import fused_linear_loss
+
+KEY = "erpo-geom-32-64"  # chunks of 32 rows, groups of 64: 4 chunks and 2 groups in the 128 rows below
+ROWS, PER_SAMPLE = 128, 64
+
+
+def knobs() -> tuple:
+    return fused_linear_loss.LOGITS_ROWS, fused_linear_loss.GROUP_ROWS
+
+
+@pytest.mark.parametrize("key, geometry", [("erpo-geom-256-2304", Geometry(256, 2304)),
+                                           ("erpo-geom-384", Geometry(384, None))])
+def test_a_geometry_key_names_its_chunk_and_group_rows(key, geometry):
+    assert parse_geometry_key(key) == geometry and geometry_key(geometry) == key
+    (contender,) = select(["erpo-ws2g", key], ["fused"])[1:]  # after the fixed contenders: each case's last row
+    assert (contender.key, contender.path, contender.ours, contender.held_to_ours) == (key, "fused", False, True)
+    assert f"LOGITS_ROWS={geometry.rows}" in contender.label
+    assert select([key], ["logits"]) == []  # a fused-path contender
+
+
+def test_every_variant_of_ours_and_no_peer_is_held_to_ours_tolerance():
+    held = {(c.path, c.key): c.held_to_ours for c in select(list(CONTENDER_KEYS), ["logits", "fused"])}
+    assert held[("fused", "erpo-ws2g")] and held[("fused", "erpo-invariant")] and held[("logits", "erpo-log2")]
+    assert not any(held[(path, key)] for path, key in held if key in ("torch", "compile", "liger", "cce"))
+
+
+@pytest.mark.parametrize("key", ["erpo-geom-", "erpo-geom-256-", "erpo-geom-0-512", "erpo-geom-256-1000",
+                                 "erpo-geom-two", "erpo-geom-256-2304-1", "erpo-geom-0256"])
+def test_a_malformed_geometry_key_is_one_line_naming_it_and_the_form(key):
+    with pytest.raises(ValueError) as error:
+        select(["erpo", key], ["fused"])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"--contenders: {key!r} is no geometry contender; expected ")
+    assert "erpo-geom-ROWS-GROUP" in message
+    for option in ("--contenders", "--skip"):  # the bench's command line: its one line, before any run
+        with pytest.raises(SystemExit, match=f"^{option}: '{key}' is no geometry contender"):
+            bench_main(["--smoke", option, key, "--plan"])
+
+
+def _config(keys, dtype=torch.bfloat16) -> BenchConfig:
+    return BenchConfig(shapes=[SMOKE_SHAPE], ns=[ROWS], paths=["fused"], contenders=select(keys, ["fused"]),
+                       device=torch.device("cpu"), dtype=dtype, reps=1, warmup=0, rows_per_sample=PER_SAMPLE,
+                       query_frac=0.25, check_rows=ROWS, budget_s=1.0, time_wrong=False, seed=0)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The knobs each call of the fused loss saw, in order."""
+    seen = []
+    loss = erpo_kernels.fused_linear_erpo_loss
+
+    def recording(*args, **kwargs):
+        seen.append(knobs())
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", recording)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the contender's requirement on the CPU
+    return seen
+
+
+def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again(calls):
+    library = knobs()
+    rows = run_benchmark(_config(["erpo", KEY]), log=lambda text: None)["rows"]
+    assert knobs() == library
+    assert [(row["contender"], row["status"], row["correct"]) for row in rows] == [("erpo", "ok", True),
+                                                                                 (KEY, "ok", True)]
+    assert rows[1]["tolerance"] == rows[0]["tolerance"] == {"loss_atol": OURS.loss_atol, "loss_rtol": OURS.loss_rtol,
+                                                            "grad_rtol": OURS.grad_rtol}
+    ours = calls[:calls.index((32, 64))]
+    # erpo's calls: check, fwd and fwd+bwd timing (and both peak memories, on CUDA); the contender's the same, under
+    # its knobs
+    assert len(ours) >= 3 and set(ours) == {library} and calls[len(ours):] == [(32, 64)] * len(ours)
+
+
+def test_the_knobs_are_put_back_when_a_call_fails(calls, monkeypatch):
+    library = knobs()
+
+    def failing(*args, **kwargs):
+        calls.append(knobs())
+        raise RuntimeError("a call of the contender failed")
+    monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", failing)
+    (row,) = run_benchmark(_config([KEY]), log=lambda text: None)["rows"]
+    assert row["status"] == "error" and "a call of the contender failed" in row["detail"]
+    assert calls == [(32, 64)] and knobs() == library
+
+    class Stopped(BaseException):
+        """Not a result the bench reports: it leaves the run."""
+
+    def stopping(*args, **kwargs):
+        raise Stopped()
+    monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", stopping)
+    with pytest.raises(Stopped):
+        run_benchmark(_config([KEY]), log=lambda text: None)
+    assert knobs() == library
+
+
+def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
+    """Same math, other chunks: in fp32 the loss and gradients of the geometry's chunks and groups (whose plan the
+    knobs reach) equal ours with the library's one chunk up to the sums' order."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    problem = build_problem("fused", SMOKE_SHAPE, ROWS, rows_per_sample=PER_SAMPLE, query_frac=0.25,
+                            dtype=torch.float32, device=torch.device("cpu"), seed=0, chunk_rows=ROWS,
+                            clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
+    results = {}
+    for contender in select(["erpo", KEY], ["fused"]):
+        with contender.knobs():
+            plan = fused_linear_loss.workspace_of(ROWS, problem.hidden, problem.weight,
+                                                  fused_linear_loss.ROW_KERNELS["triton"],
+                                                  fused_linear_loss.DEFAULT_WORKSPACE_BYTES, False)
+            prepared = contender.prepare(problem)
+            value = prepared.run()
+            results[contender.key] = (plan.chunk_rows, plan.group_rows,
+                                      (value.detach(), *torch.autograd.grad(value, prepared.inputs)))
+    assert results["erpo"][:2] == (ROWS, ROWS) and results[KEY][:2] == (32, 64)
+    for ours, other in zip(results["erpo"][2], results[KEY][2]):
+        torch.testing.assert_close(other, ours, rtol=1e-5, atol=1e-6)
