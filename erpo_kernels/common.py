@@ -30,17 +30,22 @@ def host_to_device(host: torch.Tensor | np.ndarray, device: torch.device | str) 
     implemented), with non_blocking: the graph's copy waits for nothing when its caller pinned `host`. On the CPU,
     `host` itself (a numpy array shares its memory)."""
     host, device = torch.as_tensor(host), torch.device(device)
-    if device.type == "cuda" and not torch.compiler.is_compiling():
+    if _uploads_pinned(device):
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _uploads_pinned(device: torch.device | str) -> bool:
+    """Whether an upload to `device` goes from pinned host memory: on CUDA, outside torch.compile (FakeTensor
+    cannot pin)."""
+    return torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
 
 
 def staging_for(device: torch.device | str, size: int, dtype: torch.dtype) -> torch.Tensor:
     """An empty [size] host tensor of `dtype` to fill and hand to `host_to_device` for `device`: pinned on CUDA
     (outside torch.compile), so that the upload copies it from where it lies instead of first copying it into a
     pinned block (host time before the copy, which the GPU may be waiting for); plain host memory elsewhere."""
-    pinned = torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
-    return torch.empty(size, dtype=dtype, pin_memory=pinned)
+    return torch.empty(size, dtype=dtype, pin_memory=_uploads_pinned(device))
 
 
 def index_slices(size: int, step: int) -> list[slice]:
