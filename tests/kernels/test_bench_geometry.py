@@ -71,6 +71,7 @@ def calls(monkeypatch):
     return seen
 
 
+@pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again(calls):
     library = knobs()
     rows = run_benchmark(_config(["erpo", KEY]), log=lambda text: None)["rows"]
@@ -85,6 +86,7 @@ def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again
     assert len(ours) >= 3 and set(ours) == {library} and calls[len(ours):] == [(32, 64)] * len(ours)
 
 
+@pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_the_knobs_are_put_back_when_a_call_fails(calls, monkeypatch):
     library = knobs()
 
@@ -107,6 +109,7 @@ def test_the_knobs_are_put_back_when_a_call_fails(calls, monkeypatch):
     assert knobs() == library
 
 
+@pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
     """Same math, other chunks: in fp32 the loss and gradients of the geometry's chunks and groups (whose plan the
     knobs reach) equal ours with the library's one chunk up to the sums' order."""
