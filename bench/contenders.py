@@ -48,6 +48,22 @@ class Prepared:
     inputs: list
     to_canonical: Callable[[list], dict]
 
+    def step(self) -> list:
+        """One fwd+bwd as a trainer's step makes it, the call every timing tool times (the bench's fwd+bwd, the
+        fused probe, the kernel profile): the inputs' `.grad` set to None (`optimizer.zero_grad()`, whose
+        set_to_none=True is torch's default since 2.0, as TRL's and verl's trainers call it), `run().backward()`
+        (autograd's AccumulateGrad takes each fresh gradient as `.grad`, a copy only where its layout differs from
+        the input's: the same for every contender), then the gradients handed back and `.grad` set to None again,
+        so that no contender's gradients outlive its call beside the next contender's. Returns the gradients, one per
+        input (the inputs are leaves: bench.problem)."""
+        for tensor in self.inputs:
+            tensor.grad = None
+        self.run().backward()
+        grads = [tensor.grad for tensor in self.inputs]
+        for tensor in self.inputs:
+            tensor.grad = None
+        return grads
+
 
 @dataclass
 class Contender:

@@ -152,13 +152,10 @@ def _measure(contender, problem, row: dict, config: BenchConfig, log) -> None:
         timing = {"device": config.device, "warmup": config.warmup, "reps": config.reps,
                   "budget_s": config.budget_s}
         forward = time_callable(prepared.run, **timing)
-
-        def forward_backward():
-            return torch.autograd.grad(prepared.run(), prepared.inputs)
-        both = time_callable(forward_backward, **timing)
+        both = time_callable(prepared.step, **timing)
         _free(config.device)
         peak_fwd, _ = peak_memory(prepared.run, config.device)
-        peak_both, grad_bytes = peak_memory(forward_backward, config.device)
+        peak_both, grad_bytes = peak_memory(prepared.step, config.device)
         row.update(status="ok" if check.ok else "wrong",
                    detail="" if check.ok else "timed with --time-wrong: " + "; ".join(check.failures),
                    fwd_ms=forward.median_ms, fwd_p20_ms=forward.p20_ms, fwd_p80_ms=forward.p80_ms,

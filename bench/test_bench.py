@@ -43,7 +43,7 @@ def test_forward_backward(benchmark, contender):
     assert check.ok, check.failures
 
     def step():
-        torch.autograd.grad(prepared.run(), prepared.inputs)
+        prepared.step()
         torch.cuda.synchronize()
     benchmark.group = f"{contender.path} N={ROWS} fwd+bwd"
     benchmark.extra_info.update(label=contender.label, computes=contender.computes, loss_err=check.loss_err,

@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench.contenders import Prepared
 from bench.kernel_profile import (
     RECORDED_CALLS,
     gap_lines,
@@ -106,7 +106,7 @@ def test_the_60b3625_h100_trace_counts_whole_launches_per_call():
 def test_off_cuda_the_table_is_the_recorded_calls_top_level_operators():
     weight = torch.randn(8, 8)
     inputs = torch.randn(4, 8, requires_grad=True)
-    prepared = SimpleNamespace(run=lambda: (inputs @ weight).sum(), inputs=(inputs,))
+    prepared = Prepared(lambda: (inputs @ weight).sum(), [inputs], lambda grads: {})
     profile = profile_calls(prepared, torch.device("cpu"), calls=3, warmup=1)
     launches = {row["name"]: row["launches"] for row in profile["kernels"]}
     assert launches["aten::matmul"] == 1.0 and launches["aten::sum"] == 1.0
