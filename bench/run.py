@@ -1,10 +1,13 @@
 """The benchmark loop: for each N, path and lm_head shape, build the inputs once, measure the floors, then check and
-time every selected contender on those same inputs. Returns plain dicts (one row per contender and case) that
-`bench.report` turns into markdown, JSON and a plot.
+warm up every selected contender on those same inputs and time their repetitions in turns (round-robin: each
+contender's fwd, then its fwd+bwd, then the next contender's; `_measure_case`). Returns plain dicts (one row per
+contender and case) that `bench.report` turns into markdown, JSON and a plot.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -15,7 +18,7 @@ from . import floors
 from .check import OURS, PEERS, check_contender
 from .contenders import ERPO_OPTIONS
 from .problem import Shape, build_problem
-from .timing import peak_memory, time_callable
+from .timing import Turn, peak_memory, time_in_turns, warm_up
 
 
 @dataclass
@@ -110,6 +113,7 @@ def run_benchmark(config: BenchConfig, log=print, record=None) -> dict:
                                 query_frac=config.query_frac, dtype=config.dtype, device=config.device,
                                 seed=config.seed + num_rows, chunk_rows=config.check_rows,
                                 clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
+        entries = []
         for contender in contenders:
             row = {"path": path, "shape": shape.name, "N": num_rows, "D": shape.hidden or None, "V": shape.vocab,
                    "S": problem.num_samples, "contender": contender.key, "label": contender.label,
@@ -117,60 +121,155 @@ def run_benchmark(config: BenchConfig, log=print, record=None) -> dict:
                    "logits_bytes": problem.logits_bytes(element_bytes), "floor_fwd_ms": floor_fwd,
                    "floor_fwdbwd_ms": floor_fwdbwd}
             rows_out.append(row)
-            started = time.perf_counter()
-            with contender.knobs():  # its every call (prepare, check, timing, peak memory), put back after: erpo-geom-*
-                _measure(contender, problem, row, config, log)
-            row["wall_s"] = time.perf_counter() - started  # the row's whole cost (prepare, compile, check, timing)
-            record("row", row)
-            _free(config.device)
+            entries.append(_Entry(contender, row, f"[{path} {shape.name} N={num_rows}] {contender.key}", log))
+        _measure_case(entries, problem, config)
+        for entry in entries:
+            record("row", entry.row)
         del problem
         _free(config.device)
     return {"floors": floor_rows, "rows": rows_out}
 
 
-def _measure(contender, problem, row: dict, config: BenchConfig, log) -> None:
-    """Fill `row` with status, check results, times and memory of one contender on one problem."""
-    tag = f"[{row['path']} {row['shape']} N={row['N']}] {contender.key}"
+class _Entry:
+    """One contender of a case being measured: its row, its prepared call while it is in the running, and the
+    seconds spent on it (its row's `wall_s`: prepare, compile, check, warm-up, its timed calls, peak memory)."""
+
+    def __init__(self, contender, row: dict, tag: str, log):
+        self.contender, self.row, self.tag, self.log = contender, row, tag, log
+        self.prepared, self.reps, self.seconds = None, (0, 0), 0.0
+
+    @contextlib.contextmanager
+    def working(self):
+        """Its calls under its knobs (erpo-geom-*: put back after), their seconds added to its wall; an exception
+        becomes its row's status (OOM, or error with the traceback's tail logged) and takes it out of the running:
+        a peer's crash is a result to report, not a reason to stop the run."""
+        started = time.perf_counter()
+        try:
+            with self.contender.knobs():
+                yield
+        except Exception as error:
+            self.failed(error)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def failed(self, error: Exception) -> None:
+        """Its row's status from `error`, and it out of the running."""
+        self.prepared = None  # drop the case's tensors its closures hold before the next call
+        if isinstance(error, torch.OutOfMemoryError):
+            self.row.update(status="OOM", detail=_short_error(error))
+            self.log(f"{self.tag}: OOM")
+            return
+        self.row.update(status="error", detail=_short_error(error))
+        self.log(f"{self.tag}: ERROR {_short_error(error)}")
+        self.log("".join(traceback.format_exception(error, limit=-3)))
+
+
+def _measure_case(entries: list, problem, config: BenchConfig) -> None:
+    """Fill the rows of one case's contenders (`_Entry`) with status, check results, times and memory: each checked
+    and warmed up in turn, then their timed repetitions in turns (`time_in_turns`: round r times each contender's
+    r-th fwd and fwd+bwd, so a drift of the GPU over the case's minutes falls on all alike), then each one's peak
+    memory. One that runs out of memory in the turns is timed again alone after them, the others' calls dropped."""
+    for entry in entries:
+        with entry.working():
+            _prepare_and_check(entry, problem, config)
+        _free(config.device)
+    for entry in entries:
+        if entry.prepared is not None:
+            with entry.working():
+                entry.reps = tuple(warm_up(call, device=config.device, warmup=config.warmup, reps=config.reps,
+                                           budget_s=config.budget_s)
+                                   for call in (entry.prepared.run, entry.prepared.step))
+    alone = _timed_in_turns([entry for entry in entries if entry.prepared is not None], config)
+    for entry in entries:
+        entry.prepared = None
+    for entry in alone:  # out of memory beside the others: again, alone, as the bench timed every contender before
+        entry.log(f"{entry.tag}: out of memory in turns beside the others: timed alone")
+        _free(config.device)
+        with entry.working():
+            _prepare_and_check(entry, problem, config, check=False)
+            entry.reps = tuple(warm_up(call, device=config.device, warmup=config.warmup, reps=config.reps,
+                                       budget_s=config.budget_s)
+                               for call in (entry.prepared.run, entry.prepared.step))
+        if entry.prepared is not None:
+            _timed_in_turns([entry], config)
+        entry.prepared = None
+        _free(config.device)
+    for entry in entries:
+        entry.row["wall_s"] = entry.seconds
+
+
+def _prepare_and_check(entry: _Entry, problem, config: BenchConfig, check: bool = True) -> None:
+    """Prepare the entry's contender on `problem` and check it (bench.check); it stays in the running (its
+    `prepared` set) when it passed, or with --time-wrong. Without `check`, prepare it only (its row has the check)."""
+    row, contender = entry.row, entry.contender
     missing = contender.requirement(config.device)
     if missing is not None:
         row.update(status=missing[0], detail=missing[1])
-        log(f"{tag}: {missing[0]}: {missing[1]}")
+        entry.log(f"{entry.tag}: {missing[0]}: {missing[1]}")
         return
-    prepared = None
-    try:
-        prepared = contender.prepare(problem)
+    prepared = contender.prepare(problem)
+    if check:
         tolerance = OURS if contender.held_to_ours else PEERS
-        check = check_contender(problem, prepared, contender.computes, config.check_rows, tolerance)
-        row.update(tolerance=asdict(tolerance), correct=check.ok, loss=check.loss, ref_loss=check.ref_loss,
-                   loss_err=check.loss_err, grad_err=check.grad_err, check_failures=check.failures)
-        log(f"{tag}: check {'ok' if check.ok else 'WRONG'} loss_err={check.loss_err:.2e} "
-            + " ".join(f"{k}={v:.2e}" for k, v in check.grad_err.items()))
-        if not check.ok and not config.time_wrong:
-            row.update(status="wrong", detail="; ".join(check.failures))
+        result = check_contender(problem, prepared, contender.computes, config.check_rows, tolerance)
+        row.update(tolerance=asdict(tolerance), correct=result.ok, loss=result.loss, ref_loss=result.ref_loss,
+                   loss_err=result.loss_err, grad_err=result.grad_err, check_failures=result.failures)
+        entry.log(f"{entry.tag}: check {'ok' if result.ok else 'WRONG'} loss_err={result.loss_err:.2e} "
+                  + " ".join(f"{k}={v:.2e}" for k, v in result.grad_err.items()))
+        if not result.ok and not config.time_wrong:
+            row.update(status="wrong", detail="; ".join(result.failures))
             return
-        _free(config.device)
-        timing = {"device": config.device, "warmup": config.warmup, "reps": config.reps,
-                  "budget_s": config.budget_s}
-        forward = time_callable(prepared.run, **timing)
-        both = time_callable(prepared.step, **timing)
-        _free(config.device)
-        peak_fwd, _ = peak_memory(prepared.run, config.device)
-        peak_both, grad_bytes = peak_memory(prepared.step, config.device)
-        row.update(status="ok" if check.ok else "wrong",
-                   detail="" if check.ok else "timed with --time-wrong: " + "; ".join(check.failures),
-                   fwd_ms=forward.median_ms, fwd_p20_ms=forward.p20_ms, fwd_p80_ms=forward.p80_ms,
-                   fwdbwd_ms=both.median_ms, fwdbwd_p20_ms=both.p20_ms, fwdbwd_p80_ms=both.p80_ms,
-                   fwd_reps=forward.reps, fwdbwd_reps=both.reps, peak_fwd_bytes=peak_fwd,
-                   peak_fwdbwd_bytes=peak_both, grad_bytes=grad_bytes,
-                   workspace_bytes=None if peak_both is None else peak_both - grad_bytes)
-        log(f"{tag}: fwd {forward.median_ms:.3f} ms, fwd+bwd {both.median_ms:.3f} ms"
-            + ("" if peak_both is None else f", peak {peak_both / 2**30:.2f} GiB"))
-    except torch.OutOfMemoryError as error:
-        row.update(status="OOM", detail=_short_error(error))
-        log(f"{tag}: OOM")
-    except Exception as error:  # a peer's crash is a result to report, not a reason to stop the run
-        row.update(status="error", detail=_short_error(error))
-        log(f"{tag}: ERROR {_short_error(error)}")
-        log(traceback.format_exc(limit=-3))
-    finally:
-        prepared = None  # drop the case's tensors (the closures above share this variable) before the next one
+    entry.prepared = prepared
+
+
+def _timed_in_turns(entries: list, config: BenchConfig) -> list:
+    """Time the entries' fwd (`run`) and fwd+bwd (`Prepared.step`) repetitions in turns, then measure each one's
+    peak memory and fill its row; returns the entries that ran out of memory in the turns (their rows untouched),
+    the others' rows done (a call that raised otherwise: its status). Alone, one out of memory is a result too."""
+    turns = {}
+    for entry in entries:
+        for name, call, reps in (("fwd", entry.prepared.run, entry.reps[0]),
+                                 ("fwdbwd", entry.prepared.step, entry.reps[1])):
+            turns[entry, name] = Turn(call, reps, entry.contender.knobs, owner=entry)
+    timings, failures = time_in_turns(turns, config.device)
+    alone = []
+    for entry in entries:
+        failure = failures.get((entry, "fwd")) or failures.get((entry, "fwdbwd"))
+        if isinstance(failure, torch.OutOfMemoryError) and len(entries) > 1:
+            alone.append(entry)
+            continue
+        forward, both = timings.get((entry, "fwd")), timings.get((entry, "fwdbwd"))
+        entry.seconds += sum(sum(t.samples_ms) for t in (forward, both) if t) / 1e3  # its share of the turns
+        if failure is not None:
+            entry.failed(failure)
+            continue
+        with entry.working():
+            _free(config.device)
+            peak_fwd, _ = peak_memory(entry.prepared.run, config.device)
+            peak_both, grad_bytes = peak_memory(entry.prepared.step, config.device)
+            _fill_times(entry, forward, both, peak_fwd, peak_both, grad_bytes,
+                        [other.contender.key for other in entries])
+    return alone
+
+
+def _fill_times(entry: _Entry, forward, both, peak_fwd, peak_both, grad_bytes, timed_with: list) -> None:
+    """The row's status, times (medians, spread, every repetition in call order, the paired backward step) and
+    memory."""
+    row = entry.row
+    row.update(status="ok" if row["correct"] else "wrong",
+               detail="" if row["correct"] else "timed with --time-wrong: " + "; ".join(row["check_failures"]),
+               fwd_ms=forward.median_ms, fwd_p20_ms=forward.p20_ms, fwd_p80_ms=forward.p80_ms,
+               fwdbwd_ms=both.median_ms, fwdbwd_p20_ms=both.p20_ms, fwdbwd_p80_ms=both.p80_ms,
+               fwd_reps=forward.reps, fwdbwd_reps=both.reps, fwd_samples_ms=forward.samples_ms,
+               fwdbwd_samples_ms=both.samples_ms, bwd_step_ms=paired_step_ms(forward, both), timed_with=timed_with,
+               peak_fwd_bytes=peak_fwd, peak_fwdbwd_bytes=peak_both, grad_bytes=grad_bytes,
+               workspace_bytes=None if peak_both is None else peak_both - grad_bytes)
+    entry.log(f"{entry.tag}: fwd {forward.median_ms:.3f} ms, fwd+bwd {both.median_ms:.3f} ms, "
+              f"fwd+bwd - fwd {row['bwd_step_ms']:.3f} ms (median of the turns' pairs)"
+              + ("" if peak_both is None else f", peak {peak_both / 2**30:.2f} GiB"))
+
+
+def paired_step_ms(forward, both) -> float:
+    """The median over the turns of fwd+bwd minus fwd of the same turn (ms; `Timing`s of one contender timed in
+    turns, their samples in call order): what the backward adds, each pair timed a call apart, so that a drift of
+    the device between the fwd and the fwd+bwd measurements cancels."""
+    return statistics.median(b - f for f, b in zip(forward.samples_ms, both.samples_ms))

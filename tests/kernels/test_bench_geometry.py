@@ -51,9 +51,9 @@ def test_a_malformed_geometry_key_is_one_line_naming_it_and_the_form(key):
             bench_main(["--smoke", option, key, "--plan"])
 
 
-def _config(keys, dtype=torch.bfloat16) -> BenchConfig:
+def _config(keys, dtype=torch.bfloat16, reps=1) -> BenchConfig:
     return BenchConfig(shapes=[SMOKE_SHAPE], ns=[ROWS], paths=["fused"], contenders=select(keys, ["fused"]),
-                       device=torch.device("cpu"), dtype=dtype, reps=1, warmup=0, rows_per_sample=PER_SAMPLE,
+                       device=torch.device("cpu"), dtype=dtype, reps=reps, warmup=0, rows_per_sample=PER_SAMPLE,
                        query_frac=0.25, check_rows=ROWS, budget_s=1.0, time_wrong=False, seed=0)
 
 
@@ -74,16 +74,18 @@ def calls(monkeypatch):
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again(calls):
     library = knobs()
-    rows = run_benchmark(_config(["erpo", KEY]), log=lambda text: None)["rows"]
+    rows = run_benchmark(_config(["erpo", KEY], reps=2), log=lambda text: None)["rows"]
     assert knobs() == library
     assert [(row["contender"], row["status"], row["correct"]) for row in rows] == [("erpo", "ok", True),
                                                                                  (KEY, "ok", True)]
     assert rows[1]["tolerance"] == rows[0]["tolerance"] == {"loss_atol": OURS.loss_atol, "loss_rtol": OURS.loss_rtol,
                                                             "grad_rtol": OURS.grad_rtol}
-    ours = calls[:calls.index((32, 64))]
-    # erpo's calls: check, fwd and fwd+bwd timing (and both peak memories, on CUDA); the contender's the same, under
-    # its knobs
-    assert len(ours) >= 3 and set(ours) == {library} and calls[len(ours):] == [(32, 64)] * len(ours)
+    geometry = (32, 64)
+    # each one's check, then their timed calls in turns (bench.timing.time_in_turns), each under its own knobs: a
+    # round is erpo's fwd and fwd+bwd, then the contender's (no warm-up here; no peak memory off CUDA)
+    assert calls == [library, geometry] + [library, library, geometry, geometry] * 2
+    assert [row["timed_with"] for row in rows] == [["erpo", KEY]] * 2
+    assert [(row["fwd_reps"], len(row["fwdbwd_samples_ms"])) for row in rows] == [(2, 2)] * 2
 
 
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)

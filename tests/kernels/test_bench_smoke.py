@@ -371,6 +371,89 @@ def test_timing_budget_cuts_slow_cases_but_keeps_three_reps():
     assert len(calls) == 9 and timing.reps == 7
 
 
+def test_turns_alternate_the_callables_each_under_its_own_context_and_drop_one_that_raises():
+    """The bench's contenders of one case are timed round-robin (round r: each one with more than r repetitions, in
+    order), each call inside its own context (a contender's knobs), and a callable that raises leaves the turns
+    with its exception (and its owner's other turns with it) while the others finish theirs."""
+    import contextlib
+
+    import torch
+
+    from bench.timing import Turn, time_in_turns
+
+    calls, inside = [], []
+
+    @contextlib.contextmanager
+    def knobs(name):
+        inside.append(name)
+        yield
+        inside.remove(name)
+
+    def call(name, fails_on=None):
+        def run():
+            calls.append((name, list(inside)))
+            if len([c for c in calls if c[0] == name]) == fails_on:
+                raise MemoryError(f"{name} ran out")
+        return run
+
+    turns = {"ours": Turn(call("ours"), 3, lambda: knobs("ours")), "peer": Turn(call("peer"), 2),
+             "slow": Turn(call("slow", fails_on=2), 3, owner="slow"),
+             "slow's twin": Turn(call("twin"), 3, owner="slow")}
+    timings, failures = time_in_turns(turns, torch.device("cpu"))
+    assert calls == [("ours", ["ours"]), ("peer", []), ("slow", []), ("twin", []), ("ours", ["ours"]), ("peer", []),
+                     ("slow", []), ("ours", ["ours"])]
+    assert set(timings) == {"ours", "peer"} and [timings[k].reps for k in ("ours", "peer")] == [3, 2]
+    assert len(timings["ours"].samples_ms) == 3 and not inside
+    assert list(failures) == ["slow"] and str(failures["slow"]) == "slow ran out"   # its twin left with it
+
+
+def test_the_paired_step_is_the_median_of_each_turns_difference():
+    from bench.run import paired_step_ms
+    from bench.timing import Timing
+
+    forward = Timing(0.0, 0.0, 0.0, 4, [90.0, 95.0, 91.0, 93.0])   # the device drifts: 90 to 95 ms and back
+    both = Timing(0.0, 0.0, 0.0, 3, [91.0, 96.2, 91.8])          # each a call after its fwd; one rep fewer
+    assert paired_step_ms(forward, both) == pytest.approx(1.0)    # differences 1.0, 1.2, 0.8; the fourth unpaired
+
+
+def test_a_contender_out_of_memory_in_the_turns_is_timed_alone_after_them():
+    """Beside the others' prepared calls a contender may not fit: it leaves the turns and is timed again alone, its
+    row ok and saying so (`timed_with`); the others' rows keep their turns."""
+    import torch
+
+    from bench.contenders import Contender
+    from bench.problem import Shape
+    from bench.run import BenchConfig, run_benchmark
+
+    calls = {"torch": 0, "big": 0}
+
+    def prepare(key, fails_on):
+        def prepare_on(problem):
+            honest = _torch_contender(problem)
+
+            def run():
+                calls[key] += 1
+                if calls[key] == fails_on:
+                    raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+                return honest.run()
+            return type(honest)(run, honest.inputs, honest.to_canonical)
+        return prepare_on
+
+    contenders = [Contender(key, "logits", key, key == "torch", "erpo", None, prepare(key, fails_on),
+                            lambda device: None) for key, fails_on in (("torch", None), ("big", 3))]
+    config = BenchConfig(shapes=[Shape("tiny", 0, 300)], ns=[96], paths=["logits"], contenders=contenders,
+                         device=torch.device("cpu"), dtype=torch.bfloat16, reps=2, warmup=0, rows_per_sample=32,
+                         query_frac=0.25, check_rows=64, budget_s=None, time_wrong=False, seed=3)
+    logged = []
+    rows = {row["contender"]: row for row in run_benchmark(config, log=logged.append)["rows"]}
+    # big: its check (call 1), its first fwd in the turns (2), out of memory at its first fwd+bwd (3); alone: 2 + 2
+    assert calls == {"torch": 1 + 4, "big": 3 + 4}
+    assert [(k, rows[k]["status"], rows[k]["timed_with"]) for k in rows] == [("torch", "ok", ["torch", "big"]),
+                                                                            ("big", "ok", ["big"])]
+    assert rows["big"]["fwd_reps"] == rows["big"]["fwdbwd_reps"] == 2
+    assert "[logits V=300 N=96] big: out of memory in turns beside the others: timed alone" in logged
+
+
 def test_floor_formulas_are_the_issues():
     from bench.floors import fused_floor_ms, logits_floor_ms
 
