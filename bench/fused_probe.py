@@ -146,7 +146,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if on_cuda else "CPU dry run"
     record = provenance("bench.fused_probe", sys.argv[1:] if argv is None else argv, args.commit)
     lines = [f"# The fused path's variants ({name}, N={n}, bf16)", "", *header_lines(record), ""]
-    measured = {"meta": {**record, "device": name, "N": n}, "shapes": {}}  # fused_probe.json: part 1's rows
+    measured = {"meta": {**record, "device": name, "N": n, "repeats": repeats, "warmup": warmup},  # fused_probe.json:
+                "shapes": {}}                                                                     # part 1's rows
     for spec in shapes:
         shape = parse_shape(spec)
         problem = build_problem("fused", shape, n, rows_per_sample=per_sample, query_frac=0.25,

@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .ours_by_tool import ours_by_tool_lines
 from .probe_pick import PROBE_JSON, Pick, pick_geometry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -448,6 +449,9 @@ class GpuCheck:
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
                   "", "## Fused-path profile", "", *report_summary(self.work / "fused-profile" / "profile.md"),
+                  "", "## Ours' default call, by tool", "",
+                  *ours_by_tool_lines(self.work / "fused-probe" / PROBE_JSON, self.out / "bench.jsonl",
+                                      self.work / "fused-profile" / "profile.json", PROBE_N),
                   "", "## Bench", "", *bench_summary(self.out / "bench.jsonl", self.work / "bench-merged/results.md")]
         (self.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 

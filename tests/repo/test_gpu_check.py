@@ -49,6 +49,8 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert "- bench 1's geometry pick: " in probe  # from the smoke's CPU times: either way, the dry run goes on
     # the fused path's profile, its smoke shape on the CPU: its operators, in the summary
     assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
+    # ours' default call by tool: the dry run's shapes are none of the targets' (bench.ours_by_tool)
+    assert "## Ours' default call, by tool\n\n- no tool timed ours' default call" in summary
     (step,) = [json.loads(line) for line in (out / "train-metrics.jsonl").read_text().splitlines()]
     assert step["rollout_step"] == 1 and "1 steps logged" in summary
     # the bench: its first run at smoke size (torch and Liger), the others' own arguments checked by the bench (--plan)
