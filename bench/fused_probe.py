@@ -24,8 +24,10 @@ rows G, with each time per 1000 rows: whether the GEMMs' rate depends on G beyon
 fact: the d hidden GEMM's few output tiles, [G, D] in 256 x 128 tiles over an H100's or H200's 132 SMs, fill 1.70
 waves at G = 2048 and D = 3584, 1.91 at 2304, 2.33 at 2688).
 
-Timed as the bench times (bench/timing.py: CUDA events, warm-up, the median of `--repeats`); the numbers are for
-choosing what to build, the bench is the measurement.
+Timed as the bench times (the same call, `bench.contenders.Prepared.step`; bench/timing.py: CUDA events, warm-up,
+the median of `--repeats`), but each variant's calls back to back rather than in turns with other contenders
+(bench/README.md, "How a contender is timed"); the numbers are for choosing what to build, the bench is the
+measurement.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ launches, Python, host reads).
     TRITON_INTERPRET=1 python -m bench.kernel_profile --smoke --out DIR    # CPU, tiny: the script's dry run
 
 Each contender is warmed up (Triton compiles, allocator growth), runs one more call under the profiler's warm-up
-step, and is then profiled over `--calls` fwd+bwd calls, back to back, inside a `record_function` range
-(RECORDED_CALLS); times are per call. Off CUDA (the dry run) the table lists the top-level CPU operators of that range
-instead: no measurement.
+step, and is then profiled over `--calls` fwd+bwd calls (the bench's, `bench.contenders.Prepared.step`), back to
+back, inside a `record_function` range (RECORDED_CALLS); times are per call. Off CUDA (the dry run) the table lists
+the top-level CPU operators of that range instead: no measurement.
 
 PROFILER_WARMUP: until b8b4a78 the first profiled call was also the profiler's first traced one, and it started on
 an empty queue: on the H100 (bench/measured/h100-2026-11-26) it alone held the gaps that the tables' per-call
