@@ -124,13 +124,14 @@ PROBE_N = 16384                          # the targets' size
 PICKED_CAP_S = 20           # bench 1's cap grows by this when the probe picks a geometry (bench.probe_pick) and bench 1
 #                             times it as one more contender at both N: like erpo-ws2g (ours, another geometry), whose
 #                             four rows took 16.3 s of the H200's bench 1 at e17ad62 (bench/measured/h200-2026-11-27-
-#                             e17ad62/bench.jsonl, wall_s: 5.6 + 6.6 at N=16384, 1.8 + 2.3 at 4096; the run 158 s of
-#                             its 175), so 16 s plus about a fifth: 195 s. 158 + 16 = 174 s would sit at the plain
-#                             175 s cap, where its last rows (Liger's and the candidate's at N=4096, 32b) would be the
-#                             first lost. The deadline stays 570 s; what the pick takes comes from the stages after
-#                             bench 1: at the H200's stage times (kernels 181, probe 42, bench 1 158 + 16, logits 84,
-#                             train 56 s) the profile (12 s there, measured that lease) has 7 s left and is not
-#                             started; where kernels, probe and bench 1 run to their limits (210 + 55 + 195 + 1 s of
+#                             e17ad62/bench.jsonl, wall_s: 5.6 + 6.6 at N=16384, 1.8 + 2.3 at 4096; the run 158 s of its
+#                             175), so 16 s plus about a fifth: 195 s. 158 + 16 = 174 s would sit at the plain 175 s
+#                             cap, where its last case (N=4096, 32b) would be the first lost (whole: since 2026-11-27 a
+#                             case's contenders are timed in turns and its rows written when it ends; the same calls as
+#                             before, so the same time). The deadline stays 570 s; what the pick takes comes from the
+#                             stages after bench 1: at the H200's stage times (kernels 181, probe 42, bench 1 158 + 16,
+#                             logits 84, train 56 s) the profile (12 s there, measured that lease) has 7 s left and is
+#                             not started; where kernels, probe and bench 1 run to their limits (210 + 55 + 195 + 1 s of
 #                             setup = 461 s), the logits check gets 84 s of its 100 (84-85 s measured) instead of 104
 LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
 #                             and 70 s (60b3625): the larger plus about a fifth
