@@ -4,10 +4,11 @@ Qwen3-MoE: routed experts), each trainer's batch layout (TRL's left-padded promp
 verl's packed samples) and each public path (`erpo_loss` on the model's logits, every position, as ERPOTrainer's
 logits path hands them; `fused_linear_erpo_loss` on the final hidden states of the scored rows and the lm_head, with
 the family's logit transform, in row chunks that split the prompts), a tiny model built from its transformers config
-(2 layers, hidden 32, vocabulary 333: a tail for every Triton block; no download) runs under
-`torch.autocast("cpu", dtype=torch.bfloat16)`, and our loss (both backends; Triton in its interpreter) is compared
-with the plain formula (tests/support/plain_formula.py, float64) evaluated on the same forward and backpropagated
-through the same graph, down to every parameter of the model.
+(2 layers, hidden 32, vocabulary 333: a tail for every Triton block; no download) runs as trainers run it: fp32
+weights under `torch.autocast(..., dtype=torch.bfloat16)` (TRL's and verl's bf16), and for the fused path also bf16
+weights (erpo train's default on CUDA, DeepSpeed's bf16). Our loss (both backends; Triton in its interpreter on CPU)
+is compared with the plain formula (tests/support/plain_formula.py, float64) evaluated on the same forward and
+backpropagated through the same graph.
 
 theta0 is another set of weights: the model under test is theta0 moved by two gradient steps that raise two prompts'
 likelihood and lower the third's, so r_s = ell_theta0(q) - ell_theta(q) is tens of nats of both signs (the Query-KL
@@ -23,20 +24,28 @@ negligible beside it, so each bound is the rounding of our side):
   rounded to nearest: within half an ulp, 2^-8 of the value (8 significant bits). Triton's interpreter truncates
   instead, a whole ulp: this tier's conftest holds it to the compiled rounding (tests/support/interpreter_as_gpu.py).
 - fused path: under autocast the final norm's output is fp32 (the residual stream is) and so are the weights, so the
-  loss runs in fp32, as under TRL's bf16 autocast: its logits come from an fp32 GEMM, off by at most
-  dz = D u max sum_d |h_d W_vd|, which moves a log-prob by at most 2 dz besides the log-softmax's (V + 8) u. Its
-  d hidden, an fp32 GEMM of the d logits (relative error (V + 8) u + 4 dz: p_j moves by 2 dz, the cap's slope less)
-  and W (a dot of V terms, V u), is within (2 (V + 8) u + 4 dz) (|d logits| @ |W|).
+  loss runs in fp32; with bf16 weights its operands are bf16. Either way its logits come from a GEMM with fp32
+  output, off by at most dz = D u max sum_d |h_d W_vd|, which moves a log-prob by at most 2 dz besides the
+  log-softmax's (V + 8) u. Its d logits are off by 2 (V + 8) u + 4 dz relatively (p_j moves by 2 dz, the cap's slope
+  less), plus half a bf16 ulp where they are stored in bf16 (bf16 inputs); d hidden = d logits @ W and
+  d weight = d logits^T @ hidden, fp32 dots of V and R terms (V u, R u), are within that relative error of the sum of
+  their terms' magnitudes (|d logits| @ |W|, |d logits|^T @ |hidden|), plus half a bf16 ulp of themselves where they
+  are returned in bf16. d weight is the lm_head's alone (the loss reads it through a view; a tied embedding adds the
+  input side's part to the parameter).
 - ell_theta(q) is an fp32 sum of n <= 36 log-probs: within n |d logp| + n u |ell|. The loss: the Query-KL moves by
   at most qkl_coef (e^5 - 1) (its steepest slope) times that; the response terms, a token-mean whose rows'
   sensitivity to their log-prob is a few units (|A| w ratio, beta e^(ref - logp)), by less than one max ell bound
   (>= 22 log-prob bounds); the objective's own fp32 arithmetic by (V + 8) u of the loss.
-- parameters: the two sides' interface gradients (d logits, d hidden) enter autocast's bf16 backward, whose every
-  rounding to bf16 may go the other way for the two once their inputs differ in the last bits: a flipped element
-  moves by one bf16 ulp, at most 2^-7 of itself. We allow each parameter's gradient that much in norm,
-  |G_ours - G| <= 2^-7 |G|: flips are rare (the inputs agree to fp32 rounding), so what is measured is a fraction of it,
-  while a gradient that reaches the wrong parameter, misses the tied head's part or the soft-cap's slope, or loses a
-  term of the loss is off by order one (and a Query-KL coefficient 1% off already fails d logits and the loss).
+- every parameter of the model, under autocast: the two sides' gradients (d logits, d hidden) enter autocast's bf16
+  backward, whose every rounding to bf16 may go the other way for the two once their inputs differ in the last bits:
+  a flipped element moves by one bf16 ulp, at most 2^-7 of itself. We allow each parameter's gradient that much in
+  norm, |G_ours - G| <= 2^-7 |G|: flips are rare (the inputs agree to fp32 rounding), so what is measured is a
+  fraction of it, while a gradient that reaches the wrong parameter, misses the tied head's part or the soft-cap's
+  slope, or loses a term of the loss is off by order one (a Query-KL coefficient 1% off already fails d logits and
+  the loss). With bf16 weights the comparison stops at what the loss returns: d hidden then differs from the
+  oracle's by rounding in every entry, not by rare flips, and the model's all-bf16 backward (attention and norms
+  included) turns a random half-ulp change of d hidden into more than one ulp on attention parameters (so it does
+  with the oracle's own d hidden): noise of the model's precision, not of the loss.
 The errors measured, over their bounds, are in CHANGELOG.md (session 2026-11-27 06:17).
 """
 import copy
@@ -164,8 +173,9 @@ def batch_in(layout: str, seed: int = 1) -> Batch:
 
 
 def forward(model, batch: Batch):
-    """(logits [N, V], final hidden states [N, D]) of `model` on `batch` under bf16 autocast, as trainers run it."""
-    with torch.autocast(batch.targets.device.type, dtype=torch.bfloat16):
+    """(logits [N, V], final hidden states [N, D]) of `model` on `batch` as trainers run it: under bf16 autocast for
+    fp32 weights (TRL's and verl's mixed precision), as it is for bf16 weights (erpo's, DeepSpeed's bf16)."""
+    with torch.autocast(batch.targets.device.type, dtype=torch.bfloat16, enabled=model.dtype == torch.float32):
         out = model(**batch.model_inputs, output_hidden_states=True, use_cache=False)
     return out.logits.reshape(-1, VOCAB), out.hidden_states[-1].reshape(-1, HIDDEN)
 
@@ -211,11 +221,14 @@ class Case:
 CASES: dict = {}
 
 
-def case_of(family: str, layout: str, device: torch.device) -> Case:
-    """The `Case` of `family` in `layout` on `device`, built once per module."""
-    if (family, layout, device) not in CASES:
+def case_of(family: str, layout: str, precision: str, device: torch.device) -> Case:
+    """The `Case` of `family` in `layout` on `device`, its weights fp32 (`precision` "autocast") or bf16 ("bf16"),
+    built once per module."""
+    if (family, layout, precision, device) not in CASES:
         theta0, batch = tiny_model(family).to(device), batch_in(layout).to(device)
         model = drifted(theta0, batch)
+        if precision == "bf16":   # drifted in fp32, as a trainer's fp32 master weights
+            theta0, model = theta0.bfloat16(), model.bfloat16()
         with torch.no_grad():
             ref_logp = row_logp(forward(theta0, batch)[0], batch.targets, batch.token_kind)
             logp = row_logp(forward(model, batch)[0], batch.targets, batch.token_kind)
@@ -225,8 +238,8 @@ def case_of(family: str, layout: str, device: torch.device) -> Case:
         inputs = dict({name: t.to(device) for name, t in SAMPLE_INPUTS.items()}, ref_query_logp=ell0.float(),
                       ref_logp=ref_logp.float(),
                       old_logp=torch.where(batch.token_kind == 2, logp + noise, 0.0).float())
-        CASES[family, layout, device] = Case(model, batch, inputs, ell0 - ell)
-    return CASES[family, layout, device]
+        CASES[family, layout, precision, device] = Case(model, batch, inputs, ell0 - ell)
+    return CASES[family, layout, precision, device]
 
 
 def parameter_gradients(model) -> dict:
@@ -241,53 +254,66 @@ def error_over_bound(ours: torch.Tensor, oracle: torch.Tensor, bound) -> float:
     return float(((ours.double() - oracle.double()).abs() / bound).nan_to_num(nan=0.0).max())
 
 
-def bounds(path: str, interface: torch.Tensor, weight: torch.Tensor, interface_grad: torch.Tensor,
-           logits_grad: torch.Tensor) -> tuple:
-    """(bound on a row's log-prob error, nats; bound on each entry of d interface) for `path` (module docstring),
-    from the interface that our loss read (logits [N, V] or hidden [N, D]), the lm_head `weight` [V, D], and the
-    plain formula's float64 gradients with respect to the interface and to the logits before the cap [N, V]."""
-    if path == "logits":   # bf16 logits are exact in fp32
-        row_largest = interface_grad.abs().amax(1, keepdim=True)
-        return LOGSOFTMAX, (BF16_HALF_ULP + 2 * LOGSOFTMAX) * interface_grad.abs() + LOGSOFTMAX * row_largest
-    weight = weight.double()
-    gemm = HIDDEN * U * float((interface.double().abs() @ weight.abs().t()).max())
-    return LOGSOFTMAX + 2 * gemm, (2 * LOGSOFTMAX + 4 * gemm) * (logits_grad.abs() @ weight.abs())
+def fused_bounds(hidden: torch.Tensor, weight: torch.Tensor, d_hidden: torch.Tensor, d_weight: torch.Tensor,
+                 d_logits: torch.Tensor) -> tuple:
+    """The fused path's bounds (module docstring): (on a row's log-prob, nats; on each entry of d hidden [R, D]; on
+    each entry of d weight [V, D]), from the hidden rows [R, D] and the lm_head [V, D] our loss read (fp32 or bf16)
+    and the plain formula's float64 gradients with respect to them and to the logits before the cap [R, V]."""
+    exact_hidden, exact_weight = hidden.double(), weight.double()
+    gemm = HIDDEN * U * float((exact_hidden.abs() @ exact_weight.abs().t()).max())
+    hidden_terms, weight_terms = d_logits.abs() @ exact_weight.abs(), d_logits.abs().t() @ exact_hidden.abs()
+    d_logits_error = 2 * LOGSOFTMAX + 4 * gemm
+    if hidden.dtype == torch.bfloat16:   # d logits stored in bf16, d hidden and d weight returned in bf16
+        d_logits_error += BF16_HALF_ULP
+    hidden_bound = (d_logits_error + VOCAB * U) * hidden_terms
+    weight_bound = (d_logits_error + len(hidden) * U) * weight_terms
+    if hidden.dtype == torch.bfloat16:
+        hidden_bound, weight_bound = hidden_bound + BF16_HALF_ULP * d_hidden.abs(), \
+            weight_bound + BF16_HALF_ULP * d_weight.abs()
+    return LOGSOFTMAX + 2 * gemm, hidden_bound, weight_bound
 
 
-def errors_against_the_plain_formula(family: str, layout: str, path: str, backend: str, device: torch.device) -> dict:
+def errors_against_the_plain_formula(family: str, layout: str, path: str, backend: str, precision: str,
+                                     device: torch.device) -> dict:
     """{what: its largest error over its bound (module docstring)} for our loss on `path` ("logits" or "fused")
-    with `backend`, against the plain formula on the same autocast forward of `family`'s drifted model in `layout`:
-    token_logp, query_logp, loss, the interface gradient ("d logits" / "d hidden") and, per parameter, its
-    gradient's error in norm over 2^-7 of its norm."""
-    case = case_of(family, layout, device)
+    with `backend`, against the plain formula on the same forward of `family`'s drifted model in `layout`, its weights
+    in `precision` ("autocast": fp32 under bf16 autocast; "bf16"): token_logp, query_logp, loss, the gradients our
+    loss returns ("d logits"; "d hidden", "d weight": the lm_head's, without a tied embedding's part) and, under
+    autocast, per parameter of the model, its gradient's error in norm over 2^-7 of its norm."""
+    case = case_of(family, layout, precision, device)
     model, batch, head = case.model, case.batch, case.model.get_output_embeddings()
     logits, hidden = forward(model, batch)
     if path == "logits":   # the model's own (capped) logits, every position
         rows = torch.arange(len(batch.targets), device=device)
-        interface = logits
-    else:   # the scored rows' final hidden states (fp32 under autocast), selected as erpo's final_hidden does
+        read = {"logits": logits}
+    else:   # the scored rows' final hidden states (fp32 under autocast), selected as erpo's final_hidden does, and
+        # the lm_head through a view, whose gradient is the loss's d weight alone (a tied embedding adds its own)
         rows = (batch.token_kind != 0).nonzero().squeeze(1)
-        interface = hidden.index_select(0, rows).to(head.weight.dtype)
+        read = {"hidden": hidden.index_select(0, rows).to(head.weight.dtype),
+                "weight": head.weight.view_as(head.weight)}
+    for tensor in read.values():
+        tensor.retain_grad()
     targets, token_kind, sample_index = batch.targets[rows], batch.token_kind[rows], batch.sample_index[rows]
     inputs = {name: value[rows] if name in ("old_logp", "ref_logp") else value for name, value in case.inputs.items()}
-    interface.retain_grad()
     transform = logit_transforms_from_config(model.config)   # the fused path applies it; the logits hold it already
     if path == "logits":
         ours = erpo_loss(logits, targets, token_kind, sample_index, backend=backend, **inputs, **OPTIONS)
     else:
-        budget = budget_for(CHUNK_ROWS, interface.dtype, interface.device, backend, vocab=VOCAB, hidden_dim=HIDDEN)
-        workspace = chunked.plan_workspace(len(rows), HIDDEN, VOCAB, interface.dtype, interface.device,
+        budget = budget_for(CHUNK_ROWS, head.weight.dtype, device, backend, vocab=VOCAB, hidden_dim=HIDDEN)
+        workspace = chunked.plan_workspace(len(rows), HIDDEN, VOCAB, head.weight.dtype, device,
                                            chunked.ROW_KERNELS[backend], budget, False)
         assert workspace.chunk_rows < min(PROMPTS) - 1   # every prompt's query rows split across chunks
-        ours = fused_linear_erpo_loss(interface, head.weight, targets, token_kind, sample_index, bias=head.bias,
-                                      backend=backend, workspace_bytes=budget, **inputs, **OPTIONS, **transform)
+        ours = fused_linear_erpo_loss(read["hidden"], read["weight"], targets, token_kind, sample_index,
+                                      bias=head.bias, backend=backend, workspace_bytes=budget, **inputs, **OPTIONS,
+                                      **transform)
     ours.loss.backward(retain_graph=True)
-    our_interface, our_grads = interface.grad.clone(), parameter_gradients(model)
+    our_read, our_grads = {name: t.grad.clone() for name, t in read.items()}, parameter_gradients(model)
 
-    # the oracle: float64 logits of the same forward (the fused path's: hidden @ W and the family's cap)
-    exact = interface.double()
-    exact.retain_grad()
-    raw = exact if path == "logits" else exact @ head.weight.double().t()
+    # the oracle: float64 logits of the same forward (the fused path's: hidden @ W, then the family's cap)
+    exact = {name: t.double() for name, t in read.items()}
+    for tensor in exact.values():
+        tensor.retain_grad()
+    raw = exact["logits"] if path == "logits" else exact["hidden"] @ exact["weight"].t()
     raw.retain_grad()
     z = raw
     if path == "fused" and transform["logit_softcap"] is not None:
@@ -298,9 +324,15 @@ def errors_against_the_plain_formula(family: str, layout: str, path: str, backen
     oracle.backward()
     oracle_grads = parameter_gradients(model)
 
-    scored = token_kind != 0
-    logp = row_logp(z.detach(), targets, token_kind)
-    logp_bound, gradient_bound = bounds(path, interface.detach(), head.weight.detach(), exact.grad, raw.grad)
+    if path == "logits":   # bf16 logits are exact in fp32
+        g = exact["logits"].grad.abs()
+        logp_bound = LOGSOFTMAX
+        read_bounds = {"logits": (BF16_HALF_ULP + 2 * LOGSOFTMAX) * g + LOGSOFTMAX * g.amax(1, keepdim=True)}
+    else:
+        logp_bound, *fused = fused_bounds(read["hidden"].detach(), head.weight.detach(), exact["hidden"].grad,
+                                          exact["weight"].grad, raw.grad)
+        read_bounds = dict(zip(("hidden", "weight"), fused))
+    scored, logp = token_kind != 0, row_logp(z.detach(), targets, token_kind)
     ell = query_sums(logp, token_kind, sample_index)
     n = torch.tensor(PROMPTS, dtype=torch.float64, device=device)
     ell_bound = n * logp_bound + n * U * ell.abs()
@@ -308,31 +340,38 @@ def errors_against_the_plain_formula(family: str, layout: str, path: str, backen
                   + LOGSOFTMAX * abs(oracle.item()))
     errors = {"token_logp": error_over_bound(ours.token_logp[scored], logp[scored], logp_bound),
               "query_logp": error_over_bound(ours.query_logp, ell, ell_bound),
-              "loss": error_over_bound(ours.loss.detach(), oracle.detach(), loss_bound),
-              f"d {'logits' if path == 'logits' else 'hidden'}": error_over_bound(our_interface, exact.grad,
-                                                                                   gradient_bound)}
+              "loss": error_over_bound(ours.loss.detach(), oracle.detach(), loss_bound)}
+    for name, bound in read_bounds.items():
+        errors[f"d {name}"] = error_over_bound(our_read[name], exact[name].grad, bound)
     assert our_grads.keys() == oracle_grads.keys() == {name for name, _ in model.named_parameters()}
-    for name, want in oracle_grads.items():
-        errors[name] = float((our_grads[name].double() - want.double()).norm() / (BF16_ULP * want.double().norm()))
+    if precision == "autocast":
+        for name, want in oracle_grads.items():
+            errors[name] = float((our_grads[name].double() - want.double()).norm()
+                                 / (BF16_ULP * want.double().norm()))
     return errors
 
 
-# The torch backend (CPU users' "auto") in every family x layout x path; the Triton kernels (GPU users'), which the
-# interpreter runs about 30 times slower, in each family x path, in a layout per pair such that each path meets all
-# three layouts and each family two.
+# The torch backend (CPU users' "auto") in every family x layout x path under autocast; the Triton kernels (GPU
+# users'), which the interpreter runs about 30 times slower, in each family x path, in a layout per pair such that
+# each path meets all three layouts and each family two. bf16 weights (erpo train's default on CUDA) for the fused
+# path, whose kernels then run on bf16 operands: every family on the torch backend, Gemma-2 (tied, capped) on Triton.
 TRITON_LAYOUT = {("qwen2", "logits"): "left-padded", ("qwen2", "fused"): "packed",
                  ("llama", "logits"): "right-padded", ("llama", "fused"): "left-padded",
                  ("gemma2", "logits"): "packed", ("gemma2", "fused"): "right-padded",
                  ("qwen3-moe", "logits"): "left-padded", ("qwen3-moe", "fused"): "right-padded"}
-MATRIX = [(family, layout, path, "torch") for family in FAMILIES for layout in LAYOUTS for path in ("logits", "fused")]
-MATRIX += [(family, layout, path, "triton") for (family, path), layout in TRITON_LAYOUT.items()]
+MATRIX = [(family, layout, path, "torch", "autocast") for family in FAMILIES for layout in LAYOUTS
+          for path in ("logits", "fused")]
+MATRIX += [(family, layout, path, "triton", "autocast") for (family, path), layout in TRITON_LAYOUT.items()]
+MATRIX += [(family, TRITON_LAYOUT[family, "fused"], "fused", "torch", "bf16") for family in FAMILIES]
+MATRIX += [("gemma2", TRITON_LAYOUT["gemma2", "fused"], "fused", "triton", "bf16")]
 
 
-@pytest.mark.parametrize("family, layout, path, backend", MATRIX, ids=["-".join(case) for case in MATRIX])
-def test_loss_and_every_parameter_gradient_match_the_plain_formula(family, layout, path, backend, device):
-    drift = case_of(family, layout, device).drift
+@pytest.mark.parametrize("family, layout, path, backend, precision", MATRIX,
+                         ids=["-".join(case) for case in MATRIX])
+def test_loss_and_every_parameter_gradient_match_the_plain_formula(family, layout, path, backend, precision, device):
+    drift = case_of(family, layout, precision, device).drift
     signs = torch.tensor(DRIFT_SIGNS, dtype=drift.dtype, device=device)
     assert (drift.abs() > 10).all() and torch.equal(drift.sign(), -signs)
-    errors = errors_against_the_plain_formula(family, layout, path, backend, device)
+    errors = errors_against_the_plain_formula(family, layout, path, backend, precision, device)
     beyond = {name: round(error, 3) for name, error in errors.items() if not error <= 1}
     assert not beyond, f"beyond their bounds (error / bound): {beyond}"
