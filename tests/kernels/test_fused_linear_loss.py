@@ -78,11 +78,12 @@ def linear(num_rows, dtype, device, seed=1, bias=True):
     return hidden, weight, b
 
 
-def budget_for(rows, dtype, device, backend="triton"):
+def budget_for(rows, dtype, device, backend="triton", vocab=VOCAB, hidden_dim=HIDDEN_DIM):
     """workspace_bytes giving chunks of `rows` rows of `dtype` inputs on `device`, their dlogits over their logits
-    (the budget per row depends on both: `logits_row_bytes`, `gradient_row_bytes`)."""
-    return rows * (chunked.logits_row_bytes(VOCAB, chunked.ROW_KERNELS[backend])
-                   + chunked.gradient_row_bytes(VOCAB, HIDDEN_DIM, dtype, device))
+    (the budget per row depends on both: `logits_row_bytes`, `gradient_row_bytes`), for an lm_head [vocab,
+    hidden_dim]."""
+    return rows * (chunked.logits_row_bytes(vocab, chunked.ROW_KERNELS[backend])
+                   + chunked.gradient_row_bytes(vocab, hidden_dim, dtype, device))
 
 
 def budget_for_groups(chunk_rows, group_rows, dtype, device, backend="triton"):

@@ -86,6 +86,28 @@ def test_bf16_logits_with_bf16_gradient(device):
 
 
 @pytest.mark.parametrize("variant", FORWARD_VARIANTS)
+def test_bf16_gradient_is_the_fp32_one_rounded_to_nearest(variant, device):
+    """bf16 logits are read exactly into fp32 and their d logits formed in fp32, so the bf16 d logits are the fp32
+    logits' d logits rounded once to nearest even (torch's rounding, the compiled cast's), bit for bit. Triton's
+    interpreter truncates instead (up to a whole ulp toward zero on about half the entries) unless held to the
+    compiled rounding (tests/support/interpreter_as_gpu.py, this tier's conftest)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(24, 333, generator=g) * 4).to(device, torch.bfloat16)
+    targets = torch.randint(0, 333, (24,), generator=g).to(device)
+    upstream = torch.randn(2, 24, generator=g).to(device)   # d loss / d logp, d loss / d H
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype).requires_grad_(True)
+        with forward_variant(variant):
+            logp, entropy = token_logprobs(x, targets, return_entropy=True, backend="triton")
+            (grad,) = torch.autograd.grad((logp * upstream[0] + entropy * upstream[1]).sum(), x)
+        grads.append(grad)
+    fp32, bf16 = grads
+    assert bf16.dtype == torch.bfloat16 and not torch.equal(fp32, bf16.float())   # rounding happened
+    assert torch.equal(bf16.view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS)
 def test_target_gradient_exact_in_bf16(variant, device):
     """A confident row (p_target ~ 1 - 1e-3): the target's gradient g * (1 - p) is formed in fp32 and rounded
     once, not read back from a bf16 softmax and subtracted (which would give 0 or a 100% error); every variant's

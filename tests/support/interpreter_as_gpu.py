@@ -10,6 +10,12 @@
 - FMA contraction: compiled (Triton's enable_fp_fusion, on by default), an fp32 product that feeds an add or a
   subtraction is fused with it into one FMA, rounded once: x * k - m * k at x = m is then the rounding error of m * k,
   not 0. `fma_contraction_as_compiled` makes the interpreter do the same, for the tests of what must be exact.
+- fp32 -> bf16: compiled, a cast (and a store of an fp32 value through a bf16 pointer) rounds to the nearest bf16,
+  ties to even (LLVM's fptrunc, PTX cvt.rn.bf16.f32), as torch's `.to(torch.bfloat16)`; Triton 3.6's interpreter cuts
+  the low 16 bits off (rounds toward zero): up to one bf16 ulp (2^-7 relative) below the value and biased toward zero,
+  where the compiled kernel is within half an ulp. `bf16_rounding_as_compiled` makes the interpreter round to nearest
+  even, so a bf16 output (a d logits) is checked against the precision the GPU gives (tests/kernels/
+  test_model_families.py's one-ulp bounds failed on the truncation, 2026-11-27).
 """
 import numpy as np
 
@@ -55,3 +61,28 @@ def fma_contraction_as_compiled(monkeypatch) -> None:
     monkeypatch.setattr(InterpreterBuilder, "create_fmul", multiply)
     monkeypatch.setattr(InterpreterBuilder, "create_fadd", contracted(np.add))
     monkeypatch.setattr(InterpreterBuilder, "create_fsub", contracted(np.subtract))
+
+
+def round_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """fp32 `values` rounded to the nearest bf16, ties to even, as uint16 bit patterns (the interpreter's storage of
+    bf16): the fp32 bits plus 0x7FFF plus the kept part's lowest bit, shifted down 16 (a carry into the exponent is
+    the right rounding, up to inf); a NaN stays a quiet NaN of its sign."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), ((bits >> 16) | 0x0040).astype(np.uint16), rounded)
+
+
+def bf16_rounding_as_compiled(monkeypatch) -> None:
+    """Patch (through `monkeypatch`) the interpreter's fp32 -> bf16 cast, which truncates, to round to nearest even
+    as the compiled cast does (`round_to_bf16_bits`); every other cast is the interpreter's own."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    truncating = InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(round_to_bf16_bits(src.data), dst_type.scalar)
+        return truncating(self, src, dst_type)
+
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast)
