@@ -53,28 +53,34 @@ SAMPLE_FIELD = {"clocks.sm": "sm_mhz", "clocks.mem": "mem_mhz", "power.draw": "p
                 "clocks_throttle_reasons.active": "reasons", "clocks_event_reasons.active": "reasons"}
 
 
-def _query(smi: str, fields: list) -> subprocess.CompletedProcess:
-    return subprocess.run([smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+def _query(smi: str, fields: list) -> list:
+    """nvidia-smi's error lines for one query of `fields` (none: it answered); subprocess.TimeoutExpired when it
+    hangs."""
+    done = subprocess.run([smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
                           capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    return [] if done.returncode == 0 else (done.stderr or done.stdout or f"exit {done.returncode}").splitlines()
 
 
 def answered_fields(smi: str) -> tuple:
     """(the fields of FIELDS this nvidia-smi answers, in order, a reason's newer name where only it is known; the
     fields it lacks; its first error line when it answered none). One query when it knows them all, else one per
-    field."""
-    if _query(smi, list(FIELDS)).returncode == 0:
-        return list(FIELDS), [], ""
-    fields, lacking, errors = [], [], []
-    for field in FIELDS:
-        for name in filter(None, (field, NEWER_NAME.get(field))):
-            done = _query(smi, [name])
-            if done.returncode == 0:
-                fields.append(name)
-                break
-            errors += (done.stderr or done.stdout).strip().splitlines()[:1]
-        else:
-            lacking.append(field)
-    return fields, lacking, (errors[0] if errors and not fields else "")
+    field; none more after a query that hangs."""
+    try:
+        if not _query(smi, list(FIELDS)):
+            return list(FIELDS), [], ""
+        fields, lacking, errors = [], [], []
+        for field in FIELDS:
+            for name in filter(None, (field, NEWER_NAME.get(field))):
+                error = _query(smi, [name])
+                if not error:
+                    fields.append(name)
+                    break
+                errors += error[:1]
+            else:
+                lacking.append(field)
+    except subprocess.TimeoutExpired:
+        return [], list(FIELDS), f"no answer in {QUERY_TIMEOUT_S} s"
+    return fields, lacking, (errors[0].strip() if errors and not fields else "")
 
 
 class ClockSampler:
@@ -93,9 +99,14 @@ class ClockSampler:
             self.note = "not sampled: no nvidia-smi on PATH"
             return
         fields, lacking, error = answered_fields(smi)
-        if "timestamp" not in fields or len(fields) < 2:
-            self.note = (f"not sampled: nvidia-smi answers none of {', '.join(FIELDS[1:])}" if fields else
-                         "not sampled: nvidia-smi answers no field") + (f" ({error})" if error else "")
+        if not fields:
+            self.note = "not sampled: nvidia-smi answers no field" + (f" ({error})" if error else "")
+            return
+        if "timestamp" not in fields:
+            self.note = "not sampled: nvidia-smi answers no timestamp (a sample would belong to no stage)"
+            return
+        if len(fields) < 2:
+            self.note = f"not sampled: nvidia-smi answers none of {', '.join(FIELDS[1:])}"
             return
         self.csv.write_text(", ".join(fields) + "\n", encoding="utf-8")
         with open(self.csv, "a", encoding="utf-8") as out, open(errors, "a", encoding="utf-8") as err:
@@ -129,7 +140,7 @@ def _number(text: str) -> float | None:
         return None
 
 
-def read_samples(csv: Path) -> list:
+def read_samples(csv: Path) -> list | None:
     """clocks.csv's samples (Sample), in its order; a line that is not one (nvidia-smi prints XID events between
     samples) is skipped. None where nothing was sampled."""
     if not csv.exists():

@@ -13,9 +13,10 @@ import pytest
 from bench import gpu_clocks
 
 # what the fake answers per field; the time for "timestamp"
-CANNED = {"clocks.sm": "1755", "clocks.mem": "2619", "power.draw": "612.35", "temperature.gpu": "58",
-          "clocks_throttle_reasons.active": "0x0000000000000004", "clocks_event_reasons.active": "0x0000000000000004",
-          "name": "NVIDIA H200", "memory.total": "143771", "driver_version": "580.159.04"}
+CANNED = {"timestamp": "now", "clocks.sm": "1755", "clocks.mem": "2619", "power.draw": "612.35",
+          "temperature.gpu": "58", "clocks_throttle_reasons.active": "0x0000000000000004",
+          "clocks_event_reasons.active": "0x0000000000000004", "name": "NVIDIA H200", "memory.total": "143771",
+          "driver_version": "580.159.04"}
 
 FAKE_SMI = """#!{python}
 # a fake nvidia-smi (tests/repo/test_gpu_clocks.py): --query-gpu=FIELDS [-lms MS]
@@ -27,8 +28,10 @@ if {fail!r}:
     sys.exit(6)
 args = sys.argv[1:]
 fields = next(a.split("=", 1)[1] for a in args if a.startswith("--query-gpu=")).split(",")
+if "hang" in values:
+    time.sleep(60)
 for name in fields:
-    if name != "timestamp" and name not in values:
+    if name not in values:
         print(f'Field "{{name}}" is not a valid field to query.', file=sys.stderr)
         sys.exit(2)
 loop_ms = int(args[args.index("-lms") + 1]) if "-lms" in args else None
@@ -45,12 +48,12 @@ while True:
 """
 
 
-def fake_smi(folder: Path, monkeypatch, lacking=(), fail="", ignores_sigint=False) -> Path:
+def fake_smi(folder: Path, monkeypatch, lacking=(), fail="", ignores_sigint=False, hang=False) -> Path:
     """An nvidia-smi in `folder`, first on PATH, answering CANNED less `lacking` (a field it lacks: nvidia-smi's error,
-    exit 2); `fail`: printed instead, exit 6 (a driver with no GPU). Its loop (-lms) writes its pid to folder/smi.pid
-    and ends at SIGINT unless `ignores_sigint`."""
+    exit 2); `fail`: printed instead, exit 6 (a driver with no GPU); `hang`: no answer for a minute. Its loop (-lms)
+    writes its pid to folder/smi.pid and ends at SIGINT unless `ignores_sigint`."""
     folder.mkdir(parents=True, exist_ok=True)
-    values = {name: value for name, value in CANNED.items() if name not in lacking}
+    values = {name: value for name, value in CANNED.items() if name not in lacking} | ({"hang": ""} if hang else {})
     script = folder / "nvidia-smi"
     script.write_text(FAKE_SMI.format(python=sys.executable, folder=str(folder), values=values, fail=fail,
                                       ignores_sigint=ignores_sigint))
@@ -133,13 +136,16 @@ def test_a_field_the_driver_lacks_is_left_out_and_the_reasons_go_by_their_newer_
     assert cells[2:4] == ["58", "-"] and cells[4] == f"sw power cap ({len(samples)} of {len(samples)})"
 
 
-@pytest.mark.parametrize("lacking, fail, note", [
-    (tuple(CANNED), "", "not sampled: nvidia-smi answers none of clocks.sm, clocks.mem, power.draw, temperature.gpu, "
-                        "clocks_throttle_reasons.active"),
-    ((), "No devices were found", "not sampled: nvidia-smi answers no field (No devices were found)"),
+@pytest.mark.parametrize("lacking, fail, hang, note", [
+    (set(CANNED) - {"timestamp"}, "", False, "not sampled: nvidia-smi answers none of clocks.sm, clocks.mem, "
+                                             "power.draw, temperature.gpu, clocks_throttle_reasons.active"),
+    ({"timestamp"}, "", False, "not sampled: nvidia-smi answers no timestamp (a sample would belong to no stage)"),
+    ((), "No devices were found", False, "not sampled: nvidia-smi answers no field (No devices were found)"),
+    ((), "", True, "not sampled: nvidia-smi answers no field (no answer in 1 s)"),
 ])
-def test_no_sampling_when_nvidia_smi_answers_nothing_useful(tmp_path, monkeypatch, lacking, fail, note):
-    folder = fake_smi(tmp_path / "bin", monkeypatch, lacking=lacking, fail=fail)
+def test_no_sampling_when_nvidia_smi_answers_nothing_useful(tmp_path, monkeypatch, lacking, fail, hang, note):
+    folder = fake_smi(tmp_path / "bin", monkeypatch, lacking=lacking, fail=fail, hang=hang)
+    monkeypatch.setattr(gpu_clocks, "QUERY_TIMEOUT_S", 1)
     sampler = gpu_clocks.ClockSampler(tmp_path / "clocks.csv")
     sampler.start(errors=tmp_path / "errors.log")
     sampler.stop()
