@@ -26,17 +26,20 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    file and gets what is left before the deadline, up to its own cap; what a run did not reach is in the table as
    `not reached`.
 
-Then the table merged from the progress file and a summary holding it. The files (8, the device tool's limit) under
-OUT_DIR: summary.md, gpu_check.log (environment, wheel install, each stage's command, limit, time, exit),
-kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train.log, train-metrics.jsonl, bench.log (the
-probe's, the profile's and the bench runs' output) and bench.jsonl (`python -m bench --merge` reads it).
+Then the table merged from the progress file and a summary holding it. From before the first stage to after the
+last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit reasons once a second (bench.gpu_clocks);
+summary.md's stage table gives each stage's share. The files (8, the device tool's limit) under OUT_DIR: summary.md,
+gpu_check.log (environment, wheel install, each stage's command, limit, time, exit, and the training's output),
+kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train-metrics.jsonl, bench.log (the probe's, the
+profile's and the bench runs' output), bench.jsonl (`python -m bench --merge` reads it) and clocks.csv (the samples).
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
 variant and case once), the first bench run at the bench's smoke shape (logits path, torch and Liger only),
 logits_gpu_check.sh's own --dry-run, one tiny training step, the fused-path profile's smoke shape (the CPU's
 operators, no gaps) and the other bench runs' own arguments checked by the bench, their rows listed (`python -m bench
-... --plan`); no wheels are installed, so missing peers are reported and skipped.
+... --plan`); no wheels are installed, so missing peers are reported and skipped; no clocks are sampled (no clocks.csv,
+"-" in the stage table's clock columns).
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import gpu_clocks
 from .ours_by_tool import ours_by_tool_lines
 from .probe_pick import PROBE_JSON, Pick, pick_geometry
 
@@ -234,6 +238,8 @@ class Stage:
     exit_code: int | None = None
     status: str = "not run"   # ok | failed | time limit | not run (no time left)
     notes: list = field(default_factory=list)
+    began: datetime.datetime | None = None  # local time, as nvidia-smi stamps its samples (bench.gpu_clocks)
+    ended: datetime.datetime | None = None
 
 
 class GpuCheck:
@@ -252,12 +258,14 @@ class GpuCheck:
         self.device = "CPU (dry run)" if dry_run else "no nvidia-smi"
         self.wheels = "none"
         self.pick = Pick(None, "none: the probe did not run")  # the probe's geometry for bench 1 (bench.probe_pick)
+        self.clocks = gpu_clocks.ClockSampler(out_dir / "clocks.csv")  # started by setup(), stopped by main()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH")) if p)
         # pytest's failure lines uncut; logits_gpu_check.sh runs this interpreter and records this commit
         self.env.update(COLUMNS=WIDE_COLUMNS, PYTHON=sys.executable, **({"COMMIT": commit} if commit else {}))
         if dry_run:  # the CPU even on a GPU machine
             self.env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+            self.clocks.note = "not sampled: dry run on the CPU"
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
 
@@ -282,6 +290,7 @@ class GpuCheck:
             return stage
         self.log(f"{name}: limit {limit:.0f} s: {shlex.join(command)}")  # as a shell takes it: -m 'not cpu_only'
         begin = time.monotonic()
+        stage.began = datetime.datetime.now()
         with open(log_file, "a", encoding="utf-8") as handle:
             handle.write(f"$ {shlex.join(command)}\n")
             handle.flush()
@@ -301,6 +310,7 @@ class GpuCheck:
             else:
                 stage.status = "ok" if process.returncode == 0 else "failed"
             stage.exit_code = process.returncode
+        stage.ended = datetime.datetime.now()
         if mirror:
             _copy(*mirror)
         stage.seconds = round(time.monotonic() - begin, 1)
@@ -336,6 +346,9 @@ class GpuCheck:
                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
             self.device = smi.stdout.strip() or smi.stderr.strip()
         self.log(f"device: {self.device}")
+        if not self.dry_run:  # from here to main()'s end, whatever the stages do
+            self.clocks.start(errors=self.out / "gpu_check.log")
+        self.log(f"clocks: {self.clocks.note}")
 
     def kernels(self) -> None:
         python = sys.executable
@@ -385,7 +398,8 @@ class GpuCheck:
             command += ["tiny.sft_steps=2", "tiny.sft_examples=16", "tiny.sft_batch_size=8", "data.num_examples=8",
                         "rollout.n=2", "rollout.max_new_tokens=4", "trainer.rollout_batch_size=2",
                         "trainer.update_batch_size=2", "trainer.micro_batch_size=4"]
-        self.run("train", command, self.out / "train.log", TRAIN_LIMIT_S,
+        # its output (a few lines) in gpu_check.log: the clock samples took train.log's place among the 8 files
+        self.run("train", command, self.out / "gpu_check.log", TRAIN_LIMIT_S,
                  mirror=(run_dir / "metrics.jsonl", self.out / "train-metrics.jsonl"))
 
     def profile(self) -> None:
@@ -437,12 +451,16 @@ class GpuCheck:
                  f"- device: {self.device}; wheels: {self.wheels}",
                  f"- started: {self.started_at}; {time.monotonic() - self.start:.0f} s so far",
                  f"- commit: {self.commit or 'not given (--commit)'}",
-                 f"- command: `bash bench/gpu_check.sh {' '.join(sys.argv[1:])}`", "",
-                 "| stage | status | seconds | limit s | exit | command |", "|---|---|---|---|---|---|"]
+                 f"- command: `bash bench/gpu_check.sh {' '.join(sys.argv[1:])}`",
+                 f"- clocks: {self.clocks.note}", "", gpu_clocks.LEGEND, "",
+                 "| stage | status | seconds | limit s | exit | " + " | ".join(gpu_clocks.COLUMNS) + " | command |",
+                 "|---" * (6 + len(gpu_clocks.COLUMNS)) + "|"]
+        samples = gpu_clocks.read_samples(self.clocks.csv)
         for stage in self.stages:
             command = shlex.join(stage.command).replace(str(self.work), "$WORK").replace(str(self.out), "$OUT")
+            clocks = " | ".join(gpu_clocks.stage_cells(samples, stage.began, stage.ended))
             lines.append(f"| {stage.name} | {stage.status} | {stage.seconds:.0f} | {stage.limit_s:.0f} | "
-                         f"{stage.exit_code} | `{command}` |")
+                         f"{stage.exit_code} | {clocks} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
                   "", "## Fused probe", "", f"- bench 1's geometry pick: {self.pick.why}",
@@ -574,7 +592,7 @@ def logits_summary(folder: Path) -> list:
 def train_summary(metrics: Path) -> list:
     """The last logged step of the training run."""
     if not metrics.exists():
-        return ["(no metrics.jsonl: see train.log)"]
+        return ["(no metrics.jsonl: see the training's output in gpu_check.log)"]
     steps = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not steps:
         return ["(metrics.jsonl is empty)"]
@@ -628,21 +646,25 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     check = GpuCheck(out, args.dry_run, args.commit, args.deadline)
     check.setup()
-    if "kernels" in stages:
-        check.kernels()
-    if "probe" in stages:
-        check.probe()
-    if "bench" in stages:
-        check.bench(range(1, TARGET_RUNS + 1))
-    if "logits" in stages:
-        check.logits()
-    if "train" in stages:
-        check.train()
-    if "profile" in stages:
-        check.profile()
-    if "bench" in stages:
-        check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
-        check.merge_bench()
+    try:
+        if "kernels" in stages:
+            check.kernels()
+        if "probe" in stages:
+            check.probe()
+        if "bench" in stages:
+            check.bench(range(1, TARGET_RUNS + 1))
+        if "logits" in stages:
+            check.logits()
+        if "train" in stages:
+            check.train()
+        if "profile" in stages:
+            check.profile()
+        if "bench" in stages:
+            check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
+            check.merge_bench()
+    finally:  # no sampler outlives the check, whatever its stages did
+        check.clocks.stop()
+        check.log(f"clocks: {check.clocks.note}")
     check.write_summary()
     shutil.rmtree(check.work, ignore_errors=True)
     check.log(f"done in {time.monotonic() - check.start:.0f} s: {out / 'summary.md'}")

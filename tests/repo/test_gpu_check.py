@@ -1,7 +1,8 @@
 """`bash bench/gpu_check.sh --dry-run`: the GPU lease's one command, run on the CPU with its stages shrunk, writes
 every stage's results into at most 8 files; a stage past its time limit is stopped with its children, and no stage
-starts past the deadline. The dry run's logits stage is CI's one run of `bash bench/logits_gpu_check.sh --dry-run`:
-its results are checked here."""
+starts past the deadline; on a GPU (here a fake nvidia-smi) the clocks are sampled from the first stage to the last
+and stopped whatever the stages did. The dry run's logits stage is CI's one run of `bash bench/logits_gpu_check.sh
+--dry-run`: its results are checked here."""
 import json
 import os
 import re
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check
+from bench import gpu_check, gpu_clocks
 from bench.progress import read_runs
 from bench.provenance import header_lines
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train.log", "train-metrics.jsonl",
-         "bench.log", "bench.jsonl"}
+FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train-metrics.jsonl", "bench.log",
+         "bench.jsonl", "clocks.csv"}  # the device tool brings back 8 files at most
 
 
 def test_dry_run_writes_each_stages_results(tmp_path):
@@ -31,11 +32,15 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--commit", "abc123", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == FILES  # the device tool brings back 8 files at most
+    assert {p.name for p in out.iterdir()} == FILES - {"clocks.csv"}  # no GPU, no clock samples
     summary = (out / "summary.md").read_text()
     table = summary[:summary.index("## Kernel tier")]  # the stages' table (the summary's later tables hold rows too)
     stages = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and " | ok | " in line]
     assert [name for name, _ in stages] == RUN_ORDER
+    assert "- clocks: not sampled: dry run on the CPU" in table
+    assert all(line.split(" | ")[5:10] == ["-"] * 5 for line in table.splitlines() if " | ok | " in line)
+    # the training's output in gpu_check.log, under its command
+    assert re.search(r"^\$ .* -m erpo train .*\n(.*\n)*.*INFO erpo: done: ", (out / "gpu_check.log").read_text(), re.M)
     # the device guard's tests and test_target_gradient_exact_in_bf16 once per forward variant
     from erpo_kernels.triton_logits import FORWARD_VARIANTS
     assert f"- result: {len(FORWARD_VARIANTS) + 2} passed" in summary and "- commit: abc123" in summary
@@ -238,6 +243,39 @@ def test_a_stage_past_its_limit_is_stopped_with_its_children(check, tmp_path):
     assert "| sleepy | time limit |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("stage_ends", ["at its time limit", "in an exception"])
+def test_the_clocks_are_sampled_over_the_lease_and_stopped_whatever_the_stages_do(tmp_path, monkeypatch, stage_ends):
+    """With nvidia-smi on PATH (a fake: tests/repo/test_gpu_clocks.py), gpu_check starts its loop before the first
+    stage and ends it after the last, also when that stage is stopped at its limit or gpu_check itself fails; the
+    stage's row gets its samples' clocks, temperature, power and the sw power cap the fake reports."""
+    from test_gpu_clocks import fake_smi
+
+    folder = fake_smi(tmp_path / "bin", monkeypatch)
+    monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 1)
+    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path / "no-wheels")
+
+    def kernels(check):  # a stage that outlasts its 3 s, or breaks gpu_check
+        check.run("kernels", ["bash", "-c", "sleep 60"], check.out / "kernel-tests.log", limit_s=3)
+        if stage_ends == "in an exception":
+            raise RuntimeError("a bug in gpu_check")
+    monkeypatch.setattr(gpu_check.GpuCheck, "kernels", kernels)
+    out = tmp_path / "out"
+    if stage_ends == "in an exception":
+        with pytest.raises(RuntimeError):
+            gpu_check.main(["--stages", "kernels", str(out)])
+    else:
+        assert gpu_check.main(["--stages", "kernels", str(out)]) == 1
+    assert gone_within(int((folder / "smi.pid").read_text()), seconds=1)  # stopped and waited for: no orphan
+    log = (out / "gpu_check.log").read_text()
+    assert re.search(r"clocks: sampled every 100 ms into clocks\.csv \(timestamp, .*\); \d+ samples, the loop's exit 0",
+                     log), log
+    summary = (out / "summary.md").read_text()
+    assert "- clocks: sampled every 100 ms" in summary and gpu_clocks.LEGEND in summary
+    (row,) = [line for line in summary.splitlines() if line.startswith("| kernels | time limit |")]
+    cells = row.split(" | ")
+    assert cells[5:9] == ["1755", "1755", "58", "612"] and re.fullmatch(r"sw power cap \((\d+) of \1\)", cells[9])
+
+
 def test_no_stage_starts_past_the_deadline(check, tmp_path):
     check.deadline_s = gpu_check.SUMMARY_RESERVE_S
     stage = check.run("late", ["bash", "-c", f"touch {tmp_path / 'ran'}"], tmp_path / "late.log", limit_s=60)
@@ -251,7 +289,8 @@ def test_a_failing_stage_is_reported_and_the_next_one_runs(check, tmp_path):
     assert (first.status, first.exit_code) == ("failed", 3) and (second.status, second.exit_code) == ("ok", 0)
     # each command as a shell takes it, in its log and in the summary (the kernel tier's `-m 'not cpu_only'`)
     assert (tmp_path / "a.log").read_text().splitlines()[0] == "$ bash -c 'exit 3'"
-    assert "| broken | failed | 0 | 30 | 3 | `bash -c 'exit 3'` |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| broken | failed | 0 | 30 | 3 | - | - | - | - | - | `bash -c 'exit 3'` |" in summary  # no clocks sampled
 
 
 def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
