@@ -7,8 +7,13 @@ may add the partial sums in the output's type: bf16 (PyTorch's notes/cuda.rst, "
 GEMMs"; PyTorch's cuBLAS path then leaves out CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION, its cuBLASLt path
 the reduction-scheme mask). Set False, the partials are added in fp32 and split-K stays allowed (since torch 2.10 the
 setting is the pair (reduced precision, split-K); (False, False) forbids split-K and needs the cuBLASLt backend). A
-[G, D] output with K = 152064 and few output tiles, a small call or a call's last group, is where cuBLAS splits K.
-The logits GEMM and d weight's accumulation (`_accumulate_product`) write fp32 and are not concerned.
+[G, D] output with K = 152064 and few output tiles, a small call or a call's last group, is where cuBLAS splits K,
+and it did: on the H200 lease of 2026-11-26 (commit 2ab6bb9, torch 2.11.0+cu130, N = 16384 in 16 chunks of 1024
+rows, each its own group; bench/measured/h200-2026-11-26-profiles/fused_profile.md) 14 of the call's 16 d hidden GEMMs
+ran `nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_splitK_NNT`, each followed by `cublasLt::splitKreduce_kernel<32, 16,
+int, float, __nv_bfloat16, float, __nv_bfloat16, false, float, ...` (the name cut there). Its type arguments suggest
+fp32 partial sums rounded once, which a kernel's name cannot prove: this test measures it. The logits GEMM and
+d weight's accumulation (`_accumulate_product`) write fp32 and are not concerned.
 
 The bound (`rounding_check`). The K products of two bf16 numbers are exact in fp32 and float64; s is their exact sum
 (float64: K = 152064 terms off by at most K 2^-53 of sum_k |a_k b_k|, nothing beside what follows) and r = s rounded
@@ -31,7 +36,7 @@ failure's message but not what a passing test printed; so a passing case reports
 warning, which pytest's warnings summary prints (kernel-tests.log keeps both). On the CPU the test skips: the
 question is cuBLAS's, and the interpreter at V = 152064 would take minutes.
 
-Its cost in the GPU tier: 6 cases, each one fused call on a bf16 [V, D] lm_head (1.1 GB at D = 3584; no d weight is
+Its cost in the GPU tier: 8 cases, each one fused call on a bf16 [V, D] lm_head (1.1 GB at D = 3584; no d weight is
 asked for, so no fp32 accumulator) and two float64 GEMMs of the group's shape in vocabulary slices (under 2 GB at a
 time); under 4 GB of GPU memory at a time (the weight, the 1 GiB workspace, the float64 slices), and seconds a case,
 the first one compiling the row kernels for V = 152064 (an estimate from the shapes, not measured: no GPU lent this
@@ -55,9 +60,10 @@ SLACK = 2.0 ** -11          # the fp32 sum's error allowed, as a share of sum_k 
 VOCAB = 152064              # Qwen2.5-7B's lm_head (and 14B to 72B); the 0.5B's 151936 is the same K
 LOGIT_STD = 4.0             # the logits' spread: a peaked softmax, a few large terms in each d hidden element
 SAMPLE_ROWS = (7, 8)        # each sample's query and response rows (and one padding row: 16 rows a sample)
-# (rows, D): one group each in the default 1 GiB workspace (`fused_linear_loss.plan_workspace`): 64 and 512 rows,
-# dlogits over their logits, few output tiles; 2048 rows, the full group bf16 Qwen2.5-7B gets in chunks of 512
-SHAPES = {"64x896": (64, 896), "512x3584": (512, 3584), "2048x3584": (2048, 3584)}
+# (rows, D): one group each in the default 1 GiB workspace (`fused_linear_loss.plan_workspace`): 64, 512 and 1024
+# rows, dlogits over their logits, few output tiles (1024 x 3584: the GEMM cuBLAS split on the H200, above); 2048
+# rows, the full group bf16 Qwen2.5-7B gets in chunks of 512 beside a store of their dlogits
+SHAPES = {"64x896": (64, 896), "512x3584": (512, 3584), "1024x3584": (1024, 3584), "2048x3584": (2048, 3584)}
 # allow_bf16_reduced_precision_reduction during the call: as the process has it (PyTorch's default True), or False
 REDUCTIONS = {"default": None, "fp32-reduction": False}
 FLOAT64_SLICE = 16384       # vocabulary rows per float64 GEMM of the oracle (memory: 0.5 GB of float64 at D = 3584)
@@ -180,8 +186,10 @@ def test_dhidden_is_the_fp32_product_rounded_once(shape, reduction, device, monk
     monkeypatch.setattr(chunked.GradientGroups, "close_group", recording)
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(rows, hidden_dim, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
-    weight = (torch.randn(VOCAB, hidden_dim, generator=g, device=device) * (LOGIT_STD / hidden_dim ** 0.5)).to(
-        torch.bfloat16)  # no gradient asked: d weight's fp32 accumulator is not concerned
+    # scaled in place (one fp32 copy of the weight at a time: 2.2 GB at D = 3584); no gradient asked of it, d weight's
+    # fp32 accumulator not being concerned
+    weight = torch.randn(VOCAB, hidden_dim, generator=g, device=device).mul_(LOGIT_STD / hidden_dim ** 0.5).to(
+        torch.bfloat16)
     batch = packed_batch([SAMPLE_ROWS] * (rows // (sum(SAMPLE_ROWS) + 1)), device, vocab=VOCAB)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     with bf16_reduction(REDUCTIONS[reduction]):
