@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import run_metrics
+from erpo.cli.commands import main
 from run_metrics import metrics_by_step
 from test_checkpoint import wait_for_path
 
@@ -52,6 +53,13 @@ def erpo_train(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = 
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, check=False)
     assert (proc.returncode == 0) == succeed, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
+
+
+def erpo_train_here(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> None:
+    """`erpo train` with the small settings, as `erpo_train` runs it but in this process (`erpo.cli`'s main, the
+    same command line): for the runs whose subject is what a run saves and resumes, not the process around it,
+    which `erpo_train`'s runs below keep covering; it must succeed."""
+    assert main(["train", "--output-dir", str(out), *extra, *small_run_args(cache_dir), *sets]) == 0
 
 
 # `erpo train`'s runs in child processes, each compared with the uninterrupted one to this absolute tolerance
