@@ -70,9 +70,16 @@ def parse_args(argv):
         args.reps = 1  # smoke times are not measurements
         args.warmup = 0  # the correctness check has already run every contender once (compiled, autotuned)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.out is None:  # smoke results are no measurement: keep them out of the repository unless asked
-        args.out = tempfile.mkdtemp(prefix="erpo-bench-smoke-") if args.smoke else "bench/results"
     return args
+
+
+def _out_dir(args) -> Path:
+    """Where the results go: --out, else bench/results, or for --smoke (no measurement: kept out of the repository
+    unless asked) a new temporary folder, made here, when there are results to write: a --plan, or a run stopped
+    by a wrong argument, leaves none behind."""
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="erpo-bench-smoke-") if args.smoke else "bench/results"
+    return Path(args.out)
 
 
 def _device_name(device: torch.device) -> str:
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.merge:
-        files = merge(args.merge, Path(args.out))
+        files = merge(args.merge, _out_dir(args))
         print(files["md"].read_text())
         print("wrote " + ", ".join(str(p) for p in files.values()))
         return 0
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
         if progress:
             progress.close()
     add_ratios(results)
-    files = write_outputs(results, Path(args.out))
+    files = write_outputs(results, _out_dir(args))
     print(files["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in files.values()))
     return 0

@@ -33,6 +33,20 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_patches_once_per_launch():
+    """In Triton's interpreter, the language is patched once per kernel launch, not again at each device-function
+    call (interpreter_patch_once.py: the same values, half the interpreter's time on the loss's kernels)."""
+    if os.environ["TRITON_INTERPRET"] != "1":
+        yield
+        return
+    from interpreter_patch_once import patch_lang_once_per_launch
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        patch_lang_once_per_launch(monkeypatch)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -4,6 +4,8 @@ after the first; a new engine loads that checkpoint, reads the cache back from i
 again: the same loss, metrics and weights. The cases cover the Query-KL on and off, both query-weight modes, each
 loss aggregation, verl's KL loss and entropy bonus, remove-padding or padded batches, dynamic batch sizes (gradient
 accumulation over token-budget micro-batches) and bf16 mixed precision."""
+import tempfile
+
 import pytest
 import torch
 
@@ -52,6 +54,8 @@ def test_setting_trains_saves_and_resumes(tiny, tmp_path, case, monkeypatch):  #
     engine = verl_engine.build_engine(tiny[0], lr=1e-2, **engine_settings)
     data = batch(tiny, engine, entropy=entropy, **({"with_is": False} if "use_dynamic_bsz" in actor_settings else {}))
     step(engine, data, loss_fn(engine))
+    # verl's save takes a file lock named after the folder in the temporary directory and leaves it there: here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     engine.save_checkpoint(str(tmp_path / "step-1"), global_step=1)
     saved = weights(engine)
     second = step(engine, data, loss_fn(engine))

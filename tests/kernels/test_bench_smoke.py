@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -341,13 +342,16 @@ def test_merge_joins_runs_of_one_file_and_their_peers(tmp_path):
         merge([progress], tmp_path / "clash")
 
 
-def test_skip_leaves_contenders_out_and_rejects_unknown_names():
+def test_skip_leaves_contenders_out_and_rejects_unknown_names(tmp_path, monkeypatch):
     from bench.__main__ import main
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where --smoke without --out makes its results folder
     with pytest.raises(SystemExit, match=r"--skip: unknown \['torhc'\]"):
         main(["--smoke", "--skip", "torhc"])
     with pytest.raises(SystemExit, match=r"--contenders: unknown \['compiel'\]"):
         main(["--smoke", "--contenders", "compiel"])
+    assert main(["--smoke", "--plan"]) == 0
+    assert not list(tmp_path.iterdir())   # refused, or only planned: no results, so no folder made for them
 
 
 def test_timing_budget_cuts_slow_cases_but_keeps_three_reps():

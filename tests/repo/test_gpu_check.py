@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,15 @@ from bench.provenance import header_lines
 REPO = Path(__file__).resolve().parents[2]
 FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train-metrics.jsonl", "bench.log",
          "bench.jsonl", "clocks.csv"}  # the device tool brings back 8 files at most
+
+
+@pytest.fixture(autouse=True)
+def _work_under_tmp_path(tmp_path, monkeypatch):
+    """A GpuCheck keeps its work folder (tempfile.mkdtemp) after the check: each test's goes under its tmp_path."""
+    work = tmp_path / "tmp"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    monkeypatch.setenv("TMPDIR", str(work))   # the dry run's: a process of its own
 
 
 def test_dry_run_writes_each_stages_results(tmp_path):

@@ -8,6 +8,10 @@
 The LR schedule is constant (trainer.min_lr_ratio=1) because a cosine schedule's length depends on
 --max-steps, which legitimately differs between the two halves of the interrupted run; with a cosine schedule
 such a resume is refused. Every checkpoint holds a Hugging Face export of its model (`step-N/hf/`).
+
+The resumes, and the runs stopped by a signal, are processes of their own (`erpo_train`), as a user starts them;
+the runs that only give them what to match or what to resume from run `erpo train` in this process
+(`erpo_train_here`: the same command line, without a child's 5 s of imports).
 """
 import functools
 import json
@@ -22,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 import run_metrics
+from erpo.cli.commands import main
 from run_metrics import metrics_by_step
 from test_checkpoint import wait_for_path
 
@@ -54,6 +59,13 @@ def erpo_train(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = 
     return proc
 
 
+def erpo_train_here(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> None:
+    """`erpo train` with the small settings, as `erpo_train` runs it but in this process (`erpo.cli`'s main, the
+    same command line): for the runs whose subject is what a run saves and resumes, not the process around it,
+    which `erpo_train`'s runs below keep covering; it must succeed."""
+    assert main(["train", "--output-dir", str(out), *extra, *small_run_args(cache_dir), *sets]) == 0
+
+
 # `erpo train`'s runs in child processes, each compared with the uninterrupted one to this absolute tolerance
 assert_same_metrics = functools.partial(run_metrics.assert_same_metrics, abs_tol=1e-5)
 
@@ -76,7 +88,7 @@ def assert_same_model(a: Path, b: Path):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    erpo_train(root / "full", root / "cache", "--max-steps", "4")
+    erpo_train_here(root / "full", root / "cache", "--max-steps", "4")
     records = metrics_by_step(root / "full")
     assert len(records) == 8 and max(r["rollout_step"] for r in records.values()) == 4  # 2 updates per rollout
     assert len({round(r["loss"], 12) for r in records.values()}) > 1                      # it is really training
@@ -86,10 +98,10 @@ def uninterrupted(tmp_path_factory):
 def test_stop_after_two_steps_then_resume_matches(uninterrupted):
     root = uninterrupted
     run = root / "halves"
-    erpo_train(run, root / "cache", "--max-steps", "2")
+    erpo_train_here(run, root / "cache", "--max-steps", "2")
     first_half = metrics_by_step(run)
     assert max(first_half) == 4 and (run / "checkpoints" / "step-2").is_dir()
-    erpo_train(run, root / "cache", "--max-steps", "4", "--resume")
+    erpo_train(run, root / "cache", "--max-steps", "4", "--resume")   # a new process: all from the checkpoint
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert_same_model(run / "final", root / "full" / "final")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-3", "step-4"]   # keep_last=2
@@ -101,16 +113,19 @@ def checkpoint_state(run: Path, step: int) -> dict:
     return json.loads((run / "checkpoints" / f"step-{step}" / "meta.json").read_text())["state"]
 
 
-def test_resume_refuses_another_cosine_schedule_length(uninterrupted):
+def test_resume_refuses_another_cosine_schedule_length(uninterrupted, capsys):
     root = uninterrupted
     run = root / "cosine"
     cosine = ("trainer.min_lr_ratio=0.1",)
-    erpo_train(run, root / "cache", "--max-steps", "1", sets=cosine)
+    erpo_train_here(run, root / "cache", "--max-steps", "1", sets=cosine)
     assert checkpoint_state(run, 1)["lr_schedule_steps"] == 2                 # 1 rollout step x 2 updates
-    proc = erpo_train(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine, succeed=False)
-    assert f"erpo train: --resume {run}: the checkpoint's LR schedule (warmup + cosine) spans 2 optimizer steps, " \
-           "but this config's spans 4 (trainer.max_steps=2" in proc.stderr
-    assert "resume with --max-steps 1" in proc.stderr and "Traceback" not in proc.stderr   # one line, exit 1
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), "--max-steps", "2", "--resume", *small_run_args(root / "cache"),
+                 *cosine]) == 1                                                # one line (an error would raise here)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("erpo train:")]
+    assert line.startswith(f"erpo train: --resume {run}: the checkpoint's LR schedule (warmup + cosine) spans 2 "
+                           "optimizer steps, but this config's spans 4 (trainer.max_steps=2")
+    assert "resume with --max-steps 1" in line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
     # a checkpoint written before the length was recorded (and before manifests) resumes unchecked, and records it
     # from then on
@@ -118,7 +133,7 @@ def test_resume_refuses_another_cosine_schedule_length(uninterrupted):
     meta = json.loads(meta_file.read_text())
     del meta["state"]["lr_schedule_steps"], meta["files"], meta["meta_sha256"]
     meta_file.write_text(json.dumps(meta))
-    erpo_train(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine)
+    erpo_train_here(run, root / "cache", "--max-steps", "2", "--resume", sets=cosine)
     assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4
 
 

@@ -4,14 +4,15 @@ optimizer steps: 2 updates per rollout step) keeping a checkpoint per step, then
 Together the cases cover each preset (Query-KL on and off, the policy KL's live reference), each query-weight mode,
 each policy term (pg_objective), both ratio levels, the k3-token estimator, LoRA, bf16 weights, gradient
 accumulation over micro-batches and a loss workspace other than the default; the default setting is
-tests/train/test_resume.py's."""
+tests/train/test_resume.py's, whose runs are child processes as a user starts them (these run `erpo train` in this
+process: the same command line; a child process would add 5 s of imports to each run and check nothing more)."""
 import json
 import shutil
 
 import pytest
 
 from run_metrics import metrics_by_step
-from test_resume import assert_same_metrics, erpo_train
+from test_resume import assert_same_metrics, erpo_train_here
 
 CASES = {
     "grpo-policy-kl-seq-mean": ("algorithm.name=grpo", "algorithm.loss_agg=seq-mean-token-mean"),
@@ -29,7 +30,7 @@ CASES = {
 def test_setting_trains_saves_and_resumes(tmp_path, case):
     sets = CASES[case]
     run, cache = tmp_path / "run", tmp_path / "cache"
-    erpo_train(run, cache, "--max-steps", "2", sets=sets)
+    erpo_train_here(run, cache, "--max-steps", "2", sets=sets)
     full = metrics_by_step(run)
     assert sorted(full) == [1, 2, 3, 4] and len({round(r["loss"], 12) for r in full.values()}) > 1
     assert (run / "checkpoints" / "step-2").is_dir() and exported(run)
@@ -39,7 +40,7 @@ def test_setting_trains_saves_and_resumes(tmp_path, case):
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines
                                                if json.loads(line)["rollout_step"] == 1))
-    erpo_train(run, cache, "--max-steps", "2", "--resume", sets=sets)
+    erpo_train_here(run, cache, "--max-steps", "2", "--resume", sets=sets)
     resumed = metrics_by_step(run)
     assert sorted(resumed) == [1, 2, 3, 4]
     assert_same_metrics(resumed, full)

@@ -18,8 +18,9 @@ import sys
 import pytest
 
 from damage import flip_bit, truncate
+from erpo.cli.commands import main
 from run_metrics import metrics_by_step
-from test_resume import assert_same_metrics, env, erpo_train, small_run_args, wait_for_first_checkpoint
+from test_resume import assert_same_metrics, env, erpo_train, erpo_train_here, small_run_args, wait_for_first_checkpoint
 
 ENOSPC_AT_STEP_3 = r"""
 import errno, os, sys
@@ -43,12 +44,21 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("erpo train:")]
 
 
+def refused_here(run, cache, capsys) -> list[str]:
+    """`erpo train --resume` of `run` in this process (test_resume.erpo_train_here's command line), which must exit
+    1 (an error that is not the user's would raise here, where a child process prints its traceback): the lines it
+    printed that start with "erpo train:"."""
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), "--max-steps", "3", "--resume", *small_run_args(cache)]) == 1
+    return error_lines(capsys.readouterr().err)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted 3-step run (`full`), and a 3-step run whose last save hit a full disk (`pristine`: a copy of
     its run directory as that left it, and its stderr)."""
     root = tmp_path_factory.mktemp("storage")
-    erpo_train(root / "full", root / "cache", "--max-steps", "3")
+    erpo_train_here(root / "full", root / "cache", "--max-steps", "3")   # what the resumed runs must log
     script = root / "enospc.py"
     script.write_text(ENOSPC_AT_STEP_3)
     cmd = [sys.executable, str(script), "train", "--output-dir", str(root / "enospc"), "--max-steps", "3",
@@ -69,7 +79,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_resum
          "with --resume")]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]   # .tmp-step-3 removed
     assert not (run / "run.lock").exists()
-    erpo_train(run, root / "cache", "--max-steps", "3", "--resume")
+    erpo_train_here(run, root / "cache", "--max-steps", "3", "--resume")
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
 
 
@@ -88,22 +98,20 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning_and_the_run_sti
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["damaged-step-2", "step-2", "step-3"]
 
 
-def test_no_intact_checkpoint_is_one_line_and_exit_1(runs):
+def test_no_intact_checkpoint_is_one_line_and_exit_1(runs, capsys):
     root, _ = runs
     run = root / "all-damaged"
     shutil.copytree(root / "pristine", run)
     for step in (1, 2):   # same sizes: only the digests, checked once the models are built, can tell
         flip_bit(run / "checkpoints" / f"step-{step}" / "model.pt")
-    proc = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", succeed=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert error_lines(proc.stderr) == [
+    assert refused_here(run, root / "cache", capsys) == [
         (f"erpo train: no intact checkpoint under {run / 'checkpoints'}: step-2: model.pt: its content does not "
          "match its sha256 (bit rot or an overwritten file); step-1: model.pt: its content does not match its sha256 "
          "(bit rot or an overwritten file); restore them from a copy, or start a fresh run in another --output-dir")]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
 
-def test_a_second_writer_is_refused_until_the_first_is_killed(runs):
+def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys):
     root, _ = runs
     run = root / "locked"
     first = subprocess.Popen([sys.executable, "-m", "erpo", "train", "--output-dir", str(run), "--max-steps", "3",
@@ -112,9 +120,7 @@ def test_a_second_writer_is_refused_until_the_first_is_killed(runs):
     try:
         wait_for_first_checkpoint(first, run)
         first.send_signal(signal.SIGSTOP)      # alive, holding the lock, making no progress
-        second = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", succeed=False)
-        assert second.returncode == 1 and "Traceback" not in second.stderr
-        [line] = error_lines(second.stderr)
+        [line] = refused_here(run, root / "cache", capsys)
         assert line.startswith(f"erpo train: --output-dir {run}: another run is writing it (host ")
         assert f", pid {first.pid}, since " in line
         first.kill()
