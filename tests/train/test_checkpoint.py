@@ -132,17 +132,13 @@ def test_bad_arguments(tmp_path):
         manager.load(TorchBundle(bundle.model, torch.optim.SGD(bundle.model.parameters(), lr=1.0)))
 
 
-def wait_for_path(proc: subprocess.Popen, path: Path, what: str, timeout: float = 120,
-                  success_ends_wait: bool = False) -> None:
+def wait_for_path(proc: subprocess.Popen, path: Path, what: str, timeout: float = 120) -> None:
     """Wait until `path` exists, made by the process `proc` when it reaches `what`; fail naming `what` if the
-    process ends first (with the end of its stderr when piped, as bytes or text) or after `timeout` s. With
-    success_ends_wait a process that ended with status 0 also ends the wait (a short run may finish, and rotate the
-    file away, between two polls: its caller checks for that). The one file-wait loop of the train tier
-    (test_resume's and test_storage_faults' wait for a run's first checkpoint)."""
+    process ends first (with the end of its stderr when piped, as bytes or text) or after `timeout` s. The one
+    file-wait loop of the train tier (test_resume's and test_storage_faults' wait for a run's first checkpoint or for
+    a run held in a known step)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
-        if proc.poll() == 0 and success_ends_wait:
-            return
         if proc.poll() is not None:
             stderr = proc.stderr.read() if proc.stderr else ""
             stderr = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr)[-4000:]

@@ -3,7 +3,8 @@
 - exact resume: `--max-steps 2` then `--resume --max-steps 4` logs the same metrics (to 1e-5) and exports
   the same final model as one uninterrupted `--max-steps 4` run;
 - SIGTERM: the run finishes its current step, saves a checkpoint, exits 0, and resuming from it again
-  reproduces the uninterrupted run.
+  reproduces the uninterrupted run (the signal comes while a reward function, tests/workers/held_reward.py, holds
+  the run in rollout step 2: it cannot finish first, however fast the machine).
 
 The LR schedule is constant (trainer.min_lr_ratio=1) because a cosine schedule's length depends on
 --max-steps, which legitimately differs between the two halves of the interrupted run; with a cosine schedule
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 import run_metrics
 from erpo.cli.commands import main
+from paths import WORKERS
 from run_metrics import metrics_by_step
 from test_checkpoint import wait_for_path
 
@@ -70,12 +72,10 @@ def erpo_train_here(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ..
 assert_same_metrics = functools.partial(run_metrics.assert_same_metrics, abs_tol=1e-5)
 
 
-def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240,
-                              success_ends_wait: bool = False) -> None:
+def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
     """Wait until the run `proc` (its stderr a pipe) has saved `out`/checkpoints/step-1; fail with the end of its
-    stderr if it ends first, or after `timeout` s. With success_ends_wait a run that ended with status 0 also ends
-    the wait (a fast machine can finish a short run, and rotate step-1 away, between two polls)."""
-    wait_for_path(proc, out / "checkpoints" / "step-1", "its first checkpoint", timeout, success_ends_wait)
+    stderr if it ends first, or after `timeout` s."""
+    wait_for_path(proc, out / "checkpoints" / "step-1", "its first checkpoint", timeout)
 
 
 def assert_same_model(a: Path, b: Path):
@@ -137,26 +137,34 @@ def test_resume_refuses_another_cosine_schedule_length(uninterrupted, capsys):
     assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4
 
 
+# a second reward function that rewards nothing (the runs log what they log without it) and, in the process whose
+# environment names a folder, holds its rollout step until the test says (tests/workers/held_reward.py)
+HELD_REWARD = (f"reward.functions=[math,{WORKERS / 'held_reward.py'}:hold]",)
+
+
 def test_sigterm_saves_and_resume_matches(uninterrupted):
+    """A real SIGTERM to a real `erpo train` inside rollout step 2 of 4: the run is held in that step's reward until
+    the signal has been sent (so no machine is fast enough to finish first); the step finishes, is saved and logged,
+    the run exits 0, and `--resume` in a new process logs and exports what the uninterrupted run did."""
     root = uninterrupted
-    run = root / "sigterm"
+    run, hold = root / "sigterm", root / "sigterm-hold"
+    hold.mkdir()
     cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(run), "--max-steps", "4",
-           *small_run_args(root / "cache")]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           *small_run_args(root / "cache"), *HELD_REWARD]
+    proc = subprocess.Popen(cmd, env=dict(env(), ERPO_TEST_HOLD_DIR=str(hold), ERPO_TEST_HOLD_STEP="2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_first_checkpoint(proc, run, success_ends_wait=True)  # then `final` exists: skipped below
+        wait_for_path(proc, hold / "held", "rollout step 2's rewards", timeout=240)
         proc.send_signal(signal.SIGTERM)
+        (hold / "release").touch()
         _, stderr = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-4000:]
-    if (run / "final").exists():
-        pytest.skip("the run finished all 4 steps before SIGTERM was handled (machine too fast for this check)")
-    assert "stopped by signal" in stderr
-    stopped_at = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert 1 <= stopped_at < 4
-    logged = metrics_by_step(run)
-    assert max(r["rollout_step"] for r in logged.values()) == stopped_at    # the signalled step was finished
-    erpo_train(run, root / "cache", "--max-steps", "4", "--resume")
+    assert "received SIGTERM" in stderr and "stopped by signal after rollout step 2;" in stderr, stderr[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert not (run / "final").exists()
+    assert max(r["rollout_step"] for r in metrics_by_step(run).values()) == 2   # the signalled step was finished
+    erpo_train(run, root / "cache", "--max-steps", "4", "--resume", sets=HELD_REWARD)   # nothing held: no folder
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert_same_model(run / "final", root / "full" / "final")

@@ -2,10 +2,13 @@
 optimizer steps: 2 updates per rollout step) keeping a checkpoint per step, then goes back to the step-1 checkpoint
 (step 2's checkpoint, metrics and export removed) and resumes: the resumed step logs what the uninterrupted one did.
 Together the cases cover each preset (Query-KL on and off, the policy KL's live reference), each query-weight mode,
-each policy term (pg_objective), both ratio levels, the k3-token estimator, LoRA, bf16 weights, gradient
-accumulation over micro-batches and a loss workspace other than the default; the default setting is
-tests/train/test_resume.py's, whose runs are child processes as a user starts them (these run `erpo train` in this
-process: the same command line; a child process would add 5 s of imports to each run and check nothing more)."""
+each policy term (pg_objective), both ratio levels, the k3-token estimator, LoRA with adapter dropout, bf16 weights,
+gradient accumulation over micro-batches and a loss workspace other than the default. Adapter dropout is the one
+setting here whose updates draw from the global RNG (sampling and data order are seeded from trainer.seed and the
+step), so its case is the one that fails when a resume does not restore the checkpoint's RNG states. The default
+setting is tests/train/test_resume.py's, whose runs are child processes as a user starts them (these run `erpo train`
+in this process: the same command line; a child process would add 5 s of imports to each run and check nothing
+more)."""
 import json
 import shutil
 
@@ -19,8 +22,9 @@ CASES = {
     "erpo-current-cispo-accumulation-workspace": ("algorithm.query_weight=current", "algorithm.pg_objective=cispo",
                                                   "trainer.micro_batch_size=1", "trainer.loss_workspace_mib=2"),
     "grpo+qw-sapo-bf16": ("algorithm.name=grpo+qw", "algorithm.pg_objective=sapo", "model.dtype=bfloat16"),
-    "grpo+qkl-unclipped-vespo-lora": ("algorithm.name=grpo+qkl", "algorithm.query_weight=current-unclipped",
-                                      "algorithm.pg_objective=vespo", "model.lora.rank=4"),
+    "grpo+qkl-unclipped-vespo-lora-dropout": ("algorithm.name=grpo+qkl", "algorithm.query_weight=current-unclipped",
+                                              "algorithm.pg_objective=vespo", "model.lora.rank=4",
+                                              "model.lora.dropout=0.5"),
     "erpo-k3-token-sequence-ratio": ("algorithm.qkl_estimator=k3-token", "algorithm.ratio_level=sequence",
                                      "algorithm.qkl_coef=0.5"),
 }
