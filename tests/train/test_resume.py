@@ -78,6 +78,30 @@ def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float 
     wait_for_path(proc, out / "checkpoints" / "step-1", "its first checkpoint", timeout)
 
 
+# a second reward function that rewards nothing (the runs log what they log without it) and, in the process whose
+# environment names a folder, holds its rollout step until the test says (tests/workers/held_reward.py)
+HELD_REWARD = (f"reward.functions=[math,{WORKERS / 'held_reward.py'}:hold]",)
+
+
+def start_held_run(out: Path, cache_dir: Path, hold: Path, *extra: str, step: int) -> subprocess.Popen:
+    """`erpo train` with the small settings and HELD_REWARD in a child process (stderr a pipe), returned once its
+    reward function holds it inside rollout step `step` (`hold`/held exists): it stays there, alive and holding the
+    run's lock, until the test creates `hold`/release or kills it, however fast the machine. Fails with the end of
+    its stderr if the run ends first, and kills it if it is not held within 240 s."""
+    hold.mkdir()
+    cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(out), *extra, *small_run_args(cache_dir),
+           *HELD_REWARD]
+    proc = subprocess.Popen(cmd, env=dict(env(), ERPO_TEST_HOLD_DIR=str(hold), ERPO_TEST_HOLD_STEP=str(step)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_path(proc, hold / "held", f"rollout step {step}'s rewards", timeout=240)
+    except BaseException:
+        proc.kill()
+        proc.stderr.close()
+        raise
+    return proc
+
+
 def assert_same_model(a: Path, b: Path):
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert sorted(wa) == sorted(wb)
@@ -137,24 +161,14 @@ def test_resume_refuses_another_cosine_schedule_length(uninterrupted, capsys):
     assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4
 
 
-# a second reward function that rewards nothing (the runs log what they log without it) and, in the process whose
-# environment names a folder, holds its rollout step until the test says (tests/workers/held_reward.py)
-HELD_REWARD = (f"reward.functions=[math,{WORKERS / 'held_reward.py'}:hold]",)
-
-
 def test_sigterm_saves_and_resume_matches(uninterrupted):
     """A real SIGTERM to a real `erpo train` inside rollout step 2 of 4: the run is held in that step's reward until
     the signal has been sent (so no machine is fast enough to finish first); the step finishes, is saved and logged,
     the run exits 0, and `--resume` in a new process logs and exports what the uninterrupted run did."""
     root = uninterrupted
     run, hold = root / "sigterm", root / "sigterm-hold"
-    hold.mkdir()
-    cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(run), "--max-steps", "4",
-           *small_run_args(root / "cache"), *HELD_REWARD]
-    proc = subprocess.Popen(cmd, env=dict(env(), ERPO_TEST_HOLD_DIR=str(hold), ERPO_TEST_HOLD_STEP="2"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_held_run(run, root / "cache", hold, "--max-steps", "4", step=2)
     try:
-        wait_for_path(proc, hold / "held", "rollout step 2's rewards", timeout=240)
         proc.send_signal(signal.SIGTERM)
         (hold / "release").touch()
         _, stderr = proc.communicate(timeout=240)
