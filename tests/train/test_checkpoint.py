@@ -135,8 +135,8 @@ def test_bad_arguments(tmp_path):
 def wait_for_path(proc: subprocess.Popen, path: Path, what: str, timeout: float = 120) -> None:
     """Wait until `path` exists, made by the process `proc` when it reaches `what`; fail naming `what` if the
     process ends first (with the end of its stderr when piped, as bytes or text) or after `timeout` s. The one
-    file-wait loop of the train tier (test_resume's and test_storage_faults' wait for a run's first checkpoint or for
-    a run held in a known step)."""
+    file-wait loop of the train tier (test_resume.start_held_run's wait for a run held in a known step, which
+    test_storage_faults' runs use too)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:

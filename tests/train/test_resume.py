@@ -72,12 +72,6 @@ def erpo_train_here(out: Path, cache_dir: Path, *extra: str, sets: tuple[str, ..
 assert_same_metrics = functools.partial(run_metrics.assert_same_metrics, abs_tol=1e-5)
 
 
-def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
-    """Wait until the run `proc` (its stderr a pipe) has saved `out`/checkpoints/step-1; fail with the end of its
-    stderr if it ends first, or after `timeout` s."""
-    wait_for_path(proc, out / "checkpoints" / "step-1", "its first checkpoint", timeout)
-
-
 # a second reward function that rewards nothing (the runs log what they log without it) and, in the process whose
 # environment names a folder, holds its rollout step until the test says (tests/workers/held_reward.py)
 HELD_REWARD = (f"reward.functions=[math,{WORKERS / 'held_reward.py'}:hold]",)

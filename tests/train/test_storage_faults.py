@@ -7,20 +7,30 @@ tests/distributed/test_multirank.py):
 - the newest checkpoint damaged (an optimizer file truncated): one warning line naming it and the file, the run
   resumes from the one before and again logs what an uninterrupted run logs; every checkpoint damaged (bit flips,
   found by the digests): one error line, exit 1;
-- a second `erpo train --resume` while the first run lives: refused in one line naming it; after the first is
+- a second `erpo train --resume` while the first run lives (held inside rollout step 2 by a reward function,
+  tests/workers/held_reward.py, so it cannot end first): refused in one line naming it; after the first is
   SIGKILLed: allowed (the lock is taken over with a warning), and the run again matches the uninterrupted one.
 """
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from damage import flip_bit, truncate
 from erpo.cli.commands import main
 from run_metrics import metrics_by_step
-from test_resume import assert_same_metrics, env, erpo_train, erpo_train_here, small_run_args, wait_for_first_checkpoint
+from test_resume import (
+    HELD_REWARD,
+    assert_same_metrics,
+    env,
+    erpo_train,
+    erpo_train_here,
+    small_run_args,
+    start_held_run,
+)
 
 ENOSPC_AT_STEP_3 = r"""
 import errno, os, sys
@@ -44,12 +54,13 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("erpo train:")]
 
 
-def refused_here(run, cache, capsys) -> list[str]:
-    """`erpo train --resume` of `run` in this process (test_resume.erpo_train_here's command line), which must exit
-    1 (an error that is not the user's would raise here, where a child process prints its traceback): the lines it
-    printed that start with "erpo train:"."""
+def refused_here(run: Path, cache: Path, capsys, sets: tuple[str, ...] = ()) -> list[str]:
+    """`erpo train --resume` of `run` in this process (test_resume.erpo_train_here's command line, `sets` after it),
+    which must exit 1 (an error that is not the user's would raise here, where a child process prints its
+    traceback): the lines it printed that start with "erpo train:"."""
     capsys.readouterr()
-    assert main(["train", "--output-dir", str(run), "--max-steps", "3", "--resume", *small_run_args(cache)]) == 1
+    assert main(["train", "--output-dir", str(run), "--max-steps", "3", "--resume", *small_run_args(cache),
+                 *sets]) == 1
     return error_lines(capsys.readouterr().err)
 
 
@@ -114,13 +125,10 @@ def test_no_intact_checkpoint_is_one_line_and_exit_1(runs, capsys):
 def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys):
     root, _ = runs
     run = root / "locked"
-    first = subprocess.Popen([sys.executable, "-m", "erpo", "train", "--output-dir", str(run), "--max-steps", "3",
-                              *small_run_args(root / "cache")], env=env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    # alive, holding the lock and making no progress until killed: step-1 is saved, step 2 cannot end
+    first = start_held_run(run, root / "cache", root / "locked-hold", "--max-steps", "3", step=2)
     try:
-        wait_for_first_checkpoint(first, run)
-        first.send_signal(signal.SIGSTOP)      # alive, holding the lock, making no progress
-        [line] = refused_here(run, root / "cache", capsys)
+        [line] = refused_here(run, root / "cache", capsys, sets=HELD_REWARD)   # the same run's command line
         assert line.startswith(f"erpo train: --output-dir {run}: another run is writing it (host ")
         assert f", pid {first.pid}, since " in line
         first.kill()
@@ -128,7 +136,8 @@ def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys):
     finally:
         first.kill()
         first.stderr.close()
-    third = erpo_train(run, root / "cache", "--max-steps", "3", "--resume")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    third = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", sets=HELD_REWARD)   # nothing held
     [takeover] = [line for line in third.stderr.splitlines() if "taking over the lock" in line]
     assert f"(its process {first.pid} is gone)" in takeover
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))

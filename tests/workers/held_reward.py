@@ -1,5 +1,6 @@
 """A reward function (`reward.functions=[tests/workers/held_reward.py:hold]`) that lets a test stop `erpo train` in a
-known rollout step without racing it (tests/train/test_resume.py's SIGTERM test).
+known rollout step without racing it (tests/train/test_resume.py's SIGTERM test, test_storage_faults.py's second
+writer test).
 
 It rewards nothing (None for every sample: the run's other reward functions decide, as with TRL's nansum), so a run
 with it logs what the run without it does. Where the environment names a folder in ERPO_TEST_HOLD_DIR (only the test
