@@ -152,6 +152,12 @@ class _Entry:
         finally:
             self.seconds += time.perf_counter() - started
 
+    def warm_up(self, config: BenchConfig) -> None:
+        """Its fwd's and fwd+bwd's untimed calls (`timing.warm_up`, whose budget may cut them), and `reps`, how many
+        of each to time."""
+        self.reps = tuple(warm_up(call, device=config.device, warmup=config.warmup, reps=config.reps,
+                                  budget_s=config.budget_s) for call in (self.prepared.run, self.prepared.step))
+
     def failed(self, error: Exception) -> None:
         """Its row's status from `error`, and it out of the running."""
         self.prepared = None  # drop the case's tensors its closures hold before the next call
@@ -176,9 +182,7 @@ def _measure_case(entries: list, problem, config: BenchConfig) -> None:
     for entry in entries:
         if entry.prepared is not None:
             with entry.working():
-                entry.reps = tuple(warm_up(call, device=config.device, warmup=config.warmup, reps=config.reps,
-                                           budget_s=config.budget_s)
-                                   for call in (entry.prepared.run, entry.prepared.step))
+                entry.warm_up(config)
     alone = _timed_in_turns([entry for entry in entries if entry.prepared is not None], config)
     for entry in entries:
         entry.prepared = None
@@ -187,9 +191,7 @@ def _measure_case(entries: list, problem, config: BenchConfig) -> None:
         _free(config.device)
         with entry.working():
             _prepare_and_check(entry, problem, config, check=False)
-            entry.reps = tuple(warm_up(call, device=config.device, warmup=config.warmup, reps=config.reps,
-                                       budget_s=config.budget_s)
-                               for call in (entry.prepared.run, entry.prepared.step))
+            entry.warm_up(config)
         if entry.prepared is not None:
             _timed_in_turns([entry], config)
         entry.prepared = None
