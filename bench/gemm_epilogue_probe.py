@@ -11,9 +11,10 @@ Per shape (D, V) and chunk rows n, one chunk's [n, D] x [D, V] product with fp32
   (b) (a), then the library's forward row kernel on the buffer (`fused_linear_loss.ROW_KERNELS["triton"].forward`):
       what the fused path does per chunk, (logp, entropy, lse) of every row;
   (c) this module's Triton GEMM writing the fp32 logits, per config of CONFIGS (BLOCK_M x BLOCK_N x BLOCK_K, warps,
-      stages), in two tile orders: grouped (one program per output tile, GROUP_M row tiles side by side, the Triton
-      matmul tutorial's swizzle, so that a wave's programs share their operands in L2) and persistent (one program per
-      SM, each walking the tiles in that grouped order);
+      stages), in four launches (`launches`): grouped (one program per output tile, GROUP_M row tiles side by side,
+      the Triton matmul tutorial's swizzle, so that a wave's programs share their operands in L2) and persistent (one
+      program per SM, each walking the tiles in that grouped order), each with its operands loaded through pointers
+      (cp.async, compiled) and through TMA tensor descriptors (Hopper's copy engine);
   (d) the same GEMM with the row statistics in its epilogue, then `_combine_kernel`: per (row, vocabulary tile) the
       tile's max m, s = sum exp(z - m) and u = sum exp(z - m) (z - m) (`triton_common.online_softmax_step`, the
       forward row kernels' own step: u is shifted by m, no cancellation in the entropy) into a [n, tiles, 3] fp32
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from erpo_kernels.common import LSE_FLOOR
 from erpo_kernels.triton_common import clamp, online_softmax_finish, online_softmax_start, online_softmax_step
@@ -76,9 +78,26 @@ class GemmConfig(NamedTuple):
 # Hopper-sized tiles: operand stages of (BLOCK_M + BLOCK_N) BLOCK_K bf16 each, 144 KiB for three 128x256x64 ones,
 # within an H100's 227 KiB of shared memory per block
 CONFIGS = (GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 4, 4), GemmConfig(256, 128, 64, 8, 3))
-ORDERS = ("grouped", "persistent")
+
+
+class Launch(NamedTuple):
+    """How the Triton GEMM runs: `programs` persistent programs walking the tiles (None: one program per tile), both
+    in the grouped order; its operands loaded through pointers or, with `tma`, Hopper's TMA (tensor descriptors)."""
+
+    programs: int | None = None
+    tma: bool = False
+
+    def __str__(self) -> str:
+        return ("grouped" if self.programs is None else f"persistent ({self.programs})") + (", TMA" if self.tma else "")
+
+
+def launches(programs: int) -> tuple:
+    """The launches each config is timed in: grouped and persistent on `programs` programs, pointers then TMA."""
+    return tuple(Launch(persistent, tma) for tma in (False, True) for persistent in (None, programs))
+
+
 # the dry run: D = 40 and V = 200 are multiples of no block (the K step's mask, the ragged vocabulary tile), 24 rows
-# of neither block's rows; the persistent order on SMOKE_PROGRAMS programs, so that each walks several tiles
+# of neither block's rows; the persistent launches on 3 programs, so that each walks several tiles
 SMOKE = {"shape": "40x200", "rows": "24", "configs": (GemmConfig(16, 32, 16, 4, 1), GemmConfig(32, 64, 16, 4, 2)),
          "repeats": 1, "programs": 3}
 
@@ -96,42 +115,56 @@ def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(hidden_ptr, weight_ptr, offs_m, offs_n, rows, vocab, DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 tile of hidden [rows, DIM] @ weight [vocab, DIM].T at rows offs_m, columns offs_n.
-    Rows and columns past the edge read row 0 / column 0 instead (the loads stay unmasked and vectorized, the matmul
-    tutorial's way); their values are never stored or counted. DIM is a constexpr so that the K loop is a `for` over
-    a compile-time range: software-pipelined compiled (num_stages), and no run-time bound for the interpreter's
-    `range` (erpo_kernels/triton_common.py, "Loop bounds")."""
-    safe_m = tl.where(offs_m < rows, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(offs_n < vocab, offs_n, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    hidden_tile = hidden_ptr + safe_m[:, None] * DIM + offs_k[None, :]
-    weight_tile = weight_ptr + safe_n[:, None] * DIM + offs_k[None, :]
+def _dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ b [BLOCK_N, BLOCK_K].T in fp32; the tiles go to fp32 first under the interpreter
+    (INTERPRETED)."""
+    if DOT_IN_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _tile_product(hidden, weight, first_row, first_column, rows, vocab, DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 tile of hidden [rows, DIM] @ weight [vocab, DIM].T from row first_row and column
+    first_column. With TMA, hidden and weight are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
+    boxes, which Hopper's TMA unit copies into shared memory, zeros past every edge; else pointers, and rows and
+    columns past the edge read row 0 / column 0 instead (the loads stay unmasked and vectorized, the matmul
+    tutorial's way). Values past the edge are never stored or counted. DIM is a constexpr so that the K loop is a
+    `for` over a compile-time range: software-pipelined compiled (num_stages), and no run-time bound for the
+    interpreter's `range` (erpo_kernels/triton_common.py, "Loop bounds")."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, DIM, BLOCK_K):
-        if DIM % BLOCK_K == 0:
-            a = tl.load(hidden_tile)
-            b = tl.load(weight_tile)
-        else:  # the last K step reads zeros past DIM
-            a = tl.load(hidden_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
-            b = tl.load(weight_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc)
-        hidden_tile += BLOCK_K
-        weight_tile += BLOCK_K
+    if TMA:
+        for k in range(0, DIM, BLOCK_K):
+            acc = _dot_step(hidden.load([first_row, k]), weight.load([first_column, k]), acc, DOT_IN_FP32)
+    else:
+        offs_m = first_row + tl.arange(0, BLOCK_M)
+        offs_n = first_column + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        hidden_tile = hidden + tl.where(offs_m < rows, offs_m, 0).to(tl.int64)[:, None] * DIM + offs_k[None, :]
+        weight_tile = weight + tl.where(offs_n < vocab, offs_n, 0).to(tl.int64)[:, None] * DIM + offs_k[None, :]
+        for k in range(0, DIM, BLOCK_K):
+            if DIM % BLOCK_K == 0:
+                a = tl.load(hidden_tile)
+                b = tl.load(weight_tile)
+            else:  # the last K step reads zeros past DIM
+                a = tl.load(hidden_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
+                b = tl.load(weight_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
+            acc = _dot_step(a, b, acc, DOT_IN_FP32)
+            hidden_tile += BLOCK_K
+            weight_tile += BLOCK_K
     return acc
 
 
 @triton.jit
-def _logits_gemm_kernel(hidden_ptr, weight_ptr, logits_ptr, stats_ptr, rows, vocab, logits_stride, num_programs,
+def _logits_gemm_kernel(hidden, weight, logits_ptr, stats_ptr, rows, vocab, logits_stride, num_programs,
                         DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, ROW_STATS: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                        GROUP_M: tl.constexpr, ROW_STATS: tl.constexpr, TMA: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                         _LSE_FLOOR: tl.constexpr = LSE_FLOOR):
     """logits [rows, vocab] fp32 (row stride logits_stride) := hidden [rows, DIM] @ weight [vocab, DIM].T, bf16 (or
-    fp16 / fp32) operands summed in fp32. Program p computes tiles p, p + num_programs, ... in the grouped order: one
+    fp16 / fp32) operands summed in fp32; hidden and weight pointers, or with TMA tensor descriptors
+    (`_tile_product`). Program p computes tiles p, p + num_programs, ... in the grouped order: one
     tile each when the grid is the tile count, a persistent walk when it is the SM count. With ROW_STATS, each tile's
     (m, s, u) per row (module docstring) go to stats [rows, tiles_n, 3] fp32. LSE_FLOOR is a parameter with a plain
     number as its default, as in the library's kernels (a global would be checked on every launch)."""
@@ -142,8 +175,8 @@ def _logits_gemm_kernel(hidden_ptr, weight_ptr, logits_ptr, stats_ptr, rows, voc
         tile_m, tile_n = _grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_product(hidden_ptr, weight_ptr, offs_m, offs_n, rows, vocab, DIM, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_IN_FP32)
+        acc = _tile_product(hidden, weight, tile_m * BLOCK_M, tile_n * BLOCK_N, rows, vocab, DIM, BLOCK_M, BLOCK_N,
+                            BLOCK_K, TMA, DOT_IN_FP32)
         row_inside = offs_m < rows
         column_inside = offs_n < vocab
         tl.store(logits_ptr + offs_m.to(tl.int64)[:, None] * logits_stride + offs_n[None, :], acc,
@@ -214,23 +247,30 @@ def tile_count(vocab: int, config: GemmConfig) -> int:
     return triton.cdiv(vocab, config.block_n)
 
 
-def logits_gemm(hidden, weight, logits, config: GemmConfig, programs=None, stats=None) -> None:
+def logits_gemm(hidden, weight, logits, config: GemmConfig, launch: Launch = Launch(), stats=None) -> None:
     """logits [n, V] fp32 := hidden [n, D] @ weight [V, D].T (bf16, fp16 or fp32 operands, summed in fp32), and with
-    `stats` ([n, tile_count(V, config), 3] fp32) each (row, vocabulary tile)'s (m, s, u). `programs`: None for one
-    program per output tile (the grouped order), else that many persistent programs (the SM count on a GPU)."""
+    `stats` ([n, tile_count(V, config), 3] fp32) each (row, vocabulary tile)'s (m, s, u), launched as `launch` says
+    (its programs, its loads)."""
     _check_operands(hidden, weight, logits)
+    dim = hidden.shape[1]
+    if launch.tma and dim * hidden.element_size() % 16:
+        raise ValueError(f"TMA loads need rows of a multiple of 16 bytes; hidden's are {hidden.shape[1]} x "
+                         f"{hidden.element_size()} bytes: use a pointer launch (Launch(tma=False))")
     rows, vocab = logits.shape
     tiles = triton.cdiv(rows, config.block_m) * tile_count(vocab, config)
     if stats is not None and (stats.dtype != torch.float32 or stats.shape != (rows, tile_count(vocab, config), 3)
                               or not stats.is_contiguous()):
         raise ValueError(f"stats must be a contiguous fp32 [{rows}, {tile_count(vocab, config)}, 3] tensor for "
                          f"{config}; got {stats.dtype} {tuple(stats.shape)}")
-    grid = min(programs, tiles) if programs else tiles
+    grid = min(launch.programs, tiles) if launch.programs else tiles
+    if launch.tma:
+        hidden = TensorDescriptor.from_tensor(hidden, [config.block_m, config.block_k])
+        weight = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     _logits_gemm_kernel[(grid,)](hidden, weight, logits, logits if stats is None else stats, rows, vocab,
-                                 logits.stride(0), grid, DIM=hidden.shape[1], BLOCK_M=config.block_m,
+                                 logits.stride(0), grid, DIM=dim, BLOCK_M=config.block_m,
                                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=GROUP_M,
-                                 ROW_STATS=stats is not None, DOT_IN_FP32=INTERPRETED, num_warps=config.num_warps,
-                                 num_stages=config.num_stages)
+                                 ROW_STATS=stats is not None, TMA=launch.tma, DOT_IN_FP32=INTERPRETED,
+                                 num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def combine_stats(stats, logits, targets, out) -> None:
@@ -242,11 +282,11 @@ def combine_stats(stats, logits, targets, out) -> None:
 
 
 class Variant(NamedTuple):
-    """One timed row: its part ("a" to "d"), its config and order (None for cuBLAS's parts) and its call."""
+    """One timed row: its part ("a" to "d"), its config and launch (None for cuBLAS's parts) and its call."""
 
     part: str
     config: GemmConfig | None
-    order: str | None
+    launch: Launch | None
     call: object
 
 
@@ -264,6 +304,7 @@ class Chunk:
         self.transform = LogitTransform()  # the identity: temperature 1, no scale, no soft-cap
         self.logits = torch.empty(rows, vocab, device=device, dtype=torch.float32)
         self.vectors = tuple(torch.empty(rows, device=device, dtype=torch.float32) for _ in range(3))
+        self.side_buffers = []  # (d)'s [rows, tiles, 3] statistics, one per config (`variants`)
         self.cublas()
         self.row_pass()
         self.reference_logits = self.logits.clone()
@@ -280,24 +321,32 @@ class Chunk:
         ROW_KERNELS["triton"].forward(self.logits, self.targets, self.transform, self.vectors)
 
     def variants(self, configs, programs: int) -> list:
-        """[Variant] of parts (a) to (d): (c) and (d) once per config and order."""
+        """[Variant] of parts (a) to (d): (c) and (d) once per config and launch (`launches(programs)`)."""
         out = [Variant("a", None, None, self.cublas),
                Variant("b", None, None, lambda: (self.cublas(), self.row_pass()))]
         for part in ("c", "d"):
             for config in configs:
-                stats = (torch.empty(self.logits.shape[0], tile_count(self.logits.shape[1], config), 3,
-                                     device=self.logits.device) if part == "d" else None)
-                for order in ORDERS:
-                    out.append(Variant(part, config, order, self._triton_call(config, order, programs, stats)))
+                stats = None
+                if part == "d":
+                    stats = torch.empty(self.logits.shape[0], tile_count(self.logits.shape[1], config), 3,
+                                        device=self.logits.device)
+                    self.side_buffers.append(stats)
+                for launch in launches(programs):
+                    out.append(Variant(part, config, launch, self._triton_call(config, launch, stats)))
         return out
 
-    def _triton_call(self, config, order: str, programs: int, stats):
+    def _triton_call(self, config, launch: Launch, stats):
         def call():
-            logits_gemm(self.hidden, self.weight, self.logits, config,
-                        programs if order == "persistent" else None, stats)
+            logits_gemm(self.hidden, self.weight, self.logits, config, launch, stats)
             if stats is not None:
                 combine_stats(stats, self.logits, self.targets, self.vectors)
         return call
+
+    def reset(self) -> None:
+        """NaN into every output buffer: what a variant leaves unwritten (a tile skipped, a statistic not stored) then
+        fails its check instead of passing on an earlier variant's values."""
+        for buffer in (self.logits, *self.vectors, *self.side_buffers):
+            buffer.fill_(math.nan)
 
     def errors(self, part: str) -> dict:
         """The largest absolute errors of what `part`'s call just wrote: logits against (a)'s and, for (b) and (d),
@@ -318,18 +367,16 @@ class Chunk:
 
 def probe_chunk(rows: int, dim: int, vocab: int, device: torch.device, configs, programs: int, repeats: int,
                 warmup: int) -> list:
-    """[row dict] of every variant at one chunk: part, config, order, errors, passed, median / p20 / p80 ms and
+    """[row dict] of every variant at one chunk: part, config, launch, errors, passed, median / p20 / p80 ms and
     TFLOP/s (2 rows D V over the median), or the error a variant raised (then not timed)."""
     chunk = Chunk(rows, dim, vocab, device)
     flops = 2 * rows * dim * vocab
     out = []
     for variant in chunk.variants(configs, programs):
         row = {"part": variant.part, "config": None if variant.config is None else str(variant.config),
-               "order": variant.order}
+               "launch": None if variant.launch is None else str(variant.launch)}
         try:
-            chunk.logits.fill_(math.nan)  # nothing of the previous variant's passes for this one's
-            for vector in chunk.vectors:
-                vector.fill_(math.nan)
+            chunk.reset()
             variant.call()
             row["errors"] = chunk.errors(variant.part)
             row["passed"] = chunk.passes(row["errors"])
@@ -358,7 +405,7 @@ def answer(rows: list, chunk_rows: int, total_rows: int = PROBE_N) -> dict:
     for ours, theirs in (("d", "b"), ("c", "a")):
         mine, base = best(rows, ours), best(rows, theirs)
         pairs[ours] = None if mine is None or base is None else {
-            "config": mine["config"], "order": mine["order"], "ms": mine["median_ms"], "base_ms": base["median_ms"],
+            "config": mine["config"], "launch": mine["launch"], "ms": mine["median_ms"], "base_ms": base["median_ms"],
             "saved_ms": base["median_ms"] - mine["median_ms"], "ratio": mine["median_ms"] / base["median_ms"],
             "chunks": chunks, "total_ms": chunks * mine["median_ms"], "base_total_ms": chunks * base["median_ms"]}
     return pairs
@@ -370,15 +417,15 @@ PART_NAMES = {"a": "(a) cuBLAS logits", "b": "(b) cuBLAS + forward row kernel", 
 
 def table_lines(rows: list) -> list:
     """One chunk's rows as a markdown table."""
-    lines = ["| part | config | order | ms (median) | p20 | p80 | TFLOP/s | max error: logits | lse | entropy | logp | "
-             "check |", "|---" * 12 + "|"]
+    lines = ["| part | config | launch | ms (median) | p20 | p80 | TFLOP/s | max error: logits | lse | entropy | "
+             "logp | check |", "|---" * 12 + "|"]
     for row in rows:
         errors = row.get("errors", {})
         cells = [f"{errors[name]:.2e}" if name in errors else "-" for name in ("logits", "lse", "entropy", "logp")]
         times = ([f"{row[key]:.3f}" for key in ("median_ms", "p20_ms", "p80_ms")] + [f"{row['tflops']:.3g}"]
                  if "median_ms" in row else ["-"] * 4)
         check = "passed" if row["passed"] else ("error: " + row["error"] if "error" in row else "FAILED")
-        lines.append(f"| {PART_NAMES[row['part']]} | {row['config'] or '-'} | {row['order'] or '-'} | "
+        lines.append(f"| {PART_NAMES[row['part']]} | {row['config'] or '-'} | {row['launch'] or '-'} | "
                      + " | ".join(times + cells) + f" | {check} |")
     return lines
 
@@ -393,7 +440,7 @@ def answer_lines(pairs: dict, chunk_rows: int) -> list:
             lines.append(f"- {what}: no answer, ({ours}) or ({theirs}) has no passing timed row")
             continue
         verdict = "beats" if pair["saved_ms"] > 0 else "does not beat"
-        lines.append(f"- {what}: ({ours}) {pair['config']} {pair['order']} {verdict} ({theirs}): {pair['ms']:.3f} "
+        lines.append(f"- {what}: ({ours}) {pair['config']} {pair['launch']} {verdict} ({theirs}): {pair['ms']:.3f} "
                      f"against {pair['base_ms']:.3f} ms per chunk of {chunk_rows} rows ({pair['saved_ms']:+.3f} ms "
                      f"saved, {pair['ratio']:.3f}x); over N={PROBE_N} in {pair['chunks']} chunks, "
                      f"{pair['total_ms']:.1f} against {pair['base_total_ms']:.1f} ms (arithmetic from this run's "
@@ -427,9 +474,9 @@ def main(argv=None):
     record = provenance("bench.gemm_epilogue_probe", sys.argv[1:] if argv is None else argv, args.commit)
     lines = [f"# The logits GEMM with the row statistics in its epilogue ({name}, bf16 operands, fp32 logits)", "",
              *header_lines(record),
-             f"- (c), (d): Triton GEMM configs {', '.join(map(str, configs))}; orders {', '.join(ORDERS)} (persistent: "
-             f"{programs} programs); (d)'s row statistics for the identity transform (temperature 1, no scale or "
-             "soft-cap)",
+             f"- (c), (d): Triton GEMM configs {', '.join(map(str, configs))}; launches "
+             f"{'; '.join(map(str, launches(programs)))} (persistent (P): P programs, the SM count; 3 in the dry run); "
+             "(d)'s row statistics for the identity transform (temperature 1, no scale or soft-cap)",
              f"- checks: logits within {LOGITS_TOLERANCE:g} x (1 + largest |logit|) of (a)'s, lse / entropy / logp "
              f"within {STATS_TOLERANCE:g} nats of (b)'s; a FAILED row is timed but never the best", ""]
     measured = {"meta": {**record, "device": name, "repeats": repeats, "warmup": warmup, "programs": programs,

@@ -134,12 +134,13 @@ PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the
 PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
 PROBE_N = 16384                          # the targets' size
 EPILOGUE_LIMIT_S = 40       # bench.gemm_epilogue_probe, both shapes at 512 and 2048 rows: not yet run on a GPU, so an
-#                             estimate, about 25 s: the process's imports (about 5 s), 14 Triton compiles (its 6 GEMMs
-#                             at each shape's D, a constexpr, and the combine at 2 tile counts: each about 0.5 s for
-#                             sm_90 on this project's 2-core CPU, tests/workers/gemm_epilogue_compile_check.py), and 4
-#                             chunks of 14 variants, 8 calls each (a check, 2 warm-up, 5 timed) of at most about 8 ms
-#                             (2048 rows at 32b: 3.2 TFLOP at 400 TFLOP/s), 4 s in all; plus about half, for an
-#                             estimate. It writes its report after each chunk: one stopped at the limit keeps those done
+#                             estimate, about 30 s: the process's imports (about 5 s); 26 Triton compiles (12 GEMMs,
+#                             3 configs x row statistics or not x pointer or TMA loads, at each shape's D, a constexpr,
+#                             and the combine at 2 tile counts), about 0.5 s each for sm_90 on this project's 2-core
+#                             CPU (tests/workers/gemm_epilogue_compile_check.py), 13 s; 4 chunks of 26 variants, 8
+#                             calls each (a check, 2 warm-up, 5 timed) of at most about 8 ms (2048 rows at 32b: 3.2
+#                             TFLOP at 400 TFLOP/s), 7 s; plus about a third, for an estimate. It writes its report
+#                             after each chunk: one stopped at its limit keeps the chunks done
 EPILOGUE_ROWS = "512,2048"  # chunk rows: the 1 GiB default's 512 (7b) and a chunk 4 times as tall (the Triton GEMM's
 #                             tiles fill more waves there)
 PICKED_CAP_S = 20           # bench 1's cap grows by this when the probe picks a geometry (bench.probe_pick) and bench 1
@@ -167,14 +168,14 @@ TARGET_RUNS = 1
 # The schedule's arithmetic, from the H200 lease's measured stage times at e17ad62 (bench/measured/h200-2026-11-27-
 # e17ad62/gpu_check.log: setup 1, kernels 181 with 12 workers, probe 42, bench 1 158, logits 84, train 56, profile 12
 # s; bench 2 to 7 never started): the stages share DEADLINE_S less SUMMARY_RESERVE_S = 545 s, and that run's stages
-# took 534 s. This one adds the epilogue probe (about 25 s, an estimate: EPILOGUE_LIMIT_S) and bench 1 one contender
-# (about 20 s, an estimate: another branch's), 45 s that the lease did not have. The fused path's open questions come
+# took 534 s. This one adds the epilogue probe (about 30 s, an estimate: EPILOGUE_LIMIT_S) and bench 1 one contender
+# (about 20 s, an estimate: another branch's), 50 s that the lease did not have. The fused path's open questions come
 # first (its targets, its geometry, the epilogue, where its time goes); of the rest, the least informative go last:
 # the logits path met its targets on two leases (bench/RESULTS.md) and the training stage passed on three, so the
 # profile now runs right after bench 1, the logits check after it and the training last. At those times: setup 1 +
-# kernels 181 + probe 42 + epilogue 25 + bench 1 178 + profile 12 = 439 s, then the logits check whole (84 s: 523 s)
-# and 22 s left for the training (56 s measured, its first step at about 25 s: started and stopped), or none with the
-# probe's pick (16 s more in bench 1: the logits check ends at 539 s). Where the kernel tier, the probes and bench 1
+# kernels 181 + probe 42 + epilogue 30 + bench 1 178 + profile 12 = 444 s, then the logits check whole (84 s: 528 s)
+# and 17 s left for the training (56 s measured, its first step at about 25 s: started and stopped), or none with the
+# probe's pick (16 s more in bench 1: the logits check ends at 544 s). Where the kernel tier, the probes and bench 1
 # run to their limits instead (1 + 210 + 55 + 40 + 200 = 506 s, 526 with the pick), the profile fits (12 s) and the
 # logits check gets 27 s (its node tests and part of its bench) or, with the pick, is not started (7 s left): the
 # most wanted work first. The limits are each stage's measured time plus about a fifth, no more (an estimate's more),
