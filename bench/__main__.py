@@ -33,6 +33,7 @@ def parse_args(argv):
                         help="comma list of: erpo, erpo-block, erpo-warp, erpo-warp-1024, erpo-log2, erpo-log2-2048 "
                              "(logits path: ours with one of the forward kernel's variants, "
                              "triton_logits.FORWARD_VARIANTS), erpo-ws2g (fused path: workspace_bytes=2 GiB), "
+                             "erpo-dh32 (fused path: d hidden held in fp32), "
                              "erpo-geom-ROWS[-GROUP] (fused path: chunk rows, group rows, e.g. erpo-geom-256-2304), "
                              "erpo-invariant (fused path: batch_invariant=True), "
                              "torch, compile, liger, cce (default: erpo, erpo-invariant, torch, compile, liger, cce)")

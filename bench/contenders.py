@@ -18,6 +18,7 @@ Peers that are not installed are reported, not crashed on. Imports happen inside
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -27,14 +28,14 @@ from typing import Callable, ContextManager
 import torch
 
 from .formula import plain_erpo_from_hidden, plain_erpo_from_logits, plain_erpo_from_logp
-from .geometry import KEY_FORM, fused_knobs, is_geometry_key, parse_geometry_key
+from .geometry import KEY_FORM, fused_constants, fused_knobs, is_geometry_key, parse_geometry_key
 from .problem import Problem
 
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
 ERPO_OPTIONS = {"qkl_coef": 0.01, "clip_low": 0.2, "clip_high": 0.2}
 LOG_RATIO_CLAMP = 20.0  # API.md default; the plain formula needs it spelled out
 CONTENDER_KEYS = ("erpo", "erpo-block", "erpo-warp", "erpo-warp-1024", "erpo-log2", "erpo-log2-2048", "erpo-ws2g",
-                  "erpo-invariant", "torch", "compile", "liger", "cce")
+                  "erpo-dh32", "erpo-invariant", "torch", "compile", "liger", "cce")
 # erpo-ws2g's workspace_bytes: twice the library's default, a budget a user with the memory may set (erpo's
 # trainer.loss_workspace_mib, ERPOConfig.loss_workspace_mib); bench/measured/h100-2026-11-26-55b63b0/ has the curve
 WS2G_BYTES = 2 << 30
@@ -82,9 +83,9 @@ class Contender:
 
     @property
     def held_to_ours(self) -> bool:
-        """Checked with ours' tolerance (bench.check.OURS): ours and every variant of ours (erpo-ws2g, erpo-geom-*,
-        the kernel variants), whose rows are not `ours` but whose errors are ours (all well inside OURS on the
-        H100 and H200 at full size, bench/measured/)."""
+        """Checked with ours' tolerance (bench.check.OURS): ours and every variant of ours (erpo-ws2g, erpo-dh32,
+        erpo-geom-*, the kernel variants), whose rows are not `ours` but whose errors are ours (all well inside OURS
+        on the H100 and H200 at full size, bench/measured/; erpo-dh32 not yet run there)."""
         return self.ours or self.key.startswith("erpo")
 
     def version(self) -> str | None:
@@ -340,6 +341,12 @@ CONTENDERS = (
     Contender("erpo-ws2g", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton', workspace_bytes=2 << 30)",
               False, "erpo", None, erpo_fused_with_workspace(WS2G_BYTES),
               _triton_requirement("erpo_kernels", "fused_linear_erpo_loss")),
+    # ours with d hidden held in fp32 until the backward rounds it once (fused_linear_loss.GRAD_HIDDEN_FP32, issue 32;
+    # bench/README.md: how a lease's rows decide the library's default): its "ours faster by" is what one rounding
+    # costs (time / time with d hidden held in bf16)
+    Contender("erpo-dh32", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton'), GRAD_HIDDEN_FP32=True",
+              False, "erpo", None, _erpo_fused("triton"), _triton_requirement("erpo_kernels", "fused_linear_erpo_loss"),
+              knobs=functools.partial(fused_constants, GRAD_HIDDEN_FP32=True)),
     # ours with batch_invariant=True: its "ours faster by" is the option's cost (time / time without it)
     Contender("erpo-invariant", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton', batch_invariant=True)",
               False, "erpo", None, _erpo_fused("triton", batch_invariant=True),

@@ -18,11 +18,13 @@ variants hold the group at 2304 beside 256- or 384-row chunks and at 1536 beside
 (bench/RESULTS.md, the H200 lease of 2026-11-27). A variant is 7 calls (2 warm-up, 5 timed) of about 93 ms (7b) and
 133 ms (32b).
 
-Part 2, per shape: one group's d hidden GEMM ([G, V] x [V, D] into [G, D] bf16, `mm`) and d weight accumulation
-([V, G] x [G, D] added into the fp32 [V, D] accumulator, `addmm`), the fused path's calls, at each of `--group-rows`
-rows G, with each time per 1000 rows: whether the GEMMs' rate depends on G beyond its size (one hypothesis, not a
-fact: the d hidden GEMM's few output tiles, [G, D] in 256 x 128 tiles over an H100's or H200's 132 SMs, fill 1.70
-waves at G = 2048 and D = 3584, 1.91 at 2304, 2.33 at 2688).
+Part 2, per shape: one group's d hidden GEMM ([G, V] x [V, D] into [G, D], `fused_linear_loss.write_grad_hidden`)
+with bf16 output (the library's default) and with fp32 output (`GRAD_HIDDEN_FP32`, issue 32: cuBLAS may pick
+another kernel for it, and it writes twice the bytes), and d weight accumulation ([V, G] x [G, D] added into the
+fp32 [V, D] accumulator, `addmm`), the fused path's calls, at each of `--group-rows` rows G, with each time per 1000
+rows: whether the GEMMs' rate depends on G beyond its size (one hypothesis, not a fact: the d hidden GEMM's few
+output tiles, [G, D] in 256 x 128 tiles over an H100's or H200's 132 SMs, fill 1.70 waves at G = 2048 and D = 3584,
+1.91 at 2304, 2.33 at 2688), and what the fp32 output costs per group.
 
 Timed as the bench times (the same call, `bench.contenders.Prepared.step`; bench/timing.py: CUDA events, warm-up,
 the median of `--repeats`), but each variant's calls back to back rather than in turns with other contenders
@@ -32,6 +34,7 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import NamedTuple, Optional
@@ -94,25 +97,27 @@ def fused_variants(problem, device, repeats: int, warmup: int, gib_unit: float) 
 
 
 def group_gemms(shape, group_rows: list, device, repeats: int) -> list:
-    """[(G, d hidden median ms, d weight += median ms)] of one group's two GEMMs at each G of group_rows (a case
-    this torch refuses, as the CPU does some: its error, in place of the ms)."""
+    """[(G, d hidden bf16-out median ms, d hidden fp32-out median ms, d weight += median ms)] of one group's GEMMs at
+    each G of group_rows (a case this torch refuses, as the CPU does some: its error, in place of the ms)."""
+    from erpo_kernels.fused_linear_loss import write_grad_hidden
+
     d, v = shape.hidden, shape.vocab
     dtype, most = torch.bfloat16, max(group_rows)
     hidden = torch.randn(most, d, device=device, dtype=dtype)
     weight = torch.randn(v, d, device=device, dtype=dtype) * 0.02
     dlogits = torch.randn(most, v, device=device, dtype=dtype)
-    dhidden = torch.empty(most, d, device=device, dtype=dtype)
+    dhidden = {out: torch.empty(most, d, device=device, dtype=out) for out in (dtype, torch.float32)}
     dweight = torch.zeros(v, d, device=device, dtype=torch.float32)
     out = []
     for rows in group_rows:
-        def d_hidden(rows=rows):
-            torch.mm(dlogits[:rows], weight, out=dhidden[:rows])
+        def d_hidden(rows=rows, out=dtype):
+            write_grad_hidden(dhidden[out][:rows], dlogits[:rows], weight)
 
         def d_weight(rows=rows):
             torch.addmm(dweight, dlogits[:rows].T, hidden[:rows], out_dtype=torch.float32, out=dweight)
 
         times = []
-        for fn in (d_hidden, d_weight):
+        for fn in (d_hidden, functools.partial(d_hidden, out=torch.float32), d_weight):
             try:
                 times.append(time_callable(fn, device=device, warmup=2, reps=repeats).median_ms)
             except (RuntimeError, TypeError) as error:  # an overload this torch lacks: say so, go on
@@ -169,10 +174,11 @@ def main(argv=None):
         if on_cuda:
             torch.cuda.empty_cache()
         lines += ["", "One group's GEMMs by its rows G:", "",
-                  "| G | d hidden ms (median) | d hidden ms per 1000 rows | d weight += ms (median) | "
-                  "d weight += ms per 1000 rows |", "|---|---|---|---|---|"]
-        for rows, d_hidden_ms, d_weight_ms in group_gemms(shape, group_rows, device, repeats):
-            lines.append(f"| {rows} | {gemm_cells(d_hidden_ms, rows)} | {gemm_cells(d_weight_ms, rows)} |")
+                  "| G | d hidden ms (median) | d hidden ms per 1000 rows | d hidden fp32-out ms (median) | "
+                  "d hidden fp32-out ms per 1000 rows | d weight += ms (median) | d weight += ms per 1000 rows |",
+                  "|---|---|---|---|---|---|---|"]
+        for rows, *times in group_gemms(shape, group_rows, device, repeats):
+            lines.append(f"| {rows} | " + " | ".join(gemm_cells(ms, rows) for ms in times) + " |")
             print(lines[-1], flush=True)
         lines.append("")
         if on_cuda:

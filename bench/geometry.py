@@ -1,7 +1,8 @@
-"""The fused path's chunk geometry as the bench sets it: `fused_linear_loss.LOGITS_ROWS` (a chunk's rows beside the
-dlogits store) and `fused_linear_loss.GROUP_ROWS` (a cap on the store's rows, whole chunks), private knobs of
-erpo_kernels, set for a block of calls by `fused_knobs` (bench.fused_probe's variants, the bench's `erpo-geom-*`
-contenders), and the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
+"""The fused path's private knobs as the bench sets them for a block of calls (`fused_constants`): its chunk geometry,
+`fused_linear_loss.LOGITS_ROWS` (a chunk's rows beside the dlogits store) and `fused_linear_loss.GROUP_ROWS` (a cap
+on the store's rows, whole chunks), set by `fused_knobs` (bench.fused_probe's variants, the bench's `erpo-geom-*`
+contenders), and `fused_linear_loss.GRAD_HIDDEN_FP32` (d hidden held in fp32, the contender `erpo-dh32`); and the
+contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
 """
 from __future__ import annotations
 
@@ -21,20 +22,24 @@ class Geometry(NamedTuple):
 
 
 @contextlib.contextmanager
-def fused_knobs(rows: Optional[int], group: Optional[int]):
-    """`fused_linear_loss.LOGITS_ROWS` = rows (None: the library's) and `GROUP_ROWS` = group (None: no cap) while the
-    block runs, both put back after it, also on an exception."""
+def fused_constants(**values):
+    """The `fused_linear_loss` module constants named by `values` (LOGITS_ROWS=512, GRAD_HIDDEN_FP32=True, ...) set
+    while the block runs, each put back after it, also on an exception; AttributeError for a name the module lacks."""
     from erpo_kernels import fused_linear_loss
-    names = ("LOGITS_ROWS", "GROUP_ROWS")
-    saved = {name: getattr(fused_linear_loss, name) for name in names}
-    values = (saved["LOGITS_ROWS"] if rows is None else rows, group)
+    saved = {name: getattr(fused_linear_loss, name) for name in values}
     try:
-        for name, value in zip(names, values):
+        for name, value in values.items():
             setattr(fused_linear_loss, name, value)
         yield
     finally:
         for name, value in saved.items():
             setattr(fused_linear_loss, name, value)
+
+
+def fused_knobs(rows: Optional[int], group: Optional[int]):
+    """`fused_linear_loss.LOGITS_ROWS` = rows (None: the library's) and `GROUP_ROWS` = group (None: no cap) while the
+    block runs (`fused_constants`)."""
+    return fused_constants(GROUP_ROWS=group) if rows is None else fused_constants(LOGITS_ROWS=rows, GROUP_ROWS=group)
 
 
 def is_geometry_key(key: str) -> bool:

@@ -222,13 +222,14 @@ class BenchRun:
 # ours at each case: at 60b3625 (bench/measured/h100-2026-11-26-60b3625/, H100) the run took 125 s of its 150 s cap
 # and ours' four rows 21.6 s of it (bench.jsonl's wall_s, the first compiling the kernels), so about 145 s with
 # erpo-ws2g (an estimate: its four rows should cost about ours' less the compiles); the cap was that plus about a
-# fifth, 175 s. The H200 at e17ad62 measured the run at 158 s; another branch adds one contender (about 20 s, an
+# fifth, 175 s. The H200 at e17ad62 measured the run at 158 s; erpo-dh32 adds one contender (about 20 s, an
 # estimate: erpo-ws2g's four rows took 16.3 s there), so about 178 s and a cap of 200 s (a fifth more, 214 s, would
 # come out of the logits check's time: the schedule's comment above). Its rows at N=65536 come last, with whatever
 # is left.
 BENCH_RUNS = (
+    # erpo-dh32: ours with d hidden held in fp32 (issue 32; bench/README.md, "Deciding d hidden's dtype")
     BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=200,
-             paths="fused", contenders="erpo,erpo-ws2g,compile,liger"),
+             paths="fused", contenders="erpo,erpo-ws2g,erpo-dh32,compile,liger"),
     # measured 19 s at 60b3625; its first row at N=16384 (compiling) took 30 s at b8b4a78: that plus about a fifth
     BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=40, paths="logits",
              contenders="compile"),

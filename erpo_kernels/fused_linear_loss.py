@@ -15,7 +15,8 @@ chunks (`GradientGroups`):
                                                  rows of the group's dlogits store [G, V] (or, when the budget
                                                  holds more rows so, over the first half of each fp32 logits row,
                                                  `gradient_view`, a group being one chunk)
-    dH_g  = dlogits_g @ W                        one GEMM per group, rounded once to hidden's dtype
+    dH_g  = dlogits_g @ W                        one GEMM per group, rounded once to hidden's dtype (with
+                                                 GRAD_HIDDEN_FP32 in fp32, rounded once by the backward instead)
     dW   += dlogits_g.T @ hidden_g               one GEMM per group accumulated in fp32, the first group writing it
                                                  (rows that get no gradient zeroed first, chunk by chunk into the
                                                  group's [G, D] buffer, so a non-finite padding row cannot poison
@@ -83,7 +84,8 @@ the row pass's temporaries, the dlogits store and the group's masked hidden rows
 docs/API.md states: the fp32 d weight accumulator [V, D] (4 V D bytes, none for an fp32 weight, whose gradient it
 is): like the fp32 gradient an optimizer keeps, its size is fixed by the lm_head and does not grow with N; d bias
 [V] fp32; the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
-the backward; O(N) vectors.
+the backward (d hidden in fp32 with GRAD_HIDDEN_FP32: 4 N D bytes instead of 2 N D for bf16 / fp16 inputs, rounded
+into a copy of hidden's dtype by the backward's scale pass); O(N) vectors.
 """
 from __future__ import annotations
 
@@ -232,6 +234,22 @@ LOGITS_ROWS = 512
 # GROUP_ROWS rows, whole chunks, whenever the budget holds one chunk there, even where the dlogits over the logits
 # would hold more rows: the d hidden GEMM's shape [G, V] x [V, D] is what a variant measures.
 GROUP_ROWS = None
+# d hidden's dtype from the forward to the backward, for bf16 / fp16 inputs (fp32 ones get fp32 either way): False,
+# hidden's own: each group's d hidden GEMM writes it (rounded there, where cuBLAS may also add a split-K GEMM's partial
+# sums in bf16 while torch's allow_bf16_reduced_precision_reduction is True, its default), and the backward's scale
+# pass rounds it again unless the incoming gradient is 1 (a trainer's loss / accumulation steps is not); True, fp32:
+# the GEMM's fp32 output, as the logits' and d weight's, rounded once to hidden's dtype by the backward's scale pass
+# (fused_linear_token_logprobs' backward: once at its end), for 2 N D bytes more held from the forward to the
+# backward (117 MB for Qwen2.5-7B, D = 3584, at N = 16384) and as many more written and read. Read where used, so
+# the bench sets it for a block of calls (its contender erpo-dh32, bench.geometry.fused_constants; not public API).
+# False until a GPU lease measures what True costs (issue 32; bench/README.md says how the next session decides).
+GRAD_HIDDEN_FP32 = False
+
+
+def grad_hidden_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype d hidden is formed and held in for inputs of `dtype`: fp32 when GRAD_HIDDEN_FP32, else `dtype`."""
+    return torch.float32 if GRAD_HIDDEN_FP32 else dtype
+
 
 @dataclass(frozen=True)
 class Workspace:
@@ -449,6 +467,16 @@ def _accumulate_product(accumulator, a, b, alpha: float = 1.0, accumulate: bool 
         accumulator.addmm_(a.float(), b.float(), beta=beta, alpha=alpha)
 
 
+def write_grad_hidden(out, dlogits, weight, alpha: float = 1.0) -> None:
+    """out [G, D] := alpha * dlogits [G, V] @ weight [V, D] (beta = 0: out's old contents, even NaN, are not read), a
+    group's d hidden: one GEMM with output in out's dtype, hidden's own (rounded by the GEMM) or fp32
+    (GRAD_HIDDEN_FP32: `_accumulate_product`'s fp32 output from bf16 / fp16 operands)."""
+    if out.dtype == dlogits.dtype:
+        torch.addmm(out, dlogits, weight, beta=0, alpha=alpha, out=out)
+    else:
+        _accumulate_product(out, dlogits, weight, alpha, accumulate=False)
+
+
 def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
     """A power of two s with s * max |grad| in [1, 2) (1 when all are 0 or one is not finite). fp16 dlogits,
     g p_j / T, fall below fp16's smallest subnormal (6e-8) for a token-mean's g ~ 1 / N and p_j ~ 1 / V: the
@@ -558,7 +586,7 @@ class GradientGroups:
     def __init__(self, workspace: Workspace, hidden, weight, needs: Tuple[bool, bool, bool]):
         needs_hidden, needs_weight, needs_bias = needs
         self.workspace, self.hidden, self.weight = workspace, hidden, weight
-        self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        self.grad_hidden = torch.empty_like(hidden, dtype=grad_hidden_dtype(hidden.dtype)) if needs_hidden else None
         self.grad_weight = (torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight
                             else None)
         self.grad_bias = (torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias
@@ -607,9 +635,8 @@ class GradientGroups:
         """The open group's GEMMs (one must be open): d hidden of its rows, d weight and d bias added (written by
         the first group), each product times 1 / its fp16 scale; the group then closed."""
         rows, dlogits, inverse = self.rows, self.dlogits, 1 / self.scale
-        if self.grad_hidden is not None:  # beta = 0: the rows' old contents are not read
-            out = self.grad_hidden[rows]
-            torch.addmm(out, dlogits, self.weight, beta=0, alpha=inverse, out=out)
+        if self.grad_hidden is not None:
+            write_grad_hidden(self.grad_hidden[rows], dlogits, self.weight, inverse)
         if self.grad_weight is not None:
             _accumulate_product(self.grad_weight, dlogits.t(), self.gradient_rows[:rows.stop - rows.start], inverse,
                                 accumulate=self.written)
@@ -623,7 +650,7 @@ class GradientGroups:
         self.rows = self.dlogits = None
 
     def gradients(self):
-        """(d hidden [N, D] in hidden's dtype, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after
+        """(d hidden [N, D] in `grad_hidden_dtype`, d weight [V, D] fp32, d bias [V] fp32), None where not needed, after
         the last group's GEMMs: d weight and d bias are the fp32 accumulators, which whoever returns them rounds to
         the inputs' dtype once (`rounded`; the loss's backward, in its scale pass)."""
         if self.rows is not None:
@@ -636,7 +663,7 @@ class GradientGroups:
 
 
 def rounded(gradient: Optional[torch.Tensor], like: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """gradient (an fp32 accumulator, or None) in like's dtype (no copy when it is fp32)."""
+    """gradient (an fp32 accumulator or d hidden, or None) in like's dtype (no copy when it has it already)."""
     return None if gradient is None else gradient.to(like.dtype)
 
 
@@ -669,7 +696,7 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
         groups.add_chunk(rows, hidden_rows, targets[rows], logits_buffer.logits(hidden_rows), lse[rows], entropy[rows],
                          grad_logp[rows], grad_entropy[rows], kernels, transform)
     grad_hidden, grad_weight, grad_bias = groups.gradients()
-    return grad_hidden, rounded(grad_weight, weight), rounded(grad_bias, bias)
+    return rounded(grad_hidden, hidden), rounded(grad_weight, weight), rounded(grad_bias, bias)
 
 
 class RowChecksFailed(Exception):
@@ -897,10 +924,11 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
                                    kernels: str, workspace_bytes: int, batch_invariant: bool, needs_hidden: bool,
                                    needs_weight: bool, needs_bias: bool, host_layout: Optional[torch.Tensor],
                                    check_code: Optional[torch.Tensor], spans: Optional[torch.Tensor]) -> OpOutputs:
-    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in hidden's dtype, d weight [V, D] fp32,
-    d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
+    """(logp [N], entropy [N] fp32, anchor 0-dim fp32 zero, d hidden [N, D] in `grad_hidden_dtype`, d weight [V, D]
+    fp32, d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
     differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
-    and d bias to the inputs' dtype once (kept in fp32 until then: no rounded copy in the forward). host_layout,
+    and d bias (and an fp32 d hidden) to the inputs' dtype once (kept in fp32 until then: no rounded copy in the
+    forward). host_layout,
     check_code, spans: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
@@ -928,7 +956,8 @@ def _(hidden, weight, bias, targets, token_kind, sample_index, advantages, ref_q
       batch_invariant, needs_hidden, needs_weight, needs_bias, host_layout, check_code, spans):
     logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     grads = [torch.empty_like(t, dtype=dtype) if needed else hidden.new_empty(0)
-             for t, dtype, needed in ((hidden, hidden.dtype, needs_hidden), (weight, torch.float32, needs_weight),
+             for t, dtype, needed in ((hidden, grad_hidden_dtype(hidden.dtype), needs_hidden),
+                                      (weight, torch.float32, needs_weight),
                                       (bias, torch.float32, needs_bias))]
     return (logp, torch.empty_like(logp), hidden.new_empty((), dtype=torch.float32), *grads)
 
@@ -956,9 +985,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, _grad_logp, _grad_entropy, grad_anchor, *_grad_grads):
-    """d hidden, d weight, d bias: the stored gradients (d weight and d bias the fp32 accumulators) times
-    d loss / d anchor (1 for loss.backward()), each product formed in fp32 and rounded once to its input's dtype:
-    one vectorized pass each on the Triton backend (`triton_scale`), torch ops on the torch one."""
+    """d hidden, d weight, d bias: the stored gradients (d weight and d bias the fp32 accumulators, d hidden in
+    `grad_hidden_dtype`) times d loss / d anchor (1 for loss.backward()), each product formed in fp32 and rounded
+    once to its input's dtype: one vectorized pass each on the Triton backend (`triton_scale`), torch ops on the
+    torch one."""
     weight, *stored = ctx.saved_tensors
     check_weight_unchanged(weight, ctx.weight_shape)
     if grad_anchor is None:  # not materialized: no gradient reached the anchor

@@ -1,7 +1,11 @@
 """The fused path's bf16 d hidden is the fp32 product of its operands rounded once, on CUDA's cuBLAS too (issue 32).
 
 `fused_linear_loss.GradientGroups.close_group` forms a group's d hidden [G, D] with one GEMM, dlogits [G, V] @
-weight [V, D], whose output is in hidden's dtype. For a bf16 output cuBLAS may split the sum over K = V across thread
+weight [V, D], whose output is in hidden's dtype by default, in fp32 with `GRAD_HIDDEN_FP32` (then held in fp32 until
+the backward's scale pass rounds it once). Held in hidden's dtype, d hidden is rounded twice whenever the incoming
+gradient is not 1 (a trainer's loss / gradient-accumulation steps): by the GEMM, then by the scale pass;
+`test_fp32_dhidden_is_the_product_rounded_once` shows that on the CPU, and that the fp32 path rounds once. For a
+bf16 output cuBLAS may split the sum over K = V across thread
 blocks, and while `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is True (PyTorch's default) it
 may add the partial sums in the output's type: bf16 (PyTorch's notes/cuda.rst, "Reduced Precision Reduction in BF16
 GEMMs"; PyTorch's cuBLAS path then leaves out CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION, its cuBLASLt path
@@ -34,9 +38,10 @@ form (the bf16 partials then added in fp32 and the total rounded once) and passe
 Where the numbers show. The GPU lease's kernel tier (bench/gpu_check.py) runs pytest with -rfE, which prints a
 failure's message but not what a passing test printed; so a passing case reports its numbers as a `RoundingReport`
 warning, which pytest's warnings summary prints (kernel-tests.log keeps both). On the CPU the test skips: the
-question is cuBLAS's, and the interpreter at V = 152064 would take minutes.
+question is cuBLAS's, and the interpreter at V = 152064 would take minutes. Its cases run both ways of d hidden, so
+that the lease reports the fp32 path beside today's (bench/README.md: how the next session picks the default).
 
-Its cost in the GPU tier: 8 cases, each one fused call on a bf16 [V, D] lm_head (1.1 GB at D = 3584; no d weight is
+Its cost in the GPU tier: 16 cases, each one fused call on a bf16 [V, D] lm_head (1.1 GB at D = 3584; no d weight is
 asked for, so no fp32 accumulator) and two float64 GEMMs of the group's shape in vocabulary slices (under 2 GB at a
 time); under 4 GB of GPU memory at a time (the weight, the 1 GiB workspace, the float64 slices), and seconds a case,
 the first one compiling the row kernels for V = 152064 (an estimate from the shapes, not measured: no GPU lent this
@@ -54,7 +59,14 @@ import torch  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
 from erpo_kernels import fused_linear_erpo_loss  # noqa: E402
-from test_fused_linear_loss import ROW_TENSORS, packed_batch  # noqa: E402
+from test_fused_linear_loss import (  # noqa: E402
+    ROW_TENSORS,
+    SAMPLES,
+    budget_for_groups,
+    leaves,
+    linear,
+    packed_batch,
+)
 
 SLACK = 2.0 ** -11          # the fp32 sum's error allowed, as a share of sum_k |a_k b_k| (module docstring)
 VOCAB = 152064              # Qwen2.5-7B's lm_head (and 14B to 72B); the 0.5B's 151936 is the same K
@@ -67,6 +79,12 @@ SHAPES = {"64x896": (64, 896), "512x3584": (512, 3584), "1024x3584": (1024, 3584
 # allow_bf16_reduced_precision_reduction during the call: as the process has it (PyTorch's default True), or False
 REDUCTIONS = {"default": None, "fp32-reduction": False}
 FLOAT64_SLICE = 16384       # vocabulary rows per float64 GEMM of the oracle (memory: 0.5 GB of float64 at D = 3584)
+# d hidden held in hidden's dtype (the library's default) or in fp32 until the backward rounds it
+# (fused_linear_loss.GRAD_HIDDEN_FP32)
+PATHS = {"dhidden-as-hidden": False, "dhidden-fp32": True}
+# d loss / d loss: loss.backward()'s 1, and a trainer's 1 / gradient-accumulation steps, here 0.37, which makes the
+# backward's scale pass round d hidden a second time where the GEMM rounded it first
+FACTORS = (1.0, 0.37)
 
 
 class RoundingReport(UserWarning):
@@ -121,6 +139,67 @@ def rounding_check(result: torch.Tensor, exact: torch.Tensor, magnitude: torch.T
                          float((error / bound).max()))
 
 
+def one_rounding_bounds(exact: torch.Tensor, magnitude: torch.Tensor, terms: int, dtype: torch.dtype):
+    """(low, high) in `dtype`: what an fp32 sum of `terms` products, exact in fp32, then one fp32 product, can give
+    once rounded to dtype, where `exact` [m, n] float64 is the value and `magnitude` its sum_k |a_k b_k| (both
+    already times the factors). Each fp32 addition errs by at most 2^-24 of a partial sum (twice that allowed, for
+    tensor cores that truncate), so the sum by at most terms 2^-23 of the magnitude, the product by 2^-24 of the
+    value: e = (terms + 1) 2^-23 magnitude; rounding is monotone, so the result lies in [rnd(exact - e),
+    rnd(exact + e)], one value where no rounding boundary is within e of `exact`."""
+    error = (terms + 1) * 2.0 ** -23 * magnitude
+    return (exact - error).to(dtype), (exact + error).to(dtype)
+
+
+def recorded_groups(monkeypatch) -> list:
+    """[(rows, dlogits, fp16 scale)] of every group the fused loss closes from now on, as its d hidden GEMM reads
+    them (the dlogits cloned before the GEMM runs)."""
+    groups = []
+    close_group = chunked.GradientGroups.close_group
+
+    def recording(self):
+        groups.append((self.rows, self.dlogits.clone(), self.scale))
+        close_group(self)
+
+    monkeypatch.setattr(chunked.GradientGroups, "close_group", recording)
+    return groups
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_dhidden_is_the_product_rounded_once(dtype, factor, device, monkeypatch):
+    """The fused loss on a small lm_head (V = 300) in chunks of 4 rows, groups of 16, (loss * factor).backward():
+    with GRAD_HIDDEN_FP32, hidden.grad is the float64 product of each group's dlogits and the weight (over its fp16
+    scale), times the fp32 factor, rounded once: within `one_rounding_bounds` everywhere. With d hidden held in
+    hidden's dtype it is rounded twice when factor != 1 (the GEMM's output, then the scale pass), which puts some
+    elements outside them (on the CPU at factor 0.37: 226 of the 1560 in bf16, 114 in fp16; the bounds are one value
+    for all but 61 and 149 of them); at factor 1 the CPU's GEMM rounds once too."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    groups = recorded_groups(monkeypatch)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), dtype, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    scale = torch.tensor(factor, dtype=torch.float32, device=device)  # the incoming gradient, fp32 as autograd's
+    outside = {}
+    for path, fp32 in PATHS.items():
+        monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", fp32)
+        groups.clear()
+        hidden, weight, bias = leaves(*tensors)
+        loss = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                      workspace_bytes=budget_for_groups(4, 16, dtype, device), qkl_coef=0.5,
+                                      **inputs).loss
+        (loss * scale).backward()
+        assert len(groups) > 1  # groups of 16 rows at most (fp16's are cut where the chunks' scales differ)
+        exact, magnitude = (torch.zeros(hidden.shape, dtype=torch.float64, device=device) for _ in range(2))
+        for rows, dlogits, fp16_scale in groups:
+            exact[rows], magnitude[rows] = (product / fp16_scale for product in float64_products(dlogits, weight))
+        low, high = one_rounding_bounds(exact * scale.double(), magnitude * scale.double(), weight.shape[0], dtype)
+        assert hidden.grad.dtype == dtype
+        outside[path] = int(((hidden.grad < low) | (hidden.grad > high)).sum())
+    assert outside["dhidden-fp32"] == 0, outside
+    if factor != 1:
+        assert outside["dhidden-as-hidden"] > 0, outside
+
+
 @contextlib.contextmanager
 def bf16_reduction(allowed):
     """torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = allowed inside the block (None: as it
@@ -166,24 +245,20 @@ def test_the_check_tells_one_rounding_from_a_bf16_split_k_reduction(device):
         assert split_k.beyond > 0, (splits, split_k)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_dhidden_is_the_fp32_product_rounded_once(shape, reduction, device, monkeypatch):
+def test_dhidden_is_the_fp32_product_rounded_once(shape, reduction, path, device, monkeypatch):
     """bf16 hidden and lm_head at V = 152064, one group of `shape`'s rows, `fused_linear_erpo_loss` fwd+bwd with
-    allow_bf16_reduced_precision_reduction as the process has it and False: hidden.grad within one ulp plus SLACK of
-    the float64 product of the group's own dlogits (the operand its d hidden GEMM read) and the weight, rounded once;
-    the same for cuBLAS's fp32-output product rounded once (the control). Reports both (RoundingReport)."""
+    allow_bf16_reduced_precision_reduction as the process has it and False, d hidden held in bf16 and in fp32
+    (GRAD_HIDDEN_FP32): hidden.grad within one ulp plus SLACK of the float64 product of the group's own dlogits (the
+    operand its d hidden GEMM read) and the weight, rounded once; the same for cuBLAS's fp32-output product rounded
+    once (the control). Reports both (RoundingReport)."""
     if device.type != "cuda":
         pytest.skip("cuBLAS's split-K reduction of a bf16 GEMM is the GPU's question; the CPU has no cuBLAS")
     rows, hidden_dim = SHAPES[shape]
-    groups = []
-    close_group = chunked.GradientGroups.close_group
-
-    def recording(self):  # each group's rows and the dlogits its d hidden GEMM reads, before it runs
-        groups.append((self.rows, self.dlogits.clone()))
-        close_group(self)
-
-    monkeypatch.setattr(chunked.GradientGroups, "close_group", recording)
+    monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", PATHS[path])
+    groups = recorded_groups(monkeypatch)
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(rows, hidden_dim, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
     # scaled in place (one fp32 copy of the weight at a time: 2.2 GB at D = 3584); no gradient asked of it, d weight's
@@ -195,11 +270,12 @@ def test_dhidden_is_the_fp32_product_rounded_once(shape, reduction, device, monk
     with bf16_reduction(REDUCTIONS[reduction]):
         setting = cublas_setting()
         fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), **inputs).loss.backward()
-    assert [group_rows for group_rows, _ in groups] == [slice(0, rows)]  # one group: the GEMM of `shape`
+    assert [group_rows for group_rows, _, _ in groups] == [slice(0, rows)]  # one group: the GEMM of `shape`
     dlogits = groups[0][1]
     exact, magnitude = float64_products(dlogits, weight)
     ours = rounding_check(hidden.grad, exact, magnitude)
     control = rounding_check(torch.mm(dlogits, weight, out_dtype=torch.float32).bfloat16(), exact, magnitude)
-    report = f"{shape} rows x D, {reduction}: d hidden {ours}; the fp32 GEMM rounded once {control}; {setting}"
+    report = (f"{shape} rows x D, {reduction}, {path}: d hidden {ours}; the fp32 GEMM rounded once {control}; "
+              f"{setting}")
     assert (ours.beyond, control.beyond) == (0, 0), report
     warnings.warn(RoundingReport(report))

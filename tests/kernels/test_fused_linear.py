@@ -10,10 +10,16 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as fused_linear_loss  # noqa: E402
 from erpo_kernels.api import erpo_loss  # noqa: E402
-from erpo_kernels.fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs  # noqa: E402
+from erpo_kernels.fused_linear import (  # noqa: E402
+    fused_linear_backward_op,
+    fused_linear_erpo_loss,
+    fused_linear_op,
+    fused_linear_token_logprobs,
+)
 from erpo_kernels.reference import reference_token_logprobs  # noqa: E402
 from erpo_kernels.validation import LogitTransform  # noqa: E402
 from helpers import loss_inputs, random_batch  # noqa: E402
+from test_fused_linear_loss import grad_hidden_fp32  # noqa: E402, F401  (the fixture: d hidden both ways)
 from test_reference import OPTION_CASES  # noqa: E402
 
 BACKENDS = ["torch", "triton"]
@@ -101,6 +107,7 @@ def test_only_the_needed_gradients_are_formed(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("grad_hidden_fp32")
 def test_confident_target_gradient_survives_bf16(backend, device):
     """p_target up to ~0.998: the target entry g (1 - p_t) must be formed in fp32. Formed as onehot - bf16(p)
     (the in-place bf16 bug of Liger PR #1329) it is 0 or ~4e-3, and d hidden = sum_j p_j (W_t - W_j) is then
@@ -129,6 +136,7 @@ def test_confident_target_gradient_survives_bf16(backend, device):
     assert worst_row_error(cancelled) > 0.3
 
 
+@pytest.mark.usefixtures("grad_hidden_fp32")
 def test_fp16_keeps_tiny_logit_gradients(device):
     """fp16 inputs with a token-mean-sized upstream gradient (1e-5) and a flat softmax: every non-target entry
     g p_j / T is below fp16's smallest subnormal, so each chunk's fp16 dlogits are scaled by a power of two and
@@ -149,6 +157,28 @@ def test_fp16_keeps_tiny_logit_gradients(device):
     hidden_error, weight_error = relative_errors("triton")
     assert weight_error < 1.5e-2
     assert hidden_error <= relative_errors("torch")[0] + 5e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_dhidden_is_rounded_once_to_hidden_s_dtype(backend, monkeypatch, device):
+    """fused_linear_token_logprobs' backward with GRAD_HIDDEN_FP32 (bf16 inputs, chunks of a few rows): its op gives d
+    hidden in bf16, as its fake says (opcheck), the product of the chunks' fp32 d hidden rounded once: the same as
+    the bf16 GEMM's output here (the CPU's, or cuBLAS's, rounds once at these sizes), but for an element or two where
+    the GEMMs' fp32 sums fall on either side of a rounding boundary."""
+    hidden, weight, bias = make_linear(40, 48, 300, torch.bfloat16, device=device)
+    targets = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).to(device)
+    g_logp, g_entropy = (torch.randn(40, generator=torch.Generator().manual_seed(seed)).to(device) for seed in (3, 4))
+    logp, entropy, lse = fused_linear_op(hidden, weight, bias, targets, 0.7, 1.0, None, backend)
+    arguments = (hidden, weight, bias, targets, lse, entropy, g_logp, g_entropy, 0.7, 1.0, None, backend,
+                 True, True, True)
+    grads = {}
+    for fp32 in (False, True):
+        monkeypatch.setattr(fused_linear_loss, "GRAD_HIDDEN_FP32", fp32)
+        grads[fp32] = fused_linear_backward_op(*arguments)
+        assert [grad.dtype for grad in grads[fp32]] == [torch.bfloat16] * 3
+    torch.library.opcheck(fused_linear_backward_op, arguments)
+    assert int((grads[False][0] != grads[True][0]).sum()) <= 2
+    assert all(torch.equal(as_hidden, fp32) for as_hidden, fp32 in zip(grads[False][1:], grads[True][1:]))
 
 
 def erpo_both_ways(batch, hidden, weight, bias, backend, **options):

@@ -99,6 +99,14 @@ def leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
 
 
+@pytest.fixture(params=[False, True], ids=["dhidden-as-hidden", "dhidden-fp32"])
+def grad_hidden_fp32(request, monkeypatch):
+    """The test run with `fused_linear_loss.GRAD_HIDDEN_FP32` off (d hidden held in hidden's dtype, the library's
+    default) and on (held in fp32 until the backward rounds it once): the oracle tests that must pass both ways."""
+    monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", request.param)
+    return request.param
+
+
 def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, workspace_bytes=None, **options):
     """((fused LossOutput, grads), (logits-path LossOutput, grads)) with chunks of `rows` rows (or the workspace
     `workspace_bytes`)."""
@@ -173,7 +181,7 @@ def test_options_with_many_chunks_triton(options, layout, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bf16_with_many_chunks(backend, device):
+def test_bf16_with_many_chunks(backend, device, grad_hidden_fp32):
     batch = packed_batch(SAMPLES, device)
     tensors = linear(len(batch["targets"]), torch.bfloat16, device)
     options = dict(qkl_coef=0.5, loss_agg="seq-mean-token-mean", entropy_coef=0.05)
@@ -195,11 +203,15 @@ def test_response_and_query_sample_counts_stay_apart(loss_agg, device):
     assert_same_loss(ours, expected)
 
 
-def test_nonfinite_padding_row_does_not_poison_the_gradients(device):
+@pytest.mark.parametrize("dtype, fp32", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-dhidden-fp32"])
+def test_nonfinite_padding_row_does_not_poison_the_gradients(dtype, fp32, monkeypatch, device):
     """A padding row of NaN hidden state in a chunk of several: exact-zero d hidden there, d weight finite and equal
-    to the one with that row zeroed."""
+    to the one with that row zeroed (d hidden's GEMM, in hidden's dtype or in fp32 with GRAD_HIDDEN_FP32, does not
+    read its output's old contents)."""
+    monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", fp32)
     batch = packed_batch(SAMPLES, device)
-    hidden, weight, bias = linear(len(batch["targets"]), torch.float32, device)
+    hidden, weight, bias = linear(len(batch["targets"]), dtype, device)
     padding = int((batch["token_kind"] == 0).nonzero()[2])
     results = []
     for filler in (0.0, float("nan")):
@@ -569,6 +581,31 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
     per_group = counts[2] - counts[1]
     assert all(launches == counts[1] + per_group * (groups - 1) for groups, launches in counts.items()), counts
     assert 0 < per_group <= 4, per_group  # d hidden, d weight, d bias's column sum and its addition
+
+
+def test_fp32_dhidden_keeps_the_calls_launches_and_host_reads(monkeypatch, device):
+    """GRAD_HIDDEN_FP32 changes what d hidden's GEMM writes, not what a fwd+bwd launches or reads (LaunchCounter,
+    validate=False): bf16, 12 chunks of 4 rows in 3 groups of 16 rows, the same launches by name both ways (d hidden's
+    GEMM is aten's addmm, counted with the `addmm_` of the CPU's fp32 path: on CUDA the fp32 output is cuBLAS's own,
+    `out_dtype`, and the CPU's upcast copies inside the op, which CUDA does not make, are not counted), one
+    `_scale_kernel` pass per gradient and the call's one host read."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    counts = []
+    for fp32 in (False, True):
+        monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", fp32)
+        hidden, weight, bias = leaves(*linear(48, torch.bfloat16, device))
+        with LaunchCounter() as counter:
+            fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
+                                   validate=False, workspace_bytes=budget_for_groups(4, 16, torch.bfloat16, device),
+                                   qkl_coef=0.5, **inputs).loss.backward()
+        assert hidden.grad.dtype == torch.bfloat16 and counter.names["triton._scale_kernel"] == 3
+        gemms = counter.names.pop("aten.addmm_", 0)
+        counter.names["aten.addmm"] += gemms
+        counts.append((dict(counter.names), dict(counter.sync_names)))
+    assert counts[0] == counts[1], counts
+    assert sum(counts[0][1].values()) == 1
 
 
 def host_layout_of(batch):
@@ -1067,7 +1104,7 @@ def test_dweight_accumulated_in_fp32_is_as_accurate_as_one_gemm(device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, device):
+def test_backward_scales_the_stored_gradients_by_the_incoming_one(backend, device, grad_hidden_fp32):
     """(loss / 3).backward(): the bf16 gradients are the stored ones times the fp32 1/3, rounded once (one bf16 ulp
     of the exact product at most: to nearest even, on the interpreter too, triton_scale)."""
     batch = packed_batch(SAMPLES, device)
@@ -1188,6 +1225,19 @@ def test_the_torch_backends_chunk_gradient_keeps_the_python_snapshot_key(monkeyp
                                validate=False, **inputs).loss.backward()
     assert states and all(python for python, _ in states), states  # the mode's key, as on the device thread
     assert not any(snapshot_excluded for _, snapshot_excluded in states), states
+
+def test_opcheck_with_fp32_dhidden(monkeypatch, device):
+    """bf16 inputs with GRAD_HIDDEN_FP32: the op's fake gives d hidden in fp32, as its implementation does."""
+    monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", True)
+    batch = packed_batch([(2, 3), (1, 1), (4, 6)], device)
+    hidden, weight, bias = (t.requires_grad_(True) for t in linear(len(batch["targets"]), torch.bfloat16, device))
+    inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
+    arguments = (hidden, weight, bias, batch["targets"], batch["token_kind"], batch["sample_index"],
+                 *inputs.as_kwargs().values(), None, None, None, chunked.options_argument(LossOptions(qkl_coef=0.3)),
+                 "triton", budget_for(5, torch.bfloat16, device), False, True, True, True, None, None, None)
+    assert chunked.loss_gradients_op(*arguments)[3].dtype == torch.float32
+    torch.library.opcheck(chunked.loss_gradients_op, arguments)
+
 
 def test_scaled_op_passes_opcheck(device):
     from erpo_kernels.triton_scale import scaled_op

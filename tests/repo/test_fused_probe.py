@@ -1,6 +1,7 @@
 """bench.fused_probe's dry run on the CPU (the GPU run times the same calls): one row per variant with the plan
-`plan_workspace` made for it (also in fused_probe.json), the group GEMMs' table at each group size, the chunk and
-group rows put back after each variant, the variants' plans at full size, and the one-line refusal without a GPU."""
+`plan_workspace` made for it (also in fused_probe.json), the group GEMMs' table at each group size (d hidden with
+bf16 and with fp32 output, d weight's accumulation), the chunk and group rows put back after each variant, the
+variants' plans at full size, and the one-line refusal without a GPU."""
 import json
 
 import pytest
@@ -25,7 +26,8 @@ def test_the_dry_run_writes_a_row_per_variant(tmp_path):
     table = [line.removeprefix("| ").removesuffix(" |").split(" | ") for line in part2[4:part2.index("", 2)]]
     assert [int(row[0]) for row in table] == [int(rows) for rows in fused_probe.SMOKE["group_rows"].split(",")]
     for rows, *cells in table:
-        for ms, per_1000 in (cells[:2], cells[2:]):  # a time and its per-1000-rows share, or a case refused
+        assert len(cells) == 6  # d hidden with bf16 output, with fp32 output, d weight +=
+        for ms, per_1000 in zip(cells[::2], cells[1::2]):  # a time and its per-1000-rows share, or a case refused
             rounding = 5e-4 * 1000 / int(rows) + 5e-4  # both cells are printed to 3 decimals
             assert (per_1000 == "-" and not ms[0].isdigit()) or (
                 abs(float(ms) * 1000 / int(rows) - float(per_1000)) <= rounding and float(ms) > 0)
