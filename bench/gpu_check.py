@@ -30,8 +30,9 @@ Then the table merged from the progress file and a summary holding it. From befo
 last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit reasons once a second (bench.gpu_clocks);
 summary.md's stage table gives each stage's share. The files (8, the device tool's limit) under OUT_DIR: summary.md,
 gpu_check.log (environment, wheel install, each stage's command, limit, time, exit, and the training's output),
-kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train-metrics.jsonl, bench.log (the probe's, the
-profile's and the bench runs' output), bench.jsonl (`python -m bench --merge` reads it) and clocks.csv (the samples).
+kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder, the stage's own log in it), train-metrics.jsonl,
+bench.log (the probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench --merge` reads it) and
+clocks.csv (the samples).
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
@@ -383,11 +384,13 @@ class GpuCheck:
         self.log(f"bench 1's geometry pick: {self.pick.why}")
 
     def logits(self) -> None:
-        """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz."""
+        """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz with
+        the stage's log beside it (LOGITS_STAGE_LOG)."""
         folder = self.work / "logits"
+        folder.mkdir()
         command = ["bash", "bench/logits_gpu_check.sh", *(["--dry-run"] if self.dry_run else []), str(folder)]
-        self.run("logits", command, self.work / "logits-stage.log", LOGITS_LIMIT_S)
-        if folder.exists():
+        stage = self.run("logits", command, folder / LOGITS_STAGE_LOG, LOGITS_LIMIT_S)
+        if stage.status != "not run":
             with tarfile.open(self.out / "logits.tar.gz", "w:gz") as tar:
                 tar.add(folder, arcname="logits")
 
@@ -566,12 +569,19 @@ def kernel_summary(log: Path) -> list:
     return pytest_summary(log.read_text(encoding="utf-8", errors="replace").splitlines())
 
 
+# the logits stage's own output, packed with the script's folder (the device tool brings back 8 files: no ninth): the
+# script's log (logits_gpu_check.log, which it tees) and what it printed before that began or after it ended (a bash
+# error, gpu_check's note of a stop)
+LOGITS_STAGE_LOG = "logits-stage.log"
+
+
 def logits_summary(folder: Path) -> list:
     """logits_gpu_check.sh's results: the one-node loss's tests, each step's exit, the bench rows (fwd and fwd+bwd
     ms), the host's microseconds table and the profile's wall and idle time per contender."""
     log = folder / "logits_gpu_check.log"
     if not log.exists():
-        return ["(not run)"]
+        return [f"(no logits_gpu_check.log: what the stage printed is {LOGITS_STAGE_LOG} in logits.tar.gz)"
+                if (folder / LOGITS_STAGE_LOG).exists() else "(not run)"]
     from .progress import read_runs
 
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()

@@ -89,6 +89,10 @@ def test_dry_run_writes_each_stages_results(tmp_path):
                 "logits/bench/results.md"} <= set(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")
     assert_logits_dry_run_results(tmp_path / "unpacked" / "logits", commit="abc123")
+    # the stage's own log beside the script's: its command, then all the script printed
+    stage_log = (tmp_path / "unpacked" / "logits" / gpu_check.LOGITS_STAGE_LOG).read_text()
+    assert stage_log.startswith("$ bash bench/logits_gpu_check.sh --dry-run ") and "logits_gpu_check: commit abc123" \
+        in stage_log
     logits = summary[summary.index("## Logits check"):summary.index("## Training")]
     assert "- not run (the dry run has none)" in logits
     assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
@@ -394,6 +398,15 @@ def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_sto
                                                 "sec exceeded (after every collected test had run)")
     assert gpu_check.pytest_summary(["....", "[gpu_check] stopped at the stage's time limit (210 s)"]) == [
         "- result: no result line (stopped?)"]
+
+
+def test_the_logits_summary_points_to_the_stage_s_log_where_the_script_s_is_missing(tmp_path):
+    """A logits stage whose script wrote no log of its own (it failed before its log began, or was stopped then): the
+    summary sends the reader to the stage's log in logits.tar.gz, and says "not run" only where neither exists."""
+    assert gpu_check.logits_summary(tmp_path) == ["(not run)"]
+    (tmp_path / gpu_check.LOGITS_STAGE_LOG).write_text("$ bash bench/logits_gpu_check.sh\nsyntax error\n")
+    assert gpu_check.logits_summary(tmp_path) == [
+        f"(no logits_gpu_check.log: what the stage printed is {gpu_check.LOGITS_STAGE_LOG} in logits.tar.gz)"]
 
 
 def test_a_deadline_too_short_for_one_stage_is_refused(tmp_path, capsys):
