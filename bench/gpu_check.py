@@ -12,17 +12,21 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    each variant (chunk rows, group rows, workspace, host layout), one group's d hidden and d weight GEMMs at each
    group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
    summary.md (its rows, as it prints them, go to bench.log).
-3. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
+3. epilogue: `python -m bench.gemm_epilogue_probe` on the same two lm_heads at chunks of 512 and 2048 rows: cuBLAS's
+   logits GEMM, it followed by the forward row kernel, a Triton GEMM and the same with the forward row statistics
+   in its epilogue, each checked on the device, then timed; whether the epilogue beats cuBLAS + the row kernel (the
+   fused path's next step, issue 32). Its report is copied into summary.md (its chunks as they end: bench.log).
+4. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
    Liger, and the probe's pick (bench.probe_pick: the 1 GiB chunk/group geometry faster than the library default on
    both shapes, if any, as the contender erpo-geom-ROWS[-GROUP]; nothing when the probe failed or did not run).
-4. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
-   the host's microseconds, the kernel tables), its folder packed into one file.
-5. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
-   (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
-6. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
+5. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
    kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
    gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
-7. bench 2 and on: the other `python -m bench` runs, most wanted first. Every bench run appends to one --progress
+6. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
+   the host's microseconds, the kernel tables), its folder packed into one file.
+7. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
+   (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
+8. bench 2 and on: the other `python -m bench` runs, most wanted first. Every bench run appends to one --progress
    file and gets what is left before the deadline, up to its own cap; what a run did not reach is in the table as
    `not reached`.
 
@@ -31,18 +35,19 @@ last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit re
 summary.md's stage table gives each stage's share. The files (8, the device tool's limit) under OUT_DIR: summary.md,
 gpu_check.log (environment, wheel install, each stage's command, limit, time, exit, and the training's output),
 kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder, the stage's own log in it), train-metrics.jsonl,
-bench.log (the probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench --merge` reads it) and
-clocks.csv (the samples). SIGTERM or SIGINT to gpu_check (the device tool's timeout, kill, Ctrl+C) stops the running
-stage as its time limit would, starts no other, and ends with the sampler stopped and the summary written
-(stop_on_signals), exit 128 + the signal's number.
+bench.log (the probe's, the epilogue probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench
+--merge` reads it) and clocks.csv (the samples). SIGTERM or SIGINT to gpu_check (the device tool's timeout, kill,
+Ctrl+C) stops the running stage as its time limit would, starts no other, and ends with the sampler stopped and the
+summary written (stop_on_signals), exit 128 + the signal's number.
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
-variant and case once), the first bench run at the bench's smoke shape (logits path, torch and Liger only),
-logits_gpu_check.sh's own --dry-run, one tiny training step, the fused-path profile's smoke shape (the CPU's
-operators, no gaps) and the other bench runs' own arguments checked by the bench, their rows listed (`python -m bench
-... --plan`); no wheels are installed, so missing peers are reported and skipped; no clocks are sampled (no clocks.csv,
-"-" in the stage table's clock columns).
+variant and case once), the epilogue probe's `--smoke` (its tiny shape, every variant once), the first bench run at
+the bench's smoke shape (logits path, torch and Liger only), the fused-path profile's smoke shape (the CPU's
+operators, no gaps), logits_gpu_check.sh's own --dry-run, one tiny training step and the other bench runs' own
+arguments checked by the bench, their rows listed (`python -m bench ... --plan`); no wheels are installed, so
+missing peers are reported and skipped; no clocks are sampled (no clocks.csv, "-" in the stage table's clock
+columns).
 """
 from __future__ import annotations
 
@@ -131,42 +136,53 @@ PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the
 #                             variants and two-GEMM part 2 since should take less (an estimate, not measured)
 PROBE_SHAPES = "qwen2.5-7b,qwen2.5-32b"  # the two lm_heads of the fused path's targets (bench 1)
 PROBE_N = 16384                          # the targets' size
+EPILOGUE_LIMIT_S = 40       # bench.gemm_epilogue_probe, both shapes at 512 and 2048 rows: not yet run on a GPU, so an
+#                             estimate, about 30 s: the process's imports (about 5 s); 26 Triton compiles (12 GEMMs,
+#                             3 configs x row statistics or not x pointer or TMA loads, at each shape's D, a constexpr,
+#                             and the combine at 2 tile counts), about 0.5 s each for sm_90 on this project's 2-core
+#                             CPU (tests/workers/gemm_epilogue_compile_check.py), 13 s; 4 chunks of 26 variants, 8
+#                             calls each (a check, 2 warm-up, 5 timed) of at most about 8 ms (2048 rows at 32b: 3.2
+#                             TFLOP at 400 TFLOP/s), 7 s; plus about a third, for an estimate. It writes its report
+#                             after each chunk: one stopped at its limit keeps the chunks done
+EPILOGUE_ROWS = "512,2048"  # chunk rows: the 1 GiB default's 512 (7b) and a chunk 4 times as tall (the Triton GEMM's
+#                             tiles fill more waves there)
 PICKED_CAP_S = 20           # bench 1's cap grows by this when the probe picks a geometry (bench.probe_pick) and bench 1
 #                             times it as one more contender at both N: like erpo-ws2g (ours, another geometry), whose
 #                             four rows took 16.3 s of the H200's bench 1 at e17ad62 (bench/measured/h200-2026-11-27-
 #                             e17ad62/bench.jsonl, wall_s: 5.6 + 6.6 at N=16384, 1.8 + 2.3 at 4096; the run 158 s of its
-#                             175), so 16 s plus about a fifth: 195 s. 158 + 16 = 174 s would sit at the plain 175 s
-#                             cap, where its last case (N=4096, 32b) would be the first lost (whole: since 2026-11-27 a
-#                             case's contenders are timed in turns and its rows written when it ends; the same calls as
-#                             before, so the same time). The deadline stays 570 s; what the pick takes comes from the
-#                             stages after bench 1: at the H200's stage times (kernels 181, probe 42, bench 1 158 + 16,
-#                             logits 84, train 56 s) the profile (12 s there, measured that lease) has 7 s left and is
-#                             not started; where kernels, probe and bench 1 run to their limits (210 + 55 + 195 + 1 s of
-#                             setup = 461 s), the logits check gets 84 s of its 100 (84-85 s measured) instead of 104
+#                             175), so 16 s plus about a fifth. Without it the run's last case (N=4096, 32b) would be
+#                             the first lost at the plain cap (whole: a case's contenders are timed in turns and its
+#                             rows written when it ends). The deadline stays 570 s; what the pick takes comes from the
+#                             stages after bench 1 (the schedule's comment below)
 LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
 #                             and 70 s (60b3625): the larger plus about a fifth
 TRAIN_LIMIT_S = 70          # measured 57 s (b8b4a78) and 45 s (60b3625)
 TRAIN_STEPS = 20
-PROFILE_LIMIT_S = 45        # measured 16 s (b8b4a78) and 12 s (60b3625) for ours alone; now ours twice
+PROFILE_LIMIT_S = 25        # measured 12 s for ours twice (the H200 at e17ad62), 16 s (b8b4a78) and 12 s (60b3625)
+#                             for ours alone: the largest plus about a half (cold compiles)
 DRY_RUN_CONTENDERS = "torch,liger"
 # the tier's device guard and one Triton kernel test (a single row: seconds in the interpreter)
 DRY_RUN_KERNEL_TESTS = (f"{KERNEL_TIER}/test_device_guard.py",
                         f"{KERNEL_TIER}/test_triton_logits.py::test_target_gradient_exact_in_bf16")
 # --stages picks some. They run in this order, except the bench's first TARGET_RUNS runs (the fused path's targets),
-# which run right after the probe, its others last.
-STAGES = ("kernels", "probe", "logits", "train", "profile", "bench")
+# which run right after the epilogue probe, its others last.
+STAGES = ("kernels", "probe", "epilogue", "profile", "logits", "train", "bench")
 TARGET_RUNS = 1
-# The schedule's arithmetic, from the 60b3625 run's measured stage times (bench/measured/h100-2026-11-26-60b3625/
-# gpu_check.log, the H100; its stages then ran kernels, logits, train, profile, bench): the stages share DEADLINE_S
-# less SUMMARY_RESERVE_S = 545 s. At their measured times, in the order they now run: setup 1 + kernels 130 + probe
-# 42 (measured on the H200 at e17ad62 with 15 variants, now 11) + bench 1 145 (125 measured, about 20 estimated for
-# erpo-ws2g's rows) + logits 70 + train 45 + profile 24 (12 measured for ours alone, so 24 for ours twice: an
-# estimate) = 457 s, leaving about 88 s
-# for bench 2 (19 s measured) and bench 3 (70 s measured: stopped at about 65 s, its rows kept as measured). Where
-# the first stages run to their limits instead, kernels 210 + probe 55 + bench 1 175 = 440 s (441 with the setup)
-# leave 104 s: the logits check within its 100 s, then the training and profile are not started (4 s left): the most
-# wanted work first. The limits are each stage's measured time plus about a fifth, no more, so that a hung stage
-# costs the later ones as little as it can.
+# The schedule's arithmetic, from the H200 lease's measured stage times at e17ad62 (bench/measured/h200-2026-11-27-
+# e17ad62/gpu_check.log: setup 1, kernels 181 with 12 workers, probe 42, bench 1 158, logits 84, train 56, profile 12
+# s; bench 2 to 7 never started): the stages share DEADLINE_S less SUMMARY_RESERVE_S = 545 s, and that run's stages
+# took 534 s. This one adds the epilogue probe (about 30 s, an estimate: EPILOGUE_LIMIT_S) and bench 1 one contender
+# (about 20 s, an estimate: another branch's), 50 s that the lease did not have. The fused path's open questions come
+# first (its targets, its geometry, the epilogue, where its time goes); of the rest, the least informative go last:
+# the logits path met its targets on two leases (bench/RESULTS.md) and the training stage passed on three, so the
+# profile now runs right after bench 1, the logits check after it and the training last. At those times: setup 1 +
+# kernels 181 + probe 42 + epilogue 30 + bench 1 178 + profile 12 = 444 s, then the logits check whole (84 s: 528 s)
+# and 17 s left for the training (56 s measured, its first step at about 25 s: started and stopped), or none with the
+# probe's pick (16 s more in bench 1: the logits check ends at 544 s). Where the kernel tier, the probes and bench 1
+# run to their limits instead (1 + 210 + 55 + 40 + 200 = 506 s, 526 with the pick), the profile fits (12 s) and the
+# logits check gets 27 s (its node tests and part of its bench) or, with the pick, is not started (7 s left): the
+# most wanted work first. The limits are each stage's measured time plus about a fifth, no more (an estimate's more),
+# so that a hung stage costs the later ones as little as it can.
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 # pytest's one-line failure messages are cut to the terminal's width (80 columns in a pipe): wide enough for a message
 WIDE_COLUMNS = "300"
@@ -208,10 +224,13 @@ class BenchRun:
 # Bench 1 also times ours with a 2 GiB workspace (erpo-ws2g: what a user with the memory gets, issue 32), right after
 # ours at each case: at 60b3625 (bench/measured/h100-2026-11-26-60b3625/, H100) the run took 125 s of its 150 s cap
 # and ours' four rows 21.6 s of it (bench.jsonl's wall_s, the first compiling the kernels), so about 145 s with
-# erpo-ws2g (an estimate: its four rows should cost about ours' less the compiles); the cap is that plus about a
-# fifth. Its rows at N=65536 come last, with whatever is left.
+# erpo-ws2g (an estimate: its four rows should cost about ours' less the compiles); the cap was that plus about a
+# fifth, 175 s. The H200 at e17ad62 measured the run at 158 s; another branch adds one contender (about 20 s, an
+# estimate: erpo-ws2g's four rows took 16.3 s there), so about 178 s and a cap of 200 s (a fifth more, 214 s, would
+# come out of the logits check's time: the schedule's comment above). Its rows at N=65536 come last, with whatever
+# is left.
 BENCH_RUNS = (
-    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=175,
+    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=200,
              paths="fused", contenders="erpo,erpo-ws2g,compile,liger"),
     # measured 19 s at 60b3625; its first row at N=16384 (compiling) took 30 s at b8b4a78: that plus about a fifth
     BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=40, paths="logits",
@@ -396,6 +415,15 @@ class GpuCheck:
                      else Pick(None, f"none: the probe {stage.status}"))
         self.log(f"bench 1's geometry pick: {self.pick.why}")
 
+    def epilogue(self) -> None:
+        """bench.gemm_epilogue_probe into the work folder (its report goes into summary.md, its chunks as they end to
+        bench.log); the dry run runs its --smoke under the interpreter."""
+        command = [sys.executable, "-m", "bench.gemm_epilogue_probe", "--out", str(self.work / "epilogue-probe")]
+        command += ["--smoke"] if self.dry_run else ["--shapes", PROBE_SHAPES, "--rows", EPILOGUE_ROWS]
+        if self.commit:
+            command += ["--commit", self.commit]
+        self.run("epilogue", command, self.out / "bench.log", EPILOGUE_LIMIT_S)
+
     def logits(self) -> None:
         """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz with
         the stage's log beside it (LOGITS_STAGE_LOG)."""
@@ -486,6 +514,8 @@ class GpuCheck:
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
                   "", "## Fused probe", "", f"- bench 1's geometry pick: {self.pick.why}",
                   *report_summary(self.work / "fused-probe" / "fused_probe.md"),
+                  "", "## GEMM epilogue probe", "",
+                  *report_summary(self.work / "epilogue-probe" / "gemm_epilogue_probe.md"),
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
                   "", "## Fused-path profile", "", *report_summary(self.work / "fused-profile" / "profile.md"),
@@ -545,8 +575,9 @@ def _demoted(markdown: str) -> list:
 
 
 def report_summary(report: Path) -> list:
-    """A stage's markdown report (the probe's fused_probe.md, the profile's profile.md), its title left out. The
-    stages write it at their end: one stopped at its limit has none, its rows so far are in bench.log."""
+    """A stage's markdown report (the probe's fused_probe.md, the epilogue probe's gemm_epilogue_probe.md, the
+    profile's profile.md), its title left out. The probe and the profile write it at their end: one stopped at its
+    limit has none, its rows so far are in bench.log (the epilogue probe's holds the chunks it finished)."""
     if not report.exists():
         return ["(no report: not run, failed or stopped; what it printed is in bench.log)"]
     return _demoted(report.read_text(encoding="utf-8"))
@@ -677,10 +708,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same stages on the CPU, shrunk (CI)")
     parser.add_argument("--commit", default=None, help="the commit the working tree is (recorded by the bench)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma list of {', '.join(STAGES)} (default: all; the bench's first run right after the "
-                             f"probe, its others last); e.g. --stages kernels,probe, the kernel tier and the fused "
-                             f"probe alone (at most {KERNEL_LIMIT_S + PROBE_LIMIT_S} s), for a lease too short for "
-                             "the rest")
+                        help=f"comma list of {', '.join(STAGES)} (default: all; the bench's first run right after "
+                             f"the epilogue probe, its others last); e.g. --stages kernels,probe, the kernel tier and "
+                             f"the fused probe alone (at most {KERNEL_LIMIT_S + PROBE_LIMIT_S} s), for a lease too "
+                             "short for the rest")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
                         help=f"the whole command's time (default {DEADLINE_S}); less leaves room for a second check in "
                              "the same device call")
@@ -702,14 +733,16 @@ def main(argv=None) -> int:
                 check.kernels()
             if "probe" in stages:
                 check.probe()
+            if "epilogue" in stages:
+                check.epilogue()
             if "bench" in stages:
                 check.bench(range(1, TARGET_RUNS + 1))
+            if "profile" in stages:
+                check.profile()
             if "logits" in stages:
                 check.logits()
             if "train" in stages:
                 check.train()
-            if "profile" in stages:
-                check.profile()
             if "bench" in stages:
                 check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
                 if not check.stopped_by:  # a stopped check ends without this process: bench.jsonl's rows are listed

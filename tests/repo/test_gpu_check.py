@@ -64,6 +64,15 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert f"### {fused_probe.SMOKE['shape']}: " in probe and "# The fused path's variants" not in probe
     assert all(f"| {variant.name} | " in probe for variant in fused_probe.VARIANTS)
     assert "- bench 1's geometry pick: " in probe  # from the smoke's CPU times: either way, the dry run goes on
+    # the GEMM epilogue probe's smoke run under the interpreter: its report in the summary, every variant checked
+    from bench import gemm_epilogue_probe
+    epilogue = summary[summary.index("## GEMM epilogue probe"):summary.index("## Logits check")]
+    assert "- command: `python -m bench.gemm_epilogue_probe --out " in epilogue and " --smoke --commit abc123`" \
+        in epilogue and "# The logits GEMM with the row statistics" not in epilogue
+    assert f"### {gemm_epilogue_probe.SMOKE['shape']}: D=40, V=200, 24 rows" in epilogue
+    variants = 2 + 2 * len(gemm_epilogue_probe.SMOKE["configs"]) * len(gemm_epilogue_probe.launches(3))
+    assert epilogue.count(" | passed |") == variants and "| FAILED |" not in epilogue
+    assert "- the forward row pass in the GEMM's epilogue: (d) " in epilogue
     # the fused path's profile, its smoke shape on the CPU: its operators, in the summary
     assert "## Fused-path profile" in summary and "top-level CPU operator (dry run: not a measurement)" in summary
     # ours' default call by tool: the dry run's shapes are none of the targets' (bench.ours_by_tool)
@@ -130,8 +139,10 @@ def assert_logits_dry_run_results(folder: Path, commit: str) -> None:
     assert f"logits_gpu_check: commit {commit}" in (folder / "logits_gpu_check.log").read_text()
 
 
-# the stages as they run: the fused path's probe and targets right after the kernel tier, the other bench runs last
-RUN_ORDER = (["| kernels", "| probe", f"| bench 1: {gpu_check.BENCH_RUNS[0].name}", "| logits", "| train", "| profile"]
+# the stages as they run: the fused path's probes, targets and profile right after the kernel tier, the logits check
+# and the training after them, the other bench runs last
+RUN_ORDER = (["| kernels", "| probe", "| epilogue", f"| bench 1: {gpu_check.BENCH_RUNS[0].name}", "| profile",
+              "| logits", "| train"]
              + [f"| bench {index}: {run.name}" for index, run in enumerate(gpu_check.BENCH_RUNS[1:], 2)])
 
 
@@ -170,6 +181,32 @@ def test_the_probe_runs_both_target_shapes_at_the_target_size(check, monkeypatch
     assert command[1:3] == ["-m", "bench.fused_probe"] and "--smoke" not in command
     assert " --shapes qwen2.5-7b,qwen2.5-32b --n 16384 --commit abc123" in " ".join(command)
     assert log.name == "bench.log" and limit_s == gpu_check.PROBE_LIMIT_S  # one of the 8 files
+
+
+def test_the_epilogue_probe_runs_both_target_shapes_at_two_chunk_sizes(check, monkeypatch):
+    commands = []
+
+    def run(name, command, log, limit_s):
+        commands.append((name, command, log, limit_s))
+        return gpu_check.Stage(name, command, limit_s, exit_code=0, status="ok")
+    monkeypatch.setattr(check, "run", run)
+    monkeypatch.setattr(check, "dry_run", False)
+    monkeypatch.setattr(check, "commit", "abc123")
+    check.epilogue()
+    ((name, command, log, limit_s),) = commands
+    assert name == "epilogue" and command[1:3] == ["-m", "bench.gemm_epilogue_probe"] and "--smoke" not in command
+    assert " --shapes qwen2.5-7b,qwen2.5-32b --rows 512,2048 --commit abc123" in " ".join(command)
+    assert log.name == "bench.log" and limit_s == gpu_check.EPILOGUE_LIMIT_S  # one of the 8 files
+
+
+def test_the_fused_stages_at_their_limits_leave_the_profile_its_measured_time():
+    """The schedule's worst case (bench/gpu_check.py): the kernel tier, both probes and bench 1 with the probe's pick
+    at their limits, after the setup's second, leave the fused profile the 12 s it took on the H200 at e17ad62, and
+    at least the time a stage needs to be started."""
+    first = (1 + gpu_check.KERNEL_LIMIT_S + gpu_check.PROBE_LIMIT_S + gpu_check.EPILOGUE_LIMIT_S
+             + gpu_check.BENCH_RUNS[0].cap_s + gpu_check.PICKED_CAP_S)
+    assert first + max(12, gpu_check.MIN_STAGE_S) <= gpu_check.DEADLINE_S - gpu_check.SUMMARY_RESERVE_S
+    assert gpu_check.STAGES.index("profile") == gpu_check.STAGES.index("epilogue") + 1
 
 
 @pytest.mark.parametrize("stages, probe_status, ratio, picked", [
@@ -219,7 +256,7 @@ def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
         == ["| kernels"]
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "kernels,benhc", str(tmp_path)])
-    expected = ("--stages: expected a comma list of kernels, probe, logits, train, profile, bench, got "
+    expected = ("--stages: expected a comma list of kernels, probe, epilogue, profile, logits, train, bench, got "
                 "'kernels,benhc'")
     assert expected in capsys.readouterr().err
 
