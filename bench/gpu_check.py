@@ -52,7 +52,6 @@ columns).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -682,23 +681,17 @@ def bench_summary(progress: Path, table: Path) -> list:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-@contextlib.contextmanager
-def stop_on_signals(check: GpuCheck):
-    """Inside the block, SIGTERM (the device tool's timeout for the call, `kill`) and SIGINT (Ctrl+C) only record the
+def stop_on_signals(check: GpuCheck) -> dict:
+    """From here on, SIGTERM (the device tool's timeout for the call, `kill`) and SIGINT (Ctrl+C) only record the
     signal in `check.stopped_by`, and main() ends the check through its normal path: Python's default for SIGTERM ends
     the process without running `finally` blocks, leaving the running stage (a session of its own) on the GPU and the
     clock sampler running, and without the summary. The running stage's wait loop sees the signal within a second and
     stops its process group as at its time limit, no later stage starts (GpuCheck.run), then the sampler is stopped
-    and the summary written. A second signal changes nothing: the stop takes at most _stop_group's 20 s. The previous
-    handlers come back after the block (main() also runs inside pytest)."""
+    and the summary written. A second signal changes nothing: the stop takes at most _stop_group's 20 s. Returns the
+    handlers it replaced, which main() puts back once the summary is written (main() also runs inside pytest)."""
     def record(signum, frame):
         check.stopped_by = check.stopped_by or signal.Signals(signum)
-    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
 
 
 def main(argv=None) -> int:
@@ -726,32 +719,34 @@ def main(argv=None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check = GpuCheck(out, args.dry_run, args.commit, args.deadline)
-    with stop_on_signals(check):
+    replaced = stop_on_signals(check)
+    try:
         check.setup()
-        try:
-            if "kernels" in stages:
-                check.kernels()
-            if "probe" in stages:
-                check.probe()
-            if "epilogue" in stages:
-                check.epilogue()
-            if "bench" in stages:
-                check.bench(range(1, TARGET_RUNS + 1))
-            if "profile" in stages:
-                check.profile()
-            if "logits" in stages:
-                check.logits()
-            if "train" in stages:
-                check.train()
-            if "bench" in stages:
-                check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
-                if not check.stopped_by:  # a stopped check ends without this process: bench.jsonl's rows are listed
-                    check.merge_bench()
-        finally:  # no sampler outlives the check, whatever its stages did
-            check.clocks.stop()
-            check.log(f"clocks: {check.clocks.note}")
+        if "kernels" in stages:
+            check.kernels()
+        if "probe" in stages:
+            check.probe()
+        if "epilogue" in stages:
+            check.epilogue()
+        if "bench" in stages:
+            check.bench(range(1, TARGET_RUNS + 1))
+        if "profile" in stages:
+            check.profile()
+        if "logits" in stages:
+            check.logits()
+        if "train" in stages:
+            check.train()
+        if "bench" in stages:
+            check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
+            if not check.stopped_by:  # a stopped check ends without this process: bench.jsonl's rows are listed
+                check.merge_bench()
+    finally:  # no sampler outlives the check, whatever its stages did, and the summary says what they did
+        check.clocks.stop()
+        check.log(f"clocks: {check.clocks.note}")
         check.write_summary()
-        shutil.rmtree(check.work, ignore_errors=True)
+        for sig, handler in replaced.items():  # from here on a signal ends gpu_check as Python's default does
+            signal.signal(sig, handler)
+    shutil.rmtree(check.work, ignore_errors=True)
     stopped = f" (stopped: gpu_check got {check.stopped_by.name})" if check.stopped_by else ""
     check.log(f"done in {time.monotonic() - check.start:.0f} s{stopped}: {out / 'summary.md'}")
     if check.stopped_by:

@@ -401,6 +401,23 @@ def test_a_signal_to_gpu_check_stops_the_stage_and_the_clocks_and_writes_the_sum
     assert f"(stopped: gpu_check got {name})" in log.splitlines()[-1]
 
 
+def test_main_puts_the_signal_handlers_back_also_after_an_exception(tmp_path, monkeypatch):
+    """main() also runs inside pytest (these tests): the SIGTERM and SIGINT handlers it installs for its stages are
+    the previous ones again when it returns, and when a stage raises; its summary is written either way."""
+    before = {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS}
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", fake_run)
+    assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path / "ok")]) == 0
+    assert {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS} == before
+
+    def kernels(check):
+        raise RuntimeError("a bug in gpu_check")
+    monkeypatch.setattr(gpu_check.GpuCheck, "kernels", kernels)
+    with pytest.raises(RuntimeError, match="a bug in gpu_check"):
+        gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path / "raised")])
+    assert {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS} == before
+    assert (tmp_path / "raised" / "summary.md").exists()
+
+
 def test_no_stage_starts_past_the_deadline(check, tmp_path):
     check.deadline_s = gpu_check.SUMMARY_RESERVE_S
     stage = check.run("late", ["bash", "-c", f"touch {tmp_path / 'ran'}"], tmp_path / "late.log", limit_s=60)
