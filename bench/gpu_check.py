@@ -34,9 +34,11 @@ Then the table merged from the progress file and a summary holding it. From befo
 last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit reasons once a second (bench.gpu_clocks);
 summary.md's stage table gives each stage's share. The files (8, the device tool's limit) under OUT_DIR: summary.md,
 gpu_check.log (environment, wheel install, each stage's command, limit, time, exit, and the training's output),
-kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder), train-metrics.jsonl, bench.log (the probe's, the
-epilogue probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench --merge` reads it) and
-clocks.csv (the samples).
+kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder, the stage's own log in it), train-metrics.jsonl,
+bench.log (the probe's, the epilogue probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench
+--merge` reads it) and clocks.csv (the samples). SIGTERM or SIGINT to gpu_check (the device tool's timeout, kill,
+Ctrl+C) stops the running stage as its time limit would, starts no other, and ends with the sampler stopped and the
+summary written (stop_on_signals), exit 128 + the signal's number.
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
@@ -259,7 +261,8 @@ class Stage:
     limit_s: float
     seconds: float = 0.0
     exit_code: int | None = None
-    status: str = "not run"   # ok | failed | time limit | not run (no time left)
+    status: str = "not run"   # ok | failed | time limit | stopped (SIGTERM or SIGINT) | not run (no time left, or after
+    #                           the signal)
     notes: list = field(default_factory=list)
     began: datetime.datetime | None = None  # local time, as nvidia-smi stamps its samples (bench.gpu_clocks)
     ended: datetime.datetime | None = None
@@ -281,6 +284,7 @@ class GpuCheck:
         self.device = "CPU (dry run)" if dry_run else "no nvidia-smi"
         self.wheels = "none"
         self.pick = Pick(None, "none: the probe did not run")  # the probe's geometry for bench 1 (bench.probe_pick)
+        self.stopped_by: signal.Signals | None = None  # the SIGTERM or SIGINT gpu_check got (stop_on_signals)
         self.clocks = gpu_clocks.ClockSampler(out_dir / "clocks.csv")  # started by setup(), stopped by main()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH")) if p)
@@ -307,6 +311,10 @@ class GpuCheck:
         limit = min(limit_s, self.time_left())
         stage = Stage(name, command, round(limit, 1))
         self.stages.append(stage)
+        if self.stopped_by:
+            stage.notes.append(f"not started: gpu_check got {self.stopped_by.name}")
+            self.log(f"{name}: not started ({self.stopped_by.name})")
+            return stage
         if limit < MIN_STAGE_S:
             stage.notes.append(f"not started: {max(limit, 0):.0f} s left before the deadline")
             self.log(f"{name}: not started ({max(limit, 0):.0f} s left)")
@@ -319,7 +327,7 @@ class GpuCheck:
             handle.flush()
             process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-            while process.poll() is None and time.monotonic() - begin < limit:
+            while process.poll() is None and time.monotonic() - begin < limit and not self.stopped_by:
                 try:  # returns as the stage ends (a short stage costs no more than its own time)
                     process.wait(timeout=1)
                 except subprocess.TimeoutExpired:
@@ -328,8 +336,12 @@ class GpuCheck:
                     _copy(*mirror)
             if process.poll() is None:
                 _stop_group(process)
-                handle.write(f"\n[gpu_check] stopped at the stage's time limit ({limit:.0f} s)\n")
-                stage.status = "time limit"
+                if self.stopped_by:
+                    handle.write(f"\n[gpu_check] stopped: gpu_check got {self.stopped_by.name}\n")
+                    stage.status = f"stopped ({self.stopped_by.name})"
+                else:
+                    handle.write(f"\n[gpu_check] stopped at the stage's time limit ({limit:.0f} s)\n")
+                    stage.status = "time limit"
             else:
                 stage.status = "ok" if process.returncode == 0 else "failed"
             stage.exit_code = process.returncode
@@ -413,11 +425,13 @@ class GpuCheck:
         self.run("epilogue", command, self.out / "bench.log", EPILOGUE_LIMIT_S)
 
     def logits(self) -> None:
-        """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz."""
+        """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz with
+        the stage's log beside it (LOGITS_STAGE_LOG)."""
         folder = self.work / "logits"
+        folder.mkdir()
         command = ["bash", "bench/logits_gpu_check.sh", *(["--dry-run"] if self.dry_run else []), str(folder)]
-        self.run("logits", command, self.work / "logits-stage.log", LOGITS_LIMIT_S)
-        if folder.exists():
+        stage = self.run("logits", command, folder / LOGITS_STAGE_LOG, LOGITS_LIMIT_S)
+        if stage.status != "not run":
             with tarfile.open(self.out / "logits.tar.gz", "w:gz") as tar:
                 tar.add(folder, arcname="logits")
 
@@ -484,7 +498,10 @@ class GpuCheck:
                  f"- started: {self.started_at}; {time.monotonic() - self.start:.0f} s so far",
                  f"- commit: {self.commit or 'not given (--commit)'}",
                  f"- command: `bash bench/gpu_check.sh {' '.join(sys.argv[1:])}`",
-                 f"- clocks: {self.clocks.note}", "", gpu_clocks.LEGEND, "",
+                 f"- clocks: {self.clocks.note}",
+                 *([f"- stopped: gpu_check got {self.stopped_by.name}; the stage then running was stopped with its "
+                    "process group, no later stage started"] if self.stopped_by else []),
+                 "", gpu_clocks.LEGEND, "",
                  "| stage | status | seconds | limit s | exit | " + " | ".join(gpu_clocks.COLUMNS) + " | command |",
                  "|---" * (6 + len(gpu_clocks.COLUMNS)) + "|"]
         samples = gpu_clocks.read_samples(self.clocks.csv)
@@ -599,12 +616,19 @@ def kernel_summary(log: Path) -> list:
     return pytest_summary(log.read_text(encoding="utf-8", errors="replace").splitlines())
 
 
+# the logits stage's own output, packed with the script's folder (the device tool brings back 8 files: no ninth): the
+# script's log (logits_gpu_check.log, which it tees) and what it printed before that began or after it ended (a bash
+# error, gpu_check's note of a stop)
+LOGITS_STAGE_LOG = "logits-stage.log"
+
+
 def logits_summary(folder: Path) -> list:
     """logits_gpu_check.sh's results: the one-node loss's tests, each step's exit, the bench rows (fwd and fwd+bwd
     ms), the host's microseconds table and the profile's wall and idle time per contender."""
     log = folder / "logits_gpu_check.log"
     if not log.exists():
-        return ["(not run)"]
+        return [f"(no logits_gpu_check.log: what the stage printed is {LOGITS_STAGE_LOG} in logits.tar.gz)"
+                if (folder / LOGITS_STAGE_LOG).exists() else "(not run)"]
     from .progress import read_runs
 
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -655,6 +679,22 @@ def bench_summary(progress: Path, table: Path) -> list:
     return lines + (["", *_demoted(table.read_text(encoding="utf-8"))] if table.exists() else [])
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_on_signals(check: GpuCheck) -> dict:
+    """From here on, SIGTERM (the device tool's timeout for the call, `kill`) and SIGINT (Ctrl+C) only record the
+    signal in `check.stopped_by`, and main() ends the check through its normal path: Python's default for SIGTERM ends
+    the process without running `finally` blocks, leaving the running stage (a session of its own) on the GPU and the
+    clock sampler running, and without the summary. The running stage's wait loop sees the signal within a second and
+    stops its process group as at its time limit, no later stage starts (GpuCheck.run), then the sampler is stopped
+    and the summary written. A second signal changes nothing: the stop takes at most _stop_group's 20 s. Returns the
+    handlers it replaced, which main() puts back once the summary is written (main() also runs inside pytest)."""
+    def record(signum, frame):
+        check.stopped_by = check.stopped_by or signal.Signals(signum)
+    return {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bash bench/gpu_check.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT"),
@@ -680,8 +720,9 @@ def main(argv=None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check = GpuCheck(out, args.dry_run, args.commit, args.deadline)
-    check.setup()
+    replaced = stop_on_signals(check)
     try:
+        check.setup()
         if "kernels" in stages:
             check.kernels()
         if "probe" in stages:
@@ -698,13 +739,19 @@ def main(argv=None) -> int:
             check.train()
         if "bench" in stages:
             check.bench(range(TARGET_RUNS + 1, len(BENCH_RUNS) + 1))
-            check.merge_bench()
-    finally:  # no sampler outlives the check, whatever its stages did
+            if not check.stopped_by:  # a stopped check ends without this process: bench.jsonl's rows are listed
+                check.merge_bench()
+    finally:  # no sampler outlives the check, whatever its stages did, and the summary says what they did
         check.clocks.stop()
         check.log(f"clocks: {check.clocks.note}")
-    check.write_summary()
+        check.write_summary()
+        for sig, handler in replaced.items():  # from here on a signal ends gpu_check as Python's default does
+            signal.signal(sig, handler)
     shutil.rmtree(check.work, ignore_errors=True)
-    check.log(f"done in {time.monotonic() - check.start:.0f} s: {out / 'summary.md'}")
+    stopped = f" (stopped: gpu_check got {check.stopped_by.name})" if check.stopped_by else ""
+    check.log(f"done in {time.monotonic() - check.start:.0f} s{stopped}: {out / 'summary.md'}")
+    if check.stopped_by:
+        return 128 + check.stopped_by  # as a shell reports a command that a signal ended: 143 for SIGTERM
     return 0 if all(stage.status == "ok" for stage in check.stages) else 1
 
 

@@ -125,6 +125,9 @@ def grad_of_logits(z, lse, entropy, g_logp, g_entropy, is_target, slope):
     common.rows_receiving_gradient)."""
     log_p = z - lse
     p = tl.exp(log_p)
-    entropy_part = tl.where(p > 0, g_entropy * p * (log_p + entropy), 0.0)
+    # log p is 0 where p is (p log p -> 0): selected before the product, so that a -inf logit (a masked vocabulary)
+    # gives 0 * (0 + H), not 0 * -inf = NaN; a select after the product kept the NaN out of dz too, but formed it
+    # (numpy's "invalid value" warning under the interpreter, which the kernel tier turns into an error)
+    entropy_part = g_entropy * p * (tl.where(p > 0, log_p, 0.0) + entropy)
     dz = tl.where(is_target, g_logp * (1.0 - p), -g_logp * p) - entropy_part
     return tl.where((g_logp != 0) | (g_entropy != 0), dz * slope, 0.0)

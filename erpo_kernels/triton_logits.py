@@ -272,7 +272,7 @@ def _dlogits_row_log2(row_ptr, stride_col, grad_row_ptr, grad_stride_col, target
                       vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
                       BLOCK_V: tl.constexpr, LOG2E: tl.constexpr, FAR_BELOW: tl.constexpr):
     """`_dlogits_row`'s d logits in about half the instructions per logit (a logit's 4 bytes, read and written, leave
-    about 28 at the H200's bandwidth; `grad_of_logits` takes about 27). With p_j = 2^((z_j - lse) log2 e) and
+    about 28 at the H200's bandwidth; `grad_of_logits` takes about 26). With p_j = 2^((z_j - lse) log2 e) and
     c = g_logp + g_H H (a constant of the row), grad_of_logits' dz_j is
         dz_j = -p_j (c + g_H log p_j) + [j = t] g_logp,
     and without the soft-cap d z / d logits = u = logit_scale / temperature is folded into the row's constants:
@@ -395,9 +395,11 @@ class ForwardVariant(NamedTuple):
 # (Liger 0.8.5's forward, without the entropy: 10.8), with 40, 87, 57, 64 and 150 registers (the base-2 loops took
 # one instruction a logit fewer, 9.4 and 8.7, until _fold_block_log2 subtracted the max before its multiply, which
 # made them exact at the max; the timings below are of that earlier loop); the backward loops
-# 26.8 (`_logp_entropy_backward_kernel`) and 15.4 (log2; Liger's: 16.8). A bf16 logit is 2 bytes: at an H200's
-# 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread instructions) a cycle, about 14 a
-# logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops are over that budget.
+# 26.8 (`_logp_entropy_backward_kernel`; 25.8 with 30 registers, not 32, since 2026-11-27, when grad_of_logits
+# selected log p before its product instead of the product after it) and 15.4 (log2; Liger's: 16.8). A bf16 logit
+# is 2 bytes: at an H200's 4.8 TB/s an SM gets about 9 a cycle and issues 4 warp instructions (128 thread
+# instructions) a cycle, about 14 a logit (28 in the backward, which moves 4 bytes a logit): the shifted forward loops
+# are over that budget.
 # Measured on one H200 (2026-11-25, commit fd4ea16, bf16, `python -m bench --n 4096,16384,65536 --budget 2
 # --contenders erpo,erpo-warp,erpo-warp-1024`, in bench/gpu_check.sh's bench stage), fwd / fwd+bwd ms:
 #   N=4096   block 1.15 / 2.01, warp 1.08 / 2.40, warp-1024 1.09 / 2.06

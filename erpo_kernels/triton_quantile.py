@@ -34,8 +34,10 @@ def _masked_quantile_kernel(sorted_ptr, kind_ptr, values_ptr, out_ptr, num_rows,
     rank = clamp(q * (count - 1).to(tl.float32), 0.0, None)  # count = 0: rank 0 (the result is NaN below)
     below = rank.to(tl.int64)  # floor: rank >= 0
     above = tl.where(below.to(tl.float32) < rank, below + 1, below)  # ceil
-    start = tl.load(sorted_ptr + below)
-    end = tl.load(sorted_ptr + above)
+    # an empty pool would read two of the +inf the other rows sort to, and end - start would form inf - inf: 0 instead
+    # (its result is the NaN of `undefined` below either way)
+    start = tl.where(count > 0, tl.load(sorted_ptr + below), 0.0)
+    end = tl.where(count > 0, tl.load(sorted_ptr + above), 0.0)
     weight = rank - below.to(tl.float32)
     # torch.lerp's two branches, each one fused multiply-add as torch's compiled lerp is (an fp32 product is exact in
     # fp64, so the fp64 sum rounded to fp32 is that fma: the same bits under the interpreter and on a GPU)

@@ -3,10 +3,12 @@ every stage's results into at most 8 files; a stage past its time limit is stopp
 starts past the deadline; on a GPU (here a fake nvidia-smi) the clocks are sampled from the first stage to the last
 and stopped whatever the stages did. The dry run's logits stage is CI's one run of `bash bench/logits_gpu_check.sh
 --dry-run`: its results are checked here."""
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -98,6 +100,10 @@ def test_dry_run_writes_each_stages_results(tmp_path):
                 "logits/bench/results.md"} <= set(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")
     assert_logits_dry_run_results(tmp_path / "unpacked" / "logits", commit="abc123")
+    # the stage's own log beside the script's: its command, then all the script printed
+    stage_log = (tmp_path / "unpacked" / "logits" / gpu_check.LOGITS_STAGE_LOG).read_text()
+    assert stage_log.startswith("$ bash bench/logits_gpu_check.sh --dry-run ") and "logits_gpu_check: commit abc123" \
+        in stage_log
     logits = summary[summary.index("## Logits check"):summary.index("## Training")]
     assert "- not run (the dry run has none)" in logits
     assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
@@ -323,6 +329,95 @@ def test_the_clocks_are_sampled_over_the_lease_and_stopped_whatever_the_stages_d
     assert cells[5:9] == ["1755", "1755", "58", "612"] and re.fullmatch(r"sw power cap \((\d+) of \1\)", cells[9])
 
 
+# gpu_check in a process of its own (what the device tool or a user signals): its kernel stage a shell whose child
+# sleeps, which writes that child's pid once started; the training stage a command that leaves a file if it starts;
+# no wheels; the fake nvidia-smi's loop ten samples a second (test_gpu_clocks.fake_smi)
+SIGNALLED_CHECK = """
+import sys
+from pathlib import Path
+from bench import gpu_check, gpu_clocks
+
+def kernels(check):
+    script = "sleep 600 & echo $! > {child}.tmp && mv {child}.tmp {child}; wait"
+    check.run("kernels", ["bash", "-c", script], check.out / "kernel-tests.log", limit_s=300)
+
+def train(check):
+    check.run("train", ["touch", {trained!r}], check.out / "gpu_check.log", limit_s=300)
+
+gpu_check.GpuCheck.kernels, gpu_check.GpuCheck.train = kernels, train
+gpu_check.WHEELS = Path({no_wheels!r})
+gpu_clocks.INTERVAL_MS = 100
+sys.exit(gpu_check.main(["--stages", "kernels,train", {out!r}]))
+"""
+
+
+def wait_for_pid(path: Path, process: subprocess.Popen, seconds: float = 60) -> int:
+    """The pid a process writes into `path` (whole: the writer renames it into place, or writes a few bytes at once),
+    once it is there; fails if `process` (the one that starts the writer) ends first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists() and path.read_text().strip().isdigit():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"no pid in {path} (gpu_check's exit: {process.poll()})")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_gpu_check_stops_the_stage_and_the_clocks_and_writes_the_summary(tmp_path, monkeypatch, signum):
+    """SIGTERM (the device tool's timeout, kill) or SIGINT (Ctrl+C) to gpu_check while a stage runs: the stage's
+    process group (a session of its own, which the signal does not reach) is stopped, no later stage starts, the clock
+    sampler is stopped, the summary says so, and gpu_check exits 128 + the signal's number, as a shell reports it.
+    Python's default would end it on SIGTERM without its `finally`, leaving the stage's child and nvidia-smi running."""
+    from test_gpu_clocks import fake_smi
+
+    smi = fake_smi(tmp_path / "bin", monkeypatch)
+    out, child, trained = tmp_path / "out", tmp_path / "child.pid", tmp_path / "trained"
+    script = SIGNALLED_CHECK.format(child=child, trained=str(trained), no_wheels=str(tmp_path / "no-wheels"),
+                                    out=str(out))
+    with open(tmp_path / "gpu_check.out", "w") as output:
+        process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
+    pids = []
+    try:
+        pids = [wait_for_pid(child, process), wait_for_pid(smi / "smi.pid", process)]  # the stage and the sampler run
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 128 + signum, (tmp_path / "gpu_check.out").read_text()[-3000:]
+        assert gone_within(pids[0], seconds=10)  # the stage's child, with its group
+        assert gone_within(pids[1], seconds=1)   # the sampler was stopped and waited for before gpu_check ended
+    finally:  # nothing left behind if the test fails
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+    name = signal.Signals(signum).name
+    assert (out / "kernel-tests.log").read_text().endswith(f"\n[gpu_check] stopped: gpu_check got {name}\n")
+    assert not trained.exists()
+    summary = (out / "summary.md").read_text()
+    assert f"- stopped: gpu_check got {name}; the stage then running was stopped" in summary
+    assert re.search(rf"^\| kernels \| stopped \({name}\) \| \d+ \| 300 \| -?\d+ \| ", summary, re.M), summary
+    assert "| train | not run |" in summary and f"- train: not started: gpu_check got {name}" in summary
+    log = (out / "gpu_check.log").read_text()
+    assert re.search(r"clocks: sampled every 100 ms .*; \d+ samples, the loop's exit ", log), log  # stop() ran
+    assert f"(stopped: gpu_check got {name})" in log.splitlines()[-1]
+
+
+def test_main_puts_the_signal_handlers_back_also_after_an_exception(tmp_path, monkeypatch):
+    """main() also runs inside pytest (these tests): the SIGTERM and SIGINT handlers it installs for its stages are
+    the previous ones again when it returns, and when a stage raises; its summary is written either way."""
+    before = {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS}
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", fake_run)
+    assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path / "ok")]) == 0
+    assert {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS} == before
+
+    def kernels(check):
+        raise RuntimeError("a bug in gpu_check")
+    monkeypatch.setattr(gpu_check.GpuCheck, "kernels", kernels)
+    with pytest.raises(RuntimeError, match="a bug in gpu_check"):
+        gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path / "raised")])
+    assert {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS} == before
+    assert (tmp_path / "raised" / "summary.md").exists()
+
+
 def test_no_stage_starts_past_the_deadline(check, tmp_path):
     check.deadline_s = gpu_check.SUMMARY_RESERVE_S
     stage = check.run("late", ["bash", "-c", f"touch {tmp_path / 'ran'}"], tmp_path / "late.log", limit_s=60)
@@ -434,6 +529,15 @@ def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_sto
                                                 "sec exceeded (after every collected test had run)")
     assert gpu_check.pytest_summary(["....", "[gpu_check] stopped at the stage's time limit (210 s)"]) == [
         "- result: no result line (stopped?)"]
+
+
+def test_the_logits_summary_points_to_the_stage_s_log_where_the_script_s_is_missing(tmp_path):
+    """A logits stage whose script wrote no log of its own (it failed before its log began, or was stopped then): the
+    summary sends the reader to the stage's log in logits.tar.gz, and says "not run" only where neither exists."""
+    assert gpu_check.logits_summary(tmp_path) == ["(not run)"]
+    (tmp_path / gpu_check.LOGITS_STAGE_LOG).write_text("$ bash bench/logits_gpu_check.sh\nsyntax error\n")
+    assert gpu_check.logits_summary(tmp_path) == [
+        f"(no logits_gpu_check.log: what the stage printed is {gpu_check.LOGITS_STAGE_LOG} in logits.tar.gz)"]
 
 
 def test_a_deadline_too_short_for_one_stage_is_refused(tmp_path, capsys):
