@@ -5,9 +5,10 @@ Stages, most wanted first, each a subprocess in its own process group under its 
 at the limit, so a slow stage cannot take the next one's time), each writing its results as it goes:
 
 1. kernels: the kernel test tier (`tests/kernels`) on CUDA with pytest-xdist workers, its slowest files first and its
-   cpu_only tests (on the CPU whatever the machine: CI runs them) left out, every test's duration and the failures'
-   one-line messages; pytest-timeout (in the GPU image) stops a hung test, and its session timeout starts no test
-   late, so that the tier ends with its result line inside the stage's limit.
+   cpu_only tests (on the CPU whatever the machine: the interpreter's runs and the sm_90 compile checks; CI runs
+   them) left out, every test's duration and the failures' one-line messages; pytest-timeout (in the GPU image)
+   stops a hung test, and its session timeout starts no test late, so that the tier ends with its result line inside
+   the stage's limit.
 2. probe: `python -m bench.fused_probe` at N=16384 on the Qwen2.5-7B and 32B lm_heads: ours on the fused path under
    each variant (chunk rows, group rows, workspace, host layout), one group's d hidden and d weight GEMMs at each
    group size; its rows say which group geometry is fastest in the 1 GiB default. Its report is copied into
@@ -22,8 +23,8 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
 5. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
    kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
    gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
-6. logits: `bash bench/logits_gpu_check.sh` (the one-node loss's tests on CUDA, the logits bench of ours and Liger,
-   the host's microseconds, the kernel tables), its folder packed into one file.
+6. logits: `bash bench/logits_gpu_check.sh` (the logits bench of ours and Liger, the host's microseconds, the kernel
+   tables; the one-node loss's tests run in the kernel tier), its folder packed into one file.
 7. train: `erpo train`, the built-in tiny default, for 20 rollout steps on CUDA with the plain-torch updater
    (DeepSpeed, which trainer.updater=auto picks on CUDA, is not in the GPU image).
 8. bench 2 and on: the other `python -m bench` runs, most wanted first. Every bench run appends to one --progress
@@ -84,51 +85,51 @@ KERNEL_TIER = "tests/kernels"
 # peers get what the measured stages leave.
 # The kernel tier's schedule comes from its durations on the H200 lease of 2026-11-27 at e17ad62 (bench/measured/
 # h200-2026-11-27-e17ad62/kernel-tests.log, --durations; 12 workers, then 90 s a test: 1 failed, 1014 passed,
-# 2 skipped of 1036 in 173 s, 19 never started). xdist's loadfile gives a worker a whole file, and xdist 3.8 hands out
-# the files with the most tests first, so the three slowest files, which hold few tests, started last: the sm_90
-# compile checks (3 tests, 122 s: the logits one stopped at 90 s, 30 s alone right after, its Triton cache then warm),
-# the bench smoke (its run, a module fixture: 132 s) and bench.host_cost's runs (74 s), which outlasted the session.
-# So: the tests that run ours on the CPU in Triton's interpreter whatever the machine (the bench smoke's run,
-# bench.host_cost's, one interpreter check: 211 s of the tier there) are cpu_only, run by CI, left out here
-# (KERNEL_MARKS), and with them the CPU they took from the compile checks (the smoke's Inductor builds among it);
-# the two compile checks are a file each (test_compile_hopper.py, test_compile_hopper_fused.py) and start first, on
-# two workers, the other slow files after them (KERNEL_FILES_FIRST, the command line's order, which
-# --no-loadscope-reorder, new in xdist 3.8.0, keeps). The tier then lasts about as long as the logits compile check
-# (cold: about 47 s of CPU on this project's CPU, more than 90 s there beside 11 workers), if the rest fits beside it:
-# the 993 other tests left (the pipelined chunk loop's have gone since) took 366 s there in their 158 tests of 1 s
-# or more, besides 835 tests under 1 s (the log lists none of them: at an assumed 0.1 s each, 449 s in all).
-KERNEL_WORKERS = 10         # pytest-xdist processes sharing the GPU and the machine's 16 cores: with the compile checks
-#                             on 2 of them, the other 449 s on 9 take about 50 s, but one file cannot be shared:
-#                             test_objective_kernels.py, about 74 s in all, which starts right after the checks.
-#                             Handing these files' times out in this order, all but the logits check end by 74 s on 8
-#                             to 12 workers, under that check (2026-11-27: more than 90 s). So 10: 2
-#                             CPU-bound processes fewer beside the logits check than 2026-11-27's 12, no later end.
-#                             (The H100's runs of 2026-11-26, in xdist's own order: 4 workers passed 150 s at about
-#                             95 % of the tier, 6 took 187 s.)
-KERNEL_TEST_TIMEOUT_S = 40  # one test (pytest-timeout), so that one hung test does not cost the tier: the slowest test
-#                             left but the compile checks took 16.5 s there (test_logits_loss_node's compiled one);
-#                             the compile checks carry their own mark (tests/support/compile_check.py: 130 s)
-KERNEL_SESSION_S = 150      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
-#                             result line and failures (the 4-worker run, killed at its limit, printed neither). A test
-#                             still running then makes xdist report the tier interrupted even when no test is left, so
-#                             every test should end before it: the compile checks start once the tier is collected
-#                             (8.5 s of the session's clock on this project's loaded 2-core CPU: pytest-timeout starts
-#                             it after the imports) and stop at their 130 s
-KERNEL_LIMIT_S = 210        # the session's 150 s (from the workers' start), a test started then stopped at its 40 s,
-#                             and the report (today's limit: the bench stages need the rest of the deadline)
+# 2 skipped of 1036 in 173 s of pytest's clock, 181 s of the stage, 19 tests never started). Its tests of 1 s or more
+# took 726 s there, of which 332 s ran on the CPU whatever the machine: the bench smoke's run (a module fixture,
+# 132 s), bench.host_cost's runs (64 s) and one interpreter check (15 s), in Triton's interpreter, and the two sm_90
+# compile checks (122 s: the logits one stopped at 90 s), a cross-compile with the Triton 3.6 CI installs. A GPU
+# adds nothing to them, so they are cpu_only (pytest.ini), which CI runs and this tier leaves out (KERNEL_MARKS): the
+# CUDA tests compile every kernel they launch for the device itself, with the image's ptxas (torch's, CUDA 13.0; the
+# compile checks passed on the image as in CI, H200 2026-11-26 and H100 at 60b3625, and the base-2 loop's SASS count
+# is the same with that ptxas as with Triton's 12.8: CHANGELOG.md). The pipelined chunk loop's 28 s have gone since.
+# Left: 366 s in the 158 tests of 1 s or more, the slowest file test_objective_kernels.py's 68 s (all measured
+# there, beside the CPU-bound runs now left out), and, not yet timed on a GPU (estimates): about 880 tests under 1 s
+# at an assumed 0.1 s each (88 s), test_model_families.py (37 tests, about 40 s), the fp32 d hidden's 16 CUDA cases
+# at V = 152064 (about 30 s) and the GEMM epilogue probe's 20 (about 25 compiles, about 25 s): about 550 s of
+# workers' time in all, an estimate.
+KERNEL_WORKERS = 10         # pytest-xdist processes sharing the GPU and the machine's 16 cores: the estimated 550 s on
+#                             10 take about 55 s, under the slowest file's 68 s (loadfile gives a file to one worker),
+#                             which then ends the tier; on 8 about 69 s, no margin; more workers end no earlier and
+#                             add CPU contention (each compiles and launches on the host). (The H100's runs of
+#                             2026-11-26, in xdist's own order: 4 workers passed 150 s at about 95 % of the tier, 6
+#                             took 187 s.)
+KERNEL_TEST_TIMEOUT_S = 40  # one test (pytest-timeout), so that one hung test does not cost the tier: the slowest CUDA
+#                             test took 16.5 s there (test_logits_loss_node's compiled one); some new ones not yet timed
+KERNEL_SESSION_S = 100      # pytest-timeout's --session-timeout: no test starts later, and the tier ends with its
+#                             result line and failures (the 4-worker run, killed at its limit, printed neither). The
+#                             tier should end by about 80 s of its clock (an estimate: the workers' start, about 10 s,
+#                             then the slowest file's 68 s, the slowest files starting first); 100 s leaves about a
+#                             quarter more for the estimate. A test still running at the session's end makes xdist
+#                             report the tier interrupted: the tests not started then are counted in summary.md
+KERNEL_LIMIT_S = 160        # the session's 100 s, a test started then stopped at its 40 s, and 20 s for the report
+#                             and the workers' exit. Expected: about 90 s (an estimate: pytest's 80 s and the stage's
+#                             8 s beyond pytest's clock at e17ad62), 90 s less than e17ad62's 181
 KERNEL_MARKS = "not cpu_only"  # pytest -m: the tests that run on the CPU whatever the machine stay CI's (pytest.ini)
-KERNEL_FILES_FIRST = (      # the files that start first, slowest first (there, their tests of 1 s or more); the others
-#                             follow, sorted
-    "test_compile_hopper.py",         # the logits kernels' compile check: stopped at 90 s
-    "test_compile_hopper_fused.py",   # the fused kernels': 32 s
+KERNEL_FILES_FIRST = (      # the files that start first, slowest first (at e17ad62, their tests of 1 s or more; the
+#                             files not yet timed by an estimate); the others follow, sorted
     "test_objective_kernels.py",      # 68 s
     "test_logits_loss_node.py",       # 62 s
-    "test_fused_linear_loss.py",      # 44 s
+    "test_fused_linear_loss.py",      # 44 s, and d hidden in fp32's cases since
     "test_model_families.py",         # not yet timed on a GPU: 37 tests that compile the kernels for four families'
-    #                                   options (17 s in the CPU interpreter), one worker's file: started early
+    #                                   options (17 s in the CPU interpreter): about 40 s, an estimate
     "test_compile.py",                # 38 s
+    "test_dhidden_rounding.py",       # not yet timed on a GPU: 16 cases at V = 152064, an fp32 weight of up to 2.2 GB
+    #                                   drawn and a float64 product each: about 30 s, an estimate
     "test_padded.py",                 # 27 s
-    "test_triton_logits.py",          # 25 s: the last of them alphabetically, so not left to end the tier
+    "test_gemm_epilogue_probe.py",    # not yet timed on a GPU: about 25 small GEMM compiles: about 25 s, an estimate
+    "test_triton_logits.py",          # 25 s
+    "test_logit_transforms.py",       # 15 s: the last of them, so that no file of 15 s or more is left to end the tier
 )
 PROBE_LIMIT_S = 55          # bench.fused_probe, both shapes: measured 42 s (the H200 at e17ad62, 15 variants and a
 #                             third part; bench/measured/h200-2026-11-27-e17ad62/), plus about a fifth; its 11
@@ -153,8 +154,10 @@ PICKED_CAP_S = 20           # bench 1's cap grows by this when the probe picks a
 #                             the first lost at the plain cap (whole: a case's contenders are timed in turns and its
 #                             rows written when it ends). The deadline stays 570 s; what the pick takes comes from the
 #                             stages after bench 1 (the schedule's comment below)
-LOGITS_LIMIT_S = 100        # logits_gpu_check.sh measured about 85 s (b8b4a78: the call's 435 s less gpu_check's 350 s)
-#                             and 70 s (60b3625): the larger plus about a fifth
+LOGITS_LIMIT_S = 80         # logits_gpu_check.sh measured 84 s (the H200 at e17ad62), about 85 s (b8b4a78: the call's
+#                             435 s less gpu_check's 350 s) and 70 s (60b3625), each with the one-node loss's tests,
+#                             which the kernel tier runs whole now (16 s by pytest's clock at e17ad62): about 68 s, an
+#                             estimate, plus about a fifth
 TRAIN_LIMIT_S = 70          # measured 57 s (b8b4a78) and 45 s (60b3625)
 TRAIN_STEPS = 20
 PROFILE_LIMIT_S = 25        # measured 12 s for ours twice (the H200 at e17ad62), 16 s (b8b4a78) and 12 s (60b3625)
@@ -174,14 +177,17 @@ TARGET_RUNS = 1
 # (about 20 s, an estimate: another branch's), 50 s that the lease did not have. The fused path's open questions come
 # first (its targets, its geometry, the epilogue, where its time goes); of the rest, the least informative go last:
 # the logits path met its targets on two leases (bench/RESULTS.md) and the training stage passed on three, so the
-# profile now runs right after bench 1, the logits check after it and the training last. At those times: setup 1 +
-# kernels 181 + probe 42 + epilogue 30 + bench 1 178 + profile 12 = 444 s, then the logits check whole (84 s: 528 s)
-# and 17 s left for the training (56 s measured, its first step at about 25 s: started and stopped), or none with the
-# probe's pick (16 s more in bench 1: the logits check ends at 544 s). Where the kernel tier, the probes and bench 1
-# run to their limits instead (1 + 210 + 55 + 40 + 200 = 506 s, 526 with the pick), the profile fits (12 s) and the
-# logits check gets 27 s (its node tests and part of its bench) or, with the pick, is not started (7 s left): the
-# most wanted work first. The limits are each stage's measured time plus about a fifth, no more (an estimate's more),
-# so that a hung stage costs the later ones as little as it can.
+# profile now runs right after bench 1, the logits check after it and the training last. The kernel tier now leaves
+# its CPU-bound tests and the sm_90 compile checks to CI (KERNEL_WORKERS' comment): about 90 s instead of 181 (an
+# estimate), and the logits check no longer runs the one-node loss's tests, which the tier runs whole: about 68 s
+# instead of 84 (84 less their 16 s by pytest's clock, an estimate). At those times: setup 1 + kernels 90 + probe 42
+# + epilogue 30 + bench 1 178 + profile 12 = 353 s, then the logits check (68 s: 421 s) and the training whole (56 s:
+# 477 s), and 68 s left for bench 2 on (torch.compile on the logits path: 19 s at 60b3625; then bench 3's first
+# rows), 52 s with the probe's pick (16 s more in bench 1). Where the kernel tier, the probes and bench 1 run to their
+# limits instead (1 + 160 + 55 + 40 + 200 = 456 s, 476 with the pick), the profile fits (at its limit, 25 s: 481 s)
+# and the logits check gets 64 s of its 80 (44 s with the pick), the training none: the most wanted work first. The
+# limits are each stage's measured time plus about a fifth, no more (an estimate's more), so that a hung stage costs
+# the later ones as little as it can.
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 # pytest's one-line failure messages are cut to the terminal's width (80 columns in a pipe): wide enough for a message
 WIDE_COLUMNS = "300"
@@ -623,8 +629,8 @@ LOGITS_STAGE_LOG = "logits-stage.log"
 
 
 def logits_summary(folder: Path) -> list:
-    """logits_gpu_check.sh's results: the one-node loss's tests, each step's exit, the bench rows (fwd and fwd+bwd
-    ms), the host's microseconds table and the profile's wall and idle time per contender."""
+    """logits_gpu_check.sh's results: each step's exit, the bench rows (fwd and fwd+bwd ms), the host's microseconds
+    table and the profile's wall and idle time per contender."""
     log = folder / "logits_gpu_check.log"
     if not log.exists():
         return [f"(no logits_gpu_check.log: what the stage printed is {LOGITS_STAGE_LOG} in logits.tar.gz)"
@@ -632,9 +638,7 @@ def logits_summary(folder: Path) -> list:
     from .progress import read_runs
 
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    ran_tests = _result_lines(lines) or any(line.startswith("node tests: exit") for line in lines)
-    summary = ["Node tests:", *(pytest_summary(lines) if ran_tests else ["- not run (the dry run has none)"]), ""]
-    summary += [f"- {line}" for line in lines if re.match(r"[\w ]+: exit \d+$", line)]
+    summary = [f"- {line}" for line in lines if re.match(r"[\w ]+: exit \d+$", line)]
     summary += [f"- profile: {line}" for line in lines if re.match(r"[\w.-]+: wall \d+ us", line)]
     progress = folder / "logits.jsonl"
     if progress.exists():

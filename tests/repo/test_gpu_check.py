@@ -105,7 +105,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert stage_log.startswith("$ bash bench/logits_gpu_check.sh --dry-run ") and "logits_gpu_check: commit abc123" \
         in stage_log
     logits = summary[summary.index("## Logits check"):summary.index("## Training")]
-    assert "- not run (the dry run has none)" in logits
+    assert "Node tests" not in logits  # the one-node loss's tests run in the kernel tier, not in logits_gpu_check.sh
     assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
     assert "| phase (host us per fwd+bwd, median) | erpo | liger |" in logits
     assert "- profile: erpo: wall " in logits
@@ -462,8 +462,6 @@ def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypa
     """On the GPU image (pytest-timeout 2.5.0, pytest-xdist 3.8.0): the tier's workers, each test's limit and the
     session's, which ends the tier with its result line before the stage's own limit kills it; its cpu_only tests
     left out, every file of the tier given, the slowest first, in an order xdist keeps."""
-    from compile_check import COMPILE_TIMEOUT_S
-
     commands = []
     monkeypatch.setattr(check, "run", lambda name, command, log, limit_s: commands.append((command, limit_s)))
     monkeypatch.setattr(check, "dry_run", False)
@@ -482,10 +480,8 @@ def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypa
     assert files[:len(first)] == first
     assert sorted(files) == sorted(f"tests/kernels/{path.name}" for path in (REPO / "tests/kernels").glob("test_*.py"))
     # a test started as the session ends (its clock starts in each worker, after the imports), stopped at its limit,
-    # leaves time for the report; the compile checks, which start once the tier is collected (8.5 s here) and carry
-    # their own limit, end inside the session (a test still running then makes xdist report the tier interrupted)
+    # leaves time for the report
     assert gpu_check.KERNEL_SESSION_S + gpu_check.KERNEL_TEST_TIMEOUT_S + 15 <= gpu_check.KERNEL_LIMIT_S
-    assert COMPILE_TIMEOUT_S + 15 <= gpu_check.KERNEL_SESSION_S
     assert check.env["COLUMNS"] == gpu_check.WIDE_COLUMNS  # the failures' messages uncut
     commands.clear()
     versions["pytest-xdist"] = (3, 7)  # before --no-loadscope-reorder: xdist's own order, the tier still whole
@@ -504,6 +500,31 @@ def test_the_files_first_exist_and_the_bench_smoke_run_stays_off_the_gpu():
     smoke_tests = {node.name: {ast.unparse(mark) for mark in node.decorator_list} for node in tree.body
                    if isinstance(node, ast.FunctionDef) and "smoke" in [arg.arg for arg in node.args.args]}
     assert len(smoke_tests) >= 8 and all("pytest.mark.cpu_only" in marks for marks in smoke_tests.values())
+
+
+def test_the_tier_leaves_the_cpu_work_to_ci_and_starts_its_slowest_cuda_files_first():
+    """The tier's tests as the lease's command selects them (`-m KERNEL_MARKS` on kernel_files()): none of the sm_90
+    compile checks (a cross-compile on the CPU whatever the machine, 122 s of the H200's tier at e17ad62: CI runs
+    them), while each file that starts first holds tests that run there, and kernel_files() gives those files first,
+    in KERNEL_FILES_FIRST's order, then every other file once."""
+    env = dict(os.environ, TRITON_INTERPRET="1")  # collected as CI collects it, on a machine with a GPU too
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                           gpu_check.KERNEL_MARKS, *gpu_check.kernel_files()], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    selected = {}
+    for line in done.stdout.splitlines():
+        if "::" in line:
+            path = line.split("::")[0]
+            selected[path] = selected.get(path, 0) + 1
+    compile_checks = sorted(path.relative_to(REPO).as_posix()
+                            for path in (REPO / "tests/kernels").glob("test_compile_hopper*.py"))
+    assert len(compile_checks) == 2 and not set(compile_checks) & set(selected), selected
+    first = [f"tests/kernels/{name}" for name in gpu_check.KERNEL_FILES_FIRST]
+    assert all(selected.get(path, 0) > 0 for path in first), {path: selected.get(path, 0) for path in first}
+    files = gpu_check.kernel_files()
+    assert files[:len(first)] == first and len(set(files)) == len(files)
+    assert set(selected) < set(files)  # every file whose tests run on CUDA is in the command
 
 
 def test_the_kernel_summary_names_each_failure_with_its_message_and_an_early_stop():
