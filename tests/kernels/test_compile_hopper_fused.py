@@ -1,6 +1,6 @@
 """The fused path's kernels compile for sm_90 (H100/H200) with the Triton that CI installs: a file of its own, beside
-the logits path's (test_compile_hopper.py), so that xdist's loadfile runs the two compile scripts on two workers at
-once (the GPU lease's kernel tier, bench/gpu_check.py)."""
+the logits path's (test_compile_hopper.py), so that a parallel run (pytest-xdist's loadfile) can run the two compile
+scripts on two workers at once."""
 import re
 
 import pytest

@@ -22,15 +22,14 @@ from launch_counts import watched_launches
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100/H200
-# pytest-timeout's limit on a test that runs a compile script (the test_compile_hopper files' mark, over the GPU
-# lease's 40 s --timeout): CPU-bound work in one process (Triton's passes, ptxas), slow on a cold Triton cache (a
-# lease's machine starts with one), slower beside other busy workers. The logits script, on this project's shared
-# 2-core CPU (2026-11-27, nice 5, load about 6): 76 s with a cold cache (47 s of CPU, pytest's start included), 28 s
-# with a warm one, 81 s cold beside the fused script under the GPU tier's flags on 2 xdist workers (passing there
-# under this mark). On the GPU lease's hosts beside 11 other workers: 63 s (H100, 2026-11-26) and more than 90 s
-# (H200, 2026-11-27, stopped by the tier's 90 s then; 30 s alone right after, its cache by then partly warm). 130 s
-# is about 2.8 times its cold CPU time here, and ends a check that starts when the tier is collected
-# (bench/gpu_check.py starts these files first) inside the tier's 150 s session.
+# pytest-timeout's limit on a test that runs a compile script (the test_compile_hopper files' mark; CI runs them, the
+# GPU lease's tier leaves them out since 2026-11-27: cpu_only): CPU-bound work in one process (Triton's passes,
+# ptxas), slow on a cold Triton cache (a lease's machine starts with one), slower beside other busy workers. The
+# logits script, on this project's shared 2-core CPU (2026-11-27, nice 5, load about 6): 76 s with a cold cache (47 s
+# of CPU, pytest's start included), 28 s with a warm one, 81 s cold beside the fused script under the GPU tier's flags
+# on 2 xdist workers (passing there under this mark). On the GPU lease's hosts beside 11 other workers: 63 s (H100,
+# 2026-11-26) and more than 90 s (H200, 2026-11-27, stopped by the tier's 90 s then; 30 s alone right after, its cache
+# by then partly warm). 130 s is about 2.8 times its cold CPU time here.
 COMPILE_TIMEOUT_S = 130
 
 
