@@ -89,7 +89,7 @@ def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     a group's rows of hidden (the Triton matmul tutorial's swizzle)."""
     per_group = GROUP_M * tiles_n
     first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)  # drops NaN: none, tile counts are integers
     within = tile % per_group
     return first_m + within % group_rows, within // group_rows
 
@@ -209,7 +209,7 @@ def _combine_kernel(stats_ptr, logits_ptr, logits_stride, targets_ptr, logp_ptr,
     tile_max = tl.load(stats, mask=inside, other=_LSE_FLOOR)
     sum_exp = tl.load(stats + 1, mask=inside, other=0.0)
     sum_exp_shifted = tl.load(stats + 2, mask=inside, other=0.0)
-    row_max = tl.max(tile_max, axis=0)
+    row_max = tl.max(tile_max, axis=0)  # drops NaN: a NaN logit's tile carries it in s and u, so in S and lse
     offset = tile_max - row_max
     scale = tl.exp(offset)
     total = tl.sum(scale * sum_exp, axis=0)

@@ -182,6 +182,26 @@ def test_the_same_launches_and_host_reads_and_the_same_bits_twice(small_blocks, 
     assert all(torch.equal(first, second) for first, second in zip(results[1], results[2]))
 
 
+# the interpreter's tl.max is numpy's nanmax, which warns on the NaN row's tiles (compiled, the max skips NaN silently)
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_a_nonfinite_padding_row_poisons_nothing_with_the_option(small_blocks, monkeypatch, device):
+    """A padding row (kind 0, target -100) of NaN hidden state: its statistics NaN, the merge's max skipping NaN but
+    its sums not; the loss finite, every gradient the same as with that row zeroed, and exact zeros in its d hidden."""
+    batch = packed_batch(SAMPLES, device)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16, device)
+    padding = int((batch["token_kind"] == 0).nonzero()[2])
+    results = []
+    for filler in (0.0, float("nan")):
+        h = hidden.clone()
+        h[padding] = filler
+        out, grads = run(batch, (h, weight, bias), "triton", 6, True, monkeypatch)
+        assert torch.isfinite(out.loss)
+        results.append(grads)
+    for clean, got in zip(*results):
+        assert torch.equal(got, clean)
+    assert torch.all(results[1][0][padding] == 0)
+
+
 def test_the_torch_backend_ignores_the_option(monkeypatch, device):
     """The torch backend, the oracle, keeps cuBLAS and its row pass with the option on: the same bits."""
     batch = packed_batch(SAMPLES[:4], device)
