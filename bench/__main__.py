@@ -34,6 +34,7 @@ def parse_args(argv):
                              "(logits path: ours with one of the forward kernel's variants, "
                              "triton_logits.FORWARD_VARIANTS), erpo-ws2g (fused path: workspace_bytes=2 GiB), "
                              "erpo-dh32 (fused path: d hidden held in fp32), "
+                             "erpo-epi (fused path: the forward row pass in the logits GEMM's epilogue), "
                              "erpo-geom-ROWS[-GROUP] (fused path: chunk rows, group rows, e.g. erpo-geom-256-2304), "
                              "erpo-invariant (fused path: batch_invariant=True), "
                              "torch, compile, liger, cce (default: erpo, erpo-invariant, torch, compile, liger, cce)")

@@ -35,7 +35,7 @@ from .problem import Problem
 ERPO_OPTIONS = {"qkl_coef": 0.01, "clip_low": 0.2, "clip_high": 0.2}
 LOG_RATIO_CLAMP = 20.0  # API.md default; the plain formula needs it spelled out
 CONTENDER_KEYS = ("erpo", "erpo-block", "erpo-warp", "erpo-warp-1024", "erpo-log2", "erpo-log2-2048", "erpo-ws2g",
-                  "erpo-dh32", "erpo-invariant", "torch", "compile", "liger", "cce")
+                  "erpo-dh32", "erpo-epi", "erpo-invariant", "torch", "compile", "liger", "cce")
 # erpo-ws2g's workspace_bytes: twice the library's default, a budget a user with the memory may set (erpo's
 # trainer.loss_workspace_mib, ERPOConfig.loss_workspace_mib); bench/measured/h100-2026-11-26-55b63b0/ has the curve
 WS2G_BYTES = 2 << 30
@@ -84,8 +84,8 @@ class Contender:
     @property
     def held_to_ours(self) -> bool:
         """Checked with ours' tolerance (bench.check.OURS): ours and every variant of ours (erpo-ws2g, erpo-dh32,
-        erpo-geom-*, the kernel variants), whose rows are not `ours` but whose errors are ours (all well inside OURS
-        on the H100 and H200 at full size, bench/measured/; erpo-dh32 not yet run there)."""
+        erpo-epi, erpo-geom-*, the kernel variants), whose rows are not `ours` but whose errors are ours (all well
+        inside OURS on the H100 and H200 at full size, bench/measured/; erpo-dh32 and erpo-epi not yet run there)."""
         return self.ours or self.key.startswith("erpo")
 
     def version(self) -> str | None:
@@ -347,6 +347,13 @@ CONTENDERS = (
     Contender("erpo-dh32", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton'), GRAD_HIDDEN_FP32=True",
               False, "erpo", None, _erpo_fused("triton"), _triton_requirement("erpo_kernels", "fused_linear_erpo_loss"),
               knobs=functools.partial(fused_constants, GRAD_HIDDEN_FP32=True)),
+    # ours with the forward row pass in the logits GEMM's epilogue, a Triton GEMM for cuBLAS's
+    # (fused_linear_loss.EPILOGUE_ROW_PASS, issue 32; bench/README.md: how a lease's rows decide the library's
+    # default): its "ours faster by" is what the epilogue saves (below 1) or costs (time / time with cuBLAS + the
+    # forward row kernel)
+    Contender("erpo-epi", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton'), EPILOGUE_ROW_PASS=True",
+              False, "erpo", None, _erpo_fused("triton"), _triton_requirement("erpo_kernels", "fused_linear_erpo_loss"),
+              knobs=functools.partial(fused_constants, EPILOGUE_ROW_PASS=True)),
     # ours with batch_invariant=True: its "ours faster by" is the option's cost (time / time without it)
     Contender("erpo-invariant", "fused", "erpo_kernels.fused_linear_erpo_loss(backend='triton', batch_invariant=True)",
               False, "erpo", None, _erpo_fused("triton", batch_invariant=True),

@@ -10,17 +10,20 @@ Per shape (D, V) and chunk rows n, one chunk's [n, D] x [D, V] product with fp32
       out_dtype=torch.float32, out=buffer)` on CUDA);
   (b) (a), then the library's forward row kernel on the buffer (`fused_linear_loss.ROW_KERNELS["triton"].forward`):
       what the fused path does per chunk, (logp, entropy, lse) of every row;
-  (c) this module's Triton GEMM writing the fp32 logits, per config of CONFIGS (BLOCK_M x BLOCK_N x BLOCK_K, warps,
-      stages), in four launches (`launches`): grouped (one program per output tile, GROUP_M row tiles side by side,
-      the Triton matmul tutorial's swizzle, so that a wave's programs share their operands in L2) and persistent (one
-      program per SM, each walking the tiles in that grouped order), each with its operands loaded through pointers
-      (cp.async, compiled) and through TMA tensor descriptors (Hopper's copy engine);
-  (d) the same GEMM with the row statistics in its epilogue, then `_combine_kernel`: per (row, vocabulary tile) the
-      tile's max m, s = sum exp(z - m) and u = sum exp(z - m) (z - m) (`triton_common.online_softmax_step`, the
-      forward row kernels' own step: u is shifted by m, no cancellation in the entropy) into a [n, tiles, 3] fp32
-      side buffer, the fp32 logits still written (the backward row pass reads them); the combine merges a row's tiles
-      into (logp, entropy, lse) as the forward row kernel defines them (its docstring has the merge), the target's
-      logit read from the buffer. The identity transform only: temperature 1, no logit scale, no soft-cap.
+  (c) the library's Triton GEMM (erpo_kernels/triton_logits_gemm.py, `logits_gemm`) writing the fp32 logits, per
+      config of CONFIGS (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages), in four launches (`launches`): grouped (one
+      program per output tile, GROUP_M row tiles side by side, the Triton matmul tutorial's swizzle, so that a
+      wave's programs share their operands in L2) and persistent (one program per SM, each walking the tiles in
+      that grouped order), each with its operands loaded through pointers (cp.async, compiled) and through TMA
+      tensor descriptors (Hopper's copy engine);
+  (d) the same GEMM with the row statistics in its epilogue, then the library's combine (`combine_stats`): per
+      (row, vocabulary tile) the tile's max m, s = sum exp(z - m) and u = sum exp(z - m) (z - m)
+      (`triton_common.online_softmax_step`, the forward row kernels' own step: u is shifted by m, no cancellation in
+      the entropy) into a [n, tiles, 3] fp32 side buffer, the fp32 logits still written (the backward row pass
+      reads them); the combine merges a row's tiles into (logp, entropy, lse) as the forward row kernel defines
+      them (its docstring has the merge), the target's logit read from the buffer. The identity transform
+      (temperature 1, no logit scale, no soft-cap) and no bias here; the fused loss's use of (d), with every
+      transform and a bias, is `fused_linear_loss.EPILOGUE_ROW_PASS` (bench 1's contender erpo-epi times it whole).
 
 Before it is timed, each variant is checked on the device against (a) (logits) and (b) (logp, entropy, lse): its
 largest absolute errors are in the report, and a variant beyond LOGITS_TOLERANCE or STATS_TOLERANCE is marked
@@ -34,26 +37,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from erpo_kernels.common import LSE_FLOOR
-from erpo_kernels.triton_common import clamp, online_softmax_finish, online_softmax_start, online_softmax_step
+from erpo_kernels.triton_logits_gemm import (
+    GROUP_M,
+    INTERPRETED,
+    GemmConfig,
+    Launch,
+    combine_stats,
+    logits_gemm,
+    tile_count,
+)
 from erpo_kernels.validation import IGNORE_INDEX, LogitTransform
 
 from .provenance import header_lines, provenance, write_report
 from .timing import time_callable
 
-# Triton reads TRITON_INTERPRET when a kernel is defined (below): the interpreter's tl.dot on bf16 tiles returns
-# garbage (Triton 3.6), so there the tiles go to fp32 first; compiled, they stay bf16 (Hopper's bf16 MMA)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-GROUP_M = 8                 # row tiles side by side in the grouped order (the matmul tutorial's choice)
 LOGITS_TOLERANCE = 1e-4     # largest |logit - cuBLAS's| over (1 + largest |logit|): both sum exact bf16 products in
 #                             fp32, in different orders (about 1e-6 expected at D = 3584 with the probe's data)
 STATS_TOLERANCE = 1e-4      # nats, largest |lse|, |entropy|, |logp| error against (b)'s (about 1e-6 expected): a
@@ -62,33 +64,9 @@ STATS_TOLERANCE = 1e-4      # nats, largest |lse|, |entropy|, |logp| error again
 PROBE_N = 16384             # the rows the answer's arithmetic scales a chunk's time to (the fused targets' N)
 
 
-class GemmConfig(NamedTuple):
-    """One launch configuration of the Triton GEMM: its output tile, its K step, warps and pipeline stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
-
-
 # Hopper-sized tiles: operand stages of (BLOCK_M + BLOCK_N) BLOCK_K bf16 each, 144 KiB for three 128x256x64 ones,
 # within an H100's 227 KiB of shared memory per block
 CONFIGS = (GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 4, 4), GemmConfig(256, 128, 64, 8, 3))
-
-
-class Launch(NamedTuple):
-    """How the Triton GEMM runs: `programs` persistent programs walking the tiles (None: one program per tile), both
-    in the grouped order; its operands loaded through pointers or, with `tma`, Hopper's TMA (tensor descriptors)."""
-
-    programs: int | None = None
-    tma: bool = False
-
-    def __str__(self) -> str:
-        return ("grouped" if self.programs is None else f"persistent ({self.programs})") + (", TMA" if self.tma else "")
 
 
 def launches(programs: int) -> tuple:
@@ -100,185 +78,6 @@ def launches(programs: int) -> tuple:
 # of neither block's rows; the persistent launches on 3 programs, so that each walks several tiles
 SMOKE = {"shape": "40x200", "rows": "24", "configs": (GemmConfig(16, 32, 16, 4, 1), GemmConfig(32, 64, 16, 4, 2)),
          "repeats": 1, "programs": 3}
-
-
-@triton.jit
-def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """(row tile, vocabulary tile) of output tile number `tile` in the grouped order: GROUP_M row tiles (fewer in
-    the last group) take the vocabulary tiles in turn, so that consecutive tiles share a column of W's tiles and
-    a group's rows of hidden (the Triton matmul tutorial's swizzle)."""
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    within = tile % per_group
-    return first_m + within % group_rows, within // group_rows
-
-
-@triton.jit
-def _dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr):
-    """acc + a [BLOCK_M, BLOCK_K] @ b [BLOCK_N, BLOCK_K].T in fp32; the tiles go to fp32 first under the interpreter
-    (INTERPRETED)."""
-    if DOT_IN_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc)
-
-
-@triton.jit
-def _tile_product(hidden, weight, first_row, first_column, rows, vocab, DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 tile of hidden [rows, DIM] @ weight [vocab, DIM].T from row first_row and column
-    first_column. With TMA, hidden and weight are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
-    boxes, which Hopper's TMA unit copies into shared memory, zeros past every edge; else pointers, and rows and
-    columns past the edge read row 0 / column 0 instead (the loads stay unmasked and vectorized, the matmul
-    tutorial's way). Values past the edge are never stored or counted. DIM is a constexpr so that the K loop is a
-    `for` over a compile-time range: software-pipelined compiled (num_stages), and no run-time bound for the
-    interpreter's `range` (erpo_kernels/triton_common.py, "Loop bounds")."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
-        for k in range(0, DIM, BLOCK_K):
-            acc = _dot_step(hidden.load([first_row, k]), weight.load([first_column, k]), acc, DOT_IN_FP32)
-    else:
-        offs_m = first_row + tl.arange(0, BLOCK_M)
-        offs_n = first_column + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        hidden_tile = hidden + tl.where(offs_m < rows, offs_m, 0).to(tl.int64)[:, None] * DIM + offs_k[None, :]
-        weight_tile = weight + tl.where(offs_n < vocab, offs_n, 0).to(tl.int64)[:, None] * DIM + offs_k[None, :]
-        for k in range(0, DIM, BLOCK_K):
-            if DIM % BLOCK_K == 0:
-                a = tl.load(hidden_tile)
-                b = tl.load(weight_tile)
-            else:  # the last K step reads zeros past DIM
-                a = tl.load(hidden_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
-                b = tl.load(weight_tile, mask=offs_k[None, :] < DIM - k, other=0.0)
-            acc = _dot_step(a, b, acc, DOT_IN_FP32)
-            hidden_tile += BLOCK_K
-            weight_tile += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _logits_gemm_kernel(hidden, weight, logits_ptr, stats_ptr, rows, vocab, logits_stride, num_programs,
-                        DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, ROW_STATS: tl.constexpr, TMA: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                        _LSE_FLOOR: tl.constexpr = LSE_FLOOR):
-    """logits [rows, vocab] fp32 (row stride logits_stride) := hidden [rows, DIM] @ weight [vocab, DIM].T, bf16 (or
-    fp16 / fp32) operands summed in fp32; hidden and weight pointers, or with TMA tensor descriptors
-    (`_tile_product`). Program p computes tiles p, p + num_programs, ... in the grouped order: one
-    tile each when the grid is the tile count, a persistent walk when it is the SM count. With ROW_STATS, each tile's
-    (m, s, u) per row (module docstring) go to stats [rows, tiles_n, 3] fp32. LSE_FLOOR is a parameter with a plain
-    number as its default, as in the library's kernels (a global would be checked on every launch)."""
-    tiles_m = tl.cdiv(rows, BLOCK_M)
-    tiles_n = tl.cdiv(vocab, BLOCK_N)
-    tile = tl.program_id(0)
-    while tile < tiles_m * tiles_n:  # a run-time bound: `while`, not `range` (_tile_product's docstring)
-        tile_m, tile_n = _grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_product(hidden, weight, tile_m * BLOCK_M, tile_n * BLOCK_N, rows, vocab, DIM, BLOCK_M, BLOCK_N,
-                            BLOCK_K, TMA, DOT_IN_FP32)
-        row_inside = offs_m < rows
-        column_inside = offs_n < vocab
-        tl.store(logits_ptr + offs_m.to(tl.int64)[:, None] * logits_stride + offs_n[None, :], acc,
-                 mask=row_inside[:, None] & column_inside[None, :])
-        if ROW_STATS:
-            # the forward row kernels' own step from its start: the tile's max (never below LSE_FLOOR), s and u;
-            # columns past the vocabulary are -inf, which adds nothing to s or u
-            start_max, start_sum, start_shifted = online_softmax_start(BLOCK_M, _LSE_FLOOR)
-            tile_max, sum_exp, sum_exp_shifted = online_softmax_step(
-                start_max, start_sum, start_shifted, tl.where(column_inside[None, :], acc, float("-inf")))
-            stats = stats_ptr + (offs_m.to(tl.int64) * tiles_n + tile_n) * 3
-            tl.store(stats, tile_max, mask=row_inside)
-            tl.store(stats + 1, sum_exp, mask=row_inside)
-            tl.store(stats + 2, sum_exp_shifted, mask=row_inside)
-        tile += num_programs
-
-
-@triton.jit
-def _combine_kernel(stats_ptr, logits_ptr, logits_stride, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, tiles,
-                    TILES_BLOCK: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR,
-                    _IGNORE_INDEX: tl.constexpr = IGNORE_INDEX):
-    """Row r's (logp, entropy, lse) from its tiles' (m_i, s_i, u_i) in stats [rows, tiles, 3] (one program a row).
-
-    The merge (the online softmax's, over all tiles at once): with M = max_i m_i and c_i = exp(m_i - M),
-        s_i = sum_{j in i} exp(z_j - m_i)  =>  S = sum_j exp(z_j - M) = sum_i c_i s_i,
-        u_i = sum_{j in i} exp(z_j - m_i)(z_j - m_i), and z_j - M = (z_j - m_i) + (m_i - M), so
-        U = sum_j exp(z_j - M)(z_j - M) = sum_i c_i (u_i + (m_i - M) s_i);
-    then lse = M + log S and H = -sum_j p_j log p_j = log S - U / S (`online_softmax_finish`), as the forward row
-    kernel's running values give them. logp = z_t - lse, clamped to <= 0 (z_t is one of lse's terms), 0 for a
-    target of -100; z_t read from the fp32 logits [rows, V] (row stride logits_stride). Padding tiles (past `tiles`)
-    enter as m = LSE_FLOOR, s = u = 0: c_i (u_i + (m_i - M) s_i) = 0, finite."""
-    row = tl.program_id(0).to(tl.int64)
-    index = tl.arange(0, TILES_BLOCK)
-    inside = index < tiles
-    stats = stats_ptr + (row * tiles + index) * 3
-    tile_max = tl.load(stats, mask=inside, other=_LSE_FLOOR)
-    sum_exp = tl.load(stats + 1, mask=inside, other=0.0)
-    sum_exp_shifted = tl.load(stats + 2, mask=inside, other=0.0)
-    row_max = tl.max(tile_max, axis=0)
-    offset = tile_max - row_max
-    scale = tl.exp(offset)
-    total = tl.sum(scale * sum_exp, axis=0)
-    total_shifted = tl.sum(scale * (sum_exp_shifted + offset * sum_exp), axis=0)
-    log_total, entropy = online_softmax_finish(total, total_shifted)
-    lse = row_max + log_total
-    target = tl.load(targets_ptr + row)
-    scored = target != _IGNORE_INDEX
-    target_logit = tl.load(logits_ptr + row * logits_stride + tl.where(scored, target, 0))
-    tl.store(logp_ptr + row, tl.where(scored, clamp(target_logit - lse, None, 0.0), 0.0))
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(lse_ptr + row, lse)
-
-
-def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> None:
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [n, D] and weight [V, D] must share D; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype or not (hidden.is_contiguous() and weight.is_contiguous()):
-        raise ValueError(f"hidden and weight must be contiguous and of one dtype; got {hidden.dtype} and "
-                         f"{weight.dtype} (contiguous: {hidden.is_contiguous()}, {weight.is_contiguous()})")
-    if logits.dtype != torch.float32 or logits.shape != (hidden.shape[0], weight.shape[0]) or logits.stride(1) != 1:
-        raise ValueError(f"logits must be fp32 [{hidden.shape[0]}, {weight.shape[0]}] with contiguous rows; got "
-                         f"{logits.dtype} {tuple(logits.shape)}, strides {logits.stride()}")
-
-
-def tile_count(vocab: int, config: GemmConfig) -> int:
-    """Vocabulary tiles of a row under `config`: the side buffer's middle dimension."""
-    return triton.cdiv(vocab, config.block_n)
-
-
-def logits_gemm(hidden, weight, logits, config: GemmConfig, launch: Launch = Launch(), stats=None) -> None:
-    """logits [n, V] fp32 := hidden [n, D] @ weight [V, D].T (bf16, fp16 or fp32 operands, summed in fp32), and with
-    `stats` ([n, tile_count(V, config), 3] fp32) each (row, vocabulary tile)'s (m, s, u), launched as `launch` says
-    (its programs, its loads)."""
-    _check_operands(hidden, weight, logits)
-    dim = hidden.shape[1]
-    if launch.tma and dim * hidden.element_size() % 16:
-        raise ValueError(f"TMA loads need rows of a multiple of 16 bytes; hidden's are {hidden.shape[1]} x "
-                         f"{hidden.element_size()} bytes: use a pointer launch (Launch(tma=False))")
-    rows, vocab = logits.shape
-    tiles = triton.cdiv(rows, config.block_m) * tile_count(vocab, config)
-    if stats is not None and (stats.dtype != torch.float32 or stats.shape != (rows, tile_count(vocab, config), 3)
-                              or not stats.is_contiguous()):
-        raise ValueError(f"stats must be a contiguous fp32 [{rows}, {tile_count(vocab, config)}, 3] tensor for "
-                         f"{config}; got {stats.dtype} {tuple(stats.shape)}")
-    grid = min(launch.programs, tiles) if launch.programs else tiles
-    if launch.tma:
-        hidden = TensorDescriptor.from_tensor(hidden, [config.block_m, config.block_k])
-        weight = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
-    _logits_gemm_kernel[(grid,)](hidden, weight, logits, logits if stats is None else stats, rows, vocab,
-                                 logits.stride(0), grid, DIM=dim, BLOCK_M=config.block_m,
-                                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=GROUP_M,
-                                 ROW_STATS=stats is not None, TMA=launch.tma, DOT_IN_FP32=INTERPRETED,
-                                 num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def combine_stats(stats, logits, targets, out) -> None:
-    """out = (logp, entropy, lse), three [n] fp32 tensors, from stats [n, tiles, 3] fp32 (`logits_gemm`'s), the
-    logits [n, V] fp32 it wrote and targets [n] int64 (-100: ignored); `_combine_kernel` has the merge."""
-    rows, tiles, _ = stats.shape
-    _combine_kernel[(rows,)](stats, logits, logits.stride(0), targets, *out, tiles,
-                             TILES_BLOCK=triton.next_power_of_2(tiles))
 
 
 class Variant(NamedTuple):

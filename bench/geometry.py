@@ -1,8 +1,9 @@
 """The fused path's private knobs as the bench sets them for a block of calls (`fused_constants`): its chunk geometry,
 `fused_linear_loss.LOGITS_ROWS` (a chunk's rows beside the dlogits store) and `fused_linear_loss.GROUP_ROWS` (a cap
 on the store's rows, whole chunks), set by `fused_knobs` (bench.fused_probe's variants, the bench's `erpo-geom-*`
-contenders), and `fused_linear_loss.GRAD_HIDDEN_FP32` (d hidden held in fp32, the contender `erpo-dh32`); and the
-contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
+contenders), `fused_linear_loss.GRAD_HIDDEN_FP32` (d hidden held in fp32, the contender `erpo-dh32`) and
+`fused_linear_loss.EPILOGUE_ROW_PASS` (the forward row pass in the logits GEMM's epilogue, the contender
+`erpo-epi`); and the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class Geometry(NamedTuple):
 
 @contextlib.contextmanager
 def fused_constants(**values):
-    """The `fused_linear_loss` module constants named by `values` (LOGITS_ROWS=512, GRAD_HIDDEN_FP32=True, ...) set
+    """The `fused_linear_loss` module constants named by `values` (LOGITS_ROWS=512, EPILOGUE_ROW_PASS=True, ...) set
     while the block runs, each put back after it, also on an exception; AttributeError for a name the module lacks."""
     from erpo_kernels import fused_linear_loss
     saved = {name: getattr(fused_linear_loss, name) for name in values}

@@ -237,7 +237,7 @@ class BenchRun:
 BENCH_RUNS = (
     # erpo-dh32: ours with d hidden held in fp32 (issue 32; bench/README.md, "Deciding d hidden's dtype")
     BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=200,
-             paths="fused", contenders="erpo,erpo-ws2g,erpo-dh32,compile,liger"),
+             paths="fused", contenders="erpo,erpo-ws2g,erpo-dh32,erpo-epi,compile,liger"),
     # measured 19 s at 60b3625; its first row at N=16384 (compiling) took 30 s at b8b4a78: that plus about a fifth
     BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=40, paths="logits",
              contenders="compile"),

@@ -73,6 +73,13 @@ chunk, with the host's microseconds, `python -m bench.host_cost --path fused`). 
 loop but fp16's gradient scale (one per chunk). The torch backend, the oracle, runs the whole reference objective
 with autograd per chunk (O(N) work and all its ops each time).
 
+With EPILOGUE_ROW_PASS (private, off by default until a GPU lease times it: issue 32) the Triton backend forms
+logits_c and (logp_c, H_c, lse_c) in one Triton GEMM whose epilogue writes each (row, vocabulary tile)'s softmax
+statistics beside the fp32 logits, then one small kernel merging them per row (triton_logits_gemm.py,
+`LogitsBuffer.row_values`): the same launches, the row pass's read of the chunk's logits saved, the same buffer
+holding the same raw logits for the backward row kernel (the statistics' side buffer, 12 bytes per row and
+vocabulary tile, is counted in the workspace).
+
 A pipelined chunk loop (chunk c's row kernels on a side stream beside chunk c + 1's logits GEMM, in a second fp32
 logits buffer, optionally under a cuBLASLt SM carveout) was built and measured: on an H200 it lost on both shapes
 at 1 and 2 GiB (Qwen2.5-7B, N = 16384: 107.1 ms against the serial loop's 93.2), since the row passes did not
@@ -212,9 +219,10 @@ def _torch_zero_fill(first, second, third):
         tensor.zero_()
 
 
-def logits_row_bytes(vocab_size: int, kernels: RowKernels) -> int:
-    """Workspace bytes of one row of the fp32 logits buffer: 4 V, plus the row pass's temporaries."""
-    return vocab_size * (4 + kernels.temporary_bytes_per_logit)
+def logits_row_bytes(vocab_size: int, kernels: RowKernels, stats_bytes: int = 0) -> int:
+    """Workspace bytes of one row of the fp32 logits buffer: 4 V, plus the row pass's temporaries, plus
+    `stats_bytes`, its row of the epilogue's statistics (EPILOGUE_ROW_PASS: `triton_logits_gemm.stats_row_bytes`)."""
+    return vocab_size * (4 + kernels.temporary_bytes_per_logit) + stats_bytes
 
 
 def gradient_row_bytes(vocab_size: int, hidden_dim: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -244,6 +252,32 @@ GROUP_ROWS = None
 # the bench sets it for a block of calls (its contender erpo-dh32, bench.geometry.fused_constants; not public API).
 # False until a GPU lease measures what True costs (issue 32; bench/README.md says how the next session decides).
 GRAD_HIDDEN_FP32 = False
+# Where the loss's chunks get their rows' (logp, entropy, lse) on the Triton backend: False, cuBLAS writes each chunk's
+# fp32 logits (`_write_logits`) and the forward row kernel reads them back (`RowKernels.forward`); True, a Triton GEMM
+# writes them with each (row, vocabulary tile)'s softmax statistics in its epilogue, and a small kernel merges those
+# (erpo_kernels/triton_logits_gemm.py, `EpilogueRowPass`): the row pass's read of the logits saved (10 GB per 16384
+# rows at Qwen2.5-7B), if a Triton GEMM runs near cuBLAS's speed (issue 32). The same buffer holds the same raw fp32
+# logits (the bias added) for the backward row kernel; the backward, the dlogits store and the d hidden / d weight
+# GEMMs are unchanged; so are the launches (one GEMM and one row kernel a chunk) and the host reads. It covers what
+# the loss does on that path: every logit transform, a bias, bf16 / fp16 / fp32 inputs (fp32 without TF32), -100
+# targets, the pre-pass rows and the entropy filter's pool, batch_invariant (its padded GEMMs of INVARIANT_ROWS rows,
+# kept: a row of this GEMM does not depend on the rows beside it, so the padding is not needed there, but the
+# option does not change what batch_invariant does). The torch backend, the oracle, keeps cuBLAS and its row pass,
+# whatever this says; so does `fused_linear_token_logprobs` (token_forward / token_backward). Read where used, so
+# the bench sets it for a block of calls (its contender erpo-epi, bench.geometry.fused_constants; not public API).
+# False until a GPU lease measures it (bench/README.md, "Deciding the epilogue row pass").
+EPILOGUE_ROW_PASS = False
+
+
+def epilogue_row_pass(kernels: RowKernels) -> bool:
+    """Whether the loss's logits GEMMs form the forward row pass in their epilogue: EPILOGUE_ROW_PASS on the Triton
+    backend (the torch backend, the oracle, keeps cuBLAS and its row pass)."""
+    return EPILOGUE_ROW_PASS and kernels.name == "triton"
+
+
+def _epilogue_stats_bytes(vocab_size: int, dtype: torch.dtype) -> int:
+    from .triton_logits_gemm import stats_row_bytes  # Triton is imported only when its kernels run
+    return stats_row_bytes(vocab_size, dtype)
 
 
 def grad_hidden_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -264,14 +298,16 @@ class Workspace:
 
 
 def plan_workspace(num_rows: int, hidden_dim: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                   kernels: RowKernels, workspace_bytes: int, batch_invariant: bool) -> Workspace:
+                   kernels: RowKernels, workspace_bytes: int, batch_invariant: bool,
+                   epilogue: bool = False) -> Workspace:
     """The `Workspace` that gives the most rows per d weight accumulation within `workspace_bytes`: the dlogits over
-    the logits (a row costs `logits_row_bytes` + `gradient_row_bytes`), or, when that holds fewer rows, chunks of
-    LOGITS_ROWS rows beside a store of whole chunks (a store row costs V items + `gradient_row_bytes`; at most
-    GROUP_ROWS rows when set, and then the store whenever it holds a chunk). Each count at least 1 and at most N;
-    with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at least one)."""
+    the logits (a row costs `logits_row_bytes`, with its row of statistics when `epilogue`, + `gradient_row_bytes`),
+    or, when that holds fewer rows, chunks of LOGITS_ROWS rows beside a store of whole chunks (a store row costs V
+    items + `gradient_row_bytes`; at most GROUP_ROWS rows when set, and then the store whenever it holds a chunk).
+    Each count at least 1 and at most N; with batch_invariant the chunk rows are a multiple of INVARIANT_ROWS (at
+    least one)."""
     item = dtype.itemsize
-    logits_row = logits_row_bytes(vocab_size, kernels)
+    logits_row = logits_row_bytes(vocab_size, kernels, _epilogue_stats_bytes(vocab_size, dtype) if epilogue else 0)
     gradient_row = gradient_row_bytes(vocab_size, hidden_dim, dtype, device)
     rows = max(num_rows, 1)
     in_place = min(rows, max(1, workspace_bytes // (logits_row + gradient_row)))
@@ -416,7 +452,10 @@ INVARIANT_ROWS = 256  # batch_invariant=True: every logits GEMM is [INVARIANT_RO
 
 
 class LogitsBuffer:
-    """The one [rows, V] fp32 buffer the chunks' logits are formed in, rows >= `max_rows`.
+    """The one [rows, V] fp32 buffer the chunks' logits are formed in, rows >= `max_rows`, and the forward row pass on
+    its rows (`row_values`): `kernels`' row kernel under `transform` on the logits, or with `epilogue` the merge of
+    the statistics that the Triton GEMM formed beside them (EPILOGUE_ROW_PASS, `triton_logits_gemm.EpilogueRowPass`:
+    then the logits GEMMs are that GEMM's, not cuBLAS's).
 
     cuBLAS chooses its kernel, and with it the order of each dot product's summation, by the GEMM's shape, so a
     row's logits can differ in the last bits with the number of rows it is multiplied with. With batch_invariant
@@ -425,11 +464,17 @@ class LogitsBuffer:
     INVARIANT_ROWS per chunk; a batch of fewer rows still pays INVARIANT_ROWS) and GEMMs of INVARIANT_ROWS rows.
     """
 
-    def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool):
+    def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool, kernels: RowKernels,
+                 transform: LogitTransform, epilogue: bool = False):
         self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+        self.kernels, self.transform = kernels, transform
         rows = -(-max_rows // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_rows
         self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         self.staging = hidden.new_empty(INVARIANT_ROWS, hidden.shape[1]) if batch_invariant else None
+        self.epilogue = None
+        if epilogue:
+            from .triton_logits_gemm import EpilogueRowPass  # Triton is imported only when its kernels run
+            self.epilogue = EpilogueRowPass(rows, hidden, weight, bias, transform)
 
     def formed(self, num_rows: int):
         """[num_rows, V] fp32 view of the buffer's first rows, as earlier `logits` calls left them."""
@@ -442,7 +487,7 @@ class LogitsBuffer:
         num_rows = hidden_rows.shape[0]
         if not self.batch_invariant:
             if num_rows:
-                _write_logits(self.buffer[first:first + num_rows], hidden_rows, self.weight, self.bias)
+                self._write(first, hidden_rows)
             return self.buffer[:first + num_rows]
         for start in range(0, num_rows, INVARIANT_ROWS):
             piece = hidden_rows[start:start + INVARIANT_ROWS]
@@ -450,8 +495,25 @@ class LogitsBuffer:
                 self.staging[:piece.shape[0]] = piece
                 self.staging[piece.shape[0]:] = 0
                 piece = self.staging
-            _write_logits(self.buffer[first + start:first + start + INVARIANT_ROWS], piece, self.weight, self.bias)
+            self._write(first + start, piece)
         return self.buffer[:first + num_rows]
+
+    def _write(self, first: int, hidden_rows) -> None:
+        """Rows first to first + n of the buffer := hidden_rows [n, D] @ weight.T (+ bias): one GEMM, cuBLAS's or
+        the epilogue's (which also writes the same rows of its statistics)."""
+        out = self.buffer[first:first + hidden_rows.shape[0]]
+        if self.epilogue is None:
+            _write_logits(out, hidden_rows, self.weight, self.bias)
+        else:
+            self.epilogue.write(out, hidden_rows, first)
+
+    def row_values(self, num_rows: int, targets, out):
+        """(logp, entropy, lse) [num_rows] fp32 of the buffer's first num_rows rows as `logits` formed them (targets
+        [num_rows] int64, -100 = ignored), written into out (three contiguous [num_rows] fp32 tensors) and
+        returned: the forward row kernel on the logits, or with the epilogue the merge of their statistics."""
+        if self.epilogue is None:
+            return self.kernels.forward(self.formed(num_rows), targets, self.transform, out)
+        return self.epilogue.row_values(self.formed(num_rows), targets, out)
 
 
 def _accumulate_product(accumulator, a, b, alpha: float = 1.0, accumulate: bool = True):
@@ -485,23 +547,23 @@ def _fp16_gradient_scale(grad_logp, grad_entropy) -> float:
     return 2.0 ** -math.floor(math.log2(peak)) if 0 < peak < math.inf else 1.0
 
 
-def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, transform: LogitTransform, kernels: RowKernels,
-                         max_rows: int, logits_buffer: LogitsBuffer):
+def logp_entropy_of_rows(hidden, targets, rows: torch.Tensor, max_rows: int, logits_buffer: LogitsBuffer):
     """Forward only: (logp, entropy) [P] fp32 of the P rows `rows` (int64 [P] on hidden's device) in pieces of
-    `max_rows` rows through `logits_buffer`."""
+    `max_rows` rows through `logits_buffer` (its row pass and transform)."""
     logp, entropy, lse = (torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(3))
     for piece in index_slices(rows.shape[0], max_rows):
         index = rows[piece]
-        logits = logits_buffer.logits(hidden.index_select(0, index))
-        kernels.forward(logits, targets.index_select(0, index), transform, (logp[piece], entropy[piece], lse[piece]))
+        logits_buffer.logits(hidden.index_select(0, index))
+        logits_buffer.row_values(index.shape[0], targets.index_select(0, index),
+                                 (logp[piece], entropy[piece], lse[piece]))
     return logp, entropy
 
 
 def workspace_of(num_rows: int, hidden, weight, kernels: RowKernels, workspace_bytes: int,
-                 batch_invariant: bool) -> Workspace:
+                 batch_invariant: bool, epilogue: bool = False) -> Workspace:
     """`plan_workspace` for N rows of `hidden` [N, D] against `weight` [V, D]."""
     return plan_workspace(num_rows, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, kernels,
-                          workspace_bytes, batch_invariant)
+                          workspace_bytes, batch_invariant, epilogue)
 
 
 def response_entropies(hidden, weight, bias, targets, token_kind, transform: LogitTransform, kernels: RowKernels,
@@ -509,9 +571,11 @@ def response_entropies(hidden, weight, bias, targets, token_kind, transform: Log
     """Forward only: entropy [n] fp32 of the n response rows (token_kind == 2), in row order (the entropy filter's
     pool, before a caller's top_entropy_gather)."""
     rows = (token_kind == 2).nonzero().squeeze(1)
-    max_rows = workspace_of(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant).chunk_rows
-    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant)
-    return logp_entropy_of_rows(hidden, targets, rows, transform, kernels, max_rows, logits_buffer)[1]
+    epilogue = epilogue_row_pass(kernels)
+    max_rows = workspace_of(rows.shape[0], hidden, weight, kernels, workspace_bytes, batch_invariant,
+                            epilogue).chunk_rows
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, batch_invariant, kernels, transform, epilogue)
+    return logp_entropy_of_rows(hidden, targets, rows, max_rows, logits_buffer)[1]
 
 
 # The body of a torch.library op runs with autograd's dispatch keys excluded (below autograd): a tensor made there
@@ -673,11 +737,11 @@ def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kern
     not known until its backward."""
     num_rows = hidden.shape[0]
     max_rows = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False).chunk_rows
-    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False)
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False, kernels, transform)
     logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
     for rows in index_slices(num_rows, max_rows):
-        kernels.forward(logits_buffer.logits(hidden[rows]), targets[rows], transform,
-                        (logp[rows], entropy[rows], lse[rows]))
+        logits_buffer.logits(hidden[rows])
+        logits_buffer.row_values(rows.stop - rows.start, targets[rows], (logp[rows], entropy[rows], lse[rows]))
     return logp, entropy, lse
 
 
@@ -688,7 +752,7 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     (4 N D V)."""
     num_rows = hidden.shape[0]
     workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
-    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False)
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False, kernels, transform)
     groups = GradientGroups(workspace, hidden, weight, (needs_hidden, needs_weight, needs_bias))
     groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):
@@ -760,9 +824,11 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
     """
     num_rows, num_samples = hidden.shape[0], inputs.advantages.shape[0]
     transform = options.logit_transform
-    workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant)
+    epilogue = epilogue_row_pass(kernels)
+    workspace = workspace_of(num_rows, hidden, weight, kernels, workspace_bytes, batch_invariant, epilogue)
     gather = options.top_entropy_gather is not None
-    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant)
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, batch_invariant, kernels, transform,
+                                 epilogue)
     # The chunk plan needs the layout on the host: one read (a host-device sync on CUDA) of both tensors and of the
     # value checks' code, copied asynchronously so that a logits GEMM queued meanwhile runs while the host plans:
     # that of rows 0 to `early`, which the first chunk holds whatever the plan (at least half of min(chunk_rows, N)
@@ -813,12 +879,12 @@ def loss_gradients(hidden, weight, bias, targets, token_kind, sample_index, inpu
         if plan.prepass_rows.size:  # it overwrites the buffer: the early rows' logits are formed again
             prepass = host_to_device(plan.prepass_rows, hidden.device)
             logp_out[prepass], entropy_out[prepass] = logp_entropy_of_rows(
-                hidden, targets, prepass, transform, kernels, workspace.chunk_rows, logits_buffer)
+                hidden, targets, prepass, workspace.chunk_rows, logits_buffer)
             first = 0
         logits_buffer.logits(hidden[first:plan.chunks[0][1] if plan.chunks else 0], first=first)
         if plan.chunks and chunk_pass.first_forward_queued:
             start, stop = plan.chunks[0]
-            chunk_pass.forward(slice(start, stop), targets[start:stop], logits_buffer.formed(stop - start))
+            chunk_pass.forward(slice(start, stop), targets[start:stop])
         groups.allocate_buffers()
         if plan.chunks:
             objective.start(plan.chunks, host_kind, host_sample)
@@ -874,15 +940,15 @@ class ChunkPass:
         if chunk == 0 and self.first_forward_queued:
             lse, entropy = self.lse[rows], self.entropy[rows]
         else:
-            lse, entropy = self.forward(rows, targets, logits)
+            lse, entropy = self.forward(rows, targets)
         self.groups.add_chunk(rows, hidden_rows, targets, logits, lse, entropy, *self.objective.gradient(chunk, rows),
                               self.kernels, self.transform)
 
-    def forward(self, rows: slice, targets, logits):
-        """The forward row kernel on the fp32 logits [n, V] of rows `rows` (targets [n]) into the call's vectors:
-        (lse, entropy) [n] fp32, their rows."""
-        _, entropy, lse = self.kernels.forward(logits, targets, self.transform,
-                                               (self.logp[rows], self.entropy[rows], self.lse[rows]))
+    def forward(self, rows: slice, targets):
+        """The forward row pass (`LogitsBuffer.row_values`) of rows `rows` (targets [n]), whose logits the buffer's
+        first n rows hold, into the call's vectors: (lse, entropy) [n] fp32, their rows."""
+        _, entropy, lse = self.logits_buffer.row_values(rows.stop - rows.start, targets,
+                                                        (self.logp[rows], self.entropy[rows], self.lse[rows]))
         return lse, entropy
 
 

@@ -36,7 +36,7 @@ def test_a_geometry_key_names_its_chunk_and_group_rows(key, geometry):
 def test_every_variant_of_ours_and_no_peer_is_held_to_ours_tolerance():
     held = {(c.path, c.key): c.held_to_ours for c in select(list(CONTENDER_KEYS), ["logits", "fused"])}
     assert held[("fused", "erpo-ws2g")] and held[("fused", "erpo-invariant")] and held[("logits", "erpo-log2")]
-    assert held[("fused", "erpo-dh32")]
+    assert held[("fused", "erpo-dh32")] and held[("fused", "erpo-epi")]
     assert not any(held[(path, key)] for path, key in held if key in ("torch", "compile", "liger", "cce"))
 
 
@@ -91,23 +91,25 @@ def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again
 
 
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
-def test_the_fp32_dhidden_contender_is_ours_with_the_constant_on_for_its_calls_alone(monkeypatch):
-    """erpo-dh32 in a bf16 bench run: GRAD_HIDDEN_FP32 on for each of its calls (its check, its fwd and fwd+bwd) and
-    off again after the run (ours' calls beside it run as the geometry's test above shows); its row correct within
-    ours' tolerance."""
+@pytest.mark.parametrize("key,constant", [("erpo-dh32", "GRAD_HIDDEN_FP32"), ("erpo-epi", "EPILOGUE_ROW_PASS")])
+def test_a_constant_contender_is_ours_with_the_constant_on_for_its_calls_alone(key, constant, monkeypatch):
+    """erpo-dh32 (d hidden held in fp32) and erpo-epi (the row pass in the logits GEMM's epilogue) in a bf16 bench
+    run: their fused_linear_loss constant on for each of its calls (its check, its fwd and fwd+bwd) and off again
+    after the run (ours' calls beside it run as the geometry's test above shows); its row correct within ours'
+    tolerance."""
     seen = []
     loss = erpo_kernels.fused_linear_erpo_loss
 
     def recording(*args, **kwargs):
-        seen.append(fused_linear_loss.GRAD_HIDDEN_FP32)
+        seen.append(getattr(fused_linear_loss, constant))
         return loss(*args, **kwargs)
     monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", recording)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the contender's requirement on the CPU
-    (contender,) = select(["erpo-dh32"], ["fused"])
-    assert (contender.ours, contender.held_to_ours, "GRAD_HIDDEN_FP32=True" in contender.label) == (False, True, True)
-    (row,) = run_benchmark(_config(["erpo-dh32"]), log=lambda text: None)["rows"]
-    assert fused_linear_loss.GRAD_HIDDEN_FP32 is False
-    assert (row["contender"], row["status"], row["correct"]) == ("erpo-dh32", "ok", True)
+    (contender,) = select([key], ["fused"])
+    assert (contender.ours, contender.held_to_ours, f"{constant}=True" in contender.label) == (False, True, True)
+    (row,) = run_benchmark(_config([key]), log=lambda text: None)["rows"]
+    assert getattr(fused_linear_loss, constant) is False
+    assert (row["contender"], row["status"], row["correct"]) == (key, "ok", True)
     assert row["tolerance"] == {"loss_atol": OURS.loss_atol, "loss_rtol": OURS.loss_rtol, "grad_rtol": OURS.grad_rtol}
     assert seen == [True] * 3  # its check, then its fwd and its fwd+bwd
 

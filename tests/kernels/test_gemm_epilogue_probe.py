@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from bench import gemm_epilogue_probe as probe
-from bench.gemm_epilogue_probe import GemmConfig, Launch
 from compile_check import COMPILE_TIMEOUT_S, run_compile_script
+from erpo_kernels.triton_logits_gemm import LOSS_CONFIGS, GemmConfig, Launch, tile_count
 from interpreter_as_gpu import NUMPY_SCALAR_ERROR
 from paths import worker_pythonpath
 
@@ -192,8 +192,10 @@ def test_the_dry_run_writes_a_checked_row_per_variant(tmp_path):
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
 def test_the_gpu_configs_compile_for_hopper_without_spills():
     """Each of CONFIGS, with and without the row statistics, its operands through pointers and through TMA, at both
-    lm_heads' D, and the combine at each tile count: compiled for sm_90 (tests/workers/gemm_epilogue_compile_check.py)
-    with the bf16 operands on the tensor cores (wgmma), TMA's copies where asked for, within the shared memory
+    lm_heads' D; the fused loss's LOSS_CONFIGS (erpo_kernels/triton_logits_gemm.py) for bf16 and fp32, with a bias
+    and the soft-cap where the config is the soft-cap's, else with neither; and the combine at each tile count:
+    compiled for sm_90 (tests/workers/gemm_epilogue_compile_check.py) with the bf16 operands on the tensor cores
+    (wgmma; fp32 in IEEE products, not TF32's, off them), TMA's copies where asked for, within the shared memory
     (compile_for_hopper), no register spilled."""
     out = run_compile_script("gemm_epilogue_compile_check.py")
     for dim in (3584, 5120):
@@ -202,6 +204,10 @@ def test_the_gpu_configs_compile_for_hopper_without_spills():
                 for tma in (False, True):
                     assert re.search(rf"compiled gemm D={dim} {config} row_stats={row_stats} tma={tma} registers=\d+ "
                                      rf"spill_bytes=0 wgmma=True tma_copies={tma}\n", out), out
-    tiles = sorted({probe.tile_count(152064, config) for config in probe.CONFIGS})
-    assert [int(count) for count in re.findall(r"compiled combine tiles=(\d+) registers=\d+ spill_bytes=0 ", out)] \
-        == tiles, out
+    for (size, softcap), config in LOSS_CONFIGS.items():  # with the soft-cap, with a bias too (the most registers)
+        dtype = {2: "bf16", 4: "fp32"}[size]
+        assert re.search(rf"compiled loss gemm {dtype} {config} bias={softcap} softcap={softcap} registers=\d+ "
+                         rf"spill_bytes=0 wgmma={dtype == 'bf16'} tma_copies=False\n", out), out
+    tiles = sorted({tile_count(152064, config) for config in (*probe.CONFIGS, *LOSS_CONFIGS.values())})
+    combined = re.findall(r"compiled combine tiles=(\d+) softcap=(\w+) registers=\d+ spill_bytes=0 ", out)
+    assert combined == [(str(count), softcap) for count in tiles for softcap in ("False", "True")], out

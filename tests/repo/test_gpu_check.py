@@ -447,15 +447,16 @@ def test_the_bench_runs_cover_every_contender_at_every_n_but_the_one_left_out():
         kept = {c.key for c in select(keys, args.paths.split(","))}  # a contender only on a path not run: none
         planned |= {(int(n), key) for n in args.n.split(",") for key in kept}
     every = {(n, key) for n in (4096, 16384, 65536) for key in CONTENDER_KEYS}
-    # erpo-dh32 (d hidden held in fp32) is bench 1's alone so far: the default it decides is judged at N=16384
-    # (bench/README.md, "Deciding d hidden's dtype"); a run at N=65536 is the schedule's to add
-    assert every - planned == {(65536, "torch"), (65536, "erpo-dh32")} and planned <= every
+    # erpo-dh32 (d hidden held in fp32) and erpo-epi (the row pass in the GEMM's epilogue) are bench 1's alone so far:
+    # the defaults they decide are judged at N=16384 (bench/README.md, "Deciding d hidden's dtype" and "Deciding the
+    # epilogue row pass"); a run at N=65536 is the schedule's to add
+    assert every - planned == {(65536, "torch"), (65536, "erpo-dh32"), (65536, "erpo-epi")} and planned <= every
     assert [run.left_out.split(" ")[0] for run in gpu_check.BENCH_RUNS if run.left_out] == ["torch"]
-    # the first run: the fused path's targets, ours (with the default and a 2 GiB workspace, and with d hidden held in
-    # fp32) beside torch.compile and Liger, the target size first
+    # the first run: the fused path's targets, ours (with the default and a 2 GiB workspace, with d hidden held in
+    # fp32, and with the row pass in the GEMM's epilogue) beside torch.compile and Liger, the target size first
     first = parse_args(gpu_check.BENCH_RUNS[0].arguments(smoke=False) + ["--out", "unused"])
     assert (first.paths, first.n, first.contenders) == ("fused", "16384,4096",
-                                                        "erpo,erpo-ws2g,erpo-dh32,compile,liger")
+                                                        "erpo,erpo-ws2g,erpo-dh32,erpo-epi,compile,liger")
 
 
 def test_the_kernel_tier_runs_on_workers_under_a_session_timeout(check, monkeypatch):

@@ -1,0 +1,218 @@
+"""fused_linear_loss.EPILOGUE_ROW_PASS: the fused loss's chunks with their logits and (logp, entropy, lse) formed by
+the Triton GEMM with the forward row pass in its epilogue (erpo_kernels/triton_logits_gemm.py). Against the torch
+oracle and against the option off (cuBLAS + the forward row kernel), values and every gradient, across the logit
+transforms, a bias, bf16 / fp16 / fp32 inputs, -100 targets, the pre-pass and batch_invariant; the same launches and
+host reads as the option off; two calls bitwise equal; a row's values the same whatever rows share its GEMM; the
+torch backend untouched. Small blocks (LOSS_CONFIGS set to 16 x 64 x 16 tiles) against D = 24, V = 300 and chunks of
+5 to 7 rows: no size a multiple of its block, several vocabulary tiles a row for the combine to merge."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (also done by conftest.py)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from erpo_kernels import fused_linear_loss as chunked  # noqa: E402
+from erpo_kernels import triton_logits_gemm as gemm  # noqa: E402
+from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
+from erpo_kernels.validation import LogitTransform  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
+from test_fused_linear_loss import (  # noqa: E402
+    HIDDEN_DIM,
+    ROW_TENSORS,
+    SAMPLES,
+    TOLERANCE,
+    VOCAB,
+    assert_same_loss,
+    budget_for,
+    fused_and_logits_path,
+    leaves,
+    linear,
+    packed_batch,
+)
+
+SMALL = gemm.GemmConfig(16, 64, 16, 4, 1)  # D = 24, V = 300 and the chunks' rows: multiples of no block
+TOLERANCE[torch.float16] = TOLERANCE[torch.bfloat16]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """LOSS_CONFIGS at 16 x 64 x 16 for every dtype and transform (5 vocabulary tiles a row, ragged)."""
+    monkeypatch.setattr(gemm, "LOSS_CONFIGS", {key: SMALL for key in gemm.LOSS_CONFIGS})
+
+
+def budget(rows, dtype, device, epilogue=True):
+    """workspace_bytes giving chunks of `rows` rows of `dtype` inputs, their dlogits over their logits, with the
+    option's row of statistics (`budget_for` plus `triton_logits_gemm.stats_row_bytes` a row) when `epilogue`."""
+    return budget_for(rows, dtype, device) + rows * (gemm.stats_row_bytes(VOCAB, dtype) if epilogue else 0)
+
+
+def run(batch, tensors, backend, rows, epilogue, monkeypatch, batch_invariant=False, **options):
+    """(LossOutput, [d hidden, d weight, d bias]) of the fused loss with chunks of `rows` rows and EPILOGUE_ROW_PASS
+    = `epilogue` (put back after)."""
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", epilogue)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    ours = leaves(*tensors)
+    dtype, device = tensors[0].dtype, tensors[0].device
+    out = fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
+                                 workspace_bytes=budget(rows, dtype, device, epilogue and backend == "triton"),
+                                 batch_invariant=batch_invariant, **inputs, **options)
+    out.loss.backward()
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", False)
+    return out, [t.grad for t in ours if t is not None]
+
+
+# (dtype, bias, options): every transform, with and without a bias, each dtype; the pre-pass (the Query-KL's sums and
+# the sequence-level ratio split by chunks of 5 rows, every response row with the entropy filter)
+CASES = [
+    (torch.float32, True, dict(qkl_coef=0.5, ratio_level="sequence")),
+    (torch.float32, False, dict(temperature=0.7, logit_scale=1.3, logit_softcap=3.0, entropy_coef=0.1)),
+    (torch.bfloat16, True, dict(temperature=1.4, entropy_coef=0.05, loss_agg="seq-mean-token-mean")),
+    (torch.float16, True, dict(logit_softcap=2.5, top_entropy_quantile=0.5, entropy_coef=0.05,
+                               entropy_agg="token-mean")),
+    (torch.bfloat16, False, dict(logit_scale=0.6, pg_objective="vespo", qkl_coef=0.3)),
+]
+
+
+@pytest.mark.parametrize("dtype,bias,options", CASES,
+                         ids=[f"{str(d)[6:]}-{'bias' if b else 'nobias'}-{','.join(o)}" for d, b, o in CASES])
+def test_the_option_equals_the_oracle_and_the_option_off(dtype, bias, options, small_blocks, monkeypatch, device):
+    """With EPILOGUE_ROW_PASS the loss, its metrics, logp and entropy and every gradient equal the torch oracle's
+    (the logits path on the exact logits) as the default's do, and the default's own within the dtype's rounding:
+    the same raw logits in the buffer (the bias added) for the backward row kernel, (logp, entropy, lse) of the
+    transformed ones; -100 rows at logp 0."""
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), dtype, device, bias=bias)
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", True)
+    ours, expected = fused_and_logits_path(batch, tensors, "triton", rows=5,
+                                           workspace_bytes=budget(5, dtype, device), **options)
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", False)
+    assert_same_loss(ours, expected, dtype=dtype)
+    (on, on_grads), (off, off_grads) = ours, run(batch, tensors, "triton", 5, False, monkeypatch, **options)
+    assert bool((on.token_logp[batch["targets"] == -100] == 0).all())
+    for name in ("token_logp", "entropy"):
+        torch.testing.assert_close(getattr(on, name), getattr(off, name), rtol=0, atol=2e-5)
+    torch.testing.assert_close(on.loss, off.loss, rtol=1e-5, atol=1e-6)
+    for got, wanted in zip(on_grads, off_grads):
+        scale = wanted.float().abs().max()
+        torch.testing.assert_close(got.float() / scale, wanted.float() / scale, **TOLERANCE[dtype])
+
+
+def test_batch_invariant_with_the_option(small_blocks, monkeypatch, device):
+    """batch_invariant=True with the option: its padded GEMMs of INVARIANT_ROWS rows (here 16) go through the epilogue
+    GEMM, the statistics of the padding rows never read; the oracle's values and gradients, and a row's logp and
+    entropy the same bits whether the batch is all the samples or the first few."""
+    monkeypatch.setattr(chunked, "INVARIANT_ROWS", 16)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", True)
+    ours, expected = fused_and_logits_path(batch, tensors, "triton", rows=20, batch_invariant=True,
+                                           workspace_bytes=budget(20, torch.float32, device))
+    assert_same_loss(ours, expected)
+    few = packed_batch(SAMPLES[:3], device)
+    rows = len(few["targets"])
+    part, _ = run(few, (tensors[0][:rows], *tensors[1:]), "triton", 20, True, monkeypatch, batch_invariant=True)
+    assert torch.equal(part.token_logp, ours[0].token_logp[:rows]) and torch.equal(part.entropy, ours[0].entropy[:rows])
+
+
+def test_a_rows_values_do_not_depend_on_the_rows_beside_it(small_blocks, monkeypatch, device):
+    """The epilogue GEMM's row independence (erpo_kernels/triton_logits_gemm.py, module docstring), which would make
+    batch_invariant's padding needless with the option: rows 3 to 10 of a 37-row chunk and the same 8 rows as a chunk
+    of their own, at another place in their row tile, give the same bits in their logits and (logp, entropy, lse);
+    and the loss with the option, batch_invariant=False, gives the first samples' rows the same logp and entropy
+    whether the batch is all the samples or those alone. Compiled only (a GPU lease's kernel tier runs it)."""
+    if device.type != "cuda":
+        pytest.skip("compiled kernels only: the interpreter's tl.dot is numpy's matmul, whose BLAS sums a row's "
+                    "products in an order that depends on the row's place in its block (OpenBLAS: 28 of 8 x 64 "
+                    "products of one 16 x 16 x 64 step differed in the last bit, 2026-11-27)")
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, HIDDEN_DIM, generator=g).to(device, torch.bfloat16)
+    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 0.4).to(device, torch.bfloat16)
+    bias = torch.randn(VOCAB, generator=g).to(device, torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (37,), generator=g).to(device)
+    transform = LogitTransform(0.8, 1.1, 4.0)
+
+    def values(rows):
+        logits = torch.empty(rows.shape[0], VOCAB, device=device)
+        stats = torch.empty(rows.shape[0], gemm.tile_count(VOCAB, SMALL), 3, device=device)
+        out = tuple(torch.empty(rows.shape[0], device=device) for _ in range(3))
+        gemm.logits_gemm(hidden[rows], weight, logits, SMALL, stats=stats, bias=bias, transform=transform)
+        gemm.combine_stats(stats, logits, targets[rows], out, transform)
+        return (logits, *out)
+
+    whole = values(torch.arange(37, device=device))
+    alone = values(torch.arange(3, 11, device=device))
+    for everything, own in zip(whole, alone):
+        assert torch.equal(everything[3:11], own)
+    batch, few = packed_batch(SAMPLES, device), packed_batch(SAMPLES[:3], device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
+    rows = len(few["targets"])
+    full, _ = run(batch, tensors, "triton", 7, True, monkeypatch)
+    part, _ = run(few, (tensors[0][:rows], *tensors[1:]), "triton", 7, True, monkeypatch)
+    assert torch.equal(part.token_logp, full.token_logp[:rows]) and torch.equal(part.entropy, full.entropy[:rows])
+
+
+def test_the_same_launches_and_host_reads_and_the_same_bits_twice(small_blocks, monkeypatch, device):
+    """Per fwd+bwd (bf16, a bias, validate=False, chunks of 12 rows) the option launches no more than the default
+    (its GEMM and its combine for cuBLAS's GEMM and the forward row kernel; the bias read by the GEMM, no fp32 copy
+    of it) and reads the host as often; two calls with it give the same bits in every output and gradient."""
+    batch = packed_batch([(1, 2)] * 12, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    tensors = linear(48, torch.bfloat16, device)
+    counts, results = {}, []
+    for epilogue in (False, True, True):
+        monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", epilogue)
+        hidden, weight, bias = leaves(*tensors)
+        with LaunchCounter() as counter:
+            out = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias,
+                                         backend="triton", validate=False,
+                                         workspace_bytes=budget(12, torch.bfloat16, device, epilogue), qkl_coef=0.5,
+                                         **inputs)
+            out.loss.backward()
+        counts[epilogue] = counter
+        results.append((out.loss, out.token_logp, out.entropy, hidden.grad, weight.grad, bias.grad))
+    off, on = counts[False], counts[True]
+    # a row kernel a chunk (4, whole samples: no pre-pass); the first chunk's logits in two GEMMs (the rows before
+    # the host read, then the rest), as cuBLAS's
+    assert on.names["triton._combine_kernel"] == off.names["triton._logp_entropy_forward_log2_kernel"] == 4
+    assert on.names["triton._logits_gemm_kernel"] == 5 and "triton._logp_entropy_forward_log2_kernel" not in on.names
+    assert on.launches <= off.launches and on.syncs == off.syncs == 1, (on.names, off.names)
+    assert all(torch.equal(first, second) for first, second in zip(results[1], results[2]))
+
+
+# the interpreter's tl.max is numpy's nanmax, which warns on the NaN row's tiles (compiled, the max skips NaN silently)
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_a_nonfinite_padding_row_poisons_nothing_with_the_option(small_blocks, monkeypatch, device):
+    """A padding row (kind 0, target -100) of NaN hidden state: its statistics NaN, the merge's max skipping NaN but
+    its sums not; the loss finite, every gradient the same as with that row zeroed, and exact zeros in its d hidden."""
+    batch = packed_batch(SAMPLES, device)
+    hidden, weight, bias = linear(len(batch["targets"]), torch.bfloat16, device)
+    padding = int((batch["token_kind"] == 0).nonzero()[2])
+    results = []
+    for filler in (0.0, float("nan")):
+        h = hidden.clone()
+        h[padding] = filler
+        out, grads = run(batch, (h, weight, bias), "triton", 6, True, monkeypatch)
+        assert torch.isfinite(out.loss)
+        results.append(grads)
+    for clean, got in zip(*results):
+        assert torch.equal(got, clean)
+    assert torch.all(results[1][0][padding] == 0)
+
+
+def test_the_torch_backend_ignores_the_option(monkeypatch, device):
+    """The torch backend, the oracle, keeps cuBLAS and its row pass with the option on: the same bits."""
+    batch = packed_batch(SAMPLES[:4], device)
+    tensors = linear(len(batch["targets"]), torch.float32, device)
+    (on, on_grads), (off, off_grads) = (run(batch, tensors, "torch", 6, epilogue, monkeypatch)
+                                        for epilogue in (True, False))
+    assert torch.equal(on.loss, off.loss) and torch.equal(on.token_logp, off.token_logp)
+    assert all(torch.equal(got, wanted) for got, wanted in zip(on_grads, off_grads))
+
+
+def test_an_operand_dtype_the_gemm_lacks_is_refused(device):
+    with pytest.raises(ValueError, match="the epilogue's logits GEMM takes bf16, fp16 or fp32 operands; got "
+                                         "torch.float64"):
+        gemm.loss_config(torch.float64, LogitTransform())
