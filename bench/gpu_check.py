@@ -173,21 +173,21 @@ TARGET_RUNS = 1
 # The schedule's arithmetic, from the H200 lease's measured stage times at e17ad62 (bench/measured/h200-2026-11-27-
 # e17ad62/gpu_check.log: setup 1, kernels 181 with 12 workers, probe 42, bench 1 158, logits 84, train 56, profile 12
 # s; bench 2 to 7 never started): the stages share DEADLINE_S less SUMMARY_RESERVE_S = 545 s, and that run's stages
-# took 534 s. This one adds the epilogue probe (about 30 s, an estimate: EPILOGUE_LIMIT_S) and bench 1 one contender
-# (about 20 s, an estimate: another branch's), 50 s that the lease did not have. The fused path's open questions come
-# first (its targets, its geometry, the epilogue, where its time goes); of the rest, the least informative go last:
-# the logits path met its targets on two leases (bench/RESULTS.md) and the training stage passed on three, so the
-# profile now runs right after bench 1, the logits check after it and the training last. The kernel tier now leaves
-# its CPU-bound tests and the sm_90 compile checks to CI (KERNEL_WORKERS' comment): about 90 s instead of 181 (an
-# estimate), and the logits check no longer runs the one-node loss's tests, which the tier runs whole: about 68 s
-# instead of 84 (84 less their 16 s by pytest's clock, an estimate). At those times: setup 1 + kernels 90 + probe 42
-# + epilogue 30 + bench 1 178 + profile 12 = 353 s, then the logits check (68 s: 421 s) and the training whole (56 s:
-# 477 s), and 68 s left for bench 2 on (torch.compile on the logits path: 19 s at 60b3625; then bench 3's first
-# rows), 52 s with the probe's pick (16 s more in bench 1). Where the kernel tier, the probes and bench 1 run to their
-# limits instead (1 + 160 + 55 + 40 + 200 = 456 s, 476 with the pick), the profile fits (at its limit, 25 s: 481 s)
-# and the logits check gets 64 s of its 80 (44 s with the pick), the training none: the most wanted work first. The
-# limits are each stage's measured time plus about a fifth, no more (an estimate's more), so that a hung stage costs
-# the later ones as little as it can.
+# took 534 s. This one adds the epilogue probe (about 30 s, an estimate: EPILOGUE_LIMIT_S) and two contenders to
+# bench 1, erpo-dh32 and erpo-epi (about 20 s each, an estimate: BENCH_RUNS' comment), 70 s that the lease did not
+# have. The fused path's open questions come first (its targets, its geometry, the epilogue, where its time goes); of
+# the rest, the least informative go last: the logits path met its targets on two leases (bench/RESULTS.md) and the
+# training stage passed on three, so the profile now runs right after bench 1, the logits check after it and the
+# training last. The kernel tier now leaves its CPU-bound tests and the sm_90 compile checks to CI (KERNEL_WORKERS'
+# comment): about 90 s instead of 181 (an estimate), and the logits check no longer runs the one-node loss's tests,
+# which the tier runs whole: about 68 s instead of 84 (84 less their 16 s by pytest's clock, an estimate). At those
+# times: setup 1 + kernels 90 + probe 42 + epilogue 30 + bench 1 198 + profile 12 = 373 s, then the logits check (68
+# s: 441 s) and the training whole (56 s: 497 s), and 48 s left for bench 2 on (torch.compile on the logits path: 19 s
+# at 60b3625), 32 s with the probe's pick (16 s more in bench 1). Where the kernel tier, the probes and bench 1 run to
+# their limits instead (1 + 160 + 55 + 40 + 230 = 486 s, 506 with the pick), the profile fits (at its limit, 25 s:
+# 511 s) and the logits check gets 34 s of its 80 (14 s with the pick: not started), the training none: the most
+# wanted work first. The limits are each stage's measured time plus about a fifth, no more (an estimate's more), so
+# that a hung stage costs the later ones as little as it can.
 WHEELS = REPO / ".whl"       # liger-kernel, cut-cross-entropy, math-verify and its two needs (bench/README.md)
 # pytest's one-line failure messages are cut to the terminal's width (80 columns in a pipe): wide enough for a message
 WIDE_COLUMNS = "300"
@@ -230,13 +230,14 @@ class BenchRun:
 # ours at each case: at 60b3625 (bench/measured/h100-2026-11-26-60b3625/, H100) the run took 125 s of its 150 s cap
 # and ours' four rows 21.6 s of it (bench.jsonl's wall_s, the first compiling the kernels), so about 145 s with
 # erpo-ws2g (an estimate: its four rows should cost about ours' less the compiles); the cap was that plus about a
-# fifth, 175 s. The H200 at e17ad62 measured the run at 158 s; erpo-dh32 adds one contender (about 20 s, an
-# estimate: erpo-ws2g's four rows took 16.3 s there), so about 178 s and a cap of 200 s (a fifth more, 214 s, would
-# come out of the logits check's time: the schedule's comment above). Its rows at N=65536 come last, with whatever
-# is left.
+# fifth, 175 s. The H200 at e17ad62 measured the run at 158 s; erpo-dh32 and erpo-epi add two contenders (about 20 s
+# each, an estimate: erpo-ws2g's four rows took 16.3 s there; erpo-epi's first call also compiles its Triton GEMM),
+# so about 198 s and a cap of 230 s (a fifth more would come out of the logits check's time: the schedule's comment
+# above). Its rows at N=65536 come last, with whatever is left.
 BENCH_RUNS = (
-    # erpo-dh32: ours with d hidden held in fp32 (issue 32; bench/README.md, "Deciding d hidden's dtype")
-    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=200,
+    # erpo-dh32: ours with d hidden held in fp32; erpo-epi: ours with the forward row pass in the logits GEMM's
+    # epilogue (issue 32; bench/README.md, "Deciding d hidden's dtype", "Deciding the epilogue row pass")
+    BenchRun("ours and the targets' peers on the fused path at N=16384 and 4096", "16384,4096", cap_s=230,
              paths="fused", contenders="erpo,erpo-ws2g,erpo-dh32,erpo-epi,compile,liger"),
     # measured 19 s at 60b3625; its first row at N=16384 (compiling) took 30 s at b8b4a78: that plus about a fifth
     BenchRun("torch.compile on the logits path at N=16384 and 4096", "16384,4096", cap_s=40, paths="logits",
