@@ -994,8 +994,7 @@ def loss_gradients_of_op_arguments(hidden: torch.Tensor, weight: torch.Tensor, b
     fp32, d bias [V] fp32) of the ERPO loss; a gradient not needed is an empty tensor. The anchor is the op's one
     differentiable output: its gradient scales the stored ones (loss = objective value + anchor), rounding d weight
     and d bias (and an fp32 d hidden) to the inputs' dtype once (kept in fp32 until then: no rounded copy in the
-    forward). host_layout,
-    check_code, spans: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
+    forward). host_layout, check_code, spans: `loss_gradients`' (RowChecksFailed when the code names a bad row)."""
     extra = {name: value for name, value in (("num_items", num_items), ("num_seqs", num_seqs)) if value is not None}
     if entropy_pool is not None:
         extra["top_entropy_gather"] = lambda _entropies: entropy_pool
