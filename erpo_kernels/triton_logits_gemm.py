@@ -80,6 +80,10 @@ class Launch(NamedTuple):
 # probe says (bench/gemm_epilogue_probe.py times the first).
 LOSS_CONFIGS = {(2, False): GemmConfig(128, 256, 64, 8, 3), (2, True): GemmConfig(64, 256, 64, 8, 3),
                 (4, False): GemmConfig(128, 128, 32, 8, 3), (4, True): GemmConfig(128, 128, 32, 8, 3)}
+# The fused loss's launch, for every config (`EpilogueRowPass`; read where used, as LOSS_CONFIGS, so that a lease's
+# pick can set it): one program per tile, pointer loads. Where TMA is set and cannot load a chunk's operands
+# (`tma_loads`), that chunk's GEMM uses pointer loads instead: the same products in the same K order.
+LOSS_LAUNCH = Launch()
 
 
 @triton.jit
@@ -243,6 +247,13 @@ def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Te
                          f"strides {bias.stride()}")
 
 
+def tma_loads(hidden, weight) -> bool:
+    """Whether Hopper's TMA can load hidden [n, D] and weight [V, D] (contiguous): rows of a multiple of 16 bytes and
+    both tensors starting at a 16-byte-aligned address, as a tensor descriptor needs."""
+    return all(tensor.shape[1] * tensor.element_size() % 16 == 0 and tensor.data_ptr() % 16 == 0
+               for tensor in (hidden, weight))
+
+
 def tile_count(vocab: int, config: GemmConfig) -> int:
     """Vocabulary tiles of a row under `config`: the side buffer's middle dimension."""
     return triton.cdiv(vocab, config.block_n)
@@ -255,9 +266,10 @@ def logits_gemm(hidden, weight, logits, config: GemmConfig, launch: Launch = Lau
     tile)'s (m, s, u) of the logits under `transform`, launched as `launch` says (its programs, its loads)."""
     _check_operands(hidden, weight, logits, bias)
     dim = hidden.shape[1]
-    if launch.tma and dim * hidden.element_size() % 16:
-        raise ValueError(f"TMA loads need rows of a multiple of 16 bytes; hidden's are {hidden.shape[1]} x "
-                         f"{hidden.element_size()} bytes: use a pointer launch (Launch(tma=False))")
+    if launch.tma and not tma_loads(hidden, weight):
+        raise ValueError(f"TMA loads need rows of a multiple of 16 bytes; hidden's are {dim} x {hidden.element_size()}"
+                         f" bytes, and 16-byte-aligned tensors; hidden and weight start {hidden.data_ptr() % 16} and "
+                         f"{weight.data_ptr() % 16} bytes past one: use a pointer launch (Launch(tma=False))")
     rows, vocab = logits.shape
     tiles = triton.cdiv(rows, config.block_m) * tile_count(vocab, config)
     if stats is not None and (stats.dtype != torch.float32 or stats.shape != (rows, tile_count(vocab, config), 3)
@@ -309,17 +321,22 @@ class EpilogueRowPass:
     """The fused loss's logits GEMM with the forward row pass in its epilogue (`fused_linear_loss.LogitsBuffer` with
     EPILOGUE_ROW_PASS): the statistics side buffer [rows, tiles, 3] fp32 beside the logits buffer's rows, filled row
     for row with the logits (`write`) and merged into the rows' (logp, entropy, lse) (`row_values`). hidden [N, D]
-    and weight [V, D] (their dtype and device), bias [V] or None, under `transform`."""
+    and weight [V, D] (their dtype and device), bias [V] or None, under `transform`; the GEMM's config and launch
+    are LOSS_CONFIGS' and LOSS_LAUNCH's when it is made."""
 
     def __init__(self, rows: int, hidden, weight, bias, transform: LogitTransform):
-        self.config = loss_config(hidden.dtype, transform)
+        self.config, self.launch = loss_config(hidden.dtype, transform), LOSS_LAUNCH
         self.weight, self.bias, self.transform = weight.contiguous(), bias, transform
         self.stats = hidden.new_empty(rows, tile_count(weight.shape[0], self.config), 3, dtype=torch.float32)
 
     def write(self, logits, hidden_rows, first: int) -> None:
         """logits [n, V] fp32 (rows first to first + n of the logits buffer) := hidden_rows [n, D] @ weight.T
         (+ bias), and the same rows of the side buffer their statistics."""
-        logits_gemm(hidden_rows.contiguous(), self.weight, logits, self.config,
+        hidden_rows = hidden_rows.contiguous()
+        launch = self.launch
+        if launch.tma and not tma_loads(hidden_rows, self.weight):  # LOSS_LAUNCH's comment: pointer loads instead
+            launch = launch._replace(tma=False)
+        logits_gemm(hidden_rows, self.weight, logits, self.config, launch,
                     stats=self.stats[first:first + hidden_rows.shape[0]], bias=self.bias, transform=self.transform)
 
     def row_values(self, logits, targets, out):

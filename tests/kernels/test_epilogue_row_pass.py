@@ -100,6 +100,57 @@ def test_the_option_equals_the_oracle_and_the_option_off(dtype, bias, options, s
         torch.testing.assert_close(got.float() / scale, wanted.float() / scale, **TOLERANCE[dtype])
 
 
+# (config, launch, dtype, bias, options): a lease's pick (bench.epilogue_pick) sets LOSS_CONFIGS and LOSS_LAUNCH; here
+# another tile than SMALL (10 vocabulary tiles a row, 32-row tiles over 7-row chunks), persistent programs walking
+# several tiles each, TMA loads (rows of 48 and 96 bytes) and both at once, under the soft-cap and a bias
+PICKED_CASES = [
+    (gemm.GemmConfig(32, 32, 16, 4, 2), gemm.Launch(3, True), torch.bfloat16, True,
+     dict(logit_softcap=3.0, temperature=0.8, entropy_coef=0.1)),
+    (gemm.GemmConfig(16, 64, 16, 4, 1), gemm.Launch(2, False), torch.float32, False, dict(qkl_coef=0.5)),
+    (gemm.GemmConfig(32, 32, 16, 4, 2), gemm.Launch(None, True), torch.float16, True, dict(logit_scale=1.3)),
+]
+
+
+@pytest.mark.parametrize("config,launch,dtype,bias,options", PICKED_CASES,
+                         ids=[f"{config}-{launch}-{str(d)[6:]}".replace(" ", "") for config, launch, d, _, _ in
+                              PICKED_CASES])
+def test_a_picked_config_and_launch_equal_the_oracle(config, launch, dtype, bias, options, monkeypatch, device):
+    """With EPILOGUE_ROW_PASS under another LOSS_CONFIGS and LOSS_LAUNCH (read when the loss runs, as a lease's pick
+    sets them) the loss, logp, entropy and every gradient equal the torch oracle's, over ragged chunks of 7 rows."""
+    monkeypatch.setattr(gemm, "LOSS_CONFIGS", {key: config for key in gemm.LOSS_CONFIGS})
+    monkeypatch.setattr(gemm, "LOSS_LAUNCH", launch)
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", True)
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), dtype, device, bias=bias)
+    ours, expected = fused_and_logits_path(batch, tensors, "triton", rows=7,
+                                           workspace_bytes=budget(7, dtype, device), **options)
+    assert_same_loss(ours, expected, dtype=dtype)
+
+
+def test_tma_falls_back_to_pointer_loads_where_it_cannot_load(monkeypatch, device):
+    """LOSS_LAUNCH with TMA, hidden rows starting 2 bytes past a 16-byte boundary (a tensor descriptor cannot take
+    them): the loss's GEMM uses pointer loads for them (the same logits and statistics as the pointer launch, where
+    logits_gemm itself refuses TMA with a one-line error); aligned rows of 48 bytes take TMA, rows of 36 cannot."""
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(9 * HIDDEN_DIM + 1, generator=g).to(device, torch.bfloat16)
+    hidden = flat[1:].view(9, HIDDEN_DIM)  # contiguous, 2 bytes past its storage's start
+    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 0.4).to(device, torch.bfloat16)
+    assert not gemm.tma_loads(hidden, weight) and gemm.tma_loads(hidden.clone(), weight)
+    assert not gemm.tma_loads(hidden[:, :18].contiguous(), weight[:, :18].contiguous())
+    logits = torch.empty(9, VOCAB, device=device)
+    with pytest.raises(ValueError, match=r"TMA loads need rows of a multiple of 16 bytes; hidden's are 24 x 2 bytes, "
+                                         r"and 16-byte-aligned tensors; hidden and weight start 2 and 0 bytes past"):
+        gemm.logits_gemm(hidden, weight, logits, SMALL, gemm.Launch(tma=True))
+    monkeypatch.setattr(gemm, "LOSS_CONFIGS", {key: SMALL for key in gemm.LOSS_CONFIGS})
+    written = []
+    for launch in (gemm.Launch(tma=True), gemm.Launch()):
+        monkeypatch.setattr(gemm, "LOSS_LAUNCH", launch)
+        row_pass = gemm.EpilogueRowPass(9, hidden, weight, None, LogitTransform())
+        row_pass.write(logits, hidden, 0)
+        written.append((logits.clone(), row_pass.stats.clone()))
+    assert all(torch.equal(tma, pointers) for tma, pointers in zip(*written))
+
+
 def test_batch_invariant_with_the_option(small_blocks, monkeypatch, device):
     """batch_invariant=True with the option: its padded GEMMs of INVARIANT_ROWS rows (here 16) go through the epilogue
     GEMM, the statistics of the padding rows never read; the oracle's values and gradients, and a row's logp and
