@@ -28,7 +28,17 @@ from typing import Callable, ContextManager
 import torch
 
 from .formula import plain_erpo_from_hidden, plain_erpo_from_logits, plain_erpo_from_logp
-from .geometry import KEY_FORM, fused_constants, fused_knobs, is_geometry_key, parse_geometry_key
+from .geometry import (
+    EPILOGUE_KEY_FORM,
+    KEY_FORM,
+    epilogue_knobs,
+    fused_constants,
+    fused_knobs,
+    is_epilogue_key,
+    is_geometry_key,
+    parse_epilogue_key,
+    parse_geometry_key,
+)
 from .problem import Problem
 
 # The paper's options (alpha = 0.01, clip 0.2); the rest are API.md's defaults.
@@ -70,7 +80,7 @@ class Prepared:
 class Contender:
     """A benchmarked implementation on one path ("logits" or "fused")."""
 
-    key: str          # one of CONTENDER_KEYS, or a geometry's (erpo_geometry)
+    key: str          # one of CONTENDER_KEYS, a geometry's (erpo_geometry) or an epilogue GEMM's (erpo_epilogue)
     path: str
     label: str        # the call that is timed
     ours: bool
@@ -385,22 +395,46 @@ def erpo_geometry(key: str) -> Contender:
                      knobs=lambda: fused_knobs(*geometry))
 
 
+def erpo_epilogue(key: str) -> Contender:
+    """erpo-epi (ours with EPILOGUE_ROW_PASS) with the epilogue GEMM's config and launch `key` names (bench.geometry:
+    erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma], LOSS_CONFIGS' bf16 entry and LOSS_LAUNCH) set for every call of
+    the contender and put back after each; ValueError if `key` is malformed. It takes erpo-epi's place in a run
+    (gpu_check's bench 1 with bench.epilogue_pick's pick), held to ours' tolerance as erpo-epi is."""
+    epilogue = parse_epilogue_key(key)
+    label = ("erpo_kernels.fused_linear_erpo_loss(backend='triton'), EPILOGUE_ROW_PASS=True, LOSS_CONFIGS[bf16] = "
+             f"{'x'.join(map(str, epilogue.config[:3]))} w{epilogue.config[3]} s{epilogue.config[4]}, "
+             f"LOSS_LAUNCH = {'grouped' if epilogue.programs is None else f'persistent ({epilogue.programs})'}"
+             f"{', TMA' if epilogue.tma else ''}")
+    return Contender(key, "fused", label, False, "erpo", None, _erpo_fused("triton"),
+                     _triton_requirement("erpo_kernels", "fused_linear_erpo_loss"),
+                     knobs=lambda: epilogue_knobs(epilogue))
+
+
+# the contender keys formed by a rule, each with its parser, the contender it gives and its form for an error
+KEY_RULES = ((is_geometry_key, parse_geometry_key, erpo_geometry, KEY_FORM),
+             (is_epilogue_key, parse_epilogue_key, erpo_epilogue, EPILOGUE_KEY_FORM))
+
+
 def check_keys(keys, option: str) -> None:
     """ValueError (one line naming `option` and the key) unless every key is in CONTENDER_KEYS or a well-formed
-    geometry key."""
-    unknown = sorted(set(key for key in keys if not is_geometry_key(key)) - set(CONTENDER_KEYS))
+    geometry or epilogue key."""
+    ruled = [key for key in keys if any(is_ruled(key) for is_ruled, *_ in KEY_RULES)]
+    unknown = sorted(set(keys) - set(ruled) - set(CONTENDER_KEYS))
     if unknown:
-        raise ValueError(f"{option}: unknown {unknown}; known: {list(CONTENDER_KEYS)} and {KEY_FORM}")
-    for key in filter(is_geometry_key, keys):
-        try:
-            parse_geometry_key(key)
-        except ValueError as error:
-            raise ValueError(f"{option}: {error}") from None
+        forms = " and ".join(form for *_, form in KEY_RULES)
+        raise ValueError(f"{option}: unknown {unknown}; known: {list(CONTENDER_KEYS)} and {forms}")
+    for is_ruled, parse, _, _ in KEY_RULES:
+        for key in filter(is_ruled, keys):
+            try:
+                parse(key)
+            except ValueError as error:
+                raise ValueError(f"{option}: {error}") from None
 
 
 def select(keys, paths) -> list:
-    """The contenders whose key is in `keys` and path in `paths`, in CONTENDERS order, then the geometry contenders
-    of `keys` (erpo_geometry) in their order: each case's last rows."""
+    """The contenders whose key is in `keys` and path in `paths`, in CONTENDERS order, then the geometry and epilogue
+    contenders of `keys` (erpo_geometry, erpo_epilogue) in their order: each case's last rows."""
     check_keys(keys, "--contenders")
-    geometries = [erpo_geometry(key) for key in dict.fromkeys(keys) if is_geometry_key(key)]
-    return [c for c in (*CONTENDERS, *geometries) if c.key in keys and c.path in paths]
+    formed = [contender(key) for key in dict.fromkeys(keys) for is_ruled, _, contender, _ in KEY_RULES
+              if is_ruled(key)]
+    return [c for c in (*CONTENDERS, *formed) if c.key in keys and c.path in paths]

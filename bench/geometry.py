@@ -3,7 +3,9 @@
 on the store's rows, whole chunks), set by `fused_knobs` (bench.fused_probe's variants, the bench's `erpo-geom-*`
 contenders), `fused_linear_loss.GRAD_HIDDEN_FP32` (d hidden held in fp32, the contender `erpo-dh32`) and
 `fused_linear_loss.EPILOGUE_ROW_PASS` (the forward row pass in the logits GEMM's epilogue, the contender
-`erpo-epi`); and the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`.
+`erpo-epi`); the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`; and the one that
+names the epilogue GEMM's config and launch for erpo-epi (`epilogue_knobs`, bench.epilogue_pick's pick):
+`erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from typing import NamedTuple, Optional
 
 GEOMETRY_PREFIX = "erpo-geom-"
 KEY_FORM = "erpo-geom-ROWS or erpo-geom-ROWS-GROUP (chunk rows, group rows a multiple of them, e.g. erpo-geom-256-2304)"
+EPILOGUE_PREFIX = "erpo-epi-"
+EPILOGUE_KEY_FORM = ("erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma] (the GEMM's tile, K step, warps and stages, "
+                     "powers of two but the stages; P persistent programs; TMA loads), e.g. "
+                     "erpo-epi-128x256x64-w8-s3-persistent132-tma")
 
 
 class Geometry(NamedTuple):
@@ -22,19 +28,47 @@ class Geometry(NamedTuple):
     group: Optional[int] = None
 
 
+class EpilogueLaunch(NamedTuple):
+    """The epilogue GEMM's config (`triton_logits_gemm.GemmConfig`'s fields: tile rows and columns, K step, warps,
+    stages) and launch (`triton_logits_gemm.Launch`'s: persistent programs, None for one a tile; TMA loads)."""
+
+    config: tuple
+    programs: Optional[int] = None
+    tma: bool = False
+
+
 @contextlib.contextmanager
-def fused_constants(**values):
-    """The `fused_linear_loss` module constants named by `values` (LOGITS_ROWS=512, EPILOGUE_ROW_PASS=True, ...) set
-    while the block runs, each put back after it, also on an exception; AttributeError for a name the module lacks."""
-    from erpo_kernels import fused_linear_loss
-    saved = {name: getattr(fused_linear_loss, name) for name in values}
+def module_constants(module, **values):
+    """`module`'s constants named by `values` set while the block runs, each put back after it, also on an exception;
+    AttributeError for a name the module lacks."""
+    saved = {name: getattr(module, name) for name in values}
     try:
         for name, value in values.items():
-            setattr(fused_linear_loss, name, value)
+            setattr(module, name, value)
         yield
     finally:
         for name, value in saved.items():
-            setattr(fused_linear_loss, name, value)
+            setattr(module, name, value)
+
+
+def fused_constants(**values):
+    """The `fused_linear_loss` module constants named by `values` (LOGITS_ROWS=512, EPILOGUE_ROW_PASS=True, ...) set
+    while the block runs (`module_constants`)."""
+    from erpo_kernels import fused_linear_loss
+    return module_constants(fused_linear_loss, **values)
+
+
+@contextlib.contextmanager
+def epilogue_knobs(epilogue: EpilogueLaunch):
+    """EPILOGUE_ROW_PASS with the epilogue GEMM at `epilogue`'s config for bf16 / fp16 operands without a soft-cap
+    (`triton_logits_gemm.LOSS_CONFIGS`' entry that the bench's lm_heads use, the one the probe times) and its launch
+    (`LOSS_LAUNCH`, for every entry) while the block runs, all put back after it."""
+    from erpo_kernels import triton_logits_gemm as gemm
+    config = gemm.GemmConfig(*epilogue.config)
+    with module_constants(gemm, LOSS_CONFIGS={**gemm.LOSS_CONFIGS, (2, False): config},
+                          LOSS_LAUNCH=gemm.Launch(epilogue.programs, epilogue.tma)), \
+            fused_constants(EPILOGUE_ROW_PASS=True):
+        yield
 
 
 def fused_knobs(rows: Optional[int], group: Optional[int]):
@@ -60,3 +94,27 @@ def parse_geometry_key(key: str) -> Geometry:
     if rows is None or (group is not None and group % rows):
         raise ValueError(f"{key!r} is no geometry contender; expected {KEY_FORM}")
     return Geometry(rows, group)
+
+
+def is_epilogue_key(key: str) -> bool:
+    """Whether `key` is meant as an epilogue GEMM contender (well formed or not: `parse_epilogue_key` says)."""
+    return key.startswith(EPILOGUE_PREFIX)
+
+
+def epilogue_key(epilogue: EpilogueLaunch) -> str:
+    """The contender key of `epilogue`: erpo-epi-128x256x64-w8-s3, then -persistentP and -tma where they are set."""
+    block_m, block_n, block_k, warps, stages = epilogue.config
+    return (f"{EPILOGUE_PREFIX}{block_m}x{block_n}x{block_k}-w{warps}-s{stages}"
+            + (f"-persistent{epilogue.programs}" if epilogue.programs else "") + ("-tma" if epilogue.tma else ""))
+
+
+def parse_epilogue_key(key: str) -> EpilogueLaunch:
+    """The config and launch `key` names; ValueError (one line: the key and the form expected) if it is malformed or
+    names a block or warp count that is no power of two (Triton's tiles) or no stage."""
+    number = r"([1-9]\d*)"
+    found = re.fullmatch(re.escape(EPILOGUE_PREFIX) + f"{number}x{number}x{number}-w{number}-s{number}"
+                         f"(?:-persistent{number})?(-tma)?", key)
+    config = () if found is None else tuple(int(found[index]) for index in range(1, 6))
+    if not config or not all(count & (count - 1) == 0 for count in config[:4]):
+        raise ValueError(f"{key!r} is no epilogue contender; expected {EPILOGUE_KEY_FORM}")
+    return EpilogueLaunch(config, found[6] and int(found[6]), found[7] is not None)

@@ -2,7 +2,9 @@
 a malformed one, their chunk and group rows set around every call of the contender in a bench run (its check,
 timing and peak memory) and put back after it, also when a call fails, and ours' loss and gradients under that other
 geometry, checked with ours' tolerance and against ours with the library's geometry; and `erpo-dh32`, ours with
-d hidden held in fp32 (`fused_linear_loss.GRAD_HIDDEN_FP32`, set the same way)."""
+d hidden held in fp32 (`fused_linear_loss.GRAD_HIDDEN_FP32`, set the same way); and the epilogue contenders
+(`erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]`, gpu_check's pick for erpo-epi's place): the config and launch their
+key names reach the epilogue GEMM in each of their calls, and the library's are back after the run."""
 import pytest
 import torch
 
@@ -10,10 +12,11 @@ import erpo_kernels
 from bench.__main__ import main as bench_main
 from bench.check import OURS
 from bench.contenders import CONTENDER_KEYS, ERPO_OPTIONS, select
-from bench.geometry import Geometry, geometry_key, parse_geometry_key
+from bench.geometry import EpilogueLaunch, Geometry, epilogue_key, geometry_key, parse_epilogue_key, parse_geometry_key
 from bench.problem import SMOKE_SHAPE, build_problem
 from bench.run import BenchConfig, run_benchmark
 from erpo_kernels import fused_linear_loss
+from erpo_kernels import triton_logits_gemm as gemm
 
 KEY = "erpo-geom-32-64"  # chunks of 32 rows, groups of 64: 4 chunks and 2 groups in the 128 rows below
 ROWS, PER_SAMPLE = 128, 64
@@ -158,3 +161,56 @@ def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
     assert results["erpo"][:2] == (ROWS, ROWS) and results[KEY][:2] == (32, 64)
     for ours, other in zip(results["erpo"][2], results[KEY][2]):
         torch.testing.assert_close(other, ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key, epilogue", [
+    ("erpo-epi-128x256x64-w8-s3", EpilogueLaunch((128, 256, 64, 8, 3))),
+    ("erpo-epi-64x128x64-w4-s4-persistent132-tma", EpilogueLaunch((64, 128, 64, 4, 4), 132, True)),
+    ("erpo-epi-256x128x64-w8-s3-tma", EpilogueLaunch((256, 128, 64, 8, 3), None, True))])
+def test_an_epilogue_key_names_its_config_and_launch(key, epilogue):
+    assert parse_epilogue_key(key) == epilogue and epilogue_key(epilogue) == key
+    (contender,) = select(["erpo-epi", key], ["fused"])[1:]  # after the fixed contenders: each case's last row
+    assert (contender.key, contender.path, contender.ours, contender.held_to_ours) == (key, "fused", False, True)
+    assert "EPILOGUE_ROW_PASS=True" in contender.label and str(gemm.GemmConfig(*epilogue.config)) in contender.label
+    assert contender.label.endswith(str(gemm.Launch(epilogue.programs, epilogue.tma)))
+    assert select([key], ["logits"]) == []  # a fused-path contender
+
+
+@pytest.mark.parametrize("key", ["erpo-epi-", "erpo-epi-128x256x64-w8", "erpo-epi-96x256x64-w8-s3",
+                                 "erpo-epi-128x256x64-w6-s3", "erpo-epi-128x256x64-w8-s0",
+                                 "erpo-epi-128x256x64-w8-s3-persistent0", "erpo-epi-128x256x64-w8-s3-tma-persistent4",
+                                 "erpo-epi-128x256x64-w8-s3-TMA"])
+def test_a_malformed_epilogue_key_is_one_line_naming_it_and_the_form(key):
+    with pytest.raises(ValueError) as error:
+        select(["erpo", key], ["fused"])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"--contenders: {key!r} is no epilogue contender; expected ")
+    assert "erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]" in message
+    for option in ("--contenders", "--skip"):  # the bench's command line: its one line, before any run
+        with pytest.raises(SystemExit, match=f"^{option}: '{key}' is no epilogue contender"):
+            bench_main(["--smoke", option, key, "--plan"])
+    with pytest.raises(ValueError, match=r"known: \[.*\] and erpo-geom-ROWS .* and erpo-epi-BMxBNxBK"):
+        select(["erpo-epilogue"], ["fused"])  # no rule's key: the known keys and both forms
+
+
+@pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
+def test_an_epilogue_contender_runs_its_config_and_launch_in_each_of_its_calls(monkeypatch):
+    """A bf16 bench run of erpo-epi-32x128x32-w4-s2-persistent5-tma (D = 64, V = 1000: 4 x 8 tiles on 5 programs):
+    every epilogue GEMM of its calls (its check, its fwd and fwd+bwd) at that config and launch with
+    EPILOGUE_ROW_PASS on; the library's LOSS_CONFIGS, LOSS_LAUNCH and EPILOGUE_ROW_PASS back after the run; its row
+    correct within ours' tolerance."""
+    key = "erpo-epi-32x128x32-w4-s2-persistent5-tma"
+    seen = []
+    launcher = gemm.logits_gemm
+
+    def recording(hidden, weight, logits, config, launch=gemm.Launch(), *args, **kwargs):
+        seen.append((config, launch, fused_linear_loss.EPILOGUE_ROW_PASS))
+        return launcher(hidden, weight, logits, config, launch, *args, **kwargs)
+    monkeypatch.setattr(gemm, "logits_gemm", recording)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the contender's requirement on the CPU
+    library = dict(gemm.LOSS_CONFIGS), gemm.LOSS_LAUNCH
+    (row,) = run_benchmark(_config([key]), log=lambda text: None)["rows"]
+    assert (dict(gemm.LOSS_CONFIGS), gemm.LOSS_LAUNCH) == library and fused_linear_loss.EPILOGUE_ROW_PASS is False
+    assert (row["contender"], row["status"], row["correct"]) == (key, "ok", True), row.get("detail")
+    assert row["tolerance"] == {"loss_atol": OURS.loss_atol, "loss_rtol": OURS.loss_rtol, "grad_rtol": OURS.grad_rtol}
+    assert seen and set(seen) == {(gemm.GemmConfig(32, 128, 32, 4, 2), gemm.Launch(5, True), True)}
