@@ -19,7 +19,10 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    fused path's next step, issue 32). Its report is copied into summary.md (its chunks as they end: bench.log).
 4. bench 1: the first of the bench runs (BENCH_RUNS, below): the fused path's targets, ours beside torch.compile and
    Liger, and the probe's pick (bench.probe_pick: the 1 GiB chunk/group geometry faster than the library default on
-   both shapes, if any, as the contender erpo-geom-ROWS[-GROUP]; nothing when the probe failed or did not run).
+   both shapes, if any, as the contender erpo-geom-ROWS[-GROUP]; nothing when the probe failed or did not run); erpo-epi
+   at the epilogue probe's pick (bench.epilogue_pick: the passing (d) config and launch faster than the library's on
+   both shapes at 512 rows, if any, as the contender erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma] in erpo-epi's place;
+   else erpo-epi at the library's).
 5. profile: `python -m bench.kernel_profile --path fused` at N=16384 on the Qwen2.5-7B lm_head: the fused path's
    kernels one by one and where the GPU idles between them (waiting for the host, per next kernel, the largest
    gaps, the host's syncs), copied into summary.md (its output goes to bench.log).
@@ -71,6 +74,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import gpu_clocks
+from .epilogue_pick import PICK_ROWS, pick_epilogue
+from .epilogue_pick import PROBE_JSON as EPILOGUE_JSON
 from .ours_by_tool import ours_by_tool_lines
 from .probe_pick import PROBE_JSON, Pick, pick_geometry
 
@@ -196,7 +201,8 @@ WIDE_COLUMNS = "300"
 @dataclass
 class BenchRun:
     """One `python -m bench` run of the bench stage: rows N, paths, contenders kept / left out, why some are left
-    out, and the contender the fused probe picked for it (bench 1 only: `GpuCheck.bench`)."""
+    out, the contender the fused probe picked for it and the epilogue probe's pick, timed in erpo-epi's place (bench
+    1 only: `GpuCheck.bench`)."""
 
     name: str
     n: str
@@ -206,15 +212,18 @@ class BenchRun:
     paths: str | None = None
     left_out: str = ""
     picked: str | None = None
+    epilogue: str | None = None
 
     def arguments(self, smoke: bool) -> list:
         skip = ["--skip", ",".join(self.skip)] if self.skip else []
-        picked = [self.picked] if self.picked else []
         if smoke:  # the smoke shape on the CPU, logits path, the quick contenders (the interpreter and Inductor's
             # C++ builds take minutes there; tests/kernels/test_bench_smoke.py runs them); a picked fused-path
             # contender is in the command, checked by the bench and, off its path, not run
+            picked = [key for key in (self.picked, self.epilogue) if key]
             return ["--smoke", "--paths", "logits", "--contenders", ",".join([DRY_RUN_CONTENDERS, *picked]), *skip]
-        contenders = ",".join(filter(None, [self.contenders, *picked]))
+        listed = [self.epilogue if self.epilogue and key == "erpo-epi" else key
+                  for key in (self.contenders.split(",") if self.contenders else [])]
+        contenders = ",".join(listed + ([self.picked] if self.picked else []))
         return (["--n", self.n, "--budget", "2"] + (["--paths", self.paths] if self.paths else [])
                 + (["--contenders", contenders] if contenders else []) + skip)
 
@@ -291,6 +300,8 @@ class GpuCheck:
         self.device = "CPU (dry run)" if dry_run else "no nvidia-smi"
         self.wheels = "none"
         self.pick = Pick(None, "none: the probe did not run")  # the probe's geometry for bench 1 (bench.probe_pick)
+        # the epilogue probe's config and launch for bench 1's erpo-epi (bench.epilogue_pick)
+        self.epilogue_pick = Pick(None, "none: the epilogue probe did not run")
         self.stopped_by: signal.Signals | None = None  # the SIGTERM or SIGINT gpu_check got (stop_on_signals)
         self.clocks = gpu_clocks.ClockSampler(out_dir / "clocks.csv")  # started by setup(), stopped by main()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -424,12 +435,25 @@ class GpuCheck:
 
     def epilogue(self) -> None:
         """bench.gemm_epilogue_probe into the work folder (its report goes into summary.md, its chunks as they end to
-        bench.log); the dry run runs its --smoke under the interpreter."""
+        bench.log), then its pick for bench 1's erpo-epi (bench.epilogue_pick; the dry run's from the smoke run's
+        rows against its first config); the dry run runs its --smoke under the interpreter."""
         command = [sys.executable, "-m", "bench.gemm_epilogue_probe", "--out", str(self.work / "epilogue-probe")]
         command += ["--smoke"] if self.dry_run else ["--shapes", PROBE_SHAPES, "--rows", EPILOGUE_ROWS]
         if self.commit:
             command += ["--commit", self.commit]
-        self.run("epilogue", command, self.out / "bench.log", EPILOGUE_LIMIT_S)
+        stage = self.run("epilogue", command, self.out / "bench.log", EPILOGUE_LIMIT_S)
+        if stage.status in ("ok", "time limit"):  # stopped at its limit, it leaves the chunks it finished
+            if self.dry_run:
+                from erpo_kernels.triton_logits_gemm import Launch
+
+                from .gemm_epilogue_probe import SMOKE
+                target = ([SMOKE["shape"]], int(SMOKE["rows"]), (str(SMOKE["configs"][0]), str(Launch())))
+            else:
+                target = (PROBE_SHAPES.split(","), PICK_ROWS, None)
+            self.epilogue_pick = pick_epilogue(self.work / "epilogue-probe" / EPILOGUE_JSON, *target)
+        else:
+            self.epilogue_pick = Pick(None, f"none: the epilogue probe {stage.status}")
+        self.log(f"bench 1's epilogue pick: {self.epilogue_pick.why}")
 
     def logits(self) -> None:
         """bench/logits_gpu_check.sh into the work folder (it keeps its own log there), packed into logits.tar.gz with
@@ -472,6 +496,8 @@ class GpuCheck:
             plan = BENCH_RUNS[index - 1]
             if index == 1 and self.pick.key:  # the probe's geometry beside ours and torch.compile (PICKED_CAP_S)
                 plan = replace(plan, picked=self.pick.key, cap_s=plan.cap_s + PICKED_CAP_S)
+            if index == 1 and self.epilogue_pick.key:  # erpo-epi at the epilogue probe's pick: no other contender
+                plan = replace(plan, epilogue=self.epilogue_pick.key)
             smoke = self.dry_run and index == 1
             command = [sys.executable, "-m", "bench", *plan.arguments(smoke), "--progress",
                        str(self.out / "bench.jsonl"), "--out", str(self.work / f"bench-{index}")]
@@ -484,6 +510,9 @@ class GpuCheck:
                 stage.notes.append("left out: " + plan.left_out)
             if plan.picked:
                 stage.notes.append(f"with the probe's pick {plan.picked} (its rows last in each case)")
+            if plan.epilogue:
+                stage.notes.append(f"erpo-epi at the epilogue probe's pick: {plan.epilogue} in its place (its rows "
+                                   "last in each case)")
             if "--plan" in command:
                 stage.notes.append("dry run: its arguments checked and its rows listed in bench.log (--plan), none run")
 
@@ -522,6 +551,8 @@ class GpuCheck:
                   "", "## Fused probe", "", f"- bench 1's geometry pick: {self.pick.why}",
                   *report_summary(self.work / "fused-probe" / "fused_probe.md"),
                   "", "## GEMM epilogue probe", "",
+                  f"- bench 1's epilogue pick (erpo-epi's place; none: erpo-epi at the library's config and launch): "
+                  f"{self.epilogue_pick.why}",
                   *report_summary(self.work / "epilogue-probe" / "gemm_epilogue_probe.md"),
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),

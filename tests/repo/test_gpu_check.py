@@ -92,6 +92,14 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     planned = re.findall(r"^(\d+) rows planned, none run \(--plan\)$", (out / "bench.log").read_text(), re.M)
     assert len(planned) == len(gpu_check.BENCH_RUNS) - 1 and all(int(count) > 0 for count in planned)
     assert "dry run: its arguments checked and its rows listed in bench.log (--plan), none run" in summary
+    # bench 1's erpo-epi from the smoke run's JSON (bench.epilogue_pick at its 24 rows against its first config; the
+    # CPU's times pick or not, either way): a picked key in bench 1's smoke command, checked by the bench there
+    (why,) = re.findall(r"^- bench 1's epilogue pick \(.*?\): (.*)$", epilogue, re.M)
+    library = f"{gemm_epilogue_probe.SMOKE['configs'][0]}, grouped"
+    assert re.match(rf"(erpo-epi-\S+|none): \(d\) .* at 24 rows, median over the library's \(d\) \({library}\) "
+                    r"40x200 \d", why), why
+    key = why.split(":")[0]
+    assert (f",{key} --progress " in commands[f"bench 1: {gpu_check.BENCH_RUNS[0].name}"]) == (key != "none")
     # the merged table, in the summary without its columns' legend
     assert "| V=1000 | 128 | torch | erpo | ok |" in summary and "### Columns" not in summary
     # the logits stage: logits_gpu_check.sh's dry run, its folder packed, its rows and host table in the summary
@@ -246,6 +254,54 @@ def test_bench_1_times_the_probe_s_pick_beside_ours_and_torch_compile(tmp_path, 
         assert arguments[arguments.index("--contenders") + 1] == f"{first.contenders},{picked}"
         from bench.__main__ import main as bench_main
         assert bench_main([*arguments, "--out", str(tmp_path / "plan"), "--plan"]) == 0
+
+
+@pytest.mark.parametrize("status, ratio, picked", [
+    ("ok", 0.9, "erpo-epi-128x128x64-w4-s4-persistent132-tma"),  # faster than the library's on both shapes
+    ("time limit", 0.9, "erpo-epi-128x128x64-w4-s4-persistent132-tma"),  # its 512-row chunks finished
+    ("ok", (0.9, 1.01), None),  # on one only: erpo-epi at the library's config
+    ("failed", 0.9, None)])  # its results are not read
+def test_bench_1_times_erpo_epi_at_the_epilogue_probe_s_pick(check, monkeypatch, status, ratio, picked):
+    """On the GPU, the epilogue probe's pick (bench.epilogue_pick) takes erpo-epi's place in bench 1's contenders,
+    no other contender and no other cap, with the geometry pick beside it; the summary says which and why, or why
+    none; the bench accepts the command."""
+    from test_epilogue_pick import PERSISTENT_TMA, write_probe
+    commands = []
+
+    def run(name, command, log_file, limit_s, mirror=None):  # the probe writes its results, nothing runs
+        if name == "epilogue":
+            folder = Path(command[command.index("--out") + 1])
+            folder.mkdir(parents=True)
+            write_probe(folder, {PERSISTENT_TMA: ratio}, rows=(512,) if status == "time limit" else (512, 2048))
+        commands.append((name, command, limit_s))
+        stage = gpu_check.Stage(name, command, limit_s, exit_code=0, status=status if name == "epilogue" else "ok")
+        check.stages.append(stage)
+        return stage
+    monkeypatch.setattr(check, "run", run)
+    monkeypatch.setattr(check, "dry_run", False)
+    check.pick = gpu_check.Pick("erpo-geom-256", "erpo-geom-256: the fused probe's")
+    check.epilogue()
+    check.bench(range(1, 2))
+    check.write_summary()
+    (_, command, limit_s), first = commands[-1], gpu_check.BENCH_RUNS[0]
+    contenders = first.contenders.replace("erpo-epi", picked or "erpo-epi") + ",erpo-geom-256"
+    assert command[command.index("--contenders") + 1] == contenders and contenders.count("erpo-epi") == 1
+    assert limit_s == first.cap_s + gpu_check.PICKED_CAP_S  # the geometry's time alone
+    summary = (check.out / "summary.md").read_text()
+    (why,) = re.findall(r"^- bench 1's epilogue pick \(erpo-epi's place; none: erpo-epi at the library's config and "
+                        r"launch\): (.*)$", summary, re.M)
+    if picked:
+        assert why.startswith(f"{picked}: (d) 128x128x64 w4 s4, persistent (132), TMA") and why.endswith("every shape")
+        assert f"erpo-epi at the epilogue probe's pick: {picked} in its place" in summary
+        from bench.__main__ import main as bench_main
+        arguments = command[command.index("--n"):command.index("--progress")]
+        assert bench_main([*arguments, "--out", str(check.work / "plan"), "--plan"]) == 0
+    elif status == "failed":
+        assert why == "none: the epilogue probe failed" and "in its place" not in summary
+    else:
+        assert why.startswith("none: (d) 128x128x64 w4 s4") and why.endswith("not faster than the library's on every "
+                                                                               "shape")
+        assert "in its place" not in summary
 
 
 def test_stages_runs_only_the_stages_named(tmp_path, monkeypatch, capsys):
