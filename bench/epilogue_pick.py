@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .geometry import EpilogueLaunch, epilogue_key
-from .probe_pick import Pick
+from .probe_pick import Pick, lowest_sum_pick
 
 PROBE_JSON = "gemm_epilogue_probe.json"  # what bench.gemm_epilogue_probe writes beside its report, after each chunk
 # The chunk rows the pick compares at: fused_linear_loss.LOGITS_ROWS, the 1 GiB default's chunk at both lm_heads
@@ -77,14 +77,8 @@ def _pick(shapes: dict, rows: int, library: tuple) -> Pick:
         for variant, median in timed.items():
             if variant != library:
                 ratios.setdefault(variant, {})[shape] = median / timed[library]
-    complete = {variant: by_shape for variant, by_shape in ratios.items() if by_shape.keys() == shapes.keys()}
-    if not complete:
-        return Pick(None, f"none: no other (d) variant passed and was timed on every shape at {rows} rows")
-    best = min(complete, key=lambda variant: sum(complete[variant].values()))
-    key = epilogue_key(probe_variant(*best))
-    measured = (f"(d) {', '.join(best)} ({key}) at {rows} rows, median over {named} "
-                + ", ".join(f"{shape} {ratio:.3f}" for shape, ratio in complete[best].items())
-                + f", sum {sum(complete[best].values()):.3f}, the lowest of {len(complete)} other passing (d) variants")
-    if all(ratio < 1 for ratio in complete[best].values()):
-        return Pick(key, f"{key}: {measured}, faster than the library's on every shape")
-    return Pick(None, f"none: {measured}, not faster than the library's on every shape")
+
+    def label(variant: tuple) -> tuple:
+        key = epilogue_key(probe_variant(*variant))
+        return key, f"(d) {', '.join(variant)} ({key}) at {rows} rows,"
+    return lowest_sum_pick(ratios, shapes, label, named, "the library's", "other passing (d) variant")

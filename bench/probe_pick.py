@@ -3,6 +3,7 @@ fused_probe.json: among the variants that set only the chunk rows and group rows
 1 GiB default (not the workspace variants, not the host layout), the one with the lowest sum over the probe's shapes
 of its fwd+bwd median over that shape's "library default" median; picked only if it is faster than the library
 default on every shape. So one lease's bench run shows the candidate's targets beside erpo and torch.compile.
+The rule itself (`lowest_sum_pick`) is bench.epilogue_pick's too.
 """
 from __future__ import annotations
 
@@ -51,15 +52,26 @@ def _pick(shapes: dict) -> Pick:
         for row in rows:
             if probe_geometry(row) is not None:
                 ratios.setdefault(row["variant"], {})[shape] = row["median_ms"] / default[0]
-    complete = {name: by_shape for name, by_shape in ratios.items() if by_shape.keys() == shapes.keys()}
+    def named(best: str) -> tuple:
+        (row,) = [row for row in next(iter(shapes.values())) if row["variant"] == best]
+        key = geometry_key(probe_geometry(row))
+        return key, f"{best!r} ({key}), fwd+bwd"
+    return lowest_sum_pick(ratios, shapes, named, "the library default's", "the library default", "geometry variant")
+
+
+def lowest_sum_pick(ratios: dict, shapes, named, over: str, than: str, kind: str) -> Pick:
+    """The rule both probes' picks follow: among the variants of `ratios` ({variant: {shape: its median over the
+    baseline's}}) measured on every shape of `shapes`, the one with the lowest sum of ratios, picked only if each is
+    below 1. named(variant) gives its (contender key, label); why names it, its ratios and sum "median over `over`",
+    how many `kind`s it was the lowest of, and whether it is faster than `than` on every shape."""
+    complete = {variant: by_shape for variant, by_shape in ratios.items() if by_shape.keys() == set(shapes)}
     if not shapes or not complete:
-        return Pick(None, "none: no geometry variant measured on every shape")
-    best = min(complete, key=lambda name: sum(complete[name].values()))
-    (row,) = [row for row in next(iter(shapes.values())) if row["variant"] == best]
-    key = geometry_key(probe_geometry(row))
-    measured = (f"{best!r} ({key}), fwd+bwd median over the library default's "
-                + ", ".join(f"{shape} {ratio:.3f}" for shape, ratio in complete[best].items())
-                + f", sum {sum(complete[best].values()):.3f}, the lowest of {len(complete)} geometry variants")
+        return Pick(None, f"none: no {kind} measured on every shape")
+    best = min(complete, key=lambda variant: sum(complete[variant].values()))
+    key, label = named(best)
+    measured = (f"{label} median over {over} " + ", ".join(f"{shape} {ratio:.3f}" for shape, ratio in
+                                                           complete[best].items())
+                + f", sum {sum(complete[best].values()):.3f}, the lowest of {len(complete)} {kind}s")
     if all(ratio < 1 for ratio in complete[best].values()):
-        return Pick(key, f"{key}: {measured}, faster than the library default on every shape")
-    return Pick(None, f"none: {measured}, not faster than the library default on every shape")
+        return Pick(key, f"{key}: {measured}, faster than {than} on every shape")
+    return Pick(None, f"none: {measured}, not faster than {than} on every shape")

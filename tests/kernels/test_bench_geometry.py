@@ -43,17 +43,33 @@ def test_every_variant_of_ours_and_no_peer_is_held_to_ours_tolerance():
     assert not any(held[(path, key)] for path, key in held if key in ("torch", "compile", "liger", "cce"))
 
 
-@pytest.mark.parametrize("key", ["erpo-geom-", "erpo-geom-256-", "erpo-geom-0-512", "erpo-geom-256-1000",
-                                 "erpo-geom-two", "erpo-geom-256-2304-1", "erpo-geom-0256"])
-def test_a_malformed_geometry_key_is_one_line_naming_it_and_the_form(key):
+# (key, kind, form): malformed geometry and epilogue keys, the kind of contender their prefix means, their form
+MALFORMED_KEYS = (
+    [(key, "geometry", "erpo-geom-ROWS-GROUP") for key in (
+        "erpo-geom-", "erpo-geom-256-", "erpo-geom-0-512", "erpo-geom-256-1000", "erpo-geom-two",
+        "erpo-geom-256-2304-1", "erpo-geom-0256")]
+    + [(key, "epilogue", "erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]") for key in (
+        "erpo-epi-", "erpo-epi-128x256x64-w8", "erpo-epi-96x256x64-w8-s3", "erpo-epi-128x256x64-w6-s3",
+        "erpo-epi-128x256x64-w8-s0", "erpo-epi-128x256x64-w8-s3-persistent0",
+        "erpo-epi-128x256x64-w8-s3-tma-persistent4", "erpo-epi-128x256x64-w8-s3-TMA")])
+
+
+@pytest.mark.parametrize("key, kind, form", MALFORMED_KEYS)
+def test_a_malformed_contender_key_is_one_line_naming_it_and_the_form(key, kind, form):
     with pytest.raises(ValueError) as error:
         select(["erpo", key], ["fused"])
     message = str(error.value)
-    assert "\n" not in message and message.startswith(f"--contenders: {key!r} is no geometry contender; expected ")
-    assert "erpo-geom-ROWS-GROUP" in message
+    assert "\n" not in message and message.startswith(f"--contenders: {key!r} is no {kind} contender; expected ")
+    assert form in message
     for option in ("--contenders", "--skip"):  # the bench's command line: its one line, before any run
-        with pytest.raises(SystemExit, match=f"^{option}: '{key}' is no geometry contender"):
+        with pytest.raises(SystemExit, match=f"^{option}: '{key}' is no {kind} contender"):
             bench_main(["--smoke", option, key, "--plan"])
+
+
+def test_a_key_of_no_rule_is_refused_with_the_known_keys_and_both_forms():
+    with pytest.raises(ValueError, match=r"^--contenders: unknown \['erpo-epilogue'\]; known: \[.*\] and "
+                                         r"erpo-geom-ROWS .* and erpo-epi-BMxBNxBK"):
+        select(["erpo", "erpo-epilogue"], ["fused"])
 
 
 def _config(keys, dtype=torch.bfloat16, reps=1) -> BenchConfig:
@@ -174,23 +190,6 @@ def test_an_epilogue_key_names_its_config_and_launch(key, epilogue):
     assert "EPILOGUE_ROW_PASS=True" in contender.label and str(gemm.GemmConfig(*epilogue.config)) in contender.label
     assert contender.label.endswith(str(gemm.Launch(epilogue.programs, epilogue.tma)))
     assert select([key], ["logits"]) == []  # a fused-path contender
-
-
-@pytest.mark.parametrize("key", ["erpo-epi-", "erpo-epi-128x256x64-w8", "erpo-epi-96x256x64-w8-s3",
-                                 "erpo-epi-128x256x64-w6-s3", "erpo-epi-128x256x64-w8-s0",
-                                 "erpo-epi-128x256x64-w8-s3-persistent0", "erpo-epi-128x256x64-w8-s3-tma-persistent4",
-                                 "erpo-epi-128x256x64-w8-s3-TMA"])
-def test_a_malformed_epilogue_key_is_one_line_naming_it_and_the_form(key):
-    with pytest.raises(ValueError) as error:
-        select(["erpo", key], ["fused"])
-    message = str(error.value)
-    assert "\n" not in message and message.startswith(f"--contenders: {key!r} is no epilogue contender; expected ")
-    assert "erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]" in message
-    for option in ("--contenders", "--skip"):  # the bench's command line: its one line, before any run
-        with pytest.raises(SystemExit, match=f"^{option}: '{key}' is no epilogue contender"):
-            bench_main(["--smoke", option, key, "--plan"])
-    with pytest.raises(ValueError, match=r"known: \[.*\] and erpo-geom-ROWS .* and erpo-epi-BMxBNxBK"):
-        select(["erpo-epilogue"], ["fused"])  # no rule's key: the known keys and both forms
 
 
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
