@@ -3,17 +3,14 @@ gradients, options, errors, torch.compile, the sm_90 compile check, the README's
 harness's smoke run. Every test collected under this folder gets the marker.
 
 Under the interpreter the tier holds Triton to what the GPU image does (tests/support/interpreter_as_gpu.py): numpy's
-deprecated array-to-scalar conversion, an error with the image's numpy 2.5, is an error here, and so is a NaN or inf
-that a kernel forms (numpy's RuntimeWarning; compiled, nothing says so) unless the test feeds them on purpose
-(`interpreter_as_gpu.NONFINITE_EXPECTED`); tl.minimum / tl.maximum drop a NaN as the compiled kernels do; an fp32 ->
-bf16 cast rounds to nearest even as compiled (the interpreter truncates); a test of what must be exact asks for
-`fma_as_compiled`."""
+deprecated array-to-scalar conversion, an error with the image's numpy 2.5, is an error here; tl.minimum /
+tl.maximum drop a NaN as the compiled kernels do; an fp32 -> bf16 cast rounds to nearest even as compiled (the
+interpreter truncates); a test of what must be exact asks for `fma_as_compiled`."""
 import os
 
 import pytest
 
 from interpreter_as_gpu import (
-    INTERPRETER_FLOAT_ERROR,
     NUMPY_SCALAR_ERROR,
     bf16_rounding_as_compiled,
     fma_contraction_as_compiled,
@@ -24,8 +21,6 @@ from interpreter_as_gpu import (
 def pytest_itemcollected(item):
     item.add_marker(pytest.mark.kernels)
     item.add_marker(pytest.mark.filterwarnings(NUMPY_SCALAR_ERROR))
-    # first among the item's marks: a test's own filterwarnings mark (NONFINITE_EXPECTED) comes later and wins
-    item.add_marker(pytest.mark.filterwarnings(INTERPRETER_FLOAT_ERROR), append=False)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ from erpo_kernels.triton_row_checks import first_bad_row_op
 from erpo_kernels.triton_segment import sample_spans_op
 from erpo_kernels.validation import LossInputs, LossOptions
 from helpers import assert_compiled_equals_eager, loss_inputs, random_batch
-from interpreter_as_gpu import NONFINITE_EXPECTED
 from launch_counts import LaunchCounter
 
 # per fwd+bwd of erpo_loss on the Triton path (issue 32: at most 20): 15 on the CPU with the entropy filter, one
@@ -226,7 +225,6 @@ def test_validate_false_still_checks_shapes_and_options(device):
                   validate="no", **tensors)
 
 
-@pytest.mark.filterwarnings(NONFINITE_EXPECTED)  # an inf token_weight ("two")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", ["token_kind", "sample_index", "targets", "token_weight", "rollout_logp", "two"])
 def test_row_checks_name_the_first_bad_row_on_both_backends(bad, backend, device):
@@ -267,7 +265,6 @@ def test_fused_objective_is_deterministic_and_batch_rows_may_come_in_any_order(d
     torch.testing.assert_close(moved_grad, first_grad[permutation], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.filterwarnings(NONFINITE_EXPECTED)
 def test_nonfinite_rows_give_nan_loss_and_zero_rows_stay_exactly_zero(device):
     batch = random_batch(device=device)
     kind = batch["token_kind"]

@@ -7,7 +7,6 @@ from erpo_kernels import erpo_loss, token_logprobs
 from erpo_kernels.triton_logits import FORWARD_VARIANTS, _launch_forward, block_size_for, forward_variant
 from erpo_kernels.validation import NO_TRANSFORM
 from helpers import loss_inputs, random_batch
-from interpreter_as_gpu import NONFINITE_EXPECTED
 from launch_counts import LaunchCounter
 from test_reference import OPTION_CASES
 
@@ -174,7 +173,6 @@ def test_no_grad_saves_nothing_and_matches(device):
     torch.testing.assert_close(logp, token_logprobs(batch["logits"], batch["targets"], backend="torch"))
 
 
-@pytest.mark.filterwarnings(NONFINITE_EXPECTED)
 def test_nonfinite_logits_give_nan_loss_and_a_flag(device):
     batch = random_batch(device=device)
     batch["logits"][1, 4] = float("nan")  # row 1 is a response row
@@ -190,7 +188,6 @@ def test_nonfinite_logits_give_nan_loss_and_a_flag(device):
     assert torch.isnan(out.loss) and out.metrics["nonfinite_rows"].item() == 1
 
 
-@pytest.mark.filterwarnings(NONFINITE_EXPECTED)
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
 def test_a_nan_logit_makes_its_rows_logp_entropy_and_lse_nan(device, variant):
     """A NaN logit anywhere in a row (before or after the row's max, in its first or a later vocabulary step, the
@@ -218,7 +215,6 @@ def test_a_nan_logit_makes_its_rows_logp_entropy_and_lse_nan(device, variant):
         torch.testing.assert_close(value[~nan_rows], reference[~nan_rows], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.filterwarnings(NONFINITE_EXPECTED)
 def test_rows_without_gradient_get_exact_zeros_even_with_nonfinite_logits(device):
     """Padding rows (kind 0) and the response rows of a zero-advantage sample receive no gradient. Non-finite
     logits in padding rows (e.g. fully masked attention) must leave the update finite: their gradient rows are

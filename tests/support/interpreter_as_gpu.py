@@ -20,13 +20,6 @@
 import numpy as np
 
 NUMPY_SCALAR_ERROR = "error:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
-# numpy's floating-point warnings (invalid value, overflow, divide by zero) from the interpreter's operations (its own
-# module's and fma_contraction_as_compiled's): compiled, the same operation forms the NaN or inf without a word. The
-# kernel tier turns them into errors (a NaN a kernel forms and then drops with a select is harmless on the GPU, one it
-# keeps is a silent wrong answer, and the warning cannot tell which: our kernels form neither); a test that feeds
-# NaN or inf on purpose takes NONFINITE_EXPECTED as its mark, which comes after the tier's filter and wins.
-INTERPRETER_FLOAT_ERROR = r"error::RuntimeWarning:triton\.runtime\.interpreter|interpreter_as_gpu"
-NONFINITE_EXPECTED = "ignore" + INTERPRETER_FLOAT_ERROR[len("error"):]
 
 
 def min_max_drop_nan_as_compiled(monkeypatch) -> None:
