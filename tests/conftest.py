@@ -5,6 +5,7 @@ A test file's tier is its folder (kernels/, train/, integrations/, distributed/,
 gives its tests the folder's marker (registered in pytest.ini), so `pytest -m kernels` runs the kernels tier.
 support/ holds the importable helpers, workers/ the scripts that tests launch in their own processes.
 """
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,34 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fused-options", default="", metavar="KEYS",
+                     help="the fused loss's private knobs for the whole session, as the bench's contender keys, "
+                          "comma-separated: erpo-dh32, erpo-epi, erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma], "
+                          "erpo-geom-ROWS[-GROUP] (tests/support/fused_options.py; docs/CONTRIBUTING.md)")
+
+
+def pytest_configure(config):
+    """--fused-options' knobs set before collection (a test may read a constant at import), put back at the end."""
+    from fused_options import enter_knobs
+
+    config._fused_options = contextlib.ExitStack()
+    try:
+        config._fused_option_labels = enter_knobs(config.getoption("--fused-options"), config._fused_options)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "_fused_options"):
+        config._fused_options.close()
+
+
+def pytest_report_header(config):
+    labels = getattr(config, "_fused_option_labels", [])
+    return [f"fused options: {'; '.join(labels)}"] if labels else []
 
 
 @pytest.fixture(scope="session")
