@@ -1,5 +1,5 @@
 """@triton.jit helpers shared by every Triton kernel: a NaN-propagating clamp, the logit transform (and its host-side
-arguments), the online log-sum-exp with entropy, and dlogits.
+arguments), a row's (logp, entropy, lse) stores, the online log-sum-exp with entropy, and dlogits.
 
 The online log-sum-exp follows `common`'s docstring (the torch side): running_max m starts at the finite
 LSE_FLOOR, logits outside the row are -inf, sum_exp s = sum exp(z - m), sum_exp_shifted u = sum exp(z - m)(z - m),
@@ -78,6 +78,39 @@ def transformed_logits(logits, logit_scale, logit_softcap, inv_temperature, SOFT
         slope = logit_scale * inv_temperature
         z = logits * slope
     return z, slope
+
+
+@triton.jit
+def store_row_values(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit,
+                     log_sum_exp, entropy, vocab_size, logit_scale, logit_softcap, inv_temperature,
+                     SOFTCAP: tl.constexpr, RAW: tl.constexpr):
+    """Store row `row`'s entropy, lse = row_max * unit + log s and logp = (v_target - row_max) * unit - log s, from
+    one direct load of the target logit (row_ptr: the row's first logit, stride_col apart; any float dtype), where
+    the row's values v are its logits themselves when RAW (`unit` then holds the linear transform: no soft-cap),
+    else z (`transformed_logits`; unit = 1): the forward row kernels' end (triton_logits) and the epilogue GEMM's
+    merge (triton_logits_gemm). logp is 0 for a target of -100. The target's difference from the max comes before
+    the multiply: exactly 0 where the target holds the max, so a row whose max holds all the mass (log s = 0) gets
+    logp = 0, not the rounding of a product. logp is at most 0 (v_target is one of the row's values, so
+    v_target <= row_max, and s >= 1): a logp above 0 (none from these kernels' sums on the CPU) is stored as 0,
+    every other value kept bit for bit."""
+    target = tl.load(targets_ptr + row)
+    scored = target != -100
+    # column 0 for an ignored row, and for a target outside [0, V): the row checks report that one after this
+    # kernel is queued (api.loss_on_token_rows), so the load stays inside the row whatever the targets hold
+    safe_target = tl.where((target >= 0) & (target < vocab_size), target, 0)
+    value = tl.load(row_ptr + safe_target * stride_col).to(tl.float32)
+    if not RAW:
+        value, _ = transformed_logits(value, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
+    # z through a select, as the loop's z pass through their mask: compiled, the product z = logit * slope would
+    # otherwise contract with the subtraction into one FMA, logit * slope - row_max, which keeps the rounding of
+    # the loop's product (not 0 at the max: 3.3 * 1.25 is not a float)
+    value = tl.where(scored, value, row_max)
+    logp = (value - row_max) * unit - log_sum_exp
+    # the bound by a select, not `clamp`: a -0.0 (a row whose only max is the target at z = -0.0) and a NaN keep
+    # their bits, where the interpreter's np.minimum(-0.0, 0.0) gives +0.0
+    tl.store(logp_ptr + row, tl.where(scored, tl.where(logp > 0.0, 0.0, logp), 0.0))
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(lse_ptr + row, row_max * unit + log_sum_exp)
 
 
 @triton.jit

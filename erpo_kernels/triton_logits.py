@@ -37,6 +37,7 @@ from .triton_common import (
     online_softmax_finish,
     online_softmax_start,
     online_softmax_step,
+    store_row_values,
     transform_arguments,
     transformed_logits,
 )
@@ -67,34 +68,8 @@ def _logp_entropy_forward_kernel(
         start += BLOCK_V
     row_max = tl.sum(running_max, axis=0)  # [1] -> scalars
     log_sum_exp, entropy = online_softmax_finish(tl.sum(sum_exp, axis=0), tl.sum(sum_exp_shifted, axis=0))
-    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, 1.0, log_sum_exp,
-               entropy, vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP, False)
-
-
-@triton.jit
-def _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit, log_sum_exp,
-               entropy, vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP: tl.constexpr,
-               RAW: tl.constexpr):
-    """Store a row's entropy, lse = row_max * unit + log s and logp = (v_target - row_max) * unit - log s, from one
-    direct load of the target logit, where the row's values v are its logits themselves when RAW (`unit` then
-    holds the linear transform: no soft-cap), else z (unit = 1). The target's difference from the max comes before
-    the multiply: exactly 0 where the target holds the max, so a row whose max holds all the mass (log s = 0) gets
-    logp = 0, not the rounding of a product."""
-    target = tl.load(targets_ptr + row)
-    scored = target != -100
-    # column 0 for an ignored row, and for a target outside [0, V): the row checks report that one after this
-    # kernel is queued (api.loss_on_token_rows), so the load stays inside the row whatever the targets hold
-    safe_target = tl.where((target >= 0) & (target < vocab_size), target, 0)
-    value = tl.load(row_ptr + safe_target * stride_col).to(tl.float32)
-    if not RAW:
-        value, _ = transformed_logits(value, logit_scale, logit_softcap, inv_temperature, SOFTCAP)
-    # z through a select, as the loop's z pass through their mask: compiled, the product z = logit * slope would
-    # otherwise contract with the subtraction into one FMA, logit * slope - row_max, which keeps the rounding of
-    # the loop's product (not 0 at the max: 3.3 * 1.25 is not a float)
-    value = tl.where(scored, value, row_max)
-    tl.store(logp_ptr + row, tl.where(scored, (value - row_max) * unit - log_sum_exp, 0.0))
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(lse_ptr + row, row_max * unit + log_sum_exp)
+    store_row_values(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, 1.0,
+                     log_sum_exp, entropy, vocab_size, logit_scale, logit_softcap, inv_temperature, SOFTCAP, False)
 
 
 # the log2 kernels' constants, the defaults of their parameters (`_logp_entropy_forward_log2_kernel`)
@@ -172,9 +147,9 @@ def _logp_entropy_forward_log2_kernel(
     # the max floored, which keeps max * unit finite on a row of -inf (lse = -inf either way)
     row_max = tl.maximum(running_max, _FAR_BELOW)  # drops NaN: none here, the running max skips NaN
     log_sum_exp = tl.log(sum_exp)
-    _store_row(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit, log_sum_exp,
-               log_sum_exp - sum_exp_shift * _LN2 / sum_exp, vocab_size, logit_scale, logit_softcap,
-               inv_temperature, SOFTCAP, not SOFTCAP)
+    store_row_values(row, row_ptr, stride_col, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max, unit,
+                     log_sum_exp, log_sum_exp - sum_exp_shift * _LN2 / sum_exp, vocab_size, logit_scale,
+                     logit_softcap, inv_temperature, SOFTCAP, not SOFTCAP)
 
 
 @triton.jit

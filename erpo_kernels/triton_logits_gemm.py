@@ -31,14 +31,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import LSE_FLOOR
 from .triton_common import (
-    clamp,
     online_softmax_finish,
     online_softmax_start,
     online_softmax_step,
+    store_row_values,
     transform_arguments,
     transformed_logits,
 )
-from .validation import IGNORE_INDEX, NO_TRANSFORM, LogitTransform
+from .validation import NO_TRANSFORM, LogitTransform
 
 # Triton reads TRITON_INTERPRET when a kernel is defined (below): the interpreter's tl.dot on bf16 tiles returns
 # garbage (Triton 3.6), so there the tiles go to fp32 first; compiled, they stay bf16 / fp16 (the tensor cores)
@@ -192,8 +192,7 @@ def _logits_gemm_kernel(hidden, weight, bias_ptr, logits_ptr, stats_ptr, rows, v
 @triton.jit
 def _combine_kernel(stats_ptr, logits_ptr, logits_stride, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, tiles, vocab,
                     logit_scale: tl.float32, logit_softcap: tl.float32, inv_temperature: tl.float32,
-                    SOFTCAP: tl.constexpr, TILES_BLOCK: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR,
-                    _IGNORE_INDEX: tl.constexpr = IGNORE_INDEX):
+                    SOFTCAP: tl.constexpr, TILES_BLOCK: tl.constexpr, _LSE_FLOOR: tl.constexpr = LSE_FLOOR):
     """Row r's (logp, entropy, lse) from its tiles' (m_i, s_i, u_i) in stats [rows, tiles, 3] (one program a row).
 
     The merge (the online softmax's, over all tiles at once): with M = max_i m_i and c_i = exp(m_i - M),
@@ -201,10 +200,10 @@ def _combine_kernel(stats_ptr, logits_ptr, logits_stride, targets_ptr, logp_ptr,
         u_i = sum_{j in i} exp(z_j - m_i)(z_j - m_i), and z_j - M = (z_j - m_i) + (m_i - M), so
         U = sum_j exp(z_j - M)(z_j - M) = sum_i c_i (u_i + (m_i - M) s_i);
     then lse = M + log S and H = -sum_j p_j log p_j = log S - U / S (`online_softmax_finish`), as the forward row
-    kernel's running values give them. logp = (z_t - M) - log S, clamped to <= 0 (z_t is one of lse's terms), 0 for
-    a target of -100: exactly 0 where the target holds the max and all the mass, as the forward row kernel's. z_t is
-    the transformed target logit, read from the fp32 logits [rows, vocab] (row stride logits_stride; column 0 for
-    a target outside [0, vocab), which the row checks report after this is queued, as the forward row kernel does).
+    kernel's running values give them, and logp = (z_t - M) - log S, stored as the forward row kernels store theirs
+    (`triton_common.store_row_values`: at most 0, 0 for a target of -100, exactly 0 where the target holds the max
+    and all the mass). z_t is the transformed target logit, read from the fp32 logits [rows, vocab] (row stride
+    logits_stride; column 0 for a target outside [0, vocab), which the row checks report after this is queued).
     Padding tiles (past `tiles`) enter as m = LSE_FLOOR, s = u = 0: c_i (u_i + (m_i - M) s_i) = 0, finite."""
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, TILES_BLOCK)
@@ -219,17 +218,8 @@ def _combine_kernel(stats_ptr, logits_ptr, logits_stride, targets_ptr, logp_ptr,
     total = tl.sum(scale * sum_exp, axis=0)
     total_shifted = tl.sum(scale * (sum_exp_shifted + offset * sum_exp), axis=0)
     log_total, entropy = online_softmax_finish(total, total_shifted)
-    target = tl.load(targets_ptr + row)
-    scored = target != _IGNORE_INDEX
-    safe_target = tl.where((target >= 0) & (target < vocab), target, 0)
-    target_logit, _ = transformed_logits(tl.load(logits_ptr + row * logits_stride + safe_target), logit_scale,
-                                         logit_softcap, inv_temperature, SOFTCAP)
-    # z_t through a select, as the forward row kernel's (`triton_logits._store_row`): compiled, the transform's
-    # product would otherwise contract with the subtraction of the max into one FMA, not 0 at the max
-    target_logit = tl.where(scored, target_logit, row_max)
-    tl.store(logp_ptr + row, tl.where(scored, clamp((target_logit - row_max) - log_total, None, 0.0), 0.0))
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(lse_ptr + row, row_max + log_total)
+    store_row_values(row, logits_ptr + row * logits_stride, 1, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, row_max,
+                     1.0, log_total, entropy, vocab, logit_scale, logit_softcap, inv_temperature, SOFTCAP, False)
 
 
 def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, bias) -> None:
