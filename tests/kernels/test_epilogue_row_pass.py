@@ -31,6 +31,7 @@ from test_fused_linear_loss import (  # noqa: E402
     leaves,
     linear,
     packed_batch,
+    plan,
 )
 
 SMALL = gemm.GemmConfig(16, 64, 16, 4, 1)  # D = 24, V = 300 and the chunks' rows: multiples of no block
@@ -45,8 +46,8 @@ def small_blocks(monkeypatch):
 
 def budget(rows, dtype, device, epilogue=True):
     """workspace_bytes giving chunks of `rows` rows of `dtype` inputs, their dlogits over their logits, with the
-    option's row of statistics (`budget_for` plus `triton_logits_gemm.stats_row_bytes` a row) when `epilogue`."""
-    return budget_for(rows, dtype, device) + rows * (gemm.stats_row_bytes(VOCAB, dtype) if epilogue else 0)
+    option's row of statistics (`triton_logits_gemm.stats_row_bytes`) when `epilogue`."""
+    return budget_for(rows, dtype, device, epilogue=epilogue)
 
 
 def run(batch, tensors, backend, rows, epilogue, monkeypatch, batch_invariant=False, **options):
@@ -225,10 +226,15 @@ def test_the_same_launches_and_host_reads_and_the_same_bits_twice(small_blocks, 
         counts[epilogue] = counter
         results.append((out.loss, out.token_logp, out.entropy, hidden.grad, weight.grad, bias.grad))
     off, on = counts[False], counts[True]
-    # a row kernel a chunk (4, whole samples: no pre-pass); the first chunk's logits in two GEMMs (the rows before
-    # the host read, then the rest), as cuBLAS's
-    assert on.names["triton._combine_kernel"] == off.names["triton._logp_entropy_forward_log2_kernel"] == 4
-    assert on.names["triton._logits_gemm_kernel"] == 5 and "triton._logp_entropy_forward_log2_kernel" not in on.names
+    # a row kernel a chunk (4 of 12 rows, whole samples: no pre-pass; as many as the plan makes under a session's
+    # --fused-options geometry); the first chunk's logits in two GEMMs (the rows before the host read, then the
+    # rest), as cuBLAS's
+    workspace = chunked.workspace_of(48, *tensors[:2], chunked.ROW_KERNELS["triton"],
+                                     budget(12, torch.bfloat16, device), False, epilogue=True)
+    chunks = len(plan(batch, workspace.chunk_rows, query_sums=True).chunks)
+    assert on.names["triton._combine_kernel"] == off.names["triton._logp_entropy_forward_log2_kernel"] == chunks
+    assert on.names["triton._logits_gemm_kernel"] == chunks + 1
+    assert "triton._logp_entropy_forward_log2_kernel" not in on.names
     assert on.launches <= off.launches and on.syncs == off.syncs == 1, (on.names, off.names)
     assert all(torch.equal(first, second) for first, second in zip(results[1], results[2]))
 

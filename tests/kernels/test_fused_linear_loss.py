@@ -3,6 +3,7 @@ against the logits path with many chunks, samples split by chunks, the chunk pla
 pre-pass), the workspace, launches, determinism, batch invariance and the accuracy of the fp32 d weight, on the
 `device` fixture's device: Triton compiled on a GPU when one is present, the interpreter on CPU. Random values are
 drawn on the CPU (the same on every device) and then moved."""
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as chunked  # noqa: E402
 import erpo_kernels.triton_chunk_objective as chunk_objective  # noqa: E402
+import erpo_kernels.triton_logits_gemm as triton_logits_gemm  # noqa: E402
 from erpo_kernels.api import erpo_loss, segment_sum_of  # noqa: E402
 from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
 from erpo_kernels.triton_chunk_objective import chunk_layout  # noqa: E402
@@ -78,11 +80,21 @@ def linear(num_rows, dtype, device, seed=1, bias=True):
     return hidden, weight, b
 
 
-def budget_for(rows, dtype, device, backend="triton", vocab=VOCAB, hidden_dim=HIDDEN_DIM):
+def logits_row_bytes(dtype, backend="triton", vocab=VOCAB, epilogue=None):
+    """Workspace bytes of one row of the logits buffer as `plan_workspace` counts it: with the epilogue's row of
+    statistics when `epilogue` (None: when the loss forms them, `epilogue_row_pass`: EPILOGUE_ROW_PASS on the Triton
+    backend)."""
+    kernels = chunked.ROW_KERNELS[backend]
+    epilogue = chunked.epilogue_row_pass(kernels) if epilogue is None else epilogue
+    return chunked.logits_row_bytes(vocab, kernels,
+                                    triton_logits_gemm.stats_row_bytes(vocab, dtype) if epilogue else 0)
+
+
+def budget_for(rows, dtype, device, backend="triton", vocab=VOCAB, hidden_dim=HIDDEN_DIM, epilogue=None):
     """workspace_bytes giving chunks of `rows` rows of `dtype` inputs on `device`, their dlogits over their logits
     (the budget per row depends on both: `logits_row_bytes`, `gradient_row_bytes`), for an lm_head [vocab,
-    hidden_dim]."""
-    return rows * (chunked.logits_row_bytes(vocab, chunked.ROW_KERNELS[backend])
+    hidden_dim] (epilogue: `logits_row_bytes`')."""
+    return rows * (logits_row_bytes(dtype, backend, vocab, epilogue)
                    + chunked.gradient_row_bytes(vocab, hidden_dim, dtype, device))
 
 
@@ -91,8 +103,25 @@ def budget_for_groups(chunk_rows, group_rows, dtype, device, backend="triton"):
     chunked.LOGITS_ROWS == chunk_rows; `plan_workspace` takes the store when it holds more rows than the dlogits
     over the logits would)."""
     item = dtype.itemsize
-    return (chunk_rows * chunked.logits_row_bytes(VOCAB, chunked.ROW_KERNELS[backend])
+    return (chunk_rows * logits_row_bytes(dtype, backend)
             + group_rows * (VOCAB * item + chunked.gradient_row_bytes(VOCAB, HIDDEN_DIM, dtype, device)))
+
+
+def logits_gemm_launch(bias=True):
+    """LaunchCounter's entry of a chunk's logits GEMM on the Triton backend: the epilogue's Triton GEMM with
+    EPILOGUE_ROW_PASS, else cuBLAS's (aten's addmm with a bias, mm without)."""
+    if chunked.EPILOGUE_ROW_PASS:
+        return ("launch", "triton._logits_gemm_kernel")
+    return ("launch", "aten.addmm" if bias else "aten.mm")
+
+
+def forward_row_launch():
+    """LaunchCounter's entry of a chunk's forward row pass on the Triton backend: the epilogue's merge of its
+    statistics with EPILOGUE_ROW_PASS, else the forward row kernel of CHUNK_FORWARD_VARIANT."""
+    from erpo_kernels.triton_logits import FORWARD_VARIANTS
+    if chunked.EPILOGUE_ROW_PASS:
+        return ("launch", "triton._combine_kernel")
+    return ("launch", f"triton.{FORWARD_VARIANTS[chunked.CHUNK_FORWARD_VARIANT].kernel.__name__}")
 
 
 def leaves(*tensors):
@@ -105,6 +134,16 @@ def grad_hidden_fp32(request, monkeypatch):
     default) and on (held in fp32 until the backward rounds it once): the oracle tests that must pass both ways."""
     monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", request.param)
     return request.param
+
+
+@pytest.fixture
+def dlogits_over_logits(monkeypatch):
+    """No cap on the dlogits store (GROUP_ROWS = None, whatever a session's --fused-options geometry): fp32 chunks on
+    the Triton backend then hold their dlogits over their logits in chunks of the rows the budget gives
+    (`budget_for`), whatever LOGITS_ROWS, since an fp32 store row costs what the logits row it would free does. For
+    the tests whose launches, GEMMs, pre-passes and host order are those of that plan (with a cap, a LOGITS_ROWS
+    under their chunks' rows takes the store: test_capped_groups_give_the_uncapped_gradients has those)."""
+    monkeypatch.setattr(chunked, "GROUP_ROWS", None)
 
 
 def fused_and_logits_path(batch, tensors, backend, rows, batch_invariant=False, workspace_bytes=None, **options):
@@ -306,15 +345,19 @@ class Recorder(TorchDispatchMode):
     def _release(self, nbytes):
         self.live -= nbytes
 
+    def matmul(self, rows, inner, columns):
+        """Count one GEMM [rows, inner] @ [inner, columns]."""
+        self.flops += 2 * rows * inner * columns
+        if columns == VOCAB:
+            self.logits_gemm_rows.append(rows)
+        if inner == VOCAB and columns == HIDDEN_DIM:
+            self.group_rows.append(rows)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = func.overloadpacket
         if packet in self.MATMULS or packet in (torch.ops.aten.addmm_,):
             a, b = (args[0], args[1]) if packet is torch.ops.aten.mm else (args[1], args[2])
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-            if b.shape[1] == VOCAB:
-                self.logits_gemm_rows.append(a.shape[0])
-            if a.shape[1] == VOCAB and b.shape[1] == HIDDEN_DIM:
-                self.group_rows.append(a.shape[0])
+            self.matmul(a.shape[0], a.shape[1], b.shape[1])
         result = func(*args, **(kwargs or {}))
         if not func.is_view and not func._schema.is_mutable:
             for t in torch.utils._pytree.tree_leaves(result):
@@ -328,15 +371,33 @@ class Recorder(TorchDispatchMode):
 
 
 def counted(kernels, launches):
-    """`kernels` with each call of its forward / backward counted in launches["forward"] / ["backward"]."""
-    def count(name, function):
-        def call(*args):
-            launches[name] += 1
-            return function(*args)
-        return call
+    """`kernels` with each call of its backward counted in launches["backward"]."""
+    def call(*args):
+        launches["backward"] += 1
+        return kernels.backward_into(*args)
 
-    return dataclasses.replace(kernels, forward=count("forward", kernels.forward),
-                               backward_into=count("backward", kernels.backward_into))
+    return dataclasses.replace(kernels, backward_into=call)
+
+
+@contextlib.contextmanager
+def row_passes_and_triton_gemms_recorded(recorder):
+    """Each forward row pass (`LogitsBuffer.row_values`: the backend's forward row kernel, or the epilogue's merge)
+    counted in recorder.launches["forward"], and each of the epilogue's Triton logits GEMMs (EPILOGUE_ROW_PASS),
+    which no dispatch mode sees, recorded as the aten GEMMs are (`Recorder.matmul`)."""
+    row_values, logits_gemm = chunked.LogitsBuffer.row_values, triton_logits_gemm.logits_gemm
+
+    def counted_row_values(buffer, *args):
+        recorder.launches["forward"] += 1
+        return row_values(buffer, *args)
+
+    def recorded_gemm(hidden, weight, *args, **kwargs):
+        recorder.matmul(hidden.shape[0], hidden.shape[1], weight.shape[0])
+        return logits_gemm(hidden, weight, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(chunked.LogitsBuffer, "row_values", counted_row_values)
+        monkeypatch.setattr(triton_logits_gemm, "logits_gemm", recorded_gemm)
+        yield
 
 
 def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_invariant=False, budget=None,
@@ -349,7 +410,7 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     inputs = LossInputs(**{k: v for k, v in batch.items() if k not in ROW_TENSORS})
     num_samples = len(batch["advantages"])
     recorder = Recorder([hidden.shape, weight.shape, (num_samples, NUM_PARTIALS), (2, num_samples)])
-    with recorder:
+    with recorder, row_passes_and_triton_gemms_recorded(recorder):
         chunked.loss_gradients(hidden, weight, bias, *(batch[k] for k in ROW_TENSORS), inputs, opts,
                                counted(chunked.ROW_KERNELS[backend], recorder.launches),
                                segment_sum_of(backend == "triton"),
@@ -358,6 +419,7 @@ def record(batch, tensors, rows, backend="triton", needs=(True, True), batch_inv
     return recorder
 
 
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_flops_are_6ndv_plus_the_prepass(device):
     batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
     tensors = linear(len(batch["targets"]), torch.float32, device)
@@ -382,17 +444,26 @@ def test_workspace_stays_under_the_budget(backend, dtype, device):
     tensors = linear(len(batch["targets"]), dtype, device)
     rows = 6
     recorder = record(batch, tensors, rows=rows, backend=backend, entropy_coef=0.1)
-    assert recorder.largest_rows == rows  # the chunk buffer (never N rows: N = 67)
     budget = budget_for(rows, dtype, device, backend)
+    kernels = chunked.ROW_KERNELS[backend]
+    workspace = chunked.workspace_of(len(batch["targets"]), *tensors[:2], kernels, budget, False,
+                                     chunked.epilogue_row_pass(kernels))
+    # the chunk buffer, or the dlogits store where a session's --fused-options geometry takes one (never N rows: N =
+    # 67); chunks of `rows` rows with the library's geometry
+    assert recorder.largest_rows == max(workspace.chunk_rows, workspace.group_rows)
     assert 0.5 * budget < recorder.peak_workspace <= budget
 
 
-def test_workspace_gives_the_most_rows_per_d_weight_accumulation():
-    """Qwen2.5-7B's lm_head (V = 152064, D = 3584), bf16 on CUDA, N = 16384: 1 GiB holds 1744 rows with the dlogits
-    over the logits, but chunks of 512 rows beside a bf16 store of 4 chunks, 2048 rows per d weight accumulation (8
-    instead of 10 passes over the fp32 [V, D] accumulator); 2 GiB, 11 chunks (erpo-ws2g in the bench); 4 GiB, 24
-    chunks. fp32 dlogits cost what their logits do: over them. A budget that holds every row: one chunk.
-    batch_invariant: chunks of a multiple of 256 rows."""
+def test_workspace_gives_the_most_rows_per_d_weight_accumulation(monkeypatch):
+    """Qwen2.5-7B's lm_head (V = 152064, D = 3584), bf16 on CUDA, N = 16384, chunks of 512 rows without a cap on the
+    store (LOGITS_ROWS, GROUP_ROWS set here, whatever a session's --fused-options): 1 GiB holds 1744 rows with the
+    dlogits over the logits, but chunks of 512 rows beside a bf16 store of 4 chunks, 2048 rows per d weight
+    accumulation (8 instead of 10 passes over the fp32 [V, D] accumulator); 2 GiB, 11 chunks (erpo-ws2g in the
+    bench); 4 GiB, 24 chunks. fp32 dlogits cost what their logits do: over them. A budget that holds every row: one
+    chunk. batch_invariant: chunks of a multiple of 256 rows."""
+    monkeypatch.setattr(chunked, "LOGITS_ROWS", 512)
+    monkeypatch.setattr(chunked, "GROUP_ROWS", None)
+
     def workspace(gib, dtype=torch.bfloat16, rows=16384, batch_invariant=False):
         return chunked.plan_workspace(rows, 3584, 152064, dtype, torch.device("cuda"), chunked.ROW_KERNELS["triton"],
                                       int(gib * 2**30), batch_invariant)
@@ -456,6 +527,7 @@ def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatc
     the workspace stays in its budget, and the loss and gradients are the logits path's, and those of the same
     chunks with their dlogits over their logits (d weight summed in fp32 in another order: a few bf16 ulps)."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    monkeypatch.setattr(chunked, "GROUP_ROWS", None)  # the store the budget holds, whatever the session's cap
     batch = packed_batch(SAMPLES, device)
     tensors = linear(len(batch["targets"]), torch.bfloat16, device)
     budget = budget_for_groups(4, 16, torch.bfloat16, device, backend)
@@ -481,6 +553,7 @@ def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatc
                      dtype=torch.bfloat16)
 
 
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
     batch = packed_batch([(2, 3), (1, 1), (4, 6), (1, 2)], device)
     tensors = linear(len(batch["targets"]), torch.float32, device, bias=False)
@@ -491,6 +564,7 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
     assert recorder.flops == 6 * n * d * v
 
 
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
     """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 12 chunks of whole samples: a + b x chunks
     exactly, b small (the logits GEMM, the two row kernels writing straight into the call's vectors, the hidden rows
@@ -535,6 +609,7 @@ def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
 
 @pytest.mark.parametrize("dtype, validate, bias", [(torch.bfloat16, True, False), (torch.float32, False, True)],
                          ids=["bf16-validate", "fp32-bias-no-validate"])
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_a_fwd_bwd_makes_no_fill_and_no_constant_tensor(dtype, validate, bias, device):
     """The small launches the op once made every call are gone (LaunchCounter's names over one fwd+bwd): the zeros of
     logp, entropy and the anchor are one Triton launch (`triton_fill`), d bias is written by its first group, not
@@ -564,6 +639,7 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
     per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the d weight GEMM and d bias: the hidden
     rows that d weight reads are written chunk by chunk), one host sync."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
+    monkeypatch.setattr(chunked, "GROUP_ROWS", None)  # the stores the budgets hold, whatever the session's cap
     batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     counts = {}
@@ -681,6 +757,7 @@ def launches_and_read(batch, rows, host_layout=None, counter=None, gradients=Fal
 
 
 @pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device):
     """validate=True: the op's one host read (the checks' code, with the rows' layout unless the caller holds it)
     waits after the first half chunk's logits GEMM and the objective's global factors (two launches) are queued, and,
@@ -691,7 +768,7 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
     read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
     batch = packed_batch(SAMPLES, device)
     layout = host_layout_of(batch)
-    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    gemm, forward = logits_gemm_launch(), forward_row_launch()
     objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
     for host_layout in (None, layout):
         order = launches_and_read(batch, rows, host_layout)
@@ -735,6 +812,7 @@ class AllocationsInOrder(LaunchCounter):
 
 
 @pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, device):
     """validate=True without host_layout (`python -m bench --paths fused`'s call): what needs no layout is made
     before the op's one host read (the objective's outputs, its [N] gradients and its global factors' two launches,
@@ -745,7 +823,7 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
     batch = packed_batch(SAMPLES, device)
     order = launches_and_read(batch, rows, counter=AllocationsInOrder(), gradients=True)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
-    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    gemm, forward = logits_gemm_launch(), forward_row_launch()
     objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
     before, after = order[:read], order[read + 1:]
     after = after[:first_chunk_in(after)]
@@ -766,6 +844,7 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
 
 
 @pytest.mark.parametrize("rows, prepass", [(10, False), (6, True)], ids=["whole-sets", "split-sets"])
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_after_the_read_the_host_works_behind_the_launches_it_does_not_feed(rows, prepass, device, monkeypatch):
     """validate=True without host_layout: between the op's read and the first chunk's objective sample kernel the
     GPU runs only what is queued there, so the host queues the first chunk's logits and forward row kernel before
@@ -785,13 +864,14 @@ def test_after_the_read_the_host_works_behind_the_launches_it_does_not_feed(rows
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
     after = order[read + 1:]
     after = after[:first_chunk_in(after)]
-    gemm, forward = ("launch", "aten.addmm"), ("launch", "triton._logp_entropy_forward_log2_kernel")
+    gemm, forward = logits_gemm_launch(), forward_row_launch()
     assert after[-5:] == [gemm, forward, ("alloc", "aten.new_empty"), ("alloc", "aten.empty"),
                           ("upload", "chunk layout")], after
     assert after.count(("upload", "chunk layout")) == 1 and (forward in after[:-4]) == prepass, after
 
 
 @pytest.mark.parametrize("entropy_filter", [False, True], ids=["counts", "entropy-filter"])
+@pytest.mark.usefixtures("dlogits_over_logits")
 def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filter(entropy_filter, device):
     """The Triton chunk objective's global factors (its sample kernel over every sample's span, then the finish
     kernel: once per call) read counts alone. Without the entropy filter they come from token_kind and sample_index
@@ -803,13 +883,13 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     order = launches_and_read(packed_batch(SAMPLES, device), 10, **options)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
     sample, finish = ("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")
-    forward = ("launch", "triton._logp_entropy_forward_log2_kernel")
+    forward = forward_row_launch()
     factors = order.index(finish)  # the first finish (the objective's value at the end launches another)
     assert order[factors - 1] == sample and order.index(sample) == factors - 1, order
     assert (factors > read) == entropy_filter, order
     assert (forward in order[read:factors]) == entropy_filter, order  # the pre-pass (every response row)
     if entropy_filter:  # per pre-pass piece a GEMM and a forward row kernel, then the first chunk's rest of logits
-        gemm = ("launch", "aten.addmm")
+        gemm = logits_gemm_launch()
         assert order[read:factors].count(gemm) == 1 + order[read:factors].count(forward), order
     # once more per chunk (beside its gradient kernel), once for the objective's value
     assert order.count(sample) == 2 + order.count(("launch", "triton._objective_grad_kernel")), order
@@ -1291,8 +1371,9 @@ def test_fp16_keeps_tiny_dlogits(grouped, monkeypatch, device):
 
 
 def test_the_chunks_backward_kernel_goes_with_their_forward_whatever_the_process_wide_variant(device):
-    """The chunks' forward is CHUNK_FORWARD_VARIANT's kernel; their dlogits come from that variant's backward kernel,
-    not from the process-wide variant's (`triton_logits.forward_variant`, here a variant of another pair)."""
+    """The chunks' forward is CHUNK_FORWARD_VARIANT's kernel (or the epilogue's merge, EPILOGUE_ROW_PASS); their
+    dlogits come from that variant's backward kernel, not from the process-wide variant's
+    (`triton_logits.forward_variant`, here a variant of another pair)."""
     from erpo_kernels.fused_linear_loss import CHUNK_FORWARD_VARIANT
     from erpo_kernels.triton_logits import FORWARD_VARIANTS, forward_variant
     chunk_pair = FORWARD_VARIANTS[CHUNK_FORWARD_VARIANT]
@@ -1304,5 +1385,6 @@ def test_the_chunks_backward_kernel_goes_with_their_forward_whatever_the_process
         fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                qkl_coef=0.5, **inputs).loss.backward()
     launched = {name.removeprefix("triton.") for name in counter.names if name.startswith("triton.")}
-    assert {chunk_pair.kernel.__name__, chunk_pair.backward.__name__} <= launched, launched
+    forward = forward_row_launch()[1].removeprefix("triton.")  # the epilogue's merge with EPILOGUE_ROW_PASS
+    assert {forward, chunk_pair.backward.__name__} <= launched, launched
     assert FORWARD_VARIANTS[other].backward.__name__ not in launched, launched
