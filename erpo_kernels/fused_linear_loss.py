@@ -263,8 +263,10 @@ GRAD_HIDDEN_FP32 = False
 # targets, the pre-pass rows and the entropy filter's pool, batch_invariant (its padded GEMMs of INVARIANT_ROWS rows,
 # kept: a row of this GEMM does not depend on the rows beside it, so the padding is not needed there, but the
 # option does not change what batch_invariant does). The torch backend, the oracle, keeps cuBLAS and its row pass,
-# whatever this says; so does `fused_linear_token_logprobs` (token_forward / token_backward). Read where used, so
-# the bench sets it for a block of calls (its contender erpo-epi, bench.geometry.fused_constants; not public API).
+# whatever this says; `fused_linear_token_logprobs` (token_forward / token_backward) follows it, so that a
+# trainer's scored rows (ell_theta0(q) at theta0 among them: its Query-KL exactly 0 there) are the loss's bits. Read
+# where used, so the bench sets it for a block of calls (its contender erpo-epi, bench.geometry.fused_constants; not
+# public API).
 # False until a GPU lease measures it (bench/README.md, "Deciding the epilogue row pass").
 EPILOGUE_ROW_PASS = False
 
@@ -734,10 +736,13 @@ def rounded(gradient: Optional[torch.Tensor], like: Optional[torch.Tensor]) -> O
 def token_forward(hidden, weight, bias, targets, transform: LogitTransform, kernels: RowKernels):
     """(logp, entropy, lse) [N] fp32 of the transformed logits hidden @ weight.T (+ bias), chunk by chunk
     (2 N D V FLOPs, the chunks of DEFAULT_WORKSPACE_BYTES): `fused_linear_token_logprobs`' forward, whose gradient is
-    not known until its backward."""
+    not known until its backward. Its logits come from the loss's GEMM (`epilogue_row_pass`: the epilogue's Triton
+    GEMM and merge with EPILOGUE_ROW_PASS), so that the rows a trainer scores with it (old and reference log-probs,
+    ell_theta0(q) at theta0) have the loss's own bits."""
     num_rows = hidden.shape[0]
-    max_rows = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False).chunk_rows
-    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False, kernels, transform)
+    epilogue = epilogue_row_pass(kernels)
+    max_rows = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False, epilogue).chunk_rows
+    logits_buffer = LogitsBuffer(max_rows, hidden, weight, bias, False, kernels, transform, epilogue)
     logp, entropy, lse = (torch.empty(num_rows, dtype=torch.float32, device=hidden.device) for _ in range(3))
     for rows in index_slices(num_rows, max_rows):
         logits_buffer.logits(hidden[rows])
@@ -751,8 +756,9 @@ def token_backward(hidden, weight, bias, targets, transform: LogitTransform, lse
     when not needed: the same chunks as `token_forward`, their logits formed again (2 N D V) and `GradientGroups`
     (4 N D V)."""
     num_rows = hidden.shape[0]
-    workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False)
-    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False, kernels, transform)
+    epilogue = epilogue_row_pass(kernels)  # the forward's logits, formed again by its GEMM
+    workspace = workspace_of(num_rows, hidden, weight, kernels, DEFAULT_WORKSPACE_BYTES, False, epilogue)
+    logits_buffer = LogitsBuffer(workspace.chunk_rows, hidden, weight, bias, False, kernels, transform, epilogue)
     groups = GradientGroups(workspace, hidden, weight, (needs_hidden, needs_weight, needs_bias))
     groups.allocate_buffers()
     for rows in index_slices(num_rows, workspace.chunk_rows):

@@ -8,7 +8,8 @@ kernel merges a row's tiles into its (logp, entropy, lse) as the forward row ker
 (`_combine_kernel`'s docstring has the derivation). The fp32 logits (raw, before the transform, the bias added) are
 still written: the backward row kernel reads them. Against cuBLAS + the forward row kernel, that saves the row
 pass's read of the logits (10 GB per 16384 rows at Qwen2.5-7B's V = 152064); bench/gemm_epilogue_probe.py measures
-both, and `fused_linear_loss.EPILOGUE_ROW_PASS` puts this in the fused loss's chunk loop.
+both, and `fused_linear_loss.EPILOGUE_ROW_PASS` puts this in the fused loss's chunk loop (and in
+`fused_linear_token_logprobs`' chunks, which score rows as the loss does).
 
 Raw kernels first (`_grouped_tile`, `_dot_step`, `_tile_product`, `_logits_gemm_kernel`, `_combine_kernel`), then
 the launchers (`logits_gemm`, `combine_stats`) and the fused loss's use of them (`EpilogueRowPass`).

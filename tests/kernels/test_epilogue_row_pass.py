@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from erpo_kernels import fused_linear_loss as chunked  # noqa: E402
 from erpo_kernels import triton_logits_gemm as gemm  # noqa: E402
-from erpo_kernels.fused_linear import fused_linear_erpo_loss  # noqa: E402
+from erpo_kernels.fused_linear import fused_linear_erpo_loss, fused_linear_token_logprobs  # noqa: E402
 from erpo_kernels.validation import LogitTransform  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from test_fused_linear_loss import (  # noqa: E402
@@ -273,3 +273,31 @@ def test_an_operand_dtype_the_gemm_lacks_is_refused(device):
     with pytest.raises(ValueError, match="the epilogue's logits GEMM takes bf16, fp16 or fp32 operands; got "
                                          "torch.float64"):
         gemm.loss_config(torch.float64, LogitTransform())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_logprobs_score_the_rows_as_the_loss_does(dtype, small_blocks, monkeypatch, device):
+    """With the option, fused_linear_token_logprobs (what a trainer scores its old and reference log-probs with, and
+    ell_theta0(q) at theta0) forms its logits with the loss's GEMM: each scored row's logp and entropy are the loss's
+    bits (so the Query-KL stays exactly 0 at theta0, tests/integrations/test_trl_integration.py), and its gradients,
+    the same GEMM forming the logits again in its backward, are the torch oracle's."""
+    monkeypatch.setattr(chunked, "EPILOGUE_ROW_PASS", True)
+    batch = packed_batch(SAMPLES, device)
+    inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
+    tensors = linear(len(batch["targets"]), dtype, device)
+    out = fused_linear_erpo_loss(*tensors[:2], *(batch[k] for k in ROW_TENSORS), bias=tensors[2], backend="triton",
+                                 **inputs)
+    scored = batch["token_kind"] != 0
+    grads, weights = [], torch.linspace(-1.0, 1.0, len(batch["targets"]), device=device)
+    for backend in ("triton", "torch"):
+        hidden, weight, bias = leaves(*tensors)
+        logp, entropy = fused_linear_token_logprobs(hidden, weight, batch["targets"], bias=bias, backend=backend,
+                                                    return_entropy=True)
+        if backend == "triton":
+            assert torch.equal(logp[scored], out.token_logp[scored]) and torch.equal(entropy[scored],
+                                                                                       out.entropy[scored])
+        ((logp + 0.5 * entropy) * weights).sum().backward()
+        grads.append([hidden.grad, weight.grad, bias.grad])
+    for got, wanted in zip(*grads):
+        scale = wanted.float().abs().max()
+        torch.testing.assert_close(got.float() / scale, wanted.float() / scale, **TOLERANCE[dtype])
