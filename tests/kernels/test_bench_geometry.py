@@ -116,6 +116,7 @@ def test_a_constant_contender_is_ours_with_the_constant_on_for_its_calls_alone(k
     run: their fused_linear_loss constant on for each of its calls (its check, its fwd and fwd+bwd) and off again
     after the run (ours' calls beside it run as the geometry's test above shows); its row correct within ours'
     tolerance."""
+    monkeypatch.setattr(fused_linear_loss, constant, False)  # off before the run, whatever a session's --fused-options
     seen = []
     loss = erpo_kernels.fused_linear_erpo_loss
 
@@ -159,8 +160,11 @@ def test_the_knobs_are_put_back_when_a_call_fails(calls, monkeypatch):
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
     """Same math, other chunks: in fp32 the loss and gradients of the geometry's chunks and groups (whose plan the
-    knobs reach) equal ours with the library's one chunk up to the sums' order."""
+    knobs reach) equal ours in one chunk up to the sums' order."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # ours in one chunk (whatever a session's --fused-options geometry): chunks of ROWS rows, no cap
+    monkeypatch.setattr(fused_linear_loss, "LOGITS_ROWS", ROWS)
+    monkeypatch.setattr(fused_linear_loss, "GROUP_ROWS", None)
     problem = build_problem("fused", SMOKE_SHAPE, ROWS, rows_per_sample=PER_SAMPLE, query_frac=0.25,
                             dtype=torch.float32, device=torch.device("cpu"), seed=0, chunk_rows=ROWS,
                             clip_low=ERPO_OPTIONS["clip_low"], clip_high=ERPO_OPTIONS["clip_high"])
@@ -199,6 +203,7 @@ def test_an_epilogue_contender_runs_its_config_and_launch_in_each_of_its_calls(m
     EPILOGUE_ROW_PASS on; the library's LOSS_CONFIGS, LOSS_LAUNCH and EPILOGUE_ROW_PASS back after the run; its row
     correct within ours' tolerance."""
     key = "erpo-epi-32x128x32-w4-s2-persistent5-tma"
+    monkeypatch.setattr(fused_linear_loss, "EPILOGUE_ROW_PASS", False)  # whatever a session's --fused-options
     seen = []
     launcher = gemm.logits_gemm
 
