@@ -25,6 +25,7 @@ import ast
 import json
 import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
@@ -56,6 +57,7 @@ ROUNDING_REPORT = re.compile(rf"(\S+) rows x D, ([\w-]+), (dhidden-[\w-]+): d hi
                              rf"the fp32 GEMM rounded once {_CHECK}")
 ROUNDING_TEST_ID = re.compile(r"test_dhidden_is_the_fp32_product_rounded_once\[([^\]]+)\]")
 AS_HIDDEN, FP32 = "dhidden-as-hidden", "dhidden-fp32"
+ACCURACY_FIRST = "accuracy first"  # the why of d hidden's change where a rounding case forces fp32
 
 
 @dataclass
@@ -325,7 +327,8 @@ def dhidden_decision(lease: Lease) -> Decision:
     title, section = "d hidden's dtype (GRAD_HIDDEN_FP32)", "bench/README.md, \"Deciding d hidden's dtype\""
     cases = rounding_cases(lease.kernel_log or [])
     accuracy = accuracy_outcomes(cases)
-    accuracy_state = "met" if any(o.state == "met" for o in accuracy) else combined(accuracy)
+    states = {outcome.state for outcome in accuracy}  # any pair may force fp32: met on one, unmet only on all
+    accuracy_state = "met" if "met" in states else "unmet" if states == {"unmet"} else "missing"
     speed_state, speed = _at_both_shapes(lease, "erpo-dh32", lambda ratio: ratio <= DH32_MAX_RATIO,
                                          f"at most {DH32_MAX_RATIO}")
     inputs = [("kernel-tests.log: not found" if lease.kernel_log is None else
@@ -336,7 +339,7 @@ def dhidden_decision(lease: Lease) -> Decision:
     edit = [Edit(FUSED_LOSS, "GRAD_HIDDEN_FP32", source_text(FUSED_LOSS, "GRAD_HIDDEN_FP32"), "True")]
     if accuracy_state == "met":
         failing = "; ".join(o.text for o in accuracy if o.state == "met")
-        return Decision(title, section, inputs, CHANGE, f"accuracy first, whatever it costs: {failing}", edit)
+        return Decision(title, section, inputs, CHANGE, f"{ACCURACY_FIRST}, whatever it costs: {failing}", edit)
     if speed_state == "met":
         return Decision(title, section, inputs, CHANGE, f"erpo-dh32 at most 1 % slower than erpo at both shapes "
                         f"(accuracy: {accuracy_state})", edit)
@@ -462,7 +465,7 @@ def kernel_decisions(lease: Lease) -> list:
     run = read_pytest_log(lease.kernel_log)
     files = tier_files(run.durations)
     marks = source_value(GPU_CHECK, "KERNEL_MARKS")
-    inputs = [f"kernel-tests.log: `{' '.join(run.command or ['no command line'])}`",
+    inputs = [f"kernel-tests.log: `{shlex.join(run.command) if run.command else 'no command line'}`",
               f"result: {run.result or 'none'} (collected {run.collected}, not run {run.not_run}"
               + (f"; stopped early: {run.stopped}" if run.stopped else "") + ")",
               *(f"failure: {line}" for line in run.failures),
@@ -522,18 +525,20 @@ PAIR_NOTES = {
 def together_lines(changes: dict) -> list:
     """What the rules say where two of the fused call's options change at once ({name: Decision}): each rule's edit is
     allowed, its condition met against erpo alone; the combination was not timed, so whether it beats erpo is open."""
-    names = [name for name, decision in changes.items() if decision.verdict == CHANGE]
+    forced = changes["dhidden"].verdict == CHANGE and changes["dhidden"].why.startswith(ACCURACY_FIRST)
+    names = [name for name, decision in changes.items() if decision.verdict == CHANGE
+             and not (name == "dhidden" and forced)]
+    lines = (["- d hidden's fp32 comes from the accuracy branch, whatever it costs: it goes in with any other change "
+              "(whose rows bench 1 timed with bf16 d hidden)"] if forced else [])
     if len(names) < 2:
-        return ["- no two of the fused call's options change together: nothing open between the rules", ""]
-    lines = [f"- **open**: {', '.join(changes[name].title for name in names)} each won alone against erpo in bench 1 "
-             "and were never timed together. What the rules allow: each edit above, each rule's condition being met; "
-             "none of them says the combination beats erpo, so that stays open until one lease times it (no bench "
-             "contender sets two options yet)."]
+        return lines + ["- no two of the fused call's options won on their times together: nothing open between the "
+                        "rules", ""]
+    lines += [f"- **open**: {', '.join(changes[name].title for name in names)} each won alone against erpo in bench 1 "
+              "and were never timed together. What the rules allow: each edit above, each rule's condition being met; "
+              "none of them says the combination beats erpo, so that stays open until one lease times it (no bench "
+              "contender sets two options yet)."]
     lines += [f"- {changes[a].title} with {changes[b].title}: {PAIR_NOTES[frozenset((a, b))]}"
               for index, a in enumerate(names) for b in names[index + 1:]]
-    if changes["dhidden"].verdict == CHANGE and changes["dhidden"].why.startswith("accuracy first"):
-        lines.append("- d hidden's fp32 comes from the accuracy branch, whatever it costs: no other option's time "
-                     "changes it")
     return lines + [""]
 
 
