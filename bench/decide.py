@@ -481,6 +481,7 @@ def kernel_decisions(lease: Lease) -> list:
                                                                                  why + " (inputs above)")]
     if run.result is None or run.not_run != 0:
         why = ("no result line: the tier was stopped" if run.result is None else
+               "the log does not say how many tests were collected" if run.not_run is None else
                f"{run.not_run} collected tests did not run: the tier's time and the files not started are not known")
         return [Decision(order_title, section, inputs, UNDECIDED, why), Decision(time_title, section, [], UNDECIDED,
                                                                                  why + " (inputs above)")]
