@@ -500,7 +500,8 @@ class LogitsBuffer:
 
     def _write(self, first: int, hidden_rows) -> None:
         """Rows first to first + n of the buffer := hidden_rows [n, D] @ weight.T (+ bias): one GEMM, cuBLAS's or
-        the epilogue's (which also writes the same rows of its statistics)."""
+        the epilogue's (which also writes the same rows of its statistics). Every logits GEMM of the loss goes
+        through here, whichever forms it: `python -m bench.host_cost --path fused` records each call as one."""
         out = self.buffer[first:first + hidden_rows.shape[0]]
         if self.epilogue is None:
             _write_logits(out, hidden_rows, self.weight, self.bias)
