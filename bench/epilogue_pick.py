@@ -23,6 +23,8 @@ PROBE_JSON = "gemm_epilogue_probe.json"  # what bench.gemm_epilogue_probe writes
 # probe's 2048-row chunks are a taller GEMM than any the loss runs by default: they say where the Triton GEMM's tiles
 # fill more waves, not what erpo-epi would gain.
 PICK_ROWS = 512
+# summary.md's line of the pick (bench.gpu_check), which bench.decide reads
+SUMMARY_LABEL = "bench 1's epilogue pick (erpo-epi's place; none: erpo-epi at the library's config and launch)"
 EPILOGUE_PART = "d"  # the probe's part of the GEMM with the row statistics in its epilogue and the combine
 # the probe's strings for a config (GemmConfig's) and a launch (Launch's)
 CONFIG_FORM = re.compile(r"(\d+)x(\d+)x(\d+) w(\d+) s(\d+)")

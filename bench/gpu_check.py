@@ -34,15 +34,16 @@ at the limit, so a slow stage cannot take the next one's time), each writing its
    file and gets what is left before the deadline, up to its own cap; what a run did not reach is in the table as
    `not reached`.
 
-Then the table merged from the progress file and a summary holding it. From before the first stage to after the
-last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit reasons once a second (bench.gpu_clocks);
-summary.md's stage table gives each stage's share. The files (8, the device tool's limit) under OUT_DIR: summary.md,
-gpu_check.log (environment, wheel install, each stage's command, limit, time, exit, and the training's output),
-kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder, the stage's own log in it), train-metrics.jsonl,
-bench.log (the probe's, the epilogue probe's, the profile's and the bench runs' output), bench.jsonl (`python -m bench
---merge` reads it) and clocks.csv (the samples). SIGTERM or SIGINT to gpu_check (the device tool's timeout, kill,
-Ctrl+C) stops the running stage as its time limit would, starts no other, and ends with the sampler stopped and the
-summary written (stop_on_signals), exit 128 + the signal's number.
+Then the table merged from the progress file and a summary holding it, ending with "Decisions": bench.decide's verdict
+per rule of bench/README.md on the lease's files (what the next session changes in the library, or why not). From
+before the first stage to after the last, nvidia-smi samples the GPU's clocks, power, temperature and clock-limit
+reasons once a second (bench.gpu_clocks); summary.md's stage table gives each stage's share. The files (8, the device
+tool's limit) under OUT_DIR: summary.md, gpu_check.log (environment, wheel install, each stage's command, limit, time,
+exit, and the training's output), kernel-tests.log, logits.tar.gz (logits_gpu_check.sh's folder, the stage's own log
+in it), train-metrics.jsonl, bench.log (the probe's, the epilogue probe's, the profile's and the bench runs' output),
+bench.jsonl (`python -m bench --merge` reads it) and clocks.csv (the samples). SIGTERM or SIGINT to gpu_check (the
+device tool's timeout, kill, Ctrl+C) stops the running stage as its time limit would, starts no other, and ends with
+the sampler stopped and the summary written (stop_on_signals), exit 128 + the signal's number.
 
 `--dry-run` (CI: tests/repo/test_gpu_check.py) runs the same stages on the CPU under the Triton interpreter, shrunk:
 the device-fixture guard and one Triton kernel test for the tier, the probe's `--smoke` (its tiny shape, each
@@ -74,10 +75,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import gpu_clocks
+from .decide import decision_lines
 from .epilogue_pick import PICK_ROWS, pick_epilogue
 from .epilogue_pick import PROBE_JSON as EPILOGUE_JSON
+from .epilogue_pick import SUMMARY_LABEL as EPILOGUE_PICK_LABEL
 from .ours_by_tool import ours_by_tool_lines
 from .probe_pick import PROBE_JSON, Pick, pick_geometry
+from .probe_pick import SUMMARY_LABEL as GEOMETRY_PICK_LABEL
+from .pytest_log import read_pytest_log
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 570            # the whole command: inside the device tool's 600 s per call (the call's timeout_s)
@@ -117,9 +122,11 @@ KERNEL_SESSION_S = 100      # pytest-timeout's --session-timeout: no test starts
 #                             then the slowest file's 68 s, the slowest files starting first); 100 s leaves about a
 #                             quarter more for the estimate. A test still running at the session's end makes xdist
 #                             report the tier interrupted: the tests not started then are counted in summary.md
-KERNEL_LIMIT_S = 160        # the session's 100 s, a test started then stopped at its 40 s, and 20 s for the report
-#                             and the workers' exit. Expected: about 90 s (an estimate: pytest's 80 s and the stage's
-#                             8 s beyond pytest's clock at e17ad62), 90 s less than e17ad62's 181
+KERNEL_REPORT_S = 20        # after the session's end: the report and the workers' exit
+# the stage's limit: the session's 100 s, a test started then stopped at its 40 s, and the report's 20 s: 160 s (a
+# lease's durations re-set the session and the test's limit, `python -m bench.decide`; this follows). Expected: about
+# 90 s (an estimate: pytest's 80 s and the stage's 8 s beyond pytest's clock at e17ad62), 90 s less than e17ad62's 181
+KERNEL_LIMIT_S = KERNEL_SESSION_S + KERNEL_TEST_TIMEOUT_S + KERNEL_REPORT_S
 KERNEL_MARKS = "not cpu_only"  # pytest -m: the tests that run on the CPU whatever the machine stay CI's (pytest.ini)
 KERNEL_FILES_FIRST = (      # the files that start first, slowest first (at e17ad62, their tests of 1 s or more; the
 #                             files not yet timed by an estimate); the others follow, sorted
@@ -548,11 +555,10 @@ class GpuCheck:
                          f"{stage.exit_code} | {clocks} | `{command}` |")
         lines += [f"- {stage.name}: {note}" for stage in self.stages for note in stage.notes]
         lines += ["", "## Kernel tier", "", *kernel_summary(self.out / "kernel-tests.log"),
-                  "", "## Fused probe", "", f"- bench 1's geometry pick: {self.pick.why}",
+                  "", "## Fused probe", "", f"- {GEOMETRY_PICK_LABEL}: {self.pick.why}",
                   *report_summary(self.work / "fused-probe" / "fused_probe.md"),
                   "", "## GEMM epilogue probe", "",
-                  f"- bench 1's epilogue pick (erpo-epi's place; none: erpo-epi at the library's config and launch): "
-                  f"{self.epilogue_pick.why}",
+                  f"- {EPILOGUE_PICK_LABEL}: {self.epilogue_pick.why}",
                   *report_summary(self.work / "epilogue-probe" / "gemm_epilogue_probe.md"),
                   "", "## Logits check (logits.tar.gz)", "", *logits_summary(self.work / "logits"),
                   "", "## Training", "", *train_summary(self.out / "train-metrics.jsonl"),
@@ -562,6 +568,14 @@ class GpuCheck:
                                       self.work / "fused-profile" / "profile.json", PROBE_N),
                   "", "## Bench", "", *bench_summary(self.out / "bench.jsonl", self.work / "bench-merged/results.md")]
         (self.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+    def write_decisions(self) -> None:
+        """summary.md's last section, once the summary is whole: bench.decide's verdict per rule of bench/README.md on
+        this lease's files, the probes' JSON files in the work folder too (`decision_lines` never raises: a lease's
+        summary never fails on it)."""
+        with open(self.out / "summary.md", "a", encoding="utf-8") as handle:
+            handle.write("\n".join(["", *decision_lines([self.out, self.work])]) + "\n")
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -621,30 +635,17 @@ def report_summary(report: Path) -> list:
     return _demoted(report.read_text(encoding="utf-8"))
 
 
-def _result_lines(lines: list) -> list:
-    """pytest's result lines ("3 failed, 97 passed in 12.5s") in a log."""
-    return [line.strip("= ") for line in lines if re.search(r"\d+ (passed|failed|error|deselected)", line)
-            and re.search(r" in [\d.]+s", line)]
-
-
 def pytest_summary(lines: list) -> list:
     """pytest's result line (its last), why it stopped early (pytest-timeout's session timeout) and how many tests
     did not run then, its failures and errors (one line each, with the message where the log is wide enough) and its
-    five slowest tests."""
-    results = _result_lines(lines)
-    collected = [found[1] for line in lines if (found := re.search(r"(?:^collected |workers \[)(\d+) item", line))]
-    stopped = [line.strip("! ") for line in lines if "session-timeout" in line and line.startswith("!")]
-    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    slowest = [line for line in lines if re.match(r"[\d.]+s (call|setup|teardown) ", line)][:5]
-    ran = sum(int(count) for count, _ in re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)\b",
-                                                    results[-1])) if results else 0
-    not_run = int(collected[-1]) - ran if results and collected else None  # None: not known
-    unrun = ("the tests not yet started did not run" + (f": {not_run} of them" if not_run else "")
-             if not_run is None or not_run > 0 else "after every collected test had run")
-    return ([f"- result: {results[-1] if results else 'no result line (stopped?)'}"
-             + (f" (of {collected[-1]} collected)" if collected else "")]
-            + [f"- stopped early: {line} ({unrun})" for line in stopped[-1:]]
-            + [f"- {line}" for line in failures] + [f"- slow: `{line}`" for line in slowest])
+    five slowest tests (bench.pytest_log reads them)."""
+    run = read_pytest_log(lines)
+    unrun = ("the tests not yet started did not run" + (f": {run.not_run} of them" if run.not_run else "")
+             if run.not_run is None or run.not_run > 0 else "after every collected test had run")
+    return ([f"- result: {run.result or 'no result line (stopped?)'}"
+             + (f" (of {run.collected} collected)" if run.collected is not None else "")]
+            + ([f"- stopped early: {run.stopped} ({unrun})"] if run.stopped else [])
+            + [f"- {line}" for line in run.failures] + [f"- slow: `{slow.line}`" for slow in run.durations[:5]])
 
 
 def kernel_summary(log: Path) -> list:
@@ -781,6 +782,7 @@ def main(argv=None) -> int:
         check.clocks.stop()
         check.log(f"clocks: {check.clocks.note}")
         check.write_summary()
+        check.write_decisions()
         for sig, handler in replaced.items():  # from here on a signal ends gpu_check as Python's default does
             signal.signal(sig, handler)
     shutil.rmtree(check.work, ignore_errors=True)

@@ -4,6 +4,7 @@ GPU) of each phase, on a small lm_head cut into the chunks and groups of a real 
 
     python -m bench.host_cost --path fused                      # N=16384, the plan of qwen2.5-7b in 1 GiB
     python -m bench.host_cost --path fused --like qwen2.5-32b --workspace-gib 4 --json out.json
+    python -m bench.host_cost --path fused --epilogue           # the row pass in the logits GEMM's epilogue (erpo-epi)
 
 The problem is bench.problem's (samples of --rows-per-sample rows, a quarter of them query rows, bf16) with a tiny
 D and V, and a workspace budget chosen so that the chunks and groups are those that `--like`'s lm_head gets on a
@@ -11,7 +12,10 @@ GPU in `--workspace-gib` (for qwen2.5-7b in 1 GiB: chunks of 512 rows, d hidden 
 chunk loop runs as often, the host plans the same layout. As in `bench.host_cost`, every Triton launch is stubbed
 (it returns at once and is counted), the aten operators run for real on tiny CPU tensors (their CPU time stands in
 for a CUDA launch's host time), and Triton's own launch path is not in the times. Launches and host reads are
-counted by the tests' LaunchCounter (tests/support/launch_counts.py) in one call apart from the timed ones.
+counted by the tests' LaunchCounter (tests/support/launch_counts.py) in one call apart from the timed ones. With
+--epilogue (fused_linear_loss.EPILOGUE_ROW_PASS, the contender erpo-epi) each logits GEMM is the Triton GEMM with the
+forward row pass in its epilogue (a Triton launch, stubbed) instead of cuBLAS's (an aten one); the GEMMs are seen
+where every logits GEMM of the loss goes through, `LogitsBuffer._write`, whichever forms it.
 
 Phases are exclusive: a phase's time and counts leave out those of the phases called inside it ("chunk" leaves out
 the group GEMMs a chunk closes, "op setup" the plan, the objective's setup and the chunks). What the GPU waits for:
@@ -44,10 +48,12 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_HIDDEN, SMALL_VOCAB = 16, 32  # the small lm_head's D and V (kernels do not run: small is honest)
 # Where the chunk loop's work is queued: a chunk's (from its logits GEMM to its dlogits), a group's d hidden and
 # d weight GEMMs (those of the group the chunk closes), a chunk's forward row kernel, and a logits GEMM of some rows
+# (`LogitsBuffer._write`, which every logits GEMM of the loss goes through: cuBLAS's, and with EPILOGUE_ROW_PASS the
+# Triton GEMM with the row pass in its epilogue)
 CHUNK_LOOP = "erpo_kernels.fused_linear_loss:ChunkPass.run"
 GROUP_GEMMS = "erpo_kernels.fused_linear_loss:GradientGroups.close_group"
 CHUNK_FORWARD = "erpo_kernels.fused_linear_loss:ChunkPass.forward"
-LOGITS_GEMM = "erpo_kernels.fused_linear_loss:_write_logits"
+LOGITS_GEMM = "erpo_kernels.fused_linear_loss:LogitsBuffer._write"
 # (phase, "module:attribute[.attribute]") of the functions each call goes through, timed and counted exclusively
 FUSED_PHASES = [
     ("validation", "erpo_kernels.fused_linear:start_loss_input_checks"),
@@ -140,6 +146,7 @@ class ReadTimeline:
         self.counter = counter
         self.reads = []  # per read: {"copy", "return"} us and the launches counted at each
         self.gemms = []  # (us once queued, GEMMs x rows: the FLOPs over 2 D V)
+        self.logits_rows = []  # rows of each logits GEMM, in call order
         self.loop_start = self.first_forward = None  # us: the chunk loop's start, the first chunk's forward row kernel
 
     def _stamp(self, into: dict, key: str) -> None:
@@ -172,8 +179,9 @@ class ReadTimeline:
                 return run
 
             def gemms(*args, **kwargs):
-                if point == "logits":  # _write_logits(out, hidden_rows, weight, bias): one GEMM
-                    row_gemms = args[1].shape[0]
+                if point == "logits":  # LogitsBuffer._write(self, first, hidden_rows): one GEMM
+                    row_gemms = args[2].shape[0]
+                    self.logits_rows.append(row_gemms)
                 else:  # GradientGroups.close_group(self): d hidden and d weight, those needed, of the open group's rows
                     group = args[0]
                     row_gemms = (group.rows.stop - group.rows.start) * (
@@ -223,42 +231,46 @@ def _one_call(prepared, meter: PhaseMeter, timeline: ReadTimeline) -> None:
 
 
 def matching_budget(num_rows: int, hidden: int, vocab: int, like_hidden: int, like_vocab: int,
-                    workspace_bytes: int, dtype: torch.dtype):
+                    workspace_bytes: int, dtype: torch.dtype, epilogue: bool = False):
     """(budget bytes, Workspace): the workspace_bytes whose plan for N rows of the small lm_head [vocab, hidden] on
     the CPU has the chunk and group rows that `plan_workspace` gives [like_vocab, like_hidden] on CUDA in
-    workspace_bytes."""
+    workspace_bytes; with `epilogue`, both plans' logits rows hold a row of the epilogue's statistics
+    (EPILOGUE_ROW_PASS)."""
     from erpo_kernels.fused_linear_loss import (
         ROW_KERNELS,
         gradient_row_bytes,
         logits_row_bytes,
         plan_workspace,
     )
+    from erpo_kernels.triton_logits_gemm import stats_row_bytes
     kernels, cpu = ROW_KERNELS["triton"], torch.device("cpu")
     target = plan_workspace(num_rows, like_hidden, like_vocab, dtype, torch.device("cuda"), kernels,
-                            workspace_bytes, False)
+                            workspace_bytes, False, epilogue)
     gradient_row = gradient_row_bytes(vocab, hidden, dtype, cpu)
-    logits_row = logits_row_bytes(vocab, kernels)
+    logits_row = logits_row_bytes(vocab, kernels, stats_row_bytes(vocab, dtype) if epilogue else 0)
     if target.separate_store:
         budget = target.chunk_rows * logits_row + target.group_rows * (vocab * dtype.itemsize + gradient_row)
     else:
         budget = target.chunk_rows * (logits_row + gradient_row)
-    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False)
+    small = plan_workspace(num_rows, hidden, vocab, dtype, cpu, kernels, budget, False, epilogue)
     if small != target:
         raise SystemExit(f"no budget gives the small lm_head the plan {target} (it gets {small})")
     return budget, target
 
 
 def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib: float, reps: int,
-                  warmup: int, host_layout: bool = False) -> dict:
+                  warmup: int, host_layout: bool = False, epilogue: bool = False) -> dict:
     """Per phase (FUSED_PHASES, ENTRY, BACKWARD, "total"): calls per fwd+bwd, median host us per call, and aten
-    launches, Triton launches and host reads per call; with the plan's chunks and groups. host_layout: the loss is
-    given the rows' layout in host memory (a trainer's way)."""
+    launches, Triton launches and host reads per call; with the plan's chunks and groups and the rows of each logits
+    GEMM. host_layout: the loss is given the rows' layout in host memory (a trainer's way); epilogue: its logits GEMMs
+    are the Triton GEMM with the forward row pass in its epilogue (EPILOGUE_ROW_PASS, the contender erpo-epi)."""
     from .contenders import ERPO_OPTIONS, erpo_fused_with_workspace
+    from .geometry import fused_constants
     from .problem import Shape, build_problem, parse_shape
     like_shape = parse_shape(like)
     dtype = torch.bfloat16
     budget, workspace = matching_budget(num_rows, SMALL_HIDDEN, SMALL_VOCAB, like_shape.hidden, like_shape.vocab,
-                                        int(workspace_gib * 2**30), dtype)
+                                        int(workspace_gib * 2**30), dtype, epilogue)
     problem = build_problem("fused", Shape(f"D={SMALL_HIDDEN},V={SMALL_VOCAB}", SMALL_HIDDEN, SMALL_VOCAB),
                             num_rows, rows_per_sample=rows_per_sample, query_frac=0.25, dtype=dtype,
                             device=torch.device("cpu"), seed=0, chunk_rows=num_rows,
@@ -267,7 +279,7 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
     layout = torch.stack((problem.token_kind, problem.sample_index)).long().cpu() if host_layout else None
     prepared = erpo_fused_with_workspace(budget, layout)(problem)
     per_rep, reads_per_rep = defaultdict(list), []
-    with StubbedTriton():
+    with StubbedTriton(), fused_constants(EPILOGUE_ROW_PASS=epilogue):
         for rep in range(warmup + reps):
             meter, timeline = PhaseMeter(), ReadTimeline()
             with metered(meter):
@@ -297,7 +309,8 @@ def measure_fused(num_rows: int, rows_per_sample: int, like: str, workspace_gib:
                                     for key in ("us to next GEMM", "us to first row kernel", "us to chunk loop")}})
     return {"phases": phases, "reads": reads, "chunks": counting.calls["chunk"],
             "groups": counting.calls["group GEMMs"], "chunk_rows": workspace.chunk_rows,
-            "group_rows": workspace.group_rows, "budget_bytes": budget}
+            "group_rows": workspace.group_rows, "budget_bytes": budget,
+            "logits_gemm_rows": counted_reads.logits_rows}
 
 
 def _median_or_none(values: list):
@@ -321,7 +334,8 @@ def markdown_fused(result: dict) -> str:
                   f"{(chunk['triton'] + group['triton']) / chunks:g} Triton launches, "
                   f"{(chunk['reads'] + group['reads']) / chunks:g} host reads "
                   f"({result['chunks']} chunks of at most {result['chunk_rows']} rows, {result['groups']} groups of at "
-                  f"most {result['group_rows']})."]
+                  f"most {result['group_rows']}); {len(result['logits_gemm_rows'])} logits GEMMs of "
+                  f"{sum(result['logits_gemm_rows'])} rows in all."]
     lines += ["", "| host read (call order) | host us from its return to the next GEMM queued | to the first chunk's "
                   "forward row kernel | to the chunk loop | GFLOP queued after its copy, not waited for | GFLOP "
                   "queued after its copy, before the chunk loop | launches between its copy and its return |",
@@ -353,15 +367,19 @@ def main(argv: list[str], command: list[str]):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-layout", action="store_true",
                         help="give the loss the rows' layout in host memory (host_layout=, as erpo's trainer does)")
+    parser.add_argument("--epilogue", action="store_true",
+                        help="the forward row pass in the logits GEMM's epilogue (fused_linear_loss.EPILOGUE_ROW_PASS, "
+                             "the contender erpo-epi): each logits GEMM a Triton launch")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--commit", default=None, help="commit the JSON records (default: git rev-parse HEAD, if any)")
     args = parser.parse_args(argv)
     use_interpreter(parser)
     torch.set_num_threads(1)
     result = measure_fused(args.n, args.rows_per_sample, args.like, args.workspace_gib, args.reps, args.warmup,
-                           args.host_layout)
+                           args.host_layout, args.epilogue)
     print(f"fused path, N={args.n} (samples of {args.rows_per_sample} rows), D={SMALL_HIDDEN}, V={SMALL_VOCAB}, "
           f"{'the rows layout given in host memory (host_layout), ' if args.host_layout else ''}"
+          f"{'the row pass in the logits GEMM epilogue (EPILOGUE_ROW_PASS), ' if args.epilogue else ''}"
           f"bf16, CPU, the chunks and groups of {args.like} in {args.workspace_gib:g} GiB "
           f"(workspace_bytes={result['budget_bytes']} here); {args.reps} calls (after {args.warmup}), "
           f"torch {torch.__version__}\n")

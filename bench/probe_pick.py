@@ -15,6 +15,10 @@ from .geometry import Geometry, geometry_key
 
 PROBE_JSON = "fused_probe.json"  # what bench.fused_probe writes beside fused_probe.md: part 1's rows
 DEFAULT_VARIANT = "library default"  # bench.fused_probe's row of the library's own geometry
+SUMMARY_LABEL = "bench 1's geometry pick"  # summary.md's line of the pick (bench.gpu_check), which bench.decide reads
+# what a pick's why says where the probe measured every shape and the lowest-sum variant lost somewhere: the one "none"
+# that is a measurement (bench.decide: the rule's keep), not a missing or unreadable input
+NOT_FASTER = "not faster than"
 
 
 class Pick(NamedTuple):
@@ -74,4 +78,4 @@ def lowest_sum_pick(ratios: dict, shapes, named, over: str, than: str, kind: str
                 + f", sum {sum(complete[best].values()):.3f}, the lowest of {len(complete)} {kind}s")
     if all(ratio < 1 for ratio in complete[best].values()):
         return Pick(key, f"{key}: {measured}, faster than {than} on every shape")
-    return Pick(None, f"none: {measured}, not faster than {than} on every shape")
+    return Pick(None, f"none: {measured}, {NOT_FASTER} {than} on every shape")

@@ -68,8 +68,9 @@ Launches: a constant, 6 per chunk and 2 per group on the Triton backend, 2 more 
 the logits GEMM, the forward row kernel writing straight into the call's [N] vectors, the objective's two, the
 backward row kernel and the hidden rows that d weight reads, `triton_gradient_rows`; per group d hidden and
 d weight, d bias's column sum and its addition, the first group's written instead: 13 + 6 x chunks + 4 x groups
-with a bias and validate=False, counted on the CPU, tests/kernels/test_fused_linear_loss.py; per call and per
-chunk, with the host's microseconds, `python -m bench.host_cost --path fused`). No host read inside the chunk
+with an fp32 bias and validate=False, counted on the CPU, tests/kernels/test_fused_linear_loss.py; a bf16 / fp16
+bias adds its cast to fp32 for each logits GEMM, on CUDA too; per call and per chunk, with the host's
+microseconds, `python -m bench.host_cost --path fused`). No host read inside the chunk
 loop but fp16's gradient scale (one per chunk). The torch backend, the oracle, runs the whole reference objective
 with autograd per chunk (O(N) work and all its ops each time).
 
@@ -421,6 +422,13 @@ def _sample_spans(rows: np.ndarray, sample_index: np.ndarray, num_samples: int, 
     return first, last
 
 
+def cpu_fp32_operand(tensor):
+    """tensor [any shape] in fp32: off CUDA, the copy of a bf16 / fp16 GEMM operand that CUDA's GEMMs with fp32
+    output (`out_dtype`) do without, inside the GEMM. Its own function so that tests/support/launch_counts.py can
+    leave these CPU-only copies out of its launch counts (CUDA makes none)."""
+    return tensor.float()
+
+
 def _write_logits(out, hidden_rows, weight, bias):
     """out [n, V] fp32 := hidden_rows @ weight.T (+ bias): one GEMM with fp32 output (on CUDA the bf16 / fp16
     operands' products summed in fp32 and never rounded to their dtype; elsewhere in fp32), the bias in its
@@ -432,7 +440,7 @@ def _write_logits(out, hidden_rows, weight, bias):
         operands = (hidden_rows, weight.t())
         extra = {"out_dtype": torch.float32}
     else:
-        operands = (hidden_rows.float(), weight.float().t())
+        operands = (cpu_fp32_operand(hidden_rows), cpu_fp32_operand(weight).t())
         extra = {}
     if bias is None:
         torch.mm(*operands, out=out, **extra)
@@ -502,7 +510,8 @@ class LogitsBuffer:
 
     def _write(self, first: int, hidden_rows) -> None:
         """Rows first to first + n of the buffer := hidden_rows [n, D] @ weight.T (+ bias): one GEMM, cuBLAS's or
-        the epilogue's (which also writes the same rows of its statistics)."""
+        the epilogue's (which also writes the same rows of its statistics). Every logits GEMM of the loss goes
+        through here, whichever forms it: `python -m bench.host_cost --path fused` records each call as one."""
         out = self.buffer[first:first + hidden_rows.shape[0]]
         if self.epilogue is None:
             _write_logits(out, hidden_rows, self.weight, self.bias)
@@ -528,7 +537,7 @@ def _accumulate_product(accumulator, a, b, alpha: float = 1.0, accumulate: bool 
     elif accumulator.is_cuda:
         torch.addmm(accumulator, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=accumulator)
     else:
-        accumulator.addmm_(a.float(), b.float(), beta=beta, alpha=alpha)
+        accumulator.addmm_(cpu_fp32_operand(a), cpu_fp32_operand(b), beta=beta, alpha=alpha)
 
 
 def write_grad_hidden(out, dlogits, weight, alpha: float = 1.0) -> None:

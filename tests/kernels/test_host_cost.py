@@ -126,7 +126,40 @@ def test_fused_path_reports_each_phase_and_chunk_with_its_launches_and_reads(tmp
     # the first chunk's forward row kernel is queued by the plan, before the objective's setup and the chunk loop
     assert 0 < read["us to next GEMM"] < read["us to first row kernel"] < read["us to chunk loop"]
     assert abs(read["GFLOP queued before chunk loop"] - 2 * half_chunk) < 1e-6  # the whole first chunk
+    # the logits GEMMs: the first chunk's in halves (before the read, then with the plan), one a chunk after
+    assert result["logits_gemm_rows"] == LOGITS_GEMM_ROWS
     assert "| chunk | 8 |" in done.stdout and "Per chunk, its share of the group GEMMs included" in done.stdout
+
+
+# rows of each logits GEMM of a call at N=4096 in chunks of 512 (`run_fused_host_cost`): the first chunk's two halves,
+# then one GEMM a chunk
+LOGITS_GEMM_ROWS = [256, 256] + [512] * 7
+
+
+@pytest.mark.cpu_only
+def test_fused_path_with_the_epilogue_row_pass_sees_its_logits_gemms(tmp_path):
+    """`--path fused --epilogue` (EPILOGUE_ROW_PASS: each logits GEMM the Triton GEMM with the forward row pass in its
+    epilogue, not cuBLAS's, which the loss then never calls): the tables see those GEMMs as they see cuBLAS's, the
+    same chunks cut the same way (the workspace counting each row's statistics) and the same GFLOP queued around the
+    read as without it; in the chunk loop each GEMM is a Triton launch and no aten one (the combine kernel in the
+    forward row kernel's place)."""
+    out = tmp_path / "fused.json"
+    done = run_fused_host_cost("--reps", "1", "--epilogue", "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["args"]["epilogue"] is True
+    result = record["results"]["erpo"]
+    assert (result["chunks"], result["groups"], result["chunk_rows"], result["group_rows"]) == (8, 2, 512, 2048)
+    assert result["logits_gemm_rows"] == LOGITS_GEMM_ROWS
+    half_chunk = 2 * 256 * 3584 * 152064 / 1e9
+    (read,) = result["reads"]
+    assert abs(read["GFLOP queued, not waited for"] - half_chunk) < 1e-6
+    assert abs(read["GFLOP queued before chunk loop"] - 2 * half_chunk) < 1e-6
+    assert 0 < read["us to next GEMM"] < read["us to chunk loop"]
+    # chunks 1 to 7: the GEMM, the combine, the objective's two, the backward row kernel, d weight's hidden rows;
+    # chunk 0 the last four (its GEMMs and combine queued with the plan, in the op setup)
+    chunk = result["phases"]["chunk"]
+    assert chunk["aten"] == 0 and chunk["triton"] == 6 * 7 + 4
+    assert "EPILOGUE_ROW_PASS" in done.stdout and "9 logits GEMMs of 4096 rows in all" in done.stdout
 
 
 @pytest.mark.cpu_only

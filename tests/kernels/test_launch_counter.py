@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from erpo_kernels import fused_linear_loss
 from launch_counts import LaunchCounter
 
 
@@ -127,6 +128,37 @@ def test_device_work_next_to_host_work(device):
     if device.type == "cuda":
         expected["aten._to_copy"] = 1  # the upload's copy (on the CPU `.to` returns the host tensor: no operator)
     assert counter.host_names == {"aten.zeros": 1} and counter.names == expected, (counter.host_names, counter.names)
+
+
+def _casts(x: torch.Tensor) -> torch.Tensor:
+    """A cast that copies (x: bf16), one that returns its input, a view, a `contiguous` that copies, and the fused
+    path's CPU-only upcast of a GEMM operand: 4 launches counted (2 copies, 2 additions), wherever it runs."""
+    y = x.float()
+    same = y.float()
+    transposed_copy = y.t().contiguous()
+    return fused_linear_loss.cpu_fp32_operand(x) + transposed_copy.t() + same
+
+
+_casts_op = torch.library.custom_op("launch_counts_test::casts", _casts, mutates_args=())
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-a-custom-op"])
+def test_copies_count_inside_a_custom_op_as_outside_it_but_the_cpu_upcasts(inside, device):
+    """Inside a custom op a composite reaches the counter whole (`aten.to`, `aten.contiguous`), outside it its copy
+    does (`aten._to_copy`, `aten.clone`): either way a cast or `contiguous` that copies is one launch, one that returns
+    its input or a view none; `fused_linear_loss.cpu_fp32_operand` (the fused path's CPU-only copy of a bf16 / fp16
+    GEMM operand to fp32, which CUDA's GEMMs with fp32 output do without) is no launch, in or out of an op."""
+    x = torch.arange(6, dtype=torch.bfloat16, device=device).reshape(2, 3)
+    upcast = fused_linear_loss.cpu_fp32_operand
+    with LaunchCounter() as counter:
+        out = (_casts_op if inside else _casts)(x)
+    copies = {"aten.to": 1, "aten.contiguous": 1} if inside else {"aten._to_copy": 1, "aten.clone": 1}
+    assert counter.names == {**copies, "aten.add": 2}, counter.names
+    torch.testing.assert_close(out, 3 * x.float(), rtol=0, atol=0)
+    with LaunchCounter() as counter:  # the upcast alone, where the fused path makes it
+        fused_linear_loss.cpu_fp32_operand(x)
+    assert counter.names == {}, counter.names
+    assert fused_linear_loss.cpu_fp32_operand is upcast  # put back after the block
 
 
 def test_the_wrapped_methods_are_restored(device):

@@ -102,6 +102,12 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     assert (f",{key} --progress " in commands[f"bench 1: {gpu_check.BENCH_RUNS[0].name}"]) == (key != "none")
     # the merged table, in the summary without its columns' legend
     assert "| V=1000 | 128 | torch | erpo | ok |" in summary and "### Columns" not in summary
+    # its last section, bench.decide's: the dry run's smoke rows and tier decide nothing (the probes' JSON files, read
+    # in the work folder, pick or not on the CPU's times; bench 1's candidates run on the fused path only)
+    decisions = summary[summary.index("\n## Decisions\n"):]
+    verdicts = re.findall(r"^### (.*): \*\*(.*)\*\*$", decisions, re.M)
+    assert len(verdicts) == 6 and {verdict for _, verdict in verdicts} == {"cannot decide"}, verdicts
+    assert "- read: gemm_epilogue_probe.json, 40x200 24 rows: " in decisions and decisions.endswith("\n\n")
     # the logits stage: logits_gpu_check.sh's dry run, its folder packed, its rows and host table in the summary
     with tarfile.open(out / "logits.tar.gz") as tar:
         assert {"logits/logits.jsonl", "logits/host_cost.md", "logits/profile/profile.md",

@@ -12,7 +12,17 @@ device: they are host work, counted apart (`host_ops`, `host_names`).
     counter.host_names
 
 The Triton kernels' own work under the interpreter (its copies to numpy and back) is not counted: one launch is one.
-A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted.
+A torch.library custom op is a wrapper, not a launch: the operators and kernels inside it are counted. Inside one
+(its body runs below autograd) a composite operator reaches the counter whole, before it decomposes: one whose
+result may alias its input (`to` and so `.float()`, `contiguous`, `reshape`: `func.is_view` by their schema) counts
+as one launch when it copies (its result is not a view of its input: `aten.to` for a cast), none when it returns its
+input or a view of it, as outside an op its copy (`aten._to_copy`, `aten.clone`) is counted and its alias is not.
+
+Left out on purpose, so that the counts are CUDA's on the CPU too: the fused path's copies of bf16 / fp16 GEMM
+operands to fp32 off CUDA (`fused_linear_loss.cpu_fp32_operand`: the hidden rows and the weight of each logits GEMM,
+d weight's two operands per group, d hidden's with GRAD_HIDDEN_FP32). On CUDA those GEMMs take bf16 / fp16 operands
+and write fp32 themselves (`out_dtype`), with no copy; the CPU's matmul cannot, so it copies first. Every other cast,
+on either device, counts (a bf16 bias's `.float()` for each logits GEMM, a gradient's rounding `.to(dtype)`).
 
 Host syncs. A dispatch mode alone misses most of them: on the CPU `t.cpu()` and `t.to("cpu")` return t and
 `t.numpy()`, `t.tolist()` read its memory, dispatching nothing, and on any device an operator whose output shape
@@ -130,6 +140,7 @@ class LaunchCounter(TorchDispatchMode):
         self.host_names: Counter = Counter()
         self._host = {}  # id -> weakref of the CPU tensors known to hold host memory (module docstring)
         self._inside_triton = 0
+        self._inside_cpu_upcast = 0  # within `fused_linear_loss.cpu_fp32_operand` (module docstring)
         self._inside_host_factory = 0
         self._saved = []
         self._depth = 0
@@ -179,7 +190,9 @@ class LaunchCounter(TorchDispatchMode):
             reads = _reads_values(name, args, kwargs)
             if reads and not (args and isinstance(args[0], torch.Tensor) and self.is_host(args[0])):
                 self.sync_names[f"aten.{name}"] += reads
-            if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or func.is_view):  # a read: no kernel
+            aliases = func.is_view and not _copied(args, out)  # a view, or a composite returning its input (above)
+            if not (name in NO_LAUNCH_OPS or name == "_local_scalar_dense" or aliases  # a read: no kernel
+                    or self._inside_cpu_upcast):
                 (self.host_names if on_host else self.names)[f"aten.{name}"] += 1
         if on_host and self.device.type == "cpu":
             for tensor in outputs:
@@ -193,6 +206,9 @@ class LaunchCounter(TorchDispatchMode):
         if self._depth == 0:  # the outermost entry (a custom op re-enters the mode around its implementation)
             for launcher in triton_launchers():
                 self._patch(launcher, "run", self._counting_run(launcher.run))
+            from erpo_kernels import fused_linear_loss
+            self._patch(fused_linear_loss, "cpu_fp32_operand",
+                        self._uncounted_upcast(fused_linear_loss.cpu_fp32_operand))
             for name in SYNC_METHODS:
                 self._patch(torch.Tensor, name, getattr(self, f"_{name}")(getattr(torch.Tensor, name)))
             for name in HOST_FACTORIES:
@@ -226,6 +242,15 @@ class LaunchCounter(TorchDispatchMode):
             finally:
                 counter._inside_triton -= 1
         return run
+
+    def _uncounted_upcast(self, original):
+        def cpu_fp32_operand(tensor):
+            self._inside_cpu_upcast += 1
+            try:
+                return original(tensor)
+            finally:
+                self._inside_cpu_upcast -= 1
+        return cpu_fp32_operand
 
     def _counted(self, name, original):
         def synchronize(*args, **kwargs):
@@ -323,6 +348,15 @@ def _reads_values(name: str, args, kwargs) -> int:
     value = args[2] if len(args) > 2 else kwargs["values"]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     return int(not (len(indices) == 1 and not accumulate and value.numel() == 1 and value.device.type == "cpu"))
+
+
+def _copied(args, out) -> bool:
+    """Whether an operator whose schema lets its result alias its first argument (`func.is_view`) made a new tensor
+    instead: its result holds other memory than that argument (a composite such as `to` inside a custom op). Plain
+    tensors only: a subclass's (a nested tensor's) storage may be none of its own, and its views are views."""
+    source = args[0] if args else None
+    return (type(out) is torch.Tensor and type(source) is torch.Tensor
+            and out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr())
 
 
 def _backend_keys(args) -> torch._C.DispatchKeySet:
