@@ -477,8 +477,8 @@ def resolve(cfg: Config) -> Config:
 
 
 def run_summary(cfg: Config) -> str:
-    """One line on what a run does; the whole resolved config goes to OUTPUT_DIR/config.yaml."""
+    """One line on what a run does (`erpo train` adds where it writes the whole resolved config)."""
     t = cfg.trainer
     return (f"{cfg.algorithm.name} on {cfg.model.name_or_path}, data {cfg.data.source}, {t.max_steps} steps of "
             f"{t.rollout_batch_size} prompts x {cfg.rollout.n}, seed {t.seed}, {t.cpu_threads} CPU threads -> "
-            f"{cfg.output_dir} (resolved config: {os.path.join(cfg.output_dir, 'config.yaml')})")
+            f"{cfg.output_dir}")
