@@ -118,6 +118,20 @@ def test_a_dataset_name_nothing_holds_is_one_line(capsys, tmp_path, monkeypatch)
         assert line.startswith(f"erpo precompute-ref: dataset '{source}': ") and "check the name" in line, line
 
 
+
+@pytest.mark.parametrize("setting, message", [
+    ("data.source={dir}/notes.txt", r"notes.txt must end in .jsonl, .json or .parquet"),   # was a Hub lookup
+    ("reference.cache_path={dir}", r"reference.cache_path .*: is a directory; give the cache file's path"),
+])
+def test_a_local_path_of_the_wrong_kind_is_one_line(capsys, tmp_path, monkeypatch, setting, message):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "notes.txt").write_text("1+1=2\n")
+    argv = ["precompute-ref", "--output-dir", str(tmp_path / "run"), "--set", f"model.cache_dir={tmp_path / 'c'}",
+            setting.format(dir=tmp_path), *SMALL]
+    assert main(argv) == 1
+    assert re.search(message, one_error_line(capsys, "precompute-ref"))
+
+
 # -------------------------------------------------------------------------------------------- run directories
 def fake_run(run: Path, *, finished: bool, schedule_steps: int = 5) -> Path:
     step = run / "checkpoints" / "step-5"
@@ -252,4 +266,17 @@ def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, devic
     assert main(["eval", "--model", str(model), "--device", device, "--output-dir", str(tmp_path / "out")]) == 1
     assert message in one_error_line(capsys, "eval")
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
+    """A mistyped LABEL=TEMPLATE (no such label) is no template: refused before any model loads, not by the first
+    prompt built."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["eval", "--model", f"mine={model}", "--template", "mien=plain", "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 1
+    line = one_error_line(capsys, "eval")
+    assert "--template mien=plain: not a template name (paper, plain, qwen-math) and no {problem} in it" in line
+    assert "LABEL one of mine" in line
 
