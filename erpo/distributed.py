@@ -282,7 +282,7 @@ def hf_deepspeed_config(ds_config: dict):
         return None
     if importlib.util.find_spec("accelerate") is None:
         raise MissingPackageError("ZeRO-3 model creation (transformers' HfDeepSpeedConfig) needs accelerate: "
-                          "pip install 'erpo[deepspeed]' (or pip install accelerate)")
+                                  "pip install 'erpo[deepspeed]' (or pip install accelerate)")
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(ds_config)

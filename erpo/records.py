@@ -10,7 +10,6 @@ from erpo.errors import MissingInputError, MissingPackageError, UserError
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the local file formats `read_records` reads
 
 
-
 def iter_jsonl(path: str, *, torn_tail_ok: bool = False):
     """Yield (line number, record) for each non-empty line of a JSONL file.
 

@@ -190,13 +190,13 @@ def parse_templates(values: list[str] | None, labels: list[str]) -> dict[str, st
     per_model, every = {}, None
     for value in values or []:
         label, eq, template = value.partition("=")
-        if not (eq and label in labels):
-            template = value
+        for_one_model = bool(eq) and label in labels
+        template = template if for_one_model else value
         if template not in RAW_TEMPLATES and template not in TEMPLATES and "{problem}" not in template:
             raise ValueError(f"--template {value}: not a template name ({', '.join([*TEMPLATES, *RAW_TEMPLATES])}) "
                              f"and no {{problem}} in it; for one model write LABEL=TEMPLATE, LABEL one of "
                              f"{', '.join(labels)}")
-        if eq and label in labels:
+        if for_one_model:
             per_model[label] = template
         elif every is None:
             every = value
