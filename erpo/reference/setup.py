@@ -57,6 +57,9 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     tokenizer = tokenizer or tokenizer_for(cfg, model_path)
     prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
     path = reference_cache_path(cfg)
+    if os.path.isdir(path):
+        raise UserError(f"reference.cache_path {path}: is a directory; give the cache file's path, e.g. "
+                        f"{os.path.join(path, 'reference_cache.json')}")
     if os.path.exists(path) and not overwrite:
         try:
             cache = ReferenceCache.load(path)
