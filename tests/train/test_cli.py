@@ -52,7 +52,12 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys, caplog):
     assert not (out / "config.yaml").exists()
     cache = json.loads((out / "reference_cache.json").read_text())
     assert cache["entries"] and cache["template"].startswith("plain|chat=True")
+    distinct = len(cache["entries"])
+    assert f"computing ell_theta0(q) for the training set's 8 prompts ({distinct} distinct)" in caplog.text
     assert main(argv) == 0  # an existing matching cache is reused
+    assert f"({distinct} distinct prompts; the training set's 8 read from it)" in caplog.text
+    # matplotlib's INFO lines (a fresh machine's "generated new fontManager") are not the user's first line
+    assert logging.getLogger("matplotlib").getEffectiveLevel() == logging.WARNING
 
 
 def test_eval_and_plot_are_registered():
