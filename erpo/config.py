@@ -306,12 +306,19 @@ def from_dict(data: dict | None) -> Config:
 
 
 def load_config(path: str | None) -> Config:
-    """Read a YAML file onto the schema; None gives the built-in tiny default."""
+    """Read a YAML file onto the schema; None gives the built-in tiny default. A file that is not valid YAML is a
+    ValueError naming it and the line."""
     if path is None:
         return Config()
     import yaml
     text = Path(path).read_text()
-    return from_dict(yaml.safe_load(text))
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:   # its own message spans several lines: keep the line and the problem
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix the file") from exc
+    return from_dict(data)
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -470,8 +477,8 @@ def resolve(cfg: Config) -> Config:
 
 
 def run_summary(cfg: Config) -> str:
-    """One line on what a run does; the whole resolved config goes to OUTPUT_DIR/config.yaml."""
+    """One line on what a run does (`erpo train` adds where it writes the whole resolved config)."""
     t = cfg.trainer
     return (f"{cfg.algorithm.name} on {cfg.model.name_or_path}, data {cfg.data.source}, {t.max_steps} steps of "
             f"{t.rollout_batch_size} prompts x {cfg.rollout.n}, seed {t.seed}, {t.cpu_threads} CPU threads -> "
-            f"{cfg.output_dir} (resolved config: {os.path.join(cfg.output_dir, 'config.yaml')})")
+            f"{cfg.output_dir}")

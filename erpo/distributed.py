@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from erpo.deepspeed_internals import forget_process_groups, is_partitioned
+from erpo.errors import MissingPackageError
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -280,8 +281,8 @@ def hf_deepspeed_config(ds_config: dict):
     if stage != 3:
         return None
     if importlib.util.find_spec("accelerate") is None:
-        raise ImportError("ZeRO-3 model creation (transformers' HfDeepSpeedConfig) needs accelerate: "
-                          "pip install 'erpo[deepspeed]' (or pip install accelerate)")
+        raise MissingPackageError("ZeRO-3 model creation (transformers' HfDeepSpeedConfig) needs accelerate: "
+                                  "pip install 'erpo[deepspeed]' (or pip install accelerate)")
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(ds_config)

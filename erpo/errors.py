@@ -22,3 +22,8 @@ class UserError(ValueError):
 
 class MissingInputError(UserError, FileNotFoundError):
     """A file or directory the user named does not exist (also a FileNotFoundError)."""
+
+
+class MissingPackageError(UserError, ImportError):
+    """An optional package a setting needs is not installed (also an ImportError); the message says what to
+    install."""

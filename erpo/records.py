@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from erpo.errors import MissingInputError, UserError
+from erpo.errors import MissingInputError, MissingPackageError, UserError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the local file formats `read_records` reads
 
@@ -57,7 +57,7 @@ def read_located_records(path: str) -> list[tuple[str, object]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
-            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+            raise MissingPackageError(f"reading {path} needs pyarrow: pip install pyarrow") from err
         return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
     raise UserError(f"{path} must end in .jsonl, .json or .parquet")
 
@@ -70,11 +70,18 @@ def read_records(path: str) -> list:
 def read_hub_records(name: str, *, split: str, config: str | None = None) -> list[dict]:
     """Rows (dicts) of the Hugging Face Hub dataset `name`, subset `config`, split `split`.
 
-    Needs `datasets` and network access; ImportError with the fix when `datasets` is missing."""
+    Needs `datasets` and network access; without `datasets` a MissingPackageError (an ImportError) says so, and a
+    name the Hub (or a local directory) does not hold, or no network, is a MissingInputError (one line)."""
     try:
         import datasets
     except ImportError as err:
-        raise ImportError(f"{name!r} is not a local .jsonl/.json/.parquet file; loading it from the Hugging Face Hub "
-                          "needs `pip install datasets` and network access (or download it and pass the local "
-                          "file)") from err
-    return [dict(row) for row in datasets.load_dataset(name, config, split=split)]
+        raise MissingPackageError(f"{name!r} is not a local .jsonl/.json/.parquet file; loading it from the Hugging "
+                                  "Face Hub needs `pip install datasets` and network access (or download it and pass "
+                                  "the local file)") from err
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except (FileNotFoundError, ConnectionError) as err:   # no such dataset (or no data files in a directory); offline
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MissingInputError(f"dataset {name!r}: {reason}; check the name, or download it and pass the local "
+                                ".jsonl/.json/.parquet file") from err
+    return [dict(row) for row in rows]

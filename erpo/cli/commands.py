@@ -90,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_third_party_output() -> None:
     """Hide what users did not ask for: HF's weight loading / shard writing bars, the second copy of each
     huggingface_hub warning (its own handler and the root logger's), and DeepSpeed's "Setting accelerator to CPU"
-    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay."""
+    notice on a machine without CUDA, matplotlib's INFO lines (its font cache's "generated new fontManager", the first
+    line a fresh machine would show). Our progress bar, our log lines and the libraries' warnings stay."""
     import torch
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
     logging.getLogger("huggingface_hub").propagate = False

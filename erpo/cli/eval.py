@@ -74,6 +74,22 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+def generate_device(name: str | None) -> str:
+    """The torch device HF generate runs on: `name` (--device), else cuda when this machine has it, else cpu. A name
+    torch does not know, or a CUDA device on a machine without one, is a ValueError naming --device (checked before
+    any model loads, not as torch's assertion deep inside generate)."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name}: not a torch device ({exc}); e.g. cpu, cuda or cuda:1") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                         "leave --device out or give --device cpu")
+    return name
+
+
 def run_eval(args: argparse.Namespace) -> None:
     """Entry point of ``erpo eval``: evaluate, write the results, print the markdown tables and the files' paths.
 
@@ -94,9 +110,9 @@ def run_eval(args: argparse.Namespace) -> None:
                              f"and {args.tensor_parallel_size}")
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
                              top_p=args.top_p)
+        device = generate_device(args.device)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise UserError(str(exc)) from exc
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = evaluate(models, benchmarks, temperatures=temperatures, k=args.k,
                       output_dir=args.output_dir, pass_ks=pass_ks, top_p=args.top_p,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,

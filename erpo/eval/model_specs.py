@@ -13,6 +13,7 @@ from erpo.models.export import HF_DIR
 from erpo.models.loading import model_path_for
 from erpo.models.lora import is_adapter_dir
 from erpo.models.source import resolve_model_source
+from erpo.tasks.data import TEMPLATES
 
 DEFAULT_MAX_NEW_TOKENS = 3000  # one budget for every model of a comparison: Dr.GRPO's evaluation budget
 # Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
@@ -184,11 +185,18 @@ def prompt_settings(model: ModelSpec, template: str | None, max_new_tokens: int)
 
 def parse_templates(values: list[str] | None, labels: list[str]) -> dict[str, str]:
     """``--template`` values -> {model label: template}. ``LABEL=TEMPLATE`` sets one model's template (LABEL one
-    of `labels`), a value without a known label prefix sets the template of every model not named."""
+    of `labels`), a value without a known label prefix sets the template of every model not named. A template that
+    is no name and holds no {problem} (say a mistyped LABEL=) is a ValueError here, before any model loads."""
     per_model, every = {}, None
     for value in values or []:
         label, eq, template = value.partition("=")
-        if eq and label in labels:
+        for_one_model = bool(eq) and label in labels
+        template = template if for_one_model else value
+        if template not in RAW_TEMPLATES and template not in TEMPLATES and "{problem}" not in template:
+            raise ValueError(f"--template {value}: not a template name ({', '.join([*TEMPLATES, *RAW_TEMPLATES])}) "
+                             f"and no {{problem}} in it; for one model write LABEL=TEMPLATE, LABEL one of "
+                             f"{', '.join(labels)}")
+        if for_one_model:
             per_model[label] = template
         elif every is None:
             every = value

@@ -27,6 +27,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import LoraConfig
+from erpo.errors import MissingPackageError
 from erpo.models.weights import save_pretrained_atomically, unwrap_model
 
 ADAPTER_CONFIG = "adapter_config.json"   # what marks a directory as a PEFT adapter
@@ -35,11 +36,11 @@ ALL_LINEAR = "all-linear"                 # PEFT's "every linear layer but the o
 
 
 def import_peft():
-    """The `peft` module, or an ImportError saying how to install it."""
+    """The `peft` module, or a MissingPackageError (an ImportError) saying how to install it."""
     try:
         return importlib.import_module("peft")
     except ImportError as exc:
-        raise ImportError(f"model.lora needs PEFT: pip install 'erpo[lora]' (import failed: {exc})") from exc
+        raise MissingPackageError(f"model.lora needs PEFT: pip install 'erpo[lora]' (import failed: {exc})") from exc
 
 
 def peft_model_of(model):

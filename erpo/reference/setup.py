@@ -57,6 +57,9 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     tokenizer = tokenizer or tokenizer_for(cfg, model_path)
     prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
     path = reference_cache_path(cfg)
+    if os.path.isdir(path):
+        raise UserError(f"reference.cache_path {path}: is a directory; give the cache file's path, e.g. "
+                        f"{os.path.join(path, 'reference_cache.json')}")
     if os.path.exists(path) and not overwrite:
         try:
             cache = ReferenceCache.load(path)
@@ -64,9 +67,11 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
         except ValueError as exc:   # another model, tokenizer, template, temperature or precision: one line
             raise UserError(str(exc)) from exc
         values = cache.lookup(prompt_set.prompt_ids, path=path)
-        log.info("reference cache: %s (%d prompts)", path, len(cache.entries))
+        log.info("reference cache: %s (%d distinct prompts; the training set's %d read from it)", path,
+                 len(cache.entries), len(prompt_set.prompt_ids))
         return cache, path, values
-    log.info("reference cache: computing ell_theta0(q) for %d prompts with %s", len(prompt_set.prompt_ids), model_path)
+    log.info("reference cache: computing ell_theta0(q) for the training set's %d prompts (%d distinct) with %s",
+             len(prompt_set.prompt_ids), len(set(map(tuple, prompt_set.prompt_ids))), model_path)
     theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
     identity = reference_identity(cfg, model_path, tokenizer, theta0)   # after the load: a hub model's revision cached
     cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,

@@ -29,6 +29,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import check_vllm_temperature
+from erpo.errors import MissingPackageError
 from erpo.models.lora import inference_weights
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 
@@ -36,11 +37,12 @@ SEED_STRIDE = 1_000_003  # per-prompt seeds: base + data-parallel rank * stride 
 
 
 def import_vllm():
-    """The `vllm` module, or an ImportError saying how to install it."""
+    """The `vllm` module, or a MissingPackageError (an ImportError, one line on the command line) saying how to
+    install it."""
     try:
         return importlib.import_module("vllm")
     except ImportError as exc:
-        raise ImportError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
+        raise MissingPackageError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
                           f"(import failed: {exc})") from exc
 
 

@@ -45,7 +45,7 @@ def load_dataset_records(source: str, split: str = "train", problem_field: str =
 
     Raises a UserError naming the line and the missing field when `problem_field`/`answer_field` is absent.
     """
-    if Path(source).suffix in RECORD_SUFFIXES:
+    if Path(source).suffix in RECORD_SUFFIXES or Path(source).is_file():   # a local file of another kind is refused
         located = read_located_records(source)
     else:
         located = [(f"row {i}", row) for i, row in enumerate(read_hub_records(source, split=split), 1)]

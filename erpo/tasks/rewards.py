@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from erpo.errors import MissingInputError, UserError
 from erpo.tasks.answer_worker import TEXT_COMMANDS
 
 RewardFn = Callable[..., list]
@@ -245,21 +246,24 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "format": format_re
 
 
 def load_reward_function(spec: str) -> RewardFn:
-    """A built-in name ("math", "format") or "path/to/file.py:function_name" loaded from that file."""
+    """A built-in name ("math", "format") or "path/to/file.py:function_name" loaded from that file; a name that is
+    neither, a missing file or function is a UserError (one line on the command line)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected 'math', 'format' or 'path/to/file.py:function_name'")
+        raise UserError(f"reward function {spec!r}: expected 'math', 'format' or 'path/to/file.py:function_name' "
+                        "(reward.functions)")
     path_str, name = spec.rsplit(":", 1)
     path = Path(path_str)
     if not path.is_file():
-        raise FileNotFoundError(f"reward function {spec!r}: no such file {path_str}")
+        raise MissingInputError(f"reward function {spec!r}: no such file {path_str}; check the path (reward.functions)")
     module_spec = importlib.util.spec_from_file_location(f"erpo_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {path_str} has no callable named {name!r}")
+        raise UserError(f"reward function {spec!r}: {path_str} has no callable named {name!r}; check the name "
+                        "(reward.functions)")
     return fn
 
 

@@ -153,11 +153,12 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
     may be alive), load the data, models, reference cache and rollout engine, and restore the newest intact
     checkpoint when resuming."""
     check_run_dir(cfg, resume=resume)
-    log.info("erpo train: %s", run_summary(cfg))
+    log.info("erpo train: %s (resolved config: %s)", run_summary(cfg), Path(cfg.output_dir) / "config.yaml")
     out_dir = Path(cfg.output_dir)
     checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every)
     D.init_distributed()
     seed_everything(cfg)
+    reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]   # a mistyped one stops before any model
     model_path = model_path_for(cfg)   # a mistyped model name stops here, before the run directory is written
     tokenizer = tokenizer_for(cfg, model_path)
     lock = hold_run_dir(out_dir, force=force)   # before anything is written there; released at the end or exit
@@ -172,7 +173,6 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
     updater, ref_model = build_models(cfg, model_path, device)
     cache, cache_path, (ref_query_logp, static_weight) = precompute_reference(
         cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
-    reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]
     engine = engine or rollout_engine_for(cfg, updater.module, tokenizer, model_path)
     schedule_steps = cfg.trainer.max_steps * updates_per_rollout(cfg)
     state = TrainState(reference_cache_id=cache.cache_id, lr_schedule_steps=schedule_steps)

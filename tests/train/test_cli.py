@@ -1,5 +1,6 @@
 """erpo.cli: the parser, flag -> config mapping, config errors, precompute-ref, delegated subcommands."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def test_config_errors_exit_2_with_a_message(capsys, tmp_path):
         build_parser().parse_args(["train", "--algorithm", "ppo"])
 
 
-def test_precompute_ref_writes_the_cache(tmp_path, capsys):
+def test_precompute_ref_writes_the_cache(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="erpo")
     out = tmp_path / "run"
     argv = ["precompute-ref", "--output-dir", str(out), "--set", f"model.cache_dir={tmp_path / 'theta0'}",
             "tiny.hidden_size=16", "tiny.intermediate_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
@@ -45,9 +47,17 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.strip() == str(out / "reference_cache.json")   # the config is not dumped on the terminal
+    # its summary line names no resolved config.yaml: precompute-ref writes none (erpo train does)
+    assert "erpo precompute-ref: erpo on tiny" in caplog.text and "config.yaml" not in caplog.text
+    assert not (out / "config.yaml").exists()
     cache = json.loads((out / "reference_cache.json").read_text())
     assert cache["entries"] and cache["template"].startswith("plain|chat=True")
+    distinct = len(cache["entries"])
+    assert f"computing ell_theta0(q) for the training set's 8 prompts ({distinct} distinct)" in caplog.text
     assert main(argv) == 0  # an existing matching cache is reused
+    assert f"({distinct} distinct prompts; the training set's 8 read from it)" in caplog.text
+    # matplotlib's INFO lines (a fresh machine's "generated new fontManager") are not the user's first line
+    assert logging.getLogger("matplotlib").getEffectiveLevel() == logging.WARNING
 
 
 def test_eval_and_plot_are_registered():

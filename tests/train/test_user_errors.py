@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from erpo.cli.commands import main
 from erpo.errors import UserError
@@ -103,6 +104,34 @@ def test_data_errors_are_one_line(capsys, tmp_path, content, message):
     assert re.search(message, line), line
 
 
+
+def test_a_dataset_name_nothing_holds_is_one_line(capsys, tmp_path, monkeypatch):
+    """A data.source that is no local file goes to `datasets`: a directory without data files (or, offline, a Hub
+    name) was its traceback."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "no_data_files").mkdir()
+    for source in (tmp_path / "no_data_files", "org/no-such-dataset"):
+        argv = ["precompute-ref", "--output-dir", str(tmp_path / "run"), "--set", f"model.cache_dir={tmp_path / 'c'}",
+                f"data.source={source}", *SMALL]
+        assert main(argv) == 1
+        line = one_error_line(capsys, "precompute-ref")
+        assert line.startswith(f"erpo precompute-ref: dataset '{source}': ") and "check the name" in line, line
+
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("data.source={dir}/notes.txt", r"notes.txt must end in .jsonl, .json or .parquet"),   # was a Hub lookup
+    ("reference.cache_path={dir}", r"reference.cache_path .*: is a directory; give the cache file's path"),
+])
+def test_a_local_path_of_the_wrong_kind_is_one_line(capsys, tmp_path, monkeypatch, setting, message):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "notes.txt").write_text("1+1=2\n")
+    argv = ["precompute-ref", "--output-dir", str(tmp_path / "run"), "--set", f"model.cache_dir={tmp_path / 'c'}",
+            setting.format(dir=tmp_path), *SMALL]
+    assert main(argv) == 1
+    assert re.search(message, one_error_line(capsys, "precompute-ref"))
+
+
 # -------------------------------------------------------------------------------------------- run directories
 def fake_run(run: Path, *, finished: bool, schedule_steps: int = 5) -> Path:
     step = run / "checkpoints" / "step-5"
@@ -187,3 +216,67 @@ def test_the_command_line_prints_one_line_and_no_traceback(tmp_path):
     assert proc.stderr.strip() == (f"erpo train: --output-dir {finished}: holds a finished run (final/); choose "
                                    "another --output-dir (e.g. runs/erpo-tiny-2), or delete that directory to train it "
                                    "again"), proc.stderr
+
+
+# ------------------------------------------------------------------------------- config files, rewards, devices
+def test_a_config_file_that_is_not_yaml_is_one_line(capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  lr: 1e-5\n  max_steps: [3\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "run")]) == 2
+    line = one_error_line(capsys, "train")
+    assert line.startswith(f"erpo train: config error: {config}:4: not valid YAML (") and "fix the file" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("bleu", r"reward function 'bleu': expected 'math', 'format' or 'path/to/file.py:function_name'"),
+    ("{dir}/missing.py:fn", r"reward function '.*/missing.py:fn': no such file .*/missing.py; check the path"),
+    ("{dir}/my_reward.py:nope", r"reward function '.*/my_reward.py:nope': .*/my_reward.py has no callable named "
+                                r"'nope'; check the name"),
+])
+def test_a_mistyped_reward_function_is_one_line_before_any_model_loads(capsys, tmp_path, monkeypatch, spec, message):
+    (tmp_path / "my_reward.py").write_text("def mine(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.setattr("erpo.train.loop.model_path_for", lambda cfg: pytest.fail("no model may load"))
+    run = tmp_path / "run"
+    argv = ["train", "--output-dir", str(run), "--set", f"reward.functions=[math,{spec.format(dir=tmp_path)}]"]
+    assert main(argv) == 1
+    assert re.search(message, one_error_line(capsys, "train"))
+    assert not run.exists()
+
+
+def test_a_missing_optional_package_is_one_line(capsys, tmp_path, monkeypatch):
+    """rollout.engine=vllm without vLLM (as on a CPU machine) says what to install, in one line."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    argv = ["train", "--output-dir", str(tmp_path / "run"), "--set", f"model.cache_dir={tmp_path / 'c'}",
+            "rollout.engine=vllm", *SMALL]
+    assert main(argv) == 1
+    assert "rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]'" in one_error_line(capsys,
+                                                                                                             "train")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--device gpu: not a torch device"),
+    pytest.param("cuda", "--device cuda: this machine has no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has a CUDA device")),
+])
+def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, device, message):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")   # an HF model dir as far as --model goes: the device is checked first
+    assert main(["eval", "--model", str(model), "--device", device, "--output-dir", str(tmp_path / "out")]) == 1
+    assert message in one_error_line(capsys, "eval")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
+    """A mistyped LABEL=TEMPLATE (no such label) is no template: refused before any model loads, not by the first
+    prompt built."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["eval", "--model", f"mine={model}", "--template", "mien=plain", "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 1
+    line = one_error_line(capsys, "eval")
+    assert "--template mien=plain: not a template name (paper, plain, qwen-math) and no {problem} in it" in line
+    assert "LABEL one of mine" in line
+
