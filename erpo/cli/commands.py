@@ -90,10 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_third_party_output() -> None:
     """Hide what users did not ask for: HF's weight loading / shard writing bars, the second copy of each
     huggingface_hub warning (its own handler and the root logger's), and DeepSpeed's "Setting accelerator to CPU"
-    notice on a machine without CUDA, matplotlib's INFO lines (its font cache's "generated new fontManager", the first
-    line a fresh machine would show). Our progress bar, our log lines and the libraries' warnings stay."""
+    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay."""
     import torch
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
     logging.getLogger("huggingface_hub").propagate = False
@@ -144,6 +142,9 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # before the parser, whose subcommands import matplotlib (eval's tables plot): its INFO lines, such as a fresh
+    # machine's "generated new fontManager", would otherwise be the first line a user sees
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)

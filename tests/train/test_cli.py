@@ -56,8 +56,16 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys, caplog):
     assert f"computing ell_theta0(q) for the training set's 8 prompts ({distinct} distinct)" in caplog.text
     assert main(argv) == 0  # an existing matching cache is reused
     assert f"({distinct} distinct prompts; the training set's 8 read from it)" in caplog.text
-    # matplotlib's INFO lines (a fresh machine's "generated new fontManager") are not the user's first line
-    assert logging.getLogger("matplotlib").getEffectiveLevel() == logging.WARNING
+
+
+def test_a_fresh_machine_s_first_line_is_not_matplotlib_s(tmp_path):
+    """matplotlib builds its font cache on its first import (here: a new MPLCONFIGDIR), logging "generated new
+    fontManager" at INFO; the parser's subcommands import it, so the CLI quiets it before building the parser."""
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    done = subprocess.run([sys.executable, "-m", "erpo", "train", "--help"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "usage: erpo train" in done.stdout
+    assert (tmp_path / "mpl").is_dir()  # matplotlib did build its cache in this run
+    assert "fontManager" not in done.stderr, done.stderr
 
 
 def test_eval_and_plot_are_registered():
