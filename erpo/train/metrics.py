@@ -102,7 +102,7 @@ class MetricsWriter:
 
     A fresh run starts its own log (a crash before the first checkpoint leaves nothing to continue); a resumed one
     first drops the records of the steps after its checkpoint (`done_steps`), which it logs again, then appends: the
-    log never holds a step twice."""
+    log never holds a step twice (nor does TensorBoard show one twice)."""
 
     def __init__(self, cfg: Config, out_dir: Path, *, resume: bool, total_steps: int, done_steps: int):
         main = D.is_main()
@@ -112,7 +112,9 @@ class MetricsWriter:
         self.tensorboard = None
         if cfg.logging.tensorboard and main:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(out_dir / "tb"))
+            # resumed: TensorBoard hides the earlier run's events from the first step logged again on (the
+            # purge step), as metrics.jsonl drops them; else a step past the checkpoint shows twice
+            self.tensorboard = SummaryWriter(str(out_dir / "tb"), purge_step=done_steps + 1 if resume else None)
         self.progress = progress(total_steps, f"{cfg.algorithm.name} train", "step", initial=done_steps,
                                  enabled=cfg.logging.progress_bar and main)
 
