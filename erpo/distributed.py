@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from erpo.deepspeed_internals import forget_process_groups, is_partitioned
+from erpo.deepspeed_internals import announce_cpu_builds, forget_process_groups, is_partitioned
 from erpo.errors import MissingPackageError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -100,6 +100,7 @@ def init_distributed(communicator: str | None = None) -> bool:
     except ImportError:
         dist.init_process_group(backend=communicator)
     else:
+        announce_cpu_builds()
         deepspeed.init_distributed(dist_backend=communicator)
     return True
 

@@ -14,6 +14,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
+from erpo.deepspeed_internals import announce_cpu_builds
 from erpo.models.loading import torch_dtype
 from erpo.train.checkpoint import TorchBundle
 
@@ -69,6 +70,8 @@ def choose_updater(cfg: Config) -> str:
     if kind == "torch" and D.world_size() > 1:
         raise ValueError("trainer.updater 'torch' is single-process; use trainer.updater=deepspeed (or auto) with "
                          "several ranks")
+    if kind == "deepspeed":
+        announce_cpu_builds()  # before the first DeepSpeed call: ZeRO-3's partitioned model or initialize
     return kind
 
 
