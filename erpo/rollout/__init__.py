@@ -4,12 +4,17 @@ transformers engine (CPU, tests), `vllm` the GPU engine (optional extra; vLLM it
 for (`rollout.engine` / `erpo eval --engine`: hf | vllm)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from erpo.config import Config
+from erpo.config import Config, RolloutConfig
 from erpo.models.loading import torch_dtype
 from erpo.rollout.hf import HFRollout
 from erpo.rollout.vllm import VLLMRollout
+
+log = logging.getLogger("erpo")
+VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "tensor_parallel_size", "enable_sleep_mode")  # rollout.*
 
 
 def make_rollout_engine(engine: str, *, model_path: str, model=None, tokenizer=None, batch_size: int = 1,
@@ -27,9 +32,21 @@ def make_rollout_engine(engine: str, *, model_path: str, model=None, tokenizer=N
     return HFRollout(model, tokenizer, batch_size=batch_size)
 
 
+def warn_vllm_only_settings(rollout: RolloutConfig) -> None:
+    """One warning per vLLM-only setting set away from its default while the engine is not vLLM (it is ignored)."""
+    if rollout.engine == "vllm":
+        return
+    defaults = RolloutConfig()
+    for key in VLLM_ONLY_SETTINGS:
+        if getattr(rollout, key) != getattr(defaults, key):
+            log.warning("rollout.%s=%s is ignored by the %s engine (vLLM only: rollout.engine=vllm)", key,
+                        getattr(rollout, key), rollout.engine)
+
+
 def rollout_engine_for(cfg: Config, model, tokenizer, model_path: str):
     """The training run's rollout engine (`rollout.engine`), sampling from the policy `model`."""
     r = cfg.rollout
+    warn_vllm_only_settings(r)
     return make_rollout_engine(r.engine, model_path=model_path, model=model, tokenizer=tokenizer,
                                batch_size=max(1, cfg.trainer.micro_batch_size),
                                dtype="bfloat16" if torch_dtype(cfg) == torch.bfloat16 else "float32",

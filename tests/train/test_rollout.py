@@ -1,4 +1,6 @@
 """erpo.rollout.hf.HFRollout: grouping, EOS handling, seeds, and sampling log-probs that match the model."""
+import logging
+
 import pytest
 import torch
 
@@ -69,3 +71,22 @@ def test_engine_interface():
     assert issubclass(HFRollout, RolloutEngine)
     with pytest.raises(TypeError):
         RolloutEngine()
+
+
+def test_vllm_only_settings_are_warned_of_with_the_hf_engine(caplog):
+    from erpo.cli.args import config_from_args
+    from erpo.cli.commands import build_parser
+    from erpo.rollout import warn_vllm_only_settings
+
+    def warnings(*sets):
+        cfg = config_from_args(build_parser().parse_args(["train", "--set", *sets]))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="erpo"):
+            warn_vllm_only_settings(cfg.rollout)
+        return [record.getMessage() for record in caplog.records]
+
+    assert warnings("rollout.engine=hf") == []
+    assert warnings("rollout.engine=hf", "rollout.enable_sleep_mode=true", "rollout.tensor_parallel_size=2") == [
+        "rollout.tensor_parallel_size=2 is ignored by the hf engine (vLLM only: rollout.engine=vllm)",
+        "rollout.enable_sleep_mode=True is ignored by the hf engine (vLLM only: rollout.engine=vllm)"]
+    assert warnings("rollout.engine=vllm", "rollout.enable_sleep_mode=true") == []
