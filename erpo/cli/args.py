@@ -26,6 +26,8 @@ def config_from_args(args, overrides: tuple[str, ...] = ()) -> Config:
         path = args.config
         if path is not None and not os.path.exists(path):
             path = shipped_config(path)
+        if path is not None and os.path.isdir(path):
+            raise ValueError(f"--config {path}: is a directory; give a YAML file or a shipped config's name")
         cfg = load_config(path)
         flags = []
         for flag, key in (("output_dir", "output_dir"), ("max_steps", "trainer.max_steps"),

@@ -34,6 +34,9 @@ def test_config_errors_exit_2_with_a_message(capsys, tmp_path):
     assert "unknown config key 'trainer.nope'" in capsys.readouterr().err
     assert main(["train", "--config", "no_such_config"]) == 2
     assert "not a shipped config" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"erpo train: config error: --config {tmp_path}: is a directory; give a "
+                                               "YAML file or a shipped config's name")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--algorithm", "ppo"])
 
