@@ -32,5 +32,10 @@ def run_plot(args: argparse.Namespace) -> None:
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     try:
         print(plot_runs(list(args.run_dirs), output, labels=labels, smooth=args.smooth))
-    except (ValueError, FileNotFoundError) as exc:
+    except OSError as exc:
+        if exc.filename is not None and os.path.abspath(output).startswith(os.path.abspath(str(exc.filename))):
+            # the PNG or a folder above it: name the option, not only the OS's words
+            raise UserError(f"--output {output}: cannot write it ({exc.strerror}: {exc.filename})") from exc
+        raise UserError(str(exc)) from exc
+    except ValueError as exc:
         raise UserError(str(exc)) from exc

@@ -133,6 +133,17 @@ def test_erpo_plot_command(tmp_path):
     _png(out)
 
 
+def test_erpo_plot_unwritable_output_names_the_option(tmp_path, capsys):
+    run = _write_run(tmp_path / "run", 8)
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the output's folder would be
+    out = blocked / "plots" / "x.png"
+    assert main(["plot", run, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"erpo plot: --output {out}: cannot write it (") and str(blocked) in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_erpo_plot_missing_run_is_a_user_error(tmp_path, capsys):
     """A missing run is erpo's one user-error path: one line from `erpo plot`, the traceback with --debug."""
     parser = argparse.ArgumentParser()
