@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from erpo.errors import UserError
 from erpo.plotting import plot_runs
@@ -33,7 +34,8 @@ def run_plot(args: argparse.Namespace) -> None:
     try:
         print(plot_runs(list(args.run_dirs), output, labels=labels, smooth=args.smooth))
     except OSError as exc:
-        if exc.filename is not None and os.path.abspath(output).startswith(os.path.abspath(str(exc.filename))):
+        written = Path(output).absolute()
+        if exc.filename is not None and Path(exc.filename).absolute() in (written, *written.parents):
             # the PNG or a folder above it: name the option, not only the OS's words
             raise UserError(f"--output {output}: cannot write it ({exc.strerror}: {exc.filename})") from exc
         raise UserError(str(exc)) from exc

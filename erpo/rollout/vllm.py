@@ -43,7 +43,7 @@ def import_vllm():
         return importlib.import_module("vllm")
     except ImportError as exc:
         raise MissingPackageError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
-                          f"(import failed: {exc})") from exc
+                                  f"(import failed: {exc})") from exc
 
 
 def tp_all_gather_object(obj: Any) -> list[Any]:

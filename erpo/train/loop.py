@@ -153,8 +153,8 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
     may be alive), load the data, models, reference cache and rollout engine, and restore the newest intact
     checkpoint when resuming."""
     check_run_dir(cfg, resume=resume)
-    log.info("erpo train: %s (resolved config: %s)", run_summary(cfg), Path(cfg.output_dir) / "config.yaml")
     out_dir = Path(cfg.output_dir)
+    log.info("erpo train: %s (resolved config: %s)", run_summary(cfg), out_dir / "config.yaml")
     checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every)
     D.init_distributed()
     seed_everything(cfg)
