@@ -69,8 +69,9 @@ the logits GEMM, the forward row kernel writing straight into the call's [N] vec
 backward row kernel and the hidden rows that d weight reads, `triton_gradient_rows`; per group d hidden and
 d weight, d bias's column sum and its addition, the first group's written instead: 13 + 6 x chunks + 4 x groups
 with an fp32 bias and validate=False, counted on the CPU, tests/kernels/test_fused_linear_loss.py; a bf16 / fp16
-bias adds its cast to fp32 for each logits GEMM, on CUDA too; per call and per chunk, with the host's
-microseconds, `python -m bench.host_cost --path fused`). No host read inside the chunk
+bias adds one, its cast to fp32 where the call's `LogitsBuffer` is made (a buffer per call, and one more when the
+entropy filter's pool is gathered first), on CUDA too, none with EPILOGUE_ROW_PASS; per call and per chunk, with the
+host's microseconds, `python -m bench.host_cost --path fused`). No host read inside the chunk
 loop but fp16's gradient scale (one per chunk). The torch backend, the oracle, runs the whole reference objective
 with autograd per chunk (O(N) work and all its ops each time).
 
@@ -91,7 +92,7 @@ Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never
 the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
 docs/API.md states: the fp32 d weight accumulator [V, D] (4 V D bytes, none for an fp32 weight, whose gradient it
 is): like the fp32 gradient an optimizer keeps, its size is fixed by the lm_head and does not grow with N; d bias
-[V] fp32; the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
+[V] fp32 (and, while the logits are formed, a bf16 / fp16 bias's fp32 copy [V]); the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
 the backward (d hidden in fp32 with GRAD_HIDDEN_FP32: 4 N D bytes instead of 2 N D for bf16 / fp16 inputs, rounded
 into a copy of hidden's dtype by the backward's scale pass); O(N) vectors.
 """
@@ -430,9 +431,9 @@ def cpu_fp32_operand(tensor):
 
 
 def _write_logits(out, hidden_rows, weight, bias):
-    """out [n, V] fp32 := hidden_rows @ weight.T (+ bias): one GEMM with fp32 output (on CUDA the bf16 / fp16
-    operands' products summed in fp32 and never rounded to their dtype; elsewhere in fp32), the bias in its
-    epilogue."""
+    """out [n, V] fp32 := hidden_rows @ weight.T (+ bias [V] fp32, or None): one GEMM with fp32 output (on CUDA the
+    bf16 / fp16 operands' products summed in fp32 and never rounded to their dtype; elsewhere in fp32), the bias in
+    its epilogue. The caller casts a bf16 / fp16 bias to fp32 once (`LogitsBuffer`), not this once per GEMM."""
     if hidden_rows.dtype == torch.float32:
         operands = (hidden_rows, weight.t())
         extra = {}
@@ -445,7 +446,7 @@ def _write_logits(out, hidden_rows, weight, bias):
     if bias is None:
         torch.mm(*operands, out=out, **extra)
     else:
-        torch.addmm(bias.float(), *operands, out=out, **extra)
+        torch.addmm(bias, *operands, out=out, **extra)
 
 
 def gradient_view(logits, dtype):
@@ -476,7 +477,10 @@ class LogitsBuffer:
 
     def __init__(self, max_rows: int, hidden, weight, bias, batch_invariant: bool, kernels: RowKernels,
                  transform: LogitTransform, epilogue: bool = False):
-        self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+        self.weight, self.batch_invariant = weight, batch_invariant
+        # cuBLAS's addmm adds a bias of its output's dtype: a bf16 / fp16 one is cast to fp32 here, once for all the
+        # buffer's GEMMs (the same fp32 values each time); the epilogue's GEMM reads it as it is (fp32 in the kernel)
+        self.bias = bias if bias is None or epilogue else bias.float()
         self.kernels, self.transform = kernels, transform
         rows = -(-max_rows // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_rows
         self.buffer = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)

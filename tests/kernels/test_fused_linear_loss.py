@@ -664,8 +664,8 @@ def test_fp32_dhidden_keeps_the_calls_launches_and_host_reads(monkeypatch, devic
     validate=False): bf16, 12 chunks of 4 rows in 3 groups of 16 rows, the same launches by name both ways (d hidden's
     GEMM is aten's addmm, counted with the `addmm_` of the CPU's fp32 path: on CUDA the fp32 output is cuBLAS's own,
     `out_dtype`, and the CPU's copies of its operands to fp32, `fused_linear_loss.cpu_fp32_operand`, which CUDA does
-    not make, the counter leaves out; the bias's cast to fp32 for each of the 13 logits GEMMs, CUDA's too, it
-    counts), one `_scale_kernel` pass per gradient and the call's one host read."""
+    not make, the counter leaves out; the bf16 bias's cast to fp32, CUDA's too, it counts: once per call, not once for
+    each of the 13 logits GEMMs), one `_scale_kernel` pass per gradient and the call's one host read."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
     batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
@@ -678,9 +678,9 @@ def test_fp32_dhidden_keeps_the_calls_launches_and_host_reads(monkeypatch, devic
                                    validate=False, workspace_bytes=budget_for_groups(4, 16, torch.bfloat16, device),
                                    qkl_coef=0.5, **inputs).loss.backward()
         assert hidden.grad.dtype == torch.bfloat16 and counter.names["triton._scale_kernel"] == 3
-        # the bias's casts: the first chunk's GEMM in halves, one a chunk after (none where the epilogue's GEMM, with
-        # EPILOGUE_ROW_PASS, reads the bias as it is)
-        assert counter.names.get("aten.to", 0) == (0 if chunked.EPILOGUE_ROW_PASS else 13)
+        # the bias's cast: one for the call's 13 logits GEMMs (the first chunk's in halves, one a chunk after), made
+        # with its logits buffer (none where the epilogue's GEMM, with EPILOGUE_ROW_PASS, reads the bias as it is)
+        assert counter.names.get("aten.to", 0) == (0 if chunked.EPILOGUE_ROW_PASS else 1)
         gemms = counter.names.pop("aten.addmm_", 0)
         counter.names["aten.addmm"] += gemms
         counts.append((dict(counter.names), dict(counter.sync_names)))

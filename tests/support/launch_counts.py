@@ -22,7 +22,7 @@ Left out on purpose, so that the counts are CUDA's on the CPU too: the fused pat
 operands to fp32 off CUDA (`fused_linear_loss.cpu_fp32_operand`: the hidden rows and the weight of each logits GEMM,
 d weight's two operands per group, d hidden's with GRAD_HIDDEN_FP32). On CUDA those GEMMs take bf16 / fp16 operands
 and write fp32 themselves (`out_dtype`), with no copy; the CPU's matmul cannot, so it copies first. Every other cast,
-on either device, counts (a bf16 bias's `.float()` for each logits GEMM, a gradient's rounding `.to(dtype)`).
+on either device, counts (a bf16 bias's `.float()`, once per call, a gradient's rounding `.to(dtype)`).
 
 Host syncs. A dispatch mode alone misses most of them: on the CPU `t.cpu()` and `t.to("cpu")` return t and
 `t.numpy()`, `t.tolist()` read its memory, dispatching nothing, and on any device an operator whose output shape
