@@ -92,9 +92,10 @@ Memory beyond the inputs: at most `workspace_bytes` for the chunk buffers (never
 the row pass's temporaries, the dlogits store and the group's masked hidden rows (`plan_workspace`). Outside it, as
 docs/API.md states: the fp32 d weight accumulator [V, D] (4 V D bytes, none for an fp32 weight, whose gradient it
 is): like the fp32 gradient an optimizer keeps, its size is fixed by the lm_head and does not grow with N; d bias
-[V] fp32 (and, while the logits are formed, a bf16 / fp16 bias's fp32 copy [V]); the gradients d hidden [N, D], d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to
-the backward (d hidden in fp32 with GRAD_HIDDEN_FP32: 4 N D bytes instead of 2 N D for bf16 / fp16 inputs, rounded
-into a copy of hidden's dtype by the backward's scale pass); O(N) vectors.
+[V] fp32 (and, while the logits are formed, a bf16 / fp16 bias's fp32 copy [V]); the gradients d hidden [N, D],
+d weight [V, D], d bias [V] in the inputs' dtypes, held from the forward to the backward (d hidden in fp32 with
+GRAD_HIDDEN_FP32: 4 N D bytes instead of 2 N D for bf16 / fp16 inputs, rounded into a copy of hidden's dtype by the
+backward's scale pass); O(N) vectors.
 """
 from __future__ import annotations
 
