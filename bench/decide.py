@@ -415,14 +415,15 @@ def epilogue_pick_decision(lease: Lease, row_pass: Decision) -> Decision:
                         row_pass.verdict, f"{key}'s bench 1 rows decide both: {row_pass.why}")
     launch = parse_epilogue_key(key)
     config = f"GemmConfig({', '.join(map(str, launch.config))})"
-    programs = ("None" if launch.programs is None else
-                f"<the device's SM count at the call; {launch.programs} on this lease>")
+    # a persistent pick ran one program per SM of the lease's GPU (the probe's count, its key's P): the library's
+    # launch says so for whatever GPU a call runs on (DEVICE_SMS, a constant of the module the edit is made in)
+    programs = "None" if launch.programs is None else "DEVICE_SMS"
     edits = [Edit(LOGITS_GEMM, "LOSS_CONFIGS[(2, False)]", source_text(LOGITS_GEMM, "LOSS_CONFIGS", (2, False)),
                   config, "and its compile check for sm_90 without a spill in tests/workers/"
                           "gemm_epilogue_compile_check.py"),
              Edit(LOGITS_GEMM, "LOSS_LAUNCH", source_text(LOGITS_GEMM, "LOSS_LAUNCH"), f"Launch({programs}, "
-                  f"{launch.tma})", "a persistent launch takes a program count: the device's at the call, not the "
-                                    "lease's" if launch.programs else "")]
+                  f"{launch.tma})", f"DEVICE_SMS: one program per SM of the device each call runs on; the lease's "
+                                    f"{launch.programs}" if launch.programs else "")]
     edits = [edit for edit in edits if edit.now.replace(" ", "") != edit.new.replace(" ", "")]
     return Decision(title, section, inputs + [f"{key}: the row pass's verdict above, {CHANGE}"], CHANGE,
                     f"{key}'s bench 1 rows won: the option on at the pick", edits)

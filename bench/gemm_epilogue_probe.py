@@ -49,6 +49,7 @@ from erpo_kernels.triton_logits_gemm import (
     Launch,
     combine_stats,
     logits_gemm,
+    sm_count,
     tile_count,
 )
 from erpo_kernels.validation import IGNORE_INDEX, LogitTransform
@@ -75,9 +76,10 @@ def launches(programs: int) -> tuple:
 
 
 # the dry run: D = 40 and V = 200 are multiples of no block (the K step's mask, the ragged vocabulary tile), 24 rows
-# of neither block's rows; the persistent launches on 3 programs, so that each walks several tiles
+# of neither block's rows; the persistent launches on the CPU's `sm_count`, INTERPRETER_SMS (3) programs, so that
+# each walks several tiles
 SMOKE = {"shape": "40x200", "rows": "24", "configs": (GemmConfig(16, 32, 16, 4, 1), GemmConfig(32, 64, 16, 4, 2)),
-         "repeats": 1, "programs": 3}
+         "repeats": 1}
 
 
 class Variant(NamedTuple):
@@ -267,14 +269,14 @@ def main(argv=None):
     chunk_rows = [int(rows) for rows in (SMOKE["rows"] if args.smoke else args.rows).split(",")]
     configs = SMOKE["configs"] if args.smoke else CONFIGS
     repeats, warmup = (SMOKE["repeats"], 0) if args.smoke else (args.repeats, 2)
-    programs = (SMOKE["programs"] if args.smoke
-                else torch.cuda.get_device_properties(device).multi_processor_count)
+    programs = sm_count(device)  # an explicit count, the one the key of a persistent pick names
     name = "CPU dry run" if args.smoke else torch.cuda.get_device_name()
     record = provenance("bench.gemm_epilogue_probe", sys.argv[1:] if argv is None else argv, args.commit)
     lines = [f"# The logits GEMM with the row statistics in its epilogue ({name}, bf16 operands, fp32 logits)", "",
              *header_lines(record),
              f"- (c), (d): Triton GEMM configs {', '.join(map(str, configs))}; launches "
-             f"{'; '.join(map(str, launches(programs)))} (persistent (P): P programs, the SM count; 3 in the dry run); "
+             f"{'; '.join(map(str, launches(programs)))} (persistent (P): P programs, the device's SM count, "
+             "`sm_count`); "
              "(d)'s row statistics for the identity transform (temperature 1, no scale or soft-cap)",
              f"- checks: logits within {LOGITS_TOLERANCE:g} x (1 + largest |logit|) of (a)'s, lse / entropy / logp "
              f"within {STATS_TOLERANCE:g} nats of (b)'s; a FAILED row is timed but never the best", ""]

@@ -14,6 +14,11 @@ both, and `fused_linear_loss.EPILOGUE_ROW_PASS` puts this in the fused loss's ch
 Raw kernels first (`_grouped_tile`, `_dot_step`, `_tile_product`, `_logits_gemm_kernel`, `_combine_kernel`), then
 the launchers (`logits_gemm`, `combine_stats`) and the fused loss's use of them (`EpilogueRowPass`).
 
+A launch (`Launch`) runs one program per output tile or a persistent grid whose programs walk the tiles: a count
+given, or DEVICE_SMS, one program per SM of the operands' device, read once per device at the call (`sm_count`:
+114 on an H100 PCIe, 132 on an H100 SXM or an H200; INTERPRETER_SMS on the CPU). Which program takes a tile changes
+nothing in it: every launch writes the same bits (tests/kernels/test_epilogue_row_pass.py).
+
 A row's values do not depend on the rows beside it: each output element is one K loop in a fixed order over its own
 row of hidden and column of W (BLOCK_K steps; no split-K, no choice of kernel by the row count), and its tile's
 statistics are per row. So a row's logits, logp, entropy and lse are the same whatever chunk it lands in, and at
@@ -22,8 +27,9 @@ on a GPU).
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Union
 
 import torch
 import triton
@@ -60,11 +66,21 @@ class GemmConfig(NamedTuple):
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
-class Launch(NamedTuple):
-    """How the Triton GEMM runs: `programs` persistent programs walking the tiles (None: one program per tile), both
-    in the grouped order; its operands loaded through pointers or, with `tma`, Hopper's TMA (tensor descriptors)."""
+# Launch.programs for one persistent program per SM of the device the call's operands are on, read at the call
+# (`sm_count`): a count fixed in the source would be one GPU's (an H100 PCIe has 114 SMs, an H100 SXM and an H200
+# 132), so a lease's pick of a persistent launch is written as this (bench/README.md, "The epilogue probe's pick")
+DEVICE_SMS = "device SMs"
+# What `sm_count` gives a device without SMs (the CPU, where Triton's interpreter runs the kernels): fewer programs
+# than the tests' tiles, so that each walks several tiles as on a GPU (the probe's dry run times this count too)
+INTERPRETER_SMS = 3
 
-    programs: Optional[int] = None
+
+class Launch(NamedTuple):
+    """How the Triton GEMM runs: `programs` persistent programs walking the tiles (a count, or DEVICE_SMS: one per SM
+    of the operands' device at each call; None: one program per tile), both in the grouped order; its operands loaded
+    through pointers or, with `tma`, Hopper's TMA (tensor descriptors)."""
+
+    programs: Union[int, str, None] = None
     tma: bool = False
 
     def __str__(self) -> str:
@@ -82,8 +98,9 @@ class Launch(NamedTuple):
 LOSS_CONFIGS = {(2, False): GemmConfig(128, 256, 64, 8, 3), (2, True): GemmConfig(64, 256, 64, 8, 3),
                 (4, False): GemmConfig(128, 128, 32, 8, 3), (4, True): GemmConfig(128, 128, 32, 8, 3)}
 # The fused loss's launch, for every config (`EpilogueRowPass`; read where used, as LOSS_CONFIGS, so that a lease's
-# pick can set it): one program per tile, pointer loads. Where TMA is set and cannot load a chunk's operands
-# (`tma_loads`), that chunk's GEMM uses pointer loads instead: the same products in the same K order.
+# pick can set it): one program per tile, pointer loads. A persistent one is Launch(DEVICE_SMS, ...), one program per
+# SM of the device each call runs on, not the count of the GPU a lease timed. Where TMA is set and cannot load a
+# chunk's operands (`tma_loads`), that chunk's GEMM uses pointer loads instead: the same products in the same K order.
 LOSS_LAUNCH = Launch()
 
 
@@ -156,7 +173,8 @@ def _logits_gemm_kernel(hidden, weight, bias_ptr, logits_ptr, stats_ptr, rows, v
     """logits [rows, vocab] fp32 (row stride logits_stride) := hidden [rows, DIM] @ weight [vocab, DIM].T (+ bias
     [vocab], any float dtype, added in fp32), bf16 / fp16 / fp32 operands summed in fp32; hidden and weight
     pointers, or with TMA tensor descriptors (`_tile_product`). Program p computes tiles p, p + num_programs, ... in
-    the grouped order: one tile each when the grid is the tile count, a persistent walk when it is the SM count.
+    the grouped order: one tile each when the grid is the tile count, a persistent walk when it is fewer (the SM
+    count: `program_count`).
     With ROW_STATS, each tile's (m, s, u) per row of the transformed logits z (module docstring; the transform's
     arguments as `triton_common.transform_arguments` gives them) go to stats [rows, tiles_n, 3] fp32. LSE_FLOOR is a
     parameter with a plain number as its default, as in the library's other kernels (a global would be checked on
@@ -245,6 +263,27 @@ def tma_loads(hidden, weight) -> bool:
                for tensor in (hidden, weight))
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a CUDA device with its index: a tensor's), read once per device;
+    INTERPRETER_SMS off CUDA."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def program_count(launch: Launch, device: torch.device, tiles: int) -> int:
+    """The grid of `launch` over `tiles` output tiles of operands on `device`: one program per tile, or
+    `launch.programs` persistent ones (`sm_count(device)` for DEVICE_SMS), never more than the tiles."""
+    if launch.programs is None:
+        return tiles
+    programs = sm_count(device) if launch.programs == DEVICE_SMS else launch.programs
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"Launch.programs must be a count of at least 1, DEVICE_SMS or None (one program per tile); "
+                         f"got {launch.programs!r}")
+    return min(programs, tiles)
+
+
 def tile_count(vocab: int, config: GemmConfig) -> int:
     """Vocabulary tiles of a row under `config`: the side buffer's middle dimension."""
     return triton.cdiv(vocab, config.block_n)
@@ -267,9 +306,9 @@ def logits_gemm(hidden, weight, logits, config: GemmConfig, launch: Launch = Lau
                               or not stats.is_contiguous()):
         raise ValueError(f"stats must be a contiguous fp32 [{rows}, {tile_count(vocab, config)}, 3] tensor for "
                          f"{config}; got {stats.dtype} {tuple(stats.shape)}")
+    grid = program_count(launch, hidden.device, tiles)
     if tiles == 0:
         return
-    grid = min(launch.programs, tiles) if launch.programs else tiles
     ieee = hidden.dtype == torch.float32
     if launch.tma:
         hidden = TensorDescriptor.from_tensor(hidden, [config.block_m, config.block_k])

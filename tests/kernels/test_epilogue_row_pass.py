@@ -2,12 +2,15 @@
 the Triton GEMM with the forward row pass in its epilogue (erpo_kernels/triton_logits_gemm.py). Against the torch
 oracle and against the option off (cuBLAS + the forward row kernel), values and every gradient, across the logit
 transforms, a bias, bf16 / fp16 / fp32 inputs, -100 targets, the pre-pass and batch_invariant; the same launches and
-host reads as the option off; two calls bitwise equal; a row's values the same whatever rows share its GEMM; the
-torch backend untouched. Small blocks (LOSS_CONFIGS set to 16 x 64 x 16 tiles) against D = 24, V = 300 and chunks of
-5 to 7 rows: no size a multiple of its block, several vocabulary tiles a row for the combine to merge."""
+host reads as the option off; two calls bitwise equal; a persistent launch sized by the device at the call
+(Launch(DEVICE_SMS)) the bits of its count given and of one program per tile; a row's values the same whatever rows
+share its GEMM; the torch backend untouched. Small blocks (LOSS_CONFIGS set to 16 x 64 x 16 tiles) against D = 24,
+V = 300 and chunks of 5 to 7 rows: no size a multiple of its block, several vocabulary tiles a row for the combine to
+merge."""
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (also done by conftest.py)
 
@@ -128,6 +131,96 @@ def test_a_picked_config_and_launch_equal_the_oracle(config, launch, dtype, bias
     assert_same_loss(ours, expected, dtype=dtype)
 
 
+GEMM_ROWS = 37  # `gemm_operands`' rows: two 16-row tiles and a ragged one
+
+
+def gemm_operands(device, seed: int):
+    """(hidden [GEMM_ROWS, D], weight [V, D], bias [V] bf16, targets [GEMM_ROWS] int64, a transform with every part)
+    for the epilogue GEMM on its own (`gemm_values`)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(GEMM_ROWS, HIDDEN_DIM, generator=g).to(device, torch.bfloat16)
+    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 0.4).to(device, torch.bfloat16)
+    bias = torch.randn(VOCAB, generator=g).to(device, torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (GEMM_ROWS,), generator=g).to(device)
+    return hidden, weight, bias, targets, LogitTransform(0.8, 1.1, 4.0)
+
+
+def gemm_values(operands, rows, launch=gemm.Launch()):
+    """(logits [n, V], stats [n, tiles, 3], logp, entropy, lse [n]) fp32 of the n rows `rows` (int64 [n]) of
+    `gemm_operands`' hidden: the epilogue GEMM at SMALL, launched as `launch`, then its combine; every output filled
+    with NaN first, so that what a launch leaves unwritten shows."""
+    hidden, weight, bias, targets, transform = operands
+    device = hidden.device
+    logits = torch.full((rows.shape[0], VOCAB), float("nan"), device=device)
+    stats = torch.full((rows.shape[0], gemm.tile_count(VOCAB, SMALL), 3), float("nan"), device=device)
+    out = tuple(torch.full((rows.shape[0],), float("nan"), device=device) for _ in range(3))
+    gemm.logits_gemm(hidden[rows], weight, logits, SMALL, launch, stats=stats, bias=bias, transform=transform)
+    gemm.combine_stats(stats, logits, targets[rows], out, transform)
+    return (logits, stats, *out)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "TMA"])
+def test_a_device_sized_persistent_launch_gives_the_bits_of_a_count_and_of_a_program_per_tile(tma, device):
+    """Launch(DEVICE_SMS): one persistent program per SM of the operands' device (`sm_count`: INTERPRETER_SMS on the
+    CPU, fewer than the 15 tiles here, so each program walks several), the same logits, statistics and (logp,
+    entropy, lse) bits as that count given explicitly and as one program per tile (bf16, a bias, the soft-cap)."""
+    operands, rows = gemm_operands(device, seed=7), torch.arange(GEMM_ROWS, device=device)
+    tiles = 3 * gemm.tile_count(VOCAB, SMALL)  # 37 rows in 16-row tiles
+    sms = gemm.sm_count(device)
+    assert gemm.program_count(gemm.Launch(gemm.DEVICE_SMS, tma), device, tiles) == min(sms, tiles)
+    if device.type == "cpu":
+        assert sms == gemm.INTERPRETER_SMS < tiles
+    else:
+        assert sms == torch.cuda.get_device_properties(device).multi_processor_count
+    device_sized = gemm_values(operands, rows, gemm.Launch(gemm.DEVICE_SMS, tma))
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in device_sized)
+    for launch in (gemm.Launch(sms, tma), gemm.Launch(None, tma)):
+        assert all(torch.equal(got, wanted) for got, wanted in zip(gemm_values(operands, rows, launch), device_sized))
+
+
+def test_the_loss_with_a_device_sized_persistent_launch_gives_the_same_bits(small_blocks, monkeypatch, device):
+    """LOSS_LAUNCH = Launch(DEVICE_SMS, True), as bench.decide writes a persistent pick: the loss, its metrics, logp,
+    entropy and every gradient (bf16, a bias, chunks of 7 rows) are the bits of that count given explicitly and of
+    one program per tile."""
+    batch = packed_batch(SAMPLES, device)
+    tensors = linear(len(batch["targets"]), torch.bfloat16, device)
+    results = []
+    for launch in (gemm.Launch(gemm.DEVICE_SMS, True), gemm.Launch(gemm.sm_count(device), True), gemm.Launch(tma=True)):
+        monkeypatch.setattr(gemm, "LOSS_LAUNCH", launch)
+        out, grads = run(batch, tensors, "triton", 7, True, monkeypatch, logit_softcap=3.0, qkl_coef=0.5)
+        results.append((out.loss, out.token_logp, out.entropy, *out.metrics.values(), *grads))
+    for other in results[1:]:
+        assert all(torch.equal(got, wanted) for got, wanted in zip(other, results[0]))
+
+
+def test_sm_count_reads_each_cuda_device_once(monkeypatch):
+    """`sm_count` asks torch for a CUDA device's properties once and keeps the count (a fake device pair here, 114
+    and 132 SMs: an H100 PCIe and an H200); off CUDA it is INTERPRETER_SMS."""
+    asked = []
+
+    def properties(device):
+        asked.append(device)
+        return type("Properties", (), {"multi_processor_count": {0: 114, 1: 132}[device.index]})
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    gemm.sm_count.cache_clear()
+    try:
+        counts = [gemm.sm_count(torch.device("cuda", index)) for index in (0, 1, 0, 1)]
+    finally:
+        gemm.sm_count.cache_clear()  # the fake counts leave with the test
+    assert counts == [114, 132, 114, 132] and asked == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert gemm.sm_count(torch.device("cpu")) == gemm.INTERPRETER_SMS
+
+
+@pytest.mark.parametrize("programs", [0, -2, "device", 2.0, True])
+def test_a_program_count_that_is_no_count_is_refused(programs, device):
+    hidden = torch.randn(5, HIDDEN_DIM, device=device)
+    weight = torch.randn(VOCAB, HIDDEN_DIM, device=device)
+    with pytest.raises(ValueError, match=rf"^Launch.programs must be a count of at least 1, DEVICE_SMS or None \(one "
+                                         rf"program per tile\); got {re.escape(repr(programs))}$"):
+        gemm.logits_gemm(hidden, weight, torch.empty(5, VOCAB, device=device), SMALL, gemm.Launch(programs))
+
+
 def test_tma_falls_back_to_pointer_loads_where_it_cannot_load(monkeypatch, device):
     """LOSS_LAUNCH with TMA, hidden rows starting 2 bytes past a 16-byte boundary (a tensor descriptor cannot take
     them): the loss's GEMM uses pointer loads for them (the same logits and statistics as the pointer launch, where
@@ -179,24 +272,10 @@ def test_a_rows_values_do_not_depend_on_the_rows_beside_it(small_blocks, monkeyp
         pytest.skip("compiled kernels only: the interpreter's tl.dot is numpy's matmul, whose BLAS sums a row's "
                     "products in an order that depends on the row's place in its block (OpenBLAS: 28 of 8 x 64 "
                     "products of one 16 x 16 x 64 step differed in the last bit, 2026-11-27)")
-    g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(37, HIDDEN_DIM, generator=g).to(device, torch.bfloat16)
-    weight = (torch.randn(VOCAB, HIDDEN_DIM, generator=g) * 0.4).to(device, torch.bfloat16)
-    bias = torch.randn(VOCAB, generator=g).to(device, torch.bfloat16)
-    targets = torch.randint(0, VOCAB, (37,), generator=g).to(device)
-    transform = LogitTransform(0.8, 1.1, 4.0)
-
-    def values(rows):
-        logits = torch.empty(rows.shape[0], VOCAB, device=device)
-        stats = torch.empty(rows.shape[0], gemm.tile_count(VOCAB, SMALL), 3, device=device)
-        out = tuple(torch.empty(rows.shape[0], device=device) for _ in range(3))
-        gemm.logits_gemm(hidden[rows], weight, logits, SMALL, stats=stats, bias=bias, transform=transform)
-        gemm.combine_stats(stats, logits, targets[rows], out, transform)
-        return (logits, *out)
-
-    whole = values(torch.arange(37, device=device))
-    alone = values(torch.arange(3, 11, device=device))
-    for everything, own in zip(whole, alone):
+    operands = gemm_operands(device, seed=5)
+    logits, _, *row_values = gemm_values(operands, torch.arange(GEMM_ROWS, device=device))
+    own_logits, _, *own_row_values = gemm_values(operands, torch.arange(3, 11, device=device))
+    for everything, own in zip((logits, *row_values), (own_logits, *own_row_values)):
         assert torch.equal(everything[3:11], own)
     batch, few = packed_batch(SAMPLES, device), packed_batch(SAMPLES[:3], device)
     tensors = linear(len(batch["targets"]), torch.bfloat16, device)

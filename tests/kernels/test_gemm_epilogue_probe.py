@@ -17,7 +17,7 @@ import torch
 
 from bench import gemm_epilogue_probe as probe
 from compile_check import COMPILE_TIMEOUT_S, run_compile_script
-from erpo_kernels.triton_logits_gemm import LOSS_CONFIGS, GemmConfig, Launch, tile_count
+from erpo_kernels.triton_logits_gemm import INTERPRETER_SMS, LOSS_CONFIGS, GemmConfig, Launch, tile_count
 from interpreter_as_gpu import NUMPY_SCALAR_ERROR
 from paths import worker_pythonpath
 
@@ -169,14 +169,14 @@ def test_the_dry_run_writes_a_checked_row_per_variant(tmp_path):
     measured = json.loads((tmp_path / "gemm_epilogue_probe.json").read_text())
     command = f"python -m bench.gemm_epilogue_probe --smoke --commit abc123 --out {tmp_path}"
     assert measured["meta"]["command"] == command
-    assert measured["meta"]["commit"] == "abc123" and measured["meta"]["programs"] == probe.SMOKE["programs"]
+    assert measured["meta"]["commit"] == "abc123" and measured["meta"]["programs"] == INTERPRETER_SMS
     (chunk,) = measured["chunks"]
     assert (chunk["shape"], chunk["rows"]) == (probe.SMOKE["shape"], int(probe.SMOKE["rows"]))
     variants = [(row["part"], row["config"], row["launch"]) for row in chunk["results"]]
     configs = [str(config) for config in probe.SMOKE["configs"]]
     assert variants == [("a", None, None), ("b", None, None)] + [
         (part, config, str(launch)) for part in "cd" for config in configs
-        for launch in probe.launches(probe.SMOKE["programs"])]
+        for launch in probe.launches(INTERPRETER_SMS)]
     for row in chunk["results"]:
         assert row["passed"] and row["median_ms"] > 0, row
         assert set(row["errors"]) == ({"logits", "logp", "entropy", "lse"} if row["part"] in "bd" else {"logits"})

@@ -227,6 +227,24 @@ def test_erpo_epi_faster_at_both_shapes_turns_the_option_on_and_a_measured_none_
     assert verdict(folder, "The epilogue GEMM")[0] == "keep"
 
 
+def names_defined_before(file: str, name: str) -> set:
+    """The module-level names that `file` (a path from the repository's root) binds before its assignment of
+    `name`: imports, classes, functions and constants, as pasted code there could use them."""
+    defined = set()
+    for statement in ast.parse((REPO / file).read_text()).body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in statement.names}
+        elif isinstance(statement, (ast.ClassDef, ast.FunctionDef)):
+            defined.add(statement.name)
+        else:
+            targets = getattr(statement, "targets", [getattr(statement, "target", None)])
+            bound = {target.id for target in targets if isinstance(target, ast.Name)}
+            if name in bound:
+                return defined
+            defined |= bound
+    raise AssertionError(f"{file} assigns no {name}")
+
+
 def test_the_pick_s_rows_decide_the_option_and_the_config_and_launch_together(tmp_path):
     folder = Lease({EPILOGUE: WINS}, epilogue_pick=f"{EPILOGUE}: faster than the library's").write(tmp_path)
     assert verdict(folder, "The epilogue row pass")[0] == "change"
@@ -234,8 +252,12 @@ def test_the_pick_s_rows_decide_the_option_and_the_config_and_launch_together(tm
     assert found == "change"
     assert ("`LOSS_CONFIGS[(2, False)] = GemmConfig(128, 256, 64, 8, 3)` -> `LOSS_CONFIGS[(2, False)] = "
             "GemmConfig(128, 128, 64, 4, 4)`") in text
-    assert ("`LOSS_LAUNCH = Launch()` -> `LOSS_LAUNCH = Launch(<the device's SM count at the call; 132 on this "
-            "lease>, True)`") in text
+    assert ("`LOSS_LAUNCH = Launch()` -> `LOSS_LAUNCH = Launch(DEVICE_SMS, True)` (DEVICE_SMS: one program per SM "
+            "of the device each call runs on; the lease's 132)") in text
+    # pasteable as it is: the new value names only what the module binds before LOSS_LAUNCH
+    new = text.split("`LOSS_LAUNCH = ")[-1].split("`")[0]
+    used = {node.id for node in ast.walk(ast.parse(new, mode="eval")) if isinstance(node, ast.Name)}
+    assert used == {"Launch", "DEVICE_SMS"} and used <= names_defined_before(decide.LOGITS_GEMM, "LOSS_LAUNCH")
     folder = Lease({EPILOGUE: LOSES}, epilogue_pick=f"{EPILOGUE}: faster").write(tmp_path / "loses")
     assert verdict(folder, "The epilogue row pass")[0] == verdict(folder, "The epilogue GEMM")[0] == "keep"
     assert "- edit:" not in verdict(folder, "The epilogue GEMM")[1]
