@@ -397,9 +397,9 @@ def erpo_geometry(key: str) -> Contender:
 
 def erpo_epilogue(key: str) -> Contender:
     """erpo-epi (ours with EPILOGUE_ROW_PASS) with the epilogue GEMM's config and launch `key` names (bench.geometry:
-    erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma], LOSS_CONFIGS' bf16 entry and LOSS_LAUNCH) set for every call of
-    the contender and put back after each; ValueError if `key` is malformed. It takes erpo-epi's place in a run
-    (gpu_check's bench 1 with bench.epilogue_pick's pick), held to ours' tolerance as erpo-epi is."""
+    erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma], LOSS_CONFIGS' bf16 entry and LOSS_LAUNCH) set for
+    every call of the contender and put back after each; ValueError if `key` is malformed. It takes erpo-epi's place
+    in a run (gpu_check's bench 1 with bench.epilogue_pick's pick), held to ours' tolerance as erpo-epi is."""
     epilogue = parse_epilogue_key(key)
     label = ("erpo_kernels.fused_linear_erpo_loss(backend='triton'), EPILOGUE_ROW_PASS=True, LOSS_CONFIGS[bf16] = "
              f"{'x'.join(map(str, epilogue.config[:3]))} w{epilogue.config[3]} s{epilogue.config[4]}, "

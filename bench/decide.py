@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 from . import epilogue_pick, probe_pick
-from .geometry import is_epilogue_key, is_geometry_key, parse_epilogue_key, parse_geometry_key
+from .geometry import DEVICE_SMS, epilogue_key, is_epilogue_key, is_geometry_key, parse_epilogue_key, parse_geometry_key
 from .progress import read_runs
 from .pytest_log import read_pytest_log
 from .report import TARGET_ROWS
@@ -423,7 +423,9 @@ def epilogue_pick_decision(lease: Lease, row_pass: Decision) -> Decision:
                           "gemm_epilogue_compile_check.py"),
              Edit(LOGITS_GEMM, "LOSS_LAUNCH", source_text(LOGITS_GEMM, "LOSS_LAUNCH"), f"Launch({programs}, "
                   f"{launch.tma})", f"DEVICE_SMS: one program per SM of the device each call runs on; the lease's "
-                                    f"{launch.programs}" if launch.programs else "")]
+                                    f"{launch.programs}; test it with --fused-options "
+                                    f"{epilogue_key(launch._replace(programs=DEVICE_SMS))}"
+                  if launch.programs else "")]
     edits = [edit for edit in edits if edit.now.replace(" ", "") != edit.new.replace(" ", "")]
     return Decision(title, section, inputs + [f"{key}: the row pass's verdict above, {CHANGE}"], CHANGE,
                     f"{key}'s bench 1 rows won: the option on at the pick", edits)

@@ -5,19 +5,25 @@ contenders), `fused_linear_loss.GRAD_HIDDEN_FP32` (d hidden held in fp32, the co
 `fused_linear_loss.EPILOGUE_ROW_PASS` (the forward row pass in the logits GEMM's epilogue, the contender
 `erpo-epi`); the contender key that names a geometry: `erpo-geom-ROWS` or `erpo-geom-ROWS-GROUP`; and the one that
 names the epilogue GEMM's config and launch for erpo-epi (`epilogue_knobs`, bench.epilogue_pick's pick):
-`erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]`.
+`erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma]` (-persistentsm: one program per SM of the device at
+each call, `triton_logits_gemm.DEVICE_SMS`, the library's form of a persistent launch).
 """
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 GEOMETRY_PREFIX = "erpo-geom-"
 KEY_FORM = "erpo-geom-ROWS or erpo-geom-ROWS-GROUP (chunk rows, group rows a multiple of them, e.g. erpo-geom-256-2304)"
 EPILOGUE_PREFIX = "erpo-epi-"
-EPILOGUE_KEY_FORM = ("erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma] (the GEMM's tile, K step, warps and stages, "
-                     "powers of two but the stages; P persistent programs; TMA loads), e.g. "
+# `triton_logits_gemm.DEVICE_SMS`'s value, a launch of one program per SM of the device at each call (-persistentsm):
+# not imported, so that the keys parse without Triton (bench.decide); tests/kernels/test_bench_geometry.py holds them
+# equal
+DEVICE_SMS = "device SMs"
+EPILOGUE_KEY_FORM = ("erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma] (the GEMM's tile, K step, warps "
+                     "and stages, powers of two but the stages; P persistent programs, sm one per SM of the device; "
+                     "TMA loads), e.g. "
                      "erpo-epi-128x256x64-w8-s3-persistent132-tma")
 
 
@@ -30,10 +36,11 @@ class Geometry(NamedTuple):
 
 class EpilogueLaunch(NamedTuple):
     """The epilogue GEMM's config (`triton_logits_gemm.GemmConfig`'s fields: tile rows and columns, K step, warps,
-    stages) and launch (`triton_logits_gemm.Launch`'s: persistent programs, None for one a tile; TMA loads)."""
+    stages) and launch (`triton_logits_gemm.Launch`'s: persistent programs, a count or DEVICE_SMS, None for one a
+    tile; TMA loads)."""
 
     config: tuple
-    programs: Optional[int] = None
+    programs: Union[int, str, None] = None
     tma: bool = False
 
 
@@ -102,10 +109,12 @@ def is_epilogue_key(key: str) -> bool:
 
 
 def epilogue_key(epilogue: EpilogueLaunch) -> str:
-    """The contender key of `epilogue`: erpo-epi-128x256x64-w8-s3, then -persistentP and -tma where they are set."""
+    """The contender key of `epilogue`: erpo-epi-128x256x64-w8-s3, then -persistentP (-persistentsm for DEVICE_SMS)
+    and -tma where they are set."""
     block_m, block_n, block_k, warps, stages = epilogue.config
+    programs = "sm" if epilogue.programs == DEVICE_SMS else epilogue.programs or ""
     return (f"{EPILOGUE_PREFIX}{block_m}x{block_n}x{block_k}-w{warps}-s{stages}"
-            + (f"-persistent{epilogue.programs}" if epilogue.programs else "") + ("-tma" if epilogue.tma else ""))
+            + (f"-persistent{programs}" if programs else "") + ("-tma" if epilogue.tma else ""))
 
 
 def parse_epilogue_key(key: str) -> EpilogueLaunch:
@@ -113,8 +122,9 @@ def parse_epilogue_key(key: str) -> EpilogueLaunch:
     names a block or warp count that is no power of two (Triton's tiles) or no stage."""
     number = r"([1-9]\d*)"
     found = re.fullmatch(re.escape(EPILOGUE_PREFIX) + f"{number}x{number}x{number}-w{number}-s{number}"
-                         f"(?:-persistent{number})?(-tma)?", key)
+                         r"(?:-persistent([1-9]\d*|sm))?(-tma)?", key)
     config = () if found is None else tuple(int(found[index]) for index in range(1, 6))
     if not config or not all(count & (count - 1) == 0 for count in config[:4]):
         raise ValueError(f"{key!r} is no epilogue contender; expected {EPILOGUE_KEY_FORM}")
-    return EpilogueLaunch(config, found[6] and int(found[6]), found[7] is not None)
+    programs = found[6] and (DEVICE_SMS if found[6] == "sm" else int(found[6]))
+    return EpilogueLaunch(config, programs, found[7] is not None)

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 def pytest_addoption(parser):
     parser.addoption("--fused-options", default="", metavar="KEYS",
                      help="the fused loss's private knobs for the whole session, as the bench's contender keys, "
-                          "comma-separated: erpo-dh32, erpo-epi, erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma], "
-                          "erpo-geom-ROWS[-GROUP] (tests/support/fused_options.py; docs/CONTRIBUTING.md)")
+                          "comma-separated: erpo-dh32, erpo-epi, "
+                          "erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma], erpo-geom-ROWS[-GROUP] "
+                          "(tests/support/fused_options.py; docs/CONTRIBUTING.md)")
 
 
 def pytest_configure(config):

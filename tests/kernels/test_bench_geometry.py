@@ -3,12 +3,13 @@ a malformed one, their chunk and group rows set around every call of the contend
 timing and peak memory) and put back after it, also when a call fails, and ours' loss and gradients under that other
 geometry, checked with ours' tolerance and against ours with the library's geometry; and `erpo-dh32`, ours with
 d hidden held in fp32 (`fused_linear_loss.GRAD_HIDDEN_FP32`, set the same way); and the epilogue contenders
-(`erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]`, gpu_check's pick for erpo-epi's place): the config and launch their
-key names reach the epilogue GEMM in each of their calls, and the library's are back after the run."""
+(`erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma]`, gpu_check's pick for erpo-epi's place): the config
+and launch their key names reach the epilogue GEMM in each of their calls, and the library's are back after the run."""
 import pytest
 import torch
 
 import erpo_kernels
+from bench import geometry
 from bench.__main__ import main as bench_main
 from bench.check import OURS
 from bench.contenders import CONTENDER_KEYS, ERPO_OPTIONS, select
@@ -48,10 +49,11 @@ MALFORMED_KEYS = (
     [(key, "geometry", "erpo-geom-ROWS-GROUP") for key in (
         "erpo-geom-", "erpo-geom-256-", "erpo-geom-0-512", "erpo-geom-256-1000", "erpo-geom-two",
         "erpo-geom-256-2304-1", "erpo-geom-0256")]
-    + [(key, "epilogue", "erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]") for key in (
+    + [(key, "epilogue", "erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma]") for key in (
         "erpo-epi-", "erpo-epi-128x256x64-w8", "erpo-epi-96x256x64-w8-s3", "erpo-epi-128x256x64-w6-s3",
         "erpo-epi-128x256x64-w8-s0", "erpo-epi-128x256x64-w8-s3-persistent0",
-        "erpo-epi-128x256x64-w8-s3-tma-persistent4", "erpo-epi-128x256x64-w8-s3-TMA")])
+        "erpo-epi-128x256x64-w8-s3-tma-persistent4", "erpo-epi-128x256x64-w8-s3-TMA",
+        "erpo-epi-128x256x64-w8-s3-persistentSM", "erpo-epi-128x256x64-w8-s3-persistentsms")])
 
 
 @pytest.mark.parametrize("key, kind, form", MALFORMED_KEYS)
@@ -190,8 +192,10 @@ def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
 @pytest.mark.parametrize("key, epilogue", [
     ("erpo-epi-128x256x64-w8-s3", EpilogueLaunch((128, 256, 64, 8, 3))),
     ("erpo-epi-64x128x64-w4-s4-persistent132-tma", EpilogueLaunch((64, 128, 64, 4, 4), 132, True)),
+    ("erpo-epi-64x128x64-w4-s4-persistentsm-tma", EpilogueLaunch((64, 128, 64, 4, 4), gemm.DEVICE_SMS, True)),
     ("erpo-epi-256x128x64-w8-s3-tma", EpilogueLaunch((256, 128, 64, 8, 3), None, True))])
 def test_an_epilogue_key_names_its_config_and_launch(key, epilogue):
+    assert geometry.DEVICE_SMS == gemm.DEVICE_SMS  # the bench's copy of the library's sentinel (no Triton import)
     assert parse_epilogue_key(key) == epilogue and epilogue_key(epilogue) == key
     (contender,) = select(["erpo-epi", key], ["fused"])[1:]  # after the fixed contenders: each case's last row
     assert (contender.key, contender.path, contender.ours, contender.held_to_ours) == (key, "fused", False, True)

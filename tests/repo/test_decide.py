@@ -253,7 +253,8 @@ def test_the_pick_s_rows_decide_the_option_and_the_config_and_launch_together(tm
     assert ("`LOSS_CONFIGS[(2, False)] = GemmConfig(128, 256, 64, 8, 3)` -> `LOSS_CONFIGS[(2, False)] = "
             "GemmConfig(128, 128, 64, 4, 4)`") in text
     assert ("`LOSS_LAUNCH = Launch()` -> `LOSS_LAUNCH = Launch(DEVICE_SMS, True)` (DEVICE_SMS: one program per SM "
-            "of the device each call runs on; the lease's 132)") in text
+            "of the device each call runs on; the lease's 132; test it with --fused-options "
+            "erpo-epi-128x128x64-w4-s4-persistentsm-tma)") in text
     # pasteable as it is: the new value names only what the module binds before LOSS_LAUNCH
     new = text.split("`LOSS_LAUNCH = ")[-1].split("`")[0]
     used = {node.id for node in ast.walk(ast.parse(new, mode="eval")) if isinstance(node, ast.Name)}

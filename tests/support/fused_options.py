@@ -4,11 +4,12 @@ is proven by every test of the fused path before it is flipped, not by its own t
 
 KEYS are the bench's contender keys that set those knobs, comma-separated, the ones a GPU lease's bench 1 times and
 picks (bench/README.md, "The probe's pick", "The epilogue probe's pick"): `erpo-dh32` (GRAD_HIDDEN_FP32), `erpo-epi`
-(EPILOGUE_ROW_PASS at the library's config and launch), `erpo-epi-BMxBNxBK-wW-sS[-persistentP][-tma]` (it with the
-bf16 / fp16 config and the launch the key names), `erpo-geom-ROWS[-GROUP]` (LOGITS_ROWS, GROUP_ROWS). Each key's
-knobs are its contender's (`bench.contenders`: the same settings as the lease's rows), entered in the order given, so
-a later key's setting wins where two set one constant. A test that sets a constant itself (monkeypatch) still does
-so; it gets the session's value back after it.
+(EPILOGUE_ROW_PASS at the library's config and launch), `erpo-epi-BMxBNxBK-wW-sS[-persistentP|-persistentsm][-tma]` (it
+with the bf16 / fp16 config and the launch the key names; -persistentsm: one program per SM of the device, the library's
+form of a persistent launch, three programs in the interpreter), `erpo-geom-ROWS[-GROUP]` (LOGITS_ROWS, GROUP_ROWS).
+Each key's knobs are its contender's (`bench.contenders`: the same settings as the lease's rows), entered in the order
+given, so a later key's setting wins where two set one constant. A test that sets a constant itself (monkeypatch) still
+does so; it gets the session's value back after it.
 """
 from __future__ import annotations
 
