@@ -7,8 +7,8 @@
 
 `erpo train` with no --config runs the built-in tiny default (CPU, a few minutes). A user's mistake (erpo.errors.
 UserError) is one line on stderr and exit status 1 (2 for config and option errors); `--debug` or ERPO_DEBUG=1
-shows its traceback. Building the parser loads no trainer, torch or matplotlib: each command's modules load when it
-runs.
+shows its traceback. An option the parser refuses is one line too, exit status 2 (OneLineErrorParser). Building the
+parser loads no trainer, torch or matplotlib: each command's modules load when it runs.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import sys
+from typing import NoReturn
 
 from erpo.cli import missing_package_line
 from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
@@ -36,13 +37,23 @@ INTERRUPTED_KEEPS = {
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser (and its subcommands' parsers) whose errors are one line on stderr, exit status 2 as
+    argparse's: `erpo train: error: unrecognized arguments: --lr-foo (see erpo train --help)`, not the whole usage
+    block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`)."""
-    parser = argparse.ArgumentParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
+    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`); an error is one
+    line (OneLineErrorParser)."""
+    parser = OneLineErrorParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
                                      allow_abbrev=False)
     add_local_rank_argument(parser)
     add_debug_argument(parser, default=False)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)   # its errors name COMMAND
 
     def add_command(name: str, help: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help, allow_abbrev=False)
@@ -73,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(compare)
     add_eval_arguments(add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)"))
     add_plot_arguments(add_command("plot", help="plot training runs' metrics.jsonl"))
-    parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
+    parser.commands = sub.choices   # subcommand name -> its parser (for its error line)
     return parser
 
 
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # the subcommand's usage, not the top-level one
+    if unknown:   # the subcommand's name and help, not the top-level ones
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
