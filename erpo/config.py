@@ -1,5 +1,5 @@
 """Typed training configuration (defaults = the built-in tiny CPU run): dataclasses, YAML loading, `--set a.b=c`
-overrides, algorithm presets.
+overrides, the algorithm presets (erpo.presets) filled in.
 
 A config is a tree of dataclasses. `load_config(path)` reads YAML onto the tree (unknown keys are an
 error naming the key and listing the valid ones), `apply_overrides(cfg, ["a.b=c"])` sets leaves with
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from erpo.presets import PRESETS
 from erpo.terms import QUERY_WEIGHTS, check_qkl_coef
 from erpo_kernels import OPTION_CHOICES, LossOptions
 
@@ -196,14 +197,6 @@ class Config:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-# alpha = beta = 0.01 as in the paper (section 4.1, "default KL divergence coefficient of 0.01").
-PRESETS: dict[str, dict[str, Any]] = {
-    "erpo": {"qkl_coef": 0.01, "policy_kl_coef": 0.0, "query_weight": "static"},
-    "grpo": {"qkl_coef": 0.0, "policy_kl_coef": 0.01, "query_weight": "none"},
-    "grpo+qw": {"qkl_coef": 0.0, "policy_kl_coef": 0.01, "query_weight": "static"},
-    "grpo+qkl": {"qkl_coef": 0.01, "policy_kl_coef": 0.0, "query_weight": "none"},
-}
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),

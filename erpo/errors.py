@@ -27,3 +27,9 @@ class MissingInputError(UserError, FileNotFoundError):
 class MissingPackageError(UserError, ImportError):
     """An optional package a setting needs is not installed (also an ImportError); the message says what to
     install."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (SIGINT) at a step boundary, after saving what it had; the message says where
+    (erpo.train.stop raises it). A KeyboardInterrupt, so code that does not know it treats it as Ctrl-C (the `erpo`
+    command: exit INTERRUPTED_EXIT_STATUS, without a line of its own: the run has logged where it stopped)."""

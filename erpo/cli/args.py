@@ -1,13 +1,17 @@
 """Options shared by `erpo` subcommands and the run config they build (a config file or the built-in default, the
-dedicated flags, then `--set` overrides)."""
+dedicated flags, then `--set` overrides). Registering the options imports nothing heavy: the config module (torch,
+the kernels) loads when a command builds its config."""
 from __future__ import annotations
 
 import argparse
 import os
 from importlib import resources
+from typing import TYPE_CHECKING
 
-from erpo.config import Config, apply_overrides, load_config, resolve
 from erpo.errors import MissingInputError, UserError
+
+if TYPE_CHECKING:
+    from erpo.config import Config
 
 
 def shipped_config(name: str) -> str:
@@ -22,6 +26,7 @@ def shipped_config(name: str) -> str:
 def config_from_args(args, overrides: tuple[str, ...] = ()) -> Config:
     """Config file (or the built-in default) + the dedicated flags + --set overrides + `overrides` (key=value, last
     wins), resolved. Any problem is a UserError with exit code 2 naming the key or file."""
+    from erpo.config import apply_overrides, load_config, resolve
     try:
         path = args.config
         if path is not None and not os.path.exists(path):

@@ -7,22 +7,25 @@
 
 `erpo train` with no --config runs the built-in tiny default (CPU, a few minutes). A user's mistake (erpo.errors.
 UserError) is one line on stderr and exit status 1 (2 for config and option errors); `--debug` or ERPO_DEBUG=1
-shows its traceback.
+shows its traceback. An option the parser refuses is one line too, exit status 2 (OneLineErrorParser). Building the
+parser loads no trainer, torch or matplotlib: each command's modules load when it runs.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import shlex
 import sys
+from typing import NoReturn
 
 from erpo.cli import missing_package_line
 from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
-from erpo.config import PRESETS, run_summary
-from erpo.errors import INTERRUPTED_EXIT_STATUS, UserError
-from erpo.train.stop import Interrupted
+from erpo.cli.compare import add_compare_arguments
+from erpo.cli.eval import add_eval_arguments
+from erpo.cli.plot import add_plot_arguments
+from erpo.errors import INTERRUPTED_EXIT_STATUS, Interrupted, UserError
+from erpo.presets import PRESETS
 
 log = logging.getLogger("erpo")
 
@@ -34,13 +37,23 @@ INTERRUPTED_KEEPS = {
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser (and its subcommands' parsers) whose errors are one line on stderr, exit status 2 as
+    argparse's: `erpo train: error: unrecognized arguments: --lr-foo (see erpo train --help)`, not the whole usage
+    block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`)."""
-    parser = argparse.ArgumentParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
+    """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`); an error is one
+    line (OneLineErrorParser)."""
+    parser = OneLineErrorParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
                                      allow_abbrev=False)
     add_local_rank_argument(parser)
     add_debug_argument(parser, default=False)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)   # its errors name COMMAND
 
     def add_command(name: str, help: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help, allow_abbrev=False)
@@ -68,22 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare = add_command("compare", help="train several algorithms over several seeds; table of mean and spread")
     add_config_arguments(compare, output_help="parent of the runs (OUTPUT_DIR/ALGORITHM-seedSEED) and of "
                                               "comparison.md (default: runs/compare)")
-    evaluation = add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)")
-    plot = add_command("plot", help="plot training runs' metrics.jsonl")
-    # These options' modules import the trainer: without its packages (the light install) the command is listed,
-    # and says what to install when it is asked for.
-    for command, module, add_arguments in ((compare, "erpo.cli.compare", "add_compare_arguments"),
-                                           (evaluation, "erpo.cli.eval", "add_eval_arguments"),
-                                           (plot, "erpo.cli.plot", "add_plot_arguments")):
-        try:
-            getattr(importlib.import_module(module), add_arguments)(command)
-        except ModuleNotFoundError as exc:
-            line = missing_package_line(command.prog.split()[-1], exc)
-            if line is None:
-                raise
-            command.description = line
-            command.set_defaults(unavailable=line)
-    parser.commands = sub.choices   # subcommand name -> its parser (for its usage line in errors)
+    add_compare_arguments(compare)
+    add_eval_arguments(add_command("eval", help="evaluate models over temperatures (Avg@k, Pass@k)"))
+    add_plot_arguments(add_command("plot", help="plot training runs' metrics.jsonl"))
+    parser.commands = sub.choices   # subcommand name -> its parser (for its error line)
     return parser
 
 
@@ -108,6 +109,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; returns the exit status."""
     from erpo import distributed  # the trainer's modules load here: `erpo --help` needs none of them
     if args.command in ("train", "precompute-ref"):
+        from erpo.config import run_summary
         from erpo.reference.setup import precompute_reference
         from erpo.storage_errors import stop_on_storage_failure
         from erpo.train import loop
@@ -142,16 +144,13 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    # before the parser, whose subcommands import matplotlib (eval's tables plot): its INFO lines, such as a fresh
+    # before any command imports matplotlib (plot, compare, eval's tables): its INFO lines, such as a fresh
     # machine's "generated new fontManager", would otherwise be the first line a user sees
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "unavailable", None):   # its options are unknown without the trainer: say what to install
-        print(args.unavailable, file=sys.stderr)
-        return 1
-    if unknown:   # the subcommand's usage, not the top-level one
+    if unknown:   # the subcommand's name and help, not the top-level ones
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):

@@ -29,17 +29,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from erpo import distributed
 from erpo.cli.args import config_from_args
 from erpo.cli.eval import add_eval_arguments, parse_temperatures, run_eval
-from erpo.config import PRESETS, dump_yaml
 from erpo.errors import UserError
-from erpo.eval.evaluate import check_eval_arguments
-from erpo.eval.model_specs import RUN_HISTORY_SUFFIX
-from erpo.eval.problem_sets import load_benchmarks
-from erpo.plotting import read_metrics
-from erpo.train import loop as trainer
-from erpo.train.checkpoint import CheckpointManager
+from erpo.presets import PRESETS
 
 log = logging.getLogger("erpo")
 
@@ -69,6 +62,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_history_arguments(args: argparse.Namespace) -> None:
     """The --eval-* options, checked before any training (a UserError, exit status 2)."""
+    # the evaluation (torch, the models) loads when the command runs, not when the parser is built
+    from erpo.eval.evaluate import check_eval_arguments
+    from erpo.eval.problem_sets import load_benchmarks
     try:
         check_eval_arguments(k=args.eval_k, temperatures=parse_temperatures(args.eval_temperatures,
                                                                            "--eval-temperatures"),
@@ -81,6 +77,7 @@ def check_history_arguments(args: argparse.Namespace) -> None:
 def evaluate_histories(args: argparse.Namespace, run_dirs: dict[str, str], root: str, max_new_tokens: int) -> None:
     """`erpo eval --model NAME=RUN_DIR@all ...` over every run (`run_dirs`: name -> run dir) into ROOT/history, with
     the runs' own response budget (rollout.max_new_tokens)."""
+    from erpo.eval.model_specs import RUN_HISTORY_SUFFIX
     parser = argparse.ArgumentParser(prog="erpo compare --eval-history")
     add_eval_arguments(parser)
     run_eval(parser.parse_args([
@@ -186,6 +183,12 @@ def render(results: dict, algorithms: list[str], seeds: list[int], window: int, 
 def run_compare(args: argparse.Namespace) -> dict[str, str]:
     """Entry point of `erpo compare`: train the missing runs, write comparison.md / .json, print the table, then
     (--eval-history) evaluate the runs' histories. Returns the comparison's paths."""
+    # the trainer (torch, the models) and matplotlib load when the command runs, not when the parser is built
+    from erpo import distributed
+    from erpo.config import dump_yaml
+    from erpo.plotting import read_metrics
+    from erpo.train import loop as trainer
+    from erpo.train.checkpoint import CheckpointManager
     if args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}", exit_code=2)
     if args.eval_history:

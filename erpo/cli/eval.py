@@ -1,15 +1,12 @@
-"""`erpo eval`: its options and entry point (the evaluation itself is erpo.eval.evaluate)."""
+"""`erpo eval`: its options and entry point (the evaluation itself is erpo.eval.evaluate, which with torch and the
+models loads when the command runs: the parser needs only erpo.eval.defaults)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-import torch
-
 from erpo.errors import UserError
-from erpo.eval.evaluate import DEFAULT_K, DEFAULT_TEMPERATURES, TEMPERATURE_GRIDS, check_eval_arguments, evaluate
-from erpo.eval.model_specs import DEFAULT_MAX_NEW_TOKENS, parse_models, parse_templates
-from erpo.eval.problem_sets import load_benchmarks
+from erpo.eval.defaults import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURES, TEMPERATURE_GRIDS
 
 
 def _numbers(text: str, name: str, kind: type) -> list:
@@ -78,6 +75,7 @@ def generate_device(name: str | None) -> str:
     """The torch device HF generate runs on: `name` (--device), else cuda when this machine has it, else cpu. A name
     torch does not know, or a CUDA device on a machine without one, is a ValueError naming --device (checked before
     any model loads, not as torch's assertion deep inside generate)."""
+    import torch
     if name is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -95,6 +93,11 @@ def run_eval(args: argparse.Namespace) -> None:
 
     Bad arguments or inputs are a UserError: ``erpo eval: <message>`` (status 1), the traceback with --debug.
     """
+    # before the checks below, which make an ImportError a UserError: a missing package of the trainer's extra is
+    # the `erpo` command's line (what to install)
+    from erpo.eval.evaluate import check_eval_arguments, evaluate
+    from erpo.eval.model_specs import parse_models, parse_templates
+    from erpo.eval.problem_sets import load_benchmarks
 
     if args.deprecated_backend is not None:
         print("erpo eval: --backend is deprecated, use --engine (same values)", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""`erpo plot`: its options and entry point (the figures are erpo.plotting)."""
+"""`erpo plot`: its options and entry point (the figures are erpo.plotting, which with matplotlib loads when the
+command runs)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,6 @@ import os
 from pathlib import Path
 
 from erpo.errors import UserError
-from erpo.plotting import plot_runs
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def run_plot(args: argparse.Namespace) -> None:
 
     Bad arguments or unreadable metrics are a UserError: ``erpo plot: <message>`` (status 1).
     """
+    from erpo.plotting import plot_runs
     output = args.output
     if output is None:
         output = (os.path.join(args.run_dirs[0], "plots", "training_dynamics.png") if len(args.run_dirs) == 1

@@ -22,22 +22,13 @@ import os
 
 import torch
 
+from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.eval.metrics import default_pass_ks
-from erpo.eval.model_specs import DEFAULT_MAX_NEW_TOKENS, ModelSpec, prompt_settings
+from erpo.eval.model_specs import ModelSpec, prompt_settings
 from erpo.eval.problem_sets import Benchmark
 from erpo.eval.sample_cache import cache_dir, check_cache_meta, problems_fingerprint
 from erpo.eval.sampling import build_engine, sample_benchmark
 from erpo.eval.tables import aggregate, score_samples, write_history, write_results
-
-# Named temperature grids for --temperatures. "paper": the grid the paper's range means are formed over (its
-# Table 2: every "<= 1.0" mean is a mean of 10 temperatures 0.1..1.0 and most "1.2-1.5" means one of 1.2..1.5;
-# docs/evaluation.md). "quick": five points of it, the columns the paper prints.
-TEMPERATURE_GRIDS = {
-    "paper": (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5),
-    "quick": (0.1, 0.6, 1.0, 1.2, 1.5),
-}
-DEFAULT_TEMPERATURES = "paper"
-DEFAULT_K = 32
 
 
 def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int] | None, batch_size: int,

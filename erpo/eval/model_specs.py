@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from erpo.config import load_config
+from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.manifest import CHECKPOINTS_DIR, complete_checkpoints, require_intact
 from erpo.models.export import HF_DIR
 from erpo.models.loading import model_path_for
@@ -15,7 +16,6 @@ from erpo.models.lora import is_adapter_dir
 from erpo.models.source import resolve_model_source
 from erpo.tasks.data import TEMPLATES
 
-DEFAULT_MAX_NEW_TOKENS = 3000  # one budget for every model of a comparison: Dr.GRPO's evaluation budget
 # Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
 # evaluation prompt for base models (its apply_qwen_math_template), which the paper's base-model numbers follow.
 RAW_TEMPLATES = {

@@ -1,5 +1,5 @@
 """A graceful stop: SIGTERM or SIGINT (a terminal's Ctrl-C) becomes a request, agreed over ranks, to stop after the
-current step; `Interrupted` is how a run stopped by Ctrl-C ends (the `erpo` command exits
+current step; `Interrupted` (erpo.errors) is how a run stopped by Ctrl-C ends (the `erpo` command exits
 erpo.errors.INTERRUPTED_EXIT_STATUS, 130, as a shell expects)."""
 from __future__ import annotations
 
@@ -9,15 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from erpo import distributed as dist_utils
+from erpo.errors import Interrupted
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A run stopped by Ctrl-C (SIGINT) at a step boundary, after saving what it had; the message says where.
-    A KeyboardInterrupt, so code that does not know it treats it as Ctrl-C (the `erpo` command: exit 130)."""
 
 
 class GracefulStop:

@@ -9,6 +9,7 @@ import pytest
 
 from erpo.cli.args import config_from_args, shipped_config
 from erpo.cli.commands import build_parser, main
+from paths import worker_pythonpath
 
 
 def test_train_flags_map_onto_the_config(tmp_path):
@@ -61,12 +62,45 @@ def test_precompute_ref_writes_the_cache(tmp_path, capsys, caplog):
     assert f"({distinct} distinct prompts; the training set's 8 read from it)" in caplog.text
 
 
+# What parsing does not need: the trainer's and evaluation's packages, loaded when a command runs (seconds of imports
+# that `erpo --help`, and every error in a command line, no longer wait for).
+HEAVY_MODULES = ("matplotlib", "torch", "erpo_kernels", "triton", "numpy", "transformers", "tokenizers",
+                 "huggingface_hub", "safetensors", "deepspeed", "yaml", "tqdm", "tensorboard")
+
+
+def test_the_parser_and_every_help_import_nothing_heavy():
+    """Building the parser, every `--help` and a command line's error load none of HEAVY_MODULES (in a fresh process:
+    this one has them all)."""
+    code = """
+import sys
+from erpo.cli import main
+for argv in ([], ["--help"], ["train", "--help"], ["precompute-ref", "--help"], ["compare", "--help"],
+             ["eval", "--help"], ["plot", "--help"], ["train", "--max-step", "5"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("loaded:", *sorted({name.split(".")[0] for name in sys.modules} & set(sys.argv[1:])))
+"""
+    done = subprocess.run([sys.executable, "-c", code, *HEAVY_MODULES], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": worker_pythonpath()})   # this checkout's erpo
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("usage: erpo") == 6   # each help was printed
+    assert done.stdout.splitlines()[-1] == "loaded:", done.stdout.splitlines()[-1]
+
+
 def test_a_fresh_machine_s_first_line_is_not_matplotlib_s(tmp_path):
     """matplotlib builds its font cache on its first import (here: a new MPLCONFIGDIR), logging "generated new
-    fontManager" at INFO; the parser's subcommands import it, so the CLI quiets it before building the parser."""
-    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
-    done = subprocess.run([sys.executable, "-m", "erpo", "train", "--help"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and "usage: erpo train" in done.stdout
+    fontManager" at INFO; the CLI quiets it before any command imports matplotlib (here `erpo plot`)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "reward": 0.1 * step, "accuracy": 0.5,
+                                                           "qkl": 1e-3 * step, "entropy": 1.0}) + "\n"
+                                               for step in range(1, 4)))
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), "PYTHONPATH": worker_pythonpath()}
+    done = subprocess.run([sys.executable, "-m", "erpo", "plot", str(run), "-o", str(tmp_path / "dyn.png")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == str(tmp_path / "dyn.png"), done.stderr
     assert (tmp_path / "mpl").is_dir()  # matplotlib did build its cache in this run
     assert "fontManager" not in done.stderr, done.stderr
 

@@ -13,6 +13,7 @@ from erpo.cli.eval import add_eval_arguments, run_eval
 from erpo.config import Config, to_dict
 from erpo.errors import UserError
 from erpo.eval import evaluate as evaluation
+from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS, TEMPERATURE_GRIDS
 from erpo.eval.evaluate import evaluate
 from erpo.eval.metrics import pass_at_k
 from erpo.eval.model_specs import parse_models, parse_templates, prompt_settings, resolve_model
@@ -113,7 +114,7 @@ def test_prompt_settings_follow_the_run_and_one_budget(tmp_path, tiny_model_dir)
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
     defaults = parser.parse_args(["--model", "m"])
-    assert defaults.max_new_tokens == 3000 and evaluation.DEFAULT_MAX_NEW_TOKENS == 3000
+    assert defaults.max_new_tokens == 3000 and DEFAULT_MAX_NEW_TOKENS == 3000
 
 
 def test_templates_per_model():
@@ -128,7 +129,7 @@ def test_templates_per_model():
 
 def test_paper_temperature_grid():
     """The paper's grid: 10 temperatures 0.1..1.0 (the "<= 1.0" mean) and 1.2..1.5 (the "1.2-1.5" mean)."""
-    grid = evaluation.TEMPERATURE_GRIDS["paper"]
+    grid = TEMPERATURE_GRIDS["paper"]
     ranges = range_members(grid)
     assert ranges["<=1.0"] == [round(0.1 * i, 1) for i in range(1, 11)]
     assert ranges["1.2-1.5"] == [1.2, 1.3, 1.4, 1.5] and ranges["all"] == list(grid)

@@ -196,14 +196,65 @@ def test_loss_option_errors_are_one_line(capsys, setting, message):
 
 
 # ------------------------------------------------------------------------------------------------------ options
-def test_options_cannot_be_abbreviated_and_errors_show_the_subcommand_usage(capsys):
-    for argv in (["train", "--max-step", "5"], ["train", "--no-such-option"],
-                 ["eval", "--model", "x", "--temperature", "1"]):
-        with pytest.raises(SystemExit) as info:
-            main(argv)
-        assert info.value.code == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"usage: erpo {argv[0]} ") and "unrecognized arguments" in err, err
+def argparse_error_line(capsys, argv: list[str]) -> str:
+    """The one stderr line of `erpo ARGV` refused by the parser (exit status 2, argparse's), nothing on stdout."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1 and captured.err.endswith("\n"), captured.err
+    return captured.err.rstrip("\n")
+
+
+@pytest.mark.parametrize("argv, unknown", [
+    (["train", "--max-step", "5"], "--max-step 5"),              # no option may be abbreviated
+    (["train", "--lr-foo", "1"], "--lr-foo 1"),
+    (["--local_rank=1", "train", "--no-such-option"], "--no-such-option"),
+    (["precompute-ref", "--overwrite", "yes"], "yes"),
+    (["eval", "--model", "x", "--temperature", "1"], "--temperature 1"),
+    (["compare", "--seed", "1"], "--seed 1"),
+    (["plot", "runs/a", "--smooth-weight", "0.5"], "--smooth-weight 0.5")])
+def test_an_unknown_option_is_one_line_naming_it_and_the_help(capsys, argv, unknown):
+    command = next(word for word in argv if not word.startswith("-"))
+    assert argparse_error_line(capsys, argv) == (f"erpo {command}: error: unrecognized arguments: {unknown} "
+                                                 f"(see erpo {command} --help)")
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    ([], "the following arguments are required: COMMAND"),               # missing
+    (["trian"], "argument COMMAND: invalid choice: 'trian'"),             # bad choice
+    (["--local_rank", "x", "train"], "argument --local_rank/--local-rank: invalid int value: 'x'"),   # bad type
+    (["--debug"], "the following arguments are required: COMMAND")])
+def test_a_top_level_error_is_one_line(capsys, argv, culprit):
+    line = argparse_error_line(capsys, argv)
+    assert line.startswith(f"erpo: error: {culprit}") and line.endswith(" (see erpo --help)"), line
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["train", "--max-steps"], "argument --max-steps: expected one argument"),                # missing value
+    (["train", "--algorithm", "ppo"], "argument --algorithm: invalid choice: 'ppo'"),         # bad choice
+    (["train", "--zero-stage", "5"], "argument --zero-stage: invalid choice: 5"),
+    (["train", "--seed", "x"], "argument --seed: invalid int value: 'x'"),                    # bad type
+    (["precompute-ref", "--set"], "argument --set: expected at least one argument"),
+    (["eval"], "the following arguments are required: --model"),                              # missing option
+    (["eval", "--model", "m", "--k", "two"], "argument --k: invalid int value: 'two'"),
+    (["eval", "--model", "m", "--engine", "sglang"], "argument --engine: invalid choice: 'sglang'"),
+    (["compare", "--algorithms", "ppo"], "argument --algorithms: invalid choice: 'ppo'"),
+    (["compare", "--window"], "argument --window: expected one argument"),
+    (["plot"], "the following arguments are required: RUN_DIR"),
+    (["plot", "runs/a", "--smooth", "high"], "argument --smooth: invalid float value: 'high'")])
+def test_a_subcommand_s_error_is_one_line_naming_the_option_and_its_help(capsys, argv, culprit):
+    line = argparse_error_line(capsys, argv)
+    assert line.startswith(f"erpo {argv[0]}: error: {culprit}") and line.endswith(f" (see erpo {argv[0]} --help)"), line
+
+
+def test_the_process_s_argparse_error_is_its_only_line():
+    """`python -m erpo` end to end: nothing before the parser's line (no log, no warning), exit status 2."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "erpo", "train", "--lr-foo", "1e-5"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "erpo train: error: unrecognized arguments: --lr-foo 1e-5 (see erpo train --help)\n"
 
 
 def test_the_command_line_prints_one_line_and_no_traceback(tmp_path):
