@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from omegaconf import OmegaConf, open_dict
 from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -57,6 +58,14 @@ def training_prompt_ids(dataset, tokenizer, *, hf_model_type: str | None, chat_t
     return prompts
 
 
+def actor_param_dtype(actor) -> torch.dtype:
+    """The dtype verl's FSDP engine runs the actor's forward in (`actor`: actor_rollout_ref.actor):
+    `fsdp_config.mixed_precision.param_dtype`, bf16 when unset (the engine's default)."""
+    from verl.utils.torch_dtypes import PrecisionType
+    mixed = actor.fsdp_config.get("mixed_precision") or {}
+    return PrecisionType.to_dtype(mixed.get("param_dtype", "bf16"))
+
+
 @register_trainer("erpo")
 class ERPOTrainer(PPOTrainerSync):
     """verl's synchronous trainer (`trainer.v1.trainer_mode=sync`) with the ERPO actor loss; options under `erpo`."""
@@ -79,7 +88,8 @@ class ERPOTrainer(PPOTrainerSync):
 
     def _reference(self):
         """ell_theta0(q), w(q) of every training prompt: the cache at +erpo.ref_cache (default
-        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor."""
+        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor, in the
+        actor's mixed precision (`actor_param_dtype`)."""
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
         rollout = self.config.actor_rollout_ref.rollout
         prompt_ids = training_prompt_ids(
@@ -89,4 +99,5 @@ class ERPOTrainer(PPOTrainerSync):
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
-                                       temperature=rollout.temperature)
+                                       temperature=rollout.temperature,
+                                       param_dtype=actor_param_dtype(self.config.actor_rollout_ref.actor))
