@@ -108,3 +108,29 @@ def check_query_kl_is_exactly_zero_at_theta0(kind, dtype):
     assert out.loss.item() == 0.0 and out.metrics["qkl"].item() == 0.0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.abs().max().item() == 0.0 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_query_kl_at_theta0_for_long_prompts_stays_at_rounding(dtype):
+    """erpo train's path at theta0 with prompts of 1000, 500 and 37 tokens at temperature 0.7, the cache's batches
+    (prompts alone, two at a time) shaped otherwise than the loss's (prompt + response, three): the Query-KL is
+    rounding at most (measured 0 in both dtypes on the CPU, 2026-11-27; 4.0e-8 in bf16 with erpo.models.tiny's
+    model). The bound catches a cache scored in another dtype (an fp32 cache against the bf16 weights: 4.2 nats off
+    on the 1000-token prompt, a Query-KL of 4.5) or at another temperature."""
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import final_hidden, logit_transforms
+    from erpo_kernels import fused_linear_erpo_loss
+    model = tiny_lm("granite").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (1000, 500, 37)]
+    responses = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (40, 7, 100)]
+    ell0 = compute_query_logp(model, prompts, pad_id=0, batch_size=2, temperature=0.7)
+    batch = pack(prompts, responses, 0, "cpu")
+    with torch.no_grad():
+        hidden = final_hidden(model, batch)
+    weight = model.get_output_embeddings().weight
+    out = fused_linear_erpo_loss(hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index,
+                                 advantages=torch.zeros(3), ref_query_logp=ell0.float(), qkl_coef=1.0, num_seqs=3,
+                                 temperature=0.7, **logit_transforms(model))
+    assert out.metrics["qkl"].item() < 1e-6
+    assert out.metrics["query_logp_mean"].item() == pytest.approx(ell0.mean().item(), abs=1e-3)
