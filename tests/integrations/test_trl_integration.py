@@ -932,6 +932,24 @@ def test_unknown_logit_transform_is_refused(tiny, tmp_path):
                     train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
 
 
+def test_absolute_position_model_is_refused(tiny, tmp_path):
+    """TRL's forward gives a left-padded prompt positions counted from its padding. A GPT-2 (learned absolute
+    positions) then scores a prompt by its padding: with the weights unchanged and theta0 left, the Query-KL of
+    `masked_completions` (one pad token on two prompts) was 0.016 with gradient entries up to 0.37, silently. It
+    is refused when the loss reads ell_theta0(q), and trains without it (qkl_coef=0, query_weight='none')."""
+    import transformers
+    tokenizer = tiny[1]
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
+                                     pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    gpt2 = (str(tmp_path / "gpt2"), tokenizer)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel adds absolute position embeddings.*qkl_coef=0"):
+        make_trainer(gpt2, tmp_path / "erpo")
+    assert make_trainer(gpt2, tmp_path / "grpo", qkl_coef=0.0, query_weight="none").reference_cache is None
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
