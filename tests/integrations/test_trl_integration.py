@@ -969,6 +969,25 @@ def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear, 
         assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_query_kl_is_alpha_times_the_mean_over_the_steps_samples(tiny, tmp_path, loss_type):
+    """The paper's alpha * mean_s k3(r_s) over the optimizer step's samples, whatever TRL's loss_type normalizes the
+    policy term by: a micro-batch of 4 samples under gradient accumulation 2 contributes alpha * sum k3 / 8. The
+    cache's ell_theta0(q) is the forward's own (eager, fp32: bit for bit, as above) plus a known r per prompt."""
+    trainer = make_trainer(tiny, tmp_path, loss_type=loss_type, qkl_coef=0.3, query_weight="none", beta=0.0,
+                           gradient_accumulation_steps=2, model_init_kwargs={"attn_implementation": "eager"})
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 2, False
+    trainer.model.train()
+    inputs = masked_completions(trainer)
+    drift = torch.tensor([0.5, -1.0, 1.5, -0.3], dtype=torch.float64)
+    for ids, r in zip(inputs[PROMPT_TOKEN_IDS], drift):
+        ell, weight = trainer.reference_cache.entries[prompt_hash(ids)]
+        trainer.reference_cache.entries[prompt_hash(ids)] = (ell + float(r), weight)
+    loss, _ = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+    expected = 0.3 * (drift.exp() - drift - 1).sum() / (4 * 2)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
 def theta0_trainer(tiny, tmp_path, *, bf16=False, fused_linear=False, attention="eager"):
     """A trainer whose loss is the Query-KL alone (qkl_coef=1, w = 1, beta = 0), in training mode, at theta0."""
     trainer = make_trainer(tiny, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, bf16=bf16,

@@ -238,6 +238,21 @@ def test_query_kl_equals_erpo_loss_on_an_hf_forward(tiny):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_query_kl_is_alpha_times_the_mean_over_the_mini_batch(tiny, mode):
+    """Whatever verl's loss_agg_mode does to the response terms (seq-mean-token-sum-norm divides them by a horizon),
+    the Query-KL adds alpha * mean_s k3(r_s) over the mini-batch's samples: with r = 0.7 on every prompt, the loss
+    summed over the micro-batches grows by alpha * k3(0.7) against qkl_coef = 0."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    config = actor_config(loss_agg_mode=mode, loss_scale_factor=32 if mode == "seq-mean-token-sum-norm" else None)
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data, offset=0.7)
+    losses = [sum(verl_engine.loss_and_grads(engine, data, erpo_loss_fn(
+        config, ERPOSettings(qkl_coef=alpha, query_weight="none"), reference))[0]["loss"]) for alpha in (0.0, 0.3)]
+    assert losses[1] - losses[0] == pytest.approx(0.3 * (math.exp(0.7) - 0.7 - 1), rel=1e-4)
+
+
 def test_query_kl_is_zero_at_theta0(tiny):
     """ell_theta0 = ell_theta (w = 1): the Query-KL is 0 (fp32 rounding) and the gradient is verl's."""
     engine = engine_for(tiny, use_remove_padding=True)
