@@ -15,6 +15,9 @@ def tiny_lm(kind: str, **extra):
     if kind == "gemma2":
         config = transformers.Gemma2Config(**common, final_logit_softcapping=2.0, **extra)
         cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":   # its text config; a sliding window shorter than the longest prompt + response
+        config = transformers.Gemma3TextConfig(**common, final_logit_softcapping=2.0, sliding_window=4, **extra)
+        cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.GraniteConfig(**common, logits_scaling=0.25, **extra)
         cls = transformers.GraniteForCausalLM
@@ -29,7 +32,7 @@ PROMPTS = [[1, 5, 9, 14, 3], [1, 7, 7], [1, 30, 31, 32, 33, 34]]
 RESPONSES = [[4, 8], [11, 12, 13], [2]]
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite"])
 def test_scored_token_logp_is_the_models_own(kind):
     """erpo train's scoring path equals log_softmax of the model's own logits (transform included), fp32."""
     model = tiny_lm(kind)
@@ -76,7 +79,7 @@ def test_format_1_cache_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite"])
 def test_query_kl_is_exactly_zero_at_theta0(kind, dtype):
     """erpo train's path at theta0 (model.dtype fp32 or bf16, no autocast), on one CPU thread: ell_theta0(q) of the
     reference cache (prompts alone) and ell_theta(q) of the loss (prompt + response, as update_step scores it) are
