@@ -36,7 +36,13 @@ from functools import partial
 
 import torch
 
-from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_entries, with_temperature
+from erpo.reference.cache import (
+    ReferenceCache,
+    build_reference_cache,
+    lookup_entries,
+    reweight_for_training_set,
+    with_temperature,
+)
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
@@ -393,4 +399,5 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
         cache.save(path)
     reference = QueryReference.from_cache(cache, path, tokenizer)
     reference.lookup(prompt_ids)          # every training prompt is there, or an error naming the first missing
+    reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     return reference

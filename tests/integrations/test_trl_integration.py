@@ -29,7 +29,7 @@ from erpo.reference.cache import (
     compute_query_logp,  # noqa: E402
     prompt_hash,
 )
-from erpo_kernels import fused_linear_token_logprobs, token_logprobs  # noqa: E402
+from erpo_kernels import fused_linear_token_logprobs, query_weights, token_logprobs  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -604,6 +604,20 @@ def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
     other_cache = precompute_ref_cache(str(other), tmp_path / "pre-other", conversational=conversational)
     with pytest.raises(ValueError, match="does not match this run: model"):
         make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)
+
+
+def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path):
+    """A `ref_cache` built for six prompts (another run's, or `erpo precompute-ref`'s on a larger data set) serves a
+    train_dataset of three of them with appendix C's weights over those three, not the stored ones."""
+    path = str(tmp_path / "cache.json")
+    stored = make_trainer(tiny, tmp_path / "all", ref_cache=path).reference_cache.entries
+    subset = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:3]])
+    trainer = make_trainer(tiny, tmp_path / "subset", ref_cache=path, train_dataset=subset)
+    keys = [prompt_hash(ids) for ids in trainer._prompt_ids(subset)]
+    ell = torch.tensor([stored[k][0] for k in keys], dtype=torch.float64)
+    weights = torch.tensor([trainer.reference_cache.entries[k][1] for k in keys])
+    torch.testing.assert_close(weights, query_weights(ell))
+    assert (weights - torch.tensor([stored[k][1] for k in keys])).abs().max() > 0.01
 
 
 def test_evaluate_with_the_query_kl(tiny, tmp_path):

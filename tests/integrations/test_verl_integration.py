@@ -28,7 +28,7 @@ from erpo.integrations.verl import (  # noqa: E402
 )
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
-from erpo_kernels import erpo_loss, from_padded  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded, query_weights  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -442,6 +442,19 @@ def run_config(tiny, tmp_path, **erpo):
     config.trainer.v1.trainer_mode = "erpo"
     config.erpo = erpo
     return config
+
+
+def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path):
+    """A cache built for four prompts serves a training set of two of them with appendix C's weights over those
+    two, not the stored ones (relative to the four)."""
+    tokenizer = tiny[1]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = str(tmp_path / "cache.json")
+    everyone = load_or_build_reference(tiny[0], tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
+    subset = load_or_build_reference(tiny[0], tokenizer, prompts[1:3], path=cache, temperature=1.0, param_dtype=FP32)
+    ell, weights = subset.lookup(prompts[1:3])
+    torch.testing.assert_close(weights, query_weights(ell.double()))
+    assert (weights - everyone.lookup(prompts[1:3])[1]).abs().max() > 0.01
 
 
 def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatch):

@@ -24,7 +24,13 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from erpo.models.lora import reference_model
-from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
+from erpo.reference.cache import (
+    ReferenceCache,
+    build_reference_cache,
+    prompt_hash,
+    reweight_for_training_set,
+    with_temperature,
+)
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import query_weights, token_logprobs
@@ -215,7 +221,7 @@ class ReferenceMixin:
                                    remedy=REBUILD)
             self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
                                "built). " + REBUILD)
-            changed = False
+            changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
         elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
             cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=weights_fingerprint(self.model),
                                    tokenizer_id=identity["tokenizer_id"],
