@@ -853,6 +853,19 @@ def tiny_gemma2(tmp_path_factory, tiny):
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_cached_query_kl_is_zero_past_theta0_with_the_cap_and_a_temperature(tiny_gemma2, tmp_path, fused_linear):
+    """The cache of a soft-capped Gemma-2 at temperature 0.7 holds ell_theta0(q) as the loss scores ell_theta(q)
+    (cap, then / T, on either path): read from the cache (theta0 left, weights unchanged, eager attention in fp32)
+    the Query-KL and its gradient are exactly 0. A cache at T = 1, or without the cap, is off by far more."""
+    trainer = make_trainer(tiny_gemma2, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, temperature=0.7,
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 1, False
+    trainer.model.train()
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, masked_completions(trainer))
+    assert loss.item() == 0.0 and grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
 def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
     """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
     and gradients on the model's own (capped) logits."""
