@@ -299,6 +299,23 @@ def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch)
                                 param_dtype=torch.bfloat16)
 
 
+def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
+    """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache built at it: the Query-KL
+    at theta0 is fp32 rounding; a cache at T = 1 is far off."""
+    from verl.utils import tensordict_utils as tu
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    tu.assign_non_tensor(data, temperature=0.7)
+    config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
+    qkl = {}
+    for temperature in (0.7, 1.0):
+        reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(data), temperature=temperature,
+                                            path=str(tmp_path / f"{temperature}.json"), param_dtype=FP32)
+        loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
+        qkl[temperature] = max(metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])["actor/qkl"])
+    assert qkl[0.7] < 1e-9 and qkl[1.0] > 1e-2
+
+
 def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
     """verl's own train_batch (zero_grad, forward/backward over micro-batches, optimizer step) with the ERPO loss
     and a cache built at start from the model directory: theta moves, the Query-KL becomes > 0."""
