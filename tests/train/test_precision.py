@@ -18,6 +18,10 @@ def tiny_lm(kind: str, **extra):
     elif kind == "gemma3":   # its text config; a sliding window shorter than the longest prompt + response
         config = transformers.Gemma3TextConfig(**common, final_logit_softcapping=2.0, sliding_window=4, **extra)
         cls = transformers.Gemma3ForCausalLM
+    elif kind == "qwen3_moe":   # no logit transform; tied embeddings, 2 of 4 experts per token
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                             tie_word_embeddings=True, **extra)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         config = transformers.GraniteConfig(**common, logits_scaling=0.25, **extra)
         cls = transformers.GraniteForCausalLM
@@ -79,7 +83,7 @@ def test_format_1_cache_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite", "qwen3_moe"])
 def test_query_kl_is_exactly_zero_at_theta0(kind, dtype):
     """erpo train's path at theta0 (model.dtype fp32 or bf16, no autocast), on one CPU thread: ell_theta0(q) of the
     reference cache (prompts alone) and ell_theta(q) of the loss (prompt + response, as update_step scores it) are
