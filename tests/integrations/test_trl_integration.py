@@ -964,7 +964,6 @@ def test_absolute_position_model_is_refused(tiny, tmp_path):
     positions) then scores a prompt by its padding: with the weights unchanged and theta0 left, the Query-KL of
     `masked_completions` (one pad token on two prompts) was 0.016 with gradient entries up to 0.37, silently. It
     is refused when the loss reads ell_theta0(q), and trains without it (qkl_coef=0, query_weight='none')."""
-    import transformers
     tokenizer = tiny[1]
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -975,6 +974,26 @@ def test_absolute_position_model_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel adds absolute position embeddings.*qkl_coef=0"):
         make_trainer(gpt2, tmp_path / "erpo")
     assert make_trainer(gpt2, tmp_path / "grpo", qkl_coef=0.0, query_weight="none").reference_cache is None
+
+
+def test_dropout_is_refused_with_the_query_kl_unless_disabled(tiny, tmp_path):
+    """A model whose config keeps dropout (here attention_dropout, which HF attention applies itself in train mode,
+    out of reach of TRL's nn.Dropout switch) scores a noisy ell_theta(q) against the cache's, scored without it:
+    refused with the Query-KL. disable_dropout=True switches every dropout off (erpo's disable_dropout too), and the
+    cached Query-KL past theta0 is then exactly 0."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    model.config.attention_dropout = 0.3
+    model.save_pretrained(tmp_path / "dropout")
+    noisy = (str(tmp_path / "dropout"), tiny[1])
+    eager = {"attn_implementation": "eager"}
+    with pytest.raises(ValueError, match=r"trains with dropout \(attention_dropout=0.3\).*disable_dropout=True"):
+        make_trainer(noisy, tmp_path / "on", disable_dropout=False, model_init_kwargs=eager)
+    trainer = make_trainer(noisy, tmp_path / "off", qkl_coef=1.0, query_weight="none", beta=0.0,
+                           model_init_kwargs=eager)   # make_trainer's disable_dropout=True
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 1, False
+    trainer.model.train()
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, masked_completions(trainer))
+    assert loss.item() == 0.0 and all(g.abs().max().item() == 0.0 for g in grads.values())
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -141,3 +141,30 @@ def test_query_kl_at_theta0_for_long_prompts_stays_at_rounding(dtype):
                                  temperature=0.7, **logit_transforms(model))
     assert out.metrics["qkl"].item() < 1e-6
     assert out.metrics["query_logp_mean"].item() == pytest.approx(ell0.mean().item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["opt", "qwen2-attention-dropout"])
+def test_the_policy_trains_without_dropout(kind, tmp_path):
+    """erpo train's policy (load_causal_lm, trainable) runs in train mode: a config's dropout (OPT's 0.1, an
+    attention_dropout that HF attention applies in train mode) made its ell_theta(q) noisy against the cache's
+    (eval mode), a Query-KL above 0 at theta0 (0.007-0.037 per sample on a tiny OPT). It is switched off: the
+    train-mode forward equals the cache's."""
+    from erpo.models.loading import load_causal_lm
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import per_sample_sum
+    common = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, pad_token_id=0)
+    if kind == "opt":
+        config = transformers.OPTConfig(**common, num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32)
+        assert config.dropout == 0.1
+    else:
+        config = transformers.Qwen2Config(**common, num_hidden_layers=1, intermediate_size=64, num_key_value_heads=1,
+                                          attention_dropout=0.5)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path), dtype=torch.float32, device="cpu", trainable=True)
+    ell0 = compute_query_logp(model, PROMPTS, pad_id=0, batch_size=3)
+    assert model.training
+    torch.manual_seed(1)
+    batch = pack(PROMPTS, RESPONSES, 0, "cpu")
+    ell = per_sample_sum(scored_token_logp(model, batch), batch, kind=1)
+    torch.testing.assert_close(ell, ell0, rtol=1e-6, atol=1e-5)
