@@ -344,8 +344,9 @@ def engine_precision(config, param_dtype: torch.dtype, device) -> str:
 
 def engine_scorer(model, param_dtype: torch.dtype, temperature: float):
     """`score(batch)` -> log-probs [R] fp32 of the batch's scored rows under `model` (its weights in `param_dtype`) as
-    `engine_precision` says: the model's logits under autocast / temperature; None in fp32 (`compute_query_logp`'s
-    fused-linear default)."""
+    `engine_precision` says: the model's logits under autocast / temperature, divided in their dtype (verl's
+    `_scale_logits_by_temperature`: 0.7 is 0.69921875 in bf16); None in fp32 (`compute_query_logp`'s fused-linear
+    default)."""
     param = next(model.parameters())
     if param.dtype != param_dtype:
         raise ValueError(f"the model that builds the reference cache is in {param.dtype}, the actor's param_dtype is "
@@ -356,8 +357,9 @@ def engine_scorer(model, param_dtype: torch.dtype, temperature: float):
     def score(batch):
         with torch.no_grad(), torch.autocast(param.device.type, dtype=param_dtype):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets,
-                              temperature=temperature)
+            if temperature != 1.0:   # as verl's engine: in the logits' dtype, by the temperature rounded to it
+                logits = logits / torch.tensor(temperature, device=logits.device).to(logits.dtype)
+        return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets)
     return score
 
 
