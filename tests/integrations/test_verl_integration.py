@@ -513,6 +513,25 @@ def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatc
     assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=logits")   # verl's default actor
 
 
+def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
+    """verl trains the actor in train mode with its config's dropout (an OPT's 0.1, an attention_dropout), which
+    would make ell_theta(q) noisy against the cache's, scored without it. Checked on the meta device, no weights."""
+    pytest.importorskip("transfer_queue")
+    import transformers
+
+    from erpo.integrations.verl_trainer import check_actor_dropout
+    config = transformers.AutoConfig.from_pretrained(tiny[0], attn_implementation="sdpa")
+    check_actor_dropout(config)          # the tiny Qwen2: none; its config is left as it was
+    assert config._attn_implementation == "sdpa"
+    config.attention_dropout = 0.2
+    with pytest.raises(ValueError, match=r"Qwen2Config trains with dropout \(attention_dropout=0.2\).*override_config"):
+        check_actor_dropout(config)
+    opt = transformers.OPTConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                 ffn_dim=64, word_embed_proj_dim=32)
+    with pytest.raises(ValueError, match=r"OPTConfig trains with dropout \(dropout=0.1\)"):
+        check_actor_dropout(opt)
+
+
 @pytest.mark.parametrize("setting, message", [
     ("algorithm.adv_estimator=gae", "adv_estimator=gae"),
     ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
