@@ -53,7 +53,7 @@ def main() -> None:
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=len(prompts),
                          ppo_micro_batch_size_per_gpu=4)
     reference = load_or_build_reference(model_dir, tokenizer, prompts, path=f"{model_dir}/erpo_cache.json",
-                                         temperature=1.0)
+                                         temperature=1.0, param_dtype=torch.float32)   # the engine's fp32
     losses = {"verl ppo_loss": partial(ppo_loss, config=config),
               "erpo_ppo_loss": erpo_loss_fn(config, ERPOSettings(qkl_coef=0.01), reference)}
     times = {name: [] for name in losses}

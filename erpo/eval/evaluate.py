@@ -27,7 +27,7 @@ from erpo.eval.metrics import default_pass_ks
 from erpo.eval.model_specs import ModelSpec, prompt_settings
 from erpo.eval.problem_sets import Benchmark
 from erpo.eval.sample_cache import cache_dir, check_cache_meta, problems_fingerprint
-from erpo.eval.sampling import build_engine, sample_benchmark
+from erpo.eval.sampling import build_engine, prompt_ids_fingerprint, sample_benchmark
 from erpo.eval.tables import aggregate, score_samples, write_history, write_results
 
 
@@ -82,6 +82,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         for bench in benchmarks:
             meta = {"model_path": os.path.abspath(model.path) if os.path.isdir(model.path) else model.path,
                     "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
+                    "prompt_ids_sha256": prompt_ids_fingerprint(tokenizer, bench, settings),
                     "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size,
                     **dataclasses.asdict(settings)}
             check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)

@@ -2,7 +2,9 @@
 a benchmark at one temperature, cached as they are made (erpo.eval.sample_cache)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 
 import torch
 
@@ -55,6 +57,19 @@ def grade_alternatives(completion: str, answers: list[str]) -> tuple[str | None,
     return pred, correct
 
 
+def problem_prompt_ids(tokenizer, problems: list[dict], settings: PromptSettings) -> list[list[int]]:
+    """The token ids the model is given for each problem [P] (`encode_prompt` with the model's prompt settings)."""
+    return [encode_prompt(tokenizer, p["problem"], settings.template, settings.use_chat_template)[1]
+            for p in problems]
+
+
+def prompt_ids_fingerprint(tokenizer, bench: Benchmark, settings: PromptSettings) -> str:
+    """sha256 (16 hex) of every problem's prompt token ids: a sample cache made from other tokens (another tokenizer,
+    chat template or prompt encoding) is refused, not reused."""
+    ids = problem_prompt_ids(tokenizer, bench.problems, settings)
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
 def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, temperature: float, k: int,
                      top_p: float, settings: PromptSettings, batch_size: int, seed: int, output_dir: str,
                      progress: bool = True) -> list[list[dict]]:
@@ -72,8 +87,7 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
         chunk = bench.problems[start:start + batch_size]
         if all(p["id"] in done for p in chunk):
             continue
-        prompt_ids = [encode_prompt(tokenizer, p["problem"], settings.template, settings.use_chat_template)[1]
-                      for p in chunk]
+        prompt_ids = problem_prompt_ids(tokenizer, chunk, settings)
         batch = engine.generate(prompt_ids, n=k, temperature=temperature, top_p=top_p,
                                 max_new_tokens=settings.max_new_tokens,
                                 seed=chunk_seed(seed, bench.name, temperature, start))

@@ -36,10 +36,17 @@ from functools import partial
 
 import torch
 
-from erpo.reference.cache import ReferenceCache, build_reference_cache, lookup_entries, with_temperature
+from erpo.reference.cache import (
+    ReferenceCache,
+    build_reference_cache,
+    lookup_entries,
+    reweight_for_training_set,
+    with_temperature,
+)
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.sequences import scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
-from erpo_kernels import logprob_erpo_loss
+from erpo_kernels import logprob_erpo_loss, token_logprobs
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -324,30 +331,75 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
     return partial(erpo_ppo_loss, config=actor_config, settings=settings, reference=reference)
 
 
+def engine_precision(config, param_dtype: torch.dtype, device) -> str:
+    """`scoring_precision` of ell_theta0(q) scored as verl's actor engine scores ell_theta(q) in `param_dtype` (its
+    FSDP mixed precision: bf16 by verl's default), for a model of `config` on `device`: in half precision the
+    forward under autocast with the weights in that dtype and the model's own logits (as the engine takes them);
+    in fp32 no autocast and the fused-linear path (equal to the logits' to fp32 rounding; what `erpo
+    precompute-ref` records in fp32)."""
+    if param_dtype == torch.float32:
+        return scoring_precision(config, param_dtype, device)
+    return scoring_precision(config, param_dtype, device, path="logits", autocast=param_dtype)
+
+
+def engine_scorer(model, param_dtype: torch.dtype, temperature: float):
+    """`score(batch)` -> log-probs [R] fp32 of the batch's scored rows under `model` (its weights in `param_dtype`) as
+    `engine_precision` says: the model's logits under autocast / temperature, divided in their dtype (verl's
+    `_scale_logits_by_temperature`: 0.7 is 0.69921875 in bf16); None in fp32 (`compute_query_logp`'s fused-linear
+    default)."""
+    param = next(model.parameters())
+    if param.dtype != param_dtype:
+        raise ValueError(f"the model that builds the reference cache is in {param.dtype}, the actor's param_dtype is "
+                         f"{param_dtype}: load it in {param_dtype}")
+    if param_dtype == torch.float32:
+        return None
+
+    def score(batch):
+        with torch.no_grad(), torch.autocast(param.device.type, dtype=param_dtype):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            if temperature != 1.0:   # as verl's engine: in the logits' dtype, by the temperature rounded to it
+                logits = logits / torch.tensor(temperature, device=logits.device).to(logits.dtype)
+        return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets)
+    return score
+
+
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
-                            temperature: float, batch_size: int = 16, model=None) -> QueryReference:
+                            temperature: float, param_dtype: torch.dtype, batch_size: int = 16,
+                            model=None) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
 
-    The cache at `path` (written here or by `erpo precompute-ref`) is read when it was built with this model
-    directory's weights, this tokenizer and `temperature`, and holds every prompt; otherwise a ValueError names
-    what differs. Without a cache, ell_theta0 is computed with the initial actor (`model`, or the HF model at
-    `model_path` in fp32; a progress bar) and saved at `path`."""
+    `param_dtype`: the actor's FSDP mixed-precision param_dtype (`erpo.integrations.verl_trainer.actor_param_dtype`),
+    which ell_theta0(q) is scored in (`engine_precision`): a bf16 actor's ell_theta(q) differs from fp32's by an
+    amount that grows with the prompt's length, a Query-KL at theta0 that pushes the model for nothing. The cache
+    at `path` (written here or by `erpo precompute-ref`) is read when it was built with this model directory's
+    weights, this tokenizer, `temperature` and that precision, and holds every prompt; otherwise a ValueError names
+    what differs. Without a cache, ell_theta0 is computed with the initial actor (`model`, in `param_dtype`, or the
+    HF model at `model_path` loaded in `param_dtype` on the CPU; a progress bar) and saved at `path`. In half
+    precision a batch's logits [batch_size, longest prompt, V] are built in that dtype: lower `batch_size` to fit."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))
     if os.path.exists(path):
+        from transformers import AutoConfig
+        config, device = (AutoConfig.from_pretrained(model_path), "cpu") if model is None else \
+            (getattr(model, "module", model).config, next(model.parameters()).device)
         cache = ReferenceCache.load(path)
-        cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature, path=path,
-                               remedy=REBUILD)
+        cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,
+                               precision=engine_precision(config, param_dtype, device), path=path, remedy=REBUILD)
     else:
         if model is None:
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=param_dtype)
+        device = next(model.parameters()).device
         cache = build_reference_cache(model, tokenizer, prompt_ids, model_id=identity["model_id"],
                                       template=with_temperature("verl", temperature), batch_size=batch_size,
                                       temperature=temperature, model_fp=model_fp,
-                                      tokenizer_fp=identity["tokenizer_fp"], progress=True)
+                                      tokenizer_fp=identity["tokenizer_fp"], progress=True,
+                                      score=engine_scorer(model, param_dtype, temperature),
+                                      precision=engine_precision(getattr(model, "module", model).config,
+                                                                 param_dtype, device))
         cache.save(path)
     reference = QueryReference.from_cache(cache, path, tokenizer)
     reference.lookup(prompt_ids)          # every training prompt is there, or an error naming the first missing
+    reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     return reference

@@ -12,14 +12,17 @@ everything else (rollout, rewards, advantages, old and reference log-probs, chec
 """
 from __future__ import annotations
 
+import copy
 import os
 
+import torch
 from omegaconf import OmegaConf, open_dict
 from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.verl import ERPOSettings, check_actor_config, erpo_loss_fn, load_or_build_reference
+from erpo.models.loading import dropouts
 from erpo.reference.cache import CACHE_FILE
 
 ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
@@ -57,6 +60,30 @@ def training_prompt_ids(dataset, tokenizer, *, hf_model_type: str | None, chat_t
     return prompts
 
 
+def actor_param_dtype(actor) -> torch.dtype:
+    """The dtype verl's FSDP engine runs the actor's forward in (`actor`: actor_rollout_ref.actor):
+    `fsdp_config.mixed_precision.param_dtype`, bf16 when unset (the engine's default)."""
+    from verl.utils.torch_dtypes import PrecisionType
+    mixed = actor.fsdp_config.get("mixed_precision") or {}
+    return PrecisionType.to_dtype(mixed.get("param_dtype", "bf16"))
+
+
+def check_actor_dropout(hf_config) -> None:
+    """ValueError naming the dropout when the actor's model (`hf_config`, built on the meta device: no weights) has
+    some: verl trains the actor in train mode with its config's dropout, so ell_theta(q) would be noisy against
+    the cached ell_theta0(q), scored without it, a Query-KL above 0 at theta0 (`erpo.models.loading.dropouts`)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        # a copy: from_config sets the attention kernel on the config it is given (verl's asks for flash-attn)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation="eager")
+        active = dropouts(model, skip="lora_dropout")
+    if active:
+        raise ValueError(f"the actor's {type(hf_config).__name__} trains with dropout "
+                         f"({', '.join(sorted({label for _, _, label in active}))}), so ell_theta(q) is noisy against "
+                         "the cached ell_theta0(q), scored without it: a Query-KL above 0 at theta0; set those rates "
+                         "to 0 in actor_rollout_ref.model.override_config, or set +erpo.qkl_coef=0")
+
+
 @register_trainer("erpo")
 class ERPOTrainer(PPOTrainerSync):
     """verl's synchronous trainer (`trainer.v1.trainer_mode=sync`) with the ERPO actor loss; options under `erpo`."""
@@ -79,8 +106,11 @@ class ERPOTrainer(PPOTrainerSync):
 
     def _reference(self):
         """ell_theta0(q), w(q) of every training prompt: the cache at +erpo.ref_cache (default
-        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor."""
+        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor, in the
+        actor's mixed precision (`actor_param_dtype`)."""
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
+        if self.erpo_settings.qkl_coef != 0:
+            check_actor_dropout(model.hf_config)
         rollout = self.config.actor_rollout_ref.rollout
         prompt_ids = training_prompt_ids(
             self.train_dataset, self.tokenizer, hf_model_type=getattr(model.hf_config, "model_type", None),
@@ -89,4 +119,5 @@ class ERPOTrainer(PPOTrainerSync):
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
-                                       temperature=rollout.temperature)
+                                       temperature=rollout.temperature,
+                                       param_dtype=actor_param_dtype(self.config.actor_rollout_ref.actor))

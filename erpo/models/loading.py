@@ -6,6 +6,9 @@ the trainer. Rollout engines are built by `erpo.rollout`.
 """
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 
 from erpo import distributed as D
@@ -13,6 +16,8 @@ from erpo.config import Config
 from erpo.models.lora import apply_lora, is_adapter_dir, load_merged_adapter
 from erpo.models.sft import tiny_theta0
 from erpo.models.source import resolve_model_source
+
+log = logging.getLogger("erpo")
 
 
 def model_path_for(cfg: Config) -> str:
@@ -50,9 +55,10 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 
 def load_causal_lm(path: str, *, dtype, device, trainable: bool = False, gradient_checkpointing: bool = False,
                    attn_implementation: str | None = None):
-    """A transformers causal LM on `device`: in train mode (no KV cache, optional non-reentrant gradient
-    checkpointing) when `trainable`, else frozen in eval mode. dtype: a torch dtype or "auto" (the checkpoint's).
-    `path` may be a LoRA adapter directory: its base model with the adapters merged in (`erpo.models.lora`)."""
+    """A transformers causal LM on `device`: in train mode (no KV cache, dropout off: `disable_dropout`, optional
+    non-reentrant gradient checkpointing) when `trainable`, else frozen in eval mode. dtype: a torch dtype or "auto"
+    (the checkpoint's). `path` may be a LoRA adapter directory: its base model with the adapters merged in
+    (`erpo.models.lora`)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
@@ -61,6 +67,10 @@ def load_causal_lm(path: str, *, dtype, device, trainable: bool = False, gradien
     load = load_merged_adapter if is_adapter_dir(path) else AutoModelForCausalLM.from_pretrained
     model = load(path, **kwargs)
     if trainable:
+        switched_off = disable_dropout(model)
+        if switched_off:
+            log.info("policy: dropout switched off (%s): ERPO compares the training forward's ell_theta(q) with "
+                     "theta0's, scored without dropout", ", ".join(switched_off))
         if gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.x name
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -70,6 +80,36 @@ def load_causal_lm(path: str, *, dtype, device, trainable: bool = False, gradien
         return model.to(device).train()
     model.requires_grad_(False)
     return model.to(device).eval()
+
+
+DROPOUT_RATE = re.compile(r"dropout|pdrop")   # a module's float attribute holding a rate its forward applies
+
+
+def dropouts(model: torch.nn.Module, *, skip: str | None = None) -> list[tuple[torch.nn.Module, str, str]]:
+    """Every dropout of `model` with a rate > 0, as (module, attribute, "name=rate"): the `p` of its nn.Dropout
+    modules and the rates modules apply themselves in train mode (HF's `attention_dropout`, OPT's `dropout`, ...:
+    every float attribute named *dropout* / *pdrop*). `skip`: leave out the modules whose qualified name contains
+    it (e.g. "lora_dropout", PEFT's adapter dropout)."""
+    found = []
+    for qualified, module in model.named_modules():
+        if skip is not None and skip in qualified:
+            continue
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            found.append((module, "p", f"{type(module).__name__} p={module.p:g}"))
+        found += [(module, name, f"{name}={rate:g}") for name, rate in vars(module).items()
+                  if DROPOUT_RATE.search(name) and isinstance(rate, float) and rate > 0]
+    return found
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Set every dropout of `model` (`dropouts`) to 0, in place. The policy trains in train mode while ell_theta0(q)
+    and the rollout's log-probs are scored without dropout: a model whose config keeps some (OPT's 0.1, Phi-2's
+    resid_pdrop) would compare a noisy ell_theta(q) with them, a Query-KL above 0 at theta0 and a push for
+    nothing. The config is left as it is (exports keep it). Returns the dropouts that were > 0 ([] when none)."""
+    found = dropouts(model)
+    for module, name, _ in found:
+        setattr(module, name, 0.0)
+    return sorted({label for _, _, label in found})
 
 
 def load_model(cfg: Config, model_path: str, device, *, trainable: bool):

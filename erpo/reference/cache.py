@@ -152,6 +152,27 @@ def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[lis
     return values[0], values[1]
 
 
+def training_set_weights(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]]) -> torch.Tensor:
+    """w(q) [Q] fp32 of the training set `prompt_ids` from their ell_theta0(q) in a cache's `entries` (all there):
+    appendix C's clip(mean(s) / s_q, 0, 2) with mean(s) over the set's distinct prompts, whatever else the cache
+    holds (the stored w are relative to the prompts it was built with)."""
+    keys = [prompt_hash(p) for p in prompt_ids]
+    ell = torch.tensor([entries[k][0] for k in keys], dtype=torch.float64)
+    distinct = torch.tensor([entries[k][0] for k in dict.fromkeys(keys)], dtype=torch.float64)
+    return query_weights(ell, mean_surprisal=float(-distinct.mean())).float()
+
+
+def reweight_for_training_set(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]]) -> int:
+    """Store `training_set_weights` as the w(q) of the training set's prompts in `entries` (in place) where the
+    stored ones differ (by more than 1e-6: summation order aside), as they do when the cache was built with other
+    prompts too (a larger data set; a previous run's). Returns how many prompts changed."""
+    weights = training_set_weights(entries, prompt_ids)
+    changed = {key: (entries[key][0], float(w)) for key, w in zip(map(prompt_hash, prompt_ids), weights.tolist())
+               if abs(entries[key][1] - w) > 1e-6}
+    entries.update(changed)
+    return len(changed)
+
+
 def compute_query_logp(model, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
                        temperature: float = 1.0, progress: bool = False,
                        score: Callable[[PackedBatch], torch.Tensor] | None = None) -> torch.Tensor:

@@ -11,7 +11,13 @@ from erpo import distributed as D
 from erpo.config import Config
 from erpo.errors import UserError
 from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for, torch_dtype
-from erpo.reference.cache import ReferenceCache, build_reference_cache, template_id, with_temperature
+from erpo.reference.cache import (
+    ReferenceCache,
+    build_reference_cache,
+    reweight_for_training_set,
+    template_id,
+    with_temperature,
+)
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import model_precision, scoring_precision
 from erpo.tasks.data import PromptSet, load_prompt_set
@@ -51,7 +57,8 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
                          ) -> tuple[ReferenceCache, str, tuple[torch.Tensor, torch.Tensor]]:
     """Load the reference cache at `reference_cache_path(cfg)` and check it against this run, or build it with
     theta0 when it does not exist (or `overwrite`). Returns (cache, path, (ell_theta0 [Q], w [Q])): the cache's
-    fp32 values for the prompt set's Q prompts (`cache.lookup`, done once here)."""
+    fp32 values for the prompt set's Q prompts (`cache.lookup`); w(q) relative to this prompt set
+    (`reweight_for_training_set`) when the cache was built with other prompts too."""
     D.init_distributed()
     model_path = model_path or model_path_for(cfg)
     tokenizer = tokenizer or tokenizer_for(cfg, model_path)
@@ -69,6 +76,11 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
         values = cache.lookup(prompt_set.prompt_ids, path=path)
         log.info("reference cache: %s (%d distinct prompts; the training set's %d read from it)", path,
                  len(cache.entries), len(prompt_set.prompt_ids))
+        changed = reweight_for_training_set(cache.entries, prompt_set.prompt_ids)   # built with other prompts too
+        if changed:
+            log.info("reference cache: w(q) of %d training prompts recomputed over the training set (the stored "
+                     "ones are relative to all %d prompts the cache was built with)", changed, len(cache.entries))
+            values = cache.lookup(prompt_set.prompt_ids, path=path)
         return cache, path, values
     log.info("reference cache: computing ell_theta0(q) for the training set's %d prompts (%d distinct) with %s",
              len(prompt_set.prompt_ids), len(set(map(tuple, prompt_set.prompt_ids))), model_path)

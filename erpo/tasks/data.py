@@ -59,6 +59,11 @@ def load_dataset_records(source: str, split: str = "train", problem_field: str =
     return [record for _, record in located], [where for where, _ in located]
 
 
+def through_chat_template(tokenizer, use_chat_template: bool) -> bool:
+    """Whether a prompt is rendered through the tokenizer's chat template (asked for, and the tokenizer has one)."""
+    return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+
+
 def build_prompt(tokenizer, problem: str, template: str = "paper", use_chat_template: bool = True) -> str:
     """The prompt text for `problem`: `template` ("paper", "plain" or a string with {problem}) as one user turn
     through the tokenizer's chat template (with the generation prompt), or the bare text without one."""
@@ -66,7 +71,7 @@ def build_prompt(tokenizer, problem: str, template: str = "paper", use_chat_temp
     if "{problem}" not in fmt:
         raise ValueError(f"data.template must be 'paper', 'plain' or contain '{{problem}}', got {template!r}")
     content = fmt.replace("{problem}", problem.strip())
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
+    if through_chat_template(tokenizer, use_chat_template):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     return content
@@ -74,9 +79,13 @@ def build_prompt(tokenizer, problem: str, template: str = "paper", use_chat_temp
 
 def encode_prompt(tokenizer, problem: str, template: str = "paper",
                   use_chat_template: bool = True) -> tuple[str, list[int]]:
-    """(prompt text of `build_prompt`, its token ids): one encoding for training and evaluation alike."""
+    """(prompt text of `build_prompt`, its token ids): one encoding for training and evaluation alike. A chat
+    template writes the special tokens it wants (a BOS among them) into the text, so that text is tokenized without
+    the tokenizer's own; bare text gets them (Llama's or Gemma's BOS), as TRL's `tokenizer(prompt)` and a text
+    prompt to vLLM do: a BOS-trained model scored without its BOS sees a prompt it never saw."""
     prompt = build_prompt(tokenizer, problem, template, use_chat_template)
-    return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bare = not through_chat_template(tokenizer, use_chat_template)
+    return prompt, tokenizer(prompt, add_special_tokens=bare)["input_ids"]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from erpo.reference.cache import (
     compute_query_logp,  # noqa: E402
     prompt_hash,
 )
-from erpo_kernels import fused_linear_token_logprobs, token_logprobs  # noqa: E402
+from erpo_kernels import fused_linear_token_logprobs, query_weights, token_logprobs  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -606,6 +606,20 @@ def test_precompute_ref_cache_is_used(tiny, tmp_path, conversational):
         make_trainer(tiny, tmp_path / "run", conversational=conversational, qkl_coef=0.5, ref_cache=other_cache)
 
 
+def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path):
+    """A `ref_cache` built for six prompts (another run's, or `erpo precompute-ref`'s on a larger data set) serves a
+    train_dataset of three of them with appendix C's weights over those three, not the stored ones."""
+    path = str(tmp_path / "cache.json")
+    stored = make_trainer(tiny, tmp_path / "all", ref_cache=path).reference_cache.entries
+    subset = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:3]])
+    trainer = make_trainer(tiny, tmp_path / "subset", ref_cache=path, train_dataset=subset)
+    keys = [prompt_hash(ids) for ids in trainer._prompt_ids(subset)]
+    ell = torch.tensor([stored[k][0] for k in keys], dtype=torch.float64)
+    weights = torch.tensor([trainer.reference_cache.entries[k][1] for k in keys])
+    torch.testing.assert_close(weights, query_weights(ell))
+    assert (weights - torch.tensor([stored[k][1] for k in keys])).abs().max() > 0.01
+
+
 def test_evaluate_with_the_query_kl(tiny, tmp_path):
     """Eval prompts (TRL's dict of eval datasets) get ell_theta0(q) at start, in the same cache, with the training
     prompts' entries unchanged and w(q) scaled by the training prompts' mean surprisal; evaluation then runs the
@@ -839,6 +853,19 @@ def tiny_gemma2(tmp_path_factory, tiny):
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
+def test_cached_query_kl_is_zero_past_theta0_with_the_cap_and_a_temperature(tiny_gemma2, tmp_path, fused_linear):
+    """The cache of a soft-capped Gemma-2 at temperature 0.7 holds ell_theta0(q) as the loss scores ell_theta(q)
+    (cap, then / T, on either path): read from the cache (theta0 left, weights unchanged, eager attention in fp32)
+    the Query-KL and its gradient are exactly 0. A cache at T = 1, or without the cap, is off by far more."""
+    trainer = make_trainer(tiny_gemma2, tmp_path, qkl_coef=1.0, query_weight="none", beta=0.0, temperature=0.7,
+                           fused_linear=fused_linear, model_init_kwargs={"attn_implementation": "eager"})
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 1, False
+    trainer.model.train()
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, masked_completions(trainer))
+    assert loss.item() == 0.0 and grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
 def test_gemma2_softcap_equals_trl(tiny_gemma2, tmp_path, fused_linear):
     """A Gemma-2 with final_logit_softcapping is no longer refused with fused_linear=True: both paths give TRL's loss
     and gradients on the model's own (capped) logits."""
@@ -932,6 +959,43 @@ def test_unknown_logit_transform_is_refused(tiny, tmp_path):
                     train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]))
 
 
+def test_absolute_position_model_is_refused(tiny, tmp_path):
+    """TRL's forward gives a left-padded prompt positions counted from its padding. A GPT-2 (learned absolute
+    positions) then scores a prompt by its padding: with the weights unchanged and theta0 left, the Query-KL of
+    `masked_completions` (one pad token on two prompts) was 0.016 with gradient entries up to 0.37, silently. It
+    is refused when the loss reads ell_theta0(q), and trains without it (qkl_coef=0, query_weight='none')."""
+    tokenizer = tiny[1]
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
+                                     pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    gpt2 = (str(tmp_path / "gpt2"), tokenizer)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel adds absolute position embeddings.*qkl_coef=0"):
+        make_trainer(gpt2, tmp_path / "erpo")
+    assert make_trainer(gpt2, tmp_path / "grpo", qkl_coef=0.0, query_weight="none").reference_cache is None
+
+
+def test_dropout_is_refused_with_the_query_kl_unless_disabled(tiny, tmp_path):
+    """A model whose config keeps dropout (here attention_dropout, which HF attention applies itself in train mode,
+    out of reach of TRL's nn.Dropout switch) scores a noisy ell_theta(q) against the cache's, scored without it:
+    refused with the Query-KL. disable_dropout=True switches every dropout off (erpo's disable_dropout too), and the
+    cached Query-KL past theta0 is then exactly 0."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    model.config.attention_dropout = 0.3
+    model.save_pretrained(tmp_path / "dropout")
+    noisy = (str(tmp_path / "dropout"), tiny[1])
+    eager = {"attn_implementation": "eager"}
+    with pytest.raises(ValueError, match=r"trains with dropout \(attention_dropout=0.3\).*disable_dropout=True"):
+        make_trainer(noisy, tmp_path / "on", disable_dropout=False, model_init_kwargs=eager)
+    trainer = make_trainer(noisy, tmp_path / "off", qkl_coef=1.0, query_weight="none", beta=0.0,
+                           model_init_kwargs=eager)   # make_trainer's disable_dropout=True
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 1, False
+    trainer.model.train()
+    loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, masked_completions(trainer))
+    assert loss.item() == 0.0 and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused", "logits"])
@@ -949,6 +1013,25 @@ def test_query_kl_is_exactly_zero_at_theta0(tiny, tmp_path, bf16, fused_linear, 
         loss, grads = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
         assert loss.item() == 0.0
         assert grads and all(g.abs().max().item() == 0.0 for g in grads.values())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_query_kl_is_alpha_times_the_mean_over_the_steps_samples(tiny, tmp_path, loss_type):
+    """The paper's alpha * mean_s k3(r_s) over the optimizer step's samples, whatever TRL's loss_type normalizes the
+    policy term by: a micro-batch of 4 samples under gradient accumulation 2 contributes alpha * sum k3 / 8. The
+    cache's ell_theta0(q) is the forward's own (eager, fp32: bit for bit, as above) plus a known r per prompt."""
+    trainer = make_trainer(tiny, tmp_path, loss_type=loss_type, qkl_coef=0.3, query_weight="none", beta=0.0,
+                           gradient_accumulation_steps=2, model_init_kwargs={"attn_implementation": "eager"})
+    trainer.current_gradient_accumulation_steps, trainer.at_theta0 = 2, False
+    trainer.model.train()
+    inputs = masked_completions(trainer)
+    drift = torch.tensor([0.5, -1.0, 1.5, -0.3], dtype=torch.float64)
+    for ids, r in zip(inputs[PROMPT_TOKEN_IDS], drift):
+        ell, weight = trainer.reference_cache.entries[prompt_hash(ids)]
+        trainer.reference_cache.entries[prompt_hash(ids)] = (ell + float(r), weight)
+    loss, _ = loss_and_grads(trainer, ERPOTrainer._compute_loss, inputs)
+    expected = 0.3 * (drift.exp() - drift - 1).sum() / (4 * 2)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
 
 
 def theta0_trainer(tiny, tmp_path, *, bf16=False, fused_linear=False, attention="eager"):

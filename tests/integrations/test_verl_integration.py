@@ -27,14 +27,15 @@ from erpo.integrations.verl import (  # noqa: E402
     load_or_build_reference,
 )
 from erpo.models.tiny import build_tokenizer  # noqa: E402
-from erpo.reference.cache import prompt_hash  # noqa: E402
-from erpo_kernels import erpo_loss, from_padded  # noqa: E402
+from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded, query_weights  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
 PROMPTS = ["1+1=", "22+3=", "7*8=", "3*33="]
 RESPONSE_LENGTHS = (6, 4, 5, 3)
 OFF = ERPOSettings(qkl_coef=0.0, query_weight="none")
+FP32 = torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +238,21 @@ def test_query_kl_equals_erpo_loss_on_an_hf_forward(tiny):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_query_kl_is_alpha_times_the_mean_over_the_mini_batch(tiny, mode):
+    """Whatever verl's loss_agg_mode does to the response terms (seq-mean-token-sum-norm divides them by a horizon),
+    the Query-KL adds alpha * mean_s k3(r_s) over the mini-batch's samples: with r = 0.7 on every prompt, the loss
+    summed over the micro-batches grows by alpha * k3(0.7) against qkl_coef = 0."""
+    engine = engine_for(tiny, use_remove_padding=True)
+    config = actor_config(loss_agg_mode=mode, loss_scale_factor=32 if mode == "seq-mean-token-sum-norm" else None)
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data, offset=0.7)
+    losses = [sum(verl_engine.loss_and_grads(engine, data, erpo_loss_fn(
+        config, ERPOSettings(qkl_coef=alpha, query_weight="none"), reference))[0]["loss"]) for alpha in (0.0, 0.3)]
+    assert losses[1] - losses[0] == pytest.approx(0.3 * (math.exp(0.7) - 0.7 - 1), rel=1e-4)
+
+
 def test_query_kl_is_zero_at_theta0(tiny):
     """ell_theta0 = ell_theta (w = 1): the Query-KL is 0 (fp32 rounding) and the gradient is verl's."""
     engine = engine_for(tiny, use_remove_padding=True)
@@ -249,6 +265,62 @@ def test_query_kl_is_zero_at_theta0(tiny):
     assert_same(ours, verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config)), rel=1e-5)
 
 
+def gpu_cross_entropy(logits, labels, inplace_backward=True):
+    """verl's log-probs as on a GPU with flash-attn (its default install): the cross entropy in fp32 from the
+    half-precision logits. On a CPU verl's fallback rounds each log-prob to bf16 (a random 0.01 nats a token)."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch, temperature):
+    """verl's default bf16 mixed precision, prompts of 1000 and 500 tokens: the cache scored in the actor's
+    param_dtype gives a Query-KL at theta0 of bf16 kernel rounding (the cache's padded forward against the engine's
+    packed one): 8.6e-6 on the CPU (2026-11-27), where the fp32 cache of before gave 2.6e-4 (30x) on this one-layer
+    model, a gap that grows with depth and prompt length. At temperature 0.7 verl divides the bf16 logits by 0.7
+    rounded to bf16 (0.69921875), and so does the cache: 2.3e-5 (the fp32 cache 1.3e-4; dividing the bf16 logits
+    by 0.7 in fp32 instead: 2.4e-4). A bf16 run refuses the fp32 cache, naming the precision."""
+    import verl.workers.engine.fsdp.transformer_impl as engine_impl
+    from verl.utils import tensordict_utils as tu
+    monkeypatch.setattr(engine_impl, "logprobs_from_logits", gpu_cross_entropy)
+    _, tokenizer, model = tiny
+    engine = engine_for(tiny, param_dtype="bf16", max_token_len=4096)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (1000, 500)]
+    data = verl_engine.set_engine_keys(engine, verl_engine.actor_batch(model, prompts, [[5, 6, 7], [8, 9]],
+                                                                       pad_id=tokenizer.pad_token_id),
+                                       calculate_entropy=False)
+    tu.assign_non_tensor(data, temperature=temperature)
+    config = actor_config(ppo_mini_batch_size=2, use_kl_loss=False, entropy_coeff=0.0)
+    qkl = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", FP32)):
+        reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=str(tmp_path / f"{name}.json"),
+                                            temperature=temperature, param_dtype=dtype)
+        loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
+        qkl[name] = metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])["actor/qkl"][0]
+    assert qkl["bf16"] < 5e-5 and qkl["fp32"] > 5 * qkl["bf16"]
+    with pytest.raises(ValueError, match="precision: cache built with dtype=float32,autocast=off.*dtype=bfloat16,"
+                                         "autocast=bfloat16,path=logits"):
+        load_or_build_reference(tiny[0], tokenizer, prompts, path=str(tmp_path / "fp32.json"),
+                                temperature=temperature, param_dtype=torch.bfloat16)
+
+
+def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
+    """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache built at it: the Query-KL
+    at theta0 is fp32 rounding; a cache at T = 1 is far off."""
+    from verl.utils import tensordict_utils as tu
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    tu.assign_non_tensor(data, temperature=0.7)
+    config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
+    qkl = {}
+    for temperature in (0.7, 1.0):
+        reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(data), temperature=temperature,
+                                            path=str(tmp_path / f"{temperature}.json"), param_dtype=FP32)
+        loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
+        qkl[temperature] = max(metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])["actor/qkl"])
+    assert qkl[0.7] < 1e-9 and qkl[1.0] > 1e-2
+
+
 def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
     """verl's own train_batch (zero_grad, forward/backward over micro-batches, optimizer step) with the ERPO loss
     and a cache built at start from the model directory: theta moves, the Query-KL becomes > 0."""
@@ -256,7 +328,8 @@ def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
     config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
     data = batch(tiny, engine, entropy=False)
     reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(batch(tiny, engine, nested=False)),
-                                        path=str(tmp_path / "cache.json"), temperature=1.0)
+                                        path=str(tmp_path / "cache.json"), temperature=1.0,
+                                        param_dtype=torch.float32)
     loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=0.5), reference)
     before = {n: p.full_tensor().clone() for n, p in engine.module.named_parameters()}
     with engine.train_mode():
@@ -282,21 +355,21 @@ def test_cache_of_another_model_or_tokenizer_is_refused(tiny, tmp_path):
     path, tokenizer, _ = tiny
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     cache = str(tmp_path / "cache.json")
-    reference = load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0)
+    reference = load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
     assert reference.lookup(prompts)[0].lt(0).all()
     other = tmp_path / "other"
     tiny_test_model(tokenizer, seed=1).save_pretrained(other)
     with pytest.raises(ValueError, match="does not match this run: model"):
-        load_or_build_reference(str(other), tokenizer, prompts, path=cache, temperature=1.0)
+        load_or_build_reference(str(other), tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
     changed = build_tokenizer()
     changed.chat_template = "{{ messages }}"
     with pytest.raises(ValueError, match="does not match this run: tokenizer"):
-        load_or_build_reference(path, changed, prompts, path=cache, temperature=1.0)
+        load_or_build_reference(path, changed, prompts, path=cache, temperature=1.0, param_dtype=FP32)
     with pytest.raises(ValueError, match="temperature"):
-        load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=0.7)
+        load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=0.7, param_dtype=FP32)
     with pytest.raises(ValueError, match="has no ell_theta0"):
         load_or_build_reference(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]], path=cache,
-                                temperature=1.0)
+                                temperature=1.0, param_dtype=FP32)
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -393,6 +466,19 @@ def run_config(tiny, tmp_path, **erpo):
     return config
 
 
+def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path):
+    """A cache built for four prompts serves a training set of two of them with appendix C's weights over those
+    two, not the stored ones (relative to the four)."""
+    tokenizer = tiny[1]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = str(tmp_path / "cache.json")
+    everyone = load_or_build_reference(tiny[0], tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
+    subset = load_or_build_reference(tiny[0], tokenizer, prompts[1:3], path=cache, temperature=1.0, param_dtype=FP32)
+    ell, weights = subset.lookup(prompts[1:3])
+    torch.testing.assert_close(weights, query_weights(ell.double()))
+    assert (weights - everyone.lookup(prompts[1:3])[1]).abs().max() > 0.01
+
+
 def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatch):
     """`trainer.v1.trainer_mode=erpo` is registered with verl; after verl's own setup the trainer builds the cache
     for the training prompts (tokenized as verl's agent loop does) and sets the ERPO loss on the actor workers.
@@ -423,7 +509,27 @@ def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatc
                                            tokenize=True)["input_ids"] for p in PROMPTS]
     ell, weight = loss_fn.keywords["reference"].lookup(prompts)
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
-    assert os.path.exists(tmp_path / "ckpt" / "erpo_reference_cache.json")
+    cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
+    assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=logits")   # verl's default actor
+
+
+def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
+    """verl trains the actor in train mode with its config's dropout (an OPT's 0.1, an attention_dropout), which
+    would make ell_theta(q) noisy against the cache's, scored without it. Checked on the meta device, no weights."""
+    pytest.importorskip("transfer_queue")
+    import transformers
+
+    from erpo.integrations.verl_trainer import check_actor_dropout
+    config = transformers.AutoConfig.from_pretrained(tiny[0], attn_implementation="sdpa")
+    check_actor_dropout(config)          # the tiny Qwen2: none; its config is left as it was
+    assert config._attn_implementation == "sdpa"
+    config.attention_dropout = 0.2
+    with pytest.raises(ValueError, match=r"Qwen2Config trains with dropout \(attention_dropout=0.2\).*override_config"):
+        check_actor_dropout(config)
+    opt = transformers.OPTConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                 ffn_dim=64, word_embed_proj_dim=32)
+    with pytest.raises(ValueError, match=r"OPTConfig trains with dropout \(dropout=0.1\)"):
+        check_actor_dropout(opt)
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -468,5 +574,6 @@ def test_precompute_ref_cache_is_read(tiny, tmp_path):
     tokenizer = load_tokenizer(tiny[0])
     prompts = training_prompt_ids([{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS], tokenizer,
                                   hf_model_type="qwen2", chat_template_kwargs={}, prompt_length=1024)
-    reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0)
+    reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0,
+                                        param_dtype=torch.float32)
     assert reference.entries[key][0] == -123.0

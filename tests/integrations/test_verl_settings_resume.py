@@ -45,10 +45,12 @@ def test_setting_trains_saves_and_resumes(tiny, tmp_path, case, monkeypatch):  #
     engine_settings, actor_settings, erpo_settings, entropy = CASES[case]
     config = actor_config(**actor_settings)
     settings = ERPOSettings(**erpo_settings)
+    param_dtype = torch.bfloat16 if engine_settings.get("param_dtype") == "bf16" else torch.float32   # the actor's
 
     def loss_fn(engine):   # the cache read from its file each time, as a restarted verl run reads it
         reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(batch(tiny, engine, nested=False)),
-                                            path=str(tmp_path / "cache.json"), temperature=1.0)
+                                            path=str(tmp_path / "cache.json"), temperature=1.0,
+                                            param_dtype=param_dtype)
         return erpo_loss_fn(config, settings, reference if settings.needs_reference else None)
 
     engine = verl_engine.build_engine(tiny[0], lr=1e-2, **engine_settings)

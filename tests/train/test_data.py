@@ -1,8 +1,10 @@
 """erpo.tasks.data and erpo.models.tiny: arithmetic generator, JSONL/JSON/Parquet loading, the paper's prompt,
 tokenization."""
+import copy
 import json
 
 import pytest
+from tokenizers import processors
 from transformers import AutoTokenizer
 
 from erpo.errors import UserError
@@ -114,6 +116,23 @@ def test_paper_prompt_through_chat_template(tokenizer):
     assert text == "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and tokenizer.decode(ids) == text
     assert len(ids) == 3 + len("user\nWhat is 1+1?" "\n" "assistant\n")  # 3 chat tokens, 1 id per character
+
+
+def test_the_bos_is_in_every_prompt_once(tokenizer):
+    """A tokenizer that adds a BOS (as Llama's and Gemma's do): bare text gets it from the tokenizer (it had none:
+    a BOS-trained model scored every prompt without it), a chat template that writes it gets it from the template
+    only (once)."""
+    bos = copy.deepcopy(tokenizer)
+    bos.add_special_tokens({"bos_token": "<s>"})
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                         special_tokens=[("<s>", bos.bos_token_id)])
+    bos.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    text, bare = encode_prompt(bos, "1+1", "plain", use_chat_template=False)
+    assert bare == [bos.bos_token_id] + tokenizer(text)["input_ids"]
+    text, templated = encode_prompt(bos, "1+1", "plain", use_chat_template=True)
+    assert text == "<s>[1+1]" and templated.count(bos.bos_token_id) == 1 and templated[0] == bos.bos_token_id
+    bos.chat_template = None   # a base model without a chat template: the bare text, with the BOS
+    assert encode_prompt(bos, "1+1", "plain", use_chat_template=True)[1] == bare
 
 
 def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):

@@ -328,6 +328,19 @@ def test_cache_refuses_other_settings(tmp_path, tiny_model_dir):
                  progress=False)
 
 
+def test_cache_refuses_samples_of_other_prompt_tokens(tmp_path, tiny_model_dir, monkeypatch):
+    """Samples made from other prompt token ids (another tokenizer, chat template or prompt encoding: a bare
+    prompt without the BOS of before) are not reused: the cache records the ids' hash."""
+    import erpo.eval.sampling as sampling
+    models, benches = parse_models([tiny_model_dir]), [load_benchmark("synthetic#n=2")]
+    evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3, progress=False)
+    encode = sampling.encode_prompt
+    monkeypatch.setattr(sampling, "encode_prompt", lambda *a, **kw: (encode(*a, **kw)[0], [0] + encode(*a, **kw)[1]))
+    with pytest.raises(ValueError, match="prompt_ids_sha256"):
+        evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3,
+                 progress=False)
+
+
 def test_eval_validates_arguments(tmp_path, tiny_model_dir):
     models, benches = parse_models([tiny_model_dir]), [load_benchmark("synthetic#n=2")]
     for bad, match in [(dict(k=0), "k must"), (dict(temperatures=[0.0]), "temperatures"),

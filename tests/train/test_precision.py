@@ -15,6 +15,13 @@ def tiny_lm(kind: str, **extra):
     if kind == "gemma2":
         config = transformers.Gemma2Config(**common, final_logit_softcapping=2.0, **extra)
         cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":   # its text config; a sliding window shorter than the longest prompt + response
+        config = transformers.Gemma3TextConfig(**common, final_logit_softcapping=2.0, sliding_window=4, **extra)
+        cls = transformers.Gemma3ForCausalLM
+    elif kind == "qwen3_moe":   # no logit transform; tied embeddings, 2 of 4 experts per token
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                             tie_word_embeddings=True, **extra)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         config = transformers.GraniteConfig(**common, logits_scaling=0.25, **extra)
         cls = transformers.GraniteForCausalLM
@@ -29,7 +36,7 @@ PROMPTS = [[1, 5, 9, 14, 3], [1, 7, 7], [1, 30, 31, 32, 33, 34]]
 RESPONSES = [[4, 8], [11, 12, 13], [2]]
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite"])
 def test_scored_token_logp_is_the_models_own(kind):
     """erpo train's scoring path equals log_softmax of the model's own logits (transform included), fp32."""
     model = tiny_lm(kind)
@@ -76,7 +83,7 @@ def test_format_1_cache_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "granite", "qwen3_moe"])
 def test_query_kl_is_exactly_zero_at_theta0(kind, dtype):
     """erpo train's path at theta0 (model.dtype fp32 or bf16, no autocast), on one CPU thread: ell_theta0(q) of the
     reference cache (prompts alone) and ell_theta(q) of the loss (prompt + response, as update_step scores it) are
@@ -108,3 +115,56 @@ def check_query_kl_is_exactly_zero_at_theta0(kind, dtype):
     assert out.loss.item() == 0.0 and out.metrics["qkl"].item() == 0.0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.abs().max().item() == 0.0 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_query_kl_at_theta0_for_long_prompts_stays_at_rounding(dtype):
+    """erpo train's path at theta0 with prompts of 1000, 500 and 37 tokens at temperature 0.7, the cache's batches
+    (prompts alone, two at a time) shaped otherwise than the loss's (prompt + response, three): the Query-KL is
+    rounding at most (measured 0 in both dtypes on the CPU, 2026-11-27; 4.0e-8 in bf16 with erpo.models.tiny's
+    model). The bound catches a cache scored in another dtype (an fp32 cache against the bf16 weights: 4.2 nats off
+    on the 1000-token prompt, a Query-KL of 4.5) or at another temperature."""
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import final_hidden, logit_transforms
+    from erpo_kernels import fused_linear_erpo_loss
+    model = tiny_lm("granite").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (1000, 500, 37)]
+    responses = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (40, 7, 100)]
+    ell0 = compute_query_logp(model, prompts, pad_id=0, batch_size=2, temperature=0.7)
+    batch = pack(prompts, responses, 0, "cpu")
+    with torch.no_grad():
+        hidden = final_hidden(model, batch)
+    weight = model.get_output_embeddings().weight
+    out = fused_linear_erpo_loss(hidden.to(weight.dtype), weight, batch.targets, batch.token_kind, batch.sample_index,
+                                 advantages=torch.zeros(3), ref_query_logp=ell0.float(), qkl_coef=1.0, num_seqs=3,
+                                 temperature=0.7, **logit_transforms(model))
+    assert out.metrics["qkl"].item() < 1e-6
+    assert out.metrics["query_logp_mean"].item() == pytest.approx(ell0.mean().item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["opt", "qwen2-attention-dropout"])
+def test_the_policy_trains_without_dropout(kind, tmp_path):
+    """erpo train's policy (load_causal_lm, trainable) runs in train mode: a config's dropout (OPT's 0.1, an
+    attention_dropout that HF attention applies in train mode) made its ell_theta(q) noisy against the cache's
+    (eval mode), a Query-KL above 0 at theta0 (0.007-0.037 per sample on a tiny OPT). It is switched off: the
+    train-mode forward equals the cache's."""
+    from erpo.models.loading import load_causal_lm
+    from erpo.reference.cache import compute_query_logp
+    from erpo.sequences import per_sample_sum
+    common = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, pad_token_id=0)
+    if kind == "opt":
+        config = transformers.OPTConfig(**common, num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32)
+        assert config.dropout == 0.1
+    else:
+        config = transformers.Qwen2Config(**common, num_hidden_layers=1, intermediate_size=64, num_key_value_heads=1,
+                                          attention_dropout=0.5)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path), dtype=torch.float32, device="cpu", trainable=True)
+    ell0 = compute_query_logp(model, PROMPTS, pad_id=0, batch_size=3)
+    assert model.training
+    torch.manual_seed(1)
+    batch = pack(PROMPTS, RESPONSES, 0, "cpu")
+    ell = per_sample_sum(scored_token_logp(model, batch), batch, kind=1)
+    torch.testing.assert_close(ell, ell0, rtol=1e-6, atol=1e-5)

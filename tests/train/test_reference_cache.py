@@ -232,6 +232,40 @@ def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, mo
         torch.testing.assert_close(w, expected[1], rtol=0, atol=0)
 
 
+def test_precompute_reference_scores_at_the_rollout_temperature(setup, tmp_path):
+    """`erpo precompute-ref` scores ell_theta0(q) at rollout.temperature, the loss's temperature (logits / T), and
+    records it: at T = 0.7 the values are the manual log-likelihood at 0.7, not at 1."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}", "rollout.temperature=0.7"]))
+    prompt_set = PromptSet([{}] * len(prompts), ["p"] * len(prompts), prompts, ["a"] * len(prompts))
+    cache, _, (ell, _) = reference_setup.precompute_reference(
+        cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer, prompt_set=prompt_set)
+    at = {t: torch.tensor([manual_query_logp(model, p, t) for p in prompts]) for t in (0.7, 1.0)}
+    torch.testing.assert_close(ell, at[0.7].float(), atol=1e-3, rtol=1e-5)
+    assert (ell - at[1.0]).abs().min() > 0.1 and cache.template.endswith("|temperature=0.7")
+
+
+def test_a_cache_of_more_prompts_gives_the_training_sets_weights(setup, tmp_path):
+    """w(q) = clip(mean(s) / s_q, 0, 2) with mean(s) over the training set (appendix C). A cache built with more
+    prompts (a larger data set, or prompts a later data.max_prompt_length drops) stores w relative to all of them:
+    training on two of its three prompts takes the two's own weights, not the stored ones (which differed)."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+
+    def run(ids):
+        prompt_set = PromptSet([{}] * len(ids), ["p"] * len(ids), ids, ["a"] * len(ids))
+        return reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"),
+                                                    tokenizer=tokenizer, prompt_set=prompt_set)
+    cache, _, _ = run(prompts)
+    subset = [prompts[1], prompts[2], prompts[1]]     # a repeated prompt counts once in mean(s)
+    _, _, (ell, w) = run(subset)
+    distinct = ell[:2].double()
+    torch.testing.assert_close(w, query_weights(ell.double(), mean_surprisal=float(-distinct.mean())))
+    assert (w - cache.lookup(subset)[1]).abs().max() > 0.01
+
+
 def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_path):
     """Every rank needs the run's identity, but hashing a 15 GB model on each of 8 ranks at once would stall the
     start: rank 0 hashes and the others receive its fingerprint."""

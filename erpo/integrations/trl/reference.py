@@ -24,7 +24,13 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from erpo.models.lora import reference_model
-from erpo.reference.cache import ReferenceCache, build_reference_cache, prompt_hash, with_temperature
+from erpo.reference.cache import (
+    ReferenceCache,
+    build_reference_cache,
+    prompt_hash,
+    reweight_for_training_set,
+    with_temperature,
+)
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import query_weights, token_logprobs
@@ -34,6 +40,7 @@ logger = logging.get_logger(__name__)
 PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one, when an environment owns the data
 PROMPT_TOKEN_IDS = "erpo_prompt_token_ids"  # the inputs' key of each sample's prompt token ids, a host list [B]
+PADDING_PROBE = (16, 4)  # `check_left_padding`: a prompt's first 16 tokens, 4 pad tokens before them
 
 
 def device_prompt_ids(inputs: dict) -> list:
@@ -81,6 +88,34 @@ def with_copied_closure(value, memo: dict):
         with contextlib.suppress(ValueError):   # an empty cell stays empty
             cell.cell_contents = with_copied_closure(original.cell_contents, memo)
     return function
+
+
+def check_left_padding(model: torch.nn.Module, prompt_ids: list[int], pad_id: int) -> None:
+    """ValueError unless the embedding output (hidden_states[0]) of a prompt's first tokens is the same left-padded
+    as unpadded (relative 1e-3). TRL's forward gives a left-padded prompt no position_ids, so its positions count from
+    the padding: a model that adds absolute position embeddings there (GPT-2, GPT-Neo, StarCoder 1, XGLM, BioGPT)
+    then scores a prompt by how much the batch pads it, and ell_theta(q) does not match the cached ell_theta0(q) (an
+    unchanged GPT-2 got a Query-KL of 0.016 from one pad token). Rotary and ALiBi models (Qwen, Llama, Gemma, BLOOM)
+    and OPT (positions from the mask) put nothing position-dependent there: equal bit for bit."""
+    tokens, pads = PADDING_PROBE
+    ids = list(prompt_ids[:tokens])
+    n, device = len(ids), next(model.parameters()).device
+    input_ids = torch.tensor([ids + [pad_id] * pads, [pad_id] * pads + ids], device=device)
+    mask = torch.tensor([[1] * n + [0] * pads, [0] * pads + [1] * n], device=device)
+    was_training = model.training
+    model.eval()   # GPT-2's hidden_states[0] comes after its embedding dropout
+    try:
+        with torch.no_grad():
+            embedded = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
+                             use_cache=False).hidden_states[0].float()
+    finally:
+        model.train(was_training)
+    plain, shifted = embedded[0, :n], embedded[1, pads:]
+    if not torch.allclose(shifted, plain, rtol=1e-3, atol=1e-3 * plain.abs().max().item()):
+        raise ValueError(f"{type(model).__name__} adds absolute position embeddings, which TRL's forward counts from "
+                         "a left-padded prompt's padding, so ell_theta(q) would depend on the batch and not match the "
+                         "cached ell_theta0(q); use a model with rotary or ALiBi positions, or set qkl_coef=0 and "
+                         "query_weight='none' or 'current'")
 
 
 class ReferenceMixin:
@@ -174,6 +209,9 @@ class ReferenceMixin:
         model as passed; then add the eval prompts it lacks, and save it there when it changed."""
         path = self.reference_cache_path
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
+        if train_ids:
+            pad_id = self._tokenizer.pad_token_id
+            check_left_padding(self.model, train_ids[0], self._tokenizer.eos_token_id if pad_id is None else pad_id)
         identity = dict(model_id=str(self.model.config._name_or_path), tokenizer_id=str(self._tokenizer.name_or_path),
                         tokenizer_fp=tokenizer_fingerprint(self._tokenizer))
         if os.path.exists(path):
@@ -183,7 +221,7 @@ class ReferenceMixin:
                                    remedy=REBUILD)
             self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
                                "built). " + REBUILD)
-            changed = False
+            changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
         elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
             cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=weights_fingerprint(self.model),
                                    tokenizer_id=identity["tokenizer_id"],
