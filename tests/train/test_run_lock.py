@@ -34,11 +34,13 @@ def test_acquire_writes_who_holds_it_and_release_removes_it(tmp_path):
     lock = RunLock(tmp_path / "run").acquire()
     body = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
     assert body["pid"] == os.getpid() and body["host"] == lock.body["host"] and "command" in body
-    assert RunLock(tmp_path / "run").acquire().held      # this same process: taken again, not refused
+    again = RunLock(tmp_path / "run").acquire()
+    assert again.held                                    # this same process: taken again, not refused
     lock.release()
     assert not (tmp_path / "run" / LOCK_NAME).exists()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []   # no temporary file left either
     lock.release()                                       # idempotent
+    again.release()   # its heartbeat stopped: it would log "taken by nobody" at the next beat, in a later test
 
 
 def test_a_live_holder_on_this_machine_is_refused_then_taken_over_once_dead(tmp_path, other_process, caplog):
