@@ -82,10 +82,16 @@ def encode_prompt(tokenizer, problem: str, template: str = "paper",
     """(prompt text of `build_prompt`, its token ids): one encoding for training and evaluation alike. A chat
     template writes the special tokens it wants (a BOS among them) into the text, so that text is tokenized without
     the tokenizer's own; bare text gets them (Llama's or Gemma's BOS), as TRL's `tokenizer(prompt)` and a text
-    prompt to vLLM do: a BOS-trained model scored without its BOS sees a prompt it never saw."""
+    prompt to vLLM do: a BOS-trained model scored without its BOS sees a prompt it never saw. An EOS that the
+    tokenizer appends to bare text (`add_eos_token=True`, kept from SFT) is left out: a prompt ending in EOS asks for
+    no response."""
     prompt = build_prompt(tokenizer, problem, template, use_chat_template)
     bare = not through_chat_template(tokenizer, use_chat_template)
-    return prompt, tokenizer(prompt, add_special_tokens=bare)["input_ids"]
+    ids = tokenizer(prompt, add_special_tokens=bare)["input_ids"]
+    eos = tokenizer.eos_token
+    if bare and ids and eos is not None and ids[-1] == tokenizer.eos_token_id and not prompt.endswith(eos):
+        ids = ids[:-1]
+    return prompt, ids
 
 
 @dataclass

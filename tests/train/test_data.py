@@ -135,6 +135,21 @@ def test_the_bos_is_in_every_prompt_once(tokenizer):
     assert encode_prompt(bos, "1+1", "plain", use_chat_template=True)[1] == bare
 
 
+def test_an_eos_the_tokenizer_appends_to_bare_text_is_left_out(tokenizer):
+    """A tokenizer that adds BOS and EOS (`add_eos_token=True`, as an SFT setup leaves it): the bare prompt keeps the
+    BOS and ends without the EOS (a prompt ending in EOS asks for no response); an EOS the text itself ends with
+    stays."""
+    both = copy.deepcopy(tokenizer)
+    both.add_special_tokens({"bos_token": "<s>"})
+    specials = [("<s>", both.bos_token_id), (both.eos_token, both.eos_token_id)]
+    both.backend_tokenizer.post_processor = processors.TemplateProcessing(single=f"<s> $A {both.eos_token}",
+                                                                          special_tokens=specials)
+    text, ids = encode_prompt(both, "1+1", "plain", use_chat_template=False)
+    assert ids == [both.bos_token_id] + tokenizer(text)["input_ids"]
+    text, ids = encode_prompt(both, "1+1" + both.eos_token, "plain", use_chat_template=False)
+    assert text.endswith(both.eos_token) and ids[-1] == both.eos_token_id and ids.count(both.eos_token_id) == 2
+
+
 def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):
     records = [{"problem": "1+1=?", "answer": "2"}, {"problem": "   ", "answer": "0"},
                {"problem": "9" * 80, "answer": "9"}, {"problem": "3+3=?", "answer": None}]
