@@ -150,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # the subcommand's name and help, not the top-level ones
-        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:   # the parser whose options they were meant for: the top level's before the command, else its own
+        before = argv[:argv.index(args.command)] if args.command in argv else []
+        early = [word for word in unknown if word in before]
+        (parser if early else parser.commands[args.command]).error(
+            f"unrecognized arguments: {' '.join(early or unknown)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

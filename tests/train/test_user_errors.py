@@ -222,6 +222,7 @@ def test_an_unknown_option_is_one_line_naming_it_and_the_help(capsys, argv, unkn
 
 @pytest.mark.parametrize("argv, culprit", [
     ([], "the following arguments are required: COMMAND"),               # missing
+    (["--foo", "train", "--bar"], "unrecognized arguments: --foo"),       # before the command: the top level's
     (["trian"], "argument COMMAND: invalid choice: 'trian'"),             # bad choice
     (["--local_rank", "x", "train"], "argument --local_rank/--local-rank: invalid int value: 'x'"),   # bad type
     (["--debug"], "the following arguments are required: COMMAND")])
