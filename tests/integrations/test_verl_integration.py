@@ -23,12 +23,15 @@ from erpo.integrations.verl import (  # noqa: E402
     QueryReference,
     actor_rows,
     check_actor_config,
+    engine_scorer,
     erpo_loss_fn,
     load_or_build_reference,
 )
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
-from erpo_kernels import erpo_loss, from_padded, query_weights  # noqa: E402
+from erpo.sequences import pack  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded, query_weights, token_logprobs  # noqa: E402
+from family_models import tiny_lm  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -302,6 +305,35 @@ def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch,
                                          "autocast=bfloat16,path=logits"):
         load_or_build_reference(tiny[0], tokenizer, prompts, path=str(tmp_path / "fp32.json"),
                                 temperature=temperature, param_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma2", "granite"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_cache_scores_the_models_own_logits_a_bounded_block_at_a_time(kind, temperature):
+    """The bf16 cache's scorer forms the logits a block of at most chunk_bytes at a time (the lm_head's outputs,
+    counted by a hook), however many prompts and tokens the batch holds, and gives the log-probs of the model's own
+    whole logits [B, L, V] (its soft-cap or scaling, / temperature in bf16, as verl's engine) bit for bit."""
+    model = tiny_lm(kind).to(torch.bfloat16)
+    vocab = model.config.vocab_size
+    chunk_bytes = 7 * vocab * 2                     # 7 rows of bf16 logits
+    blocks = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: blocks.append((out.shape[0], out.numel() * out.element_size())))
+    g = torch.Generator().manual_seed(0)
+    try:
+        for lengths in ((40, 17, 29), (90, 3, 64, 51, 77)):
+            prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+            batch = pack(prompts, [[] for _ in prompts], 0, "cpu")
+            blocks.clear()
+            got = engine_scorer(model, torch.bfloat16, temperature, chunk_bytes=chunk_bytes)(batch)
+            assert max(size for _, size in blocks) == chunk_bytes < batch.input_ids.numel() * vocab * 2 / 10
+            assert sum(rows for rows, _ in blocks) == batch.targets.shape[0] == sum(lengths) - len(lengths)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+                logits = logits / torch.tensor(temperature).to(logits.dtype)
+            assert torch.equal(got, token_logprobs(logits.reshape(-1, vocab)[batch.rows], batch.targets))
+    finally:
+        hook.remove()
 
 
 def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
