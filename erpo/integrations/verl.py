@@ -115,6 +115,18 @@ def check_actor_config(config) -> None:
                          "(or set actor.use_kl_loss=false: the Query-KL replaces the Policy-KL)")
 
 
+def check_fused_kernels(use_fused_kernels: bool, settings: ERPOSettings) -> None:
+    """Refuse verl's fused log-prob kernels (`actor_rollout_ref.model.use_fused_kernels`) with the Query-KL: their
+    ell_theta(q) is not scored as the cache's ell_theta0(q) is (`engine_scorer`: the model's own logits in the
+    actor's dtype, / the temperature rounded to it). verl 0.9.1's torch backend divides the bf16 logits by the
+    temperature as a Python float and drops the model's logit transform (Gemma-2's soft-cap); its Triton backend
+    keeps the logits in fp32. Either gives a Query-KL above 0 at theta0."""
+    if use_fused_kernels and settings.qkl_coef != 0:
+        raise ValueError("actor_rollout_ref.model.use_fused_kernels=true scores ell_theta(q) otherwise than the "
+                         "cached ell_theta0(q) (a Query-KL above 0 at theta0); set it to false, or set "
+                         "+erpo.qkl_coef=0")
+
+
 @dataclass
 class ActorRows:
     """One micro-batch of verl's actor as erpo_kernels' rows: row i of the engine's full-sequence log-probs (the
@@ -233,9 +245,11 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     response_mask, old_log_probs, advantages, optional rollout_is_weights and ref_log_prob, and the global batch
     info dp_size / batch_num_tokens / global_batch_size verl's engine sets)."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric
 
     check_actor_config(config)
+    check_fused_kernels(tu.get_non_tensor_data(data, key="use_fused_kernels", default=False), settings)
     log_probs, entropy = model_output["log_probs"], model_output.get("entropy", None)
     token_logp = (log_probs.values() if log_probs.is_nested else log_probs).float()
     dp_size, batch_num_tokens, global_batch_size = data["dp_size"], data["batch_num_tokens"], data["global_batch_size"]

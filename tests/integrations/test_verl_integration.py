@@ -568,7 +568,9 @@ def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     ("algorithm.adv_estimator=gae", "adv_estimator=gae"),
     ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'")])
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'"),
+    ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true .*set it "
+                                                       r"to false, or set \+erpo.qkl_coef=0$")])
 def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
     pytest.importorskip("transfer_queue")
     from omegaconf import OmegaConf
@@ -579,6 +581,36 @@ def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, 
     config = OmegaConf.merge(config, OmegaConf.from_dotlist([setting]))
     with pytest.raises(ValueError, match=message):
         check_run_config(config, ERPOSettings())
+
+
+def test_fused_kernels_are_refused_with_the_query_kl_only(tiny, tmp_path):
+    """verl's fused log-prob kernels score ell_theta(q) otherwise than the cache (its torch backend divides bf16 logits
+    by the temperature as a Python float, its Triton backend keeps fp32 logits): refused with the Query-KL, at the
+    run's start and by the loss on a micro-batch that says so (`use_fused_kernels`, set by verl's worker); without
+    the Query-KL the loss is the same on such a micro-batch."""
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from verl.utils import tensordict_utils as tu
+
+    from erpo.integrations.verl_trainer import check_run_config
+    config = OmegaConf.merge(run_config(tiny, tmp_path),
+                             OmegaConf.from_dotlist(["actor_rollout_ref.model.use_fused_kernels=true"]))
+    check_run_config(config, ERPOSettings(qkl_coef=0.0))
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data)
+
+    def fused(loss_fn):   # the engine's forward as it is, its micro-batches marked as with fused kernels
+        def marked(model_output, data, dp_group=None):
+            tu.assign_non_tensor(data, use_fused_kernels=True)
+            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        return marked
+
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.use_fused_kernels=true scores ell_theta\(q\)"):
+        verl_engine.loss_and_grads(engine, data, fused(erpo_loss_fn(actor_config(), ERPOSettings(), reference)))
+    weighted = erpo_loss_fn(actor_config(), ERPOSettings(qkl_coef=0.0, query_weight="static"), reference)
+    assert verl_engine.loss_and_grads(engine, data, fused(weighted))[0]["loss"] == \
+        verl_engine.loss_and_grads(engine, data, weighted)[0]["loss"]
 
 
 def test_precompute_ref_cache_is_read(tiny, tmp_path):
