@@ -24,18 +24,21 @@ from functools import partial
 
 import torch
 
+from bench import verl_engine  # before verl: it selects its CPU platform, which verl reads once, on import
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=20, help="timed step pairs (one step of each loss)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args()
+    if args.pairs < 2:
+        parser.error(f"--pairs {args.pairs}: at least 2 (the per-pair ratio's quartiles need two pairs)")
     torch.set_num_threads(args.threads)
 
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    from bench import verl_engine
     from erpo.integrations.verl import ERPOSettings, erpo_loss_fn, load_or_build_reference
     from erpo.models.tiny import build_tokenizer, save_model_dir
 

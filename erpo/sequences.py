@@ -88,10 +88,15 @@ def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
     output_router_logits=True for an MoE model's `aux_loss`."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
                 logits_to_keep=1, use_cache=False, **forward_kwargs)
-    hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])
+    return scored_rows(out.hidden_states[-1], batch), out
+
+
+def scored_rows(hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """The scored rows [R, D] of the batch's hidden states [B, L, D]."""
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     if batch.row_index is not None:  # no host read, and a backward that adds rather than a boolean index_put
-        return hidden.index_select(0, batch.row_index), out
-    return hidden[batch.rows], out
+        return hidden.index_select(0, batch.row_index)
+    return hidden[batch.rows]
 
 
 def logit_transforms(model) -> dict:

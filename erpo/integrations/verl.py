@@ -44,15 +44,20 @@ from erpo.reference.cache import (
     with_temperature,
 )
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import scoring_precision
+from erpo.sequences import logit_transforms, scored_rows, scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss, token_logprobs
+from erpo_kernels.zero3 import find_lm_head
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
+# The largest block of half-precision logits the cache's scorer forms at once (the log-softmax's fp32 temporaries are
+# a few times it): Qwen2.5's V = 152064 in bf16 gives 882 rows a block, where a batch of 16 prompts of 2048 tokens
+# as one block would be 10 GB.
+LOGITS_CHUNK_BYTES = 256 * 2**20
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
 
 
@@ -108,6 +113,18 @@ def check_actor_config(config) -> None:
     if config.use_kl_loss and config.kl_loss_type not in KL_LOSS_TYPES:
         raise ValueError(f"actor.kl_loss_type={config.kl_loss_type!r} is not supported with ERPO; use low_var_kl "
                          "(or set actor.use_kl_loss=false: the Query-KL replaces the Policy-KL)")
+
+
+def check_fused_kernels(use_fused_kernels: bool, settings: ERPOSettings) -> None:
+    """Refuse verl's fused log-prob kernels (`actor_rollout_ref.model.use_fused_kernels`) with the Query-KL: their
+    ell_theta(q) is not scored as the cache's ell_theta0(q) is (`engine_scorer`: the model's own logits in the
+    actor's dtype, / the temperature rounded to it). verl 0.9.1's torch backend divides the bf16 logits by the
+    temperature as a Python float and drops the model's logit transform (Gemma-2's soft-cap); its Triton backend
+    keeps the logits in fp32. Either gives a Query-KL above 0 at theta0."""
+    if use_fused_kernels and settings.qkl_coef != 0:
+        raise ValueError("actor_rollout_ref.model.use_fused_kernels=true scores ell_theta(q) otherwise than the "
+                         "cached ell_theta0(q) (a Query-KL above 0 at theta0); set it to false, or set "
+                         "+erpo.qkl_coef=0")
 
 
 @dataclass
@@ -228,9 +245,11 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     response_mask, old_log_probs, advantages, optional rollout_is_weights and ref_log_prob, and the global batch
     info dp_size / batch_num_tokens / global_batch_size verl's engine sets)."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric
 
     check_actor_config(config)
+    check_fused_kernels(tu.get_non_tensor_data(data, key="use_fused_kernels", default=False), settings)
     log_probs, entropy = model_output["log_probs"], model_output.get("entropy", None)
     token_logp = (log_probs.values() if log_probs.is_nested else log_probs).float()
     dp_size, batch_num_tokens, global_batch_size = data["dp_size"], data["batch_num_tokens"], data["global_batch_size"]
@@ -342,25 +361,48 @@ def engine_precision(config, param_dtype: torch.dtype, device) -> str:
     return scoring_precision(config, param_dtype, device, path="logits", autocast=param_dtype)
 
 
-def engine_scorer(model, param_dtype: torch.dtype, temperature: float):
+def engine_scorer(model, param_dtype: torch.dtype, temperature: float, chunk_bytes: int = LOGITS_CHUNK_BYTES):
     """`score(batch)` -> log-probs [R] fp32 of the batch's scored rows under `model` (its weights in `param_dtype`) as
     `engine_precision` says: the model's logits under autocast / temperature, divided in their dtype (verl's
     `_scale_logits_by_temperature`: 0.7 is 0.69921875 in bf16); None in fp32 (`compute_query_logp`'s fused-linear
-    default)."""
+    default). The logits are formed `chunk_bytes` at a time (`engine_logits`), never [B, L, V] whole."""
     param = next(model.parameters())
     if param.dtype != param_dtype:
         raise ValueError(f"the model that builds the reference cache is in {param.dtype}, the actor's param_dtype is "
                          f"{param_dtype}: load it in {param_dtype}")
     if param_dtype == torch.float32:
         return None
+    causal_lm = getattr(model, "module", model)
+    head, transforms = find_lm_head(causal_lm), logit_transforms(causal_lm)
+    rows_per_chunk = max(1, chunk_bytes // (head.weight.shape[0] * param.element_size()))
 
     def score(batch):
-        with torch.no_grad(), torch.autocast(param.device.type, dtype=param_dtype):
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            if temperature != 1.0:   # as verl's engine: in the logits' dtype, by the temperature rounded to it
-                logits = logits / torch.tensor(temperature, device=logits.device).to(logits.dtype)
-        return token_logprobs(logits.reshape(-1, logits.shape[-1])[batch.rows], batch.targets)
+        with torch.no_grad():
+            with torch.autocast(param.device.type, dtype=param_dtype):   # the forward the engine runs, up to the norm
+                hidden = scored_rows(causal_lm.get_decoder()(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                ).last_hidden_state, batch)
+            return torch.cat([
+                token_logprobs(engine_logits(head, hidden[start:start + rows_per_chunk], transforms, temperature),
+                               batch.targets[start:start + rows_per_chunk])
+                for start in range(0, hidden.shape[0], rows_per_chunk)])
     return score
+
+
+def engine_logits(head: torch.nn.Module, hidden: torch.Tensor, transforms: dict, temperature: float) -> torch.Tensor:
+    """The model's own logits [n, V] of final hidden states [n, D] (half precision) / temperature, as verl's engine
+    has them: `head` (the lm_head) under autocast, then the model's logit transform (`logit_transforms`) and the
+    temperature in the logits' dtype, in the order transformers' forwards apply them (a scale multiplies; Granite's
+    forward divides by its logits_scaling, here a multiply by its inverse: one rounding apart)."""
+    with torch.autocast(hidden.device.type, dtype=hidden.dtype):
+        logits = head(hidden)
+    if transforms["logit_scale"] != 1.0:
+        logits = logits * transforms["logit_scale"]
+    if transforms["logit_softcap"] is not None:
+        logits = torch.tanh(logits / transforms["logit_softcap"]) * transforms["logit_softcap"]
+    if temperature != 1.0:   # verl's _scale_logits_by_temperature: by the temperature rounded to the logits' dtype
+        logits = logits / torch.tensor(temperature, device=logits.device).to(logits.dtype)
+    return logits
 
 
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
@@ -375,7 +417,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     weights, this tokenizer, `temperature` and that precision, and holds every prompt; otherwise a ValueError names
     what differs. Without a cache, ell_theta0 is computed with the initial actor (`model`, in `param_dtype`, or the
     HF model at `model_path` loaded in `param_dtype` on the CPU; a progress bar) and saved at `path`. In half
-    precision a batch's logits [batch_size, longest prompt, V] are built in that dtype: lower `batch_size` to fit."""
+    precision the logits are formed LOGITS_CHUNK_BYTES at a time (`engine_scorer`), whatever `batch_size`."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))

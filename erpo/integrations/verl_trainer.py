@@ -21,7 +21,13 @@ from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
-from erpo.integrations.verl import ERPOSettings, check_actor_config, erpo_loss_fn, load_or_build_reference
+from erpo.integrations.verl import (
+    ERPOSettings,
+    check_actor_config,
+    check_fused_kernels,
+    erpo_loss_fn,
+    load_or_build_reference,
+)
 from erpo.models.loading import dropouts
 from erpo.reference.cache import CACHE_FILE
 
@@ -32,6 +38,7 @@ def check_run_config(config, settings: ERPOSettings) -> None:
     """Refuse, in one line naming the setting, what verl can run but ERPO's loss cannot reproduce."""
     actor = config.actor_rollout_ref.actor
     check_actor_config(actor)
+    check_fused_kernels(config.actor_rollout_ref.model.get("use_fused_kernels", False), settings)
     if actor.strategy not in ENGINE_STRATEGIES:
         raise ValueError(f"actor_rollout_ref.actor.strategy={actor.strategy!r} is not supported with ERPO; use fsdp "
                          "or fsdp2")

@@ -23,12 +23,15 @@ from erpo.integrations.verl import (  # noqa: E402
     QueryReference,
     actor_rows,
     check_actor_config,
+    engine_scorer,
     erpo_loss_fn,
     load_or_build_reference,
 )
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
-from erpo_kernels import erpo_loss, from_padded, query_weights  # noqa: E402
+from erpo.sequences import pack  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded, query_weights, token_logprobs  # noqa: E402
+from family_models import tiny_lm  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -304,6 +307,35 @@ def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch,
                                 temperature=temperature, param_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma2", "granite"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_cache_scores_the_models_own_logits_a_bounded_block_at_a_time(kind, temperature):
+    """The bf16 cache's scorer forms the logits a block of at most chunk_bytes at a time (the lm_head's outputs,
+    counted by a hook), however many prompts and tokens the batch holds, and gives the log-probs of the model's own
+    whole logits [B, L, V] (its soft-cap or scaling, / temperature in bf16, as verl's engine) bit for bit."""
+    model = tiny_lm(kind).to(torch.bfloat16)
+    vocab = model.config.vocab_size
+    chunk_bytes = 7 * vocab * 2                     # 7 rows of bf16 logits
+    blocks = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: blocks.append((out.shape[0], out.numel() * out.element_size())))
+    g = torch.Generator().manual_seed(0)
+    try:
+        for lengths in ((40, 17, 29), (90, 3, 64, 51, 77)):
+            prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+            batch = pack(prompts, [[] for _ in prompts], 0, "cpu")
+            blocks.clear()
+            got = engine_scorer(model, torch.bfloat16, temperature, chunk_bytes=chunk_bytes)(batch)
+            assert max(size for _, size in blocks) == chunk_bytes < batch.input_ids.numel() * vocab * 2 / 10
+            assert sum(rows for rows, _ in blocks) == batch.targets.shape[0] == sum(lengths) - len(lengths)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+                logits = logits / torch.tensor(temperature).to(logits.dtype)
+            assert torch.equal(got, token_logprobs(logits.reshape(-1, vocab)[batch.rows], batch.targets))
+    finally:
+        hook.remove()
+
+
 def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
     """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache built at it: the Query-KL
     at theta0 is fp32 rounding; a cache at T = 1 is far off."""
@@ -536,7 +568,9 @@ def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     ("algorithm.adv_estimator=gae", "adv_estimator=gae"),
     ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'")])
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'"),
+    ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true .*set it "
+                                                       r"to false, or set \+erpo.qkl_coef=0$")])
 def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
     pytest.importorskip("transfer_queue")
     from omegaconf import OmegaConf
@@ -547,6 +581,36 @@ def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, 
     config = OmegaConf.merge(config, OmegaConf.from_dotlist([setting]))
     with pytest.raises(ValueError, match=message):
         check_run_config(config, ERPOSettings())
+
+
+def test_fused_kernels_are_refused_with_the_query_kl_only(tiny, tmp_path):
+    """verl's fused log-prob kernels score ell_theta(q) otherwise than the cache (its torch backend divides bf16 logits
+    by the temperature as a Python float, its Triton backend keeps fp32 logits): refused with the Query-KL, at the
+    run's start and by the loss on a micro-batch that says so (`use_fused_kernels`, set by verl's worker); without
+    the Query-KL the loss is the same on such a micro-batch."""
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from verl.utils import tensordict_utils as tu
+
+    from erpo.integrations.verl_trainer import check_run_config
+    config = OmegaConf.merge(run_config(tiny, tmp_path),
+                             OmegaConf.from_dotlist(["actor_rollout_ref.model.use_fused_kernels=true"]))
+    check_run_config(config, ERPOSettings(qkl_coef=0.0))
+    engine = engine_for(tiny, use_remove_padding=True)
+    data = batch(tiny, engine, nested=False)
+    reference = reference_of(tiny, data)
+
+    def fused(loss_fn):   # the engine's forward as it is, its micro-batches marked as with fused kernels
+        def marked(model_output, data, dp_group=None):
+            tu.assign_non_tensor(data, use_fused_kernels=True)
+            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        return marked
+
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.use_fused_kernels=true scores ell_theta\(q\)"):
+        verl_engine.loss_and_grads(engine, data, fused(erpo_loss_fn(actor_config(), ERPOSettings(), reference)))
+    weighted = erpo_loss_fn(actor_config(), ERPOSettings(qkl_coef=0.0, query_weight="static"), reference)
+    assert verl_engine.loss_and_grads(engine, data, fused(weighted))[0]["loss"] == \
+        verl_engine.loss_and_grads(engine, data, weighted)[0]["loss"]
 
 
 def test_precompute_ref_cache_is_read(tiny, tmp_path):
