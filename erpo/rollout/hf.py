@@ -81,8 +81,8 @@ class HFRollout(RolloutEngine):
         ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)
         out = self.model.generate(input_ids=ids, attention_mask=mask, **POLICY_SAMPLING, do_sample=True,
                                   temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-                                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True, return_dict_in_generate=True,
-                                  synced_gpus=self._zero3_partitioned())
+                                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
+                                  return_dict_in_generate=True, synced_gpus=self._zero3_partitioned())
         new_tokens = out.sequences[:, width:].cpu()
         scores = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()   # [B*n, T, V] sampling log-probs
         logp = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
