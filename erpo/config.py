@@ -461,8 +461,10 @@ def resolve(cfg: Config) -> Config:
     check_qkl_coef(a.qkl_coef, "algorithm.qkl_coef")
     if a.policy_kl_coef < 0:
         raise ValueError("algorithm.policy_kl_coef must be >= 0")
-    if a.advantage == "rloo" and cfg.rollout.n < 2:
-        raise ValueError("algorithm.advantage 'rloo' needs rollout.n >= 2")
+    if a.advantage in ("grpo", "rloo") and cfg.rollout.n < 2:
+        # a group of one response is its own baseline: every advantage would be 0 and the policy term learn nothing
+        raise ValueError(f"algorithm.advantage '{a.advantage}' needs rollout.n >= 2 (a group of one response has "
+                         "advantage 0); raise rollout.n or use algorithm.advantage=reinforce")
     a.loss_options = LossOptions(**{name: getattr(a, name) for name in CONFIG_LOSS_OPTIONS},
                                  temperature=cfg.rollout.temperature,
                                  rollout_is_cap=cfg.rollout.importance_sampling_cap)
