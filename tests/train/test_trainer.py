@@ -428,14 +428,23 @@ def test_to_device_together_keeps_shapes_dtypes_and_values_without_a_sync():
 def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, cache_dir):
     """HF rollouts sample with the training model itself, so the sampling log-prob of every response token equals
     the trainer's own (for the on-policy first update and, through old_logp, the second): gaps ~0 and weights ~1
-    show the engine's log-probs reach the loss on the right rows. Off by default with HF rollouts."""
+    show the engine's log-probs reach the loss on the right rows, at the rollout temperature. Rewards that differ
+    within groups (the math reward is 0 for this tiny model) make the first update move the policy: the second
+    update's ratio is then not 1, while its old log-probs are still the rollout's (taken before the first update,
+    not after it), and the first update's ratio is exactly 1. Off by default with HF rollouts."""
+    file = tmp_path / "reward.py"
+    file.write_text("def by_length(prompts, completions, **kw):\n    return [float(len(c) % 5) for c in completions]\n")
     out = tmp_path / "tis"
-    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2"))
+    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2",
+                    f"reward.functions=[{file}:by_length]", "rollout.temperature=0.7", "trainer.lr=0.01"))
     records = read_metrics(out)
     assert len(records) == 4
     for record in records:
         assert record["rollout_logp_gap_max"] < 1e-4 and abs(record["rollout_logp_gap_abs"]) < 1e-5
         assert abs(record["rollout_is_weight"] - 1) < 1e-5
+    first, second = records[0::2], records[1::2]
+    assert all(r["ratio_mean"] == 1.0 and r["clip_ratio"] == 0.0 for r in first)
+    assert all(abs(r["ratio_mean"] - 1) > 1e-4 for r in second)
     default = tmp_path / "default"
     train(small_cfg(default, cache_dir, "trainer.max_steps=1"))
     keys = ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")
