@@ -175,6 +175,13 @@ def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
     assert (out / "checkpoints" / "step-3" / "meta.json").exists()
+    # a cache with other entries (here: one more prompt) would give other w(q) and ell_theta0(q) mid-run: refused
+    other = tmp_path / "other_cache.json"
+    with pytest.raises(UserError, match=rf"--resume: the checkpoint was trained against reference cache \w+, but "
+                                        rf"{other} is \w+; resume with the original cache"):
+        train(small_cfg(out, cache_dir, "trainer.max_steps=4", "trainer.min_lr_ratio=1.0", "data.num_examples=25",
+                        f"reference.cache_path={other}"), resume=True)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         train(small_cfg(tmp_path / "fresh", cache_dir), resume=True)
 
