@@ -230,7 +230,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+        # "none" / "null" / "~" leave an optional key unset (None: its default or preset), except where "none" is one
+        # of the key's values (algorithm.query_weight=none: w = 1, not the preset's static weight)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")
+                             and value not in CHOICES.get(key, ())):
             if type(None) in args:
                 return None
         errors = []

@@ -116,6 +116,30 @@ def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, c
     assert all(r["query_weight_mean"] is not None and r["query_weight_mean"] >= 1 - 1e-6 for r in records)
 
 
+@pytest.mark.parametrize("mode,max_weight", [("current", 2.0), ("current-unclipped", None), ("none", "off")])
+def test_the_current_query_weight_is_the_papers_weight_over_the_steps_samples(tmp_path, cache_dir, monkeypatch, mode,
+                                                                               max_weight):
+    """The first optimizer step runs at theta0, where the current policy's ell(q) is the cached ell_theta0(q): its
+    w(q) ("current": clip(mean_j s_j / s_i, 0, 2) over the step's samples; "current-unclipped": unclipped) is then
+    `query_weights` of the cached values the same loss call receives; "none" passes no weight (w = 1)."""
+    from erpo_kernels import query_weights
+    real, seen = update_step.fused_linear_erpo_loss, []
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["query_weight"], kwargs["ref_query_logp"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    train(small_cfg(tmp_path / mode, cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=16",
+                    f"algorithm.query_weight={mode}"))
+    [(weight, ref_query_logp)] = seen          # 4 prompts x 4 responses in one micro-batch
+    if max_weight == "off":
+        assert weight is None
+        return
+    expected = query_weights(ref_query_logp.double(), max_weight=max_weight)
+    torch.testing.assert_close(weight.float(), expected.float(), atol=1e-5, rtol=1e-5)
+    assert len(set(ref_query_logp.tolist())) > 1 and not torch.allclose(weight, torch.ones_like(weight))
+
+
 def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_dir, monkeypatch):
     """The first update is on-policy (old log-probs = the current ones, no extra forward); the later ones use the
     log-probs of the model that sampled the rollout."""
