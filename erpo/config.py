@@ -230,7 +230,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+        # "none" / "null" / "~" leave an optional key unset (None: its default or preset), except where "none" is one
+        # of the key's values (algorithm.query_weight=none: w = 1, not the preset's static weight)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")
+                             and value not in CHOICES.get(key, ())):
             if type(None) in args:
                 return None
         errors = []
@@ -461,8 +464,10 @@ def resolve(cfg: Config) -> Config:
     check_qkl_coef(a.qkl_coef, "algorithm.qkl_coef")
     if a.policy_kl_coef < 0:
         raise ValueError("algorithm.policy_kl_coef must be >= 0")
-    if a.advantage == "rloo" and cfg.rollout.n < 2:
-        raise ValueError("algorithm.advantage 'rloo' needs rollout.n >= 2")
+    if a.advantage in ("grpo", "rloo") and cfg.rollout.n < 2:
+        # a group of one response is its own baseline: every advantage would be 0 and the policy term learn nothing
+        raise ValueError(f"algorithm.advantage '{a.advantage}' needs rollout.n >= 2 (a group of one response has "
+                         "advantage 0); raise rollout.n or use algorithm.advantage=reinforce")
     a.loss_options = LossOptions(**{name: getattr(a, name) for name in CONFIG_LOSS_OPTIONS},
                                  temperature=cfg.rollout.temperature,
                                  rollout_is_cap=cfg.rollout.importance_sampling_cap)

@@ -6,6 +6,18 @@ import torch
 from erpo import distributed as D
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 
+# The model's generation_config (generation_config.json) fills every `generate` setting left unset, and many
+# checkpoints ship sampling defaults (Qwen2.5-Instruct: repetition_penalty 1.05). Each setting that would reshape
+# the next-token distribution, stop a response early or search over beams is set to its neutral value here, so
+# the engine samples from the policy at the run's temperature / top_p (the distribution the loss's log-probs and
+# vLLM's SamplingParams assume), whatever the checkpoint's defaults.
+POLICY_SAMPLING = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None,
+                   "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                   "exponential_decay_length_penalty": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                   "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                   "guidance_scale": None, "watermarking_config": None, "num_beams": 1, "num_return_sequences": 1,
+                   "stop_strings": None, "max_time": None}
+
 
 class HFRollout(RolloutEngine):
     """Sampling with `model.generate` on the training model itself (colocated, so `sync_weights` is a no-op).
@@ -67,10 +79,10 @@ class HFRollout(RolloutEngine):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                                  top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                                  pad_token_id=self.pad_id, output_scores=True, return_dict_in_generate=True,
-                                  synced_gpus=self._zero3_partitioned())
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **POLICY_SAMPLING, do_sample=True,
+                                  temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
+                                  return_dict_in_generate=True, synced_gpus=self._zero3_partitioned())
         new_tokens = out.sequences[:, width:].cpu()
         scores = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()   # [B*n, T, V] sampling log-probs
         logp = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)

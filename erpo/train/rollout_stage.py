@@ -2,7 +2,9 @@
 their advantages, as tensors (`Rollout`), split into the optimizer steps of the rollout step.
 
 Prompts of every optimizer step are sharded over ranks in whole groups (`distributed.shard`), so a prompt's n
-responses are generated, rewarded and group-normalized on one rank and advantages do not depend on the world size.
+responses are generated and rewarded on one rank; the advantages' batch statistics (scale_rewards="batch",
+REINFORCE's baseline) are over every rank's rewards (`rollout_advantages`), so advantages do not depend on the world
+size.
 """
 from __future__ import annotations
 
@@ -38,6 +40,18 @@ class Rollout:
                           for f in fields(self)})
 
 
+def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> torch.Tensor:
+    """Advantages [S] fp32 of this rank's rewards [S] (whole groups of rollout.n), computed over the rollout step's
+    rewards on every rank (one all-gather; collective), as TRL and verl do over the global batch: a group's
+    statistics are its own wherever it lives, the batch std and REINFORCE's batch mean are over all ranks' samples."""
+    a = cfg.algorithm
+    everyone = D.all_gather_object(rewards.tolist())
+    offset = sum(len(part) for part in everyone[:D.rank()])
+    every_reward = torch.tensor([r for part in everyone for r in part], dtype=rewards.dtype)
+    advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards)
+    return advantages[offset:offset + len(rewards)]
+
+
 def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns) -> Rollout:
     """Decode, reward and compute advantages of one generated `batch` (a `RolloutBatch` over `prompt_indices`)."""
     prompts = [prompt_indices[i] for i in batch.prompt_index]
@@ -50,7 +64,7 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
     rewards, _ = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns)
     n, a = cfg.rollout.n, cfg.algorithm
     reward_t = torch.tensor(rewards, dtype=torch.float32)
-    advantages = compute_advantages(reward_t, n, estimator=a.advantage, scale_rewards=a.scale_rewards)
+    advantages = rollout_advantages(cfg, reward_t)
     flat = (equal_reward_groups(reward_t, n).repeat_interleave(n) if a.filter_groups
             else torch.zeros(len(rewards), dtype=torch.bool))
     if cfg.rollout.importance_sampling_correction and batch.response_logp is None:

@@ -1,6 +1,7 @@
 """erpo.distributed: sharding, single-process fallbacks, DeepSpeed config building, and real 2-process
 gloo reductions."""
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from advantage_ranks import CASES, all_cases, expected_single_process
 from erpo import distributed as D
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,6 +209,34 @@ def test_entropy_filter_quantile_is_global_over_ranks(tmp_path):
     micro-batch (rank 1, weight 0) adds no entropies, so the pool is rank 0's (2 kept there, none on rank 1)."""
     lines = run_two_ranks(tmp_path, ENTROPY_FILTER_SCRIPT)
     assert lines == ["[0.0, 1.0, 0.0, 1.0, 2.0] 4 2 2", "[0.0, 1.0, 0.0, 1.0, 2.0] 0 2 0"]
+
+
+ADVANTAGES_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["ERPO_TEST_SUPPORT"])
+from erpo import distributed as D
+from advantage_ranks import all_cases
+assert D.init_distributed("gloo")
+r = D.rank()
+line = json.dumps(all_cases())
+D.destroy_distributed()
+with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
+    f.write(line)
+"""
+
+
+def test_rollout_advantages_do_not_depend_on_the_world_size(tmp_path, monkeypatch):
+    """`erpo train`'s rollout stage on 2 ranks (each holds 3 of the 6 prompt groups) gives every sample the
+    advantage one process gives it, for every estimator and scale_rewards: the batch std ("batch") and REINFORCE's
+    batch mean are over both ranks' rewards, as TRL's and verl's over the global batch (they were per rank)."""
+    one_rank = all_cases()
+    monkeypatch.setenv("ERPO_TEST_SUPPORT", str(REPO / "tests" / "support"))
+    ranks = [json.loads(line) for line in run_two_ranks(tmp_path, ADVANTAGES_SCRIPT)]
+    for estimator, scale in CASES:
+        case = f"{estimator}/{scale}"
+        assert one_rank[case] == pytest.approx(expected_single_process(estimator, scale), abs=1e-6), case
+        assert sorted(ranks[0][case]) == ["0,0", "0,1", "2,0", "2,1", "4,0", "4,1"]   # whole groups per rank
+        assert {**ranks[0][case], **ranks[1][case]} == pytest.approx(one_rank[case], abs=1e-6), case
 
 
 def test_all_gather_cat_single_process_and_bad_input():

@@ -98,10 +98,30 @@ def test_yaml_round_trip():
     (["trainer.keep_every=10"], r"keep_every=10 keeps checkpoints that are never written.*now 0"),
     (["trainer.save_steps=4", "trainer.keep_every=10"], r"multiple of trainer.save_steps \(now 4"),
     (["trainer.loss_workspace_mib=0"], r"^config key 'trainer.loss_workspace_mib' must be > 0, got 0$"),
+    (["rollout.n=1"], r"algorithm.advantage 'grpo' needs rollout.n >= 2 \(a group of one response has advantage 0"),
+    (["rollout.n=1", "algorithm.scale_rewards=batch"], r"'grpo' needs rollout.n >= 2"),
+    (["rollout.n=1", "algorithm.advantage=rloo"], r"'rloo' needs rollout.n >= 2"),
 ])
 def test_resolve_rejects_inconsistent_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
         resolve(apply_overrides(Config(), overrides))
+
+
+def test_query_weight_none_is_a_value_not_the_presets_static_weight(tmp_path):
+    """algorithm.query_weight=none (w = 1) from --set and from YAML stays "none": read as YAML's null it was left
+    unset, and the erpo preset filled in its static w(q). null still means the preset's value."""
+    assert resolve(apply_overrides(Config(), ["algorithm.query_weight=none"])).algorithm.query_weight == "none"
+    config = tmp_path / "run.yaml"
+    config.write_text("algorithm:\n  query_weight: none\n")
+    assert resolve(load_config(str(config))).algorithm.query_weight == "none"
+    assert resolve(apply_overrides(Config(), ["algorithm.query_weight=null"])).algorithm.query_weight == "static"
+    assert apply_overrides(Config(), ["data.num_examples=none"]).data.num_examples is None   # no "none" value there
+
+
+def test_one_response_per_prompt_is_accepted_with_the_batch_baseline():
+    """rollout.n=1 is refused for the group baselines only: REINFORCE's batch mean still gives non-zero advantages."""
+    cfg = resolve(apply_overrides(Config(), ["rollout.n=1", "algorithm.advantage=reinforce"]))
+    assert (cfg.rollout.n, cfg.algorithm.advantage) == (1, "reinforce")
 
 
 def test_importance_sampling_cap_none_is_refused():

@@ -56,6 +56,22 @@ def test_sampling_logp_matches_the_model_at_the_temperature(setup):
         torch.testing.assert_close(torch.tensor(logp), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_checkpoints_generation_defaults_do_not_reshape_sampling():
+    """A checkpoint's generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05) fills what generate
+    leaves unset: the engine still samples from the policy at the temperature, and stops only at EOS or the limit."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_layers=1)
+    model.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=4, typical_p=0.5)
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("1+1=?", "12+30=?")]
+    temperature = 0.7
+    batch = HFRollout(model, tokenizer).generate(prompts, n=2, temperature=temperature, max_new_tokens=8, seed=3)
+    for prompt, response, logp in zip(batch.prompt_ids, batch.response_ids, batch.response_logp):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(logp), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs,match", [({"n": 0}, "n > 0"), ({"temperature": 0.0}, "temperature"),
                                           ({"max_new_tokens": 0}, "max_new_tokens")])
 def test_bad_arguments(setup, kwargs, match):

@@ -116,6 +116,30 @@ def test_current_unclipped_query_weight_is_the_official_codes_weight(tmp_path, c
     assert all(r["query_weight_mean"] is not None and r["query_weight_mean"] >= 1 - 1e-6 for r in records)
 
 
+@pytest.mark.parametrize("mode,max_weight", [("current", 2.0), ("current-unclipped", None), ("none", "off")])
+def test_the_current_query_weight_is_the_papers_weight_over_the_steps_samples(tmp_path, cache_dir, monkeypatch, mode,
+                                                                               max_weight):
+    """The first optimizer step runs at theta0, where the current policy's ell(q) is the cached ell_theta0(q): its
+    w(q) ("current": clip(mean_j s_j / s_i, 0, 2) over the step's samples; "current-unclipped": unclipped) is then
+    `query_weights` of the cached values the same loss call receives; "none" passes no weight (w = 1)."""
+    from erpo_kernels import query_weights
+    real, seen = update_step.fused_linear_erpo_loss, []
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["query_weight"], kwargs["ref_query_logp"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(update_step, "fused_linear_erpo_loss", recording)
+    train(small_cfg(tmp_path / mode, cache_dir, "trainer.max_steps=1", "trainer.micro_batch_size=16",
+                    f"algorithm.query_weight={mode}"))
+    [(weight, ref_query_logp)] = seen          # 4 prompts x 4 responses in one micro-batch
+    if max_weight == "off":
+        assert weight is None
+        return
+    expected = query_weights(ref_query_logp.double(), max_weight=max_weight)
+    torch.testing.assert_close(weight.float(), expected.float(), atol=1e-5, rtol=1e-5)
+    assert len(set(ref_query_logp.tolist())) > 1 and not torch.allclose(weight, torch.ones_like(weight))
+
+
 def test_only_the_later_updates_of_a_rollout_get_old_logprobs(tmp_path, cache_dir, monkeypatch):
     """The first update is on-policy (old log-probs = the current ones, no extra forward); the later ones use the
     log-probs of the model that sampled the rollout."""
@@ -175,6 +199,13 @@ def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
     assert (out / "checkpoints" / "step-3" / "meta.json").exists()
+    # a cache with other entries (here: one more prompt) would give other w(q) and ell_theta0(q) mid-run: refused
+    other = tmp_path / "other_cache.json"
+    with pytest.raises(UserError, match=rf"--resume: the checkpoint was trained against reference cache \w+, but "
+                                        rf"{other} is \w+; resume with the original cache"):
+        train(small_cfg(out, cache_dir, "trainer.max_steps=4", "trainer.min_lr_ratio=1.0", "data.num_examples=25",
+                        f"reference.cache_path={other}"), resume=True)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         train(small_cfg(tmp_path / "fresh", cache_dir), resume=True)
 
@@ -428,14 +459,23 @@ def test_to_device_together_keeps_shapes_dtypes_and_values_without_a_sync():
 def test_importance_sampling_correction_lines_up_the_engines_logprobs(tmp_path, cache_dir):
     """HF rollouts sample with the training model itself, so the sampling log-prob of every response token equals
     the trainer's own (for the on-policy first update and, through old_logp, the second): gaps ~0 and weights ~1
-    show the engine's log-probs reach the loss on the right rows. Off by default with HF rollouts."""
+    show the engine's log-probs reach the loss on the right rows, at the rollout temperature. Rewards that differ
+    within groups (the math reward is 0 for this tiny model) make the first update move the policy: the second
+    update's ratio is then not 1, while its old log-probs are still the rollout's (taken before the first update,
+    not after it), and the first update's ratio is exactly 1. Off by default with HF rollouts."""
+    file = tmp_path / "reward.py"
+    file.write_text("def by_length(prompts, completions, **kw):\n    return [float(len(c) % 5) for c in completions]\n")
     out = tmp_path / "tis"
-    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2"))
+    train(small_cfg(out, cache_dir, "rollout.importance_sampling_correction=true", "trainer.update_batch_size=2",
+                    f"reward.functions=[{file}:by_length]", "rollout.temperature=0.7", "trainer.lr=0.01"))
     records = read_metrics(out)
     assert len(records) == 4
     for record in records:
         assert record["rollout_logp_gap_max"] < 1e-4 and abs(record["rollout_logp_gap_abs"]) < 1e-5
         assert abs(record["rollout_is_weight"] - 1) < 1e-5
+    first, second = records[0::2], records[1::2]
+    assert all(r["ratio_mean"] == 1.0 and r["clip_ratio"] == 0.0 for r in first)
+    assert all(abs(r["ratio_mean"] - 1) > 1e-4 for r in second)
     default = tmp_path / "default"
     train(small_cfg(default, cache_dir, "trainer.max_steps=1"))
     keys = ("rollout_is_weight", "rollout_logp_gap_abs", "rollout_logp_gap_max")
