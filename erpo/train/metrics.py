@@ -35,6 +35,12 @@ def finite_or_none(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def population_std(total: float, total_sq: float, count: float) -> float:
+    """The population std of `count` values from their sum and sum of squares (0 where rounding makes it < 0)."""
+    mean = total / count
+    return math.sqrt(max(0.0, total_sq / count - mean * mean))
+
+
 def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weight_sum: float, *, grad_norm: float,
                 lr: float, nonfinite_skipped: int) -> dict:
     """The metrics of one optimizer step over all ranks (one sum and, with importance sampling, one max over
@@ -49,11 +55,20 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weigh
              "response_length": sum(len(ids) for ids in rollout.response_ids),
              "truncated_frac": sum(rollout.truncated.tolist()), "filtered_frac": len(rollout) - int(rollout.keep.sum()),
              "query_weight": weight_sum, **loss_sums}
+    for name, values in rollout.reward_parts.items():   # the same functions, in the same order, on every rank
+        given = values[~values.isnan()]
+        local.update({f"{name}/count": len(given), f"{name}/sum": given.sum().item(),
+                      f"{name}/sum_sq": given.square().sum().item()})
     total = dict(zip(local, D.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
     tokens = max(plan.num_items, 1)
     record = {key: total[key] / total["samples"] for key in
               ("reward", "accuracy", "response_length", "truncated_frac", "filtered_frac")}
-    record["reward_std"] = math.sqrt(max(0.0, total["reward_sq"] / total["samples"] - record["reward"] ** 2))
+    record["reward_std"] = population_std(total["reward"], total["reward_sq"], total["samples"])
+    for name in rollout.reward_parts:   # TRL's rewards/NAME/mean and /std, over the samples the function scored
+        count = total[f"{name}/count"]
+        record[f"rewards/{name}/mean"] = total[f"{name}/sum"] / count if count else None
+        record[f"rewards/{name}/std"] = (population_std(total[f"{name}/sum"], total[f"{name}/sum_sq"], count)
+                                         if count else None)
 
     def summed(name):  # a loss term's sum or a token mean; null where the metric does not apply
         if name not in total:

@@ -8,7 +8,8 @@ size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -30,14 +31,19 @@ class Rollout:
     advantages: torch.Tensor           # [S] float32
     keep: torch.Tensor                 # [S] bool: False when the group was filtered (all rewards equal, filter_groups)
     rollout_logp: list[list[float]] | None  # the engine's log-prob of each response token (importance sampling)
+    # each reward function's values by its name (`compute_rewards`' names), [S] float64, NaN where it returned None
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def select(self, start: int, stop: int) -> Rollout:
         """Samples start..stop-1."""
-        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
-                          for f in fields(self)})
+        def rows(value):
+            if isinstance(value, dict):
+                return {name: part[start:stop] for name, part in value.items()}
+            return None if value is None else value[start:stop]
+        return Rollout(**{f.name: rows(getattr(self, f.name)) for f in fields(self)})
 
 
 def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> torch.Tensor:
@@ -61,7 +67,7 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
     columns = {k: [ps.records[p].get(k) for p in prompts] for k in keys}
     columns["answer"] = [ps.answers[p] for p in prompts]
     columns["completion_ids"] = batch.response_ids
-    rewards, _ = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns)
+    rewards, parts = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns)
     n, a = cfg.rollout.n, cfg.algorithm
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     advantages = rollout_advantages(cfg, reward_t)
@@ -75,7 +81,9 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
                    correct=torch.tensor(math_reward(texts, completions, columns["answer"]), dtype=torch.float64),
                    truncated=torch.tensor(batch.truncated, dtype=torch.bool), advantages=advantages.float(),
                    keep=~flat.bool(),
-                   rollout_logp=batch.response_logp if cfg.rollout.importance_sampling_correction else None)
+                   rollout_logp=batch.response_logp if cfg.rollout.importance_sampling_correction else None,
+                   reward_parts={name: torch.tensor([math.nan if v is None else v for v in values],
+                                                    dtype=torch.float64) for name, values in parts.items()})
 
 
 def rollout_stage(cfg: Config, engine, ps: PromptSet, tokenizer, reward_fns, global_prompts: list[int],

@@ -48,6 +48,27 @@ def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
     assert (record["num_samples"], record["response_tokens"]) == (4 * world, 10 * world)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_reward_function_s_mean_and_std_are_over_the_samples_it_scored(monkeypatch, world):
+    """TRL's rewards/NAME/mean and rewards/NAME/std per reward function, over every rank's samples that the function
+    scored (a None is left out, as TRL's nanmean; null when it scored none), beside the total's reward / reward_std."""
+    cfg = resolve(Config())
+    rollout = rollout_of([1.5, 0.0, 0.5, 1.0])
+    nan = float("nan")
+    rollout.reward_parts = {"accuracy_reward": torch.tensor([1.0, 0.0, nan, 1.0], dtype=torch.float64),
+                            "format_reward": torch.tensor([0.5, nan, 0.5, 0.0], dtype=torch.float64),
+                            "never": torch.full((4,), nan, dtype=torch.float64)}
+    monkeypatch.setattr(D, "all_reduce_sum", lambda x: x * world)
+    plan = StepPlan(rollout.select(0, 4), [], num_items=8 * world, num_seqs=4 * world)
+    record = step_record(cfg, plan, {"loss": 0.0}, None, 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+    for name, given in (("accuracy_reward", [1.0, 0.0, 1.0]), ("format_reward", [0.5, 0.5, 0.0])):
+        values = torch.tensor(given, dtype=torch.float64)
+        assert record[f"rewards/{name}/mean"] == pytest.approx(values.mean().item())
+        assert record[f"rewards/{name}/std"] == pytest.approx(values.std(unbiased=False).item())
+    assert record["rewards/never/mean"] is None and record["rewards/never/std"] is None
+    assert record["reward"] == pytest.approx(0.75)
+
+
 def test_metrics_that_do_not_apply_are_logged_as_null(monkeypatch):
     """accumulate_loss sums only the loss metrics that apply (no policy_kl without a reference model, no rollout
     metrics without importance sampling: absent from LossMetrics): the record logs them as null, never NaN, and
