@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from erpo.config import LoraConfig
-from erpo.models.lora import apply_lora
+from erpo.models.lora import AdaptersDisabled, apply_lora
 from erpo.sequences import final_hidden, final_hidden_and_output, pack, scored_rows
 from family_models import tiny_lm
 
@@ -77,8 +77,9 @@ def test_bits_and_gradients_equal_the_hidden_states_of_every_layer(family, preci
         assert torch.equal(final_hidden(model, batch), every_layers_way(model, batch)[0])
 
 
-def test_through_a_peft_wrapper_the_adapters_run():
-    """Through LoRA adapters (moved off zero) the same bits as hidden_states[-1], which differ from the base's."""
+def test_through_a_peft_wrapper_the_adapters_run_and_the_reference_view_switches_them_off():
+    """Through LoRA adapters (moved off zero) the same bits as hidden_states[-1], which differ from the base's; the
+    trainer's adapter-free reference (`AdaptersDisabled`) gives the base's."""
     model = apply_lora(model_of("qwen2"), LoraConfig(rank=4))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -88,8 +89,10 @@ def test_through_a_peft_wrapper_the_adapters_run():
     with torch.no_grad():
         ours = final_hidden(model, batch)
         assert torch.equal(ours, every_layers_way(model, batch)[0])
+        reference = final_hidden(AdaptersDisabled(model), batch)
         with model.disable_adapter():
-            assert not torch.equal(ours, final_hidden(model, batch))
+            assert torch.equal(reference, every_layers_way(model, batch)[0])
+        assert not torch.equal(ours, reference)
 
 
 def bdl_storages(batch, hidden_size: int) -> int:
