@@ -85,10 +85,30 @@ def final_hidden(model, batch: PackedBatch) -> torch.Tensor:
 
 def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
     """(final_hidden's [R, D], the model's whole output): `forward_kwargs` go to the forward, e.g.
-    output_router_logits=True for an MoE model's `aux_loss`."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
-                logits_to_keep=1, use_cache=False, **forward_kwargs)
-    return scored_rows(out.hidden_states[-1], batch), out
+    output_router_logits=True for an MoE model's `aux_loss`.
+
+    The causal LM's own forward runs (a PEFT model's adapters, a DeepSpeed engine's ZeRO-3 hooks, an MoE's router
+    logits), and a forward hook on its decoder (`get_decoder()`) keeps the decoder's `last_hidden_state` [B, L, D]:
+    the post-norm tensor the lm_head reads, the very tensor `output_hidden_states=True` returned as
+    `hidden_states[-1]`, without every layer's hidden states held until the forward returns (L x [B, L, D] more
+    peak memory under no_grad)."""
+    decoder = getattr(model, "module", model).get_decoder()
+    kept = []
+
+    def keep_last_hidden(module, args, output):
+        kept.append(getattr(output, "last_hidden_state", None))
+
+    handle = decoder.register_forward_hook(keep_last_hidden)
+    try:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
+                    use_cache=False, **forward_kwargs)
+    finally:
+        handle.remove()
+    if len(kept) != 1 or kept[0] is None:   # refused, never guessed: transformers' causal LMs run it once
+        raise ValueError(f"the forward of {type(model).__name__} ran its decoder ({type(decoder).__name__}, its "
+                         f"get_decoder()) {len(kept)} times, not once with a last_hidden_state: erpo reads the final "
+                         "hidden states of a causal LM whose forward does, as transformers' causal LMs do")
+    return scored_rows(kept[0], batch), out
 
 
 def scored_rows(hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

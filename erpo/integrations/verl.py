@@ -44,7 +44,7 @@ from erpo.reference.cache import (
     with_temperature,
 )
 from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import logit_transforms, scored_rows, scoring_precision
+from erpo.sequences import final_hidden, logit_transforms, scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss, token_logprobs
 from erpo_kernels.zero3 import find_lm_head
@@ -379,9 +379,7 @@ def engine_scorer(model, param_dtype: torch.dtype, temperature: float, chunk_byt
     def score(batch):
         with torch.no_grad():
             with torch.autocast(param.device.type, dtype=param_dtype):   # the forward the engine runs, up to the norm
-                hidden = scored_rows(causal_lm.get_decoder()(
-                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                ).last_hidden_state, batch)
+                hidden = final_hidden(causal_lm, batch)
             return torch.cat([
                 token_logprobs(engine_logits(head, hidden[start:start + rows_per_chunk], transforms, temperature),
                                batch.targets[start:start + rows_per_chunk])

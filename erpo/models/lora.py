@@ -95,9 +95,10 @@ def reference_model(model):
 
 class AdaptersDisabled:
     """The policy `model` (a PEFT model, or a DeepSpeed engine around one) seen with its adapters switched off, where
-    the trainer takes a reference model: calling it runs the policy's forward under `reference_model`, and its
-    `get_output_embeddings()` is the policy's lm_head (which adapters never touch) and `config` its config (the
-    logit transform the scoring reads)."""
+    the trainer takes a reference model: calling it runs the policy's forward under `reference_model`, its
+    `get_output_embeddings()` is the policy's lm_head (which adapters never touch), `get_decoder()` its decoder
+    (whose output the scoring keeps, `erpo.sequences.final_hidden`) and `config` its config (the logit transform
+    the scoring reads)."""
 
     def __init__(self, model):
         self.model = model
@@ -112,6 +113,9 @@ class AdaptersDisabled:
 
     def get_output_embeddings(self):
         return unwrap_model(self.model).get_output_embeddings()
+
+    def get_decoder(self):
+        return unwrap_model(self.model).get_decoder()
 
 
 def parameter_count(param: torch.Tensor) -> int:

@@ -312,20 +312,25 @@ def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch,
 def test_bf16_cache_scores_the_models_own_logits_a_bounded_block_at_a_time(kind, temperature):
     """The bf16 cache's scorer forms the logits a block of at most chunk_bytes at a time (the lm_head's outputs,
     counted by a hook), however many prompts and tokens the batch holds, and gives the log-probs of the model's own
-    whole logits [B, L, V] (its soft-cap or scaling, / temperature in bf16, as verl's engine) bit for bit."""
+    whole logits [B, L, V] (its soft-cap or scaling, / temperature in bf16, as verl's engine) bit for bit. Beside
+    the blocks, the forward that gives the final hidden states (`final_hidden`) runs the head on each sequence's
+    last position alone (logits_to_keep=1: [B, 1, V], 3-D where a block is [n, V])."""
     model = tiny_lm(kind).to(torch.bfloat16)
     vocab = model.config.vocab_size
     chunk_bytes = 7 * vocab * 2                     # 7 rows of bf16 logits
-    blocks = []
+    blocks, last_positions = [], []
     hook = model.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: blocks.append((out.shape[0], out.numel() * out.element_size())))
+        lambda module, args, out: (blocks if out.dim() == 2 else last_positions).append(
+            (out.shape[0], out.numel() * out.element_size())))
     g = torch.Generator().manual_seed(0)
     try:
         for lengths in ((40, 17, 29), (90, 3, 64, 51, 77)):
             prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
             batch = pack(prompts, [[] for _ in prompts], 0, "cpu")
             blocks.clear()
+            last_positions.clear()
             got = engine_scorer(model, torch.bfloat16, temperature, chunk_bytes=chunk_bytes)(batch)
+            assert last_positions == [(len(lengths), len(lengths) * vocab * 2)]
             assert max(size for _, size in blocks) == chunk_bytes < batch.input_ids.numel() * vocab * 2 / 10
             assert sum(rows for rows, _ in blocks) == batch.targets.shape[0] == sum(lengths) - len(lengths)
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
