@@ -2,10 +2,11 @@
 known rollout step without racing it (tests/train/test_resume.py's SIGTERM test, test_storage_faults.py's second
 writer test).
 
-It rewards nothing (None for every sample: the run's other reward functions decide, as with TRL's nansum), so a run
-with it logs what the run without it does. Where the environment names a folder in ERPO_TEST_HOLD_DIR (only the test
-sets it), its call in rollout step ERPO_TEST_HOLD_STEP (it is called once per rollout step) creates `held` there and
-waits until the test creates `release`, meanwhile the run is inside that step."""
+It rewards nothing (None for every sample: the run's other reward functions decide, as with TRL's nansum), so a run with
+it logs what the run without it does, but for its own null `rewards/hold/mean` and `/std`. Where the environment names a
+folder in ERPO_TEST_HOLD_DIR (only the test sets it), its call in rollout step ERPO_TEST_HOLD_STEP (it is called once
+per rollout step) creates `held` there and waits until the test creates `release`, meanwhile the run is inside that
+step."""
 import os
 import time
 from pathlib import Path
