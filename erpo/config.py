@@ -231,9 +231,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         # "none" / "null" / "~" leave an optional key unset (None: its default or preset), except where "none" is one
-        # of the key's values (algorithm.query_weight=none: w = 1, not the preset's static weight)
+        # of the key's values in any case (algorithm.query_weight=none: w = 1, not the preset's static weight; "None"
+        # there is then checked against the values, not read as unset)
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")
-                             and value not in CHOICES.get(key, ())):
+                             and value.lower() not in {choice.lower() for choice in CHOICES.get(key, ())}):
             if type(None) in args:
                 return None
         errors = []

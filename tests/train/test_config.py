@@ -116,6 +116,8 @@ def test_query_weight_none_is_a_value_not_the_presets_static_weight(tmp_path):
     assert resolve(load_config(str(config))).algorithm.query_weight == "none"
     assert resolve(apply_overrides(Config(), ["algorithm.query_weight=null"])).algorithm.query_weight == "static"
     assert apply_overrides(Config(), ["data.num_examples=none"]).data.num_examples is None   # no "none" value there
+    with pytest.raises(ValueError, match="'algorithm.query_weight' = 'None'; expected one of"):   # not the preset
+        resolve(apply_overrides(Config(), ["algorithm.query_weight=None"]))
 
 
 def test_one_response_per_prompt_is_accepted_with_the_batch_baseline():
