@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `erpo` parser; no option may be abbreviated (`--max-step` is an error, not `--max-steps`); an error is one
     line (OneLineErrorParser)."""
     parser = OneLineErrorParser(prog="erpo", description="ERPO: Environment-Regularized Policy Optimization",
-                                     allow_abbrev=False)
+                                allow_abbrev=False)
     add_local_rank_argument(parser)
     add_debug_argument(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)   # its errors name COMMAND
