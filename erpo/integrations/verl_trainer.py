@@ -28,7 +28,7 @@ from erpo.integrations.verl import (
     erpo_loss_fn,
     load_or_build_reference,
 )
-from erpo.models.loading import dropouts
+from erpo.models.loading import dropouts_besides_adapters
 from erpo.reference.cache import CACHE_FILE
 
 ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
@@ -83,12 +83,12 @@ def check_actor_dropout(hf_config) -> None:
     with torch.device("meta"):
         # a copy: from_config sets the attention kernel on the config it is given (verl's asks for flash-attn)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation="eager")
-        active = dropouts(model, skip="lora_dropout")
+        active = dropouts_besides_adapters(model)
     if active:
-        raise ValueError(f"the actor's {type(hf_config).__name__} trains with dropout "
-                         f"({', '.join(sorted({label for _, _, label in active}))}), so ell_theta(q) is noisy against "
-                         "the cached ell_theta0(q), scored without it: a Query-KL above 0 at theta0; set those rates "
-                         "to 0 in actor_rollout_ref.model.override_config, or set +erpo.qkl_coef=0")
+        raise ValueError(f"the actor's {type(hf_config).__name__} trains with dropout ({', '.join(active)}), so "
+                         "ell_theta(q) is noisy against the cached ell_theta0(q), scored without it: a Query-KL above "
+                         "0 at theta0; set those rates to 0 in actor_rollout_ref.model.override_config, or set "
+                         "+erpo.qkl_coef=0")
 
 
 @register_trainer("erpo")

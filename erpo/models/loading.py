@@ -101,6 +101,17 @@ def dropouts(model: torch.nn.Module, *, skip: str | None = None) -> list[tuple[t
     return found
 
 
+def dropout_labels(found: list[tuple[torch.nn.Module, str, str]]) -> list[str]:
+    """The distinct "name=rate" labels of `dropouts`' entries, sorted."""
+    return sorted({label for _, _, label in found})
+
+
+def dropouts_besides_adapters(model: torch.nn.Module) -> list[str]:
+    """`dropout_labels` of `model`'s dropouts but PEFT's adapter dropout (lora_dropout, left as the user set it): what
+    the integrations refuse with the Query-KL ([] when none)."""
+    return dropout_labels(dropouts(model, skip="lora_dropout"))
+
+
 def disable_dropout(model: torch.nn.Module) -> list[str]:
     """Set every dropout of `model` (`dropouts`) to 0, in place. The policy trains in train mode while ell_theta0(q)
     and the rollout's log-probs are scored without dropout: a model whose config keeps some (OPT's 0.1, Phi-2's
@@ -109,7 +120,7 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
     found = dropouts(model)
     for module, name, _ in found:
         setattr(module, name, 0.0)
-    return sorted({label for _, _, label in found})
+    return dropout_labels(found)
 
 
 def load_model(cfg: Config, model_path: str, device, *, trainable: bool):

@@ -16,7 +16,7 @@ from erpo.integrations.trl.loss import LossOptionsMixin
 from erpo.integrations.trl.metrics import LossMetricsMixin
 from erpo.integrations.trl.reference import ReferenceMixin, Theta0Callback
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer
-from erpo.models.loading import disable_dropout, dropouts
+from erpo.models.loading import disable_dropout, dropouts_besides_adapters
 from erpo.models.lora import peft_model_of
 from erpo.reference.cache import CACHE_FILE
 from erpo.sequences import logit_transforms, per_sample_sum
@@ -61,12 +61,11 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
             raise ValueError("ERPOTrainer does not support vision-language models (multimodal prompts)")
         if self.args.disable_dropout:   # TRL's zeroes the nn.Dropout modules; erpo's also the rates modules apply
             disable_dropout(self.model)
-        active = dropouts(self.model, skip="lora_dropout") if self.args.qkl_coef != 0 else []
+        active = dropouts_besides_adapters(self.model) if self.args.qkl_coef != 0 else []
         if active:   # ell_theta0(q) is scored without dropout (eval mode); a noisy ell_theta(q) biases the Query-KL
-            raise ValueError(f"{type(self.model).__name__} trains with dropout "
-                             f"({', '.join(sorted({label for _, _, label in active}))}), so ell_theta(q) is noisy "
-                             "against the cached ell_theta0(q), scored without it: a Query-KL above 0 at theta0; set "
-                             "disable_dropout=True (or qkl_coef=0)")
+            raise ValueError(f"{type(self.model).__name__} trains with dropout ({', '.join(active)}), so ell_theta(q) "
+                             "is noisy against the cached ell_theta0(q), scored without it: a Query-KL above 0 at "
+                             "theta0; set disable_dropout=True (or qkl_coef=0)")
         # the model's final-logit transform, read once (a transform erpo does not know is refused): the fused-linear
         # path applies it to hidden @ lm_head; the logits path takes the model's own logits, already transformed
         self._logit_options = logit_transforms(self.model) if self.args.fused_linear else {}
