@@ -55,12 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_argument(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)   # its errors name COMMAND
 
-    def add_command(name: str, help: str) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help, allow_abbrev=False)
+    def add_command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help, epilog=epilog, allow_abbrev=False)
         add_debug_argument(command)
         return command
 
-    train = add_command("train", help="train a policy with ERPO (or a baseline)")
+    train = add_command("train", help="train a policy with ERPO (or a baseline)",
+                        epilog="Every config key (--set), reward functions (reward.functions: called as TRL's "
+                               "GRPOTrainer calls them, trainer_state included; a sample no function scores gets "
+                               "advantage 0, as TRL) and the metrics.jsonl keys (TRL's reward metrics): "
+                               "docs/training.md.")
     add_config_arguments(train)
     train.add_argument("--max-steps", type=int, help="rollout steps (trainer.max_steps)")
     train.add_argument("--algorithm", choices=sorted(PRESETS), help="algorithm.name")

@@ -1,7 +1,7 @@
 """Rewards: math answer verification, a <think> format reward, custom TRL-style reward functions.
 
 Every reward function has the TRL signature `fn(prompts, completions, **dataset_columns) -> list[float | None]`
-(None: the function does not apply to that sample).
+(None: the function does not apply to that sample), called by keyword as TRL's GRPOTrainer calls it.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Callable
 
 from erpo.errors import MissingInputError, UserError
 from erpo.tasks.answer_worker import TEXT_COMMANDS
+from erpo.tasks.trainer_progress import TrainerProgress
 
 RewardFn = Callable[..., list]
 
@@ -267,15 +268,21 @@ def load_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-def _call_checked(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict) -> list:
-    """Call `fn` on the batch; on an exception, find the first sample that raises alone and name it."""
+def _call_checked(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict,
+                  trainer_state: TrainerProgress) -> list:
+    """Call `fn` on the batch by keyword (TRL's call: `completions` may be its first parameter); on an exception,
+    find the first sample that raises alone and name it."""
     name = getattr(fn, "__name__", repr(fn))
+
+    def call(rows: slice) -> list:
+        return fn(prompts=prompts[rows], completions=completions[rows], **{k: v[rows] for k, v in columns.items()},
+                  trainer_state=trainer_state)
     try:
-        values = fn(prompts, completions, **columns)
+        values = call(slice(None))
     except Exception as batch_exc:
         for i in range(len(completions)):
             try:
-                fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+                call(slice(i, i + 1))
             except Exception as exc:
                 raise RuntimeError(f"reward function {name!r} raised on sample {i} (prompt {prompts[i]!r:.120}, "
                                    f"completion {completions[i]!r:.120}): {exc!r}") from exc
@@ -292,24 +299,35 @@ def _call_checked(fn: RewardFn, prompts: list[str], completions: list[str], colu
 
 
 def compute_rewards(fns: list[RewardFn], weights: list[float] | None, prompts: list[str], completions: list[str],
-                    columns: dict) -> tuple[list[float], dict[str, list[float | None]]]:
+                    columns: dict, *, trainer_state: TrainerProgress
+                    ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted sum over reward functions per sample (None entries contribute nothing, as TRL's nansum), and the
     per-function values keyed by function name (a repeated name gets its position appended: `reward_1`).
-    A sample where every function returns None is an error naming it. Dataset columns named `prompts` or
-    `completions` are not passed on: those names are the functions' own arguments (TRL drops them likewise)."""
-    columns = {k: v for k, v in columns.items() if k not in ("prompts", "completions")}
+
+    Each function gets TRL's keywords: `prompts`, `completions`, the dataset's `columns` (lists, one entry per
+    sample) and `trainer_state`. A sample where every function returns None is unscorable: its total is NaN, with
+    a warning naming the first one, as TRL 1.16's GRPOTrainer (which then leaves it out of the group's mean and
+    std, gives it advantage 0 and leaves it out of the reward metrics: `erpo.train.advantages`). Dataset columns
+    named `prompts`, `completions` or `trainer_state` are not passed on: those names are the call's own."""
+    columns = {k: v for k, v in columns.items() if k not in ("prompts", "completions", "trainer_state")}
     weights = weights or [1.0] * len(fns)
     if len(weights) != len(fns):
         raise ValueError(f"weights has {len(weights)} entries for {len(fns)} reward functions")
-    values = [_call_checked(fn, prompts, completions, columns) for fn in fns]
+    values = [_call_checked(fn, prompts, completions, columns, trainer_state) for fn in fns]
     per_fn = {}
     for k, (fn, fn_values) in enumerate(zip(fns, values)):
         name = getattr(fn, "__name__", f"reward_{k}")
         per_fn[name if name not in per_fn else f"{name}_{k}"] = fn_values  # two files may both define `reward`
-    totals = []
+    totals, unscorable = [], []
     for i in range(len(completions)):
         vals = [(w, v[i]) for w, v in zip(weights, values) if v[i] is not None]
+        totals.append(sum(w * v for w, v in vals) if vals else math.nan)
         if not vals:
-            raise ValueError(f"every reward function returned None for sample {i} (prompt {prompts[i]!r:.120})")
-        totals.append(sum(w * v for w, v in vals))
+            unscorable.append(i)
+    if unscorable:
+        first = unscorable[0]
+        log.warning("every reward function returned None for %d of %d samples, first sample %d (prompt %.120r, "
+                    "completion %.120r): no reward, advantage 0, left out of the reward metrics (as TRL's "
+                    "GRPOTrainer); make at least one reward function return a number for every sample",
+                    len(unscorable), len(totals), first, prompts[first], completions[first])
     return totals, per_fn

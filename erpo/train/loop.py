@@ -30,6 +30,7 @@ from erpo.sequences import logit_transforms
 from erpo.storage_errors import stop_on_storage_failure
 from erpo.tasks.data import PromptSet, load_prompt_set
 from erpo.tasks.rewards import load_reward_function
+from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
 from erpo.train.rollout_stage import rollout_stage
@@ -49,6 +50,7 @@ class PromptSampler:
 
     def __init__(self, num_prompts: int, seed: int, epoch: int = 0, cursor: int = 0):
         self.num_prompts, self.seed, self.epoch, self.cursor = num_prompts, seed, epoch, cursor
+        self.drawn_at = epoch + cursor / num_prompts   # passes done where the last draw began (fractional)
 
     def _order(self) -> list[int]:
         return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_prompts).tolist()
@@ -58,6 +60,7 @@ class PromptSampler:
         if self.cursor + k > self.num_prompts:
             self.epoch, self.cursor = self.epoch + 1, 0
         out = self._order()[self.cursor:self.cursor + k]
+        self.drawn_at = self.epoch + self.cursor / self.num_prompts
         self.cursor += k
         return out
 
@@ -226,8 +229,12 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
             before_rollout = state.checkpoint_record(sampler.state)   # a checkpoint of the not-yet-updated model
             # 1. Rollout: generate, reward and score this rank's share of the prompts of every optimizer step.
             seed = t.seed * 1_000_003 + state.rollout_step * 1009 + D.rank()
-            rollouts = rollout_stage(cfg, run.engine, run.prompts, run.tokenizer, run.reward_fns,
-                                     sampler.next(t.rollout_batch_size), seed)
+            prompts = sampler.next(t.rollout_batch_size)
+            progress = TrainerProgress(global_step=state.opt_step, max_steps=state.lr_schedule_steps,
+                                       epoch=sampler.drawn_at, is_world_process_zero=D.is_main(),
+                                       is_local_process_zero=D.local_rank() == 0)
+            rollouts = rollout_stage(cfg, run.engine, run.prompts, run.tokenizer, run.reward_fns, prompts, seed,
+                                     progress)
             rollout_seconds = time.time() - started
             # 2. Micro-batches of every optimizer step, and the old (behaviour) log-probs of the later ones before
             #    the first update (the first step is on-policy: the loss detaches the current log-probs).

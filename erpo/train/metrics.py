@@ -3,7 +3,10 @@ metrics.jsonl, TensorBoard (tb/, as train/NAME) and the progress bar.
 
 Names follow TRL / verl where they have one (`clip_ratio` is the kernel's `clip_frac`). Sample statistics are
 means over the step's samples on all ranks; loss terms are sums of the micro-batch losses, which are already
-normalized by the global counts; token statistics are means over the step's response tokens.
+normalized by the global counts; token statistics are means over the step's response tokens. The reward metrics
+under TRL's names (`reward`, `reward_std`, `rewards/NAME/mean`, `rewards/NAME/std`, `frac_reward_zero_std`) are
+TRL 1.16 GRPOTrainer's formulas on the step's samples: nanmean, Bessel-corrected nanstd, a sample no function
+scored left out.
 """
 from __future__ import annotations
 
@@ -35,10 +38,12 @@ def finite_or_none(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def population_std(total: float, total_sq: float, count: float) -> float:
-    """The population std of `count` values from their sum and sum of squares (0 where rounding makes it < 0)."""
-    mean = total / count
-    return math.sqrt(max(0.0, total_sq / count - mean * mean))
+def sample_std(total: float, total_sq: float, count: float) -> float | None:
+    """The Bessel-corrected std of `count` values from their sum and sum of squares (0 where rounding makes the
+    variance < 0), as TRL's `nanstd` of the values; None (TRL: NaN) for fewer than two values."""
+    if count < 2:
+        return None
+    return math.sqrt(max(0.0, (total_sq - total * total / count) / (count - 1)))
 
 
 def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weight_sum: float, *, grad_norm: float,
@@ -49,26 +54,33 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weigh
     (None when that metric does not apply); weight_sum: its sum of w(q) over its samples; plan: the step's
     `StepPlan` (its counts are already global)."""
     rollout = plan.rollout
-    rewards = rollout.rewards.tolist()
-    local = {"samples": len(rollout), "reward": sum(rewards), "reward_sq": sum(x * x for x in rewards),
+    local = {"samples": len(rollout), "reward_std_zero": int(rollout.reward_std_zero.sum()),
              "accuracy": sum(rollout.correct.tolist()),
              "response_length": sum(len(ids) for ids in rollout.response_ids),
              "truncated_frac": sum(rollout.truncated.tolist()), "filtered_frac": len(rollout) - int(rollout.keep.sum()),
              "query_weight": weight_sum, **loss_sums}
-    for name, values in rollout.reward_parts.items():   # the same functions, in the same order, on every rank
+    # the total ("reward", NaN where no function scored) and each function's values ("rewards/NAME", NaN where it
+    # returned None), over the samples that have one; the same functions, in the same order, on every rank
+    given_values = {"reward": rollout.rewards,
+                    **{f"rewards/{name}": values for name, values in rollout.reward_parts.items()}}
+    for key, values in given_values.items():
         given = values[~values.isnan()]
-        local.update({f"{name}/count": len(given), f"{name}/sum": given.sum().item(),
-                      f"{name}/sum_sq": given.square().sum().item()})
+        local.update({f"{key}/count": len(given), f"{key}/sum": given.sum().item(),
+                      f"{key}/sum_sq": given.square().sum().item()})
     total = dict(zip(local, D.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
     tokens = max(plan.num_items, 1)
     record = {key: total[key] / total["samples"] for key in
-              ("reward", "accuracy", "response_length", "truncated_frac", "filtered_frac")}
-    record["reward_std"] = population_std(total["reward"], total["reward_sq"], total["samples"])
-    for name in rollout.reward_parts:   # TRL's rewards/NAME/mean and /std, over the samples the function scored
-        count = total[f"{name}/count"]
-        record[f"rewards/{name}/mean"] = total[f"{name}/sum"] / count if count else None
-        record[f"rewards/{name}/std"] = (population_std(total[f"{name}/sum"], total[f"{name}/sum_sq"], count)
-                                         if count else None)
+              ("accuracy", "response_length", "truncated_frac", "filtered_frac")}
+
+    def mean_std(key):   # TRL's nanmean and nanstd of `key`'s values: null where fewer than 1 / 2 are given
+        count = total[f"{key}/count"]
+        return (total[f"{key}/sum"] / count if count else None,
+                sample_std(total[f"{key}/sum"], total[f"{key}/sum_sq"], count))
+    record["reward"], record["reward_std"] = mean_std("reward")
+    for key in given_values:   # TRL's rewards/NAME/mean and /std, over the samples the function scored
+        if key != "reward":
+            record[f"{key}/mean"], record[f"{key}/std"] = mean_std(key)
+    record["frac_reward_zero_std"] = total["reward_std_zero"] / total["samples"]
 
     def summed(name):  # a loss term's sum or a token mean; null where the metric does not apply
         if name not in total:
@@ -142,7 +154,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
-        self.progress.set_postfix(reward=f"{record['reward']:.3f}", qkl=f"{record['qkl'] or 0:.4f}")
+        reward = "n/a" if record["reward"] is None else f"{record['reward']:.3f}"   # null: no sample was scored
+        self.progress.set_postfix(reward=reward, qkl=f"{record['qkl'] or 0:.4f}")
         self.progress.update(1)
 
     def close(self) -> None:

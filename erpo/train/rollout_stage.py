@@ -4,7 +4,8 @@ their advantages, as tensors (`Rollout`), split into the optimizer steps of the 
 Prompts of every optimizer step are sharded over ranks in whole groups (`distributed.shard`), so a prompt's n
 responses are generated and rewarded on one rank; the advantages' batch statistics (scale_rewards="batch",
 REINFORCE's baseline) are over every rank's rewards (`rollout_advantages`), so advantages do not depend on the world
-size.
+size. Reward functions are called as TRL's GRPOTrainer calls them (`compute_rewards`), with `trainer_state` the
+run's `TrainerProgress`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from erpo import distributed as D
 from erpo.config import Config
 from erpo.tasks.data import PromptSet
 from erpo.tasks.rewards import compute_rewards, math_reward
-from erpo.train.advantages import compute_advantages, equal_reward_groups
+from erpo.tasks.trainer_progress import TrainerProgress
+from erpo.train.advantages import compute_advantages, equal_reward_groups, reward_std
 
 
 @dataclass
@@ -25,11 +27,13 @@ class Rollout:
     """S samples of this rank, grouped by prompt (n consecutive responses each)."""
     prompts: torch.Tensor              # [S] long: index into the PromptSet
     response_ids: list[list[int]]      # S token lists
-    rewards: torch.Tensor              # [S] float64: weighted sum of the reward functions
+    rewards: torch.Tensor              # [S] float64: weighted sum of the reward functions (NaN: none scored it)
     correct: torch.Tensor              # [S] float64: 1.0 when the math verifier accepts the answer
     truncated: torch.Tensor            # [S] bool: stopped by rollout.max_new_tokens
     advantages: torch.Tensor           # [S] float32
     keep: torch.Tensor                 # [S] bool: False when the group was filtered (all rewards equal, filter_groups)
+    reward_std_zero: torch.Tensor      # [S] bool: its group's reward std (the batch's with scale_rewards="batch",
+                                       # `reward_std`) is 0: TRL's is_std_zero, for frac_reward_zero_std
     rollout_logp: list[list[float]] | None  # the engine's log-prob of each response token (importance sampling)
     # each reward function's values by its name (`compute_rewards`' names), [S] float64, NaN where it returned None
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -46,19 +50,24 @@ class Rollout:
         return Rollout(**{f.name: rows(getattr(self, f.name)) for f in fields(self)})
 
 
-def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> torch.Tensor:
-    """Advantages [S] fp32 of this rank's rewards [S] (whole groups of rollout.n), computed over the rollout step's
-    rewards on every rank (one all-gather; collective), as TRL and verl do over the global batch: a group's
-    statistics are its own wherever it lives, the batch std and REINFORCE's batch mean are over all ranks' samples."""
+def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [S] fp32, whether the std they are scaled by is 0 [S] bool) of this rank's rewards [S] (whole
+    groups of rollout.n), computed over the rollout step's rewards on every rank (one all-gather; collective), as
+    TRL and verl do over the global batch: a group's statistics are its own wherever it lives, the batch std and
+    REINFORCE's batch mean are over all ranks' samples."""
     a = cfg.algorithm
     everyone = D.all_gather_object(rewards.tolist())
     offset = sum(len(part) for part in everyone[:D.rank()])
     every_reward = torch.tensor([r for part in everyone for r in part], dtype=rewards.dtype)
     advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards)
-    return advantages[offset:offset + len(rewards)]
+    std = reward_std(every_reward, cfg.rollout.n, a.scale_rewards)
+    std_zero = torch.isclose(std, torch.zeros_like(std))   # TRL's test, defaults included (atol 1e-8)
+    mine = slice(offset, offset + len(rewards))
+    return advantages[mine], std_zero[mine]
 
 
-def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns) -> Rollout:
+def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns,
+          trainer_state: TrainerProgress) -> Rollout:
     """Decode, reward and compute advantages of one generated `batch` (a `RolloutBatch` over `prompt_indices`)."""
     prompts = [prompt_indices[i] for i in batch.prompt_index]
     completions = [tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_ids]
@@ -67,10 +76,11 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
     columns = {k: [ps.records[p].get(k) for p in prompts] for k in keys}
     columns["answer"] = [ps.answers[p] for p in prompts]
     columns["completion_ids"] = batch.response_ids
-    rewards, parts = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns)
+    rewards, parts = compute_rewards(reward_fns, cfg.reward.weights, texts, completions, columns,
+                                     trainer_state=trainer_state)
     n, a = cfg.rollout.n, cfg.algorithm
     reward_t = torch.tensor(rewards, dtype=torch.float32)
-    advantages = rollout_advantages(cfg, reward_t)
+    advantages, std_zero = rollout_advantages(cfg, reward_t)
     flat = (equal_reward_groups(reward_t, n).repeat_interleave(n) if a.filter_groups
             else torch.zeros(len(rewards), dtype=torch.bool))
     if cfg.rollout.importance_sampling_correction and batch.response_logp is None:
@@ -80,16 +90,17 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
                    rewards=torch.tensor(rewards, dtype=torch.float64),
                    correct=torch.tensor(math_reward(texts, completions, columns["answer"]), dtype=torch.float64),
                    truncated=torch.tensor(batch.truncated, dtype=torch.bool), advantages=advantages.float(),
-                   keep=~flat.bool(),
+                   keep=~flat.bool(), reward_std_zero=std_zero,
                    rollout_logp=batch.response_logp if cfg.rollout.importance_sampling_correction else None,
                    reward_parts={name: torch.tensor([math.nan if v is None else v for v in values],
                                                     dtype=torch.float64) for name, values in parts.items()})
 
 
 def rollout_stage(cfg: Config, engine, ps: PromptSet, tokenizer, reward_fns, global_prompts: list[int],
-                  seed: int) -> list[Rollout]:
+                  seed: int, trainer_state: TrainerProgress) -> list[Rollout]:
     """Generate and score this rank's share of `global_prompts` (the rollout step's prompts, update_batch_size per
-    optimizer step) with one `engine.generate` call; one Rollout per optimizer step. seed: the generation seed."""
+    optimizer step) with one `engine.generate` call; one Rollout per optimizer step. seed: the generation seed;
+    trainer_state: what the reward functions get as theirs."""
     t, r = cfg.trainer, cfg.rollout
     updates = len(global_prompts) // t.update_batch_size
     local_chunks = [D.shard(global_prompts[u * t.update_batch_size:(u + 1) * t.update_batch_size],
@@ -99,6 +110,6 @@ def rollout_stage(cfg: Config, engine, ps: PromptSet, tokenizer, reward_fns, glo
     batch = engine.generate([ps.prompt_ids[p] for p in local_prompts], n=r.n, temperature=r.temperature,
                             top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed)
     engine.sleep()
-    rollout = score(cfg, batch, ps, local_prompts, tokenizer, reward_fns)
+    rollout = score(cfg, batch, ps, local_prompts, tokenizer, reward_fns, trainer_state)
     bounds = torch.tensor([0] + [len(c) * r.n for c in local_chunks]).cumsum(0).tolist()
     return [rollout.select(bounds[u], bounds[u + 1]) for u in range(updates)]

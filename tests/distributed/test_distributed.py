@@ -228,7 +228,8 @@ with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
 def test_rollout_advantages_do_not_depend_on_the_world_size(tmp_path, monkeypatch):
     """`erpo train`'s rollout stage on 2 ranks (each holds 3 of the 6 prompt groups) gives every sample the
     advantage one process gives it, for every estimator and scale_rewards: the batch std ("batch") and REINFORCE's
-    batch mean are over both ranks' rewards, as TRL's and verl's over the global batch (they were per rank)."""
+    batch mean are over both ranks' rewards, as TRL's and verl's over the global batch (they were per rank), and a
+    sample no reward function scored is left out of them on every rank."""
     one_rank = all_cases()
     monkeypatch.setenv("ERPO_TEST_SUPPORT", str(REPO / "tests" / "support"))
     ranks = [json.loads(line) for line in run_two_ranks(tmp_path, ADVANTAGES_SCRIPT)]

@@ -121,6 +121,8 @@ def test_python_dash_m_erpo_help(module):
     for flag in ("--config", "--output-dir", "--max-steps", "--algorithm", "--seed", "--zero-stage", "--save-steps",
                  "--resume", "--set"):
         assert flag in result.stdout
+    # where the reward functions' call (TRL's, trainer_state) and the reward metrics are told
+    assert "trainer_state" in result.stdout and result.stdout.rstrip().endswith("docs/training.md.")
 
 
 def test_shipped_config_paths():

@@ -1,5 +1,5 @@
 """erpo.tasks.rewards: boxed extraction, answer checking (math-verify, its time bound, the fallback), reward
-functions."""
+functions and how they are called (TRL's keywords, `trainer_state`, a sample no function scores)."""
 import logging
 import math
 import os
@@ -21,6 +21,10 @@ from erpo.tasks.rewards import (
     math_reward,
     normalize_answer,
 )
+from erpo.tasks.trainer_progress import TrainerProgress
+
+PROGRESS = TrainerProgress(global_step=3, max_steps=8, epoch=1.25, is_world_process_zero=True,
+                           is_local_process_zero=True)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -162,10 +166,23 @@ def test_compute_rewards_weights_and_none():
     def half(prompts, completions, **kw):
         return [None if c == "skip" else 0.5 for c in completions]
     totals, per_fn = compute_rewards([math_reward, half], [1.0, 2.0], ["p", "p"], [r"\boxed{1}", "skip"],
-                                     {"answer": ["1", "1"]})
+                                     {"answer": ["1", "1"]}, trainer_state=PROGRESS)
     assert totals == [2.0, 0.0] and per_fn["half"] == [0.5, None]
-    with pytest.raises(ValueError, match="every reward function returned None for sample 1"):
-        compute_rewards([half], None, ["p", "p"], ["a", "skip"], {})
+
+
+def test_a_sample_no_function_scores_has_no_reward_and_a_warning(caplog):
+    """TRL 1.16's GRPOTrainer: a warning, and the sample's reward NaN (left out of the group's statistics and the
+    reward metrics, advantage 0: tests/train/test_advantages.py), where erpo stopped the run before."""
+    def half(prompts, completions, **kw):
+        return [None if c.startswith("skip") else 0.5 for c in completions]
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        totals, per_fn = compute_rewards([half, half], None, ["p0", "p1", "p2"], ["a", "skip me", "skip"], {},
+                                         trainer_state=PROGRESS)
+    assert totals[0] == 1.0 and math.isnan(totals[1]) and math.isnan(totals[2])
+    assert per_fn == {"half": [0.5, None, None], "half_1": [0.5, None, None]}
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "every reward function returned None for 2 of 3 samples, first sample 1 (prompt 'p1', completion " \
+           "'skip me')" in warning and "advantage 0" in warning
 
 
 def test_reward_functions_with_the_same_name_all_count(tmp_path):
@@ -175,14 +192,14 @@ def test_reward_functions_with_the_same_name_all_count(tmp_path):
         path = tmp_path / f"{stem}.py"
         path.write_text(f"def reward(prompts, completions, **kw):\n    return [{value}] * len(completions)\n")
         fns.append(load_reward_function(f"{path}:reward"))
-    totals, per_fn = compute_rewards(fns, [2.0, 3.0], ["p"], ["c"], {})
+    totals, per_fn = compute_rewards(fns, [2.0, 3.0], ["p"], ["c"], {}, trainer_state=PROGRESS)
     assert totals == [32.0]
     assert per_fn == {"reward": [1.0], "reward_1": [10.0]}
 
 
 def test_compute_rewards_rejects_a_weight_count_mismatch():
     with pytest.raises(ValueError, match="weights has 1 entries for 2 reward functions"):
-        compute_rewards([math_reward, format_reward], [1.0], ["p"], ["c"], {"answer": ["1"]})
+        compute_rewards([math_reward, format_reward], [1.0], ["p"], ["c"], {"answer": ["1"]}, trainer_state=PROGRESS)
 
 
 def test_a_raising_reward_function_names_the_sample():
@@ -190,7 +207,8 @@ def test_a_raising_reward_function_names_the_sample():
         return [1.0 / int(a) for a in answer]
     with pytest.raises(RuntimeError, match=r"reward function 'fragile' raised on sample 2 \(prompt 'p2'.*"
                                            r"ZeroDivisionError"):
-        compute_rewards([fragile], None, ["p0", "p1", "p2"], ["c0", "c1", "c2"], {"answer": ["1", "2", "0"]})
+        compute_rewards([fragile], None, ["p0", "p1", "p2"], ["c0", "c1", "c2"], {"answer": ["1", "2", "0"]},
+                        trainer_state=PROGRESS)
 
 
 @pytest.mark.parametrize("bad", [[1.0], [1.0, math.nan], [1.0, "x"]])
@@ -198,7 +216,7 @@ def test_bad_reward_values_are_errors(bad):
     with pytest.raises(ValueError, match="reward function 'bad_fn'"):
         def bad_fn(prompts, completions, **kw):
             return bad
-        compute_rewards([bad_fn], None, ["p", "q"], ["a", "b"], {})
+        compute_rewards([bad_fn], None, ["p", "q"], ["a", "b"], {}, trainer_state=PROGRESS)
 
 
 def test_dataset_columns_named_like_the_arguments_do_not_clash():
@@ -208,5 +226,41 @@ def test_dataset_columns_named_like_the_arguments_do_not_clash():
         seen.update(prompts=prompts, columns=columns)
         return [1.0 for _ in completions]
     totals, _ = compute_rewards([reward], None, ["p0", "p1"], ["c0", "c1"],
-                                {"prompts": ["dataset", "column"], "completions": ["x", "y"], "answer": ["1", "2"]})
-    assert totals == [1.0, 1.0] and seen["prompts"] == ["p0", "p1"] and seen["columns"] == {"answer": ["1", "2"]}
+                                {"prompts": ["dataset", "column"], "completions": ["x", "y"], "answer": ["1", "2"],
+                                 "trainer_state": ["a", "column"]}, trainer_state=PROGRESS)
+    assert totals == [1.0, 1.0] and seen["prompts"] == ["p0", "p1"]
+    assert seen["columns"] == {"answer": ["1", "2"], "trainer_state": PROGRESS}
+
+
+def test_reward_functions_are_called_with_trl_s_keywords():
+    """TRL calls `reward_func(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...)`: a
+    function whose first parameter is `completions` (TRL's own examples) works, and so does one that takes its
+    arguments in another order or reads `trainer_state` for a curriculum. On a raise, each sample is called alone
+    the same way, until the one that raises."""
+    calls = []
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def curriculum(completion_ids, trainer_state, answer, prompts, completions):
+        calls.append((prompts, completions, answer, completion_ids, trainer_state))
+        share = trainer_state.global_step / trainer_state.max_steps
+        return [share * len(ids) if c != "bad" else share / 0 for c, ids in zip(completions, completion_ids)]
+    columns = {"answer": ["1", "2"], "completion_ids": [[5, 6, 7], [8]]}
+    totals, per_fn = compute_rewards([reward_len, curriculum], None, ["p0", "p1"], ["abc", "de"], columns,
+                                     trainer_state=PROGRESS)
+    assert per_fn == {"reward_len": [3.0, 2.0], "curriculum": [3 * 3 / 8, 3 / 8]}
+    assert totals == [3.0 + 9 / 8, 2.0 + 3 / 8]
+    assert calls == [(["p0", "p1"], ["abc", "de"], ["1", "2"], [[5, 6, 7], [8]], PROGRESS)]
+    calls.clear()
+    with pytest.raises(RuntimeError, match=r"'curriculum' raised on sample 1 \(prompt 'p1', completion 'bad'\)"):
+        compute_rewards([curriculum], None, ["p0", "p1"], ["abc", "bad"], columns, trainer_state=PROGRESS)
+    assert calls[1:] == [(["p0"], ["abc"], ["1"], [[5, 6, 7]], PROGRESS), (["p1"], ["bad"], ["2"], [[8]], PROGRESS)]
+
+
+def test_trainer_state_names_what_it_does_not_hold():
+    assert (PROGRESS.global_step, PROGRESS.max_steps, PROGRESS.epoch) == (3, 8, 1.25)
+    with pytest.raises(AttributeError, match=r"trainer_state.log_history: erpo train fills only global_step, "
+                                             r"max_steps, epoch, is_world_process_zero, is_local_process_zero"):
+        PROGRESS.log_history
+    assert not hasattr(PROGRESS, "num_train_epochs")

@@ -20,7 +20,8 @@ def rollout_of(rewards) -> Rollout:
                    rewards=torch.tensor(rewards, dtype=torch.float64),
                    correct=torch.tensor(rewards, dtype=torch.float64),
                    truncated=torch.tensor([i == 0 for i in range(n)]), advantages=torch.zeros(n),
-                   keep=torch.ones(n, dtype=torch.bool), rollout_logp=None)
+                   keep=torch.ones(n, dtype=torch.bool), reward_std_zero=torch.tensor([i < n // 2 for i in range(n)]),
+                   rollout_logp=None)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -40,7 +41,8 @@ def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
     assert record["reward"] == pytest.approx(0.625) and record["accuracy"] == pytest.approx(0.625)
     assert record["response_length"] == pytest.approx(2.5) and record["truncated_frac"] == pytest.approx(0.25)
     assert record["filtered_frac"] == 0.0
-    assert record["reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5, 1.0]).std(unbiased=False).item())
+    assert record["reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5, 1.0] * world).std().item())
+    assert record["frac_reward_zero_std"] == 0.5
     for name in TOKEN_MEAN_METRICS:
         assert record[name] == pytest.approx(0.5)
     # loss terms are already normalized by the global counts: their sum over ranks is the full-batch value
@@ -49,24 +51,30 @@ def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_each_reward_function_s_mean_and_std_are_over_the_samples_it_scored(monkeypatch, world):
-    """TRL's rewards/NAME/mean and rewards/NAME/std per reward function, over every rank's samples that the function
-    scored (a None is left out, as TRL's nanmean; null when it scored none), beside the total's reward / reward_std."""
+def test_the_reward_metrics_are_trl_s_on_the_same_samples(monkeypatch, world):
+    """reward, reward_std and each function's rewards/NAME/mean and rewards/NAME/std are TRL 1.16 GRPOTrainer's
+    nanmean and (Bessel-corrected) nanstd over every rank's samples: a function's None, and a sample no function
+    scored, are left out; null where TRL's value is NaN (no sample, or one, to take a mean or a std of)."""
+    from trl.trainer.utils import nanstd as trl_nanstd
     cfg = resolve(Config())
-    rollout = rollout_of([1.5, 0.0, 0.5, 1.0])
     nan = float("nan")
-    rollout.reward_parts = {"accuracy_reward": torch.tensor([1.0, 0.0, nan, 1.0], dtype=torch.float64),
+    rollout = rollout_of([1.5, nan, 0.5, 1.0])
+    rollout.reward_parts = {"accuracy_reward": torch.tensor([1.0, nan, nan, 1.0], dtype=torch.float64),
                             "format_reward": torch.tensor([0.5, nan, 0.5, 0.0], dtype=torch.float64),
+                            "reward": torch.tensor([nan, nan, 0.0, nan], dtype=torch.float64),  # a user's `reward`
                             "never": torch.full((4,), nan, dtype=torch.float64)}
     monkeypatch.setattr(D, "all_reduce_sum", lambda x: x * world)
     plan = StepPlan(rollout.select(0, 4), [], num_items=8 * world, num_seqs=4 * world)
     record = step_record(cfg, plan, {"loss": 0.0}, None, 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
-    for name, given in (("accuracy_reward", [1.0, 0.0, 1.0]), ("format_reward", [0.5, 0.5, 0.0])):
-        values = torch.tensor(given, dtype=torch.float64)
-        assert record[f"rewards/{name}/mean"] == pytest.approx(values.mean().item())
-        assert record[f"rewards/{name}/std"] == pytest.approx(values.std(unbiased=False).item())
+    every_rank = {name: values.repeat(world) for name, values in rollout.reward_parts.items()}
+    for name in ("accuracy_reward", "format_reward"):
+        assert record[f"rewards/{name}/mean"] == pytest.approx(torch.nanmean(every_rank[name]).item())
+        assert record[f"rewards/{name}/std"] == pytest.approx(trl_nanstd(every_rank[name]).item())
+    assert record["reward"] == pytest.approx(1.0)
+    assert record["reward_std"] == pytest.approx(trl_nanstd(rollout.rewards.repeat(world)).item())
+    assert record["rewards/reward/mean"] == 0.0 and record["reward"] != 0.0   # the total and a function named reward
+    assert record["rewards/reward/std"] == (None if world == 1 else 0.0)      # TRL: NaN for one value
     assert record["rewards/never/mean"] is None and record["rewards/never/std"] is None
-    assert record["reward"] == pytest.approx(0.75)
 
 
 def test_metrics_that_do_not_apply_are_logged_as_null(monkeypatch):

@@ -3,6 +3,7 @@ checkpoint/resume, cache mismatch, failing reward functions, non-finite losses."
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,49 @@ def test_a_raising_reward_function_stops_with_the_sample_named(tmp_path, cache_d
     with pytest.raises(RuntimeError, match=r"reward function 'picky' raised on sample \d+ \(prompt"):
         train(cfg)
 
+
+
+def test_reward_functions_get_trl_s_keywords_and_unscorable_samples_train_on(tmp_path, cache_dir):
+    """A reward function written for TRL's GRPOTrainer in a real run: called by keyword (`completions` first), it
+    reads `trainer_state` (optimizer steps done out of the run's, the fractional epoch), `completion_ids` and the
+    dataset's columns; where it returns None for a sample (the only function: unscorable) the run goes on, and
+    `reward` / `reward_std` are the nanmean / Bessel nanstd of the values it returned on the step's samples."""
+    calls = tmp_path / "calls.jsonl"
+    file = tmp_path / "reward.py"
+    file.write_text(
+        "import json\n"
+        "def curriculum(completions, trainer_state, completion_ids, problem, **kwargs):\n"
+        "    values = [None if i == 0 else len(ids) % 3 + trainer_state.global_step / trainer_state.max_steps\n"
+        "              for i, ids in enumerate(completion_ids)]\n"
+        "    state = {name: getattr(trainer_state, name) for name in ('global_step', 'max_steps', 'epoch',\n"
+        "             'is_world_process_zero', 'is_local_process_zero')}\n"
+        f"    with open({str(calls)!r}, 'a') as log:\n"
+        "        texts = all(isinstance(c, str) for c in completions)\n"
+        "        log.write(json.dumps({**state, 'values': values, 'texts': texts, 'problems': len(problem),\n"
+        "                              'keys': sorted(kwargs)}) + '\\n')\n"
+        "    return values\n")
+    out = tmp_path / "curriculum"
+    train(small_cfg(out, cache_dir, f"reward.functions=[{file}:curriculum]", "trainer.update_batch_size=2",
+                    "trainer.save_hf=false"))
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    # 24 prompts, 4 per rollout step: the second begins 4/24 into the first pass; 2 rollout steps x 2 updates
+    assert [(c["global_step"], c["max_steps"], c["epoch"]) for c in seen] == [(0, 4, 0.0), (2, 4, 4 / 24)]
+    assert all(c["is_world_process_zero"] and c["is_local_process_zero"] and c["texts"] for c in seen)
+    assert all(c["problems"] == 16 and c["keys"] == ["answer", "prompts"] for c in seen)
+    records = read_metrics(out)
+    assert len(records) == 4
+    # each rollout step's first sample is unscorable: left out of its first optimizer step's reward metrics
+    for record, values in zip(records, [half for c in seen for half in (c["values"][1:8], c["values"][8:])]):
+        given = [v for v in values if v is not None]
+        assert len(given) == len(values)
+        assert record["reward"] == pytest.approx(statistics.fmean(given))
+        assert record["reward_std"] == pytest.approx(statistics.stdev(given))
+    # TRL's is_std_zero per sample: its group's scored rewards (rollout.n = 4) are all equal, two or more of them
+    halves = [c["values"][h:h + 8] for c in seen for h in (0, 8)]
+    for record, values in zip(records, halves):
+        groups = [[v for v in values[g:g + 4] if v is not None] for g in (0, 4)]
+        zero_std = [len(group) > 1 and len(set(group)) == 1 for group in groups]
+        assert record["frac_reward_zero_std"] == sum(zero_std) / 2
 
 @pytest.fixture
 def nan_on_first_call(monkeypatch):
