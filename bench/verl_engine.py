@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 
 import torch
@@ -223,13 +224,19 @@ def loss_and_grads(engine, data: TensorDict, loss_fn) -> tuple[dict, dict]:
     return outputs, grads
 
 
+def sent(data):
+    """`data` as a Ray actor receives it: serialized and read back (pickle, as Ray's object store does)."""
+    return pickle.loads(pickle.dumps(data))
+
+
 class EngineWorkerGroup:
     """verl's actor worker group around `engine`, in this process, for what erpo asks of it: `compute_log_prob`
     shards a TensorDict into `world_size` equal parts as verl's dispatch does (`BatchData.chunk`), runs verl's own
-    `ActorRolloutRefWorker.compute_log_prob` (a worker built around the engine, without Ray) on a copy of each part,
-    as Ray delivers one, and joins the outputs in rank order as verl's collect does (`BatchData.concat`). Every
-    part runs on the one engine (dp = 1 inside it). `calls` records the size of each batch it was sent;
-    `set_loss_fn` records the loss functions set."""
+    `ActorRolloutRefWorker.compute_log_prob` (a worker built around the engine, without Ray) on each part, each
+    way through a pickle round trip as Ray's object store serializes it (which also unlocks the parts `chunk`
+    leaves locked), and joins the outputs in rank order as verl's collect does (`BatchData.concat`). Every part runs
+    on the one engine (dp = 1 inside it). `calls` records the size of each batch it was sent; `set_loss_fn` records
+    the loss functions set."""
 
     def __init__(self, engine, world_size: int = 1):
         from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
@@ -246,7 +253,7 @@ class EngineWorkerGroup:
         from verl.protocol import BatchData
         self.calls.append(len(data))
         parts = BatchData(data).chunk(chunks=self.world_size)
-        return BatchData([self.worker.compute_log_prob(part.clone()) for part in parts]).concat()
+        return BatchData([sent(self.worker.compute_log_prob(sent(part))) for part in parts]).concat()
 
     def set_loss_fn(self, loss_fn) -> None:
         self.loss_fns.append(loss_fn)

@@ -42,8 +42,8 @@ def prompt_calls(lengths: list[int], *, multiple: int, tokens_per_call: int) -> 
         raise ValueError(f"multiple and tokens_per_call must be >= 1, got {multiple} and {tokens_per_call}")
     calls, current = [], []
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        padded = -(-(len(current) + 1) // multiple) * multiple
-        if current and padded * lengths[current[0]] > tokens_per_call:   # the call's longest bounds its tokens
+        padded = -(-(len(current) + 1) // multiple) * multiple     # the call's sequences with this one, padded
+        if current and padded * lengths[current[0]] > tokens_per_call:   # its first (longest) bounds each one's tokens
             calls.append(current)
             current = []
         current.append(index)
