@@ -289,17 +289,20 @@ def test_query_kl_is_zero_at_theta0(tiny):
     assert_same(ours, verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config)), rel=1e-5)
 
 
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["rmpad", "padded"])
 @pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_scored_cache_is_the_losss_ell_theta_at_theta0(tiny, tmp_path, param_dtype, temperature):
+def test_engine_scored_cache_is_the_losss_ell_theta_at_theta0(tiny, tmp_path, param_dtype, temperature,
+                                                              use_remove_padding):
     """ell_theta0(q) scored by the actor's engine (verl's compute_log_prob on each prompt alone) equals, prompt by
     prompt, the ell_theta(q) that erpo_ppo_loss sums from the prompt rows of prompt + response on the same engine at
     theta0 (micro-batches of one sample: `actor/query_logp` is that sample's), for prompts of 5 to 61 tokens
     left-padded in the actor's batch, in verl's fp32 and bf16 mixed precision (its CPU cross entropy, which rounds
-    each log-prob to bf16, included), at T = 1 and 0.7: the Query-KL at theta0 is 0. The cache records the engine's
-    precision. (The HF model in the driver scored on the CPU gave 8.6e-6 in bf16 at T = 1 before 2026-11-27.)"""
+    each log-prob to bf16, included), at T = 1 and 0.7, with remove-padding (packed) or padded forwards: the
+    Query-KL at theta0 is 0. The cache records the engine's precision. (The HF model in the driver scored on the CPU
+    gave 8.6e-6 in bf16 at T = 1 before 2026-11-27.)"""
     _, tokenizer, model = tiny
-    engine = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=1)
+    engine = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=1, use_remove_padding=use_remove_padding)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (37, 5, 61, 12)]
     data = verl_engine.set_engine_keys(engine, verl_engine.actor_batch(model, prompts, [[5, 6, 7], [8, 9], [4], [3, 5]],
@@ -308,8 +311,8 @@ def test_engine_scored_cache_is_the_losss_ell_theta_at_theta0(tiny, tmp_path, pa
     assert data["attention_mask"][1, :56].sum() == 0 and data["attention_mask"][1, 56:61].all()   # left padding
     from verl.utils import tensordict_utils as tu
     tu.assign_non_tensor(data, temperature=temperature)
-    # scored by an engine of the same weights and precision packing 4 prompts a micro-batch, over 2 ranks
-    scorer = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=2)
+    # scored by an engine of the same weights and precision in micro-batches of 2 prompts, over 2 ranks
+    scorer = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=2, use_remove_padding=use_remove_padding)
     reference, group = engine_reference(tiny, scorer, prompts, tmp_path / "cache.json", temperature=temperature,
                                         world_size=2)
     assert group.calls == [4]
