@@ -11,6 +11,8 @@ pack (tests/integrations/test_verl_integration.py measures it). The first token 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
@@ -20,6 +22,7 @@ from erpo.sequences import scoring_precision
 from erpo_kernels import sample_sums
 
 ENGINE_PATH = "verl-engine"   # the scoring path a cache scored here records (`engine_precision`)
+log = logging.getLogger("erpo")
 
 
 def engine_precision(hf_config, param_dtype: torch.dtype, device_type: str) -> str:
@@ -72,11 +75,15 @@ def engine_query_logp(worker_group, prompts: list[list[int]], *, temperature: fl
     """ell_theta0(q) (nats) of each of `prompts` (token ids, as they reach the loss) under the weights the actor
     `worker_group` (verl's actor RayWorkerGroup) holds now, scored by its engine (`compute_log_prob`) at the rollout
     `temperature`, in calls of `prompt_calls` (`multiple`, `tokens_per_call`); each prompt's rows summed as the loss
-    sums ell_theta(q) (erpo_kernels' `sample_sums`). A progress line counts the prompts."""
+    sums ell_theta(q) (erpo_kernels' `sample_sums`). A log line says what is scored, a progress line counts the
+    prompts (`erpo.progress`)."""
     ell = [0.0] * len(prompts)
+    calls = prompt_calls([len(p) for p in prompts], multiple=multiple, tokens_per_call=tokens_per_call)
+    log.info(f"reference cache: scoring ell_theta0(q) of {len(prompts)} prompts ({sum(map(len, prompts))} tokens) "
+             f"on the actor's engine, in {len(calls)} compute_log_prob calls")
     with progress(len(prompts), "reference cache ell_theta0(q) on the actor's engine", "prompt",
                   enabled=show_progress) as shown:
-        for call in prompt_calls([len(p) for p in prompts], multiple=multiple, tokens_per_call=tokens_per_call):
+        for call in calls:
             log_probs = worker_group.compute_log_prob(prompts_batch([prompts[i] for i in call], temperature))
             log_probs = log_probs["log_probs"]
             lengths = log_probs.offsets().diff()

@@ -14,6 +14,7 @@ log-probs, checkpoints, logging) is verl's.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from functools import partial
 
@@ -144,6 +145,9 @@ class ERPOTrainer(PPOTrainerSync):
                              "ell_theta0(q) is scored with the initial weights, which the actor no longer holds; put "
                              "the cache of the run's start there (or set +erpo.ref_cache=... to it), or start afresh")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        erpo_log = logging.getLogger("erpo")
+        if erpo_log.level == logging.NOTSET:   # `import verl` sets the root logger to WARNING: erpo's INFO lines
+            erpo_log.setLevel(logging.INFO)    # (the scoring's progress) would not show in the driver's log
         score = partial(engine_query_logp, self.actor_rollout_wg, temperature=rollout.temperature,
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
         precision = engine_precision(model.hf_config, actor_param_dtype(self.config.actor_rollout_ref.actor),

@@ -551,14 +551,18 @@ def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path)
     assert (weights - everyone.lookup(prompts[1:3])[1]).abs().max() > 0.01
 
 
-def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(tiny, tmp_path, monkeypatch):
+def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(tiny, tmp_path, monkeypatch, caplog):
     """`trainer.v1.trainer_mode=erpo` is registered with verl. After verl's own setup (here a stand-in for its Ray /
     TransferQueue setup whose actor worker group runs verl's compute_log_prob on an engine in this process over 2
     ranks, `EngineWorkerGroup`), the trainer has the actor's engine score ell_theta0(q) of the training prompts
     (tokenized as verl's agent loop does), in the actor's precision (verl's default bf16), with no HF model loaded
     in the driver; writes the cache; and sets the ERPO loss on the actor. A second start reads the cache without
-    scoring; a start whose actor runs in fp32 refuses it in one line; a resumed run without its cache is refused."""
+    scoring; a start whose actor runs in fp32 refuses it in one line; a resumed run without its cache is refused.
+    The driver's log shows the scoring and its progress (INFO, where `import verl` leaves the root logger at
+    WARNING)."""
     pytest.importorskip("transfer_queue")
+    import logging
+
     import transformers
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1 import get_trainer_cls
@@ -590,13 +594,20 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
         trainer._setup()
         return trainer.actor_rollout_wg
 
+    caplog.set_level(logging.WARNING)                   # the root logger as `import verl` leaves it
+    caplog.set_level(logging.NOTSET, logger="erpo")     # and erpo's unset (caplog's handler then takes every record)
+    monkeypatch.setenv("ERPO_PROGRESS_SECONDS", "0")    # a progress line at every call
     group = start()
     assert group.calls == [4]               # the 4 prompts in one call: 2 ranks x micro-batches of 2
+    prompts = [tiny[1].apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=True)["input_ids"] for p in PROMPTS]
+    lines = [record.getMessage() for record in caplog.records if record.name == "erpo"]
+    assert lines[0] == (f"reference cache: scoring ell_theta0(q) of 4 prompts ({sum(map(len, prompts))} tokens) on "
+                        "the actor's engine, in 1 compute_log_prob calls")
+    assert lines[1].startswith("reference cache ell_theta0(q) on the actor's engine: 4/4 prompt (100%), 0:00 elapsed")
     (loss_fn,) = group.loss_fns
     assert loss_fn.func is erpo_ppo_loss and loss_fn.keywords["settings"].qkl_coef == 0.02
     assert loss_fn.keywords["config"].loss_agg_mode == run_config(tiny, tmp_path).actor_rollout_ref.actor.loss_agg_mode
-    prompts = [tiny[1].apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=True)["input_ids"] for p in PROMPTS]
     ell, weight = loss_fn.keywords["reference"].lookup(prompts)
     expected, _ = engine_reference(tiny, engine, prompts, tmp_path / "direct.json")
     assert ell.tolist() == expected.lookup(prompts)[0].tolist()
