@@ -14,8 +14,9 @@ does over the global mini-batch (token counts and sequence counts over every dp 
 Query-KL r_s = ell_theta0(q_s) - ell_theta(q_s) averaged over the mini-batch's G sequences. With qkl_coef = 0 and
 w(q) = 1 it is verl's `ppo_loss` (tests/integrations/test_verl_integration.py, on verl's real FSDP engine).
 
-ell_theta0(q) and w(q) come from erpo's reference cache, looked up by the prompt's token ids (what reaches the
-loss); a prompt the cache lacks is an error naming it.
+ell_theta0(q) and w(q) come from erpo's reference cache (scored at start by the actor's own engine,
+`erpo.integrations.verl_reference`), looked up by the prompt's token ids (what reaches the loss); a prompt the
+cache lacks is an error naming it.
 
 Host reads per micro-batch: 3 (tests/integrations/test_verl_integration.py counts them): one copy of the rows'
 lengths and prompt tokens (with the advantages' check), the kernels' value checks, and one copy of the metrics, which
