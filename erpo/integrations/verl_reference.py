@@ -57,7 +57,8 @@ def prompt_calls(lengths: list[int], *, multiple: int, tokens_per_call: int) -> 
 
 
 def prompts_batch(prompts: list[list[int]], temperature: float) -> TensorDict:
-    """The TensorDict `compute_log_prob` takes for `prompts` alone, as verl's v1 trainer sends a rollout's samples:
+    """The TensorDict `compute_log_prob` takes for `prompts` alone, the fields verl 0.9.1's own
+    `RayPPOTrainer._compute_old_log_prob` sends the worker group as a plain TensorDict (`left_right_2_no_padding`'s):
     jagged `input_ids`, `position_ids` (0 .. P - 1, a text model's) and `loss_mask` (the engine counts the batch's
     tokens by it), with the rollout `temperature`, no entropy and no loss (`compute_loss=False`: the actor's loss
     function is not called)."""
