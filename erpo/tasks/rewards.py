@@ -26,13 +26,23 @@ from erpo.tasks.answer_worker import TEXT_COMMANDS
 RewardFn = Callable[..., list]
 
 
+# \boxed or \fbox (MATH's solutions box some answers with \fbox, which lm-eval's hendrycks_math reads too), then an
+# opening brace, or else the next word: `\boxed 5` boxes "5" in LaTeX, and verl's last_boxed_only_string and
+# math-verify both read it so.
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*(?:(\{)|([^\s${}]+))?")
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed; None if there is none
-    or it is not closed."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    if not starts:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed, or the word after a
+    \\boxed without braces (`\\boxed 5`); None if there is none or the last one is not closed (a completion cut
+    inside its final answer has no answer, whatever an earlier box held)."""
+    boxes = list(_BOX.finditer(text))
+    if not boxes:
         return None
-    start = starts[-1]
+    last = boxes[-1]
+    if last.group(1) is None:
+        return last.group(2)   # a word, or None: a \\boxed followed by neither (cut right after it)
+    start = last.end()
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":

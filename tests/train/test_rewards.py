@@ -31,6 +31,11 @@ from erpo.tasks.rewards import (
     (r"\boxed {3}", "3"),
     ("no box", None),
     (r"\boxed{unclosed", None),
+    # without braces the box holds the next word (as verl's last_boxed_only_string and math-verify read it)
+    (r"the answer is $\boxed 5$.", "5"), (r"\boxed -3", "-3"), (r"\boxed\frac12", r"\frac12"),
+    (r"\boxed{1} then \boxed 2", "2"), (r"\boxed 2 then \boxed{1}", "1"), (r"\boxed{3}, cut at \boxed", None),
+    # a completion cut inside its last box has no answer, even where an earlier box is closed
+    (r"\boxed{3}, no: \boxed{5", None),
 ])
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
@@ -210,3 +215,9 @@ def test_dataset_columns_named_like_the_arguments_do_not_clash():
     totals, _ = compute_rewards([reward], None, ["p0", "p1"], ["c0", "c1"],
                                 {"prompts": ["dataset", "column"], "completions": ["x", "y"], "answer": ["1", "2"]})
     assert totals == [1.0, 1.0] and seen["prompts"] == ["p0", "p1"] and seen["columns"] == {"answer": ["1", "2"]}
+
+
+def test_an_answer_boxed_without_braces_earns_its_reward():
+    # `\boxed 5` is a box in LaTeX; verl's math scorer and math-verify both accept it (it scored 0 before).
+    completions = [r"so the answer is $\boxed 5$.", r"\boxed 6", r"\boxed{4} or rather \boxed 5"]
+    assert math_reward(["p"] * 3, completions, answer=["5"] * 3) == [1.0, 0.0, 1.0]
