@@ -25,13 +25,9 @@ Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nes
 ``larger_than=T`` (heldout only). Without ``problem``/``answer`` the fields are detected from the common formats
 (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
 
-Gold answers are a list of alternatives, any of which counts as correct:
-- a list answer (Minerva in Dr.GRPO's evaluation suite) holds alternatives, except where the row says
-  ``is_multiple_answer: true`` (OlympiadBench), whose list is the parts of one answer, joined with ", ";
-- a string that is a Python list of strings (the official ERPO JSONL files' ``ground_truth``, e.g.
-  ``"['9.6\\n', '9.7']"``) is read as that list of alternatives;
-- OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to the problem (the gold answer
-  is the bare value, as OlympiadBench's own prompt asks for it).
+Gold answers are a list of alternatives, any of which counts as correct, read by ``erpo.tasks.gold`` (as
+training reads its answer column). OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to
+the problem (the gold answer is the bare value, as OlympiadBench's own prompt asks for it).
 Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
 verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it:
 the evaluation template adds one instruction, the model's own.
@@ -39,14 +35,13 @@ the evaluation template adds one instruction, the model's own.
 
 from __future__ import annotations
 
-import ast
 import os
 from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
 from erpo.tasks.data import PAPER_SUFFIX, arithmetic_dataset
-from erpo.tasks.rewards import extract_boxed
+from erpo.tasks.gold import gold_answers
 
 # Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
 PROBLEM_FIELDS = ("problem", "question", "Problem", "Question", "prompt", "input")
@@ -143,52 +138,6 @@ def _problem_text(value, fieldname: str) -> str:
     return text
 
 
-def _answer_text(value, fieldname: str) -> str:
-    """One gold answer as a string: ints/integral floats printed as ints, surrounding ``$`` removed, last
-    \\boxed{} of a full solution taken."""
-    if isinstance(value, bool) or value is None or isinstance(value, list):
-        raise ValueError(f"field {fieldname!r} must be a string or a number, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    text = str(value).strip()
-    if fieldname.split(".")[-1] == "solution":
-        boxed = extract_boxed(text)
-        if boxed is None:
-            raise ValueError(f"field {fieldname!r} holds a solution without \\boxed{{...}}")
-        text = boxed.strip()
-    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text.strip("$").strip()
-    if not text:
-        raise ValueError(f"field {fieldname!r} is empty")
-    return text
-
-
-def _string_list_literal(value) -> list[str] | None:
-    """The list a string like "['2', '3\\n']" spells (a Python list of strings), else None."""
-    if not (isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]")):
-        return None
-    try:
-        parsed = ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        return None
-    return parsed if isinstance(parsed, list) and parsed and all(isinstance(v, str) for v in parsed) else None
-
-
-def _gold_answers(record: dict, value, fieldname: str) -> list[str]:
-    """Gold answer alternatives of one row (module docstring): a list or a Python-list string gives several,
-    unless the row says is_multiple_answer (one answer of several parts, joined with ", ")."""
-    if not isinstance(value, list):
-        value = _string_list_literal(value) or value
-    if not isinstance(value, list):
-        return [_answer_text(value, fieldname)]
-    if not value:
-        raise ValueError(f"field {fieldname!r} is an empty list")
-    parts = [_answer_text(v, fieldname) for v in value]
-    if record.get("is_multiple_answer") is True:
-        return [", ".join(parts)]
-    return list(dict.fromkeys(parts))
-
-
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
     for name in candidates:
         if _get_field(record, name) is not None:
@@ -211,7 +160,7 @@ def records_to_problems(
     for index, record in enumerate(records):
         try:
             problem = _problem_text(_get_field(record, problem_field), problem_field)
-            answers = _gold_answers(record, _get_field(record, answer_field), answer_field)
+            answers = gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
         if isinstance(record.get("unit"), str) and record["unit"].strip():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from erpo.errors import UserError
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_located_records
+from erpo.tasks.gold import gold_answers
 
 # Paper appendix A: appended to the problem, then the whole message goes through the chat template.
 PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the "
@@ -106,9 +107,10 @@ class PromptSet:
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
                      use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
                      where: list[str] | None = None) -> PromptSet:
-    """Render and tokenize every record. Empty problems and prompts longer than `max_prompt_length` tokens are
-    a UserError listing the first offenders, or dropped with one warning when `skip_invalid`. where[i] names
-    record i in messages (default "record i+1")."""
+    """Render and tokenize every record; its gold answer is read by `erpo.tasks.gold` (`PromptSet.answers`: one
+    string each). Empty problems, missing or empty answers, several alternative answers and prompts longer than
+    `max_prompt_length` tokens are a UserError listing the first offenders, or dropped with one warning when
+    `skip_invalid`. where[i] names record i in messages (default "record i+1")."""
     where = where or [f"record {i}" for i in range(1, len(records) + 1)]
     kept, problems = PromptSet([], [], [], []), []
     for i, record in zip(where, records):
@@ -118,6 +120,15 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
             continue
         if record.get(answer_field) is None:
             problems.append(f"{i}: missing {answer_field!r}")
+            continue
+        try:   # read as `erpo eval` reads a benchmark's answers, so that both grade against the same gold
+            answers = gold_answers(record, record[answer_field], answer_field)
+        except ValueError as err:
+            problems.append(f"{i}: {err}")
+            continue
+        if len(answers) > 1:
+            problems.append(f"{i}: {answer_field!r} holds {len(answers)} alternative answers {answers!r:.60}; the "
+                            "math reward compares with one: keep the one to reward")
             continue
         prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
         if len(ids) > max_prompt_length:
@@ -129,7 +140,7 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
         kept.records.append(record)
         kept.prompts.append(prompt)
         kept.prompt_ids.append(ids)
-        kept.answers.append(str(record[answer_field]))
+        kept.answers.append(answers[0])
     if problems:
         summary = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
         if not skip_invalid:

@@ -17,6 +17,7 @@ from erpo.tasks.data import (
     load_dataset_records,
     tokenize_prompts,
 )
+from erpo.tasks.rewards import math_reward
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +167,27 @@ def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):
     assert kept.answers == ["2"] and kept.records == records[:1]
     assert kept.prompt_ids[0] == tokenizer(kept.prompts[0], add_special_tokens=False)["input_ids"]
 
+
+
+def test_training_reads_gold_answers_as_evaluation_does(tokenizer):
+    """The answer column is read as `erpo eval` reads a benchmark's: the official ERPO files' Python-list string, a
+    one-element list, a float and `$...$` (each compared raw before: every sample's math reward 0), a solution's last
+    box; an empty answer or several alternatives (the math reward compares with one) are invalid records."""
+    kwargs = dict(problem_field="problem", template="plain", use_chat_template=True, max_prompt_length=64)
+    gold = ["['9.6\\n']", ["0.02"], 25.0, "$\\frac{1}{2}$", "-3"]
+    kept = tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in gold], answer_field="answer",
+                            skip_invalid=False, **kwargs)
+    assert kept.answers == ["9.6", "0.02", "25", "\\frac{1}{2}", "-3"]
+    completions = ["\\boxed{9.6}", "\\boxed{0.02}", "\\boxed{25}", "\\boxed{0.5}", "\\boxed{-3}"]
+    assert math_reward(kept.prompts, completions, answer=kept.answers) == [1.0] * 5
+    solved = tokenize_prompts(tokenizer, [{"problem": "p", "solution": "So $x=\\boxed{7}$."}], answer_field="solution",
+                              skip_invalid=False, **kwargs)
+    assert solved.answers == ["7"]
+    bad = [{"problem": "p", "answer": a} for a in ["", ["1", "2"], "['1', '2']", True]]
+    with pytest.raises(UserError, match=r"4 invalid training record\(s\): record 1: field 'answer' is empty; "
+                                        r"record 2: 'answer' holds 2 alternative answers.*record 3: 'answer' holds 2"
+                                        r".*record 4: field 'answer' must be a string or a number"):
+        tokenize_prompts(tokenizer, bad, answer_field="answer", skip_invalid=False, **kwargs)
 
 def test_tiny_tokenizer_is_character_level_and_survives_save_load(tmp_path, tokenizer):
     text = build_prompt(tokenizer, "12 + 3=?\n\tok", "plain") + "\\boxed{15}<|im_end|>"
