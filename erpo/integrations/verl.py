@@ -36,6 +36,7 @@ from functools import partial
 
 import torch
 
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.reference.cache import (
     ReferenceCache,
     build_reference_cache,
@@ -43,7 +44,6 @@ from erpo.reference.cache import (
     reweight_for_training_set,
     with_temperature,
 )
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import final_hidden, logit_transforms, scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss, token_logprobs

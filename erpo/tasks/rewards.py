@@ -71,6 +71,7 @@ class AnswerChecker:
         self._owner = 0                      # the pid that started `_proc`
         self._pending = b""                  # bytes read from the process after the last full line
         self.import_error: str | None = None  # set when math-verify cannot be imported (then never retried)
+        self.version: str | None = None       # math-verify's version, as the process reported it
 
     def match(self, pred: str, gold: str, timeout_s: float) -> bool | None:
         """math-verify's verdict on `pred` against `gold`; None when math-verify cannot be imported."""
@@ -92,6 +93,11 @@ class AnswerChecker:
                 return False
             return bool(reply)
 
+    def math_verify_version(self) -> str | None:
+        """The version of the math-verify that judges answers; None when it cannot be imported."""
+        with self._lock:
+            return self.version if self.import_error is None and self._running() else None
+
     def _running(self) -> bool:
         """Start the process when there is none (or it was started by the process this one was forked from);
         False when math-verify cannot be imported there."""
@@ -111,6 +117,7 @@ class AnswerChecker:
             raise RuntimeError("math answer check: the math-verify process "
                                f"({sys.executable} -m erpo.tasks.answer_worker)"
                                f" did not start within {WORKER_START_TIMEOUT_S:g} s; run it by hand to see why")
+        self.version = ready["ready"]
         return True
 
     def _read_line(self, timeout_s: float):
@@ -141,6 +148,18 @@ class AnswerChecker:
 _checker = AnswerChecker()
 atexit.register(_checker.close)
 _warned_fallback = False
+
+
+# erpo's own rules of judging an answer (`extract_boxed`, `collapse_nested_text`, `fallback_match`): bump it with any
+# change that judges some answer otherwise, so that `erpo eval` grades again the samples it cached under the old ones.
+GRADING_RULES = 2
+
+
+def grader_identity() -> str:
+    """What judges answers in this process: erpo's GRADING_RULES and math-verify's version, or the fallback where
+    math-verify cannot be imported (`answers_match`); e.g. "erpo-rules-2 math-verify-0.9.0"."""
+    version = _checker.math_verify_version()
+    return f"erpo-rules-{GRADING_RULES} " + (f"math-verify-{version}" if version else "fallback_match")
 
 
 def answers_match(pred: str | None, gold: str, *, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
