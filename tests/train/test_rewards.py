@@ -8,7 +8,11 @@ import time
 
 import pytest
 
+from erpo.config import Config
+from erpo.models.sft import worked_response
+from erpo.models.tiny import build_tokenizer
 from erpo.tasks import rewards
+from erpo.tasks.data import arithmetic_dataset
 from erpo.tasks.rewards import (
     ANSWER_TIMEOUT_S,
     answers_match,
@@ -101,7 +105,7 @@ def test_the_fallback_misjudges_what_its_warning_says(monkeypatch, tmp_path, cap
     assert sum(fallback_match(p, g) == equal for p, g, equal in ISSUE_PAIRS) < len(ISSUE_PAIRS)
 
 
-def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread():
+def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread(caplog):
     # Each of these keeps math-verify busy for over a minute without a time bound (measured), and math-verify's own
     # SIGALRM bound raises outside the main thread. The reward runs in a worker thread, as a rollout server's does.
     huge = r"10^{10^{10}}"
@@ -114,9 +118,13 @@ def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread():
         result["rewards"] = math_reward(["p"] * 3, completions, answer=["1", "1", r"\sqrt{8}"])
         result["seconds"] = time.monotonic() - start
     thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(timeout=600)
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        thread.start()
+        thread.join(timeout=600)
     assert not thread.is_alive() and result["rewards"] == [0.0, 0.0, 1.0]
+    # Each runaway answer is named in the log, with the reward it got.
+    timeouts = [r.getMessage() for r in caplog.records if "counted as wrong" in r.getMessage()]
+    assert len(timeouts) == 2 and huge in timeouts[0] and "((((" in timeouts[1]
     # Two answers bounded to ANSWER_TIMEOUT_S each, two restarts of the checking process: far below this.
     assert result["seconds"] < 4 * ANSWER_TIMEOUT_S + 2 * 60
 
@@ -221,3 +229,22 @@ def test_an_answer_boxed_without_braces_earns_its_reward():
     # `\boxed 5` is a box in LaTeX; verl's math scorer and math-verify both accept it (it scored 0 before).
     completions = [r"so the answer is $\boxed 5$.", r"\boxed 6", r"\boxed{4} or rather \boxed 5"]
     assert math_reward(["p"] * 3, completions, answer=["5"] * 3) == [1.0, 0.0, 1.0]
+
+
+def test_the_default_task_rewards_right_answers_and_only_them():
+    # The README's first command trains on arithmetic with the math reward alone (README: reward = accuracy there).
+    # The warm start's answer form, decoded as a rollout decodes it, earns 1 when right, 0 off by one or by sign.
+    cfg = Config()
+    assert cfg.data.source == "arithmetic" and cfg.reward.functions == ["math"]
+    tokenizer = build_tokenizer()
+    records = arithmetic_dataset(40, seed=0, max_operand=cfg.data.arithmetic_max_operand)
+    gold = [r["answer"] for r in records]
+    assert any(a.startswith("-") for a in gold) and any(a == "0" for a in gold)
+
+    def rollout_text(answer):
+        ids = tokenizer(worked_response(answer, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    assert math_reward(None, [rollout_text(a) for a in gold], answer=gold) == [1.0] * len(gold)
+    assert math_reward(None, [rollout_text(str(int(a) + 1)) for a in gold], answer=gold) == [0.0] * len(gold)
+    signed = [a for a in gold if a.startswith("-")]
+    assert math_reward(None, [rollout_text(a[1:]) for a in signed], answer=signed) == [0.0] * len(signed)
