@@ -29,8 +29,9 @@ Gold answers are a list of alternatives, any of which counts as correct, read by
 training reads its answer column). OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to
 the problem (the gold answer is the bare value, as OlympiadBench's own prompt asks for it).
 Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
-verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it:
-the evaluation template adds one instruction, the model's own.
+verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it, and the
+instruction beside them (``instruction``): a template that brings its own (paper, qwen-math) is filled with the
+problem alone, one that brings none (plain) with the problem and its instruction (``problem_as_asked``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
-from erpo.tasks.data import PAPER_SUFFIX, arithmetic_dataset
+from erpo.tasks.data import PAPER_SUFFIX, TEMPLATES, arithmetic_dataset
 from erpo.tasks.gold import gold_answers
 
 # Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
@@ -75,8 +76,8 @@ _OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "m
 
 @dataclass
 class Benchmark:
-    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold
-    answer alternatives, any of which is correct)."""
+    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold answer
+    alternatives, any of which is correct), and ``"instruction": str`` where one was removed from the problem."""
 
     name: str
     source: str
@@ -122,8 +123,9 @@ def _get_field(record: dict, dotted: str):
     return value
 
 
-def _problem_text(value, fieldname: str) -> str:
-    """The problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES."""
+def _problem_text(value, fieldname: str) -> tuple[str, str]:
+    """(the problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES; that
+    instruction, or "")."""
     if isinstance(value, list):  # chat format: the last user message
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
@@ -134,8 +136,23 @@ def _problem_text(value, fieldname: str) -> str:
     text = value.strip()
     for suffix in INSTRUCTION_SUFFIXES:
         if text.endswith(suffix) and text != suffix:
-            return text[: -len(suffix)].strip()
-    return text
+            return text[: -len(suffix)].strip(), suffix
+    return text, ""
+
+
+def brings_instruction(template: str) -> bool:
+    """Whether a prompt template (a name of erpo.tasks.data.TEMPLATES or the format text) asks for the answer in
+    \\boxed{} itself, as the paper's and qwen-math's do; `plain` does not."""
+    return "\\boxed" in TEMPLATES.get(template, template)
+
+
+def problem_as_asked(problem: dict, template: str) -> str:
+    """The text of `problem` (a Benchmark problem) that `template` is filled with: without the instruction its file
+    held where the template brings its own, with it otherwise (a run trained on such prompts with `plain` read it
+    there): one instruction either way."""
+    if not problem.get("instruction") or brings_instruction(template):
+        return problem["problem"]
+    return f"{problem['problem']} {problem['instruction']}"
 
 
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
@@ -159,13 +176,14 @@ def records_to_problems(
     problems = []
     for index, record in enumerate(records):
         try:
-            problem = _problem_text(_get_field(record, problem_field), problem_field)
+            problem, instruction = _problem_text(_get_field(record, problem_field), problem_field)
             answers = gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
         if isinstance(record.get("unit"), str) and record["unit"].strip():
             problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
-        problems.append({"id": index, "problem": problem, "answers": answers})
+        problems.append({"id": index, "problem": problem, "answers": answers,
+                         **({"instruction": instruction} if instruction else {})})
     return problems
 
 

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from erpo.eval.model_specs import PromptSettings
-from erpo.eval.problem_sets import Benchmark
+from erpo.eval.problem_sets import Benchmark, problem_as_asked
 from erpo.eval.sample_cache import append_lines, cache_path, chunk_seed, read_cache
 from erpo.models.loading import load_causal_lm, load_tokenizer
 from erpo.models.lora import MERGED_DIR, is_adapter_dir
@@ -62,8 +62,8 @@ def grade_alternatives(completion: str, answers: list[str]) -> tuple[str | None,
 
 def problem_prompt_ids(tokenizer, problems: list[dict], settings: PromptSettings) -> list[list[int]]:
     """The token ids the model is given for each problem [P] (`encode_prompt` with the model's prompt settings)."""
-    return [encode_prompt(tokenizer, p["problem"], settings.template, settings.use_chat_template)[1]
-            for p in problems]
+    return [encode_prompt(tokenizer, problem_as_asked(p, settings.template), settings.template,
+                          settings.use_chat_template)[1] for p in problems]
 
 
 def prompt_ids_fingerprint(tokenizer, bench: Benchmark, settings: PromptSettings) -> str:

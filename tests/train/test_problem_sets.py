@@ -8,6 +8,7 @@ import types
 import pytest
 
 from erpo.config import DataConfig
+from erpo.eval.model_specs import RAW_TEMPLATES, PromptSettings
 from erpo.eval.problem_sets import (
     held_out_benchmark,
     load_benchmark,
@@ -17,6 +18,8 @@ from erpo.eval.problem_sets import (
     records_to_problems,
     synthetic_benchmark,
 )
+from erpo.eval.sampling import problem_prompt_ids
+from erpo.models.tiny import build_tokenizer
 from erpo.tasks.data import arithmetic_dataset
 from erpo.tasks.rewards import math_reward
 
@@ -153,6 +156,23 @@ def test_list_literals_and_instructions_are_read_narrowly():
     rows = [{"q": suffix + " Then add 1.", "a": "1"}, {"q": suffix, "a": "1"}]
     assert [p["problem"] for p in records_to_problems(rows, "t", "q", "a")] == [suffix + " Then add 1.", suffix]
 
+
+
+@pytest.mark.parametrize("template,kept", [("plain", True), ("Q: {problem}", True), ("paper", False),
+                                          (RAW_TEMPLATES["qwen-math"], False)])
+def test_a_problems_own_instruction_is_dropped_only_for_a_template_that_brings_one(template, kept):
+    """A verl-style file's instruction is the only one a `plain` run trained with: the model is asked with it. A
+    template that asks for \\boxed{} itself (paper, qwen-math) gets the problem without it: one instruction either
+    way (with `plain` the model was asked none at all)."""
+    tokenizer = build_tokenizer()
+    problems = load_benchmark(os.path.join(FIXTURES, "verl_instruction.jsonl")).problems
+    settings = PromptSettings(template=template, use_chat_template=template in ("plain", "paper"))
+    instructions = ["Let's think step by step and output the final answer within \\boxed{}.",
+                    "Please reason step by step, and put your final answer within \\boxed{}."]
+    for problem, instruction, ids in zip(problems, instructions, problem_prompt_ids(tokenizer, problems, settings)):
+        prompt = tokenizer.decode(ids)
+        assert problem["problem"] + (" " + instruction if kept else "") in prompt
+        assert prompt.count("\\boxed{}") == 1
 
 def test_synthetic_default_is_offline_and_deterministic():
     default = load_benchmarks(None)
