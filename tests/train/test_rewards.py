@@ -56,7 +56,11 @@ ANSWER_PAIRS = [
     ("1,000", "1000", True), ("1,234,567", "1234567", True), (r"\$1{,}234.50", "1234.5", True),
     ("2.0", "2", True), ("0.50", "0.5", True), (r"$-\frac{3}{4}$", r"\frac{-3}{4}", True),
     (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt3}{2}", True), (r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}", True),
+    # a percent sign against its bare number, as MATH's normalizer (verl's strip_string) judges; math-verify alone
+    # reads 50\% as 0.5
     (r"90^\circ", "90", True), (r"30^{\circ}", "30", True), ("50\\%", "50", True), (r"\$5.00", "5", True),
+    # a trailing point: "5." is 5.0 (math-verify on the whole completion and verl's string match call it wrong)
+    ("5.", "5", True),
     ("10^{3}", "1000", True), (r"3\pi", r"3\pi", True), ("x = 5", "5", True), ("y = 2x+1", "2x+1", True),
     # multiple choice, text
     (r"\text{(A)}", "(A)", True), ("(B)", "B", True), (r"\textbf{(C)}", "C", True), (r"\mathrm{(D)}", "D", True),
