@@ -37,6 +37,7 @@ problem alone, one that brings none (plain) with the problem and its instruction
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
@@ -173,10 +174,12 @@ def records_to_problems(
         raise ValueError(f"{source}: holds no records")
     problem_field = problem_field or _detect(records[0], PROBLEM_FIELDS, "problem", source)
     answer_field = answer_field or _detect(records[0], ANSWER_FIELDS, "answer", source)
-    problems = []
+    problems, with_system = [], 0
     for index, record in enumerate(records):
+        value = _get_field(record, problem_field)
+        with_system += isinstance(value, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in value)
         try:
-            problem, instruction = _problem_text(_get_field(record, problem_field), problem_field)
+            problem, instruction = _problem_text(value, problem_field)
             answers = gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
@@ -184,6 +187,10 @@ def records_to_problems(
             problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
         problems.append({"id": index, "problem": problem, "answers": answers,
                          **({"instruction": instruction} if instruction else {})})
+    if with_system:   # erpo's templates ask the problem as one user turn (as training does); say what is lost
+        warnings.warn(f"{source}: {with_system} of {len(records)} chat prompts hold a system message, which is left "
+                      "out: the model is asked the last user message through its template (--template)",
+                      stacklevel=2)
     return problems
 
 
