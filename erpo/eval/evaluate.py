@@ -87,7 +87,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
                     "model_weights": model_fingerprint(model.path),
                     "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
                     "prompt_ids_sha256": prompt_ids_fingerprint(tokenizer, bench, settings),
-                    "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size,
+                    "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size, "dtype": dtype,
                     **dataclasses.asdict(settings)}
             check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)
             for t in temperatures:
@@ -109,7 +109,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         "models": "; ".join(model_lines),
         "benchmarks": ", ".join(f"{b.name} ({len(b.problems)} problems)" for b in benchmarks),
         "samples per problem (k)": k, "temperatures": ", ".join(f"{t:g}" for t in temperatures),
-        "max_new_tokens (every model)": max_new_tokens, "top_p": top_p, "seed": seed, "device": device,
+        "max_new_tokens (every model)": max_new_tokens, "top_p": top_p, "seed": seed, "device": device, "dtype": dtype,
         "Pass@1": "accuracy of the first sample of each problem",
     }
     paths = write_results(output_dir, rows, models=[m.label for m in models],

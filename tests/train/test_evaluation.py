@@ -327,6 +327,9 @@ def test_cache_refuses_other_settings(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="max_new_tokens"):
         evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=4,
                  progress=False)
+    with pytest.raises(ValueError, match=r"different settings \(dtype\)"):   # samples of another precision
+        evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3,
+                 dtype="float64", progress=False)
 
 
 
