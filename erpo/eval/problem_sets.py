@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
-from erpo.tasks.data import PAPER_SUFFIX, TEMPLATES, arithmetic_dataset
+from erpo.tasks.data import arithmetic_dataset, brings_instruction, split_instruction
 from erpo.tasks.gold import gold_answers
 
 # Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
@@ -52,12 +52,6 @@ ANSWER_FIELDS = (
     "target", "solution",
 )
 
-# Instructions a benchmark file may already carry at the end of its problem text; removed on load.
-INSTRUCTION_SUFFIXES = (
-    PAPER_SUFFIX.strip(),                                                                    # official ERPO files
-    "Let's think step by step and output the final answer within \\boxed{}.",             # verl's math preprocessing
-    "Please reason step by step, and put your final answer within \\boxed{}.",            # Qwen2.5-Math's prompt
-)
 UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
 
 # Short names of the paper's six benchmarks -> (Hub dataset, config, split).
@@ -78,7 +72,8 @@ _OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "m
 @dataclass
 class Benchmark:
     """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold answer
-    alternatives, any of which is correct), and ``"instruction": str`` where one was removed from the problem."""
+    alternatives, any of which is correct), and ``"instruction": str`` where one was removed from the problem (with
+    the white space before it)."""
 
     name: str
     source: str
@@ -125,8 +120,7 @@ def _get_field(record: dict, dotted: str):
 
 
 def _problem_text(value, fieldname: str) -> tuple[str, str]:
-    """(the problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES; that
-    instruction, or "")."""
+    """`split_instruction` of the problem as text (a chat list: its last user message)."""
     if isinstance(value, list):  # chat format: the last user message
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
@@ -134,26 +128,16 @@ def _problem_text(value, fieldname: str) -> tuple[str, str]:
         value = users[-1]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"field {fieldname!r} must be a non-empty string, got {value!r}")
-    text = value.strip()
-    for suffix in INSTRUCTION_SUFFIXES:
-        if text.endswith(suffix) and text != suffix:
-            return text[: -len(suffix)].strip(), suffix
-    return text, ""
-
-
-def brings_instruction(template: str) -> bool:
-    """Whether a prompt template (a name of erpo.tasks.data.TEMPLATES or the format text) asks for the answer in
-    \\boxed{} itself, as the paper's and qwen-math's do; `plain` does not."""
-    return "\\boxed" in TEMPLATES.get(template, template)
+    return split_instruction(value)
 
 
 def problem_as_asked(problem: dict, template: str) -> str:
     """The text of `problem` (a Benchmark problem) that `template` is filled with: without the instruction its file
     held where the template brings its own, with it otherwise (a run trained on such prompts with `plain` read it
     there): one instruction either way."""
-    if not problem.get("instruction") or brings_instruction(template):
+    if brings_instruction(template):
         return problem["problem"]
-    return f"{problem['problem']} {problem['instruction']}"
+    return problem["problem"] + problem.get("instruction", "")
 
 
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:

@@ -15,6 +15,31 @@ PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal mon
                 "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
                 "answer MUST BE put in \\boxed{}.")
 TEMPLATES = {"paper": "{problem}" + PAPER_SUFFIX, "plain": "{problem}"}
+# Instructions a data file's problem may already end with (the official ERPO files, verl's math preprocessing,
+# Qwen2.5-Math's prompt): a template that brings its own is filled with the problem without it (`split_instruction`).
+INSTRUCTION_SUFFIXES = (
+    PAPER_SUFFIX.strip(),
+    "Let's think step by step and output the final answer within \\boxed{}.",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+)
+
+
+def split_instruction(problem: str) -> tuple[str, str]:
+    """(`problem` stripped and without a trailing INSTRUCTION_SUFFIXES, that instruction with the white space before
+    it or ""): a problem that is nothing but an instruction, or holds one elsewhere, is left whole."""
+    text = problem.strip()
+    for suffix in INSTRUCTION_SUFFIXES:
+        if text.endswith(suffix) and text != suffix:
+            kept = text[: -len(suffix)].rstrip()
+            return kept, text[len(kept):]
+    return text, ""
+
+
+def brings_instruction(template: str) -> bool:
+    """Whether a prompt template (a name of TEMPLATES or the format text) asks for the answer in \\boxed{} itself,
+    as the paper's and qwen-math's do; `plain` does not. Such a template is filled with a problem without the
+    instruction the problem ended with (`split_instruction`): it is asked one either way."""
+    return "\\boxed" in TEMPLATES.get(template, template)
 
 
 def arithmetic_dataset(n: int, seed: int, max_operand: int = 10, larger_than: int | None = None) -> list[dict]:
@@ -130,6 +155,8 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
             problems.append(f"{i}: {answer_field!r} holds {len(answers)} alternative answers {answers!r:.60}; the "
                             "math reward compares with one: keep the one to reward")
             continue
+        if brings_instruction(template):   # as `erpo eval` asks it (erpo.eval.problem_sets.problem_as_asked)
+            problem = split_instruction(problem)[0]
         prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
         if len(ids) > max_prompt_length:
             problems.append(f"{i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
