@@ -62,7 +62,8 @@ log = logging.getLogger("erpo")
 class AnswerChecker:
     """math-verify in one child process (`erpo.tasks.answer_worker`), one answer at a time, each bounded to
     `timeout_s` seconds of wall-clock time: an answer that takes longer (a huge or deeply nested expression) counts
-    as wrong, and the process is killed and started again on the next answer. Works from any thread (a lock
+    as wrong, and the process is killed and started again on the next answer; one it raises on counts as wrong. Both
+    are logged with the answer. Works from any thread (a lock
     serializes them) and after a fork (the forked process starts its own)."""
 
     def __init__(self):
@@ -90,6 +91,10 @@ class AnswerChecker:
                 log.warning("math answer check: math-verify %s within %g s on the answer %r; counted as wrong",
                             state, timeout_s, pred[:200])
                 self.close()
+                return False
+            if isinstance(reply, dict):
+                log.warning("math answer check: math-verify raised %s on the answer %r; counted as wrong",
+                            reply["error"], pred[:200])
                 return False
             return bool(reply)
 

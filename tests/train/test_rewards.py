@@ -109,6 +109,22 @@ def test_the_fallback_misjudges_what_its_warning_says(monkeypatch, tmp_path, cap
     assert sum(fallback_match(p, g) == equal for p, g, equal in ISSUE_PAIRS) < len(ISSUE_PAIRS)
 
 
+
+def test_an_answer_math_verify_raises_on_is_wrong_and_logged(monkeypatch, tmp_path, caplog):
+    # A math-verify that raises on one answer (its own errors it catches; this is what it does not): the answer
+    # counts as wrong, the log names it and the error, and the next answer is judged as usual.
+    (tmp_path / "math_verify.py").write_text(
+        "def parse(text, **kw):\n    return [text]\n"
+        "def verify(gold, pred, **kw):\n"
+        "    if pred == ['$boom$']:\n        raise RecursionError('too deep')\n    return gold == pred\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(rewards, "_checker", rewards.AnswerChecker())
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        assert math_reward(["p"] * 3, [r"\boxed{boom}", r"\boxed{7}", r"\boxed{8}"], answer=["boom", "7", "7"]) == [
+            0.0, 1.0, 0.0]
+    raised = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
+    assert len(raised) == 1 and "RecursionError: too deep" in raised[0] and "'boom'" in raised[0]
+
 def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread(caplog):
     # Each of these keeps math-verify busy for over a minute without a time bound (measured), and math-verify's own
     # SIGALRM bound raises outside the main thread. The reward runs in a worker thread, as a rollout server's does.
