@@ -38,6 +38,7 @@ from functools import partial
 
 import torch
 
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.reference.cache import (
     ReferenceCache,
     lookup_entries,
@@ -46,7 +47,6 @@ from erpo.reference.cache import (
     reweight_for_training_set,
     with_temperature,
 )
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss
 

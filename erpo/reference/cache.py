@@ -22,8 +22,8 @@ import torch
 
 from erpo import distributed as D
 from erpo.atomic import publish
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.progress import progress as progress_display
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 from erpo_kernels.layout import host_to_device
