@@ -109,11 +109,13 @@ def init_process_group() -> None:
 
 
 def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
-                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32"):
+                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32",
+                 attn_implementation: str = "sdpa"):
     """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir` (fp32 master weights; `param_dtype`
     "bf16": verl's mixed precision, the forward under bf16 autocast), as verl's actor worker configures it
     (remove-padding, dynamic batch size, micro-batch size, token budget: the same for updates and for
-    `compute_log_prob`, verl's `rollout.log_prob_*`), initialized."""
+    `compute_log_prob`, verl's `rollout.log_prob_*`), initialized. `attn_implementation`: verl's
+    `actor_rollout_ref.model.override_config.attn_implementation` (sdpa or eager: no flash-attn on a CPU)."""
     from verl.models.transformers import monkey_patch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -125,7 +127,7 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     # heads (critics) only, so the actor is built as without TRL.
     monkey_patch.is_trl_available = lambda: False
     model = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding, enable_gradient_checkpointing=False,
-                          override_config={"attn_implementation": "sdpa"})   # no flash-attn on a CPU
+                          override_config={"attn_implementation": attn_implementation})
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
                               use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                               max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,

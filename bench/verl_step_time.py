@@ -60,7 +60,8 @@ def main() -> None:
     score = partial(engine_query_logp, verl_engine.EngineWorkerGroup(engine), temperature=1.0, multiple=4,
                     tokens_per_call=len(prompts) * max(map(len, prompts)))   # 4: the engine's micro-batch size
     reference = load_or_build_reference(model_dir, tokenizer, prompts, path=f"{model_dir}/erpo_cache.json",
-                                        temperature=1.0, precision=engine_precision(model.config, torch.float32, "cpu"),
+                                        temperature=1.0,
+                                        precision=engine_precision(engine.model_config, torch.float32, "cpu"),
                                         score=score)   # the engine's fp32
     losses = {"verl ppo_loss": partial(ppo_loss, config=config),
               "erpo_ppo_loss": erpo_loss_fn(config, ERPOSettings(qkl_coef=0.01), reference)}

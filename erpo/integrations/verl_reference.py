@@ -25,13 +25,18 @@ ENGINE_PATH = "verl-engine"   # the scoring path a cache scored here records (`e
 log = logging.getLogger("erpo")
 
 
-def engine_precision(hf_config, param_dtype: torch.dtype, device_type: str) -> str:
-    """`scoring_precision` of ell_theta0(q) scored by verl's actor engine: the actor's FSDP mixed-precision
-    `param_dtype` (its forward under autocast in that dtype; fp32: no autocast), the path "verl-engine", the
-    workers' `device_type` (verl's `trainer.device`) and the logit transform of the model's `hf_config`. A cache
-    records it; a run whose actor scores otherwise refuses the cache."""
+def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -> str:
+    """`scoring_precision` of ell_theta0(q) scored by verl's actor engine, with what else picks the forward's kernels:
+    the actor's FSDP mixed-precision `param_dtype` (its forward under autocast in that dtype; fp32: no autocast),
+    the path "verl-engine", the workers' `device_type` (verl's `trainer.device`), and of `model_config` (verl's
+    `HFModelConfig` of `actor_rollout_ref.model`) the logit transform of its hf_config, the attention kernel and
+    remove-padding (packed or padded forwards). The attention kernel is the one verl 0.9.1's model config resolves
+    and its FSDP engine builds the model with (`hf_config._attn_implementation`: `override_config.attn_implementation`,
+    flash_attention_2 when unset). A cache records it; a run whose actor scores otherwise refuses the cache."""
     autocast = None if param_dtype == torch.float32 else param_dtype
-    return scoring_precision(hf_config, param_dtype, device_type, path=ENGINE_PATH, autocast=autocast)
+    scoring = scoring_precision(model_config.hf_config, param_dtype, device_type, path=ENGINE_PATH, autocast=autocast)
+    return (f"{scoring},attention={model_config.hf_config._attn_implementation},"
+            f"remove_padding={str(bool(model_config.use_remove_padding)).lower()}")
 
 
 def prompt_calls(lengths: list[int], *, multiple: int, tokens_per_call: int) -> list[list[int]]:

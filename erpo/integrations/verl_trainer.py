@@ -150,7 +150,7 @@ class ERPOTrainer(PPOTrainerSync):
             erpo_log.setLevel(logging.INFO)    # (the scoring's progress) would not show in the driver's log
         score = partial(engine_query_logp, self.actor_rollout_wg, temperature=rollout.temperature,
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
-        precision = engine_precision(model.hf_config, actor_param_dtype(self.config.actor_rollout_ref.actor),
+        precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
                                      self.config.trainer.device)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score)

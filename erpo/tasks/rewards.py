@@ -336,7 +336,8 @@ def compute_rewards(fns: list[RewardFn], weights: list[float] | None, prompts: l
                     columns: dict, *, trainer_state: TrainerProgress
                     ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted sum over reward functions per sample (None entries contribute nothing, as TRL's nansum), and the
-    per-function values keyed by function name (a repeated name gets its position appended: `reward_1`).
+    per-function values, unweighted, keyed by function name in the order of `fns` (a repeated name gets its
+    position appended: `reward_1`).
 
     Each function gets TRL's keywords: `prompts`, `completions`, the dataset's `columns` (lists, one entry per
     sample) and `trainer_state`. A sample where every function returns None is unscorable: its total is NaN, with

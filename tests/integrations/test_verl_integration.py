@@ -86,7 +86,7 @@ def engine_reference(tiny, engine, prompts, path, *, temperature=1.0, world_size
     multiple = world_size * (1 if config.use_dynamic_bsz else config.infer_micro_batch_size_per_gpu)
     score = partial(engine_query_logp, group, temperature=temperature, multiple=multiple,
                     tokens_per_call=tokens_per_call)
-    precision = engine_precision(tiny[2].config, engine_param_dtype(engine), "cpu")
+    precision = engine_precision(engine.model_config, engine_param_dtype(engine), "cpu")
     reference = load_or_build_reference(model_dir or tiny[0], tiny[1], prompts, path=str(path),
                                         temperature=temperature, precision=precision, score=score)
     return reference, group
@@ -416,9 +416,10 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
     path, tokenizer, _ = tiny
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     cache = str(tmp_path / "cache.json")
-    reference, _ = engine_reference(tiny, engine_for(tiny, use_remove_padding=True), prompts, cache)
+    engine = engine_for(tiny, use_remove_padding=True)
+    reference, _ = engine_reference(tiny, engine, prompts, cache)
     assert reference.lookup(prompts)[0].lt(0).all()
-    fp32 = engine_precision(tiny[2].config, FP32, "cpu")
+    fp32 = engine_precision(engine.model_config, FP32, "cpu")
     read = partial(load_or_build_reference, path=cache, temperature=1.0, precision=fp32, score=unexpected_scoring)
     assert read(path, tokenizer, prompts).entries == reference.entries
     other = tmp_path / "other"
@@ -431,7 +432,7 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
         read(path, changed, prompts)
     with pytest.raises(ValueError, match="temperature"):
         read(path, tokenizer, prompts, temperature=0.7)
-    bf16 = engine_precision(tiny[2].config, torch.bfloat16, "cpu")
+    bf16 = engine_precision(engine.model_config, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match=r"^\S+cache.json does not match this run: precision: cache built with "
                                          r"dtype=float32,autocast=off,path=verl-engine,device=cpu,[^;]*, training "
                                          r"scores with dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu,"
@@ -440,6 +441,42 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
         read(path, tokenizer, prompts, precision=bf16)
     with pytest.raises(ValueError, match="has no ell_theta0"):
         read(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]])
+
+
+@pytest.mark.parametrize("setting, recorded", [
+    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
+                                        r"attention=eager,remove_padding=true"),
+    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
+                                     r"attention=sdpa,remove_padding=false")], ids=["attention", "remove_padding"])
+def test_cache_of_another_attention_kernel_or_padding_is_refused(tiny, tmp_path, setting, recorded):
+    """The actor's forward also depends on its attention kernel (verl's
+    `actor_rollout_ref.model.override_config.attn_implementation`) and on `use_remove_padding` (packed or padded):
+    a cache scored under one is refused by an actor under another, in one line naming both, where it was read before.
+    (On this CPU the tiny model's ell_theta0(q) came out the same under eager and sdpa, packed and padded, on
+    2026-11-27; flash-attn, on a GPU, is another kernel.)"""
+    tokenizer = tiny[1]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = tmp_path / "cache.json"
+    engine_reference(tiny, engine_for(tiny, use_remove_padding=True), prompts, cache)
+    other = engine_for(tiny, **{"use_remove_padding": True, **setting})
+    with pytest.raises(ValueError, match=r"^\S+cache.json does not match this run: precision: cache built with "
+                                         r"dtype=float32,[^;]*," + recorded + r"\. Delete it"):
+        engine_reference(tiny, other, prompts, cache)
+
+
+def test_the_precision_records_the_attention_kernel_verl_resolves(tiny, tmp_path):
+    """The record holds what verl 0.9.1's model config resolves and its FSDP engine builds the actor with: flash-attn 2
+    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding` as set."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    def recorded(*settings):
+        config = OmegaConf.merge(run_config(tiny, tmp_path), OmegaConf.from_dotlist(list(settings)))
+        model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        return engine_precision(model, FP32, "cpu").split(",")[-2:]
+    assert recorded() == ["attention=flash_attention_2", "remove_padding=true"]
+    assert recorded("actor_rollout_ref.model.override_config.attn_implementation=eager",
+                    "actor_rollout_ref.model.use_remove_padding=false") == ["attention=eager", "remove_padding=false"]
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -557,7 +594,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     ranks, `EngineWorkerGroup`), the trainer has the actor's engine score ell_theta0(q) of the training prompts
     (tokenized as verl's agent loop does), in the actor's precision (verl's default bf16), with no HF model loaded
     in the driver; writes the cache; and sets the ERPO loss on the actor. A second start reads the cache without
-    scoring; a start whose actor runs in fp32 refuses it in one line; a resumed run without its cache is refused.
+    scoring; a start whose actor runs in fp32, or padded (`use_remove_padding=false`), refuses it in one line; a
+    resumed run without its cache is refused.
     The driver's log shows the scoring and its progress (INFO, where `import verl` leaves the root logger at
     WARNING)."""
     pytest.importorskip("transfer_queue")
@@ -589,7 +627,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
         monkeypatch.setattr(PPOTrainerSync, "_setup", verl_setup)
         trainer = object.__new__(ERPOTrainer)
         trainer.config = OmegaConf.merge(run_config(tiny, tmp_path, qkl_coef=0.02), OmegaConf.from_dotlist([
-            "trainer.device=cpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", *settings]))
+            "trainer.device=cpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.model.override_config.attn_implementation=sdpa", *settings]))   # the engine's
         trainer.erpo_settings = ERPOSettings(qkl_coef=0.02, ref_cache=ref_cache)
         trainer._setup()
         return trainer.actor_rollout_wg
@@ -614,6 +653,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
     cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
     assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu")
+    assert cache.precision.endswith(",attention=sdpa,remove_padding=true")
 
     again = start()
     assert again.calls == [] and again.loss_fns[0].keywords["reference"].entries == \
@@ -622,6 +662,10 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
                                          r"built with dtype=bfloat16,.* training scores with dtype=float32,"
                                          r"autocast=off,path=verl-engine,device=cpu,[^\n]*$"):
         start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
+    with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with [^;]*,attention=sdpa,"
+                                         r"remove_padding=true, training scores with [^;]*,attention=sdpa,"
+                                         r"remove_padding=false\. Delete it"):
+        start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
@@ -723,4 +767,6 @@ def test_precompute_ref_cache_is_refused_by_its_precision(tiny, tmp_path):
                                          r"autocast=off,path=fused-linear,.* training scores with dtype=float32,"
                                          r"autocast=off,path=verl-engine,"):
         load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0,
-                                precision=engine_precision(tiny[2].config, FP32, "cpu"), score=unexpected_scoring)
+                                precision=engine_precision(engine_for(tiny, use_remove_padding=True).model_config, FP32,
+                                                           "cpu"),
+                                score=unexpected_scoring)
