@@ -579,10 +579,10 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     for loader in (transformers.AutoModelForCausalLM, transformers.PreTrainedModel):
         monkeypatch.setattr(loader, "from_pretrained", refuse_loading)
 
-    def start(*settings, resumed_at=0, ref_cache=None):
+    def start(*settings, resumed_at=0, ref_cache=None, prompts=PROMPTS):
         def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
             self.tokenizer, self.processor = tiny[1], None
-            self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+            self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in prompts]
             self.actor_rollout_wg = verl_engine.EngineWorkerGroup(engine, world_size=2)
             self.global_steps = resumed_at      # _load_checkpoint's: the step of the checkpoint the actor loaded
 
@@ -625,6 +625,13 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
+    # A resumed run cannot rebuild a cache it refuses (its actor holds a checkpoint's weights): the message does not
+    # send it to delete the cache, which the line above would then refuse, but to the settings that built it.
+    resumed = r"The run resumes at step 3, whose actor no longer holds the initial weights: rebuilding the cache "
+    with pytest.raises(ValueError, match=r"does not match this run: precision: .*\. " + resumed):
+        start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32", resumed_at=3)
+    with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\. " + resumed):
+        start(resumed_at=3, prompts=[*PROMPTS, "5+5="])
 
 
 def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
