@@ -360,6 +360,23 @@ def test_engine_scoring_over_calls_and_ranks_is_the_prompts_log_likelihood(tiny)
     assert one[1] == 0.0
 
 
+def test_engine_scoring_matches_each_result_to_its_prompt_under_dynamic_batch_size(tiny):
+    """verl's dynamic batch size regroups each rank's sequences into micro-batches by their tokens and puts the
+    outputs back in the order sent (`restore_dynamic_batch`); engine_query_logp reads each result by position, which
+    its length check cannot verify among prompts of one length. Prompts of equal lengths and other tokens keep their
+    own ell(q): each is the value the prompt gets scored alone."""
+    _, tokenizer, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 9, 5, 12, 5, 9, 3, 5)]
+    alone = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True))
+    expected = [engine_query_logp(alone, [p], temperature=1.0, multiple=2, tokens_per_call=10**6)[0] for p in prompts]
+    dynamic = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True, use_dynamic_bsz=True,
+                                                       max_token_len=16), world_size=2)
+    assert engine_query_logp(dynamic, prompts, temperature=1.0, multiple=2, tokens_per_call=10**6) == \
+        pytest.approx(expected, rel=1e-5, abs=0)
+    assert len(set(expected)) == len(prompts)   # no two alike: a result read for another prompt would show
+
+
 def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
     """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache it builds at it: the
     Query-KL at theta0 is 0; a cache at T = 1 is far off."""
