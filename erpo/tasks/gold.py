@@ -26,8 +26,8 @@ def answer_text(value, fieldname: str) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"field {fieldname!r} must be a finite number, got {value!r}")
-        # str() writes a float below 1e-4 as 1.5e-05, which math-verify reads as 1.5 e - 5 (Euler's e): the digits
-        # of its shortest repr, positionally, are the number the dataset holds
+        # str() writes a float below 1e-4 as 1.5e-05, which math-verify parses as 1.5 (inside $...$, as 1.5 e - 5,
+        # Euler's e): the digits of its shortest repr, positionally, are the number the dataset holds
         value = int(value) if value.is_integer() else format(Decimal(repr(value)), "f")
     text = str(value).strip()
     if fieldname.split(".")[-1] == "solution":

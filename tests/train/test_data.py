@@ -196,8 +196,9 @@ def test_training_reads_gold_answers_as_evaluation_does(tokenizer):
 
 def test_a_small_float_answer_is_written_as_its_digits(tokenizer):
     """A float answer column (Parquet, JSONL) below 1e-4 was printed as Python does, `1.5e-05`: math-verify reads
-    that as 1.5 e - 5 (Euler's e), so `0.000015` and `1.5 \\times 10^{-5}` earned 0 in training and evaluation alike.
-    It is written positionally; a NaN or infinite answer is an invalid record naming the field."""
+    that as 1.5 (inside `$`, as 1.5 e - 5 with Euler's e), so `0.000015` and `1.5 \\times 10^{-5}` earned 0 in
+    training and evaluation alike. It is written positionally; a NaN or infinite answer is an invalid record naming
+    the field."""
     kwargs = dict(problem_field="problem", answer_field="answer", template="plain", use_chat_template=True,
                   max_prompt_length=64, skip_invalid=False)
     kept = tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in [1.5e-05, -3e-06, 0.25, [1e-07]]],
