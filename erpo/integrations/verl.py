@@ -56,6 +56,9 @@ KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20,
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
+# A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
+RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
+           "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,12 @@ class QueryReference:
     def from_cache(cls, cache: ReferenceCache, path: str, tokenizer=None) -> QueryReference:
         return cls(dict(cache.entries), str(path), tokenizer)
 
-    def lookup(self, prompt_ids: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, prompt_ids: list[list[int]], device=None, remedy: str = REBUILD
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
-        (`erpo.reference.cache.lookup_entries`)."""
+        (`erpo.reference.cache.lookup_entries`); `remedy` ends the error of a missing prompt."""
         return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
-            f"(the data, chat template or tokenizer changed since it was built). {REBUILD}"), device=device)
+            f"(the data, chat template or tokenizer changed since it was built). {remedy}"), device=device)
 
 
 def check_actor_config(config) -> None:
@@ -348,13 +352,14 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
 
 
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
-                            temperature: float, precision: str,
-                            score: Callable[[list[list[int]]], list[float]]) -> QueryReference:
+                            temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
+                            remedy: str = REBUILD) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
 
     The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
     `temperature` and `precision` (the actor's: `erpo.integrations.verl_reference.engine_precision`), and holds
-    every prompt; otherwise a ValueError names what differs. Without a cache, `score(prompts)` gives ell_theta0 (nats)
+    every prompt; otherwise a ValueError names what differs and ends with `remedy` (`RESUMED` for a resumed run).
+    Without a cache, `score(prompts)` gives ell_theta0 (nats)
     of the distinct prompts with the initial weights (the actor's engine: `verl_reference.engine_query_logp`), and
     the cache is saved at `path`."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
@@ -364,7 +369,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     if os.path.exists(path):
         cache = ReferenceCache.load(path)
         cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,
-                               precision=precision, path=path, remedy=REBUILD)
+                               precision=precision, path=path, remedy=remedy)
     else:
         unique = {prompt_hash(ids): ids for ids in prompt_ids}
         cache = reference_cache_of(dict(zip(unique, score(list(unique.values())))), model_id=identity["model_id"],
@@ -372,6 +377,6 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
                                    template=template, precision=precision)
         cache.save(path)
     reference = QueryReference.from_cache(cache, path, tokenizer)
-    reference.lookup(prompt_ids)          # every training prompt is there, or an error naming the first missing
+    reference.lookup(prompt_ids, remedy=remedy)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     return reference

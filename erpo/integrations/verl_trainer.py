@@ -25,6 +25,8 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.verl import (
+    REBUILD,
+    RESUMED,
     ERPOSettings,
     check_actor_config,
     check_fused_kernels,
@@ -152,5 +154,7 @@ class ERPOTrainer(PPOTrainerSync):
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
         precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
                                      self.config.trainer.device)
+        remedy = RESUMED.format(step=self.global_steps) if self.global_steps > 0 else REBUILD
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
-                                       temperature=rollout.temperature, precision=precision, score=score)
+                                       temperature=rollout.temperature, precision=precision, score=score,
+                                       remedy=remedy)

@@ -5,23 +5,30 @@
   ``is_multiple_answer: true`` (OlympiadBench), whose list is the parts of one answer, joined with ", ";
 - a string that is a Python list of strings (the official ERPO JSONL files' ``ground_truth``, e.g.
   ``"['9.6\\n', '9.7']"``) is read as that list;
-- a number is printed as an int when integral (AMC's ``25.0``); surrounding ``$`` are removed; a field named
-  ``solution`` gives the last \\boxed{} of that solution.
+- a number is printed as an int when integral (AMC's ``25.0``), a float otherwise by its digits (``1.5e-05`` is
+  ``0.000015``), and must be finite; surrounding ``$`` are removed; a field named ``solution`` gives the last
+  \\boxed{} of that solution.
 """
 from __future__ import annotations
 
 import ast
+import math
+from decimal import Decimal
 
 from erpo.tasks.rewards import extract_boxed
 
 
 def answer_text(value, fieldname: str) -> str:
-    """One gold answer as a string: ints/integral floats printed as ints, surrounding ``$`` removed, last
-    \\boxed{} of a full solution taken. ValueError naming `fieldname` when it is no such answer."""
+    """One gold answer as a string: ints/integral floats printed as ints, other floats by their digits, surrounding
+    ``$`` removed, last \\boxed{} of a full solution taken. ValueError naming `fieldname` when it is no such answer."""
     if isinstance(value, bool) or value is None or isinstance(value, list):
         raise ValueError(f"field {fieldname!r} must be a string or a number, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"field {fieldname!r} must be a finite number, got {value!r}")
+        # str() writes a float below 1e-4 as 1.5e-05, which math-verify parses as 1.5 (inside $...$, as 1.5 e - 5,
+        # Euler's e): the digits of its shortest repr, positionally, are the number the dataset holds
+        value = int(value) if value.is_integer() else format(Decimal(repr(value)), "f")
     text = str(value).strip()
     if fieldname.split(".")[-1] == "solution":
         boxed = extract_boxed(text)

@@ -360,6 +360,23 @@ def test_engine_scoring_over_calls_and_ranks_is_the_prompts_log_likelihood(tiny)
     assert one[1] == 0.0
 
 
+def test_engine_scoring_matches_each_result_to_its_prompt_under_dynamic_batch_size(tiny):
+    """verl's dynamic batch size regroups each rank's sequences into micro-batches by their tokens and puts the
+    outputs back in the order sent (`restore_dynamic_batch`); engine_query_logp reads each result by position, which
+    its length check cannot verify among prompts of one length. Prompts of equal lengths and other tokens keep their
+    own ell(q): each is the value the prompt gets scored alone."""
+    _, tokenizer, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 9, 5, 12, 5, 9, 3, 5)]
+    alone = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True))
+    expected = [engine_query_logp(alone, [p], temperature=1.0, multiple=2, tokens_per_call=10**6)[0] for p in prompts]
+    dynamic = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True, use_dynamic_bsz=True,
+                                                       max_token_len=16), world_size=2)
+    assert engine_query_logp(dynamic, prompts, temperature=1.0, multiple=2, tokens_per_call=10**6) == \
+        pytest.approx(expected, rel=1e-5, abs=0)
+    assert len(set(expected)) == len(prompts)   # no two alike: a result read for another prompt would show
+
+
 def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
     """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache it builds at it: the
     Query-KL at theta0 is 0; a cache at T = 1 is far off."""
@@ -617,10 +634,10 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     for loader in (transformers.AutoModelForCausalLM, transformers.PreTrainedModel):
         monkeypatch.setattr(loader, "from_pretrained", refuse_loading)
 
-    def start(*settings, resumed_at=0, ref_cache=None):
+    def start(*settings, resumed_at=0, ref_cache=None, prompts=PROMPTS):
         def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
             self.tokenizer, self.processor = tiny[1], None
-            self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+            self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in prompts]
             self.actor_rollout_wg = verl_engine.EngineWorkerGroup(engine, world_size=2)
             self.global_steps = resumed_at      # _load_checkpoint's: the step of the checkpoint the actor loaded
 
@@ -669,6 +686,13 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
+    # A resumed run cannot rebuild a cache it refuses (its actor holds a checkpoint's weights): the message does not
+    # send it to delete the cache, which the line above would then refuse, but to the settings that built it.
+    resumed = r"The run resumes at step 3, whose actor no longer holds the initial weights: rebuilding the cache "
+    with pytest.raises(ValueError, match=r"does not match this run: precision: .*\. " + resumed):
+        start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32", resumed_at=3)
+    with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\. " + resumed):
+        start(resumed_at=3, prompts=[*PROMPTS, "5+5="])
 
 
 def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):

@@ -194,6 +194,24 @@ def test_training_reads_gold_answers_as_evaluation_does(tokenizer):
         tokenize_prompts(tokenizer, bad, answer_field="answer", skip_invalid=False, **kwargs)
 
 
+def test_a_small_float_answer_is_written_as_its_digits(tokenizer):
+    """A float answer column (Parquet, JSONL) below 1e-4 was printed as Python does, `1.5e-05`: math-verify reads
+    that as 1.5 (inside `$`, as 1.5 e - 5 with Euler's e), so `0.000015` and `1.5 \\times 10^{-5}` earned 0 in
+    training and evaluation alike. It is written positionally; a NaN or infinite answer is an invalid record naming
+    the field."""
+    kwargs = dict(problem_field="problem", answer_field="answer", template="plain", use_chat_template=True,
+                  max_prompt_length=64, skip_invalid=False)
+    kept = tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in [1.5e-05, -3e-06, 0.25, [1e-07]]],
+                            **kwargs)
+    assert kept.answers == ["0.000015", "-0.000003", "0.25", "0.0000001"]
+    assert records_to_problems([{"problem": "p", "answer": 1.5e-05}], "t")[0]["answers"] == ["0.000015"]
+    completions = ["\\boxed{0.000015}", "\\boxed{-3 \\times 10^{-6}}", "\\boxed{\\frac14}", "\\boxed{10^{-7}}"]
+    assert math_reward(kept.prompts, completions, answer=kept.answers) == [1.0] * 4
+    with pytest.raises(UserError, match=r"2 invalid training record\(s\): record 1: field 'answer' must be a finite "
+                                        r"number, got nan; record 2: field 'answer' must be a finite number, got inf"):
+        tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in [float("nan"), float("inf")]], **kwargs)
+
+
 @pytest.mark.parametrize("template", ["plain", "paper"])
 def test_a_problem_is_asked_with_one_instruction_in_training_as_in_evaluation(tokenizer, template):
     """A problem that ends with an instruction (the official ERPO files' suffix, verl's line) is asked with it under
