@@ -1,6 +1,8 @@
 """Prompt datasets: the built-in arithmetic generator, JSONL/Parquet/HF loading, the paper's prompt, tokenization."""
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import warnings
 from dataclasses import dataclass
@@ -127,6 +129,17 @@ class PromptSet:
     prompts: list[str]
     prompt_ids: list[list[int]]
     answers: list[str]
+
+
+def prompt_set_identity(prompt_set: PromptSet) -> dict:
+    """What a run trains on, as it uses it: {"prompts": Q, "prompt_ids": sha256 (hex, 32 chars) of the Q prompts'
+    token ids in order, "answers": sha256 of their gold answers in order}. From the ids already tokenized (no second
+    tokenization): a data file, `data.*` setting, template or tokenizer that changes a prompt, the order or which rows
+    are kept (`data.skip_invalid`) changes it."""
+    def digest(values: list) -> str:
+        return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:32]
+    return {"prompts": len(prompt_set.prompt_ids), "prompt_ids": digest(prompt_set.prompt_ids),
+            "answers": digest(prompt_set.answers)}
 
 
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,

@@ -28,13 +28,13 @@ from erpo.reference.setup import precompute_reference
 from erpo.rollout import rollout_engine_for
 from erpo.sequences import logit_transforms
 from erpo.storage_errors import stop_on_storage_failure
-from erpo.tasks.data import PromptSet, load_prompt_set
+from erpo.tasks.data import PromptSet, load_prompt_set, prompt_set_identity
 from erpo.tasks.rewards import load_reward_function
 from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
 from erpo.train.rollout_stage import rollout_stage
-from erpo.train.run_dir import check_run_dir, schedule_mismatch
+from erpo.train.run_dir import check_resumed_training_set, check_run_dir, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir
 from erpo.train.step_plan import old_logprobs, plan_query_weights, plan_step
 from erpo.train.stop import GracefulStop
@@ -169,6 +169,9 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))
     ps = load_prompt_set(cfg, tokenizer)
+    training_set = prompt_set_identity(ps)
+    if resume:
+        check_resumed_training_set(cfg, training_set)
     check_batch_sizes(cfg, len(ps.prompt_ids))
     device = device_for_rank()
     # vLLM loads its own copy of the weights and sizes its memory from what is free: before DeepSpeed allocates.
@@ -178,11 +181,11 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
         cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
     engine = engine or rollout_engine_for(cfg, updater.module, tokenizer, model_path)
     schedule_steps = cfg.trainer.max_steps * updates_per_rollout(cfg)
-    state = TrainState(reference_cache_id=cache.cache_id, lr_schedule_steps=schedule_steps)
+    state = TrainState(reference_cache_id=cache.cache_id, lr_schedule_steps=schedule_steps, training_set=training_set)
     sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed)
     if resume:
         record = restore_state(cfg, checkpoints, updater, cache.cache_id, cache_path)
-        state = TrainState.from_checkpoint_record(record, lr_schedule_steps=schedule_steps)
+        state = TrainState.from_checkpoint_record(record, lr_schedule_steps=schedule_steps, training_set=training_set)
         sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, record["epoch"], record["cursor"])
         engine.sync_weights(updater.module)
     return Run(out_dir=out_dir, checkpoints=checkpoints, tokenizer=tokenizer, prompts=ps, updater=updater,

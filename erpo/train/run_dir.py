@@ -1,16 +1,20 @@
-"""Whether a run directory suits `erpo train` as asked (a fresh run, or --resume), checked before anything loads.
+"""Whether a run directory suits `erpo train` as asked (a fresh run, or --resume), checked before anything loads
+(`check_run_dir`) and, once the training prompts are tokenized, before any model (`check_resumed_training_set`).
 
-A finished run, an unfinished one without --resume, --resume with nothing to resume or with another LR schedule
-length: each is a UserError naming the directory and what to do.
+A finished run, an unfinished one without --resume, --resume with nothing to resume, with another LR schedule
+length or with other training prompts: each is a UserError naming the directory and what to do.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from erpo.config import Config, updates_per_rollout
 from erpo.errors import MissingInputError, UserError
 from erpo.manifest import newest_sound_meta
 from erpo.train.checkpoint import CheckpointManager
+
+log = logging.getLogger("erpo")
 
 
 def schedule_mismatch(saved_steps: int | None, cfg: Config) -> str | None:
@@ -53,3 +57,37 @@ def check_run_dir(cfg: Config, *, resume: bool) -> None:
                         "(e.g. runs/erpo-tiny-2), or delete that directory to train it again")
     raise UserError(f"--output-dir {out_dir}: holds checkpoints of an unfinished run (newest: {latest}); continue it "
                     "with --resume, or start a fresh one with another --output-dir")
+
+
+def training_set_mismatch(saved: dict, here: dict) -> str | None:
+    """How the training set a checkpoint recorded (`erpo.tasks.data.prompt_set_identity`) differs from this run's,
+    None when it does not."""
+    if saved == here:
+        return None
+    if saved["prompts"] != here["prompts"]:
+        return f"{saved['prompts']} prompts then, {here['prompts']} now"
+    what = "other prompt token ids" if saved["prompt_ids"] != here["prompt_ids"] else "other gold answers"
+    return f"{here['prompts']} prompts then and now, {what}"
+
+
+def check_resumed_training_set(cfg: Config, training_set: dict) -> None:
+    """UserError when the checkpoint that --resume continues trained on other prompts than `training_set`, this
+    run's (`erpo.tasks.data.prompt_set_identity`): its sampler's shuffle and position would apply to other prompts.
+    A checkpoint that records none (an older erpo's) is resumed with a warning. Read from the newest sound checkpoint,
+    as `check_run_dir` does, before any model loads and before the reference cache is looked up (whose advice for
+    prompts it lacks, rebuilding it, would lose the cache the run trains against); an older one that `load` may fall
+    back to is of the same run."""
+    out_dir = Path(cfg.output_dir)
+    meta = newest_sound_meta([path for _, path in CheckpointManager(out_dir, keep_last=None).complete_checkpoints()])
+    saved = meta["state"].get("training_set")
+    if saved is None:
+        log.warning("--resume %s: checkpoint step-%d records no training set (saved by an older erpo): resuming "
+                    "without checking that the data is the one the run started with; its next checkpoints record "
+                    "it", out_dir, meta["step"])
+        return
+    problem = training_set_mismatch(saved, training_set)
+    if problem:
+        raise UserError(f"--resume {out_dir}: the checkpoint trained on another training set ({problem}): its data "
+                        "order and position would apply to other prompts; resume with the data it started with "
+                        "(its data.* settings and files, the same rows kept), or start a new run with another "
+                        "--output-dir")

@@ -15,13 +15,16 @@ from erpo.eval.sampling import problem_prompt_ids
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.tasks.data import (
     PAPER_SUFFIX,
+    PromptSet,
     arithmetic_dataset,
     build_prompt,
     encode_prompt,
     load_dataset_records,
+    prompt_set_identity,
     tokenize_prompts,
 )
 from erpo.tasks.rewards import math_reward
+from erpo.train.run_dir import training_set_mismatch
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +242,25 @@ def test_the_official_erpo_file_trains_as_it_is(tokenizer):
     assert kept.answers == ["2", "\\frac{1}{2 n+2}", "(1,8,19), (2,7,13), (4,5,7)"]
     bench = records_to_problems(records, path, "prompt", "ground_truth")
     assert kept.prompt_ids == problem_prompt_ids(tokenizer, bench, PromptSettings(template="paper"))
+
+def test_a_training_set_is_identified_by_its_prompt_ids_in_order_and_its_answers():
+    """What a resumed run checks its checkpoint's training set against (`erpo.train.run_dir`): the count, the token ids
+    in order (their split into prompts included) and the gold answers; the message names which of them differs."""
+    def identity(prompt_ids, answers):
+        return prompt_set_identity(PromptSet([{}] * len(answers), ["p"] * len(answers), prompt_ids, answers))
+
+    base = identity([[5, 6], [7, 8]], ["1", "2"])
+    assert base["prompts"] == 2 and identity([[5, 6], [7, 8]], ["1", "2"]) == base
+    others = {"reordered": identity([[7, 8], [5, 6]], ["2", "1"]),
+              "split otherwise": identity([[5], [6, 7, 8]], ["1", "2"]),
+              "other answers": identity([[5, 6], [7, 8]], ["1", "3"]), "fewer": identity([[5, 6]], ["1"])}
+    assert len({json.dumps(i, sort_keys=True) for i in [base, *others.values()]}) == 5
+    assert training_set_mismatch(base, base) is None
+    assert training_set_mismatch(base, others["fewer"]) == "2 prompts then, 1 now"
+    for name in ("reordered", "split otherwise"):
+        assert training_set_mismatch(base, others[name]) == "2 prompts then and now, other prompt token ids"
+    assert training_set_mismatch(base, others["other answers"]) == "2 prompts then and now, other gold answers"
+
 
 def test_tiny_tokenizer_is_character_level_and_survives_save_load(tmp_path, tokenizer):
     text = build_prompt(tokenizer, "12 + 3=?\n\tok", "plain") + "\\boxed{15}<|im_end|>"

@@ -155,6 +155,36 @@ def test_resume_refuses_another_cosine_schedule_length(uninterrupted, capsys):
     assert checkpoint_state(run, 2)["lr_schedule_steps"] == 4
 
 
+def test_resume_refuses_another_training_set(uninterrupted, capsys, caplog):
+    """A resume with other training prompts (fewer; as many, but others) is refused in one line naming the counts
+    before and after, before the reference cache is looked at (whose own advice, rebuild it, would lose the run's
+    cache): the checkpoint's data order and position would apply to other prompts. A checkpoint saved before the
+    training set was recorded resumes with a warning, and the run records it from then on."""
+    root = uninterrupted
+    run = root / "data"
+    erpo_train_here(run, root / "cache", "--max-steps", "1")
+    recorded = checkpoint_state(run, 1)["training_set"]
+    assert recorded["prompts"] == 32
+    for other_data, then_now in (("data.num_examples=31", "32 prompts then, 31 now"),
+                                 ("data.use_chat_template=false", "32 prompts then and now, other prompt token ids")):
+        capsys.readouterr()
+        assert main(["train", "--output-dir", str(run), "--max-steps", "2", "--resume",
+                     *small_run_args(root / "cache"), other_data]) == 1
+        [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("erpo train:")]
+        assert line.startswith(f"erpo train: --resume {run}: the checkpoint trained on another training set "
+                               f"({then_now})"), line
+        assert "resume with the data it started with" in line and "start a new run" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    meta_file = run / "checkpoints" / "step-1" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["state"]["training_set"], meta["files"], meta["meta_sha256"]
+    meta_file.write_text(json.dumps(meta))
+    erpo_train_here(run, root / "cache", "--max-steps", "2", "--resume")
+    [warning] = [r.getMessage() for r in caplog.records if "records no training set" in r.getMessage()]
+    assert warning.startswith(f"--resume {run}: checkpoint step-1 records no training set")
+    assert checkpoint_state(run, 2)["training_set"] == recorded
+
+
 def test_sigterm_saves_and_resume_matches(uninterrupted):
     """A real SIGTERM to a real `erpo train` inside rollout step 2 of 4: the run is held in that step's reward until
     the signal has been sent (so no machine is fast enough to finish first); the step finishes, is saved and logged,

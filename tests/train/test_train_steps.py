@@ -145,16 +145,20 @@ def test_per_sample_sum_is_a_fixed_order_sum_without_atomics(monkeypatch):
 
 
 def test_train_state_round_trips_through_the_checkpoint_record():
-    """A checkpoint's "state" keeps its keys (older checkpoints resume): the counters and the sampler's position;
-    read back, the counters return with this run's LR schedule length."""
+    """A checkpoint's "state" keeps its keys (older checkpoints resume): the counters, the sampler's position and the
+    training set; read back, the counters return with this run's LR schedule length and training set (an older
+    checkpoint's record has none)."""
     from erpo.train.train_state import TrainState
-    state = TrainState(reference_cache_id="ab12", lr_schedule_steps=8, rollout_step=3, opt_step=6,
-                       nonfinite_skipped=1)
+    training_set = {"prompts": 2, "prompt_ids": "c0", "answers": "a1"}
+    state = TrainState(reference_cache_id="ab12", lr_schedule_steps=8, training_set=training_set, rollout_step=3,
+                       opt_step=6, nonfinite_skipped=1)
     record = state.checkpoint_record({"epoch": 2, "cursor": 4})
     assert record == {"rollout_step": 3, "opt_step": 6, "epoch": 2, "cursor": 4, "nonfinite_skipped": 1,
-                      "reference_cache_id": "ab12", "lr_schedule_steps": 8}
-    assert TrainState.from_checkpoint_record(record, lr_schedule_steps=10) == TrainState(
-        reference_cache_id="ab12", lr_schedule_steps=10, rollout_step=3, opt_step=6, nonfinite_skipped=1)
+                      "reference_cache_id": "ab12", "lr_schedule_steps": 8, "training_set": training_set}
+    del record["training_set"]
+    assert TrainState.from_checkpoint_record(record, lr_schedule_steps=10, training_set=training_set) == TrainState(
+        reference_cache_id="ab12", lr_schedule_steps=10, training_set=training_set, rollout_step=3, opt_step=6,
+        nonfinite_skipped=1)
 
 
 # Two prompts x two responses (advantage_ranks.FixedEngine: response j of prompt p is the token 2p + j).
