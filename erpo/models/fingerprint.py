@@ -1,6 +1,8 @@
 """Identities of a model's weights (content hashes of its files, memoized per process and persisted in
 ~/.cache/erpo/fingerprints.json so unchanged files are not read again) and of a tokenizer (vocabulary,
-normalization, chat template): what a reference cache was built with, what `erpo eval`'s samples were made with."""
+normalization, chat template): what a reference cache was built with, what `erpo eval`'s samples were made with. A
+LoRA adapter's identity is its own files' and its base model's: equal adapter weights with another lora_alpha, rank,
+target modules or base are another model."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +12,7 @@ import os
 from pathlib import Path
 
 from erpo.atomic import publish
+from erpo.models.lora import ADAPTER_CONFIG, adapter_base, is_adapter_dir
 
 log = logging.getLogger("erpo")
 
@@ -97,8 +100,10 @@ def hub_revision(name: str) -> str | None:
 def model_fingerprint(name_or_path: str) -> str:
     """Identity of a model's weights. A local directory: sha256 over config.json, every *.index.json and the full
     content of every weight file (top-level *.safetensors / *.bin and every file an index's weight_map names,
-    sub-folders included; digests cached by `weight_digests`). A hub name: "name:<name>@<commit>" when the local
-    Hugging Face cache resolves its revision, else "name:<name>"."""
+    sub-folders included; digests cached by `weight_digests`); for a LoRA adapter directory also its
+    adapter_config.json (lora_alpha, r, target modules: with equal weights, another alpha is another model) and its
+    base model's fingerprint (`erpo.models.lora.adapter_base`; ValueError when it names none). A hub name:
+    "name:<name>@<commit>" when the local Hugging Face cache resolves its revision, else "name:<name>"."""
     path = Path(name_or_path)
     if not path.is_dir():
         commit = hub_revision(name_or_path)
@@ -107,6 +112,9 @@ def model_fingerprint(name_or_path: str) -> str:
     config = path / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
+    if is_adapter_dir(path):
+        digest.update(f"\0{ADAPTER_CONFIG}\0".encode() + (path / ADAPTER_CONFIG).read_bytes())
+        digest.update(f"\0base:{model_fingerprint(adapter_base(path))}".encode())
     names = {p.name for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
     for index in sorted(path.glob("*.index.json")):
         text = index.read_bytes()

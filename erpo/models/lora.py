@@ -199,13 +199,20 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
-def load_merged_adapter(path: str, **kwargs):
-    """The adapter directory `path` as one plain causal LM: its base model (the adapter config's
-    base_model_name_or_path, `from_pretrained(..., **kwargs)`) with the adapters loaded and merged in."""
-    from transformers import AutoModelForCausalLM
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model (local path or Hub name) that the adapter directory `path` adapts: its adapter config's
+    base_model_name_or_path. ValueError when it names none."""
     base_path = json.loads(Path(path, ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base_path:
         raise ValueError(f"{path}: {ADAPTER_CONFIG} names no base_model_name_or_path; cannot load the adapter")
+    return base_path
+
+
+def load_merged_adapter(path: str, **kwargs):
+    """The adapter directory `path` as one plain causal LM: its base model (`adapter_base`,
+    `from_pretrained(..., **kwargs)`) with the adapters loaded and merged in."""
+    from transformers import AutoModelForCausalLM
+    base_path = adapter_base(path)
     peft = import_peft()
     base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
     return peft.PeftModel.from_pretrained(base, path).merge_and_unload()

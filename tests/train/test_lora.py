@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM
 import fake_vllm
 from erpo.cli.args import shipped_config
 from erpo.config import Config, LoraConfig, apply_overrides, load_config, resolve
-from erpo.eval.model_specs import resolve_model
+from erpo.eval.evaluate import evaluate
+from erpo.eval.model_specs import parse_models, resolve_model
+from erpo.eval.problem_sets import load_benchmark
 from erpo.eval.sampling import build_engine
 from erpo.models import lora as L
 from erpo.models.loading import load_causal_lm
@@ -230,6 +232,26 @@ def test_eval_accepts_an_adapter_dir(base_dir, tokenizer, tmp_path):
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="LoRA adapter, which --engine vllm does not load"):
         build_engine(adapter_dir, engine="vllm", device="cpu", dtype="float32", seed=0, batch_size=4)
+
+
+def test_eval_cache_refuses_samples_of_an_adapter_with_another_alpha(base_dir, tokenizer, tmp_path, monkeypatch):
+    """An adapter whose adapter_config.json changed in place (another lora_alpha, the same weights: another model) gets
+    another sample-cache identity: `erpo eval` refuses the cached samples rather than serve them as its own; the
+    unchanged adapter evaluated again reuses them."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))   # the weight digests erpo.models.fingerprint keeps
+    adapter_dir = L.export_adapter(adapted(base_dir), tokenizer, tmp_path / "adapter")
+    models, benches = parse_models([f"lora={adapter_dir}"]), [load_benchmark("synthetic#n=2")]
+    kwargs = dict(output_dir=str(tmp_path / "eval"), temperatures=[1.0], k=2, max_new_tokens=3, progress=False)
+    evaluate(models, benches, **kwargs)
+    samples = tmp_path / "eval" / "samples" / "lora" / "synthetic" / "temp-1.jsonl"
+    sampled = samples.read_bytes()
+    evaluate(models, benches, **kwargs)
+    assert samples.read_bytes() == sampled                          # the same adapter: nothing sampled again
+    config_file = tmp_path / "adapter" / L.ADAPTER_CONFIG
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
+    with pytest.raises(ValueError, match=r"made with different settings \(model_weights\)"):
+        evaluate(models, benches, **kwargs)
 
 
 def test_lora_config_keys():

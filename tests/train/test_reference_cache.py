@@ -113,6 +113,33 @@ def flip_byte(file, offset: int, mtime_ns: int) -> None:
     rewrite(file, bytes(data), mtime_ns)
 
 
+def test_an_adapter_is_identified_by_its_config_and_its_base_model(tmp_path):
+    """A LoRA adapter's fingerprint (the `erpo eval` sample cache's model identity, and a reference cache's) covers its
+    adapter_config.json and its base model besides its weights: equal weights with another lora_alpha are another
+    model, as is the same adapter on a base changed in place; the same directory, or a copy, is the same model."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen2"}')
+    rewrite(base / "model.safetensors", b"theta0", 1)
+    config = {"peft_type": "LORA", "base_model_name_or_path": str(base), "r": 4, "lora_alpha": 8,
+              "target_modules": ["q_proj", "v_proj"]}
+    adapters = {}
+    for name, alpha in (("a", 8), ("copy", 8), ("alpha16", 16)):
+        adapters[name] = tmp_path / name
+        adapters[name].mkdir()
+        (adapters[name] / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
+        rewrite(adapters[name] / "adapter_model.safetensors", b"lora weights", 1)
+    a = model_fingerprint(str(adapters["a"]))
+    assert a.startswith("sha256:") and a == model_fingerprint(str(adapters["a"])) == model_fingerprint(
+        str(adapters["copy"]))
+    assert model_fingerprint(str(adapters["alpha16"])) != a
+    flip_byte(base / "model.safetensors", 0, 2)   # the base fine-tuned in place: the adapter now adapts another model
+    assert model_fingerprint(str(adapters["a"])) != a
+    (adapters["a"] / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match="adapter_config.json names no base_model_name_or_path"):
+        model_fingerprint(str(adapters["a"]))
+
+
 def test_model_fingerprint_hashes_every_byte_of_every_weight_file(tmp_path):
     model = tmp_path / "m"
     (model / "shards").mkdir(parents=True)
