@@ -13,6 +13,7 @@ import erpo.train.loop as trainer_module
 import erpo.train.update_step as update_step
 from erpo.config import Config, apply_overrides, resolve
 from erpo.errors import UserError
+from erpo.reference.setup import precompute_reference
 from erpo.train.loop import PromptSampler, train
 from erpo.train.updater import deepspeed_config_for, lr_lambda
 
@@ -200,11 +201,14 @@ def test_resume_continues_from_the_checkpoint(tmp_path, cache_dir):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
     assert (out / "checkpoints" / "step-3" / "meta.json").exists()
-    # a cache with other entries (here: one more prompt) would give other w(q) and ell_theta0(q) mid-run: refused
+    # a cache with other entries (here: one more prompt than the training set, which is unchanged) would give other
+    # w(q) and ell_theta0(q) mid-run: refused
     other = tmp_path / "other_cache.json"
+    precompute_reference(small_cfg(tmp_path / "other", cache_dir, "data.num_examples=25",
+                                   f"reference.cache_path={other}"))
     with pytest.raises(UserError, match=rf"--resume: the checkpoint was trained against reference cache \w+, but "
                                         rf"{other} is \w+; resume with the original cache"):
-        train(small_cfg(out, cache_dir, "trainer.max_steps=4", "trainer.min_lr_ratio=1.0", "data.num_examples=25",
+        train(small_cfg(out, cache_dir, "trainer.max_steps=4", "trainer.min_lr_ratio=1.0",
                         f"reference.cache_path={other}"), resume=True)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
