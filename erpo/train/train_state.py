@@ -20,7 +20,7 @@ class TrainState:
     nonfinite_skipped: int = 0
 
     def checkpoint_record(self, sampler_position: dict) -> dict:
-        """What a checkpoint saves: these counters and the sampler's position {"epoch", "cursor"}."""
+        """What a checkpoint saves: these fields and the sampler's position {"epoch", "cursor"}."""
         return {"rollout_step": self.rollout_step, "opt_step": self.opt_step, **sampler_position,
                 "nonfinite_skipped": self.nonfinite_skipped, "reference_cache_id": self.reference_cache_id,
                 "lr_schedule_steps": self.lr_schedule_steps, "training_set": self.training_set}
