@@ -10,6 +10,7 @@ import os
 import zlib
 
 from erpo.atomic import publish
+from erpo.errors import UserError
 from erpo.eval.problem_sets import Benchmark
 from erpo.records import iter_jsonl
 
@@ -71,8 +72,8 @@ def check_cache_meta(directory: str, meta: dict) -> None:
     with open(path, encoding="utf-8") as handle:
         old = json.load(handle)
     changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
-    if changed:
-        raise ValueError(
+    if changed:   # the user's: an --output-dir that holds another evaluation's samples
+        raise UserError(
             f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
             "use another --output-dir or delete that directory"
         )
