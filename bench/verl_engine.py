@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 
 import torch
@@ -20,6 +21,13 @@ os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # tests import what
 from tensordict import TensorDict  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
+
+# verl's workers log the device's peak memory after a batch (`TrainingWorker._postprocess_output`) through the
+# platform's device module, torch.cpu here, which keeps no such counters: 0. (verl recognizes torch.cpu by identity
+# elsewhere, so the module itself stays.)
+for counter in ("max_memory_allocated", "max_memory_reserved"):
+    if not hasattr(torch.cpu, counter):
+        setattr(torch.cpu, counter, lambda device=None: 0)
 
 
 @PlatformRegistry.register(platform="cpu")
@@ -101,10 +109,13 @@ def init_process_group() -> None:
 
 
 def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
-                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32"):
+                 micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32",
+                 attn_implementation: str = "sdpa"):
     """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir` (fp32 master weights; `param_dtype`
     "bf16": verl's mixed precision, the forward under bf16 autocast), as verl's actor worker configures it
-    (remove-padding, dynamic batch size, micro-batch size, token budget), initialized."""
+    (remove-padding, dynamic batch size, micro-batch size, token budget: the same for updates and for
+    `compute_log_prob`, verl's `rollout.log_prob_*`), initialized. `attn_implementation`: verl's
+    `actor_rollout_ref.model.override_config.attn_implementation` (sdpa or eager: no flash-attn on a CPU)."""
     from verl.models.transformers import monkey_patch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -116,10 +127,12 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     # heads (critics) only, so the actor is built as without TRL.
     monkey_patch.is_trl_available = lambda: False
     model = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding, enable_gradient_checkpointing=False,
-                          override_config={"attn_implementation": "sdpa"})   # no flash-attn on a CPU
+                          override_config={"attn_implementation": attn_implementation})
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
                               use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                               max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
+                              infer_micro_batch_size_per_gpu=micro_batch_size,
+                              infer_max_token_len_per_gpu=max_token_len,
                               mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32",
                                                "buffer_dtype": "fp32"})
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=1e9, total_training_steps=10, weight_decay=0.0)
@@ -211,3 +224,38 @@ def loss_and_grads(engine, data: TensorDict, loss_fn) -> tuple[dict, dict]:
                  for name, p in engine.module.named_parameters() if p.grad is not None}
         engine.optimizer_zero_grad()
     return outputs, grads
+
+
+def sent(data):
+    """`data` as a Ray actor receives it: serialized and read back (pickle, as Ray's object store does)."""
+    return pickle.loads(pickle.dumps(data))
+
+
+class EngineWorkerGroup:
+    """verl's actor worker group around `engine`, in this process, for what erpo asks of it: `compute_log_prob`
+    shards a TensorDict into `world_size` equal parts as verl's dispatch does (`BatchData.chunk`), runs verl's own
+    `ActorRolloutRefWorker.compute_log_prob` (a worker built around the engine, without Ray) on each part, each
+    way through a pickle round trip as Ray's object store serializes it (which also unlocks the parts `chunk`
+    leaves locked), and joins the outputs in rank order as verl's collect does (`BatchData.concat`). Every part runs
+    on the one engine (dp = 1 inside it). `calls` records the size of each batch it was sent; `set_loss_fn` records
+    the loss functions set."""
+
+    def __init__(self, engine, world_size: int = 1):
+        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+        actor = object.__new__(TrainingWorker)   # the attributes its infer_batch reads (TrainingWorker.__init__'s)
+        actor.engine, actor.model_config, actor.engine_config = engine, engine.model_config, engine.engine_config
+        actor.loss_fn, actor.flops_counter, actor.device_name = None, None, "cpu"
+        self.worker = object.__new__(ActorRolloutRefWorker)
+        self.worker.actor, self.worker.enable_routing_replay, self.worker.profiler = actor, False, None
+        self.world_size = world_size
+        self.calls: list[int] = []
+        self.loss_fns: list = []
+
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        from verl.protocol import BatchData
+        self.calls.append(len(data))
+        parts = BatchData(data).chunk(chunks=self.world_size)
+        return BatchData([sent(self.worker.compute_log_prob(sent(part))) for part in parts]).concat()
+
+    def set_loss_fn(self, loss_fn) -> None:
+        self.loss_fns.append(loss_fn)

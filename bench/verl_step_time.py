@@ -8,7 +8,8 @@ response 32 tokens, micro-batches of 4, verl's default actor loss settings (toke
 no KL loss, no entropy). A step is one call of verl's `engine.train_batch` (zero_grad, forward and backward over
 the 4 micro-batches, optimizer step) on the same engine and batch. The two losses alternate step by step in pairs
 (the order flips every pair, the first pair is warm-up and dropped), so a load change on a shared machine hits
-both alike; ERPO is the paper's setting (qkl_coef=0.01, static w(q) from a cache built once before timing).
+both alike; ERPO is the paper's setting (qkl_coef=0.01, static w(q) from a cache the engine scores once before
+timing, as the `erpo` trainer mode does at start).
 Reported: each loss's median s/step and min-max, and the median and quartiles of the per-pair ratio erpo / verl.
 Then the loss alone: each loss function's forward and backward on one micro-batch's captured engine outputs
 (its log-probs a leaf tensor), `pairs` x 10 interleaved calls, median milliseconds: what the loss adds to a step,
@@ -40,6 +41,7 @@ def main() -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from erpo.integrations.verl import ERPOSettings, erpo_loss_fn, load_or_build_reference
+    from erpo.integrations.verl_reference import engine_precision, engine_query_logp
     from erpo.models.tiny import build_tokenizer, save_model_dir
 
     tokenizer = build_tokenizer()
@@ -55,8 +57,12 @@ def main() -> None:
     data = verl_engine.set_engine_keys(engine, data, calculate_entropy=False)
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=len(prompts),
                          ppo_micro_batch_size_per_gpu=4)
+    score = partial(engine_query_logp, verl_engine.EngineWorkerGroup(engine), temperature=1.0, multiple=4,
+                    tokens_per_call=len(prompts) * max(map(len, prompts)))   # 4: the engine's micro-batch size
     reference = load_or_build_reference(model_dir, tokenizer, prompts, path=f"{model_dir}/erpo_cache.json",
-                                         temperature=1.0, param_dtype=torch.float32)   # the engine's fp32
+                                        temperature=1.0,
+                                        precision=engine_precision(engine.model_config, torch.float32, "cpu"),
+                                        score=score)   # the engine's fp32
     losses = {"verl ppo_loss": partial(ppo_loss, config=config),
               "erpo_ppo_loss": erpo_loss_fn(config, ERPOSettings(qkl_coef=0.01), reference)}
     times = {name: [] for name in losses}

@@ -29,6 +29,7 @@ from erpo.eval.problem_sets import Benchmark
 from erpo.eval.sample_cache import cache_dir, check_cache_meta, problems_fingerprint
 from erpo.eval.sampling import build_engine, prompt_ids_fingerprint, sample_benchmark
 from erpo.eval.tables import aggregate, score_samples, write_history, write_results
+from erpo.models.fingerprint import model_fingerprint
 
 
 def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int] | None, batch_size: int,
@@ -80,10 +81,13 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
                            f"{settings.use_chat_template}, max_new_tokens {settings.max_new_tokens}, "
                            f"{type(rollout).__name__})")
         for bench in benchmarks:
+            # The weights' content hash besides the path: a model saved again in place (a resumed run's final/) is
+            # another model, whose samples the cache must not serve.
             meta = {"model_path": os.path.abspath(model.path) if os.path.isdir(model.path) else model.path,
+                    "model_weights": model_fingerprint(model.path),
                     "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
                     "prompt_ids_sha256": prompt_ids_fingerprint(tokenizer, bench, settings),
-                    "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size,
+                    "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size, "dtype": dtype,
                     **dataclasses.asdict(settings)}
             check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)
             for t in temperatures:
@@ -105,7 +109,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         "models": "; ".join(model_lines),
         "benchmarks": ", ".join(f"{b.name} ({len(b.problems)} problems)" for b in benchmarks),
         "samples per problem (k)": k, "temperatures": ", ".join(f"{t:g}" for t in temperatures),
-        "max_new_tokens (every model)": max_new_tokens, "top_p": top_p, "seed": seed, "device": device,
+        "max_new_tokens (every model)": max_new_tokens, "top_p": top_p, "seed": seed, "device": device, "dtype": dtype,
         "Pass@1": "accuracy of the first sample of each problem",
     }
     paths = write_results(output_dir, rows, models=[m.label for m in models],

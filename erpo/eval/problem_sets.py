@@ -25,28 +25,25 @@ Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nes
 ``larger_than=T`` (heldout only). Without ``problem``/``answer`` the fields are detected from the common formats
 (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
 
-Gold answers are a list of alternatives, any of which counts as correct:
-- a list answer (Minerva in Dr.GRPO's evaluation suite) holds alternatives, except where the row says
-  ``is_multiple_answer: true`` (OlympiadBench), whose list is the parts of one answer, joined with ", ";
-- a string that is a Python list of strings (the official ERPO JSONL files' ``ground_truth``, e.g.
-  ``"['9.6\\n', '9.7']"``) is read as that list of alternatives;
-- OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to the problem (the gold answer
-  is the bare value, as OlympiadBench's own prompt asks for it).
+Gold answers are a list of alternatives, any of which counts as correct, read by ``erpo.tasks.gold`` (as
+training reads its answer column). OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to
+the problem (the gold answer is the bare value, as OlympiadBench's own prompt asks for it).
 Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
-verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it:
-the evaluation template adds one instruction, the model's own.
+verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it, and the
+instruction beside them (``instruction``): a template that brings its own (paper, qwen-math) is filled with the
+problem alone, one that brings none (plain) with the problem and its instruction (``problem_as_asked``).
 """
 
 from __future__ import annotations
 
-import ast
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
-from erpo.tasks.data import PAPER_SUFFIX, arithmetic_dataset
-from erpo.tasks.rewards import extract_boxed
+from erpo.tasks.data import arithmetic_dataset, brings_instruction, split_instruction
+from erpo.tasks.gold import gold_answers
 
 # Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
 PROBLEM_FIELDS = ("problem", "question", "Problem", "Question", "prompt", "input")
@@ -55,12 +52,6 @@ ANSWER_FIELDS = (
     "target", "solution",
 )
 
-# Instructions a benchmark file may already carry at the end of its problem text; removed on load.
-INSTRUCTION_SUFFIXES = (
-    PAPER_SUFFIX.strip(),                                                                    # official ERPO files
-    "Let's think step by step and output the final answer within \\boxed{}.",             # verl's math preprocessing
-    "Please reason step by step, and put your final answer within \\boxed{}.",            # Qwen2.5-Math's prompt
-)
 UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
 
 # Short names of the paper's six benchmarks -> (Hub dataset, config, split).
@@ -80,8 +71,9 @@ _OPTION_KEYS = {"problem", "answer", "split", "config", "limit", "n", "seed", "m
 
 @dataclass
 class Benchmark:
-    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold
-    answer alternatives, any of which is correct)."""
+    """A named list of problems; each problem is ``{"id": int, "problem": str, "answers": list[str]}`` (gold answer
+    alternatives, any of which is correct), and ``"instruction": str`` where one was removed from the problem (with
+    the white space before it)."""
 
     name: str
     source: str
@@ -127,8 +119,8 @@ def _get_field(record: dict, dotted: str):
     return value
 
 
-def _problem_text(value, fieldname: str) -> str:
-    """The problem as text: the last user message of a chat list, without a trailing INSTRUCTION_SUFFIXES."""
+def _problem_text(value, fieldname: str) -> tuple[str, str]:
+    """`split_instruction` of the problem as text (a chat list: its last user message)."""
     if isinstance(value, list):  # chat format: the last user message
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
@@ -136,57 +128,16 @@ def _problem_text(value, fieldname: str) -> str:
         value = users[-1]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"field {fieldname!r} must be a non-empty string, got {value!r}")
-    text = value.strip()
-    for suffix in INSTRUCTION_SUFFIXES:
-        if text.endswith(suffix) and text != suffix:
-            return text[: -len(suffix)].strip()
-    return text
+    return split_instruction(value)
 
 
-def _answer_text(value, fieldname: str) -> str:
-    """One gold answer as a string: ints/integral floats printed as ints, surrounding ``$`` removed, last
-    \\boxed{} of a full solution taken."""
-    if isinstance(value, bool) or value is None or isinstance(value, list):
-        raise ValueError(f"field {fieldname!r} must be a string or a number, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    text = str(value).strip()
-    if fieldname.split(".")[-1] == "solution":
-        boxed = extract_boxed(text)
-        if boxed is None:
-            raise ValueError(f"field {fieldname!r} holds a solution without \\boxed{{...}}")
-        text = boxed.strip()
-    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text.strip("$").strip()
-    if not text:
-        raise ValueError(f"field {fieldname!r} is empty")
-    return text
-
-
-def _string_list_literal(value) -> list[str] | None:
-    """The list a string like "['2', '3\\n']" spells (a Python list of strings), else None."""
-    if not (isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]")):
-        return None
-    try:
-        parsed = ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        return None
-    return parsed if isinstance(parsed, list) and parsed and all(isinstance(v, str) for v in parsed) else None
-
-
-def _gold_answers(record: dict, value, fieldname: str) -> list[str]:
-    """Gold answer alternatives of one row (module docstring): a list or a Python-list string gives several,
-    unless the row says is_multiple_answer (one answer of several parts, joined with ", ")."""
-    if not isinstance(value, list):
-        value = _string_list_literal(value) or value
-    if not isinstance(value, list):
-        return [_answer_text(value, fieldname)]
-    if not value:
-        raise ValueError(f"field {fieldname!r} is an empty list")
-    parts = [_answer_text(v, fieldname) for v in value]
-    if record.get("is_multiple_answer") is True:
-        return [", ".join(parts)]
-    return list(dict.fromkeys(parts))
+def problem_as_asked(problem: dict, template: str) -> str:
+    """The text of `problem` (a Benchmark problem) that `template` is filled with: without the instruction its file
+    held where the template brings its own, with it otherwise (a run trained on such prompts with `plain` read it
+    there): one instruction either way."""
+    if brings_instruction(template):
+        return problem["problem"]
+    return problem["problem"] + problem.get("instruction", "")
 
 
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
@@ -207,16 +158,23 @@ def records_to_problems(
         raise ValueError(f"{source}: holds no records")
     problem_field = problem_field or _detect(records[0], PROBLEM_FIELDS, "problem", source)
     answer_field = answer_field or _detect(records[0], ANSWER_FIELDS, "answer", source)
-    problems = []
+    problems, with_system = [], 0
     for index, record in enumerate(records):
+        value = _get_field(record, problem_field)
+        with_system += isinstance(value, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in value)
         try:
-            problem = _problem_text(_get_field(record, problem_field), problem_field)
-            answers = _gold_answers(record, _get_field(record, answer_field), answer_field)
+            problem, instruction = _problem_text(value, problem_field)
+            answers = gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
         if isinstance(record.get("unit"), str) and record["unit"].strip():
             problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
-        problems.append({"id": index, "problem": problem, "answers": answers})
+        problems.append({"id": index, "problem": problem, "answers": answers,
+                         **({"instruction": instruction} if instruction else {})})
+    if with_system:   # erpo's templates ask the problem as one user turn (as training does); say what is lost
+        warnings.warn(f"{source}: {with_system} of {len(records)} chat prompts hold a system message, which is left "
+                      "out: the model is asked the last user message through its template (--template)",
+                      stacklevel=2)
     return problems
 
 

@@ -73,10 +73,10 @@ def check_cache_meta(directory: str, meta: dict) -> None:
         old = json.load(handle)
     changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
     if changed:   # the user's: an --output-dir that holds another evaluation's samples
-        raise UserError(
-            f"sample cache {directory} was made with different settings ({', '.join(changed)}); "
-            "use another --output-dir or delete that directory"
-        )
+        unrecorded = [key for key in changed if key not in old]   # an older erpo's cache: it cannot be checked
+        why = f"by an erpo that did not record {', '.join(unrecorded)}" if unrecorded else "with different settings"
+        raise UserError(f"sample cache {directory} was made {why} ({', '.join(changed)}); use another --output-dir "
+                        "or delete that directory")
 
 
 def problems_fingerprint(bench: Benchmark) -> str:

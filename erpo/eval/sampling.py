@@ -5,18 +5,21 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 
 import torch
 
 from erpo.eval.model_specs import PromptSettings
-from erpo.eval.problem_sets import Benchmark
+from erpo.eval.problem_sets import Benchmark, problem_as_asked
 from erpo.eval.sample_cache import append_lines, cache_path, chunk_seed, read_cache
 from erpo.models.loading import load_causal_lm, load_tokenizer
 from erpo.models.lora import MERGED_DIR, is_adapter_dir
 from erpo.progress import progress as progress_display
 from erpo.rollout import make_rollout_engine
 from erpo.tasks.data import encode_prompt
-from erpo.tasks.rewards import grade
+from erpo.tasks.rewards import grade, grader_identity
+
+log = logging.getLogger("erpo")
 
 
 def build_engine(model_path: str, *, engine: str, device: str, dtype: str, seed: int, batch_size: int,
@@ -59,8 +62,8 @@ def grade_alternatives(completion: str, answers: list[str]) -> tuple[str | None,
 
 def problem_prompt_ids(tokenizer, problems: list[dict], settings: PromptSettings) -> list[list[int]]:
     """The token ids the model is given for each problem [P] (`encode_prompt` with the model's prompt settings)."""
-    return [encode_prompt(tokenizer, p["problem"], settings.template, settings.use_chat_template)[1]
-            for p in problems]
+    return [encode_prompt(tokenizer, problem_as_asked(p, settings.template), settings.template,
+                          settings.use_chat_template)[1] for p in problems]
 
 
 def prompt_ids_fingerprint(tokenizer, bench: Benchmark, settings: PromptSettings) -> str:
@@ -70,16 +73,37 @@ def prompt_ids_fingerprint(tokenizer, bench: Benchmark, settings: PromptSettings
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
+def regrade_cached(path: str, done: dict[int, list[dict]], bench: Benchmark, grader: str) -> None:
+    """Grade again, in place in `done` ({problem id: its cached sample records}), every cached sample that another
+    grader judged (`erpo.tasks.rewards.grader_identity`: math-verify's version, or the fallback where it was missing,
+    and erpo's rules), and append the new verdicts to the cache file at `path` (a sample's last line wins)."""
+    answers = {p["id"]: p["answers"] for p in bench.problems}
+    stale = [r for pid, samples in done.items() if pid in answers for r in samples if r.get("grader") != grader]
+    if not stale:
+        return
+    log.info("sample cache %s: grading %d samples again (graded by another grader than %s)", path, len(stale), grader)
+    regraded = []
+    for record in stale:
+        pred, correct = grade_alternatives(record["completion"], answers[record["id"]])
+        regraded.append({**record, "pred": pred, "correct": correct, "grader": grader})
+    append_lines(path, regraded)
+    for record in regraded:
+        done[record["id"]][record["sample"]] = record
+
+
 def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, temperature: float, k: int,
                      top_p: float, settings: PromptSettings, batch_size: int, seed: int, output_dir: str,
                      progress: bool = True) -> list[list[dict]]:
     """Sample k completions per problem at one temperature, caching them as they are made.
 
-    Returns one list of k sample records (``id, sample, completion, pred, correct, num_tokens,
-    truncated``) per problem, in benchmark order; problems already in the cache are not sampled again.
+    Returns one list of k sample records (``id, sample, completion, pred, correct, grader, num_tokens,
+    truncated``) per problem, in benchmark order; problems already in the cache are not sampled again (their samples
+    are graded again where another grader judged them: `regrade_cached`).
     """
     path = cache_path(output_dir, model_label, bench.name, temperature)
     done = read_cache(path, k)
+    grader = grader_identity()
+    regrade_cached(path, done, bench, grader)
     todo = [p for p in bench.problems if p["id"] not in done]
     bar = progress_display(len(bench.problems), f"{model_label} | {bench.name} | T={temperature:g}", "problem",
                            initial=len(bench.problems) - len(todo), enabled=progress)
@@ -102,7 +126,7 @@ def sample_benchmark(engine, tokenizer, bench: Benchmark, *, model_label: str, t
             text = tokenizer.decode(batch.response_ids[row], skip_special_tokens=True)
             pred, correct = grade_alternatives(text, problem["answers"])
             records.append({"id": problem["id"], "sample": j, "completion": text, "pred": pred,
-                            "correct": correct, "num_tokens": len(batch.response_ids[row]),
+                            "correct": correct, "grader": grader, "num_tokens": len(batch.response_ids[row]),
                             "truncated": bool(batch.truncated[row])})
         if any(count != k for count in next_sample):
             raise RuntimeError(f"rollout engine returned {next_sample} samples per prompt, expected {k}")

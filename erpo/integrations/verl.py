@@ -14,8 +14,9 @@ does over the global mini-batch (token counts and sequence counts over every dp 
 Query-KL r_s = ell_theta0(q_s) - ell_theta(q_s) averaged over the mini-batch's G sequences. With qkl_coef = 0 and
 w(q) = 1 it is verl's `ppo_loss` (tests/integrations/test_verl_integration.py, on verl's real FSDP engine).
 
-ell_theta0(q) and w(q) come from erpo's reference cache, looked up by the prompt's token ids (what reaches the
-loss); a prompt the cache lacks is an error naming it.
+ell_theta0(q) and w(q) come from erpo's reference cache (scored at start by the actor's own engine,
+`erpo.integrations.verl_reference`), looked up by the prompt's token ids (what reaches the loss); a prompt the
+cache lacks is an error naming it.
 
 Host reads per micro-batch: 3 (tests/integrations/test_verl_integration.py counts them): one copy of the rows'
 lengths and prompt tokens (with the advantages' check), the kernels' value checks, and one copy of the metrics, which
@@ -31,34 +32,33 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.reference.cache import (
     ReferenceCache,
-    build_reference_cache,
     lookup_entries,
+    prompt_hash,
+    reference_cache_of,
     reweight_for_training_set,
     with_temperature,
 )
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.sequences import final_hidden, logit_transforms, scoring_precision
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
-from erpo_kernels import logprob_erpo_loss, token_logprobs
-from erpo_kernels.zero3 import find_lm_head
+from erpo_kernels import logprob_erpo_loss
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
-# The largest block of half-precision logits the cache's scorer forms at once (the log-softmax's fp32 temporaries are
-# a few times it): Qwen2.5's V = 152064 in bf16 gives 882 rows a block, where a batch of 16 prompts of 2048 tokens
-# as one block would be 10 GB.
-LOGITS_CHUNK_BYTES = 256 * 2**20
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
+# A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
+RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
+           "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,12 @@ class QueryReference:
     def from_cache(cls, cache: ReferenceCache, path: str, tokenizer=None) -> QueryReference:
         return cls(dict(cache.entries), str(path), tokenizer)
 
-    def lookup(self, prompt_ids: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, prompt_ids: list[list[int]], device=None, remedy: str = REBUILD
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
-        (`erpo.reference.cache.lookup_entries`)."""
+        (`erpo.reference.cache.lookup_entries`); `remedy` ends the error of a missing prompt."""
         return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
-            f"(the data, chat template or tokenizer changed since it was built). {REBUILD}"), device=device)
+            f"(the data, chat template or tokenizer changed since it was built). {remedy}"), device=device)
 
 
 def check_actor_config(config) -> None:
@@ -116,14 +117,14 @@ def check_actor_config(config) -> None:
 
 
 def check_fused_kernels(use_fused_kernels: bool, settings: ERPOSettings) -> None:
-    """Refuse verl's fused log-prob kernels (`actor_rollout_ref.model.use_fused_kernels`) with the Query-KL: their
-    ell_theta(q) is not scored as the cache's ell_theta0(q) is (`engine_scorer`: the model's own logits in the
-    actor's dtype, / the temperature rounded to it). verl 0.9.1's torch backend divides the bf16 logits by the
-    temperature as a Python float and drops the model's logit transform (Gemma-2's soft-cap); its Triton backend
-    keeps the logits in fp32. Either gives a Query-KL above 0 at theta0."""
+    """Refuse verl's fused log-prob kernels (`actor_rollout_ref.model.use_fused_kernels`) with the Query-KL: whether
+    their prompt rows give ell_theta(q) = the cached ell_theta0(q) at theta0 is unchecked. The cache is scored by
+    the actor's engine (`verl_reference`), fused kernels included, but neither of verl 0.9.1's fused backends runs
+    in the tests (its torch backend fails on the CPU under transformers 5.10, its Triton backend needs a GPU), and
+    the cache's precision does not record whether they scored it."""
     if use_fused_kernels and settings.qkl_coef != 0:
-        raise ValueError("actor_rollout_ref.model.use_fused_kernels=true scores ell_theta(q) otherwise than the "
-                         "cached ell_theta0(q) (a Query-KL above 0 at theta0); set it to false, or set "
+        raise ValueError("actor_rollout_ref.model.use_fused_kernels=true: its ell_theta(q) is not checked against "
+                         "the cached ell_theta0(q) (a Query-KL at theta0 of unknown size); set it to false, or set "
                          "+erpo.qkl_coef=0")
 
 
@@ -350,96 +351,32 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
     return partial(erpo_ppo_loss, config=actor_config, settings=settings, reference=reference)
 
 
-def engine_precision(config, param_dtype: torch.dtype, device) -> str:
-    """`scoring_precision` of ell_theta0(q) scored as verl's actor engine scores ell_theta(q) in `param_dtype` (its
-    FSDP mixed precision: bf16 by verl's default), for a model of `config` on `device`: in half precision the
-    forward under autocast with the weights in that dtype and the model's own logits (as the engine takes them);
-    in fp32 no autocast and the fused-linear path (equal to the logits' to fp32 rounding; what `erpo
-    precompute-ref` records in fp32)."""
-    if param_dtype == torch.float32:
-        return scoring_precision(config, param_dtype, device)
-    return scoring_precision(config, param_dtype, device, path="logits", autocast=param_dtype)
-
-
-def engine_scorer(model, param_dtype: torch.dtype, temperature: float, chunk_bytes: int = LOGITS_CHUNK_BYTES):
-    """`score(batch)` -> log-probs [R] fp32 of the batch's scored rows under `model` (its weights in `param_dtype`) as
-    `engine_precision` says: the model's logits under autocast / temperature, divided in their dtype (verl's
-    `_scale_logits_by_temperature`: 0.7 is 0.69921875 in bf16); None in fp32 (`compute_query_logp`'s fused-linear
-    default). The logits are formed `chunk_bytes` at a time (`engine_logits`), never [B, L, V] whole."""
-    param = next(model.parameters())
-    if param.dtype != param_dtype:
-        raise ValueError(f"the model that builds the reference cache is in {param.dtype}, the actor's param_dtype is "
-                         f"{param_dtype}: load it in {param_dtype}")
-    if param_dtype == torch.float32:
-        return None
-    causal_lm = getattr(model, "module", model)
-    head, transforms = find_lm_head(causal_lm), logit_transforms(causal_lm)
-    rows_per_chunk = max(1, chunk_bytes // (head.weight.shape[0] * param.element_size()))
-
-    def score(batch):
-        with torch.no_grad():
-            with torch.autocast(param.device.type, dtype=param_dtype):   # the forward the engine runs, up to the norm
-                hidden = final_hidden(causal_lm, batch)
-            return torch.cat([
-                token_logprobs(engine_logits(head, hidden[start:start + rows_per_chunk], transforms, temperature),
-                               batch.targets[start:start + rows_per_chunk])
-                for start in range(0, hidden.shape[0], rows_per_chunk)])
-    return score
-
-
-def engine_logits(head: torch.nn.Module, hidden: torch.Tensor, transforms: dict, temperature: float) -> torch.Tensor:
-    """The model's own logits [n, V] of final hidden states [n, D] (half precision) / temperature, as verl's engine
-    has them: `head` (the lm_head) under autocast, then the model's logit transform (`logit_transforms`) and the
-    temperature in the logits' dtype, in the order transformers' forwards apply them (a scale multiplies; Granite's
-    forward divides by its logits_scaling, here a multiply by its inverse: one rounding apart)."""
-    with torch.autocast(hidden.device.type, dtype=hidden.dtype):
-        logits = head(hidden)
-    if transforms["logit_scale"] != 1.0:
-        logits = logits * transforms["logit_scale"]
-    if transforms["logit_softcap"] is not None:
-        logits = torch.tanh(logits / transforms["logit_softcap"]) * transforms["logit_softcap"]
-    if temperature != 1.0:   # verl's _scale_logits_by_temperature: by the temperature rounded to the logits' dtype
-        logits = logits / torch.tensor(temperature, device=logits.device).to(logits.dtype)
-    return logits
-
-
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
-                            temperature: float, param_dtype: torch.dtype, batch_size: int = 16,
-                            model=None) -> QueryReference:
+                            temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
+                            remedy: str = REBUILD) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
 
-    `param_dtype`: the actor's FSDP mixed-precision param_dtype (`erpo.integrations.verl_trainer.actor_param_dtype`),
-    which ell_theta0(q) is scored in (`engine_precision`): a bf16 actor's ell_theta(q) differs from fp32's by an
-    amount that grows with the prompt's length, a Query-KL at theta0 that pushes the model for nothing. The cache
-    at `path` (written here or by `erpo precompute-ref`) is read when it was built with this model directory's
-    weights, this tokenizer, `temperature` and that precision, and holds every prompt; otherwise a ValueError names
-    what differs. Without a cache, ell_theta0 is computed with the initial actor (`model`, in `param_dtype`, or the
-    HF model at `model_path` loaded in `param_dtype` on the CPU; a progress bar) and saved at `path`. In half
-    precision the logits are formed LOGITS_CHUNK_BYTES at a time (`engine_scorer`), whatever `batch_size`."""
+    The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
+    `temperature` and `precision` (the actor's: `erpo.integrations.verl_reference.engine_precision`), and holds
+    every prompt; otherwise a ValueError names what differs and ends with `remedy` (`RESUMED` for a resumed run).
+    Without a cache, `score(prompts)` gives ell_theta0 (nats)
+    of the distinct prompts with the initial weights (the actor's engine: `verl_reference.engine_query_logp`), and
+    the cache is saved at `path`."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))
+    template = with_temperature("verl", temperature)
     if os.path.exists(path):
-        from transformers import AutoConfig
-        config, device = (AutoConfig.from_pretrained(model_path), "cpu") if model is None else \
-            (getattr(model, "module", model).config, next(model.parameters()).device)
         cache = ReferenceCache.load(path)
         cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,
-                               precision=engine_precision(config, param_dtype, device), path=path, remedy=REBUILD)
+                               precision=precision, path=path, remedy=remedy)
     else:
-        if model is None:
-            from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=param_dtype)
-        device = next(model.parameters()).device
-        cache = build_reference_cache(model, tokenizer, prompt_ids, model_id=identity["model_id"],
-                                      template=with_temperature("verl", temperature), batch_size=batch_size,
-                                      temperature=temperature, model_fp=model_fp,
-                                      tokenizer_fp=identity["tokenizer_fp"], progress=True,
-                                      score=engine_scorer(model, param_dtype, temperature),
-                                      precision=engine_precision(getattr(model, "module", model).config,
-                                                                 param_dtype, device))
+        unique = {prompt_hash(ids): ids for ids in prompt_ids}
+        cache = reference_cache_of(dict(zip(unique, score(list(unique.values())))), model_id=identity["model_id"],
+                                   model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
+                                   template=template, precision=precision)
         cache.save(path)
     reference = QueryReference.from_cache(cache, path, tokenizer)
-    reference.lookup(prompt_ids)          # every training prompt is there, or an error naming the first missing
+    reference.lookup(prompt_ids, remedy=remedy)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     return reference

@@ -6,14 +6,17 @@ launch then selects it with one setting, ERPO's options going under `erpo`:
 
     python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01
 
-At start it checks the run's settings, computes ell_theta0(q) of every training prompt with the initial actor
-(or reads the cache of an earlier run or of `erpo precompute-ref`), and sets `erpo_ppo_loss` as the actor's loss;
-everything else (rollout, rewards, advantages, old and reference log-probs, checkpoints, logging) is verl's.
+At start it checks the run's settings, has the actor's own engine score ell_theta0(q) of every training prompt
+with the initial weights, on the actor's devices (`verl_reference`; or reads the cache of an earlier start), and
+sets `erpo_ppo_loss` as the actor's loss; everything else (rollout, rewards, advantages, old and reference
+log-probs, checkpoints, logging) is verl's.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import os
+from functools import partial
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -22,12 +25,15 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.verl import (
+    REBUILD,
+    RESUMED,
     ERPOSettings,
     check_actor_config,
     check_fused_kernels,
     erpo_loss_fn,
     load_or_build_reference,
 )
+from erpo.integrations.verl_reference import engine_precision, engine_query_logp
 from erpo.models.loading import dropouts_besides_adapters
 from erpo.reference.cache import CACHE_FILE
 
@@ -75,6 +81,17 @@ def actor_param_dtype(actor) -> torch.dtype:
     return PrecisionType.to_dtype(mixed.get("param_dtype", "bf16"))
 
 
+def log_prob_calls(config, world_size: int) -> dict:
+    """How the cache's prompts go to the actor's `compute_log_prob` (`engine_query_logp`'s `multiple` and
+    `tokens_per_call`) under verl's run `config`, the actor worker group being of `world_size` ranks: each call a
+    multiple of world_size x `rollout.log_prob_micro_batch_size_per_gpu` sequences (verl splits a batch into equal
+    parts per dp rank, each into micro-batches of that size; 1 with `use_dynamic_bsz`), of at most a training
+    batch of prompts' tokens (`data.train_batch_size` x `rollout.prompt_length`)."""
+    rollout = config.actor_rollout_ref.rollout
+    per_rank = 1 if config.actor_rollout_ref.actor.use_dynamic_bsz else rollout.log_prob_micro_batch_size_per_gpu
+    return dict(multiple=world_size * per_rank, tokens_per_call=config.data.train_batch_size * rollout.prompt_length)
+
+
 def check_actor_dropout(hf_config) -> None:
     """ValueError naming the dropout when the actor's model (`hf_config`, built on the meta device: no weights) has
     some: verl trains the actor in train mode with its config's dropout, so ell_theta(q) would be noisy against
@@ -113,8 +130,9 @@ class ERPOTrainer(PPOTrainerSync):
 
     def _reference(self):
         """ell_theta0(q), w(q) of every training prompt: the cache at +erpo.ref_cache (default
-        <trainer.default_local_dir>/erpo_reference_cache.json), or computed now with the initial actor, in the
-        actor's mixed precision (`actor_param_dtype`)."""
+        <trainer.default_local_dir>/erpo_reference_cache.json), or scored now by the actor's engine with the initial
+        weights (`engine_query_logp`), in the actor's mixed precision (`actor_param_dtype`) at the rollout
+        temperature. A resumed run (its actor holds a checkpoint's weights) without its cache is refused."""
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
         if self.erpo_settings.qkl_coef != 0:
             check_actor_dropout(model.hf_config)
@@ -124,7 +142,19 @@ class ERPOTrainer(PPOTrainerSync):
             chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),
             prompt_length=rollout.prompt_length)
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
+        if self.global_steps > 0 and not os.path.exists(path):
+            raise ValueError(f"the run resumes at step {self.global_steps} without its reference cache {path}: "
+                             "ell_theta0(q) is scored with the initial weights, which the actor no longer holds; put "
+                             "the cache of the run's start there (or set +erpo.ref_cache=... to it), or start afresh")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        erpo_log = logging.getLogger("erpo")
+        if erpo_log.level == logging.NOTSET:   # `import verl` sets the root logger to WARNING: erpo's INFO lines
+            erpo_log.setLevel(logging.INFO)    # (the scoring's progress) would not show in the driver's log
+        score = partial(engine_query_logp, self.actor_rollout_wg, temperature=rollout.temperature,
+                        **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
+        precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
+                                     self.config.trainer.device)
+        remedy = RESUMED.format(step=self.global_steps) if self.global_steps > 0 else REBUILD
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
-                                       temperature=rollout.temperature,
-                                       param_dtype=actor_param_dtype(self.config.actor_rollout_ref.actor))
+                                       temperature=rollout.temperature, precision=precision, score=score,
+                                       remedy=remedy)

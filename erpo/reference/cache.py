@@ -22,8 +22,8 @@ import torch
 
 from erpo import distributed as D
 from erpo.atomic import publish
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.progress import progress as progress_display
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, pack, per_sample_sum, scored_token_logp
 from erpo_kernels import query_weights
 from erpo_kernels.layout import host_to_device
@@ -219,11 +219,18 @@ def build_reference_cache(model, tokenizer, prompt_ids: list[list[int]], *, mode
              for pair in part]
     if len(unique) < D.world_size():
         pairs = pairs[:len(unique)]
-    keys = [k for k, _ in pairs]
-    ell = torch.tensor([v for _, v in pairs], dtype=torch.float64)
-    weights = query_weights(ell)
-    return ReferenceCache(model_id=model_id, model_fingerprint=model_fp or model_fingerprint(model_id),
-                          tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
-                          tokenizer_fingerprint=tokenizer_fp or tokenizer_fingerprint(tokenizer), template=template,
-                          precision=precision or model_precision(model),
-                          entries={k: (float(e), float(w)) for k, e, w in zip(keys, ell, weights)})
+    return reference_cache_of(dict(pairs), model_id=model_id, model_fp=model_fp or model_fingerprint(model_id),
+                              tokenizer=tokenizer, tokenizer_fp=tokenizer_fp or tokenizer_fingerprint(tokenizer),
+                              template=template, precision=precision or model_precision(model))
+
+
+def reference_cache_of(ell: dict[str, float], *, model_id: str, model_fp: str, tokenizer, tokenizer_fp: str,
+                       template: str, precision: str) -> ReferenceCache:
+    """The cache of ell_theta0(q) by prompt hash (`ell`, nats, distinct prompts) and w = query_weights(ell_theta0)
+    over them (appendix C), with what it was built with."""
+    values = torch.tensor(list(ell.values()), dtype=torch.float64)
+    weights = query_weights(values)
+    return ReferenceCache(model_id=model_id, model_fingerprint=model_fp,
+                          tokenizer_id=str(getattr(tokenizer, "name_or_path", "")), tokenizer_fingerprint=tokenizer_fp,
+                          template=template, precision=precision,
+                          entries={k: (float(e), float(w)) for k, e, w in zip(ell, values, weights)})

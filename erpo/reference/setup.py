@@ -10,6 +10,7 @@ import torch
 from erpo import distributed as D
 from erpo.config import Config
 from erpo.errors import UserError
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for, torch_dtype
 from erpo.reference.cache import (
     ReferenceCache,
@@ -18,7 +19,6 @@ from erpo.reference.cache import (
     template_id,
     with_temperature,
 )
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import model_precision, scoring_precision
 from erpo.tasks.data import PromptSet, load_prompt_set
 

@@ -1,5 +1,6 @@
 """math-verify in a child process: `erpo.tasks.rewards` runs `python -m erpo.tasks.answer_worker`, writes one JSON line
-[prediction, gold] per answer to its stdin and reads back one JSON line, true or false.
+[prediction, gold] per answer to its stdin and reads back one JSON line, true or false, or {"error": MESSAGE} where
+math-verify raised.
 
 The parent bounds each answer's wall-clock time itself and kills this process when an answer runs over
 (`erpo.tasks.rewards.AnswerChecker`): math-verify's own timeouts use SIGALRM, which works only in a process's main
@@ -73,8 +74,8 @@ def main() -> None:
         pred, gold = json.loads(line)
         try:
             verdict = math_verify_match(pred, gold)
-        except Exception:      # math-verify catches its own errors; anything else is a non-match, not a crash
-            verdict = False
+        except Exception as exc:   # math-verify catches its own errors; the parent logs anything else, as wrong
+            verdict = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print(json.dumps(verdict), flush=True)
 
 

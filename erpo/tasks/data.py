@@ -8,12 +8,38 @@ from pathlib import Path
 
 from erpo.errors import UserError
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_located_records
+from erpo.tasks.gold import gold_answers
 
 # Paper appendix A: appended to the problem, then the whole message goes through the chat template.
 PAPER_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the "
                 "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
                 "answer MUST BE put in \\boxed{}.")
 TEMPLATES = {"paper": "{problem}" + PAPER_SUFFIX, "plain": "{problem}"}
+# Instructions a data file's problem may already end with (the official ERPO files, verl's math preprocessing,
+# Qwen2.5-Math's prompt): a template that brings its own is filled with the problem without it (`split_instruction`).
+INSTRUCTION_SUFFIXES = (
+    PAPER_SUFFIX.strip(),
+    "Let's think step by step and output the final answer within \\boxed{}.",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+)
+
+
+def split_instruction(problem: str) -> tuple[str, str]:
+    """(`problem` stripped and without a trailing INSTRUCTION_SUFFIXES, that instruction with the white space before
+    it or ""): a problem that is nothing but an instruction, or holds one elsewhere, is left whole."""
+    text = problem.strip()
+    for suffix in INSTRUCTION_SUFFIXES:
+        if text.endswith(suffix) and text != suffix:
+            kept = text[: -len(suffix)].rstrip()
+            return kept, text[len(kept):]
+    return text, ""
+
+
+def brings_instruction(template: str) -> bool:
+    """Whether a prompt template (a name of TEMPLATES or the format text) asks for the answer in \\boxed{} itself,
+    as the paper's and qwen-math's do; `plain` does not. Such a template is filled with a problem without the
+    instruction the problem ended with (`split_instruction`): it is asked one either way."""
+    return "\\boxed" in TEMPLATES.get(template, template)
 
 
 def arithmetic_dataset(n: int, seed: int, max_operand: int = 10, larger_than: int | None = None) -> list[dict]:
@@ -106,9 +132,10 @@ class PromptSet:
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
                      use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
                      where: list[str] | None = None) -> PromptSet:
-    """Render and tokenize every record. Empty problems and prompts longer than `max_prompt_length` tokens are
-    a UserError listing the first offenders, or dropped with one warning when `skip_invalid`. where[i] names
-    record i in messages (default "record i+1")."""
+    """Render and tokenize every record; its gold answer is read by `erpo.tasks.gold` (`PromptSet.answers`: one
+    string each). Empty problems, missing or empty answers, several alternative answers and prompts longer than
+    `max_prompt_length` tokens are a UserError listing the first offenders, or dropped with one warning when
+    `skip_invalid`. where[i] names record i in messages (default "record i+1")."""
     where = where or [f"record {i}" for i in range(1, len(records) + 1)]
     kept, problems = PromptSet([], [], [], []), []
     for i, record in zip(where, records):
@@ -119,6 +146,17 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
         if record.get(answer_field) is None:
             problems.append(f"{i}: missing {answer_field!r}")
             continue
+        try:   # read as `erpo eval` reads a benchmark's answers, so that both grade against the same gold
+            answers = gold_answers(record, record[answer_field], answer_field)
+        except ValueError as err:
+            problems.append(f"{i}: {err}")
+            continue
+        if len(answers) > 1:
+            problems.append(f"{i}: {answer_field!r} holds {len(answers)} alternative answers {answers!r:.60}; the "
+                            "math reward compares with one: keep the one to reward")
+            continue
+        if brings_instruction(template):   # as `erpo eval` asks it (erpo.eval.problem_sets.problem_as_asked)
+            problem = split_instruction(problem)[0]
         prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
         if len(ids) > max_prompt_length:
             problems.append(f"{i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
@@ -129,7 +167,7 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
         kept.records.append(record)
         kept.prompts.append(prompt)
         kept.prompt_ids.append(ids)
-        kept.answers.append(str(record[answer_field]))
+        kept.answers.append(answers[0])
     if problems:
         summary = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
         if not skip_invalid:

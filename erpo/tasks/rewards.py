@@ -27,13 +27,23 @@ from erpo.tasks.trainer_progress import TrainerProgress
 RewardFn = Callable[..., list]
 
 
+# \boxed or \fbox (MATH's solutions box some answers with \fbox, which lm-eval's hendrycks_math reads too), then an
+# opening brace, or else the next word: `\boxed 5` boxes "5" in LaTeX, and verl's last_boxed_only_string and
+# math-verify both read it so.
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*(?:(\{)|([^\s${}]+))?")
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed; None if there is none
-    or it is not closed."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    if not starts:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed, or the word after a
+    \\boxed without braces (`\\boxed 5`); None if there is none or the last one is not closed (a completion cut
+    inside its final answer has no answer, whatever an earlier box held)."""
+    boxes = list(_BOX.finditer(text))
+    if not boxes:
         return None
-    start = starts[-1]
+    last = boxes[-1]
+    if last.group(1) is None:
+        return last.group(2)   # a word, or None: a \\boxed followed by neither (cut right after it)
+    start = last.end()
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -53,7 +63,8 @@ log = logging.getLogger("erpo")
 class AnswerChecker:
     """math-verify in one child process (`erpo.tasks.answer_worker`), one answer at a time, each bounded to
     `timeout_s` seconds of wall-clock time: an answer that takes longer (a huge or deeply nested expression) counts
-    as wrong, and the process is killed and started again on the next answer. Works from any thread (a lock
+    as wrong, and the process is killed and started again on the next answer; one it raises on counts as wrong. Both
+    are logged with the answer. Works from any thread (a lock
     serializes them) and after a fork (the forked process starts its own)."""
 
     def __init__(self):
@@ -62,6 +73,7 @@ class AnswerChecker:
         self._owner = 0                      # the pid that started `_proc`
         self._pending = b""                  # bytes read from the process after the last full line
         self.import_error: str | None = None  # set when math-verify cannot be imported (then never retried)
+        self.version: str | None = None       # math-verify's version, as the process reported it
 
     def match(self, pred: str, gold: str, timeout_s: float) -> bool | None:
         """math-verify's verdict on `pred` against `gold`; None when math-verify cannot be imported."""
@@ -81,7 +93,16 @@ class AnswerChecker:
                             state, timeout_s, pred[:200])
                 self.close()
                 return False
+            if isinstance(reply, dict):
+                log.warning("math answer check: math-verify raised %s on the answer %r; counted as wrong",
+                            reply["error"], pred[:200])
+                return False
             return bool(reply)
+
+    def math_verify_version(self) -> str | None:
+        """The version of the math-verify that judges answers; None when it cannot be imported."""
+        with self._lock:
+            return self.version if self.import_error is None and self._running() else None
 
     def _running(self) -> bool:
         """Start the process when there is none (or it was started by the process this one was forked from);
@@ -102,6 +123,7 @@ class AnswerChecker:
             raise RuntimeError("math answer check: the math-verify process "
                                f"({sys.executable} -m erpo.tasks.answer_worker)"
                                f" did not start within {WORKER_START_TIMEOUT_S:g} s; run it by hand to see why")
+        self.version = ready["ready"]
         return True
 
     def _read_line(self, timeout_s: float):
@@ -135,6 +157,18 @@ class AnswerChecker:
 _checker = AnswerChecker()
 atexit.register(_checker.close)
 _warned_fallback = False
+
+
+# erpo's own rules of judging an answer (`extract_boxed`, `collapse_nested_text`, `fallback_match`): bump it with any
+# change that judges some answer otherwise, so that `erpo eval` grades again the samples it cached under the old ones.
+GRADING_RULES = 2
+
+
+def grader_identity() -> str:
+    """What judges answers in this process: erpo's GRADING_RULES and math-verify's version, or the fallback where
+    math-verify cannot be imported (`answers_match`); e.g. "erpo-rules-2 math-verify-0.9.0"."""
+    version = _checker.math_verify_version()
+    return f"erpo-rules-{GRADING_RULES} " + (f"math-verify-{version}" if version else "fallback_match")
 
 
 def answers_match(pred: str | None, gold: str, *, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
@@ -305,7 +339,8 @@ def compute_rewards(fns: list[RewardFn], weights: list[float] | None, prompts: l
                     columns: dict, *, trainer_state: TrainerProgress
                     ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted sum over reward functions per sample (None entries contribute nothing, as TRL's nansum), and the
-    per-function values keyed by function name (a repeated name gets its position appended: `reward_1`).
+    per-function values, unweighted, keyed by function name in the order of `fns` (a repeated name gets its
+    position appended: `reward_1`).
 
     Each function gets TRL's keywords: `prompts`, `completions`, the dataset's `columns` (lists, one entry per
     sample) and `trainer_state`. A sample where every function returns None is unscorable: its total is NaN, with

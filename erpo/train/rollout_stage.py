@@ -66,6 +66,19 @@ def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor
     return advantages[mine], std_zero[mine]
 
 
+def math_verdicts(reward_fns, reward_values: dict[str, list], prompts: list[str], completions: list[str],
+                  answers: list[str]) -> list[float]:
+    """1.0 / 0.0 per sample [S]: whether the math verifier accepts its last \\boxed{} (the `accuracy` metric).
+    reward_values: `compute_rewards`' per-function values, in the order of `reward_fns`. Where erpo's own `math`
+    reward function is among them it has graded every sample already (its values are unweighted): those verdicts
+    are reused, as math-verify judges each answer in a child process. A user's function, whatever its name, is
+    not taken as the accuracy: then the samples are graded here."""
+    for fn, values in zip(reward_fns, reward_values.values()):
+        if fn is math_reward:
+            return values
+    return math_reward(prompts, completions, answers)
+
+
 def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenizer, reward_fns,
           trainer_state: TrainerProgress) -> Rollout:
     """Decode, reward and compute advantages of one generated `batch` (a `RolloutBatch` over `prompt_indices`)."""
@@ -88,7 +101,8 @@ def score(cfg: Config, batch, ps: PromptSet, prompt_indices: list[int], tokenize
                          f"{cfg.rollout.engine!r} returned none; set rollout.importance_sampling_correction=false")
     return Rollout(prompts=torch.tensor(prompts, dtype=torch.long), response_ids=batch.response_ids,
                    rewards=torch.tensor(rewards, dtype=torch.float64),
-                   correct=torch.tensor(math_reward(texts, completions, columns["answer"]), dtype=torch.float64),
+                   correct=torch.tensor(math_verdicts(reward_fns, parts, texts, completions, columns["answer"]),
+                                        dtype=torch.float64),
                    truncated=torch.tensor(batch.truncated, dtype=torch.bool), advantages=advantages.float(),
                    keep=~flat.bool(), reward_std_zero=std_zero,
                    rollout_logp=batch.response_logp if cfg.rollout.importance_sampling_correction else None,

@@ -23,15 +23,13 @@ from erpo.integrations.verl import (  # noqa: E402
     QueryReference,
     actor_rows,
     check_actor_config,
-    engine_scorer,
     erpo_loss_fn,
     load_or_build_reference,
 )
+from erpo.integrations.verl_reference import engine_precision, engine_query_logp, prompt_calls  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
-from erpo.sequences import pack  # noqa: E402
-from erpo_kernels import erpo_loss, from_padded, query_weights, token_logprobs  # noqa: E402
-from family_models import tiny_lm  # noqa: E402
+from erpo_kernels import erpo_loss, from_padded, query_weights  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
 
@@ -69,6 +67,29 @@ def batch(tiny, engine, *, seed=0, nested=True, entropy=True, **kwargs):
     data = verl_engine.actor_batch(model, prompts, responses, pad_id=tokenizer.pad_token_id, seed=seed,
                                    nested=nested, **kwargs)
     return verl_engine.set_engine_keys(engine, data, calculate_entropy=entropy)
+
+
+def engine_param_dtype(engine) -> torch.dtype:
+    """The dtype of the engine's mixed precision (its forward's autocast; fp32: none)."""
+    from verl.utils.torch_dtypes import PrecisionType
+    return PrecisionType.to_dtype(engine.engine_config.mixed_precision["param_dtype"])
+
+
+def engine_reference(tiny, engine, prompts, path, *, temperature=1.0, world_size=1, tokens_per_call=4096,
+                     model_dir=None):
+    """`load_or_build_reference` as the `erpo` trainer mode calls it, ell_theta0(q) scored by `engine` through verl's
+    `compute_log_prob` (a worker group of `world_size` ranks around it, `EngineWorkerGroup`), in the engine's
+    precision; `model_dir`: the model directory the run names (default the tiny model's). (QueryReference, the
+    worker group: its `calls`)."""
+    group = verl_engine.EngineWorkerGroup(engine, world_size)
+    config = engine.engine_config
+    multiple = world_size * (1 if config.use_dynamic_bsz else config.infer_micro_batch_size_per_gpu)
+    score = partial(engine_query_logp, group, temperature=temperature, multiple=multiple,
+                    tokens_per_call=tokens_per_call)
+    precision = engine_precision(engine.model_config, engine_param_dtype(engine), "cpu")
+    reference = load_or_build_reference(model_dir or tiny[0], tiny[1], prompts, path=str(path),
+                                        temperature=temperature, precision=precision, score=score)
+    return reference, group
 
 
 def actor_config(**overrides):
@@ -268,82 +289,97 @@ def test_query_kl_is_zero_at_theta0(tiny):
     assert_same(ours, verl_engine.loss_and_grads(engine, data, partial(ppo_loss, config=config)), rel=1e-5)
 
 
-def gpu_cross_entropy(logits, labels, inplace_backward=True):
-    """verl's log-probs as on a GPU with flash-attn (its default install): the cross entropy in fp32 from the
-    half-precision logits. On a CPU verl's fallback rounds each log-prob to bf16 (a random 0.01 nats a token)."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["rmpad", "padded"])
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_query_kl_at_theta0_in_bf16_mixed_precision(tiny, tmp_path, monkeypatch, temperature):
-    """verl's default bf16 mixed precision, prompts of 1000 and 500 tokens: the cache scored in the actor's
-    param_dtype gives a Query-KL at theta0 of bf16 kernel rounding (the cache's padded forward against the engine's
-    packed one): 8.6e-6 on the CPU (2026-11-27), where the fp32 cache of before gave 2.6e-4 (30x) on this one-layer
-    model, a gap that grows with depth and prompt length. At temperature 0.7 verl divides the bf16 logits by 0.7
-    rounded to bf16 (0.69921875), and so does the cache: 2.3e-5 (the fp32 cache 1.3e-4; dividing the bf16 logits
-    by 0.7 in fp32 instead: 2.4e-4). A bf16 run refuses the fp32 cache, naming the precision."""
-    import verl.workers.engine.fsdp.transformer_impl as engine_impl
-    from verl.utils import tensordict_utils as tu
-    monkeypatch.setattr(engine_impl, "logprobs_from_logits", gpu_cross_entropy)
+def test_engine_scored_cache_is_the_losss_ell_theta_at_theta0(tiny, tmp_path, param_dtype, temperature,
+                                                              use_remove_padding):
+    """ell_theta0(q) scored by the actor's engine (verl's compute_log_prob on each prompt alone) equals, prompt by
+    prompt, the ell_theta(q) that erpo_ppo_loss sums from the prompt rows of prompt + response on the same engine at
+    theta0 (micro-batches of one sample: `actor/query_logp` is that sample's), for prompts of 5 to 61 tokens
+    left-padded in the actor's batch, in verl's fp32 and bf16 mixed precision (its CPU cross entropy, which rounds
+    each log-prob to bf16, included), at T = 1 and 0.7, with remove-padding (packed) or padded forwards: the
+    Query-KL at theta0 is 0. The cache records the engine's precision. (The HF model in the driver scored on the CPU
+    gave 8.6e-6 in bf16 at T = 1 before 2026-11-27.)"""
     _, tokenizer, model = tiny
-    engine = engine_for(tiny, param_dtype="bf16", max_token_len=4096)
+    engine = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=1, use_remove_padding=use_remove_padding)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (1000, 500)]
-    data = verl_engine.set_engine_keys(engine, verl_engine.actor_batch(model, prompts, [[5, 6, 7], [8, 9]],
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (37, 5, 61, 12)]
+    data = verl_engine.set_engine_keys(engine, verl_engine.actor_batch(model, prompts, [[5, 6, 7], [8, 9], [4], [3, 5]],
                                                                        pad_id=tokenizer.pad_token_id),
                                        calculate_entropy=False)
+    assert data["attention_mask"][1, :56].sum() == 0 and data["attention_mask"][1, 56:61].all()   # left padding
+    from verl.utils import tensordict_utils as tu
     tu.assign_non_tensor(data, temperature=temperature)
-    config = actor_config(ppo_mini_batch_size=2, use_kl_loss=False, entropy_coeff=0.0)
-    qkl = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", FP32)):
-        reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=str(tmp_path / f"{name}.json"),
-                                            temperature=temperature, param_dtype=dtype)
-        loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
-        qkl[name] = metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])["actor/qkl"][0]
-    assert qkl["bf16"] < 5e-5 and qkl["fp32"] > 5 * qkl["bf16"]
-    with pytest.raises(ValueError, match="precision: cache built with dtype=float32,autocast=off.*dtype=bfloat16,"
-                                         "autocast=bfloat16,path=logits"):
-        load_or_build_reference(tiny[0], tokenizer, prompts, path=str(tmp_path / "fp32.json"),
-                                temperature=temperature, param_dtype=torch.bfloat16)
+    # scored by an engine of the same weights and precision in micro-batches of 2 prompts, over 2 ranks
+    scorer = engine_for(tiny, param_dtype=param_dtype, micro_batch_size=2, use_remove_padding=use_remove_padding)
+    reference, group = engine_reference(tiny, scorer, prompts, tmp_path / "cache.json", temperature=temperature,
+                                        world_size=2)
+    assert group.calls == [4]
+    config = actor_config(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, use_kl_loss=False,
+                          entropy_coeff=0.0)
+    loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
+    metrics = metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])
+    ell0 = reference.lookup(prompts)[0]
+    assert bool((ell0 < -4).all()) and metrics["actor/query_logp"] == ell0.tolist()
+    assert metrics["actor/qkl"] == [0.0] * 4
+    cache = ReferenceCache.load(tmp_path / "cache.json")
+    dtype = "bfloat16" if param_dtype == "bf16" else "float32"
+    assert cache.precision.startswith(f"dtype={dtype},autocast={dtype if param_dtype == 'bf16' else 'off'},"
+                                      "path=verl-engine,device=cpu")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma2", "granite"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_bf16_cache_scores_the_models_own_logits_a_bounded_block_at_a_time(kind, temperature):
-    """The bf16 cache's scorer forms the logits a block of at most chunk_bytes at a time (the lm_head's outputs,
-    counted by a hook), however many prompts and tokens the batch holds, and gives the log-probs of the model's own
-    whole logits [B, L, V] (its soft-cap or scaling, / temperature in bf16, as verl's engine) bit for bit. Beside
-    the blocks, the forward that gives the final hidden states (`final_hidden`) runs the head on each sequence's
-    last position alone (logits_to_keep=1: [B, 1, V], 3-D where a block is [n, V])."""
-    model = tiny_lm(kind).to(torch.bfloat16)
-    vocab = model.config.vocab_size
-    chunk_bytes = 7 * vocab * 2                     # 7 rows of bf16 logits
-    blocks, last_positions = [], []
-    hook = model.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: (blocks if out.dim() == 2 else last_positions).append(
-            (out.shape[0], out.numel() * out.element_size())))
-    g = torch.Generator().manual_seed(0)
-    try:
-        for lengths in ((40, 17, 29), (90, 3, 64, 51, 77)):
-            prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-            batch = pack(prompts, [[] for _ in prompts], 0, "cpu")
-            blocks.clear()
-            last_positions.clear()
-            got = engine_scorer(model, torch.bfloat16, temperature, chunk_bytes=chunk_bytes)(batch)
-            assert last_positions == [(len(lengths), len(lengths) * vocab * 2)]
-            assert max(size for _, size in blocks) == chunk_bytes < batch.input_ids.numel() * vocab * 2 / 10
-            assert sum(rows for rows, _ in blocks) == batch.targets.shape[0] == sum(lengths) - len(lengths)
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-                logits = logits / torch.tensor(temperature).to(logits.dtype)
-            assert torch.equal(got, token_logprobs(logits.reshape(-1, vocab)[batch.rows], batch.targets))
-    finally:
-        hook.remove()
+def test_prompt_calls_bound_the_tokens_and_fill_every_part():
+    """Longest first; a call holds at most tokens_per_call tokens counting each prompt at the call's longest (a
+    longer prompt goes alone), padded with copies of its shortest to a multiple of `multiple`, dealt round-robin."""
+    lengths = [5, 40, 12, 12, 7, 30, 3]
+    assert prompt_calls(lengths, multiple=2, tokens_per_call=60) == [[1, 1], [5, 2], [3, 0, 4, 6]]
+    assert prompt_calls(lengths, multiple=1, tokens_per_call=10**6) == [[1, 5, 2, 3, 4, 0, 6]]
+    assert prompt_calls([], multiple=4, tokens_per_call=8) == []
+    with pytest.raises(ValueError, match="multiple and tokens_per_call must be >= 1, got 0 and 8"):
+        prompt_calls(lengths, multiple=0, tokens_per_call=8)
+
+
+def test_engine_scoring_over_calls_and_ranks_is_the_prompts_log_likelihood(tiny):
+    """engine_query_logp sums each prompt's rows 1 .. P - 1 (a one-token prompt: 0): an independent HF forward's
+    ell(q), and bit for bit the same in one call on one rank as in calls of at most 40 tokens over 2 ranks with
+    micro-batches of 2 (padding copies to multiples of 4)."""
+    _, tokenizer, model = tiny
+    engine = engine_for(tiny, use_remove_padding=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (9, 1, 17, 6, 3)]
+    whole = verl_engine.EngineWorkerGroup(engine, world_size=1)
+    one = engine_query_logp(whole, prompts, temperature=1.0, multiple=2, tokens_per_call=10**6)
+    split = verl_engine.EngineWorkerGroup(engine, world_size=2)
+    assert engine_query_logp(split, prompts, temperature=1.0, multiple=4, tokens_per_call=40) == one
+    assert whole.calls == [6] and split.calls == [4, 4]     # 17 tokens alone (x 4 > 40), then 9, 6, 3 and 1
+    for ids, ell in zip(prompts, one):
+        ids = torch.tensor([ids])
+        expected = verl_engine.hf_token_logp(model, ids, torch.ones_like(ids))[0, :-1].double().sum().item()
+        assert ell == pytest.approx(expected, rel=1e-5, abs=0)
+    assert one[1] == 0.0
+
+
+def test_engine_scoring_matches_each_result_to_its_prompt_under_dynamic_batch_size(tiny):
+    """verl's dynamic batch size regroups each rank's sequences into micro-batches by their tokens and puts the
+    outputs back in the order sent (`restore_dynamic_batch`); engine_query_logp reads each result by position, which
+    its length check cannot verify among prompts of one length. Prompts of equal lengths and other tokens keep their
+    own ell(q): each is the value the prompt gets scored alone."""
+    _, tokenizer, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 9, 5, 12, 5, 9, 3, 5)]
+    alone = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True))
+    expected = [engine_query_logp(alone, [p], temperature=1.0, multiple=2, tokens_per_call=10**6)[0] for p in prompts]
+    dynamic = verl_engine.EngineWorkerGroup(engine_for(tiny, use_remove_padding=True, use_dynamic_bsz=True,
+                                                       max_token_len=16), world_size=2)
+    assert engine_query_logp(dynamic, prompts, temperature=1.0, multiple=2, tokens_per_call=10**6) == \
+        pytest.approx(expected, rel=1e-5, abs=0)
+    assert len(set(expected)) == len(prompts)   # no two alike: a result read for another prompt would show
 
 
 def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
-    """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache built at it: the Query-KL
-    at theta0 is fp32 rounding; a cache at T = 1 is far off."""
+    """verl's engine scores logits / rollout temperature (0.7 here), and so does the cache it builds at it: the
+    Query-KL at theta0 is 0; a cache at T = 1 is far off."""
     from verl.utils import tensordict_utils as tu
     engine = engine_for(tiny, use_remove_padding=True)
     data = batch(tiny, engine, nested=False)
@@ -351,22 +387,21 @@ def test_query_kl_at_theta0_at_the_rollout_temperature(tiny, tmp_path):
     config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
     qkl = {}
     for temperature in (0.7, 1.0):
-        reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(data), temperature=temperature,
-                                            path=str(tmp_path / f"{temperature}.json"), param_dtype=FP32)
+        reference, _ = engine_reference(tiny, engine, prompt_ids_of(data), tmp_path / f"{temperature}.json",
+                                        temperature=temperature)
         loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=1.0, query_weight="none"), reference)
         qkl[temperature] = max(metric_values(verl_engine.loss_and_grads(engine, data, loss_fn)[0])["actor/qkl"])
-    assert qkl[0.7] < 1e-9 and qkl[1.0] > 1e-2
+    assert qkl[0.7] == 0 and qkl[1.0] > 1e-2
 
 
 def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
     """verl's own train_batch (zero_grad, forward/backward over micro-batches, optimizer step) with the ERPO loss
-    and a cache built at start from the model directory: theta moves, the Query-KL becomes > 0."""
+    and a cache the engine built at start: theta moves, the Query-KL becomes > 0."""
     engine = verl_engine.build_engine(tiny[0], lr=1e-2)
     config = actor_config(use_kl_loss=False, entropy_coeff=0.0)
     data = batch(tiny, engine, entropy=False)
-    reference = load_or_build_reference(tiny[0], tiny[1], prompt_ids_of(batch(tiny, engine, nested=False)),
-                                        path=str(tmp_path / "cache.json"), temperature=1.0,
-                                        param_dtype=torch.float32)
+    reference, _ = engine_reference(tiny, engine, prompt_ids_of(batch(tiny, engine, nested=False)),
+                                    tmp_path / "cache.json")
     loss_fn = erpo_loss_fn(config, ERPOSettings(qkl_coef=0.5), reference)
     before = {n: p.full_tensor().clone() for n, p in engine.module.named_parameters()}
     with engine.train_mode():
@@ -374,7 +409,7 @@ def test_train_batch_step_moves_theta_and_the_query_kl(tiny, tmp_path):
         second = engine.train_batch(data.clone(), loss_fn)
     moved = [n for n, p in engine.module.named_parameters() if not torch.equal(p.full_tensor(), before[n])]
     assert len(moved) == len(before)
-    assert max(abs(v) for v in metric_values(first)["actor/qkl"]) < 1e-6          # theta0
+    assert max(abs(v) for v in metric_values(first)["actor/qkl"]) == 0          # theta0
     assert min(metric_values(second)["actor/qkl"]) > 1e-6
     assert math.isfinite(second["metrics"]["grad_norm"])
 
@@ -388,25 +423,77 @@ def test_missing_prompt_is_a_clear_error(tiny):
         verl_engine.loss_and_grads(engine, data, erpo_loss_fn(actor_config(), ERPOSettings(), reference))
 
 
-def test_cache_of_another_model_or_tokenizer_is_refused(tiny, tmp_path):
+def unexpected_scoring(prompts):
+    raise AssertionError("the cache was scored again instead of read")
+
+
+def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(tiny, tmp_path):
+    """A cache is read only under the weights, tokenizer, temperature and precision it was built with, and only for
+    prompts it holds; otherwise one line names what differs."""
     path, tokenizer, _ = tiny
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     cache = str(tmp_path / "cache.json")
-    reference = load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
+    engine = engine_for(tiny, use_remove_padding=True)
+    reference, _ = engine_reference(tiny, engine, prompts, cache)
     assert reference.lookup(prompts)[0].lt(0).all()
+    fp32 = engine_precision(engine.model_config, FP32, "cpu")
+    read = partial(load_or_build_reference, path=cache, temperature=1.0, precision=fp32, score=unexpected_scoring)
+    assert read(path, tokenizer, prompts).entries == reference.entries
     other = tmp_path / "other"
     tiny_test_model(tokenizer, seed=1).save_pretrained(other)
     with pytest.raises(ValueError, match="does not match this run: model"):
-        load_or_build_reference(str(other), tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
+        read(str(other), tokenizer, prompts)
     changed = build_tokenizer()
     changed.chat_template = "{{ messages }}"
     with pytest.raises(ValueError, match="does not match this run: tokenizer"):
-        load_or_build_reference(path, changed, prompts, path=cache, temperature=1.0, param_dtype=FP32)
+        read(path, changed, prompts)
     with pytest.raises(ValueError, match="temperature"):
-        load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=0.7, param_dtype=FP32)
+        read(path, tokenizer, prompts, temperature=0.7)
+    bf16 = engine_precision(engine.model_config, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"^\S+cache.json does not match this run: precision: cache built with "
+                                         r"dtype=float32,autocast=off,path=verl-engine,device=cpu,[^;]*, training "
+                                         r"scores with dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu,"
+                                         r"[^;]*\. Delete it to rebuild it, or set \+erpo.ref_cache=\.\.\. to another "
+                                         r"path\.$"):
+        read(path, tokenizer, prompts, precision=bf16)
     with pytest.raises(ValueError, match="has no ell_theta0"):
-        load_or_build_reference(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]], path=cache,
-                                temperature=1.0, param_dtype=FP32)
+        read(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]])
+
+
+@pytest.mark.parametrize("setting, recorded", [
+    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
+                                        r"attention=eager,remove_padding=true"),
+    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
+                                     r"attention=sdpa,remove_padding=false")], ids=["attention", "remove_padding"])
+def test_cache_of_another_attention_kernel_or_padding_is_refused(tiny, tmp_path, setting, recorded):
+    """The actor's forward also depends on its attention kernel (verl's
+    `actor_rollout_ref.model.override_config.attn_implementation`) and on `use_remove_padding` (packed or padded):
+    a cache scored under one is refused by an actor under another, in one line naming both, where it was read before.
+    (On this CPU the tiny model's ell_theta0(q) came out the same under eager and sdpa, packed and padded, on
+    2026-11-27; flash-attn, on a GPU, is another kernel.)"""
+    tokenizer = tiny[1]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = tmp_path / "cache.json"
+    engine_reference(tiny, engine_for(tiny, use_remove_padding=True), prompts, cache)
+    other = engine_for(tiny, **{"use_remove_padding": True, **setting})
+    with pytest.raises(ValueError, match=r"^\S+cache.json does not match this run: precision: cache built with "
+                                         r"dtype=float32,[^;]*," + recorded + r"\. Delete it"):
+        engine_reference(tiny, other, prompts, cache)
+
+
+def test_the_precision_records_the_attention_kernel_verl_resolves(tiny, tmp_path):
+    """The record holds what verl 0.9.1's model config resolves and its FSDP engine builds the actor with: flash-attn 2
+    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding` as set."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    def recorded(*settings):
+        config = OmegaConf.merge(run_config(tiny, tmp_path), OmegaConf.from_dotlist(list(settings)))
+        model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        return engine_precision(model, FP32, "cpu").split(",")[-2:]
+    assert recorded() == ["attention=flash_attention_2", "remove_padding=true"]
+    assert recorded("actor_rollout_ref.model.override_config.attn_implementation=eager",
+                    "actor_rollout_ref.model.use_remove_padding=false") == ["attention=eager", "remove_padding=false"]
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -509,45 +596,103 @@ def test_a_cache_of_more_prompts_gives_the_training_sets_weights(tiny, tmp_path)
     tokenizer = tiny[1]
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     cache = str(tmp_path / "cache.json")
-    everyone = load_or_build_reference(tiny[0], tokenizer, prompts, path=cache, temperature=1.0, param_dtype=FP32)
-    subset = load_or_build_reference(tiny[0], tokenizer, prompts[1:3], path=cache, temperature=1.0, param_dtype=FP32)
+    engine = engine_for(tiny, use_remove_padding=True)
+    everyone, _ = engine_reference(tiny, engine, prompts, cache)
+    subset, group = engine_reference(tiny, engine, prompts[1:3], cache)
+    assert group.calls == []                                       # read, not scored
     ell, weights = subset.lookup(prompts[1:3])
     torch.testing.assert_close(weights, query_weights(ell.double()))
     assert (weights - everyone.lookup(prompts[1:3])[1]).abs().max() > 0.01
 
 
-def test_trainer_mode_sets_the_erpo_loss_on_the_actor(tiny, tmp_path, monkeypatch):
-    """`trainer.v1.trainer_mode=erpo` is registered with verl; after verl's own setup the trainer builds the cache
-    for the training prompts (tokenized as verl's agent loop does) and sets the ERPO loss on the actor workers.
-    verl's Ray / TransferQueue setup is replaced by a stand-in here; the loss itself is tested above."""
+def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(tiny, tmp_path, monkeypatch, caplog):
+    """`trainer.v1.trainer_mode=erpo` is registered with verl. After verl's own setup (here a stand-in for its Ray /
+    TransferQueue setup whose actor worker group runs verl's compute_log_prob on an engine in this process over 2
+    ranks, `EngineWorkerGroup`), the trainer has the actor's engine score ell_theta0(q) of the training prompts
+    (tokenized as verl's agent loop does), in the actor's precision (verl's default bf16), with no HF model loaded
+    in the driver; writes the cache; and sets the ERPO loss on the actor. A second start reads the cache without
+    scoring; a start whose actor runs in fp32, or padded (`use_remove_padding=false`), refuses it in one line; a
+    resumed run without its cache is refused.
+    The driver's log shows the scoring and its progress (INFO, where `import verl` leaves the root logger at
+    WARNING)."""
     pytest.importorskip("transfer_queue")
+    import logging
+
+    import transformers
+    from omegaconf import OmegaConf
     from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from erpo.integrations.verl import erpo_ppo_loss
     from erpo.integrations.verl_trainer import ERPOTrainer
     assert get_trainer_cls("erpo") is ERPOTrainer
-    loss_fns = []
+    engine = engine_for(tiny, param_dtype="bf16")
 
-    def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
-        self.tokenizer, self.processor = tiny[1], None
-        self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
-        self.actor_rollout_wg = type("WorkerGroup", (), {"set_loss_fn": lambda _, fn: loss_fns.append(fn)})()
+    def refuse_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded in verl's driver")
 
-    monkeypatch.setattr(PPOTrainerSync, "_setup", verl_setup)
-    trainer = object.__new__(ERPOTrainer)
-    trainer.config = run_config(tiny, tmp_path, qkl_coef=0.02)
-    trainer.erpo_settings = ERPOSettings(qkl_coef=0.02)
-    trainer._setup()
-    (loss_fn,) = loss_fns
-    assert loss_fn.func is erpo_ppo_loss and loss_fn.keywords["settings"].qkl_coef == 0.02
-    assert loss_fn.keywords["config"].loss_agg_mode == trainer.config.actor_rollout_ref.actor.loss_agg_mode
+    for loader in (transformers.AutoModelForCausalLM, transformers.PreTrainedModel):
+        monkeypatch.setattr(loader, "from_pretrained", refuse_loading)
+
+    def start(*settings, resumed_at=0, ref_cache=None, prompts=PROMPTS):
+        def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
+            self.tokenizer, self.processor = tiny[1], None
+            self.train_dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in prompts]
+            self.actor_rollout_wg = verl_engine.EngineWorkerGroup(engine, world_size=2)
+            self.global_steps = resumed_at      # _load_checkpoint's: the step of the checkpoint the actor loaded
+
+        monkeypatch.setattr(PPOTrainerSync, "_setup", verl_setup)
+        trainer = object.__new__(ERPOTrainer)
+        trainer.config = OmegaConf.merge(run_config(tiny, tmp_path, qkl_coef=0.02), OmegaConf.from_dotlist([
+            "trainer.device=cpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.model.override_config.attn_implementation=sdpa", *settings]))   # the engine's
+        trainer.erpo_settings = ERPOSettings(qkl_coef=0.02, ref_cache=ref_cache)
+        trainer._setup()
+        return trainer.actor_rollout_wg
+
+    caplog.set_level(logging.WARNING)                   # the root logger as `import verl` leaves it
+    caplog.set_level(logging.NOTSET, logger="erpo")     # and erpo's unset (caplog's handler then takes every record)
+    monkeypatch.setenv("ERPO_PROGRESS_SECONDS", "0")    # a progress line at every call
+    group = start()
+    assert group.calls == [4]               # the 4 prompts in one call: 2 ranks x micro-batches of 2
     prompts = [tiny[1].apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=True)["input_ids"] for p in PROMPTS]
+    lines = [record.getMessage() for record in caplog.records if record.name == "erpo"]
+    assert lines[0] == (f"reference cache: scoring ell_theta0(q) of 4 prompts ({sum(map(len, prompts))} tokens) on "
+                        "the actor's engine, in 1 compute_log_prob calls")
+    assert lines[1].startswith("reference cache ell_theta0(q) on the actor's engine: 4/4 prompt (100%), 0:00 elapsed")
+    (loss_fn,) = group.loss_fns
+    assert loss_fn.func is erpo_ppo_loss and loss_fn.keywords["settings"].qkl_coef == 0.02
+    assert loss_fn.keywords["config"].loss_agg_mode == run_config(tiny, tmp_path).actor_rollout_ref.actor.loss_agg_mode
     ell, weight = loss_fn.keywords["reference"].lookup(prompts)
+    expected, _ = engine_reference(tiny, engine, prompts, tmp_path / "direct.json")
+    assert ell.tolist() == expected.lookup(prompts)[0].tolist()
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
     cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
-    assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=logits")   # verl's default actor
+    assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu")
+    assert cache.precision.endswith(",attention=sdpa,remove_padding=true")
+
+    again = start()
+    assert again.calls == [] and again.loss_fns[0].keywords["reference"].entries == \
+        loss_fn.keywords["reference"].entries
+    with pytest.raises(ValueError, match=r"^\S+erpo_reference_cache.json does not match this run: precision: cache "
+                                         r"built with dtype=bfloat16,.* training scores with dtype=float32,"
+                                         r"autocast=off,path=verl-engine,device=cpu,[^\n]*$"):
+        start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
+    with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with [^;]*,attention=sdpa,"
+                                         r"remove_padding=true, training scores with [^;]*,attention=sdpa,"
+                                         r"remove_padding=false\. Delete it"):
+        start("actor_rollout_ref.model.use_remove_padding=false")
+    with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
+                                         r"ell_theta0\(q\) is scored with the initial weights"):
+        start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
+    # A resumed run cannot rebuild a cache it refuses (its actor holds a checkpoint's weights): the message does not
+    # send it to delete the cache, which the line above would then refuse, but to the settings that built it.
+    resumed = r"The run resumes at step 3, whose actor no longer holds the initial weights: rebuilding the cache "
+    with pytest.raises(ValueError, match=r"does not match this run: precision: .*\. " + resumed):
+        start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32", resumed_at=3)
+    with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\. " + resumed):
+        start(resumed_at=3, prompts=[*PROMPTS, "5+5="])
 
 
 def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
@@ -574,7 +719,7 @@ def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'"),
-    ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true .*set it "
+    ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true: .*set it "
                                                        r"to false, or set \+erpo.qkl_coef=0$")])
 def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
     pytest.importorskip("transfer_queue")
@@ -611,17 +756,19 @@ def test_fused_kernels_are_refused_with_the_query_kl_only(tiny, tmp_path):
             return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
         return marked
 
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.use_fused_kernels=true scores ell_theta\(q\)"):
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.use_fused_kernels=true: its ell_theta\(q\) is "
+                                         r"not checked"):
         verl_engine.loss_and_grads(engine, data, fused(erpo_loss_fn(actor_config(), ERPOSettings(), reference)))
     weighted = erpo_loss_fn(actor_config(), ERPOSettings(qkl_coef=0.0, query_weight="static"), reference)
     assert verl_engine.loss_and_grads(engine, data, fused(weighted))[0]["loss"] == \
         verl_engine.loss_and_grads(engine, data, weighted)[0]["loss"]
 
 
-def test_precompute_ref_cache_is_read(tiny, tmp_path):
+def test_precompute_ref_cache_is_refused_by_its_precision(tiny, tmp_path):
     """A cache of `erpo precompute-ref` (data.template=plain, one user turn through the chat template) for the same
-    model directory serves verl's prompts, tokenized as verl's agent loop does with the tokenizer verl loads from
-    that directory: read, not rebuilt."""
+    model directory holds verl's prompts, tokenized as verl's agent loop does with the tokenizer verl loads from
+    that directory, but was scored by erpo's own forward, not by the actor's engine: refused, naming the precision
+    (the Query-KL at theta0 would be the gap between the two forwards)."""
     import json
 
     from erpo.config import Config, apply_overrides, resolve
@@ -636,13 +783,14 @@ def test_precompute_ref_cache_is_read(tiny, tmp_path):
         f"output_dir={tmp_path / 'pre'}", f"model.name_or_path={tiny[0]}", f"data.source={source}",
         "data.template=plain", "data.use_chat_template=true", "rollout.temperature=1.0"]))
     path = precompute_reference(cfg)[1]
-    data = json.loads(open(path).read())
-    key = next(iter(data["entries"]))
-    data["entries"][key][0] = -123.0          # a marker: a rebuilt cache would not hold it
-    open(path, "w").write(json.dumps(data))
     tokenizer = load_tokenizer(tiny[0])
     prompts = training_prompt_ids([{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS], tokenizer,
                                   hf_model_type="qwen2", chat_template_kwargs={}, prompt_length=1024)
-    reference = load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0,
-                                        param_dtype=torch.float32)
-    assert reference.entries[key][0] == -123.0
+    assert set(map(prompt_hash, prompts)) <= set(ReferenceCache.load(path).entries)
+    with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with dtype=float32,"
+                                         r"autocast=off,path=fused-linear,.* training scores with dtype=float32,"
+                                         r"autocast=off,path=verl-engine,"):
+        load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0,
+                                precision=engine_precision(engine_for(tiny, use_remove_padding=True).model_config, FP32,
+                                                           "cpu"),
+                                score=unexpected_scoring)

@@ -146,7 +146,8 @@ def fake_training(monkeypatch):
         calls["destroy"] += 1
     monkeypatch.setattr(erpo.train.loop, "train", train)
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")   # recorded first: teardown then removes the LOCAL_RANK the CLI sets from
+    monkeypatch.delenv("LOCAL_RANK")        # --local_rank, which would otherwise reach later tests
     return calls
 
 

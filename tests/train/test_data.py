@@ -2,12 +2,16 @@
 tokenization."""
 import copy
 import json
+import os
 
 import pytest
 from tokenizers import processors
 from transformers import AutoTokenizer
 
 from erpo.errors import UserError
+from erpo.eval.model_specs import PromptSettings
+from erpo.eval.problem_sets import records_to_problems
+from erpo.eval.sampling import problem_prompt_ids
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.tasks.data import (
     PAPER_SUFFIX,
@@ -17,6 +21,7 @@ from erpo.tasks.data import (
     load_dataset_records,
     tokenize_prompts,
 )
+from erpo.tasks.rewards import math_reward
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +171,74 @@ def test_tokenize_prompts_rejects_empty_and_too_long(tokenizer):
     assert kept.answers == ["2"] and kept.records == records[:1]
     assert kept.prompt_ids[0] == tokenizer(kept.prompts[0], add_special_tokens=False)["input_ids"]
 
+
+
+def test_training_reads_gold_answers_as_evaluation_does(tokenizer):
+    """The answer column is read as `erpo eval` reads a benchmark's: the official ERPO files' Python-list string, a
+    one-element list, a float and `$...$` (each compared raw before: every sample's math reward 0), a solution's last
+    box; an empty answer or several alternatives (the math reward compares with one) are invalid records."""
+    kwargs = dict(problem_field="problem", template="plain", use_chat_template=True, max_prompt_length=64)
+    gold = ["['9.6\\n']", ["0.02"], 25.0, "$\\frac{1}{2}$", "-3"]
+    kept = tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in gold], answer_field="answer",
+                            skip_invalid=False, **kwargs)
+    assert kept.answers == ["9.6", "0.02", "25", "\\frac{1}{2}", "-3"]
+    completions = ["\\boxed{9.6}", "\\boxed{0.02}", "\\boxed{25}", "\\boxed{0.5}", "\\boxed{-3}"]
+    assert math_reward(kept.prompts, completions, answer=kept.answers) == [1.0] * 5
+    solved = tokenize_prompts(tokenizer, [{"problem": "p", "solution": "So $x=\\boxed{7}$."}], answer_field="solution",
+                              skip_invalid=False, **kwargs)
+    assert solved.answers == ["7"]
+    bad = [{"problem": "p", "answer": a} for a in ["", ["1", "2"], "['1', '2']", True]]
+    with pytest.raises(UserError, match=r"4 invalid training record\(s\): record 1: field 'answer' is empty; "
+                                        r"record 2: 'answer' holds 2 alternative answers.*record 3: 'answer' holds 2"
+                                        r".*record 4: field 'answer' must be a string or a number"):
+        tokenize_prompts(tokenizer, bad, answer_field="answer", skip_invalid=False, **kwargs)
+
+
+def test_a_small_float_answer_is_written_as_its_digits(tokenizer):
+    """A float answer column (Parquet, JSONL) below 1e-4 was printed as Python does, `1.5e-05`: math-verify reads
+    that as 1.5 (inside `$`, as 1.5 e - 5 with Euler's e), so `0.000015` and `1.5 \\times 10^{-5}` earned 0 in
+    training and evaluation alike. It is written positionally; a NaN or infinite answer is an invalid record naming
+    the field."""
+    kwargs = dict(problem_field="problem", answer_field="answer", template="plain", use_chat_template=True,
+                  max_prompt_length=64, skip_invalid=False)
+    kept = tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in [1.5e-05, -3e-06, 0.25, [1e-07]]],
+                            **kwargs)
+    assert kept.answers == ["0.000015", "-0.000003", "0.25", "0.0000001"]
+    assert records_to_problems([{"problem": "p", "answer": 1.5e-05}], "t")[0]["answers"] == ["0.000015"]
+    completions = ["\\boxed{0.000015}", "\\boxed{-3 \\times 10^{-6}}", "\\boxed{\\frac14}", "\\boxed{10^{-7}}"]
+    assert math_reward(kept.prompts, completions, answer=kept.answers) == [1.0] * 4
+    with pytest.raises(UserError, match=r"2 invalid training record\(s\): record 1: field 'answer' must be a finite "
+                                        r"number, got nan; record 2: field 'answer' must be a finite number, got inf"):
+        tokenize_prompts(tokenizer, [{"problem": "p", "answer": a} for a in [float("nan"), float("inf")]], **kwargs)
+
+
+@pytest.mark.parametrize("template", ["plain", "paper"])
+def test_a_problem_is_asked_with_one_instruction_in_training_as_in_evaluation(tokenizer, template):
+    """A problem that ends with an instruction (the official ERPO files' suffix, verl's line) is asked with it under
+    `plain` and without it under `paper` (which brings its own; it was asked two): the prompt `erpo eval` gives."""
+    instruction = "Let's think step by step and output the final answer within \\boxed{}."
+    for problem in ["What is $4+4$? " + instruction, "What is $4+4$?" + PAPER_SUFFIX]:
+        kept = tokenize_prompts(tokenizer, [{"problem": problem, "answer": "8"}], problem_field="problem",
+                                answer_field="answer", template=template, use_chat_template=True,
+                                max_prompt_length=512, skip_invalid=False)
+        assert kept.prompts[0].count("\\boxed{}") == 1
+        bench = records_to_problems([{"problem": problem, "answer": "8"}], "t")
+        settings = PromptSettings(template=template, use_chat_template=True)
+        assert kept.prompt_ids == problem_prompt_ids(tokenizer, bench, settings)
+
+
+def test_the_official_erpo_file_trains_as_it_is(tokenizer):
+    """docs/training.md: the official file (prompt with the paper's suffix, a Python-repr ground_truth) trains with
+    data.problem_field=prompt, answer_field=ground_truth, template=paper: one instruction, the gold read as `erpo eval`
+    reads it, the prompts `erpo eval` gives."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "benchmarks", "erpo_olympiad_bench.jsonl")
+    records, where = load_dataset_records(path, problem_field="prompt", answer_field="ground_truth")
+    kept = tokenize_prompts(tokenizer, records, problem_field="prompt", answer_field="ground_truth", template="paper",
+                            use_chat_template=True, max_prompt_length=1024, skip_invalid=False, where=where)
+    assert [p.count(PAPER_SUFFIX.strip()) for p in kept.prompts] == [1, 1, 1]
+    assert kept.answers == ["2", "\\frac{1}{2 n+2}", "(1,8,19), (2,7,13), (4,5,7)"]
+    bench = records_to_problems(records, path, "prompt", "ground_truth")
+    assert kept.prompt_ids == problem_prompt_ids(tokenizer, bench, PromptSettings(template="paper"))
 
 def test_tiny_tokenizer_is_character_level_and_survives_save_load(tmp_path, tokenizer):
     text = build_prompt(tokenizer, "12 + 3=?\n\tok", "plain") + "\\boxed{15}<|im_end|>"

@@ -23,6 +23,7 @@ from erpo.eval.tables import BENCHMARK_AVERAGE, aggregate, range_members
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 from erpo.rollout.hf import HFRollout
+from erpo.tasks import rewards
 from erpo.train.checkpoint import CheckpointManager, TorchBundle
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "benchmarks")
@@ -326,7 +327,32 @@ def test_cache_refuses_other_settings(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="max_new_tokens"):
         evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=4,
                  progress=False)
+    with pytest.raises(ValueError, match=r"different settings \(dtype\)"):   # samples of another precision
+        evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3,
+                 dtype="float64", progress=False)
 
+
+
+def test_cache_refuses_samples_of_a_model_changed_in_place(tmp_path, tiny_model_dir):
+    """A model saved again at the same path (a run resumed to more steps rewrites its final/) is another model: its
+    cached samples are refused, not served as the new model's."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in os.listdir(tiny_model_dir):
+        (model_dir / name).write_bytes(open(os.path.join(tiny_model_dir, name), "rb").read())
+    models, benches = parse_models([str(model_dir)]), [load_benchmark("synthetic#n=2")]
+    kwargs = dict(output_dir=str(tmp_path / "eval"), temperatures=[1.0], k=2, max_new_tokens=3, progress=False)
+    evaluate(models, benches, **kwargs)
+    evaluate(models, benches, **kwargs)   # the same model again: its cache is used
+    build_model(build_tokenizer(), seed=1).save_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"made with different settings \(model_weights\)"):
+        evaluate(models, benches, **kwargs)
+    meta_path = tmp_path / "eval" / "samples" / "model" / "synthetic" / "cache_meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model_weights"]   # as an erpo that did not record the weights left it: it cannot be checked
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"made by an erpo that did not record model_weights \(model_weights\)"):
+        evaluate(models, benches, **kwargs)
 
 def test_cache_refuses_samples_of_other_prompt_tokens(tmp_path, tiny_model_dir, monkeypatch):
     """Samples made from other prompt token ids (another tokenizer, chat template or prompt encoding: a bare
@@ -340,6 +366,29 @@ def test_cache_refuses_samples_of_other_prompt_tokens(tmp_path, tiny_model_dir, 
         evaluate(models, benches, output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3,
                  progress=False)
 
+
+
+def test_samples_graded_by_another_grader_are_graded_again(tmp_path, tiny_model_dir, monkeypatch):
+    """A cached sample keeps the verdict of the grader that judged it (math-verify's version, or the fallback where
+    it was missing; erpo's rules of then): one judged by another is graded again, not trusted, and written back."""
+    tokenizer = build_tokenizer()
+    engine = ScriptedEngine(tokenizer)
+    monkeypatch.setattr(evaluation, "build_engine", lambda *a, **kw: (engine, tokenizer))
+    models, benches = parse_models([f"m={tiny_model_dir}"]), load_benchmarks(["synthetic#n=6#seed=1"])
+    kwargs = dict(temperatures=[1.0], k=4, output_dir=str(tmp_path), progress=False)
+    first = evaluate(models, benches, **kwargs)["rows"]
+    path = tmp_path / "samples" / "m" / "synthetic" / "temp-1.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["grader"] for r in records} == {rewards.grader_identity()}
+    # As an older grader left them: every verdict the other way, no grader named.
+    path.write_text("".join(json.dumps({**r, "correct": not r["correct"], "grader": None}) + "\n" for r in records))
+    calls = engine.calls
+    assert evaluate(models, benches, **kwargs)["rows"] == first and engine.calls == calls   # graded, not sampled
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 * len(records)   # the new verdicts appended (a sample's last line wins), once:
+    assert evaluate(models, benches, **kwargs)["rows"] == first and len(path.read_text().splitlines()) == len(lines)
+    latest = read_cache(str(path), 4)
+    assert all(r["grader"] == rewards.grader_identity() for samples in latest.values() for r in samples)
 
 def test_eval_validates_arguments(tmp_path, tiny_model_dir):
     models, benches = parse_models([tiny_model_dir]), [load_benchmark("synthetic#n=2")]

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from erpo.config import DataConfig
+from erpo.eval.model_specs import RAW_TEMPLATES, PromptSettings
 from erpo.eval.problem_sets import (
     held_out_benchmark,
     load_benchmark,
@@ -17,6 +18,8 @@ from erpo.eval.problem_sets import (
     records_to_problems,
     synthetic_benchmark,
 )
+from erpo.eval.sampling import problem_prompt_ids
+from erpo.models.tiny import build_tokenizer
 from erpo.tasks.data import arithmetic_dataset
 from erpo.tasks.rewards import math_reward
 
@@ -62,7 +65,11 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_formats_load(name, ext):
     path = os.path.join(FIXTURES, f"{name}.{ext}")
-    bench = load_benchmark(path)
+    if name == "verl":   # its first prompt holds a system message, which the problem leaves out (said)
+        with pytest.warns(UserWarning, match="1 of 2 chat prompts hold a system message"):
+            bench = load_benchmark(path)
+    else:
+        bench = load_benchmark(path)
     assert bench.name == name
     assert [(p["problem"], p["answers"]) for p in bench.problems] == EXPECTED[name]
     assert [p["id"] for p in bench.problems] == list(range(len(EXPECTED[name])))
@@ -88,8 +95,9 @@ def test_field_mapping_overrides_detection():
     # and the problem from a nested/dotted field in the verl format.
     bench = load_benchmark(os.path.join(FIXTURES, "math500.jsonl") + "#answer=solution#limit=2")
     assert [p["answers"] for p in bench.problems] == [["5"], ["\\frac{3}{4}"]]
-    verl = load_benchmark("v=" + os.path.join(FIXTURES, "verl.parquet")
-                          + "#answer=reward_model.ground_truth#problem=prompt")
+    with pytest.warns(UserWarning, match="system message"):
+        verl = load_benchmark("v=" + os.path.join(FIXTURES, "verl.parquet")
+                              + "#answer=reward_model.ground_truth#problem=prompt")
     assert [p["answers"] for p in verl.problems] == [["8"], ["6"]]
 
 
@@ -153,6 +161,34 @@ def test_list_literals_and_instructions_are_read_narrowly():
     rows = [{"q": suffix + " Then add 1.", "a": "1"}, {"q": suffix, "a": "1"}]
     assert [p["problem"] for p in records_to_problems(rows, "t", "q", "a")] == [suffix + " Then add 1.", suffix]
 
+
+
+@pytest.mark.parametrize("template,kept", [("plain", True), ("Q: {problem}", True), ("paper", False),
+                                          (RAW_TEMPLATES["qwen-math"], False)])
+def test_a_problems_own_instruction_is_dropped_only_for_a_template_that_brings_one(template, kept):
+    """A verl-style file's instruction is the only one a `plain` run trained with: the model is asked with it. A
+    template that asks for \\boxed{} itself (paper, qwen-math) gets the problem without it: one instruction either
+    way (with `plain` the model was asked none at all)."""
+    tokenizer = build_tokenizer()
+    problems = load_benchmark(os.path.join(FIXTURES, "verl_instruction.jsonl")).problems
+    settings = PromptSettings(template=template, use_chat_template=template in ("plain", "paper"))
+    instructions = ["Let's think step by step and output the final answer within \\boxed{}.",
+                    "Please reason step by step, and put your final answer within \\boxed{}."]
+    for problem, instruction, ids in zip(problems, instructions, problem_prompt_ids(tokenizer, problems, settings)):
+        prompt = tokenizer.decode(ids)
+        assert problem["problem"] + (" " + instruction if kept else "") in prompt
+        assert prompt.count("\\boxed{}") == 1
+
+
+def test_a_system_message_left_out_of_a_chat_prompt_is_warned_of():
+    """A chat prompt's problem is its last user message: a system message beside it (a verl-style file's instruction
+    or persona) does not reach the model, which is said once per benchmark, not left silent."""
+    rows = [{"prompt": [{"role": "system", "content": "Put the answer in \\boxed{}."},
+                        {"role": "user", "content": "1+1?"}], "answer": "2"},
+            {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
+    with pytest.warns(UserWarning, match=r"^t: 1 of 2 chat prompts hold a system message, which is left out"):
+        problems = records_to_problems(rows, "t")
+    assert [p["problem"] for p in problems] == ["1+1?", "2+2?"]
 
 def test_synthetic_default_is_offline_and_deterministic():
     default = load_benchmarks(None)

@@ -6,13 +6,13 @@ import huggingface_hub.constants
 import pytest
 import torch
 
+import erpo.models.fingerprint as fingerprints
 import erpo.reference.cache as rc
-import erpo.reference.fingerprint as fingerprints
 import erpo.reference.setup as reference_setup
 from erpo.config import Config, apply_overrides, resolve
+from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.reference.cache import ReferenceCache, build_reference_cache, compute_query_logp, prompt_hash
-from erpo.reference.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
 from erpo.tasks.data import PromptSet
 from erpo_kernels import query_weights
 

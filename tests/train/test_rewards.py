@@ -9,7 +9,11 @@ import time
 
 import pytest
 
+from erpo.config import Config
+from erpo.models.sft import worked_response
+from erpo.models.tiny import build_tokenizer
 from erpo.tasks import rewards
+from erpo.tasks.data import arithmetic_dataset
 from erpo.tasks.rewards import (
     ANSWER_TIMEOUT_S,
     answers_match,
@@ -36,6 +40,11 @@ PROGRESS = TrainerProgress(global_step=3, max_steps=8, epoch=1.25, is_world_proc
     (r"\boxed {3}", "3"),
     ("no box", None),
     (r"\boxed{unclosed", None),
+    # without braces the box holds the next word (as verl's last_boxed_only_string and math-verify read it)
+    (r"the answer is $\boxed 5$.", "5"), (r"\boxed -3", "-3"), (r"\boxed\frac12", r"\frac12"),
+    (r"\boxed{1} then \boxed 2", "2"), (r"\boxed 2 then \boxed{1}", "1"), (r"\boxed{3}, cut at \boxed", None),
+    # a completion cut inside its last box has no answer, even where an earlier box is closed
+    (r"\boxed{3}, no: \boxed{5", None),
 ])
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
@@ -52,7 +61,11 @@ ANSWER_PAIRS = [
     ("1,000", "1000", True), ("1,234,567", "1234567", True), (r"\$1{,}234.50", "1234.5", True),
     ("2.0", "2", True), ("0.50", "0.5", True), (r"$-\frac{3}{4}$", r"\frac{-3}{4}", True),
     (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt3}{2}", True), (r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}", True),
+    # a percent sign against its bare number, as MATH's normalizer (verl's strip_string) judges; math-verify alone
+    # reads 50\% as 0.5
     (r"90^\circ", "90", True), (r"30^{\circ}", "30", True), ("50\\%", "50", True), (r"\$5.00", "5", True),
+    # a trailing point: "5." is 5.0 (math-verify on the whole completion and verl's string match call it wrong)
+    ("5.", "5", True),
     ("10^{3}", "1000", True), (r"3\pi", r"3\pi", True), ("x = 5", "5", True), ("y = 2x+1", "2x+1", True),
     # multiple choice, text
     (r"\text{(A)}", "(A)", True), ("(B)", "B", True), (r"\textbf{(C)}", "C", True), (r"\mathrm{(D)}", "D", True),
@@ -101,7 +114,23 @@ def test_the_fallback_misjudges_what_its_warning_says(monkeypatch, tmp_path, cap
     assert sum(fallback_match(p, g) == equal for p, g, equal in ISSUE_PAIRS) < len(ISSUE_PAIRS)
 
 
-def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread():
+
+def test_an_answer_math_verify_raises_on_is_wrong_and_logged(monkeypatch, tmp_path, caplog):
+    # A math-verify that raises on one answer (its own errors it catches; this is what it does not): the answer
+    # counts as wrong, the log names it and the error, and the next answer is judged as usual.
+    (tmp_path / "math_verify.py").write_text(
+        "def parse(text, **kw):\n    return [text]\n"
+        "def verify(gold, pred, **kw):\n"
+        "    if pred == ['$boom$']:\n        raise RecursionError('too deep')\n    return gold == pred\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(rewards, "_checker", rewards.AnswerChecker())
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        assert math_reward(["p"] * 3, [r"\boxed{boom}", r"\boxed{7}", r"\boxed{8}"], answer=["boom", "7", "7"]) == [
+            0.0, 1.0, 0.0]
+    raised = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
+    assert len(raised) == 1 and "RecursionError: too deep" in raised[0] and "'boom'" in raised[0]
+
+def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread(caplog):
     # Each of these keeps math-verify busy for over a minute without a time bound (measured), and math-verify's own
     # SIGALRM bound raises outside the main thread. The reward runs in a worker thread, as a rollout server's does.
     huge = r"10^{10^{10}}"
@@ -114,9 +143,13 @@ def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread():
         result["rewards"] = math_reward(["p"] * 3, completions, answer=["1", "1", r"\sqrt{8}"])
         result["seconds"] = time.monotonic() - start
     thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(timeout=600)
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        thread.start()
+        thread.join(timeout=600)
     assert not thread.is_alive() and result["rewards"] == [0.0, 0.0, 1.0]
+    # Each runaway answer is named in the log, with the reward it got.
+    timeouts = [r.getMessage() for r in caplog.records if "counted as wrong" in r.getMessage()]
+    assert len(timeouts) == 2 and huge in timeouts[0] and "((((" in timeouts[1]
     # Two answers bounded to ANSWER_TIMEOUT_S each, two restarts of the checking process: far below this.
     assert result["seconds"] < 4 * ANSWER_TIMEOUT_S + 2 * 60
 
@@ -297,3 +330,28 @@ def test_trainer_state_names_what_it_does_not_hold():
                                              r"max_steps, epoch, is_world_process_zero, is_local_process_zero"):
         PROGRESS.log_history
     assert not hasattr(PROGRESS, "num_train_epochs")
+
+
+def test_an_answer_boxed_without_braces_earns_its_reward():
+    # `\boxed 5` is a box in LaTeX; verl's math scorer and math-verify both accept it (it scored 0 before).
+    completions = [r"so the answer is $\boxed 5$.", r"\boxed 6", r"\boxed{4} or rather \boxed 5"]
+    assert math_reward(["p"] * 3, completions, answer=["5"] * 3) == [1.0, 0.0, 1.0]
+
+
+def test_the_default_task_rewards_right_answers_and_only_them():
+    # The README's first command trains on arithmetic with the math reward alone (README: reward = accuracy there).
+    # The warm start's answer form, decoded as a rollout decodes it, earns 1 when right, 0 off by one or by sign.
+    cfg = Config()
+    assert cfg.data.source == "arithmetic" and cfg.reward.functions == ["math"]
+    tokenizer = build_tokenizer()
+    records = arithmetic_dataset(40, seed=0, max_operand=cfg.data.arithmetic_max_operand)
+    gold = [r["answer"] for r in records]
+    assert any(a.startswith("-") for a in gold) and any(a == "0" for a in gold)
+
+    def rollout_text(answer):
+        ids = tokenizer(worked_response(answer, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    assert math_reward(None, [rollout_text(a) for a in gold], answer=gold) == [1.0] * len(gold)
+    assert math_reward(None, [rollout_text(str(int(a) + 1)) for a in gold], answer=gold) == [0.0] * len(gold)
+    signed = [a for a in gold if a.startswith("-")]
+    assert math_reward(None, [rollout_text(a[1:]) for a in signed], answer=signed) == [0.0] * len(signed)

@@ -6,8 +6,11 @@ import torch
 from erpo import distributed as D
 from erpo.config import Config, apply_overrides, resolve
 from erpo.sequences import PackedBatch, per_sample_sum
+from erpo.tasks import rewards
+from erpo.tasks.data import PromptSet
+from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.metrics import SUMMED_METRICS, TOKEN_MEAN_METRICS, step_record
-from erpo.train.rollout_stage import Rollout
+from erpo.train.rollout_stage import Rollout, rollout_stage
 from erpo.train.step_plan import StepPlan
 from erpo.train.updater import choose_updater
 
@@ -152,3 +155,65 @@ def test_train_state_round_trips_through_the_checkpoint_record():
                       "reference_cache_id": "ab12", "lr_schedule_steps": 8}
     assert TrainState.from_checkpoint_record(record, lr_schedule_steps=10) == TrainState(
         reference_cache_id="ab12", lr_schedule_steps=10, rollout_step=3, opt_step=6, nonfinite_skipped=1)
+
+
+# Two prompts x two responses (advantage_ranks.FixedEngine: response j of prompt p is the token 2p + j).
+GRADED_COMPLETIONS = [r"\boxed{7}", r"<think>add</think> so \boxed{8}", r"<think>halve</think> \boxed{0.5}",
+                      "no answer"]
+GRADED_PROMPTS = PromptSet(records=[{}, {}], prompts=["3+4=?", "1/2=?"], prompt_ids=[[3], [4]],
+                           answers=["7", r"\frac{1}{2}"])
+
+
+class GradedTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return GRADED_COMPLETIONS[ids[0]]
+
+
+def graded_step(reward_fns, overrides):
+    """The rollout stage and metrics record of one optimizer step over GRADED_COMPLETIONS."""
+    from advantage_ranks import FixedEngine
+    cfg = resolve(apply_overrides(Config(), ["rollout.n=2", "trainer.rollout_batch_size=2",
+                                             "trainer.update_batch_size=2", *overrides]))
+    progress = TrainerProgress(global_step=0, max_steps=1, epoch=0.0, is_world_process_zero=True,
+                               is_local_process_zero=True)
+    [rollout] = rollout_stage(cfg, FixedEngine(), GRADED_PROMPTS, GradedTokenizer(), reward_fns, [0, 1], 0, progress)
+    plan = StepPlan(rollout, [], num_items=4, num_seqs=4)
+    return rollout, step_record(cfg, plan, {"loss": 0.0}, None, 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+
+
+def counting_answer_checks(monkeypatch) -> list:
+    """Count the calls of the grading entry point (`answers_match`: one per graded sample), passing them on."""
+    calls = []
+    real = rewards.answers_match
+
+    def counted(pred, gold, **kwargs):
+        calls.append(pred)
+        return real(pred, gold, **kwargs)
+    monkeypatch.setattr(rewards, "answers_match", counted)
+    return calls
+
+
+def test_a_step_grades_each_sample_once_when_math_is_a_reward_function(monkeypatch):
+    """With erpo's `math` among the reward functions its verdicts are the accuracy too: math-verify (a child
+    process, one answer at a time) judges each sample once per step, not once for the reward and once more for
+    `accuracy`. The logged reward and accuracy are those of grading twice (fixed batch, exact values), whatever the
+    weights: the accuracy is the unweighted verdict."""
+    calls = counting_answer_checks(monkeypatch)
+    rollout, record = graded_step([rewards.math_reward, rewards.format_reward],
+                                  ["reward.functions=[math,format]", "reward.weights=[2.0,0.5]"])
+    assert len(calls) == len(GRADED_COMPLETIONS)
+    assert rollout.correct.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert rollout.rewards.tolist() == [2.0, 0.5, 2.5, 0.0]
+    assert (record["accuracy"], record["reward"], record["rewards/math_reward/mean"]) == (0.5, 1.25, 0.5)
+
+
+def test_accuracy_is_graded_apart_from_a_reward_function_that_is_not_erpo_s_math(monkeypatch):
+    """A user's function, even one named `math_reward`, is not taken as the accuracy: without erpo's `math` among
+    the reward functions each sample is graded once, for `accuracy` alone."""
+    def math_reward(prompts, completions, **columns):   # a user's function under erpo's name
+        return [1.0] * len(completions)
+    calls = counting_answer_checks(monkeypatch)
+    rollout, record = graded_step([math_reward], ["reward.functions=[math]"])
+    assert len(calls) == len(GRADED_COMPLETIONS)
+    assert rollout.correct.tolist() == [1.0, 0.0, 1.0, 0.0] and rollout.rewards.tolist() == [1.0] * 4
+    assert (record["accuracy"], record["reward"]) == (0.5, 1.0)

@@ -393,6 +393,48 @@ def test_micro_batching_does_not_change_the_gradient(tmp_path, cache_dir):
     assert finals[0]["qkl"] == pytest.approx(finals[1]["qkl"], abs=1e-7)
 
 
+def test_entropy_is_the_steps_token_mean_whatever_the_micro_batches():
+    """`entropy` is the mean of H_t over every response token of the optimizer step (each micro-batch's token mean
+    weighted by its tokens), independent of how the step is split: here micro-batches of 2 and 8 response tokens.
+    TRL 1.16's GRPOTrainer logs the mean over micro-batches of each one's token mean instead (`_compute_loss`
+    appends one value per micro-batch, `log` averages them), which weights a short micro-batch's tokens more."""
+    from erpo.models.tiny import build_model, build_tokenizer
+    from erpo.sequences import logit_transforms
+    from erpo.tasks.data import PromptSet
+    from erpo.train.metrics import step_record
+    from erpo.train.rollout_stage import Rollout
+    from erpo.train.step_plan import plan_step
+    from erpo.train.updater import TorchUpdater
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_layers=1)
+    with torch.no_grad():   # peaked logits: an untrained model's H_t are all near log(V), so both means would agree
+        model.lm_head.weight.mul_(8.0)
+    cfg = resolve(apply_overrides(Config(), ["algorithm.name=grpo+qkl", "trainer.micro_batch_size=2"]))
+    prompts = PromptSet(records=[{}, {}], prompts=["a", "b"], prompt_ids=[[5, 6, 7], [8, 9]], answers=["1", "2"])
+    responses = [[10], [11], [12, 13, 14, 15, 16, 17, 18, 19]]
+    rollout = Rollout(prompts=torch.tensor([0, 0, 1]), response_ids=responses,
+                      rewards=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64),
+                      correct=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64), truncated=torch.zeros(3, dtype=bool),
+                      advantages=torch.tensor([1.0, -1.0, 0.5]), keep=torch.ones(3, dtype=bool),
+                      reward_std_zero=torch.zeros(3, dtype=bool), rollout_logp=None)
+    plan = plan_step(cfg, rollout, prompts, tokenizer.pad_token_id, "cpu")
+    assert [len(mb.index) for mb in plan.micro_batches] == [2, 1] and plan.num_items == 10
+    sums, gap, _ = update_step.accumulate_loss(cfg, TorchUpdater(model, cfg, total_steps=1), None, plan, None,
+                                               [None, None], torch.tensor([-5.0, -6.0]), logit_transforms(model))
+    record = step_record(cfg, plan, sums, gap, 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+
+    def token_entropies(prompt, response):   # H_t of each response token at T = 1, from the model's own logits
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].double()
+        return -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    per_sample = [token_entropies(prompts.prompt_ids[int(p)], r) for p, r in zip(rollout.prompts, responses)]
+    step_mean = torch.cat(per_sample).mean().item()
+    trl_mean = (torch.cat(per_sample[:2]).mean().item() + per_sample[2].mean().item()) / 2
+    assert record["entropy"] == pytest.approx(step_mean, rel=1e-5)
+    assert abs(step_mean - trl_mean) > 0.01 * step_mean      # the two definitions differ here (by 2%)
+
+
 def test_prompt_sampler_is_resumable_and_covers_every_prompt():
     a = PromptSampler(10, seed=1)
     seen = a.next(4) + a.next(4)

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.lora import reference_model
 from erpo.reference.cache import (
     ReferenceCache,
@@ -31,7 +32,6 @@ from erpo.reference.cache import (
     reweight_for_training_set,
     with_temperature,
 )
-from erpo.reference.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import query_weights, token_logprobs
 

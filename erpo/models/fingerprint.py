@@ -1,6 +1,6 @@
-"""Identities of what a reference cache was built with: a model's weights (content hashes of its files, memoized
-per process and persisted in ~/.cache/erpo/fingerprints.json so unchanged files are not read again) and a
-tokenizer (vocabulary, normalization, chat template)."""
+"""Identities of a model's weights (content hashes of its files, memoized per process and persisted in
+~/.cache/erpo/fingerprints.json so unchanged files are not read again) and of a tokenizer (vocabulary,
+normalization, chat template): what a reference cache was built with, what `erpo eval`'s samples were made with."""
 from __future__ import annotations
 
 import hashlib
