@@ -180,9 +180,15 @@ def render(results: dict, algorithms: list[str], seeds: list[int], window: int, 
     return "\n".join(lines) + "\n"
 
 
+def run_finished(run_dir: str) -> bool:
+    """Whether the training run in `run_dir` ended (its final/ model written), not stopped or crashed midway."""
+    return os.path.isfile(os.path.join(run_dir, "final", "config.json"))
+
+
 def run_compare(args: argparse.Namespace) -> dict[str, str]:
     """Entry point of `erpo compare`: train the missing runs, write comparison.md / .json, print the table, then
-    (--eval-history) evaluate the runs' histories. Returns the comparison's paths."""
+    (--eval-history) evaluate the runs' histories. Returns the comparison's paths ({} when a signal stopped a run:
+    nothing is tabulated)."""
     # the trainer (torch, the models) and matplotlib load when the command runs, not when the parser is built
     from erpo import distributed
     from erpo.config import dump_yaml
@@ -202,7 +208,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
             run_dir = run_dirs[f"{a}-seed{s}"] = os.path.join(root, f"{a}-seed{s}")
             cfg = config_from_args(args, (f"algorithm.name={a}", f"trainer.seed={s}", f"output_dir={run_dir}"))
             config_file = os.path.join(run_dir, "config.yaml")
-            finished = os.path.isfile(os.path.join(run_dir, "final", "config.json"))
+            finished = run_finished(run_dir)
             wall = None
             if finished and Path(config_file).read_text() == dump_yaml(cfg):
                 log.info("erpo compare: %s seed %d: reusing the finished run %s", a, s, run_dir)
@@ -217,6 +223,10 @@ def run_compare(args: argparse.Namespace) -> dict[str, str]:
                     trainer.train(cfg, resume=resume)
                 finally:
                     distributed.destroy_distributed()
+                if not run_finished(run_dir):   # a SIGTERM (preemption) stopped it at a step boundary: stop here too
+                    log.warning("erpo compare: %s seed %d stopped unfinished (a signal); the finished runs and this "
+                                "run's newest checkpoint are kept: the same command continues", a, s)
+                    return {}
                 wall = time.time() - started
             results[a][s] = {**window_means(read_metrics(os.path.join(run_dir, "metrics.jsonl")), args.window),
                              "wall_s": wall}

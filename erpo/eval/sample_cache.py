@@ -10,6 +10,7 @@ import os
 import zlib
 
 from erpo.atomic import publish
+from erpo.errors import UserError
 from erpo.eval.problem_sets import Benchmark
 from erpo.records import iter_jsonl
 
@@ -71,11 +72,11 @@ def check_cache_meta(directory: str, meta: dict) -> None:
     with open(path, encoding="utf-8") as handle:
         old = json.load(handle)
     changed = sorted(key for key in set(old) | set(meta) if old.get(key) != meta.get(key))
-    if changed:
+    if changed:   # the user's: an --output-dir that holds another evaluation's samples
         unrecorded = [key for key in changed if key not in old]   # an older erpo's cache: it cannot be checked
         why = f"by an erpo that did not record {', '.join(unrecorded)}" if unrecorded else "with different settings"
-        raise ValueError(f"sample cache {directory} was made {why} ({', '.join(changed)}); use another --output-dir "
-                         "or delete that directory")
+        raise UserError(f"sample cache {directory} was made {why} ({', '.join(changed)}); use another --output-dir "
+                        "or delete that directory")
 
 
 def problems_fingerprint(bench: Benchmark) -> str:

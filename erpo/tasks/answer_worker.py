@@ -52,8 +52,11 @@ def _exit_when_orphaned(parent: int) -> None:
 
 def main() -> None:
     # A terminal's Ctrl-C reaches the whole process group: the parent says what stopped and ends this process
-    # (closes its stdin, or kills it), so it prints no traceback of its own.
+    # (closes its stdin, or kills it), so it prints no traceback of its own. So does a SIGTERM sent to the group
+    # (`timeout`, `kill -TERM -PGID`, a batch scheduler's preemption), after which the trainer finishes its step
+    # and saves a checkpoint: this process answers on until the parent ends it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # math-verify warns that its timeouts are off, and on failed parses: the parent bounds the time and judges.
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     try:

@@ -146,8 +146,11 @@ class AnswerChecker:
         if self._proc is not None and self._owner == os.getpid():
             self._proc.kill()
             self._proc.wait()
-            self._proc.stdin.close()
-            self._proc.stdout.close()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                try:
+                    pipe.close()
+                except BrokenPipeError:   # a request still buffered for a process that died: no one to read it
+                    pass
         self._proc = None
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from erpo.atomic import publish
+from erpo.errors import UserError
 from erpo.eval.sample_cache import append_lines, check_cache_meta, read_cache
 from erpo.reference.cache import ReferenceCache
 
@@ -73,7 +74,8 @@ def test_eval_sample_cache_appends_and_settings_from_two_writers(tmp_path):
     directory = tmp_path / "samples"
     check_cache_meta(str(directory), {"k": 2})
     check_cache_meta(str(directory), {"k": 2})     # the second run finds the same settings
-    with pytest.raises(ValueError, match="different settings"):
+    # the user's mistake (an --output-dir of another evaluation): one line from `erpo eval`, no traceback
+    with pytest.raises(UserError, match=r"different settings \(k\); use another --output-dir"):
         check_cache_meta(str(directory), {"k": 4})
     path = str(directory / "temp-1.jsonl")
     with open(path, "w") as handle:

@@ -1,5 +1,7 @@
 """`erpo compare`: several algorithms x seeds in one command, a table of mean and spread, finished runs reused."""
 import json
+import logging
+import os
 import statistics
 
 import pytest
@@ -87,3 +89,27 @@ def test_compare_two_algorithms_two_seeds(tmp_path, capsys):
     # a finished run made with another config is not silently mixed in
     assert main(argv[:-1] + ["rollout.max_new_tokens=5"]) == 1
     assert "holds a finished run with another config" in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_sigterm_stops_the_comparison(tmp_path, monkeypatch, caplog):
+    """A preemption's SIGTERM ends a run at a step boundary, unfinished (no final/), and `erpo train` exits 0: the
+    comparison stops there too, tabulating nothing (it trained the next run and wrote comparison.md from the
+    stopped one's first steps); the same command continues."""
+    import erpo.distributed
+    import erpo.train.loop
+    trained = []
+
+    def stopped_after_one_step(cfg, resume=False, force=False):   # what train does after a SIGTERM
+        trained.append(cfg.output_dir)
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") as handle:
+            handle.write(json.dumps({"step": 1, "reward": 0.5, "accuracy": 0.5, "qkl": 0.0}) + "\n")
+        return cfg.output_dir
+    monkeypatch.setattr(erpo.train.loop, "train", stopped_after_one_step)
+    monkeypatch.setattr(erpo.distributed, "destroy_distributed", lambda: None)
+    out = tmp_path / "cmp"
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        assert main(["compare", "--output-dir", str(out)]) == 0
+    assert trained == [str(out / "erpo-seed1")] and not (out / "comparison.md").exists()
+    assert "erpo compare: erpo seed 1 stopped unfinished (a signal); the finished runs and this run's newest " \
+           "checkpoint are kept: the same command continues" in caplog.text

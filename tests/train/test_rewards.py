@@ -3,6 +3,7 @@ functions and how they are called (TRL's keywords, `trainer_state`, a sample no 
 import logging
 import math
 import os
+import signal
 import threading
 import time
 
@@ -151,6 +152,38 @@ def test_an_adversarial_answer_cannot_stall_a_reward_called_from_a_thread(caplog
     assert len(timeouts) == 2 and huge in timeouts[0] and "((((" in timeouts[1]
     # Two answers bounded to ANSWER_TIMEOUT_S each, two restarts of the checking process: far below this.
     assert result["seconds"] < 4 * ANSWER_TIMEOUT_S + 2 * 60
+
+
+def checker_worker(monkeypatch) -> "rewards.AnswerChecker":
+    """A checker of this test's own (as the fallback test's), its math-verify process started by one answer."""
+    checker = rewards.AnswerChecker()
+    monkeypatch.setattr(rewards, "_checker", checker)
+    assert answers_match("2", "2")
+    return checker
+
+
+def test_sigterm_to_the_process_group_leaves_the_answers_to_the_trainer(monkeypatch, caplog):
+    # `timeout`, `kill -TERM -PGID` and a batch scheduler's preemption signal every process of the group: the trainer
+    # finishes its step and saves a checkpoint (docs/training.md), so the math-verify child must keep answering
+    # (it died: the step's answers were counted wrong, then the reward raised and the run crashed, unsaved)
+    checker = checker_worker(monkeypatch)
+    os.kill(checker._proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        assert answers_match("0.5", r"\frac{1}{2}")
+    assert "counted as wrong" not in caplog.text and checker._proc.poll() is None
+
+
+def test_a_dead_math_verify_process_costs_one_answer_and_is_replaced(monkeypatch, caplog):
+    # killed from outside (SIGKILL, the OOM killer): the answer in flight counts as wrong with a warning, the next
+    # one starts a new process (closing the dead one's pipe, whose unsent request raised BrokenPipeError, crashed)
+    checker = checker_worker(monkeypatch)
+    os.kill(checker._proc.pid, signal.SIGKILL)
+    checker._proc.wait()
+    with caplog.at_level(logging.WARNING, logger="erpo"):
+        assert not answers_match("0.5", r"\frac{1}{2}")
+        assert answers_match("0.5", r"\frac{1}{2}")
+    assert "math-verify exited (-9)" in caplog.text
 
 
 def test_answers_checked_from_many_threads_at_once():
