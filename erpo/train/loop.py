@@ -280,5 +280,6 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
     if run.lock is not None:
         run.lock.release()
     stop.raise_if_interrupted(f"stopped by Ctrl-C after rollout step {state.rollout_step}")
-    log.info("done: %s", run.out_dir)
+    if not stop.requested:   # a signal's stop said so above, with its checkpoint: the run is not done
+        log.info("done: %s", run.out_dir)
     return str(run.out_dir)

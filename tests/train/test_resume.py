@@ -200,6 +200,7 @@ def test_sigterm_saves_and_resume_matches(uninterrupted):
         proc.kill()
     assert proc.returncode == 0, stderr[-4000:]
     assert "received SIGTERM" in stderr and "stopped by signal after rollout step 2;" in stderr, stderr[-4000:]
+    assert "INFO erpo: done: " not in stderr, stderr[-4000:]   # stopped, not done
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert not (run / "final").exists()
     assert max(r["rollout_step"] for r in metrics_by_step(run).values()) == 2   # the signalled step was finished
