@@ -80,12 +80,12 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         model_lines.append(f"{model.label} = {model.path} (template {settings.template!r}, chat template "
                            f"{settings.use_chat_template}, max_new_tokens {settings.max_new_tokens}, "
                            f"{type(rollout).__name__})")
+        # The weights' content hash besides the path: a model saved again in place (a resumed run's final/) is
+        # another model, whose samples the cache must not serve. Once per model: every benchmark's cache records it.
+        identity = {"model_path": os.path.abspath(model.path) if os.path.isdir(model.path) else model.path,
+                    "model_weights": model_fingerprint(model.path)}
         for bench in benchmarks:
-            # The weights' content hash besides the path: a model saved again in place (a resumed run's final/) is
-            # another model, whose samples the cache must not serve.
-            meta = {"model_path": os.path.abspath(model.path) if os.path.isdir(model.path) else model.path,
-                    "model_weights": model_fingerprint(model.path),
-                    "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
+            meta = {**identity, "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
                     "prompt_ids_sha256": prompt_ids_fingerprint(tokenizer, bench, settings),
                     "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size, "dtype": dtype,
                     **dataclasses.asdict(settings)}
