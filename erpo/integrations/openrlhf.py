@@ -1,0 +1,146 @@
+"""ERPO inside OpenRLHF 0.11 (`ActorPPOTrainer.training_step`): the actor loss in place of `PolicyLoss`, and the
+action log-probs with ell_theta(q) from one forward of the actor.
+
+OpenRLHF's actor forward (`Actor.forward`) already scores every position of prompt + response and keeps the action
+part. `actor_logprobs` runs that forward and scores the prompt rows too, in erpo_kernels (`token_logprobs`,
+`sample_sums`): the action log-probs [B, A] that `PolicyLoss` takes, and ell_theta(q) [B], the sum of log p(x_t |
+x_<t) over the prompt's tokens 2..P, with its graph. `ERPOPolicyLoss` takes PolicyLoss's inputs plus ell_theta(q),
+the cached ell_theta0(q) and w(q) (`erpo.integrations.openrlhf_reference`), and forms through erpo_kernels'
+`logprob_erpo_loss`
+
+    loss = scale * [ aggregate(w(q) * pg_t) + alpha * sum_s k3(ell_theta0(q_s) - ell_theta(q_s)) / G ]
+
+with OpenRLHF's clipped policy gradient pg_t (clip_eps_low / high, the dual clip, the log-ratio clamped to +-20 for
+"ppo"; GSPO's sequence ratio), aggregated as OpenRLHF's `aggregate_loss` (token-level over batch_num_tokens, or
+sequence-level over global_batch_size), the Query-KL averaged over the step's G = global_batch_size samples (over
+the call's samples without it), and scale = dp_size when OpenRLHF passes the global counts, as `aggregate_loss`.
+With alpha = 0 and w(q) = 1 it is PolicyLoss (tests/integrations/test_openrlhf_integration.py, against OpenRLHF's
+own code).
+"""
+from __future__ import annotations
+
+import torch
+
+from erpo.integrations.verl import sample_advantages
+from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
+from erpo_kernels import LossOptions, logprob_erpo_loss
+
+OPENRLHF_VERSION = "0.11.2"     # the OpenRLHF release the parity tests run against
+POLICY_LOSS_TYPES = {"ppo": "token", "gspo": "sequence"}   # OpenRLHF's policy_loss_type -> the kernels' ratio_level
+PPO_LOG_RATIO_CLAMP = 20.0      # PolicyLoss clamps log(ratio) to +-20 for "ppo" (not for "gspo")
+ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: group_norm, rloo, reinforce_baseline, "
+                   "dr_grpo); these advantages vary along the response (advantage estimator gae, or a per-token "
+                   "KL reward: use the KL loss, algo.kl.use_loss)")
+
+
+def policy_loss_metrics(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                        action_mask: torch.Tensor, *, sequence_ratio: bool, clip_low: float,
+                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenRLHF's PolicyLoss metrics (0.11.2) by its formulas, detached 0-dim tensors, on [B, A] action-aligned
+    tensors: clip_ratio, the fraction of action tokens whose clipped surrogate is the smaller one; ppo_kl, the mean
+    of -log(ratio) (unclamped)."""
+    mask = action_mask.float()
+    log_ratio = (log_probs - old_log_probs).detach().float()
+    if sequence_ratio:   # GSPO: one ratio per sample, exp of the mean log-ratio over its action tokens
+        ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp().unsqueeze(-1) * mask
+    else:
+        ratio = log_ratio.clamp(-PPO_LOG_RATIO_CLAMP, PPO_LOG_RATIO_CLAMP).exp()
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    count = mask.sum()
+    return ((surr2 < surr1).float() * mask).sum() / count, (-log_ratio * mask).sum() / count
+
+
+class ERPOPolicyLoss(torch.nn.Module):
+    """OpenRLHF's `PolicyLoss` with ERPO's Query-KL and w(q): the same constructor options, forward inputs and return
+    value (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), plus ERPO's options (`qkl_coef`: alpha;
+    `qkl_estimator`: k1 / k2 / k3 on ell_theta0(q) - ell_theta(q); `backend`: the kernels'). Refused, in one line:
+    a policy_loss_type other than "ppo" / "gspo", and OpenRLHF's train/rollout correction (is_correction_level
+    other than "off")."""
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float | None = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold=(0.5, 5.0), *, qkl_coef: float = 0.01, qkl_estimator: str = "k3",
+                 backend: str = "auto") -> None:
+        super().__init__()
+        check_choice("policy_loss_type", policy_loss_type, tuple(POLICY_LOSS_TYPES),
+                     hint=" with ERPOPolicyLoss (the kernels' clipped surrogate, per token or per sequence)")
+        if is_correction_level != "off":
+            raise ValueError(f"is_correction_level={is_correction_level!r} is not supported by ERPOPolicyLoss; "
+                             "use 'off' (algo.advantage.is_correction_level)")
+        check_qkl_coef(qkl_coef)
+        check_choice("qkl_estimator", qkl_estimator, SEQUENCE_QKL_ESTIMATORS)
+        self.policy_loss_type = policy_loss_type
+        self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
+        self.token_level_loss = token_level_loss and policy_loss_type != "gspo"   # GSPO is sequence-level, as OpenRLHF
+        self.qkl_coef, self.backend = qkl_coef, backend
+        self.options = dict(
+            qkl_coef=qkl_coef, qkl_estimator=qkl_estimator, clip_low=clip_eps_low, clip_high=clip_eps_high,
+            dual_clip=dual_clip, ratio_level=POLICY_LOSS_TYPES[policy_loss_type],
+            pg_log_ratio_clamp=PPO_LOG_RATIO_CLAMP if policy_loss_type == "ppo" else None,
+            loss_agg="token-mean" if self.token_level_loss else "seq-mean-token-mean")
+        LossOptions(**self.options)   # every option checked here, once, in the kernels' words
+
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: torch.Tensor | None = None, rollout_log_probs: torch.Tensor | None = None,
+                dp_size: int = 1, batch_num_tokens=None, global_batch_size=None, *,
+                query_logp: torch.Tensor | None = None, ref_query_logp: torch.Tensor | None = None,
+                query_weight: torch.Tensor | None = None, info: dict | None = None):
+        """PolicyLoss's forward with ERPO's terms. log_probs, old_log_probs, advantages, action_mask [B, A]
+        (action-aligned, as `Actor.forward` returns them; one advantage per sample, broadcast along its actions);
+        dp_size, batch_num_tokens, global_batch_size: OpenRLHF's `loss_batch_info`. ERPO's: query_logp [B] fp32,
+        ell_theta(q) with its graph (`actor_logprobs`), required when qkl_coef != 0; ref_query_logp [B], the cached
+        ell_theta0(q) (nats), required when qkl_coef != 0; query_weight [B], w(q) on each sample's policy term (None:
+        1). `info` (OpenRLHF's experience.info), when given, gets ERPO's metrics as per-sample [B] tensors, which
+        OpenRLHF's logging averages over samples: qkl (the micro-batch's mean Query-KL, nats), query_logp
+        (ell_theta(q)), query_weight_mean (w(q)). Returns (loss, clip_ratio, ppo_kl, None, None)."""
+        if action_mask is None:
+            raise ValueError("action_mask is required by ERPOPolicyLoss (the action tokens of each sample)")
+        num, width = log_probs.shape
+        if self.qkl_coef != 0 and (query_logp is None or ref_query_logp is None):
+            raise ValueError("qkl_coef != 0 needs query_logp (ell_theta(q), from actor_logprobs) and ref_query_logp "
+                             "(the cached ell_theta0(q)); or set qkl_coef=0")
+        if query_logp is not None and tuple(query_logp.shape) != (num,):
+            raise ValueError(f"query_logp must have shape [{num}] (one ell_theta(q) per sample of log_probs), got "
+                             f"{tuple(query_logp.shape)}")
+        mask = action_mask.bool()
+        per_sample, varies = sample_advantages(advantages, mask)
+        if bool(varies):
+            raise ValueError(ADVANTAGES_VARY)
+        # Rows of the kernels' layout, sample by sample: one query row holding ell_theta(q) whole (the loss's sum
+        # over a sample's query rows is then that value, its gradient flows into query_logp), then the A actions.
+        device = log_probs.device
+        query_kind = 0 if query_logp is None else 1
+        query_column = torch.zeros(num, 1, device=device) if query_logp is None else query_logp.float()[:, None]
+        token_logp = torch.cat([query_column, log_probs.float()], 1).reshape(-1)
+        old_logp = torch.cat([torch.zeros(num, 1, device=device), old_log_probs.float()], 1).reshape(-1)
+        kind = torch.cat([torch.full((num, 1), query_kind, device=device),
+                          torch.where(mask, 2, 0)], 1).reshape(-1).long()
+        sample_index = torch.arange(num, device=device).repeat_interleave(width + 1)
+        global_count = batch_num_tokens if self.token_level_loss else global_batch_size
+        out = logprob_erpo_loss(
+            token_logp, kind, sample_index, advantages=per_sample, old_logp=old_logp,
+            ref_query_logp=ref_query_logp if self.qkl_coef != 0 else None, query_weight=query_weight,
+            backend=self.backend, num_items=batch_num_tokens if self.token_level_loss else None,
+            num_seqs=global_batch_size, **self.options)
+        # aggregate_loss multiplies by dp_size when given the global count (DeepSpeed averages the ranks' gradients)
+        loss = out.loss * (dp_size if global_count is not None else 1)
+        clip_ratio, ppo_kl = policy_loss_metrics(
+            log_probs, old_log_probs, advantages, mask, sequence_ratio=self.policy_loss_type == "gspo",
+            clip_low=self.clip_eps_low, clip_high=self.clip_eps_high)
+        if info is not None:
+            self._log_metrics(info, out, query_logp, query_weight, num, global_batch_size)
+        return loss, clip_ratio, ppo_kl, None, None
+
+    @staticmethod
+    def _log_metrics(info: dict, out, query_logp, query_weight, num: int, global_batch_size) -> None:
+        """ERPO's metrics into OpenRLHF's experience.info, as [B] tensors (OpenRLHF weighs a [B] entry by samples)."""
+        with torch.no_grad():
+            if "qkl" in out.metrics:   # the loss's qkl is sum_s qkl_s / num_seqs: here the micro-batch's mean
+                qkl = out.metrics["qkl"] * (num if global_batch_size is None else global_batch_size) / num
+                info["qkl"] = qkl.float().expand(num).clone()
+            if query_logp is not None:
+                info["query_logp"] = query_logp.detach().float().clone()
+            if query_weight is not None:
+                info["query_weight_mean"] = query_weight.detach().float().clone()
