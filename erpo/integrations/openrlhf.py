@@ -19,11 +19,13 @@ own code).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from erpo.integrations.verl import sample_advantages
 from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
-from erpo_kernels import LossOptions, logprob_erpo_loss
+from erpo_kernels import LossOptions, logprob_erpo_loss, sample_sums, token_logprobs
 
 OPENRLHF_VERSION = "0.11.2"     # the OpenRLHF release the parity tests run against
 POLICY_LOSS_TYPES = {"ppo": "token", "gspo": "sequence"}   # OpenRLHF's policy_loss_type -> the kernels' ratio_level
@@ -144,3 +146,68 @@ class ERPOPolicyLoss(torch.nn.Module):
                 info["query_logp"] = query_logp.detach().float().clone()
             if query_weight is not None:
                 info["query_weight_mean"] = query_weight.detach().float().clone()
+
+
+@dataclass
+class ActorScores:
+    """What `actor_logprobs` returns for a micro-batch of B sequences [B, T] with A action columns."""
+
+    action_log_probs: torch.Tensor   # [B, A] fp32: Actor.forward's action log-probs (0 where action_mask is 0)
+    query_logp: torch.Tensor         # [B] fp32: ell_theta(q), nats, differentiable
+    prompt_ids: list[list[int]]      # each sample's prompt token ids (host), the reference cache's key
+    entropy: torch.Tensor | None     # [B, A] fp32 (return_entropy): Actor.forward's output.entropy[:, -A:] on actions
+    output: object                   # the model's output (its logits, an MoE's aux_loss)
+
+
+def actor_rows(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor):
+    """The kernels' rows of every position of a micro-batch [B, T]: row b * T + t scores token t + 1 of sequence b.
+    Returns (targets [B * T] int64, -100 where nothing is scored; kind [B, T]: 1 on the prompt's rows (tokens 2..P of
+    the real tokens before the first action token, left or right padding alike), 2 on the action rows of action_mask
+    [B, A], aligned with the last A rows as `Actor.forward` aligns it, 0 elsewhere (padding, tool outputs); prompt
+    [B, T] bool: the prompt's real tokens)."""
+    num, length = sequences.shape
+    width = action_mask.shape[1]
+    if width > length - 1:
+        raise ValueError(f"action_mask has {width} columns, more than the {length - 1} scored positions of sequences "
+                         f"[{num}, {length}]")
+    actions = torch.zeros(num, length, dtype=torch.bool, device=sequences.device)
+    actions[:, length - 1 - width:length - 1] = action_mask.bool()
+    real = attention_mask.bool()
+    first = torch.where(actions.any(1), actions.float().argmax(1), length - 1)   # the first action's row
+    position = torch.arange(length, device=sequences.device)
+    prompt = real & (position <= first[:, None])   # row `first` scores the first action: token `first` is the prompt's
+    query = torch.zeros_like(actions)
+    query[:, :-1] = prompt[:, :-1] & prompt[:, 1:]   # the prompt's first real token is predicted by nothing
+    kind = torch.where(actions, 2, torch.where(query, 1, 0))
+    targets = torch.where(kind != 0, torch.roll(sequences, -1, dims=1), -100).reshape(-1)
+    return targets, kind, prompt
+
+
+def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
+                   return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorScores:
+    """The action log-probs and ell_theta(q) of one forward of OpenRLHF's actor (an `openrlhf.models.Actor`, or the
+    DeepSpeed engine around one, as `ActorPPOTrainer.actor`): sequences, attention_mask [B, T] and action_mask
+    [B, A] as `Actor.forward` takes them. The actor's forward (its position ids, fp32 logits divided by its
+    temperature; with packing_samples gathered back to [B, T]) gives the logits; erpo_kernels score the prompt
+    and action rows (`token_logprobs`) and sum each prompt's (`sample_sums`). One host read: the prompt tokens."""
+    output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
+                   ring_attn_group=ring_attn_group, **mm_inputs)
+    logits = output["logits"]
+    num, length = sequences.shape
+    targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
+    scored = token_logprobs(logits.reshape(num * length, -1), targets, return_entropy=return_entropy)
+    logp, entropy = scored if return_entropy else (scored, None)
+    kind = kind.reshape(-1)
+    sample_index = torch.arange(num, device=sequences.device).repeat_interleave(length)
+    query_logp = sample_sums(torch.where(kind == 1, logp, 0.0), sample_index, num)
+    width = action_mask.shape[1]
+
+    def action_part(rows):   # [B * T] -> [B, A], the rows Actor.forward keeps, 0 where action_mask is 0
+        return torch.where(kind == 2, rows, 0.0).reshape(num, length)[:, length - 1 - width:length - 1]
+
+    host = torch.cat([prompt.reshape(-1).long(), sequences.reshape(-1).long()]).tolist()   # the one host read
+    kept, tokens = host[:num * length], host[num * length:]
+    prompt_ids = [[token for token, keep in zip(tokens[b * length:(b + 1) * length], kept[b * length:(b + 1) * length])
+                   if keep] for b in range(num)]
+    return ActorScores(action_part(logp), query_logp, prompt_ids,
+                       None if entropy is None else action_part(entropy), output)

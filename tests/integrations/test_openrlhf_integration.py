@@ -1,7 +1,9 @@
 """erpo.integrations.openrlhf against OpenRLHF 0.11.2's own code: with ERPO's terms off, ERPOPolicyLoss is
 `PolicyLoss` (loss, gradient, metrics) for token- and sequence-level aggregation, clip-higher, the dual clip, GSPO
 and the global counts OpenRLHF passes; the Query-KL is the kernels' torch reference's, times alpha, with its
-gradient; and the user's mistakes are one-line errors."""
+gradient; `actor_logprobs` on OpenRLHF's `Actor` around a tiny Qwen2 gives Actor.forward's action log-probs and
+each prompt's log-likelihood of a plain log_softmax-gather, padded either way, fp32 and bf16, with the gradient;
+and the user's mistakes are one-line errors."""
 import sys
 import types
 
@@ -10,8 +12,10 @@ import torch
 
 pytest.importorskip("openrlhf", reason="OpenRLHF is not in the test extra: pip install --no-deps openrlhf==0.11.2")
 
-from erpo.integrations.openrlhf import ERPOPolicyLoss  # noqa: E402
+from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs  # noqa: E402
+from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo_kernels import logprob_erpo_loss  # noqa: E402
+from tiny_models import save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +171,116 @@ def test_errors_are_one_line():
         with pytest.raises(ValueError, match=message) as error:
             make()
         assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """A saved tiny Qwen2 (OpenRLHF's Actor loads a model from a path)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), build_tokenizer())
+
+
+def make_actor(openrlhf_models, path, dtype):
+    """OpenRLHF's Actor as its trainer builds it (from a path; sdpa attention on the CPU), its weights in `dtype`."""
+    actor = openrlhf_models.Actor(path, attn_implementation="sdpa", param_dtype="bf16")
+    return actor.to(dtype)
+
+
+# (prompt, response, tool output inside the response at [start, end) or None): prompts of 3 to 9 tokens
+SAMPLES = [([5, 17, 33, 8, 9, 40, 41, 12, 7], [20, 21, 22, 23, 24], None), ([11, 3, 19], [30, 31, 32, 33, 34, 35, 36],
+           (2, 4)), ([44, 45, 46, 47, 48], [50], None), ([60, 61, 62, 63], [70, 71, 72], None)]
+
+
+def padded_batch(layout):
+    """The SAMPLES as OpenRLHF's actor step gets them. "left": prompts left-padded to one width, responses
+    right-padded, action_mask [B, A] over the response columns (OpenRLHF before 0.11); "right": each sequence from
+    column 0, right-padded, action_mask [B, T - 1] over every scored position (0.11's agent executor)."""
+    pad = 0
+    prompt_width = max(len(p) for p, _, _ in SAMPLES)
+    response_width = max(len(r) for _, r, _ in SAMPLES)
+    rows, masks, actions = [], [], []
+    for prompt, response, tool in SAMPLES:
+        acts = [1] * len(response)
+        if tool is not None:
+            acts[tool[0]:tool[1]] = [0] * (tool[1] - tool[0])
+        if layout == "left":
+            lead = prompt_width - len(prompt)
+            tail = response_width - len(response)
+            rows.append([pad] * lead + prompt + response + [pad] * tail)
+            masks.append([0] * lead + [1] * (len(prompt) + len(response)) + [0] * tail)
+            actions.append(acts + [0] * tail)
+        else:
+            tail = prompt_width + response_width - len(prompt) - len(response)
+            rows.append(prompt + response + [pad] * tail)
+            masks.append([1] * (len(prompt) + len(response)) + [0] * tail)
+            actions.append(([0] * len(prompt) + acts + [0] * tail)[1:])
+    return torch.tensor(rows), torch.tensor(actions, dtype=torch.bool), torch.tensor(masks)
+
+
+def plain_scores(model, autocast):
+    """The oracle, each sample alone (no padding): log_softmax of the model's logits gathered at the next token;
+    (ell(q) [B]: tokens 2..P of the prompt, the action log-probs [B] of each sample's response as a list)."""
+    ells, actions = [], []
+    for prompt, response, tool in SAMPLES:
+        ids = torch.tensor([prompt + response])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids).logits.float()
+        logp = logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+        ells.append(logp[:len(prompt) - 1].sum())
+        kept = [j for j in range(len(response)) if tool is None or not tool[0] <= j < tool[1]]
+        actions.append(logp[len(prompt) - 1:][kept])
+    return torch.stack(ells), actions
+
+
+def action_values(values, action_mask):
+    """[B, A] action-aligned values -> each sample's values on its action tokens, in order."""
+    return [row[mask] for row, mask in zip(values, action_mask)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp32-bf16-autocast", "bf16"])
+@pytest.mark.parametrize("layout", ["left", "right"])
+def test_actor_logprobs_is_a_plain_log_softmax_gather(openrlhf_models, tiny_path, layout, precision):
+    """ell_theta(q) and the action log-probs of one padded forward of OpenRLHF's Actor equal each sample's plain
+    log_softmax-gather on its own forward (to the rounding of the dtype: the forwards differ), and the parameters'
+    gradient of a weighted sum of both equals the oracle's; on the same forward, the action log-probs equal
+    Actor.forward's own (its log_probs_from_logits) and ell_theta(q) a log_softmax-gather of its logits (to fp32
+    rounding); the prompts are each sample's prompt tokens."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    autocast = precision == "fp32-bf16-autocast"
+    actor = make_actor(openrlhf_models, tiny_path, dtype)
+    sequences, action_mask, attention_mask = padded_batch(layout)
+    gen = torch.Generator().manual_seed(5)
+    query_coef = torch.randn(len(SAMPLES), generator=gen)
+    action_coef = torch.randn(action_mask.shape, generator=gen)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        scores = actor_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=True)
+    ((scores.query_logp * query_coef).sum() + (scores.action_log_probs * action_coef).sum()).backward()
+    grads = {name: p.grad.float().clone() for name, p in actor.named_parameters()}
+    actor.zero_grad()
+
+    ell, actions = plain_scores(actor.model, autocast)
+    coefs = action_values(action_coef, action_mask)
+    ((ell * query_coef).sum() + sum((a * c).sum() for a, c in zip(actions, coefs))).backward()
+    # fp32: the padded and the unpadded forwards differ by fp32 rounding; bf16 by bf16's (a prompt sums 2..8 rows)
+    tol = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=0.02, atol=0.06)
+    torch.testing.assert_close(scores.query_logp, ell.detach(), **tol)
+    for mine, plain in zip(action_values(scores.action_log_probs.detach(), action_mask), actions):
+        torch.testing.assert_close(mine, plain.detach(), **tol)
+    assert (scores.action_log_probs[~action_mask] == 0).all()
+    grad_tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0.1, atol=0.05)
+    for name, p in actor.named_parameters():
+        scale = p.grad.float().abs().max()
+        torch.testing.assert_close(grads[name] / scale, p.grad.float() / scale, **grad_tol, msg=name)
+    assert scores.prompt_ids == [prompt for prompt, _, _ in SAMPLES]
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        theirs, output = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True)
+    torch.testing.assert_close(scores.action_log_probs.detach(), theirs, rtol=1e-6, atol=1e-6)
+    same_forward = output["logits"][:, :-1].log_softmax(-1).gather(2, sequences[:, 1:, None]).squeeze(2)
+    starts = attention_mask.argmax(1)   # each sample's first real token
+    ell_same_forward = torch.stack([same_forward[b, start:start + len(prompt) - 1].sum()
+                                    for b, (start, (prompt, _, _)) in enumerate(zip(starts.tolist(), SAMPLES))])
+    torch.testing.assert_close(scores.query_logp.detach(), ell_same_forward, rtol=1e-6, atol=1e-5)
+    logits = output["logits"][:, :-1][:, -action_mask.shape[1]:]
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(scores.entropy[action_mask], entropy[action_mask], rtol=1e-5, atol=1e-5)
