@@ -155,8 +155,8 @@ class ActorScores:
     action_log_probs: torch.Tensor   # [B, A] fp32: Actor.forward's action log-probs (0 where action_mask is 0)
     query_logp: torch.Tensor         # [B] fp32: ell_theta(q), nats, differentiable
     prompt_ids: list[list[int]]      # each sample's prompt token ids (host), the reference cache's key
-    entropy: torch.Tensor | None     # [B, A] fp32 (return_entropy): Actor.forward's output.entropy[:, -A:] on actions
-    output: object                   # the model's output (its logits, an MoE's aux_loss)
+    output: object                   # the model's output: logits, an MoE's aux_loss; with return_entropy `entropy`
+    #                                  [B, T - 1] fp32, as Actor.forward sets it (OpenRLHF's step reads [:, -A:])
 
 
 def actor_rows(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor):
@@ -189,7 +189,8 @@ def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, at
     DeepSpeed engine around one, as `ActorPPOTrainer.actor`): sequences, attention_mask [B, T] and action_mask
     [B, A] as `Actor.forward` takes them. The actor's forward (its position ids, fp32 logits divided by its
     temperature; with packing_samples gathered back to [B, T]) gives the logits; erpo_kernels score the prompt
-    and action rows (`token_logprobs`) and sum each prompt's (`sample_sums`). One host read: the prompt tokens."""
+    and action rows (`token_logprobs`, with each position's entropy when `return_entropy`) and sum each prompt's
+    (`sample_sums`). One host read: the prompt tokens."""
     output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
                    ring_attn_group=ring_attn_group, **mm_inputs)
     logits = output["logits"]
@@ -209,5 +210,6 @@ def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, at
     kept, tokens = host[:num * length], host[num * length:]
     prompt_ids = [[token for token, keep in zip(tokens[b * length:(b + 1) * length], kept[b * length:(b + 1) * length])
                    if keep] for b in range(num)]
-    return ActorScores(action_part(logp), query_logp, prompt_ids,
-                       None if entropy is None else action_part(entropy), output)
+    if entropy is not None:
+        output.entropy = entropy.reshape(num, length)[:, :-1]
+    return ActorScores(action_part(logp), query_logp, prompt_ids, output)

@@ -353,19 +353,20 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
 
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
                             temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
-                            remedy: str = REBUILD) -> QueryReference:
+                            remedy: str = REBUILD, trainer: str = "verl") -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
 
     The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
     `temperature` and `precision` (the actor's: `erpo.integrations.verl_reference.engine_precision`), and holds
     every prompt; otherwise a ValueError names what differs and ends with `remedy` (`RESUMED` for a resumed run).
+    `trainer` names the trainer in the cache's template record ("openrlhf" for `openrlhf_reference`'s).
     Without a cache, `score(prompts)` gives ell_theta0 (nats)
     of the distinct prompts with the initial weights (the actor's engine: `verl_reference.engine_query_logp`), and
     the cache is saved at `path`."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))
-    template = with_temperature("verl", temperature)
+    template = with_temperature(trainer, temperature)
     if os.path.exists(path):
         cache = ReferenceCache.load(path)
         cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,

@@ -283,4 +283,117 @@ def test_actor_logprobs_is_a_plain_log_softmax_gather(openrlhf_models, tiny_path
     torch.testing.assert_close(scores.query_logp.detach(), ell_same_forward, rtol=1e-6, atol=1e-5)
     logits = output["logits"][:, :-1][:, -action_mask.shape[1]:]
     entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-    torch.testing.assert_close(scores.entropy[action_mask], entropy[action_mask], rtol=1e-5, atol=1e-5)
+    ours = scores.output.entropy[:, -action_mask.shape[1]:]   # where OpenRLHF's step reads it
+    torch.testing.assert_close(ours[action_mask], entropy[action_mask], rtol=1e-5, atol=1e-5)
+
+
+QUESTIONS = ["1+1=", "22+3=", "7*8=?", "What is 3*33?"]
+RESPONSES = ["2", "25 and", "56!", "99"]
+
+
+def rendered(tokenizer, questions=QUESTIONS):
+    """The prompt texts of OpenRLHF's PromptDataset (its own preprocess_data, with the chat template), as its
+    trainer hands them to the agent executor."""
+    from openrlhf.datasets.prompts_dataset import preprocess_data
+    return [preprocess_data({"input": q}, input_key="input", apply_chat_template=tokenizer.apply_chat_template)[0]
+            for q in questions]
+
+
+def step_batch(tokenizer, prompts, responses=RESPONSES):
+    """OpenRLHF 0.11's micro-batch of these prompt texts + responses: sequences from column 0, right-padded, the
+    action_mask over the T - 1 scored positions."""
+    from erpo.integrations.openrlhf_reference import prompt_token_ids
+    ids = prompt_token_ids(tokenizer, prompts)
+    answers = [tokenizer(text=r, add_special_tokens=False)["input_ids"] for r in responses]
+    width = max(len(p) + len(r) for p, r in zip(ids, answers))
+    sequences = torch.tensor([p + r + [0] * (width - len(p) - len(r)) for p, r in zip(ids, answers)])
+    attention_mask = torch.tensor([[1] * (len(p) + len(r)) + [0] * (width - len(p) - len(r))
+                                   for p, r in zip(ids, answers)])
+    action_mask = torch.tensor([([0] * len(p) + [1] * len(r) + [0] * (width - len(p) - len(r)))[1:]
+                                for p, r in zip(ids, answers)], dtype=torch.bool)
+    return sequences, action_mask, attention_mask
+
+
+def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(openrlhf_models, tiny_path, tmp_path):
+    """The drop-in at theta0: the cache scored by the actor's own forward gives a Query-KL of 0 (to fp32 rounding)
+    on the training step's prompt + response batch, and every parameter's gradient of ERPOPolicyLoss on
+    actor_logprobs equals PolicyLoss's on Actor.forward with each advantage times the cached w(q). A second load
+    reads the cache without scoring."""
+    from erpo.integrations import openrlhf_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
+    prompts = rendered(tokenizer)
+    path = str(tmp_path / "cache.json")
+    reference = openrlhf_reference.load_or_build_query_reference(actor, tokenizer, prompts, path=path,
+                                                                 model_path=tiny_path, batch_size=3)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, prompts)
+    num = len(prompts)
+    old = torch.full(action_mask.shape, -3.0) * action_mask
+    advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
+
+    scores = actor_logprobs(actor, sequences, action_mask, attention_mask)
+    ref_query_logp, query_weight = reference.lookup(scores.prompt_ids)
+    assert not torch.allclose(query_weight, torch.ones(num))
+    info = {}
+    loss, *_ = ERPOPolicyLoss(qkl_coef=0.01)(scores.action_log_probs, old, advantages, action_mask=action_mask,
+                                             query_logp=scores.query_logp, ref_query_logp=ref_query_logp,
+                                             query_weight=query_weight, info=info, **GLOBAL)
+    loss.backward()
+    ours = {name: p.grad.clone() for name, p in actor.named_parameters()}
+    actor.zero_grad()
+    assert info["qkl"].abs().max() < 1e-10
+    torch.testing.assert_close(ref_query_logp, scores.query_logp.detach(), rtol=1e-6, atol=1e-5)
+
+    action_log_probs = actor(sequences, action_mask, attention_mask=attention_mask)
+    theirs, *_ = openrlhf_models.PolicyLoss()(action_log_probs, old, advantages * query_weight[:, None],
+                                              action_mask=action_mask, **GLOBAL)
+    theirs.backward()
+    torch.testing.assert_close(loss.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    for name, p in actor.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("the cache was scored again instead of read")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(openrlhf_reference, "score_prompts", no_scoring)
+        again = openrlhf_reference.load_or_build_query_reference(actor, tokenizer, prompts, path=path,
+                                                                 model_path=tiny_path)
+    assert again.entries == reference.entries
+
+
+def test_a_mismatched_cache_is_a_one_line_error(openrlhf_models, tiny_path, tmp_path):
+    """Another chat template, a prompt the cache lacks, another tokenizer, another precision, a truncated prompt:
+    each refused in one line naming what differs, never a wrong ell_theta0(q)."""
+    from erpo.integrations.openrlhf_reference import load_or_build_query_reference, prompt_token_ids
+    tokenizer = build_tokenizer()
+    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
+    path = str(tmp_path / "cache.json")
+    reference = load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=path,
+                                              model_path=tiny_path)
+    other_template = build_tokenizer()
+    other_template.chat_template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    plain = [f"Question: {q}" for q in QUESTIONS]
+    cases = [
+        (lambda: reference.lookup(prompt_token_ids(tokenizer, rendered(other_template))),
+         r"^prompt .* has no ell_theta0\(q\) in the reference cache .* \(4 of 4 prompts missing\)"),
+        (lambda: reference.lookup(prompt_token_ids(tokenizer, rendered(tokenizer) + ["never seen"])),
+         r"^prompt 'never seen' has no ell_theta0\(q\) .*\(1 of 5 prompts missing\)"),
+        (lambda: load_or_build_query_reference(actor, tokenizer, plain, path=path, model_path=tiny_path),
+         r"^prompt .* has no ell_theta0\(q\) in the reference cache"),
+        (lambda: load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=path,
+                                               model_path=tiny_path, max_prompt_length=8),
+         r"^prompt .* has no ell_theta0\(q\) in the reference cache"),
+        (lambda: load_or_build_query_reference(actor, other_template, rendered(tokenizer), path=path,
+                                               model_path=tiny_path), r"does not match this run: tokenizer: "),
+        (lambda: load_or_build_query_reference(make_actor(openrlhf_models, tiny_path, torch.bfloat16), tokenizer,
+                                               rendered(tokenizer), path=path, model_path=tiny_path),
+         r"does not match this run: precision: cache built with dtype=float32.*training scores with "
+         r"dtype=bfloat16"),
+        (lambda: load_or_build_query_reference(actor, tokenizer, [], path=path, model_path=tiny_path),
+         r"^prompts is empty"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            make()
+        assert "\n" not in str(error.value)

@@ -1,0 +1,92 @@
+"""ell_theta0(q) and w(q) of OpenRLHF's training prompts: a reference cache scored once at theta0 by the actor's own
+forward (`actor_logprobs`), looked up per micro-batch by the prompt's token ids.
+
+The prompts are OpenRLHF's `PromptDataset` prompts (its chat template or input_template already applied by its own
+`preprocess_data`), tokenized as its agent executors tokenize them (`tokenizer(text=prompt,
+add_special_tokens=False)`, kept to the last max_prompt_length tokens when longer), so that a prompt's key is the
+token ids that reach the loss. Each prompt is scored alone through `actor_logprobs`, the function the training step
+calls on prompt + response: tokens 2..P summed, the same Actor (dtype, attention kernel, temperature), the same
+kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding depends on the batch around the prompt.
+The cache records the model's weights, the tokenizer, the temperature and this precision; a cache built otherwise,
+or lacking a training prompt (another tokenizer, chat template or truncation), is refused in one line naming what
+differs (`erpo.integrations.verl.load_or_build_reference`, `QueryReference.lookup`), never read as a wrong value.
+"""
+from __future__ import annotations
+
+import torch
+
+from erpo.integrations.openrlhf import actor_logprobs
+from erpo.integrations.verl import QueryReference, load_or_build_reference
+from erpo.sequences import scoring_precision
+
+ACTOR_PATH = "openrlhf-actor"   # the scoring path a cache scored here records (`actor_precision`)
+REBUILD = "Delete it to rebuild it, or pass another path to load_or_build_query_reference."
+
+
+def prompt_token_ids(tokenizer, prompts: list[str], *, max_prompt_length: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt text as OpenRLHF 0.11's agent executors tokenize a PromptDataset prompt:
+    `tokenizer(text=prompt, add_special_tokens=False)`, kept to its last `max_prompt_length` tokens when longer
+    (OpenRLHF's truncation, max_len minus the generation budget; None: never truncated)."""
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be None or an integer >= 1, got {max_prompt_length!r}")
+    ids = [list(tokenizer(text=prompt, add_special_tokens=False)["input_ids"]) for prompt in prompts]
+    return ids if max_prompt_length is None else [p[-max_prompt_length:] for p in ids]
+
+
+def actor_precision(actor) -> str:
+    """What a cache scored by `actor` records besides the weights, tokenizer and temperature
+    (`erpo.sequences.scoring_precision`): the model's parameter dtype and device, the autocast in effect, the path
+    "openrlhf-actor" (Actor.forward's fp32 logits into erpo_kernels), the logit transform, and the attention kernel
+    (`config._attn_implementation`). `actor`: an OpenRLHF Actor, or the DeepSpeed engine around one."""
+    model = getattr(actor, "module", actor).model
+    param = next(model.parameters())
+    device = param.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    scoring = scoring_precision(model.config, param.dtype, param.device, path=ACTOR_PATH, autocast=autocast)
+    return f"{scoring},attention={model.config._attn_implementation}"
+
+
+@torch.no_grad()
+def score_prompts(actor, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int) -> list[float]:
+    """ell(q) (nats) of each prompt under `actor`, `batch_size` prompts a forward, each right-padded as OpenRLHF 0.11
+    lays out a sequence, with no action: `actor_logprobs`' query rows are then every real token's but the first.
+    The actor is scored in eval mode (no dropout) and put back in its mode."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(actor.parameters()).device
+    was_training = actor.training
+    actor.eval()
+    values = []
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start:start + batch_size]
+            width = max(len(p) for p in chunk)
+            sequences = torch.tensor([p + [pad_id] * (width - len(p)) for p in chunk], device=device)
+            attention_mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in chunk], device=device)
+            no_action = torch.zeros(len(chunk), width - 1, dtype=torch.bool, device=device)
+            values.extend(actor_logprobs(actor, sequences, no_action, attention_mask).query_logp.tolist())
+    finally:
+        actor.train(was_training)
+    return values
+
+
+def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path: str, model_path: str,
+                                  max_prompt_length: int | None = None, batch_size: int = 8) -> QueryReference:
+    """ell_theta0(q) and w(q) of every training prompt, for `ERPOPolicyLoss`: `QueryReference.lookup(prompt_ids,
+    device)` -> (ell_theta0 [B], w [B]) for `actor_logprobs`' prompt_ids. `actor`: OpenRLHF's Actor at theta0 as the
+    run loads it (the same dtype and attention kernel: they are recorded); `prompts`: the PromptDataset's prompt
+    texts; `model_path`: the actor's pretrain directory or hub name (its weights' fingerprint is recorded);
+    `max_prompt_length`: OpenRLHF's prompt truncation (`prompt_token_ids`). The cache at `path` is read when it
+    matches (weights, tokenizer, the actor's temperature, `actor_precision`) and holds every prompt, else refused in
+    one line; without one, the prompts are scored (`score_prompts`) and the cache saved there."""
+    if not prompts:
+        raise ValueError("prompts is empty: pass the PromptDataset's prompt texts (dataset.prompts)")
+    prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
+    if min(map(len, prompt_ids)) < 2:
+        raise ValueError("every prompt needs at least 2 tokens (the first one is never scored): an empty or "
+                         "one-token prompt has no ell_theta0(q)")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return load_or_build_reference(
+        model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
+        precision=actor_precision(actor), remedy=REBUILD, trainer="openrlhf",
+        score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size))
