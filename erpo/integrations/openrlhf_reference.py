@@ -13,10 +13,12 @@ differs (`erpo.integrations.verl.load_or_build_reference`, `QueryReference.looku
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from erpo.integrations.openrlhf import actor_logprobs
-from erpo.integrations.verl import QueryReference, load_or_build_reference
+from erpo.integrations.verl import RESUMED, QueryReference, load_or_build_reference
 from erpo.sequences import scoring_precision
 
 ACTOR_PATH = "openrlhf-actor"   # the scoring path a cache scored here records (`actor_precision`)
@@ -71,22 +73,28 @@ def score_prompts(actor, prompt_ids: list[list[int]], *, pad_id: int, batch_size
 
 
 def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path: str, model_path: str,
-                                  max_prompt_length: int | None = None, batch_size: int = 8) -> QueryReference:
+                                  max_prompt_length: int | None = None, batch_size: int = 8,
+                                  resumed_step: int | None = None) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt, for `ERPOPolicyLoss`: `QueryReference.lookup(prompt_ids,
     device)` -> (ell_theta0 [B], w [B]) for `actor_logprobs`' prompt_ids. `actor`: OpenRLHF's Actor at theta0 as the
     run loads it (the same dtype and attention kernel: they are recorded); `prompts`: the PromptDataset's prompt
     texts; `model_path`: the actor's pretrain directory or hub name (its weights' fingerprint is recorded);
     `max_prompt_length`: OpenRLHF's prompt truncation (`prompt_token_ids`). The cache at `path` is read when it
     matches (weights, tokenizer, the actor's temperature, `actor_precision`) and holds every prompt, else refused in
-    one line; without one, the prompts are scored (`score_prompts`) and the cache saved there."""
+    one line; without one, the prompts are scored (`score_prompts`) and the cache saved there. `resumed_step`: the
+    step a run resumes at from a checkpoint (None: a fresh start), whose actor no longer holds theta0: its cache must
+    exist, and a mismatch's remedy is to resume with the cache and settings of the run's start, not to rebuild."""
     if not prompts:
         raise ValueError("prompts is empty: pass the PromptDataset's prompt texts (dataset.prompts)")
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
     if min(map(len, prompt_ids)) < 2:
         raise ValueError("every prompt needs at least 2 tokens (the first one is never scored): an empty or "
                          "one-token prompt has no ell_theta0(q)")
+    remedy = REBUILD if resumed_step is None else RESUMED.format(step=resumed_step)
+    if resumed_step is not None and not os.path.exists(path):
+        raise ValueError(f"no reference cache at {path}: {remedy}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
-        precision=actor_precision(actor), remedy=REBUILD, trainer="openrlhf",
+        precision=actor_precision(actor), remedy=remedy, trainer="openrlhf",
         score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size))

@@ -392,6 +392,12 @@ def test_a_mismatched_cache_is_a_one_line_error(openrlhf_models, tiny_path, tmp_
          r"dtype=bfloat16"),
         (lambda: load_or_build_query_reference(actor, tokenizer, [], path=path, model_path=tiny_path),
          r"^prompts is empty"),
+        (lambda: load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=str(tmp_path / "none"),
+                                               model_path=tiny_path, resumed_step=7),
+         r"^no reference cache at .*none: The run resumes at step 7, whose actor no longer holds the initial"),
+        (lambda: load_or_build_query_reference(actor, other_template, rendered(tokenizer), path=path,
+                                               model_path=tiny_path, resumed_step=7),
+         r"tokenizer: .* resume with the cache and the settings of the run's start"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message) as error:
