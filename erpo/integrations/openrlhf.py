@@ -183,14 +183,25 @@ def actor_rows(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mas
     return targets, kind, prompt
 
 
-def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
-                   return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorScores:
-    """The action log-probs and ell_theta(q) of one forward of OpenRLHF's actor (an `openrlhf.models.Actor`, or the
-    DeepSpeed engine around one, as `ActorPPOTrainer.actor`): sequences, attention_mask [B, T] and action_mask
-    [B, A] as `Actor.forward` takes them. The actor's forward (its position ids, fp32 logits divided by its
-    temperature; with packing_samples gathered back to [B, T]) gives the logits; erpo_kernels score the prompt
-    and action rows (`token_logprobs`, with each position's entropy when `return_entropy`) and sum each prompt's
-    (`sample_sums`). One host read: the prompt tokens."""
+@dataclass
+class ActorRowScores:
+    """Every position of a micro-batch [B, T] scored by the actor (`actor_row_logprobs`): row b * T + t scores token
+    t + 1 of sequence b."""
+
+    logp: torch.Tensor             # [B * T] fp32, differentiable: log p of the row's next token, 0 where unscored
+    entropy: torch.Tensor | None   # [B * T] fp32 with return_entropy: each position's entropy (nats)
+    kind: torch.Tensor             # [B * T] int64: 1 prompt row, 2 action row, 0 neither (`actor_rows`)
+    prompt: torch.Tensor           # [B, T] bool: the prompt's real tokens
+    output: object                 # the model's output (Actor.forward's, logits included)
+
+
+def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
+                       return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorRowScores:
+    """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, or the DeepSpeed engine around one, as
+    `ActorPPOTrainer.actor`) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
+    them: its own forward (its position ids, fp32 logits divided by its temperature; with packing_samples gathered
+    back to [B, T]) gives the logits, and erpo_kernels' `token_logprobs` scores the prompt and action rows (with
+    each position's entropy when `return_entropy`). `actor_logprobs` and the reference cache read it."""
     output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
                    ring_attn_group=ring_attn_group, **mm_inputs)
     logits = output["logits"]
@@ -198,18 +209,26 @@ def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, at
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
     scored = token_logprobs(logits.reshape(num * length, -1), targets, return_entropy=return_entropy)
     logp, entropy = scored if return_entropy else (scored, None)
-    kind = kind.reshape(-1)
+    return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
+
+
+def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
+                   return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorScores:
+    """The action log-probs and ell_theta(q) of one forward of OpenRLHF's actor (`actor_row_logprobs`, which takes
+    the same arguments): the action rows as Actor.forward returns them, each prompt's rows summed by erpo_kernels'
+    `sample_sums`. One host read: the prompt tokens."""
+    rows = actor_row_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
+                              ring_attn_group=ring_attn_group, **mm_inputs)
+    num, length = sequences.shape
+    kind, logp = rows.kind, rows.logp
     sample_index = torch.arange(num, device=sequences.device).repeat_interleave(length)
     query_logp = sample_sums(torch.where(kind == 1, logp, 0.0), sample_index, num)
     width = action_mask.shape[1]
-
-    def action_part(rows):   # [B * T] -> [B, A], the rows Actor.forward keeps, 0 where action_mask is 0
-        return torch.where(kind == 2, rows, 0.0).reshape(num, length)[:, length - 1 - width:length - 1]
-
-    host = torch.cat([prompt.reshape(-1).long(), sequences.reshape(-1).long()]).tolist()   # the one host read
+    action_log_probs = torch.where(kind == 2, logp, 0.0).reshape(num, length)[:, length - 1 - width:length - 1]
+    host = torch.cat([rows.prompt.reshape(-1).long(), sequences.reshape(-1).long()]).tolist()   # the one host read
     kept, tokens = host[:num * length], host[num * length:]
     prompt_ids = [[token for token, keep in zip(tokens[b * length:(b + 1) * length], kept[b * length:(b + 1) * length])
                    if keep] for b in range(num)]
-    if entropy is not None:
-        output.entropy = entropy.reshape(num, length)[:, :-1]
-    return ActorScores(action_part(logp), query_logp, prompt_ids, output)
+    if rows.entropy is not None:   # where OpenRLHF's step reads it, as Actor.forward sets it
+        rows.output.entropy = rows.entropy.reshape(num, length)[:, :-1]
+    return ActorScores(action_log_probs, query_logp, prompt_ids, rows.output)

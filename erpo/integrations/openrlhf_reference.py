@@ -1,15 +1,16 @@
 """ell_theta0(q) and w(q) of OpenRLHF's training prompts: a reference cache scored once at theta0 by the actor's own
-forward (`actor_logprobs`), looked up per micro-batch by the prompt's token ids.
+forward (`actor_row_logprobs`), looked up per micro-batch by the prompt's token ids.
 
 The prompts are OpenRLHF's `PromptDataset` prompts (its chat template or input_template already applied by its own
 `preprocess_data`), tokenized as its agent executors tokenize them (`tokenizer(text=prompt,
 add_special_tokens=False)`, kept to the last max_prompt_length tokens when longer), so that a prompt's key is the
-token ids that reach the loss. Each prompt is scored alone through `actor_logprobs`, the function the training step
-calls on prompt + response: tokens 2..P summed, the same Actor (dtype, attention kernel, temperature), the same
-kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding depends on the batch around the prompt.
-The cache records the model's weights, the tokenizer, the temperature and this precision; a cache built otherwise,
-or lacking a training prompt (another tokenizer, chat template or truncation), is refused in one line naming what
-differs (`erpo.integrations.verl.load_or_build_reference`, `QueryReference.lookup`), never read as a wrong value.
+token ids that reach the loss. Each prompt is scored alone through `actor_row_logprobs`, the forward and kernels of
+the `actor_logprobs` the training step calls on prompt + response: tokens 2..P summed, the same Actor (dtype,
+attention kernel, temperature), the same kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding
+depends on the batch around the prompt. The cache records the model's weights, the tokenizer, the temperature and
+this precision; a cache built otherwise, or lacking a training prompt (another tokenizer, chat template or
+truncation), is refused in one line naming what differs (`erpo.integrations.verl.load_or_build_reference`,
+`QueryReference.lookup`), never read as a wrong value.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import os
 
 import torch
 
-from erpo.integrations.openrlhf import actor_logprobs
+from erpo.integrations.openrlhf import actor_row_logprobs
 from erpo.integrations.verl import RESUMED, QueryReference, load_or_build_reference
+from erpo.reference.cache import compute_query_logp
 from erpo.sequences import scoring_precision
 
 ACTOR_PATH = "openrlhf-actor"   # the scoring path a cache scored here records (`actor_precision`)
@@ -50,26 +52,15 @@ def actor_precision(actor) -> str:
 
 @torch.no_grad()
 def score_prompts(actor, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int) -> list[float]:
-    """ell(q) (nats) of each prompt under `actor`, `batch_size` prompts a forward, each right-padded as OpenRLHF 0.11
-    lays out a sequence, with no action: `actor_logprobs`' query rows are then every real token's but the first.
-    The actor is scored in eval mode (no dropout) and put back in its mode."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = next(actor.parameters()).device
-    was_training = actor.training
-    actor.eval()
-    values = []
-    try:
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start:start + batch_size]
-            width = max(len(p) for p in chunk)
-            sequences = torch.tensor([p + [pad_id] * (width - len(p)) for p in chunk], device=device)
-            attention_mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in chunk], device=device)
-            no_action = torch.zeros(len(chunk), width - 1, dtype=torch.bool, device=device)
-            values.extend(actor_logprobs(actor, sequences, no_action, attention_mask).query_logp.tolist())
-    finally:
-        actor.train(was_training)
-    return values
+    """ell(q) (nats) of each prompt under `actor`, in eval mode, `batch_size` prompts a forward
+    (`erpo.reference.cache.compute_query_logp`), each right-padded as OpenRLHF 0.11 lays out a sequence, with no
+    action: `actor_row_logprobs`' prompt rows, summed by `sample_sums` as `actor_logprobs` sums them."""
+    def score(batch):   # the log-probs of the batch's scored rows: the prompts' tokens 2..P
+        no_action = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1, dtype=torch.bool,
+                                device=batch.input_ids.device)
+        return actor_row_logprobs(actor, batch.input_ids, no_action, batch.attention_mask).logp[batch.rows]
+
+    return compute_query_logp(actor, prompt_ids, pad_id=pad_id, batch_size=batch_size, score=score).tolist()
 
 
 def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path: str, model_path: str,
