@@ -36,15 +36,17 @@ ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: g
 
 
 def policy_loss_metrics(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                        action_mask: torch.Tensor, *, sequence_ratio: bool, clip_low: float,
-                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        action_mask: torch.Tensor, *, sequence_ratio: bool, clip_low: float, clip_high: float,
+                        ratio_baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OpenRLHF's PolicyLoss metrics (0.11.2) by its formulas, detached 0-dim tensors, on [B, A] action-aligned
     tensors: clip_ratio, the fraction of action tokens whose clipped surrogate is the smaller one; ppo_kl, the mean
-    of -log(ratio) (unclamped)."""
+    of -log(log_probs / old_log_probs) (unclamped). `ratio_baseline`: the ratio's denominator when not the old
+    log-probs (GSPO's against the rollout's under the train/rollout correction)."""
     mask = action_mask.float()
     log_ratio = (log_probs - old_log_probs).detach().float()
     if sequence_ratio:   # GSPO: one ratio per sample, exp of the mean log-ratio over its action tokens
-        ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp().unsqueeze(-1) * mask
+        against = log_ratio if ratio_baseline is None else (log_probs - ratio_baseline).detach().float()
+        ratio = ((against * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp().unsqueeze(-1) * mask
     else:
         ratio = log_ratio.clamp(-PPO_LOG_RATIO_CLAMP, PPO_LOG_RATIO_CLAMP).exp()
     surr1 = ratio * advantages
@@ -53,12 +55,69 @@ def policy_loss_metrics(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     return ((surr2 < surr1).float() * mask).sum() / count, (-log_ratio * mask).sum() / count
 
 
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """OpenRLHF's train/rollout log-prob mismatch correction (`algo.advantage.is_correction_*`, PolicyLoss's
+    is_correction_level / mode / gating / threshold), checked as PolicyLoss checks it. With "ppo" a gate reads a
+    statistic of pi_train / pi_rollout per token or per sequence (`level`), the ratio itself or the sampled token's
+    binary KL / total variation (`gating`), and drops (`mode` "mask", the survivors weighted by their token IS
+    ratio) or clamps ("clip") what lies outside [low, high]; with "gspo" the sequence ratio is taken against the
+    rollout's log-probs instead of the old ones."""
+
+    level: str = "off"
+    mode: str = "mask"
+    gating: str = "ratio"
+    threshold: tuple[float, float] = (0.5, 5.0)
+
+    def __post_init__(self):
+        check_choice("is_correction_level", self.level, ("off", "token", "seq"))
+        check_choice("is_correction_mode", self.mode, ("mask", "clip"))
+        check_choice("is_correction_gating", self.gating, ("ratio", "binary_kl", "tv"))
+        if self.mode == "clip" and (self.level == "seq" or self.gating != "ratio"):
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
+                             "is_correction_gating=ratio")
+        if self.gating != "ratio" and self.level != "off" and self.threshold[0] > 0:
+            raise ValueError(f"is_correction_gating={self.gating} takes an upper bound only: set "
+                             "is_correction_threshold's lower bound to 0")
+
+    def token_weights(self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, action_mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """PolicyLoss's "ppo" correction by its formulas (0.11.2), on [B, A] action-aligned tensors: (the detached
+        per-token factor on the policy term [B, A], 0 off the actions; vllm_kl, the mean of rollout - old log-prob
+        over the actions; is_filter_ratio, the fraction of tokens (or sequences, level "seq") the gate filtered)."""
+        low, high = self.threshold
+        mask = action_mask.float()
+        sequence = self.level == "seq"
+
+        def per_sequence(values):   # the mean over each sample's actions, [B, 1]
+            return ((values * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1)
+
+        is_log_ratio = (old_log_probs - rollout_log_probs).detach().float()
+        if self.gating == "ratio":
+            stat = (per_sequence(is_log_ratio) if sequence else is_log_ratio).exp()
+        else:
+            p = rollout_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+            q = old_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log() if self.gating == "binary_kl" \
+                else (p - q).abs()
+            stat = per_sequence(stat) if sequence else stat
+        if self.mode == "clip":
+            coef, filtered = stat.clamp(min=low, max=high), (stat < low) | (stat > high)
+        else:
+            keep = (stat >= low) & (stat <= high)
+            coef, filtered = torch.where(keep, is_log_ratio.exp(), 0.0), ~keep
+        coef = torch.where(action_mask.bool(), coef, 0.0)   # the kernels read it on action rows only; keep it finite
+        filter_ratio = filtered.float().mean() if sequence else (filtered.float() * mask).sum() / mask.sum()
+        vllm_kl = ((rollout_log_probs - old_log_probs).detach().float() * mask).sum() / mask.sum()
+        return coef, vllm_kl, filter_ratio
+
+
 class ERPOPolicyLoss(torch.nn.Module):
     """OpenRLHF's `PolicyLoss` with ERPO's Query-KL and w(q): the same constructor options, forward inputs and return
     value (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), plus ERPO's options (`qkl_coef`: alpha;
-    `qkl_estimator`: k1 / k2 / k3 on ell_theta0(q) - ell_theta(q); `backend`: the kernels'). Refused, in one line:
-    a policy_loss_type other than "ppo" / "gspo", and OpenRLHF's train/rollout correction (is_correction_level
-    other than "off")."""
+    `qkl_estimator`: k1 / k2 / k3 on ell_theta0(q) - ell_theta(q); `backend`: the kernels'). The train/rollout
+    correction (is_correction_*) is OpenRLHF's (`RolloutCorrection`). Refused, in one line: a policy_loss_type
+    other than "ppo" / "gspo"."""
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float | None = None,
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
@@ -68,9 +127,8 @@ class ERPOPolicyLoss(torch.nn.Module):
         super().__init__()
         check_choice("policy_loss_type", policy_loss_type, tuple(POLICY_LOSS_TYPES),
                      hint=" with ERPOPolicyLoss (the kernels' clipped surrogate, per token or per sequence)")
-        if is_correction_level != "off":
-            raise ValueError(f"is_correction_level={is_correction_level!r} is not supported by ERPOPolicyLoss; "
-                             "use 'off' (algo.advantage.is_correction_level)")
+        self.correction = RolloutCorrection(is_correction_level, is_correction_mode, is_correction_gating,
+                                            tuple(is_correction_threshold))
         check_qkl_coef(qkl_coef)
         check_choice("qkl_estimator", qkl_estimator, SEQUENCE_QKL_ESTIMATORS)
         self.policy_loss_type = policy_loss_type
@@ -96,7 +154,8 @@ class ERPOPolicyLoss(torch.nn.Module):
         ell_theta0(q) (nats), required when qkl_coef != 0; query_weight [B], w(q) on each sample's policy term (None:
         1). `info` (OpenRLHF's experience.info), when given, gets ERPO's metrics as per-sample [B] tensors, which
         OpenRLHF's logging averages over samples: qkl (the micro-batch's mean Query-KL, nats), query_logp
-        (ell_theta(q)), query_weight_mean (w(q)). Returns (loss, clip_ratio, ppo_kl, None, None)."""
+        (ell_theta(q)), query_weight_mean (w(q)). Returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), the
+        last two None unless the "ppo" loss corrects for the rollout (`RolloutCorrection`), as PolicyLoss's."""
         if action_mask is None:
             raise ValueError("action_mask is required by ERPOPolicyLoss (the action tokens of each sample)")
         num, width = log_probs.shape
@@ -110,19 +169,30 @@ class ERPOPolicyLoss(torch.nn.Module):
         per_sample, varies = sample_advantages(advantages, mask)
         if bool(varies):
             raise ValueError(ADVANTAGES_VARY)
+        corrected = self.correction.level != "off"
+        if corrected and rollout_log_probs is None:
+            raise ValueError(f"is_correction_level={self.correction.level!r} needs rollout_log_probs (the rollout "
+                             "engine's log-probs: experience.rollout_log_probs)")
+        baseline, weight, vllm_kl, filter_ratio = old_log_probs, None, None, None
+        if corrected and self.policy_loss_type == "gspo":   # GSPO's ratio is then against the rollout's log-probs
+            baseline = rollout_log_probs
+        elif corrected:
+            weight, vllm_kl, filter_ratio = self.correction.token_weights(old_log_probs, rollout_log_probs, mask)
         # Rows of the kernels' layout, sample by sample: one query row holding ell_theta(q) whole (the loss's sum
         # over a sample's query rows is then that value, its gradient flows into query_logp), then the A actions.
         device = log_probs.device
         query_kind = 0 if query_logp is None else 1
         query_column = torch.zeros(num, 1, device=device) if query_logp is None else query_logp.float()[:, None]
         token_logp = torch.cat([query_column, log_probs.float()], 1).reshape(-1)
-        old_logp = torch.cat([torch.zeros(num, 1, device=device), old_log_probs.float()], 1).reshape(-1)
+        zero_column = torch.zeros(num, 1, device=device)
+        old_logp = torch.cat([zero_column, baseline.float()], 1).reshape(-1)
+        token_weight = None if weight is None else torch.cat([zero_column, weight], 1).reshape(-1)
         kind = torch.cat([torch.full((num, 1), query_kind, device=device),
                           torch.where(mask, 2, 0)], 1).reshape(-1).long()
         sample_index = torch.arange(num, device=device).repeat_interleave(width + 1)
         global_count = batch_num_tokens if self.token_level_loss else global_batch_size
         out = logprob_erpo_loss(
-            token_logp, kind, sample_index, advantages=per_sample, old_logp=old_logp,
+            token_logp, kind, sample_index, advantages=per_sample, old_logp=old_logp, token_weight=token_weight,
             ref_query_logp=ref_query_logp if self.qkl_coef != 0 else None, query_weight=query_weight,
             backend=self.backend, num_items=batch_num_tokens if self.token_level_loss else None,
             num_seqs=global_batch_size, **self.options)
@@ -130,10 +200,10 @@ class ERPOPolicyLoss(torch.nn.Module):
         loss = out.loss * (dp_size if global_count is not None else 1)
         clip_ratio, ppo_kl = policy_loss_metrics(
             log_probs, old_log_probs, advantages, mask, sequence_ratio=self.policy_loss_type == "gspo",
-            clip_low=self.clip_eps_low, clip_high=self.clip_eps_high)
+            clip_low=self.clip_eps_low, clip_high=self.clip_eps_high, ratio_baseline=baseline)
         if info is not None:
             self._log_metrics(info, out, query_logp, query_weight, num, global_batch_size)
-        return loss, clip_ratio, ppo_kl, None, None
+        return loss, clip_ratio, ppo_kl, vllm_kl, filter_ratio
 
     @staticmethod
     def _log_metrics(info: dict, out, query_logp, query_weight, num: int, global_batch_size) -> None:

@@ -1,9 +1,9 @@
-"""erpo.integrations.openrlhf against OpenRLHF 0.11.2's own code: with ERPO's terms off, ERPOPolicyLoss is
-`PolicyLoss` (loss, gradient, metrics) for token- and sequence-level aggregation, clip-higher, the dual clip, GSPO
-and the global counts OpenRLHF passes; the Query-KL is the kernels' torch reference's, times alpha, with its
-gradient; `actor_logprobs` on OpenRLHF's `Actor` around a tiny Qwen2 gives Actor.forward's action log-probs and
-each prompt's log-likelihood of a plain log_softmax-gather, padded either way, fp32 and bf16, with the gradient;
-and the user's mistakes are one-line errors."""
+"""erpo.integrations.openrlhf against OpenRLHF 0.11.2's own code: with ERPO's terms off, ERPOPolicyLoss is `PolicyLoss`
+(loss, gradient, metrics) for token- and sequence-level aggregation, clip-higher, the dual clip, GSPO and the global
+counts OpenRLHF passes, and its train/rollout correction; the Query-KL is the kernels' torch reference's, times
+alpha, with its gradient; `actor_logprobs` on OpenRLHF's `Actor` around a tiny Qwen2 gives Actor.forward's action
+log-probs and each prompt's log-likelihood of a plain log_softmax-gather, padded either way, fp32 and bf16, with the
+gradient; and the user's mistakes are one-line errors."""
 import sys
 import types
 
@@ -63,12 +63,11 @@ OPTIONS = {
 
 
 def loss_and_grad(loss_fn, log_probs, *args, **kwargs):
-    """(loss, d loss / d log_probs, clip_ratio, ppo_kl) of one call."""
+    """(loss, d loss / d log_probs, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio) of one call."""
     log_probs = log_probs.clone().requires_grad_(True)
-    loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = loss_fn(log_probs, *args, **kwargs)
-    assert vllm_kl is None and is_filter_ratio is None
+    loss, *metrics = loss_fn(log_probs, *args, **kwargs)
     loss.backward()
-    return loss.detach(), log_probs.grad, clip_ratio, ppo_kl
+    return loss.detach(), log_probs.grad, *metrics
 
 
 @pytest.mark.parametrize("global_counts", [False, True], ids=["local", "global"])
@@ -83,6 +82,39 @@ def test_without_erpo_terms_it_is_policy_loss(openrlhf_models, name, global_coun
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-7)
     assert theirs[2] > 0 and theirs[1].abs().sum() > 0   # something is clipped, and a gradient flows
+
+
+CORRECTIONS = {
+    "token mask ratio": dict(is_correction_level="token"),
+    "token clip ratio": dict(is_correction_level="token", is_correction_mode="clip",
+                             is_correction_threshold=(0.8, 1.2)),
+    "seq mask ratio": dict(is_correction_level="seq", is_correction_threshold=(0.9, 1.1)),
+    "token mask binary_kl": dict(is_correction_level="token", is_correction_gating="binary_kl",
+                                 is_correction_threshold=(0.0, 0.02)),
+    "seq mask tv": dict(is_correction_level="seq", is_correction_gating="tv", is_correction_threshold=(0.0, 0.03)),
+    "gspo token mask ratio": dict(is_correction_level="token", policy_loss_type="gspo", clip_eps_low=3e-4,
+                                  clip_eps_high=4e-4),
+    "sequence-level dual-clip token mask": dict(is_correction_level="token", token_level_loss=False, dual_clip=3.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRECTIONS))
+def test_the_rollout_correction_is_policy_loss(openrlhf_models, name):
+    """OpenRLHF's train/rollout correction (is_correction_*): loss, gradient and the four metrics equal
+    PolicyLoss's, with some tokens (or sequences) filtered and some kept."""
+    log_probs, old, advantages, mask = batch(seed=6)
+    rollout = (old + torch.randn(old.shape, generator=torch.Generator().manual_seed(7)) * 0.4) * mask
+    theirs = loss_and_grad(openrlhf_models.PolicyLoss(**CORRECTIONS[name]), log_probs, old, advantages,
+                           action_mask=mask, rollout_log_probs=rollout, **GLOBAL)
+    ours = loss_and_grad(ERPOPolicyLoss(**CORRECTIONS[name], qkl_coef=0.0), log_probs, old, advantages,
+                         action_mask=mask, rollout_log_probs=rollout, **GLOBAL)
+    for mine, reference in zip(ours, theirs):
+        if reference is None:
+            assert mine is None
+        else:
+            torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-7)
+    if theirs[5] is not None:   # "ppo": the gate filters part of the batch
+        assert 0 < theirs[5] < 1
 
 
 def test_query_weight_scales_each_sample_policy_term(openrlhf_models):
@@ -156,7 +188,14 @@ def test_errors_are_one_line():
     log_probs, old, advantages, mask = batch()
     cases = [
         (lambda: ERPOPolicyLoss(policy_loss_type="cispo"), r"^policy_loss_type must be one of \['ppo', 'gspo'\]"),
-        (lambda: ERPOPolicyLoss(is_correction_level="token"), r"^is_correction_level='token' is not supported"),
+        (lambda: ERPOPolicyLoss(is_correction_level="tok"), r"^is_correction_level must be one of"),
+        (lambda: ERPOPolicyLoss(is_correction_level="seq", is_correction_mode="clip"),
+         r"^is_correction_mode=clip requires is_correction_level=token"),
+        (lambda: ERPOPolicyLoss(is_correction_level="token", is_correction_gating="tv"),
+         r"^is_correction_gating=tv takes an upper bound only"),
+        (lambda: ERPOPolicyLoss(is_correction_level="token", qkl_coef=0.0)(log_probs, old, advantages,
+                                                                            action_mask=mask),
+         r"^is_correction_level='token' needs rollout_log_probs"),
         (lambda: ERPOPolicyLoss(qkl_coef=-1.0), r"^qkl_coef must be a finite number >= 0"),
         (lambda: ERPOPolicyLoss(qkl_estimator="k3-token"), r"^qkl_estimator must be one of"),
         (lambda: ERPOPolicyLoss(dual_clip=0.9), r"dual_clip"),
