@@ -6,6 +6,7 @@ log-probs and each prompt's log-likelihood of a plain log_softmax-gather, padded
 gradient; and the user's mistakes are one-line errors."""
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,22 +19,43 @@ from erpo_kernels import logprob_erpo_loss  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def openrlhf_models():
-    """`openrlhf.models` (PolicyLoss, Actor) without flash-attn: the package imports its ring-attention helpers
-    (`ring_attn_utils`), which import flash_attn at the top, absent on a CPU machine. They serve the packed path
-    only (packing_samples, ring attention), which these tests do not take, so a stand-in module takes their place
-    while the package is imported. Stubbing that module rather than flash_attn keeps flash_attn absent for
-    transformers, which probes for it."""
+def ring_attention_stand_in():
+    """A stand-in for `openrlhf.models.ring_attn_utils`, which imports flash_attn at its top (absent on a CPU
+    machine). Its helpers serve the packed path only (packing_samples, ring attention), which these tests do not
+    take. Stubbing that module rather than flash_attn keeps flash_attn absent for transformers, which probes it."""
     def packed_path_only(*args, **kwargs):
         raise RuntimeError("the packed path needs flash-attn, absent here")
 
     stand_in = types.ModuleType("openrlhf.models.ring_attn_utils")
-    stand_in.gather_and_pad_tensor = stand_in.unpad_and_slice_tensor = packed_path_only
+    for name in ("gather_and_pad_tensor", "unpad_and_slice_tensor", "get_ring_attn_group", "set_ring_attn_group"):
+        setattr(stand_in, name, packed_path_only)
+    return stand_in
+
+
+@pytest.fixture(scope="module")
+def openrlhf_models():
+    """`openrlhf.models` (PolicyLoss, Actor), imported with `ring_attention_stand_in` in its package."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, stand_in.__name__, stand_in)
+        patch.setitem(sys.modules, "openrlhf.models.ring_attn_utils", ring_attention_stand_in())
         import openrlhf.models as models
     return models
+
+
+@pytest.fixture(scope="module")
+def actor_step(openrlhf_models):
+    """OpenRLHF's own `ActorPPOTrainer.training_step`, unmodified. Its package `openrlhf.trainer.ray` imports vLLM
+    in its __init__ (absent here; the step does not use it), so the package's folder is mounted under a stand-in
+    package module while ppo_actor is imported, with `ring_attention_stand_in` (OpenRLHF's DeepSpeed strategy
+    imports it too)."""
+    import openrlhf.trainer
+    package = types.ModuleType("openrlhf.trainer.ray")
+    package.__path__ = [str(Path(openrlhf.trainer.__file__).parent / "ray")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, package.__name__, package)
+        patch.setitem(sys.modules, "openrlhf.models.ring_attn_utils", ring_attention_stand_in())
+        from openrlhf.trainer.ppo_utils.experience import Experience
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    return ActorPPOTrainer.training_step, Experience
 
 
 def batch(seed=0, num=5, width=9, spread=0.6):
@@ -442,3 +464,43 @@ def test_a_mismatched_cache_is_a_one_line_error(openrlhf_models, tiny_path, tmp_
         with pytest.raises(ValueError, match=message) as error:
             make()
         assert "\n" not in str(error.value)
+
+
+def run_actor_step(actor_step, actor, loss_fn, sequences, action_mask, attention_mask, old, advantages):
+    """OpenRLHF's training_step on one micro-batch with `loss_fn` as its actor_loss_fn, on a stand-in trainer whose
+    strategy backpropagates and never steps (no Ray, no DeepSpeed): (the status it returns, every parameter's
+    gradient)."""
+    training_step, experience_class = actor_step
+    args = types.SimpleNamespace(
+        actor=types.SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
+        algo=types.SimpleNamespace(kl=types.SimpleNamespace(use_loss=False)),
+        train=types.SimpleNamespace(dynamic_batch_enable=False))
+    strategy = types.SimpleNamespace(ring_attn_group=None, backward=lambda loss, model, optim: loss.backward(),
+                                     optimizer_step=lambda *a, **k: None, get_grad_norm=lambda model: 0.0)
+    trainer = types.SimpleNamespace(actor=actor, actor_loss_fn=loss_fn, args=args, strategy=strategy, aux_loss=False,
+                                    ema_model=None, actor_optim=None,
+                                    actor_scheduler=types.SimpleNamespace(get_last_lr=lambda: [0.0]))
+    experience = experience_class(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+                                  action_log_probs=old, advantages=advantages, info={})
+    actor.zero_grad()
+    status = training_step(trainer, experience, 0.0, 0, dict(GLOBAL))
+    return status, {name: p.grad.clone() for name, p in actor.named_parameters()}
+
+
+def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, actor_step, tiny_path):
+    """ERPOPolicyLoss with qkl_coef=0 in place of PolicyLoss inside OpenRLHF's unmodified training_step: the same
+    status (policy_loss, ppo_clip_ratio, ppo_kl) and every parameter's gradient."""
+    tokenizer = build_tokenizer()
+    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, rendered(tokenizer))
+    with torch.no_grad():
+        old = actor(sequences, action_mask, attention_mask=attention_mask) - 0.3 * action_mask
+    advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
+    batch = (sequences, action_mask, attention_mask, old, advantages)
+    theirs, their_grads = run_actor_step(actor_step, actor, openrlhf_models.PolicyLoss(dual_clip=3.0), *batch)
+    ours, our_grads = run_actor_step(actor_step, actor, ERPOPolicyLoss(dual_clip=3.0, qkl_coef=0.0), *batch)
+    for name in ("policy_loss", "ppo_clip_ratio", "ppo_kl"):
+        torch.testing.assert_close(ours["metrics"][name], theirs["metrics"][name], rtol=1e-6, atol=1e-7, msg=name)
+    assert theirs["metrics"]["ppo_clip_ratio"] > 0
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
