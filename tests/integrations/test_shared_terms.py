@@ -1,11 +1,12 @@
 """ERPO's settings are checked by one rule (erpo.terms) in every trainer that exposes them: `erpo train`'s config,
-ERPOTrainer's ERPOConfig and verl's ERPOSettings refuse the same bad Query-KL coefficient, each names its own field,
-and read the reference for the same settings."""
+ERPOTrainer's ERPOConfig, verl's ERPOSettings and OpenRLHF's ERPOPolicyLoss refuse the same bad Query-KL
+coefficient, each names its own field, and read the reference for the same settings."""
 import math
 
 import pytest
 
 from erpo.config import Config, apply_overrides, resolve
+from erpo.integrations.openrlhf import ERPOPolicyLoss
 from erpo.integrations.verl import ERPOSettings
 from erpo.terms import needs_reference
 
@@ -27,7 +28,8 @@ def trl_config(tmp_path, **settings):
 def test_every_trainer_refuses_the_same_qkl_coef(tmp_path, value):
     for make, name in [(lambda: erpo_train(tmp_path, qkl_coef=value), "algorithm.qkl_coef"),
                        (lambda: trl_config(tmp_path, qkl_coef=value), "qkl_coef"),
-                       (lambda: ERPOSettings(qkl_coef=value), "erpo.qkl_coef")]:
+                       (lambda: ERPOSettings(qkl_coef=value), "erpo.qkl_coef"),
+                       (lambda: ERPOPolicyLoss(qkl_coef=value), "qkl_coef")]:
         with pytest.raises(ValueError, match=rf"^{name} must be a finite number >= 0, got"):
             make()
 
