@@ -195,7 +195,7 @@ class ERPOPolicyLoss(torch.nn.Module):
             token_logp, kind, sample_index, advantages=per_sample, old_logp=old_logp, token_weight=token_weight,
             ref_query_logp=ref_query_logp if self.qkl_coef != 0 else None, query_weight=query_weight,
             backend=self.backend, num_items=batch_num_tokens if self.token_level_loss else None,
-            num_seqs=global_batch_size, **self.options)
+            num_seqs=global_batch_size, validate=False, **self.options)   # the rows are built above: no read
         # aggregate_loss multiplies by dp_size when given the global count (DeepSpeed averages the ranks' gradients)
         loss = out.loss * (dp_size if global_count is not None else 1)
         clip_ratio, ppo_kl = policy_loss_metrics(
@@ -277,7 +277,8 @@ def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor
     logits = output["logits"]
     num, length = sequences.shape
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
-    scored = token_logprobs(logits.reshape(num * length, -1), targets, return_entropy=return_entropy)
+    # validate=False: the targets are the sequences' own tokens, which the forward has just embedded (no read)
+    scored = token_logprobs(logits.reshape(num * length, -1), targets, return_entropy=return_entropy, validate=False)
     logp, entropy = scored if return_entropy else (scored, None)
     return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
 

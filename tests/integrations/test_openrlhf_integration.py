@@ -16,6 +16,7 @@ pytest.importorskip("openrlhf", reason="OpenRLHF is not in the test extra: pip i
 from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo_kernels import logprob_erpo_loss  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
 
@@ -504,3 +505,31 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
     assert theirs["metrics"]["ppo_clip_ratio"] > 0
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_host_reads_per_micro_batch(openrlhf_models, tiny_path, tmp_path):
+    """What ERPO adds to OpenRLHF's step in host reads (LaunchCounter, as on CUDA): actor_logprobs reads what the
+    actor's forward reads plus 2 (sample_sums' index check, the prompt tokens for the cache's key), the lookup none
+    (its values go up without a wait), the loss 1 (the one-advantage-per-sample check), where PolicyLoss reads
+    none."""
+    from erpo.integrations.openrlhf_reference import load_or_build_query_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
+    prompts = rendered(tokenizer)
+    reference = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "cache.json"),
+                                              model_path=tiny_path)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, prompts)
+    old = torch.full(action_mask.shape, -3.0) * action_mask
+    advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
+    with LaunchCounter() as forward:
+        actor(sequences, action_mask, attention_mask=attention_mask)
+    with LaunchCounter() as scoring:
+        scores = actor_logprobs(actor, sequences, action_mask, attention_mask)
+    with LaunchCounter() as lookup:
+        ref_query_logp, query_weight = reference.lookup(scores.prompt_ids, device=sequences.device)
+    with LaunchCounter() as loss_reads:
+        loss, *_ = ERPOPolicyLoss()(scores.action_log_probs, old, advantages, action_mask=action_mask,
+                                    query_logp=scores.query_logp, ref_query_logp=ref_query_logp,
+                                    query_weight=query_weight, info={}, **GLOBAL)
+        loss.backward()
+    assert (scoring.syncs - forward.syncs, lookup.syncs, loss_reads.syncs) == (2, 0, 1)
