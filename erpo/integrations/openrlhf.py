@@ -19,6 +19,8 @@ own code).
 """
 from __future__ import annotations
 
+import importlib.metadata
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,19 @@ PPO_LOG_RATIO_CLAMP = 20.0      # PolicyLoss clamps log(ratio) to +-20 for "ppo"
 ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: group_norm, rloo, reinforce_baseline, "
                    "dr_grpo); these advantages vary along the response (advantage estimator gae, or a per-token "
                    "KL reward: use the KL loss, algo.kl.use_loss)")
+
+
+def check_openrlhf_version() -> None:
+    """Warn when the installed OpenRLHF is another release than the one the parity tests ran against (its
+    PolicyLoss's arithmetic may have changed); nothing when OpenRLHF is not installed (the loss does not import it)."""
+    try:
+        installed = importlib.metadata.version("openrlhf")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if installed != OPENRLHF_VERSION:
+        warnings.warn(f"erpo.integrations.openrlhf is tested against OpenRLHF {OPENRLHF_VERSION}, this is OpenRLHF "
+                      f"{installed}: run tests/integrations/test_openrlhf_integration.py with it before trusting the "
+                      "parity", stacklevel=3)
 
 
 def policy_loss_metrics(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -125,6 +140,7 @@ class ERPOPolicyLoss(torch.nn.Module):
                  is_correction_threshold=(0.5, 5.0), *, qkl_coef: float = 0.01, qkl_estimator: str = "k3",
                  backend: str = "auto") -> None:
         super().__init__()
+        check_openrlhf_version()
         check_choice("policy_loss_type", policy_loss_type, tuple(POLICY_LOSS_TYPES),
                      hint=" with ERPOPolicyLoss (the kernels' clipped surrogate, per token or per sequence)")
         self.correction = RolloutCorrection(is_correction_level, is_correction_mode, is_correction_gating,

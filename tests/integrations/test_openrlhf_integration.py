@@ -533,3 +533,17 @@ def test_host_reads_per_micro_batch(openrlhf_models, tiny_path, tmp_path):
                                     query_weight=query_weight, info={}, **GLOBAL)
         loss.backward()
     assert (scoring.syncs - forward.syncs, lookup.syncs, loss_reads.syncs) == (2, 0, 1)
+
+
+def test_another_openrlhf_release_is_warned_of(monkeypatch):
+    """The installed release (0.11.2, the tested one) builds the loss silently; another one is warned of."""
+    import warnings
+
+    import erpo.integrations.openrlhf as integration
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ERPOPolicyLoss()
+    assert not [w for w in caught if "tested against OpenRLHF" in str(w.message)]
+    monkeypatch.setattr(integration, "OPENRLHF_VERSION", "0.0.1")
+    with pytest.warns(UserWarning, match=r"tested against OpenRLHF 0\.0\.1, this is OpenRLHF 0\.11\.2"):
+        ERPOPolicyLoss()
