@@ -197,10 +197,10 @@ class ERPOPolicyLoss(torch.nn.Module):
         # Rows of the kernels' layout, sample by sample: one query row holding ell_theta(q) whole (the loss's sum
         # over a sample's query rows is then that value, its gradient flows into query_logp), then the A actions.
         device = log_probs.device
-        query_kind = 0 if query_logp is None else 1
-        query_column = torch.zeros(num, 1, device=device) if query_logp is None else query_logp.float()[:, None]
-        token_logp = torch.cat([query_column, log_probs.float()], 1).reshape(-1)
         zero_column = torch.zeros(num, 1, device=device)
+        query_kind = 0 if query_logp is None else 1
+        query_column = zero_column if query_logp is None else query_logp.float()[:, None]
+        token_logp = torch.cat([query_column, log_probs.float()], 1).reshape(-1)
         old_logp = torch.cat([zero_column, baseline.float()], 1).reshape(-1)
         token_weight = None if weight is None else torch.cat([zero_column, weight], 1).reshape(-1)
         kind = torch.cat([torch.full((num, 1), query_kind, device=device),
