@@ -303,7 +303,7 @@ def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, at
                    return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorScores:
     """The action log-probs and ell_theta(q) of one forward of OpenRLHF's actor (`actor_row_logprobs`, which takes
     the same arguments): the action rows as Actor.forward returns them, each prompt's rows summed by erpo_kernels'
-    `sample_sums`. One host read: the prompt tokens."""
+    `sample_sums`. Host reads beyond the forward's: 2, sample_sums' index check and one copy of the prompt tokens."""
     rows = actor_row_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
                               ring_attn_group=ring_attn_group, **mm_inputs)
     num, length = sequences.shape
