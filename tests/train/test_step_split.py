@@ -1,0 +1,26 @@
+"""One optimizer step of `erpo train` split over micro-batches (gradient accumulation) gives the gradient and the
+metrics of the same step in one call, for every loss aggregation the trainer offers (tests/support/step_split.py);
+the same over 2 ranks is tests/distributed/test_step_split.py."""
+import pytest
+import torch
+
+from step_split import CASES, COMPARED_METRICS, rollout, step_gradient
+
+
+def assert_same_step(split, whole, case):
+    (grad, record), (whole_grad, whole_record) = split, whole
+    assert whole_grad.norm() > 0
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{case}: {m}")
+    for name in COMPARED_METRICS:
+        assert record[name] == pytest.approx(whole_record[name], rel=1e-5, abs=1e-7), f"{case}: {name}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_micro_batches_give_the_gradient_and_metrics_of_the_whole_step(case):
+    """Micro-batches of 1, 2 and 4 samples against one call over the 6: the normalizers are the step's (response
+    tokens, samples), each Query-KL term counts once per sample whatever micro-batch holds it, and an
+    entropy_agg="token-mean" bonus is the step's token mean (it was each micro-batch's mean, summed: k times too
+    strong over k micro-batches)."""
+    whole = step_gradient(CASES[case], 6, rollout())
+    for micro in (1, 2, 4):
+        assert_same_step(step_gradient(CASES[case], micro, rollout()), whole, f"{case} micro={micro}")
