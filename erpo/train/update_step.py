@@ -55,8 +55,10 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     log-prob gap; the number of non-finite losses seen). A metric that does not apply to the loss (`LossMetrics`:
     policy_kl without a reference model, the rollout ones without importance sampling) has no sum, and the gap is
     then None: the options and which inputs are given decide that, the same on every micro-batch and rank."""
+    # num_items is 0 when every response of the step is masked (mask_truncated): no row then divides by it, and the
+    # loss refuses 0, so it is clamped to 1 as TRL clamps its token count (the Query-KL still trains)
     options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_options,
-               "num_items": plan.num_items, "num_seqs": plan.num_seqs}
+               "num_items": max(plan.num_items, 1), "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
     # The sums stay on the device, in fp64 (as Python floats would hold them), and are read once per step: no host
     # read per micro-batch for the metrics, nor for the finiteness of the loss, which the backward's weight follows

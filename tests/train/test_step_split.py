@@ -24,3 +24,16 @@ def test_micro_batches_give_the_gradient_and_metrics_of_the_whole_step(case):
     whole = step_gradient(CASES[case], 6, rollout())
     for micro in (1, 2, 4):
         assert_same_step(step_gradient(CASES[case], micro, rollout()), whole, f"{case} micro={micro}")
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_step_whose_responses_are_all_masked_trains_the_query_kl(loss_agg):
+    """algorithm.mask_truncated with every response of the step truncated: no response token is scored anywhere
+    (num_items 0, which the loss refuses), the policy term is 0 and the Query-KL still trains, split or not (TRL
+    clamps its token count to 1 the same way). It stopped the run with 'num_items must be ... > 0, got 0'."""
+    overrides = ["algorithm.mask_truncated=true", f"algorithm.loss_agg={loss_agg}"]
+    every_truncated = rollout(truncated=(True,) * 6)
+    whole = step_gradient(overrides, 6, every_truncated)
+    assert whole[1]["response_tokens"] == 0 and whole[1]["pg_loss"] == 0.0
+    assert whole[1]["loss"] == pytest.approx(0.01 * whole[1]["qkl"]) and whole[1]["qkl"] > 0.1
+    assert_same_step(step_gradient(overrides, 2, every_truncated), whole, loss_agg)
