@@ -22,6 +22,7 @@ Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 from typing import Any
 
@@ -33,8 +34,6 @@ from erpo.errors import MissingPackageError
 from erpo.models.lora import inference_weights
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 
-SEED_STRIDE = 1_000_003  # per-prompt seeds: base + data-parallel rank * stride + prompt * n + sample
-
 
 def import_vllm():
     """The `vllm` module, or a MissingPackageError (an ImportError, one line on the command line) saying how to
@@ -44,6 +43,17 @@ def import_vllm():
     except ImportError as exc:
         raise MissingPackageError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
                                   f"(import failed: {exc})") from exc
+
+
+def request_seed(seed: int, dp_rank: int, prompt: int) -> int:
+    """The seed of one request (one prompt's n samples) of a `generate` seeded with `seed`, in [0, 2**62): a hash
+    of (seed, data-parallel rank, prompt), the same on every run. vLLM seeds sample j with request seed + j, so
+    seeds drawn this way share no sample seed with another call's or rank's (a collision needs two hashes within n
+    of each other: about requests**2 * n / 2**62), where consecutive base seeds with linear offsets did: erpo
+    train's rollout steps are 1009 apart, and step s + 1 reused the random draws of step s's later samples on
+    other prompts."""
+    digest = hashlib.blake2b(f"{seed},{dp_rank},{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def tp_all_gather_object(obj: Any) -> list[Any]:
@@ -162,9 +172,9 @@ class VLLMRollout(RolloutEngine):
     def sampling_params(self, prompt: int, n: int, temperature: float, top_p: float, max_new_tokens: int,
                         seed: int | None):
         """`vllm.SamplingParams` for one prompt: n samples, log-prob of each sampled token (logprobs=0)."""
-        request_seed = None if seed is None else seed + self.dp_rank * SEED_STRIDE + prompt * n
         return self.sampling_params_cls(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                        logprobs=0, seed=request_seed)
+                                        logprobs=0, seed=None if seed is None else request_seed(seed, self.dp_rank,
+                                                                                                 prompt))
 
     # -- weights
     def model_loader(self):
