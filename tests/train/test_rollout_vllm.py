@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,6 +123,19 @@ def test_generate_builds_grouped_batch(vllm):
     assert len(batch.response_ids[3]) == min(2 + seeds[1] % 4, 4)
     unseeded = engine.generate([[1]], n=1, temperature=1.0, max_new_tokens=3)
     assert engine.llm.calls[-1][2][0].kwargs["seed"] is None and len(unseeded.response_ids) == 1
+
+
+def test_a_response_whose_eos_is_its_last_allowed_token_is_not_truncated(vllm, monkeypatch):
+    """vLLM 0.10 reports finish_reason "length" for a response whose EOS is its max_tokens-th token (it checks the
+    length before the EOS): that response ended and is not truncated, as HFRollout and TRL's
+    mask_truncated_completions count it, so algorithm.mask_truncated keeps its loss and truncated_frac leaves it
+    out. Only the responses that ran out without EOS are."""
+    monkeypatch.setattr(fake_vllm.LLM, "eos_token_id", 9)
+    engine = VLLMRollout("m")
+    batch = engine.generate([[3], [20]], n=4, temperature=1.0, max_new_tokens=4)   # unseeded: lengths 2, 3, 4, 4
+    assert batch.response_ids[:4] == [[4, 5], [5, 6, 7], [6, 7, 8, 9], [7, 8, 9]]    # 9: the EOS
+    assert batch.truncated == [False] * 6 + [True] * 2
+    assert rollout_vllm.ran_out(SimpleNamespace(token_ids=(6, 7, 8, 9), finish_reason="length"), None)
 
 
 def sample_seeds(engine, seed: int, prompts: int, n: int) -> set[int]:
