@@ -1,6 +1,7 @@
 """One optimizer step of `erpo train` (plan_step, the w(q) plan, accumulate_loss, step_record) on a hand-made
 rollout, so that tests can split the same step over micro-batches (tests/train/test_step_split.py) and over ranks
-(tests/workers/step_split_worker.py, tests/distributed/test_step_split.py) and compare it with the step in one call.
+(tests/workers/step_split_worker.py, tests/distributed/test_step_split_ranks.py) and compare it with the step in
+one call.
 
 The rollout: 3 prompts of 3, 2 and 5 tokens x 2 responses of 1 to 7 tokens, sample 1 and both samples of prompt
 2 truncated; the policy is a tiny Qwen2 with a sharpened lm_head (unequal entropies) and its reference another
@@ -16,7 +17,7 @@ from erpo.train import update_step
 from erpo.train.metrics import step_record
 from erpo.train.rollout_stage import Rollout
 from erpo.train.step_plan import plan_query_weights, plan_step
-from erpo.train.updater import TorchUpdater
+from erpo.train.updater import DeepSpeedUpdater, TorchUpdater, deepspeed_config_for
 
 GROUP = 2
 PROMPTS = PromptSet(records=[{}, {}, {}], prompts=["a", "b", "c"], prompt_ids=[[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]],
@@ -64,19 +65,39 @@ def rollout(truncated=(False, True, False, False, True, True), keep=(True,) * 6)
                    keep=torch.tensor(keep), reward_std_zero=torch.zeros(6, dtype=torch.bool), rollout_logp=None)
 
 
+def accumulate(cfg, updater, reference, samples: Rollout) -> dict:
+    """Plan the step of `samples` (this rank's) under `cfg`, accumulate its loss into `updater`'s gradients and
+    return its metrics record (over all ranks)."""
+    pad_id = build_tokenizer().pad_token_id
+    plan = plan_step(cfg, samples, PROMPTS, pad_id, "cpu")
+    options = logit_transforms(updater.model)
+    weights = plan_query_weights(cfg, plan, updater.model, PROMPTS, pad_id, STATIC_WEIGHT, options)
+    ref_model = reference if cfg.algorithm.policy_kl_coef > 0 else None
+    sums, gap, _ = update_step.accumulate_loss(cfg, updater, ref_model, plan, None, weights, REF_QUERY_LOGP, options)
+    weight_sum = sum(float(w.sum()) for mb, w in zip(plan.micro_batches, weights) if mb.weight and w is not None)
+    return step_record(cfg, plan, sums, gap, weight_sum, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+
+
+def step_config(overrides: list[str], micro_batch_size: int):
+    return resolve(apply_overrides(Config(), [*overrides, f"trainer.micro_batch_size={micro_batch_size}"]))
+
+
 def step_gradient(overrides: list[str], micro_batch_size: int, samples: Rollout) -> tuple[torch.Tensor, dict]:
     """(the gradient [P] of every policy parameter, flattened, and the step's metrics record) of one optimizer step
     of `samples` (this rank's) with the config `overrides`, in micro-batches of `micro_batch_size` samples. The
     gradient is this rank's backward's; under data parallelism DeepSpeed then averages it over ranks."""
-    policy, reference, tokenizer = models()
-    cfg = resolve(apply_overrides(Config(), [*overrides, f"trainer.micro_batch_size={micro_batch_size}"]))
-    plan = plan_step(cfg, samples, PROMPTS, tokenizer.pad_token_id, "cpu")
-    options = logit_transforms(policy)
-    weights = plan_query_weights(cfg, plan, policy, PROMPTS, tokenizer.pad_token_id, STATIC_WEIGHT, options)
-    ref_model = reference if cfg.algorithm.policy_kl_coef > 0 else None
-    sums, gap, _ = update_step.accumulate_loss(cfg, TorchUpdater(policy, cfg, total_steps=1), ref_model, plan, None,
-                                               weights, REF_QUERY_LOGP, options)
-    weight_sum = sum(float(w.sum()) for mb, w in zip(plan.micro_batches, weights) if mb.weight and w is not None)
-    record = step_record(cfg, plan, sums, gap, weight_sum, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+    policy, reference, _ = models()
+    cfg = step_config(overrides, micro_batch_size)
+    record = accumulate(cfg, TorchUpdater(policy, cfg, total_steps=1), reference, samples)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in policy.parameters()]
     return torch.cat([g.flatten() for g in grads]), record
+
+
+def deepspeed_grad_norm(overrides: list[str], micro_batch_size: int, samples: Rollout, zero_stage: int) -> float:
+    """The global gradient norm DeepSpeed reports for the step of `samples` (this rank's) through erpo's
+    DeepSpeedUpdater at `zero_stage`: its gradients accumulated over the micro-batches and reduced over ranks."""
+    policy, reference, _ = models()
+    cfg = step_config([*overrides, "trainer.updater=deepspeed", f"trainer.zero_stage={zero_stage}"], micro_batch_size)
+    updater = DeepSpeedUpdater(policy, cfg, total_steps=1, ds_config=deepspeed_config_for(cfg))
+    accumulate(cfg, updater, reference, samples)
+    return updater.step()[0]

@@ -1,6 +1,6 @@
 """One optimizer step of `erpo train` split over micro-batches (gradient accumulation) gives the gradient and the
 metrics of the same step in one call, for every loss aggregation the trainer offers (tests/support/step_split.py);
-the same over 2 ranks is tests/distributed/test_step_split.py."""
+the same over 2 ranks is tests/distributed/test_step_split_ranks.py."""
 import pytest
 import torch
 
