@@ -278,6 +278,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"config key '{key}': unsupported type {tp}")
 
 
+def set_elsewhere(dotted: str) -> str:
+    """For an `algorithm.X` key naming a loss option the config takes from elsewhere (LOSS_OPTIONS_ELSEWHERE, e.g.
+    the temperature: one setting for the engine and the loss), where it comes from, as a clause; else ""."""
+    section, _, option = dotted.partition(".")
+    source = LOSS_OPTIONS_ELSEWHERE.get(option) if section == "algorithm" else None
+    return f" (the loss's {option} comes from {source})" if source else ""
+
+
 def _update(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise TypeError(f"config section '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
@@ -287,7 +295,7 @@ def _update(obj: Any, data: dict, prefix: str = "") -> None:
         key = dotted[len(prefix):]
         if key not in hints:
             valid = ", ".join(sorted(hints))
-            raise ValueError(f"unknown config key '{dotted}'; valid keys here: {valid}")
+            raise ValueError(f"unknown config key '{dotted}'{set_elsewhere(dotted)}; valid keys here: {valid}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _update(current, value, f"{dotted}.")
@@ -331,7 +339,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             hints = _field_types(type(obj))
             if part not in hints:
                 where = ".".join(parts[:depth]) or "<root>"
-                raise ValueError(f"unknown config key '{dotted}': '{part}' is not in {where} "
+                raise ValueError(f"unknown config key '{dotted}': '{part}' is not in {where}{set_elsewhere(dotted)} "
                                  f"(valid: {', '.join(sorted(hints))})")
             if depth == len(parts) - 1:
                 if dataclasses.is_dataclass(getattr(obj, part)):

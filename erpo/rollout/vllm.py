@@ -2,7 +2,7 @@
 
 Optional dependency: `pip install "erpo[vllm]"`; vLLM is imported when a `VLLMRollout` is created, never at
 package import. Only vLLM's public Python API is used: `vllm.LLM`, `vllm.SamplingParams`,
-`LLM.generate`, `LLM.reset_prefix_cache`, `LLM.sleep` / `LLM.wake_up`, and for weight updates
+`LLM.generate`, `LLM.get_tokenizer`, `LLM.reset_prefix_cache`, `LLM.sleep` / `LLM.wake_up`, and for weight updates
 `LLM.apply_model` (vLLM's public way to reach the in-process model) or, in versions without it, the
 attribute chain `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (the path TRL's
 colocate mode uses). Checked against vLLM 0.10.2 and 0.33.0 (setup.py bounds the extra to that range).
@@ -22,6 +22,7 @@ Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 from typing import Any
 
@@ -33,8 +34,6 @@ from erpo.errors import MissingPackageError
 from erpo.models.lora import inference_weights
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 
-SEED_STRIDE = 1_000_003  # per-prompt seeds: base + data-parallel rank * stride + prompt * n + sample
-
 
 def import_vllm():
     """The `vllm` module, or a MissingPackageError (an ImportError, one line on the command line) saying how to
@@ -44,6 +43,17 @@ def import_vllm():
     except ImportError as exc:
         raise MissingPackageError("rollout.engine 'vllm' needs vLLM on a CUDA machine: pip install 'erpo[vllm]' "
                                   f"(import failed: {exc})") from exc
+
+
+def request_seed(seed: int, dp_rank: int, prompt: int) -> int:
+    """The seed of one request (one prompt's n samples) of a `generate` seeded with `seed`, in [0, 2**62): a hash
+    of (seed, data-parallel rank, prompt), the same on every run. vLLM seeds sample j with request seed + j, so
+    seeds drawn this way share no sample seed with another call's or rank's (a collision needs two hashes within n
+    of each other: about requests**2 * n / 2**62), where consecutive base seeds with linear offsets did: erpo
+    train's rollout steps are 1009 apart, and step s + 1 reused the random draws of step s's later samples on
+    other prompts."""
+    digest = hashlib.blake2b(f"{seed},{dp_rank},{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def tp_all_gather_object(obj: Any) -> list[Any]:
@@ -115,6 +125,7 @@ class VLLMRollout(RolloutEngine):
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
+        self.eos_token_id = getattr(self.llm.get_tokenizer(), "eos_token_id", None)   # None: no tokenizer loaded
         self.asleep: set[str] = set()      # parts of the engine currently released: "weights", "kv_cache"
         self.weights_discarded = False     # level-2 sleep: weights must be synced before generating
 
@@ -156,15 +167,15 @@ class VLLMRollout(RolloutEngine):
                 batch.prompt_ids.append(prompts[i])
                 batch.response_ids.append(tokens)
                 batch.response_logp.append(sampled_logprobs(tokens, completion.logprobs))
-                batch.truncated.append(completion.finish_reason == "length")
+                batch.truncated.append(ran_out(completion, self.eos_token_id))
         return batch
 
     def sampling_params(self, prompt: int, n: int, temperature: float, top_p: float, max_new_tokens: int,
                         seed: int | None):
         """`vllm.SamplingParams` for one prompt: n samples, log-prob of each sampled token (logprobs=0)."""
-        request_seed = None if seed is None else seed + self.dp_rank * SEED_STRIDE + prompt * n
         return self.sampling_params_cls(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                        logprobs=0, seed=request_seed)
+                                        logprobs=0, seed=None if seed is None else request_seed(seed, self.dp_rank,
+                                                                                                 prompt))
 
     # -- weights
     def model_loader(self):
@@ -225,6 +236,14 @@ def check_free_gpu_memory(gpu_memory_utilization: float) -> None:
                          f"{gpu_memory_utilization * total / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of "
                          f"{total / 2**30:.1f} GiB are free: create the vLLM engine before the trainer allocates, "
                          f"or set rollout.gpu_memory_utilization <= {int(free / total * 100) / 100:.2f}")
+
+
+def ran_out(completion: Any, eos_token_id: int | None) -> bool:
+    """Whether a vLLM completion reached max_tokens without ending in EOS (a truncated response, as HFRollout and
+    TRL's `mask_truncated_completions` count them). vLLM says finish_reason "length", but versions that check the
+    length before the EOS (0.10's `check_stop`) also say it for a response whose EOS is its last allowed token."""
+    ends_in_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_token_id
+    return completion.finish_reason == "length" and not ends_in_eos
 
 
 def sampled_logprobs(tokens: list[int], logprobs: Any) -> list[float]:

@@ -26,6 +26,11 @@ class MicroBatch:
     weight: float          # 1.0, or 0.0 for a stand-in (runs forward and backward, counts for nothing)
     batch: PackedBatch
 
+    @property
+    def response_rows(self) -> int:
+        """Response tokens scored in this micro-batch (read from the host copy of its layout: no device read)."""
+        return int((self.batch.host_layout[0] == 2).sum())
+
 
 @dataclass
 class StepPlan:
@@ -56,7 +61,7 @@ def plan_step(cfg: Config, rollout: Rollout, ps: PromptSet, pad_id: int, device)
         first = torch.zeros(1, dtype=torch.long)
         stand_in = MicroBatch(first, 0.0, pack_rollout(cfg, rollout, first, ps, pad_id, device))
         micro_batches += [stand_in] * missing
-    response_rows = sum(int((mb.batch.host_layout[0] == 2).sum()) for mb in micro_batches if mb.weight)  # on the host
+    response_rows = sum(mb.response_rows for mb in micro_batches if mb.weight)
     local = torch.tensor([response_rows, len(kept)])
     num_items, num_seqs = D.all_reduce_sum(local).tolist()
     return StepPlan(rollout, micro_batches, num_items, num_seqs)

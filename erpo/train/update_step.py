@@ -35,6 +35,17 @@ def entropy_pool(weight: float):
     return lambda local: D.all_gather_cat(local if weight else local[:0])
 
 
+def step_entropy_coef(options: dict, response_rows: int) -> float:
+    """The entropy coefficient of a micro-batch of `response_rows` response tokens, such that the bonuses of the
+    step's micro-batches on all ranks add up to the step's: with entropy_agg="token-mean" the loss takes the mean
+    of H_t over the call's rows, so each micro-batch's mean is weighted by its share of the step's response tokens
+    (options["num_items"], global) and the sum is entropy_coef x the step's token mean, however the step is split
+    (summed unweighted, k micro-batches gave k times the bonus). "loss-agg" divides by num_items itself."""
+    if options["entropy_agg"] != "token-mean":
+        return options["entropy_coef"]
+    return options["entropy_coef"] * response_rows / options["num_items"]
+
+
 def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, old_logp: list[torch.Tensor] | None,
                     query_weight: list[torch.Tensor | None], ref_query_logp: torch.Tensor,
                     logit_options: dict) -> tuple[dict, float | None, int]:
@@ -44,8 +55,10 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
     log-prob gap; the number of non-finite losses seen). A metric that does not apply to the loss (`LossMetrics`:
     policy_kl without a reference model, the rollout ones without importance sampling) has no sum, and the gap is
     then None: the options and which inputs are given decide that, the same on every micro-batch and rank."""
+    # num_items is 0 when every response of the step is masked (mask_truncated): no row then divides by it, and the
+    # loss refuses 0, so it is clamped to 1 as TRL clamps its token count (the Query-KL still trains)
     options = {**dataclasses.asdict(cfg.algorithm.loss_options), **logit_options,
-               "num_items": plan.num_items, "num_seqs": plan.num_seqs}
+               "num_items": max(plan.num_items, 1), "num_seqs": plan.num_seqs}
     temperature = cfg.rollout.temperature
     # The sums stay on the device, in fp64 (as Python floats would hold them), and are read once per step: no host
     # read per micro-batch for the metrics, nor for the finiteness of the loss, which the backward's weight follows
@@ -67,7 +80,8 @@ def accumulate_loss(cfg: Config, updater: Updater, ref_model, plan: StepPlan, ol
                 old_logp=None if old_logp is None else old_logp[m], ref_logp=ref_logp,
                 rollout_logp=batch.rollout_logp, host_layout=batch.host_layout,  # pack's: no read to plan the chunks
                 workspace_bytes=cfg.trainer.loss_workspace_mib << 20,
-                **{**options, "top_entropy_gather": entropy_pool(mb.weight) if D.world_size() > 1 else None})
+                **{**options, "top_entropy_gather": entropy_pool(mb.weight) if D.world_size() > 1 else None,
+                   "entropy_coef": step_entropy_coef(options, mb.response_rows)})
             nonfinite = nonfinite + (nonfinite > 0) + ~torch.isfinite(out.loss.detach())  # counted as before
             # Every rank runs every backward (ZeRO reduces gradients inside it, so skipping one would hang the
             # others): a stand-in, or a rank that has seen a non-finite loss, runs it with weight 0, and a

@@ -15,8 +15,9 @@ weights without a reload. Like real SamplingParams it raises 0 < temperature < 0
 logprobs=0 each position holds the sampled token's entry only.
 
 Generation is deterministic: sample j of a prompt emits tokens (last prompt token + j + 1 + t) % 50 for
-t < length, length = 2 + (j + seed) % max_tokens capped at max_tokens (finish "length" when capped,
-else "stop"), each with log-prob -(t + 1) / 10.
+t < length, length = 2 + (j + seed) % max_tokens capped at max_tokens, cut right after `LLM.eos_token_id` when it
+is set and comes earlier (finish "length" when max_tokens tokens came out, even if the last is the EOS, as vLLM
+0.10 reports it; else "stop"), each with log-prob -(t + 1) / 10.
 """
 import sys
 import types
@@ -76,6 +77,7 @@ class FakeModel:
 
 class LLM:
     instances = []
+    eos_token_id = None   # the tokenizer's EOS (`get_tokenizer`); a test sets it to have samples stop on it
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
@@ -110,14 +112,20 @@ class LLM:
             for j in reversed(range(sp.n)):  # out of order on purpose: callers must sort by index
                 length = min(2 + (j + (sp.seed or 0)) % sp.max_tokens, sp.max_tokens)
                 tokens = [(last + j + 1 + t) % 50 for t in range(length)]
+                if self.eos_token_id in tokens[:-1]:   # vLLM stops at EOS (and keeps it)
+                    tokens = tokens[:tokens.index(self.eos_token_id) + 1]
                 # logprobs=k: the sampled token plus the k most likely others (here a fixed token 99)
                 logprobs = None if sp.logprobs is None else [
                     {tok: Logprob(-(t + 1) / 10), **({99: Logprob(-9.0, rank=2)} if sp.logprobs > 0 else {})}
                     for t, tok in enumerate(tokens)]
+                # vLLM 0.10 checks the length first: an EOS as the last allowed token still finishes "length"
                 completions.append(SimpleNamespace(index=j, token_ids=tuple(tokens), logprobs=logprobs,
-                                                   finish_reason="length" if length == sp.max_tokens else "stop"))
+                                                   finish_reason="length" if len(tokens) == sp.max_tokens else "stop"))
             outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=completions))
         return outputs
+
+    def get_tokenizer(self):
+        return SimpleNamespace(eos_token_id=self.eos_token_id)
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))

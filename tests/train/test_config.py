@@ -48,6 +48,8 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override,match", [
     ("trainer.lrr=1", "unknown config key 'trainer.lrr'.*valid: .*lr"),
     ("nosuch.key=1", "unknown config key 'nosuch.key'"),
+    # one temperature for the engine and the loss: the loss's own option is not a second key that could disagree
+    ("algorithm.temperature=0.7", r"'algorithm.temperature'.*the loss's temperature comes from rollout.temperature"),
     ("trainer=1", "is a section"),
     ("trainer.max_steps", "expects key=value"),
 ])
@@ -68,6 +70,8 @@ def test_yaml_unknown_key_and_wrong_type(tmp_path):
     bad.write_text("trainer:\n  lr: 1e-5\n  warmup: 3\n")
     with pytest.raises(ValueError, match="unknown config key 'trainer.warmup'"):
         load_config(str(bad))
+    with pytest.raises(ValueError, match=r"'algorithm.temperature' \(the loss's temperature comes from rollout"):
+        from_dict({"algorithm": {"temperature": 0.7}})
     with pytest.raises(TypeError, match="rollout.n"):
         from_dict({"rollout": {"n": "eight"}})
     with pytest.raises(TypeError, match="section 'rollout'"):

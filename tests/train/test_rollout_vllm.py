@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,18 +108,57 @@ def test_generate_builds_grouped_batch(vllm):
     batch = engine.generate([[1, 2, 3], [4, 5]], n=3, temperature=0.7, top_p=0.9, max_new_tokens=4, seed=100)
     _, prompts, params = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]
+    seeds = [rollout_vllm.request_seed(100, 0, prompt) for prompt in (0, 1)]
     assert [p.kwargs for p in params] == [
-        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=4, logprobs=0, seed=100),
-        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=4, logprobs=0, seed=103)]
+        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=4, logprobs=0, seed=seeds[0]),
+        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=4, logprobs=0, seed=seeds[1])]
     assert batch.prompt_index == [0, 0, 0, 1, 1, 1]
     assert batch.prompt_ids == [[1, 2, 3]] * 3 + [[4, 5]] * 3
-    # fake: sample j of prompt with last token L emits (L + j + 1 + t) % 50, length min(2 + (j + seed) % 4, 4)
-    assert batch.response_ids[0] == [4, 5] and batch.response_ids[1] == [5, 6, 7]
-    assert batch.response_ids[2] == [6, 7, 8, 9] and batch.truncated[:3] == [False, False, True]
-    assert batch.response_logp[2] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
-    assert len(batch.response_ids[3]) == min(2 + 103 % 4, 4) and batch.truncated[3]
+    # fake: sample j of prompt with last token L emits (L + j + 1 + t) % 50, length min(2 + (j + seed) % 4, 4):
+    # three consecutive j give a length-capped ("length": truncated) sample and one that stops
+    lengths = [min(2 + (j + seeds[0]) % 4, 4) for j in range(3)]
+    assert batch.response_ids[:3] == [[(4 + j + t) % 50 for t in range(length)] for j, length in enumerate(lengths)]
+    assert batch.truncated[:3] == [length == 4 for length in lengths] and len(set(batch.truncated[:3])) == 2
+    assert batch.response_logp[0] == pytest.approx([-(t + 1) / 10 for t in range(lengths[0])])
+    assert len(batch.response_ids[3]) == min(2 + seeds[1] % 4, 4)
     unseeded = engine.generate([[1]], n=1, temperature=1.0, max_new_tokens=3)
     assert engine.llm.calls[-1][2][0].kwargs["seed"] is None and len(unseeded.response_ids) == 1
+
+
+def test_a_response_whose_eos_is_its_last_allowed_token_is_not_truncated(vllm, monkeypatch):
+    """vLLM 0.10 reports finish_reason "length" for a response whose EOS is its max_tokens-th token (it checks the
+    length before the EOS): that response ended and is not truncated, as HFRollout and TRL's
+    mask_truncated_completions count it, so algorithm.mask_truncated keeps its loss and truncated_frac leaves it
+    out. Only the responses that ran out without EOS are."""
+    monkeypatch.setattr(fake_vllm.LLM, "eos_token_id", 9)
+    engine = VLLMRollout("m")
+    batch = engine.generate([[3], [20]], n=4, temperature=1.0, max_new_tokens=4)   # unseeded: lengths 2, 3, 4, 4
+    assert batch.response_ids[:4] == [[4, 5], [5, 6, 7], [6, 7, 8, 9], [7, 8, 9]]    # 9: the EOS
+    assert batch.truncated == [False] * 6 + [True] * 2
+    assert rollout_vllm.ran_out(SimpleNamespace(token_ids=(6, 7, 8, 9), finish_reason="length"), None)
+
+
+def sample_seeds(engine, seed: int, prompts: int, n: int) -> set[int]:
+    """The seed of every sample of a `generate` of `prompts` prompts x n under `seed`: vLLM seeds sample j of a
+    request of seed s with s + j (vllm/v1/engine/parallel_sampling.py)."""
+    params = [engine.sampling_params(i, n, 1.0, 1.0, 8, seed) for i in range(prompts)]
+    return {p.seed + j for p in params for j in range(n)}
+
+
+def test_no_two_samples_share_a_seed_across_rollout_steps_and_ranks(vllm, monkeypatch):
+    """erpo train seeds rollout step s on rank r with trainer.seed * 1_000_003 + s * 1009 + r: the request seeds of
+    512 prompts x 8 were that seed + prompt * 8 (+ sample), so 3087 of step s + 1's samples reused a seed of step
+    s (the same random draws on other prompts). No seed is shared between any two samples of 3 steps on 2
+    data-parallel ranks, and the same call gives the same seeds (reproducible)."""
+    per_call = []
+    for rank in (0, 1):
+        fake_world(monkeypatch, rank=rank, world=2)
+        engine = VLLMRollout("m")
+        per_call += [sample_seeds(engine, 42 * 1_000_003 + step * 1009 + rank, 512, 8) for step in range(3)]
+    assert all(len(seeds) == 512 * 8 for seeds in per_call)
+    assert len(set().union(*per_call)) == 6 * 512 * 8
+    assert sample_seeds(engine, 7, 3, 2) == sample_seeds(VLLMRollout("m"), 7, 3, 2)
+    assert all(0 <= seed < 2**63 for seed in per_call[0])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -142,7 +182,8 @@ def test_tensor_parallel_group_generates_all_and_keeps_own_share(vllm, monkeypat
     batch = engine.generate([[1, 2], [3]], n=2, temperature=1.0, max_new_tokens=5, seed=61)
     _, prompts, params = engine.llm.calls[-1]
     assert [p["prompt_token_ids"] for p in prompts] == [[7, 8], [1, 2], [3]]   # the whole group's requests
-    assert [p.seed for p in params] == [50, 52, 54]          # member 0's seed: identical requests on both
+    # member 0's seed, at the group's data-parallel rank: identical requests on both members
+    assert [p.seed for p in params] == [rollout_vllm.request_seed(50, 0, prompt) for prompt in range(3)]
     assert batch.prompt_index == [0, 0, 1, 1] and batch.prompt_ids == [[1, 2], [1, 2], [3], [3]]
     assert batch.response_ids[0][0] == 3 and batch.response_ids[2][0] == 4
 

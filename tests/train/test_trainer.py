@@ -516,6 +516,10 @@ def test_pack_scores_prompt_and_response_rows_and_masks_truncated_responses():
     assert batch.token_kind.tolist() == [1, 1, 2, 2, 1]
     assert batch.sample_index.tolist() == [0, 0, 0, 0, 1]
     assert batch.rollout_logp is None
+    # pad = EOS (a tokenizer without a pad token, as HFRollout then pads): the rows come from the lengths, not the ids,
+    # so each response's EOS stays scored and nothing after it is
+    batch = pack([[5, 6, 7], [8, 9]], [[10, 0], [0]], pad_id=0, device="cpu")
+    assert batch.targets.tolist() == [6, 7, 10, 0, 9, 0] and batch.token_kind.tolist() == [1, 1, 2, 2, 1, 2]
     # the engine's log-prob of response token j lands on the row that predicts it
     batch = pack([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0, device="cpu", response_logp=[[-0.5, -1.5], [-2.5]])
     assert batch.token_kind.tolist() == [1, 1, 2, 2, 1, 2]
