@@ -40,7 +40,8 @@ def main() -> None:
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    from erpo.integrations.verl import ERPOSettings, erpo_loss_fn, load_or_build_reference
+    from erpo.integrations.query_reference import load_or_build_reference
+    from erpo.integrations.verl import REBUILD, ERPOSettings, erpo_loss_fn
     from erpo.integrations.verl_reference import engine_precision, engine_query_logp
     from erpo.models.tiny import build_tokenizer, save_model_dir
 
@@ -62,7 +63,7 @@ def main() -> None:
     reference = load_or_build_reference(model_dir, tokenizer, prompts, path=f"{model_dir}/erpo_cache.json",
                                         temperature=1.0,
                                         precision=engine_precision(engine.model_config, torch.float32, "cpu"),
-                                        score=score)   # the engine's fp32
+                                        score=score, trainer="verl", remedy=REBUILD)   # the engine's fp32
     losses = {"verl ppo_loss": partial(ppo_loss, config=config),
               "erpo_ppo_loss": erpo_loss_fn(config, ERPOSettings(qkl_coef=0.01), reference)}
     times = {name: [] for name in losses}

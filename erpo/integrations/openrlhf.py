@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from erpo.integrations.verl import sample_advantages
+from erpo.integrations.advantages import sample_advantages
 from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
 from erpo_kernels import LossOptions, logprob_erpo_loss, sample_sums, token_logprobs
 

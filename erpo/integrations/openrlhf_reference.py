@@ -9,8 +9,8 @@ the `actor_logprobs` the training step calls on prompt + response: tokens 2..P s
 attention kernel, temperature), the same kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding
 depends on the batch around the prompt. The cache records the model's weights, the tokenizer, the temperature and
 this precision; a cache built otherwise, or lacking a training prompt (another tokenizer, chat template or
-truncation), is refused in one line naming what differs (`erpo.integrations.verl.load_or_build_reference`,
-`QueryReference.lookup`), never read as a wrong value.
+truncation), is refused in one line naming what differs (`erpo.integrations.query_reference`:
+`load_or_build_reference`, `QueryReference.lookup`), never read as a wrong value.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import os
 import torch
 
 from erpo.integrations.openrlhf import actor_row_logprobs
-from erpo.integrations.verl import RESUMED, QueryReference, load_or_build_reference
+from erpo.integrations.query_reference import RESUMED, QueryReference, load_or_build_reference
 from erpo.reference.cache import compute_query_logp
 from erpo.sequences import scoring_precision
 

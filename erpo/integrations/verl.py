@@ -15,8 +15,8 @@ Query-KL r_s = ell_theta0(q_s) - ell_theta(q_s) averaged over the mini-batch's G
 w(q) = 1 it is verl's `ppo_loss` (tests/integrations/test_verl_integration.py, on verl's real FSDP engine).
 
 ell_theta0(q) and w(q) come from erpo's reference cache (scored at start by the actor's own engine,
-`erpo.integrations.verl_reference`), looked up by the prompt's token ids (what reaches the loss); a prompt the
-cache lacks is an error naming it.
+`erpo.integrations.verl_reference`), read or built and looked up by the prompt's token ids (what reaches the loss)
+in `erpo.integrations.query_reference`; a prompt the cache lacks is an error naming it.
 
 Host reads per micro-batch: 3 (tests/integrations/test_verl_integration.py counts them): one copy of the rows'
 lengths and prompt tokens (with the advantages' check), the kernels' value checks, and one copy of the metrics, which
@@ -30,23 +30,14 @@ that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
-from erpo.reference.cache import (
-    ReferenceCache,
-    lookup_entries,
-    prompt_hash,
-    reference_cache_of,
-    reweight_for_training_set,
-    with_temperature,
-)
+from erpo.integrations.advantages import sample_advantages
+from erpo.integrations.query_reference import QueryReference
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
 from erpo_kernels import logprob_erpo_loss
 
@@ -55,10 +46,9 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
+# what a verl run's cache errors end with (`verl_trainer`; `query_reference.RESUMED` when the run resumes)
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
-# A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
-RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
-           "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
+
 
 
 @dataclass(frozen=True)
@@ -79,28 +69,6 @@ class ERPOSettings:
     def needs_reference(self) -> bool:
         """`erpo.terms.needs_reference` of these settings."""
         return needs_reference(self.qkl_coef, self.query_weight)
-
-
-@dataclass
-class QueryReference:
-    """ell_theta0(q) and w(q) by prompt hash (a `ReferenceCache`'s entries), sent with the loss to every worker.
-
-    `tokenizer` (optional) only decodes a missing prompt for the error message."""
-
-    entries: dict[str, tuple[float, float]]
-    path: str
-    tokenizer: object = field(default=None, repr=False)
-
-    @classmethod
-    def from_cache(cls, cache: ReferenceCache, path: str, tokenizer=None) -> QueryReference:
-        return cls(dict(cache.entries), str(path), tokenizer)
-
-    def lookup(self, prompt_ids: list[list[int]], device=None, remedy: str = REBUILD
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
-        (`erpo.reference.cache.lookup_entries`); `remedy` ends the error of a missing prompt."""
-        return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
-            f"(the data, chat template or tokenizer changed since it was built). {remedy}"), device=device)
 
 
 def check_actor_config(config) -> None:
@@ -205,16 +173,6 @@ def actor_rows(data, response_mask: torch.Tensor, num_rows: int,
     scored_response = in_response & response_mask.bool()[sample, slot]
     kind = torch.where(scored_response, 2, torch.where(position < prompt_lens[sample] - 1, 1, 0))
     return ActorRows(kind.long(), sample.long(), slot.long(), in_response, prompt_ids)
-
-
-def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's token-level advantages [B, R] -> (one per sample [B] fp32, whether any varies along its response: a
-    0-dim bool on the device, no read; `actor_rows` refuses it in its read). The outcome estimators (GRPO, RLOO,
-    ...) broadcast one value over the response; a per-token advantage (GAE) is refused."""
-    mask = response_mask.bool()
-    first = torch.where(mask.any(1), mask.float().argmax(1), 0)
-    per_sample = torch.where(mask.any(1), advantages.float().gather(1, first[:, None]).squeeze(1), 0.0)
-    return per_sample, (mask & (advantages.float() != per_sample[:, None])).any()
 
 
 def vanilla_pg_metrics(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -350,34 +308,3 @@ def erpo_loss_fn(actor_config, settings: ERPOSettings, reference: QueryReference
         raise ValueError("ERPO needs ell_theta0(q) for qkl_coef != 0 or query_weight='static': pass a QueryReference")
     return partial(erpo_ppo_loss, config=actor_config, settings=settings, reference=reference)
 
-
-def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
-                            temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
-                            remedy: str = REBUILD, trainer: str = "verl") -> QueryReference:
-    """ell_theta0(q) and w(q) of every training prompt (token ids as verl's rollout builds them).
-
-    The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
-    `temperature` and `precision` (the actor's: `erpo.integrations.verl_reference.engine_precision`), and holds
-    every prompt; otherwise a ValueError names what differs and ends with `remedy` (`RESUMED` for a resumed run).
-    `trainer` names the trainer in the cache's template record ("openrlhf" for `openrlhf_reference`'s).
-    Without a cache, `score(prompts)` gives ell_theta0 (nats)
-    of the distinct prompts with the initial weights (the actor's engine: `verl_reference.engine_query_logp`), and
-    the cache is saved at `path`."""
-    identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
-                    tokenizer_fp=tokenizer_fingerprint(tokenizer))
-    model_fp = model_fingerprint(str(model_path))
-    template = with_temperature(trainer, temperature)
-    if os.path.exists(path):
-        cache = ReferenceCache.load(path)
-        cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,
-                               precision=precision, path=path, remedy=remedy)
-    else:
-        unique = {prompt_hash(ids): ids for ids in prompt_ids}
-        cache = reference_cache_of(dict(zip(unique, score(list(unique.values())))), model_id=identity["model_id"],
-                                   model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
-                                   template=template, precision=precision)
-        cache.save(path)
-    reference = QueryReference.from_cache(cache, path, tokenizer)
-    reference.lookup(prompt_ids, remedy=remedy)   # every training prompt is there, or an error naming the first one
-    reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
-    return reference

@@ -18,14 +18,8 @@ from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
-from erpo.integrations.verl import (  # noqa: E402
-    ERPOSettings,
-    QueryReference,
-    actor_rows,
-    check_actor_config,
-    erpo_loss_fn,
-    load_or_build_reference,
-)
+from erpo.integrations.query_reference import QueryReference, load_or_build_reference  # noqa: E402
+from erpo.integrations.verl import REBUILD, ERPOSettings, actor_rows, check_actor_config, erpo_loss_fn  # noqa: E402
 from erpo.integrations.verl_reference import engine_precision, engine_query_logp, prompt_calls  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
@@ -88,7 +82,8 @@ def engine_reference(tiny, engine, prompts, path, *, temperature=1.0, world_size
                     tokens_per_call=tokens_per_call)
     precision = engine_precision(engine.model_config, engine_param_dtype(engine), "cpu")
     reference = load_or_build_reference(model_dir or tiny[0], tiny[1], prompts, path=str(path),
-                                        temperature=temperature, precision=precision, score=score)
+                                        temperature=temperature, precision=precision, score=score, trainer="verl",
+                                        remedy=REBUILD)
     return reference, group
 
 
@@ -437,7 +432,8 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
     reference, _ = engine_reference(tiny, engine, prompts, cache)
     assert reference.lookup(prompts)[0].lt(0).all()
     fp32 = engine_precision(engine.model_config, FP32, "cpu")
-    read = partial(load_or_build_reference, path=cache, temperature=1.0, precision=fp32, score=unexpected_scoring)
+    read = partial(load_or_build_reference, path=cache, temperature=1.0, precision=fp32, score=unexpected_scoring,
+                   trainer="verl", remedy=REBUILD)
     assert read(path, tokenizer, prompts).entries == reference.entries
     other = tmp_path / "other"
     tiny_test_model(tokenizer, seed=1).save_pretrained(other)
@@ -793,4 +789,4 @@ def test_precompute_ref_cache_is_refused_by_its_precision(tiny, tmp_path):
         load_or_build_reference(tiny[0], tokenizer, prompts, path=path, temperature=1.0,
                                 precision=engine_precision(engine_for(tiny, use_remove_padding=True).model_config, FP32,
                                                            "cpu"),
-                                score=unexpected_scoring)
+                                score=unexpected_scoring, trainer="verl", remedy=REBUILD)

@@ -1,0 +1,78 @@
+"""ell_theta0(q) and w(q) of an integration's training prompts, by prompt token ids: the reference cache read, or
+scored once by the trainer's own actor and saved, then looked up per micro-batch. Shared by the verl and OpenRLHF
+integrations, which differ only in how they score a prompt (`score`), what they record of that scoring
+(`precision`) and what their errors tell the user to do (`remedy`)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
+from erpo.reference.cache import (
+    ReferenceCache,
+    lookup_entries,
+    prompt_hash,
+    reference_cache_of,
+    reweight_for_training_set,
+    with_temperature,
+)
+
+# A cache looked up outside `load_or_build_reference` (built by hand) ends a missing prompt's error with this.
+DEFAULT_REMEDY = "Delete it to rebuild it, or point the run at another cache."
+# A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
+RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
+           "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
+
+
+@dataclass
+class QueryReference:
+    """ell_theta0(q) and w(q) by prompt hash (a `ReferenceCache`'s entries), sent with the loss to every worker.
+
+    `tokenizer` (optional) only decodes a missing prompt for the error message; `remedy` ends that message (the
+    trainer's own: `load_or_build_reference` sets the one it was given)."""
+
+    entries: dict[str, tuple[float, float]]
+    path: str
+    tokenizer: object = field(default=None, repr=False)
+    remedy: str = DEFAULT_REMEDY
+
+    def lookup(self, prompt_ids: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
+        (`erpo.reference.cache.lookup_entries`); a prompt the cache lacks is a ValueError naming it."""
+        return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
+            f"(the data, chat template or tokenizer changed since it was built). {self.remedy}"), device=device)
+
+
+def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
+                            temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
+                            trainer: str, remedy: str) -> QueryReference:
+    """ell_theta0(q) and w(q) of every training prompt (token ids as the trainer's rollout builds them).
+
+    The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
+    `temperature` and `precision` (the actor's: `verl_reference.engine_precision`,
+    `openrlhf_reference.actor_precision`), and holds every prompt; otherwise a ValueError names what differs and
+    ends with `remedy` (the trainer's way to rebuild it; `RESUMED` for a resumed run), as does a later lookup's
+    missing prompt. `trainer` ("verl", "openrlhf") names the trainer in the cache's template record. Without a
+    cache, `score(prompts)` gives ell_theta0 (nats) of the distinct prompts with the initial weights (the actor's
+    own forward), and the cache is saved at `path`."""
+    identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
+                    tokenizer_fp=tokenizer_fingerprint(tokenizer))
+    model_fp = model_fingerprint(str(model_path))
+    template = with_temperature(trainer, temperature)
+    if os.path.exists(path):
+        cache = ReferenceCache.load(path)
+        cache.check_compatible(**identity, model_fp=model_fp, template=None, temperature=temperature,
+                               precision=precision, path=path, remedy=remedy)
+    else:
+        unique = {prompt_hash(ids): ids for ids in prompt_ids}
+        cache = reference_cache_of(dict(zip(unique, score(list(unique.values())))), model_id=identity["model_id"],
+                                   model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
+                                   template=template, precision=precision)
+        cache.save(path)
+    reference = QueryReference(dict(cache.entries), str(path), tokenizer, remedy)
+    reference.lookup(prompt_ids)   # every training prompt is there, or an error naming the first one
+    reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
+    return reference
