@@ -3,21 +3,31 @@
 counts OpenRLHF passes, and its train/rollout correction; the Query-KL is the kernels' torch reference's, times
 alpha, with its gradient; `actor_logprobs` on OpenRLHF's `Actor` around a tiny Qwen2 gives Actor.forward's action
 log-probs and each prompt's log-likelihood of a plain log_softmax-gather, padded either way, fp32 and bf16, with the
-gradient; and the user's mistakes are one-line errors."""
+gradient; and the user's mistakes are one-line errors.
+
+OpenRLHF is not in the test extra (its wheel pins flash-attn and a transformers the extra does not install): a test
+whose oracle or harness is OpenRLHF's code skips without it. The rest runs everywhere: the loss against the PPO and
+GSPO formulas (`policy_formula`), `actor_logprobs` and the cache on `StandInActor` (Actor's forward without OpenRLHF),
+the Query-KL, the metrics, the errors. Where OpenRLHF is installed, `test_the_stand_ins_are_openrlhf_own` holds the
+stand-ins to OpenRLHF's own code."""
+import importlib.metadata
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-pytest.importorskip("openrlhf", reason="OpenRLHF is not in the test extra: pip install --no-deps openrlhf==0.11.2")
+import erpo.integrations.openrlhf as integration
+from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs
+from erpo.models.tiny import build_tokenizer
+from erpo_kernels import logprob_erpo_loss
+from launch_counts import LaunchCounter
+from tiny_models import save_tiny_model
 
-from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs  # noqa: E402
-from erpo.models.tiny import build_tokenizer  # noqa: E402
-from erpo_kernels import logprob_erpo_loss  # noqa: E402
-from launch_counts import LaunchCounter  # noqa: E402
-from tiny_models import save_tiny_model  # noqa: E402
+WITHOUT_OPENRLHF = "OpenRLHF is not in the test extra: pip install --no-deps openrlhf==0.11.2"
 
 
 def ring_attention_stand_in():
@@ -35,7 +45,9 @@ def ring_attention_stand_in():
 
 @pytest.fixture(scope="module")
 def openrlhf_models():
-    """`openrlhf.models` (PolicyLoss, Actor), imported with `ring_attention_stand_in` in its package."""
+    """`openrlhf.models` (PolicyLoss, Actor), imported with `ring_attention_stand_in` in its package; the test skips
+    without OpenRLHF."""
+    pytest.importorskip("openrlhf", reason=WITHOUT_OPENRLHF)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "openrlhf.models.ring_attn_utils", ring_attention_stand_in())
         import openrlhf.models as models
@@ -105,6 +117,58 @@ def test_without_erpo_terms_it_is_policy_loss(openrlhf_models, name, global_coun
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-7)
     assert theirs[2] > 0 and theirs[1].abs().sum() > 0   # something is clipped, and a gradient flows
+
+
+def policy_formula(log_probs, old_log_probs, advantages, action_mask, *, clip_eps_low=0.2, clip_eps_high=0.2,
+                   dual_clip=None, token_level_loss=True, policy_loss_type="ppo", dp_size=1, batch_num_tokens=None,
+                   global_batch_size=None):
+    """OpenRLHF's policy losses written from their papers' formulas, the oracle where OpenRLHF is absent: the ratio
+    r = exp(log_probs - old_log_probs) per token, its log clamped to +-20 ("ppo"), or per sample the exp of the
+    mean log-ratio over its actions ("gspo", arXiv 2507.18071); per token -min(r A, clip(r, 1 - eps_low, 1 + eps_high)
+    A), and with a dual clip c at most -c A where A < 0 (arXiv 1912.09729); summed over the action tokens over
+    batch_num_tokens times dp_size (without it the mean), or per sample (GSPO always): each sample's mean over its
+    actions, summed over global_batch_size times dp_size (without it the mean over samples with an action).
+    Returns (loss, clip_ratio: the fraction of action tokens clipped, ppo_kl: the mean of -log r)."""
+    mask = action_mask.float()
+    log_ratio = log_probs - old_log_probs
+    if policy_loss_type == "gspo":
+        ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()[:, None] * mask
+    else:
+        ratio = log_ratio.clamp(-20, 20).exp()
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    if token_level_loss and policy_loss_type == "ppo":
+        total = (loss * mask).sum()
+        aggregate = total / mask.sum() if batch_num_tokens is None else total / batch_num_tokens * dp_size
+    else:
+        actions = mask.sum(1)
+        per_sample = ((loss * mask).sum(1) / actions.clamp(min=1))[actions > 0]
+        aggregate = per_sample.mean() if global_batch_size is None else per_sample.sum() / global_batch_size * dp_size
+    clip_ratio = ((clipped < unclipped).float() * mask).sum() / mask.sum()
+    return aggregate, clip_ratio, (-log_ratio.detach() * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["w=1", "w(q)"])
+@pytest.mark.parametrize("global_counts", [False, True], ids=["local", "global"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_without_the_query_kl_it_is_the_policy_formula(name, global_counts, weighted):
+    """Without OpenRLHF: with alpha = 0, ERPOPolicyLoss is `policy_formula` (loss, gradient, clip_ratio, ppo_kl), and
+    with w(q) the formula on each sample's advantage times w (the surrogate is positively homogeneous in the
+    advantage; the metrics are then the unweighted advantages', as PolicyLoss's on them)."""
+    log_probs, old, advantages, mask = batch()
+    counts = GLOBAL if global_counts else {}
+    weight = torch.tensor([0.3, 1.7, 0.0, 2.0, 1.0]) if weighted else None
+    scaled = advantages if weight is None else advantages * weight[:, None]
+    theirs = loss_and_grad(lambda *args: policy_formula(*args, **OPTIONS[name], **counts), log_probs, old, scaled,
+                           mask)
+    ours = loss_and_grad(ERPOPolicyLoss(**OPTIONS[name], qkl_coef=0.0), log_probs, old, advantages,
+                         action_mask=mask, query_weight=weight, **counts)
+    compared = 2 if weighted else 4
+    for mine, reference in zip(ours[:compared], theirs[:compared]):
+        torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-7)
+    assert ours[2] > 0 and theirs[1].abs().sum() > 0   # something is clipped, and a gradient flows
 
 
 CORRECTIONS = {
@@ -241,10 +305,62 @@ def tiny_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), build_tokenizer())
 
 
-def make_actor(openrlhf_models, path, dtype):
+def openrlhf_actor(openrlhf_models, path, dtype):
     """OpenRLHF's Actor as its trainer builds it (from a path; sdpa attention on the CPU), its weights in `dtype`."""
-    actor = openrlhf_models.Actor(path, attn_implementation="sdpa", param_dtype="bf16")
-    return actor.to(dtype)
+    return openrlhf_models.Actor(path, attn_implementation="sdpa", param_dtype="bf16").to(dtype)
+
+
+class StandInActor(torch.nn.Module):
+    """What `actor_logprobs` and the reference cache take of OpenRLHF 0.11.2's `Actor` (openrlhf/models/actor.py),
+    for a machine without OpenRLHF: `model`, the HF model loaded from a path as Actor loads it (bf16 weights, sdpa
+    attention on the CPU, no KV cache), `temperature`, and Actor.forward without packing: position ids counted over
+    the real tokens (1 on padding), fp32 logits divided by the temperature, and with action_mask [B, A] the action
+    log-probs of the last A scored positions (a log_softmax-gather, 0 where action_mask is 0)."""
+
+    def __init__(self, path, temperature=1.0):
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16)
+        self.model.config.use_cache = False
+        self.temperature = temperature
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, return_output=False, allgather_logits=False,
+                ring_attn_group=None):
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        output = self.model(sequences, attention_mask=attention_mask, position_ids=position_ids)
+        output["logits"] = output["logits"].float() / self.temperature
+        if action_mask is None:
+            return output
+        logp = output["logits"][:, :-1].log_softmax(-1).gather(2, sequences[:, 1:, None]).squeeze(2)
+        action_log_probs = logp[:, -action_mask.shape[1]:] * action_mask.float()
+        return (action_log_probs, output) if return_output else action_log_probs
+
+
+@pytest.fixture(params=["openrlhf", "stand-in"])
+def actor_kind(request):
+    """The actor a test runs on: OpenRLHF's own `Actor` (skipped without OpenRLHF) or `StandInActor`."""
+    if request.param == "openrlhf":
+        request.getfixturevalue("openrlhf_models")
+    return request.param
+
+
+@pytest.fixture
+def make_actor(request, actor_kind, tiny_path):
+    """dtype -> a fresh actor of `actor_kind` around the tiny Qwen2, as OpenRLHF's trainer builds it (from a path;
+    sdpa attention on the CPU), its weights in `dtype`."""
+    if actor_kind == "openrlhf":
+        models = request.getfixturevalue("openrlhf_models")
+        return lambda dtype: openrlhf_actor(models, tiny_path, dtype)
+    return lambda dtype: StandInActor(tiny_path).to(dtype)
+
+
+@pytest.fixture
+def policy_loss(request, actor_kind):
+    """The oracle loss of `actor_kind`'s tests (default options): OpenRLHF's own `PolicyLoss`, or `policy_formula`
+    (ERPOPolicyLoss against both: `test_without_erpo_terms_it_is_policy_loss`,
+    `test_without_the_query_kl_it_is_the_policy_formula`)."""
+    if actor_kind == "openrlhf":
+        return request.getfixturevalue("openrlhf_models").PolicyLoss()
+    return policy_formula
 
 
 # (prompt, response, tool output inside the response at [start, end) or None): prompts of 3 to 9 tokens
@@ -300,15 +416,15 @@ def action_values(values, action_mask):
 
 @pytest.mark.parametrize("precision", ["fp32", "fp32-bf16-autocast", "bf16"])
 @pytest.mark.parametrize("layout", ["left", "right"])
-def test_actor_logprobs_is_a_plain_log_softmax_gather(openrlhf_models, tiny_path, layout, precision):
-    """ell_theta(q) and the action log-probs of one padded forward of OpenRLHF's Actor equal each sample's plain
-    log_softmax-gather on its own forward (to the rounding of the dtype: the forwards differ), and the parameters'
-    gradient of a weighted sum of both equals the oracle's; on the same forward, the action log-probs equal
-    Actor.forward's own (its log_probs_from_logits) and ell_theta(q) a log_softmax-gather of its logits (to fp32
-    rounding); the prompts are each sample's prompt tokens."""
+def test_actor_logprobs_is_a_plain_log_softmax_gather(make_actor, layout, precision):
+    """ell_theta(q) and the action log-probs of one padded forward of the actor (OpenRLHF's Actor, StandInActor)
+    equal each sample's plain log_softmax-gather on its own forward (to the rounding of the dtype: the forwards
+    differ), and the parameters' gradient of a weighted sum of both equals the oracle's; on the same forward, the
+    action log-probs equal the actor's own (Actor's log_probs_from_logits) and ell_theta(q) a log_softmax-gather of
+    its logits (to fp32 rounding); the prompts are each sample's prompt tokens."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     autocast = precision == "fp32-bf16-autocast"
-    actor = make_actor(openrlhf_models, tiny_path, dtype)
+    actor = make_actor(dtype)
     sequences, action_mask, attention_mask = padded_batch(layout)
     gen = torch.Generator().manual_seed(5)
     query_coef = torch.randn(len(SAMPLES), generator=gen)
@@ -353,11 +469,34 @@ QUESTIONS = ["1+1=", "22+3=", "7*8=?", "What is 3*33?"]
 RESPONSES = ["2", "25 and", "56!", "99"]
 
 
-def rendered(tokenizer, questions=QUESTIONS):
-    """The prompt texts of OpenRLHF's PromptDataset (its own preprocess_data, with the chat template), as its
-    trainer hands them to the agent executor."""
+@pytest.mark.parametrize("layout", ["left", "right"])
+def test_the_stand_ins_are_openrlhf_own(openrlhf_models, tiny_path, layout):
+    """What the tests take in OpenRLHF's place where it is absent is its own code where it is installed:
+    StandInActor's weights, logits and action log-probs are Actor's (fp32 and bf16 weights, padded either way), and
+    `chat_prompts` are PromptDataset's `preprocess_data` texts."""
     from openrlhf.datasets.prompts_dataset import preprocess_data
-    return [preprocess_data({"input": q}, input_key="input", apply_chat_template=tokenizer.apply_chat_template)[0]
+    sequences, action_mask, attention_mask = padded_batch(layout)
+    for dtype in (torch.float32, torch.bfloat16):
+        actor, stand_in = openrlhf_actor(openrlhf_models, tiny_path, dtype), StandInActor(tiny_path).to(dtype)
+        for name, weight in actor.model.state_dict().items():
+            assert torch.equal(stand_in.model.state_dict()[name], weight), name
+        with torch.no_grad():
+            theirs, their_output = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True)
+            ours, our_output = stand_in(sequences, action_mask, attention_mask=attention_mask, return_output=True)
+        torch.testing.assert_close(our_output["logits"], their_output["logits"], rtol=0, atol=0)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    tokenizer = build_tokenizer()
+    assert chat_prompts(tokenizer) == [preprocess_data({"input": q}, input_key="input",
+                                                       apply_chat_template=tokenizer.apply_chat_template)[0]
+                                       for q in QUESTIONS]
+
+
+def chat_prompts(tokenizer, questions=QUESTIONS):
+    """The prompt texts of OpenRLHF's PromptDataset with the chat template, as its trainer hands them to the agent
+    executor: its `preprocess_data` renders a question without an <image> tag as
+    `apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)`
+    (`test_the_stand_ins_are_openrlhf_own`)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
             for q in questions]
 
 
@@ -376,15 +515,15 @@ def step_batch(tokenizer, prompts, responses=RESPONSES):
     return sequences, action_mask, attention_mask
 
 
-def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(openrlhf_models, tiny_path, tmp_path):
+def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(make_actor, policy_loss, tiny_path, tmp_path):
     """The drop-in at theta0: the cache scored by the actor's own forward gives a Query-KL of 0 (to fp32 rounding)
     on the training step's prompt + response batch, and every parameter's gradient of ERPOPolicyLoss on
-    actor_logprobs equals PolicyLoss's on Actor.forward with each advantage times the cached w(q). A second load
-    reads the cache without scoring."""
+    actor_logprobs equals the oracle's (`policy_loss`: PolicyLoss, or the formula) on the actor's own forward with
+    each advantage times the cached w(q). A second load reads the cache without scoring."""
     from erpo.integrations import openrlhf_reference
     tokenizer = build_tokenizer()
-    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
-    prompts = rendered(tokenizer)
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
     path = str(tmp_path / "cache.json")
     reference = openrlhf_reference.load_or_build_query_reference(actor, tokenizer, prompts, path=path,
                                                                  model_path=tiny_path, batch_size=3)
@@ -407,8 +546,8 @@ def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(openrlhf_m
     torch.testing.assert_close(ref_query_logp, scores.query_logp.detach(), rtol=1e-6, atol=1e-5)
 
     action_log_probs = actor(sequences, action_mask, attention_mask=attention_mask)
-    theirs, *_ = openrlhf_models.PolicyLoss()(action_log_probs, old, advantages * query_weight[:, None],
-                                              action_mask=action_mask, **GLOBAL)
+    theirs, *_ = policy_loss(action_log_probs, old, advantages * query_weight[:, None], action_mask=action_mask,
+                             **GLOBAL)
     theirs.backward()
     torch.testing.assert_close(loss.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
     for name, p in actor.named_parameters():
@@ -424,40 +563,40 @@ def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(openrlhf_m
     assert again.entries == reference.entries
 
 
-def test_a_mismatched_cache_is_a_one_line_error(openrlhf_models, tiny_path, tmp_path):
+def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path):
     """Another chat template, a prompt the cache lacks, another tokenizer, another precision, a truncated prompt:
     each refused in one line naming what differs, never a wrong ell_theta0(q)."""
     from erpo.integrations.openrlhf_reference import load_or_build_query_reference, prompt_token_ids
     tokenizer = build_tokenizer()
-    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
+    actor = make_actor(torch.float32)
     path = str(tmp_path / "cache.json")
-    reference = load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=path,
+    reference = load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=path,
                                               model_path=tiny_path)
     other_template = build_tokenizer()
     other_template.chat_template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
     plain = [f"Question: {q}" for q in QUESTIONS]
     cases = [
-        (lambda: reference.lookup(prompt_token_ids(tokenizer, rendered(other_template))),
+        (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(other_template))),
          r"^prompt .* has no ell_theta0\(q\) in the reference cache .* \(4 of 4 prompts missing\)"),
-        (lambda: reference.lookup(prompt_token_ids(tokenizer, rendered(tokenizer) + ["never seen"])),
+        (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(tokenizer) + ["never seen"])),
          r"^prompt 'never seen' has no ell_theta0\(q\) .*\(1 of 5 prompts missing\)"),
         (lambda: load_or_build_query_reference(actor, tokenizer, plain, path=path, model_path=tiny_path),
          r"^prompt .* has no ell_theta0\(q\) in the reference cache"),
-        (lambda: load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=path,
+        (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path, max_prompt_length=8),
          r"^prompt .* has no ell_theta0\(q\) in the reference cache"),
-        (lambda: load_or_build_query_reference(actor, other_template, rendered(tokenizer), path=path,
+        (lambda: load_or_build_query_reference(actor, other_template, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path), r"does not match this run: tokenizer: "),
-        (lambda: load_or_build_query_reference(make_actor(openrlhf_models, tiny_path, torch.bfloat16), tokenizer,
-                                               rendered(tokenizer), path=path, model_path=tiny_path),
+        (lambda: load_or_build_query_reference(make_actor(torch.bfloat16), tokenizer,
+                                               chat_prompts(tokenizer), path=path, model_path=tiny_path),
          r"does not match this run: precision: cache built with dtype=float32.*training scores with "
          r"dtype=bfloat16"),
         (lambda: load_or_build_query_reference(actor, tokenizer, [], path=path, model_path=tiny_path),
          r"^prompts is empty"),
-        (lambda: load_or_build_query_reference(actor, tokenizer, rendered(tokenizer), path=str(tmp_path / "none"),
+        (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=str(tmp_path / "none"),
                                                model_path=tiny_path, resumed_step=7),
          r"^no reference cache at .*none: The run resumes at step 7, whose actor no longer holds the initial"),
-        (lambda: load_or_build_query_reference(actor, other_template, rendered(tokenizer), path=path,
+        (lambda: load_or_build_query_reference(actor, other_template, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path, resumed_step=7),
          r"tokenizer: .* resume with the cache and the settings of the run's start"),
     ]
@@ -492,8 +631,8 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
     """ERPOPolicyLoss with qkl_coef=0 in place of PolicyLoss inside OpenRLHF's unmodified training_step: the same
     status (policy_loss, ppo_clip_ratio, ppo_kl) and every parameter's gradient."""
     tokenizer = build_tokenizer()
-    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
-    sequences, action_mask, attention_mask = step_batch(tokenizer, rendered(tokenizer))
+    actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, chat_prompts(tokenizer))
     with torch.no_grad():
         old = actor(sequences, action_mask, attention_mask=attention_mask) - 0.3 * action_mask
     advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
@@ -507,15 +646,15 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_host_reads_per_micro_batch(openrlhf_models, tiny_path, tmp_path):
+def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):
     """What ERPO adds to OpenRLHF's step in host reads (LaunchCounter, as on CUDA): actor_logprobs reads what the
     actor's forward reads plus 2 (sample_sums' index check, the prompt tokens for the cache's key), the lookup none
     (its values go up without a wait), the loss 1 (the one-advantage-per-sample check), where PolicyLoss reads
     none."""
     from erpo.integrations.openrlhf_reference import load_or_build_query_reference
     tokenizer = build_tokenizer()
-    actor = make_actor(openrlhf_models, tiny_path, torch.float32)
-    prompts = rendered(tokenizer)
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
     reference = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "cache.json"),
                                               model_path=tiny_path)
     sequences, action_mask, attention_mask = step_batch(tokenizer, prompts)
@@ -535,15 +674,25 @@ def test_host_reads_per_micro_batch(openrlhf_models, tiny_path, tmp_path):
     assert (scoring.syncs - forward.syncs, lookup.syncs, loss_reads.syncs) == (2, 0, 1)
 
 
-def test_another_openrlhf_release_is_warned_of(monkeypatch):
-    """The installed release (0.11.2, the tested one) builds the loss silently; another one is warned of."""
-    import warnings
+@pytest.mark.parametrize("installed", ["0.11.2", "0.12.0", None], ids=["tested", "another", "absent"])
+def test_another_openrlhf_release_is_warned_of(monkeypatch, installed):
+    """The tested release (OPENRLHF_VERSION) builds the loss silently, and so does a machine without OpenRLHF (the
+    loss does not import it); another release is warned of, naming both. The installed release is what
+    importlib.metadata reports, set here."""
+    def version(name):
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed if name == "openrlhf" else real_version(name)
 
-    import erpo.integrations.openrlhf as integration
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(integration.importlib.metadata, "version", version)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ERPOPolicyLoss()
-    assert not [w for w in caught if "tested against OpenRLHF" in str(w.message)]
-    monkeypatch.setattr(integration, "OPENRLHF_VERSION", "0.0.1")
-    with pytest.warns(UserWarning, match=r"tested against OpenRLHF 0\.0\.1, this is OpenRLHF 0\.11\.2"):
-        ERPOPolicyLoss()
+    release_warnings = [str(w.message) for w in caught if "tested against OpenRLHF" in str(w.message)]
+    if installed == "0.12.0":
+        assert release_warnings == ["erpo.integrations.openrlhf is tested against OpenRLHF 0.11.2, this is OpenRLHF "
+                                    "0.12.0: run tests/integrations/test_openrlhf_integration.py with it before "
+                                    "trusting the parity"]
+    else:
+        assert release_warnings == []
