@@ -317,12 +317,13 @@ class StandInActor(torch.nn.Module):
     the real tokens (1 on padding), fp32 logits divided by the temperature, and with action_mask [B, A] the action
     log-probs of the last A scored positions (a log_softmax-gather, 0 where action_mask is 0)."""
 
-    def __init__(self, path, temperature=1.0):
+    def __init__(self, path):
         super().__init__()
         self.model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16)
         self.model.config.use_cache = False
-        self.temperature = temperature
+        self.temperature = 1.0   # Actor's default (the cache records it)
 
+    # allgather_logits and ring_attn_group serve packing only, which Actor then needs flash-attn for
     def forward(self, sequences, action_mask=None, attention_mask=None, return_output=False, allgather_logits=False,
                 ring_attn_group=None):
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
