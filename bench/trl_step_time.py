@@ -1,6 +1,6 @@
 """Seconds per training step of erpo's ERPOTrainer against TRL's GRPOTrainer, side by side on one tiny setup.
 
-    python -m bench.trl_step_time [--steps 6] [--repeats 2] [--threads 2] [--no-bias-correction]
+    python -m bench.trl_step_time [--steps 6] [--repeats 2] [--threads 1] [--no-bias-correction]
 
 Four configurations, interleaved `repeats` times, each a fresh tiny Qwen2 (erpo.models.tiny, same seed) on the same
 arithmetic prompts: GRPO beta=0, ERPO beta=0, GRPO beta=0.04, ERPO beta=0.04 (ERPO: qkl_coef=0.01, static w(q),
@@ -11,13 +11,15 @@ not the optimizer step); the first step of each run is dropped as warm-up, the m
 s/step, and the median over runs is reported. The setup column is the trainer's construction, which for ERPO
 includes the one-off ell_theta0(q) computation over the 28 prompts.
 
-On a shared CPU a run's median can be a burst of another process's load: with 2 torch threads on 2 busy cores a
-step took 10 to 60 times its quiet time (libgomp's threads wait on each other at every operator), and such a burst
-can cover half of a run's steps. Two columns do not move with the load: the fastest step over all runs (every step
-does the same work, so the fastest is the least disturbed) and the model forwards per step, counted by hooks (the
-policy's without gradient: generation's, one per token, and old log-probs'; with gradient: the loss's; the
-reference model's).
-The load average is printed before and after.
+On a shared CPU a run's median can be a burst of another process's load. With 2 torch threads on the 2 cores of
+the development machine a busy neighbour made steps 10 to 80 times slower than quiet ones, in bursts covering half
+of a run (libgomp's threads wait for each other at every operator, and one of them waits for a core), while with
+one thread the same load made them 2 to 4 times slower, evenly; quiet, a step took about 0.04 s either way (the
+tiny model's operators are too small to split), so one thread is the default. The fastest step over all runs
+(every step does the same work, so the fastest is the least disturbed) moves less with the load than the median,
+and the model forwards per step, counted by hooks (the policy's without gradient: generation's, one per token, and
+old log-probs'; with gradient: the loss's; the reference model's), not at all. The load average is printed before
+and after.
 """
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: see the module docstring; the tables of 2026-11-23 used 2)")
     parser.add_argument("--no-bias-correction", action="store_true",
                         help="use_bias_correction_kl=False for both trainers (TRL's default is True; it changes the "
                              "KL's gradient, not the work)")
