@@ -120,5 +120,6 @@ def main() -> None:
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}; after: {:.2f} {:.2f} {:.2f}".format(
         *load_before, *os.getloadavg()))
 
+
 if __name__ == "__main__":
     main()
