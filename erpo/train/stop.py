@@ -42,10 +42,12 @@ class GracefulStop:
     def handle(self, signum, frame) -> None:
         self.requested = True
         self.received = signum
+        # the second signal's handler first, then the line that promises it: a user (or a test) who answers the line
+        # at once must find it in place
+        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
         again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {signal.Signals(signum).name}"
         logger.warning("received %s: finishing the current step, saving a checkpoint, then exiting (%s stops at "
                        "once, losing the steps after the newest checkpoint)", signal.Signals(signum).name, again)
-        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
 
     def install(self) -> "GracefulStop":
         for signum in self.signals:

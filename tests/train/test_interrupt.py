@@ -3,7 +3,7 @@ whole process group, the math-verify child included):
 
 - one Ctrl-C: the current rollout step finishes, a checkpoint of it is saved, one line says so, no traceback from any
   process, exit status 130; `--resume` continues and metrics.jsonl holds every step once;
-- Ctrl-C twice: stops at once, in one line, exit status 130;
+- Ctrl-C twice: stops at once (the step it was in neither finished nor saved), in one line, exit status 130;
 - a run killed after it logged a step's metrics but before the next checkpoint: `--resume` drops those records and
   logs them again, so no step is in metrics.jsonl twice (it held step 3 twice before).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from erpo.cli.commands import main
 from terminal import TerminalRun
-from test_resume import env, small_run_args
+from test_resume import HELD_REWARD, env, small_run_args
 
 STEPS = 500   # more than any test waits for: a run stopped here was stopped, not finished
 
@@ -42,11 +42,11 @@ def checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")) if root.is_dir() else []
 
 
-def resume_and_check(out: Path, cache: Path, max_steps: int) -> None:
+def resume_and_check(out: Path, cache: Path, max_steps: int, *sets: str) -> None:
     """`--resume` to `max_steps` (in this process: what is checked is what the stopped run left, not how the new one
-    starts; tests/train/test_resume.py's resumes are processes of their own): exit 0, and metrics.jsonl holds
-    optimizer steps 1, 2, ... each once."""
-    assert main(train_command(out, cache, "--max-steps", str(max_steps), "--resume")[3:]) == 0
+    starts; tests/train/test_resume.py's resumes are processes of their own; `sets`: the stopped run's own --set
+    items after the small settings): exit 0, and metrics.jsonl holds optimizer steps 1, 2, ... each once."""
+    assert main(train_command(out, cache, "--max-steps", str(max_steps), "--resume")[3:] + list(sets)) == 0
     steps = logged_steps(out)
     assert steps == list(range(1, len(steps) + 1)), steps
     assert logged_rollout_steps(out)[-1] == max_steps
@@ -82,16 +82,22 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_in_one_line(tmp_path):
 
 
 def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
-    out, cache = tmp_path / "run", tmp_path / "cache"
-    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS), "--save-steps", "1"), env=env())
-    stop_with_ctrl_c(run, (lambda: checkpoint_steps(out), 240, "first checkpoint"),
-                     (lambda: "received SIGINT" in run.output, 60, "the first Ctrl-C's line"), timeout=240)
-    # the second Ctrl-C either stopped the step at once (one line says so) or came after it had finished and saved
+    # Both Ctrl-Cs come while a reward function holds the run inside rollout step 2 (tests/workers/held_reward.py),
+    # each typed once the run shows what it answers (the step reached, the first one's line): the second lands inside
+    # the step however loaded the machine (typed at the first checkpoint's appearance, it could come after the step
+    # had finished and been saved, while the run was exiting)
+    out, cache, hold = tmp_path / "run", tmp_path / "cache", tmp_path / "hold"
+    hold.mkdir()
+    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS)) + list(HELD_REWARD),
+                      env=dict(env(), ERPO_TEST_HOLD_DIR=str(hold), ERPO_TEST_HOLD_STEP="2"))
+    stop_with_ctrl_c(run, (lambda: (hold / "held").exists(), 240, "rollout step 2's rewards"),
+                     (lambda: "received SIGINT" in run.output, 240, "the first Ctrl-C's line"), timeout=240)
     ends = [line for line in run.output.splitlines()
             if "erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept" in line
             or "stopped by signal after rollout step" in line]
-    assert len(ends) == 1, run.output[-3000:]
-    resume_and_check(out, cache, checkpoint_steps(out)[-1] + 2)
+    assert len(ends) == 1 and "interrupted (Ctrl-C)" in ends[0], run.output[-3000:]
+    assert checkpoint_steps(out) == [1] and not (out / "run.lock").exists()   # step 2 neither finished nor saved
+    resume_and_check(out, cache, 3, *HELD_REWARD)   # the same reward functions; nothing held: no folder
 
 
 def test_a_run_killed_between_a_metrics_write_and_the_next_checkpoint_resumes_without_a_repeated_step(tmp_path):
