@@ -27,8 +27,9 @@ class GracefulStop:
                     manager.save(step, engine, state); break
 
     `.requested` is True once a signal arrived on this rank, `.received` says which. A second signal of the same
-    kind gets the previous handler (by default: SIGTERM terminates at once, SIGINT raises KeyboardInterrupt where
-    the program is). Install from the main thread.
+    kind gets the previous handler (under the `erpo` command: SIGTERM raises erpo.errors.Terminated, SIGINT
+    KeyboardInterrupt, where the program is; Python's default for SIGTERM terminates at once). Install from the main
+    thread.
     """
 
     def __init__(self, signals: Iterable[int] = STOP_SIGNALS):
