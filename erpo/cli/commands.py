@@ -57,8 +57,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
     argparse's: `erpo train: error: unrecognized arguments: --lr-foo (see erpo train --help)`, not the whole usage
     block before it."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    def error(self, message: str, see: tuple[str, ...] = ()) -> NoReturn:
+        """`see`: the other commands whose --help the line points to, after this parser's."""
+        helps = ", ".join(f"{prog} --help" for prog in (self.prog, *see))
+        self.exit(2, f"{self.prog}: error: {message} (see {helps})\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,11 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # the parser whose options they were meant for: the top level's before the command, else its own
+    if unknown:   # each under the parser it was meant for: the top level's before the command, else the command's
         before = argv[:argv.index(args.command)] if args.command in argv else []
         early = [word for word in unknown if word in before]
-        (parser if early else parser.commands[args.command]).error(
-            f"unrecognized arguments: {' '.join(early or unknown)}")
+        late = [word for word in unknown if word not in early]
+        command = parser.commands[args.command]
+        if early and late:   # every one of them, in one line
+            parser.error(f"unrecognized arguments: {' '.join(early)}, and {command.prog}'s {' '.join(late)}",
+                         see=(command.prog,))
+        (parser if early else command).error(f"unrecognized arguments: {' '.join(early or late)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
