@@ -74,8 +74,9 @@ def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor
     everyone = D.all_gather_object(rewards.tolist())
     offset = sum(len(part) for part in everyone[:D.rank()])
     every_reward = torch.tensor([r for part in everyone for r in part], dtype=rewards.dtype)
-    advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards)
-    std = reward_std(every_reward, cfg.rollout.n, a.scale_rewards)
+    std = reward_std(every_reward, cfg.rollout.n, a.scale_rewards)   # once: the advantages' and the zero-std test's
+    advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards,
+                                    std=std)
     std_zero = torch.isclose(std, torch.zeros_like(std))   # TRL's test, defaults included (atol 1e-8)
     mine = slice(offset, offset + len(rewards))
     return advantages[mine], std_zero[mine]
