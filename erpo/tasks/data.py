@@ -142,6 +142,13 @@ def prompt_set_identity(prompt_set: PromptSet) -> dict:
             "answers": digest(prompt_set.answers)}
 
 
+def dataset_rows_digest(prompt_set: PromptSet) -> str:
+    """sha256 (hex, 32 chars) of the dataset rows the prompts were built from (`records`, in order), not of the
+    prompts: a reference cache records it to tell a changed dataset from a changed way of building prompts."""
+    text = json.dumps(prompt_set.records, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
                      use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
                      where: list[str] | None = None) -> PromptSet:
