@@ -694,7 +694,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
     cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
     assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu")
-    assert cache.precision.endswith(",attention=sdpa,remove_padding=true")
+    assert cache.precision.endswith(",attention=sdpa,remove_padding=true,liger=false")
 
     again = start()
     assert again.calls == [] and again.loss_fns[0].keywords["reference"].entries == \
@@ -704,8 +704,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
                                          r"autocast=off,path=verl-engine,device=cpu,[^\n]*$"):
         start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
     with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with [^;]*,attention=sdpa,"
-                                         r"remove_padding=true, training scores with [^;]*,attention=sdpa,"
-                                         r"remove_padding=false\. Delete it"):
+                                         r"remove_padding=true,liger=false, training scores with [^;]*,attention=sdpa,"
+                                         r"remove_padding=false,liger=false\. Delete it"):
         start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):
