@@ -6,9 +6,12 @@ ERPO_DEBUG=1 shows the traceback instead. Every other exception is a bug of ours
 """
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT   # 130: what a shell reports for a command ended by Ctrl-C
+TERMINATED_EXIT_STATUS = 128 + signal.SIGTERM   # 143: ... and by SIGTERM
 
 
 class UserError(ValueError):
@@ -33,3 +36,23 @@ class Interrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C (SIGINT) at a step boundary, after saving what it had; the message says where
     (erpo.train.stop raises it). A KeyboardInterrupt, so code that does not know it treats it as Ctrl-C (the `erpo`
     command: exit INTERRUPTED_EXIT_STATUS, without a line of its own: the run has logged where it stopped)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A command stopped at once by SIGTERM: outside a training loop (the SFT warm start, the reference cache, an
+    evaluation), or a second SIGTERM inside one (whose first finishes the step: erpo.train.stop). `erpo.cli` raises it
+    from its SIGTERM handler; a KeyboardInterrupt, so it unwinds as Ctrl-C does (temporary files removed, locks
+    released) and the `erpo` command prints one line, exit TERMINATED_EXIT_STATUS."""
+
+
+@contextlib.contextmanager
+def stopped_at_once_is(what: str) -> Iterator[None]:
+    """A Ctrl-C or SIGTERM that stops the command at once inside this block stopped `what` (the work and what to do
+    next, e.g. "the SFT warm start; nothing was cached (the same command runs it again)"): the `erpo` command's one
+    line says so. The innermost block names it."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        if not isinstance(stop, Interrupted) and not hasattr(stop, "stopped_work"):
+            stop.stopped_work = what
+        raise

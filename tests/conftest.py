@@ -77,6 +77,17 @@ def _interpreter_patches_once_per_launch():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _user_cache_under_tmp(tmp_path_factory):
+    """erpo's user cache (the weight files' digests, erpo.models.fingerprint: $XDG_CACHE_HOME/erpo/fingerprints.json)
+    in the session's temporary folder, for this process and the processes its tests launch, not under the real
+    HOME: a test leaves nothing outside its temporary folders. Session-wide, so that module fixtures' runs get it too;
+    a test of the cache itself points XDG_CACHE_HOME into its own tmp_path."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,7 +16,9 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 from erpo.cli import missing_package_line
@@ -24,7 +26,7 @@ from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_ra
 from erpo.cli.compare import add_compare_arguments
 from erpo.cli.eval import add_eval_arguments
 from erpo.cli.plot import add_plot_arguments
-from erpo.errors import INTERRUPTED_EXIT_STATUS, Interrupted, UserError
+from erpo.errors import INTERRUPTED_EXIT_STATUS, TERMINATED_EXIT_STATUS, Interrupted, Terminated, UserError
 from erpo.presets import PRESETS
 
 log = logging.getLogger("erpo")
@@ -37,13 +39,28 @@ INTERRUPTED_KEEPS = {
 }
 
 
+def stop_line(command: str, stop: KeyboardInterrupt) -> str:
+    """The one line of a command that Ctrl-C or SIGTERM (Terminated) stopped at once: what it stopped (where an
+    `erpo.errors.stopped_at_once_is` block named it) or what the command keeps."""
+    how = "stopped (SIGTERM)" if isinstance(stop, Terminated) else "interrupted (Ctrl-C)"
+    if hasattr(stop, "stopped_work"):
+        return f"erpo {command}: {how} during {stop.stopped_work}"
+    return f"erpo {command}: {how}; {INTERRUPTED_KEEPS.get(command, '')}".rstrip("; ")
+
+
+def _terminate(signum, frame) -> NoReturn:
+    raise Terminated()
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser (and its subcommands' parsers) whose errors are one line on stderr, exit status 2 as
     argparse's: `erpo train: error: unrecognized arguments: --lr-foo (see erpo train --help)`, not the whole usage
     block before it."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    def error(self, message: str, see: tuple[str, ...] = ()) -> NoReturn:
+        """`see`: the other commands whose --help the line points to, after this parser's."""
+        helps = ", ".join(f"{prog} --help" for prog in (self.prog, *see))
+        self.exit(2, f"{self.prog}: error: {message} (see {helps})\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,17 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # the parser whose options they were meant for: the top level's before the command, else its own
+    if unknown:   # each under the parser it was meant for: the top level's before the command, else the command's
         before = argv[:argv.index(args.command)] if args.command in argv else []
         early = [word for word in unknown if word in before]
-        (parser if early else parser.commands[args.command]).error(
-            f"unrecognized arguments: {' '.join(early or unknown)}")
+        late = [word for word in unknown if word not in early]
+        command = parser.commands[args.command]
+        if early and late:   # every one of them, in one line
+            parser.error(f"unrecognized arguments: {' '.join(early)}, and {command.prog}'s {' '.join(late)}",
+                         see=(command.prog,))
+        (parser if early else command).error(f"unrecognized arguments: {' '.join(early or late)}")
     args.command_line = shlex.join(["erpo", *argv])
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     debug = args.debug or os.environ.get("ERPO_DEBUG", "").strip() not in ("", "0")
     if not debug:
         quiet_third_party_output()
+    # SIGTERM stops a command at once as Ctrl-C does, in one line (Python's default ends the process silently, with
+    # no cleanup); a training loop's GracefulStop takes the first one there and finishes the step. The main thread
+    # only: where signals are delivered and handlers may be set.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
         return run_command(args)
     except UserError as exc:
@@ -178,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(line, file=sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:   # Ctrl-C: one line (a run stopped at a step boundary has logged its own)
+    except KeyboardInterrupt as exc:   # Ctrl-C, SIGTERM: one line (a run stopped at a step boundary has logged its own)
         if debug:
             raise
         if not isinstance(exc, Interrupted):
-            print(f"erpo {args.command}: interrupted (Ctrl-C); {INTERRUPTED_KEEPS.get(args.command, '')}".rstrip("; "),
-                  file=sys.stderr)
-        return INTERRUPTED_EXIT_STATUS
+            print(stop_line(args.command, exc), file=sys.stderr)
+        return TERMINATED_EXIT_STATUS if isinstance(exc, Terminated) else INTERRUPTED_EXIT_STATUS
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ Options after ``#``: ``problem=FIELD``, ``answer=FIELD`` (dotted paths reach nes
 (see ``PROBLEM_FIELDS`` / ``ANSWER_FIELDS``).
 
 Gold answers are a list of alternatives, any of which counts as correct, read by ``erpo.tasks.gold`` (as
-training reads its answer column). OlympiadBench rows with a ``unit`` get a sentence naming the unit appended to
-the problem (the gold answer is the bare value, as OlympiadBench's own prompt asks for it).
-Problem texts that already end with a known instruction (the paper's suffix, as in the official ERPO files;
-verl's and Qwen2.5-Math's \\boxed{} instructions, as in verl-style parquet prompts) are stored without it, and the
-instruction beside them (``instruction``): a template that brings its own (paper, qwen-math) is filled with the
-problem alone, one that brings none (plain) with the problem and its instruction (``problem_as_asked``).
+training reads its answer column). A problem is asked as training asks it (``erpo.tasks.data.question_parts`` and
+``asked_problem``): OlympiadBench rows with a ``unit`` get a sentence naming the unit after the problem (the gold
+answer is the bare value, as OlympiadBench's own prompt asks for it); problem texts that already end with a known
+instruction (the paper's suffix, as in the official ERPO files; verl's and Qwen2.5-Math's \\boxed{} instructions,
+as in verl-style parquet prompts) are stored without it, and the instruction beside them (``instruction``): a
+template that brings its own (paper, qwen-math) is filled with the problem alone, one that brings none (plain) with
+the problem and its instruction (``problem_as_asked``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 from erpo.config import DataConfig
 from erpo.records import RECORD_SUFFIXES, read_hub_records, read_records
-from erpo.tasks.data import arithmetic_dataset, brings_instruction, split_instruction
+from erpo.tasks.data import arithmetic_dataset, asked_problem, question_parts
 from erpo.tasks.gold import gold_answers
 
 # Candidate fields, first present wins. "solution" is last: its answer is the last \boxed{...}.
@@ -51,8 +52,6 @@ ANSWER_FIELDS = (
     "answer", "final_answer", "Answer", "expected_answer", "ground_truth", "reward_model.ground_truth",
     "target", "solution",
 )
-
-UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
 
 # Short names of the paper's six benchmarks -> (Hub dataset, config, split).
 HUB_BENCHMARKS = {
@@ -119,8 +118,8 @@ def _get_field(record: dict, dotted: str):
     return value
 
 
-def _problem_text(value, fieldname: str) -> tuple[str, str]:
-    """`split_instruction` of the problem as text (a chat list: its last user message)."""
+def _problem_text(value, fieldname: str) -> str:
+    """The problem as text (a chat list: its last user message)."""
     if isinstance(value, list):  # chat format: the last user message
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
@@ -128,16 +127,14 @@ def _problem_text(value, fieldname: str) -> tuple[str, str]:
         value = users[-1]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"field {fieldname!r} must be a non-empty string, got {value!r}")
-    return split_instruction(value)
+    return value
 
 
 def problem_as_asked(problem: dict, template: str) -> str:
     """The text of `problem` (a Benchmark problem) that `template` is filled with: without the instruction its file
     held where the template brings its own, with it otherwise (a run trained on such prompts with `plain` read it
     there): one instruction either way."""
-    if brings_instruction(template):
-        return problem["problem"]
-    return problem["problem"] + problem.get("instruction", "")
+    return asked_problem(problem["problem"], problem.get("instruction", ""), template)
 
 
 def _detect(record: dict, candidates: tuple[str, ...], what: str, source: str) -> str:
@@ -163,12 +160,10 @@ def records_to_problems(
         value = _get_field(record, problem_field)
         with_system += isinstance(value, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in value)
         try:
-            problem, instruction = _problem_text(value, problem_field)
+            problem, instruction = question_parts(_problem_text(value, problem_field), record.get("unit"))
             answers = gold_answers(record, _get_field(record, answer_field), answer_field)
         except ValueError as err:
             raise ValueError(f"{source}: record {index}: {err}") from err
-        if isinstance(record.get("unit"), str) and record["unit"].strip():
-            problem = f"{problem}\n\n{UNIT_SENTENCE.format(unit=record['unit'].strip())}"
         problems.append({"id": index, "problem": problem, "answers": answers,
                          **({"instruction": instruction} if instruction else {})})
     if with_system:   # erpo's templates ask the problem as one user turn (as training does); say what is lost

@@ -29,14 +29,22 @@ def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -
     """`scoring_precision` of ell_theta0(q) scored by verl's actor engine, with what else picks the forward's kernels:
     the actor's FSDP mixed-precision `param_dtype` (its forward under autocast in that dtype; fp32: no autocast),
     the path "verl-engine", the workers' `device_type` (verl's `trainer.device`), and of `model_config` (verl's
-    `HFModelConfig` of `actor_rollout_ref.model`) the logit transform of its hf_config, the attention kernel and
-    remove-padding (packed or padded forwards). The attention kernel is the one verl 0.9.1's model config resolves
-    and its FSDP engine builds the model with (`hf_config._attn_implementation`: `override_config.attn_implementation`,
-    flash_attention_2 when unset). A cache records it; a run whose actor scores otherwise refuses the cache."""
+    `HFModelConfig` of `actor_rollout_ref.model`) the logit transform of its hf_config, the attention kernel,
+    remove-padding (packed or padded forwards) and `use_liger` (verl 0.9.1's FSDP engine then swaps the model's
+    RMSNorm, rotary embedding and SwiGLU MLP for Liger's Triton kernels, its fused cross entropy off: other kernels,
+    other rounding). The attention kernel is the one verl 0.9.1's model config resolves and its FSDP engine builds
+    the model with (`hf_config._attn_implementation`: `override_config.attn_implementation`, flash_attention_2 when
+    unset). A cache records it; a run whose actor scores otherwise refuses the cache.
+    Not recorded, as they pick no other kernel, only which tokens share one (as the micro-batch size and the dp
+    ranks do, in which the cache's calls already differ from the loss's): Ulysses sequence parallelism
+    (`ulysses_sequence_parallel_size`: each rank's slice of the packed sequence, attention over the whole sequence
+    for a share of the heads, in the same flash-attn kernel) and `model.tiled_mlp` (the MLP over row shards; which
+    verl 0.9.1's FSDP engine does not apply: it calls `apply_monkey_patch` without `use_tiled_mlp`)."""
     autocast = None if param_dtype == torch.float32 else param_dtype
     scoring = scoring_precision(model_config.hf_config, param_dtype, device_type, path=ENGINE_PATH, autocast=autocast)
     return (f"{scoring},attention={model_config.hf_config._attn_implementation},"
-            f"remove_padding={str(bool(model_config.use_remove_padding)).lower()}")
+            f"remove_padding={str(bool(model_config.use_remove_padding)).lower()},"
+            f"liger={str(bool(model_config.use_liger)).lower()}")
 
 
 def prompt_calls(lengths: list[int], *, multiple: int, tokens_per_call: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from erpo.atomic import publish
+from erpo.errors import stopped_at_once_is
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.progress import progress as progress_display
 from erpo.tasks.data import arithmetic_dataset, build_prompt
@@ -79,23 +80,26 @@ def tiny_theta0(cfg) -> str:
         log.info("tiny theta0: using cached SFT warm start %s", path)
         return str(path)
     log.info("tiny theta0: building the tiny model and running %d SFT steps (cached in %s)", t.sft_steps, path)
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, cfg.trainer.seed, hidden_size=t.hidden_size, num_layers=t.num_layers,
-                        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, intermediate_size=t.intermediate_size)
-    records = arithmetic_dataset(t.sft_examples, seed=cfg.trainer.seed + 1, max_operand=d.arithmetic_max_operand)
-    examples = [(build_prompt(tokenizer, r["problem"], d.template, d.use_chat_template),
-                 worked_response(r["answer"], tokenizer.eos_token)) for r in records]
-    losses = sft_warm_start(model, tokenizer, examples, steps=t.sft_steps, batch_size=t.sft_batch_size, lr=t.sft_lr,
-                            seed=cfg.trainer.seed, progress=cfg.logging.progress_bar)
-    log.info("tiny theta0: SFT loss %.3f -> %.3f", losses[0], losses[-1])
+    # stopped at once (Ctrl-C, SIGTERM), it leaves nothing: publish removes its temporary copy
+    with stopped_at_once_is("the tiny model's SFT warm start; nothing was cached (the same command runs it "
+                            "again)"):
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, cfg.trainer.seed, hidden_size=t.hidden_size, num_layers=t.num_layers,
+                            num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, intermediate_size=t.intermediate_size)
+        records = arithmetic_dataset(t.sft_examples, seed=cfg.trainer.seed + 1, max_operand=d.arithmetic_max_operand)
+        examples = [(build_prompt(tokenizer, r["problem"], d.template, d.use_chat_template),
+                     worked_response(r["answer"], tokenizer.eos_token)) for r in records]
+        losses = sft_warm_start(model, tokenizer, examples, steps=t.sft_steps, batch_size=t.sft_batch_size, lr=t.sft_lr,
+                                seed=cfg.trainer.seed, progress=cfg.logging.progress_bar)
+        log.info("tiny theta0: SFT loss %.3f -> %.3f", losses[0], losses[-1])
 
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    # Runs started side by side (a seed sweep, ERPO vs GRPO) may all build it: the first one published is used by
-    # every run, the others discard their own copy (the same weights: same config, same seed).
-    if not publish(path, write, keep=is_complete_model_dir):
-        log.info("tiny theta0: another run published %s first; using it", path)
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        # Runs started side by side (a seed sweep, ERPO vs GRPO) may all build it: the first one published is used by
+        # every run, the others discard their own copy (the same weights: same config, same seed).
+        if not publish(path, write, keep=is_complete_model_dir):
+            log.info("tiny theta0: another run published %s first; using it", path)
     return str(path)
 
 

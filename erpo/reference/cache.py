@@ -32,6 +32,13 @@ FORMAT_VERSION = 2   # 2: the precision is recorded
 REBUILD = "Rebuild it with `erpo precompute-ref --overwrite` (same config), or point reference.cache_path elsewhere."
 CACHE_FILE = "erpo_reference_cache.json"   # ERPOTrainer's and verl's cache in their output folder, unless set
 DATASET_CHANGED = "(the dataset changed since it was built). Rebuild it with `erpo precompute-ref --overwrite`."
+# where the cache records the digest of the dataset rows it was built from (`ReferenceCache.dataset`) and they match
+PROMPTS_CHANGED = ("(the dataset's rows are the ones it was built from, but these prompts' text and token ids are "
+                   "not: how erpo builds a prompt from a row has changed since, e.g. its instruction stripping). "
+                   "Rebuild it with `erpo precompute-ref --overwrite`.")
+# a cache built before it recorded that digest
+DATASET_OR_PROMPTS_CHANGED = ("(the dataset, or how erpo builds a prompt from a row, changed since it was built). "
+                              "Rebuild it with `erpo precompute-ref --overwrite`.")
 log = logging.getLogger("erpo")
 
 
@@ -71,6 +78,15 @@ class ReferenceCache:
     template: str
     precision: str
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)   # hash -> (ell_theta0, w)
+    # the digest of the dataset rows the prompts were built from (`erpo.tasks.data.dataset_rows_digest`), where
+    # `erpo precompute-ref` built it: what tells a changed dataset from a changed prompt format (`missing_prompts_why`)
+    dataset: str | None = None
+
+    def missing_prompts_why(self, dataset: str) -> str:
+        """Why prompts of a run on the rows of digest `dataset` are not in this cache, and what to do."""
+        if self.dataset is None:
+            return DATASET_OR_PROMPTS_CHANGED
+        return PROMPTS_CHANGED if self.dataset == dataset else DATASET_CHANGED
 
     @property
     def cache_id(self) -> str:
@@ -84,7 +100,8 @@ class ReferenceCache:
         payload = {"format_version": FORMAT_VERSION, "model_id": self.model_id,
                    "model_fingerprint": self.model_fingerprint, "tokenizer_id": self.tokenizer_id,
                    "tokenizer_fingerprint": self.tokenizer_fingerprint, "template": self.template,
-                   "precision": self.precision, "entries": {k: list(v) for k, v in self.entries.items()}}
+                   "precision": self.precision, "entries": {k: list(v) for k, v in self.entries.items()},
+                   **({"dataset": self.dataset} if self.dataset else {})}
         publish(path, lambda tmp: tmp.write_text(json.dumps(payload)))
         return str(path)
 
@@ -98,7 +115,7 @@ class ReferenceCache:
                              "`erpo precompute-ref --overwrite`")
         return cls(data["model_id"], data["model_fingerprint"], data["tokenizer_id"], data["tokenizer_fingerprint"],
                    data["template"], data["precision"],
-                   {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()})
+                   {k: (float(v[0]), float(v[1])) for k, v in data["entries"].items()}, data.get("dataset"))
 
     def check_compatible(self, *, model_id: str, model_fp: str | tuple[str, ...], tokenizer_id: str,
                          tokenizer_fp: str, template: str | None, temperature: float | None = None,

@@ -20,7 +20,7 @@ from erpo.reference.cache import (
     with_temperature,
 )
 from erpo.sequences import model_precision, scoring_precision
-from erpo.tasks.data import PromptSet, load_prompt_set
+from erpo.tasks.data import PromptSet, dataset_rows_digest, load_prompt_set
 
 log = logging.getLogger("erpo")
 
@@ -71,9 +71,10 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
         try:
             cache = ReferenceCache.load(path)
             cache.check_compatible(**reference_identity(cfg, model_path, tokenizer, model), path=path)
-        except ValueError as exc:   # another model, tokenizer, template, temperature or precision: one line
+            values = cache.lookup(prompt_set.prompt_ids, path=path, tokenizer=tokenizer,
+                                  why=cache.missing_prompts_why(dataset_rows_digest(prompt_set)))
+        except ValueError as exc:   # another model, tokenizer, template, temperature, precision or prompts: one line
             raise UserError(str(exc)) from exc
-        values = cache.lookup(prompt_set.prompt_ids, path=path)
         log.info("reference cache: %s (%d distinct prompts; the training set's %d read from it)", path,
                  len(cache.entries), len(prompt_set.prompt_ids))
         changed = reweight_for_training_set(cache.entries, prompt_set.prompt_ids)   # built with other prompts too
@@ -91,6 +92,7 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
                                   temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
                                   tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"],
                                   progress=cfg.logging.progress_bar)
+    cache.dataset = dataset_rows_digest(prompt_set)
     if D.is_main():
         cache.save(path)
     D.barrier()

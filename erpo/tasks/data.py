@@ -37,6 +37,27 @@ def split_instruction(problem: str) -> tuple[str, str]:
     return text, ""
 
 
+# OlympiadBench rows with a `unit` column: its gold answer is the bare value, as OlympiadBench's own prompt asks for it
+UNIT_SENTENCE = "The unit of the answer is {unit}; put only its value, without the unit, in \\boxed{{}}."
+
+
+def question_parts(problem: str, unit=None) -> tuple[str, str]:
+    """(the question without an instruction, the instruction `problem` ended with or "") of a row's problem text and
+    `unit` column, as training and `erpo eval` both ask it (`asked_problem`): `split_instruction`'s, with a sentence
+    naming a non-empty `unit` (UNIT_SENTENCE) after the problem, before any instruction."""
+    text, instruction = split_instruction(problem)
+    if isinstance(unit, str) and unit.strip():
+        text = f"{text}\n\n{UNIT_SENTENCE.format(unit=unit.strip())}"
+    return text, instruction
+
+
+def asked_problem(question: str, instruction: str, template: str) -> str:
+    """The text `template` is filled with, in training and in `erpo eval` alike (the model is asked the same
+    question): `question_parts`' question, then its instruction unless the template brings its own (one
+    instruction either way)."""
+    return question if brings_instruction(template) else question + instruction
+
+
 def brings_instruction(template: str) -> bool:
     """Whether a prompt template (a name of TEMPLATES or the format text) asks for the answer in \\boxed{} itself,
     as the paper's and qwen-math's do; `plain` does not. Such a template is filled with a problem without the
@@ -142,6 +163,13 @@ def prompt_set_identity(prompt_set: PromptSet) -> dict:
             "answers": digest(prompt_set.answers)}
 
 
+def dataset_rows_digest(prompt_set: PromptSet) -> str:
+    """sha256 (hex, 32 chars) of the dataset rows the prompts were built from (`records`, in order), not of the
+    prompts: a reference cache records it to tell a changed dataset from a changed way of building prompts."""
+    text = json.dumps(prompt_set.records, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answer_field: str, template: str,
                      use_chat_template: bool, max_prompt_length: int, skip_invalid: bool,
                      where: list[str] | None = None) -> PromptSet:
@@ -168,8 +196,7 @@ def tokenize_prompts(tokenizer, records: list[dict], *, problem_field: str, answ
             problems.append(f"{i}: {answer_field!r} holds {len(answers)} alternative answers {answers!r:.60}; the "
                             "math reward compares with one: keep the one to reward")
             continue
-        if brings_instruction(template):   # as `erpo eval` asks it (erpo.eval.problem_sets.problem_as_asked)
-            problem = split_instruction(problem)[0]
+        problem = asked_problem(*question_parts(problem, record.get("unit")), template)   # as `erpo eval` asks it
         prompt, ids = encode_prompt(tokenizer, problem, template, use_chat_template)
         if len(ids) > max_prompt_length:
             problems.append(f"{i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")

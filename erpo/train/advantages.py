@@ -44,9 +44,11 @@ def reward_std(rewards: torch.Tensor, n: int, scale_rewards: str) -> torch.Tenso
     return (nanstd(groups, dim=1) if n > 1 else torch.zeros_like(groups[:, :1])).expand_as(groups).reshape(-1)
 
 
-def compute_advantages(rewards: torch.Tensor, n: int, *, estimator: str = "grpo",
-                       scale_rewards: str = "group") -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, n: int, *, estimator: str = "grpo", scale_rewards: str = "group",
+                       std: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages [G * n] fp32 for `rewards` [G * n] (NaN: unscored, advantage 0; means and stds leave it out).
+    `std`: `reward_std(rewards, n, scale_rewards)` where the caller has computed it already (the rollout stage,
+    which also logs whether it is 0); computed here when None.
 
     grpo: r - mean(group), divided by std(group) + 1e-6 when scale_rewards="group", by the batch std when "batch",
           not divided when "none" (Dr. GRPO);
@@ -55,7 +57,7 @@ def compute_advantages(rewards: torch.Tensor, n: int, *, estimator: str = "grpo"
     Stds are Bessel-corrected (`reward_std`).
     """
     groups = _grouped(rewards, n)
-    std = reward_std(rewards, n, scale_rewards).view_as(groups)
+    std = (reward_std(rewards, n, scale_rewards) if std is None else std).view_as(groups)
     if estimator == "grpo":
         adv = groups - groups.nanmean(dim=1, keepdim=True)
     elif estimator == "rloo":

@@ -33,7 +33,7 @@ from erpo.tasks.rewards import load_reward_function
 from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
-from erpo.train.rollout_stage import rollout_stage
+from erpo.train.rollout_stage import filtered_step_warning, rollout_stage
 from erpo.train.run_dir import check_resumed_training_set, check_run_dir, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir
 from erpo.train.step_plan import old_logprobs, plan_query_weights, plan_step
@@ -248,8 +248,7 @@ def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
             # 3. Optimizer steps.
             for u, plan in enumerate(plans):
                 if plan.num_seqs == 0:
-                    log.warning("optimizer step skipped: every group of this batch has equal rewards "
-                                "(algorithm.filter_groups)")
+                    log.warning(filtered_step_warning(rollouts[u]))
                     continue
                 try:
                     weights = plan_query_weights(cfg, plan, model, run.prompts, run.tokenizer.pad_token_id,

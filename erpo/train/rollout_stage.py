@@ -50,6 +50,21 @@ class Rollout:
         return Rollout(**{f.name: rows(getattr(self, f.name)) for f in fields(self)})
 
 
+def filtered_step_warning(rollout: Rollout) -> str:
+    """The warning for an optimizer step whose every group DAPO's dynamic-sampling filter (algorithm.filter_groups)
+    dropped: why (equal rewards, or samples no reward function scored: NaN rewards) and, for the unscored, what to
+    do."""
+    unscored = torch.isnan(rollout.rewards)
+    if unscored.all():
+        return ("optimizer step skipped: no sample of this batch could be scored (no reward function returned a value "
+                "for any of them, so algorithm.filter_groups dropped every group); make at least one reward function "
+                "return a number for these samples (the warning above names the first)")
+    if unscored.any():
+        return ("optimizer step skipped: every group of this batch has equal rewards or no scored sample "
+                "(algorithm.filter_groups)")
+    return "optimizer step skipped: every group of this batch has equal rewards (algorithm.filter_groups)"
+
+
 def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [S] fp32, whether the std they are scaled by is 0 [S] bool) of this rank's rewards [S] (whole
     groups of rollout.n), computed over the rollout step's rewards on every rank (one all-gather; collective), as
@@ -59,8 +74,9 @@ def rollout_advantages(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor
     everyone = D.all_gather_object(rewards.tolist())
     offset = sum(len(part) for part in everyone[:D.rank()])
     every_reward = torch.tensor([r for part in everyone for r in part], dtype=rewards.dtype)
-    advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards)
-    std = reward_std(every_reward, cfg.rollout.n, a.scale_rewards)
+    std = reward_std(every_reward, cfg.rollout.n, a.scale_rewards)   # once: the advantages' and the zero-std test's
+    advantages = compute_advantages(every_reward, cfg.rollout.n, estimator=a.advantage, scale_rewards=a.scale_rewards,
+                                    std=std)
     std_zero = torch.isclose(std, torch.zeros_like(std))   # TRL's test, defaults included (atol 1e-8)
     mine = slice(offset, offset + len(rewards))
     return advantages[mine], std_zero[mine]

@@ -27,8 +27,9 @@ class GracefulStop:
                     manager.save(step, engine, state); break
 
     `.requested` is True once a signal arrived on this rank, `.received` says which. A second signal of the same
-    kind gets the previous handler (by default: SIGTERM terminates at once, SIGINT raises KeyboardInterrupt where
-    the program is). Install from the main thread.
+    kind gets the previous handler (under the `erpo` command: SIGTERM raises erpo.errors.Terminated, SIGINT
+    KeyboardInterrupt, where the program is; Python's default for SIGTERM terminates at once). Install from the main
+    thread.
     """
 
     def __init__(self, signals: Iterable[int] = STOP_SIGNALS):
@@ -42,10 +43,12 @@ class GracefulStop:
     def handle(self, signum, frame) -> None:
         self.requested = True
         self.received = signum
+        # the second signal's handler first, then the line that promises it: a user (or a test) who answers the line
+        # at once must find it in place
+        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
         again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {signal.Signals(signum).name}"
         logger.warning("received %s: finishing the current step, saving a checkpoint, then exiting (%s stops at "
                        "once, losing the steps after the newest checkpoint)", signal.Signals(signum).name, again)
-        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
 
     def install(self) -> "GracefulStop":
         for signum in self.signals:

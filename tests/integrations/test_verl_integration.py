@@ -457,10 +457,11 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
 
 
 @pytest.mark.parametrize("setting, recorded", [
-    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
-                                        r"attention=eager,remove_padding=true"),
-    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true, training scores with [^;]*,"
-                                     r"attention=sdpa,remove_padding=false")], ids=["attention", "remove_padding"])
+    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true,liger=false, training scores with "
+                                        r"[^;]*,attention=eager,remove_padding=true,liger=false"),
+    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true,liger=false, training scores with [^;]*,"
+                                     r"attention=sdpa,remove_padding=false,liger=false")],
+    ids=["attention", "remove_padding"])
 def test_cache_of_another_attention_kernel_or_padding_is_refused(tiny, tmp_path, setting, recorded):
     """The actor's forward also depends on its attention kernel (verl's
     `actor_rollout_ref.model.override_config.attn_implementation`) and on `use_remove_padding` (packed or padded):
@@ -477,19 +478,42 @@ def test_cache_of_another_attention_kernel_or_padding_is_refused(tiny, tmp_path,
         engine_reference(tiny, other, prompts, cache)
 
 
-def test_the_precision_records_the_attention_kernel_verl_resolves(tiny, tmp_path):
-    """The record holds what verl 0.9.1's model config resolves and its FSDP engine builds the actor with: flash-attn 2
-    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding` as set."""
+def model_config_with(tiny, tmp_path, *settings):
+    """verl's HFModelConfig of the run's `actor_rollout_ref.model` with `settings` (dotlist items) merged in."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
+    config = OmegaConf.merge(run_config(tiny, tmp_path), OmegaConf.from_dotlist(list(settings)))
+    return omega_conf_to_dataclass(config.actor_rollout_ref.model)
 
+
+def test_the_precision_records_the_attention_kernel_verl_resolves_and_liger(tiny, tmp_path):
+    """The record holds what verl 0.9.1's model config resolves and its FSDP engine builds the actor with: flash-attn 2
+    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding` and
+    `use_liger` (Liger's RMSNorm, rotary and SwiGLU kernels in the actor) as set."""
     def recorded(*settings):
-        config = OmegaConf.merge(run_config(tiny, tmp_path), OmegaConf.from_dotlist(list(settings)))
-        model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-        return engine_precision(model, FP32, "cpu").split(",")[-2:]
-    assert recorded() == ["attention=flash_attention_2", "remove_padding=true"]
+        return engine_precision(model_config_with(tiny, tmp_path, *settings), FP32, "cpu").split(",")[-3:]
+    assert recorded() == ["attention=flash_attention_2", "remove_padding=true", "liger=false"]
     assert recorded("actor_rollout_ref.model.override_config.attn_implementation=eager",
-                    "actor_rollout_ref.model.use_remove_padding=false") == ["attention=eager", "remove_padding=false"]
+                    "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.use_liger=true") == [
+        "attention=eager", "remove_padding=false", "liger=true"]
+
+
+def test_a_cache_scored_without_liger_is_refused_by_an_actor_with_it(tiny, tmp_path):
+    """`use_liger` swaps the actor's RMSNorm, rotary embedding and SwiGLU for Liger's kernels: a cache the actor scored
+    without them is refused by one with them, in one line naming both (read before)."""
+    path, tokenizer, _ = tiny
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = str(tmp_path / "cache.json")
+    engine_reference(tiny, engine_for(tiny, use_remove_padding=True), prompts, cache)
+    liger = engine_precision(model_config_with(tiny, tmp_path, "actor_rollout_ref.model.override_config."
+                                               "attn_implementation=sdpa", "actor_rollout_ref.model.use_liger=true"),
+                             FP32, "cpu")
+    assert liger == engine_precision(engine_for(tiny, use_remove_padding=True).model_config, FP32, "cpu").replace(
+        "liger=false", "liger=true")   # all but Liger as the cache's
+    with pytest.raises(ValueError, match=r"precision: cache built with [^;]*,liger=false, training scores with "
+                                         r"[^;]*,liger=true\. Delete it"):
+        load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0, precision=liger,
+                                score=unexpected_scoring)
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -666,7 +690,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
     cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
     assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu")
-    assert cache.precision.endswith(",attention=sdpa,remove_padding=true")
+    assert cache.precision.endswith(",attention=sdpa,remove_padding=true,liger=false")
 
     again = start()
     assert again.calls == [] and again.loss_fns[0].keywords["reference"].entries == \
@@ -676,8 +700,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
                                          r"autocast=off,path=verl-engine,device=cpu,[^\n]*$"):
         start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
     with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with [^;]*,attention=sdpa,"
-                                         r"remove_padding=true, training scores with [^;]*,attention=sdpa,"
-                                         r"remove_padding=false\. Delete it"):
+                                         r"remove_padding=true,liger=false, training scores with [^;]*,attention=sdpa,"
+                                         r"remove_padding=false,liger=false\. Delete it"):
         start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):

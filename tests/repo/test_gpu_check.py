@@ -42,7 +42,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # the dry run sets it for its stages itself
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--commit", "abc123", str(out)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=gpu_check.DRY_RUN_DEADLINE_S + 60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == FILES - {"clocks.csv"}  # no GPU, no clock samples
     summary = (out / "summary.md").read_text()
@@ -356,6 +356,21 @@ def test_a_stage_past_its_limit_is_stopped_with_its_children(check, tmp_path):
     assert "begun" in log and "stopped at the stage's time limit (3 s)" in log
     assert gone_within(int(child.read_text()), seconds=10)  # the stage's own child went with it
     assert "| sleepy | time limit |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_dry_run_holds_a_stage_to_its_cpu_ceiling_not_to_its_gpu_limit(tmp_path, monkeypatch):
+    """A dry run's stage that outlasts its GPU limit (a CPU shared by other test suites is slower than any lease)
+    runs to its end: the dry run's stages get DRY_RUN_STAGE_LIMIT_S, for a hung stage only."""
+    def kernels(check):  # a stage of 2 s under a GPU limit of 1 s
+        check.run("kernels", ["bash", "-c", f"sleep 2; touch {tmp_path / 'ended'}"], check.out / "kernel-tests.log",
+                  limit_s=1)
+    monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 0)
+    monkeypatch.setattr(gpu_check.GpuCheck, "kernels", kernels)
+    assert gpu_check.main(["--dry-run", "--stages", "kernels", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "ended").exists()
+    (row,) = [line for line in (tmp_path / "out" / "summary.md").read_text().splitlines()
+              if line.startswith("| kernels | ")]
+    assert row.split(" | ")[1] == "ok" and float(row.split(" | ")[3]) == gpu_check.DRY_RUN_STAGE_LIMIT_S, row
 
 
 @pytest.mark.parametrize("stage_ends", ["at its time limit", "in an exception"])

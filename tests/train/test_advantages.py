@@ -83,6 +83,28 @@ def trl_advantages(rewards, n, scale_rewards, eps):
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 @pytest.mark.parametrize("rewards", [UNSCORED, REWARDS], ids=["unscored", "scored"])
+def test_a_rollout_step_computes_its_reward_std_once(monkeypatch, rewards, scale_rewards):
+    """The rollout stage's advantages and zero-std flags (frac_reward_zero_std) are TRL's, from one reward_std."""
+    from types import SimpleNamespace
+
+    from erpo.train import advantages, rollout_stage
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return reward_std(*args)
+    monkeypatch.setattr(advantages, "reward_std", counted)
+    monkeypatch.setattr(rollout_stage, "reward_std", counted)
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(advantage="grpo", scale_rewards=scale_rewards),
+                          rollout=SimpleNamespace(n=4))
+    got, got_zero = rollout_stage.rollout_advantages(cfg, rewards)
+    expected, std_zero = trl_advantages(rewards, 4, scale_rewards, EPS)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got_zero, std_zero) and len(calls) == 1
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+@pytest.mark.parametrize("rewards", [UNSCORED, REWARDS], ids=["unscored", "scored"])
 def test_grpo_advantages_are_trl_s_with_verl_s_epsilon(rewards, scale_rewards):
     """Unscored samples are left out of their group's mean and std and get advantage 0, Bessel-corrected stds, TRL's
     zero-std test: TRL's formula on the same batch, with erpo's epsilon (1e-6, EPS) for TRL's 1e-4."""

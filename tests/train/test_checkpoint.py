@@ -211,6 +211,19 @@ def test_graceful_stop_sets_flag_and_restores_handler():
         GracefulStop(signals=())
 
 
+def test_graceful_stop_puts_the_second_signal_s_handler_in_place_before_its_line(monkeypatch):
+    # the line says a second signal stops at once: one sent as soon as the line is read must find that handler (the
+    # handler was put back after the line, so a second Ctrl-C answering it at once could be taken as a first again)
+    from erpo.train import stop as stop_module
+    handler_at_the_line = []
+    monkeypatch.setattr(stop_module.logger, "warning",
+                        lambda *args: handler_at_the_line.append(signal.getsignal(signal.SIGINT)))
+    previous = signal.getsignal(signal.SIGINT)
+    with GracefulStop() as stop:
+        stop.handle(signal.SIGINT, None)
+    assert handler_at_the_line == [previous]
+
+
 SIGTERM_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path

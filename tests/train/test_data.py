@@ -230,6 +230,20 @@ def test_a_problem_is_asked_with_one_instruction_in_training_as_in_evaluation(to
         assert kept.prompt_ids == problem_prompt_ids(tokenizer, bench, settings)
 
 
+@pytest.mark.parametrize("template", ["plain", "paper"])
+def test_a_row_with_a_unit_is_asked_the_same_question_in_training_as_in_evaluation(tokenizer, template):
+    """OlympiadBench's rows with a `unit`: the sentence naming it, which `erpo eval` adds, is in the training prompt
+    too, in the same place (training left it out), with or without an instruction ending the problem."""
+    for problem in ["How fast is it?",
+                    "How fast is it? Please reason step by step, and put your final answer within \\boxed{}."]:
+        row = {"problem": problem, "answer": "20", "unit": " m/s "}
+        kept = tokenize_prompts(tokenizer, [row], problem_field="problem", answer_field="answer", template=template,
+                                use_chat_template=True, max_prompt_length=512, skip_invalid=False)
+        assert "The unit of the answer is m/s; put only its value" in kept.prompts[0]
+        settings = PromptSettings(template=template, use_chat_template=True)
+        assert kept.prompt_ids == problem_prompt_ids(tokenizer, records_to_problems([row], "t"), settings)
+
+
 def test_the_official_erpo_file_trains_as_it_is(tokenizer):
     """docs/training.md: the official file (prompt with the paper's suffix, a Python-repr ground_truth) trains with
     data.problem_field=prompt, answer_field=ground_truth, template=paper: one instruction, the gold read as `erpo eval`

@@ -3,7 +3,9 @@ whole process group, the math-verify child included):
 
 - one Ctrl-C: the current rollout step finishes, a checkpoint of it is saved, one line says so, no traceback from any
   process, exit status 130; `--resume` continues and metrics.jsonl holds every step once;
-- Ctrl-C twice: stops at once, in one line, exit status 130;
+- Ctrl-C twice, or SIGTERM twice: stops at once (the step it was in neither finished nor saved), in one line, exit
+  status 130 (143 for SIGTERM);
+- Ctrl-C or SIGTERM during the SFT warm start: stops at once in one line naming it, caching nothing (exit 130 / 143);
 - a run killed after it logged a step's metrics but before the next checkpoint: `--resume` drops those records and
   logs them again, so no step is in metrics.jsonl twice (it held step 3 twice before).
 """
@@ -15,9 +17,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from erpo.cli.commands import main
 from terminal import TerminalRun
-from test_resume import env, small_run_args
+from test_resume import HELD_REWARD, env, small_run_args
 
 STEPS = 500   # more than any test waits for: a run stopped here was stopped, not finished
 
@@ -42,11 +46,11 @@ def checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")) if root.is_dir() else []
 
 
-def resume_and_check(out: Path, cache: Path, max_steps: int) -> None:
+def resume_and_check(out: Path, cache: Path, max_steps: int, *sets: str) -> None:
     """`--resume` to `max_steps` (in this process: what is checked is what the stopped run left, not how the new one
-    starts; tests/train/test_resume.py's resumes are processes of their own): exit 0, and metrics.jsonl holds
-    optimizer steps 1, 2, ... each once."""
-    assert main(train_command(out, cache, "--max-steps", str(max_steps), "--resume")[3:]) == 0
+    starts; tests/train/test_resume.py's resumes are processes of their own; `sets`: the stopped run's own --set
+    items after the small settings): exit 0, and metrics.jsonl holds optimizer steps 1, 2, ... each once."""
+    assert main(train_command(out, cache, "--max-steps", str(max_steps), "--resume")[3:] + list(sets)) == 0
     steps = logged_steps(out)
     assert steps == list(range(1, len(steps) + 1)), steps
     assert logged_rollout_steps(out)[-1] == max_steps
@@ -81,17 +85,34 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_in_one_line(tmp_path):
     resume_and_check(out, cache, stopped_at + 2)
 
 
-def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
-    out, cache = tmp_path / "run", tmp_path / "cache"
-    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS), "--save-steps", "1"), env=env())
-    stop_with_ctrl_c(run, (lambda: checkpoint_steps(out), 240, "first checkpoint"),
-                     (lambda: "received SIGINT" in run.output, 60, "the first Ctrl-C's line"), timeout=240)
-    # the second Ctrl-C either stopped the step at once (one line says so) or came after it had finished and saved
+@pytest.mark.parametrize("stop, status, how", [("Ctrl-C", 130, "interrupted (Ctrl-C)"),
+                                               ("SIGTERM", 143, "stopped (SIGTERM)")])
+def test_a_second_ctrl_c_or_sigterm_stops_at_once_in_one_line(tmp_path, stop, status, how):
+    # Both signals come while a reward function holds the run inside rollout step 2 (tests/workers/held_reward.py),
+    # each sent once the run shows what it answers (the step reached, the first one's line): the second lands inside
+    # the step however loaded the machine (typed at the first checkpoint's appearance, a second Ctrl-C could come
+    # after the step had finished and been saved, while the run was exiting)
+    out, cache, hold = tmp_path / "run", tmp_path / "cache", tmp_path / "hold"
+    hold.mkdir()
+    run = TerminalRun(train_command(out, cache, "--max-steps", str(STEPS)) + list(HELD_REWARD),
+                      env=dict(env(), ERPO_TEST_HOLD_DIR=str(hold), ERPO_TEST_HOLD_STEP="2"))
+    send = run.ctrl_c if stop == "Ctrl-C" else lambda: os.killpg(run.proc.pid, signal.SIGTERM)
+    try:
+        for condition, what in ((lambda: (hold / "held").exists(), "rollout step 2's rewards"),
+                                (lambda: f"received {'SIGINT' if stop == 'Ctrl-C' else 'SIGTERM'}" in run.output,
+                                 "the first signal's line")):
+            run.wait_for(condition, timeout=240, what=what)
+            send()
+        exit_status = run.wait(timeout=240)
+    finally:
+        run.kill()
+    assert exit_status == status and "Traceback" not in run.output, run.output[-4000:]
     ends = [line for line in run.output.splitlines()
-            if "erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept" in line
+            if f"erpo train: {how}; the checkpoints saved so far are kept" in line
             or "stopped by signal after rollout step" in line]
-    assert len(ends) == 1, run.output[-3000:]
-    resume_and_check(out, cache, checkpoint_steps(out)[-1] + 2)
+    assert len(ends) == 1 and how in ends[0], run.output[-3000:]
+    assert checkpoint_steps(out) == [1] and not (out / "run.lock").exists()   # step 2 neither finished nor saved
+    resume_and_check(out, cache, 3, *HELD_REWARD)   # the same reward functions; nothing held: no folder
 
 
 def test_a_run_killed_between_a_metrics_write_and_the_next_checkpoint_resumes_without_a_repeated_step(tmp_path):
@@ -138,13 +159,22 @@ def test_the_math_verify_child_leaves_ctrl_c_to_its_parent(tmp_path):
     assert status == 0 and "Traceback" not in run.output, run.output
 
 
-def test_ctrl_c_during_the_sft_warm_start_stops_in_one_line_and_caches_nothing_partial(tmp_path):
+@pytest.mark.parametrize("stop, status, how", [("Ctrl-C", 130, "interrupted (Ctrl-C)"),
+                                               ("SIGTERM", 143, "stopped (SIGTERM)")])
+def test_a_stop_during_the_sft_warm_start_ends_in_one_line_and_caches_nothing_partial(tmp_path, stop, status, how):
+    # Ctrl-C at the terminal, or SIGTERM to the process group (`timeout`, a batch scheduler): before the first rollout
+    # step there is no step to finish, so either stops at once (SIGTERM ended the process silently before)
     out, cache = tmp_path / "run", tmp_path / "cache"
     run = TerminalRun(train_command(out, cache, "--max-steps", "2") + ["tiny.sft_steps=100000"], env=env())
-    stop_with_ctrl_c(run, (lambda: "tiny theta0 SFT:" in run.output, 240, "the warm start's progress bar"),
-                     timeout=120)
-    last = run.output.rstrip().splitlines()[-1]   # after the bar and the terminal's echo of Ctrl-C
-    assert last.endswith("erpo train: interrupted (Ctrl-C); the checkpoints saved so far are kept (--resume continues "
-                         "from the newest)"), run.output[-2000:]
-    assert not list(cache.glob("tiny-theta0-*"))   # no half-trained theta0 cached as if it were finished
+    try:
+        run.wait_for(lambda: "tiny theta0 SFT:" in run.output, timeout=240, what="the warm start's progress bar")
+        run.ctrl_c() if stop == "Ctrl-C" else os.killpg(run.proc.pid, signal.SIGTERM)
+        exit_status = run.wait(timeout=120)
+    finally:
+        run.kill()
+    assert exit_status == status and "Traceback" not in run.output, run.output[-4000:]
+    last = run.output.rstrip().splitlines()[-1]   # after the bar (and the terminal's echo of Ctrl-C)
+    assert last.endswith(f"erpo train: {how} during the tiny model's SFT warm start; nothing was cached (the same "
+                         "command runs it again)"), run.output[-2000:]
+    assert not cache.exists() or not list(cache.iterdir())   # no theta0, not even a temporary copy
     assert not (out / "run.lock").exists()

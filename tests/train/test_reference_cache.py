@@ -1,6 +1,7 @@
 """erpo.reference.cache: ell_theta0(q) through the fused-linear path, w(q), identity checks, persistence."""
 import json
 import os
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -10,6 +11,7 @@ import erpo.models.fingerprint as fingerprints
 import erpo.reference.cache as rc
 import erpo.reference.setup as reference_setup
 from erpo.config import Config, apply_overrides, resolve
+from erpo.errors import UserError
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.reference.cache import ReferenceCache, build_reference_cache, compute_query_logp, prompt_hash
@@ -247,8 +249,8 @@ def test_precompute_reference_fingerprints_and_looks_up_once(setup, tmp_path, mo
 
     monkeypatch.setattr(rc, "model_fingerprint", counted_fingerprint)
     monkeypatch.setattr(reference_setup, "model_fingerprint", counted_fingerprint)
-    monkeypatch.setattr(ReferenceCache, "lookup", lambda self, ids, path="": calls.append("lookup") or
-                        real_lookup(self, ids, path))
+    monkeypatch.setattr(ReferenceCache, "lookup", lambda self, ids, path="", **kwargs: calls.append("lookup") or
+                        real_lookup(self, ids, path, **kwargs))
     for _ in ("build", "load"):
         calls.clear()
         cache, path, (ell, w) = reference_setup.precompute_reference(
@@ -291,6 +293,37 @@ def test_a_cache_of_more_prompts_gives_the_training_sets_weights(setup, tmp_path
     distinct = ell[:2].double()
     torch.testing.assert_close(w, query_weights(ell.double(), mean_surprisal=float(-distinct.mean())))
     assert (w - cache.lookup(subset)[1]).abs().max() > 0.01
+
+
+@pytest.mark.parametrize("change, why", [
+    ("prompts", "the dataset's rows are the ones it was built from, but these prompts' text and token ids are not"),
+    ("dataset", "the dataset changed since it was built"),
+    ("prompts of a cache recording no rows", "the dataset, or how erpo builds a prompt from a row, changed since")])
+def test_a_cache_missing_the_run_s_prompts_says_whether_the_dataset_or_the_prompts_changed(setup, tmp_path, change,
+                                                                                         why):
+    """Prompts built another way from the same rows (audit3's instruction stripping) are not "the dataset changed":
+    the one-line refusal names which changed, the first missing prompt's text, and the remedy."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(len(prompts))]
+
+    def precompute(rows, ids):
+        prompt_set = PromptSet(rows, ["p"] * len(ids), ids, ["a"] * len(ids))
+        return reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"),
+                                                    tokenizer=tokenizer, prompt_set=prompt_set)
+    _, path, _ = precompute(rows, prompts)
+    if change.endswith("recording no rows"):   # a cache built before the rows' digest was recorded
+        Path(path).write_text(json.dumps({k: v for k, v in json.loads(Path(path).read_text()).items()
+                                          if k != "dataset"}))
+    reformatted = [tokenizer("Solve: ", add_special_tokens=False)["input_ids"] + ids for ids in prompts]
+    with pytest.raises(UserError) as refused:
+        precompute([{**row, "problem": row["problem"] + "?"} for row in rows] if change == "dataset" else rows,
+                   reformatted)
+    message = str(refused.value)
+    assert message.startswith(f"prompt {tokenizer.decode(reformatted[0])[:300]!r} has no ell_theta0(q) in the "
+                              f"reference cache {path} ({len(prompts)} of {len(prompts)} prompts missing) ({why}")
+    assert message.endswith("Rebuild it with `erpo precompute-ref --overwrite`.") and "\n" not in message
 
 
 def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_path):

@@ -289,6 +289,28 @@ def test_reward_functions_get_trl_s_keywords_and_unscorable_samples_train_on(tmp
         zero_std = [len(group) > 1 and len(set(group)) == 1 for group in groups]
         assert record["frac_reward_zero_std"] == sum(zero_std) / 2
 
+
+
+@pytest.mark.parametrize("values, why", [
+    ("[None] * len(completions)",
+     "no sample of this batch could be scored (no reward function returned a value for any of them, so "
+     "algorithm.filter_groups dropped every group); make at least one reward function return a number for these "
+     "samples (the warning above names the first)"),
+    ("[None if i < 4 else 1.0 for i in range(len(completions))]",   # the first group (rollout.n = 4) unscored
+     "every group of this batch has equal rewards or no scored sample (algorithm.filter_groups)"),
+    ("[1.0] * len(completions)", "every group of this batch has equal rewards (algorithm.filter_groups)")],
+    ids=["unscored", "unscored-or-equal", "equal"])
+def test_dapo_s_filter_emptying_a_step_names_why(tmp_path, cache_dir, caplog, values, why):
+    # every sample unscored (NaN rewards) is not "equal rewards": the warning names the cause and what to do
+    file = tmp_path / "reward.py"
+    file.write_text(f"def constant(completions, **kwargs):\n    return {values}\n")
+    with caplog.at_level("WARNING", logger="erpo"):
+        train(small_cfg(tmp_path / "run", cache_dir, f"reward.functions=[{file}:constant]", "trainer.max_steps=1",
+                        "algorithm.filter_groups=true", "trainer.save_hf=false"))
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer step skipped: ")]
+    assert skipped == [f"optimizer step skipped: {why}"]
+
+
 @pytest.fixture
 def nan_on_first_call(monkeypatch):
     real = update_step.fused_linear_erpo_loss

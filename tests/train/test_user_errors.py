@@ -222,13 +222,19 @@ def test_an_unknown_option_is_one_line_naming_it_and_the_help(capsys, argv, unkn
 
 @pytest.mark.parametrize("argv, culprit", [
     ([], "the following arguments are required: COMMAND"),               # missing
-    (["--foo", "train", "--bar"], "unrecognized arguments: --foo"),       # before the command: the top level's
+    (["--foo", "train"], "unrecognized arguments: --foo"),                # before the command: the top level's
     (["trian"], "argument COMMAND: invalid choice: 'trian'"),             # bad choice
     (["--local_rank", "x", "train"], "argument --local_rank/--local-rank: invalid int value: 'x'"),   # bad type
     (["--debug"], "the following arguments are required: COMMAND")])
 def test_a_top_level_error_is_one_line(capsys, argv, culprit):
     line = argparse_error_line(capsys, argv)
     assert line.startswith(f"erpo: error: {culprit}") and line.endswith(" (see erpo --help)"), line
+
+
+def test_unknown_options_before_and_after_the_command_are_all_named_in_one_line(capsys):
+    assert argparse_error_line(capsys, ["--foo", "train", "--bar", "--max-steps", "2", "--baz=1"]) == (
+        "erpo: error: unrecognized arguments: --foo, and erpo train's --bar --baz=1 "
+        "(see erpo --help, erpo train --help)")
 
 
 @pytest.mark.parametrize("argv, culprit", [
