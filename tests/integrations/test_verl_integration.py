@@ -513,7 +513,7 @@ def test_a_cache_scored_without_liger_is_refused_by_an_actor_with_it(tiny, tmp_p
     with pytest.raises(ValueError, match=r"precision: cache built with [^;]*,liger=false, training scores with "
                                          r"[^;]*,liger=true\. Delete it"):
         load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0, precision=liger,
-                                score=unexpected_scoring)
+                                score=unexpected_scoring, trainer="verl", remedy=REBUILD)
 
 
 @pytest.mark.parametrize("setting, message", [
