@@ -25,6 +25,12 @@ from erpo.sequences import scoring_precision
 
 ACTOR_PATH = "openrlhf-actor"   # the scoring path a cache scored here records (`actor_precision`)
 REBUILD = "Delete it to rebuild it, or pass another path to load_or_build_query_reference."
+# what a prompt missing at a training step ends with: the cache held every prompt it was given, so the step's prompt
+# is not one of them as tokenized there, and no rebuild adds it
+STEP_MISS = ("(it held every prompt given to load_or_build_query_reference, tokenized as OpenRLHF's agent executors "
+             "tokenize them, left-truncated to its max_prompt_length; this one reached the loss otherwise, and "
+             "rebuilding the cache would not add it). Pass it the PromptDataset's prompts (dataset.prompts) and "
+             "max_prompt_length=data.max_len - rollout.max_new_tokens, as OpenRLHF truncates a long prompt.")
 
 
 def prompt_token_ids(tokenizer, prompts: list[str], *, max_prompt_length: int | None = None) -> list[list[int]]:
@@ -87,5 +93,5 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
-        precision=actor_precision(actor), remedy=remedy, trainer="openrlhf",
+        precision=actor_precision(actor), remedy=remedy, trainer="openrlhf", step_miss=STEP_MISS,
         score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size))

@@ -22,6 +22,13 @@ from erpo.reference.cache import (
 
 # A cache looked up outside `load_or_build_reference` (built by hand) ends a missing prompt's error with this.
 DEFAULT_REMEDY = "Delete it to rebuild it, or point the run at another cache."
+# Why a cache read at start lacks a training prompt
+CHANGED = "(the data, chat template, prompt truncation or tokenizer changed since it was built)."
+# Why a training step's prompt is missing once the start found every training prompt there, when the trainer gives
+# no reason of its own (`load_or_build_reference`'s `step_miss`): rebuilding the cache would not add it
+BUILT_OTHERWISE = ("(it held every training prompt at start: the trainer built this one otherwise than they were "
+                   "tokenized for the cache, and rebuilding the cache would not add it). Score the prompts as the "
+                   "trainer builds them, or set qkl_coef=0 and query_weight='none'.")
 # A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
 RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
            "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
@@ -31,33 +38,35 @@ RESUMED = ("The run resumes at step {step}, whose actor no longer holds the init
 class QueryReference:
     """ell_theta0(q) and w(q) by prompt hash (a `ReferenceCache`'s entries), sent with the loss to every worker.
 
-    `tokenizer` (optional) only decodes a missing prompt for the error message; `remedy` ends that message (the
-    trainer's own: `load_or_build_reference` sets the one it was given)."""
+    `tokenizer` (optional) only decodes a missing prompt for the error message; `why` ends that message: the likely
+    cause and what to do (`load_or_build_reference` sets the trainer's own: at start CHANGED and its remedy, then,
+    for the training steps, its `step_miss`)."""
 
     entries: dict[str, tuple[float, float]]
     path: str
     tokenizer: object = field(default=None, repr=False)
-    remedy: str = DEFAULT_REMEDY
+    why: str = f"{CHANGED} {DEFAULT_REMEDY}"
 
     def lookup(self, prompt_ids: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ell_theta0 [B] fp32, w [B] fp32) of these prompts, on the host or on `device`
-        (`erpo.reference.cache.lookup_entries`); a prompt the cache lacks is a ValueError naming it."""
-        return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=(
-            f"(the data, chat template or tokenizer changed since it was built). {self.remedy}"), device=device)
+        (`erpo.reference.cache.lookup_entries`); a prompt the cache lacks is a ValueError naming it, then `why`."""
+        return lookup_entries(self.entries, prompt_ids, self.path, tokenizer=self.tokenizer, why=self.why,
+                              device=device)
 
 
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
                             temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
-                            trainer: str, remedy: str) -> QueryReference:
+                            trainer: str, remedy: str, step_miss: str = BUILT_OTHERWISE) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as the trainer's rollout builds them).
 
     The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
     `temperature` and `precision` (the actor's: `verl_reference.engine_precision`,
     `openrlhf_reference.actor_precision`), and holds every prompt; otherwise a ValueError names what differs and
-    ends with `remedy` (the trainer's way to rebuild it; `RESUMED` for a resumed run), as does a later lookup's
-    missing prompt. `trainer` ("verl", "openrlhf") names the trainer in the cache's template record. Without a
-    cache, `score(prompts)` gives ell_theta0 (nats) of the distinct prompts with the initial weights (the actor's
-    own forward), and the cache is saved at `path`."""
+    ends with `remedy` (the trainer's way to rebuild it; `RESUMED` for a resumed run). A prompt a training step
+    misses later was built otherwise than the ones scored here, which no rebuild adds: its error ends with
+    `step_miss` (how the trainer's prompts are tokenized here, and what to do). `trainer` ("verl", "openrlhf")
+    names the trainer in the cache's template record. Without a cache, `score(prompts)` gives ell_theta0 (nats) of
+    the distinct prompts with the initial weights (the actor's own forward), and the cache is saved at `path`."""
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))
@@ -72,7 +81,8 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
                                    model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
                                    template=template, precision=precision)
         cache.save(path)
-    reference = QueryReference(dict(cache.entries), str(path), tokenizer, remedy)
+    reference = QueryReference(dict(cache.entries), str(path), tokenizer, f"{CHANGED} {remedy}")
     reference.lookup(prompt_ids)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
+    reference.why = step_miss      # from now on a missing prompt is one the trainer built otherwise
     return reference

@@ -48,6 +48,13 @@ VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
 # what a verl run's cache errors end with (`verl_trainer`; `query_reference.RESUMED` when the run resumes)
 REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
+# what a prompt missing at a training step ends with: the cache held every training prompt at start, as `verl_trainer`
+# tokenizes them, so the step's prompt was built otherwise, and no rebuild adds it
+STEP_MISS = ("(it held every training prompt at start, as verl's single-turn agent loop builds them: the chat template "
+             "with data.apply_chat_template_kwargs, left-truncated to actor_rollout_ref.rollout.prompt_length; this "
+             "one reached the loss built otherwise, by another agent loop, dataset class or tools, and rebuilding the "
+             "cache would not add it). Train with the single-turn agent loop on RLHFDataset's prompts, or set "
+             "+erpo.qkl_coef=0 +erpo.query_weight=none.")
 
 
 

@@ -25,7 +25,14 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.query_reference import RESUMED, load_or_build_reference
-from erpo.integrations.verl import REBUILD, ERPOSettings, check_actor_config, check_fused_kernels, erpo_loss_fn
+from erpo.integrations.verl import (
+    REBUILD,
+    STEP_MISS,
+    ERPOSettings,
+    check_actor_config,
+    check_fused_kernels,
+    erpo_loss_fn,
+)
 from erpo.integrations.verl_reference import engine_precision, engine_query_logp
 from erpo.models.loading import dropouts_besides_adapters
 from erpo.reference.cache import CACHE_FILE
@@ -150,4 +157,4 @@ class ERPOTrainer(PPOTrainerSync):
         remedy = RESUMED.format(step=self.global_steps) if self.global_steps > 0 else REBUILD
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score,
-                                       trainer="verl", remedy=remedy)
+                                       trainer="verl", remedy=remedy, step_miss=STEP_MISS)

@@ -566,7 +566,9 @@ def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(make_actor
 
 def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path):
     """Another chat template, a prompt the cache lacks, another tokenizer, another precision, a truncated prompt:
-    each refused in one line naming what differs, never a wrong ell_theta0(q)."""
+    each refused in one line naming what differs, never a wrong ell_theta0(q). A prompt a step misses once the cache
+    held every prompt it was given is not blamed on the cache: the remedy is to give it OpenRLHF's prompts and
+    truncation, not to rebuild it."""
     from erpo.integrations.openrlhf_reference import load_or_build_query_reference, prompt_token_ids
     tokenizer = build_tokenizer()
     actor = make_actor(torch.float32)
@@ -580,7 +582,13 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(other_template))),
          r"^prompt .* has no ell_theta0\(q\) in the reference cache .* \(4 of 4 prompts missing\)"),
         (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(tokenizer) + ["never seen"])),
-         r"^prompt 'never seen' has no ell_theta0\(q\) .*\(1 of 5 prompts missing\)"),
+         r"^prompt 'never seen' has no ell_theta0\(q\) .*\(1 of 5 prompts missing\) \(it held every prompt given to "
+         r"load_or_build_query_reference, .*rebuilding the cache would not add it\)\. Pass it the PromptDataset's "
+         r"prompts \(dataset.prompts\) and max_prompt_length=data.max_len - rollout.max_new_tokens"),
+        # OpenRLHF truncated the prompts the cache was given whole (max_prompt_length left out): not the cache's fault
+        (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(tokenizer), max_prompt_length=8)),
+         r"\(4 of 4 prompts missing\) \(it held every prompt given to load_or_build_query_reference, tokenized as "
+         r"OpenRLHF's agent executors tokenize them, left-truncated to its max_prompt_length;"),
         (lambda: load_or_build_query_reference(actor, tokenizer, plain, path=path, model_path=tiny_path),
          r"^prompt .* has no ell_theta0\(q\) in the reference cache"),
         (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=path,

@@ -18,8 +18,15 @@ from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
-from erpo.integrations.query_reference import QueryReference, load_or_build_reference  # noqa: E402
-from erpo.integrations.verl import REBUILD, ERPOSettings, actor_rows, check_actor_config, erpo_loss_fn  # noqa: E402
+from erpo.integrations.query_reference import CHANGED, QueryReference, load_or_build_reference  # noqa: E402
+from erpo.integrations.verl import (  # noqa: E402
+    REBUILD,
+    STEP_MISS,
+    ERPOSettings,
+    actor_rows,
+    check_actor_config,
+    erpo_loss_fn,
+)
 from erpo.integrations.verl_reference import engine_precision, engine_query_logp, prompt_calls  # noqa: E402
 from erpo.models.tiny import build_tokenizer  # noqa: E402
 from erpo.reference.cache import ReferenceCache, prompt_hash  # noqa: E402
@@ -422,6 +429,29 @@ def unexpected_scoring(prompts):
     raise AssertionError("the cache was scored again instead of read")
 
 
+def test_a_prompt_missing_at_a_step_is_not_blamed_on_the_cache(tiny, tmp_path):
+    """At start, a cache that lacks a training prompt says the data or its tokenization changed since it was built,
+    and to rebuild it. At a training step every training prompt was there, so a prompt missing then was built
+    otherwise by verl (here a shorter left-truncation than the scoring's), which a rebuild would not add: the one
+    line names the prompt, how erpo tokenized the training set, and what works in verl instead."""
+    path, tokenizer, _ = tiny
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cache = str(tmp_path / "cache.json")
+    read = partial(load_or_build_reference, path=cache, temperature=1.0, precision="fp32",
+                   score=lambda ids: [-1.5 * len(p) for p in ids], trainer="verl", remedy=REBUILD,
+                   step_miss=STEP_MISS)
+    reference = read(path, tokenizer, prompts)
+    truncated = prompts[1][-3:]
+    with pytest.raises(ValueError) as missed:
+        reference.lookup([prompts[0], truncated])
+    assert str(missed.value) == (f"prompt {tokenizer.decode(truncated)!r} has no ell_theta0(q) in the reference "
+                                 f"cache {cache} (1 of 2 prompts missing) {STEP_MISS}")
+    assert "+erpo.query_weight=none" in STEP_MISS and "changed since" not in str(missed.value)
+    with pytest.raises(ValueError) as refused:
+        read(path, tokenizer, prompts + [tokenizer("5+5=")["input_ids"]])
+    assert str(refused.value).endswith(f"(1 of 5 prompts missing) {CHANGED} {REBUILD}")
+
+
 def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(tiny, tmp_path):
     """A cache is read only under the weights, tokenizer, temperature and precision it was built with, and only for
     prompts it holds; otherwise one line names what differs."""
@@ -685,6 +715,9 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     assert loss_fn.func is erpo_ppo_loss and loss_fn.keywords["settings"].qkl_coef == 0.02
     assert loss_fn.keywords["config"].loss_agg_mode == run_config(tiny, tmp_path).actor_rollout_ref.actor.loss_agg_mode
     ell, weight = loss_fn.keywords["reference"].lookup(prompts)
+    with pytest.raises(ValueError, match=r"\(1 of 1 prompts missing\) \(it held every training prompt at start, as "
+                                         r"verl's single-turn agent loop builds them"):
+        loss_fn.keywords["reference"].lookup([prompts[0][-3:]])   # verl truncated it otherwise: no rebuild adds it
     expected, _ = engine_reference(tiny, engine, prompts, tmp_path / "direct.json")
     assert ell.tolist() == expected.lookup(prompts)[0].tolist()
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
