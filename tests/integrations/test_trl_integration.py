@@ -20,7 +20,12 @@ import erpo.integrations.trl.scorer as scorer_module  # noqa: E402
 import erpo_kernels.api as api  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from erpo.integrations.trl.layout import completion_rows  # noqa: E402
-from erpo.integrations.trl.reference import PROMPT_TOKEN_IDS, device_prompt_ids, weights_fingerprint  # noqa: E402
+from erpo.integrations.trl.reference import (  # noqa: E402
+    PROMPT_TOKEN_IDS,
+    THETA0_RECORD,
+    device_prompt_ids,
+    weights_fingerprint,
+)
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.integrations.trl.trainer import UNSCORED_SAMPLES  # noqa: E402
 from erpo.reference.cache import (
@@ -1215,6 +1220,33 @@ def test_theta0_is_left_at_the_first_optimizer_step_and_on_resume(tiny, tmp_path
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert seen == [False, False]
     assert [entry for entry in resumed.state.log_history if "qkl" in entry][-1]["qkl"] > 1e-6
+
+
+def test_a_resume_from_a_model_other_than_theta0_is_refused(tiny, tmp_path):
+    """Each checkpoint records theta0 (the weights fingerprint of the model the run's trainer was given). A resume
+    whose trainer was given other weights, here the checkpoint's own with their cache built afresh elsewhere (the
+    run's cache refuses them: "delete it to rebuild it"), would train against another model's ell_theta0(q): it is
+    refused in one line before any step, for a checkpoint folder and for resume_from_checkpoint=True alike."""
+    settings = dict(conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=1, save_strategy="steps",
+                    save_steps=1)
+    first = make_trainer(tiny, tmp_path, **settings)
+    theta0 = weights_fingerprint(first.model)
+    first.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert json.loads((checkpoint / THETA0_RECORD).read_text()) == {
+        "theta0": theta0, "reference_cache": str(tmp_path / CACHE_FILE)}
+    moved = make_trainer((str(checkpoint), tiny[1]), tmp_path, ref_cache=str(tmp_path / "rebuilt.json"),
+                         **dict(settings, max_steps=2))
+    assert moved.reference_cache.model_fingerprint != theta0        # built from the checkpoint's weights
+    for resume in (str(checkpoint), True):
+        with pytest.raises(ValueError) as refused:
+            moved.train(resume_from_checkpoint=resume)
+        assert str(refused.value) == (
+            f"resume_from_checkpoint={checkpoint}: the run started from other weights ({theta0}) than the model "
+            f"passed to this ERPOTrainer ({moved.reference_cache.model_fingerprint}), against which its reference "
+            f"cache {tmp_path / 'rebuilt.json'} was checked or built, so ell_theta0(q) would be another model's; pass "
+            "the model the run started from (not a checkpoint's weights), or start afresh in another output_dir")
+        assert moved.state.global_step == 0
 
 
 @pytest.mark.parametrize("query_weight", ["none", "current"])

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import json
 import os
 import types
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
+from erpo.atomic import publish
 from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.lora import reference_model
 from erpo.reference.cache import (
@@ -41,6 +43,9 @@ PROMPT_CHUNK = 256  # prompts tokenized at a time when the cache is built
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one, when an environment owns the data
 PROMPT_TOKEN_IDS = "erpo_prompt_token_ids"  # the inputs' key of each sample's prompt token ids, a host list [B]
 PADDING_PROBE = (16, 4)  # `check_left_padding`: a prompt's first 16 tokens, 4 pad tokens before them
+# in each checkpoint, the weights fingerprint of theta0, the model the run's trainer was given: a resume is checked
+# against it (`_check_theta0_record`)
+THETA0_RECORD = "erpo_theta0.json"
 
 
 def device_prompt_ids(inputs: dict) -> list:
@@ -130,6 +135,7 @@ class ReferenceMixin:
     _adapter_added: bool            # a LoRA adapter added by the trainer (peft_config): theta0 = adapters off
     _train_surprisal: float  # the training prompts' mean -ell_theta0(q) (nats), set by the cache's load
     _generated_prompt_ids: list[list[int]]  # the last `_generate`'s prompt token ids, one list per sample
+    _theta0_weights: str     # `weights_fingerprint` of the model as passed (theta0), set by the cache's load
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
@@ -165,7 +171,7 @@ class ReferenceMixin:
         """Every fingerprint naming theta0 as passed: the hash of its state dict, and, when it was loaded from a
         local directory or a hub name, erpo's `model_fingerprint` of that (what `erpo precompute-ref` records)."""
         name = str(self.model.config._name_or_path or "")
-        return (weights_fingerprint(self.model),) + ((model_fingerprint(name),) if name else ())
+        return (self._theta0_weights,) + ((model_fingerprint(name),) if name else ())
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """The dtype `accelerator.autocast()` computes in on this device (bf16 / fp16 mixed precision), None: off."""
@@ -208,6 +214,7 @@ class ReferenceMixin:
         against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
         model as passed; then add the eval prompts it lacks, and save it there when it changed."""
         path = self.reference_cache_path
+        self._theta0_weights = weights_fingerprint(self.model)
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
         if train_ids:
             pad_id = self._tokenizer.pad_token_id
@@ -223,7 +230,7 @@ class ReferenceMixin:
                                "built). " + REBUILD)
             changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
         elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
-            cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=weights_fingerprint(self.model),
+            cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=self._theta0_weights,
                                    tokenizer_id=identity["tokenizer_id"],
                                    tokenizer_fingerprint=identity["tokenizer_fp"],
                                    template=with_temperature("trl", self.temperature),
@@ -233,7 +240,7 @@ class ReferenceMixin:
             cache = build_reference_cache(
                 self.model, self._tokenizer, train_ids, model_id=identity["model_id"],
                 template=with_temperature("trl", self.temperature), batch_size=self.args.per_device_train_batch_size,
-                temperature=self.temperature, model_fp=weights_fingerprint(self.model),
+                temperature=self.temperature, model_fp=self._theta0_weights,
                 tokenizer_fp=identity["tokenizer_fp"], progress=True, score=self._score_reference,
                 precision=self._reference_precision())
             changed = True
@@ -244,6 +251,35 @@ class ReferenceMixin:
             cache.save(path)
         self.accelerator.wait_for_everyone()
         return cache
+
+    def _save_theta0_record(self, checkpoint: str) -> None:
+        """Write THETA0_RECORD into `checkpoint` (a folder just saved; the main process only): theta0's weights
+        fingerprint and the cache's path. Nothing when the loss reads no ell_theta0(q) (no cache)."""
+        if self.reference_cache is None or not self.args.should_save:
+            return
+        record = json.dumps({"theta0": self._theta0_weights, "reference_cache": self.reference_cache_path})
+        publish(os.path.join(checkpoint, THETA0_RECORD), lambda tmp: tmp.write_text(record))
+
+    def _check_theta0_record(self, checkpoint: str) -> None:
+        """ValueError, one line, when the run saved at `checkpoint` started from other weights than the model this
+        trainer was given: its cache, checked against or built from that model, would hold another model's
+        ell_theta0(q) (a checkpoint's own weights passed as the model, its cache then built from them). A checkpoint
+        without the record (an older ERPOTrainer's) is resumed with a warning."""
+        if self.reference_cache is None:
+            return
+        path = os.path.join(checkpoint, THETA0_RECORD)
+        if not os.path.exists(path):
+            logger.warning("ERPOTrainer: %s records no theta0 (saved by an older erpo): resuming without checking "
+                           "that the model passed is the one the run started from", checkpoint)
+            return
+        with open(path) as record:
+            recorded = json.load(record)["theta0"]
+        if recorded != self._theta0_weights:
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint}: the run started from other weights ({recorded}) than the model "
+                f"passed to this ERPOTrainer ({self._theta0_weights}), against which its reference cache "
+                f"{self.reference_cache_path} was checked or built, so ell_theta0(q) would be another model's; pass "
+                "the model the run started from (not a checkpoint's weights), or start afresh in another output_dir")
 
     def _held_out_weights(self, ell: torch.Tensor) -> torch.Tensor:
         """Static w(q) [Q] of prompts outside the training set from their ell_theta0(q) [Q] (float64): appendix C's

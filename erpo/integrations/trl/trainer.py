@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 
 from erpo.integrations.trl.config import ERPOConfig
@@ -47,6 +48,21 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         self.at_theta0 = True      # no optimizer step yet: ell_theta0(q) is the forward's own (reference.py)
         self._theta0_entries = {}  # prompts added to the cache at theta0, not yet shared with the other processes
         self.add_callback(Theta0Callback(self))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """Trainer.train; a resumed run (resume_from_checkpoint: a checkpoint folder, or True for output_dir's last
+        one) is first checked against the theta0 its checkpoint records (reference.py, `_check_theta0_record`)."""
+        checkpoint = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
+            else resume_from_checkpoint
+        if checkpoint:   # none found: Trainer.train says so
+            self._check_theta0_record(str(checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        """GRPOTrainer's; then theta0's record in the checkpoint (reference.py, `_save_theta0_record`)."""
+        super()._save_checkpoint(model, trial)
+        self._save_theta0_record(os.path.join(self._get_output_dir(trial=trial),
+                                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
 
     def evaluate(self, *args, **kwargs):
         """Trainer.evaluate; at theta0, the prompts it added to the reference cache are then shared and saved."""
