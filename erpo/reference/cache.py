@@ -34,8 +34,9 @@ CACHE_FILE = "erpo_reference_cache.json"   # ERPOTrainer's and verl's cache in t
 DATASET_CHANGED = "(the dataset changed since it was built). Rebuild it with `erpo precompute-ref --overwrite`."
 # where the cache records the digest of the dataset rows it was built from (`ReferenceCache.dataset`) and they match
 PROMPTS_CHANGED = ("(the dataset's rows are the ones it was built from, but these prompts' text and token ids are "
-                   "not: how erpo builds a prompt from a row has changed since, e.g. its instruction stripping). "
-                   "Rebuild it with `erpo precompute-ref --overwrite`.")
+                   "not: the column read as the problem, data.problem_field, or how erpo builds a prompt from a row, "
+                   "e.g. its instruction stripping, has changed since). Rebuild it with `erpo precompute-ref "
+                   "--overwrite`.")
 # a cache built before it recorded that digest
 DATASET_OR_PROMPTS_CHANGED = ("(the dataset, or how erpo builds a prompt from a row, changed since it was built). "
                               "Rebuild it with `erpo precompute-ref --overwrite`.")

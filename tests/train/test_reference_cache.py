@@ -326,6 +326,28 @@ def test_a_cache_missing_the_run_s_prompts_says_whether_the_dataset_or_the_promp
     assert message.endswith("Rebuild it with `erpo precompute-ref --overwrite`.") and "\n" not in message
 
 
+def test_a_cache_of_another_problem_field_names_it(setup, tmp_path):
+    """`erpo precompute-ref` with one data.problem_field, then a run reading another column of the same rows as the
+    problem: the rows' digest matches, so the refusal is not "the dataset changed", and it names data.problem_field
+    (it named erpo's own prompt format alone, which had not changed)."""
+    model, tokenizer, _ = setup
+    model.save_pretrained(tmp_path / "m")
+    source = tmp_path / "rows.jsonl"
+    rows = [{"problem": f"{i}+1", "question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def precompute(field):
+        cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}", f"data.source={source}",
+                                                 f"data.problem_field={field}"]))
+        return reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"),
+                                                    tokenizer=tokenizer)
+    precompute("problem")
+    with pytest.raises(UserError, match=r"\(3 of 3 prompts missing\) \(the dataset's rows are the ones it was built "
+                                        r"from, but these prompts' text and token ids are not: the column read as the "
+                                        r"problem, data.problem_field, or how erpo builds a prompt"):
+        precompute("question")
+
+
 def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_path):
     """Every rank needs the run's identity, but hashing a 15 GB model on each of 8 ranks at once would stall the
     start: rank 0 hashes and the others receive its fingerprint."""
