@@ -569,6 +569,27 @@ def test_cache_of_another_model_is_refused(tiny, tmp_path):
         make_trainer((str(other), tiny[1]), tmp_path, conversational=True, qkl_coef=0.5)
 
 
+def test_the_same_output_dir_with_another_dataset_or_chat_template_is_refused(tiny, tmp_path):
+    """A second run in the same output_dir finds the first run's cache: with a train_dataset that has a prompt more,
+    or with another chat template, the constructor raises a ValueError whose one line names the cache file, the
+    first missing prompt or what differs, and what to do; never a stale ell_theta0(q)."""
+    from erpo.models.tiny import build_tokenizer
+    first = make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5)
+    path = tmp_path / CACHE_FILE
+    added = first._tokenize_prompts([[{"role": "user", "content": "5+5="}]])[0][0]
+    with pytest.raises(ValueError) as refused:
+        make_trainer(tiny, tmp_path, conversational=True, qkl_coef=0.5, train_dataset=conversation(["5+5=", *PROMPTS]))
+    assert str(refused.value) == (
+        f"prompt {tiny[1].decode(list(added))!r} has no ell_theta0(q) in the reference cache {path} (1 of 7 prompts "
+        "missing) (the dataset, tokenization or chat template changed since it was built). Delete it to rebuild it, "
+        "or set ERPOConfig(ref_cache=...) to another path.")
+    other = build_tokenizer()
+    other.chat_template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    with pytest.raises(ValueError, match=r"does not match this run: tokenizer: .*\. Delete it to rebuild") as refused:
+        make_trainer((tiny[0], other), tmp_path, conversational=True, qkl_coef=0.5)
+    assert str(refused.value).startswith(str(path)) and "\n" not in str(refused.value)
+
+
 def precompute_ref_cache(model_path, run_dir, temperature=1.0, conversational=True):
     """`erpo precompute-ref`'s cache of PROMPTS (data.template=plain), as one user turn through the chat template
     (the token ids of TRL's conversational prompts) or as bare text (those of TRL's plain-text prompts)."""

@@ -348,6 +348,26 @@ def test_a_cache_of_another_problem_field_names_it(setup, tmp_path):
         precompute("question")
 
 
+def test_a_cache_recording_no_rows_serves_a_resume_that_has_every_prompt(setup, tmp_path):
+    """A cache built before `erpo precompute-ref` recorded the rows' digest is read as it is when it holds every
+    prompt, with the same values and the same id (what a checkpoint records and `--resume` compares), so an older
+    run resumes with it."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(len(prompts))]
+
+    def precompute():
+        return reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"),
+                                                    tokenizer=tokenizer,
+                                                    prompt_set=PromptSet(rows, ["p"] * 3, prompts, ["a"] * 3))
+    cache, path, (ell, w) = precompute()
+    Path(path).write_text(json.dumps({k: v for k, v in json.loads(Path(path).read_text()).items() if k != "dataset"}))
+    older, _, (ell_again, w_again) = precompute()
+    assert older.dataset is None and older.cache_id == cache.cache_id
+    assert torch.equal(ell_again, ell) and torch.equal(w_again, w)
+
+
 def test_only_rank_zero_reads_the_weights_for_the_fingerprint(monkeypatch, tmp_path):
     """Every rank needs the run's identity, but hashing a 15 GB model on each of 8 ranks at once would stall the
     start: rank 0 hashes and the others receive its fingerprint."""
