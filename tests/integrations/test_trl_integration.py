@@ -28,6 +28,7 @@ from erpo.integrations.trl.reference import (  # noqa: E402
 )
 from erpo.integrations.trl.scorer import FusedLinearScorer, LogitsScorer  # noqa: E402
 from erpo.integrations.trl.trainer import UNSCORED_SAMPLES  # noqa: E402
+from erpo.models.fingerprint import model_fingerprint  # noqa: E402
 from erpo.reference.cache import (
     CACHE_FILE,  # noqa: E402
     ReferenceCache,
@@ -1251,22 +1252,23 @@ def test_a_resume_from_a_model_other_than_theta0_is_refused(tiny, tmp_path):
     settings = dict(conversational=True, qkl_coef=0.5, learning_rate=3e-2, max_steps=1, save_strategy="steps",
                     save_steps=1)
     first = make_trainer(tiny, tmp_path, **settings)
-    theta0 = weights_fingerprint(first.model)
+    theta0 = [weights_fingerprint(first.model), model_fingerprint(tiny[0])]
     first.train()
     checkpoint = tmp_path / "checkpoint-1"
     assert json.loads((checkpoint / THETA0_RECORD).read_text()) == {
         "theta0": theta0, "reference_cache": str(tmp_path / CACHE_FILE)}
     moved = make_trainer((str(checkpoint), tiny[1]), tmp_path, ref_cache=str(tmp_path / "rebuilt.json"),
                          **dict(settings, max_steps=2))
-    assert moved.reference_cache.model_fingerprint != theta0        # built from the checkpoint's weights
+    given = [moved.reference_cache.model_fingerprint, model_fingerprint(str(checkpoint))]   # the cache: built from it
+    assert not set(given) & set(theta0)
     for resume in (str(checkpoint), True):
         with pytest.raises(ValueError) as refused:
             moved.train(resume_from_checkpoint=resume)
         assert str(refused.value) == (
-            f"resume_from_checkpoint={checkpoint}: the run started from other weights ({theta0}) than the model "
-            f"passed to this ERPOTrainer ({moved.reference_cache.model_fingerprint}), against which its reference "
-            f"cache {tmp_path / 'rebuilt.json'} was checked or built, so ell_theta0(q) would be another model's; pass "
-            "the model the run started from (not a checkpoint's weights), or start afresh in another output_dir")
+            f"resume_from_checkpoint={checkpoint}: the run started from other weights ({' or '.join(theta0)}) than "
+            f"the model passed to this ERPOTrainer ({' or '.join(given)}), against which its reference cache "
+            f"{tmp_path / 'rebuilt.json'} was checked or built, so ell_theta0(q) would be another model's; pass the "
+            "model the run started from (not a checkpoint's weights), or start afresh in another output_dir")
         assert moved.state.global_step == 0
 
 

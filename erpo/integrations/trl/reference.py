@@ -167,9 +167,11 @@ class ReferenceMixin:
         datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
         return [ids for dataset in datasets.values() if dataset is not None for ids in self._prompt_ids(dataset)]
 
+    @functools.cached_property
     def _theta0_fingerprints(self) -> tuple[str, ...]:
         """Every fingerprint naming theta0 as passed: the hash of its state dict, and, when it was loaded from a
-        local directory or a hub name, erpo's `model_fingerprint` of that (what `erpo precompute-ref` records)."""
+        local directory or a hub name, erpo's `model_fingerprint` of that (what `erpo precompute-ref` records; a
+        LoRA adapter the trainer adds, randomly initialized A, B = 0, changes the first, not this)."""
         name = str(self.model.config._name_or_path or "")
         return (self._theta0_weights,) + ((model_fingerprint(name),) if name else ())
 
@@ -223,7 +225,7 @@ class ReferenceMixin:
                         tokenizer_fp=tokenizer_fingerprint(self._tokenizer))
         if os.path.exists(path):
             cache = ReferenceCache.load(path)
-            cache.check_compatible(**identity, model_fp=self._theta0_fingerprints(), template=None,
+            cache.check_compatible(**identity, model_fp=self._theta0_fingerprints, template=None,
                                    temperature=self.temperature, precision=self._reference_precision(), path=path,
                                    remedy=REBUILD)
             self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
@@ -253,18 +255,18 @@ class ReferenceMixin:
         return cache
 
     def _save_theta0_record(self, checkpoint: str) -> None:
-        """Write THETA0_RECORD into `checkpoint` (a folder just saved; the main process only): theta0's weights
-        fingerprint and the cache's path. Nothing when the loss reads no ell_theta0(q) (no cache)."""
+        """Write THETA0_RECORD into `checkpoint` (a folder just saved; the main process only): theta0's fingerprints
+        and the cache's path. Nothing when the loss reads no ell_theta0(q) (no cache)."""
         if self.reference_cache is None or not self.args.should_save:
             return
-        record = json.dumps({"theta0": self._theta0_weights, "reference_cache": self.reference_cache_path})
+        record = json.dumps({"theta0": list(self._theta0_fingerprints), "reference_cache": self.reference_cache_path})
         publish(os.path.join(checkpoint, THETA0_RECORD), lambda tmp: tmp.write_text(record))
 
     def _check_theta0_record(self, checkpoint: str) -> None:
         """ValueError, one line, when the run saved at `checkpoint` started from other weights than the model this
-        trainer was given: its cache, checked against or built from that model, would hold another model's
-        ell_theta0(q) (a checkpoint's own weights passed as the model, its cache then built from them). A checkpoint
-        without the record (an older ERPOTrainer's) is resumed with a warning."""
+        trainer was given (no fingerprint in common): its cache, checked against or built from that model, would hold
+        another model's ell_theta0(q) (a checkpoint's own weights passed as the model, its cache then built from
+        them). A checkpoint without the record (an older ERPOTrainer's) is resumed with a warning."""
         if self.reference_cache is None:
             return
         path = os.path.join(checkpoint, THETA0_RECORD)
@@ -274,10 +276,11 @@ class ReferenceMixin:
             return
         with open(path) as record:
             recorded = json.load(record)["theta0"]
-        if recorded != self._theta0_weights:
+        if not set(recorded) & set(self._theta0_fingerprints):
             raise ValueError(
-                f"resume_from_checkpoint={checkpoint}: the run started from other weights ({recorded}) than the model "
-                f"passed to this ERPOTrainer ({self._theta0_weights}), against which its reference cache "
+                f"resume_from_checkpoint={checkpoint}: the run started from other weights ({' or '.join(recorded)}) "
+                f"than the model passed to this ERPOTrainer ({' or '.join(self._theta0_fingerprints)}), against which "
+                "its reference cache "
                 f"{self.reference_cache_path} was checked or built, so ell_theta0(q) would be another model's; pass "
                 "the model the run started from (not a checkpoint's weights), or start afresh in another output_dir")
 
