@@ -47,7 +47,7 @@ def ring_attention_stand_in():
 def openrlhf_models():
     """`openrlhf.models` (PolicyLoss, Actor), imported with `ring_attention_stand_in` in its package; the test skips
     without OpenRLHF."""
-    pytest.importorskip("openrlhf", reason=WITHOUT_OPENRLHF)
+    pytest.importorskip("openrlhf", reason=WITHOUT_OPENRLHF, exc_type=ModuleNotFoundError)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "openrlhf.models.ring_attn_utils", ring_attention_stand_in())
         import openrlhf.models as models
