@@ -283,8 +283,8 @@ class ActorRowScores:
 
 def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
                        return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorRowScores:
-    """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, or the DeepSpeed engine around one, as
-    `ActorPPOTrainer.actor`) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
+    """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, as `ActorPPOTrainer.actor`, whose `model` is then
+    the DeepSpeed engine) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
     them: its own forward (its position ids, fp32 logits divided by its temperature; with packing_samples gathered
     back to [B, T]) gives the logits, and erpo_kernels' `token_logprobs` scores the prompt and action rows (with
     each position's entropy when `return_entropy`). `actor_logprobs` and the reference cache read it."""

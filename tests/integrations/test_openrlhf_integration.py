@@ -564,6 +564,40 @@ def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(make_actor
     assert again.entries == reference.entries
 
 
+class EngineStandIn(torch.nn.Module):
+    """What OpenRLHF 0.11.2's DeepSpeed strategy leaves in the Actor's `model` (`strategy.prepare`: `model.model =
+    engine`): a DeepSpeedEngine, whose `module` is the Hugging Face model and whose `config` is DeepSpeed's config
+    dict (deepspeed/runtime/engine.py: `self.config = config`), its forward the module's."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_the_cache_reads_the_model_inside_deepspeeds_engine(make_actor, tiny_path, tmp_path):
+    """In OpenRLHF's trainer the Actor's model is DeepSpeed's engine, where the recipe builds the cache: the cache
+    records the Hugging Face model's precision, as before the wrapping, scores the same ell_theta0(q) through the
+    engine, and a cache built without the engine is read with it."""
+    from erpo.integrations.openrlhf_reference import actor_precision, load_or_build_query_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
+    bare = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "bare.json"),
+                                         model_path=tiny_path)
+    precision = actor_precision(actor)
+    actor.model = EngineStandIn(actor.model)
+    assert actor_precision(actor) == precision and "dtype=float32" in precision and "attention=sdpa" in precision
+    read = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "bare.json"),
+                                         model_path=tiny_path)
+    scored = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "engine.json"),
+                                           model_path=tiny_path)
+    assert read.entries == bare.entries == scored.entries
+
+
 def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path):
     """Another chat template, a prompt the cache lacks, another tokenizer, another precision, a truncated prompt:
     each refused in one line naming what differs, never a wrong ell_theta0(q)."""
