@@ -641,6 +641,31 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         assert "\n" not in str(error.value)
 
 
+def test_ring_attention_is_refused_in_one_line(make_actor, tiny_path, tmp_path, monkeypatch):
+    """OpenRLHF's ring attention (ds.ring_attn_size > 1) is refused in one line, by the step's `actor_logprobs` (the
+    group it passes) and by the cache (which no step passes a group: OpenRLHF's own record of it, set by its
+    strategy, `ring_attn_utils.get_ring_attn_group`), never scored: the cache's forward would run the substituted
+    ring kernel without its slicing, and the step would gather every rank's logits [B, T, V]."""
+    from erpo.integrations.openrlhf_reference import load_or_build_query_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, prompts)
+    message = r"^ring attention \(ds.ring_attn_size > 1\) is not supported by erpo.integrations.openrlhf"
+    with pytest.raises(ValueError, match=message) as error:
+        actor_logprobs(actor, sequences, action_mask, attention_mask, ring_attn_group=object())
+    assert "\n" not in str(error.value)
+    ring = types.ModuleType("openrlhf.models.ring_attn_utils")
+    ring.get_ring_attn_group = lambda: object()   # what OpenRLHF's strategy leaves set under ring attention
+    monkeypatch.setitem(sys.modules, ring.__name__, ring)
+    path = tmp_path / "cache.json"
+    with pytest.raises(ValueError, match=message):
+        load_or_build_query_reference(actor, tokenizer, prompts, path=str(path), model_path=tiny_path)
+    assert not path.exists()
+    ring.get_ring_attn_group = lambda: None   # OpenRLHF without ring attention
+    load_or_build_query_reference(actor, tokenizer, prompts, path=str(path), model_path=tiny_path)
+
+
 def run_actor_step(actor_step, actor, loss_fn, sequences, action_mask, attention_mask, old, advantages):
     """OpenRLHF's training_step on one micro-batch with `loss_fn` as its actor_loss_fn, on a stand-in trainer whose
     strategy backpropagates and never steps (no Ray, no DeepSpeed): (the status it returns, every parameter's
