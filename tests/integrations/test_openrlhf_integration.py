@@ -708,6 +708,104 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def recipe_lines() -> tuple[list[str], list[str]]:
+    """The recipe's diff in docs/integrations.md (section "OpenRLHF: one loss, two calls"): (the lines it removes,
+    the lines it adds), each without its leading -/+."""
+    text = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## OpenRLHF: one loss, two calls"):]
+    block = section[section.index("```diff\n") + len("```diff\n"):]
+    lines = block[:block.index("```")].splitlines()
+    return [line[1:] for line in lines if line.startswith("-")], [line[1:] for line in lines if line.startswith("+")]
+
+
+def recipe_source(source: str) -> str:
+    """OpenRLHF 0.11.2's ppo_actor.py with the recipe's diff applied, hunk by hunk at the places the diff shows; each
+    place must be found exactly once (the diff names 0.11.2's lines)."""
+    removed, added = recipe_lines()
+    assert len(removed) == 4 and len(added) == 18, "the recipe's diff changed: update its hunks here"
+
+    def replace(old, new):
+        assert source.count(old) == 1, f"the recipe's line is not 0.11.2's: {old!r}"
+        return source.replace(old, new)
+
+    source = replace(removed[0] + "\n", "\n".join(added[:4]) + "\n")                    # the imports
+    source = replace(removed[1] + "\n", added[4] + "\n")                                 # PolicyLoss -> ERPOPolicyLoss
+    closing = "            is_correction_threshold=self.args.algo.advantage.is_correction_threshold,\n        )\n"
+    source = replace(closing, closing.replace("        )\n", "\n".join([added[5], "        )"] + added[6:11]) + "\n"))
+    call = source[source.index(removed[2]):]
+    source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[11:16]) + "\n")
+    loss_call = "            **loss_batch_info,\n        )\n"
+    return replace(loss_call, loss_call.replace("        )\n", "\n".join(added[16:] + ["        )"]) + "\n"))
+
+
+def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_step, tiny_path, tmp_path, monkeypatch):
+    """docs/integrations.md's diff applied to OpenRLHF 0.11.2's own ppo_actor.py: ActorPPOTrainer.__init__ builds the
+    cache (the Actor's model DeepSpeed's engine, as OpenRLHF's strategy leaves it; `prepare_datasets` 0.11.2's
+    PromptDataset with the chat template, without its file reading), and its training_step at theta0 has a Query-KL
+    of 0, ERPO's metrics weighed per sample, and the status and every parameter's gradient of the unmodified step with
+    PolicyLoss on the advantages times the cached w(q). No Ray, no vLLM: a stand-in strategy that backpropagates."""
+    import openrlhf.trainer
+    from openrlhf.datasets import PromptDataset
+    folder = Path(openrlhf.trainer.__file__).parent
+    assert "\ndef prepare_datasets(strategy, tokenizer):" in (folder / "ppo_trainer.py").read_text()
+    tokenizer = build_tokenizer()
+    NS = types.SimpleNamespace
+    args = NS(train=NS(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
+              actor=NS(eps_clip_low_high=(0.2, 0.2), dual_clip=3.0, loss_agg_mode="token-mean",
+                       policy_loss_type="ppo", aux_loss_coef=0.0, entropy_coef=None, model_name_or_path=tiny_path),
+              algo=NS(advantage=NS(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+                                   is_correction_threshold=(0.5, 5.0)), kl=NS(use_loss=False)),
+              ds=NS(packing_samples=False), vllm=NS(), ckpt=NS(path=str(tmp_path)),
+              data=NS(max_len=64, input_key="input", label_key=None, apply_chat_template=True),
+              rollout=NS(max_new_tokens=None))
+    strategy = NS(args=args, ring_attn_group=None, is_rank_0=lambda: True,
+                  backward=lambda loss, model, optim: loss.backward(), optimizer_step=lambda *a, **k: None,
+                  get_grad_norm=lambda model: 0.0)
+
+    def prepare_datasets(strategy, tokenizer):   # 0.11.2's PromptDataset, in its dataloader (no files, no sampler)
+        dataset = PromptDataset([{"input": q} for q in QUESTIONS], tokenizer, strategy)
+        return torch.utils.data.DataLoader(dataset, 1, collate_fn=dataset.collate_fn), None, 1
+
+    trainer_module = types.ModuleType("openrlhf.trainer.ppo_trainer")   # 0.11.2's imports vLLM (absent here)
+    trainer_module.prepare_datasets = prepare_datasets
+    package = types.ModuleType("openrlhf.trainer.ray")
+    package.__path__ = [str(folder / "ray")]
+    module = types.ModuleType("erpo_recipe_ppo_actor")
+    module.__package__, module.__file__ = package.__name__, str(folder / "ray" / "ppo_actor.py")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, trainer_module.__name__, trainer_module)
+        patch.setitem(sys.modules, package.__name__, package)
+        exec(compile(recipe_source(Path(module.__file__).read_text()), module.__file__, "exec"), module.__dict__)
+    module.torch_dist_barrier_and_cuda_sync = lambda: None   # no process group here
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)   # NaiveReplayBuffer names cuda:N (a name only)
+
+    actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
+    actor.model = EngineStandIn(actor.model)
+    trainer = module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
+    assert (tmp_path / "erpo_reference_cache.json").exists()
+    sequences, action_mask, attention_mask = step_batch(tokenizer, chat_prompts(tokenizer))
+    with torch.no_grad():
+        old = actor(sequences, action_mask, attention_mask=attention_mask) - 0.3 * action_mask
+    advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
+    _, training_step_class = actor_step
+    experience = training_step_class(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+                                     action_log_probs=old, advantages=advantages, info={})
+    actor.zero_grad()
+    ours = trainer.training_step(experience, 0.0, 0, dict(GLOBAL))
+    our_grads = {name: p.grad.clone() for name, p in actor.named_parameters()}
+    metrics = ours["metrics"]
+    assert metrics["qkl"].abs().max() < 1e-10
+    assert {ours["weights"][name] for name in ("qkl", "query_logp", "query_weight_mean")} == {"sample"}
+    weight = metrics["query_weight_mean"]
+    assert not torch.allclose(weight, torch.ones(len(QUESTIONS)))
+    theirs, their_grads = run_actor_step(actor_step, actor, openrlhf_models.PolicyLoss(dual_clip=3.0), sequences,
+                                         action_mask, attention_mask, old, advantages * weight[:, None])
+    for name in ("policy_loss", "ppo_clip_ratio", "ppo_kl"):
+        torch.testing.assert_close(metrics[name], theirs["metrics"][name], rtol=1e-6, atol=1e-7, msg=name)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):
     """What ERPO adds to OpenRLHF's step in host reads (LaunchCounter, as on CUDA): actor_logprobs reads what the
     actor's forward reads plus 2 (sample_sums' index check, the prompt tokens for the cache's key), the lookup none
