@@ -468,6 +468,26 @@ def test_actor_logprobs_is_a_plain_log_softmax_gather(make_actor, layout, precis
     torch.testing.assert_close(ours[action_mask], entropy[action_mask], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["left", "right"])
+def test_the_entropy_bonus_has_actor_forward_gradient(openrlhf_models, tiny_path, layout):
+    """OpenRLHF's entropy bonus (actor.entropy_coef) backpropagates through `output.entropy[:, -A:]`: the one
+    `actor_logprobs` sets has the gradient of Actor.forward's (`compute_entropy`), for every parameter."""
+    actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
+    sequences, action_mask, attention_mask = padded_batch(layout)
+    coef = torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(8)) * action_mask
+    width = action_mask.shape[1]
+    scores = actor_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=True)
+    (scores.output.entropy[:, -width:] * coef).sum().backward()
+    ours = {name: p.grad.clone() for name, p in actor.named_parameters()}
+    actor.zero_grad()
+    _, output = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True, return_entropy=True)
+    (output.entropy[:, -width:] * coef).sum().backward()
+    for name, p in actor.named_parameters():
+        scale = p.grad.abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(ours[name] / scale, p.grad / scale, rtol=1e-4, atol=1e-5, msg=name)
+
+
 QUESTIONS = ["1+1=", "22+3=", "7*8=?", "What is 3*33?"]
 RESPONSES = ["2", "25 and", "56!", "99"]
 
