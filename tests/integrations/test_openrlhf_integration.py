@@ -595,6 +595,7 @@ class EngineStandIn(torch.nn.Module):
         super().__init__()
         self.module = module
         self.config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+        self.global_steps = 0   # its optimizer steps: 0 at a fresh start, the checkpoint's after load_checkpoint
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -742,7 +743,7 @@ def recipe_source(source: str) -> str:
     """OpenRLHF 0.11.2's ppo_actor.py with the recipe's diff applied, hunk by hunk at the places the diff shows; each
     place must be found exactly once (the diff names 0.11.2's lines)."""
     removed, added = recipe_lines()
-    assert len(removed) == 4 and len(added) == 18, "the recipe's diff changed: update its hunks here"
+    assert len(removed) == 4 and len(added) == 19, "the recipe's diff changed: update its hunks here"
 
     def replace(old, new):
         assert source.count(old) == 1, f"the recipe's line is not 0.11.2's: {old!r}"
@@ -751,11 +752,11 @@ def recipe_source(source: str) -> str:
     source = replace(removed[0] + "\n", "\n".join(added[:4]) + "\n")                    # the imports
     source = replace(removed[1] + "\n", added[4] + "\n")                                 # PolicyLoss -> ERPOPolicyLoss
     closing = "            is_correction_threshold=self.args.algo.advantage.is_correction_threshold,\n        )\n"
-    source = replace(closing, closing.replace("        )\n", "\n".join([added[5], "        )"] + added[6:11]) + "\n"))
+    source = replace(closing, closing.replace("        )\n", "\n".join([added[5], "        )"] + added[6:12]) + "\n"))
     call = source[source.index(removed[2]):]
-    source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[11:16]) + "\n")
+    source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[12:17]) + "\n")
     loss_call = "            **loss_batch_info,\n        )\n"
-    return replace(loss_call, loss_call.replace("        )\n", "\n".join(added[16:] + ["        )"]) + "\n"))
+    return replace(loss_call, loss_call.replace("        )\n", "\n".join(added[17:] + ["        )"]) + "\n"))
 
 
 def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_step, tiny_path, tmp_path, monkeypatch):
@@ -763,7 +764,9 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
     cache (the Actor's model DeepSpeed's engine, as OpenRLHF's strategy leaves it; `prepare_datasets` 0.11.2's
     PromptDataset with the chat template, without its file reading), and its training_step at theta0 has a Query-KL
     of 0, ERPO's metrics weighed per sample, and the status and every parameter's gradient of the unmodified step with
-    PolicyLoss on the advantages times the cached w(q). No Ray, no vLLM: a stand-in strategy that backpropagates."""
+    PolicyLoss on the advantages times the cached w(q). A run resumed from a checkpoint (the engine's global_steps
+    restored) without its cache is refused in one line, not scored afresh. No Ray, no vLLM: a stand-in strategy that
+    backpropagates."""
     import openrlhf.trainer
     from openrlhf.datasets import PromptDataset
     folder = Path(openrlhf.trainer.__file__).parent
@@ -824,6 +827,11 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
         torch.testing.assert_close(metrics[name], theirs["metrics"][name], rtol=1e-6, atol=1e-7, msg=name)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    actor.model.global_steps = 7   # as DeepSpeed's load_checkpoint leaves a resumed run's engine
+    args.ckpt.path = str(tmp_path / "resumed")
+    with pytest.raises(ValueError, match=r"^no reference cache at .*resumed.*: The run resumes at step 7, whose "):
+        module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
 
 
 def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):
