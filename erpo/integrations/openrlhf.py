@@ -186,6 +186,11 @@ class ERPOPolicyLoss(torch.nn.Module):
         if query_logp is not None and tuple(query_logp.shape) != (num,):
             raise ValueError(f"query_logp must have shape [{num}] (one ell_theta(q) per sample of log_probs), got "
                              f"{tuple(query_logp.shape)}")
+        if self.qkl_coef != 0 and self.token_level_loss and batch_num_tokens is not None and global_batch_size is None:
+            # the policy term would be global and scaled by dp_size, the Query-KL a mean over this call's samples
+            # scaled by dp_size too: dp_size times its weight. OpenRLHF's loss_batch_info passes both counts.
+            raise ValueError("batch_num_tokens without global_batch_size: the Query-KL is a mean over the step's "
+                             "samples; pass both (OpenRLHF's loss_batch_info) or neither")
         mask = action_mask.bool()
         per_sample, varies = sample_advantages(advantages, mask)
         if bool(varies):

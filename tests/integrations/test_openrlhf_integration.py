@@ -294,6 +294,9 @@ def test_errors_are_one_line():
                                               query_logp=torch.zeros(2)), r"^query_logp must have shape \[5\]"),
         (lambda: ERPOPolicyLoss(qkl_coef=0.0)(log_probs, old, advantages + torch.rand(advantages.shape) * mask,
                                               action_mask=mask), r"^ERPO needs one advantage per sample"),
+        (lambda: ERPOPolicyLoss()(log_probs, old, advantages, action_mask=mask, query_logp=torch.zeros(5),
+                                  ref_query_logp=torch.zeros(5), dp_size=2, batch_num_tokens=40.0),
+         r"^batch_num_tokens without global_batch_size"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message) as error:
