@@ -46,9 +46,10 @@ setup(
         # engine workers (uvicorn) and v1 trainer (TransferQueue, cachetools, fastapi) import. jmespath: TRL's tool
         # calls (its environment_factory tests) parse responses with it on transformers < 5.13.
         # ruff and import-linter: tests/repo/test_lint.py (style and the import contract), pinned so CI's verdict is
-        # stable.
+        # stable. pytest >= 8.2: the tests' `importorskip(..., exc_type=ModuleNotFoundError)` (a peer that is
+        # installed but fails to import errors instead of skipping).
         "train": TRAIN_REQUIRES,
-        "test": [*TRAIN_REQUIRES, "pytest>=7", "triton==3.6.0", "deepspeed", "accelerate",
+        "test": [*TRAIN_REQUIRES, "pytest>=8.2", "triton==3.6.0", "deepspeed", "accelerate",
                  "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",
                  "cachetools", "fastapi", "jmespath", "ruff==0.17.6", "import-linter==2.16"],
         # The extras below serve the trainer, so each brings the train extra along.

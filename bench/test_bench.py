@@ -14,7 +14,7 @@ from bench.check import OURS, PEERS, check_contender
 from bench.contenders import CONTENDERS, ERPO_OPTIONS
 from bench.problem import SHAPES, build_problem
 
-pytest.importorskip("pytest_benchmark")
+pytest.importorskip("pytest_benchmark", exc_type=ModuleNotFoundError)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bench timings need a CUDA GPU")
 
 ROWS = 4096

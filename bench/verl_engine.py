@@ -1,10 +1,13 @@
 """verl's real FSDP model engine on a CPU, for tests/integrations/test_verl_integration.py and bench/verl_step_time.py.
 
 verl 0.9 knows no CPU platform: without an accelerator it falls back to 'nvidia' and fails in torch.cuda. A small
-platform (device "cpu", backend gloo, no-op device calls) registered under "cpu" and selected with VERL_PLATFORM=cpu
-lets `FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32) build and train a tiny Qwen2 exactly as a worker
-does on a GPU. `actor_batch` builds the TensorDict verl's actor receives (left-right padded rollout, then
-`left_right_2_no_padding`), with old / reference / rollout log-probs and advantages.
+platform (device "cpu", backend gloo, no-op device calls), set as verl's platform when this module is imported, lets
+`FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32) build and train a tiny Qwen2 exactly as a worker does on a
+GPU. verl chooses its platform once per process, and its modules keep the device name of that choice from their
+import on: import this module before anything imports verl (the tests do, through
+`pytest.importorskip("bench.verl_engine")`); imported after verl chose another platform, it stops with that advice.
+`actor_batch` builds the TensorDict verl's actor receives (left-right padded rollout, then `left_right_2_no_padding`),
+with old / reference / rollout log-probs and advantages.
 """
 from __future__ import annotations
 
@@ -15,12 +18,20 @@ import socket
 
 import torch
 
-os.environ["VERL_PLATFORM"] = "cpu"          # read once, at the first get_platform()
-os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # tests import what they use
-
-from tensordict import TensorDict  # noqa: E402
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
+# `import verl` loads verl's plugins, and erpo's own (erpo.integrations.verl_trainer) imports verl's engine modules,
+# which ask verl for its platform, 'nvidia' on a CPU, and keep device_name "cuda": so verl is first imported here
+# with its plugins off (tests import what they use). Only for that import: a verl launched later in a child process
+# inherits the environment, and loads erpo's trainer mode through that plugin.
+_plugins = os.environ.get("VERL_USE_EXTERNAL_PLUGINS")
+os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
+try:
+    from tensordict import TensorDict
+    from verl.plugin.platform import PlatformBase, platform_manager, set_platform
+finally:
+    if _plugins is None:
+        del os.environ["VERL_USE_EXTERNAL_PLUGINS"]
+    else:
+        os.environ["VERL_USE_EXTERNAL_PLUGINS"] = _plugins
 
 # verl's workers log the device's peak memory after a batch (`TrainingWorker._postprocess_output`) through the
 # platform's device module, torch.cpu here, which keeps no such counters: 0. (verl recognizes torch.cpu by identity
@@ -30,7 +41,6 @@ for counter in ("max_memory_allocated", "max_memory_reserved"):
         setattr(torch.cpu, counter, lambda device=None: 0)
 
 
-@PlatformRegistry.register(platform="cpu")
 class CPUPlatform(PlatformBase):
     """verl's platform interface on the host CPU: tensors stay on "cpu", collectives go through gloo."""
 
@@ -95,6 +105,16 @@ class CPUPlatform(PlatformBase):
 
     def cudart(self):
         return None
+
+
+# verl's choice is `platform_manager._current_platform`, None until a module asks for it (`get_platform()` would
+# make the choice): another platform already chosen is baked into verl's modules, past repair.
+_chosen = platform_manager._current_platform
+if _chosen is None:
+    set_platform(CPUPlatform())
+elif _chosen.device_name != "cpu":
+    raise RuntimeError(f"bench.verl_engine: verl already chose its {_chosen.device_name!r} platform in this process "
+                       "(`import verl` with its plugins on does): import bench.verl_engine before verl")
 
 
 def init_process_group() -> None:

@@ -20,6 +20,7 @@ own code).
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ PPO_LOG_RATIO_CLAMP = 20.0      # PolicyLoss clamps log(ratio) to +-20 for "ppo"
 ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: group_norm, rloo, reinforce_baseline, "
                    "dr_grpo); these advantages vary along the response (advantage estimator gae, or a per-token "
                    "KL reward: use the KL loss, algo.kl.use_loss)")
+
+RING_ATTENTION = ("ring attention (ds.ring_attn_size > 1) is not supported by erpo.integrations.openrlhf (the "
+                  "reference cache's forward would run the ring kernel without its slicing, and the step would gather "
+                  "every rank's logits [B, T, V]): set ds.ring_attn_size=1")
 
 
 def check_openrlhf_version() -> None:
@@ -181,6 +186,11 @@ class ERPOPolicyLoss(torch.nn.Module):
         if query_logp is not None and tuple(query_logp.shape) != (num,):
             raise ValueError(f"query_logp must have shape [{num}] (one ell_theta(q) per sample of log_probs), got "
                              f"{tuple(query_logp.shape)}")
+        if self.qkl_coef != 0 and self.token_level_loss and batch_num_tokens is not None and global_batch_size is None:
+            # the policy term would be global and scaled by dp_size, the Query-KL a mean over this call's samples
+            # scaled by dp_size too: dp_size times its weight. OpenRLHF's loss_batch_info passes both counts.
+            raise ValueError("batch_num_tokens without global_batch_size: the Query-KL is a mean over the step's "
+                             "samples; pass both (OpenRLHF's loss_batch_info) or neither")
         mask = action_mask.bool()
         per_sample, varies = sample_advantages(advantages, mask)
         if bool(varies):
@@ -269,6 +279,15 @@ def actor_rows(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mas
     return targets, kind, prompt
 
 
+def check_no_ring_attention(ring_attn_group) -> None:
+    """Refuse OpenRLHF's ring attention in one line: the group a step passes (`ring_attn_group`), or, where no caller
+    passes one (the reference cache's forward), OpenRLHF's own record of it (`ring_attn_utils.get_ring_attn_group`,
+    set by its strategy; the module is imported, with flash-attn, wherever OpenRLHF's Actor is)."""
+    ring = sys.modules.get("openrlhf.models.ring_attn_utils")
+    if ring_attn_group is not None or (ring is not None and ring.get_ring_attn_group() is not None):
+        raise ValueError(RING_ATTENTION)
+
+
 @dataclass
 class ActorRowScores:
     """Every position of a micro-batch [B, T] scored by the actor (`actor_row_logprobs`): row b * T + t scores token
@@ -283,13 +302,15 @@ class ActorRowScores:
 
 def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
                        return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorRowScores:
-    """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, or the DeepSpeed engine around one, as
-    `ActorPPOTrainer.actor`) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
+    """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, as `ActorPPOTrainer.actor`, whose `model` is then
+    the DeepSpeed engine) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
     them: its own forward (its position ids, fp32 logits divided by its temperature; with packing_samples gathered
     back to [B, T]) gives the logits, and erpo_kernels' `token_logprobs` scores the prompt and action rows (with
-    each position's entropy when `return_entropy`). `actor_logprobs` and the reference cache read it."""
+    each position's entropy when `return_entropy`). `actor_logprobs` and the reference cache read it. Ring attention
+    is refused (`check_no_ring_attention`)."""
+    check_no_ring_attention(ring_attn_group)
     output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
-                   ring_attn_group=ring_attn_group, **mm_inputs)
+                   **mm_inputs)
     logits = output["logits"]
     num, length = sequences.shape
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)

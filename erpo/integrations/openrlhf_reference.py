@@ -47,8 +47,10 @@ def actor_precision(actor) -> str:
     """What a cache scored by `actor` records besides the weights, tokenizer and temperature
     (`erpo.sequences.scoring_precision`): the model's parameter dtype and device, the autocast in effect, the path
     "openrlhf-actor" (Actor.forward's fp32 logits into erpo_kernels), the logit transform, and the attention kernel
-    (`config._attn_implementation`). `actor`: an OpenRLHF Actor, or the DeepSpeed engine around one."""
-    model = getattr(actor, "module", actor).model
+    (`config._attn_implementation`). `actor`: an OpenRLHF Actor, its `model` the Hugging Face model or, in
+    OpenRLHF's trainer, the DeepSpeed engine around it (`strategy.prepare` sets `actor.model = engine`)."""
+    model = actor.model
+    model = getattr(model, "module", model)   # the engine's own `config` is DeepSpeed's config dict
     param = next(model.parameters())
     device = param.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None

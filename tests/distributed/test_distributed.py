@@ -118,8 +118,8 @@ def test_hf_deepspeed_config_names_the_missing_accelerate(monkeypatch):
 
 def test_hf_deepspeed_config_only_at_zero3():
     assert D.hf_deepspeed_config(D.deepspeed_config(2)) is None
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("accelerate")
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
+    pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     holder = D.hf_deepspeed_config(D.deepspeed_config(3, bf16=False))

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -101,7 +101,8 @@ def single_process_update(root: Path, loss_agg: str) -> dict:
 @pytest.mark.parametrize("zero_stage,loss_agg", [(2, "token-mean"), (3, "seq-mean-token-mean")])
 def test_two_ranks_match_one_rank(setup, zero_stage, loss_agg):
     if zero_stage == 3:
-        pytest.importorskip("accelerate")  # transformers' HfDeepSpeedConfig (partitioned creation) needs it
+        # transformers' HfDeepSpeedConfig (partitioned creation) needs it
+        pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
     initial = AutoModelForCausalLM.from_pretrained(setup / "model").state_dict()
     one = single_process_update(setup, loss_agg)
     two = launch(setup, 2, zero_stage, loss_agg, f"z{zero_stage}-2rank", checkpoint=True)

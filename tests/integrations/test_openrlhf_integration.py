@@ -33,13 +33,15 @@ WITHOUT_OPENRLHF = "OpenRLHF is not in the test extra: pip install --no-deps ope
 def ring_attention_stand_in():
     """A stand-in for `openrlhf.models.ring_attn_utils`, which imports flash_attn at its top (absent on a CPU
     machine). Its helpers serve the packed path only (packing_samples, ring attention), which these tests do not
-    take. Stubbing that module rather than flash_attn keeps flash_attn absent for transformers, which probes it."""
+    take; its record of the ring group says none, as OpenRLHF's without ring attention. Stubbing that module rather
+    than flash_attn keeps flash_attn absent for transformers, which probes it."""
     def packed_path_only(*args, **kwargs):
         raise RuntimeError("the packed path needs flash-attn, absent here")
 
     stand_in = types.ModuleType("openrlhf.models.ring_attn_utils")
-    for name in ("gather_and_pad_tensor", "unpad_and_slice_tensor", "get_ring_attn_group", "set_ring_attn_group"):
+    for name in ("gather_and_pad_tensor", "unpad_and_slice_tensor", "set_ring_attn_group"):
         setattr(stand_in, name, packed_path_only)
+    stand_in.get_ring_attn_group = lambda: None
     return stand_in
 
 
@@ -47,7 +49,7 @@ def ring_attention_stand_in():
 def openrlhf_models():
     """`openrlhf.models` (PolicyLoss, Actor), imported with `ring_attention_stand_in` in its package; the test skips
     without OpenRLHF."""
-    pytest.importorskip("openrlhf", reason=WITHOUT_OPENRLHF)
+    pytest.importorskip("openrlhf", reason=WITHOUT_OPENRLHF, exc_type=ModuleNotFoundError)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "openrlhf.models.ring_attn_utils", ring_attention_stand_in())
         import openrlhf.models as models
@@ -292,6 +294,9 @@ def test_errors_are_one_line():
                                               query_logp=torch.zeros(2)), r"^query_logp must have shape \[5\]"),
         (lambda: ERPOPolicyLoss(qkl_coef=0.0)(log_probs, old, advantages + torch.rand(advantages.shape) * mask,
                                               action_mask=mask), r"^ERPO needs one advantage per sample"),
+        (lambda: ERPOPolicyLoss()(log_probs, old, advantages, action_mask=mask, query_logp=torch.zeros(5),
+                                  ref_query_logp=torch.zeros(5), dp_size=2, batch_num_tokens=40.0),
+         r"^batch_num_tokens without global_batch_size"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message) as error:
@@ -466,6 +471,26 @@ def test_actor_logprobs_is_a_plain_log_softmax_gather(make_actor, layout, precis
     torch.testing.assert_close(ours[action_mask], entropy[action_mask], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["left", "right"])
+def test_the_entropy_bonus_has_actor_forward_gradient(openrlhf_models, tiny_path, layout):
+    """OpenRLHF's entropy bonus (actor.entropy_coef) backpropagates through `output.entropy[:, -A:]`: the one
+    `actor_logprobs` sets has the gradient of Actor.forward's (`compute_entropy`), for every parameter."""
+    actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
+    sequences, action_mask, attention_mask = padded_batch(layout)
+    coef = torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(8)) * action_mask
+    width = action_mask.shape[1]
+    scores = actor_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=True)
+    (scores.output.entropy[:, -width:] * coef).sum().backward()
+    ours = {name: p.grad.clone() for name, p in actor.named_parameters()}
+    actor.zero_grad()
+    _, output = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True, return_entropy=True)
+    (output.entropy[:, -width:] * coef).sum().backward()
+    for name, p in actor.named_parameters():
+        scale = p.grad.abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(ours[name] / scale, p.grad / scale, rtol=1e-4, atol=1e-5, msg=name)
+
+
 QUESTIONS = ["1+1=", "22+3=", "7*8=?", "What is 3*33?"]
 RESPONSES = ["2", "25 and", "56!", "99"]
 
@@ -564,6 +589,41 @@ def test_a_training_step_at_theta0_is_policy_loss_with_static_weights(make_actor
     assert again.entries == reference.entries
 
 
+class EngineStandIn(torch.nn.Module):
+    """What OpenRLHF 0.11.2's DeepSpeed strategy leaves in the Actor's `model` (`strategy.prepare`: `model.model =
+    engine`): a DeepSpeedEngine, whose `module` is the Hugging Face model and whose `config` is DeepSpeed's config
+    dict (deepspeed/runtime/engine.py: `self.config = config`), its forward the module's."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+        self.global_steps = 0   # its optimizer steps: 0 at a fresh start, the checkpoint's after load_checkpoint
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_the_cache_reads_the_model_inside_deepspeeds_engine(make_actor, tiny_path, tmp_path):
+    """In OpenRLHF's trainer the Actor's model is DeepSpeed's engine, where the recipe builds the cache: the cache
+    records the Hugging Face model's precision, as before the wrapping, scores the same ell_theta0(q) through the
+    engine, and a cache built without the engine is read with it."""
+    from erpo.integrations.openrlhf_reference import actor_precision, load_or_build_query_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
+    bare = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "bare.json"),
+                                         model_path=tiny_path)
+    precision = actor_precision(actor)
+    actor.model = EngineStandIn(actor.model)
+    assert actor_precision(actor) == precision and "dtype=float32" in precision and "attention=sdpa" in precision
+    read = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "bare.json"),
+                                         model_path=tiny_path)
+    scored = load_or_build_query_reference(actor, tokenizer, prompts, path=str(tmp_path / "engine.json"),
+                                           model_path=tiny_path)
+    assert read.entries == bare.entries == scored.entries
+
+
 def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path):
     """Another chat template, a prompt the cache lacks, another tokenizer, another precision, a truncated prompt:
     each refused in one line naming what differs, never a wrong ell_theta0(q). A prompt a step misses once the cache
@@ -615,6 +675,31 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         assert "\n" not in str(error.value)
 
 
+def test_ring_attention_is_refused_in_one_line(make_actor, tiny_path, tmp_path, monkeypatch):
+    """OpenRLHF's ring attention (ds.ring_attn_size > 1) is refused in one line, by the step's `actor_logprobs` (the
+    group it passes) and by the cache (which no step passes a group: OpenRLHF's own record of it, set by its
+    strategy, `ring_attn_utils.get_ring_attn_group`), never scored: the cache's forward would run the substituted
+    ring kernel without its slicing, and the step would gather every rank's logits [B, T, V]."""
+    from erpo.integrations.openrlhf_reference import load_or_build_query_reference
+    tokenizer = build_tokenizer()
+    actor = make_actor(torch.float32)
+    prompts = chat_prompts(tokenizer)
+    sequences, action_mask, attention_mask = step_batch(tokenizer, prompts)
+    message = r"^ring attention \(ds.ring_attn_size > 1\) is not supported by erpo.integrations.openrlhf"
+    with pytest.raises(ValueError, match=message) as error:
+        actor_logprobs(actor, sequences, action_mask, attention_mask, ring_attn_group=object())
+    assert "\n" not in str(error.value)
+    ring = types.ModuleType("openrlhf.models.ring_attn_utils")
+    ring.get_ring_attn_group = lambda: object()   # what OpenRLHF's strategy leaves set under ring attention
+    monkeypatch.setitem(sys.modules, ring.__name__, ring)
+    path = tmp_path / "cache.json"
+    with pytest.raises(ValueError, match=message):
+        load_or_build_query_reference(actor, tokenizer, prompts, path=str(path), model_path=tiny_path)
+    assert not path.exists()
+    ring.get_ring_attn_group = lambda: None   # OpenRLHF without ring attention
+    load_or_build_query_reference(actor, tokenizer, prompts, path=str(path), model_path=tiny_path)
+
+
 def run_actor_step(actor_step, actor, loss_fn, sequences, action_mask, attention_mask, old, advantages):
     """OpenRLHF's training_step on one micro-batch with `loss_fn` as its actor_loss_fn, on a stand-in trainer whose
     strategy backpropagates and never steps (no Ray, no DeepSpeed): (the status it returns, every parameter's
@@ -653,6 +738,111 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
     assert theirs["metrics"]["ppo_clip_ratio"] > 0
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def recipe_lines() -> tuple[list[str], list[str]]:
+    """The recipe's diff in docs/integrations.md (section "OpenRLHF: one loss, two calls"): (the lines it removes,
+    the lines it adds), each without its leading -/+."""
+    text = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## OpenRLHF: one loss, two calls"):]
+    block = section[section.index("```diff\n") + len("```diff\n"):]
+    lines = block[:block.index("```")].splitlines()
+    return [line[1:] for line in lines if line.startswith("-")], [line[1:] for line in lines if line.startswith("+")]
+
+
+def recipe_source(source: str) -> str:
+    """OpenRLHF 0.11.2's ppo_actor.py with the recipe's diff applied, hunk by hunk at the places the diff shows; each
+    place must be found exactly once (the diff names 0.11.2's lines)."""
+    removed, added = recipe_lines()
+    assert len(removed) == 4 and len(added) == 19, "the recipe's diff changed: update its hunks here"
+
+    def replace(old, new):
+        assert source.count(old) == 1, f"the recipe's line is not 0.11.2's: {old!r}"
+        return source.replace(old, new)
+
+    source = replace(removed[0] + "\n", "\n".join(added[:4]) + "\n")                    # the imports
+    source = replace(removed[1] + "\n", added[4] + "\n")                                 # PolicyLoss -> ERPOPolicyLoss
+    closing = "            is_correction_threshold=self.args.algo.advantage.is_correction_threshold,\n        )\n"
+    source = replace(closing, closing.replace("        )\n", "\n".join([added[5], "        )"] + added[6:12]) + "\n"))
+    call = source[source.index(removed[2]):]
+    source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[12:17]) + "\n")
+    loss_call = "            **loss_batch_info,\n        )\n"
+    return replace(loss_call, loss_call.replace("        )\n", "\n".join(added[17:] + ["        )"]) + "\n"))
+
+
+def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_step, tiny_path, tmp_path, monkeypatch):
+    """docs/integrations.md's diff applied to OpenRLHF 0.11.2's own ppo_actor.py: ActorPPOTrainer.__init__ builds the
+    cache (the Actor's model DeepSpeed's engine, as OpenRLHF's strategy leaves it; `prepare_datasets` 0.11.2's
+    PromptDataset with the chat template, without its file reading), and its training_step at theta0 has a Query-KL
+    of 0, ERPO's metrics weighed per sample, and the status and every parameter's gradient of the unmodified step with
+    PolicyLoss on the advantages times the cached w(q). A run resumed from a checkpoint (the engine's global_steps
+    restored) without its cache is refused in one line, not scored afresh. No Ray, no vLLM: a stand-in strategy that
+    backpropagates."""
+    import openrlhf.trainer
+    from openrlhf.datasets import PromptDataset
+    folder = Path(openrlhf.trainer.__file__).parent
+    assert "\ndef prepare_datasets(strategy, tokenizer):" in (folder / "ppo_trainer.py").read_text()
+    tokenizer = build_tokenizer()
+    NS = types.SimpleNamespace
+    args = NS(train=NS(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
+              actor=NS(eps_clip_low_high=(0.2, 0.2), dual_clip=3.0, loss_agg_mode="token-mean",
+                       policy_loss_type="ppo", aux_loss_coef=0.0, entropy_coef=None, model_name_or_path=tiny_path),
+              algo=NS(advantage=NS(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+                                   is_correction_threshold=(0.5, 5.0)), kl=NS(use_loss=False)),
+              ds=NS(packing_samples=False), vllm=NS(), ckpt=NS(path=str(tmp_path)),
+              data=NS(max_len=64, input_key="input", label_key=None, apply_chat_template=True),
+              rollout=NS(max_new_tokens=None))
+    strategy = NS(args=args, ring_attn_group=None, is_rank_0=lambda: True,
+                  backward=lambda loss, model, optim: loss.backward(), optimizer_step=lambda *a, **k: None,
+                  get_grad_norm=lambda model: 0.0)
+
+    def prepare_datasets(strategy, tokenizer):   # 0.11.2's PromptDataset, in its dataloader (no files, no sampler)
+        dataset = PromptDataset([{"input": q} for q in QUESTIONS], tokenizer, strategy)
+        return torch.utils.data.DataLoader(dataset, 1, collate_fn=dataset.collate_fn), None, 1
+
+    trainer_module = types.ModuleType("openrlhf.trainer.ppo_trainer")   # 0.11.2's imports vLLM (absent here)
+    trainer_module.prepare_datasets = prepare_datasets
+    package = types.ModuleType("openrlhf.trainer.ray")
+    package.__path__ = [str(folder / "ray")]
+    module = types.ModuleType("erpo_recipe_ppo_actor")
+    module.__package__, module.__file__ = package.__name__, str(folder / "ray" / "ppo_actor.py")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, trainer_module.__name__, trainer_module)
+        patch.setitem(sys.modules, package.__name__, package)
+        exec(compile(recipe_source(Path(module.__file__).read_text()), module.__file__, "exec"), module.__dict__)
+    module.torch_dist_barrier_and_cuda_sync = lambda: None   # no process group here
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)   # NaiveReplayBuffer names cuda:N (a name only)
+
+    actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
+    actor.model = EngineStandIn(actor.model)
+    trainer = module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
+    assert (tmp_path / "erpo_reference_cache.json").exists()
+    sequences, action_mask, attention_mask = step_batch(tokenizer, chat_prompts(tokenizer))
+    with torch.no_grad():
+        old = actor(sequences, action_mask, attention_mask=attention_mask) - 0.3 * action_mask
+    advantages = (torch.tensor([1.0, -0.5, 0.3, -1.2])[:, None] * action_mask).contiguous()
+    _, training_step_class = actor_step
+    experience = training_step_class(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+                                     action_log_probs=old, advantages=advantages, info={})
+    actor.zero_grad()
+    ours = trainer.training_step(experience, 0.0, 0, dict(GLOBAL))
+    our_grads = {name: p.grad.clone() for name, p in actor.named_parameters()}
+    metrics = ours["metrics"]
+    assert metrics["qkl"].abs().max() < 1e-10
+    assert {ours["weights"][name] for name in ("qkl", "query_logp", "query_weight_mean")} == {"sample"}
+    weight = metrics["query_weight_mean"]
+    assert not torch.allclose(weight, torch.ones(len(QUESTIONS)))
+    theirs, their_grads = run_actor_step(actor_step, actor, openrlhf_models.PolicyLoss(dual_clip=3.0), sequences,
+                                         action_mask, attention_mask, old, advantages * weight[:, None])
+    for name in ("policy_loss", "ppo_clip_ratio", "ppo_kl"):
+        torch.testing.assert_close(metrics[name], theirs["metrics"][name], rtol=1e-6, atol=1e-7, msg=name)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    actor.model.global_steps = 7   # as DeepSpeed's load_checkpoint leaves a resumed run's engine
+    args.ckpt.path = str(tmp_path / "resumed")
+    with pytest.raises(ValueError, match=r"^no reference cache at .*resumed.*: The run resumes at step 7, whose "):
+        module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
 
 
 def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):

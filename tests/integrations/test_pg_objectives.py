@@ -209,7 +209,7 @@ def test_bad_gather_and_choices():
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with TRL 1.16's GRPOTrainer._compute_loss
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", exc_type=ModuleNotFoundError)
 from erpo.integrations.trl.loss import trl_loss_options  # noqa: E402
 
 B, P, C = 6, 3, 7              # samples, prompt width, completion width

@@ -10,7 +10,7 @@ from erpo.integrations.openrlhf import ERPOPolicyLoss
 from erpo.integrations.verl import ERPOSettings
 from erpo.terms import needs_reference
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", exc_type=ModuleNotFoundError)
 from erpo.integrations.trl import ERPOConfig  # noqa: E402
 
 

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+datasets = pytest.importorskip("datasets", exc_type=ModuleNotFoundError)
+transformers = pytest.importorskip("transformers", exc_type=ModuleNotFoundError)
 
 import erpo.integrations.trl.scorer as scorer_module  # noqa: E402
 import erpo_kernels.api as api  # noqa: E402
@@ -844,7 +844,7 @@ def test_environment_rows_the_factory_lacks_are_left_to_trl(tiny, tmp_path):
 def test_lora_rollout_prompts_are_scored_with_adapters_disabled(tiny, tmp_path):
     """A LoRA adapter the trainer adds (peft_config) starts at theta0: the rollout's prompts are scored with the
     adapters disabled, no copy of the model, equal to the untrained model's."""
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", exc_type=ModuleNotFoundError)
     tokenizer = tool_tokenizer(tiny)
     trainer, generated = rollout_run(tiny, tmp_path, tokenizer, environment_factory=CountingEnvironment,
                                      peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

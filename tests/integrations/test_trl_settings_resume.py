@@ -9,7 +9,7 @@ import datasets
 import pytest
 import torch
 
-pytest.importorskip("trl")
+pytest.importorskip("trl", exc_type=ModuleNotFoundError)
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
 from test_trl_integration import PROMPTS, reward_length  # noqa: E402
@@ -37,7 +37,7 @@ def trainer_for(tiny, output_dir, lora=False, **settings):
                                 max_steps=2, temperature=1.0), **settings})
     peft_config = None
     if lora:
-        peft = pytest.importorskip("peft")
+        peft = pytest.importorskip("peft", exc_type=ModuleNotFoundError)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
     return ERPOTrainer(model=tiny[0], reward_funcs=reward_length, args=args, processing_class=tiny[1],

@@ -9,15 +9,15 @@ from functools import partial
 import pytest
 import torch
 
-os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")   # before verl: its plugins (ours too) load on import
-verl = pytest.importorskip("verl")
-tensordict = pytest.importorskip("tensordict")
+# verl (and tensordict) through bench.verl_engine: it sets verl's CPU platform before verl is imported
+verl_engine = pytest.importorskip("bench.verl_engine", exc_type=ModuleNotFoundError)
 
+import tensordict  # noqa: E402
+import verl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from bench import verl_engine  # noqa: E402  (registers the CPU platform before verl picks one)
 from erpo.integrations.query_reference import CHANGED, QueryReference, load_or_build_reference  # noqa: E402
 from erpo.integrations.verl import (  # noqa: E402
     REBUILD,
@@ -665,7 +665,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     resumed run without its cache is refused.
     The driver's log shows the scoring and its progress (INFO, where `import verl` leaves the root logger at
     WARNING)."""
-    pytest.importorskip("transfer_queue")
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     import logging
 
     import transformers
@@ -751,7 +751,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
 def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     """verl trains the actor in train mode with its config's dropout (an OPT's 0.1, an attention_dropout), which
     would make ell_theta(q) noisy against the cache's, scored without it. Checked on the meta device, no weights."""
-    pytest.importorskip("transfer_queue")
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     import transformers
 
     from erpo.integrations.verl_trainer import check_actor_dropout
@@ -775,7 +775,7 @@ def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true: .*set it "
                                                        r"to false, or set \+erpo.qkl_coef=0$")])
 def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
-    pytest.importorskip("transfer_queue")
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     from omegaconf import OmegaConf
 
     from erpo.integrations.verl_trainer import check_run_config
@@ -791,7 +791,7 @@ def test_fused_kernels_are_refused_with_the_query_kl_only(tiny, tmp_path):
     by the temperature as a Python float, its Triton backend keeps fp32 logits): refused with the Query-KL, at the
     run's start and by the loss on a micro-batch that says so (`use_fused_kernels`, set by verl's worker); without
     the Query-KL the loss is the same on such a micro-batch."""
-    pytest.importorskip("transfer_queue")
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
 
@@ -827,7 +827,7 @@ def test_precompute_ref_cache_is_refused_by_its_precision(tiny, tmp_path):
     from erpo.config import Config, apply_overrides, resolve
     from erpo.models.loading import load_tokenizer
     from erpo.reference.setup import precompute_reference
-    pytest.importorskip("transfer_queue")
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     from erpo.integrations.verl_trainer import training_prompt_ids
 
     source = tmp_path / "prompts.jsonl"

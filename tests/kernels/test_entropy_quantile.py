@@ -50,7 +50,7 @@ def test_masked_quantile_is_torch_quantile_of_the_pool(q, device):
 def test_triton_masked_quantile_is_masked_quantile(q, device):
     """The fused objective's threshold (`triton_quantile`, pooling the rows of kind 2): masked_quantile's value, bit
     for bit (torch.quantile's on the pool)."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", exc_type=ModuleNotFoundError)
     from erpo_kernels.triton_quantile import masked_quantile_op
 
     for values, rows in pools(int(q * 1000) + 1, device, count=60):
@@ -64,7 +64,7 @@ def test_triton_masked_quantile_is_masked_quantile(q, device):
 def test_triton_masked_quantile_of_an_empty_pool_is_nan_and_forms_no_inf_minus_inf(device):
     """No row pooled: NaN, without the kernel reading the +inf the other rows sort to and forming inf - inf (numpy's
     RuntimeWarning under the interpreter, made an error here; compiled, nothing would say so)."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", exc_type=ModuleNotFoundError)
     from erpo_kernels.triton_quantile import masked_quantile_op
 
     values = torch.randn(7, generator=torch.Generator().manual_seed(3)).to(device)

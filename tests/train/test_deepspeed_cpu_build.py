@@ -16,7 +16,7 @@ OPS = ("deepspeed_shm_comm", "fused_adam")
 @pytest.fixture
 def folders(tmp_path, monkeypatch):
     """{op: its build folder} under a TORCH_EXTENSIONS_DIR of the test's own."""
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     from torch.utils.cpp_extension import _get_build_directory
     return {op: _get_build_directory(op, verbose=False) for op in OPS}

@@ -62,7 +62,7 @@ def test_tables_are_the_seeds_means_and_ranges(tmp_path):
 
 
 def test_a_run_not_named_alg_seed_is_refused():
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", exc_type=ModuleNotFoundError)
     from bench.long_horizon import split_run
     assert split_run("grpo_b0-s12") == ("grpo_b0", 12)
     with pytest.raises(ValueError, match="ALG-sSEED"):

@@ -490,7 +490,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, cache_dir, monkeypatch):
 
 
 def test_deepspeed_backend_matches_plain_torch(tmp_path, cache_dir):
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
     runs = {}
     for backend in ("torch", "deepspeed"):
         out = tmp_path / backend
@@ -654,8 +654,8 @@ def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path
     """trainer.zero_stage=3 (one DeepSpeed rank): the policy and GRPO's reference model are created partitioned,
     the reference becomes a ZeRO-3 inference engine, the reference cache is built from the partitioned policy, and
     the update equals plain torch's."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("accelerate")
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
+    pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
     from erpo import distributed as D
     created, references = [], []
     load_model, prepare_reference_model = trainer_module.load_model, D.prepare_reference_model
@@ -704,7 +704,7 @@ def test_deepspeed_skips_a_nonfinite_step_without_poisoning_the_next(tmp_path, c
                                                                      zero_stage):
     """The first optimizer step's loss is NaN: DeepSpeed applies nothing, and the next step gets clean gradients
     (ZeRO keeps partitioned gradient buffers that a bare zero_grad leaves behind) and moves the weights."""
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
     from transformers import AutoModelForCausalLM
     out = tmp_path / f"zero{zero_stage}"
     reward = tmp_path / "reward.py"  # rewards that differ within a group, so the second step has a gradient

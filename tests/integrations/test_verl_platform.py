@@ -1,0 +1,55 @@
+"""verl keeps one platform per process, chosen at the first import that asks for it, and bench/verl_engine.py sets
+its CPU platform before that: whatever order pytest runs the verl test files in, whatever imports verl first. Until
+2026-11-27 test_verl_step_time.py imported verl itself with its plugins on, so that verl chose 'nvidia' for the run
+and every later verl test died in `torch._C._cuda_setDevice`."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paths import REPO, worker_pythonpath
+
+pytest.importorskip("bench.verl_engine", exc_type=ModuleNotFoundError)   # verl and tensordict
+
+
+def clean_env(tmp_path, **values) -> dict:
+    """This process's environment without verl's platform and plugin settings (verl's defaults), plus `values`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS")}
+    return {**env, "PYTHONPATH": worker_pythonpath(), "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", **values}
+
+
+def test_the_step_time_file_first_leaves_the_verl_tests_on_the_cpu(tmp_path):
+    """The order that failed: the step-time file collected first, then an engine built by the integration file."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'run'}",
+               "tests/integrations/test_verl_step_time.py", "tests/integrations/test_verl_integration.py",
+               "-k", "usage_error or test_equals_verl_ppo_loss and token-mean and rmpad"]
+    done = subprocess.run(command, cwd=REPO, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("3 passed"), (   # 1 + 2 (rmpad)
+        done.stdout[-4000:] + done.stderr[-2000:])
+
+
+def test_verl_imported_first_keeps_the_cpu_platform_and_the_environment(tmp_path):
+    """bench.verl_engine first, then erpo's verl plugin (which imports verl's engine modules): they keep device "cpu";
+    the environment verl reads its plugin setting from is as it was (a child verl loads its plugins)."""
+    script = ("import os; import bench.verl_engine; import erpo.integrations.verl_trainer; "
+              "from verl.plugin.platform import get_platform; "
+              "from verl.workers.engine.fsdp import transformer_impl; "
+              "print(get_platform().device_name, transformer_impl.device_name, "
+              "os.environ.get('VERL_USE_EXTERNAL_PLUGINS'), os.environ.get('VERL_PLATFORM'))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["cpu", "cpu", "None", "None"]
+
+
+def test_imported_after_verl_chose_another_platform_it_says_so(tmp_path):
+    """verl imported with erpo's plugin (here named in VERL_USE_EXTERNAL_MODULES, as without the entry point) has
+    chosen 'nvidia' on a machine without a GPU: importing bench.verl_engine then stops in one line."""
+    done = subprocess.run([sys.executable, "-c", "import verl; import bench.verl_engine"], cwd=tmp_path,
+                          env=clean_env(tmp_path, VERL_USE_EXTERNAL_MODULES="erpo.integrations.verl_trainer"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "RuntimeError: bench.verl_engine: verl already chose its 'cuda' platform in this process (`import verl` "
+        "with its plugins on does): import bench.verl_engine before verl")
