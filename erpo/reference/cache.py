@@ -108,7 +108,16 @@ class ReferenceCache:
 
     @classmethod
     def load(cls, path: str) -> ReferenceCache:
-        data = json.loads(Path(path).read_text())
+        """The cache saved at `path`; a ValueError naming the file when it is not one (not a JSON object: another
+        file given as the cache path) or of another format version."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError as exc:   # not JSON, or not text: one line naming the file, not the parser's position alone
+            raise ValueError(f"{path} is not a reference cache ({exc}); delete or move it, or point the run at "
+                             "another cache path") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a reference cache (a JSON {type(data).__name__}, not an object); delete "
+                             "or move it, or point the run at another cache path")
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"reference cache {path}: format version {data.get('format_version')}, expected "
                              f"{FORMAT_VERSION} (format 1 records no precision, so whether its ell_theta0(q) match "

@@ -103,6 +103,26 @@ def test_fingerprints_and_hashes(setup, tmp_path):
         ReferenceCache.load(str(bad))
 
 
+@pytest.mark.parametrize("content, what", [("not json", "Expecting value"), ("[1, 2]", "a JSON list, not an object"),
+                                           (b"\xff\xfe\x00", "can't decode")])
+def test_a_file_that_is_not_a_cache_is_one_line_naming_it(setup, tmp_path, content, what):
+    """Another file at the cache path (a run pointed at the wrong file) is refused in one line naming it: it was
+    the JSON parser's message alone, without the file (a one-line UserError in `erpo train`, a traceback in the
+    integrations), or an AttributeError traceback for JSON that is not an object."""
+    model, tokenizer, prompts = setup
+    path = tmp_path / "run" / "reference_cache.json"
+    path.parent.mkdir()
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=f"^{path} is not a reference cache \\(.*{what}.*\\); delete or move it"):
+        ReferenceCache.load(str(path))
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    with pytest.raises(UserError, match=f"^{path} is not a reference cache") as refused:
+        reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer,
+                                             prompt_set=PromptSet([{}] * 3, ["p"] * 3, prompts, ["a"] * 3))
+    assert "\n" not in str(refused.value)
+
+
 def rewrite(file, data: bytes, mtime_ns: int) -> None:
     """Write `data` with an explicit mtime (a coarse filesystem clock must not hide the change)."""
     file.write_bytes(data)
