@@ -30,7 +30,7 @@ REBUILD = "Delete it to rebuild it, or pass another path to load_or_build_query_
 STEP_MISS = ("(it held every prompt given to load_or_build_query_reference, tokenized as OpenRLHF's agent executors "
              "tokenize them, left-truncated to its max_prompt_length; this one reached the loss otherwise, and "
              "rebuilding the cache would not add it). Pass it the PromptDataset's prompts (dataset.prompts) and "
-             "max_prompt_length=data.max_len - rollout.max_new_tokens, as OpenRLHF truncates a long prompt.")
+             "max_prompt_length=data.max_len - (rollout.max_new_tokens or 1), as OpenRLHF truncates a long prompt.")
 
 
 def prompt_token_ids(tokenizer, prompts: list[str], *, max_prompt_length: int | None = None) -> list[list[int]]:

@@ -644,7 +644,7 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(tokenizer) + ["never seen"])),
          r"^prompt 'never seen' has no ell_theta0\(q\) .*\(1 of 5 prompts missing\) \(it held every prompt given to "
          r"load_or_build_query_reference, .*rebuilding the cache would not add it\)\. Pass it the PromptDataset's "
-         r"prompts \(dataset.prompts\) and max_prompt_length=data.max_len - rollout.max_new_tokens"),
+         r"prompts \(dataset.prompts\) and max_prompt_length=data.max_len - \(rollout.max_new_tokens or 1\)"),
         # OpenRLHF truncated the prompts the cache was given whole (max_prompt_length left out): not the cache's fault
         (lambda: reference.lookup(prompt_token_ids(tokenizer, chat_prompts(tokenizer), max_prompt_length=8)),
          r"\(4 of 4 prompts missing\) \(it held every prompt given to load_or_build_query_reference, tokenized as "
