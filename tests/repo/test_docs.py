@@ -25,16 +25,39 @@ def missing_test_references(text: str) -> list[str]:
     return missing
 
 
+def heading_anchors(text: str) -> set[str]:
+    """The `#anchor`s GitHub gives the headings of a markdown text: lowercased, punctuation but `-` and `_` dropped,
+    spaces as `-`, a repeated one suffixed `-1`, `-2`, ...; code blocks' `#` lines are no headings."""
+    anchors, seen, in_code = set(), {}, False
+    for line in text.splitlines():
+        in_code ^= line.startswith("```")
+        heading = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading[1].strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_heading_anchors_are_github_s():
+    text = "# Top\n## TRL: two changed lines\n```bash\n# not a heading\n```\n### Options (`+erpo.NAME=VALUE`)\n## Top\n"
+    assert heading_anchors(text) == {"top", "trl-two-changed-lines", "options-erponamevalue", "top-1"}
+
+
 def test_relative_links_resolve_inside_the_repository():
-    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """Each relative link's file exists, and its `#anchor`, in a markdown file, is one of that file's headings."""
+    files = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     for file in files:
         text = file.read_text()
         assert "../shared" not in text, f"{file.name} points outside the repository"
         for target in LINK.findall(text):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = (file.parent / target.split("#")[0]).resolve()
+            name, _, anchor = target.partition("#")
+            path = (file.parent / name).resolve() if name else file
             assert path.is_relative_to(REPO) and path.exists(), f"{file.name}: broken link {target}"
+            if anchor and path.suffix == ".md":
+                assert anchor in heading_anchors(path.read_text()), f"{file.name}: no heading for {target}"
 
 
 def test_method_summary_holds_the_equations_and_the_paper_reference():
