@@ -1,6 +1,6 @@
 """Seconds per `train_batch` step of verl's actor engine with erpo's loss against verl's own `ppo_loss`, side by side.
 
-    python -m bench.verl_step_time [--pairs 20] [--threads 2]
+    python -m bench.verl_step_time [--pairs 20] [--threads 1]
 
 One verl `FSDPEngineWithLMHead` (FSDP2, gloo, world size 1, fp32, on the CPU platform of bench/verl_engine.py)
 around a tiny Qwen2 (erpo.models.tiny: hidden 64, 2 layers), use_remove_padding on, 16 samples of prompt ~10 tokens +
@@ -14,6 +14,9 @@ Reported: each loss's median s/step and min-max, and the median and quartiles of
 Then the loss alone: each loss function's forward and backward on one micro-batch's captured engine outputs
 (its log-probs a leaf tensor), `pairs` x 10 interleaved calls, median milliseconds: what the loss adds to a step,
 less exposed to a shared machine's noise than a whole step.
+One torch thread by default, as bench.trl_step_time (its docstring has the measurement): on the shared 2-core
+machine two threads turn a neighbour's load into bursts of steps 10 to 80 times slower, which the pairing spreads
+over both losses but does not take out of their spread; the tiny model's operators are too small to split.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from bench import verl_engine  # before verl: it selects its CPU platform, which
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=20, help="timed step pairs (one step of each loss)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: see the module docstring; the tables of 2026-11-23 used 2)")
     args = parser.parse_args()
     if args.pairs < 2:
         parser.error(f"--pairs {args.pairs}: at least 2 (the per-pair ratio's quartiles need two pairs)")

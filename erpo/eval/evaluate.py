@@ -87,7 +87,8 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         for bench in benchmarks:
             meta = {**identity, "benchmark_source": bench.source, "problems_sha256": problems_fingerprint(bench),
                     "prompt_ids_sha256": prompt_ids_fingerprint(tokenizer, bench, settings),
-                    "k": k, "top_p": top_p, "seed": seed, "batch_size": batch_size, "dtype": dtype,
+                    "k": k, "top_p": top_p, "seed": seed, "seeding": rollout.seeding,
+                    "batch_size": batch_size, "dtype": dtype,
                     **dataclasses.asdict(settings)}
             check_cache_meta(cache_dir(output_dir, model.label, bench.name), meta)
             for t in temperatures:

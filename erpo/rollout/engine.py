@@ -18,6 +18,10 @@ class RolloutBatch:
 class RolloutEngine(abc.ABC):
     """Generates responses with the current policy weights."""
 
+    # What a seed draws with this engine, recorded by `erpo eval`'s sample cache (erpo.eval.sample_cache): an engine
+    # whose seed -> samples mapping changes gets a new value, so a cache filled before is refused, not served.
+    seeding: str
+
     @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float = 1.0,
                  max_new_tokens: int, seed: int | None = None) -> RolloutBatch:

@@ -26,6 +26,8 @@ class HFRollout(RolloutEngine):
     (after temperature and top-p) of the generated tokens.
     """
 
+    seeding = "hf-1"   # torch.manual_seed(seed) at each generate call, its chunks of prompts drawn in order
+
     def __init__(self, model, tokenizer, *, batch_size: int = 64):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")

@@ -89,6 +89,8 @@ class VLLMRollout(RolloutEngine):
     rollout.gpu_memory_utilization when less than that is free.
     """
 
+    seeding = "vllm-2"   # `request_seed`'s hash of (seed, rank, prompt); 1 was linear offsets of the seed
+
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, sleep_level: int = 2,

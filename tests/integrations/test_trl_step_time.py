@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
-pytest.importorskip("trl")
-pytest.importorskip("datasets")
+pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+pytest.importorskip("datasets", exc_type=ModuleNotFoundError)
 
 from bench import trl_step_time  # noqa: E402
 

@@ -22,7 +22,7 @@ NUMBER = r"(\d+\.\d+)"
 @pytest.mark.cpu_only
 def test_the_cpu_smoke_run_times_both_losses(tmp_path):
     env = {**os.environ, "PYTHONPATH": worker_pythonpath(), "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "bench.verl_step_time", "--pairs", "2", "--threads", "1"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "bench.verl_step_time", "--pairs", "2"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     for name in ("verl ppo_loss", "erpo_ppo_loss"):

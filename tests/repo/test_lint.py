@@ -2,6 +2,7 @@
 import contract (erpo's layers, evaluation never importing the trainer, erpo_kernels standing alone, its torch
 reference never importing Triton, no cycle inside a subpackage; setup.cfg) checked by import-linter."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,3 +36,15 @@ def test_import_contract_is_kept():
     proc = run([tool("lint-imports"), "--no-cache"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 broken" in proc.stdout, proc.stdout
+
+
+def test_optional_peers_skip_only_when_absent():
+    """docs/CONTRIBUTING.md: a test skips where an optional peer is not installed and errors where it is installed but
+    fails to import, so every pytest.importorskip in the tests passes exc_type=ModuleNotFoundError (without it, an
+    installed peer that fails to import skips its tests in silence)."""
+    calls = [(path, args) for path in sorted((REPO / "tests").rglob("*.py"))
+             for args in re.findall(r"pytest\.importorskip\(([^)]*)\)", path.read_text())]
+    assert len(calls) > 5    # the search sees them
+    bare = [f"{path.relative_to(REPO)}: pytest.importorskip, arguments {args}" for path, args in calls
+            if "exc_type=ModuleNotFoundError" not in args]
+    assert not bare, bare

@@ -151,6 +151,8 @@ def test_tensor_parallel_needs_vllm(tmp_path, tiny_model_dir):
 class ScriptedEngine(RolloutEngine):
     """Answers problem "a+b=?" / "a-b=?": sample j is right iff j < correct_count(a, temperature)."""
 
+    seeding = "scripted"   # its samples do not depend on the seed
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.calls = 0
@@ -214,6 +216,8 @@ def test_scores_match_hand_computation(tmp_path, tiny_model_dir, monkeypatch):
 
 class ConstantEngine(RolloutEngine):
     """Answers every prompt with the same boxed text."""
+
+    seeding = "constant"
 
     def __init__(self, tokenizer, answer):
         self.tokenizer, self.answer = tokenizer, answer
@@ -353,6 +357,28 @@ def test_cache_refuses_samples_of_a_model_changed_in_place(tmp_path, tiny_model_
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"made by an erpo that did not record model_weights \(model_weights\)"):
         evaluate(models, benches, **kwargs)
+
+def test_cache_refuses_samples_of_another_seeding(tmp_path, tiny_model_dir, monkeypatch):
+    """The cache records what a seed draws with the engine (`RolloutEngine.seeding`): after an erpo update that
+    changes it (vLLM's per-request seeds became hashes), a fresh run would not draw the cached samples, so they are
+    refused; a cache from an erpo that did not record it is refused too, once, in the same line."""
+    from erpo.rollout.hf import HFRollout
+    models, benches = parse_models([tiny_model_dir]), [load_benchmark("synthetic#n=2")]
+    kwargs = dict(output_dir=str(tmp_path), temperatures=[1.0], k=2, max_new_tokens=3, progress=False)
+    evaluate(models, benches, **kwargs)
+    meta_path = next(tmp_path.glob("samples/*/synthetic/cache_meta.json"))
+    assert json.loads(meta_path.read_text())["seeding"] == HFRollout.seeding
+    with monkeypatch.context() as patch:
+        patch.setattr(HFRollout, "seeding", "hf-next")
+        with pytest.raises(ValueError, match=r"made with different settings \(seeding\)"):
+            evaluate(models, benches, **kwargs)
+    meta = json.loads(meta_path.read_text())
+    del meta["seeding"]   # as an erpo before the seeding was recorded left it
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"made by an erpo that did not record seeding \(seeding\); use another "
+                                         r"--output-dir or delete that directory"):
+        evaluate(models, benches, **kwargs)
+
 
 def test_cache_refuses_samples_of_other_prompt_tokens(tmp_path, tiny_model_dir, monkeypatch):
     """Samples made from other prompt token ids (another tokenizer, chat template or prompt encoding: a bare
