@@ -9,7 +9,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.errors import UserError
+from erpo.errors import UserError, stopped_at_once_is
 from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for, torch_dtype
 from erpo.reference.cache import (
@@ -85,13 +85,16 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
         return cache, path, values
     log.info("reference cache: computing ell_theta0(q) for the training set's %d prompts (%d distinct) with %s",
              len(prompt_set.prompt_ids), len(set(map(tuple, prompt_set.prompt_ids))), model_path)
-    theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
-    identity = reference_identity(cfg, model_path, tokenizer, theta0)   # after the load: a hub model's revision cached
-    cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
-                                  template=identity["template"], batch_size=cfg.reference.batch_size,
-                                  temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
-                                  tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"],
-                                  progress=cfg.logging.progress_bar)
+    # stopped at once (Ctrl-C, SIGTERM) before the save, it leaves no cache file: the command's one line says so
+    with stopped_at_once_is(f"the reference cache's ell_theta0(q); nothing was written to {path} (the same command "
+                            "computes it again)"):
+        theta0 = model if model is not None else load_model(cfg, model_path, device_for_rank(), trainable=False)
+        identity = reference_identity(cfg, model_path, tokenizer, theta0)   # after the load: a hub revision cached
+        cache = build_reference_cache(theta0, tokenizer, prompt_set.prompt_ids, model_id=model_path,
+                                      template=identity["template"], batch_size=cfg.reference.batch_size,
+                                      temperature=cfg.rollout.temperature, model_fp=identity["model_fp"],
+                                      tokenizer_fp=identity["tokenizer_fp"], precision=identity["precision"],
+                                      progress=cfg.logging.progress_bar)
     cache.dataset = dataset_rows_digest(prompt_set)
     if D.is_main():
         cache.save(path)

@@ -10,8 +10,9 @@ import torch
 import erpo.models.fingerprint as fingerprints
 import erpo.reference.cache as rc
 import erpo.reference.setup as reference_setup
+from erpo.cli.commands import stop_line
 from erpo.config import Config, apply_overrides, resolve
-from erpo.errors import UserError
+from erpo.errors import Terminated, UserError
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.reference.cache import ReferenceCache, build_reference_cache, compute_query_logp, prompt_hash
@@ -293,6 +294,29 @@ def test_precompute_reference_scores_at_the_rollout_temperature(setup, tmp_path)
     at = {t: torch.tensor([manual_query_logp(model, p, t) for p in prompts]) for t in (0.7, 1.0)}
     torch.testing.assert_close(ell, at[0.7].float(), atol=1e-3, rtol=1e-5)
     assert (ell - at[1.0]).abs().min() > 0.1 and cache.template.endswith("|temperature=0.7")
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
+def test_a_stop_while_scoring_names_the_reference_cache_and_writes_nothing(setup, tmp_path, monkeypatch, stop):
+    """Ctrl-C or SIGTERM (erpo.cli raises Terminated) while ell_theta0(q) is computed stops at once: the `erpo`
+    command's one line names the reference cache (`stop_line`), and no cache file is left for a rerun to trust."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    prompt_set = PromptSet([{}] * len(prompts), ["p"] * len(prompts), prompts, ["a"] * len(prompts))
+
+    def stopped(*args, **kwargs):
+        raise stop()
+    monkeypatch.setattr(reference_setup, "build_reference_cache", stopped)
+    with pytest.raises(stop) as stopped_here:
+        reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer,
+                                             prompt_set=prompt_set)
+    path = reference_setup.reference_cache_path(cfg)
+    how = "stopped (SIGTERM)" if stop is Terminated else "interrupted (Ctrl-C)"
+    assert stop_line("train", stopped_here.value) == (
+        f"erpo train: {how} during the reference cache's ell_theta0(q); nothing was written to {path} (the same "
+        "command computes it again)")
+    assert not os.path.exists(path)
 
 
 def test_a_cache_of_more_prompts_gives_the_training_sets_weights(setup, tmp_path):
