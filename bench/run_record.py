@@ -6,7 +6,9 @@ A record folder (`bench.pilot_records` writes it) holds `settings.json` (the pil
 folder) and one folder per run, ALG-sSEED/:
 - `history-SET.csv`: the run's rows of the pilot's `eval-SET/history.csv` (SET: train, heldout), values as spelled;
 - `metrics.csv.gz`: per rollout step (a step's last record: a resumed run appends), the STEP_COLUMNS of the run's
-  metrics.jsonl, each value written as Python's repr of the float (read back exactly), gzip-compressed;
+  metrics.jsonl, each value written as Python's repr of the float (read back exactly), gzip-compressed (a record
+  written before the rename of 2026-11-27 has `truncated_frac` for `completions/clipped_ratio`: `step_values` reads
+  both);
 - `journal.jsonl`: the pilot journal's lines that name the run (its trainings and the evaluations after them: UTC
   times, commit, machine, exit status; a call that only evaluates, "eval SET all", names no run and is left out).
 """
@@ -17,10 +19,10 @@ import gzip
 import io
 from pathlib import Path
 
-from erpo.records import iter_jsonl
+from erpo.records import iter_jsonl, with_current_metric_names
 
 # the Query-KL and entropy bench.long_horizon reads, and what docs/pilots.md reads of a run's journal
-STEP_COLUMNS = ("reward", "accuracy", "qkl", "entropy", "grad_norm", "truncated_frac")
+STEP_COLUMNS = ("reward", "accuracy", "qkl", "entropy", "grad_norm", "completions/clipped_ratio")
 METRICS_LOG = "metrics.jsonl"       # the run's own, one JSON line per step
 METRICS_RECORD = "metrics.csv.gz"   # the record's
 JOURNAL = "journal.jsonl"           # the pilot folder's (every run) and a record's (its run)
@@ -33,17 +35,20 @@ def history_name(set_name: str) -> str:
 
 
 def logged_steps(run_dir: Path) -> dict[int, dict]:
-    """{step: the last record of that step} of the run's metrics.jsonl (a resumed run appends its steps again)."""
-    return {int(record["step"]): record for _, record in iter_jsonl(str(run_dir / METRICS_LOG))}
+    """{step: the last record of that step} of the run's metrics.jsonl (a resumed run appends its steps again), under
+    today's metric names."""
+    return {int(record["step"]): with_current_metric_names(record)
+            for _, record in iter_jsonl(str(run_dir / METRICS_LOG))}
 
 
 def step_values(run_dir: Path, key: str) -> dict[int, float]:
     """{rollout step: value of `key`} of a run, steps that logged none left out, from a record's metrics.csv.gz when
-    `run_dir` holds one, else from the run's metrics.jsonl (its last record of a step)."""
+    `run_dir` holds one, else from the run's metrics.jsonl (its last record of a step); `key` is today's name of the
+    metric, whichever name the record or the log has it under."""
     record = run_dir / METRICS_RECORD
     if record.is_file():
         rows = csv.DictReader(io.StringIO(gzip.decompress(record.read_bytes()).decode("utf-8")))
-        return {int(row["step"]): float(row[key]) for row in rows if row[key]}
+        return {int(row["step"]): float(row[key]) for row in map(with_current_metric_names, rows) if row[key]}
     return {step: float(r[key]) for step, r in logged_steps(run_dir).items() if r.get(key) is not None}
 
 

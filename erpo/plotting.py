@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from erpo.records import iter_jsonl  # noqa: E402
+from erpo.records import iter_jsonl, with_current_metric_names  # noqa: E402
 
 # (metrics.jsonl key, panel title) in drawing order.
 DYNAMICS_PANELS = (
@@ -29,15 +29,16 @@ DYNAMICS_PANELS = (
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Records of a ``metrics.jsonl`` sorted by ``step``; the last record of a repeated step wins (a
-    resumed run logs the steps after its checkpoint again) and a torn last line (crash) is skipped."""
+    """Records of a ``metrics.jsonl`` sorted by ``step``, under today's metric names (a run logged before a rename
+    reads as a new one); the last record of a repeated step wins (a resumed run logs the steps after its checkpoint
+    again) and a torn last line (crash) is skipped."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file at {path}")
     by_step: dict[int, dict] = {}
     for line_no, record in iter_jsonl(path, torn_tail_ok=True):  # a torn final line: an interrupted run
         if not isinstance(record, dict) or "step" not in record:
             raise ValueError(f"{path}:{line_no}: each record must be an object with a 'step'")
-        by_step[int(record["step"])] = record
+        by_step[int(record["step"])] = with_current_metric_names(record)
     return [by_step[step] for step in sorted(by_step)]
 
 

@@ -1,5 +1,5 @@
 """Reading records: JSONL / JSON / Parquet datasets, Hugging Face Hub datasets, and JSONL logs that a crash may
-have cut short."""
+have cut short (with the metric names a training log held before a rename)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,14 @@ import os
 from erpo.errors import MissingInputError, MissingPackageError, UserError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the local file formats `read_records` reads
+# metrics.jsonl names of runs logged before they took TRL's (2026-11-27) -> TRL's name, the same values
+RENAMED_METRICS = {"response_length": "completions/mean_length", "truncated_frac": "completions/clipped_ratio"}
+
+
+def with_current_metric_names(record: dict) -> dict:
+    """A step's metrics (a metrics.jsonl record, or a row of a pilot record's metrics.csv.gz) under today's names:
+    those in RENAMED_METRICS renamed, the others as they are."""
+    return {RENAMED_METRICS.get(key, key): value for key, value in record.items()}
 
 
 def iter_jsonl(path: str, *, torn_tail_ok: bool = False):

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = add_command("train", help="train a policy with ERPO (or a baseline)",
                         epilog="Every config key (--set), reward functions (reward.functions: called as TRL's "
                                "GRPOTrainer calls them, trainer_state included; a sample no function scores gets "
-                               "advantage 0, as TRL) and the metrics.jsonl keys (TRL's reward metrics): "
-                               "docs/training.md.")
+                               "advantage 0, as TRL) and the metrics.jsonl keys (TRL's reward and completions/* "
+                               "metrics): docs/training.md.")
     add_config_arguments(train)
     train.add_argument("--max-steps", type=int, help="rollout steps (trainer.max_steps)")
     train.add_argument("--algorithm", choices=sorted(PRESETS), help="algorithm.name")

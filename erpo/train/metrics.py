@@ -6,7 +6,9 @@ means over the step's samples on all ranks; loss terms are sums of the micro-bat
 normalized by the global counts; token statistics are means over the step's response tokens. The reward metrics
 under TRL's names (`reward`, `reward_std`, `rewards/NAME/mean`, `rewards/NAME/std`, `frac_reward_zero_std`) are
 TRL 1.16 GRPOTrainer's formulas on the step's samples: nanmean, Bessel-corrected nanstd, a sample no function
-scored left out.
+scored left out. So are the completion metrics (`completions/mean_length`, `/min_length`, `/max_length`,
+`/clipped_ratio`, `/mean_terminated_length`, `/min_terminated_length`, `/max_terminated_length`): a response's
+length is its token count, EOS included, and it is clipped when it reached rollout.max_new_tokens without EOS.
 """
 from __future__ import annotations
 
@@ -46,19 +48,41 @@ def sample_std(total: float, total_sq: float, count: float) -> float | None:
     return math.sqrt(max(0.0, (total_sq - total * total / count) / (count - 1)))
 
 
+def extremes(values: torch.Tensor) -> list[float]:
+    """[max, -min] of `values` (a 1-D tensor), [-inf, -inf] when it is empty: their max over ranks is the global
+    [max, -min] whatever a rank holds."""
+    return [values.max().item(), -values.min().item()] if len(values) else [-math.inf, -math.inf]
+
+
+def completion_lengths(total: dict, length_extremes: list[float], terminated_extremes: list[float]) -> dict:
+    """TRL 1.16 GRPOTrainer's `completions/*` metrics of the step from the sums over ranks `total` ("samples",
+    "length", "clipped", "terminated_length") and the max over ranks of `extremes` of every response's length and of
+    the terminated ones' (tokens, EOS included). As TRL, the terminated lengths are 0 when every response was clipped
+    (TRL takes the mean, min and max of a lone 0)."""
+    samples, terminated = total["samples"], total["samples"] - total["clipped"]
+    lengths = {"completions/mean_length": total["length"] / samples, "completions/min_length": -length_extremes[1],
+               "completions/max_length": length_extremes[0], "completions/clipped_ratio": total["clipped"] / samples}
+    if not terminated:
+        return {**lengths, "completions/mean_terminated_length": 0.0, "completions/min_terminated_length": 0.0,
+                "completions/max_terminated_length": 0.0}
+    return {**lengths, "completions/mean_terminated_length": total["terminated_length"] / terminated,
+            "completions/min_terminated_length": -terminated_extremes[1],
+            "completions/max_terminated_length": terminated_extremes[0]}
+
+
 def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weight_sum: float, *, grad_norm: float,
                 lr: float, nonfinite_skipped: int) -> dict:
-    """The metrics of one optimizer step over all ranks (one sum and, with importance sampling, one max over
-    ranks). loss_sums: this rank's sums from `update_step.accumulate_loss` ("loss" and those of SUMMED_METRICS
-    that apply: the others are logged as null, like a non-finite value); gap_max: its largest rollout log-prob gap
-    (None when that metric does not apply); weight_sum: its sum of w(q) over its samples; plan: the step's
-    `StepPlan` (its counts are already global)."""
+    """The metrics of one optimizer step over all ranks (one sum and one max over ranks). loss_sums: this rank's
+    sums from `update_step.accumulate_loss` ("loss" and those of SUMMED_METRICS that apply: the others are logged as
+    null, like a non-finite value); gap_max: its largest rollout log-prob gap (None when that metric does not apply);
+    weight_sum: its sum of w(q) over its samples; plan: the step's `StepPlan` (its counts are already global)."""
     rollout = plan.rollout
+    lengths = torch.tensor([len(ids) for ids in rollout.response_ids], dtype=torch.float64)
+    terminated = lengths[~rollout.truncated.bool()]
     local = {"samples": len(rollout), "reward_std_zero": int(rollout.reward_std_zero.sum()),
-             "accuracy": sum(rollout.correct.tolist()),
-             "response_length": sum(len(ids) for ids in rollout.response_ids),
-             "truncated_frac": sum(rollout.truncated.tolist()), "filtered_frac": len(rollout) - int(rollout.keep.sum()),
-             "query_weight": weight_sum, **loss_sums}
+             "accuracy": sum(rollout.correct.tolist()), "length": lengths.sum().item(),
+             "clipped": len(lengths) - len(terminated), "terminated_length": terminated.sum().item(),
+             "filtered_frac": len(rollout) - int(rollout.keep.sum()), "query_weight": weight_sum, **loss_sums}
     # the total ("reward", NaN where no function scored) and each function's values ("rewards/NAME", NaN where it
     # returned None), over the samples that have one; the same functions, in the same order, on every rank
     given_values = {"reward": rollout.rewards,
@@ -68,9 +92,12 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weigh
         local.update({f"{key}/count": len(given), f"{key}/sum": given.sum().item(),
                       f"{key}/sum_sq": given.square().sum().item()})
     total = dict(zip(local, D.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
+    # the lengths' extremes and the rollout log-prob gap (-inf: none on this rank, or the metric does not apply)
+    most = D.all_reduce_max(torch.tensor([*extremes(lengths), *extremes(terminated),
+                                          -math.inf if gap_max is None else gap_max], dtype=torch.float64)).tolist()
     tokens = max(plan.num_items, 1)
-    record = {key: total[key] / total["samples"] for key in
-              ("accuracy", "response_length", "truncated_frac", "filtered_frac")}
+    record = {"accuracy": total["accuracy"] / total["samples"], **completion_lengths(total, most[0:2], most[2:4]),
+              "filtered_frac": total["filtered_frac"] / total["samples"]}
 
     def mean_std(key):   # TRL's nanmean and nanstd of `key`'s values: null where fewer than 1 / 2 are given
         count = total[f"{key}/count"]
@@ -89,7 +116,7 @@ def step_record(cfg: Config, plan, loss_sums: dict, gap_max: float | None, weigh
     record.update({
         "qkl": summed("qkl"), "loss": finite_or_none(total["loss"]), "pg_loss": summed("pg_loss"),
         **{name: summed(name) for name in TOKEN_MEAN_METRICS},
-        "rollout_logp_gap_max": None if gap_max is None else finite_or_none(D.all_reduce_max(gap_max)),
+        "rollout_logp_gap_max": None if gap_max is None else finite_or_none(most[4]),
         # num_seqs is already global: the weight sum alone is reduced
         "query_weight_mean": total["query_weight"] / plan.num_seqs if cfg.algorithm.query_weight != "none" else None,
         "grad_norm": finite_or_none(grad_norm),

@@ -42,7 +42,9 @@ CASES = {
 RANK_SHARES = ((0, 4), (4, 6))   # 2 ranks: groups 0 and 1 on rank 0, group 2 (its 2 samples truncated) on rank 1
 GROUP_2_FILTERED = (True,) * 4 + (False,) * 2   # `keep`: rank 1 then runs stand-ins only
 COMPARED_METRICS = ("loss", "qkl", "pg_loss", "policy_kl", "entropy", "clip_ratio", "ratio_mean", "query_weight_mean",
-                    "reward", "reward_std", "accuracy", "response_length", "truncated_frac", "filtered_frac",
+                    "reward", "reward_std", "accuracy", "completions/mean_length", "completions/min_length",
+                    "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                    "completions/min_terminated_length", "completions/max_terminated_length", "filtered_frac",
                     "num_samples", "response_tokens")
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench import long_horizon, pilot_records
-from bench.run_record import STEP_COLUMNS
+from bench.run_record import STEP_COLUMNS, step_values
+from paths import REPO
 
 SETTINGS = {"lr": 0.002, "max_steps": 20, "warmup_ratio": 0.005, "max_operand": 10, "save_steps": 5,
             "keep_every": 10, "eval_n": 4, "k": 16, "overrides": []}
@@ -25,9 +26,10 @@ def step_record(run: str, step: int) -> dict:
     """A metrics.jsonl line: values that differ by run and step (qkl None at step 1, as GRPO's first step logs 0)."""
     seed = int(run.rsplit("-s", 1)[1])
     base = (1.5 if run.startswith("erpo") else 1.0) + seed / 7
-    return {"reward": base / 3 + step / 997, "accuracy": base / 3 + step / 997, "response_length": 10.5,
+    return {"reward": base / 3 + step / 997, "accuracy": base / 3 + step / 997, "completions/mean_length": 10.5,
             "qkl": None if step == 1 else base * step / 3, "entropy": 0.2 / (step + seed), "grad_norm": base / step,
-            "truncated_frac": step / 40, "lr": 0.002, "step": step, "rollout_step": step, "step_seconds": 0.4}
+            "completions/clipped_ratio": step / 40, "lr": 0.002, "step": step, "rollout_step": step,
+            "step_seconds": 0.4}
 
 
 def value(run: str, set_name: str, step: int, temperature: str, metric: str) -> float:
@@ -211,6 +213,27 @@ def test_a_full_length_run_records_in_well_under_a_megabyte(tmp_path, capsys):
         json.dumps({**{key: draw.random() for key in STEP_COLUMNS}, "step": step}) + "\n" for step in range(1, 6001)))
     record(["--pilot", str(folder), "--out", str(tmp_path / "records")], capsys)
     assert 100e3 < (tmp_path / "records" / "grpo-s0" / "metrics.csv.gz").stat().st_size < 400e3
+
+
+def test_runs_and_records_from_before_the_trl_names_read_under_them(tmp_path, capsys):
+    """A run that logged truncated_frac (before 2026-11-27) is recorded under completions/clipped_ratio, values
+    exact, and step_values reads it so from its metrics.jsonl; a record written then (the repository's
+    bench/measured/pilot-lr2e-3-6k, whose metrics.csv.gz has a truncated_frac column) reads under the new name too,
+    every step's value as the column holds it."""
+    folder = make_pilot(tmp_path / "pilot-p", RUNS[:1])
+    log = folder / "grpo-s0" / "metrics.jsonl"
+    log.write_text(log.read_text().replace('"completions/clipped_ratio"', '"truncated_frac"'))
+    new_name = "completions/clipped_ratio"
+    assert step_values(folder / "grpo-s0", new_name) == {s: step_record("grpo-s0", s)[new_name] for s in range(1, 21)}
+    record(["--pilot", str(folder), "--out", str(tmp_path / "records")], capsys)
+    table = csv.DictReader(io.StringIO(gzip.decompress(
+        (tmp_path / "records" / "grpo-s0" / "metrics.csv.gz").read_bytes()).decode()))
+    assert {int(row["step"]): float(row[new_name]) for row in table} == {
+        s: step_record("grpo-s0", s)[new_name] for s in range(1, 21)}
+    committed = REPO / "bench" / "measured" / "pilot-lr2e-3-6k" / "erpo-s0"
+    rows = list(csv.DictReader(io.StringIO(gzip.decompress((committed / "metrics.csv.gz").read_bytes()).decode())))
+    assert "truncated_frac" in rows[0] and len(rows) == 6000
+    assert step_values(committed, new_name) == {int(row["step"]): float(row["truncated_frac"]) for row in rows}
 
 
 def test_long_horizon_takes_records_or_runs_and_history(tmp_path):

@@ -22,7 +22,7 @@ def _write_run(run_dir, steps, *, policy_kl=True, scale=1.0, torn_tail=False):
         lines.append(json.dumps({
             "step": step, "reward": scale * (1 - math.exp(-step / 10)), "accuracy": 0.5,
             "qkl": scale * 1e-3 * step, "policy_kl": 1e-4 * step if policy_kl else None,
-            "entropy": 1.0 / (1 + step * scale), "loss": 0.1, "clip_ratio": 0.0, "response_length": 20.0,
+            "entropy": 1.0 / (1 + step * scale), "loss": 0.1, "clip_ratio": 0.0, "completions/mean_length": 20.0,
             "grad_norm": 1.0, "lr": 1e-6,
         }))
     text = "\n".join(lines) + "\n"
@@ -91,6 +91,22 @@ def test_read_metrics_resume_and_torn_line(tmp_path):
     bad.write_text('{"step": 1}\n{oops\n{"step": 3}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         read_metrics(str(bad))
+
+
+def test_a_run_logged_before_the_trl_names_reads_and_plots_under_them(tmp_path):
+    """A metrics.jsonl written before response_length and truncated_frac took TRL's names: read_metrics (what
+    `erpo plot` and `erpo compare` read) gives their values under completions/mean_length and
+    completions/clipped_ratio, the other keys as they were, and the run plots beside a new one."""
+    old = tmp_path / "old"
+    old.mkdir()
+    lines = [{"step": step, "reward": 0.1 * step, "qkl": 0.01, "policy_kl": None, "entropy": 0.5,
+              "response_length": 10.0 + step, "truncated_frac": step / 8} for step in (1, 2, 3)]
+    (old / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = read_metrics(str(old / "metrics.jsonl"))
+    assert records == [{"step": r["step"], "reward": r["reward"], "qkl": 0.01, "policy_kl": None, "entropy": 0.5,
+                        "completions/mean_length": r["response_length"],
+                        "completions/clipped_ratio": r["truncated_frac"]} for r in lines]
+    _png(plot_runs([str(old), _write_run(tmp_path / "new", 3)], str(tmp_path / "both.png")))
 
 
 def test_run_plot_cli_default_output(tmp_path, capsys):

@@ -42,7 +42,11 @@ def test_step_metrics_of_identical_ranks_equal_one_rank(monkeypatch, world):
     record = step_record(cfg, plan, sums, 0.0, weight_sum, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
     assert record["query_weight_mean"] == pytest.approx(0.75)
     assert record["reward"] == pytest.approx(0.625) and record["accuracy"] == pytest.approx(0.625)
-    assert record["response_length"] == pytest.approx(2.5) and record["truncated_frac"] == pytest.approx(0.25)
+    # responses of 1-4 tokens, the first clipped
+    assert record["completions/mean_length"] == pytest.approx(2.5) and record["completions/clipped_ratio"] == 0.25
+    assert (record["completions/min_length"], record["completions/max_length"]) == (1.0, 4.0)
+    assert record["completions/mean_terminated_length"] == pytest.approx(3.0)
+    assert (record["completions/min_terminated_length"], record["completions/max_terminated_length"]) == (2.0, 4.0)
     assert record["filtered_frac"] == 0.0
     assert record["reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5, 1.0] * world).std().item())
     assert record["frac_reward_zero_std"] == 0.5
@@ -78,6 +82,50 @@ def test_the_reward_metrics_are_trl_s_on_the_same_samples(monkeypatch, world):
     assert record["rewards/reward/mean"] == 0.0 and record["reward"] != 0.0   # the total and a function named reward
     assert record["rewards/reward/std"] == (None if world == 1 else 0.0)      # TRL: NaN for one value
     assert record["rewards/never/mean"] is None and record["rewards/never/std"] is None
+
+
+def trl_completion_metrics(lengths: list[int], clipped: list[bool]) -> dict:
+    """TRL 1.16 GRPOTrainer._generate's completions/* metrics of the responses gathered from every rank: their
+    token counts and whether each was clipped (no EOS); the terminated ones' of a lone 0 when there are none."""
+    lengths, clipped = torch.tensor(lengths), torch.tensor(clipped)
+    terminated = lengths[~clipped] if not clipped.all() else torch.zeros(1)
+    return {"completions/mean_length": lengths.float().mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": clipped.float().mean().item(),
+            "completions/mean_terminated_length": terminated.float().mean().item(),
+            "completions/min_terminated_length": terminated.min().item(),
+            "completions/max_terminated_length": terminated.max().item()}
+
+
+@pytest.mark.parametrize("clipped", [((False, True, False, False), (True, True)),
+                                     ((True,) * 4, (False, True)),
+                                     ((True,) * 4, (True, True))])
+def test_the_completion_metrics_are_trl_s_over_uneven_ranks(monkeypatch, clipped):
+    """Rank 0 holds 4 responses (1-4 tokens) and rank 1 two longer ones (9, 5), one rank or both with every response
+    clipped: completions/* are TRL 1.16's over every rank's responses, the min and max too (a rank with no
+    terminated response, or with every response, takes no part in their extremes), 0 for the terminated lengths when
+    every response was clipped, as TRL. The rollout log-prob gap's max is reduced over ranks in the same call."""
+    cfg = resolve(Config())
+    ranks = [rollout_of([1.0, 0.0, 0.5, 1.0]), rollout_of([0.5, 1.0])]
+    ranks[1].response_ids = [[1] * 9, [1] * 5]
+    for rollout, flags in zip(ranks, clipped):
+        rollout.truncated = torch.tensor(flags)
+    gaps = (0.3, 0.7)
+
+    def record_of(rank):
+        plan = StepPlan(ranks[rank], [], num_items=24, num_seqs=6)
+        return step_record(cfg, plan, {"loss": 0.0}, gaps[rank], 0.0, grad_norm=1.0, lr=1e-3, nonfinite_skipped=0)
+    sent = []   # what each rank hands to the sum and to the max over ranks
+    for rank in (0, 1):
+        sent.append({})
+        monkeypatch.setattr(D, "all_reduce_sum", lambda x: sent[-1].setdefault("sum", x))
+        monkeypatch.setattr(D, "all_reduce_max", lambda x: sent[-1].setdefault("max", x))
+        record_of(rank)
+    monkeypatch.setattr(D, "all_reduce_sum", lambda x: sent[0]["sum"] + sent[1]["sum"])
+    monkeypatch.setattr(D, "all_reduce_max", lambda x: torch.maximum(sent[0]["max"], sent[1]["max"]))
+    record = record_of(0)
+    expected = trl_completion_metrics([1, 2, 3, 4, 9, 5], [*clipped[0], *clipped[1]])
+    assert {name: record[name] for name in expected} == pytest.approx(expected)
+    assert record["rollout_logp_gap_max"] == 0.7
 
 
 def test_metrics_that_do_not_apply_are_logged_as_null(monkeypatch):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import erpo.train.loop as trainer_module
 import erpo.train.update_step as update_step
@@ -17,8 +18,8 @@ from erpo.reference.setup import precompute_reference
 from erpo.train.loop import PromptSampler, train
 from erpo.train.updater import deepspeed_config_for, lr_lambda
 
-REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio", "response_length",
-            "grad_norm", "lr"]
+REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio",
+            "completions/mean_length", "completions/clipped_ratio", "grad_norm", "lr"]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +53,19 @@ def test_erpo_run_writes_everything(tmp_path, cache_dir):
         assert r["rollout_is_weight"] is None and r["rollout_logp_gap_max"] is None   # no importance sampling
         assert math.isfinite(r["qkl"]) and r["qkl"] >= 0 and math.isfinite(r["loss"])
         assert 0 <= r["accuracy"] <= 1 and r["num_samples"] == 16
+        # rollout.max_new_tokens=8: a response of 8 tokens without EOS is clipped, one that ended is shorter or as long
+        assert 1 <= r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 8
+        assert 0 <= r["completions/clipped_ratio"] <= 1
+        assert r["completions/max_terminated_length"] <= 8
     assert records[0]["qkl"] == pytest.approx(0.0, abs=1e-6)  # theta0 == cached reference at the first step
     for name in ("config.yaml", "reference_cache.json", "final/config.json", "plots/training.png",
                  "checkpoints/step-2/meta.json"):
         assert (out / name).exists(), name
-    assert list((out / "tb").iterdir())
+    events = EventAccumulator(str(out / "tb"))   # TensorBoard shows each metric as train/NAME, as TRL's
+    events.Reload()
+    for name in ("completions/mean_length", "completions/clipped_ratio", "completions/max_terminated_length"):
+        shown = [(e.step, e.value) for e in events.Scalars(f"train/{name}")]
+        assert shown == [(r["step"], pytest.approx(r[name])) for r in records], name
     # final/ is the last checkpoint's hf/ export, linked rather than written twice
     assert os.path.samefile(out / "final" / "model.safetensors", out / "checkpoints/step-2/hf/model.safetensors")
 
