@@ -155,24 +155,26 @@ class ReferenceCache:
             raise ValueError(f"{path} does not match this run: " + "; ".join(problems) + ". " + remedy)
 
     def lookup(self, prompt_ids: list[list[int]], path: str | None = None, *, tokenizer=None,
-               why: str = DATASET_CHANGED, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+               why: str | Callable[[], str] = DATASET_CHANGED, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`lookup_entries` on this cache's entries."""
         return lookup_entries(self.entries, prompt_ids, path, tokenizer=tokenizer, why=why, device=device)
 
 
 def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]], path: str | None = None, *,
-                   tokenizer=None, why: str = DATASET_CHANGED, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   tokenizer=None, why: str | Callable[[], str] = DATASET_CHANGED, device=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ell_theta0 [Q] fp32, w [Q] fp32) of these prompts from a cache's `entries` (the cache at `path`), on the
     host, or on `device` when given: both in one upload without a wait (`host_to_device`). A prompt not there is a
     ValueError naming the first one (decoded by `tokenizer` when given, else its token ids), how many are missing,
-    and `why`: the likely cause and what to do."""
+    and `why`: the likely cause and what to do (a callable: called only then, for a cause that costs work to
+    find)."""
     keys = [prompt_hash(p) for p in prompt_ids]
     missing = [i for i, k in enumerate(keys) if k not in entries]
     if missing:
         ids = list(prompt_ids[missing[0]])
         shown = repr(tokenizer.decode(ids)[:300]) if tokenizer is not None else f"with token ids {ids[:40]}"
         raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache{f' {path}' if path else ''} "
-                         f"({len(missing)} of {len(keys)} prompts missing) {why}")
+                         f"({len(missing)} of {len(keys)} prompts missing) {why() if callable(why) else why}")
     values = torch.tensor([entries[k] for k in keys], dtype=torch.float64).reshape(-1, 2).T.float().contiguous()
     if device is not None:
         values = host_to_device(values, device)

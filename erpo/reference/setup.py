@@ -72,7 +72,7 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
             cache = ReferenceCache.load(path)
             cache.check_compatible(**reference_identity(cfg, model_path, tokenizer, model), path=path)
             values = cache.lookup(prompt_set.prompt_ids, path=path, tokenizer=tokenizer,
-                                  why=cache.missing_prompts_why(dataset_rows_digest(prompt_set)))
+                                  why=lambda: cache.missing_prompts_why(dataset_rows_digest(prompt_set)))
         except ValueError as exc:   # another model, tokenizer, template, temperature, precision or prompts: one line
             raise UserError(str(exc)) from exc
         log.info("reference cache: %s (%d distinct prompts; the training set's %d read from it)", path,

@@ -296,6 +296,26 @@ def test_precompute_reference_scores_at_the_rollout_temperature(setup, tmp_path)
     assert (ell - at[1.0]).abs().min() > 0.1 and cache.template.endswith("|temperature=0.7")
 
 
+def test_a_cache_that_serves_every_prompt_hashes_no_dataset_rows(setup, tmp_path, monkeypatch):
+    """The digest of the dataset's rows is written once, when the cache is built, and read back only to say why a
+    prompt is missing: a start whose prompts are all there does not hash the dataset again."""
+    model, tokenizer, prompts = setup
+    model.save_pretrained(tmp_path / "m")
+    cfg = resolve(apply_overrides(Config(), [f"output_dir={tmp_path / 'run'}"]))
+    prompt_set = PromptSet([{}] * len(prompts), ["p"] * len(prompts), prompts, ["a"] * len(prompts))
+    digests = []
+    real_digest = reference_setup.dataset_rows_digest
+    monkeypatch.setattr(reference_setup, "dataset_rows_digest", lambda ps: digests.append(1) or real_digest(ps))
+
+    def precompute():
+        return reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"),
+                                                    tokenizer=tokenizer, prompt_set=prompt_set)
+    built = precompute()[0]
+    assert len(digests) == 1 and built.dataset == real_digest(prompt_set)   # the build records it
+    precompute()
+    assert len(digests) == 1   # the read served every prompt: nothing hashed
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
 def test_a_stop_while_scoring_names_the_reference_cache_and_writes_nothing(setup, tmp_path, monkeypatch, stop):
     """Ctrl-C or SIGTERM (erpo.cli raises Terminated) while ell_theta0(q) is computed stops at once: the `erpo`
