@@ -130,12 +130,17 @@ def init_process_group() -> None:
 
 def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
                  micro_batch_size: int = 2, max_token_len: int = 64, lr: float = 1e-3, param_dtype: str = "fp32",
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", fused_kernels: str | None = None):
     """verl's `FSDPEngineWithLMHead` around the HF model saved in `model_dir` (fp32 master weights; `param_dtype`
     "bf16": verl's mixed precision, the forward under bf16 autocast), as verl's actor worker configures it
     (remove-padding, dynamic batch size, micro-batch size, token budget: the same for updates and for
     `compute_log_prob`, verl's `rollout.log_prob_*`), initialized. `attn_implementation`: verl's
-    `actor_rollout_ref.model.override_config.attn_implementation` (sdpa or eager: no flash-attn on a CPU)."""
+    `actor_rollout_ref.model.override_config.attn_implementation` (sdpa or eager: no flash-attn on a CPU).
+    `fused_kernels`: verl's `actor_rollout_ref.model.use_fused_kernels=true` with that
+    `fused_kernel_options.impl_backend` ("torch", "liger"; None: off). verl then replaces the forward of the model's
+    class, for every model of that class in the process (`patch_forward_with_backends`); here the replacement is
+    moved onto this engine's model (`confine_forward_patch`), so that the other engines and HF models of the same
+    class in a test process keep their own forward, as a verl worker holds the actor's model alone."""
     from verl.models.transformers import monkey_patch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -146,8 +151,10 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     # longer has that class: the engine's model build would fail with an ImportError. The patch concerns value
     # heads (critics) only, so the actor is built as without TRL.
     monkey_patch.is_trl_available = lambda: False
+    fused = {} if fused_kernels is None else dict(use_fused_kernels=True,
+                                                   fused_kernel_options={"impl_backend": fused_kernels})
     model = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding, enable_gradient_checkpointing=False,
-                          override_config={"attn_implementation": attn_implementation})
+                          override_config={"attn_implementation": attn_implementation}, **fused)
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
                               use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                               max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
@@ -155,11 +162,34 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
                               infer_max_token_len_per_gpu=max_token_len,
                               mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32",
                                                "buffer_dtype": "fp32"})
+    engine.use_fused_kernels = model.use_fused_kernels   # as verl's TrainingWorker copies it from the model config
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=1e9, total_training_steps=10, weight_decay=0.0)
     built = FSDPEngineWithLMHead(model_config=model, engine_config=engine, optimizer_config=optim,
                                  checkpoint_config=CheckpointConfig())
-    built.initialize()
+    with confine_forward_patch(model.hf_config) as confine:
+        built.initialize()
+        confine(built.module)
     return built
+
+
+@contextlib.contextmanager
+def confine_forward_patch(hf_config):
+    """Around the build of a model of `hf_config`'s class: whatever forward verl sets on that class (its fused-kernel
+    forward) is put back to the class's own on leaving, and the yielded `confine(module)` first sets it on `module`
+    alone (an instance attribute, which `module(...)` calls)."""
+    import transformers
+    model_class = getattr(transformers, hf_config.architectures[0])
+    own = model_class.__dict__["forward"]
+
+    def confine(module):
+        patched = model_class.__dict__["forward"]
+        if patched is not own:
+            module.forward = patched.__get__(module)
+
+    try:
+        yield confine
+    finally:
+        model_class.forward = own
 
 
 def hf_token_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
