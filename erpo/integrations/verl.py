@@ -39,7 +39,7 @@ import torch
 from erpo.integrations.advantages import sample_advantages
 from erpo.integrations.query_reference import QueryReference
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
-from erpo_kernels import logprob_erpo_loss
+from erpo_kernels import logit_transforms_from_config, logprob_erpo_loss
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -91,16 +91,42 @@ def check_actor_config(config) -> None:
                          "(or set actor.use_kl_loss=false: the Query-KL replaces the Policy-KL)")
 
 
-def check_fused_kernels(use_fused_kernels: bool, settings: ERPOSettings) -> None:
-    """Refuse verl's fused log-prob kernels (`actor_rollout_ref.model.use_fused_kernels`) with the Query-KL: whether
-    their prompt rows give ell_theta(q) = the cached ell_theta0(q) at theta0 is unchecked. The cache is scored by
-    the actor's engine (`verl_reference`), fused kernels included, but neither of verl 0.9.1's fused backends runs
-    in the tests (its torch backend fails on the CPU under transformers 5.10, its Triton backend needs a GPU), and
-    the cache's precision does not record whether they scored it."""
-    if use_fused_kernels and settings.qkl_coef != 0:
-        raise ValueError("actor_rollout_ref.model.use_fused_kernels=true: its ell_theta(q) is not checked against "
-                         "the cached ell_theta0(q) (a Query-KL at theta0 of unknown size); set it to false, or set "
-                         "+erpo.qkl_coef=0")
+FUSED_BACKENDS = ("torch", "liger")   # verl's fused-kernel backends whose ell_theta(q) the tests check
+
+
+def fused_kernels_backend(model_config) -> str:
+    """What turns the actor's hidden states into log-probs, of verl's `actor_rollout_ref.model` (an omegaconf node
+    or verl's HFModelConfig): "off" (the model's own logits) without `use_fused_kernels`, else its
+    `fused_kernel_options.impl_backend` ("torch", verl's default; "liger"; "triton"; "None" where unset)."""
+    if not model_config.get("use_fused_kernels", False):
+        return "off"
+    return str((model_config.get("fused_kernel_options") or {}).get("impl_backend"))
+
+
+def check_fused_kernels(backend: str, settings: ERPOSettings) -> None:
+    """Refuse, with the Query-KL, verl's fused log-prob kernels of a `backend` (`fused_kernels_backend`) the tests do
+    not run: verl 0.9.1's Triton kernels (`impl_backend=triton`) take CUDA tensors only (they assert it), so no test
+    here checks that their ell_theta(q) at theta0 is the cached ell_theta0(q); "None" (no backend) makes verl skip
+    its fused forward while its engine still reads the fused outputs. The torch and liger backends are checked
+    against the logits path and against a cache they scored (tests/integrations/test_verl_fused_kernels.py)."""
+    if backend != "off" and backend not in FUSED_BACKENDS and settings.qkl_coef != 0:
+        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend} with "
+                         "use_fused_kernels=true: ERPO's Query-KL is tested with verl's torch (its default) and liger "
+                         "fused backends only (verl 0.9.1's triton one runs on CUDA alone); set impl_backend=torch, "
+                         "use_fused_kernels=false, or +erpo.qkl_coef=0")
+
+
+def check_fused_logits(backend: str, hf_config) -> None:
+    """Refuse verl's fused log-prob kernels (`backend` != "off") on a model whose final logits have a transform
+    (`hf_config`: Gemma-2's soft-cap, Granite's scaling; `logit_transforms_from_config`): verl 0.9.1's fused forward
+    (`forward_with_torch_backend`) scores hidden @ lm_head.weight and drops it, so ell_theta0(q) and w(q) would not
+    be the model's (tests/integrations/test_verl_fused_kernels.py shows it)."""
+    transforms = logit_transforms_from_config(hf_config)
+    if backend != "off" and (transforms["logit_scale"] != 1.0 or transforms["logit_softcap"] is not None):
+        raise ValueError(f"actor_rollout_ref.model.use_fused_kernels=true: verl's fused forward drops "
+                         f"{type(hf_config).__name__}'s final-logit transform ({transforms}), so ell_theta0(q) and "
+                         "w(q) would not be the model's log-likelihood; set use_fused_kernels=false, or "
+                         "+erpo.qkl_coef=0 +erpo.query_weight=none")
 
 
 @dataclass
@@ -211,11 +237,9 @@ def erpo_ppo_loss(config, model_output, data, dp_group=None, *, settings: ERPOSe
     response_mask, old_log_probs, advantages, optional rollout_is_weights and ref_log_prob, and the global batch
     info dp_size / batch_num_tokens / global_batch_size verl's engine sets)."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
-    from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric
 
     check_actor_config(config)
-    check_fused_kernels(tu.get_non_tensor_data(data, key="use_fused_kernels", default=False), settings)
     log_probs, entropy = model_output["log_probs"], model_output.get("entropy", None)
     token_logp = (log_probs.values() if log_probs.is_nested else log_probs).float()
     dp_size, batch_num_tokens, global_batch_size = data["dp_size"], data["batch_num_tokens"], data["global_batch_size"]

@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from erpo.integrations.verl import fused_kernels_backend
 from erpo.progress import progress
 from erpo.sequences import scoring_precision
 from erpo_kernels import sample_sums
@@ -34,7 +35,10 @@ def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -
     RMSNorm, rotary embedding and SwiGLU MLP for Liger's Triton kernels, its fused cross entropy off: other kernels,
     other rounding). The attention kernel is the one verl 0.9.1's model config resolves and its FSDP engine builds
     the model with (`hf_config._attn_implementation`: `override_config.attn_implementation`, flash_attention_2 when
-    unset). A cache records it; a run whose actor scores otherwise refuses the cache.
+    unset), and verl's fused log-prob kernels (`fused_kernels_backend`: "off", or the backend that turns the hidden
+    states into log-probs without the [T, V] logits; its torch backend keeps the log-probs of bf16 logits in fp32 where
+    the logits path's CPU cross entropy rounds them to bf16). A cache records it; a run whose actor scores otherwise
+    refuses the cache.
     Not recorded, as they pick no other kernel, only which tokens share one (as the micro-batch size and the dp
     ranks do, in which the cache's calls already differ from the loss's): Ulysses sequence parallelism
     (`ulysses_sequence_parallel_size`: each rank's slice of the packed sequence, attention over the whole sequence
@@ -44,7 +48,7 @@ def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -
     scoring = scoring_precision(model_config.hf_config, param_dtype, device_type, path=ENGINE_PATH, autocast=autocast)
     return (f"{scoring},attention={model_config.hf_config._attn_implementation},"
             f"remove_padding={str(bool(model_config.use_remove_padding)).lower()},"
-            f"liger={str(bool(model_config.use_liger)).lower()}")
+            f"liger={str(bool(model_config.use_liger)).lower()},fused_kernels={fused_kernels_backend(model_config)}")
 
 
 def prompt_calls(lengths: list[int], *, multiple: int, tokens_per_call: int) -> list[list[int]]:

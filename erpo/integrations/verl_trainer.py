@@ -31,7 +31,9 @@ from erpo.integrations.verl import (
     ERPOSettings,
     check_actor_config,
     check_fused_kernels,
+    check_fused_logits,
     erpo_loss_fn,
+    fused_kernels_backend,
 )
 from erpo.integrations.verl_reference import engine_precision, engine_query_logp
 from erpo.models.loading import dropouts_besides_adapters
@@ -44,7 +46,7 @@ def check_run_config(config, settings: ERPOSettings) -> None:
     """Refuse, in one line naming the setting, what verl can run but ERPO's loss cannot reproduce."""
     actor = config.actor_rollout_ref.actor
     check_actor_config(actor)
-    check_fused_kernels(config.actor_rollout_ref.model.get("use_fused_kernels", False), settings)
+    check_fused_kernels(fused_kernels_backend(config.actor_rollout_ref.model), settings)
     if actor.strategy not in ENGINE_STRATEGIES:
         raise ValueError(f"actor_rollout_ref.actor.strategy={actor.strategy!r} is not supported with ERPO; use fsdp "
                          "or fsdp2")
@@ -136,6 +138,7 @@ class ERPOTrainer(PPOTrainerSync):
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
         if self.erpo_settings.qkl_coef != 0:
             check_actor_dropout(model.hf_config)
+        check_fused_logits(fused_kernels_backend(model), model.hf_config)
         rollout = self.config.actor_rollout_ref.rollout
         prompt_ids = training_prompt_ids(
             self.train_dataset, self.tokenizer, hf_model_type=getattr(model.hf_config, "model_type", None),

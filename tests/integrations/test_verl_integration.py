@@ -487,10 +487,12 @@ def test_cache_of_another_model_tokenizer_temperature_or_precision_is_refused(ti
 
 
 @pytest.mark.parametrize("setting, recorded", [
-    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true,liger=false, training scores with "
-                                        r"[^;]*,attention=eager,remove_padding=true,liger=false"),
-    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true,liger=false, training scores with [^;]*,"
-                                     r"attention=sdpa,remove_padding=false,liger=false")],
+    (dict(attn_implementation="eager"), r"attention=sdpa,remove_padding=true,liger=false,fused_kernels=off, training "
+                                        r"scores with [^;]*,attention=eager,remove_padding=true,liger=false,"
+                                        r"fused_kernels=off"),
+    (dict(use_remove_padding=False), r"attention=sdpa,remove_padding=true,liger=false,fused_kernels=off, training "
+                                     r"scores with [^;]*,attention=sdpa,remove_padding=false,liger=false,"
+                                     r"fused_kernels=off")],
     ids=["attention", "remove_padding"])
 def test_cache_of_another_attention_kernel_or_padding_is_refused(tiny, tmp_path, setting, recorded):
     """The actor's forward also depends on its attention kernel (verl's
@@ -518,14 +520,18 @@ def model_config_with(tiny, tmp_path, *settings):
 
 def test_the_precision_records_the_attention_kernel_verl_resolves_and_liger(tiny, tmp_path):
     """The record holds what verl 0.9.1's model config resolves and its FSDP engine builds the actor with: flash-attn 2
-    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding` and
-    `use_liger` (Liger's RMSNorm, rotary and SwiGLU kernels in the actor) as set."""
+    where `override_config.attn_implementation` is unset, the setting where set; `use_remove_padding`, `use_liger`
+    (Liger's RMSNorm, rotary and SwiGLU kernels in the actor) as set, and the fused log-prob kernels' backend (off, or
+    `fused_kernel_options.impl_backend`, torch in verl's config)."""
     def recorded(*settings):
-        return engine_precision(model_config_with(tiny, tmp_path, *settings), FP32, "cpu").split(",")[-3:]
-    assert recorded() == ["attention=flash_attention_2", "remove_padding=true", "liger=false"]
+        return engine_precision(model_config_with(tiny, tmp_path, *settings), FP32, "cpu").split(",")[-4:]
+    assert recorded() == ["attention=flash_attention_2", "remove_padding=true", "liger=false", "fused_kernels=off"]
     assert recorded("actor_rollout_ref.model.override_config.attn_implementation=eager",
-                    "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.use_liger=true") == [
-        "attention=eager", "remove_padding=false", "liger=true"]
+                    "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.use_liger=true",
+                    "actor_rollout_ref.model.use_fused_kernels=true") == [
+        "attention=eager", "remove_padding=false", "liger=true", "fused_kernels=torch"]
+    assert recorded("actor_rollout_ref.model.use_fused_kernels=true",
+                    "actor_rollout_ref.model.fused_kernel_options.impl_backend=liger")[-1] == "fused_kernels=liger"
 
 
 def test_a_cache_scored_without_liger_is_refused_by_an_actor_with_it(tiny, tmp_path):
@@ -540,8 +546,8 @@ def test_a_cache_scored_without_liger_is_refused_by_an_actor_with_it(tiny, tmp_p
                              FP32, "cpu")
     assert liger == engine_precision(engine_for(tiny, use_remove_padding=True).model_config, FP32, "cpu").replace(
         "liger=false", "liger=true")   # all but Liger as the cache's
-    with pytest.raises(ValueError, match=r"precision: cache built with [^;]*,liger=false, training scores with "
-                                         r"[^;]*,liger=true\. Delete it"):
+    with pytest.raises(ValueError, match=r"precision: cache built with [^;]*,liger=false,fused_kernels=off, training "
+                                         r"scores with [^;]*,liger=true,fused_kernels=off\. Delete it"):
         load_or_build_reference(path, tokenizer, prompts, path=cache, temperature=1.0, precision=liger,
                                 score=unexpected_scoring, trainer="verl", remedy=REBUILD)
 
@@ -723,7 +729,7 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
     assert bool((ell < 0).all()) and weight.mean().item() == pytest.approx(1.0, abs=0.3)
     cache = ReferenceCache.load(tmp_path / "ckpt" / "erpo_reference_cache.json")
     assert cache.precision.startswith("dtype=bfloat16,autocast=bfloat16,path=verl-engine,device=cpu")
-    assert cache.precision.endswith(",attention=sdpa,remove_padding=true,liger=false")
+    assert cache.precision.endswith(",attention=sdpa,remove_padding=true,liger=false,fused_kernels=off")
 
     again = start()
     assert again.calls == [] and again.loss_fns[0].keywords["reference"].entries == \
@@ -733,8 +739,9 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
                                          r"autocast=off,path=verl-engine,device=cpu,[^\n]*$"):
         start("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
     with pytest.raises(ValueError, match=r"does not match this run: precision: cache built with [^;]*,attention=sdpa,"
-                                         r"remove_padding=true,liger=false, training scores with [^;]*,attention=sdpa,"
-                                         r"remove_padding=false,liger=false\. Delete it"):
+                                         r"remove_padding=true,liger=false,fused_kernels=off, training scores with "
+                                         r"[^;]*,attention=sdpa,remove_padding=false,liger=false,fused_kernels=off\. "
+                                         r"Delete it"):
         start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
                                          r"ell_theta0\(q\) is scored with the initial weights"):
@@ -772,8 +779,9 @@ def test_an_actor_with_dropout_is_refused_with_the_query_kl(tiny):
     ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron'"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode='gspo'"),
-    ("actor_rollout_ref.model.use_fused_kernels=true", r"^actor_rollout_ref.model.use_fused_kernels=true: .*set it "
-                                                       r"to false, or set \+erpo.qkl_coef=0$")])
+    ("actor_rollout_ref.model.use_fused_kernels=true actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+     r"^actor_rollout_ref.model.fused_kernel_options.impl_backend=triton with use_fused_kernels=true: .*triton one "
+     r"runs on CUDA alone\); set impl_backend=torch, use_fused_kernels=false, or \+erpo.qkl_coef=0$")])
 def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, setting, message):
     pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
     from omegaconf import OmegaConf
@@ -781,40 +789,9 @@ def test_run_settings_verl_cannot_combine_with_erpo_are_refused(tiny, tmp_path, 
     from erpo.integrations.verl_trainer import check_run_config
     config = run_config(tiny, tmp_path)
     check_run_config(config, ERPOSettings())
-    config = OmegaConf.merge(config, OmegaConf.from_dotlist([setting]))
+    config = OmegaConf.merge(config, OmegaConf.from_dotlist(setting.split()))
     with pytest.raises(ValueError, match=message):
         check_run_config(config, ERPOSettings())
-
-
-def test_fused_kernels_are_refused_with_the_query_kl_only(tiny, tmp_path):
-    """verl's fused log-prob kernels score ell_theta(q) otherwise than the cache (its torch backend divides bf16 logits
-    by the temperature as a Python float, its Triton backend keeps fp32 logits): refused with the Query-KL, at the
-    run's start and by the loss on a micro-batch that says so (`use_fused_kernels`, set by verl's worker); without
-    the Query-KL the loss is the same on such a micro-batch."""
-    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)
-    from omegaconf import OmegaConf
-    from verl.utils import tensordict_utils as tu
-
-    from erpo.integrations.verl_trainer import check_run_config
-    config = OmegaConf.merge(run_config(tiny, tmp_path),
-                             OmegaConf.from_dotlist(["actor_rollout_ref.model.use_fused_kernels=true"]))
-    check_run_config(config, ERPOSettings(qkl_coef=0.0))
-    engine = engine_for(tiny, use_remove_padding=True)
-    data = batch(tiny, engine, nested=False)
-    reference = reference_of(tiny, data)
-
-    def fused(loss_fn):   # the engine's forward as it is, its micro-batches marked as with fused kernels
-        def marked(model_output, data, dp_group=None):
-            tu.assign_non_tensor(data, use_fused_kernels=True)
-            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
-        return marked
-
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.use_fused_kernels=true: its ell_theta\(q\) is "
-                                         r"not checked"):
-        verl_engine.loss_and_grads(engine, data, fused(erpo_loss_fn(actor_config(), ERPOSettings(), reference)))
-    weighted = erpo_loss_fn(actor_config(), ERPOSettings(qkl_coef=0.0, query_weight="static"), reference)
-    assert verl_engine.loss_and_grads(engine, data, fused(weighted))[0]["loss"] == \
-        verl_engine.loss_and_grads(engine, data, weighted)[0]["loss"]
 
 
 def test_precompute_ref_cache_is_refused_by_its_precision(tiny, tmp_path):
