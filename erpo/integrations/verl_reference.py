@@ -2,7 +2,8 @@
 
 verl's driver holds no GPU; the actor workers do. Their `compute_log_prob` (what verl's trainer calls for the old
 log-probs) runs the engine's forward without gradient (`TrainingWorker.infer_batch`: FSDP, the actor's mixed
-precision and attention kernel, remove-padding, logits / temperature, verl's own cross entropy) on a batch of jagged
+precision and attention kernel, remove-padding, logits / temperature and verl's own cross entropy, or its fused
+log-prob kernels with `use_fused_kernels`) on a batch of jagged
 token ids, sharded over the dp ranks as verl shards any batch, and returns the log-probs of every position: row j
 of a sequence scores its token j + 1. Sent alone, a prompt of P tokens gets rows 0 .. P - 2 scoring its tokens
 2 .. P: the rows `erpo_ppo_loss` sums into ell_theta(q) from prompt + response (`actor_rows`' query rows), scored
