@@ -3,12 +3,12 @@
 verl's driver holds no GPU; the actor workers do. Their `compute_log_prob` (what verl's trainer calls for the old
 log-probs) runs the engine's forward without gradient (`TrainingWorker.infer_batch`: FSDP, the actor's mixed
 precision and attention kernel, remove-padding, logits / temperature and verl's own cross entropy, or its fused
-log-prob kernels with `use_fused_kernels`) on a batch of jagged
-token ids, sharded over the dp ranks as verl shards any batch, and returns the log-probs of every position: row j
-of a sequence scores its token j + 1. Sent alone, a prompt of P tokens gets rows 0 .. P - 2 scoring its tokens
-2 .. P: the rows `erpo_ppo_loss` sums into ell_theta(q) from prompt + response (`actor_rows`' query rows), scored
-by the same forward, so the Query-KL at theta0 is 0 up to how the forward's rounding depends on what else is in the
-pack (tests/integrations/test_verl_integration.py measures it). The first token is never scored, as in the loss.
+log-prob kernels with `use_fused_kernels`) on a batch of jagged token ids, sharded over the dp ranks as verl shards
+any batch, and returns the log-probs of every position: row j of a sequence scores its token j + 1. Sent alone, a
+prompt of P tokens gets rows 0 .. P - 2 scoring its tokens 2 .. P: the rows `erpo_ppo_loss` sums into ell_theta(q)
+from prompt + response (`actor_rows`' query rows), scored by the same forward, so the Query-KL at theta0 is 0 up to
+how the forward's rounding depends on what else is in the pack (tests/integrations/test_verl_integration.py measures
+it). The first token is never scored, as in the loss.
 """
 from __future__ import annotations
 
