@@ -9,7 +9,8 @@ single-turn agent loop (the Continuous Token builder, its left truncation to `ro
 batching. The tokenizer is the hard case: a chat template that writes a BOS, a tokenizer that adds one to bare text
 too, a BOS that is also the pad token (so the first real token of a left-padded prompt has the pad id), a system
 prompt and an `enable_thinking` switch. A prompt of fewer than 2 tokens, which has no ell_theta0(q), is refused in one
-line (its static w(q) was 0 before: its policy gradient dropped, and every other weight lowered)."""
+line (its static w(q) was 0 before: its policy gradient dropped, and every other weight lowered). `erpo train`'s own
+case: tests/train/test_trainer.py::test_the_first_step_scores_the_prompts_the_cache_scored."""
 import asyncio
 import sys
 import types
