@@ -86,9 +86,6 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     if not prompts:
         raise ValueError("prompts is empty: pass the PromptDataset's prompt texts (dataset.prompts)")
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
-    if min(map(len, prompt_ids)) < 2:
-        raise ValueError("every prompt needs at least 2 tokens (the first one is never scored): an empty or "
-                         "one-token prompt has no ell_theta0(q)")
     remedy = REBUILD if resumed_step is None else RESUMED.format(step=resumed_step)
     if resumed_step is not None and not os.path.exists(path):
         raise ValueError(f"no reference cache at {path}: {remedy}")

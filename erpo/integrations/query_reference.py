@@ -13,6 +13,7 @@ import torch
 from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.reference.cache import (
     ReferenceCache,
+    check_scored_tokens,
     lookup_entries,
     prompt_hash,
     reference_cache_of,
@@ -66,7 +67,9 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     misses later was built otherwise than the ones scored here, which no rebuild adds: its error ends with
     `step_miss` (how the trainer's prompts are tokenized here, and what to do). `trainer` ("verl", "openrlhf")
     names the trainer in the cache's template record. Without a cache, `score(prompts)` gives ell_theta0 (nats) of
-    the distinct prompts with the initial weights (the actor's own forward), and the cache is saved at `path`."""
+    the distinct prompts with the initial weights (the actor's own forward), and the cache is saved at `path`. A prompt
+    of fewer than 2 tokens has no ell_theta0(q): refused (`check_scored_tokens`)."""
+    check_scored_tokens(prompt_ids, tokenizer)
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))

@@ -160,6 +160,27 @@ class ReferenceCache:
         return lookup_entries(self.entries, prompt_ids, path, tokenizer=tokenizer, why=why, device=device)
 
 
+def shown_prompt(ids: list[int], tokenizer=None) -> str:
+    """A prompt as an error message names it: its text decoded by `tokenizer` (300 characters at most, quoted), or
+    without one its first 40 token ids."""
+    ids = list(ids)
+    return repr(tokenizer.decode(ids)[:300]) if tokenizer is not None else f"with token ids {ids[:40]}"
+
+
+def check_scored_tokens(prompt_ids: list[list[int]], tokenizer=None) -> None:
+    """ValueError naming the first of `prompt_ids` with fewer than 2 tokens, and how many there are. ell(q) sums the
+    log-probs of a prompt's tokens 2..P, so such a prompt has none: its ell_theta0(q) would be 0, its static w(q)
+    clip(mean(s) / 0, 0, 2) 0 or 2 by the sign of that zero (0 for a sum of no rows: its policy gradient silently
+    dropped), and its s = 0 would lower mean(s), every other prompt's weight with it. `tokenizer` decodes it."""
+    short = [ids for ids in prompt_ids if len(ids) < 2]
+    if short:
+        raise ValueError(f"prompt {shown_prompt(short[0], tokenizer)} has {len(short[0])} token(s) ({len(short)} of "
+                         f"{len(prompt_ids)} prompts have fewer than 2): ell_theta0(q) sums the log-probs of a "
+                         "prompt's tokens 2..P, so it has none, nor a static w(q); give every prompt at least 2 tokens "
+                         "(a chat template adds some), or train without the Query-KL and the static w(q) (qkl_coef=0, "
+                         "query_weight none)")
+
+
 def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[list[int]], path: str | None = None, *,
                    tokenizer=None, why: str | Callable[[], str] = DATASET_CHANGED, device=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +192,7 @@ def lookup_entries(entries: dict[str, tuple[float, float]], prompt_ids: list[lis
     keys = [prompt_hash(p) for p in prompt_ids]
     missing = [i for i, k in enumerate(keys) if k not in entries]
     if missing:
-        ids = list(prompt_ids[missing[0]])
-        shown = repr(tokenizer.decode(ids)[:300]) if tokenizer is not None else f"with token ids {ids[:40]}"
+        shown = shown_prompt(prompt_ids[missing[0]], tokenizer)
         raise ValueError(f"prompt {shown} has no ell_theta0(q) in the reference cache{f' {path}' if path else ''} "
                          f"({len(missing)} of {len(keys)} prompts missing) {why() if callable(why) else why}")
     values = torch.tensor([entries[k] for k in keys], dtype=torch.float64).reshape(-1, 2).T.float().contiguous()

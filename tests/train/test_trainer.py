@@ -14,9 +14,11 @@ import erpo.train.loop as trainer_module
 import erpo.train.update_step as update_step
 from erpo.config import Config, apply_overrides, resolve
 from erpo.errors import UserError
+from erpo.reference.cache import ReferenceCache, prompt_hash
 from erpo.reference.setup import precompute_reference
 from erpo.train.loop import PromptSampler, train
 from erpo.train.updater import deepspeed_config_for, lr_lambda
+from tiny_models import bos_chat_tokenizer, save_tiny_model
 
 REQUIRED = ["step", "reward", "accuracy", "qkl", "policy_kl", "entropy", "loss", "clip_ratio",
             "completions/mean_length", "completions/clipped_ratio", "grad_norm", "lr"]
@@ -68,6 +70,31 @@ def test_erpo_run_writes_everything(tmp_path, cache_dir):
         assert shown == [(r["step"], pytest.approx(r[name])) for r in records], name
     # final/ is the last checkpoint's hf/ export, linked rather than written twice
     assert os.path.samefile(out / "final" / "model.safetensors", out / "checkpoints/step-2/hf/model.safetensors")
+
+
+def test_the_first_step_scores_the_prompts_the_cache_scored(tmp_path, cache_dir):
+    """`erpo train` on a user's model directory whose tokenizer is the hard case for a prompt's first token
+    (`bos_chat_tokenizer`: the chat template writes the BOS, the tokenizer adds one to bare text too, the BOS is the pad
+    token), a JSONL with the same problem in two rows of different answers and one prompt over data.max_prompt_length
+    (dropped with skip_invalid): the cache holds exactly the kept prompts, each tokenized as built by hand (one user
+    turn through the chat template with the generation prompt, tokenized without special tokens: one BOS), and the
+    first step's Query-KL is 0."""
+    tokenizer = bos_chat_tokenizer()
+    model_dir = save_tiny_model(tmp_path / "model", tokenizer)
+    problems = ["1+1=?", "12+30=?", "1+1=?", "7-2=?", "9*" + "9" * 40 + "=?"]
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps({"problem": p, "answer": str(i)}) + "\n" for i, p in enumerate(problems)))
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="dropped 1 invalid training record"):
+        train(small_cfg(out, cache_dir, f"model.name_or_path={model_dir}", f"data.source={source}",
+                        "data.num_examples=null", "data.max_prompt_length=40", "data.skip_invalid=true",
+                        "trainer.max_steps=1", "trainer.save_hf=false"))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in problems[:4]]
+    by_hand = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    assert all(ids[0] == tokenizer.bos_token_id != ids[1] for ids in by_hand)
+    assert set(ReferenceCache.load(str(out / "reference_cache.json")).entries) == set(map(prompt_hash, by_hand))
+    assert read_metrics(out)[0]["qkl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_grpo_logs_policy_kl_and_qkl(tmp_path, cache_dir):

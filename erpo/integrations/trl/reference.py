@@ -30,6 +30,7 @@ from erpo.models.lora import reference_model
 from erpo.reference.cache import (
     ReferenceCache,
     build_reference_cache,
+    check_scored_tokens,
     prompt_hash,
     reweight_for_training_set,
     with_temperature,
@@ -218,6 +219,7 @@ class ReferenceMixin:
         path = self.reference_cache_path
         self._theta0_weights = weights_fingerprint(self.model)
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
+        check_scored_tokens(train_ids, self._tokenizer)   # the eval prompts the cache lacks: `_held_out_entries`
         if train_ids:
             pad_id = self._tokenizer.pad_token_id
             check_left_padding(self.model, train_ids[0], self._tokenizer.eos_token_id if pad_id is None else pad_id)
@@ -300,7 +302,9 @@ class ReferenceMixin:
     def _held_out_entries(self, cache: ReferenceCache, prompt_ids: list[list[int]], model, progress: bool = False
                           ) -> dict:
         """{prompt hash: (ell_theta0, held-out w)} of `prompt_ids` scored with `model` at theta0 by
-        `_score_reference` (a collective: every process passes the same prompts, scored in shards and gathered)."""
+        `_score_reference` (a collective: every process passes the same prompts, scored in shards and gathered). A
+        prompt of fewer than 2 tokens is refused (`check_scored_tokens`)."""
+        check_scored_tokens(prompt_ids, self._tokenizer)
         held_out = build_reference_cache(
             model, self._tokenizer, prompt_ids, model_id=cache.model_id, template=cache.template,
             batch_size=self.args.per_device_eval_batch_size, temperature=self.temperature,
@@ -385,11 +389,13 @@ class ReferenceMixin:
     def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:
         """Add the prompts the cache lacks with their ell_theta0 [B] (float64, on the device) taken from the forward at
         theta0, and keep them to be shared with the other processes and saved (`_share_theta0_entries`). `ell` is
-        read on the host only when a prompt is missing."""
+        read on the host only when a prompt is missing; one of fewer than 2 tokens is refused
+        (`check_scored_tokens`)."""
         new = {prompt_hash(ids): i for i, ids in enumerate(prompt_ids) if prompt_hash(ids) not in
                self.reference_cache.entries}
         if not new:
             return
+        check_scored_tokens([prompt_ids[i] for i in new.values()], self._tokenizer)
         ell = ell.cpu()
         weights = self._held_out_weights(ell[list(new.values())])
         added = {key: (float(ell[i]), float(w)) for (key, i), w in zip(new.items(), weights)}
