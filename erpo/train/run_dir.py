@@ -38,6 +38,9 @@ def check_run_dir(cfg: Config, *, resume: bool) -> None:
     """UserError unless `cfg.output_dir` can start a fresh run (no checkpoints) or, with `resume`, holds a checkpoint
     this config can continue."""
     out_dir = Path(cfg.output_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--output-dir {out_dir}: is a file, not a directory; give the run's directory (a new one, or "
+                        "a run's to --resume)")
     checkpoints = CheckpointManager(out_dir, keep_last=None)
     latest = checkpoints.latest()
     if resume:

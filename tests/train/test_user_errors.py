@@ -38,6 +38,7 @@ def test_a_name_that_is_no_directory_and_no_hub_name_fails_at_once(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         resolve_model_source(str(tmp_path / "file"), "model.name_or_path")
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(str(tmp_path)) == str(tmp_path)
 
 
@@ -84,6 +85,33 @@ def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch, 
     assert main(["train", "--output-dir", str(run), "--set", "model.name_or_path=runs/missing-model"]) == 1
     assert "model.name_or_path runs/missing-model: no such local directory" in one_error_line(capsys, "train")
     assert not run.exists()   # nothing written for a run that cannot start
+
+
+@pytest.mark.parametrize("files, setting, message", [
+    ((), "model.name_or_path={dir}",
+     r"model.name_or_path \S+/model: this directory holds no model \(none of config.json, adapter_config.json\); give "
+     r"a directory that a model's save_pretrained wrote, or a Hub name org/name$"),
+    (("config.json",), "model.name_or_path={dir}",
+     r"model.name_or_path \S+/model: this directory holds no tokenizer \(none of tokenizer_config.json, "
+     r"tokenizer.json, tokenizer.model, vocab.json\); save the model's tokenizer there, or set model.tokenizer to "
+     r"one$"),
+    (("config.json", "tokenizer_config.json"), "model.tokenizer={dir}/../nothing",
+     r"model.tokenizer \S+/nothing: this directory holds no tokenizer \(none of .*\); give a directory that a "
+     r"tokenizer's save_pretrained wrote, or a Hub name org/name$"),
+])
+def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp_path, files, setting, message):
+    """A local directory given as the model (or the tokenizer) that holds none was transformers' traceback ("Couldn't
+    instantiate the backend tokenizer ... sentencepiece or tiktoken"), after the run's first log line."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "nothing").mkdir()
+    for name in files:
+        (model / name).write_text("{}")
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "model.name_or_path=" + str(model),
+                 setting.format(dir=model)]) == 1
+    assert re.search(message, one_error_line(capsys, "train"))
+    assert not run.exists()
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -161,6 +189,11 @@ def test_run_directory_errors(capsys, tmp_path, no_training):
     assert "holds checkpoints of an unfinished run" in one_error_line(capsys, "train")
     assert main(["train", "--output-dir", str(tmp_path / "empty"), "--resume"]) == 1
     assert "--resume: no complete checkpoint" in one_error_line(capsys, "train")
+    (tmp_path / "notes.txt").write_text("x")
+    for resume in ([], ["--resume"]):   # was "cannot write it (File exists)", once the data and models had loaded
+        assert main(["train", "--output-dir", str(tmp_path / "notes.txt"), *resume]) == 1
+        assert one_error_line(capsys, "train").endswith("notes.txt: is a file, not a directory; give the run's "
+                                                        "directory (a new one, or a run's to --resume)")
     assert main(["train", "--output-dir", str(unfinished), "--resume", "--max-steps", "7"]) == 1
     line = one_error_line(capsys, "train")
     assert "spans 5 optimizer steps, but this config's spans 7" in line and "resume with --max-steps 5" in line
