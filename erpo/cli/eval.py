@@ -3,6 +3,7 @@ models loads when the command runs: the parser needs only erpo.eval.defaults).""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from erpo.errors import UserError
@@ -114,6 +115,9 @@ def run_eval(args: argparse.Namespace) -> None:
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
                              top_p=args.top_p)
         device = generate_device(args.device)
+        if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+            raise ValueError(f"--output-dir {args.output_dir}: is a file, not a directory; give the directory for the "
+                             "results and the sample cache")
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise UserError(str(exc)) from exc
     result = evaluate(models, benchmarks, temperatures=temperatures, k=args.k,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import erpo
 from erpo.cli.commands import main
 from erpo.errors import UserError
 from erpo.models.source import resolve_model_source
@@ -101,7 +102,8 @@ def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch, 
 ])
 def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp_path, files, setting, message):
     """A local directory given as the model (or the tokenizer) that holds none was transformers' traceback ("Couldn't
-    instantiate the backend tokenizer ... sentencepiece or tiktoken"), after the run's first log line."""
+    instantiate the backend tokenizer ... sentencepiece or tiktoken"), after the run's first log line; in `erpo eval`
+    a model directory without a tokenizer too."""
     model = tmp_path / "model"
     model.mkdir()
     (tmp_path / "nothing").mkdir()
@@ -112,6 +114,12 @@ def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp
                  setting.format(dir=model)]) == 1
     assert re.search(message, one_error_line(capsys, "train"))
     assert not run.exists()
+    if files == ("config.json",):   # erpo eval --model likewise (a directory without config.json it refused)
+        assert main(["eval", "--model", str(model), "--output-dir", str(tmp_path / "out")]) == 1
+        line = one_error_line(capsys, "eval")
+        assert line == (f"erpo eval: --model {model}: this directory holds no tokenizer (none of tokenizer_config.json,"
+                        " tokenizer.json, tokenizer.model, vocab.json); save the model's tokenizer there"), line
+        assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -258,10 +266,18 @@ def test_an_unknown_option_is_one_line_naming_it_and_the_help(capsys, argv, unkn
     (["--foo", "train"], "unrecognized arguments: --foo"),                # before the command: the top level's
     (["trian"], "argument COMMAND: invalid choice: 'trian'"),             # bad choice
     (["--local_rank", "x", "train"], "argument --local_rank/--local-rank: invalid int value: 'x'"),   # bad type
-    (["--debug"], "the following arguments are required: COMMAND")])
+    (["--debug"], "the following arguments are required: COMMAND"),
+    (["--versoin"], "unrecognized arguments: --versoin"),                 # without a command: was "COMMAND required"
+    (["--foo", "--debug"], "unrecognized arguments: --foo")])
 def test_a_top_level_error_is_one_line(capsys, argv, culprit):
     line = argparse_error_line(capsys, argv)
     assert line.startswith(f"erpo: error: {culprit}") and line.endswith(" (see erpo --help)"), line
+
+
+def test_version_is_erpo_s(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"erpo {erpo.__version__}\n"
 
 
 def test_unknown_options_before_and_after_the_command_are_all_named_in_one_line(capsys):
@@ -353,10 +369,23 @@ def test_a_missing_optional_package_is_one_line(capsys, tmp_path, monkeypatch):
 def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, device, message):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")   # an HF model dir as far as --model goes: the device is checked first
+    for name in ("config.json", "tokenizer_config.json"):   # a model dir as far as --model goes: the device is next
+        (model / name).write_text("{}")
     assert main(["eval", "--model", str(model), "--device", device, "--output-dir", str(tmp_path / "out")]) == 1
     assert message in one_error_line(capsys, "eval")
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_into_a_file_is_one_line(capsys, tmp_path):
+    """An --output-dir that is a file was a NotADirectoryError traceback once the first model had sampled."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["eval", "--model", str(model), "--output-dir", str(tmp_path / "notes.txt")]) == 1
+    assert one_error_line(capsys, "eval") == (f"erpo eval: --output-dir {tmp_path / 'notes.txt'}: is a file, not a "
+                                              "directory; give the directory for the results and the sample cache")
 
 
 def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
@@ -364,7 +393,8 @@ def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
     prompt built."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
     argv = ["eval", "--model", f"mine={model}", "--template", "mien=plain", "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 1
     line = one_error_line(capsys, "eval")
