@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,10 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     if os.path.isdir(path):
         raise UserError(f"reference.cache_path {path}: is a directory; give the cache file's path, e.g. "
                         f"{os.path.join(path, 'reference_cache.json')}")
+    folder = next(parent for parent in Path(path).absolute().parents if parent.exists())
+    if not folder.is_dir():   # found now, not by the save after ell_theta0(q) was computed
+        raise UserError(f"reference.cache_path {path}: {folder} is a file, not a directory; give a cache path (or an "
+                        "--output-dir) where a directory can be made")
     if os.path.exists(path) and not overwrite:
         try:
             cache = ReferenceCache.load(path)

@@ -158,6 +158,10 @@ def test_a_dataset_name_nothing_holds_is_one_line(capsys, tmp_path, monkeypatch)
 @pytest.mark.parametrize("setting, message", [
     ("data.source={dir}/notes.txt", r"notes.txt must end in .jsonl, .json or .parquet"),   # was a Hub lookup
     ("reference.cache_path={dir}", r"reference.cache_path .*: is a directory; give the cache file's path"),
+    # was a FileExistsError traceback once ell_theta0(q) had been computed (as with --output-dir FILE)
+    ("reference.cache_path={dir}/notes.txt/cache.json",
+     r"reference.cache_path \S+/notes.txt/cache.json: \S+/notes.txt is a file, not a directory; give a cache path "
+     r"\(or an --output-dir\) where a directory can be made$"),
 ])
 def test_a_local_path_of_the_wrong_kind_is_one_line(capsys, tmp_path, monkeypatch, setting, message):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
