@@ -201,11 +201,15 @@ def test_run_directory_errors(capsys, tmp_path, no_training):
     assert "holds checkpoints of an unfinished run" in one_error_line(capsys, "train")
     assert main(["train", "--output-dir", str(tmp_path / "empty"), "--resume"]) == 1
     assert "--resume: no complete checkpoint" in one_error_line(capsys, "train")
-    (tmp_path / "notes.txt").write_text("x")
-    for resume in ([], ["--resume"]):   # was "cannot write it (File exists)", once the data and models had loaded
-        assert main(["train", "--output-dir", str(tmp_path / "notes.txt"), *resume]) == 1
-        assert one_error_line(capsys, "train").endswith("notes.txt: is a file, not a directory; give the run's "
-                                                        "directory (a new one, or a run's to --resume)")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    # was "cannot write it (File exists)" / "(Not a directory)" (erpo compare's runs too), once the data and models
+    # had loaded
+    for out_dir, resume in ((notes, []), (notes, ["--resume"]), (notes / "run", [])):
+        assert main(["train", "--output-dir", str(out_dir), *resume]) == 1
+        assert one_error_line(capsys, "train") == (f"erpo train: --output-dir {out_dir}: {notes} is a file, not a "
+                                                   "directory; give the run's directory (a new one, or a run's to "
+                                                   "--resume)")
     assert main(["train", "--output-dir", str(unfinished), "--resume", "--max-steps", "7"]) == 1
     line = one_error_line(capsys, "train")
     assert "spans 5 optimizer steps, but this config's spans 7" in line and "resume with --max-steps 5" in line
@@ -386,10 +390,13 @@ def test_eval_into_a_file_is_one_line(capsys, tmp_path):
     model.mkdir()
     for name in ("config.json", "tokenizer_config.json"):
         (model / name).write_text("{}")
-    (tmp_path / "notes.txt").write_text("x")
-    assert main(["eval", "--model", str(model), "--output-dir", str(tmp_path / "notes.txt")]) == 1
-    assert one_error_line(capsys, "eval") == (f"erpo eval: --output-dir {tmp_path / 'notes.txt'}: is a file, not a "
-                                              "directory; give the directory for the results and the sample cache")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    for out_dir in (notes, notes / "results"):
+        assert main(["eval", "--model", str(model), "--output-dir", str(out_dir)]) == 1
+        assert one_error_line(capsys, "eval") == (f"erpo eval: --output-dir {out_dir}: {notes} is a file, not a "
+                                                  "directory; give the directory for the results and the sample "
+                                                  "cache")
 
 
 def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
