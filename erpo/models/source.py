@@ -10,12 +10,13 @@ import os
 import re
 
 from erpo.errors import UserError
+from erpo.models.lora import ADAPTER_CONFIG
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # org/name
 HUB_TIMEOUT_S = 5.0
 # What a local directory holds to be loadable, by what is loaded from it: any one of the files (a model: its config,
 # or a LoRA adapter's; a tokenizer: what `save_pretrained` writes, or the files of older ones)
-HOLDS = {"model": ("config.json", "adapter_config.json"),
+HOLDS = {"model": ("config.json", ADAPTER_CONFIG),
          "tokenizer": ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")}
 
 
