@@ -15,6 +15,7 @@ import contextlib
 import os
 import pickle
 import socket
+import unittest.mock
 
 import torch
 
@@ -118,14 +119,15 @@ elif _chosen.device_name != "cpu":
 
 
 def init_process_group() -> None:
-    """A gloo process group of world size 1 (once per process)."""
+    """A gloo process group of world size 1 (once per process), on a free local port named in its init_method: no
+    launcher variables (MASTER_ADDR, RANK, ...) are set, which verl's engine does not read, and which the processes
+    that the caller launches later would inherit."""
     if torch.distributed.is_initialized():
         return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic_bsz: bool = False,
@@ -147,10 +149,6 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     init_process_group()
-    # verl 0.9.1 patches TRL's AutoModelForCausalLMWithValueHead whenever TRL is importable, and TRL >= 1.0 no
-    # longer has that class: the engine's model build would fail with an ImportError. The patch concerns value
-    # heads (critics) only, so the actor is built as without TRL.
-    monkey_patch.is_trl_available = lambda: False
     fused = {} if fused_kernels is None else dict(use_fused_kernels=True,
                                                    fused_kernel_options={"impl_backend": fused_kernels})
     model = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding, enable_gradient_checkpointing=False,
@@ -166,9 +164,14 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=1e9, total_training_steps=10, weight_decay=0.0)
     built = FSDPEngineWithLMHead(model_config=model, engine_config=engine, optimizer_config=optim,
                                  checkpoint_config=CheckpointConfig())
-    with confine_forward_patch(model.hf_config) as confine:
-        built.initialize()
-        confine(built.module)
+    # verl 0.9.1 patches TRL's AutoModelForCausalLMWithValueHead whenever TRL is importable, and TRL >= 1.0 no
+    # longer has that class: the engine's model build (`apply_monkey_patch`, in `initialize` only) would fail with an
+    # ImportError. The patch concerns value heads (critics) only, so the actor is built as without TRL; verl's own
+    # check is back for whatever runs after.
+    with unittest.mock.patch.object(monkey_patch, "is_trl_available", lambda: False):
+        with confine_forward_patch(model.hf_config) as confine:
+            built.initialize()
+            confine(built.module)
     return built
 
 

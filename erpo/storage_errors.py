@@ -65,6 +65,13 @@ def storage_problem(exc: BaseException, directory: Path) -> str | None:
     return None
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The file that keeps `path` from being a directory or from being made one (`path` itself, or its nearest
+    existing parent), None when there is none."""
+    nearest = next(folder for folder in (Path(path).absolute(), *Path(path).absolute().parents) if folder.exists())
+    return None if nearest.is_dir() else nearest
+
+
 def free_bytes(directory: Path) -> int | None:
     """Bytes an unprivileged process may still write on `directory`'s file system (None when unknown)."""
     for path in (directory, *directory.parents):

@@ -33,8 +33,23 @@ def pytest_addoption(parser):
                           "(tests/support/fused_options.py; docs/CONTRIBUTING.md)")
 
 
+# Where the libraries the suite runs keep their user files, each a folder of the session's temporary folder: erpo's
+# user cache ($XDG_CACHE_HOME/erpo: the weight files' digests, erpo.models.fingerprint), the Hugging Face caches
+# (HF_HOME: huggingface_hub and datasets fix theirs at import, during collection; datasets caches a local parquet
+# folder it loads there), matplotlib's config and font cache (MPLCONFIGDIR), XDG_CONFIG_HOME for the rest; never the
+# real HOME (tests/repo/test_suite_isolation.py).
+USER_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "HF_HOME")
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own, which sets up the temporary folders
 def pytest_configure(config):
-    """--fused-options' knobs set before collection (a test may read a constant at import), put back at the end."""
+    """Before collection (a test may read a constant at import, a library fix its folders): --fused-options' knobs
+    set, the user folders (USER_DIRS) in the session's temporary folder, for this process and the processes its
+    tests launch (a test of erpo's cache points XDG_CACHE_HOME into its own tmp_path). Both put back at the end."""
+    user_dirs = pytest.MonkeyPatch()
+    config.add_cleanup(user_dirs.undo)
+    for name in USER_DIRS:
+        user_dirs.setenv(name, str(config._tmp_path_factory.mktemp(name.lower())))
     from fused_options import enter_knobs
 
     config._fused_options = contextlib.ExitStack()
@@ -74,17 +89,6 @@ def _interpreter_patches_once_per_launch():
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         patch_lang_once_per_launch(monkeypatch)
-        yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _user_cache_under_tmp(tmp_path_factory):
-    """erpo's user cache (the weight files' digests, erpo.models.fingerprint: $XDG_CACHE_HOME/erpo/fingerprints.json)
-    in the session's temporary folder, for this process and the processes its tests launch, not under the real
-    HOME: a test leaves nothing outside its temporary folders. Session-wide, so that module fixtures' runs get it too;
-    a test of the cache itself points XDG_CACHE_HOME into its own tmp_path."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
         yield
 
 

@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import NoReturn
 
+from erpo import __version__
 from erpo.cli import missing_package_line
 from erpo.cli.args import add_config_arguments, add_debug_argument, add_local_rank_argument, config_from_args
 from erpo.cli.compare import add_compare_arguments
@@ -70,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     add_local_rank_argument(parser)
     add_debug_argument(parser, default=False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)   # its errors name COMMAND
+    parser.add_argument("--version", action="version", version=f"erpo {__version__}")
+    # not required here: without a command, main() names an unknown option before naming COMMAND missing
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add_command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help, epilog=epilog, allow_abbrev=False)
@@ -171,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
+    if args.command is None:   # `erpo --versoin`: the unknown option is the culprit, not the command it hid
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" if unknown
+                     else "the following arguments are required: COMMAND")
     if unknown:   # each under the parser it was meant for: the top level's before the command, else the command's
         before = argv[:argv.index(args.command)] if args.command in argv else []
         early = [word for word in unknown if word in before]

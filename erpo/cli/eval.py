@@ -98,6 +98,7 @@ def run_eval(args: argparse.Namespace) -> None:
     from erpo.eval.evaluate import check_eval_arguments, evaluate
     from erpo.eval.model_specs import parse_models, parse_templates
     from erpo.eval.problem_sets import load_benchmarks
+    from erpo.storage_errors import file_in_the_way
 
     if args.deprecated_backend is not None:
         print("erpo eval: --backend is deprecated, use --engine (same values)", file=sys.stderr)
@@ -114,6 +115,10 @@ def run_eval(args: argparse.Namespace) -> None:
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
                              top_p=args.top_p)
         device = generate_device(args.device)
+        blocking = file_in_the_way(args.output_dir)
+        if blocking is not None:
+            raise ValueError(f"--output-dir {args.output_dir}: {blocking} is a file, not a directory; give the "
+                             "directory for the results and the sample cache")
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise UserError(str(exc)) from exc
     result = evaluate(models, benchmarks, temperatures=temperatures, k=args.k,

@@ -12,8 +12,7 @@ from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.manifest import CHECKPOINTS_DIR, complete_checkpoints, require_intact
 from erpo.models.export import HF_DIR
 from erpo.models.loading import model_path_for
-from erpo.models.lora import is_adapter_dir
-from erpo.models.source import resolve_model_source
+from erpo.models.source import holds, lacks, resolve_model_source
 from erpo.tasks.data import TEMPLATES
 
 # Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
@@ -40,12 +39,6 @@ RUN_START_SUFFIX = "@start"
 RUN_HISTORY_SUFFIX = "@all"
 
 
-def _is_hf_model_dir(path: str) -> bool:
-    """A Hugging Face model (config.json) or a LoRA adapter on one (adapter_config.json, `erpo.models.lora`)."""
-
-    return os.path.isfile(os.path.join(path, "config.json")) or is_adapter_dir(path)
-
-
 def _is_run_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.yaml"))
 
@@ -59,7 +52,7 @@ def resolve_checkpoint(target: str, label: str) -> ModelSpec:
     prompt settings; labelled ``RUN@step-N`` unless ``label`` is given."""
     model = os.path.join(target, HF_DIR)
     require_intact(target, only=f"{HF_DIR}/")   # its manifest: sizes and digests of hf/'s files
-    if not _is_hf_model_dir(model):
+    if not holds(model, "model"):
         raise ValueError(f"--model {target}: this checkpoint holds no Hugging Face export ({HF_DIR}/config.json): "
                          "it was saved with trainer.save_hf=false or by an older erpo; evaluate a checkpoint saved "
                          "with trainer.save_hf=true, or the run's final/ model")
@@ -131,9 +124,9 @@ def resolve_model(spec: str) -> ModelSpec:
     if os.path.isdir(target):
         name = label or os.path.basename(os.path.abspath(target))
         final = os.path.join(target, "final")
-        if _is_hf_model_dir(final):
+        if holds(final, "model"):
             return ModelSpec(name, final, target if _is_run_dir(target) else None)
-        if _is_hf_model_dir(target):
+        if holds(target, "model"):
             return ModelSpec(name, target, None)
         if _is_checkpoint_dir(target):
             return resolve_checkpoint(target, label)
@@ -154,6 +147,9 @@ def parse_models(values: list[str]) -> list[ModelSpec]:
                            else [resolve_model(item)])]
     if not specs:
         raise ValueError("--model: give at least one model")
+    for spec in specs:   # evaluation loads each model's tokenizer from its directory (a Hub model's holds one)
+        if os.path.isdir(spec.path) and not holds(spec.path, "tokenizer"):
+            raise ValueError(f"--model {spec.path}: {lacks('tokenizer')}; save the model's tokenizer there")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--model labels must be unique, got {labels}; name them LABEL=PATH")

@@ -14,12 +14,10 @@ truncation), is refused in one line naming what differs (`erpo.integrations.quer
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from erpo.integrations.openrlhf import actor_row_logprobs
-from erpo.integrations.query_reference import RESUMED, QueryReference, load_or_build_reference
+from erpo.integrations.query_reference import QueryReference, load_or_build_reference
 from erpo.reference.cache import compute_query_logp
 from erpo.sequences import scoring_precision
 
@@ -86,11 +84,9 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     if not prompts:
         raise ValueError("prompts is empty: pass the PromptDataset's prompt texts (dataset.prompts)")
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
-    remedy = REBUILD if resumed_step is None else RESUMED.format(step=resumed_step)
-    if resumed_step is not None and not os.path.exists(path):
-        raise ValueError(f"no reference cache at {path}: {remedy}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
-        precision=actor_precision(actor), remedy=remedy, trainer="openrlhf", step_miss=STEP_MISS,
+        precision=actor_precision(actor), remedy=REBUILD, trainer="openrlhf", step_miss=STEP_MISS,
+        resumed_step=resumed_step,
         score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size))

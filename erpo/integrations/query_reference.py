@@ -30,9 +30,14 @@ CHANGED = "(the data, chat template, prompt truncation or tokenizer changed sinc
 BUILT_OTHERWISE = ("(it held every training prompt at start: the trainer built this one otherwise than they were "
                    "tokenized for the cache, and rebuilding the cache would not add it). Score the prompts as the "
                    "trainer builds them, or set qkl_coef=0 and query_weight='none'.")
-# A resumed run's remedy instead: deleting the cache would have it refused as missing (`ERPOTrainer._reference`).
+# A resumed run's remedy instead (`load_or_build_reference(resumed_step=...)`): deleting the cache would have it
+# refused as missing (MISSING_AT_RESUME)
 RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
            "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
+# A resumed run without a cache: scoring now would take the checkpoint's weights for theta0
+MISSING_AT_RESUME = ("no reference cache at {path}, and the run resumes at step {step}: ell_theta0(q) is scored with "
+                     "the initial weights, which the actor no longer holds; put the cache of the run's start there "
+                     "(or point the run at it), or start afresh")
 
 
 @dataclass
@@ -57,19 +62,26 @@ class QueryReference:
 
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
                             temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
-                            trainer: str, remedy: str, step_miss: str = BUILT_OTHERWISE) -> QueryReference:
+                            trainer: str, remedy: str, step_miss: str = BUILT_OTHERWISE,
+                            resumed_step: int | None = None) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as the trainer's rollout builds them).
 
     The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
     `temperature` and `precision` (the actor's: `verl_reference.engine_precision`,
     `openrlhf_reference.actor_precision`), and holds every prompt; otherwise a ValueError names what differs and
-    ends with `remedy` (the trainer's way to rebuild it; `RESUMED` for a resumed run). A prompt a training step
+    ends with `remedy` (the trainer's way to rebuild it). `resumed_step`: the step a run resumes at from a checkpoint
+    (None or 0: a fresh start), whose actor no longer holds the initial weights: its cache must be there (else a
+    ValueError, MISSING_AT_RESUME) and a refusal ends with `RESUMED` instead of `remedy`. A prompt a training step
     misses later was built otherwise than the ones scored here, which no rebuild adds: its error ends with
     `step_miss` (how the trainer's prompts are tokenized here, and what to do). `trainer` ("verl", "openrlhf")
     names the trainer in the cache's template record. Without a cache, `score(prompts)` gives ell_theta0 (nats) of
     the distinct prompts with the initial weights (the actor's own forward), and the cache is saved at `path`. A prompt
     of fewer than 2 tokens has no ell_theta0(q): refused (`check_scored_tokens`)."""
     check_scored_tokens(prompt_ids, tokenizer)
+    if resumed_step:
+        remedy = RESUMED.format(step=resumed_step)
+        if not os.path.exists(path):
+            raise ValueError(MISSING_AT_RESUME.format(path=path, step=resumed_step))
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))

@@ -24,7 +24,7 @@ from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
-from erpo.integrations.query_reference import RESUMED, load_or_build_reference
+from erpo.integrations.query_reference import load_or_build_reference
 from erpo.integrations.verl import (
     REBUILD,
     STEP_MISS,
@@ -145,10 +145,6 @@ class ERPOTrainer(PPOTrainerSync):
             chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),
             prompt_length=rollout.prompt_length)
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
-        if self.global_steps > 0 and not os.path.exists(path):
-            raise ValueError(f"the run resumes at step {self.global_steps} without its reference cache {path}: "
-                             "ell_theta0(q) is scored with the initial weights, which the actor no longer holds; put "
-                             "the cache of the run's start there (or set +erpo.ref_cache=... to it), or start afresh")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         erpo_log = logging.getLogger("erpo")
         if erpo_log.level == logging.NOTSET:   # `import verl` sets the root logger to WARNING: erpo's INFO lines
@@ -157,7 +153,7 @@ class ERPOTrainer(PPOTrainerSync):
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
         precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
                                      self.config.trainer.device)
-        remedy = RESUMED.format(step=self.global_steps) if self.global_steps > 0 else REBUILD
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score,
-                                       trainer="verl", remedy=remedy, step_miss=STEP_MISS)
+                                       trainer="verl", remedy=REBUILD, step_miss=STEP_MISS,
+                                       resumed_step=self.global_steps)   # verl's: 0 at a fresh start

@@ -10,9 +10,14 @@ import os
 import re
 
 from erpo.errors import UserError
+from erpo.models.lora import ADAPTER_CONFIG
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # org/name
 HUB_TIMEOUT_S = 5.0
+# What a local directory holds to be loadable, by what is loaded from it: any one of the files (a model: its config,
+# or a LoRA adapter's; a tokenizer: what `save_pretrained` writes, or the files of older ones)
+HOLDS = {"model": ("config.json", ADAPTER_CONFIG),
+         "tokenizer": ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")}
 
 
 def hub_offline() -> bool:
@@ -41,12 +46,26 @@ def _hub_problem(name: str) -> str | None:
     return None
 
 
-def resolve_model_source(name: str, option: str = "--model") -> str:
-    """`name` when it is an existing local directory, or a Hub `org/name` that is in the local HF cache or that the
-    Hub serves (checked with one request of at most HUB_TIMEOUT_S seconds, none when offline). Otherwise a UserError
-    naming `option` (the flag or config key the name came from), saying the local path does not exist and why the
-    Hub cannot supply it."""
+def holds(directory: str, kind: str) -> bool:
+    """Whether the local `directory` holds a `kind` ("model" or "tokenizer"): one of its HOLDS files."""
+    return any(os.path.isfile(os.path.join(directory, file)) for file in HOLDS[kind])
+
+
+def lacks(kind: str) -> str:
+    """What an error says of a directory that does not hold a `kind`."""
+    return f"this directory holds no {kind} (none of {', '.join(HOLDS[kind])})"
+
+
+def resolve_model_source(name: str, option: str = "--model", kind: str = "model") -> str:
+    """`name` when it is an existing local directory holding a `kind` ("model" or "tokenizer": one of its HOLDS
+    files), or a Hub `org/name` that is in the local HF cache or that the Hub serves (checked with one request of at
+    most HUB_TIMEOUT_S seconds, none when offline). Otherwise a UserError naming `option` (the flag or config key the
+    name came from), saying what the local directory lacks, or that the local path does not exist and why the Hub
+    cannot supply it."""
     if os.path.isdir(name):
+        if not holds(name, kind):
+            raise UserError(f"{option} {name}: {lacks(kind)}; give a directory that a {kind}'s save_pretrained wrote, "
+                            "or a Hub name org/name")
         return name
     if os.path.exists(name):
         raise UserError(f"{option} {name}: is a file; give a model directory or a Hub name org/name")

@@ -20,6 +20,7 @@ from erpo.reference.cache import (
     with_temperature,
 )
 from erpo.sequences import model_precision, scoring_precision
+from erpo.storage_errors import file_in_the_way
 from erpo.tasks.data import PromptSet, dataset_rows_digest, load_prompt_set
 
 log = logging.getLogger("erpo")
@@ -67,6 +68,10 @@ def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, mo
     if os.path.isdir(path):
         raise UserError(f"reference.cache_path {path}: is a directory; give the cache file's path, e.g. "
                         f"{os.path.join(path, 'reference_cache.json')}")
+    blocking = file_in_the_way(os.path.dirname(os.path.abspath(path)))
+    if blocking is not None:   # found now, not by the save after ell_theta0(q) was computed
+        raise UserError(f"reference.cache_path {path}: {blocking} is a file, not a directory; give a cache path (or "
+                        "an --output-dir) where a directory can be made")
     if os.path.exists(path) and not overwrite:
         try:
             cache = ReferenceCache.load(path)

@@ -12,6 +12,7 @@ from pathlib import Path
 from erpo.config import Config, updates_per_rollout
 from erpo.errors import MissingInputError, UserError
 from erpo.manifest import newest_sound_meta
+from erpo.storage_errors import file_in_the_way
 from erpo.train.checkpoint import CheckpointManager
 
 log = logging.getLogger("erpo")
@@ -38,6 +39,10 @@ def check_run_dir(cfg: Config, *, resume: bool) -> None:
     """UserError unless `cfg.output_dir` can start a fresh run (no checkpoints) or, with `resume`, holds a checkpoint
     this config can continue."""
     out_dir = Path(cfg.output_dir)
+    blocking = file_in_the_way(out_dir)
+    if blocking is not None:
+        raise UserError(f"--output-dir {out_dir}: {blocking} is a file, not a directory; give the run's directory (a "
+                        "new one, or a run's to --resume)")
     checkpoints = CheckpointManager(out_dir, keep_last=None)
     latest = checkpoints.latest()
     if resume:

@@ -664,7 +664,8 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
          r"^prompts is empty"),
         (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=str(tmp_path / "none"),
                                                model_path=tiny_path, resumed_step=7),
-         r"^no reference cache at .*none: The run resumes at step 7, whose actor no longer holds the initial"),
+         r"^no reference cache at .*none, and the run resumes at step 7: ell_theta0\(q\) is scored with the "
+         r"initial weights, which the actor no longer holds; put the cache of the run's start there"),
         (lambda: load_or_build_query_reference(actor, other_template, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path, resumed_step=7),
          r"tokenizer: .* resume with the cache and the settings of the run's start"),
@@ -841,7 +842,7 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
 
     actor.model.global_steps = 7   # as DeepSpeed's load_checkpoint leaves a resumed run's engine
     args.ckpt.path = str(tmp_path / "resumed")
-    with pytest.raises(ValueError, match=r"^no reference cache at .*resumed.*: The run resumes at step 7, whose "):
+    with pytest.raises(ValueError, match=r"^no reference cache at .*resumed.*, and the run resumes at step 7: "):
         module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
 
 

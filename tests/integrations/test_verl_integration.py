@@ -743,9 +743,15 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
                                          r"[^;]*,attention=sdpa,remove_padding=false,liger=false,fused_kernels=off\. "
                                          r"Delete it"):
         start("actor_rollout_ref.model.use_remove_padding=false")
-    with pytest.raises(ValueError, match=r"^the run resumes at step 3 without its reference cache \S+elsewhere.json: "
-                                         r"ell_theta0\(q\) is scored with the initial weights"):
+    with pytest.raises(ValueError, match=r"^no reference cache at \S+elsewhere.json, and the run resumes at step 3: "
+                                         r"ell_theta0\(q\) is scored with the initial weights, which the actor no "
+                                         r"longer holds; put the cache of the run's start there \(or point the run "
+                                         r"at it\), or start afresh$"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
+    assert not (tmp_path / "elsewhere.json").exists()
+    resumed_group = start(resumed_at=3)   # with its cache, a resumed run reads it and scores nothing
+    assert resumed_group.calls == [] and resumed_group.loss_fns[0].keywords["reference"].entries == \
+        loss_fn.keywords["reference"].entries
     # A resumed run cannot rebuild a cache it refuses (its actor holds a checkpoint's weights): the message does not
     # send it to delete the cache, which the line above would then refuse, but to the settings that built it.
     resumed = r"The run resumes at step 3, whose actor no longer holds the initial weights: rebuilding the cache "

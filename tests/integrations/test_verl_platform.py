@@ -53,3 +53,26 @@ def test_imported_after_verl_chose_another_platform_it_says_so(tmp_path):
     assert done.stderr.splitlines()[-1] == (
         "RuntimeError: bench.verl_engine: verl already chose its 'cuda' platform in this process (`import verl` "
         "with its plugins on does): import bench.verl_engine before verl")
+
+
+def test_building_an_engine_leaves_the_environment_and_verl_as_they_were(tmp_path):
+    """`build_engine` sets up its one-rank gloo group and has verl build the actor without TRL's value-head patch,
+    and leaves neither behind: the launcher variables (RANK, MASTER_PORT, ...) a later test's `erpo train` or
+    torchrun would inherit (a port that this process's group held), verl's `is_trl_available` its own again. Run in a
+    process of its own: in the suite's, an earlier verl test file may have built an engine already."""
+    script = ("import os, tempfile; import bench.verl_engine as v; from erpo.models.tiny import build_tokenizer, "
+              "save_model_dir; from verl.models.transformers import monkey_patch; from verl.utils import "
+              "import_utils\n"
+              "keys = ('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK')\n"
+              "before = {k: os.environ.get(k) for k in keys}\n"
+              "engine = v.build_engine(save_model_dir(tempfile.mkdtemp(), build_tokenizer(), seed=0))\n"
+              "print({k: os.environ.get(k) for k in keys} == before, "
+              "monkey_patch.is_trl_available is import_utils.is_trl_available, "
+              "type(engine.module).__name__)")
+    env = {k: v for k, v in clean_env(tmp_path).items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    *_, same_env, verl_check, built = done.stdout.split()
+    assert built.endswith("Qwen2ForCausalLM") and [same_env, verl_check] == ["True", "True"], done.stdout[-2000:]

@@ -1,10 +1,13 @@
 """A test leaves nothing outside its temporary folders (docs/CONTRIBUTING.md): erpo's user cache, the weight files'
-digests that model fingerprints keep (erpo.models.fingerprint), goes under the session's temporary folder, in the
-test's process and in the processes it launches (tests/conftest.py), not under the real HOME."""
+digests that model fingerprints keep (erpo.models.fingerprint), and the libraries' user files (matplotlib's, the
+Hugging Face caches) go under the session's temporary folder, in the test's process and in the processes it launches
+(tests/conftest.py), not under the real HOME."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint
 
@@ -21,3 +24,33 @@ def test_model_fingerprints_keep_their_digests_under_the_sessions_temporary_fold
     child = subprocess.run([sys.executable, "-c", "from erpo.models.fingerprint import fingerprint_cache_path as p; "
                             "print(p())"], env=dict(os.environ), capture_output=True, text=True, check=True)
     assert child.stdout.strip() == str(fingerprint_cache_path())   # a launched process inherits it
+
+
+def test_libraries_keep_their_user_files_under_the_sessions_temporary_folder(tmp_path, tmp_path_factory):
+    """matplotlib's config and font cache and the Hugging Face caches (set before collection, tests/conftest.py:
+    huggingface_hub and datasets fix theirs at import, and the test files import transformers and TRL) resolve under
+    the session's temporary folder in the suite's process; a process it launches, whose HOME is here an empty folder,
+    draws a plot and loads a local parquet folder through datasets, and leaves that HOME empty."""
+    import huggingface_hub.constants
+    import matplotlib
+
+    session = tmp_path_factory.getbasetemp()
+    folders = {"matplotlib config": matplotlib.get_configdir(), "matplotlib cache": matplotlib.get_cachedir(),
+               "HF_HOME": huggingface_hub.constants.HF_HOME}
+    if importlib.util.find_spec("datasets") is not None:   # TRL's dependency
+        import datasets.config
+        folders["datasets cache"] = datasets.config.HF_DATASETS_CACHE
+    for what, folder in folders.items():
+        assert Path(folder).is_relative_to(session), (what, folder)
+    home = tmp_path / "home"
+    home.mkdir()
+    script = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt, sys\n"
+              "plt.plot([1, 2]); plt.savefig(sys.argv[1] + '/plot.png')\n"
+              "try:\n    import datasets, pyarrow, pyarrow.parquet as pq\nexcept ImportError:\n    sys.exit()\n"
+              "pq.write_table(pyarrow.table({'x': [1, 2]}), sys.argv[1] + '/rows/part.parquet')\n"
+              "assert len(datasets.load_dataset(sys.argv[1] + '/rows', split='train')) == 2")
+    (tmp_path / "rows").mkdir()
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env={**os.environ, "HOME": str(home)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "plot.png").exists(), done.stderr[-3000:]
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import erpo
 from erpo.cli.commands import main
 from erpo.errors import UserError
 from erpo.models.source import resolve_model_source
@@ -38,6 +39,7 @@ def test_a_name_that_is_no_directory_and_no_hub_name_fails_at_once(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         resolve_model_source(str(tmp_path / "file"), "model.name_or_path")
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(str(tmp_path)) == str(tmp_path)
 
 
@@ -86,6 +88,40 @@ def test_train_checks_the_model_name_before_anything_loads(capsys, monkeypatch, 
     assert not run.exists()   # nothing written for a run that cannot start
 
 
+@pytest.mark.parametrize("files, setting, message", [
+    ((), "model.name_or_path={dir}",
+     r"model.name_or_path \S+/model: this directory holds no model \(none of config.json, adapter_config.json\); give "
+     r"a directory that a model's save_pretrained wrote, or a Hub name org/name$"),
+    (("config.json",), "model.name_or_path={dir}",
+     r"model.name_or_path \S+/model: this directory holds no tokenizer \(none of tokenizer_config.json, "
+     r"tokenizer.json, tokenizer.model, vocab.json\); save the model's tokenizer there, or set model.tokenizer to "
+     r"one$"),
+    (("config.json", "tokenizer_config.json"), "model.tokenizer={dir}/../nothing",
+     r"model.tokenizer \S+/nothing: this directory holds no tokenizer \(none of .*\); give a directory that a "
+     r"tokenizer's save_pretrained wrote, or a Hub name org/name$"),
+])
+def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp_path, files, setting, message):
+    """A local directory given as the model (or the tokenizer) that holds none was transformers' traceback ("Couldn't
+    instantiate the backend tokenizer ... sentencepiece or tiktoken"), after the run's first log line; in `erpo eval`
+    a model directory without a tokenizer too."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "nothing").mkdir()
+    for name in files:
+        (model / name).write_text("{}")
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "model.name_or_path=" + str(model),
+                 setting.format(dir=model)]) == 1
+    assert re.search(message, one_error_line(capsys, "train"))
+    assert not run.exists()
+    if files == ("config.json",):   # erpo eval --model likewise (a directory without config.json it refused)
+        assert main(["eval", "--model", str(model), "--output-dir", str(tmp_path / "out")]) == 1
+        line = one_error_line(capsys, "eval")
+        assert line == (f"erpo eval: --model {model}: this directory holds no tokenizer (none of tokenizer_config.json,"
+                        " tokenizer.json, tokenizer.model, vocab.json); save the model's tokenizer there"), line
+        assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------------------------ data
 @pytest.mark.parametrize("content,message", [
     ('{"problem": "1+1=?", "answer": "2"}\n\n{"problem": "2+2=?"}\n',
@@ -122,6 +158,10 @@ def test_a_dataset_name_nothing_holds_is_one_line(capsys, tmp_path, monkeypatch)
 @pytest.mark.parametrize("setting, message", [
     ("data.source={dir}/notes.txt", r"notes.txt must end in .jsonl, .json or .parquet"),   # was a Hub lookup
     ("reference.cache_path={dir}", r"reference.cache_path .*: is a directory; give the cache file's path"),
+    # was a FileExistsError traceback once ell_theta0(q) had been computed (as with --output-dir FILE)
+    ("reference.cache_path={dir}/notes.txt/cache.json",
+     r"reference.cache_path \S+/notes.txt/cache.json: \S+/notes.txt is a file, not a directory; give a cache path "
+     r"\(or an --output-dir\) where a directory can be made$"),
 ])
 def test_a_local_path_of_the_wrong_kind_is_one_line(capsys, tmp_path, monkeypatch, setting, message):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -161,6 +201,15 @@ def test_run_directory_errors(capsys, tmp_path, no_training):
     assert "holds checkpoints of an unfinished run" in one_error_line(capsys, "train")
     assert main(["train", "--output-dir", str(tmp_path / "empty"), "--resume"]) == 1
     assert "--resume: no complete checkpoint" in one_error_line(capsys, "train")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    # was "cannot write it (File exists)" / "(Not a directory)" (erpo compare's runs too), once the data and models
+    # had loaded
+    for out_dir, resume in ((notes, []), (notes, ["--resume"]), (notes / "run", [])):
+        assert main(["train", "--output-dir", str(out_dir), *resume]) == 1
+        assert one_error_line(capsys, "train") == (f"erpo train: --output-dir {out_dir}: {notes} is a file, not a "
+                                                   "directory; give the run's directory (a new one, or a run's to "
+                                                   "--resume)")
     assert main(["train", "--output-dir", str(unfinished), "--resume", "--max-steps", "7"]) == 1
     line = one_error_line(capsys, "train")
     assert "spans 5 optimizer steps, but this config's spans 7" in line and "resume with --max-steps 5" in line
@@ -225,10 +274,18 @@ def test_an_unknown_option_is_one_line_naming_it_and_the_help(capsys, argv, unkn
     (["--foo", "train"], "unrecognized arguments: --foo"),                # before the command: the top level's
     (["trian"], "argument COMMAND: invalid choice: 'trian'"),             # bad choice
     (["--local_rank", "x", "train"], "argument --local_rank/--local-rank: invalid int value: 'x'"),   # bad type
-    (["--debug"], "the following arguments are required: COMMAND")])
+    (["--debug"], "the following arguments are required: COMMAND"),
+    (["--versoin"], "unrecognized arguments: --versoin"),                 # without a command: was "COMMAND required"
+    (["--foo", "--debug"], "unrecognized arguments: --foo")])
 def test_a_top_level_error_is_one_line(capsys, argv, culprit):
     line = argparse_error_line(capsys, argv)
     assert line.startswith(f"erpo: error: {culprit}") and line.endswith(" (see erpo --help)"), line
+
+
+def test_version_is_erpo_s(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"erpo {erpo.__version__}\n"
 
 
 def test_unknown_options_before_and_after_the_command_are_all_named_in_one_line(capsys):
@@ -320,10 +377,26 @@ def test_a_missing_optional_package_is_one_line(capsys, tmp_path, monkeypatch):
 def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, device, message):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")   # an HF model dir as far as --model goes: the device is checked first
+    for name in ("config.json", "tokenizer_config.json"):   # a model dir as far as --model goes: the device is next
+        (model / name).write_text("{}")
     assert main(["eval", "--model", str(model), "--device", device, "--output-dir", str(tmp_path / "out")]) == 1
     assert message in one_error_line(capsys, "eval")
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_into_a_file_is_one_line(capsys, tmp_path):
+    """An --output-dir that is a file was a NotADirectoryError traceback once the first model had sampled."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    for out_dir in (notes, notes / "results"):
+        assert main(["eval", "--model", str(model), "--output-dir", str(out_dir)]) == 1
+        assert one_error_line(capsys, "eval") == (f"erpo eval: --output-dir {out_dir}: {notes} is a file, not a "
+                                                  "directory; give the directory for the results and the sample "
+                                                  "cache")
 
 
 def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
@@ -331,7 +404,8 @@ def test_eval_with_a_template_that_is_none_is_one_line(capsys, tmp_path):
     prompt built."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
     argv = ["eval", "--model", f"mine={model}", "--template", "mien=plain", "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 1
     line = one_error_line(capsys, "eval")
