@@ -7,7 +7,9 @@ support/ holds the importable helpers, workers/ the scripts that tests launch in
 """
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,23 +35,23 @@ def pytest_addoption(parser):
                           "(tests/support/fused_options.py; docs/CONTRIBUTING.md)")
 
 
-# Where the libraries the suite runs keep their user files, each a folder of the session's temporary folder: erpo's
-# user cache ($XDG_CACHE_HOME/erpo: the weight files' digests, erpo.models.fingerprint), the Hugging Face caches
-# (HF_HOME: huggingface_hub and datasets fix theirs at import, during collection; datasets caches a local parquet
+# Where the libraries the suite runs keep their user files, each a folder of one temporary folder of the session
+# (ERPO_TESTS_USER_DIRS): erpo's user cache ($XDG_CACHE_HOME/erpo: the weight files' digests, erpo.models.fingerprint),
+# the Hugging Face caches (HF_HOME: huggingface_hub and datasets fix theirs at import; datasets caches a local parquet
 # folder it loads there), matplotlib's config and font cache (MPLCONFIGDIR), XDG_CONFIG_HOME for the rest; never the
-# real HOME (tests/repo/test_suite_isolation.py).
+# real HOME (tests/repo/test_suite_isolation.py). Set here, at this file's import: a run that names a tier's folder
+# (`pytest tests/integrations/...`) imports that folder's conftest.py, which imports transformers, before any
+# pytest_configure; the variables are put back and the folder removed at the end (pytest_unconfigure).
 USER_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "HF_HOME")
+USER_DIRS_ROOT = tempfile.mkdtemp(prefix="erpo-tests-user-dirs-")
+_USER_DIRS_BEFORE = {name: os.environ.get(name) for name in (*USER_DIRS, "ERPO_TESTS_USER_DIRS")}
+os.environ["ERPO_TESTS_USER_DIRS"] = USER_DIRS_ROOT
+for _name in USER_DIRS:
+    os.environ[_name] = os.path.join(USER_DIRS_ROOT, _name.lower())
 
 
-@pytest.hookimpl(trylast=True)   # after pytest's own, which sets up the temporary folders
 def pytest_configure(config):
-    """Before collection (a test may read a constant at import, a library fix its folders): --fused-options' knobs
-    set, the user folders (USER_DIRS) in the session's temporary folder, for this process and the processes its
-    tests launch (a test of erpo's cache points XDG_CACHE_HOME into its own tmp_path). Both put back at the end."""
-    user_dirs = pytest.MonkeyPatch()
-    config.add_cleanup(user_dirs.undo)
-    for name in USER_DIRS:
-        user_dirs.setenv(name, str(config._tmp_path_factory.mktemp(name.lower())))
+    """Before collection (a test may read a constant at import): --fused-options' knobs set, put back at the end."""
     from fused_options import enter_knobs
 
     config._fused_options = contextlib.ExitStack()
@@ -62,6 +64,12 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if hasattr(config, "_fused_options"):
         config._fused_options.close()
+    for name, value in _USER_DIRS_BEFORE.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(USER_DIRS_ROOT, ignore_errors=True)
 
 
 def pytest_report_header(config):

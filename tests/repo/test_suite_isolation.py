@@ -1,7 +1,7 @@
 """A test leaves nothing outside its temporary folders (docs/CONTRIBUTING.md): erpo's user cache, the weight files'
 digests that model fingerprints keep (erpo.models.fingerprint), and the libraries' user files (matplotlib's, the
-Hugging Face caches) go under the session's temporary folder, in the test's process and in the processes it launches
-(tests/conftest.py), not under the real HOME."""
+Hugging Face caches) go under the session's temporary folder for them (ERPO_TESTS_USER_DIRS, tests/conftest.py), in the
+test's process and in the processes it launches, not under the real HOME."""
 import importlib.util
 import json
 import os
@@ -12,8 +12,9 @@ from pathlib import Path
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint
 
 
-def test_model_fingerprints_keep_their_digests_under_the_sessions_temporary_folder(tmp_path, tmp_path_factory):
-    session = tmp_path_factory.getbasetemp()
+def test_model_fingerprints_keep_their_digests_under_the_sessions_user_folder(tmp_path):
+    session = Path(os.environ["ERPO_TESTS_USER_DIRS"])   # tests/conftest.py
+    assert not session.is_relative_to(Path.home())
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -26,15 +27,16 @@ def test_model_fingerprints_keep_their_digests_under_the_sessions_temporary_fold
     assert child.stdout.strip() == str(fingerprint_cache_path())   # a launched process inherits it
 
 
-def test_libraries_keep_their_user_files_under_the_sessions_temporary_folder(tmp_path, tmp_path_factory):
-    """matplotlib's config and font cache and the Hugging Face caches (set before collection, tests/conftest.py:
+def test_libraries_keep_their_user_files_under_the_sessions_user_folder(tmp_path):
+    """matplotlib's config and font cache and the Hugging Face caches (set at tests/conftest.py's import:
     huggingface_hub and datasets fix theirs at import, and the test files import transformers and TRL) resolve under
-    the session's temporary folder in the suite's process; a process it launches, whose HOME is here an empty folder,
+    the session's folder for them in the suite's process; a process it launches, whose HOME is here an empty folder,
     draws a plot and loads a local parquet folder through datasets, and leaves that HOME empty."""
     import huggingface_hub.constants
     import matplotlib
 
-    session = tmp_path_factory.getbasetemp()
+    session = Path(os.environ["ERPO_TESTS_USER_DIRS"])   # tests/conftest.py
+    assert not session.is_relative_to(Path.home())
     folders = {"matplotlib config": matplotlib.get_configdir(), "matplotlib cache": matplotlib.get_cachedir(),
                "HF_HOME": huggingface_hub.constants.HF_HOME}
     if importlib.util.find_spec("datasets") is not None:   # TRL's dependency
