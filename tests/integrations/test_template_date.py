@@ -3,7 +3,9 @@ trainers that render the prompts at each step (TRL, verl's agent loop): when the
 prompt's token ids change and none is in the reference cache. At start the trainer says so in one line with the fix
 (`date_string`, where the template reads it, as Llama 3's does; else a template without the date), and the miss
 names the date. The clock is moved where the template reads it: `datetime` of transformers' chat_template_utils.
-`erpo train` tokenizes its prompts once, at start: no date to move there."""
+
+Also: TRL's query_weight='current' without a cache (qkl_coef=0) refuses a prompt of fewer than 2 tokens, as the
+cache does (`check_scored_tokens`). `erpo train` tokenizes its prompts once, at start: no date to move there."""
 import logging
 import re
 from datetime import datetime, timedelta
@@ -108,6 +110,20 @@ def test_trl_date_string_pins_the_prompts(model_dir, tmp_path, monkeypatch, capl
     trainer.add_callback(MoveTheClockAfterStep(monkeypatch))
     trainer.train()
     assert [entry["step"] for entry in trainer.state.log_history if "qkl" in entry] == [1, 2]
+
+
+def test_trl_current_weights_refuse_a_one_token_prompt(model_dir, tmp_path):
+    """query_weight='current' with qkl_coef=0 builds no cache: a one-token prompt got w(q) = 0 from its empty
+    ell_theta(q) (its policy term dropped) and lowered the others' weights. Refused in one line at its step."""
+    pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+    rows = [{"prompt": text} for text in ["7", "1+1=", "22+3="]]
+    trainer = trl_trainer(model_dir, build_tokenizer(), rows, tmp_path, qkl_coef=0.0, query_weight="current",
+                          per_device_train_batch_size=6, chat_template_kwargs=None)
+    assert trainer.reference_cache is None
+    message = r"^prompt '7' has 1 token\(s\) \(\d of 6 prompts have fewer than 2\)"
+    with pytest.raises(ValueError, match=message) as error:
+        trainer.train()
+    assert "\n" not in str(error.value)
 
 
 # --- verl ------------------------------------------------------------------------------------------------------------

@@ -379,9 +379,13 @@ class ReferenceMixin:
         splits a list with the tensors), from which `_reference_of` looks the micro-batch up without reading the
         device; then, with a `rollout_func` or `environment_factory`, the generated prompts no process's cache has
         are scored at theta0 (`_keep_theta0`) and added to every process's cache, saved by the main one (a
-        collective, as generation is)."""
+        collective, as generation is). Without a cache, under query_weight='current', a prompt of fewer than 2 tokens
+        is refused (`check_scored_tokens`): its ell_theta(q) is a sum over no rows, its w(q) 0, and it lowers the
+        other prompts' weights."""
         output = super()._generate_and_score_completions(inputs)
         if self.reference_cache is None:
+            if self.args.query_weight == "current":   # w(q) from ell_theta(q), which such a prompt lacks
+                check_scored_tokens(self._generated_prompt_ids, self._tokenizer)
             return output
         prompt_ids = output[PROMPT_TOKEN_IDS] = self._generated_prompt_ids
         if self._theta0 is None:
