@@ -25,6 +25,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.query_reference import load_or_build_reference
+from erpo.integrations.template_date import DatedTemplate, date_dependence
 from erpo.integrations.verl import (
     REBUILD,
     STEP_MISS,
@@ -40,6 +41,10 @@ from erpo.models.loading import dropouts_besides_adapters
 from erpo.reference.cache import CACHE_FILE
 
 ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
+# a chat template that writes today's date (`template_date`): the fix, in verl's setting names
+DATE_KWARGS = "+data.apply_chat_template_kwargs.date_string={date_string}"
+DATE_TEMPLATE = "the tokenizer (actor_rollout_ref.model.path)"
+logger = logging.getLogger(__name__)
 
 
 def check_run_config(config, settings: ERPOSettings) -> None:
@@ -73,6 +78,19 @@ def training_prompt_ids(dataset, tokenizer, *, hf_model_type: str | None, chat_t
         ids = list(builder.build_initial_tokens(list(dataset[index]["raw_prompt"])))
         prompts.append(ids[-prompt_length:])
     return prompts
+
+
+def template_date(dataset, tokenizer, prompt_ids: list[list[int]], **rendering) -> DatedTemplate | None:
+    """Whether the chat template writes today's date into the prompts the actor trains on (`date_dependence`): the
+    first item of `dataset` built again as `training_prompt_ids` built it (`prompt_ids[0]`, with `rendering`: its
+    hf_model_type, chat_template_kwargs and prompt_length), as on another date. A date the left truncation cuts off
+    is none."""
+    if not prompt_ids:
+        return None
+    kwargs = rendering.pop("chat_template_kwargs")
+    return date_dependence(lambda extra: training_prompt_ids([dataset[0]], tokenizer, **rendering,
+                                                             chat_template_kwargs={**kwargs, **extra})[0],
+                           prompt_ids[0])
 
 
 def actor_param_dtype(actor) -> torch.dtype:
@@ -140,10 +158,15 @@ class ERPOTrainer(PPOTrainerSync):
             check_actor_dropout(model.hf_config)
         check_fused_logits(fused_kernels_backend(model), model.hf_config)
         rollout = self.config.actor_rollout_ref.rollout
-        prompt_ids = training_prompt_ids(
-            self.train_dataset, self.tokenizer, hf_model_type=getattr(model.hf_config, "model_type", None),
-            chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),
-            prompt_length=rollout.prompt_length)
+        rendering = dict(hf_model_type=getattr(model.hf_config, "model_type", None),
+                         chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),
+                         prompt_length=rollout.prompt_length)
+        prompt_ids = training_prompt_ids(self.train_dataset, self.tokenizer, **rendering)
+        step_miss = STEP_MISS
+        dated = template_date(self.train_dataset, self.tokenizer, prompt_ids, **rendering)
+        if dated is not None:   # verl's agent loop renders each prompt at each step
+            logger.warning("ERPO: %s", dated.start_warning("verl's agent loop", DATE_KWARGS, DATE_TEMPLATE))
+            step_miss = f"{STEP_MISS} {dated.miss_cause(DATE_KWARGS, DATE_TEMPLATE)}"
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         erpo_log = logging.getLogger("erpo")
@@ -155,5 +178,5 @@ class ERPOTrainer(PPOTrainerSync):
                                      self.config.trainer.device)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score,
-                                       trainer="verl", remedy=REBUILD, step_miss=STEP_MISS,
+                                       trainer="verl", remedy=REBUILD, step_miss=step_miss,
                                        resumed_step=self.global_steps)   # verl's: 0 at a fresh start

@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from erpo.atomic import publish
+from erpo.integrations.template_date import DatedTemplate, date_dependence
 from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.lora import reference_model
 from erpo.reference.cache import (
@@ -47,6 +48,9 @@ PADDING_PROBE = (16, 4)  # `check_left_padding`: a prompt's first 16 tokens, 4 p
 # in each checkpoint, the weights fingerprint of theta0, the model the run's trainer was given: a resume is checked
 # against it (`_check_theta0_record`)
 THETA0_RECORD = "erpo_theta0.json"
+# a chat template that writes today's date (`template_date`): the fix, in TRL's setting names
+DATE_KWARGS = "ERPOConfig(chat_template_kwargs={{..., 'date_string': {date_string}}})"
+DATE_TEMPLATE = "the tokenizer (processing_class)"
 
 
 def device_prompt_ids(inputs: dict) -> list:
@@ -137,6 +141,7 @@ class ReferenceMixin:
     _train_surprisal: float  # the training prompts' mean -ell_theta0(q) (nats), set by the cache's load
     _generated_prompt_ids: list[list[int]]  # the last `_generate`'s prompt token ids, one list per sample
     _theta0_weights: str     # `weights_fingerprint` of the model as passed (theta0), set by the cache's load
+    _dated_template: DatedTemplate | None   # the chat template writes today's date (set by the cache's load)
 
     def _prompt_ids(self, dataset) -> list[list[int]]:
         """Token ids of every prompt of `dataset`, tokenized by TRL's `_tokenize_prompts`; of an IterableDataset,
@@ -220,6 +225,9 @@ class ReferenceMixin:
         self._theta0_weights = weights_fingerprint(self.model)
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
         check_scored_tokens(train_ids, self._tokenizer)   # the eval prompts the cache lacks: `_held_out_entries`
+        self._dated_template = self._template_date(train_ids)
+        if self._dated_template is not None:
+            logger.warning("ERPOTrainer: %s", self._dated_template.start_warning("TRL", DATE_KWARGS, DATE_TEMPLATE))
         if train_ids:
             pad_id = self._tokenizer.pad_token_id
             check_left_padding(self.model, train_ids[0], self._tokenizer.eos_token_id if pad_id is None else pad_id)
@@ -255,6 +263,31 @@ class ReferenceMixin:
             cache.save(path)
         self.accelerator.wait_for_everyone()
         return cache
+
+    def _template_date(self, train_ids: list[list[int]]) -> DatedTemplate | None:
+        """Whether the chat template writes today's date (`date_dependence`), by the first training prompt (token
+        ids `train_ids[0]`) rendered again as `_prompt_ids` renders it (TRL's `_tokenize_prompts` with its
+        chat_template_kwargs), as on another date. A first row `_prompt_ids` leaves out (it names an environment the
+        factory lacks: TRL refuses it when drawn) is not checked; nor the prompts of a `rollout_func` or
+        `environment_factory`: those the cache lacks are scored at theta0 when generated (`_keep_theta0`)."""
+        if not train_ids or self.rollout_func is not None or self.environment_factories is not None:
+            return None
+        dataset, kwargs = self.train_dataset, self.chat_template_kwargs
+        head = dataset.select(range(1)) if hasattr(dataset, "__len__") else dataset.take(1)
+
+        def render(extra: dict) -> list[int]:
+            self.chat_template_kwargs = {**kwargs, **extra}
+            try:
+                return next(iter(self._prompt_ids(head)), train_ids[0])
+            finally:
+                self.chat_template_kwargs = kwargs
+
+        return date_dependence(render, train_ids[0])
+
+    def _date_cause(self) -> str:
+        """What a cache miss's message ends with when the chat template writes today's date (else nothing)."""
+        return "" if self._dated_template is None else " " + self._dated_template.miss_cause(DATE_KWARGS,
+                                                                                            DATE_TEMPLATE)
 
     def _save_theta0_record(self, checkpoint: str) -> None:
         """Write THETA0_RECORD into `checkpoint` (a folder just saved; the main process only): theta0's fingerprints
@@ -346,9 +379,13 @@ class ReferenceMixin:
         splits a list with the tensors), from which `_reference_of` looks the micro-batch up without reading the
         device; then, with a `rollout_func` or `environment_factory`, the generated prompts no process's cache has
         are scored at theta0 (`_keep_theta0`) and added to every process's cache, saved by the main one (a
-        collective, as generation is)."""
+        collective, as generation is). Without a cache, under query_weight='current', a prompt of fewer than 2 tokens
+        is refused (`check_scored_tokens`): its ell_theta(q) is a sum over no rows, its w(q) 0, and it lowers the
+        other prompts' weights."""
         output = super()._generate_and_score_completions(inputs)
         if self.reference_cache is None:
+            if self.args.query_weight == "current":   # w(q) from ell_theta(q), which such a prompt lacks
+                check_scored_tokens(self._generated_prompt_ids, self._tokenizer)
             return output
         prompt_ids = output[PROMPT_TOKEN_IDS] = self._generated_prompt_ids
         if self._theta0 is None:
@@ -383,7 +420,8 @@ class ReferenceMixin:
         self._check_cached(self.reference_cache, prompt_ids, (
             f"and theta0 is gone (an optimizer step was taken): it comes from the {source}, which ERPOTrainer did not "
             "read at construction (an IterableDataset is read up to ERPOConfig.iterable_prompts rows); pass it as "
-            "train_dataset / eval_dataset, raise iterable_prompts, or evaluate it before training"))
+            "train_dataset / eval_dataset, raise iterable_prompts, or evaluate it before training."
+            + self._date_cause()))
         return self.reference_cache.lookup(prompt_ids, path=self.reference_cache_path, device=device)  # one upload
 
     def _add_at_theta0(self, prompt_ids: list[list[int]], ell: torch.Tensor) -> None:

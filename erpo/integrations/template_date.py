@@ -1,0 +1,57 @@
+"""Whether a chat template writes today's date into the prompts (Llama 3.x's, some Mistral ones: transformers'
+`strftime_now`, local time), found at a run's start by rendering one prompt as on another date.
+
+TRL and verl render the prompts at each step, while the reference cache is keyed by their token ids as rendered at
+start: when the date changes during the run, no prompt is in the cache and the run stops. `date_dependence` finds
+it with one render, so that the trainer can say so before training, and its miss message can name the date."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+DATE_SHIFT = timedelta(days=400)   # another day, month, year and weekday
+DATE_STRING_FORMAT = "%d %b %Y"    # Llama 3.x's `date_string` ("26 Jul 2024"), which its template writes as is
+
+
+def on_another_date(shift: timedelta = DATE_SHIFT) -> dict:
+    """Chat template keyword arguments that render as on the date `shift` from now: transformers' `strftime_now`,
+    a global of its template environment, shadowed by a render variable of the same name."""
+    return {"strftime_now": (datetime.now() + shift).strftime}
+
+
+@dataclass(frozen=True)
+class DatedTemplate:
+    """A chat template that writes today's date: `today` (DATE_STRING_FORMAT) and whether `date_string=today`
+    renders the prompts as today on any date (Llama 3.x's template reads it)."""
+
+    today: str
+    takes_date_string: bool
+
+    def fix(self, kwargs_setting: str, template_setting: str) -> str:
+        """What to set, in the trainer's setting names: `kwargs_setting` formats the date_string pair (the chat
+        template's keyword arguments), `template_setting` names where a template goes."""
+        if self.takes_date_string:
+            return f"set {kwargs_setting.format(date_string=repr(self.today))} (the date the cache's prompts hold)"
+        return f"give {template_setting} a chat template that writes no date (it does not read date_string)"
+
+    def start_warning(self, trainer: str, kwargs_setting: str, template_setting: str) -> str:
+        """The one line said before training: what will happen, and the fix."""
+        return (f"the chat template writes today's date ({self.today}) into every prompt, which {trainer} renders at "
+                "each step: when the date changes during the run (local time), no prompt is in the reference cache, "
+                f"keyed by today's prompts, and the run stops; {self.fix(kwargs_setting, template_setting)}")
+
+    def miss_cause(self, kwargs_setting: str, template_setting: str) -> str:
+        """The clause a prompt missing from the cache mid-run ends with: the date as a possible cause."""
+        return (f"Or the date changed since the cache was built: the chat template writes today's date into the "
+                f"prompts; {self.fix(kwargs_setting, template_setting)}, and resume.")
+
+
+def date_dependence(render: Callable[[dict], list[int]], rendered: list[int]) -> DatedTemplate | None:
+    """None when one prompt, `rendered` (its token ids as the trainer rendered it today), renders the same on another
+    date; else the DatedTemplate. `render(kwargs)` renders that prompt as the trainer does, with `kwargs` added to
+    the chat template's keyword arguments. One render; one more only for a template that writes the date."""
+    if render(on_another_date()) == rendered:
+        return None
+    today = datetime.now().strftime(DATE_STRING_FORMAT)
+    return DatedTemplate(today, render({**on_another_date(), "date_string": today}) == rendered)

@@ -1,0 +1,204 @@
+"""A chat template that writes today's date (Llama 3.x's, with transformers' `strftime_now`, local time), in the
+trainers that render the prompts at each step (TRL, verl's agent loop): when the date changes during a run every
+prompt's token ids change and none is in the reference cache. At start the trainer says so in one line with the fix
+(`date_string`, where the template reads it, as Llama 3's does; else a template without the date), and the miss
+names the date. The clock is moved where the template reads it: `datetime` of transformers' chat_template_utils.
+
+Also: TRL's query_weight='current' without a cache (qkl_coef=0) refuses a prompt of fewer than 2 tokens, as the
+cache does (`check_scored_tokens`). `erpo train` tokenizes its prompts once, at start: no date to move there."""
+import logging
+import re
+from datetime import datetime, timedelta
+
+import pytest
+from transformers import TrainerCallback
+from transformers.utils import chat_template_utils
+
+from erpo.integrations.template_date import DATE_STRING_FORMAT
+from erpo.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from test_query_tokens import (
+    THINKING_OFF,
+    agent_loop_prompts,
+    chat_model,  # noqa: F401 (its fixture)
+    trl_rows,
+    trl_trainer,
+    verl_dataset,
+)
+
+# Llama 3.x's way: `date_string` when given, else today's date
+TAKES_DATE_STRING = ("{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+                     "Today: {{ date_string }}\n" + CHAT_TEMPLATE)
+CLOCK_ONLY = "Today: {{ strftime_now('%d %b %Y') }}\n" + CHAT_TEMPLATE   # no way to pin it but another template
+TEMPLATES = {"date_string": TAKES_DATE_STRING, "clock-only": CLOCK_ONLY}
+
+
+@pytest.fixture(scope="module")
+def model_dir(request) -> str:
+    """The tiny Qwen2's model directory of test_query_tokens' `chat_model` (build_tokenizer's vocabulary)."""
+    return request.getfixturevalue("chat_model")[0]
+
+
+def dated_tokenizer(template: str):
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def today() -> str:
+    return datetime.now().strftime(DATE_STRING_FORMAT)
+
+
+def move_the_clock(monkeypatch, days: int = 1) -> None:
+    """transformers' `strftime_now` reads the date `days` from now."""
+    class Moved(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + timedelta(days=days)
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Moved)
+
+
+class MoveTheClockAfterStep(TrainerCallback):
+    """The date changes after the first optimizer step (the audit's reproduction)."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            move_the_clock(self.monkeypatch)
+
+
+def date_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "writes today's date" in r.getMessage()]
+
+
+# --- TRL -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_trl_a_template_that_writes_the_date_is_named(model_dir, tmp_path, monkeypatch, caplog, template):
+    """At construction one line warns that the prompts carry today's date and names the fix; when the date changes
+    after the first optimizer step, the next step's miss names the date and the same fix (before: only 'did not
+    read at construction')."""
+    pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+    fix = (rf"set ERPOConfig\(chat_template_kwargs=\{{\.\.\., 'date_string': '{today()}'\}}\)"
+           if template == "date_string" else
+           r"give the tokenizer \(processing_class\) a chat template that writes no date")
+    with caplog.at_level(logging.WARNING):
+        trainer = trl_trainer(model_dir, dated_tokenizer(TEMPLATES[template]), trl_rows(True), tmp_path,
+                              max_steps=2, chat_template_kwargs=None)
+    warned = date_warnings(caplog)
+    assert len(warned) == 1 and "\n" not in warned[0]
+    assert re.fullmatch(rf"ERPOTrainer: the chat template writes today's date \({today()}\) into every prompt, which "
+                        rf"TRL renders at each step: .* and the run stops; {fix} \(.*\)", warned[0])
+    trainer.add_callback(MoveTheClockAfterStep(monkeypatch))
+    with pytest.raises(ValueError, match=r"^prompt '.*' has no ell_theta0\(q\) in the reference cache .*did not read "
+                                         r"at construction .* Or the date changed since the cache was built: the chat "
+                                         rf"template writes today's date into the prompts; {fix}.*, and resume\.$"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_trl_date_string_pins_the_prompts(model_dir, tmp_path, monkeypatch, caplog):
+    """With the fix (chat_template_kwargs' date_string) nothing is said, and two steps on either side of a date
+    change read the cache."""
+    pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+    with caplog.at_level(logging.WARNING):
+        trainer = trl_trainer(model_dir, dated_tokenizer(TAKES_DATE_STRING), trl_rows(True), tmp_path,
+                              max_steps=2, chat_template_kwargs={"date_string": today()})
+    assert date_warnings(caplog) == []
+    trainer.add_callback(MoveTheClockAfterStep(monkeypatch))
+    trainer.train()
+    assert [entry["step"] for entry in trainer.state.log_history if "qkl" in entry] == [1, 2]
+
+
+def test_trl_current_weights_refuse_a_one_token_prompt(model_dir, tmp_path):
+    """query_weight='current' with qkl_coef=0 builds no cache: a one-token prompt got w(q) = 0 from its empty
+    ell_theta(q) (its policy term dropped) and lowered the others' weights. Refused in one line at its step."""
+    pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+    rows = [{"prompt": text} for text in ["7", "1+1=", "22+3="]]
+    trainer = trl_trainer(model_dir, build_tokenizer(), rows, tmp_path, qkl_coef=0.0, query_weight="current",
+                          per_device_train_batch_size=6, chat_template_kwargs=None)
+    assert trainer.reference_cache is None
+    message = r"^prompt '7' has 1 token\(s\) \(\d of 6 prompts have fewer than 2\)"
+    with pytest.raises(ValueError, match=message) as error:
+        trainer.train()
+    assert "\n" not in str(error.value)
+
+
+# --- verl ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def verl_loop():
+    """verl's modules for the agent loop (skipped without verl); bench.verl_engine first sets verl's CPU platform."""
+    pytest.importorskip("bench.verl_engine", exc_type=ModuleNotFoundError)
+    pytest.importorskip("transfer_queue", exc_type=ModuleNotFoundError)   # erpo.integrations.verl_trainer's verl
+    from erpo.integrations import verl_trainer
+    return verl_trainer
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_verl_agent_loop_renders_the_date_each_step(verl_loop, tmp_path, monkeypatch, template):
+    """verl's single-turn agent loop renders each prompt when it runs: a day later its prompt_ids are not the ones
+    the cache was keyed by at start. `template_date` finds it from the first prompt as `training_prompt_ids` builds
+    it, whether the template reads date_string; a date the left truncation cuts off does not count."""
+    from omegaconf import OmegaConf
+    tokenizer = dated_tokenizer(TEMPLATES[template])
+    dataset, data_config = verl_dataset(tokenizer, tmp_path)
+    rendering = dict(hf_model_type="qwen2", chat_template_kwargs=THINKING_OFF, prompt_length=100)
+    ours = verl_loop.training_prompt_ids(dataset, tokenizer, **rendering)
+    dated = verl_loop.template_date(dataset, tokenizer, ours, **rendering)
+    assert dated is not None and (dated.today, dated.takes_date_string) == (today(), template == "date_string")
+    cut = dict(rendering, prompt_length=40)   # the date is in the first tokens, cut off
+    assert verl_loop.template_date(dataset, tokenizer, verl_loop.training_prompt_ids(dataset, tokenizer, **cut),
+                                   **cut) is None
+
+    move_the_clock(monkeypatch)
+    assert agent_loop_prompts(dataset, data_config, tokenizer, prompt_length=100) != ours
+    if template == "date_string":   # the fix: the loop's prompts a day later are the start's
+        pinned = dict(rendering, chat_template_kwargs={**THINKING_OFF, "date_string": today()})
+        monkeypatch.undo()
+        at_start = verl_loop.training_prompt_ids(dataset, tokenizer, **pinned)
+        assert at_start == ours and verl_loop.template_date(dataset, tokenizer, at_start, **pinned) is None
+        move_the_clock(monkeypatch)
+        config = OmegaConf.merge(data_config, {"apply_chat_template_kwargs": pinned["chat_template_kwargs"]})
+        assert agent_loop_prompts(dataset, config, tokenizer, prompt_length=100) == ours
+
+
+def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkeypatch, caplog):
+    """The `erpo` trainer mode's start (verl's setup stood in for as in test_verl_integration) warns in one line
+    with verl's setting; a day later the agent loop's prompts miss the cache, and the miss names the date."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from bench import verl_engine
+    from erpo.integrations.verl import ERPOSettings
+    from test_verl_integration import PROMPTS, run_config
+    tokenizer = dated_tokenizer(TAKES_DATE_STRING)
+    dataset = [{"raw_prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+    engine = verl_engine.build_engine(model_dir, param_dtype="bf16")
+
+    def verl_setup(self):   # what PPOTrainer._setup leaves behind that the ERPO trainer reads
+        self.tokenizer, self.processor, self.train_dataset, self.global_steps = tokenizer, None, dataset, 0
+        self.actor_rollout_wg = verl_engine.EngineWorkerGroup(engine, world_size=1)
+
+    monkeypatch.setattr(PPOTrainerSync, "_setup", verl_setup)
+    trainer = object.__new__(verl_loop.ERPOTrainer)
+    trainer.config = OmegaConf.merge(run_config((model_dir,), tmp_path, qkl_coef=0.02), OmegaConf.from_dotlist([
+        "trainer.device=cpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.model.override_config.attn_implementation=sdpa"]))
+    trainer.erpo_settings = ERPOSettings(qkl_coef=0.02)
+    with caplog.at_level(logging.WARNING):
+        trainer._setup()
+    fix = rf"set \+data.apply_chat_template_kwargs.date_string='{today()}' \(the date the cache's prompts hold\)"
+    (warned,) = date_warnings(caplog)
+    assert re.fullmatch(rf"ERPO: the chat template writes today's date \({today()}\) into every prompt, which "
+                        rf"verl's agent loop renders at each step: .*; {fix}", warned)
+    reference = trainer.actor_rollout_wg.loss_fns[0].keywords["reference"]
+    rendering = dict(hf_model_type="qwen2", chat_template_kwargs={},
+                     prompt_length=trainer.config.actor_rollout_ref.rollout.prompt_length)
+    reference.lookup(verl_loop.training_prompt_ids(dataset, tokenizer, **rendering))
+    move_the_clock(monkeypatch)
+    with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\+erpo.query_weight=none\. Or the date changed "
+                                         rf"since the cache was built: .*; {fix}, and resume\.$"):
+        reference.lookup(verl_loop.training_prompt_ids(dataset, tokenizer, **rendering))
