@@ -321,7 +321,8 @@ def backbone_rows(actor, sequences: torch.Tensor, attention_mask: torch.Tensor, 
     or the DeepSpeed engine around either) on Actor.forward's inputs: position ids counted over the real tokens (1 on
     padding) with the attention mask; with the actor's packing_samples, its unpadding: the real tokens back to back
     in one row [1, N], positions restarting at each sample, no mask (each row then read where its token was packed;
-    `rows` must be real tokens). Only the last position's logits are formed (`last_hidden_and_output`)."""
+    `rows` must be real tokens: no padding is packed). Only the last position's logits are formed
+    (`last_hidden_and_output`)."""
     if getattr(actor, "packing_samples", False):
         real = attention_mask.bool().reshape(-1)
         packed = real.nonzero().squeeze(1)
@@ -368,6 +369,10 @@ def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor
     check_no_ring_attention(ring_attn_group)
     num, length = sequences.shape
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
+    packed = getattr(actor, "packing_samples", False)
+    if packed:   # Actor.forward packs no padding: its log-probs and entropy are 0 there
+        kind = torch.where(attention_mask.bool(), kind, 0)
+        targets = torch.where(kind.reshape(-1) != 0, targets, -100)
     if not fused_linear:
         output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
                        **mm_inputs)
@@ -375,6 +380,8 @@ def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor
         scored = token_logprobs(output["logits"].reshape(num * length, -1), targets, return_entropy=return_entropy,
                                 validate=False)
         logp, entropy = scored if return_entropy else (scored, None)
+        if packed and entropy is not None:
+            entropy = torch.where(attention_mask.reshape(-1).bool(), entropy, 0.0)
         return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
     check_fused_linear(actor, mm_inputs)
     rows = (kind.reshape(-1) != 0).nonzero().squeeze(1)   # the one host read: the scored rows' positions

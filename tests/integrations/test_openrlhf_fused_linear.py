@@ -288,7 +288,8 @@ def test_packing_samples_is_the_padded_forward(actor_kind, family, layout, reque
     when no attention mask is passed (`masking_utils.find_packed_sequence_indices`), so sdpa keeps each sample to
     itself, and every sample but the first would differ if it attended across (`test_packing_is_per_sample`). With
     OpenRLHF installed, the lean path packed also equals OpenRLHF's own packed Actor.forward (its unpad_and_slice_tensor
-    and gather_and_pad_tensor, flash-attn's padding helpers in torch)."""
+    and gather_and_pad_tensor, flash-attn's padding helpers in torch), also with an action row on padding (0 there on
+    both paths, as Actor.forward's own action log-probs: no padding is packed)."""
     model = far_from(theta0_of(family))
     batch = padded_batch(layout)
     padded = packed_and_padded(actor_around(actor_kind, model), batch, fused_linear=True)
@@ -298,6 +299,18 @@ def test_packing_samples_is_the_padded_forward(actor_kind, family, layout, reque
         request.getfixturevalue("openrlhf_packing")
         theirs = packed_and_padded(actor_around(actor_kind, model, packing=True), batch, fused_linear=False)
         assert_same_scores(packed, theirs, "lean packed vs Actor.forward packed")
+        sequences, action_mask, attention_mask = batch   # an action row on padding: 0 packed, as Actor.forward's
+        action_mask = action_mask.clone()
+        action_mask[2, -1] = True
+        assert attention_mask[2, -2] == 0
+        packing = actor_around(actor_kind, model, packing=True)
+        on_padding = (sequences, action_mask, attention_mask)
+        lean, ours = (packed_and_padded(packing, on_padding, fused_linear=fused) for fused in (True, False))
+        assert_same_scores(lean, ours, "an action row on padding, packed")
+        with torch.no_grad():
+            theirs = packing(sequences, action_mask, attention_mask=attention_mask)   # Actor.forward's own
+        torch.testing.assert_close(lean[0], theirs, rtol=1e-5, atol=2e-5)
+        assert lean[0][2, -1] == 0
 
 
 def test_packing_is_per_sample():
