@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import erpo.integrations.openrlhf as integration
+from bench.openrlhf_memory import ring_attention_stand_in
 from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs
 from erpo.models.tiny import build_tokenizer
 from erpo_kernels import logprob_erpo_loss
@@ -28,21 +29,6 @@ from launch_counts import LaunchCounter
 from tiny_models import save_tiny_model
 
 WITHOUT_OPENRLHF = "OpenRLHF is not in the test extra: pip install --no-deps openrlhf==0.11.2"
-
-
-def ring_attention_stand_in():
-    """A stand-in for `openrlhf.models.ring_attn_utils`, which imports flash_attn at its top (absent on a CPU
-    machine). Its helpers serve the packed path only (packing_samples, ring attention), which these tests do not
-    take; its record of the ring group says none, as OpenRLHF's without ring attention. Stubbing that module rather
-    than flash_attn keeps flash_attn absent for transformers, which probes it."""
-    def packed_path_only(*args, **kwargs):
-        raise RuntimeError("the packed path needs flash-attn, absent here")
-
-    stand_in = types.ModuleType("openrlhf.models.ring_attn_utils")
-    for name in ("gather_and_pad_tensor", "unpad_and_slice_tensor", "set_ring_attn_group"):
-        setattr(stand_in, name, packed_path_only)
-    stand_in.get_ring_attn_group = lambda: None
-    return stand_in
 
 
 @pytest.fixture(scope="module")
