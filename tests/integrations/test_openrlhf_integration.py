@@ -731,11 +731,11 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def recipe_lines() -> tuple[list[str], list[str]]:
-    """The recipe's diff in docs/integrations.md (section "OpenRLHF: one loss, two calls"): (the lines it removes,
-    the lines it adds), each without its leading -/+."""
+def recipe_lines(heading: str = "## OpenRLHF: one loss, two calls") -> tuple[list[str], list[str]]:
+    """The first diff under `heading` in docs/integrations.md (by default the recipe's; "### The lean path" the one
+    that turns fused_linear on): (the lines it removes, the lines it adds), each without its leading -/+."""
     text = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    section = text[text.index("## OpenRLHF: one loss, two calls"):]
+    section = text[text.index(heading):]
     block = section[section.index("```diff\n") + len("```diff\n"):]
     lines = block[:block.index("```")].splitlines()
     return [line[1:] for line in lines if line.startswith("-")], [line[1:] for line in lines if line.startswith("+")]
@@ -761,11 +761,12 @@ def recipe_source(source: str, *, fused_linear: bool = False) -> str:
     source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[12:17]) + "\n")
     loss_call = "            **loss_batch_info,\n        )\n"
     source = replace(loss_call, loss_call.replace("        )\n", "\n".join(added[17:] + ["        )"]) + "\n"))
-    if fused_linear:
-        source = replace("resumed_step=self.actor.model.global_steps or None)",
-                         "resumed_step=self.actor.model.global_steps or None, fused_linear=True)")
-        source = replace("actor_logprobs(self.actor, sequences, action_mask, attention_mask,",
-                         "actor_logprobs(self.actor, sequences, action_mask, attention_mask, fused_linear=True,")
+    if fused_linear:   # the lean path's diff: fused_linear=True in both calls, PolicyModelActor.forward's old log-probs
+        removed, added = recipe_lines("### The lean path")
+        assert len(removed) == 9 and len(added) == 5, "the lean path's diff changed: update its hunks here"
+        source = replace(removed[0], added[0])
+        source = replace(removed[1], added[1])
+        source = replace("\n".join(removed[2:]), "\n".join(added[2:]))
     return source
 
 
@@ -777,8 +778,9 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
     PromptDataset with the chat template, without its file reading), and its training_step at theta0 has a Query-KL
     of 0, ERPO's metrics weighed per sample, and the status and every parameter's gradient of the unmodified step with
     PolicyLoss on the advantages times the cached w(q). A run resumed from a checkpoint (the engine's global_steps
-    restored) without its cache is refused in one line, not scored afresh. The same with the lean path turned on as the
-    page says (`fused_linear=True` in both calls: the cache records it). No Ray, no vLLM: a stand-in strategy that
+    restored) without its cache is refused in one line, not scored afresh. The same with the lean path turned on by the
+    page's second diff (`fused_linear=True` in both calls: the cache records it; PolicyModelActor.forward's old
+    log-probs on the lean path, as actor_logprobs scores them). No Ray, no vLLM: a stand-in strategy that
     backpropagates."""
     import openrlhf.trainer
     from openrlhf.datasets import PromptDataset
@@ -842,6 +844,18 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
         torch.testing.assert_close(metrics[name], theirs["metrics"][name], rtol=1e-6, atol=1e-7, msg=name)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    if fused_linear:   # PolicyModelActor.forward (the old log-probs, with the page's change; Ray's wrapper left out)
+        old_forward = module.PolicyModelActor.__ray_metadata__.modified_class.forward
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        old = old_forward(NS(actor=actor, strategy=strategy), sequences, action_mask, attention_mask)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert actor.training   # put back in train mode, as OpenRLHF's
+        actor.eval()
+        with torch.no_grad():
+            lean = actor_logprobs(actor, sequences, action_mask, attention_mask, fused_linear=True).action_log_probs
+        actor.train()
+        torch.testing.assert_close(old, lean, rtol=0, atol=0)
 
     actor.model.global_steps = 7   # as DeepSpeed's load_checkpoint leaves a resumed run's engine
     args.ckpt.path = str(tmp_path / "resumed")
