@@ -4,9 +4,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class MaxAllocation(TorchDispatchMode):
-    """Records the element count (`largest`) and the bytes (`largest_bytes`) of the largest tensor an op creates. Views and in-place ops allocate nothing and are
-    skipped (the Triton interpreter's copies of kernel arguments between its host and "device" buffers are
-    in-place copy_/set_ calls on the arguments' own storage)."""
+    """Records the element count (`largest`) and the bytes (`largest_bytes`) of the largest tensor an op creates.
+    Views and in-place ops allocate nothing and are skipped (the Triton interpreter's copies of kernel arguments
+    between its host and "device" buffers are in-place copy_/set_ calls on the arguments' own storage)."""
 
     def __init__(self):
         super().__init__()
