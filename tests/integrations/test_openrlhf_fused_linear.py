@@ -30,7 +30,6 @@ import pytest
 import torch
 import transformers
 
-import erpo_kernels.fused_linear_loss as fused_linear_loss
 from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs
 from max_allocation import MaxAllocation
 from test_openrlhf_integration import (  # noqa: F401  (openrlhf_models, actor_step: fixtures)
@@ -458,11 +457,12 @@ def test_old_log_probs_on_the_lean_path_make_the_first_ratio_one(actor_kind):
     assert ppo_kl != 0 and (step.detach() - old[False])[action_mask].abs().max() > 1e-3
 
 
-def test_the_lean_path_never_builds_the_logits(monkeypatch):
-    """The largest tensor `actor_logprobs` and its backward create (MaxAllocation): on the logits path at least the
-    logits [B, T, V]; on the lean path under an eighth of them (its chunks' logits [LOGITS_ROWS, V] of the scored rows,
-    the head [V, D] and its gradient, the MLP's [B, T, 32]: B T > 8 D here, the chunk set to 16 rows)."""
-    monkeypatch.setattr(fused_linear_loss, "LOGITS_ROWS", 16)
+def test_the_lean_path_never_builds_the_logits():
+    """The largest tensor `actor_logprobs` and its backward create outside erpo_kernels' op (MaxAllocation sees the
+    custom op `erpo::fused_linear_logp_entropy` as one op, its outputs [R]; its chunked workspace is the kernel tier's
+    to test, and bench.openrlhf_memory measures the whole step's peak memory): on the logits path at least the logits
+    [B, T, V]; on the lean path under an eighth of them (the model's own logits are the last position's: its forward
+    runs with logits_to_keep=1; the head [V, D] and its gradient, the MLP's [B, T, 32]: B T > 8 D here)."""
     config_class, model_class, _ = FAMILIES["qwen2"]
     torch.manual_seed(0)
     model = model_class(config_class(**dict(COMMON, vocab_size=512, hidden_size=16, intermediate_size=32, head_dim=4),
