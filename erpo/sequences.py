@@ -85,7 +85,17 @@ def final_hidden(model, batch: PackedBatch) -> torch.Tensor:
 
 def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
     """(final_hidden's [R, D], the model's whole output): `forward_kwargs` go to the forward, e.g.
-    output_router_logits=True for an MoE model's `aux_loss`.
+    output_router_logits=True for an MoE model's `aux_loss`. The forward is `last_hidden_and_output`'s."""
+    hidden_states, out = last_hidden_and_output(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                                **forward_kwargs)
+    return scored_rows(hidden_states, batch), out
+
+
+def last_hidden_and_output(model, **model_inputs):
+    """(the decoder's last_hidden_state [B, L, D], the model's whole output) of one forward of `model` (a causal LM,
+    a PEFT model or a DeepSpeed engine around one) on `model_inputs` (input_ids [B, L], and attention_mask,
+    position_ids, output_router_logits, ... as the model takes them); only the last position's logits are computed
+    (logits_to_keep=1).
 
     The causal LM's own forward runs (a PEFT model's adapters, a DeepSpeed engine's ZeRO-3 hooks, an MoE's router
     logits), and a forward hook on its decoder (`get_decoder()`) keeps the decoder's `last_hidden_state` [B, L, D]:
@@ -100,15 +110,14 @@ def final_hidden_and_output(model, batch: PackedBatch, **forward_kwargs):
 
     handle = decoder.register_forward_hook(keep_last_hidden)
     try:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
-                    use_cache=False, **forward_kwargs)
+        out = model(**model_inputs, logits_to_keep=1, use_cache=False)
     finally:
         handle.remove()
     if len(kept) != 1 or kept[0] is None:   # refused, never guessed: transformers' causal LMs run it once
         raise ValueError(f"the forward of {type(model).__name__} ran its decoder ({type(decoder).__name__}, its "
                          f"get_decoder()) {len(kept)} times, not once with a last_hidden_state: erpo reads the final "
                          "hidden states of a causal LM whose forward does, as transformers' causal LMs do")
-    return scored_rows(kept[0], batch), out
+    return kept[0], out
 
 
 def scored_rows(hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -155,10 +164,23 @@ def scored_token_logp(model, batch: PackedBatch, temperature: float = 1.0, autoc
     transform as read once by the caller (`logit_transforms`); None: read from the model's config here."""
     with (autocast or contextlib.nullcontext)():
         hidden = final_hidden(model, batch)
-    with whole_lm_head(model) as (weight, bias):
-        return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, batch.targets, bias=bias,
-                                           temperature=temperature,
-                                           **(logit_transforms(model) if logit_options is None else logit_options))
+    return head_token_logprobs(model, hidden, batch.targets, temperature=temperature, logit_options=logit_options)
+
+
+def head_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                        logit_options: dict | None = None, return_entropy: bool = False, validate: bool = True):
+    """Log-probs [R] fp32 (nats) of `targets` [R] (-100: unscored, 0) under `model`'s lm_head on its final hidden
+    states `hidden` [R, D], with the model's logit transform and `temperature`, the [R, V] logits never built
+    (`erpo_kernels.fused_linear_token_logprobs`, on the head's dtype); with `return_entropy`
+    also each row's entropy [R] fp32 (nats). Differentiable in hidden and the head, but the head is whole only
+    inside this call (`whole_lm_head`): under ZeRO-3 or FSDP2 run it without gradient. `logit_options`: the
+    transform as read once by the caller (`logit_transforms`); None: read from the model's config here. `validate`
+    as the kernels' (False: the targets are known to lie in the vocabulary, no host read)."""
+    options = logit_transforms(model) if logit_options is None else logit_options
+    with whole_lm_head(model) as (weight, bias):   # the kernels are custom ops: a caller's autocast does not reach them
+        return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, targets, bias=bias,
+                                           temperature=temperature, return_entropy=return_entropy, validate=validate,
+                                           **options)
 
 
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:

@@ -4,9 +4,12 @@ action log-probs with ell_theta(q) from one forward of the actor.
 OpenRLHF's actor forward (`Actor.forward`) already scores every position of prompt + response and keeps the action
 part. `actor_logprobs` runs that forward and scores the prompt rows too, in erpo_kernels (`token_logprobs`,
 `sample_sums`): the action log-probs [B, A] that `PolicyLoss` takes, and ell_theta(q) [B], the sum of log p(x_t |
-x_<t) over the prompt's tokens 2..P, with its graph. `ERPOPolicyLoss` takes PolicyLoss's inputs plus ell_theta(q),
-the cached ell_theta0(q) and w(q) (`erpo.integrations.openrlhf_reference`), and forms through erpo_kernels'
-`logprob_erpo_loss`
+x_<t) over the prompt's tokens 2..P, with its graph. With `fused_linear=True` it runs the actor's backbone as
+Actor.forward runs it (its position ids, its packing_samples) for the final hidden states and scores the prompt and
+action rows alone against the lm_head in the kernels (`fused_linear_token_logprobs`, with the model's logit transform
+and the actor's temperature): the fp32 logits [B, T, V] are never built. `ERPOPolicyLoss` takes PolicyLoss's inputs
+plus ell_theta(q), the cached ell_theta0(q) and w(q) (`erpo.integrations.openrlhf_reference`), and forms through
+erpo_kernels' `logprob_erpo_loss`
 
     loss = scale * [ aggregate(w(q) * pg_t) + alpha * sum_s k3(ell_theta0(q_s) - ell_theta(q_s)) / G ]
 
@@ -27,8 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from erpo.integrations.advantages import sample_advantages
+from erpo.sequences import head_token_logprobs, last_hidden_and_output, logit_transforms
 from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
 from erpo_kernels import LossOptions, logprob_erpo_loss, sample_sums, token_logprobs
+from erpo_kernels.zero3 import find_lm_head, is_zero3_partitioned
 
 OPENRLHF_VERSION = "0.11.2"     # the OpenRLHF release the parity tests run against
 POLICY_LOSS_TYPES = {"ppo": "token", "gspo": "sequence"}   # OpenRLHF's policy_loss_type -> the kernels' ratio_level
@@ -37,6 +42,9 @@ ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: g
                    "dr_grpo); these advantages vary along the response (advantage estimator gae, or a per-token "
                    "KL reward: use the KL loss, algo.kl.use_loss)")
 
+FUSED_LINEAR_ZERO3 = ("fused_linear=True is not supported under DeepSpeed ZeRO-3 (ds.zero_stage=3): OpenRLHF's "
+                      "training_step runs the backward after the loss returns, when ZeRO-3 has partitioned the lm_head "
+                      "again; set fused_linear=False (in actor_logprobs and load_or_build_query_reference)")
 RING_ATTENTION = ("ring attention (ds.ring_attn_size > 1) is not supported by erpo.integrations.openrlhf (the "
                   "reference cache's forward would run the ring kernel without its slicing, and the step would gather "
                   "every rank's logits [B, T, V]): set ds.ring_attn_size=1")
@@ -251,8 +259,9 @@ class ActorScores:
     action_log_probs: torch.Tensor   # [B, A] fp32: Actor.forward's action log-probs (0 where action_mask is 0)
     query_logp: torch.Tensor         # [B] fp32: ell_theta(q), nats, differentiable
     prompt_ids: list[list[int]]      # each sample's prompt token ids (host), the reference cache's key
-    output: object                   # the model's output: logits, an MoE's aux_loss; with return_entropy `entropy`
-    #                                  [B, T - 1] fp32, as Actor.forward sets it (OpenRLHF's step reads [:, -A:])
+    output: object                   # the model's output (`ActorRowScores.output`: an MoE's aux_loss); with
+    #                                  return_entropy `entropy` [B, T - 1] fp32, as Actor.forward sets it (OpenRLHF's
+    #                                  step reads [:, -A:]; with fused_linear, 0 off the prompt and action rows)
 
 
 def actor_rows(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor):
@@ -288,45 +297,116 @@ def check_no_ring_attention(ring_attn_group) -> None:
         raise ValueError(RING_ATTENTION)
 
 
+def check_fused_linear(actor, mm_inputs: dict) -> None:
+    """Refuse, in one line, an actor whose rows the fused-linear path cannot score as Actor.forward does: multimodal
+    inputs (a VLM's own position ids and token types), an lm_head DeepSpeed ZeRO-3 partitions (whole only inside
+    `whole_lm_head`, and OpenRLHF's backward runs after it), and an lm_head that is not a plain `torch.nn.Linear`
+    holding the whole [V, D] weight (DeepSpeed AutoTP's column shard under ds.tensor_parallel_size > 1, a LoRA adapter
+    on lm_head)."""
+    if mm_inputs or getattr(actor, "is_vlm", False):
+        raise ValueError("fused_linear=True does not score a vision-language actor (Actor.forward's multimodal "
+                         "inputs): set fused_linear=False")
+    head = find_lm_head(actor.model)
+    if is_zero3_partitioned(head.weight):
+        raise ValueError(FUSED_LINEAR_ZERO3)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"fused_linear=True needs the actor's lm_head to be a torch.nn.Linear holding the whole "
+                         f"[V, D] weight, not a {type(head).__name__} (DeepSpeed AutoTP, ds.tensor_parallel_size > 1, "
+                         "shards it; a LoRA adapter on lm_head adds to it): set fused_linear=False")
+
+
+def backbone_rows(actor, sequences: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor):
+    """The final hidden states [R, D] of the rows `rows` [R] (positions b * T + t of a micro-batch [B, T]) and the
+    model's whole output, from one forward of the actor's model (`actor.model`: the Hugging Face model, a PEFT model,
+    or the DeepSpeed engine around either) on Actor.forward's inputs: position ids counted over the real tokens (1 on
+    padding) with the attention mask; with the actor's packing_samples, its unpadding: the real tokens back to back
+    in one row [1, N], positions restarting at each sample, no mask (each row then read where its token was packed;
+    `rows` must be real tokens: no padding is packed). Only the last position's logits are formed
+    (`last_hidden_and_output`)."""
+    if getattr(actor, "packing_samples", False):
+        real = attention_mask.bool().reshape(-1)
+        packed = real.nonzero().squeeze(1)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).reshape(-1)
+        inputs = dict(input_ids=sequences.reshape(-1)[packed][None], position_ids=positions[packed][None],
+                      attention_mask=None)
+        at = (real.long().cumsum(0) - 1).index_select(0, rows)   # each row's place in the packed forward
+    else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        inputs = dict(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids)
+        at = rows
+    hidden, output = last_hidden_and_output(actor.model, **inputs)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, at), output
+
+
 @dataclass
 class ActorRowScores:
     """Every position of a micro-batch [B, T] scored by the actor (`actor_row_logprobs`): row b * T + t scores token
     t + 1 of sequence b."""
 
     logp: torch.Tensor             # [B * T] fp32, differentiable: log p of the row's next token, 0 where unscored
-    entropy: torch.Tensor | None   # [B * T] fp32 with return_entropy: each position's entropy (nats)
+    entropy: torch.Tensor | None   # [B * T] fp32 with return_entropy: each position's entropy (nats); with
+    #                                fused_linear, of the prompt and action rows (0 elsewhere)
     kind: torch.Tensor             # [B * T] int64: 1 prompt row, 2 action row, 0 neither (`actor_rows`)
     prompt: torch.Tensor           # [B, T] bool: the prompt's real tokens
-    output: object                 # the model's output (Actor.forward's, logits included)
+    output: object                 # the model's output: Actor.forward's, logits [B, T, V] included; with fused_linear
+    #                                the model's own, whose logits are the last position's alone (logits_to_keep=1)
 
 
 def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
-                       return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorRowScores:
+                       return_entropy: bool = False, fused_linear: bool = False, ring_attn_group=None,
+                       **mm_inputs) -> ActorRowScores:
     """One forward of OpenRLHF's actor (an `openrlhf.models.Actor`, as `ActorPPOTrainer.actor`, whose `model` is then
     the DeepSpeed engine) on sequences, attention_mask [B, T] and action_mask [B, A] as `Actor.forward` takes
-    them: its own forward (its position ids, fp32 logits divided by its temperature; with packing_samples gathered
-    back to [B, T]) gives the logits, and erpo_kernels' `token_logprobs` scores the prompt and action rows (with
-    each position's entropy when `return_entropy`). `actor_logprobs` and the reference cache read it. Ring attention
-    is refused (`check_no_ring_attention`)."""
+    them, the prompt and action rows scored in erpo_kernels (with each position's entropy when `return_entropy`).
+    fused_linear=False: Actor.forward itself (its position ids, fp32 logits divided by its temperature; with
+    packing_samples gathered back to [B, T]) gives the logits [B, T, V], `token_logprobs` scores them.
+    fused_linear=True: the actor's backbone on Actor.forward's inputs (`backbone_rows`) gives the final hidden states
+    of the prompt and action rows alone, scored against the whole lm_head with the model's logit transform and the
+    actor's temperature (`head_token_logprobs`): no [B, T, V] tensor; one host read more (the rows' positions; two
+    with packing_samples, whose unpadding reads the real tokens' as OpenRLHF's does); refused where it cannot be
+    right (`check_fused_linear`). `actor_logprobs` and the reference cache read it. Ring attention is refused
+    (`check_no_ring_attention`)."""
     check_no_ring_attention(ring_attn_group)
-    output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
-                   **mm_inputs)
-    logits = output["logits"]
     num, length = sequences.shape
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
-    # validate=False: the targets are the sequences' own tokens, which the forward has just embedded (no read)
-    scored = token_logprobs(logits.reshape(num * length, -1), targets, return_entropy=return_entropy, validate=False)
+    packed = getattr(actor, "packing_samples", False)
+    if packed:   # Actor.forward packs no padding: its log-probs and entropy are 0 there
+        kind = torch.where(attention_mask.bool(), kind, 0)
+        targets = torch.where(kind.reshape(-1) != 0, targets, -100)
+    if not fused_linear:
+        output = actor(sequences, None, attention_mask=attention_mask, return_output=True, allgather_logits=True,
+                       **mm_inputs)
+        # validate=False: the targets are the sequences' own tokens, which the forward has just embedded (no read)
+        scored = token_logprobs(output["logits"].reshape(num * length, -1), targets, return_entropy=return_entropy,
+                                validate=False)
+        logp, entropy = scored if return_entropy else (scored, None)
+        if packed and entropy is not None:
+            entropy = torch.where(attention_mask.reshape(-1).bool(), entropy, 0.0)
+        return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
+    check_fused_linear(actor, mm_inputs)
+    rows = (kind.reshape(-1) != 0).nonzero().squeeze(1)   # the one host read: the scored rows' positions
+    hidden, output = backbone_rows(actor, sequences, attention_mask, rows)
+    scored = head_token_logprobs(actor.model, hidden, targets.index_select(0, rows), temperature=actor.temperature,
+                                 logit_options=logit_transforms(actor.model), return_entropy=return_entropy,
+                                 validate=False)
     logp, entropy = scored if return_entropy else (scored, None)
-    return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
+
+    def every_row(values):   # [R] -> [B * T], 0 on the rows not scored, differentiable
+        return values.new_zeros(num * length).index_copy(0, rows, values)
+
+    return ActorRowScores(every_row(logp), None if entropy is None else every_row(entropy), kind.reshape(-1), prompt,
+                          output)
 
 
 def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
-                   return_entropy: bool = False, ring_attn_group=None, **mm_inputs) -> ActorScores:
+                   return_entropy: bool = False, fused_linear: bool = False, ring_attn_group=None,
+                   **mm_inputs) -> ActorScores:
     """The action log-probs and ell_theta(q) of one forward of OpenRLHF's actor (`actor_row_logprobs`, which takes
-    the same arguments): the action rows as Actor.forward returns them, each prompt's rows summed by erpo_kernels'
-    `sample_sums`. Host reads beyond the forward's: 2, sample_sums' index check and one copy of the prompt tokens."""
+    the same arguments; `fused_linear`: the lean path, no [B, T, V] logits): the action rows as Actor.forward returns
+    them, each prompt's rows summed by erpo_kernels' `sample_sums`. Host reads beyond the forward's: 2, sample_sums'
+    index check and one copy of the prompt tokens (and the lean path's, `actor_row_logprobs`)."""
     rows = actor_row_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
-                              ring_attn_group=ring_attn_group, **mm_inputs)
+                              fused_linear=fused_linear, ring_attn_group=ring_attn_group, **mm_inputs)
     num, length = sequences.shape
     kind, logp = rows.kind, rows.logp
     sample_index = torch.arange(num, device=sequences.device).repeat_interleave(length)

@@ -5,8 +5,9 @@ The prompts are OpenRLHF's `PromptDataset` prompts (its chat template or input_t
 `preprocess_data`), tokenized as its agent executors tokenize them (`tokenizer(text=prompt,
 add_special_tokens=False)`, kept to the last max_prompt_length tokens when longer), so that a prompt's key is the
 token ids that reach the loss. Each prompt is scored alone through `actor_row_logprobs`, the forward and kernels of
-the `actor_logprobs` the training step calls on prompt + response: tokens 2..P summed, the same Actor (dtype,
-attention kernel, temperature), the same kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding
+the `actor_logprobs` the training step calls on prompt + response (its path too: Actor.forward's logits, or with
+`fused_linear` hidden states x lm_head): tokens 2..P summed, the same Actor (dtype, attention kernel, temperature),
+the same kernels; so the Query-KL at theta0 is 0 up to how the forward's rounding
 depends on the batch around the prompt. The cache records the model's weights, the tokenizer, the temperature and
 this precision; a cache built otherwise, or lacking a training prompt (another tokenizer, chat template or
 truncation), is refused in one line naming what differs (`erpo.integrations.query_reference`:
@@ -21,7 +22,8 @@ from erpo.integrations.query_reference import QueryReference, load_or_build_refe
 from erpo.reference.cache import compute_query_logp
 from erpo.sequences import scoring_precision
 
-ACTOR_PATH = "openrlhf-actor"   # the scoring path a cache scored here records (`actor_precision`)
+# the scoring path a cache scored here records (`actor_precision`): Actor.forward's logits, or the fused-linear path
+ACTOR_PATH, FUSED_LINEAR_PATH = "openrlhf-actor", "openrlhf-fused-linear"
 REBUILD = "Delete it to rebuild it, or pass another path to load_or_build_query_reference."
 # what a prompt missing at a training step ends with: the cache held every prompt it was given, so the step's prompt
 # is not one of them as tokenized there, and no rebuild adds it
@@ -41,10 +43,12 @@ def prompt_token_ids(tokenizer, prompts: list[str], *, max_prompt_length: int | 
     return ids if max_prompt_length is None else [p[-max_prompt_length:] for p in ids]
 
 
-def actor_precision(actor) -> str:
+def actor_precision(actor, *, fused_linear: bool = False) -> str:
     """What a cache scored by `actor` records besides the weights, tokenizer and temperature
     (`erpo.sequences.scoring_precision`): the model's parameter dtype and device, the autocast in effect, the path
-    "openrlhf-actor" (Actor.forward's fp32 logits into erpo_kernels), the logit transform, and the attention kernel
+    ("openrlhf-actor": Actor.forward's fp32 logits into erpo_kernels; "openrlhf-fused-linear": `fused_linear`'s
+    hidden states x lm_head in the kernels, whose log-probs differ from the logits' by the lm_head's rounding), the
+    logit transform, and the attention kernel
     (`config._attn_implementation`). `actor`: an OpenRLHF Actor, its `model` the Hugging Face model or, in
     OpenRLHF's trainer, the DeepSpeed engine around it (`strategy.prepare` sets `actor.model = engine`)."""
     model = actor.model
@@ -52,26 +56,30 @@ def actor_precision(actor) -> str:
     param = next(model.parameters())
     device = param.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    scoring = scoring_precision(model.config, param.dtype, param.device, path=ACTOR_PATH, autocast=autocast)
+    scoring = scoring_precision(model.config, param.dtype, param.device,
+                                path=FUSED_LINEAR_PATH if fused_linear else ACTOR_PATH, autocast=autocast)
     return f"{scoring},attention={model.config._attn_implementation}"
 
 
 @torch.no_grad()
-def score_prompts(actor, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int) -> list[float]:
+def score_prompts(actor, prompt_ids: list[list[int]], *, pad_id: int, batch_size: int,
+                  fused_linear: bool = False) -> list[float]:
     """ell(q) (nats) of each prompt under `actor`, in eval mode, `batch_size` prompts a forward
     (`erpo.reference.cache.compute_query_logp`), each right-padded as OpenRLHF 0.11 lays out a sequence, with no
-    action: `actor_row_logprobs`' prompt rows, summed by `sample_sums` as `actor_logprobs` sums them."""
+    action: `actor_row_logprobs`' prompt rows (on the path `fused_linear` picks), summed by `sample_sums` as
+    `actor_logprobs` sums them."""
     def score(batch):   # the log-probs of the batch's scored rows: the prompts' tokens 2..P
         no_action = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1, dtype=torch.bool,
                                 device=batch.input_ids.device)
-        return actor_row_logprobs(actor, batch.input_ids, no_action, batch.attention_mask).logp[batch.rows]
+        return actor_row_logprobs(actor, batch.input_ids, no_action, batch.attention_mask,
+                                  fused_linear=fused_linear).logp[batch.rows]
 
     return compute_query_logp(actor, prompt_ids, pad_id=pad_id, batch_size=batch_size, score=score).tolist()
 
 
 def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path: str, model_path: str,
                                   max_prompt_length: int | None = None, batch_size: int = 8,
-                                  resumed_step: int | None = None) -> QueryReference:
+                                  resumed_step: int | None = None, fused_linear: bool = False) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt, for `ERPOPolicyLoss`: `QueryReference.lookup(prompt_ids,
     device)` -> (ell_theta0 [B], w [B]) for `actor_logprobs`' prompt_ids. `actor`: OpenRLHF's Actor at theta0 as the
     run loads it (the same dtype and attention kernel: they are recorded); `prompts`: the PromptDataset's prompt
@@ -80,13 +88,15 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     matches (weights, tokenizer, the actor's temperature, `actor_precision`) and holds every prompt, else refused in
     one line; without one, the prompts are scored (`score_prompts`) and the cache saved there. `resumed_step`: the
     step a run resumes at from a checkpoint (None: a fresh start), whose actor no longer holds theta0: its cache must
-    exist, and a mismatch's remedy is to resume with the cache and settings of the run's start, not to rebuild."""
+    exist, and a mismatch's remedy is to resume with the cache and settings of the run's start, not to rebuild.
+    `fused_linear`: the path the training step's `actor_logprobs` takes (the cache records it; a cache scored on the
+    other path is refused in one line)."""
     if not prompts:
         raise ValueError("prompts is empty: pass the PromptDataset's prompt texts (dataset.prompts)")
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
-        precision=actor_precision(actor), remedy=REBUILD, trainer="openrlhf", step_miss=STEP_MISS,
-        resumed_step=resumed_step,
-        score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size))
+        precision=actor_precision(actor, fused_linear=fused_linear), remedy=REBUILD, trainer="openrlhf",
+        step_miss=STEP_MISS, resumed_step=resumed_step,
+        score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size, fused_linear=fused_linear))

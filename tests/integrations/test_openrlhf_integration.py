@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import erpo.integrations.openrlhf as integration
+from bench.openrlhf_memory import ring_attention_stand_in
 from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs
 from erpo.models.tiny import build_tokenizer
 from erpo_kernels import logprob_erpo_loss
@@ -28,21 +29,6 @@ from launch_counts import LaunchCounter
 from tiny_models import save_tiny_model
 
 WITHOUT_OPENRLHF = "OpenRLHF is not in the test extra: pip install --no-deps openrlhf==0.11.2"
-
-
-def ring_attention_stand_in():
-    """A stand-in for `openrlhf.models.ring_attn_utils`, which imports flash_attn at its top (absent on a CPU
-    machine). Its helpers serve the packed path only (packing_samples, ring attention), which these tests do not
-    take; its record of the ring group says none, as OpenRLHF's without ring attention. Stubbing that module rather
-    than flash_attn keeps flash_attn absent for transformers, which probes it."""
-    def packed_path_only(*args, **kwargs):
-        raise RuntimeError("the packed path needs flash-attn, absent here")
-
-    stand_in = types.ModuleType("openrlhf.models.ring_attn_utils")
-    for name in ("gather_and_pad_tensor", "unpad_and_slice_tensor", "set_ring_attn_group"):
-        setattr(stand_in, name, packed_path_only)
-    stand_in.get_ring_attn_group = lambda: None
-    return stand_in
 
 
 @pytest.fixture(scope="module")
@@ -318,15 +304,20 @@ def openrlhf_actor(openrlhf_models, path, dtype):
 class StandInActor(torch.nn.Module):
     """What `actor_logprobs` and the reference cache take of OpenRLHF 0.11.2's `Actor` (openrlhf/models/actor.py),
     for a machine without OpenRLHF: `model`, the HF model loaded from a path as Actor loads it (bf16 weights, sdpa
-    attention on the CPU, no KV cache), `temperature`, and Actor.forward without packing: position ids counted over
-    the real tokens (1 on padding), fp32 logits divided by the temperature, and with action_mask [B, A] the action
-    log-probs of the last A scored positions (a log_softmax-gather, 0 where action_mask is 0)."""
+    attention on the CPU, no KV cache) or the model it is given, `temperature`, and Actor.forward without packing:
+    position ids counted over the real tokens (1 on padding), fp32 logits divided by the temperature, and with
+    action_mask [B, A] the action log-probs of the last A scored positions (a log_softmax-gather, 0 where action_mask
+    is 0)."""
 
-    def __init__(self, path):
+    def __init__(self, path_or_model, temperature: float = 1.0):
         super().__init__()
-        self.model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16)
-        self.model.config.use_cache = False
-        self.temperature = 1.0   # Actor's default (the cache records it)
+        if isinstance(path_or_model, torch.nn.Module):   # Actor(model) keeps a model it is given as it is
+            self.model = path_or_model
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path_or_model, attn_implementation="sdpa",
+                                                              dtype=torch.bfloat16)
+            self.model.config.use_cache = False
+        self.temperature = temperature   # Actor's default 1.0 (the cache records it)
 
     # allgather_logits and ring_attn_group serve packing only, which Actor then needs flash-attn for
     def forward(self, sequences, action_mask=None, attention_mask=None, return_output=False, allgather_logits=False,
@@ -741,19 +732,21 @@ def test_erpo_policy_loss_runs_in_openrlhf_own_training_step(openrlhf_models, ac
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def recipe_lines() -> tuple[list[str], list[str]]:
-    """The recipe's diff in docs/integrations.md (section "OpenRLHF: one loss, two calls"): (the lines it removes,
-    the lines it adds), each without its leading -/+."""
+def recipe_lines(heading: str = "## OpenRLHF: one loss, two calls") -> tuple[list[str], list[str]]:
+    """The first diff under `heading` in docs/integrations.md (by default the recipe's; "### The lean path" the one
+    that turns fused_linear on): (the lines it removes, the lines it adds), each without its leading -/+."""
     text = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    section = text[text.index("## OpenRLHF: one loss, two calls"):]
+    section = text[text.index(heading):]
     block = section[section.index("```diff\n") + len("```diff\n"):]
     lines = block[:block.index("```")].splitlines()
     return [line[1:] for line in lines if line.startswith("-")], [line[1:] for line in lines if line.startswith("+")]
 
 
-def recipe_source(source: str) -> str:
+def recipe_source(source: str, *, fused_linear: bool = False) -> str:
     """OpenRLHF 0.11.2's ppo_actor.py with the recipe's diff applied, hunk by hunk at the places the diff shows; each
-    place must be found exactly once (the diff names 0.11.2's lines)."""
+    place must be found exactly once (the diff names 0.11.2's lines). `fused_linear`: with the page's way to turn the
+    lean path on, `fused_linear=True` added to the diff's `load_or_build_query_reference` and `actor_logprobs`
+    calls."""
     removed, added = recipe_lines()
     assert len(removed) == 4 and len(added) == 19, "the recipe's diff changed: update its hunks here"
 
@@ -768,16 +761,27 @@ def recipe_source(source: str) -> str:
     call = source[source.index(removed[2]):]
     source = replace(call[:call.index("\n        )\n") + len("\n        )\n")], "\n".join(added[12:17]) + "\n")
     loss_call = "            **loss_batch_info,\n        )\n"
-    return replace(loss_call, loss_call.replace("        )\n", "\n".join(added[17:] + ["        )"]) + "\n"))
+    source = replace(loss_call, loss_call.replace("        )\n", "\n".join(added[17:] + ["        )"]) + "\n"))
+    if fused_linear:   # the lean path's diff: fused_linear=True in both calls, PolicyModelActor.forward's old log-probs
+        removed, added = recipe_lines("### The lean path")
+        assert len(removed) == 9 and len(added) == 5, "the lean path's diff changed: update its hunks here"
+        source = replace(removed[0], added[0])
+        source = replace(removed[1], added[1])
+        source = replace("\n".join(removed[2:]), "\n".join(added[2:]))
+    return source
 
 
-def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_step, tiny_path, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused-linear"])
+def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_step, tiny_path, tmp_path, monkeypatch,
+                                                       fused_linear):
     """docs/integrations.md's diff applied to OpenRLHF 0.11.2's own ppo_actor.py: ActorPPOTrainer.__init__ builds the
     cache (the Actor's model DeepSpeed's engine, as OpenRLHF's strategy leaves it; `prepare_datasets` 0.11.2's
     PromptDataset with the chat template, without its file reading), and its training_step at theta0 has a Query-KL
     of 0, ERPO's metrics weighed per sample, and the status and every parameter's gradient of the unmodified step with
     PolicyLoss on the advantages times the cached w(q). A run resumed from a checkpoint (the engine's global_steps
-    restored) without its cache is refused in one line, not scored afresh. No Ray, no vLLM: a stand-in strategy that
+    restored) without its cache is refused in one line, not scored afresh. The same with the lean path turned on by the
+    page's second diff (`fused_linear=True` in both calls: the cache records it; PolicyModelActor.forward's old
+    log-probs on the lean path, as actor_logprobs scores them). No Ray, no vLLM: a stand-in strategy that
     backpropagates."""
     import openrlhf.trainer
     from openrlhf.datasets import PromptDataset
@@ -810,14 +814,16 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, trainer_module.__name__, trainer_module)
         patch.setitem(sys.modules, package.__name__, package)
-        exec(compile(recipe_source(Path(module.__file__).read_text()), module.__file__, "exec"), module.__dict__)
+        exec(compile(recipe_source(Path(module.__file__).read_text(), fused_linear=fused_linear), module.__file__,
+                     "exec"), module.__dict__)
     module.torch_dist_barrier_and_cuda_sync = lambda: None   # no process group here
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)   # NaiveReplayBuffer names cuda:N (a name only)
 
     actor = openrlhf_actor(openrlhf_models, tiny_path, torch.float32)
     actor.model = EngineStandIn(actor.model)
     trainer = module.ActorPPOTrainer(strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), tokenizer=tokenizer)
-    assert (tmp_path / "erpo_reference_cache.json").exists()
+    cache_text = (tmp_path / "erpo_reference_cache.json").read_text()   # scored on the path the step takes
+    assert ("path=openrlhf-fused-linear," if fused_linear else "path=openrlhf-actor,") in cache_text
     sequences, action_mask, attention_mask = step_batch(tokenizer, chat_prompts(tokenizer))
     with torch.no_grad():
         old = actor(sequences, action_mask, attention_mask=attention_mask) - 0.3 * action_mask
@@ -840,6 +846,18 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
+    if fused_linear:   # PolicyModelActor.forward (the old log-probs, with the page's change; Ray's wrapper left out)
+        old_forward = module.PolicyModelActor.__ray_metadata__.modified_class.forward
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        old = old_forward(NS(actor=actor, strategy=strategy), sequences, action_mask, attention_mask)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert actor.training   # put back in train mode, as OpenRLHF's
+        actor.eval()
+        with torch.no_grad():
+            lean = actor_logprobs(actor, sequences, action_mask, attention_mask, fused_linear=True).action_log_probs
+        actor.train()
+        torch.testing.assert_close(old, lean, rtol=0, atol=0)
+
     actor.model.global_steps = 7   # as DeepSpeed's load_checkpoint leaves a resumed run's engine
     args.ckpt.path = str(tmp_path / "resumed")
     with pytest.raises(ValueError, match=r"^no reference cache at .*resumed.*, and the run resumes at step 7: "):
@@ -848,7 +866,8 @@ def test_the_recipe_runs_on_openrlhf_own_actor_trainer(openrlhf_models, actor_st
 
 def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):
     """What ERPO adds to OpenRLHF's step in host reads (LaunchCounter, as on CUDA): actor_logprobs reads what the
-    actor's forward reads plus 2 (sample_sums' index check, the prompt tokens for the cache's key), the lookup none
+    actor's forward reads plus 2 (sample_sums' index check, the prompt tokens for the cache's key; plus 1 on the lean
+    path, fused_linear=True: the scored rows' positions), the lookup none
     (its values go up without a wait), the loss 1 (the one-advantage-per-sample check), where PolicyLoss reads
     none."""
     from erpo.integrations.openrlhf_reference import load_or_build_query_reference
@@ -872,6 +891,9 @@ def test_host_reads_per_micro_batch(make_actor, tiny_path, tmp_path):
                                     query_weight=query_weight, info={}, **GLOBAL)
         loss.backward()
     assert (scoring.syncs - forward.syncs, lookup.syncs, loss_reads.syncs) == (2, 0, 1)
+    with LaunchCounter() as lean:   # the lean path: one more, the scored rows' positions (its forward reads as Actor's)
+        actor_logprobs(actor, sequences, action_mask, attention_mask, fused_linear=True)
+    assert lean.syncs - forward.syncs == 3
 
 
 @pytest.mark.parametrize("installed", ["0.11.2", "0.12.0", None], ids=["tested", "another", "absent"])

@@ -6,7 +6,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import trito
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import erpo_kernels.fused_linear_loss as fused_linear_loss  # noqa: E402
 from erpo_kernels.api import erpo_loss  # noqa: E402
@@ -19,6 +18,7 @@ from erpo_kernels.fused_linear import (  # noqa: E402
 from erpo_kernels.reference import reference_token_logprobs  # noqa: E402
 from erpo_kernels.validation import LogitTransform  # noqa: E402
 from helpers import loss_inputs, random_batch  # noqa: E402
+from max_allocation import MaxAllocation  # noqa: E402
 from test_fused_linear_loss import grad_hidden_fp32  # noqa: E402, F401  (the fixture: d hidden both ways)
 from test_reference import OPTION_CASES  # noqa: E402
 
@@ -258,26 +258,6 @@ def test_nonfinite_padding_hidden_state_leaves_the_gradients_finite(backend, dev
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, clean, rtol=1e-6, atol=1e-7)
     assert torch.all(results[1][0][padding] == 0)
-
-
-class MaxAllocation(TorchDispatchMode):
-    """Records the element count of every tensor an op creates. Views and in-place ops allocate nothing and are
-    skipped (the Triton interpreter's copies of kernel arguments between its host and "device" buffers are
-    in-place copy_/set_ calls on the arguments' own storage)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable:
-            for t in torch.utils._pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor):
-                    self.ops += 1
-                    self.largest = max(self.largest, t.numel())
-        return result
 
 
 # N > 8 D and V > 8 D, so the inputs and gradients ([N, D], [V, D]) stay under the N * V / 8 threshold.
