@@ -1,4 +1,8 @@
-"""`MaxAllocation`: the largest tensor the ops under it create, for tests that a path never builds [N, V]."""
+"""The largest tensor or allocation made under a context, for tests that a path never builds [N, V]: `MaxAllocation`
+(the tensors the ops create, as a dispatch mode sees them: a torch.library custom op, as erpo_kernels' fused ops, is
+one op whose outputs alone it sees) and `LargestAllocation` (every allocation, inside custom ops too)."""
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -22,3 +26,25 @@ class MaxAllocation(TorchDispatchMode):
                     self.largest = max(self.largest, t.numel())
                     self.largest_bytes = max(self.largest_bytes, t.numel() * t.element_size())
         return result
+
+
+class LargestAllocation(contextlib.AbstractContextManager):
+    """Records the bytes of the largest single allocation (`largest_bytes`) and the number of allocations and frees
+    (`events`) made under it by any code, custom ops' insides included: torch.profiler's allocator events (CPU, and
+    CUDA's caching allocator where a GPU is present)."""
+
+    def __enter__(self):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities, profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        sizes = [event.nbytes() for event in self._profile.profiler.kineto_results.events()
+                 if event.name() == "[memory]"]   # an allocation's bytes, a free's negated
+        self.events = len(sizes)
+        self.largest_bytes = max(sizes, default=0)
+        return False
