@@ -32,7 +32,6 @@ from erpo.integrations.verl import (
     ERPOSettings,
     check_actor_config,
     check_fused_kernels,
-    check_fused_logits,
     erpo_loss_fn,
     fused_kernels_backend,
 )
@@ -156,7 +155,6 @@ class ERPOTrainer(PPOTrainerSync):
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
         if self.erpo_settings.qkl_coef != 0:
             check_actor_dropout(model.hf_config)
-        check_fused_logits(fused_kernels_backend(model), model.hf_config)
         rollout = self.config.actor_rollout_ref.rollout
         rendering = dict(hf_model_type=getattr(model.hf_config, "model_type", None),
                          chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs") or {}),

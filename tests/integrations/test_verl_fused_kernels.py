@@ -255,8 +255,8 @@ def test_verls_triton_backend_does_not_run_without_cuda():
 def test_verls_fused_forward_drops_the_final_logit_transform(kind):
     """verl 0.9.1's fused forward (`forward_with_torch_backend`, what `use_fused_kernels` puts in the model's place)
     scores hidden @ lm_head.weight: on Gemma-2 (soft-cap) and Granite (logits scaling) its log-probs are not the
-    model's, so ERPO refuses it there (`check_fused_logits`, at the trainer's start); on a model without a transform
-    (Qwen3-MoE) they are the model's, and it is accepted."""
+    model's, so ERPO refuses it there (`check_fused_logits`, wherever the cache is scored or read:
+    `engine_precision`); on a model without a transform (Qwen3-MoE) they are the model's, and it is accepted."""
     model = tiny_lm(kind)
     ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -532,6 +532,12 @@ def test_the_precision_records_the_attention_kernel_verl_resolves_and_liger(tiny
         "attention=eager", "remove_padding=false", "liger=true", "fused_kernels=torch"]
     assert recorded("actor_rollout_ref.model.use_fused_kernels=true",
                     "actor_rollout_ref.model.fused_kernel_options.impl_backend=liger")[-1] == "fused_kernels=liger"
+    # verl's triton backend, untested (it runs on CUDA alone), is refused wherever the cache is scored or read: the
+    # `erpo` mode and a `set_loss_fn` user's own load_or_build_reference both take their precision from here
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.fused_kernel_options.impl_backend=triton with "
+                                         r"use_fused_kernels=true: ERPO's ell_theta0\(q\) is tested with verl's torch"):
+        recorded("actor_rollout_ref.model.use_fused_kernels=true",
+                 "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton")
 
 
 def test_a_cache_scored_without_liger_is_refused_by_an_actor_with_it(tiny, tmp_path):
