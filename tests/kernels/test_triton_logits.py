@@ -308,7 +308,11 @@ def test_every_kernel_variant_matches_reference(variant, transform, device, fma_
     # max logit is 1 - 2.6e-6 where fp32 rounds the reference's to 1, a gradient of 1.3e-6 where the reference has
     # 0 (H200, 2026-11-26; by the same rounding row 2's one logit, where p = 1, can get one of that order); the
     # shifted loops and the interpreter stay within 1e-6
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=4e-6)
+    # soft-capped, row 2 (one finite logit beside 4108 -inf ones that the cap makes equal) is where the oracle errs:
+    # at the finite logit the torch reference's fp32 gradient is 1.9e-5 off the same gradient formed in float64 on an
+    # AMD EPYC CPU (2026-11-28, seed 0; within 4e-6 on the CPUs before), the interpreted kernel's 4.9e-7
+    grad_atol = 2.5e-5 if "logit_softcap" in transform else 4e-6
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=grad_atol)
     assert logp[5] == 0 and torch.all(grad[6] == 0)
     if "logit_softcap" not in transform:  # a soft-cap makes -inf a finite -c: row 2 then has a spread
         # exact, as in the reference: every forward kernel forms the max's shift from itself as exactly 0 (on the
