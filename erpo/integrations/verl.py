@@ -103,17 +103,25 @@ def fused_kernels_backend(model_config) -> str:
     return str((model_config.get("fused_kernel_options") or {}).get("impl_backend"))
 
 
-def check_fused_kernels(backend: str, settings: ERPOSettings) -> None:
-    """Refuse, with the Query-KL, verl's fused log-prob kernels of a `backend` (`fused_kernels_backend`) the tests do
-    not run: verl 0.9.1's Triton kernels (`impl_backend=triton`) take CUDA tensors only (they assert it), so no test
-    here checks that their ell_theta(q) at theta0 is the cached ell_theta0(q); "None" (no backend) makes verl skip
-    its fused forward while its engine still reads the fused outputs. The torch and liger backends are checked
-    against the logits path and against a cache they scored (tests/integrations/test_verl_fused_kernels.py)."""
-    if backend != "off" and backend not in FUSED_BACKENDS and settings.qkl_coef != 0:
+def check_fused_backend(backend: str, *, tested: str, choices: str) -> None:
+    """Refuse verl's fused log-prob kernels of a `backend` (`fused_kernels_backend`) the tests do not run: verl
+    0.9.1's Triton kernels (`impl_backend=triton`) take CUDA tensors only (they assert it), so no test here checks
+    that their ell_theta(q) at theta0 is the cached ell_theta0(q); "None" (no backend) makes verl skip its fused
+    forward while its engine still reads the fused outputs. The torch and liger backends are checked against the
+    logits path and against a cache they scored (tests/integrations/test_verl_fused_kernels.py). The error names
+    what ERPO would read through them (`tested`) and the settings that avoid it (`choices`)."""
+    if backend != "off" and backend not in FUSED_BACKENDS:
         raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend} with "
-                         "use_fused_kernels=true: ERPO's Query-KL is tested with verl's torch (its default) and liger "
-                         "fused backends only (verl 0.9.1's triton one runs on CUDA alone); set impl_backend=torch, "
-                         "use_fused_kernels=false, or +erpo.qkl_coef=0")
+                         f"use_fused_kernels=true: ERPO's {tested} is tested with verl's torch (its default) and liger "
+                         f"fused backends only (verl 0.9.1's triton one runs on CUDA alone); set {choices}")
+
+
+def check_fused_kernels(backend: str, settings: ERPOSettings) -> None:
+    """At the `erpo` mode's start: with the Query-KL, `check_fused_backend` (the cache's own check,
+    `verl_reference.engine_precision`, comes later, where every way to the cache passes)."""
+    if settings.qkl_coef != 0:
+        check_fused_backend(backend, tested="Query-KL",
+                            choices="impl_backend=torch, use_fused_kernels=false, or +erpo.qkl_coef=0")
 
 
 def check_fused_logits(backend: str, hf_config) -> None:

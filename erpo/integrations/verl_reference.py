@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-from erpo.integrations.verl import FUSED_BACKENDS, check_fused_logits, fused_kernels_backend
+from erpo.integrations.verl import check_fused_backend, check_fused_logits, fused_kernels_backend
 from erpo.progress import progress
 from erpo.sequences import scoring_precision
 from erpo_kernels import sample_sums
@@ -40,7 +40,7 @@ def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -
     states into log-probs without the [T, V] logits; its torch backend keeps the log-probs of bf16 logits in fp32 where
     the logits path's CPU cross entropy rounds them to bf16). A cache records it; a run whose actor scores otherwise
     refuses the cache. Refused here, where every way to the cache passes (the `erpo` mode and `set_loss_fn` users):
-    fused kernels of a backend the tests do not run (`FUSED_BACKENDS`) and on a model whose final-logit transform
+    fused kernels of a backend the tests do not run (`check_fused_backend`) and on a model whose final-logit transform
     verl's fused forward drops (`check_fused_logits`).
     Not recorded, as they pick no other kernel, only which tokens share one (as the micro-batch size and the dp
     ranks do, in which the cache's calls already differ from the loss's): Ulysses sequence parallelism
@@ -48,11 +48,7 @@ def engine_precision(model_config, param_dtype: torch.dtype, device_type: str) -
     for a share of the heads, in the same flash-attn kernel) and `model.tiled_mlp` (the MLP over row shards; which
     verl 0.9.1's FSDP engine does not apply: it calls `apply_monkey_patch` without `use_tiled_mlp`)."""
     backend = fused_kernels_backend(model_config)
-    if backend not in ("off", *FUSED_BACKENDS):
-        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend} with "
-                         "use_fused_kernels=true: ERPO's ell_theta0(q) is tested with verl's torch (its default) and "
-                         "liger fused backends only (verl 0.9.1's triton one runs on CUDA alone); set "
-                         "impl_backend=torch or use_fused_kernels=false")
+    check_fused_backend(backend, tested="ell_theta0(q)", choices="impl_backend=torch or use_fused_kernels=false")
     check_fused_logits(backend, model_config.hf_config)
     autocast = None if param_dtype == torch.float32 else param_dtype
     scoring = scoring_precision(model_config.hf_config, param_dtype, device_type, path=ENGINE_PATH, autocast=autocast)
