@@ -76,6 +76,16 @@ def check_logits(logits) -> None:
                          f"{tuple(logits.shape)}")
 
 
+def check_inplace_backward(logits, inplace_backward: bool) -> None:
+    """inplace_backward=True writes d logits over `logits` [N, V], one element per element: refused where elements
+    share memory (a dimension of stride 0: an expanded or broadcast tensor), whose rows' writes would overwrite each
+    other (a wrong gradient, no error)."""
+    if inplace_backward and any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
+        raise ValueError(f"inplace_backward=True writes d logits into logits, but their elements share memory "
+                         f"(stride {tuple(logits.stride())} for shape {tuple(logits.shape)}: an expanded tensor); "
+                         f"pass logits.contiguous() or inplace_backward=False")
+
+
 def per_token_logp_entropy(logits, scored_targets, transform: LogitTransform, triton: bool,
                            inplace_backward: bool = False):
     """(logp [N] fp32, entropy [N] fp32) of the transformed logits on the chosen backend; targets [N] int64 with
@@ -97,6 +107,7 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: fl
     validate as `erpo_loss`'s: True checks that the targets lie in range (one host read), False skips it (none).
     """
     check_logits(logits)
+    check_inplace_backward(logits, inplace_backward)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
                                         device=logits.device, rows_name="logits", validate=validate)
@@ -127,6 +138,7 @@ def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInp
     """`erpo_loss` on its tensors besides the rows as one LossInputs; caller_checks: `check_rows` pairs of the
     caller's own, read with the value checks in their one host read (`start_loss_input_checks`)."""
     check_logits(logits)
+    check_inplace_backward(logits, inplace_backward)
 
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)

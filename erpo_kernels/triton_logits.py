@@ -536,11 +536,21 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     with forward_variant(ctx.variant):
         if ctx.inplace_backward:
             _logp_entropy_backward_inplace(logits, targets, lse, entropy, grad_logp, grad_entropy, *ctx.transform)
-            grad_logits = logits
+            grad_logits = overwritten(logits)
         else:
             grad_logits = _logp_entropy_backward(logits, targets, lse, entropy, grad_logp, grad_entropy,
                                                  *ctx.transform)
     return grad_logits, None, None, None, None, None
+
+
+def overwritten(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` after an in-place backward wrote d logits into it, its version counter bumped as any in-place op's:
+    autograd then refuses, with torch's own error, to read the overwritten values where it saved them (a second
+    backward through the loss, another op that saved the logits), instead of computing with d logits as logits.
+    Left to the op's functionalization where something traces."""
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(logits)
+    return logits
 
 
 logp_entropy_op.register_autograd(_backward, setup_context=_setup_context)

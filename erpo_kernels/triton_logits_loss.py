@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .objective import LossOutput
-from .triton_logits import _forward_variant, _launch_forward, _launch_node_backward
+from .triton_logits import _forward_variant, _launch_forward, _launch_node_backward, overwritten
 from .triton_objective import (
     NodeWorkspace,
     ObjectivePlan,
@@ -87,7 +87,7 @@ class _LogitsLoss(torch.autograd.Function):
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         _launch_node_backward(grad_logits, logits, targets, workspace, token_kind, scales, as_fp32(grad_loss),
                               ctx.transform, ctx.variant)
-        return grad_logits, None
+        return overwritten(grad_logits) if ctx.inplace_backward else grad_logits, None
 
 
 def triton_logits_loss(logits: torch.Tensor, scored_targets: torch.Tensor, token_kind: torch.Tensor,
