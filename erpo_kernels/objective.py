@@ -527,8 +527,10 @@ def erpo_objective(token_logp, entropy, token_kind, sample_index, *, inputs: Los
     (= on-policy), ref_logp [N] or None, token_weight [N] or None (= 1; multiplies pg_t like w_s), rollout_logp
     [N] or None (the rollout engine's sampling log-probs: pg_t is then also multiplied by the truncated
     importance-sampling weight min(exp(old_logp_t - rollout_logp_t), rollout_is_cap)).
-    `segment_sum(sample_index, num_samples)` builds the per-sample sums (`SegmentSum`'s interface).
+    `segment_sum(sample_index, num_samples)` builds the per-sample sums (`SegmentSum`'s interface). The loss is
+    differentiated with respect to token_logp and entropy alone: `inputs` are constants (`LossInputs.detached`).
     """
+    inputs = inputs.detached()
     rows = TokenRows(token_kind, sample_index, inputs.advantages.shape[0], segment_sum)
     query_logp = rows.per_sample_sum(token_logp, rows.is_query)  # ell_theta(q)
     response_logp = rows.per_sample_sum(token_logp, rows.is_response)

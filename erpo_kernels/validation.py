@@ -283,6 +283,12 @@ class LossInputs:
         """The keyword arguments of `erpo_loss` / `fused_linear_erpo_loss` (tensors are not copied)."""
         return {name: getattr(self, name) for name in INPUT_NAMES}
 
+    def detached(self) -> LossInputs:
+        """These tensors detached (views, not copies): the loss's constants, never differentiated on any backend
+        (as TRL's advantages and old / reference log-probs), whether or not the caller's tensors require grad."""
+        return LossInputs(**{name: None if tensor is None else tensor.detach()
+                             for name, tensor in self.as_kwargs().items()})
+
 
 INPUT_NAMES = tuple(f.name for f in fields(LossInputs))  # LossInputs' fields in order, a constant (as below)
 # LossInputs' per-sample fields (advantages has no "per": it is one), a constant: fields() costs ~5 us a call

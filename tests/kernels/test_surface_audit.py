@@ -6,7 +6,7 @@ answer found by the surface audit of 2026-11-28 or pins a contract of docs/API.m
 import pytest
 import torch
 
-from erpo_kernels import erpo_loss, token_logprobs
+from erpo_kernels import erpo_loss, fused_linear_erpo_loss, logprob_erpo_loss, token_logprobs
 from helpers import loss_inputs, random_batch
 
 BACKENDS = ["torch", "triton"]
@@ -98,3 +98,42 @@ def test_the_in_place_backward_refuses_logits_whose_elements_share_memory(entry,
                              **loss_inputs(batch)).loss
     (whole_grad,) = torch.autograd.grad(expected, whole)
     torch.testing.assert_close(grad, whole_grad.sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+# -- the loss's constants ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["logits", "logprobs", "fused"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_gradient_reaches_the_loss_s_constant_tensors(path, backend, device):
+    """advantages, ref_query_logp, query_weight, old_logp, ref_logp, token_weight and rollout_logp are constants
+    (TRL's habit: advantages and old / reference log-probs carry no gradient). The torch reference differentiated
+    through them (a critic's advantages that required grad got a gradient from the actor's loss) where the Triton
+    path did not: now no backend does, and the gradient with respect to the logits is unchanged."""
+    batch = random_batch(num_rows=24, vocab=29, device=device)
+    names = ("advantages", "ref_query_logp", "query_weight", "old_logp", "ref_logp", "token_weight", "rollout_logp")
+    values = {**loss_inputs(batch), "token_weight": torch.rand(24, device=device),
+              "rollout_logp": batch["old_logp"] - 0.1}
+    hidden = torch.randn(24, 16, device=device)
+    weight = torch.randn(29, 16, device=device) * 0.3
+
+    def loss(tensors):
+        source = (hidden if path == "fused" else batch["logits"]).clone().requires_grad_(True)
+        rows = (batch["token_kind"], batch["sample_index"])
+        options = dict(backend=backend, qkl_coef=0.1, policy_kl_coef=0.05, **tensors)
+        if path == "logits":
+            out = erpo_loss(source, batch["targets"], *rows, **options)
+        elif path == "logprobs":
+            logp, entropy = token_logprobs(source, batch["targets"].where(batch["token_kind"] != 0, -100),
+                                           return_entropy=True, backend="torch")
+            out = logprob_erpo_loss(logp, *rows, entropy=entropy, **options)
+        else:
+            out = fused_linear_erpo_loss(source, weight, batch["targets"], *rows, **options)
+        return out.loss, source
+
+    constants = {name: values[name].clone().requires_grad_(True) for name in names}
+    value, source = loss(constants)
+    grads = torch.autograd.grad(value, [source, *constants.values()], allow_unused=True)
+    assert [name for name, grad in zip(names, grads[1:]) if grad is not None] == []
+    detached_value, detached_source = loss(values)
+    (expected,) = torch.autograd.grad(detached_value, detached_source)
+    assert torch.equal(value.detach(), detached_value.detach()) and torch.equal(grads[0], expected)
