@@ -6,7 +6,13 @@ answer found by the surface audit of 2026-11-28 or pins a contract of docs/API.m
 import pytest
 import torch
 
-from erpo_kernels import erpo_loss, fused_linear_erpo_loss, logprob_erpo_loss, token_logprobs
+from erpo_kernels import (
+    erpo_loss,
+    fused_linear_erpo_loss,
+    fused_linear_token_logprobs,
+    logprob_erpo_loss,
+    token_logprobs,
+)
 from helpers import loss_inputs, random_batch
 
 BACKENDS = ["torch", "triton"]
@@ -137,3 +143,109 @@ def test_no_gradient_reaches_the_loss_s_constant_tensors(path, backend, device):
     detached_value, detached_source = loss(values)
     (expected,) = torch.autograd.grad(detached_value, detached_source)
     assert torch.equal(value.detach(), detached_value.detach()) and torch.equal(grads[0], expected)
+
+
+# -- views, strides and dtypes: what held, pinned --------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_that_are_views_give_the_formula_s_values_and_gradients(backend, device):
+    """A padded vocabulary's slice (Qwen's 152064 columns, its tokenizer's fewer: row stride != V), a storage offset,
+    a transposed tensor: token_logprobs is log_softmax + gather, and erpo_loss and its gradient are those on the
+    contiguous copy."""
+    batch = random_batch(num_rows=20, vocab=37, device=device)
+    padded = torch.randn(20, 48, device=device) * 3
+    views = {"vocab slice": padded[:, :37], "offset": padded.flatten()[5:5 + 20 * 37].view(20, 37),
+             "transposed": padded[:, :37].t().contiguous().t()}
+    for name, view in views.items():
+        logp = token_logprobs(view, batch["targets"], backend=backend)
+        torch.testing.assert_close(logp.double(), plain_logprobs(view, batch["targets"]), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+        out, grad = loss_and_grad(view, batch, backend)
+        ref, ref_grad = loss_and_grad(view.contiguous(), batch, "torch")
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hidden_and_lm_head_views_give_the_logits_path_s_values(backend, device):
+    """The fused-linear path on a transposed lm_head (stored [D, V]) and a slice of a padded vocabulary's rows, with
+    hidden states as `hidden[:, :-1]` of [B, T, D] reshaped: the values and
+    gradients of erpo_loss on the materialized logits."""
+    batch = random_batch(num_rows=24, vocab=29, device=device)
+    g = torch.Generator().manual_seed(1)
+    base_hidden = torch.randn(2, 13, 16, generator=g).to(device)
+    weights = {"transposed": (torch.randn(16, 29, generator=g) * 0.3).to(device).t(),
+               "padded vocabulary's rows": (torch.randn(40, 16, generator=g) * 0.3).to(device)[:29]}
+    hidden = base_hidden[:, :-1].reshape(24, 16)
+    for name, weight in weights.items():
+        h, w = hidden.clone().requires_grad_(True), weight.detach().requires_grad_(True)
+        out = fused_linear_erpo_loss(h, w, batch["targets"], batch["token_kind"], batch["sample_index"],
+                                     backend=backend, qkl_coef=0.1, **loss_inputs(batch))
+        out.loss.backward()
+        rh, rw = hidden.clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+        ref = erpo_loss(rh @ rw.t(), batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
+                        qkl_coef=0.1, **loss_inputs(batch))
+        ref.loss.backward()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(h.grad, rh.grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(w.grad, rw.grad, rtol=1e-4, atol=1e-5, msg=name)
+        logp = fused_linear_token_logprobs(hidden, weight, batch["targets"], backend=backend)
+        torch.testing.assert_close(logp.double(), plain_logprobs(hidden @ weight.t(), batch["targets"]), rtol=1e-5,
+                                   atol=1e-5, msg=name)
+
+
+def strided(tensor):
+    """The same values as a column of a [n, 2] tensor: stride 2, storage offset 1."""
+    return torch.stack([torch.full_like(tensor, 7), tensor], 1)[:, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs_and_other_dtypes_give_the_same_loss(backend, device):
+    """The [S] and [N] tensors as strided views (a column of a wider tensor), the rows as int32 / uint8, advantages
+    in float64 or bfloat16 (cast to the loss's fp32 as the reference does): the loss of the contiguous int64 / fp32
+    call, bit for bit on one backend."""
+    batch = random_batch(num_rows=24, vocab=29, device=device)
+    extra = {"token_weight": torch.rand(24, device=device), "rollout_logp": batch["old_logp"] - 0.1}
+    tensors = {**loss_inputs(batch), **extra}
+    rows = (batch["targets"], batch["token_kind"], batch["sample_index"])
+
+    def loss(rows, tensors):
+        return erpo_loss(batch["logits"], *rows, backend=backend, qkl_coef=0.1, policy_kl_coef=0.05,
+                         **tensors).loss
+    expected = loss(rows, tensors)
+    cases = {"strided tensors": (rows, {name: strided(t) for name, t in tensors.items()}),
+             "strided int32 rows": (tuple(strided(t.int()) for t in rows), tensors),
+             "uint8 kind and sample": ((rows[0], rows[1].to(torch.uint8), rows[2].to(torch.uint8)), tensors),
+             "float64 tensors": (rows, {name: t.double() for name, t in tensors.items()})}
+    for name, (case_rows, case_tensors) in cases.items():
+        assert torch.equal(loss(case_rows, case_tensors), expected), name
+    bf16 = {**tensors, "advantages": tensors["advantages"].bfloat16()}
+    torch.testing.assert_close(loss(rows, bf16), loss(rows, {**tensors, "advantages": bf16["advantages"].float()}),
+                               rtol=0, atol=0)
+
+
+# -- empty batches: the contract docs/API.md writes -------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_without_rows_is_a_zero_loss_as_torch_sum_of_nothing(backend, device):
+    """N = 0 (an empty micro-batch), or rows that score nothing: the loss is 0 (sums over no rows, as torch.sum of
+    an empty tensor; the means divide by max(count, 1), as TRL's masked means), its gradient zero, the [N] outputs
+    empty, the [S] outputs and the metrics 0; token_logprobs returns empty [0] vectors."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    logits = torch.randn(0, 11, device=device, requires_grad=True)
+    logp, entropy = token_logprobs(logits, empty, return_entropy=True, backend=backend)
+    assert logp.shape == entropy.shape == (0,) and logp.dtype == entropy.dtype == torch.float32
+    out = erpo_loss(logits, empty, empty, empty, advantages=torch.ones(2, device=device),
+                    ref_query_logp=torch.full((2,), -3.0, device=device), ref_logp=torch.zeros(0, device=device),
+                    policy_kl_coef=0.1, backend=backend)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    assert out.loss.item() == 0 and grad.shape == (0, 11) and out.token_logp.shape == (0,)
+    assert out.query_logp.tolist() == [0.0, 0.0] and out.response_logp.tolist() == [0.0, 0.0]
+    assert {name: value.item() for name, value in out.metrics.items()} == dict.fromkeys(out.metrics, 0)
+    batch = random_batch(num_rows=12, vocab=11, device=device)
+    unscored = torch.zeros_like(batch["token_kind"])
+    leaf = batch["logits"].clone().requires_grad_(True)
+    out = erpo_loss(leaf, batch["targets"], unscored, batch["sample_index"], backend=backend, **loss_inputs(batch))
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    assert out.loss.item() == 0 and torch.equal(grad, torch.zeros_like(grad))
+    assert {name: value.item() for name, value in out.metrics.items()} == dict.fromkeys(out.metrics, 0)
