@@ -34,10 +34,10 @@ def _masked_quantile_kernel(sorted_ptr, kind_ptr, values_ptr, out_ptr, num_rows,
     rank = clamp(q * (count - 1).to(tl.float32), 0.0, None)  # count = 0: rank 0 (the result is NaN below)
     below = rank.to(tl.int64)  # floor: rank >= 0
     above = tl.where(below.to(tl.float32) < rank, below + 1, below)  # ceil
-    # an empty pool would read two of the +inf the other rows sort to, and end - start would form inf - inf: 0 instead
-    # (its result is the NaN of `undefined` below either way)
-    start = tl.where(count > 0, tl.load(sorted_ptr + below), 0.0)
-    end = tl.where(count > 0, tl.load(sorted_ptr + above), 0.0)
+    # an empty pool reads nothing (no rows at all: nothing to read; else two of the +inf the other rows sort to, and
+    # end - start would form inf - inf): 0 instead (its result is the NaN of `undefined` below either way)
+    start = tl.load(sorted_ptr + below, mask=count > 0, other=0.0)
+    end = tl.load(sorted_ptr + above, mask=count > 0, other=0.0)
     weight = rank - below.to(tl.float32)
     # torch.lerp's two branches, each one fused multiply-add as torch's compiled lerp is (an fp32 product is exact in
     # fp64, so the fp64 sum rounded to fp32 is that fma: the same bits under the interpreter and on a GPU)
@@ -52,7 +52,7 @@ def _masked_quantile_kernel(sorted_ptr, kind_ptr, values_ptr, out_ptr, num_rows,
 @torch.library.custom_op("erpo::triton_masked_quantile", mutates_args=())
 def masked_quantile_op(values: torch.Tensor, token_kind: torch.Tensor, pool_kind: int, q: float) -> torch.Tensor:
     """0-dim fp32: torch.quantile(values[token_kind == pool_kind], q) (linear interpolation; NaN when no row is
-    pooled or a pooled value is NaN), as `objective.masked_quantile`. values [N] fp32 (N >= 1), token_kind [N]."""
+    pooled or a pooled value is NaN), as `objective.masked_quantile`. values [N] fp32 (N >= 0), token_kind [N]."""
     pooled = torch.where(token_kind == pool_kind, values, float("inf")).sort().values
     quantile = torch.empty((), dtype=torch.float32, device=values.device)
     _masked_quantile_kernel[(1,)](pooled, token_kind, values, quantile, values.shape[0], q, POOL_KIND=pool_kind,

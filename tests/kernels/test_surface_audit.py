@@ -226,18 +226,21 @@ def test_strided_inputs_and_other_dtypes_give_the_same_loss(backend, device):
 
 # -- empty batches: the contract docs/API.md writes -------------------------------------------------------------------
 
+@pytest.mark.parametrize("options", [{}, {"top_entropy_quantile": 0.5}], ids=["defaults", "entropy-filter"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_call_without_rows_is_a_zero_loss_as_torch_sum_of_nothing(backend, device):
+def test_a_call_without_rows_is_a_zero_loss_as_torch_sum_of_nothing(backend, options, device):
     """N = 0 (an empty micro-batch), or rows that score nothing: the loss is 0 (sums over no rows, as torch.sum of
     an empty tensor; the means divide by max(count, 1), as TRL's masked means), its gradient zero, the [N] outputs
-    empty, the [S] outputs and the metrics 0; token_logprobs returns empty [0] vectors."""
+    empty, the [S] outputs and the metrics 0; token_logprobs returns empty [0] vectors. With the entropy filter the
+    Triton threshold's kernel read one element of the empty tensor (a segmentation fault in the interpreter, an
+    out-of-bounds read on a GPU); it reads nothing now."""
     empty = torch.zeros(0, dtype=torch.long, device=device)
     logits = torch.randn(0, 11, device=device, requires_grad=True)
     logp, entropy = token_logprobs(logits, empty, return_entropy=True, backend=backend)
     assert logp.shape == entropy.shape == (0,) and logp.dtype == entropy.dtype == torch.float32
     out = erpo_loss(logits, empty, empty, empty, advantages=torch.ones(2, device=device),
                     ref_query_logp=torch.full((2,), -3.0, device=device), ref_logp=torch.zeros(0, device=device),
-                    policy_kl_coef=0.1, backend=backend)
+                    policy_kl_coef=0.1, backend=backend, **options)
     (grad,) = torch.autograd.grad(out.loss, logits)
     assert out.loss.item() == 0 and grad.shape == (0, 11) and out.token_logp.shape == (0,)
     assert out.query_logp.tolist() == [0.0, 0.0] and out.response_logp.tolist() == [0.0, 0.0]
@@ -245,7 +248,9 @@ def test_a_call_without_rows_is_a_zero_loss_as_torch_sum_of_nothing(backend, dev
     batch = random_batch(num_rows=12, vocab=11, device=device)
     unscored = torch.zeros_like(batch["token_kind"])
     leaf = batch["logits"].clone().requires_grad_(True)
-    out = erpo_loss(leaf, batch["targets"], unscored, batch["sample_index"], backend=backend, **loss_inputs(batch))
+    out = erpo_loss(leaf, batch["targets"], unscored, batch["sample_index"], backend=backend, **loss_inputs(batch),
+                    **options)
     (grad,) = torch.autograd.grad(out.loss, leaf)
     assert out.loss.item() == 0 and torch.equal(grad, torch.zeros_like(grad))
     assert {name: value.item() for name, value in out.metrics.items()} == dict.fromkeys(out.metrics, 0)
+
