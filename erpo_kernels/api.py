@@ -297,7 +297,9 @@ def query_weights(ref_query_logp: torch.Tensor, max_weight: float | None = MAX_Q
     check_tensor("ref_query_logp", ref_query_logp, ndim=1, floating=True)
     if ref_query_logp.numel() == 0:
         raise ValueError("ref_query_logp must hold at least one query")
-    surprisal = -ref_query_logp.double()
+    # 0 - ell rather than -ell: an empty query's ell = +0.0 is surprisal +0.0 (weight mean / +0 = inf, clipped to
+    # max_weight), not -0.0 (weight -inf, clipped to 0)
+    surprisal = 0.0 - ref_query_logp.double()
     if mean_surprisal is None:
         mean = surprisal.mean()
     elif isinstance(mean_surprisal, torch.Tensor):

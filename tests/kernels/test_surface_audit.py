@@ -11,6 +11,7 @@ from erpo_kernels import (
     fused_linear_erpo_loss,
     fused_linear_token_logprobs,
     logprob_erpo_loss,
+    query_weights,
     token_logprobs,
 )
 from helpers import loss_inputs, random_batch
@@ -254,3 +255,13 @@ def test_a_call_without_rows_is_a_zero_loss_as_torch_sum_of_nothing(backend, opt
     assert out.loss.item() == 0 and torch.equal(grad, torch.zeros_like(grad))
     assert {name: value.item() for name, value in out.metrics.items()} == dict.fromkeys(out.metrics, 0)
 
+
+def test_an_empty_query_s_weight_is_the_clip_whatever_the_sign_of_its_zero(device):
+    """A query whose cached ell_theta0 is 0 (a one-token prompt, whose first token nothing predicts: a sum over no
+    rows, +0.0) has surprisal 0 and weight clip(mean / 0, 0, 2) = 2. The weight was formed from -ell, -0.0 for
+    +0.0: mean / -0.0 = -inf, clipped to 0, so such a prompt's policy gradient was dropped (2 for an ell of -0.0)."""
+    for zero in (0.0, -0.0):
+        ell = torch.tensor([-3.0, -6.0, zero], device=device)
+        for validate in (True, False):
+            weights = query_weights(ell, validate=validate)
+            torch.testing.assert_close(weights, torch.tensor([1.0, 0.5, 2.0], device=device), rtol=0, atol=0)
