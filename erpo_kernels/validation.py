@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import math
+import numbers
 import threading
 import typing
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class LogitTransform:
     logit_softcap: float | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "logit_scale", "logit_softcap"):  # numpy scalars as Python numbers (plain_number)
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         check_temperature(self.temperature)
         if not _is_finite_number(self.logit_scale) or self.logit_scale <= 0:
             raise ValueError(f"logit_scale must be a finite number > 0, got {self.logit_scale!r}")
@@ -109,6 +112,8 @@ class LossOptions:
     top_entropy_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
+        for name in OPTION_NAMES:  # a numpy scalar (np.float64(0.1), np.int64(8)) as the Python number it holds
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         LogitTransform(self.temperature, self.logit_scale, self.logit_softcap)  # checks the three
@@ -295,6 +300,16 @@ INPUT_NAMES = tuple(f.name for f in fields(LossInputs))  # LossInputs' fields in
 PER_SAMPLE_INPUTS = tuple(f.name for f in fields(LossInputs) if f.metadata.get("per", "sample") == "sample")
 # (name, "sample" or "row") of LossInputs' optional fields, a constant for the same reason
 OPTIONAL_INPUTS = tuple((f.name, f.metadata["per"]) for f in fields(LossInputs) if "per" in f.metadata)
+
+
+def plain_number(value):
+    """`value` as a Python int / float when it is another real number (a numpy scalar, np.float64 among them, which
+    subclasses float), else `value` itself (a bool, a tensor, a string, None): what the options hold and the checks,
+    the caches and the fused path's option string read."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor)) and type(value) not in (
+            int, float):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
 
 
 def _is_finite_number(value) -> bool:

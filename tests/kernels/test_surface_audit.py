@@ -265,3 +265,27 @@ def test_an_empty_query_s_weight_is_the_clip_whatever_the_sign_of_its_zero(devic
         for validate in (True, False):
             weights = query_weights(ell, validate=validate)
             torch.testing.assert_close(weights, torch.tensor([1.0, 0.5, 2.0], device=device), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_scalar_options_are_the_numbers_they_hold(backend, device):
+    """An option computed with numpy (np.float64 subclasses float, so the checks took it) reached the fused-linear
+    path's option string as 'np.float64(0.1)' and failed in ast.literal_eval with a traceback naming no argument;
+    np.float32 / np.int64 were refused as not numbers. Every option and the logit transform now hold the Python
+    number (validation.plain_number): the loss of the Python floats, on the logits and fused-linear paths."""
+    np = pytest.importorskip("numpy")
+    batch = random_batch(num_rows=16, vocab=19, device=device)
+    hidden = torch.randn(16, 8, device=device)
+    weight = torch.randn(19, 8, device=device) * 0.3
+    numpy_options = {"clip_low": np.float64(0.1), "qkl_coef": np.float32(0.25), "num_items": np.int64(7),
+                     "temperature": np.float64(0.7)}
+    python_options = {name: value.item() for name, value in numpy_options.items()}
+    rows = (batch["targets"], batch["token_kind"], batch["sample_index"])
+    for options in (numpy_options, python_options):
+        fused = fused_linear_erpo_loss(hidden, weight, *rows, backend=backend, **loss_inputs(batch), **options)
+        logits = erpo_loss(hidden @ weight.t(), *rows, backend=backend, **loss_inputs(batch), **options)
+        logp = token_logprobs(batch["logits"], batch["targets"], temperature=options["temperature"], backend=backend)
+        if options is numpy_options:
+            expected = (fused.loss, logits.loss, logp)
+    assert torch.equal(fused.loss, expected[0]) and torch.equal(logits.loss, expected[1])
+    assert torch.equal(logp, expected[2])
