@@ -3,6 +3,7 @@ backends: views of the logits / hidden / lm_head (a padded vocabulary's slice, a
 strided per-sample and per-row tensors, integer rows of other dtypes, other float dtypes of the loss's tensors, empty
 batches, and the in-place backward's limits (a second backward, an expanded tensor). Each guards a silent wrong
 answer found by the surface audit of 2026-11-28 or pins a contract of docs/API.md."""
+import numpy as np
 import pytest
 import torch
 
@@ -273,7 +274,6 @@ def test_numpy_scalar_options_are_the_numbers_they_hold(backend, device):
     path's option string as 'np.float64(0.1)' and failed in ast.literal_eval with a traceback naming no argument;
     np.float32 / np.int64 were refused as not numbers. Every option and the logit transform now hold the Python
     number (validation.plain_number): the loss of the Python floats, on the logits and fused-linear paths."""
-    np = pytest.importorskip("numpy")
     batch = random_batch(num_rows=16, vocab=19, device=device)
     hidden = torch.randn(16, 8, device=device)
     weight = torch.randn(19, 8, device=device) * 0.3
