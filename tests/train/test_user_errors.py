@@ -122,6 +122,22 @@ def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp
         assert not (tmp_path / "out").exists()
 
 
+def test_one_check_of_what_a_model_directory_holds(tmp_path):
+    """`erpo.models.source.require` is the one check of a local directory's model or tokenizer, for the trainer's
+    model.name_or_path / model.tokenizer and erpo eval's --model (the messages above): one line naming the option,
+    the path, the files looked for and the fix; nothing for a Hub name or a directory that holds one."""
+    from erpo.errors import UserError
+    from erpo.models.source import require
+    (tmp_path / "config.json").write_text("{}")
+    require(str(tmp_path), "model", "--model", "unused")
+    require("org/name", "tokenizer", "--model", "unused")   # a Hub repository: not checked here
+    with pytest.raises(UserError) as error:
+        require(str(tmp_path), "tokenizer", "--model", "save the model's tokenizer there")
+    assert str(error.value) == (f"--model {tmp_path}: this directory holds no tokenizer (none of "
+                                "tokenizer_config.json, tokenizer.json, tokenizer.model, vocab.json); save the model's "
+                                "tokenizer there")
+
+
 # ------------------------------------------------------------------------------------------------------ data
 @pytest.mark.parametrize("content,message", [
     ('{"problem": "1+1=?", "answer": "2"}\n\n{"problem": "2+2=?"}\n',
