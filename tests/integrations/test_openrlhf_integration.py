@@ -656,7 +656,8 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=str(tmp_path / "none"),
                                                model_path=tiny_path, resumed_step=7),
          r"^no reference cache at .*none, and the run resumes at step 7: ell_theta0\(q\) is scored with the "
-         r"initial weights, which the actor no longer holds; put the cache of the run's start there"),
+         r"initial weights, which the actor no longer holds; put the cache of the run's start there \(or pass its "
+         r"path to load_or_build_query_reference\), or start afresh$"),
         (lambda: load_or_build_query_reference(actor, other_template, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path, resumed_step=7),
          r"tokenizer: .* resume with the cache and the settings of the run's start"),

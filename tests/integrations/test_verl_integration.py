@@ -751,8 +751,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
         start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^no reference cache at \S+elsewhere.json, and the run resumes at step 3: "
                                          r"ell_theta0\(q\) is scored with the initial weights, which the actor no "
-                                         r"longer holds; put the cache of the run's start there \(or point the run "
-                                         r"at it\), or start afresh$"):
+                                         r"longer holds; put the cache of the run's start there \(or set "
+                                         r"\+erpo.ref_cache=\.\.\. to its path\), or start afresh$"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
     assert not (tmp_path / "elsewhere.json").exists()
     resumed_group = start(resumed_at=3)   # with its cache, a resumed run reads it and scores nothing
