@@ -68,7 +68,8 @@ def check_history_arguments(args: argparse.Namespace) -> None:
     try:
         check_eval_arguments(k=args.eval_k, temperatures=parse_temperatures(args.eval_temperatures,
                                                                            "--eval-temperatures"),
-                             pass_ks=None, batch_size=1, top_p=1.0)
+                             pass_ks=None, batch_size=1, top_p=1.0,
+                             names={"k": "--eval-k", "temperatures": "--eval-temperatures"})
         load_benchmarks([s for s in args.eval_benchmarks.split(",") if s.strip()])
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise UserError(f"--eval-history: {exc}", exit_code=2) from exc

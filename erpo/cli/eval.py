@@ -8,6 +8,10 @@ import sys
 from erpo.errors import UserError
 from erpo.eval.defaults import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURES, TEMPERATURE_GRIDS
 
+# `check_eval_arguments`' arguments -> the options they come from, which its errors name
+OPTION_NAMES = {"k": "--k", "temperatures": "--temperatures", "pass_ks": "--pass-k", "batch_size": "--batch-size",
+                "top_p": "--top-p"}
+
 
 def _numbers(text: str, name: str, kind: type) -> list:
     """Comma-separated values of `kind` (int or float) of the option `name`; ValueError naming it."""
@@ -109,11 +113,12 @@ def run_eval(args: argparse.Namespace) -> None:
         pass_ks = _numbers(args.pass_k, "--pass-k", int) if args.pass_k else None
         temperatures = parse_temperatures(args.temperatures, "--temperatures")
         templates = parse_templates(args.template, [m.label for m in models])
-        if args.max_new_tokens < 1 or args.tensor_parallel_size < 1:
-            raise ValueError(f"--max-new-tokens and --tensor-parallel-size must be >= 1, got {args.max_new_tokens} "
-                             f"and {args.tensor_parallel_size}")
+        for option, value in (("--max-new-tokens", args.max_new_tokens),
+                              ("--tensor-parallel-size", args.tensor_parallel_size)):
+            if value < 1:
+                raise ValueError(f"{option} must be an integer >= 1, got {value}")
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
-                             top_p=args.top_p)
+                             top_p=args.top_p, names=OPTION_NAMES)
         device = generate_device(args.device)
         blocking = file_in_the_way(args.output_dir)
         if blocking is not None:

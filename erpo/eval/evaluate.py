@@ -33,23 +33,25 @@ from erpo.models.fingerprint import model_fingerprint
 
 
 def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int] | None, batch_size: int,
-                         top_p: float) -> tuple[list[float], list[int]]:
-    """Validate sampling arguments (ValueError naming the bad one); return sorted unique temperatures and
-    the Pass@k budgets (default: powers of two up to k; k itself is always included)."""
+                         top_p: float, names: dict[str, str] | None = None) -> tuple[list[float], list[int]]:
+    """Validate sampling arguments (ValueError naming the bad one, as the caller's user spelled it: `names` maps an
+    argument to its name there, e.g. {"k": "--k"} for `erpo eval`; the keyword itself where absent); return sorted
+    unique temperatures and the Pass@k budgets (default: powers of two up to k; k itself is always included)."""
+    name = {key: key for key in ("k", "temperatures", "pass_ks", "batch_size", "top_p")} | (names or {})
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+        raise ValueError(f"{name['k']} must be an integer >= 1 (samples per problem), got {k!r}")
     if not temperatures:
-        raise ValueError("temperatures must hold at least one value")
+        raise ValueError(f"{name['temperatures']} must hold at least one temperature")
     for t in temperatures:
         if not 0.0 < t <= 5.0:
-            raise ValueError(f"temperatures must be in (0, 5], got {t}")
+            raise ValueError(f"{name['temperatures']}: each temperature must be in (0, 5], got {t:g}")
     pass_ks = sorted(set(pass_ks or default_pass_ks(k)) | {k})
     if pass_ks[0] < 1 or pass_ks[-1] > k:
-        raise ValueError(f"pass_ks must lie in [1, k={k}], got {pass_ks}")
+        raise ValueError(f"{name['pass_ks']} must lie in [1, {name['k']}={k}], got {pass_ks}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ValueError(f"{name['batch_size']} must be an integer >= 1 (prompts per generate call), got {batch_size}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise ValueError(f"{name['top_p']} must be in (0, 1] (1: no nucleus cut), got {top_p:g}")
     return sorted(set(temperatures)), pass_ks
 
 

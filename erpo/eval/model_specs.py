@@ -12,7 +12,7 @@ from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.manifest import CHECKPOINTS_DIR, complete_checkpoints, require_intact
 from erpo.models.export import HF_DIR
 from erpo.models.loading import model_path_for
-from erpo.models.source import holds, lacks, resolve_model_source
+from erpo.models.source import holds, require, resolve_model_source
 from erpo.tasks.data import TEMPLATES
 
 # Prompt templates that are whole prompts (no chat template around them), by name. "qwen-math": Dr.GRPO's
@@ -148,8 +148,7 @@ def parse_models(values: list[str]) -> list[ModelSpec]:
     if not specs:
         raise ValueError("--model: give at least one model")
     for spec in specs:   # evaluation loads each model's tokenizer from its directory (a Hub model's holds one)
-        if os.path.isdir(spec.path) and not holds(spec.path, "tokenizer"):
-            raise ValueError(f"--model {spec.path}: {lacks('tokenizer')}; save the model's tokenizer there")
+        require(spec.path, "tokenizer", "--model", "save the model's tokenizer there")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--model labels must be unique, got {labels}; name them LABEL=PATH")

@@ -22,7 +22,9 @@ own code).
 """
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass
@@ -297,13 +299,38 @@ def check_no_ring_attention(ring_attn_group) -> None:
         raise ValueError(RING_ATTENTION)
 
 
-def check_fused_linear(actor, mm_inputs: dict) -> None:
-    """Refuse, in one line, an actor whose rows the fused-linear path cannot score as Actor.forward does: multimodal
-    inputs (a VLM's own position ids and token types), an lm_head DeepSpeed ZeRO-3 partitions (whole only inside
-    `whole_lm_head`, and OpenRLHF's backward runs after it), and an lm_head that is not a plain `torch.nn.Linear`
-    holding the whole [V, D] weight (DeepSpeed AutoTP's column shard under ds.tensor_parallel_size > 1, a LoRA adapter
-    on lm_head)."""
-    if mm_inputs or getattr(actor, "is_vlm", False):
+def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
+    """Refuse, as Python refuses an unexpected keyword (a one-line TypeError naming it), a keyword of `function`
+    (`actor_logprobs`, `actor_row_logprobs`) that cannot be a multimodal input: they pass their other keywords on to
+    the model (a VLM processor's pixel_values, image_grid_thw, ...), whose transformers `**kwargs` would drop a
+    misspelled option silently. Refused: every one on a text-only actor (OpenRLHF's `is_vlm` unset); on a VLM actor,
+    one of Actor.forward's own parameters (return_output, packed_seq_lens, ...: `function` sets them) and a near miss
+    of `function`'s own options (`fused_liner`; found by difflib against its signature, no list kept here)."""
+    own = [name for name, parameter in inspect.signature(actor_row_logprobs).parameters.items()
+           if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    forward = [name for name, parameter in inspect.signature(actor.forward).parameters.items()
+               if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+    vlm = getattr(actor, "is_vlm", False)
+    for key in mm_inputs:
+        close = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
+        if close:
+            why = f"did you mean {close[0]!r}?"
+        elif not vlm:
+            why = "the actor is not a vision-language model (OpenRLHF's is_vlm), so it takes no multimodal inputs"
+        elif key in forward:
+            why = f"{function} sets Actor.forward's {key} itself"
+        else:
+            continue
+        raise TypeError(f"{function}() got an unexpected keyword argument {key!r} ({why})")
+
+
+def check_fused_linear(actor) -> None:
+    """Refuse, in one line, an actor whose rows the fused-linear path cannot score as Actor.forward does: a
+    vision-language actor (its multimodal inputs, own position ids and token types), an lm_head DeepSpeed ZeRO-3
+    partitions (whole only inside `whole_lm_head`, and OpenRLHF's backward runs after it), and an lm_head that is not
+    a plain `torch.nn.Linear` holding the whole [V, D] weight (DeepSpeed AutoTP's column shard under
+    ds.tensor_parallel_size > 1, a LoRA adapter on lm_head)."""
+    if getattr(actor, "is_vlm", False):
         raise ValueError("fused_linear=True does not score a vision-language actor (Actor.forward's multimodal "
                          "inputs): set fused_linear=False")
     head = find_lm_head(actor.model)
@@ -364,8 +391,18 @@ def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor
     of the prompt and action rows alone, scored against the whole lm_head with the model's logit transform and the
     actor's temperature (`head_token_logprobs`): no [B, T, V] tensor; one host read more (the rows' positions; two
     with packing_samples, whose unpadding reads the real tokens' as OpenRLHF's does); refused where it cannot be
-    right (`check_fused_linear`). `actor_logprobs` and the reference cache read it. Ring attention is refused
-    (`check_no_ring_attention`)."""
+    right (`check_fused_linear`). `mm_inputs`: a vision-language actor's processor inputs (pixel_values,
+    image_grid_thw, ...), passed on to Actor.forward; any other keyword is refused (`check_multimodal_inputs`).
+    `actor_logprobs` and the reference cache read it. Ring attention is refused (`check_no_ring_attention`)."""
+    check_multimodal_inputs(actor, mm_inputs, "actor_row_logprobs")
+    return scored_rows(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
+                       fused_linear=fused_linear, ring_attn_group=ring_attn_group, mm_inputs=mm_inputs)
+
+
+def scored_rows(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor, *,
+                return_entropy: bool, fused_linear: bool, ring_attn_group, mm_inputs: dict) -> ActorRowScores:
+    """`actor_row_logprobs` on inputs `check_multimodal_inputs` has checked (`actor_logprobs` checks them under its
+    own name)."""
     check_no_ring_attention(ring_attn_group)
     num, length = sequences.shape
     targets, kind, prompt = actor_rows(sequences, action_mask, attention_mask)
@@ -383,7 +420,7 @@ def actor_row_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor
         if packed and entropy is not None:
             entropy = torch.where(attention_mask.reshape(-1).bool(), entropy, 0.0)
         return ActorRowScores(logp, entropy, kind.reshape(-1), prompt, output)
-    check_fused_linear(actor, mm_inputs)
+    check_fused_linear(actor)
     rows = (kind.reshape(-1) != 0).nonzero().squeeze(1)   # the one host read: the scored rows' positions
     hidden, output = backbone_rows(actor, sequences, attention_mask, rows)
     scored = head_token_logprobs(actor.model, hidden, targets.index_select(0, rows), temperature=actor.temperature,
@@ -405,8 +442,9 @@ def actor_logprobs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, at
     the same arguments; `fused_linear`: the lean path, no [B, T, V] logits): the action rows as Actor.forward returns
     them, each prompt's rows summed by erpo_kernels' `sample_sums`. Host reads beyond the forward's: 2, sample_sums'
     index check and one copy of the prompt tokens (and the lean path's, `actor_row_logprobs`)."""
-    rows = actor_row_logprobs(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
-                              fused_linear=fused_linear, ring_attn_group=ring_attn_group, **mm_inputs)
+    check_multimodal_inputs(actor, mm_inputs, "actor_logprobs")
+    rows = scored_rows(actor, sequences, action_mask, attention_mask, return_entropy=return_entropy,
+                       fused_linear=fused_linear, ring_attn_group=ring_attn_group, mm_inputs=mm_inputs)
     num, length = sequences.shape
     kind, logp = rows.kind, rows.logp
     sample_index = torch.arange(num, device=sequences.device).repeat_interleave(length)

@@ -25,6 +25,7 @@ from erpo.sequences import scoring_precision
 # the scoring path a cache scored here records (`actor_precision`): Actor.forward's logits, or the fused-linear path
 ACTOR_PATH, FUSED_LINEAR_PATH = "openrlhf-actor", "openrlhf-fused-linear"
 REBUILD = "Delete it to rebuild it, or pass another path to load_or_build_query_reference."
+POINT_AT = "pass its path to load_or_build_query_reference"   # how a resumed run is pointed at its start's cache
 # what a prompt missing at a training step ends with: the cache held every prompt it was given, so the step's prompt
 # is not one of them as tokenized there, and no rebuild adds it
 STEP_MISS = ("(it held every prompt given to load_or_build_query_reference, tokenized as OpenRLHF's agent executors "
@@ -98,5 +99,5 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
         precision=actor_precision(actor, fused_linear=fused_linear), remedy=REBUILD, trainer="openrlhf",
-        step_miss=STEP_MISS, resumed_step=resumed_step,
+        step_miss=STEP_MISS, resumed_step=resumed_step, point_at=POINT_AT,
         score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size, fused_linear=fused_linear))

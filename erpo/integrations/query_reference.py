@@ -34,10 +34,11 @@ BUILT_OTHERWISE = ("(it held every training prompt at start: the trainer built t
 # refused as missing (MISSING_AT_RESUME)
 RESUMED = ("The run resumes at step {step}, whose actor no longer holds the initial weights: rebuilding the cache "
            "would score them otherwise; resume with the cache and the settings of the run's start, or start afresh.")
-# A resumed run without a cache: scoring now would take the checkpoint's weights for theta0
+# A resumed run without a cache: scoring now would take the checkpoint's weights for theta0. {point_at}: how the
+# trainer's user points a run at a cache (`load_or_build_reference`'s `point_at`)
 MISSING_AT_RESUME = ("no reference cache at {path}, and the run resumes at step {step}: ell_theta0(q) is scored with "
                      "the initial weights, which the actor no longer holds; put the cache of the run's start there "
-                     "(or point the run at it), or start afresh")
+                     "(or {point_at}), or start afresh")
 
 
 @dataclass
@@ -63,7 +64,9 @@ class QueryReference:
 def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[int]], *, path: str,
                             temperature: float, precision: str, score: Callable[[list[list[int]]], list[float]],
                             trainer: str, remedy: str, step_miss: str = BUILT_OTHERWISE,
-                            resumed_step: int | None = None) -> QueryReference:
+                            resumed_step: int | None = None, point_at: str = "point the run at it",
+                            changed: Callable[[Callable[[list[int]], bool]], str | None] | None = None
+                            ) -> QueryReference:
     """ell_theta0(q) and w(q) of every training prompt (token ids as the trainer's rollout builds them).
 
     The cache at `path` is read when it was built with this model directory's weights, this tokenizer,
@@ -71,7 +74,11 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     `openrlhf_reference.actor_precision`), and holds every prompt; otherwise a ValueError names what differs and
     ends with `remedy` (the trainer's way to rebuild it). `resumed_step`: the step a run resumes at from a checkpoint
     (None or 0: a fresh start), whose actor no longer holds the initial weights: its cache must be there (else a
-    ValueError, MISSING_AT_RESUME) and a refusal ends with `RESUMED` instead of `remedy`. A prompt a training step
+    ValueError, MISSING_AT_RESUME, which says how to point the run at a cache in the trainer's words: `point_at`, e.g.
+    "set +erpo.ref_cache=... to its path") and a refusal ends with `RESUMED` instead of `remedy`. A cache read here
+    that lacks a training prompt gives CHANGED as the cause, or what `changed(cached)` says when it knows better
+    (`cached(token_ids)`: whether the cache holds that prompt; verl's: the chat template's date,
+    `template_date.DatedTemplate.load_miss`), then the remedy. A prompt a training step
     misses later was built otherwise than the ones scored here, which no rebuild adds: its error ends with
     `step_miss` (how the trainer's prompts are tokenized here, and what to do). `trainer` ("verl", "openrlhf")
     names the trainer in the cache's template record. Without a cache, `score(prompts)` gives ell_theta0 (nats) of
@@ -81,7 +88,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     if resumed_step:
         remedy = RESUMED.format(step=resumed_step)
         if not os.path.exists(path):
-            raise ValueError(MISSING_AT_RESUME.format(path=path, step=resumed_step))
+            raise ValueError(MISSING_AT_RESUME.format(path=path, step=resumed_step, point_at=point_at))
     identity = dict(model_id=str(model_path), tokenizer_id=str(getattr(tokenizer, "name_or_path", "")),
                     tokenizer_fp=tokenizer_fingerprint(tokenizer))
     model_fp = model_fingerprint(str(model_path))
@@ -96,7 +103,8 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
                                    model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
                                    template=template, precision=precision)
         cache.save(path)
-    reference = QueryReference(dict(cache.entries), str(path), tokenizer, f"{CHANGED} {remedy}")
+    cause = changed(lambda ids: prompt_hash(ids) in cache.entries) if changed is not None else None
+    reference = QueryReference(dict(cache.entries), str(path), tokenizer, f"{cause or CHANGED} {remedy}")
     reference.lookup(prompt_ids)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     reference.why = step_miss      # from now on a missing prompt is one the trainer built otherwise

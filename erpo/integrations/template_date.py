@@ -7,11 +7,12 @@ it with one render, so that the trainer can say so before training, and its miss
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 DATE_SHIFT = timedelta(days=400)   # another day, month, year and weekday
 DATE_STRING_FORMAT = "%d %b %Y"    # Llama 3.x's `date_string` ("26 Jul 2024"), which its template writes as is
+CACHE_DAYS = 366                   # how far back `DatedTemplate.load_miss` looks for the day a cache was built
 
 
 def on_another_date(shift: timedelta = DATE_SHIFT) -> dict:
@@ -23,10 +24,13 @@ def on_another_date(shift: timedelta = DATE_SHIFT) -> dict:
 @dataclass(frozen=True)
 class DatedTemplate:
     """A chat template that writes today's date: `today` (DATE_STRING_FORMAT) and whether `date_string=today`
-    renders the prompts as today on any date (Llama 3.x's template reads it)."""
+    renders the prompts as today on any date (Llama 3.x's template reads it); `render` and `rendered`: the prompt it
+    was found by, as `date_dependence` took them."""
 
     today: str
     takes_date_string: bool
+    render: Callable[[dict], list[int]] = field(repr=False, compare=False)
+    rendered: list[int] = field(repr=False, compare=False)
 
     def fix(self, kwargs_setting: str, template_setting: str) -> str:
         """What to set, in the trainer's setting names: `kwargs_setting` formats the date_string pair (the chat
@@ -47,6 +51,23 @@ class DatedTemplate:
                 f"prompts; {self.fix(kwargs_setting, template_setting)}, and resume.")
 
 
+    def load_miss(self, cached: Callable[[list[int]], bool], kwargs_setting: str, template_setting: str
+                  ) -> str | None:
+        """Why a reference cache read at start lacks the training prompts, when the date is why: None when today's
+        prompt is in it (`cached(token_ids)`), else the day within the last CACHE_DAYS on which the prompt renders as
+        one the cache holds (the day it was built: a run resumed, or a cache reused, on a later day), said with the
+        fix for that day; None when no day does (something else changed). One render per day looked at."""
+        if cached(self.rendered):
+            return None
+        for back in range(1, CACHE_DAYS + 1):
+            day = datetime.now() - timedelta(days=back)
+            if cached(self.render({"strftime_now": day.strftime})):
+                built = replace(self, today=day.strftime(DATE_STRING_FORMAT))
+                return (f"(the chat template writes today's date into the prompts, and the cache was built on "
+                        f"{built.today}): {built.fix(kwargs_setting, template_setting)}.")
+        return None
+
+
 def date_dependence(render: Callable[[dict], list[int]], rendered: list[int]) -> DatedTemplate | None:
     """None when one prompt, `rendered` (its token ids as the trainer rendered it today), renders the same on another
     date; else the DatedTemplate. `render(kwargs)` renders that prompt as the trainer does, with `kwargs` added to
@@ -54,4 +75,4 @@ def date_dependence(render: Callable[[dict], list[int]], rendered: list[int]) ->
     if render(on_another_date()) == rendered:
         return None
     today = datetime.now().strftime(DATE_STRING_FORMAT)
-    return DatedTemplate(today, render({**on_another_date(), "date_string": today}) == rendered)
+    return DatedTemplate(today, render({**on_another_date(), "date_string": today}) == rendered, render, rendered)

@@ -46,8 +46,11 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 KL_LOSS_TYPES = ("low_var_kl", "k3")     # verl's k3 (log-ratio clamped to +-20, value to +-10) = ours with kl_clamp
 VERL_LOG_RATIO_CLAMP = 20.0     # verl clamps log(ratio) and the KL log-ratio to +-20
 VERL_KL_CLAMP = 10.0            # and low_var_kl's value to +-10
-# what a verl run's cache errors end with (`verl_trainer`; `query_reference.RESUMED` when the run resumes)
-REBUILD = "Delete it to rebuild it, or set +erpo.ref_cache=... to another path."
+# what a verl run's cache errors end with (`verl_trainer`; `query_reference.RESUMED` when the run resumes), and how
+# its resumed run is pointed at the cache of its start (`query_reference.MISSING_AT_RESUME`)
+REF_CACHE = "+erpo.ref_cache=..."
+REBUILD = f"Delete it to rebuild it, or set {REF_CACHE} to another path."
+POINT_AT = f"set {REF_CACHE} to its path"
 # what a prompt missing at a training step ends with: the cache held every training prompt at start, as `verl_trainer`
 # tokenizes them, so the step's prompt was built otherwise, and no rebuild adds it
 STEP_MISS = ("(it held every training prompt at start, as verl's single-turn agent loop builds them: the chat template "

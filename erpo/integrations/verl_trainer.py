@@ -27,6 +27,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from erpo.integrations.query_reference import load_or_build_reference
 from erpo.integrations.template_date import DatedTemplate, date_dependence
 from erpo.integrations.verl import (
+    POINT_AT,
     REBUILD,
     STEP_MISS,
     ERPOSettings,
@@ -151,7 +152,8 @@ class ERPOTrainer(PPOTrainerSync):
         """ell_theta0(q), w(q) of every training prompt: the cache at +erpo.ref_cache (default
         <trainer.default_local_dir>/erpo_reference_cache.json), or scored now by the actor's engine with the initial
         weights (`engine_query_logp`), in the actor's mixed precision (`actor_param_dtype`) at the rollout
-        temperature. A resumed run (its actor holds a checkpoint's weights) without its cache is refused."""
+        temperature. A resumed run (its actor holds a checkpoint's weights) without its cache is refused; a cache
+        built on an earlier day by a chat template that writes the date is refused naming that day and the fix."""
         model = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
         if self.erpo_settings.qkl_coef != 0:
             check_actor_dropout(model.hf_config)
@@ -174,7 +176,10 @@ class ERPOTrainer(PPOTrainerSync):
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
         precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
                                      self.config.trainer.device)
+        changed = None if dated is None else partial(dated.load_miss, kwargs_setting=DATE_KWARGS,
+                                                     template_setting=DATE_TEMPLATE)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score,
                                        trainer="verl", remedy=REBUILD, step_miss=step_miss,
-                                       resumed_step=self.global_steps)   # verl's: 0 at a fresh start
+                                       resumed_step=self.global_steps,   # verl's: 0 at a fresh start
+                                       point_at=POINT_AT, changed=changed)

@@ -7,17 +7,15 @@ the trainer. Rollout engines are built by `erpo.rollout`.
 from __future__ import annotations
 
 import logging
-import os
 import re
 
 import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.errors import UserError
 from erpo.models.lora import apply_lora, is_adapter_dir, load_merged_adapter
 from erpo.models.sft import tiny_theta0
-from erpo.models.source import holds, lacks, resolve_model_source
+from erpo.models.source import require, resolve_model_source
 
 log = logging.getLogger("erpo")
 
@@ -45,9 +43,8 @@ def tokenizer_for(cfg: Config, model_path: str):
     """The run's tokenizer: `model.tokenizer`, else the model's own (`model_path`: `model_path_for`'s), either
     checked to hold one (`resolve_model_source`)."""
     if cfg.model.tokenizer is None:
-        if os.path.isdir(model_path) and not holds(model_path, "tokenizer"):   # a Hub model's repository holds one
-            raise UserError(f"model.name_or_path {model_path}: {lacks('tokenizer')}; save the model's tokenizer there, "
-                            "or set model.tokenizer to one")
+        require(model_path, "tokenizer", "model.name_or_path",
+                "save the model's tokenizer there, or set model.tokenizer to one")
         return load_tokenizer(model_path)
     return load_tokenizer(resolve_model_source(cfg.model.tokenizer, "model.tokenizer", kind="tokenizer"))
 

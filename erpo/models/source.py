@@ -51,9 +51,12 @@ def holds(directory: str, kind: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, file)) for file in HOLDS[kind])
 
 
-def lacks(kind: str) -> str:
-    """What an error says of a directory that does not hold a `kind`."""
-    return f"this directory holds no {kind} (none of {', '.join(HOLDS[kind])})"
+def require(path: str, kind: str, option: str, fix: str) -> None:
+    """A UserError when `path` is a local directory that holds no `kind` ("model" or "tokenizer", `holds`): one line
+    naming `option` (the flag or config key the path came from) and the path, what the directory lacks, then `fix`
+    (what to do). Nothing for a path that is no directory (a Hub name: its repository holds both)."""
+    if os.path.isdir(path) and not holds(path, kind):
+        raise UserError(f"{option} {path}: this directory holds no {kind} (none of {', '.join(HOLDS[kind])}); {fix}")
 
 
 def resolve_model_source(name: str, option: str = "--model", kind: str = "model") -> str:
@@ -63,9 +66,7 @@ def resolve_model_source(name: str, option: str = "--model", kind: str = "model"
     name came from), saying what the local directory lacks, or that the local path does not exist and why the Hub
     cannot supply it."""
     if os.path.isdir(name):
-        if not holds(name, kind):
-            raise UserError(f"{option} {name}: {lacks(kind)}; give a directory that a {kind}'s save_pretrained wrote, "
-                            "or a Hub name org/name")
+        require(name, kind, option, f"give a directory that a {kind}'s save_pretrained wrote, or a Hub name org/name")
         return name
     if os.path.exists(name):
         raise UserError(f"{option} {name}: is a file; give a model directory or a Hub name org/name")

@@ -390,6 +390,11 @@ def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny, tmp_path):
         actor.model.get_output_embeddings().weight.ds_id = 7   # what DeepSpeed's ZeRO-3 leaves on a parameter
         return actor
 
+    def vlm_actor():   # what OpenRLHF's Actor marks a vision-language model with
+        actor = StandInActor(tiny_path).float()
+        actor.is_vlm = True
+        return actor
+
     def lora_head_actor():
         config = peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
         return StandInActor(peft.get_peft_model(StandInActor(tiny_path).float().model, config))
@@ -403,8 +408,7 @@ def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny, tmp_path):
          r"^fused_linear=True is not supported under DeepSpeed ZeRO-3"),
         (lambda: actor_logprobs(lora_head_actor(), *batch, fused_linear=True),
          r"^fused_linear=True needs the actor's lm_head to be a torch.nn.Linear .*, not a Linear .*fused_linear=False"),
-        (lambda: actor_logprobs(StandInActor(tiny_path).float(), *batch, fused_linear=True,
-                                pixel_values=torch.zeros(1)),
+        (lambda: actor_logprobs(vlm_actor(), *batch, fused_linear=True, pixel_values=torch.zeros(1)),
          r"^fused_linear=True does not score a vision-language actor"),
         (lambda: actor_logprobs(StandInActor(tiny_path).float(), *batch, fused_linear=True, ring_attn_group=object()),
          r"^ring attention \(ds.ring_attn_size > 1\) is not supported"),

@@ -656,7 +656,8 @@ def test_a_mismatched_cache_is_a_one_line_error(make_actor, tiny_path, tmp_path)
         (lambda: load_or_build_query_reference(actor, tokenizer, chat_prompts(tokenizer), path=str(tmp_path / "none"),
                                                model_path=tiny_path, resumed_step=7),
          r"^no reference cache at .*none, and the run resumes at step 7: ell_theta0\(q\) is scored with the "
-         r"initial weights, which the actor no longer holds; put the cache of the run's start there"),
+         r"initial weights, which the actor no longer holds; put the cache of the run's start there \(or pass its "
+         r"path to load_or_build_query_reference\), or start afresh$"),
         (lambda: load_or_build_query_reference(actor, other_template, chat_prompts(tokenizer), path=path,
                                                model_path=tiny_path, resumed_step=7),
          r"tokenizer: .* resume with the cache and the settings of the run's start"),
@@ -690,6 +691,42 @@ def test_ring_attention_is_refused_in_one_line(make_actor, tiny_path, tmp_path, 
     assert not path.exists()
     ring.get_ring_attn_group = lambda: None   # OpenRLHF without ring attention
     load_or_build_query_reference(actor, tokenizer, prompts, path=str(path), model_path=tiny_path)
+
+
+def test_a_keyword_that_cannot_be_a_multimodal_input_is_refused(make_actor):
+    """`actor_logprobs` / `actor_row_logprobs` pass their other keywords on to the model (a VLM's processor inputs),
+    whose transformers `**kwargs` dropped a misspelled option: `fused_liner=True` scored on the logits path,
+    `return_entropie=True` gave no entropy, silently. Now a TypeError in one line naming the keyword, as Python's own:
+    every keyword on a text-only actor; on a VLM actor (OpenRLHF's `is_vlm`) a near miss of the functions' own
+    options and Actor.forward's own parameters, while a processor's inputs pass."""
+    tokenizer = build_tokenizer()
+    actor = make_actor(torch.float32)
+    batch = step_batch(tokenizer, chat_prompts(tokenizer))
+    cases = [
+        (actor_logprobs, dict(fused_liner=True), r"^actor_logprobs\(\) got an unexpected keyword argument "
+                                                 r"'fused_liner' \(did you mean 'fused_linear'\?\)$"),
+        (actor_logprobs, dict(return_entropie=True), r"'return_entropie' \(did you mean 'return_entropy'\?\)$"),
+        (integration.actor_row_logprobs, dict(fused_liner=True),
+         r"^actor_row_logprobs\(\) got an unexpected keyword argument 'fused_liner'"),
+        (actor_logprobs, dict(pixel_values=torch.zeros(1)), r"'pixel_values' \(the actor is not a vision-language "
+                                                            r"model \(OpenRLHF's is_vlm\), so it takes no"),
+        (actor_logprobs, dict(return_output=True), r"'return_output' \(the actor is not a vision-language model"),
+    ]
+    for function, keywords, message in cases:
+        with pytest.raises(TypeError, match=message) as error:
+            function(actor, *batch, **keywords)
+        assert "\n" not in str(error.value)
+    actor.is_vlm = True   # as OpenRLHF's Actor marks a vision-language model
+    for keywords, message in [(dict(fused_liner=True), r"'fused_liner' \(did you mean 'fused_linear'\?\)$"),
+                              (dict(ring_attn_grop=None), r"'ring_attn_grop' \(did you mean 'ring_attn_group'\?\)$"),
+                              (dict(return_output=True), r"'return_output' \(actor_logprobs sets Actor.forward's "
+                                                         r"return_output itself\)$")]:
+        with pytest.raises(TypeError, match=message):
+            actor_logprobs(actor, *batch, **keywords)
+    processor_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                        "second_per_grid_ts", "image_sizes", "token_type_ids", "mm_token_type_ids",
+                        "pixel_attention_mask", "image_attention_mask", "aspect_ratio_ids", "cross_attention_mask")
+    integration.check_multimodal_inputs(actor, dict.fromkeys(processor_inputs), "actor_logprobs")   # no error
 
 
 def run_actor_step(actor_step, actor, loss_fn, sequences, action_mask, attention_mask, old, advantages):

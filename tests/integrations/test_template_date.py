@@ -14,8 +14,10 @@ import pytest
 from transformers import TrainerCallback
 from transformers.utils import chat_template_utils
 
+from erpo.integrations import template_date
 from erpo.integrations.template_date import DATE_STRING_FORMAT
 from erpo.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from erpo.reference.cache import CACHE_FILE
 from test_query_tokens import (
     THINKING_OFF,
     agent_loop_prompts,
@@ -48,14 +50,26 @@ def today() -> str:
     return datetime.now().strftime(DATE_STRING_FORMAT)
 
 
-def move_the_clock(monkeypatch, days: int = 1) -> None:
-    """transformers' `strftime_now` reads the date `days` from now."""
+def moved(days: int) -> type:
+    """A `datetime` whose now() is `days` from now."""
     class Moved(datetime):
         @classmethod
         def now(cls, tz=None):
             return datetime.now(tz) + timedelta(days=days)
 
-    monkeypatch.setattr(chat_template_utils, "datetime", Moved)
+    return Moved
+
+
+def move_the_clock(monkeypatch, days: int = 1) -> None:
+    """transformers' `strftime_now` reads the date `days` from now."""
+    monkeypatch.setattr(chat_template_utils, "datetime", moved(days))
+
+
+def move_the_machines_clock(monkeypatch, days: int) -> None:
+    """The machine's date `days` from now: transformers' `strftime_now` and erpo's date check (template_date) read
+    it, as a run started on a later day does."""
+    move_the_clock(monkeypatch, days)
+    monkeypatch.setattr(template_date, "datetime", moved(days))
 
 
 class MoveTheClockAfterStep(TrainerCallback):
@@ -110,6 +124,34 @@ def test_trl_date_string_pins_the_prompts(model_dir, tmp_path, monkeypatch, capl
     trainer.add_callback(MoveTheClockAfterStep(monkeypatch))
     trainer.train()
     assert [entry["step"] for entry in trainer.state.log_history if "qkl" in entry] == [1, 2]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_trl_a_cache_built_on_an_earlier_day_names_that_day(model_dir, tmp_path, monkeypatch, caplog, template):
+    """A cache built by a template that writes the date, read on a later day (a run resumed, a cache reused): every
+    prompt misses, and the message blamed the dataset ("the dataset, tokenization or chat template changed"). Now it
+    names the day the cache was built and the start warning's fix for that day, in one line; with that fix
+    (date_string, where the template reads it) the cache is read as it is."""
+    pytest.importorskip("trl", exc_type=ModuleNotFoundError)
+    built_on, tokenizer = today(), dated_tokenizer(TEMPLATES[template])
+    with caplog.at_level(logging.WARNING):
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+    cache = tmp_path / CACHE_FILE
+    saved = cache.read_bytes()
+    move_the_machines_clock(monkeypatch, days=3)
+    fix = (rf"set ERPOConfig\(chat_template_kwargs=\{{\.\.\., 'date_string': '{built_on}'\}}\) \(the date the "
+           r"cache's prompts hold\)" if template == "date_string" else
+           r"give the tokenizer \(processing_class\) a chat template that writes no date \(it does not read "
+           r"date_string\)")
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as error:
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+    assert re.fullmatch(rf"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(\d+ of \d+ prompts "
+                        rf"missing\) \(the chat template writes today's date into the prompts, and the cache was built "
+                        rf"on {built_on}\): {fix}\. Delete it to rebuild it, or set ERPOConfig\(ref_cache=\.\.\.\) to "
+                        r"another path\.", str(error.value)), str(error.value)
+    if template == "date_string":
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs={"date_string": built_on})
+        assert cache.read_bytes() == saved   # read, not rebuilt
 
 
 def test_trl_current_weights_refuse_a_one_token_prompt(model_dir, tmp_path):
@@ -202,3 +244,17 @@ def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkey
     with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\+erpo.query_weight=none\. Or the date changed "
                                          rf"since the cache was built: .*; {fix}, and resume\.$"):
         reference.lookup(verl_loop.training_prompt_ids(dataset, tokenizer, **rendering))
+
+    # the next day's start with this cache (a resumed run, a cache reused) names the day it was built and its fix,
+    # where it blamed the data ("the data, chat template, ... changed"); with the fix the cache is read as it is
+    built_on = today()
+    move_the_machines_clock(monkeypatch, days=1)
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as error:
+        trainer._setup()
+    assert re.fullmatch(r"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(\d+ of \d+ prompts missing\) "
+                        r"\(the chat template writes today's date into the prompts, and the cache was built on "
+                        rf"{built_on}\): {fix}\. Delete it to rebuild it, or set \+erpo.ref_cache=\.\.\. to another "
+                        r"path\.", str(error.value)), str(error.value)
+    trainer.config.data.apply_chat_template_kwargs = {"date_string": built_on}
+    trainer._setup()
+    assert trainer.actor_rollout_wg.loss_fns[-1].keywords["reference"].entries == reference.entries

@@ -73,8 +73,9 @@ ENGINES = {}
 
 
 def engine_of(far, **settings):
-    """One engine per setting for the whole file (`fused_kernels`: verl's impl_backend; None: the logits path)."""
-    key = tuple(sorted(settings.items()))
+    """One engine per model directory (`far[0]`) and setting for the whole file (`fused_kernels`: verl's
+    impl_backend; None: the logits path)."""
+    key = (str(far[0]), tuple(sorted(settings.items())))
     if key not in ENGINES:
         ENGINES[key] = verl_engine.build_engine(far[0], **settings)
     return ENGINES[key]

@@ -4,6 +4,7 @@ ell_theta(q) is the prompt's log-likelihood of the engine's own forward, the Que
 (torch backend) on an independent HF forward, and a real `train_batch` step trains with a Query-KL."""
 import math
 import os
+import sys
 from functools import partial
 
 import pytest
@@ -52,12 +53,22 @@ ENGINES = {}
 
 
 def engine_for(tiny, **settings):
-    """One engine per setting for the whole file (building one costs seconds); tests never step them, except
-    the train_batch test, which builds its own."""
-    key = tuple(sorted(settings.items()))
+    """One engine per model directory (`tiny[0]`) and setting for the whole file (building one costs seconds); tests
+    never step them, except the train_batch test, which builds its own."""
+    key = (str(tiny[0]), tuple(sorted(settings.items())))
     if key not in ENGINES:
         ENGINES[key] = verl_engine.build_engine(tiny[0], **settings)
     return ENGINES[key]
+
+
+def test_engines_are_kept_per_model_and_setting(monkeypatch):
+    """`engine_for` gives another model's test its own engine (it gave the first model's, keyed by settings only),
+    and the same model and settings the same one."""
+    monkeypatch.setattr(verl_engine, "build_engine", lambda path, **settings: (path, settings))
+    monkeypatch.setattr(sys.modules[__name__], "ENGINES", {})   # the file's engines stay as they are
+    assert engine_for(("a",), use_remove_padding=True) == ("a", {"use_remove_padding": True})
+    assert engine_for(("b",), use_remove_padding=True) == ("b", {"use_remove_padding": True})
+    assert engine_for(("a",), use_remove_padding=True) is engine_for(("a",), use_remove_padding=True)
 
 
 def batch(tiny, engine, *, seed=0, nested=True, entropy=True, **kwargs):
@@ -751,8 +762,8 @@ def test_trainer_mode_scores_the_cache_on_the_actors_engine_and_sets_the_loss(ti
         start("actor_rollout_ref.model.use_remove_padding=false")
     with pytest.raises(ValueError, match=r"^no reference cache at \S+elsewhere.json, and the run resumes at step 3: "
                                          r"ell_theta0\(q\) is scored with the initial weights, which the actor no "
-                                         r"longer holds; put the cache of the run's start there \(or point the run "
-                                         r"at it\), or start afresh$"):
+                                         r"longer holds; put the cache of the run's start there \(or set "
+                                         r"\+erpo.ref_cache=\.\.\. to its path\), or start afresh$"):
         start(ref_cache=str(tmp_path / "elsewhere.json"), resumed_at=3)
     assert not (tmp_path / "elsewhere.json").exists()
     resumed_group = start(resumed_at=3)   # with its cache, a resumed run reads it and scores nothing

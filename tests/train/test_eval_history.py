@@ -99,7 +99,8 @@ def test_compare_evaluates_its_runs_histories(tmp_path, capsys):
 
 @pytest.mark.parametrize("option,value,message", [
     ("--eval-temperatures", "0.6,hot", "--eval-temperatures must be comma-separated numbers"),
-    ("--eval-k", "0", "k must be a positive int"),
+    ("--eval-k", "0", "--eval-k must be an integer >= 1 (samples per problem), got 0"),
+    ("--eval-temperatures", "0.6,9", "--eval-temperatures: each temperature must be in (0, 5], got 9"),
     ("--eval-benchmarks", "nope.csv", "is not a file"),
 ])
 def test_compare_checks_the_eval_options_before_training(tmp_path, capsys, option, value, message):

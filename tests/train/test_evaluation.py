@@ -465,7 +465,7 @@ def test_cli_bad_arguments_exit_with_a_message(tmp_path, tiny_model_dir):
         (["--model", tiny_model_dir, "--benchmarks", "x.csv"], "is not a file"),
         (["--model", tiny_model_dir, "--temperatures", "0.5,hot"], "--temperatures"),
         (["--model", tiny_model_dir, "--pass-k", "1.5"], "--pass-k"),
-        (["--model", tiny_model_dir, "--k", "4", "--pass-k", "8"], "pass_ks"),
+        (["--model", tiny_model_dir, "--k", "4", "--pass-k", "8"], "--pass-k must lie in [1, --k=4]"),
     ]
     for argv, message in cases:
         with pytest.raises(UserError, match=re.escape(message)):

@@ -122,6 +122,22 @@ def test_a_directory_that_holds_no_model_or_no_tokenizer_is_one_line(capsys, tmp
         assert not (tmp_path / "out").exists()
 
 
+def test_one_check_of_what_a_model_directory_holds(tmp_path):
+    """`erpo.models.source.require` is the one check of a local directory's model or tokenizer, for the trainer's
+    model.name_or_path / model.tokenizer and erpo eval's --model (the messages above): one line naming the option,
+    the path, the files looked for and the fix; nothing for a Hub name or a directory that holds one."""
+    from erpo.errors import UserError
+    from erpo.models.source import require
+    (tmp_path / "config.json").write_text("{}")
+    require(str(tmp_path), "model", "--model", "unused")
+    require("org/name", "tokenizer", "--model", "unused")   # a Hub repository: not checked here
+    with pytest.raises(UserError) as error:
+        require(str(tmp_path), "tokenizer", "--model", "save the model's tokenizer there")
+    assert str(error.value) == (f"--model {tmp_path}: this directory holds no tokenizer (none of "
+                                "tokenizer_config.json, tokenizer.json, tokenizer.model, vocab.json); save the model's "
+                                "tokenizer there")
+
+
 # ------------------------------------------------------------------------------------------------------ data
 @pytest.mark.parametrize("content,message", [
     ('{"problem": "1+1=?", "answer": "2"}\n\n{"problem": "2+2=?"}\n',
@@ -382,6 +398,30 @@ def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, devic
     assert main(["eval", "--model", str(model), "--device", device, "--output-dir", str(tmp_path / "out")]) == 1
     assert message in one_error_line(capsys, "eval")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--k", "0"], "--k must be an integer >= 1 (samples per problem), got 0"),
+    (["--temperatures", "0.6,7"], "--temperatures: each temperature must be in (0, 5], got 7"),
+    (["--k", "4", "--pass-k", "2,8"], "--pass-k must lie in [1, --k=4], got [2, 4, 8]"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1 (prompts per generate call), got 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1] (1: no nucleus cut), got 1.5"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1, got 0"),
+])
+def test_eval_sampling_options_are_named_as_typed(capsys, tmp_path, options, message):
+    """`erpo eval`'s sampling checks name the option the user typed (`--k`, not the library's `k`), in one line, with
+    what to give; `evaluate()` called from Python names its own keywords."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
+    assert main(["eval", "--model", str(model), *options, "--output-dir", str(tmp_path / "out")]) == 1
+    assert one_error_line(capsys, "eval") == f"erpo eval: {message}"
+    assert not (tmp_path / "out").exists()
+    from erpo.eval.evaluate import check_eval_arguments
+    with pytest.raises(ValueError, match=r"^k must be an integer >= 1 \(samples per problem\), got 0$"):
+        check_eval_arguments(k=0, temperatures=[1.0], pass_ks=None, batch_size=1, top_p=1.0)
 
 
 def test_eval_into_a_file_is_one_line(capsys, tmp_path):

@@ -220,7 +220,8 @@ class ReferenceMixin:
     def _load_or_build_reference(self) -> ReferenceCache:
         """Load the cache at `reference_cache_path` (checked against this model, tokenizer and temperature, and
         against every training prompt's token ids), or compute ell_theta0(q) of the training prompts with the
-        model as passed; then add the eval prompts it lacks, and save it there when it changed."""
+        model as passed; then add the eval prompts it lacks, and save it there when it changed. A cache that lacks
+        the training prompts because the chat template writes the date and it was built on another day says so."""
         path = self.reference_cache_path
         self._theta0_weights = weights_fingerprint(self.model)
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
@@ -238,8 +239,10 @@ class ReferenceMixin:
             cache.check_compatible(**identity, model_fp=self._theta0_fingerprints, template=None,
                                    temperature=self.temperature, precision=self._reference_precision(), path=path,
                                    remedy=REBUILD)
-            self._check_cached(cache, train_ids, "(the dataset, tokenization or chat template changed since it was "
-                               "built). " + REBUILD)
+            date_cause = self._dated_template and self._dated_template.load_miss(
+                lambda ids: prompt_hash(ids) in cache.entries, DATE_KWARGS, DATE_TEMPLATE)   # built on another day
+            why = date_cause or "(the dataset, tokenization or chat template changed since it was built)."
+            self._check_cached(cache, train_ids, f"{why} {REBUILD}")
             changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
         elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
             cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=self._theta0_weights,
