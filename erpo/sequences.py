@@ -10,6 +10,7 @@ import torch
 from erpo_kernels import fused_linear_token_logprobs, logit_transforms_from_config, sample_sums
 from erpo_kernels.layout import from_padded, host_to_device
 from erpo_kernels.lm_head import whole_lm_head
+from erpo_kernels.zero3 import find_lm_head, is_zero3_partitioned
 
 
 @dataclass
@@ -172,15 +173,43 @@ def head_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, t
     """Log-probs [R] fp32 (nats) of `targets` [R] (-100: unscored, 0) under `model`'s lm_head on its final hidden
     states `hidden` [R, D], with the model's logit transform and `temperature`, the [R, V] logits never built
     (`erpo_kernels.fused_linear_token_logprobs`, on the head's dtype); with `return_entropy`
-    also each row's entropy [R] fp32 (nats). Differentiable in hidden and the head, but the head is whole only
-    inside this call (`whole_lm_head`): under ZeRO-3 or FSDP2 run it without gradient. `logit_options`: the
-    transform as read once by the caller (`logit_transforms`); None: read from the model's config here. `validate`
-    as the kernels' (False: the targets are known to lie in the vocabulary, no host read)."""
+    also each row's entropy [R] fp32 (nats). Differentiable in hidden and the head. Under DeepSpeed ZeRO-3 the kernel
+    runs as the lm_head's own forward (`call_as_forward`): DeepSpeed gathers the head for it, releases it after, and
+    gathers it again when the backward reaches the result, whenever that backward runs, then reduce-scatters the
+    head's gradient (summed with the input embedding's when tied). Otherwise the head is whole inside this call only
+    (`whole_lm_head`): under FSDP2 run it without gradient. `logit_options`: the transform as read once by the caller
+    (`logit_transforms`); None: read from the model's config here. `validate` as the kernels' (False: the targets
+    are known to lie in the vocabulary, no host read)."""
     options = logit_transforms(model) if logit_options is None else logit_options
-    with whole_lm_head(model) as (weight, bias):   # the kernels are custom ops: a caller's autocast does not reach them
+
+    def score(weight, bias, hidden, targets):   # the kernels are custom ops: a caller's autocast does not reach them
         return fused_linear_token_logprobs(hidden.to(weight.dtype), weight, targets, bias=bias,
                                            temperature=temperature, return_entropy=return_entropy, validate=validate,
                                            **options)
+
+    head = find_lm_head(model)
+    if is_zero3_partitioned(head.weight):   # read inside the call, where DeepSpeed's hooks have gathered them
+        return call_as_forward(head, lambda rows, rows_targets: score(head.weight, getattr(head, "bias", None), rows,
+                                                                      rows_targets), hidden, targets)
+    with whole_lm_head(model) as (weight, bias):
+        return score(weight, bias, hidden, targets)
+
+
+def call_as_forward(module: torch.nn.Module, forward, *inputs: torch.Tensor):
+    """`forward(*inputs)` run as `module`'s own forward: `module(*inputs)` with its forward replaced for this call, so
+    that the hooks registered on the module run around it as around its forward. DeepSpeed ZeRO-3's do what a
+    computation reading the module's parameters outside its forward needs: gather them before, release them after,
+    and, on the outputs, gather them again when the backward reaches them (released once it has passed the inputs),
+    their gradients reduce-scattered into the shards as for any use in a forward."""
+    replaced = module.__dict__.get("forward")   # a forward set on the instance (a wrapper's) is put back after
+    module.forward = forward
+    try:
+        return module(*inputs)
+    finally:
+        if replaced is None:
+            del module.forward
+        else:
+            module.forward = replaced
 
 
 def per_sample_sum(values: torch.Tensor, batch: PackedBatch, kind: int) -> torch.Tensor:

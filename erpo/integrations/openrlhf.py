@@ -35,7 +35,7 @@ from erpo.integrations.advantages import sample_advantages
 from erpo.sequences import head_token_logprobs, last_hidden_and_output, logit_transforms
 from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
 from erpo_kernels import LossOptions, logprob_erpo_loss, sample_sums, token_logprobs
-from erpo_kernels.zero3 import find_lm_head, is_zero3_partitioned
+from erpo_kernels.zero3 import find_lm_head
 
 OPENRLHF_VERSION = "0.11.2"     # the OpenRLHF release the parity tests run against
 POLICY_LOSS_TYPES = {"ppo": "token", "gspo": "sequence"}   # OpenRLHF's policy_loss_type -> the kernels' ratio_level
@@ -44,9 +44,6 @@ ADVANTAGES_VARY = ("ERPO needs one advantage per sample (an outcome estimator: g
                    "dr_grpo); these advantages vary along the response (advantage estimator gae, or a per-token "
                    "KL reward: use the KL loss, algo.kl.use_loss)")
 
-FUSED_LINEAR_ZERO3 = ("fused_linear=True is not supported under DeepSpeed ZeRO-3 (ds.zero_stage=3): OpenRLHF's "
-                      "training_step runs the backward after the loss returns, when ZeRO-3 has partitioned the lm_head "
-                      "again; set fused_linear=False (in actor_logprobs and load_or_build_query_reference)")
 RING_ATTENTION = ("ring attention (ds.ring_attn_size > 1) is not supported by erpo.integrations.openrlhf (the "
                   "reference cache's forward would run the ring kernel without its slicing, and the step would gather "
                   "every rank's logits [B, T, V]): set ds.ring_attn_size=1")
@@ -326,16 +323,14 @@ def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
 
 def check_fused_linear(actor) -> None:
     """Refuse, in one line, an actor whose rows the fused-linear path cannot score as Actor.forward does: a
-    vision-language actor (its multimodal inputs, own position ids and token types), an lm_head DeepSpeed ZeRO-3
-    partitions (whole only inside `whole_lm_head`, and OpenRLHF's backward runs after it), and an lm_head that is not
-    a plain `torch.nn.Linear` holding the whole [V, D] weight (DeepSpeed AutoTP's column shard under
-    ds.tensor_parallel_size > 1, a LoRA adapter on lm_head)."""
+    vision-language actor (its multimodal inputs, own position ids and token types), and an lm_head that is not a
+    plain `torch.nn.Linear` holding the whole [V, D] weight (DeepSpeed AutoTP's column shard under
+    ds.tensor_parallel_size > 1, a LoRA adapter on lm_head). A head DeepSpeed ZeRO-3 partitions is scored as its own
+    forward (`head_token_logprobs`), gathered for the scoring and again for OpenRLHF's backward, whenever that runs."""
     if getattr(actor, "is_vlm", False):
         raise ValueError("fused_linear=True does not score a vision-language actor (Actor.forward's multimodal "
                          "inputs): set fused_linear=False")
     head = find_lm_head(actor.model)
-    if is_zero3_partitioned(head.weight):
-        raise ValueError(FUSED_LINEAR_ZERO3)
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"fused_linear=True needs the actor's lm_head to be a torch.nn.Linear holding the whole "
                          f"[V, D] weight, not a {type(head).__name__} (DeepSpeed AutoTP, ds.tensor_parallel_size > 1, "

@@ -375,20 +375,13 @@ def test_the_cache_on_the_lean_path(actor_kind, tiny, tmp_path, dtype):
     torch.testing.assert_close(scores.query_logp.detach(), ref_query_logp, rtol=1e-6, atol=1e-5)
 
 
-def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny, tmp_path):
+def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny):
     """Where the lean path cannot be right it refuses in one line, naming the setting and the way out: an lm_head
-    DeepSpeed ZeRO-3 partitions (its parameters carry a ds_id; OpenRLHF's backward runs after the gather ends), an
-    lm_head that is not a plain Linear (a LoRA adapter on it; DeepSpeed AutoTP's shard), a vision-language actor's
-    inputs, ring attention; the cache's scoring refuses the same."""
-    from erpo.integrations.openrlhf_reference import load_or_build_query_reference
+    that is not a plain Linear (a LoRA adapter on it; DeepSpeed AutoTP's shard), a vision-language actor's inputs,
+    ring attention. (An lm_head DeepSpeed ZeRO-3 partitions is scored: tests/distributed/test_openrlhf_zero3.py.)"""
     peft = pytest.importorskip("peft", exc_type=ModuleNotFoundError)
     tiny_path, tokenizer = tiny
     batch = step_batch(tokenizer, chat_prompts(tokenizer))
-
-    def zero3_actor():
-        actor = StandInActor(tiny_path).float()
-        actor.model.get_output_embeddings().weight.ds_id = 7   # what DeepSpeed's ZeRO-3 leaves on a parameter
-        return actor
 
     def vlm_actor():   # what OpenRLHF's Actor marks a vision-language model with
         actor = StandInActor(tiny_path).float()
@@ -400,12 +393,6 @@ def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny, tmp_path):
         return StandInActor(peft.get_peft_model(StandInActor(tiny_path).float().model, config))
 
     cases = [
-        (lambda: actor_logprobs(zero3_actor(), *batch, fused_linear=True),
-         r"^fused_linear=True is not supported under DeepSpeed ZeRO-3 \(ds.zero_stage=3\).*set fused_linear=False"),
-        (lambda: load_or_build_query_reference(zero3_actor(), tokenizer, chat_prompts(tokenizer),
-                                               path=str(tmp_path / "zero3.json"), model_path=tiny_path,
-                                               fused_linear=True),
-         r"^fused_linear=True is not supported under DeepSpeed ZeRO-3"),
         (lambda: actor_logprobs(lora_head_actor(), *batch, fused_linear=True),
          r"^fused_linear=True needs the actor's lm_head to be a torch.nn.Linear .*, not a Linear .*fused_linear=False"),
         (lambda: actor_logprobs(vlm_actor(), *batch, fused_linear=True, pixel_values=torch.zeros(1)),
@@ -417,7 +404,6 @@ def test_what_the_lean_path_cannot_score_is_refused_in_one_line(tiny, tmp_path):
         with pytest.raises(ValueError, match=message) as error:
             make()
         assert "\n" not in str(error.value)
-    assert not (tmp_path / "zero3.json").exists()
 
 
 def test_a_peft_actor_on_the_lean_path():
