@@ -29,9 +29,10 @@ that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
 """
 from __future__ import annotations
 
+import difflib
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
@@ -74,6 +75,20 @@ class ERPOSettings:
         check_qkl_coef(self.qkl_coef, "erpo.qkl_coef")
         check_choice("erpo.qkl_estimator", self.qkl_estimator, SEQUENCE_QKL_ESTIMATORS)
         check_choice("erpo.query_weight", self.query_weight, QUERY_WEIGHTS_VERL)
+
+    @classmethod
+    def from_block(cls, block: dict) -> ERPOSettings:
+        """The settings of a launch's `erpo:` block ({name: value}); a name that is none of them (`+erpo.qkl_cof`) is
+        refused in one line naming it and the closest setting, where the dataclass would raise a TypeError that
+        names neither the launch's key nor what to set."""
+        known = [field.name for field in fields(cls)]
+        for name in block:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean +erpo.{close[0]}?" if close else "ERPO's settings are " + ", ".join(
+                    f"erpo.{setting}" for setting in known)
+                raise ValueError(f"+erpo.{name} is not an ERPO setting: {hint}")
+        return cls(**block)
 
     @property
     def needs_reference(self) -> bool:

@@ -133,7 +133,8 @@ class ERPOTrainer(PPOTrainerSync):
     """verl's synchronous trainer (`trainer.v1.trainer_mode=sync`) with the ERPO actor loss; options under `erpo`."""
 
     def __init__(self, config):
-        settings = ERPOSettings(**OmegaConf.to_container(config.get("erpo") or OmegaConf.create({}), resolve=True))
+        settings = ERPOSettings.from_block(OmegaConf.to_container(config.get("erpo") or OmegaConf.create({}),
+                                                                       resolve=True))
         check_run_config(config, settings)
         with open_dict(config):   # verl's own code branches on the mode name: run as "sync"
             config.trainer.v1.trainer_mode = "sync"
