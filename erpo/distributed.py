@@ -59,30 +59,18 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # what torchrun / deepspeed export
-
-
-@contextlib.contextmanager
-def launcher_env():
-    """Inside the block, RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher (torchrun,
-    deepspeed) exports them: kept when set, else filled for a world of one process on a free local port (DeepSpeed's
-    process group and vLLM's external launcher mode need them even in a single process, while they start). On exit
-    the variables it filled are removed again, so that a later process group or engine in the same process (a
-    notebook, a test, `erpo compare`'s next run) gets a port of its own instead of this one's."""
+def set_launcher_env() -> None:
+    """RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher (torchrun, deepspeed) exports
+    them: kept when set, else filled for a world of one process on a free local port (DeepSpeed and vLLM's
+    external launcher mode need them even in a single process)."""
     defaults = {"RANK": str(rank()), "LOCAL_RANK": str(local_rank()), "WORLD_SIZE": str(world_size()),
                 "MASTER_ADDR": "127.0.0.1"}
-    filled = [key for key in LAUNCHER_ENV if key not in os.environ]
-    try:
-        for key, value in defaults.items():
-            os.environ.setdefault(key, value)
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-        yield
-    finally:
-        for key in filled:
-            os.environ.pop(key, None)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
 
 
 def default_communicator() -> str:

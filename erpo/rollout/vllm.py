@@ -22,7 +22,6 @@ Layouts (the trainer is launched with torchrun or deepspeed, one process per GPU
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 from typing import Any
@@ -123,12 +122,11 @@ class VLLMRollout(RolloutEngine):
             kwargs["logprobs_mode"] = logprobs_mode
         if colocated:
             # In-process engine (as TRL's colocate mode): vLLM joins the launcher's torch.distributed world, and
-            # the model stays reachable for in-place weight updates. A single process gets a world of 1, for the
-            # engine's start (`launcher_env`).
+            # the model stays reachable for in-place weight updates. A single process gets a world of 1.
+            D.set_launcher_env()
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs or {})
-        with D.launcher_env() if colocated else contextlib.nullcontext():
-            self.llm = vllm.LLM(**kwargs)
+        self.llm = vllm.LLM(**kwargs)
         self.eos_token_id = getattr(self.llm.get_tokenizer(), "eos_token_id", None)   # None: no tokenizer loaded
         self.asleep: set[str] = set()      # parts of the engine currently released: "weights", "kv_cache"
         self.weights_discarded = False     # level-2 sleep: weights must be synced before generating

@@ -9,7 +9,6 @@ math lives in erpo_kernels (`fused_linear_erpo_loss`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -118,23 +117,20 @@ def build_models(cfg: Config, model_path: str, device) -> tuple[Updater, torch.n
     (model.lora.rank > 0) the reference is the policy itself with its adapters switched off: no second model."""
     kind = choose_updater(cfg)
     ds_config = deepspeed_config_for(cfg) if kind == "deepspeed" else None
-    # DeepSpeed starts its process group (at ZeRO-3's model creation, else its engine's) from a launcher's
-    # environment, filled for one process while the models are built (`launcher_env`)
-    with D.launcher_env() if ds_config is not None else contextlib.nullcontext():
-        # At ZeRO-3 the models are created partitioned (never whole on one GPU) while this object is alive.
-        zero3_init = D.hf_deepspeed_config(ds_config) if ds_config is not None else None
-        model = load_model(cfg, model_path, device, trainable=True)
-        a, lora = cfg.algorithm, cfg.model.lora.rank > 0
-        needs_ref_model = a.policy_kl_coef > 0 or a.qkl_estimator == "k3-token"
-        ref_model = load_model(cfg, model_path, device, trainable=False) if needs_ref_model and not lora else None
-        del zero3_init
-        # DeepSpeed before any forward: at ZeRO-3 its hooks gather the partitioned weights.
-        updater = make_updater(kind, model, cfg, cfg.trainer.max_steps * updates_per_rollout(cfg), ds_config)
-        if lora:
-            log.info(held_parameters_line(updater.model, reference_needed=needs_ref_model))
-            return updater, AdaptersDisabled(updater.model) if needs_ref_model else None
-        if ref_model is not None and ds_config is not None:
-            ref_model = D.prepare_reference_model(ref_model, ds_config)  # ZeRO-3: partitioned inference engine
+    # At ZeRO-3 the models are created partitioned (never whole on one GPU) while this object is alive.
+    zero3_init = D.hf_deepspeed_config(ds_config) if ds_config is not None else None
+    model = load_model(cfg, model_path, device, trainable=True)
+    a, lora = cfg.algorithm, cfg.model.lora.rank > 0
+    needs_ref_model = a.policy_kl_coef > 0 or a.qkl_estimator == "k3-token"
+    ref_model = load_model(cfg, model_path, device, trainable=False) if needs_ref_model and not lora else None
+    del zero3_init
+    # DeepSpeed before any forward: at ZeRO-3 its hooks gather the partitioned weights.
+    updater = make_updater(kind, model, cfg, cfg.trainer.max_steps * updates_per_rollout(cfg), ds_config)
+    if lora:
+        log.info(held_parameters_line(updater.model, reference_needed=needs_ref_model))
+        return updater, AdaptersDisabled(updater.model) if needs_ref_model else None
+    if ref_model is not None and ds_config is not None:
+        ref_model = D.prepare_reference_model(ref_model, ds_config)  # ZeRO-3: partitioned inference engine
     return updater, ref_model
 
 

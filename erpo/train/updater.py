@@ -94,8 +94,11 @@ def adamw_hyperparameters(cfg: Config) -> dict:
 
 
 def deepspeed_config_for(cfg: Config) -> dict:
-    """The run's DeepSpeed config (ZeRO stage, CPU offload, bf16, clipping, AdamW)."""
+    """The run's DeepSpeed config (ZeRO stage, CPU offload, bf16, clipping, AdamW). Without a launcher, first sets
+    up the environment of a one-rank group (DeepSpeed, and ZeRO-3 model creation, need a process group)."""
     t = cfg.trainer
+    if not D.is_initialized():
+        D.set_launcher_env()
     adam = adamw_hyperparameters(cfg)
     return D.deepspeed_config(zero_stage=t.zero_stage, bf16=torch_dtype(cfg) == torch.bfloat16,
                               offload_optimizer=t.offload_optimizer, offload_params=t.offload_params,

@@ -247,20 +247,13 @@ def test_all_gather_cat_single_process_and_bad_input():
         D.all_gather_cat(values.reshape(1, 2))
 
 
-def test_launcher_env_keeps_a_launchers_values_and_fills_a_single_process_for_the_block(monkeypatch):
-    """`launcher_env` fills what a launcher would export for a world of one process inside its block only: a later
-    torch.distributed / DeepSpeed / vLLM start in the same process (a notebook, a test, `erpo compare`'s next run)
-    saw the first one's MASTER_PORT, and took it for a launcher's. A launcher's values are kept, inside and after."""
-    for key in D.LAUNCHER_ENV:
+def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MASTER_PORT", "29123")
-    with D.launcher_env():
-        assert [os.environ[k] for k in D.LAUNCHER_ENV] == ["0", "0", "1", "127.0.0.1", "29123"]
-    assert {k: os.environ.get(k) for k in D.LAUNCHER_ENV} == dict.fromkeys(D.LAUNCHER_ENV) | {"MASTER_PORT": "29123"}
+    D.set_launcher_env()
+    assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")] == \
+        ["0", "0", "1", "127.0.0.1", "29123"]
     monkeypatch.delenv("MASTER_PORT")
-    with pytest.raises(RuntimeError, match="inside"), D.launcher_env():
-        assert 0 < int(os.environ["MASTER_PORT"]) < 65536
-        raise RuntimeError("inside")
-    assert not set(D.LAUNCHER_ENV) & set(os.environ)   # restored after an error too
-
-
+    D.set_launcher_env()
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536

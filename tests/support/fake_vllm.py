@@ -19,7 +19,6 @@ t < length, length = 2 + (j + seed) % max_tokens capped at max_tokens, cut right
 is set and comes earlier (finish "length" when max_tokens tokens came out, even if the last is the EOS, as vLLM
 0.10 reports it; else "stop"), each with log-prob -(t + 1) / 10.
 """
-import os
 import sys
 import types
 from dataclasses import dataclass
@@ -82,9 +81,6 @@ class LLM:
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
-        # what vLLM's external launcher mode reads at construction (torch.distributed's env:// rendezvous)
-        self.launcher_env = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                  "MASTER_PORT")}
         self.calls = [("init", kwargs)]
         self.model = FakeModel(self.calls)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
