@@ -303,6 +303,8 @@ def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
     misspelled option silently. Refused: every one on a text-only actor (OpenRLHF's `is_vlm` unset); on a VLM actor,
     one of Actor.forward's own parameters (return_output, packed_seq_lens, ...: `function` sets them) and a near miss
     of `function`'s own options (`fused_liner`; found by difflib against its signature, no list kept here)."""
+    if not mm_inputs:   # a text-only call, every micro-batch's: no signature to read
+        return
     own = [name for name, parameter in inspect.signature(actor_row_logprobs).parameters.items()
            if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     forward = [name for name, parameter in inspect.signature(actor.forward).parameters.items()
