@@ -38,22 +38,13 @@ from erpo.reference.cache import (
 from erpo_kernels import fused_linear_token_logprobs, query_weights, token_logprobs  # noqa: E402
 from launch_counts import LaunchCounter  # noqa: E402
 from tiny_models import save_tiny_model, tiny_test_model  # noqa: E402
-
-PROMPTS = ["1+1=", "22+3=", "7*8=", "10-4=", "9+9=", "3*33="]
-
-
-def reward_length(completions, **kwargs):
-    """A reward the tiny model can move quickly: longer completions score higher."""
-    return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+from trl_runs import PROMPTS, TRAINER_SETTINGS, reward_length  # noqa: E402
 
 
 def make_trainer(tiny, output_dir, conversational=False, train_dataset=None, eval_dataset=None, **overrides):
     path, tokenizer = tiny
     rows = [{"prompt": [{"role": "user", "content": p}] if conversational else p} for p in PROMPTS]
-    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-                    seed=0, disable_dropout=True, bf16=False)  # fp32: TRL computes its head in the autocast dtype
-    args = ERPOConfig(**{**settings, **overrides})
+    args = ERPOConfig(**{**TRAINER_SETTINGS, "output_dir": str(output_dir), **overrides})
     return ERPOTrainer(model=path, reward_funcs=reward_length, args=args, processing_class=tokenizer,
                        train_dataset=datasets.Dataset.from_list(rows) if train_dataset is None else train_dataset,
                        eval_dataset=eval_dataset)

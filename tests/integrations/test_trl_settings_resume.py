@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("trl", exc_type=ModuleNotFoundError)
 
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer  # noqa: E402
-from test_trl_integration import PROMPTS, reward_length  # noqa: E402
+from trl_runs import PROMPTS, reward_length  # noqa: E402
 
 GA = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
 CASES = {
