@@ -173,13 +173,11 @@ def head_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, t
     """Log-probs [R] fp32 (nats) of `targets` [R] (-100: unscored, 0) under `model`'s lm_head on its final hidden
     states `hidden` [R, D], with the model's logit transform and `temperature`, the [R, V] logits never built
     (`erpo_kernels.fused_linear_token_logprobs`, on the head's dtype); with `return_entropy`
-    also each row's entropy [R] fp32 (nats). Differentiable in hidden and the head. Under DeepSpeed ZeRO-3 the kernel
-    runs as the lm_head's own forward (`call_as_forward`): DeepSpeed gathers the head for it, releases it after, and
-    gathers it again when the backward reaches the result, whenever that backward runs, then reduce-scatters the
-    head's gradient (summed with the input embedding's when tied). Otherwise the head is whole inside this call only
-    (`whole_lm_head`): under FSDP2 run it without gradient. `logit_options`: the transform as read once by the caller
-    (`logit_transforms`); None: read from the model's config here. `validate` as the kernels' (False: the targets
-    are known to lie in the vocabulary, no host read)."""
+    also each row's entropy [R] fp32 (nats). Differentiable in hidden and the head, on the whole head
+    (`on_whole_lm_head`): under DeepSpeed ZeRO-3 as the lm_head's own forward, so the backward may run whenever;
+    otherwise the head is whole inside this call only (under FSDP2 run it without gradient). `logit_options`: the
+    transform as read once by the caller (`logit_transforms`); None: read from the model's config here. `validate`
+    as the kernels' (False: the targets are known to lie in the vocabulary, no host read)."""
     options = logit_transforms(model) if logit_options is None else logit_options
 
     def score(weight, bias, hidden, targets):   # the kernels are custom ops: a caller's autocast does not reach them
@@ -187,12 +185,31 @@ def head_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, t
                                            temperature=temperature, return_entropy=return_entropy, validate=validate,
                                            **options)
 
+    with on_whole_lm_head(model) as run:
+        return run(score, hidden, targets)
+
+
+@contextlib.contextmanager
+def on_whole_lm_head(model):
+    """Yield `run(compute, *inputs)`, which returns `compute(weight [V, D], bias [V] or None, *inputs)` on the whole
+    lm_head of `model` (a causal LM, a PEFT model or a DeepSpeed engine around one), its gradient reaching the head
+    whenever the backward runs.
+
+    Under DeepSpeed ZeRO-3 each run is the lm_head's own forward (`call_as_forward`): DeepSpeed gathers the head for
+    it, releases it after, gathers it again when the backward reaches the result and reduce-scatters the head's
+    gradient (summed with the input embedding's when tied). DeepSpeed finds the result only as a tensor or a tuple
+    of tensors (a dataclass it passes over, and its backward would meet an empty head), and releases the head again
+    once the backward has passed the positional `inputs` that need a gradient. Otherwise the head is whole for the
+    block (`whole_lm_head`): under FSDP2, run the backward inside it."""
     head = find_lm_head(model)
     if is_zero3_partitioned(head.weight):   # read inside the call, where DeepSpeed's hooks have gathered them
-        return call_as_forward(head, lambda rows, rows_targets: score(head.weight, getattr(head, "bias", None), rows,
-                                                                      rows_targets), hidden, targets)
+        def run(compute, *inputs):
+            return call_as_forward(head, lambda *rows: compute(head.weight, getattr(head, "bias", None), *rows),
+                                   *inputs)
+        yield run
+        return
     with whole_lm_head(model) as (weight, bias):
-        return score(weight, bias, hidden, targets)
+        yield lambda compute, *inputs: compute(weight, bias, *inputs)
 
 
 def call_as_forward(module: torch.nn.Module, forward, *inputs: torch.Tensor):

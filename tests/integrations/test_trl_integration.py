@@ -1174,6 +1174,7 @@ def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path)
     scorer = FusedLinearScorer(trainer.model, rows.batch, temperature=trainer.temperature,
                                autocast=contextlib.nullcontext, logit_options={},
                                workspace_bytes=trainer.args.loss_workspace_mib << 20)
+    head = trainer.model.get_output_embeddings()
     with scorer.head():
         for kind in (1, 2):
             with LaunchCounter(device="cpu") as counter:  # the trainer's device
@@ -1181,8 +1182,8 @@ def test_fused_linear_logprobs_of_one_kind_select_without_a_read(tiny, tmp_path)
                 logp = scorer.logprobs(kind)
             assert counter.sync_names == {"aten._local_scalar_dense": 1}, counter.sync_names
             of_kind = rows.batch.token_kind == kind
-            alone = fused_linear_token_logprobs(scorer.hidden.detach()[of_kind], scorer.weight,
-                                                rows.batch.targets[of_kind], bias=scorer.bias,
+            alone = fused_linear_token_logprobs(scorer.hidden.detach()[of_kind], head.weight,
+                                                rows.batch.targets[of_kind], bias=head.bias,
                                                 temperature=trainer.temperature)
             assert of_kind.any() and (~of_kind).any()
             assert torch.equal(logp[of_kind], alone) and not logp[~of_kind].any()

@@ -38,6 +38,7 @@ from erpo.reference.cache import (
 )
 from erpo.sequences import PackedBatch, model_precision, scored_token_logp
 from erpo_kernels import query_weights, token_logprobs
+from erpo_kernels.zero3 import is_zero3_partitioned
 
 REBUILD = "Delete it to rebuild it, or set ERPOConfig(ref_cache=...) to another path."
 logger = logging.get_logger(__name__)
@@ -223,6 +224,11 @@ class ReferenceMixin:
         model as passed; then add the eval prompts it lacks, and save it there when it changed. A cache that lacks
         the training prompts because the chat template writes the date and it was built on another day says so."""
         path = self.reference_cache_path
+        if any(is_zero3_partitioned(param) for param in self.model.parameters()):   # read outside DeepSpeed's engine
+            raise ValueError("ERPOTrainer reads theta0 when it is built, before DeepSpeed wraps the model, and this "
+                             "model was created partitioned by DeepSpeed ZeRO-3 (a model name, which TRL loads under "
+                             "zero.Init): pass the model loaded whole, created before ERPOConfig(deepspeed=...), or "
+                             "set qkl_coef=0 and query_weight='none' or 'current'")
         self._theta0_weights = weights_fingerprint(self.model)
         train_ids, eval_ids = self._prompt_ids(self.train_dataset), self._eval_prompt_ids()
         check_scored_tokens(train_ids, self._tokenizer)   # the eval prompts the cache lacks: `_held_out_entries`

@@ -6,11 +6,12 @@ of the same forward. Their `batch` is `completion_rows`' (layout.py), for each p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import torch
 
-from erpo.sequences import PackedBatch, final_hidden_and_output
+from erpo.sequences import PackedBatch, final_hidden_and_output, on_whole_lm_head
 from erpo_kernels import (
     CompletionLayout,
     erpo_loss,
@@ -18,7 +19,7 @@ from erpo_kernels import (
     fused_linear_token_logprobs,
     token_logprobs,
 )
-from erpo_kernels.lm_head import is_dtensor, whole_lm_head
+from erpo_kernels.lm_head import is_dtensor
 from erpo_kernels.zero3 import find_lm_head
 
 
@@ -58,7 +59,8 @@ class LogitsScorer:
 
 class FusedLinearScorer:
     """The final hidden states [R, D] of the scored rows (the forward under `autocast`) and, inside `head()`, the whole
-    lm_head (`whole_lm_head`: gathered under ZeRO-3 or FSDP2) with the model's logit transform `logit_options`;
+    lm_head (`on_whole_lm_head`: under DeepSpeed ZeRO-3 each scoring runs as the head's own forward, gathered for it
+    and again for TRL's backward after the loss has returned) with the model's logit transform `logit_options`;
     `workspace_bytes`: the loss's row-chunk budget (bytes)."""
 
     def __init__(self, model, batch: PackedBatch, *, temperature: float, autocast, logit_options: dict,
@@ -68,24 +70,25 @@ class FusedLinearScorer:
         with autocast():
             self.hidden, self.output = final_hidden_and_output(model, batch, **forward_kwargs)
         # whole_lm_head would reshard an FSDP2 head at the end of its block, before TRL's backward
-        if is_dtensor(find_lm_head(model).weight):
+        head = find_lm_head(model)
+        if is_dtensor(head.weight):
             raise ValueError("fused_linear=True under FSDP2 needs the lm_head unsharded after the forward (TRL "
                              "runs the backward after the loss returns): keep it in the root's or accelerate's "
                              "tail fully_shard unit (reshard_after_forward=False), or set fused_linear=False")
-        self.weight = self.bias = None
+        self.hidden = self.hidden.to(head.weight.dtype)   # a ZeRO-3 shard keeps its parameter's dtype
+        self.on_head = None
 
     def release_output(self) -> None:
         self.output = None
 
     @contextlib.contextmanager
     def head(self):
-        with whole_lm_head(self.model) as (weight, bias):
-            self.weight, self.bias = weight, bias
-            self.hidden = self.hidden.to(weight.dtype)
+        with on_whole_lm_head(self.model) as run:
+            self.on_head = run
             try:
                 yield self
             finally:
-                self.weight = self.bias = None
+                self.on_head = None
 
     def logprobs(self, kind: int | None = None) -> torch.Tensor:
         """Detached log-probs [R] fp32 of the scored rows, as the loss scores them; with `kind`, of the rows of that
@@ -93,8 +96,9 @@ class FusedLinearScorer:
         (`completion_rows`' read; without one, token_kind is read here), so the device finds them with no host read
         (`nonzero_static`, where a boolean index reads the count)."""
         def scored_logp(hidden, targets):
-            return fused_linear_token_logprobs(hidden, self.weight, targets, bias=self.bias,
-                                               temperature=self.temperature, **self.logit_options)
+            return self.on_head(lambda weight, bias, rows, rows_targets: fused_linear_token_logprobs(
+                rows, weight, rows_targets, bias=bias, temperature=self.temperature, **self.logit_options),
+                hidden, targets)
 
         if kind is None:
             return scored_logp(self.hidden.detach(), self.batch.targets)
@@ -107,8 +111,16 @@ class FusedLinearScorer:
 
     def loss(self, **inputs):
         """`fused_linear_erpo_loss` on the hidden states and the lm_head; `inputs` as `LogitsScorer.loss`. The batch's
-        host layout (`completion_rows`' read) spares the chunk plan its own read."""
+        host layout (`completion_rows`' read) spares the chunk plan its own read. The head's computation returns the
+        loss tensor alone (`on_whole_lm_head`: what DeepSpeed ZeRO-3 hooks), put back into the loss's output."""
         b = self.batch
-        return fused_linear_erpo_loss(self.hidden, self.weight, b.targets, b.token_kind, b.sample_index,
-                                      bias=self.bias, host_layout=b.host_layout, workspace_bytes=self.workspace_bytes,
-                                      **inputs)
+        outputs = []
+
+        def loss_on_head(weight, bias, hidden):
+            outputs.append(fused_linear_erpo_loss(hidden, weight, b.targets, b.token_kind, b.sample_index, bias=bias,
+                                                  host_layout=b.host_layout, workspace_bytes=self.workspace_bytes,
+                                                  **inputs))
+            return outputs[-1].loss
+
+        loss = self.on_head(loss_on_head, self.hidden)
+        return dataclasses.replace(outputs[-1], loss=loss)

@@ -7,7 +7,6 @@ import os
 from functools import partial
 
 import torch
-from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 
@@ -85,11 +84,6 @@ class ERPOTrainer(ReferenceMixin, LossOptionsMixin, LossMetricsMixin, GRPOTraine
         # the model's final-logit transform, read once (a transform erpo does not know is refused): the fused-linear
         # path applies it to hidden @ lm_head; the logits path takes the model's own logits, already transformed
         self._logit_options = logit_transforms(self.model) if self.args.fused_linear else {}
-        if not self.args.fused_linear:
-            return
-        if is_deepspeed_zero3_enabled():
-            raise ValueError("fused_linear=True is not supported under DeepSpeed ZeRO-3 in ERPOTrainer (TRL runs the "
-                             "backward after the loss returns, outside whole_lm_head); set fused_linear=False")
 
     def _compute_loss(self, model, inputs):
         """ERPO loss of one micro-batch of GRPOTrainer's inputs (TRL's `_compute_loss` contract)."""
