@@ -58,32 +58,13 @@ for _name in USER_DIRS:
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(USER_DIRS_ROOT, "torch_extensions"))
 
 
-# Under pytest-xdist (the README's command), the files that start first, slowest first, so that no long file starts
-# last and ends the run alone; the other files follow in pytest's order. Seconds: setup and calls of the file's tests
-# on one worker of 2 (2-core CPU, 2026-11-28, the serial CI log's where noted).
-FILES_FIRST = (
-    "distributed/test_multirank.py",
-    "repo/test_gpu_check.py",
-    "distributed/test_distributed.py",
-    "kernels/test_epilogue_row_pass.py",
-    "kernels/test_fused_linear_loss.py",
-    "kernels/test_bench_geometry.py",
-    "integrations/test_verl_platform.py",
-    "kernels/test_bench_smoke.py",
-    "train/test_pilot.py",
-    "train/test_interrupt.py",
-    "distributed/test_zero3.py",
-    "distributed/test_openrlhf_zero3.py",
-    "train/test_trainer.py",
-)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The whole suite, or a folder of it, runs on every core of the machine with pytest-xdist (a worker per logical
-    core, a file per worker at a time: `--dist loadfile`, so that a file's module fixtures run once), FILES_FIRST
-    first; one file or test named on the command line, `-n 0`, `-p no:xdist`, --pdb and --collect-only run serially,
-    and `-n N` / `--dist` given on the command line win (docs/CONTRIBUTING.md)."""
+    core, a file per worker at a time: `--dist loadfile`, so that a file's module fixtures run once), the slowest
+    files first (tests/support/suite_schedule.py); one file or test named on the command line, `-n 0`,
+    `-p no:xdist`, --pdb and --collect-only run serially, and `-n N` / `--dist` given on the command line win
+    (docs/CONTRIBUTING.md)."""
     if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
             or config.option.numprocesses is not None or config.getoption("usepdb")
             or config.getoption("collectonly")
@@ -96,13 +77,12 @@ def pytest_cmdline_main(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """In a pytest-xdist worker (whose collection the controller schedules), FILES_FIRST's files first, in its order,
-    then the others as collected (a stable sort: a file's tests keep their order). A serial run keeps pytest's order."""
-    if not hasattr(config, "workerinput"):
-        return
-    tests = Path(__file__).resolve().parent
-    rank = {str(tests / name): index for index, name in enumerate(FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(str(item.path), len(FILES_FIRST)))
+    """In a pytest-xdist worker (whose collection the controller schedules, the same in each), the slowest files
+    first (suite_schedule.FILES_FIRST); a serial run keeps pytest's order."""
+    if hasattr(config, "workerinput"):
+        from suite_schedule import files_first_order
+
+        files_first_order(items)
 
 
 def pytest_configure(config):
