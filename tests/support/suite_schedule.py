@@ -3,7 +3,9 @@ worker at a time): the slowest files first, so that no long file starts last and
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-# The files that start first, slowest first; the other files follow in pytest's order.
+# The files that start first, slowest first (by the slowest tests of the serial suite at 47c4860, 2026-11-28,
+# `--durations=80`: test_gpu_check's dry run 207 s, test_multirank's ZeRO-3 fixture 138 s and its other 2-rank
+# runs, then files of several 10-70 s tests); the other files follow in pytest's order.
 FILES_FIRST = (
     "distributed/test_multirank.py",
     "repo/test_gpu_check.py",
