@@ -47,9 +47,10 @@ setup(
         # calls (its environment_factory tests) parse responses with it on transformers < 5.13.
         # ruff and import-linter: tests/repo/test_lint.py (style and the import contract), pinned so CI's verdict is
         # stable. pytest >= 8.2: the tests' `importorskip(..., exc_type=ModuleNotFoundError)` (a peer that is
-        # installed but fails to import errors instead of skipping).
+        # installed but fails to import errors instead of skipping). pytest-xdist >= 3.8: the suite runs on every core,
+        # its slowest files first (tests/conftest.py; 3.8 keeps the collection's order of files with --dist loadfile).
         "train": TRAIN_REQUIRES,
-        "test": [*TRAIN_REQUIRES, "pytest>=8.2", "triton==3.6.0", "deepspeed", "accelerate",
+        "test": [*TRAIN_REQUIRES, "pytest>=8.2", "pytest-xdist>=3.8", "triton==3.6.0", "deepspeed", "accelerate",
                  "pandas", "pyarrow", "trl==1.16.0", "peft==0.21.2", "verl==0.9.1", "uvicorn", "TransferQueue==0.1.11",
                  "cachetools", "fastapi", "jmespath", "ruff==0.17.6", "import-linter==2.16"],
         # The extras below serve the trainer, so each brings the train extra along.

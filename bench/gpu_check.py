@@ -534,13 +534,14 @@ class GpuCheck:
                 stage.notes.append("dry run: its arguments checked and its rows listed in bench.log (--plan), none run")
 
     def merge_bench(self) -> None:
-        """The bench stage's runs as one table (its markdown goes into summary.md)."""
+        """The bench stage's runs as one table (its markdown goes into summary.md), within the summary's reserve (the
+        dry run: its stages' ceiling, like a stage: on a loaded CPU the merge's imports alone took the reserve)."""
         progress = self.out / "bench.jsonl"
         if not progress.exists():
             return
         done = subprocess.run([sys.executable, "-m", "bench", "--merge", str(progress), "--out",
                                str(self.work / "bench-merged")], cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=SUMMARY_RESERVE_S)
+                              timeout=SUMMARY_RESERVE_S if self.stage_limit_s is None else self.stage_limit_s)
         self.log(f"bench merge: exit {done.returncode}" + (f"\n{done.stderr[-2000:]}" if done.returncode else ""))
 
     # ---- the summary ------------------------------------------------------------------------------------------

@@ -44,10 +44,45 @@ def pytest_addoption(parser):
 # pytest_configure; the variables are put back and the folder removed at the end (pytest_unconfigure).
 USER_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "HF_HOME")
 USER_DIRS_ROOT = tempfile.mkdtemp(prefix="erpo-tests-user-dirs-")
-_USER_DIRS_BEFORE = {name: os.environ.get(name) for name in (*USER_DIRS, "ERPO_TESTS_USER_DIRS")}
+_USER_DIRS_BEFORE = {name: os.environ.get(name)
+                     for name in (*USER_DIRS, "ERPO_TESTS_USER_DIRS", "TORCH_EXTENSIONS_DIR")}
 os.environ["ERPO_TESTS_USER_DIRS"] = USER_DIRS_ROOT
 for _name in USER_DIRS:
     os.environ[_name] = os.path.join(USER_DIRS_ROOT, _name.lower())
+# DeepSpeed's CPU ops (erpo.deepspeed_internals.CPU_BUILT_OPS: 1-3 minutes to build) are built once per session, in
+# the session's folder for them, which every pytest-xdist worker and every process it launches shares: the workers
+# start after this file's import in the controller and inherit the variable, which they keep (torch's build lock
+# makes a second builder wait for the first). A TORCH_EXTENSIONS_DIR set by the caller is kept (builds reused across
+# sessions). Each worker keeps user folders of its own for the rest (erpo's digest cache is read, merged and
+# replaced: two workers writing it at once could drop each other's entries).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(USER_DIRS_ROOT, "torch_extensions"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite, or a folder of it, runs on every core of the machine with pytest-xdist (a worker per logical
+    core, a file per worker at a time: `--dist loadfile`, so that a file's module fixtures run once), the slowest
+    files first (tests/support/suite_schedule.py); one file or test named on the command line, `-n 0`,
+    `-p no:xdist`, --pdb and --collect-only run serially, and `-n N` / `--dist` given on the command line win
+    (docs/CONTRIBUTING.md)."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.option.numprocesses is not None or config.getoption("usepdb")
+            or config.getoption("collectonly")
+            or any(Path(arg.split("::")[0]).is_file() for arg in config.args)):
+        return
+    config.option.numprocesses = "logical"
+    if config.option.dist == "no":
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False   # FILES_FIRST's order, not xdist's (most tests first)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker (whose collection the controller schedules, the same in each), the slowest files
+    first (suite_schedule.FILES_FIRST); a serial run keeps pytest's order."""
+    if hasattr(config, "workerinput"):
+        from suite_schedule import files_first_order
+
+        files_first_order(items)
 
 
 def pytest_configure(config):

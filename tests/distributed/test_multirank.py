@@ -30,7 +30,7 @@ from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from paths import WORKERS, worker_pythonpath  # noqa: E402
 from rank_update import make_optimizer, rank_loss  # noqa: E402
 from run_metrics import assert_same_metrics, metrics_by_step  # noqa: E402
-from torchrun import free_port, run_worker  # noqa: E402
+from torchrun import RANKS_LIMIT_S, free_port, run_worker  # noqa: E402
 
 WORKER = WORKERS / "multirank_worker.py"
 GROUPS, GROUP_SIZE, LENGTH = 4, 2, 12
@@ -162,7 +162,7 @@ def train_command_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> 
 def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     """`erpo train` on 2 CPU ranks at ZeRO-3, with the documented launch command of `launcher`; it must succeed."""
     cmd, env = train_command_2ranks(launcher, out, cache, *extra)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -238,11 +238,11 @@ def three_step_run(two_step_run):
     try:
         cmd, env = train_command_2ranks("torchrun", out, root / "cache", "--max-steps", "3", "--resume")
         second = subprocess.run([sys.executable, "-m", "erpo", *cmd[cmd.index("train"):]], env=env,
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=RANKS_LIMIT_S)
     finally:
         for pid in ranks:
             os.kill(pid, signal.SIGCONT)
-    wait_gone(ranks, timeout=300)
+    wait_gone(ranks, timeout=RANKS_LIMIT_S)
     assert (out / "final" / "config.json").is_file(), (root / "full.log").read_text()[-6000:]
     return SimpleNamespace(dir=out, second=second, ranks=ranks)
 
@@ -321,7 +321,7 @@ def test_a_full_disk_on_rank_1_stops_every_rank_in_one_line_and_the_previous_che
     module = cmd.index("erpo") - 1   # `-m erpo` becomes the script that injects the fault, each rank's stderr a file
     cmd[module:module + 2] = ["--log-dir", str(logs), "--redirects", "2", str(WORKERS / "enospc_rank_train.py")]
     env.update(ERPO_TEST_ENOSPC_RANK="1", ERPO_TEST_ENOSPC_STEP="3")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
     assert proc.returncode == 1, proc.stderr[-6000:]
     stderr = {rank: next(logs.glob(f"*/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)}
     shard = run / "checkpoints" / ".tmp-step-3" / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -351,7 +351,7 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
            "--output-dir", str(out), "--max-steps", "1", *TRAIN_SETTINGS, f"model.cache_dir={tmp_path / 'cache'}"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=worker_pythonpath())
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = metrics_by_step(out)
     assert records[1]["nonfinite_skipped"] == 1 and records[1]["grad_norm"] is None

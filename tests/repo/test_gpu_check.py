@@ -331,6 +331,23 @@ def check(tmp_path, monkeypatch):
     shutil.rmtree(check.work)
 
 
+@pytest.mark.parametrize("stage_limit_s,limit", [(None, gpu_check.SUMMARY_RESERVE_S),
+                                                   (gpu_check.DRY_RUN_STAGE_LIMIT_S, gpu_check.DRY_RUN_STAGE_LIMIT_S)])
+def test_the_bench_merge_has_the_summary_s_reserve_and_in_the_dry_run_the_stages_ceiling(tmp_path, monkeypatch,
+                                                                                      stage_limit_s, limit):
+    """On a GPU the merge runs within the summary's reserve; the dry run gives it its stages' ceiling (a loaded CPU
+    took the 25 s reserve to import the merge, and the dry run ended in its TimeoutExpired)."""
+    check = gpu_check.GpuCheck(tmp_path, dry_run=stage_limit_s is not None, commit=None, stage_limit_s=stage_limit_s)
+    (tmp_path / "bench.jsonl").write_text("")
+    calls = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda command, **kwargs: calls.append((command, kwargs)) or
+                        subprocess.CompletedProcess(command, 0, "", ""))
+    check.merge_bench()
+    ((command, kwargs),) = calls
+    assert command[1:4] == ["-m", "bench", "--merge"] and kwargs["timeout"] == limit
+    shutil.rmtree(check.work)
+
+
 def gone_within(pid: int, seconds: float) -> bool:
     """Whether process `pid` has ended within `seconds`: no such process, or a zombie (ended, not yet reaped by
     whichever process inherited it; a killed process also takes a moment to end on a busy machine)."""
