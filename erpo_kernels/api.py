@@ -67,19 +67,17 @@ def use_triton(backend: str, device: torch.device) -> bool:
     return resolve_backend(backend, device) == "triton"
 
 
-def check_logits(logits) -> None:
+def check_logits(logits, inplace_backward: bool) -> None:
+    """The logits path's checks of `logits` [N, V] (float32 / bfloat16 / float16, V > 0), in one step with the
+    in-place backward's: inplace_backward=True writes d logits over `logits`, one element per element, so it is
+    refused where elements share memory (a dimension of stride 0: an expanded or broadcast tensor), whose rows' writes
+    would overwrite each other (a wrong gradient, no error)."""
     check_tensor("logits", logits, ndim=2, floating=True)
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got shape "
                          f"{tuple(logits.shape)}")
-
-
-def check_inplace_backward(logits, inplace_backward: bool) -> None:
-    """inplace_backward=True writes d logits over `logits` [N, V], one element per element: refused where elements
-    share memory (a dimension of stride 0: an expanded or broadcast tensor), whose rows' writes would overwrite each
-    other (a wrong gradient, no error)."""
     if inplace_backward and any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
         raise ValueError(f"inplace_backward=True writes d logits into logits, but their elements share memory "
                          f"(stride {tuple(logits.stride())} for shape {tuple(logits.shape)}: an expanded tensor); "
@@ -106,8 +104,7 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: fl
     Differentiable with respect to logits. `inplace_backward` (Triton) writes the gradient into `logits`.
     validate as `erpo_loss`'s: True checks that the targets lie in range (one host read), False skips it (none).
     """
-    check_logits(logits)
-    check_inplace_backward(logits, inplace_backward)
+    check_logits(logits, inplace_backward)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
                                         device=logits.device, rows_name="logits", validate=validate)
@@ -137,8 +134,7 @@ def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInp
                    inplace_backward: bool = False, validate: bool = True, caller_checks=()) -> LossOutput:
     """`erpo_loss` on its tensors besides the rows as one LossInputs; caller_checks: `check_rows` pairs of the
     caller's own, read with the value checks in their one host read (`start_loss_input_checks`)."""
-    check_logits(logits)
-    check_inplace_backward(logits, inplace_backward)
+    check_logits(logits, inplace_backward)
 
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
