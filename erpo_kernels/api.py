@@ -23,6 +23,7 @@ from .validation import (
     check_tensor,
     check_token_inputs,
     checks_done,
+    plain_number,
     start_loss_input_checks,
     with_option_parameters,
 )
@@ -263,11 +264,13 @@ def logprob_erpo_loss(token_logp, token_kind, sample_index, *, entropy=None, adv
 
 def sample_sums(values, sample_index, num_samples: int, *, backend: str = "auto") -> torch.Tensor:
     """Per-sample sums [S] fp32 of `values` [N] (floating, cast to fp32) by `sample_index` [N] int (every entry in
-    [0, S); rows that must not count carry 0), differentiable with respect to `values`. On the Triton backend the
-    sums are deterministic (each sample's rows in a fixed order), as the loss forms ell_theta(q)."""
+    [0, S); rows that must not count carry 0), differentiable with respect to `values`; num_samples = S, a Python or
+    numpy integer. On the Triton backend the sums are deterministic (each sample's rows in a fixed order), as the loss
+    forms ell_theta(q)."""
     check_tensor("values", values, ndim=1, floating=True)
     check_tensor("sample_index", sample_index, ndim=1, length=values.shape[0], device=values.device, floating=False,
                  length_name=" (the length of values)")
+    num_samples = plain_number(num_samples)   # a numpy integer (len of an array, np.unique's count) as the int it holds
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
         raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}")
     check_rows([((sample_index < 0) | (sample_index >= num_samples),
