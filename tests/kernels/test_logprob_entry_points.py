@@ -83,7 +83,7 @@ def test_sample_sums_take_a_numpy_integer_count_and_name_a_bad_one(backend, devi
     for count in (np.int64(3), np.int32(3), np.uint8(3)):
         torch.testing.assert_close(sample_sums(values, sample_index, count, backend=backend), expected, rtol=0, atol=0)
     for bad, shown in ((np.float64(3.0), "3.0"), (3.0, "3.0"), (np.int64(-1), "-1"), (-1, "-1"),
-                       (torch.tensor(3), "tensor(3)"), (True, "True")):
+                       (torch.tensor(3, device="cpu"), "tensor(3)"), (True, "True")):
         with pytest.raises(ValueError, match=rf"^num_samples must be an integer >= 0, got {re.escape(shown)}$"):
             sample_sums(values, sample_index, bad, backend=backend)
 

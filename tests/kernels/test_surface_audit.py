@@ -109,10 +109,10 @@ def test_the_in_place_backward_refuses_logits_whose_elements_share_memory(entry,
     torch.testing.assert_close(grad, whole_grad.sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
-def test_the_logits_are_checked_once_with_the_in_place_backward(monkeypatch):
+def test_the_logits_are_checked_once_with_the_in_place_backward(monkeypatch, device):
     """The logits' checks and the in-place backward's are one step, called once per call with the call's
     inplace_backward (they were two functions called side by side at both call sites); it refuses what each refused."""
-    batch = random_batch(num_rows=6, vocab=11)
+    batch = random_batch(num_rows=6, vocab=11, device=device)
     calls = []
     check = api.check_logits
     monkeypatch.setattr(api, "check_logits", lambda logits, inplace_backward: calls.append(inplace_backward) or check(
