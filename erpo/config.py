@@ -387,6 +387,13 @@ def check_vllm_temperature(temperature: float, name: str = "temperature") -> Non
                          "temperature it is given (it clamps lower values to 0.01 and rejects higher ones)")
 
 
+def check_gpu_memory_utilization(fraction: float, name: str) -> None:
+    """ValueError naming `name`, the setting as its user gave it (`rollout.gpu_memory_utilization`, `erpo eval
+    --gpu-memory-utilization`), unless `fraction`, vLLM's share of each GPU's memory, lies in (0, 1]."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"{name} must be a fraction in (0, 1] (vLLM's share of each GPU's memory), got {fraction!r}")
+
+
 def resolve_rollout(r: RolloutConfig) -> None:
     """Fill `importance_sampling_correction` (on with vLLM) and check the sampling settings against the engine."""
     if r.temperature <= 0:
@@ -395,6 +402,7 @@ def resolve_rollout(r: RolloutConfig) -> None:
         r.importance_sampling_correction = r.engine == "vllm"
     if r.engine == "vllm":
         check_vllm_temperature(r.temperature, "rollout.temperature")
+        check_gpu_memory_utilization(r.gpu_memory_utilization, "rollout.gpu_memory_utilization")
     if r.importance_sampling_correction and r.top_p < 1:
         # the engine's log-probs are renormalized over the top-p nucleus, the trainer's are the full softmax at T:
         # their ratio would be biased below 1

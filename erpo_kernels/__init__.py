@@ -30,11 +30,11 @@ from .model_config import logit_transforms_from_config
 from .modules import ERPOLoss, FusedLinearERPOLoss
 from .objective import LossMetrics, LossOutput
 from .padded import PaddedLossOutput, padded_erpo_loss
-from .validation import OPTION_CHOICES, VESPO_LAMBDA_MIN, LossInputs, LossOptions
+from .validation import OPTION_CHOICES, VESPO_LAMBDA_MIN, LossInputs, LossOptions, did_you_mean
 
 __all__ = ["CompletionLayout", "ERPOLoss", "FusedLinearERPOLoss", "LossInputs", "LossMetrics", "LossOptions",
            "LossOutput", "MAX_QUERY_WEIGHT", "OPTION_CHOICES", "PaddedLossOutput", "ScoredRows", "VESPO_LAMBDA_MIN",
-           "completion_layout", "erpo_loss", "from_padded", "fused_linear_erpo_loss", "fused_linear_token_logprobs",
-           "layout", "lm_head", "logit_transforms_from_config", "logprob_erpo_loss", "padded_erpo_loss",
-           "query_weights", "resolve_backend", "sample_sums", "token_logprobs", "zero3"]
+           "completion_layout", "did_you_mean", "erpo_loss", "from_padded", "fused_linear_erpo_loss",
+           "fused_linear_token_logprobs", "layout", "lm_head", "logit_transforms_from_config", "logprob_erpo_loss",
+           "padded_erpo_loss", "query_weights", "resolve_backend", "sample_sums", "token_logprobs", "zero3"]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ from .validation import (
     check_tensor,
     check_token_inputs,
     checks_done,
+    plain_number,
     start_loss_input_checks,
     with_option_parameters,
 )
@@ -67,19 +68,17 @@ def use_triton(backend: str, device: torch.device) -> bool:
     return resolve_backend(backend, device) == "triton"
 
 
-def check_logits(logits) -> None:
+def check_logits(logits, inplace_backward: bool) -> None:
+    """The logits path's checks of `logits` [N, V] (float32 / bfloat16 / float16, V > 0), in one step with the
+    in-place backward's: inplace_backward=True writes d logits over `logits`, one element per element, so it is
+    refused where elements share memory (a dimension of stride 0: an expanded or broadcast tensor), whose rows' writes
+    would overwrite each other (a wrong gradient, no error)."""
     check_tensor("logits", logits, ndim=2, floating=True)
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got shape "
                          f"{tuple(logits.shape)}")
-
-
-def check_inplace_backward(logits, inplace_backward: bool) -> None:
-    """inplace_backward=True writes d logits over `logits` [N, V], one element per element: refused where elements
-    share memory (a dimension of stride 0: an expanded or broadcast tensor), whose rows' writes would overwrite each
-    other (a wrong gradient, no error)."""
     if inplace_backward and any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
         raise ValueError(f"inplace_backward=True writes d logits into logits, but their elements share memory "
                          f"(stride {tuple(logits.stride())} for shape {tuple(logits.shape)}: an expanded tensor); "
@@ -106,8 +105,7 @@ def token_logprobs(logits, targets, *, temperature: float = 1.0, logit_scale: fl
     Differentiable with respect to logits. `inplace_backward` (Triton) writes the gradient into `logits`.
     validate as `erpo_loss`'s: True checks that the targets lie in range (one host read), False skips it (none).
     """
-    check_logits(logits)
-    check_inplace_backward(logits, inplace_backward)
+    check_logits(logits, inplace_backward)
     transform = LogitTransform(temperature, logit_scale, logit_softcap)
     scored_targets = check_token_inputs(targets, num_rows=logits.shape[0], vocab_size=logits.shape[1],
                                         device=logits.device, rows_name="logits", validate=validate)
@@ -137,8 +135,7 @@ def loss_on_logits(logits, targets, token_kind, sample_index, *, inputs: LossInp
                    inplace_backward: bool = False, validate: bool = True, caller_checks=()) -> LossOutput:
     """`erpo_loss` on its tensors besides the rows as one LossInputs; caller_checks: `check_rows` pairs of the
     caller's own, read with the value checks in their one host read (`start_loss_input_checks`)."""
-    check_logits(logits)
-    check_inplace_backward(logits, inplace_backward)
+    check_logits(logits, inplace_backward)
 
     def token_pass(scored_targets, transform, triton):
         return per_token_logp_entropy(logits, scored_targets, transform, triton, inplace_backward)
@@ -267,11 +264,13 @@ def logprob_erpo_loss(token_logp, token_kind, sample_index, *, entropy=None, adv
 
 def sample_sums(values, sample_index, num_samples: int, *, backend: str = "auto") -> torch.Tensor:
     """Per-sample sums [S] fp32 of `values` [N] (floating, cast to fp32) by `sample_index` [N] int (every entry in
-    [0, S); rows that must not count carry 0), differentiable with respect to `values`. On the Triton backend the
-    sums are deterministic (each sample's rows in a fixed order), as the loss forms ell_theta(q)."""
+    [0, S); rows that must not count carry 0), differentiable with respect to `values`; num_samples = S, a Python or
+    numpy integer. On the Triton backend the sums are deterministic (each sample's rows in a fixed order), as the loss
+    forms ell_theta(q)."""
     check_tensor("values", values, ndim=1, floating=True)
     check_tensor("sample_index", sample_index, ndim=1, length=values.shape[0], device=values.device, floating=False,
                  length_name=" (the length of values)")
+    num_samples = plain_number(num_samples)   # a numpy integer (len of an array, np.unique's count) as the int it holds
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
         raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}")
     check_rows([((sample_index < 0) | (sample_index >= num_samples),

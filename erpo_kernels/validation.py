@@ -217,14 +217,21 @@ def _plain_loss_options(items: tuple) -> LossOptions:
     return LossOptions.from_kwargs({name: value for name, _, value in items})
 
 
+def did_you_mean(name: str, known, *, spelled: Callable[[str], str] = repr, cutoff: float = 0.6) -> str | None:
+    """"did you mean X?" for a misspelled `name`: X the name of `known` (an iterable of str) closest to it by
+    difflib's ratio (at least `cutoff`), written as `spelled(X)` (repr: 'clip_high'); None when none is that close.
+    The one suggestion of every "unknown name" error, the kernels' keywords and erpo's settings alike."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
+    return f"did you mean {spelled(close[0])}?" if close else None
+
+
 def check_keywords(caller: str, keywords: dict, known) -> None:
     """Raise a TypeError naming the first keyword of `keywords` that `caller` does not take, and the closest
-    known name (difflib) as a "did you mean" hint."""
+    known name (`did_you_mean`)."""
     for name in keywords:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; it takes {sorted(known)}"
-            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+            hint = did_you_mean(name, known) or f"it takes {sorted(known)}"
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}")
 
 
 def option_parameters() -> list[inspect.Parameter]:

@@ -10,7 +10,7 @@ from erpo.eval.defaults import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPER
 
 # `check_eval_arguments`' arguments -> the options they come from, which its errors name
 OPTION_NAMES = {"k": "--k", "temperatures": "--temperatures", "pass_ks": "--pass-k", "batch_size": "--batch-size",
-                "top_p": "--top-p"}
+                "top_p": "--top-p", "gpu_memory_utilization": "--gpu-memory-utilization"}
 
 
 def _numbers(text: str, name: str, kind: type) -> list:
@@ -118,7 +118,8 @@ def run_eval(args: argparse.Namespace) -> None:
             if value < 1:
                 raise ValueError(f"{option} must be an integer >= 1, got {value}")
         check_eval_arguments(k=args.k, temperatures=temperatures, pass_ks=pass_ks, batch_size=args.batch_size,
-                             top_p=args.top_p, names=OPTION_NAMES)
+                             top_p=args.top_p, gpu_memory_utilization=args.gpu_memory_utilization,
+                             names=OPTION_NAMES)
         device = generate_device(args.device)
         blocking = file_in_the_way(args.output_dir)
         if blocking is not None:

@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from erpo.config import check_gpu_memory_utilization
 from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.eval.metrics import default_pass_ks
 from erpo.eval.model_specs import ModelSpec, prompt_settings
@@ -33,11 +34,14 @@ from erpo.models.fingerprint import model_fingerprint
 
 
 def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int] | None, batch_size: int,
-                         top_p: float, names: dict[str, str] | None = None) -> tuple[list[float], list[int]]:
+                         top_p: float, gpu_memory_utilization: float | None = None,
+                         names: dict[str, str] | None = None) -> tuple[list[float], list[int]]:
     """Validate sampling arguments (ValueError naming the bad one, as the caller's user spelled it: `names` maps an
     argument to its name there, e.g. {"k": "--k"} for `erpo eval`; the keyword itself where absent); return sorted
-    unique temperatures and the Pass@k budgets (default: powers of two up to k; k itself is always included)."""
-    name = {key: key for key in ("k", "temperatures", "pass_ks", "batch_size", "top_p")} | (names or {})
+    unique temperatures and the Pass@k budgets (default: powers of two up to k; k itself is always included).
+    gpu_memory_utilization: vLLM's share of each GPU, checked before any engine is built (None: no vLLM to run)."""
+    name = {key: key for key in ("k", "temperatures", "pass_ks", "batch_size", "top_p", "gpu_memory_utilization")
+            } | (names or {})
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{name['k']} must be an integer >= 1 (samples per problem), got {k!r}")
     if not temperatures:
@@ -52,6 +56,8 @@ def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int
         raise ValueError(f"{name['batch_size']} must be an integer >= 1 (prompts per generate call), got {batch_size}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"{name['top_p']} must be in (0, 1] (1: no nucleus cut), got {top_p:g}")
+    if gpu_memory_utilization is not None:
+        check_gpu_memory_utilization(gpu_memory_utilization, name["gpu_memory_utilization"])
     return sorted(set(temperatures)), pass_ks
 
 
@@ -70,7 +76,8 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
     """
 
     temperatures, pass_ks = check_eval_arguments(k=k, temperatures=temperatures, pass_ks=pass_ks,
-                                                 batch_size=batch_size, top_p=top_p)
+                                                 batch_size=batch_size, top_p=top_p,
+                                                 gpu_memory_utilization=gpu_memory_utilization)
     metric_keys = None
     per_temperature = []
     model_lines = []

@@ -43,7 +43,8 @@ def build_engine(model_path: str, *, engine: str, device: str, dtype: str, seed:
     if use_vllm:
         vllm = make_rollout_engine("vllm", model_path=model_path, dtype=dtype, seed=seed,
                                    gpu_memory_utilization=gpu_memory_utilization,
-                                   tensor_parallel_size=tensor_parallel_size, colocated=False)
+                                   tensor_parallel_size=tensor_parallel_size, colocated=False,
+                                   memory_setting="--gpu-memory-utilization")
         return vllm, tokenizer
     model = load_causal_lm(model_path, dtype="auto" if dtype == "auto" else getattr(torch, dtype), device=device)
     return make_rollout_engine("hf", model_path=model_path, model=model, tokenizer=tokenizer,

@@ -22,7 +22,6 @@ own code).
 """
 from __future__ import annotations
 
-import difflib
 import importlib.metadata
 import inspect
 import sys
@@ -34,7 +33,7 @@ import torch
 from erpo.integrations.advantages import sample_advantages
 from erpo.sequences import head_token_logprobs, last_hidden_and_output, logit_transforms
 from erpo.terms import SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef
-from erpo_kernels import LossOptions, logprob_erpo_loss, sample_sums, token_logprobs
+from erpo_kernels import LossOptions, did_you_mean, logprob_erpo_loss, sample_sums, token_logprobs
 from erpo_kernels.zero3 import find_lm_head
 
 OPENRLHF_VERSION = "0.11.2"     # the OpenRLHF release the parity tests run against
@@ -302,7 +301,7 @@ def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
     the model (a VLM processor's pixel_values, image_grid_thw, ...), whose transformers `**kwargs` would drop a
     misspelled option silently. Refused: every one on a text-only actor (OpenRLHF's `is_vlm` unset); on a VLM actor,
     one of Actor.forward's own parameters (return_output, packed_seq_lens, ...: `function` sets them) and a near miss
-    of `function`'s own options (`fused_liner`; found by difflib against its signature, no list kept here)."""
+    of `function`'s own options (`fused_liner`; `did_you_mean` against its signature, no list kept here)."""
     if not mm_inputs:   # a text-only call, every micro-batch's: no signature to read
         return
     own = [name for name, parameter in inspect.signature(actor_row_logprobs).parameters.items()
@@ -311,16 +310,13 @@ def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
                if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
     vlm = getattr(actor, "is_vlm", False)
     for key in mm_inputs:
-        close = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
-        if close:
-            why = f"did you mean {close[0]!r}?"
-        elif not vlm:
+        why = did_you_mean(key, own, cutoff=0.8)
+        if why is None and not vlm:
             why = "the actor is not a vision-language model (OpenRLHF's is_vlm), so it takes no multimodal inputs"
-        elif key in forward:
+        elif why is None and key in forward:
             why = f"{function} sets Actor.forward's {key} itself"
-        else:
-            continue
-        raise TypeError(f"{function}() got an unexpected keyword argument {key!r} ({why})")
+        if why is not None:
+            raise TypeError(f"{function}() got an unexpected keyword argument {key!r} ({why})")
 
 
 def check_fused_linear(actor) -> None:

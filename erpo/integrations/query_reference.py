@@ -103,7 +103,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
                                    model_fp=model_fp, tokenizer=tokenizer, tokenizer_fp=identity["tokenizer_fp"],
                                    template=template, precision=precision)
         cache.save(path)
-    cause = changed(lambda ids: prompt_hash(ids) in cache.entries) if changed is not None else None
+    cause = changed(cache.holds) if changed is not None else None
     reference = QueryReference(dict(cache.entries), str(path), tokenizer, f"{cause or CHANGED} {remedy}")
     reference.lookup(prompt_ids)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too

@@ -2,8 +2,9 @@
 `strftime_now`, local time), found at a run's start by rendering one prompt as on another date.
 
 TRL and verl render the prompts at each step, while the reference cache is keyed by their token ids as rendered at
-start: when the date changes during the run, no prompt is in the cache and the run stops. `date_dependence` finds
-it with one render, so that the trainer can say so before training, and its miss message can name the date."""
+start: when the date changes during the run, no prompt is in the cache and the run stops. OpenRLHF renders them once,
+at each start (its PromptDataset): a run resumed, or a cache reused, on another day misses them all. `date_dependence`
+finds it with one render, so that the trainer can say so before training, and its miss message can name the date."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,26 +33,37 @@ class DatedTemplate:
     render: Callable[[dict], list[int]] = field(repr=False, compare=False)
     rendered: list[int] = field(repr=False, compare=False)
 
-    def fix(self, kwargs_setting: str, template_setting: str) -> str:
+    def fix(self, kwargs_setting: str | None, template_setting: str) -> str:
         """What to set, in the trainer's setting names: `kwargs_setting` formats the date_string pair (the chat
-        template's keyword arguments), `template_setting` names where a template goes."""
-        if self.takes_date_string:
+        template's keyword arguments; None where the trainer passes the template none: OpenRLHF's preprocess_data),
+        `template_setting` names where a template goes."""
+        if self.takes_date_string and kwargs_setting is not None:
             return f"set {kwargs_setting.format(date_string=repr(self.today))} (the date the cache's prompts hold)"
+        if self.takes_date_string:
+            return (f"give {template_setting} a chat template that fixes the date ({{% set date_string = "
+                    f"{self.today!r} %}} first: the date the cache's prompts hold) or writes none")
         return f"give {template_setting} a chat template that writes no date (it does not read date_string)"
 
-    def start_warning(self, trainer: str, kwargs_setting: str, template_setting: str) -> str:
-        """The one line said before training: what will happen, and the fix."""
-        return (f"the chat template writes today's date ({self.today}) into every prompt, which {trainer} renders at "
-                "each step: when the date changes during the run (local time), no prompt is in the reference cache, "
-                f"keyed by today's prompts, and the run stops; {self.fix(kwargs_setting, template_setting)}")
+    def start_warning(self, trainer: str, kwargs_setting: str | None, template_setting: str, *,
+                      at_each_step: bool = True) -> str:
+        """The one line said before training: what will happen, and the fix. `at_each_step`: the trainer renders
+        the prompts at each step (TRL, verl's agent loop), else once at each start (OpenRLHF's PromptDataset)."""
+        if at_each_step:
+            happens = ("at each step: when the date changes during the run (local time), no prompt is in the reference "
+                       "cache, keyed by today's prompts, and the run stops")
+        else:
+            happens = ("at each start: a run resumed, or a cache reused, on another day (local time) finds none of its "
+                       "prompts in the reference cache, keyed by today's prompts, and stops")
+        return (f"the chat template writes today's date ({self.today}) into every prompt, which {trainer} renders "
+                f"{happens}; {self.fix(kwargs_setting, template_setting)}")
 
-    def miss_cause(self, kwargs_setting: str, template_setting: str) -> str:
+    def miss_cause(self, kwargs_setting: str | None, template_setting: str) -> str:
         """The clause a prompt missing from the cache mid-run ends with: the date as a possible cause."""
         return (f"Or the date changed since the cache was built: the chat template writes today's date into the "
                 f"prompts; {self.fix(kwargs_setting, template_setting)}, and resume.")
 
 
-    def load_miss(self, cached: Callable[[list[int]], bool], kwargs_setting: str, template_setting: str
+    def load_miss(self, cached: Callable[[list[int]], bool], kwargs_setting: str | None, template_setting: str
                   ) -> str | None:
         """Why a reference cache read at start lacks the training prompts, when the date is why: None when today's
         prompt is in it (`cached(token_ids)`), else the day within the last CACHE_DAYS on which the prompt renders as

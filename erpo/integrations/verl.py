@@ -29,7 +29,6 @@ that loss on the actor: `trainer.v1.trainer_mode=erpo +erpo.qkl_coef=0.01`.
 """
 from __future__ import annotations
 
-import difflib
 import itertools
 import warnings
 from dataclasses import dataclass, fields
@@ -40,7 +39,7 @@ import torch
 from erpo.integrations.advantages import sample_advantages
 from erpo.integrations.query_reference import QueryReference
 from erpo.terms import QUERY_WEIGHTS_VERL, SEQUENCE_QKL_ESTIMATORS, check_choice, check_qkl_coef, needs_reference
-from erpo_kernels import logit_transforms_from_config, logprob_erpo_loss
+from erpo_kernels import did_you_mean, logit_transforms_from_config, logprob_erpo_loss
 
 VERL_VERSION = "0.9.1"            # the verl release the parity tests run against (extra erpo[verl])
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -84,8 +83,7 @@ class ERPOSettings:
         known = [field.name for field in fields(cls)]
         for name in block:
             if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"did you mean +erpo.{close[0]}?" if close else "ERPO's settings are " + ", ".join(
+                hint = did_you_mean(name, known, spelled="+erpo.{}".format) or "ERPO's settings are " + ", ".join(
                     f"erpo.{setting}" for setting in known)
                 raise ValueError(f"+erpo.{name} is not an ERPO setting: {hint}")
         return cls(**block)

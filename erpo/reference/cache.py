@@ -83,6 +83,10 @@ class ReferenceCache:
     # `erpo precompute-ref` built it: what tells a changed dataset from a changed prompt format (`missing_prompts_why`)
     dataset: str | None = None
 
+    def holds(self, ids: list[int]) -> bool:
+        """Whether the cache has ell_theta0 of the prompt of token ids `ids` (keyed by `prompt_hash`)."""
+        return prompt_hash(ids) in self.entries
+
     def missing_prompts_why(self, dataset: str) -> str:
         """Why prompts of a run on the rows of digest `dataset` are not in this cache, and what to do."""
         if self.dataset is None:

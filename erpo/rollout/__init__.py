@@ -20,15 +20,18 @@ VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "tensor_parallel_size", "enable_
 def make_rollout_engine(engine: str, *, model_path: str, model=None, tokenizer=None, batch_size: int = 1,
                         dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
-                        max_model_len: int | None = None, colocated: bool = True):
+                        max_model_len: int | None = None, colocated: bool = True,
+                        memory_setting: str = "rollout.gpu_memory_utilization"):
     """A rollout engine: "hf" generates with `model` / `tokenizer` in `batch_size` prompts per call; "vllm" loads
-    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's; colocated=False
-    lets vLLM start its own tensor-parallel workers, for evaluation outside a training run)."""
+    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's, `memory_setting` the
+    name gpu_memory_utilization's errors give it; colocated=False lets vLLM start its own tensor-parallel workers, for
+    evaluation outside a training run)."""
     if engine == "vllm":
         llm_kwargs = {"max_model_len": max_model_len} if max_model_len is not None else None
         return VLLMRollout(model_path, tensor_parallel_size=tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
-                           enable_sleep_mode=enable_sleep_mode, llm_kwargs=llm_kwargs, colocated=colocated)
+                           enable_sleep_mode=enable_sleep_mode, llm_kwargs=llm_kwargs, colocated=colocated,
+                           memory_setting=memory_setting)
     return HFRollout(model, tokenizer, batch_size=batch_size)
 
 

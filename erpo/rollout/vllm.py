@@ -74,8 +74,10 @@ class VLLMRollout(RolloutEngine):
     tensor_parallel_size: GPUs per engine (colocated: must divide the world size). colocated: the engine lives
     in the launcher's processes (external_launcher, the training layouts above); False lets vLLM start its own
     workers for one calling process (evaluation). gpu_memory_utilization: fraction of
-    each GPU vLLM may take (weights + KV cache), leave the rest to training. enable_sleep_mode/sleep_level:
-    `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2, the default, discards them and
+    each GPU vLLM may take (weights + KV cache), leave the rest to training: in (0, 1], as the caller checked it
+    (`erpo.config.check_gpu_memory_utilization`); `memory_setting` names it as its user gave it.
+    enable_sleep_mode/sleep_level: `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2, the
+    default, discards them and
     the next `sync_weights` reloads them: the trainer overwrites every weight after each update anyway, so
     moving them back from CPU first would be wasted traffic). logprobs_mode "processed_logprobs" (vLLM >= 0.10.2)
     makes the returned
@@ -86,7 +88,8 @@ class VLLMRollout(RolloutEngine):
 
     Create the engine before the trainer allocates GPU memory (DeepSpeed, optimizer states): vLLM reserves
     gpu_memory_utilization x total memory up front, and the constructor raises a ValueError naming
-    rollout.gpu_memory_utilization when less than that is free.
+    `memory_setting` (rollout.gpu_memory_utilization, erpo eval's --gpu-memory-utilization) when less than that is
+    free.
     """
 
     seeding = "vllm-2"   # `request_seed`'s hash of (seed, rank, prompt); 1 was linear offsets of the seed
@@ -95,19 +98,17 @@ class VLLMRollout(RolloutEngine):
                  dtype: str = "bfloat16", seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, sleep_level: int = 2,
                  logprobs_mode: str | None = "processed_logprobs", colocated: bool = True,
-                 llm_kwargs: dict | None = None):
+                 llm_kwargs: dict | None = None, memory_setting: str = "rollout.gpu_memory_utilization"):
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if colocated and D.world_size() % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size "
                              f"{D.world_size()}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         vllm = import_vllm()
-        check_free_gpu_memory(gpu_memory_utilization)
+        check_free_gpu_memory(gpu_memory_utilization, memory_setting)
         self.sampling_params_cls = vllm.SamplingParams
         self.tensor_parallel_size = tensor_parallel_size
         self.colocated = colocated
@@ -227,17 +228,17 @@ class VLLMRollout(RolloutEngine):
         self.asleep.clear()
 
 
-def check_free_gpu_memory(gpu_memory_utilization: float) -> None:
-    """ValueError when this rank's GPU has less free memory than vLLM will reserve
-    (gpu_memory_utilization x total); a no-op without CUDA."""
+def check_free_gpu_memory(gpu_memory_utilization: float, setting: str) -> None:
+    """ValueError naming `setting` (how its user gave gpu_memory_utilization) when this rank's GPU has less free
+    memory than vLLM will reserve (gpu_memory_utilization x total); a no-op without CUDA."""
     if not torch.cuda.is_available():
         return
     free, total = torch.cuda.mem_get_info()
     if gpu_memory_utilization * total > free:
-        raise ValueError(f"rollout.gpu_memory_utilization={gpu_memory_utilization} asks vLLM for "
+        raise ValueError(f"{setting}={gpu_memory_utilization} asks vLLM for "
                          f"{gpu_memory_utilization * total / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of "
-                         f"{total / 2**30:.1f} GiB are free: create the vLLM engine before the trainer allocates, "
-                         f"or set rollout.gpu_memory_utilization <= {int(free / total * 100) / 100:.2f}")
+                         f"{total / 2**30:.1f} GiB are free (other processes, or the trainer's own allocations "
+                         f"before the engine, hold the rest): set {setting} <= {int(free / total * 100) / 100:.2f}")
 
 
 def ran_out(completion: Any, eos_token_id: int | None) -> bool:

@@ -2,7 +2,9 @@
 trainers that render the prompts at each step (TRL, verl's agent loop): when the date changes during a run every
 prompt's token ids change and none is in the reference cache. At start the trainer says so in one line with the fix
 (`date_string`, where the template reads it, as Llama 3's does; else a template without the date), and the miss
-names the date. The clock is moved where the template reads it: `datetime` of transformers' chat_template_utils.
+names the date. OpenRLHF renders them once per start (its PromptDataset): its start says so, and a cache read on a
+later day names the day it was built. The clock is moved where the template reads it: `datetime` of transformers'
+chat_template_utils.
 
 Also: TRL's query_weight='current' without a cache (qkl_coef=0) refuses a prompt of fewer than 2 tokens, as the
 cache does (`check_scored_tokens`). `erpo train` tokenizes its prompts once, at start: no date to move there."""
@@ -19,6 +21,7 @@ from erpo.integrations.template_date import DATE_STRING_FORMAT
 from erpo.models.tiny import CHAT_TEMPLATE, build_tokenizer
 from erpo.reference.cache import CACHE_FILE
 from test_query_tokens import (
+    QUESTIONS,
     THINKING_OFF,
     agent_loop_prompts,
     chat_model,  # noqa: F401 (its fixture)
@@ -258,3 +261,72 @@ def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkey
     trainer.config.data.apply_chat_template_kwargs = {"date_string": built_on}
     trainer._setup()
     assert trainer.actor_rollout_wg.loss_fns[-1].keywords["reference"].entries == reference.entries
+
+
+# --- OpenRLHF --------------------------------------------------------------------------------------------------------
+
+def openrlhf_prompts(tokenizer) -> list[str]:
+    """The PromptDataset's prompts as OpenRLHF 0.11's `preprocess_data` renders a row's question with the chat template
+    (a user message, the generation prompt; no keyword arguments), today."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                          add_generation_prompt=True) for question in QUESTIONS]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_openrlhf_a_template_that_writes_the_date_is_named(model_dir, tmp_path, monkeypatch, caplog, template):
+    """`load_or_build_query_reference` warns in one line, as TRL's and verl's starts do (the same DatedTemplate), that
+    the prompts carry today's date and a later day's start misses them; the next start 3 days later (a run resumed, a
+    cache reused: OpenRLHF renders its prompts again) names the day the cache was built and the fix in the
+    template (OpenRLHF passes it no date_string), where it blamed the data, chat template or truncation."""
+    from erpo.integrations.openrlhf_reference import load_or_build_query_reference
+    from test_openrlhf_integration import StandInActor
+    tokenizer, built_on = dated_tokenizer(TEMPLATES[template]), today()
+    fix = (rf"give the tokenizer of --actor.model_name_or_path a chat template that fixes the date \(\{{% set "
+           rf"date_string = '{built_on}' %\}} first: the date the cache's prompts hold\) or writes none"
+           if template == "date_string" else
+           r"give the tokenizer of --actor.model_name_or_path a chat template that writes no date \(it does not read "
+           r"date_string\)")
+    path = str(tmp_path / "cache.json")
+
+    def start():
+        return load_or_build_query_reference(StandInActor(model_dir), tokenizer, openrlhf_prompts(tokenizer),
+                                             path=path, model_path=model_dir)
+
+    with caplog.at_level(logging.WARNING):
+        start()
+    (warned,) = date_warnings(caplog)
+    assert re.fullmatch(rf"ERPO: the chat template writes today's date \({built_on}\) into every prompt, which "
+                        r"OpenRLHF renders at each start: a run resumed, or a cache reused, on another day \(local "
+                        r"time\) finds none of its prompts in the reference cache, keyed by today's prompts, and "
+                        rf"stops; {fix}", warned), warned
+    move_the_machines_clock(monkeypatch, days=3)
+    with pytest.raises(ValueError) as error:
+        start()
+    assert re.fullmatch(r"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(4 of 4 prompts missing\) "
+                        r"\(the chat template writes today's date into the prompts, and the cache was built on "
+                        rf"{built_on}\): {fix}\. Delete it to rebuild it, or pass another path to "
+                        r"load_or_build_query_reference\.", str(error.value)), str(error.value)
+
+
+def test_openrlhf_finds_the_date_in_the_prompts_the_template_rendered(monkeypatch):
+    """The PromptDataset holds texts: `template_date` renders the first one as on another day by moving the date the
+    template wrote into it (`on_date`), which is the text the template renders on that day; prompts the template
+    did not write (OpenRLHF's input_template), a date the truncation cuts off and a tokenizer without a chat
+    template are no date."""
+    from erpo.integrations import openrlhf_reference
+    tokenizer = dated_tokenizer(TAKES_DATE_STRING)
+    (text, *_), yesterday = openrlhf_prompts(tokenizer), datetime.now() - timedelta(days=1)
+    ids = openrlhf_reference.prompt_token_ids(tokenizer, [text])[0]
+    dated = openrlhf_reference.template_date(tokenizer, text, ids, None)
+    assert dated is not None and (dated.today, dated.takes_date_string) == (today(), True)
+    move_the_clock(monkeypatch, days=-1)
+    assert dated.render({"strftime_now": yesterday.strftime}) == openrlhf_reference.prompt_token_ids(
+        tokenizer, openrlhf_prompts(tokenizer)[:1])[0] != ids
+    monkeypatch.undo()
+    plain = "User: 1+1=\nAssistant: "   # OpenRLHF's input_template, no chat template
+    assert openrlhf_reference.template_date(tokenizer, plain, openrlhf_reference.prompt_token_ids(
+        tokenizer, [plain])[0], None) is None
+    kept = len(ids) - len(f"Today: {today()}\n") - 2   # the date is in the first tokens, cut off
+    assert openrlhf_reference.template_date(tokenizer, text, ids[-kept:], kept) is None
+    tokenizer.chat_template = None
+    assert openrlhf_reference.template_date(tokenizer, text, ids, None) is None

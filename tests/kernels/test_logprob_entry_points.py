@@ -2,7 +2,9 @@
 on logits that give the same log-probs (values, gradients, metrics), and `sample_sums` against the torch reference's
 sums (values, gradient, determinism on the Triton path), with their errors."""
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +70,22 @@ def test_without_entropy_the_loss_is_the_same_and_the_entropy_metrics_absent(dev
     assert torch.equal(without.loss, with_entropy.loss)
     assert "entropy" not in without.metrics and without.metrics.kept_entropy is None and without.entropy.isnan().all()
     assert not math.isnan(with_entropy.metrics["entropy"]) and "kept_entropy" in with_entropy.metrics
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_sums_take_a_numpy_integer_count_and_name_a_bad_one(backend, device):
+    """num_samples computed with numpy (np.int64 from len of an array's unique values) is the count it holds, as the
+    loss's numeric options are (`validation.plain_number`), where it was refused as "not an integer >= 0, got
+    np.int64(3)"; a float, a negative, a tensor or a bool is one line naming num_samples."""
+    values = torch.tensor([1.0, 2.0, 4.0, 8.0], device=device)
+    sample_index = torch.tensor([0, 2, 2, 1], device=device)
+    expected = sample_sums(values, sample_index, 3, backend=backend)
+    for count in (np.int64(3), np.int32(3), np.uint8(3)):
+        torch.testing.assert_close(sample_sums(values, sample_index, count, backend=backend), expected, rtol=0, atol=0)
+    for bad, shown in ((np.float64(3.0), "3.0"), (3.0, "3.0"), (np.int64(-1), "-1"), (-1, "-1"),
+                       (torch.tensor(3, device="cpu"), "tensor(3)"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"^num_samples must be an integer >= 0, got {re.escape(shown)}$"):
+            sample_sums(values, sample_index, bad, backend=backend)
 
 
 # the cases' tensors are built at collection, before the `device` fixture exists: on the CPU, moved in the test

@@ -14,6 +14,7 @@ from erpo_kernels import (
     ERPOLoss,
     FusedLinearERPOLoss,
     LossOptions,
+    did_you_mean,
     erpo_loss,
     fused_linear_erpo_loss,
     logprob_erpo_loss,
@@ -75,6 +76,18 @@ def test_a_misspelled_keyword_names_the_closest_one(entry, typo, meant):
 def test_loss_options_from_kwargs_names_the_closest_option():
     with pytest.raises(TypeError, match="'clip_hgh'; did you mean 'clip_high'"):
         LossOptions.from_kwargs({"clip_hgh": 0.3})
+
+
+def test_did_you_mean_is_the_closest_name_as_the_caller_writes_it():
+    """The one suggestion behind every "unknown name" error (the kernels' keywords, verl's `+erpo.*` settings,
+    OpenRLHF's actor keywords): difflib's closest name, written as the caller spells its names, or None."""
+    names = [field.name for field in OPTIONS]
+    assert did_you_mean("clip_hgh", names) == "did you mean 'clip_high'?"
+    verl = did_you_mean("qkl_cof", ["qkl_coef", "ref_cache"], spelled="+erpo.{}".format)
+    assert verl == "did you mean +erpo.qkl_coef?"
+    assert did_you_mean("entirely_else", names) is None
+    assert did_you_mean("fused_lin", ["fused_linear"]) == "did you mean 'fused_linear'?"   # ratio 6/7 >= 0.6
+    assert did_you_mean("fused_lin", ["fused_linear"], cutoff=0.9) is None                 # and < 0.9
 
 
 def api_options_table() -> list[tuple[str, object]]:

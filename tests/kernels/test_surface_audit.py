@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from erpo_kernels import (
+    api,
     erpo_loss,
     fused_linear_erpo_loss,
     fused_linear_token_logprobs,
@@ -106,6 +107,26 @@ def test_the_in_place_backward_refuses_logits_whose_elements_share_memory(entry,
                              **loss_inputs(batch)).loss
     (whole_grad,) = torch.autograd.grad(expected, whole)
     torch.testing.assert_close(grad, whole_grad.sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def test_the_logits_are_checked_once_with_the_in_place_backward(monkeypatch, device):
+    """The logits' checks and the in-place backward's are one step, called once per call with the call's
+    inplace_backward (they were two functions called side by side at both call sites); it refuses what each refused."""
+    batch = random_batch(num_rows=6, vocab=11, device=device)
+    calls = []
+    check = api.check_logits
+    monkeypatch.setattr(api, "check_logits", lambda logits, inplace_backward: calls.append(inplace_backward) or check(
+        logits, inplace_backward))
+    token_logprobs(batch["logits"], batch["targets"], backend="torch", inplace_backward=True)
+    erpo_loss(batch["logits"], batch["targets"], batch["token_kind"], batch["sample_index"], backend="torch",
+              **loss_inputs(batch))
+    assert calls == [True, False]
+    expanded = batch["logits"][:1].expand(6, 11)
+    check(expanded, False)
+    with pytest.raises(ValueError, match=r"^inplace_backward=True writes d logits into logits"):
+        check(expanded, True)
+    with pytest.raises(TypeError, match=r"^logits must be float32, bfloat16 or float16, got torch.float64$"):
+        check(batch["logits"].double(), True)
 
 
 # -- the loss's constants ---------------------------------------------------------------------------------------------

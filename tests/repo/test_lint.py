@@ -48,3 +48,11 @@ def test_optional_peers_skip_only_when_absent():
     bare = [f"{path.relative_to(REPO)}: pytest.importorskip, arguments {args}" for path, args in calls
             if "exc_type=ModuleNotFoundError" not in args]
     assert not bare, bare
+
+
+def test_one_did_you_mean():
+    """A misspelled name's suggestion is formed in one place, `erpo_kernels.did_you_mean` (erpo_kernels may not import
+    erpo): no other module of either package calls difflib itself (there were three copies)."""
+    users = [str(path.relative_to(REPO)) for package in ("erpo", "erpo_kernels")
+             for path in sorted((REPO / package).rglob("*.py")) if re.search(r"\bdifflib\b", path.read_text())]
+    assert users == ["erpo_kernels/validation.py"], users

@@ -72,6 +72,21 @@ def test_build_cache_weights_and_lookup(setup, tmp_path):
         cache.lookup([[5, 6, 7]])
 
 
+def test_holds_is_the_lookup_s_membership():
+    """`ReferenceCache.holds(ids)`: whether a lookup of that prompt finds it (the prompt's token ids, by
+    `prompt_hash`), the one membership test of the TRL trainer's cache and `load_or_build_reference`'s."""
+    cache = ReferenceCache("m", "fp", "t", "tfp", "plain", "fp32", {prompt_hash([1, 2, 3]): (-2.0, 1.0)})
+    assert cache.holds([1, 2, 3]) and cache.holds(torch.tensor([1, 2, 3]).tolist()) and cache.holds((1, 2, 3))
+    assert not cache.holds([1, 2]) and not cache.holds([3, 2, 1])
+    for ids in ([1, 2, 3], [1, 2]):
+        try:
+            cache.lookup([ids])
+            found = True
+        except ValueError:
+            found = False
+        assert found == cache.holds(ids)
+
+
 def test_incompatible_cache_is_refused_with_a_clear_message(setup, tmp_path):
     model, tokenizer, prompts = setup
     model.save_pretrained(tmp_path / "m")

@@ -94,7 +94,6 @@ def test_evaluation_engine_lets_vllm_start_its_tensor_parallel_workers(vllm, mon
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "divide the world size"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(sleep_level=3), "sleep_level"),
 ])
 def test_bad_engine_arguments(vllm, monkeypatch, kwargs, match):
@@ -275,6 +274,9 @@ def test_engine_refuses_when_gpu_memory_is_taken(vllm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * 2**30, 80 * 2**30))
     with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization <= 0.37"):
         VLLMRollout("m", gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"^--gpu-memory-utilization=0.5 asks vLLM .* set --gpu-memory-utilization "
+                                         r"<= 0.37$"):   # erpo eval's engine: its user's option
+        VLLMRollout("m", gpu_memory_utilization=0.5, colocated=False, memory_setting="--gpu-memory-utilization")
     assert VLLMRollout("m", gpu_memory_utilization=0.3).llm.kwargs["gpu_memory_utilization"] == 0.3
 
 

@@ -408,6 +408,10 @@ def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, devic
     (["--top-p", "1.5"], "--top-p must be in (0, 1] (1: no nucleus cut), got 1.5"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"],   # the auto engine (no vLLM here) ignored it; with vLLM its message named
+     "--gpu-memory-utilization must be a fraction in (0, 1] (vLLM's share of each GPU's memory), got 1.5"),
+    (["--engine", "vllm", "--gpu-memory-utilization", "0"],   # the trainer's rollout.gpu_memory_utilization
+     "--gpu-memory-utilization must be a fraction in (0, 1] (vLLM's share of each GPU's memory), got 0.0"),
 ])
 def test_eval_sampling_options_are_named_as_typed(capsys, tmp_path, options, message):
     """`erpo eval`'s sampling checks name the option the user typed (`--k`, not the library's `k`), in one line, with
@@ -422,6 +426,8 @@ def test_eval_sampling_options_are_named_as_typed(capsys, tmp_path, options, mes
     from erpo.eval.evaluate import check_eval_arguments
     with pytest.raises(ValueError, match=r"^k must be an integer >= 1 \(samples per problem\), got 0$"):
         check_eval_arguments(k=0, temperatures=[1.0], pass_ks=None, batch_size=1, top_p=1.0)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be a fraction in \(0, 1\]"):
+        check_eval_arguments(k=1, temperatures=[1.0], pass_ks=None, batch_size=1, top_p=1.0, gpu_memory_utilization=2)
 
 
 def test_eval_into_a_file_is_one_line(capsys, tmp_path):

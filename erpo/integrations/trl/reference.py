@@ -246,7 +246,7 @@ class ReferenceMixin:
                                    temperature=self.temperature, precision=self._reference_precision(), path=path,
                                    remedy=REBUILD)
             date_cause = self._dated_template and self._dated_template.load_miss(
-                lambda ids: prompt_hash(ids) in cache.entries, DATE_KWARGS, DATE_TEMPLATE)   # built on another day
+                cache.holds, DATE_KWARGS, DATE_TEMPLATE)   # built on another day
             why = date_cause or "(the dataset, tokenization or chat template changed since it was built)."
             self._check_cached(cache, train_ids, f"{why} {REBUILD}")
             changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
@@ -336,7 +336,7 @@ class ReferenceMixin:
     def _add_held_out(self, cache: ReferenceCache, prompt_ids: list[list[int]]) -> bool:
         """Add ell_theta0(q) of the prompts the cache lacks (eval prompts), scored at start, with their held-out
         w(q); whether any."""
-        missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
+        missing = [ids for ids in prompt_ids if not cache.holds(ids)]
         if missing:
             cache.entries.update(self._held_out_entries(cache, missing, self.model, progress=True))
         return bool(missing)
@@ -400,7 +400,7 @@ class ReferenceMixin:
         if self._theta0 is None:
             return output
         cache = self.reference_cache
-        missing = [ids for ids in prompt_ids if prompt_hash(ids) not in cache.entries]
+        missing = [ids for ids in prompt_ids if not cache.holds(ids)]
         union = list({prompt_hash(ids): ids for part in gather_object([missing]) for ids in part}.values())
         if union:
             with self._theta0() as model:
@@ -438,8 +438,7 @@ class ReferenceMixin:
         theta0, and keep them to be shared with the other processes and saved (`_share_theta0_entries`). `ell` is
         read on the host only when a prompt is missing; one of fewer than 2 tokens is refused
         (`check_scored_tokens`)."""
-        new = {prompt_hash(ids): i for i, ids in enumerate(prompt_ids) if prompt_hash(ids) not in
-               self.reference_cache.entries}
+        new = {prompt_hash(ids): i for i, ids in enumerate(prompt_ids) if not self.reference_cache.holds(ids)}
         if not new:
             return
         check_scored_tokens([prompt_ids[i] for i in new.values()], self._tokenizer)
