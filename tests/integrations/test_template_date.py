@@ -144,14 +144,15 @@ def test_trl_date_string_pins_the_prompts(model_dir, tmp_path, monkeypatch, capl
 def test_trl_a_cache_built_on_an_earlier_day_names_that_day(model_dir, tmp_path, monkeypatch, caplog, template):
     """A cache built by a template that writes the date, read on a later day (a run resumed, a cache reused): every
     prompt misses, and the message blamed the dataset ("the dataset, tokenization or chat template changed"). Now it
-    names the day the cache was built and the start warning's fix for that day, in one line, and following it works:
-    date_string, where the template reads it, and the cache is read as it is; else a template without the date, the
-    cache deleted (kept, it is refused: its tokenizer fingerprint records the template, which the advice "change the
-    template and resume" missed) and built again, read as it is another day later."""
+    names the day the cache was built and the start warning's fix for that day, in one line, and following it
+    resumes the run from its checkpoint: date_string, where the template reads it, with the cache as it is; else a
+    template without the date, the cache deleted (kept, it is refused: its tokenizer fingerprint records the
+    template, which the advice "change the template and resume" missed) and built again, read as it is a day later."""
     pytest.importorskip("trl", exc_type=ModuleNotFoundError)
     built_on, tokenizer = today(), dated_tokenizer(TEMPLATES[template])
+    saving = dict(save_strategy="steps", save_steps=1)
     with caplog.at_level(logging.WARNING):
-        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None, **saving).train()
     cache = tmp_path / CACHE_FILE
     saved = cache.read_bytes()
     move_the_machines_clock(monkeypatch, days=3)
@@ -164,16 +165,21 @@ def test_trl_a_cache_built_on_an_earlier_day_names_that_day(model_dir, tmp_path,
     assert re.fullmatch(rf"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(\d+ of \d+ prompts "
                         rf"missing\) \(the chat template writes today's date into the prompts, and the cache was built "
                         rf"on {built_on}\): {fix}\.", str(error.value)), str(error.value)
+
+    def resume(**kwargs) -> int:   # the run's step 2, resumed from its checkpoint by a new trainer
+        trainer = trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, max_steps=2, **saving, **kwargs)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+        return trainer.state.global_step
+
     if template == "date_string":
-        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs={"date_string": built_on})
+        assert resume(chat_template_kwargs={"date_string": built_on}) == 2
         assert cache.read_bytes() == saved   # read, not rebuilt
         return
     tokenizer.chat_template = fixed_template(TEMPLATES[template], built_on)
     with pytest.raises(ValueError, match=r"does not match this run: tokenizer: cache built with"):
         trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
     cache.unlink()
-    with caplog.at_level(logging.WARNING):
-        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+    assert resume(chat_template_kwargs=None) == 2
     rebuilt = cache.read_bytes()
     move_the_machines_clock(monkeypatch, days=4)
     trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
