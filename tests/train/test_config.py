@@ -49,6 +49,7 @@ def test_overrides_are_typed():
     # the nearest key (`did_you_mean`), in full, else the section's keys
     ("trainer.lrr=1", r"^unknown config key 'trainer.lrr': did you mean 'trainer.lr'\?$"),
     ("model.lora.alhpa=1", r"^unknown config key 'model.lora.alhpa': did you mean 'model.lora.alpha'\?$"),
+    ("algorithm.alpha=0.1", r"^unknown config key 'algorithm.alpha': did you mean 'algorithm.qkl_coef'\?$"),
     ("algoritm.qkl_coef=1", r"^unknown config key 'algoritm.qkl_coef': did you mean 'algorithm'\?$"),
     ("nosuch.key=1", r"^unknown config key 'nosuch.key': 'nosuch' is not in <root> \(valid: algorithm, data, "),
     ("trainer.zzzz=1", r"^unknown config key 'trainer.zzzz': 'zzzz' is not in trainer \(valid: .*, lr, .*\)$"),
