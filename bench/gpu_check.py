@@ -337,13 +337,15 @@ class GpuCheck:
             handle.write("".join(stamp + line + "\n" for line in text.splitlines() or [""]))
         print(stamp + text, flush=True)
 
-    def time_left(self) -> float:
-        return self.deadline_s - SUMMARY_RESERVE_S - (time.monotonic() - self.start)
+    def time_left(self, reserve_s: float = SUMMARY_RESERVE_S) -> float:
+        return self.deadline_s - reserve_s - (time.monotonic() - self.start)
 
-    def run(self, name: str, command: list, log_file: Path, limit_s: float, mirror: tuple | None = None) -> Stage:
+    def run(self, name: str, command: list, log_file: Path, limit_s: float, mirror: tuple | None = None,
+            reserve_s: float = SUMMARY_RESERVE_S) -> Stage:
         """Run `command` (output appended to `log_file`) for at most `limit_s` seconds and at most what is left before
-        the deadline; `mirror` = (src, dst): copy src to dst every few seconds while it runs and at its end."""
-        limit = min(limit_s if self.stage_limit_s is None else self.stage_limit_s, self.time_left())
+        the deadline less `reserve_s`; `mirror` = (src, dst): copy src to dst every few seconds while it runs and at
+        its end."""
+        limit = min(limit_s if self.stage_limit_s is None else self.stage_limit_s, self.time_left(reserve_s))
         stage = Stage(name, command, round(limit, 1))
         self.stages.append(stage)
         if self.stopped_by:
@@ -534,15 +536,14 @@ class GpuCheck:
                 stage.notes.append("dry run: its arguments checked and its rows listed in bench.log (--plan), none run")
 
     def merge_bench(self) -> None:
-        """The bench stage's runs as one table (its markdown goes into summary.md), within the summary's reserve (the
-        dry run: its stages' ceiling, like a stage: on a loaded CPU the merge's imports alone took the reserve)."""
+        """The bench stage's runs as one table (its markdown goes into summary.md): a stage like the others (its output
+        in bench.log, its time limit one line and a row of the table), run within the summary's reserve (the dry run:
+        its stages' ceiling: on a loaded CPU the merge's imports alone took the reserve)."""
         progress = self.out / "bench.jsonl"
-        if not progress.exists():
-            return
-        done = subprocess.run([sys.executable, "-m", "bench", "--merge", str(progress), "--out",
-                               str(self.work / "bench-merged")], cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=SUMMARY_RESERVE_S if self.stage_limit_s is None else self.stage_limit_s)
-        self.log(f"bench merge: exit {done.returncode}" + (f"\n{done.stderr[-2000:]}" if done.returncode else ""))
+        if progress.exists():
+            self.run("bench merge", [sys.executable, "-m", "bench", "--merge", str(progress), "--out",
+                                     str(self.work / "bench-merged")], self.out / "bench.log", SUMMARY_RESERVE_S,
+                     reserve_s=0)
 
     # ---- the summary ------------------------------------------------------------------------------------------
 
