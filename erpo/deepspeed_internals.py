@@ -8,59 +8,42 @@ each use). A DeepSpeed release that moves one breaks only this module:
   `save_checkpoint`, wrapped for one save so that a rank's failed write is raised after DeepSpeed's last barrier
   (`held_back_writes`);
 - the `ds_id` attribute of a ZeRO-3 partitioned parameter (`is_partitioned`);
-- on a machine without CUDA, the ops that DeepSpeed JIT-builds (its builders' names and compatibility, torch's
-  private `_get_build_directory`), announced before the builds (`announce_cpu_builds`).
+- on a machine without CUDA, `deepspeed.ops.__compatible_ops__` (the op compatibility DeepSpeed's comm layer reads
+  before it JIT-builds its shared-memory op), where erpo marks that op not compatible (`skip_cpu_shm_op`).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 CHECKED_VERSIONS = ("0.19.8",)
-# the ops DeepSpeed JIT-builds in a CPU run of the trainer (its builders' class names): the comm layer's, AdamW's
-CPU_BUILT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
-# a build lock older than this is taken for one a killed build left (a build takes 1-3 minutes on a loaded 2-core CPU)
-STALE_BUILD_LOCK_S = 600
-
-log = logging.getLogger("erpo")
 
 
-def announce_cpu_builds() -> None:
-    """On a machine without CUDA, DeepSpeed JIT-builds two ops the first time it runs: its comm layer's shared-memory
-    op (`deepspeed.init_distributed`, which ZeRO-3's partitioned model creation and `deepspeed.initialize` call) and
-    its AdamW's fused_adam, into TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions by default): 1-3 minutes with no
-    output, and waiting without a message on a build's lock file, forever where a build killed midway left it. Say
-    so first: one info line naming the ops not built yet, one warning per lock older than STALE_BUILD_LOCK_S. Nothing
-    on CUDA, or where DeepSpeed or torch moved what this reads (the builds themselves are DeepSpeed's either way)."""
+def skip_cpu_shm_op() -> None:
+    """On a machine without CUDA, keep DeepSpeed's comm layer from JIT-building its shared-memory op.
+
+    Why: `deepspeed.init_distributed` (which ZeRO-3's partitioned model creation and `deepspeed.initialize` call)
+    creates `deepspeed.comm.torch.TorchBackend`, whose `build_shm_op()` compiles ShareMemCommBuilder's C++ op
+    (`deepspeed_shm_comm`) into TORCH_EXTENSIONS_DIR: minutes of CPU, and a C++ compiler on the user's machine. The op
+    serves only `inference_all_reduce` (AutoTP inference layers), which without it runs torch.distributed.all_reduce;
+    training never calls it. What it changes: the op's entry in DeepSpeed's `deepspeed.ops.__compatible_ops__` is set
+    to False, and `build_shm_op` skips an op that is not compatible. Call it before DeepSpeed's comm layer is created
+    (a later call changes nothing). Nothing on CUDA; where DeepSpeed moved what this reads, nothing either (DeepSpeed
+    then builds the op, as it would without erpo)."""
     import torch
     if torch.cuda.is_available():
         return
     try:
+        import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops import __compatible_ops__
-        from torch.utils.cpp_extension import _get_build_directory
-        builders = [get_accelerator().create_op_builder(name) for name in CPU_BUILT_OPS]
-        folders = {builder.NAME: _get_build_directory(builder.NAME, verbose=False) for builder in builders
-                   if builder is not None and __compatible_ops__.get(builder.NAME, False)}
-    except (ImportError, AttributeError, TypeError, OSError):
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        compatible = deepspeed.ops.__compatible_ops__
+    except (ImportError, AttributeError, TypeError):
         return
-    unbuilt = []
-    for name, folder in folders.items():
-        lock = os.path.join(folder, "lock")
-        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_BUILD_LOCK_S:
-            minutes = (time.time() - os.path.getmtime(lock)) / 60
-            log.warning("DeepSpeed waits for %s (%.0f min old) before it builds its op %s: if no other run is "
-                        "building it, a killed build left it; delete it", lock, minutes, name)
-        elif not os.path.exists(os.path.join(folder, f"{name}.so")):
-            unbuilt.append(name)
-    if unbuilt:
-        log.info("DeepSpeed builds its CPU ops %s once, into %s (1-3 minutes, no output)", " and ".join(unbuilt),
-                 os.path.dirname(folders[unbuilt[0]]))
+    if builder is not None and isinstance(compatible, dict):
+        compatible[builder.NAME] = False
 
 
 def forget_process_groups() -> None:

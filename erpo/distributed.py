@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from erpo.deepspeed_internals import announce_cpu_builds, forget_process_groups, is_partitioned
+from erpo.deepspeed_internals import forget_process_groups, is_partitioned, skip_cpu_shm_op
 from erpo.errors import MissingPackageError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -82,7 +82,8 @@ def init_distributed(communicator: str | None = None) -> bool:
     """Create the process group from the launcher's environment if WORLD_SIZE > 1; idempotent.
 
     Uses `deepspeed.init_distributed` when DeepSpeed is installed (it also sets up DeepSpeed's own comm
-    layer), else `torch.distributed.init_process_group`. On CUDA, binds this process to GPU LOCAL_RANK.
+    layer; without CUDA, without building its shared-memory op: `skip_cpu_shm_op`), else
+    `torch.distributed.init_process_group`. On CUDA, binds this process to GPU LOCAL_RANK.
     `communicator`: torch.distributed's backend, "nccl" / "gloo" / None (nccl with CUDA, gloo on CPU).
     Returns True when a group exists.
     """
@@ -100,7 +101,7 @@ def init_distributed(communicator: str | None = None) -> bool:
     except ImportError:
         dist.init_process_group(backend=communicator)
     else:
-        announce_cpu_builds()
+        skip_cpu_shm_op()
         deepspeed.init_distributed(dist_backend=communicator)
     return True
 
@@ -228,7 +229,10 @@ def deepspeed_config(zero_stage: int = 2, bf16: bool = True, offload_optimizer: 
     gradient norm (None or 0: off); micro_batch: sequences per rank per forward; grad_accum: micro-batches
     per optimizer step. optimizer: DeepSpeed optimizer section, e.g. {"type": "AdamW", "params": {"lr":
     1e-6, "weight_decay": 0.0}}; with offload_optimizer DeepSpeed wants it here (it then runs its CPU Adam)
-    rather than a client torch optimizer. ZeRO-3 gathers 16-bit weights on save so exports are whole.
+    rather than a client torch optimizer. On a machine without CUDA and without offload_optimizer, an Adam / AdamW
+    section gets `"torch_adam": true` (unless it sets it): DeepSpeed then steps torch.optim.AdamW, the same algorithm,
+    instead of JIT-building its fused_adam C++ op (minutes of CPU, and a compiler); on CUDA the section is kept as
+    given (FusedAdam, or DeepSpeedCPUAdam under offload). ZeRO-3 gathers 16-bit weights on save so exports are whole.
     """
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
@@ -265,6 +269,9 @@ def deepspeed_config(zero_stage: int = 2, bf16: bool = True, offload_optimizer: 
         "wall_clock_breakdown": False,
     }
     if optimizer is not None:
+        adam = str(optimizer["type"]).lower() in ("adam", "adamw")
+        if adam and not offload_optimizer and not torch.cuda.is_available():
+            optimizer = {**optimizer, "params": {"torch_adam": True, **optimizer.get("params", {})}}
         config["optimizer"] = optimizer
     return config
 

@@ -14,7 +14,7 @@ import torch
 
 from erpo import distributed as D
 from erpo.config import Config
-from erpo.deepspeed_internals import announce_cpu_builds
+from erpo.deepspeed_internals import skip_cpu_shm_op
 from erpo.models.loading import torch_dtype
 from erpo.train.checkpoint import TorchBundle
 
@@ -71,7 +71,7 @@ def choose_updater(cfg: Config) -> str:
         raise ValueError("trainer.updater 'torch' is single-process; use trainer.updater=deepspeed (or auto) with "
                          "several ranks")
     if kind == "deepspeed":
-        announce_cpu_builds()  # before the first DeepSpeed call: ZeRO-3's partitioned model or initialize
+        skip_cpu_shm_op()  # before the first DeepSpeed call: ZeRO-3's partitioned model or initialize
     return kind
 
 
