@@ -31,6 +31,7 @@ sys.modules["openrlhf.models.ring_attn_utils"] = ring_attention_stand_in()   # i
 from openrlhf.models import Actor, aggregate_loss  # noqa: E402
 from openrlhf.utils.deepspeed import DeepspeedStrategy  # noqa: E402
 
+from erpo.deepspeed_internals import skip_cpu_shm_op  # noqa: E402
 from erpo.integrations.openrlhf import ERPOPolicyLoss, actor_logprobs  # noqa: E402
 from erpo.integrations.openrlhf_reference import score_prompts  # noqa: E402
 from erpo_kernels.zero3 import find_lm_head  # noqa: E402
@@ -194,6 +195,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    skip_cpu_shm_op()   # DeepSpeed's comm layer without its shared-memory op: nothing to build on the CPU
     deepspeed.init_distributed(dist_backend="gloo")
     finish_worker({tied: one_head(tied) for tied in (False, True)}, args.out)
 

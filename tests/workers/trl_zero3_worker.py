@@ -20,6 +20,7 @@ import deepspeed
 import torch
 import transformers
 
+from erpo.deepspeed_internals import skip_cpu_shm_op
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer
 from erpo.models.tiny import build_tokenizer
 from erpo_kernels.zero3 import find_lm_head, is_zero3_partitioned
@@ -106,6 +107,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    skip_cpu_shm_op()   # before accelerate creates DeepSpeed's comm layer: no shared-memory op built on the CPU
     tokenizer = build_tokenizer()
     runs = {(tied, zero3): train(tokenizer, tied, zero3, f"{args.out}.{tied}-{zero3}")
             for zero3 in (False, True) for tied in (True, False)}

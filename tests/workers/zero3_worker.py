@@ -13,6 +13,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from erpo.deepspeed_internals import skip_cpu_shm_op
 from erpo_kernels.lm_head import whole_lm_head
 from lm_head_workers import DIM, GRADED_OPTIONS, TinyLM, batch_loss, rank_batch
 from torchrun import finish_worker
@@ -84,6 +85,7 @@ def main():
     parser.add_argument("--zero-stage", type=int, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    skip_cpu_shm_op()   # DeepSpeed's comm layer without its shared-memory op: nothing to build on the CPU
     deepspeed.init_distributed(dist_backend="gloo")
     result = {tied: one_step(tied, args.zero_stage) for tied in (False, True)}
     finish_worker(result, args.out)
