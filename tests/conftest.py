@@ -44,18 +44,12 @@ def pytest_addoption(parser):
 # pytest_configure; the variables are put back and the folder removed at the end (pytest_unconfigure).
 USER_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "HF_HOME")
 USER_DIRS_ROOT = tempfile.mkdtemp(prefix="erpo-tests-user-dirs-")
-_USER_DIRS_BEFORE = {name: os.environ.get(name)
-                     for name in (*USER_DIRS, "ERPO_TESTS_USER_DIRS", "TORCH_EXTENSIONS_DIR")}
+_USER_DIRS_BEFORE = {name: os.environ.get(name) for name in (*USER_DIRS, "ERPO_TESTS_USER_DIRS")}
 os.environ["ERPO_TESTS_USER_DIRS"] = USER_DIRS_ROOT
 for _name in USER_DIRS:
     os.environ[_name] = os.path.join(USER_DIRS_ROOT, _name.lower())
-# DeepSpeed's CPU ops (erpo.deepspeed_internals.CPU_BUILT_OPS: 1-3 minutes to build) are built once per session, in
-# the session's folder for them, which every pytest-xdist worker and every process it launches shares: the workers
-# start after this file's import in the controller and inherit the variable, which they keep (torch's build lock
-# makes a second builder wait for the first). A TORCH_EXTENSIONS_DIR set by the caller is kept (builds reused across
-# sessions). Each worker keeps user folders of its own for the rest (erpo's digest cache is read, merged and
-# replaced: two workers writing it at once could drop each other's entries).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(USER_DIRS_ROOT, "torch_extensions"))
+# Each pytest-xdist worker keeps user folders of its own (erpo's digest cache is read, merged and replaced: two
+# workers writing it at once could drop each other's entries).
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,4 +1,4 @@
-"""The suite's launches (torchrun's and the DeepSpeed launcher's ranks, DeepSpeed's op build: tests/support's
+"""The suite's launches (torchrun's and the DeepSpeed launcher's ranks, a DeepSpeed run on the CPU: tests/support's
 process_group) end with everything they started: on a timeout, a failed assertion, Ctrl+C, or a launcher that exits
 before its children. A rank left running keeps a core busy for the rest of the suite."""
 import os
