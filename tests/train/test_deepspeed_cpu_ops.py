@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from erpo import distributed as D
+from erpo.deepspeed_internals import skip_cpu_shm_op
 from process_group import run_group
 from test_resume import env, small_run_args
 
@@ -53,3 +54,23 @@ def test_adam_is_torchs_without_cuda_and_deepspeeds_with_it(monkeypatch, cuda):
     assert D.deepspeed_config(2, optimizer=kept)["optimizer"] == kept
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     assert D.deepspeed_config(0, optimizer=sgd)["optimizer"] == sgd
+
+
+def test_skip_cpu_shm_op_marks_only_the_shm_op_and_nothing_where_deepspeed_moved_it(monkeypatch):
+    """Without CUDA the shared-memory op's entry of DeepSpeed's op compatibility turns False (the others kept); with
+    CUDA nothing changes; where DeepSpeed no longer has the global, the call changes nothing and raises nothing."""
+    ops = pytest.importorskip("deepspeed.ops", exc_type=ModuleNotFoundError)
+    compatible = {"deepspeed_shm_comm": True, "fused_adam": True}
+    monkeypatch.setattr(ops, "__compatible_ops__", compatible, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    skip_cpu_shm_op()
+    assert compatible == {"deepspeed_shm_comm": True, "fused_adam": True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    skip_cpu_shm_op()
+    assert compatible == {"deepspeed_shm_comm": False, "fused_adam": True}
+
+    def moved(name):
+        raise AttributeError(f"module 'deepspeed.ops' has no attribute {name!r}")
+    monkeypatch.delattr(ops, "__compatible_ops__")
+    monkeypatch.setattr(ops, "__getattr__", moved, raising=False)
+    skip_cpu_shm_op()
