@@ -526,14 +526,22 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, cache_dir, monkeypatch):
 
 
 def test_deepspeed_backend_matches_plain_torch(tmp_path, cache_dir):
+    """One rollout, two optimizer steps, under each updater: rewards that differ within groups (the math reward is 0
+    for this tiny model, which would leave every gradient 0) make the first step move the policy, so the second
+    step's Query-KL and gradient show the first update, DeepSpeed's (torch's AdamW on a CPU) against torch's."""
     pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
+    file = tmp_path / "reward.py"
+    file.write_text("def by_length(prompts, completions, **kw):\n    return [float(len(c) % 5) for c in completions]\n")
     runs = {}
     for backend in ("torch", "deepspeed"):
         out = tmp_path / backend
         train(small_cfg(out, cache_dir, f"trainer.updater={backend}", "trainer.update_batch_size=2",
-                        "trainer.max_steps=1"))
+                        "trainer.max_steps=1", f"reward.functions=[{file}:by_length]", "rollout.temperature=0.7",
+                        "trainer.lr=0.01"))
         runs[backend] = read_metrics(out)
     assert len(runs["torch"]) == len(runs["deepspeed"]) == 2  # two optimizer steps from one rollout
+    first, second = runs["torch"]
+    assert first["grad_norm"] > 0 and first["qkl"] == 0 and second["qkl"] > 1e-6   # theta0, then moved
     for a, b in zip(runs["torch"], runs["deepspeed"]):
         assert a["reward"] == b["reward"]
         assert a["qkl"] == pytest.approx(b["qkl"], rel=1e-3, abs=1e-6)
