@@ -10,8 +10,12 @@ its `_old_init` on nn.Module, unused), nor the inherited method put back into a 
 import sys
 
 import torch
+from torch._dynamo.mutation_guard import install_generation_tagging_init
 
 MISSING = object()
+# What torch does once per process, before any file's snapshot: importing torch._dynamo (above) wraps
+# torch.manual_seed, and the first torch.compile patches nn.Module.__init__ / __setstate__ (this call)
+install_generation_tagging_init()
 
 
 def class_members(cls: type) -> dict:
