@@ -1,8 +1,8 @@
 """Typed training configuration (defaults = the built-in tiny CPU run): dataclasses, YAML loading, `--set a.b=c`
 overrides, the algorithm presets (erpo.presets) filled in.
 
-A config is a tree of dataclasses. `load_config(path)` reads YAML onto the tree (unknown keys are an
-error naming the key and listing the valid ones), `apply_overrides(cfg, ["a.b=c"])` sets leaves with
+A config is a tree of dataclasses. `load_config(path)` reads YAML onto the tree (an unknown key is an
+error naming the key and the nearest valid one, else the valid ones), `apply_overrides(cfg, ["a.b=c"])` sets leaves with
 the field's type, and `resolve(cfg)` fills the algorithm preset into fields left unset (None) and checks
 cross-field constraints. `to_dict(cfg)` gives plain data for YAML dumping.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from erpo.presets import PRESETS
 from erpo.terms import QUERY_WEIGHTS, check_qkl_coef
-from erpo_kernels import OPTION_CHOICES, LossOptions
+from erpo_kernels import OPTION_CHOICES, LossOptions, did_you_mean
 
 _KERNEL = LossOptions()   # the kernel's defaults: the algorithm section's defaults for the loss options
 
@@ -286,6 +286,19 @@ def set_elsewhere(dotted: str) -> str:
     return f" (the loss's {option} comes from {source})" if source else ""
 
 
+def unknown_key(dotted: str, section: str, part: str, known) -> ValueError:
+    """The one-line error for the config key `dotted` (YAML's path or `--set`'s), whose `part` is not a key of
+    `section` ("" the root; its keys `known`): where the config takes it from (`set_elsewhere`), else the nearest
+    key (`did_you_mean`, written in full: 'algorithm.alpha'), else the section's keys."""
+    elsewhere = set_elsewhere(dotted)
+    if elsewhere:
+        return ValueError(f"unknown config key '{dotted}'{elsewhere}")
+    prefix = f"{section}." if section else ""
+    hint = (did_you_mean(part, known, spelled=lambda key: repr(prefix + key))
+            or f"'{part}' is not in {section or '<root>'} (valid: {', '.join(sorted(known))})")
+    return ValueError(f"unknown config key '{dotted}': {hint}")
+
+
 def _update(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise TypeError(f"config section '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
@@ -294,8 +307,7 @@ def _update(obj: Any, data: dict, prefix: str = "") -> None:
         dotted = _current_key(f"{prefix}{key}")
         key = dotted[len(prefix):]
         if key not in hints:
-            valid = ", ".join(sorted(hints))
-            raise ValueError(f"unknown config key '{dotted}'{set_elsewhere(dotted)}; valid keys here: {valid}")
+            raise unknown_key(dotted, prefix.rstrip("."), key, hints)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _update(current, value, f"{dotted}.")
@@ -338,9 +350,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         for depth, part in enumerate(parts):
             hints = _field_types(type(obj))
             if part not in hints:
-                where = ".".join(parts[:depth]) or "<root>"
-                raise ValueError(f"unknown config key '{dotted}': '{part}' is not in {where}{set_elsewhere(dotted)} "
-                                 f"(valid: {', '.join(sorted(hints))})")
+                raise unknown_key(dotted, ".".join(parts[:depth]), part, hints)
             if depth == len(parts) - 1:
                 if dataclasses.is_dataclass(getattr(obj, part)):
                     raise ValueError(f"--set {dotted}: is a section, set one of its keys")

@@ -217,11 +217,19 @@ def _plain_loss_options(items: tuple) -> LossOptions:
     return LossOptions.from_kwargs({name: value for name, _, value in items})
 
 
+# The paper's symbols for the two coefficients, as users who read it first write them.
+PAPER_NAMES = {"alpha": "qkl_coef", "beta": "policy_kl_coef"}
+
+
 def did_you_mean(name: str, known, *, spelled: Callable[[str], str] = repr, cutoff: float = 0.6) -> str | None:
-    """"did you mean X?" for a misspelled `name`: X the name of `known` (an iterable of str) closest to it by
-    difflib's ratio (at least `cutoff`), written as `spelled(X)` (repr: 'clip_high'); None when none is that close.
+    """"did you mean X?" for a misspelled `name`: X the option the paper's symbol `name` stands for (PAPER_NAMES:
+    alpha -> qkl_coef) when `known` has it, else the name of `known` (an iterable of str) closest to it by difflib's
+    ratio (at least `cutoff`), written as `spelled(X)` (repr: 'clip_high'); None when none is that close.
     The one suggestion of every "unknown name" error, the kernels' keywords and erpo's settings alike."""
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
+    known = sorted(known)
+    if PAPER_NAMES.get(name) in known:
+        return f"did you mean {spelled(PAPER_NAMES[name])}?"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=cutoff)
     return f"did you mean {spelled(close[0])}?" if close else None
 
 

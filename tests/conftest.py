@@ -86,7 +86,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """Before collection (a test may read a constant at import): --fused-options' knobs set, put back at the end."""
+    """Before collection (a test may read a constant at import): --fused-options' knobs set, put back at the end.
+    Under pytest-xdist, pytest-benchmark (the bench extra) off, as it turns itself off there, without its warning
+    from every process (the suite times nothing: bench/test_bench.py runs alone)."""
+    if config.pluginmanager.hasplugin("benchmark") and (config.getoption("dist", "no") != "no"
+                                                        or "PYTEST_XDIST_WORKER" in os.environ):
+        config.option.benchmark_disable = True
     from fused_options import enter_knobs
 
     config._fused_options = contextlib.ExitStack()

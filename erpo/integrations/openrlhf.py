@@ -308,14 +308,16 @@ def check_multimodal_inputs(actor, mm_inputs: dict, function: str) -> None:
            if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     forward = [name for name, parameter in inspect.signature(actor.forward).parameters.items()
                if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
-    vlm = getattr(actor, "is_vlm", False)
+
+    def refused(key: str) -> str | None:   # why `key` cannot be a multimodal input, None when it can
+        if near := did_you_mean(key, own, cutoff=0.8):
+            return near
+        if not getattr(actor, "is_vlm", False):
+            return "the actor is not a vision-language model (OpenRLHF's is_vlm), so it takes no multimodal inputs"
+        return f"{function} sets Actor.forward's {key} itself" if key in forward else None
+
     for key in mm_inputs:
-        why = did_you_mean(key, own, cutoff=0.8)
-        if why is None and not vlm:
-            why = "the actor is not a vision-language model (OpenRLHF's is_vlm), so it takes no multimodal inputs"
-        elif why is None and key in forward:
-            why = f"{function} sets Actor.forward's {key} itself"
-        if why is not None:
+        if why := refused(key):
             raise TypeError(f"{function}() got an unexpected keyword argument {key!r} ({why})")
 
 

@@ -25,7 +25,7 @@ import torch
 
 from erpo.integrations.openrlhf import actor_row_logprobs
 from erpo.integrations.query_reference import QueryReference, load_or_build_reference
-from erpo.integrations.template_date import DatedTemplate, date_dependence
+from erpo.integrations.template_date import DatedTemplate, DateSettings, date_dependence
 from erpo.reference.cache import compute_query_logp
 from erpo.sequences import scoring_precision
 
@@ -40,8 +40,10 @@ STEP_MISS = ("(it held every prompt given to load_or_build_query_reference, toke
              "rebuilding the cache would not add it). Pass it the PromptDataset's prompts (dataset.prompts) and "
              "max_prompt_length=data.max_len - (rollout.max_new_tokens or 1), as OpenRLHF truncates a long prompt.")
 # a chat template that writes today's date (`template_date`): where the fix goes (OpenRLHF 0.11's preprocess_data passes
-# the template no keyword arguments, so no date_string), and the chat whose two renders find the date in a prompt
-DATE_TEMPLATE = "the tokenizer of --actor.model_name_or_path"
+# the template no keyword arguments, so no date_string; a resumed run needs its start's cache), and the chat whose two
+# renders find the date in a prompt
+DATE_SETTINGS = DateSettings(kwargs=None, template="the tokenizer of --actor.model_name_or_path",
+                             resume_rebuilds=False)
 DATE_PROBE = [{"role": "user", "content": "1+1="}]
 DATE_CONTEXT = 24   # characters of the template's text before the date that place it in a prompt
 logger = logging.getLogger(__name__)
@@ -145,12 +147,11 @@ def load_or_build_query_reference(actor, tokenizer, prompts: list[str], *, path:
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompt_length=max_prompt_length)
     dated = template_date(tokenizer, prompts[0], prompt_ids[0], max_prompt_length)
     if dated is not None:   # OpenRLHF renders the prompts at each start
-        logger.warning("ERPO: %s", dated.start_warning("OpenRLHF", None, DATE_TEMPLATE, at_each_step=False))
+        logger.warning("ERPO: %s", dated.start_warning("OpenRLHF", DATE_SETTINGS, at_each_step=False))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return load_or_build_reference(
         model_path, tokenizer, prompt_ids, path=path, temperature=getattr(actor, "temperature", 1.0),
         precision=actor_precision(actor, fused_linear=fused_linear), remedy=REBUILD, trainer="openrlhf",
         step_miss=STEP_MISS, resumed_step=resumed_step, point_at=POINT_AT,
-        changed=None if dated is None else partial(dated.load_miss, kwargs_setting=None,
-                                                   template_setting=DATE_TEMPLATE),
+        changed=None if dated is None else partial(dated.load_miss, settings=DATE_SETTINGS),
         score=lambda ids: score_prompts(actor, ids, pad_id=pad_id, batch_size=batch_size, fused_linear=fused_linear))

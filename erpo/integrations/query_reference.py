@@ -76,9 +76,9 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
     (None or 0: a fresh start), whose actor no longer holds the initial weights: its cache must be there (else a
     ValueError, MISSING_AT_RESUME, which says how to point the run at a cache in the trainer's words: `point_at`, e.g.
     "set +erpo.ref_cache=... to its path") and a refusal ends with `RESUMED` instead of `remedy`. A cache read here
-    that lacks a training prompt gives CHANGED as the cause, or what `changed(cached)` says when it knows better
-    (`cached(token_ids)`: whether the cache holds that prompt; verl's: the chat template's date,
-    `template_date.DatedTemplate.load_miss`), then the remedy. A prompt a training step
+    that lacks a training prompt gives CHANGED as the cause, then the remedy, or what `changed(cached)` says when it
+    knows better, the cause and its own remedy (`cached(token_ids)`: whether the cache holds that prompt; verl's and
+    OpenRLHF's: the chat template's date, `template_date.DatedTemplate.load_miss`). A prompt a training step
     misses later was built otherwise than the ones scored here, which no rebuild adds: its error ends with
     `step_miss` (how the trainer's prompts are tokenized here, and what to do). `trainer` ("verl", "openrlhf")
     names the trainer in the cache's template record. Without a cache, `score(prompts)` gives ell_theta0 (nats) of
@@ -104,7 +104,7 @@ def load_or_build_reference(model_path: str, tokenizer, prompt_ids: list[list[in
                                    template=template, precision=precision)
         cache.save(path)
     cause = changed(cache.holds) if changed is not None else None
-    reference = QueryReference(dict(cache.entries), str(path), tokenizer, f"{cause or CHANGED} {remedy}")
+    reference = QueryReference(dict(cache.entries), str(path), tokenizer, cause or f"{CHANGED} {remedy}")
     reference.lookup(prompt_ids)   # every training prompt is there, or an error naming the first one
     reweight_for_training_set(reference.entries, prompt_ids)   # a cache built with other prompts too
     reference.why = step_miss      # from now on a missing prompt is one the trainer built otherwise

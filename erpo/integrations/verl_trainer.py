@@ -25,7 +25,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.query_reference import load_or_build_reference
-from erpo.integrations.template_date import DatedTemplate, date_dependence
+from erpo.integrations.template_date import DatedTemplate, DateSettings, date_dependence
 from erpo.integrations.verl import (
     POINT_AT,
     REBUILD,
@@ -42,8 +42,8 @@ from erpo.reference.cache import CACHE_FILE
 
 ENGINE_STRATEGIES = ("fsdp", "fsdp2")   # the engines whose full-sequence log-probs the tests check
 # a chat template that writes today's date (`template_date`): the fix, in verl's setting names
-DATE_KWARGS = "+data.apply_chat_template_kwargs.date_string={date_string}"
-DATE_TEMPLATE = "the tokenizer (actor_rollout_ref.model.path)"
+DATE_SETTINGS = DateSettings(kwargs="+data.apply_chat_template_kwargs.date_string={date_string}",
+                             template="the tokenizer (actor_rollout_ref.model.path)", resume_rebuilds=False)
 logger = logging.getLogger(__name__)
 
 
@@ -166,8 +166,8 @@ class ERPOTrainer(PPOTrainerSync):
         step_miss = STEP_MISS
         dated = template_date(self.train_dataset, self.tokenizer, prompt_ids, **rendering)
         if dated is not None:   # verl's agent loop renders each prompt at each step
-            logger.warning("ERPO: %s", dated.start_warning("verl's agent loop", DATE_KWARGS, DATE_TEMPLATE))
-            step_miss = f"{STEP_MISS} {dated.miss_cause(DATE_KWARGS, DATE_TEMPLATE)}"
+            logger.warning("ERPO: %s", dated.start_warning("verl's agent loop", DATE_SETTINGS))
+            step_miss = f"{STEP_MISS} {dated.miss_cause(DATE_SETTINGS)}"
         path = self.erpo_settings.ref_cache or os.path.join(self.config.trainer.default_local_dir, CACHE_FILE)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         erpo_log = logging.getLogger("erpo")
@@ -177,8 +177,7 @@ class ERPOTrainer(PPOTrainerSync):
                         **log_prob_calls(self.config, self.actor_rollout_wg.world_size))
         precision = engine_precision(model, actor_param_dtype(self.config.actor_rollout_ref.actor),
                                      self.config.trainer.device)
-        changed = None if dated is None else partial(dated.load_miss, kwargs_setting=DATE_KWARGS,
-                                                     template_setting=DATE_TEMPLATE)
+        changed = None if dated is None else partial(dated.load_miss, settings=DATE_SETTINGS)
         return load_or_build_reference(model.local_path, self.tokenizer, prompt_ids, path=path,
                                        temperature=rollout.temperature, precision=precision, score=score,
                                        trainer="verl", remedy=REBUILD, step_miss=step_miss,

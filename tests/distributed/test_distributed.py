@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 from advantage_ranks import CASES, all_cases, expected_single_process
 from erpo import distributed as D
+from process_group import run_group
 from torchrun import RANKS_LIMIT_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,7 +167,7 @@ def run_two_ranks(tmp_path, source: str) -> list[str]:
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
+    proc = run_group(cmd, env, RANKS_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
 

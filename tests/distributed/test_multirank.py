@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from damage import truncate  # noqa: E402
 from erpo.models.tiny import build_model, build_tokenizer  # noqa: E402
 from paths import WORKERS, worker_pythonpath  # noqa: E402
+from process_group import kill_group, run_group, wait_gone  # noqa: E402
 from rank_update import make_optimizer, rank_loss  # noqa: E402
 from run_metrics import assert_same_metrics, metrics_by_step  # noqa: E402
 from torchrun import RANKS_LIMIT_S, free_port, run_worker  # noqa: E402
@@ -162,24 +163,29 @@ def train_command_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> 
 def erpo_train_2ranks(launcher: str, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     """`erpo train` on 2 CPU ranks at ZeRO-3, with the documented launch command of `launcher`; it must succeed."""
     cmd, env = train_command_2ranks(launcher, out, cache, *extra)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
+    proc = run_group(cmd, env, RANKS_LIMIT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
 def torchrun_until_checkpoint(out: Path, cache: Path, step: int, log: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A 3-step `erpo train` under torchrun, once its checkpoint `step` exists: the launcher and its 2 ranks' pids."""
+    """A 3-step `erpo train` under torchrun, once its checkpoint `step` exists: the launcher and its 2 ranks' pids.
+    The launcher leads a session of its own: the caller ends what is left of the job with `kill_group(launcher)`."""
     cmd, env = train_command_2ranks("torchrun", out, cache, "--max-steps", "3")
     with open(log, "w") as stderr:   # the launcher keeps its own copy of the descriptor
-        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / f"step-{step}").is_dir():
-        assert launcher.poll() is None, log.read_text()[-6000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    ranks = child_pids(launcher.pid)
-    assert len(ranks) == 2, ranks
-    return launcher, sorted(ranks, key=rank_of)
+        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / f"step-{step}").is_dir():
+            assert launcher.poll() is None, log.read_text()[-6000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        ranks = child_pids(launcher.pid)
+        assert len(ranks) == 2, ranks
+        return launcher, sorted(ranks, key=rank_of)
+    except BaseException:
+        kill_group(launcher)
+        raise
 
 
 def child_pids(pid: int) -> list[int]:
@@ -196,22 +202,6 @@ def child_pids(pid: int) -> list[int]:
 def rank_of(pid: int) -> int:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return int(next(item for item in environ if item.startswith(b"RANK=")).split(b"=")[1])
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> float:
-    """Seconds until none of `pids` runs any more (AssertionError after `timeout`)."""
-    start = time.monotonic()
-    while any(running(pid) for pid in pids):
-        assert time.monotonic() - start < timeout, [pid for pid in pids if running(pid)]
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
@@ -231,18 +221,21 @@ def three_step_run(two_step_run):
     root = two_step_run
     out = root / "full"
     launcher, ranks = torchrun_until_checkpoint(out, root / "cache", 1, root / "full.log")
-    launcher.kill()
-    assert launcher.wait(timeout=30) == -signal.SIGKILL
-    for pid in ranks:
-        os.kill(pid, signal.SIGSTOP)      # alive and holding the lock: no race with the run's own end
     try:
-        cmd, env = train_command_2ranks("torchrun", out, root / "cache", "--max-steps", "3", "--resume")
-        second = subprocess.run([sys.executable, "-m", "erpo", *cmd[cmd.index("train"):]], env=env,
-                                capture_output=True, text=True, timeout=RANKS_LIMIT_S)
-    finally:
+        launcher.kill()
+        assert launcher.wait(timeout=30) == -signal.SIGKILL
         for pid in ranks:
-            os.kill(pid, signal.SIGCONT)
-    wait_gone(ranks, timeout=RANKS_LIMIT_S)
+            os.kill(pid, signal.SIGSTOP)      # alive and holding the lock: no race with the run's own end
+        try:
+            cmd, env = train_command_2ranks("torchrun", out, root / "cache", "--max-steps", "3", "--resume")
+            second = subprocess.run([sys.executable, "-m", "erpo", *cmd[cmd.index("train"):]], env=env,
+                                    capture_output=True, text=True, timeout=RANKS_LIMIT_S)
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        wait_gone(ranks, timeout=RANKS_LIMIT_S)
+    finally:   # the orphaned ranks, where the test failed before they finished
+        kill_group(launcher)
     assert (out / "final" / "config.json").is_file(), (root / "full.log").read_text()[-6000:]
     return SimpleNamespace(dir=out, second=second, ranks=ranks)
 
@@ -293,7 +286,7 @@ def test_a_killed_rank_ends_the_job_and_a_truncated_shard_of_rank_1_is_skipped(t
         assert launcher.wait(timeout=60) != 0
         assert wait_gone(ranks, timeout=60) < 60
     finally:
-        launcher.kill()
+        kill_group(launcher)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == [
         "step-1", "step-2"]
     [shard] = (run / "checkpoints" / "step-2" / "engine").glob("*rank_1*optim_states.pt")
@@ -321,7 +314,7 @@ def test_a_full_disk_on_rank_1_stops_every_rank_in_one_line_and_the_previous_che
     module = cmd.index("erpo") - 1   # `-m erpo` becomes the script that injects the fault, each rank's stderr a file
     cmd[module:module + 2] = ["--log-dir", str(logs), "--redirects", "2", str(WORKERS / "enospc_rank_train.py")]
     env.update(ERPO_TEST_ENOSPC_RANK="1", ERPO_TEST_ENOSPC_STEP="3")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
+    proc = run_group(cmd, env, RANKS_LIMIT_S)
     assert proc.returncode == 1, proc.stderr[-6000:]
     stderr = {rank: next(logs.glob(f"*/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)}
     shard = run / "checkpoints" / ".tmp-step-3" / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -351,7 +344,7 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
            "--output-dir", str(out), "--max-steps", "1", *TRAIN_SETTINGS, f"model.cache_dir={tmp_path / 'cache'}"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=worker_pythonpath())
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANKS_LIMIT_S)
+    proc = run_group(cmd, env, RANKS_LIMIT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = metrics_by_step(out)
     assert records[1]["nonfinite_skipped"] == 1 and records[1]["grad_norm"] is None

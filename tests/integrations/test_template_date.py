@@ -9,6 +9,7 @@ chat_template_utils.
 Also: TRL's query_weight='current' without a cache (qkl_coef=0) refuses a prompt of fewer than 2 tokens, as the
 cache does (`check_scored_tokens`). `erpo train` tokenizes its prompts once, at start: no date to move there."""
 import logging
+import os
 import re
 from datetime import datetime, timedelta
 
@@ -35,6 +36,15 @@ TAKES_DATE_STRING = ("{% if date_string is not defined %}{% set date_string = st
                      "Today: {{ date_string }}\n" + CHAT_TEMPLATE)
 CLOCK_ONLY = "Today: {{ strftime_now('%d %b %Y') }}\n" + CHAT_TEMPLATE   # no way to pin it but another template
 TEMPLATES = {"date_string": TAKES_DATE_STRING, "clock-only": CLOCK_ONLY}
+# what a changed chat template asks of the cache (`DatedTemplate.fix`): the tokenizer's fingerprint records it
+DELETE_THE_CACHE = (r"delete the reference cache \(it records the chat template, and a cache built with another one is "
+                    r"refused\) and ")
+
+
+def fixed_template(template: str, day: str) -> str:
+    """What the date's fix in the template gives: `template` with the date fixed to `day` where it reads
+    date_string (Llama 3's), else without the date."""
+    return f"{{% set date_string = {day!r} %}}" + template if template == TAKES_DATE_STRING else CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +108,21 @@ def test_trl_a_template_that_writes_the_date_is_named(model_dir, tmp_path, monke
     after the first optimizer step, the next step's miss names the date and the same fix (before: only 'did not
     read at construction')."""
     pytest.importorskip("trl", exc_type=ModuleNotFoundError)
-    fix = (rf"set ERPOConfig\(chat_template_kwargs=\{{\.\.\., 'date_string': '{today()}'\}}\)"
-           if template == "date_string" else
-           r"give the tokenizer \(processing_class\) a chat template that writes no date")
+    fix = (rf"set ERPOConfig\(chat_template_kwargs=\{{\.\.\., 'date_string': '{today()}'\}}\) \(the date the cache's "
+           r"prompts hold\) and start or resume" if template == "date_string" else
+           r"give the tokenizer \(processing_class\) a chat template that writes no date \(it does not read "
+           rf"date_string\), {DELETE_THE_CACHE}start or resume: the cache is built again from the model as passed")
     with caplog.at_level(logging.WARNING):
         trainer = trl_trainer(model_dir, dated_tokenizer(TEMPLATES[template]), trl_rows(True), tmp_path,
                               max_steps=2, chat_template_kwargs=None)
     warned = date_warnings(caplog)
     assert len(warned) == 1 and "\n" not in warned[0]
     assert re.fullmatch(rf"ERPOTrainer: the chat template writes today's date \({today()}\) into every prompt, which "
-                        rf"TRL renders at each step: .* and the run stops; {fix} \(.*\)", warned[0])
+                        rf"TRL renders at each step: .* and the run stops; {fix}", warned[0]), warned[0]
     trainer.add_callback(MoveTheClockAfterStep(monkeypatch))
     with pytest.raises(ValueError, match=r"^prompt '.*' has no ell_theta0\(q\) in the reference cache .*did not read "
                                          r"at construction .* Or the date changed since the cache was built: the chat "
-                                         rf"template writes today's date into the prompts; {fix}.*, and resume\.$"):
+                                         rf"template writes today's date into the prompts; {fix}\.$"):
         trainer.train()
     assert trainer.state.global_step == 1
 
@@ -133,28 +144,46 @@ def test_trl_date_string_pins_the_prompts(model_dir, tmp_path, monkeypatch, capl
 def test_trl_a_cache_built_on_an_earlier_day_names_that_day(model_dir, tmp_path, monkeypatch, caplog, template):
     """A cache built by a template that writes the date, read on a later day (a run resumed, a cache reused): every
     prompt misses, and the message blamed the dataset ("the dataset, tokenization or chat template changed"). Now it
-    names the day the cache was built and the start warning's fix for that day, in one line; with that fix
-    (date_string, where the template reads it) the cache is read as it is."""
+    names the day the cache was built and the start warning's fix for that day, in one line, and following it
+    resumes the run from its checkpoint: date_string, where the template reads it, with the cache as it is; else a
+    template without the date, the cache deleted (kept, it is refused: its tokenizer fingerprint records the
+    template, which the advice "change the template and resume" missed) and built again, read as it is a day later."""
     pytest.importorskip("trl", exc_type=ModuleNotFoundError)
     built_on, tokenizer = today(), dated_tokenizer(TEMPLATES[template])
+    saving = dict(save_strategy="steps", save_steps=1)
     with caplog.at_level(logging.WARNING):
-        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None, **saving).train()
     cache = tmp_path / CACHE_FILE
     saved = cache.read_bytes()
     move_the_machines_clock(monkeypatch, days=3)
     fix = (rf"set ERPOConfig\(chat_template_kwargs=\{{\.\.\., 'date_string': '{built_on}'\}}\) \(the date the "
-           r"cache's prompts hold\)" if template == "date_string" else
+           r"cache's prompts hold\) and start or resume" if template == "date_string" else
            r"give the tokenizer \(processing_class\) a chat template that writes no date \(it does not read "
-           r"date_string\)")
+           rf"date_string\), {DELETE_THE_CACHE}start or resume: the cache is built again from the model as passed")
     with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as error:
         trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
     assert re.fullmatch(rf"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(\d+ of \d+ prompts "
                         rf"missing\) \(the chat template writes today's date into the prompts, and the cache was built "
-                        rf"on {built_on}\): {fix}\. Delete it to rebuild it, or set ERPOConfig\(ref_cache=\.\.\.\) to "
-                        r"another path\.", str(error.value)), str(error.value)
+                        rf"on {built_on}\): {fix}\.", str(error.value)), str(error.value)
+
+    def resume(**kwargs) -> int:   # the run's step 2, resumed from its checkpoint by a new trainer
+        trainer = trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, max_steps=2, **saving, **kwargs)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+        return trainer.state.global_step
+
     if template == "date_string":
-        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs={"date_string": built_on})
+        assert resume(chat_template_kwargs={"date_string": built_on}) == 2
         assert cache.read_bytes() == saved   # read, not rebuilt
+        return
+    tokenizer.chat_template = fixed_template(TEMPLATES[template], built_on)
+    with pytest.raises(ValueError, match=r"does not match this run: tokenizer: cache built with"):
+        trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+    cache.unlink()
+    assert resume(chat_template_kwargs=None) == 2
+    rebuilt = cache.read_bytes()
+    move_the_machines_clock(monkeypatch, days=4)
+    trl_trainer(model_dir, tokenizer, trl_rows(True), tmp_path, chat_template_kwargs=None)
+    assert cache.read_bytes() == rebuilt != saved
 
 
 def test_trl_current_weights_refuse_a_one_token_prompt(model_dir, tmp_path):
@@ -235,7 +264,8 @@ def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkey
     trainer.erpo_settings = ERPOSettings(qkl_coef=0.02)
     with caplog.at_level(logging.WARNING):
         trainer._setup()
-    fix = rf"set \+data.apply_chat_template_kwargs.date_string='{today()}' \(the date the cache's prompts hold\)"
+    fix = (rf"set \+data.apply_chat_template_kwargs.date_string='{today()}' \(the date the cache's prompts hold\) and "
+           r"start or resume")
     (warned,) = date_warnings(caplog)
     assert re.fullmatch(rf"ERPO: the chat template writes today's date \({today()}\) into every prompt, which "
                         rf"verl's agent loop renders at each step: .*; {fix}", warned)
@@ -245,7 +275,7 @@ def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkey
     reference.lookup(verl_loop.training_prompt_ids(dataset, tokenizer, **rendering))
     move_the_clock(monkeypatch)
     with pytest.raises(ValueError, match=r"has no ell_theta0\(q\) .*\+erpo.query_weight=none\. Or the date changed "
-                                         rf"since the cache was built: .*; {fix}, and resume\.$"):
+                                         rf"since the cache was built: .*; {fix}\.$"):
         reference.lookup(verl_loop.training_prompt_ids(dataset, tokenizer, **rendering))
 
     # the next day's start with this cache (a resumed run, a cache reused) names the day it was built and its fix,
@@ -256,8 +286,7 @@ def test_verl_trainer_mode_names_the_date(verl_loop, model_dir, tmp_path, monkey
         trainer._setup()
     assert re.fullmatch(r"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(\d+ of \d+ prompts missing\) "
                         r"\(the chat template writes today's date into the prompts, and the cache was built on "
-                        rf"{built_on}\): {fix}\. Delete it to rebuild it, or set \+erpo.ref_cache=\.\.\. to another "
-                        r"path\.", str(error.value)), str(error.value)
+                        rf"{built_on}\): {fix}\.", str(error.value)), str(error.value)
     trainer.config.data.apply_chat_template_kwargs = {"date_string": built_on}
     trainer._setup()
     assert trainer.actor_rollout_wg.loss_fns[-1].keywords["reference"].entries == reference.entries
@@ -277,23 +306,27 @@ def test_openrlhf_a_template_that_writes_the_date_is_named(model_dir, tmp_path, 
     """`load_or_build_query_reference` warns in one line, as TRL's and verl's starts do (the same DatedTemplate), that
     the prompts carry today's date and a later day's start misses them; the next start 3 days later (a run resumed, a
     cache reused: OpenRLHF renders its prompts again) names the day the cache was built and the fix in the
-    template (OpenRLHF passes it no date_string), where it blamed the data, chat template or truncation."""
+    template (OpenRLHF passes it no date_string), where it blamed the data, chat template or truncation. Following
+    it works: the template changed (the date fixed to the cache's day, or none), the cache deleted (kept, it is
+    refused: its tokenizer fingerprint records the template, which the advice "change the template and resume"
+    missed) and built again by a fresh start (a resume cannot: its actor holds a checkpoint); a resumed run reads it
+    on any later day. With the date fixed to the cache's day, the new cache holds the old one's values."""
     from erpo.integrations.openrlhf_reference import load_or_build_query_reference
     from test_openrlhf_integration import StandInActor
     tokenizer, built_on = dated_tokenizer(TEMPLATES[template]), today()
     fix = (rf"give the tokenizer of --actor.model_name_or_path a chat template that fixes the date \(\{{% set "
-           rf"date_string = '{built_on}' %\}} first: the date the cache's prompts hold\) or writes none"
-           if template == "date_string" else
+           rf"date_string = '{built_on}' %\}} first\) or writes none" if template == "date_string" else
            r"give the tokenizer of --actor.model_name_or_path a chat template that writes no date \(it does not read "
-           r"date_string\)")
+           r"date_string\)") + (rf", {DELETE_THE_CACHE}start afresh: a resumed run cannot build it again, its actor no "
+                                r"longer holds theta0")
     path = str(tmp_path / "cache.json")
 
-    def start():
+    def start(resumed_step=None):
         return load_or_build_query_reference(StandInActor(model_dir), tokenizer, openrlhf_prompts(tokenizer),
-                                             path=path, model_path=model_dir)
+                                             path=path, model_path=model_dir, resumed_step=resumed_step)
 
     with caplog.at_level(logging.WARNING):
-        start()
+        built = start().entries
     (warned,) = date_warnings(caplog)
     assert re.fullmatch(rf"ERPO: the chat template writes today's date \({built_on}\) into every prompt, which "
                         r"OpenRLHF renders at each start: a run resumed, or a cache reused, on another day \(local "
@@ -304,8 +337,19 @@ def test_openrlhf_a_template_that_writes_the_date_is_named(model_dir, tmp_path, 
         start()
     assert re.fullmatch(r"prompt '.*' has no ell_theta0\(q\) in the reference cache \S+ \(4 of 4 prompts missing\) "
                         r"\(the chat template writes today's date into the prompts, and the cache was built on "
-                        rf"{built_on}\): {fix}\. Delete it to rebuild it, or pass another path to "
-                        r"load_or_build_query_reference\.", str(error.value)), str(error.value)
+                        rf"{built_on}\): {fix}\.", str(error.value)), str(error.value)
+    with pytest.raises(ValueError) as resumed:   # a resumed run: the same fix, no other remedy
+        start(resumed_step=2)
+    assert str(resumed.value) == str(error.value)
+
+    tokenizer.chat_template = fixed_template(TEMPLATES[template], built_on)
+    with pytest.raises(ValueError, match=r"does not match this run: tokenizer: cache built with"):
+        start(resumed_step=2)
+    os.remove(path)
+    rebuilt = start().entries
+    assert (rebuilt == built) == (template == "date_string")   # the date the cache held: its prompts and values
+    move_the_machines_clock(monkeypatch, days=5)
+    assert start(resumed_step=2).entries == rebuilt
 
 
 def test_openrlhf_finds_the_date_in_the_prompts_the_template_rendered(monkeypatch):

@@ -88,6 +88,10 @@ def test_did_you_mean_is_the_closest_name_as_the_caller_writes_it():
     assert did_you_mean("entirely_else", names) is None
     assert did_you_mean("fused_lin", ["fused_linear"]) == "did you mean 'fused_linear'?"   # ratio 6/7 >= 0.6
     assert did_you_mean("fused_lin", ["fused_linear"], cutoff=0.9) is None                 # and < 0.9
+    # the paper's symbols name the options that hold them, where the caller takes those options
+    assert did_you_mean("alpha", names) == "did you mean 'qkl_coef'?"
+    assert did_you_mean("beta", ["policy_kl_coef"], spelled="+erpo.{}".format) == "did you mean +erpo.policy_kl_coef?"
+    assert did_you_mean("alpha", ["alphas", "r"]) == "did you mean 'alphas'?"            # no qkl_coef here: by spelling
 
 
 def api_options_table() -> list[tuple[str, object]]:

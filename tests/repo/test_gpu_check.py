@@ -48,7 +48,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     summary = (out / "summary.md").read_text()
     table = summary[:summary.index("## Kernel tier")]  # the stages' table (the summary's later tables hold rows too)
     stages = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and " | ok | " in line]
-    assert [name for name, _ in stages] == RUN_ORDER
+    assert [name for name, _ in stages] == [*RUN_ORDER, "| bench merge"]
     assert "- clocks: not sampled: dry run on the CPU" in table
     assert all(line.split(" | ")[5:10] == ["-"] * 5 for line in table.splitlines() if " | ok | " in line)
     # the training's output in gpu_check.log, under its command
@@ -331,21 +331,53 @@ def check(tmp_path, monkeypatch):
     shutil.rmtree(check.work)
 
 
+def merge_in_place_of(tmp_path, monkeypatch, script: str) -> Path:
+    """An interpreter for the bench merge that runs the shell `script` whatever its arguments (the merge's command
+    line in `$@`), and a bench.jsonl for it to merge."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    (tmp_path / "bench.jsonl").write_text("")
+    return fake
+
+
 @pytest.mark.parametrize("stage_limit_s,limit", [(None, gpu_check.SUMMARY_RESERVE_S),
                                                    (gpu_check.DRY_RUN_STAGE_LIMIT_S, gpu_check.DRY_RUN_STAGE_LIMIT_S)])
 def test_the_bench_merge_has_the_summary_s_reserve_and_in_the_dry_run_the_stages_ceiling(tmp_path, monkeypatch,
                                                                                       stage_limit_s, limit):
     """On a GPU the merge runs within the summary's reserve; the dry run gives it its stages' ceiling (a loaded CPU
     took the 25 s reserve to import the merge, and the dry run ended in its TimeoutExpired)."""
-    check = gpu_check.GpuCheck(tmp_path, dry_run=stage_limit_s is not None, commit=None, stage_limit_s=stage_limit_s)
-    (tmp_path / "bench.jsonl").write_text("")
-    calls = []
-    monkeypatch.setattr(gpu_check.subprocess, "run", lambda command, **kwargs: calls.append((command, kwargs)) or
-                        subprocess.CompletedProcess(command, 0, "", ""))
+    merge_in_place_of(tmp_path, monkeypatch, 'echo "$@"')
+    dry_run = stage_limit_s is not None
+    check = gpu_check.GpuCheck(tmp_path, dry_run, commit=None, stage_limit_s=stage_limit_s,
+                               deadline_s=gpu_check.DRY_RUN_DEADLINE_S if dry_run else gpu_check.DEADLINE_S)
     check.merge_bench()
-    ((command, kwargs),) = calls
-    assert command[1:4] == ["-m", "bench", "--merge"] and kwargs["timeout"] == limit
+    [stage] = check.stages
+    assert (stage.name, stage.status, stage.limit_s) == ("bench merge", "ok", limit)
+    assert stage.command[1:4] == ["-m", "bench", "--merge"]
+    assert f"-m bench --merge {tmp_path / 'bench.jsonl'} --out " in (tmp_path / "bench.log").read_text()
     shutil.rmtree(check.work)
+
+
+def test_a_bench_merge_past_its_limit_is_a_stage_stopped_at_its_time_limit_not_a_traceback(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """On an H200 lease the merge (then a subprocess.run within the summary's reserve) ran past it and gpu_check
+    ended in TimeoutExpired's traceback: now it is stopped as any stage is, one line, its row in the table, and the
+    check goes on to its summary (exit 1: a stage not ok)."""
+    merge_in_place_of(tmp_path, monkeypatch, "exec sleep 600")
+    monkeypatch.setattr(gpu_check, "SUMMARY_RESERVE_S", 1)   # the merge's limit; MIN_STAGE_S: a stage that short runs
+    monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 0)
+    monkeypatch.setattr(gpu_check, "STAGES", ("bench",))
+    monkeypatch.setattr(gpu_check.GpuCheck, "bench", lambda check, numbers: None)
+    assert gpu_check.main(["--stages", "bench", str(tmp_path)]) == 1
+    log = (tmp_path / "gpu_check.log").read_text()
+    [line] = [line for line in log.splitlines() if "] bench merge: " in line and ": limit " not in line]
+    assert line.endswith(f"] bench merge: time limit (exit {-signal.SIGTERM}) after 1 s"), line
+    assert "Traceback" not in log + capsys.readouterr().err
+    table = (tmp_path / "summary.md").read_text()
+    assert re.search(r"^\| bench merge \| time limit \| 1 \| 1 \| -15 \| ", table, re.M), table
+    assert "[gpu_check] stopped at the stage's time limit (1 s)" in (tmp_path / "bench.log").read_text()
 
 
 def gone_within(pid: int, seconds: float) -> bool:

@@ -16,14 +16,14 @@ ONE_TEST = "test_parallel_suite.py::test_the_files_that_start_first_are_the_suit
 
 
 def run_pytest(tmp_path, *args: str) -> str:
-    """`python -m pytest -v ARGS` from the repository root, the run's temporary files under tmp_path; its output, once
-    it has passed the one test selected."""
+    """`python -m pytest -v ARGS` from the repository root, the run's temporary files under tmp_path; its output
+    (stdout, then stderr), once it has passed the one test selected."""
     env = dict(os.environ, PYTEST_XDIST_AUTO_NUM_WORKERS="2")  # xdist's own override of the worker count
     done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                            f"--basetemp={tmp_path / 'run'}", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and "1 passed" in done.stdout.splitlines()[-1], done.stdout[-3000:] + done.stderr
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def test_a_folder_runs_on_workers_and_without_xdist_in_the_process(tmp_path):
@@ -31,7 +31,10 @@ def test_a_folder_runs_on_workers_and_without_xdist_in_the_process(tmp_path):
     # the folder, with only this file collected (each process imports the files it collects)
     folder = ["tests/repo", *(f"--ignore-glob=*/repo/test_{glob}.py" for glob in ("[!p]*", "p[!a]*", "pac*")),
               "-k", ONE_TEST.split("::")[1]]
-    assert "2 workers [1 item]" in run_pytest(tmp_path, *folder)
+    output = run_pytest(tmp_path, *folder)
+    assert "2 workers [1 item]" in output
+    # pytest-benchmark (the bench extra), where installed, is off on xdist's processes without its warning from each
+    assert "PytestBenchmarkWarning" not in output
     # the same folder without the plugin: pytest's own serial run (each run starts processes that import torch:
     # one file named and `-n 0`, the hook's other serial cases, are left to its code)
     output = run_pytest(tmp_path, "-p", "no:xdist", *folder)

@@ -2,10 +2,10 @@
 DeepSpeed job of a session JIT-builds them (1-3 minutes, much more on a loaded machine), which would otherwise count
 against that test's own limit for its ranks."""
 import os
-import subprocess
 import sys
 
 from paths import worker_pythonpath
+from process_group import run_group
 
 # as DeepSpeed's comm layer does (deepspeed.comm.torch.build_shm_op): an op that is not compatible here is not built
 BUILD = """
@@ -26,6 +26,5 @@ def build_cpu_ops() -> None:
     ranks do: DS_ACCELERATOR=cpu, no CUDA device."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=worker_pythonpath())
-    done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
-                          timeout=BUILD_LIMIT_S)
+    done = run_group([sys.executable, "-c", BUILD], env, BUILD_LIMIT_S)   # a hung build's compilers go with it
     assert done.returncode == 0, f"DeepSpeed's CPU ops did not build:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

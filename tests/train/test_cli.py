@@ -33,6 +33,14 @@ def test_no_config_is_the_tiny_default():
 def test_config_errors_exit_2_with_a_message(capsys, tmp_path):
     assert main(["train", "--set", "trainer.nope=1"]) == 2
     assert "unknown config key 'trainer.nope'" in capsys.readouterr().err
+    # a near miss, by --set and in a YAML file: one line naming the nearest key
+    assert main(["train", "--set", "model.lora.alhpa=16"]) == 2
+    assert capsys.readouterr().err == ("erpo train: config error: unknown config key 'model.lora.alhpa': did you mean "
+                                       "'model.lora.alpha'?\n")
+    (tmp_path / "near.yaml").write_text("algorithm:\n  qkl_cof: 0.02\n")
+    assert main(["train", "--config", str(tmp_path / "near.yaml")]) == 2
+    assert capsys.readouterr().err == ("erpo train: config error: unknown config key 'algorithm.qkl_cof': did you mean "
+                                       "'algorithm.qkl_coef'?\n")
     assert main(["train", "--config", "no_such_config"]) == 2
     assert "not a shipped config" in capsys.readouterr().err
     assert main(["train", "--config", str(tmp_path)]) == 2

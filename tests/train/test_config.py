@@ -46,8 +46,13 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("trainer.lrr=1", "unknown config key 'trainer.lrr'.*valid: .*lr"),
-    ("nosuch.key=1", "unknown config key 'nosuch.key'"),
+    # the nearest key (`did_you_mean`), in full, else the section's keys
+    ("trainer.lrr=1", r"^unknown config key 'trainer.lrr': did you mean 'trainer.lr'\?$"),
+    ("model.lora.alhpa=1", r"^unknown config key 'model.lora.alhpa': did you mean 'model.lora.alpha'\?$"),
+    ("algorithm.alpha=0.1", r"^unknown config key 'algorithm.alpha': did you mean 'algorithm.qkl_coef'\?$"),
+    ("algoritm.qkl_coef=1", r"^unknown config key 'algoritm.qkl_coef': did you mean 'algorithm'\?$"),
+    ("nosuch.key=1", r"^unknown config key 'nosuch.key': 'nosuch' is not in <root> \(valid: algorithm, data, "),
+    ("trainer.zzzz=1", r"^unknown config key 'trainer.zzzz': 'zzzz' is not in trainer \(valid: .*, lr, .*\)$"),
     # one temperature for the engine and the loss: the loss's own option is not a second key that could disagree
     ("algorithm.temperature=0.7", r"'algorithm.temperature'.*the loss's temperature comes from rollout.temperature"),
     ("trainer=1", "is a section"),
@@ -68,8 +73,12 @@ def test_bad_override_types(override):
 def test_yaml_unknown_key_and_wrong_type(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  lr: 1e-5\n  warmup: 3\n")
-    with pytest.raises(ValueError, match="unknown config key 'trainer.warmup'"):
+    with pytest.raises(ValueError, match=r"^unknown config key 'trainer.warmup': did you mean 'trainer.warmup_ratio"):
         load_config(str(bad))
+    with pytest.raises(ValueError, match=r"^unknown config key 'model.lora.alhpa': did you mean 'model.lora.alpha'\?$"):
+        from_dict({"model": {"lora": {"alhpa": 16}}})
+    with pytest.raises(ValueError, match=r"^unknown config key 'trainer.zzzz': 'zzzz' is not in trainer \(valid: "):
+        from_dict({"trainer": {"zzzz": 1}})
     with pytest.raises(ValueError, match=r"'algorithm.temperature' \(the loss's temperature comes from rollout"):
         from_dict({"algorithm": {"temperature": 0.7}})
     with pytest.raises(TypeError, match="rollout.n"):

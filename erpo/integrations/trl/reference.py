@@ -25,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from erpo.atomic import publish
-from erpo.integrations.template_date import DatedTemplate, date_dependence
+from erpo.integrations.template_date import DatedTemplate, DateSettings, date_dependence
 from erpo.models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from erpo.models.lora import reference_model
 from erpo.reference.cache import (
@@ -49,9 +49,10 @@ PADDING_PROBE = (16, 4)  # `check_left_padding`: a prompt's first 16 tokens, 4 p
 # in each checkpoint, the weights fingerprint of theta0, the model the run's trainer was given: a resume is checked
 # against it (`_check_theta0_record`)
 THETA0_RECORD = "erpo_theta0.json"
-# a chat template that writes today's date (`template_date`): the fix, in TRL's setting names
-DATE_KWARGS = "ERPOConfig(chat_template_kwargs={{..., 'date_string': {date_string}}})"
-DATE_TEMPLATE = "the tokenizer (processing_class)"
+# a chat template that writes today's date (`template_date`): the fix, in TRL's setting names; the trainer builds a
+# deleted cache from the model as passed, at a resume too
+DATE_SETTINGS = DateSettings(kwargs="ERPOConfig(chat_template_kwargs={{..., 'date_string': {date_string}}})",
+                             template="the tokenizer (processing_class)", resume_rebuilds=True)
 
 
 def device_prompt_ids(inputs: dict) -> list:
@@ -234,7 +235,7 @@ class ReferenceMixin:
         check_scored_tokens(train_ids, self._tokenizer)   # the eval prompts the cache lacks: `_held_out_entries`
         self._dated_template = self._template_date(train_ids)
         if self._dated_template is not None:
-            logger.warning("ERPOTrainer: %s", self._dated_template.start_warning("TRL", DATE_KWARGS, DATE_TEMPLATE))
+            logger.warning("ERPOTrainer: %s", self._dated_template.start_warning("TRL", DATE_SETTINGS))
         if train_ids:
             pad_id = self._tokenizer.pad_token_id
             check_left_padding(self.model, train_ids[0], self._tokenizer.eos_token_id if pad_id is None else pad_id)
@@ -246,9 +247,9 @@ class ReferenceMixin:
                                    temperature=self.temperature, precision=self._reference_precision(), path=path,
                                    remedy=REBUILD)
             date_cause = self._dated_template and self._dated_template.load_miss(
-                cache.holds, DATE_KWARGS, DATE_TEMPLATE)   # built on another day
-            why = date_cause or "(the dataset, tokenization or chat template changed since it was built)."
-            self._check_cached(cache, train_ids, f"{why} {REBUILD}")
+                cache.holds, DATE_SETTINGS)   # built on another day: the date's fix is the remedy
+            self._check_cached(cache, train_ids, date_cause or "(the dataset, tokenization or chat template changed "
+                                                               f"since it was built). {REBUILD}")
             changed = reweight_for_training_set(cache.entries, train_ids) > 0   # built with other prompts too
         elif not train_ids:   # every row names an environment the factory lacks: TRL refuses the first one drawn
             cache = ReferenceCache(model_id=identity["model_id"], model_fingerprint=self._theta0_weights,
@@ -295,8 +296,7 @@ class ReferenceMixin:
 
     def _date_cause(self) -> str:
         """What a cache miss's message ends with when the chat template writes today's date (else nothing)."""
-        return "" if self._dated_template is None else " " + self._dated_template.miss_cause(DATE_KWARGS,
-                                                                                            DATE_TEMPLATE)
+        return "" if self._dated_template is None else " " + self._dated_template.miss_cause(DATE_SETTINGS)
 
     def _save_theta0_record(self, checkpoint: str) -> None:
         """Write THETA0_RECORD into `checkpoint` (a folder just saved; the main process only): theta0's fingerprints
