@@ -141,6 +141,21 @@ def _seed():
 
 
 @pytest.fixture(autouse=True, scope="module")
+def _process_globals_as_found(request):
+    """A file leaves the process-wide functions, methods and switches of support/process_globals.py as it found them:
+    a pytest-xdist worker runs the next file in the same process. One that does not fails at its last test's
+    teardown, naming each change (the change is left in place: undo it where the file makes it)."""
+    from process_globals import changed_globals, process_globals
+
+    before = process_globals()
+    yield
+    changes = changed_globals(before, process_globals())
+    if changes:
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed for the next file in this process: "
+                    f"{'; '.join(changes)}", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
 def _no_process_group_across_files():
     """A single-rank DeepSpeed run leaves a torch.distributed group (and DeepSpeed's copies of it) behind; never let
     it leak into the next file."""

@@ -218,10 +218,13 @@ def finish_run(cfg: Config, run: Run) -> None:
         log.info("training curves: %s", png)
 
 
+@D.torch_linear_put_back()
 def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
     """Run ERPO (or a baseline, per cfg.algorithm) and return the output dir. Writes config.yaml,
     reference_cache.json, metrics.jsonl, tb/, checkpoints/, final/ and plots/training.png there, holding its
-    run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.train.run_lock)."""
+    run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.train.run_lock). The
+    process's `torch.nn.functional.linear`, which DeepSpeed ZeRO-3 replaces, is what it was before once it returns
+    or raises (`D.torch_linear_put_back`)."""
     run = start_run(cfg, resume, force)
     t, state, sampler, model = cfg.trainer, run.state, run.sampler, run.updater.model
     metrics = MetricsWriter(cfg, run.out_dir, resume=resume, total_steps=t.max_steps * updates_per_rollout(cfg),

@@ -1,7 +1,9 @@
 """A test leaves nothing outside its temporary folders (docs/CONTRIBUTING.md): erpo's user cache, the weight files'
 digests that model fingerprints keep (erpo.models.fingerprint), and the libraries' user files (matplotlib's, the
 Hugging Face caches) go under the session's temporary folder for them (ERPO_TESTS_USER_DIRS, tests/conftest.py), in the
-test's process and in the processes it launches, not under the real HOME."""
+test's process and in the processes it launches, not under the real HOME. A test file leaves the process-wide
+functions and switches as it found them (support/process_globals.py): the next file in its process would compute
+otherwise."""
 import importlib.util
 import json
 import os
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint
+from paths import REPO, SUPPORT, TESTS
 
 
 def test_model_fingerprints_keep_their_digests_under_the_sessions_user_folder(tmp_path):
@@ -56,3 +59,47 @@ def test_libraries_keep_their_user_files_under_the_sessions_user_folder(tmp_path
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and (tmp_path / "plot.png").exists(), done.stderr[-3000:]
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
+
+
+LEAVES_LINEAR_REPLACED = """import torch
+
+
+def linear(input, weight, bias=None):
+    return input @ weight.t() + (0 if bias is None else bias)
+
+
+def test_replaces_torch_linear_for_good():
+    torch.nn.functional.linear = linear
+
+
+def test_restores_what_it_replaces(monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "softmax", linear)
+    monkeypatch.setattr(torch.nn.Module, "_added_name", 1, raising=False)
+"""
+
+LEAVES_NOTHING = """import torch
+
+
+def test_uses_whatever_linear_is_there():
+    assert torch.nn.functional.linear(torch.ones(1, 2), torch.ones(3, 2)).shape == (1, 3)
+"""
+
+
+def test_a_file_that_leaves_a_torch_function_replaced_fails_and_the_next_file_does_not(tmp_path):
+    """tests/conftest.py's check around each file (as DeepSpeed ZeRO-3 once left torch.nn.functional.linear replaced
+    in a pytest-xdist worker, and a later file's bf16 forwards changed): the file that leaves torch's linear replaced
+    errors at its last test's teardown, naming it; what monkeypatch restores, and a name only added, are no change;
+    the next file in the same process passes."""
+    (tmp_path / "test_a_leaks.py").write_text(LEAVES_LINEAR_REPLACED)
+    (tmp_path / "test_b_next.py").write_text(LEAVES_NOTHING)
+    path = os.pathsep.join([str(TESTS), str(SUPPORT), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, COLUMNS="1000", PYTHONPATH=path)   # tests/conftest.py as a plugin; lines not cut
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-p", "conftest", f"--rootdir={tmp_path}", f"--basetemp={tmp_path / 'run'}",
+                           "test_a_leaks.py", "test_b_next.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
+    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
+    assert errors == ["ERROR test_a_leaks.py::test_restores_what_it_replaces - Failed: test_a_leaks.py left "
+                      "process-wide state changed for the next file in this process: torch.nn.functional.linear: "
+                      "torch._C._nn.linear -> test_a_leaks.linear"], done.stdout[-3000:]

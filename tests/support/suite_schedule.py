@@ -9,11 +9,6 @@ TESTS = Path(__file__).resolve().parents[1]
 # time (its tests under those lists' cut are not counted), in seconds, beside each file. The files of 30 s or more;
 # the others follow in pytest's order, the short tail that evens out the two workers' ends.
 FILES_FIRST = (
-    # first of all, on a fresh worker: in the first parallel run of the whole suite (2026-11-28, 94d0d14) three of its
-    # bf16 bit-for-bit checks (the cache's ell_theta0(q) against the loss's ell_theta(q), micro-batches of 2 against
-    # 1) differed in the last bits after other files in the same worker; alone, serially or in one worker, they pass.
-    # Which file's state reaches them is not found yet (CHANGELOG): until it is, the file starts on a clean process
-    "integrations/test_verl_fused_kernels.py",
     "distributed/test_multirank.py",           # 762: its first 2-rank job waits for DeepSpeed's CPU op build (324)
     "repo/test_gpu_check.py",                  # 275: the dry run 237
     "kernels/test_epilogue_row_pass.py",       # 163

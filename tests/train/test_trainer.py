@@ -697,7 +697,8 @@ def test_offload_settings_reach_the_deepspeed_config(monkeypatch):
 def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path, cache_dir, monkeypatch):
     """trainer.zero_stage=3 (one DeepSpeed rank): the policy and GRPO's reference model are created partitioned,
     the reference becomes a ZeRO-3 inference engine, the reference cache is built from the partitioned policy, and
-    the update equals plain torch's."""
+    the update equals plain torch's; once train returns, torch.nn.functional.linear is torch's again (DeepSpeed's
+    replacement would change the last bits of every later forward in the process)."""
     pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
     pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
     from erpo import distributed as D
@@ -714,12 +715,14 @@ def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path
         return references[-1]
     monkeypatch.setattr(trainer_module, "load_model", recording_load_model)
     monkeypatch.setattr(D, "prepare_reference_model", recording_prepare)
-    runs = {}
+    runs, linear = {}, torch.nn.functional.linear
     for backend, stage in (("torch", 0), ("deepspeed", 3)):
         out = tmp_path / backend
         train(small_cfg(out, cache_dir, f"trainer.updater={backend}", f"trainer.zero_stage={stage}",
                         "algorithm.name=grpo", "trainer.max_steps=1"))
         runs[backend] = read_metrics(out)[0]
+        # ZeRO-3's zero.Init replaced it with DeepSpeed's linear for good; train puts torch's back at its end
+        assert torch.nn.functional.linear is linear, (backend, torch.nn.functional.linear)
     assert created == [(True, False), (False, False), (True, True), (False, True)]
     from transformers.integrations import is_deepspeed_zero3_enabled
     assert not is_deepspeed_zero3_enabled()   # partitioned creation ends with train's model loading
