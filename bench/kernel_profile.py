@@ -296,7 +296,7 @@ def main(argv=None):
     results = {}
     for key, prepare in prepares.items():
         results[key] = prepare if isinstance(prepare, str) else profile_calls(
-            prepare(problem), device, 1 if args.smoke else args.calls, warmup=1 if args.smoke else 2,
+            prepare(problem), device, 1 if args.smoke else args.calls, warmup=0 if args.smoke else 2,
             trace_path=out / f"{key}.trace.json")
         print(f"{key}: " + (results[key] if isinstance(results[key], str) else
                             f"wall {results[key]['wall_us']:.0f} us, idle {results[key]['gpu_idle_us']:.0f} us"),

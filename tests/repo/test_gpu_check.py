@@ -22,6 +22,7 @@ import pytest
 from bench import gpu_check, gpu_clocks
 from bench.progress import read_runs
 from bench.provenance import header_lines
+from paths import worker_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = {"summary.md", "gpu_check.log", "kernel-tests.log", "logits.tar.gz", "train-metrics.jsonl", "bench.log",
@@ -39,7 +40,9 @@ def _work_under_tmp_path(tmp_path, monkeypatch):
 
 def test_dry_run_writes_each_stages_results(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable}
+    # PYTHONPATH: Triton's interpreter in the stages' processes patched once per launch, as in the suite's own
+    # (tests/support/interpreter_site: the same values, less CPU time; CHANGELOG.md)
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": worker_pythonpath()}
     env.pop("TRITON_INTERPRET", None)  # the dry run sets it for its stages itself
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--commit", "abc123", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=gpu_check.DRY_RUN_DEADLINE_S + 60)
