@@ -56,8 +56,10 @@ def test_query_weights_and_estimators_name_their_choices(tmp_path):
 def test_verl_names_an_unknown_erpo_setting_as_launched():
     with pytest.raises(ValueError, match=r"^\+erpo.qkl_cof is not an ERPO setting: did you mean \+erpo.qkl_coef\?$"):
         ERPOSettings.from_block({"qkl_cof": 0.02})
-    with pytest.raises(ValueError, match=r"^\+erpo.alpha is not an ERPO setting: ERPO's settings are erpo.qkl_coef, "
+    with pytest.raises(ValueError, match=r"^\+erpo.alpha is not an ERPO setting: did you mean \+erpo.qkl_coef\?$"):
+        ERPOSettings.from_block({"alpha": 0.02})   # the paper's symbol (did_you_mean's PAPER_NAMES)
+    with pytest.raises(ValueError, match=r"^\+erpo.gamma is not an ERPO setting: ERPO's settings are erpo.qkl_coef, "
                                          r"erpo.qkl_estimator, erpo.query_weight, erpo.ref_cache$"):
-        ERPOSettings.from_block({"alpha": 0.02})
+        ERPOSettings.from_block({"gamma": 0.02})
     assert ERPOSettings.from_block({"qkl_coef": 0.02, "ref_cache": "c.json"}) == ERPOSettings(qkl_coef=0.02,
                                                                                               ref_cache="c.json")

@@ -76,6 +76,12 @@ HEAVY_MODULES = ("matplotlib", "torch", "erpo_kernels", "triton", "numpy", "tran
                  "huggingface_hub", "safetensors", "deepspeed", "yaml", "tqdm", "tensorboard")
 
 
+def without_interpreter(environ) -> dict:
+    """`environ` without TRITON_INTERPRET: a launched process then imports what a user's does (with it, the suite's
+    tests/support/interpreter_site patches Triton's interpreter at start-up, importing triton and numpy)."""
+    return {key: value for key, value in environ.items() if key != "TRITON_INTERPRET"}
+
+
 def test_the_parser_and_every_help_import_nothing_heavy():
     """Building the parser, every `--help` and a command line's error load none of HEAVY_MODULES (in a fresh process:
     this one has them all)."""
@@ -91,7 +97,7 @@ for argv in ([], ["--help"], ["train", "--help"], ["precompute-ref", "--help"], 
 print("loaded:", *sorted({name.split(".")[0] for name in sys.modules} & set(sys.argv[1:])))
 """
     done = subprocess.run([sys.executable, "-c", code, *HEAVY_MODULES], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": worker_pythonpath()})   # this checkout's erpo
+                          env={**without_interpreter(os.environ), "PYTHONPATH": worker_pythonpath()})  # this erpo
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("usage: erpo") == 6   # each help was printed
     assert done.stdout.splitlines()[-1] == "loaded:", done.stdout.splitlines()[-1]

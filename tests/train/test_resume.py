@@ -46,8 +46,17 @@ def small_run_args(cache_dir: Path) -> list[str]:
             "algorithm.entropy_coef=0.01"]
 
 
+# a launcher's variables that an in-process run earlier in this pytest worker may have left set (in the parallel suite
+# of 2026-11-28 a child `erpo train` inherited MASTER_PORT=29500, bound by then: EADDRINUSE): a child `erpo train` is
+# one process started from a shell, which picks a free port of its own (erpo.distributed.set_launcher_env)
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def env():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    """The environment of an `erpo train` started as a user starts it: this checkout first on PYTHONPATH, one thread,
+    no GPU, no launcher's variables."""
+    kept = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    return dict(kept, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
