@@ -59,6 +59,10 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+# the variables a launcher (torchrun, deepspeed) exports to each rank, which set_launcher_env fills for one process
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def set_launcher_env() -> None:
     """RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher (torchrun, deepspeed) exports
     them: kept when set, else filled for a world of one process on a free local port (DeepSpeed and vLLM's

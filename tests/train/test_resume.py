@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 import run_metrics
 from erpo.cli.commands import main
+from erpo.distributed import LAUNCHER_VARIABLES
 from paths import WORKERS
 from run_metrics import metrics_by_step
 from test_checkpoint import wait_for_path
@@ -46,12 +47,10 @@ def small_run_args(cache_dir: Path) -> list[str]:
             "algorithm.entropy_coef=0.01"]
 
 
-# a launcher's variables that an in-process run earlier in this pytest worker may have left set (in the parallel suite
-# of 2026-11-28 a child `erpo train` inherited MASTER_PORT=29500, bound by then: EADDRINUSE): a child `erpo train` is
-# one process started from a shell, which picks a free port of its own (erpo.distributed.set_launcher_env)
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
+# the launcher's variables (erpo.distributed.LAUNCHER_VARIABLES) an in-process run earlier in this pytest worker may
+# have left set (in the parallel suite of 2026-11-28 a child `erpo train` inherited MASTER_PORT=29500, bound by then:
+# EADDRINUSE): a child `erpo train` is one process started from a shell, which picks a free port of its own
+# (erpo.distributed.set_launcher_env)
 def env():
     """The environment of an `erpo train` started as a user starts it: this checkout first on PYTHONPATH, one thread,
     no GPU, no launcher's variables."""

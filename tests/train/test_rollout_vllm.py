@@ -16,16 +16,17 @@ from erpo.rollout import vllm as rollout_vllm
 from erpo.rollout.engine import RolloutEngine
 from erpo.rollout.vllm import VLLMRollout, sampled_logprobs
 
+LAUNCHER_VARIABLES = D.LAUNCHER_VARIABLES
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)
 def isolated_launcher_env(monkeypatch):
     """VLLMRollout fills the launcher variables for vLLM; undo that after each test."""
-    for key in LAUNCHER_ENV:
+    for key in LAUNCHER_VARIABLES:
         monkeypatch.setenv(key, "")   # records the original value (or its absence) for teardown
         monkeypatch.delenv(key)
 
