@@ -3,19 +3,16 @@ gloo reductions."""
 import importlib.util
 import json
 import os
-import socket
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from advantage_ranks import CASES, all_cases, expected_single_process
 from erpo import distributed as D
+from paths import worker_pythonpath
 from process_group import run_group
-from torchrun import RANKS_LIMIT_S
-
-REPO = Path(__file__).resolve().parents[2]
+from torchrun import RANKS_LIMIT_S, free_port
 
 
 # ---------------------------------------------------------------------------------------------- shard
@@ -136,57 +133,26 @@ def test_hf_deepspeed_config_only_at_zero3():
 
 # -------------------------------------------------------------------------------- 2 processes (gloo)
 
-REDUCE_SCRIPT = r"""
-import os, sys, torch
+# One 2-rank gloo job under torchrun answers every test of this section: each rank writes rank-R.json, one entry per
+# test (a job's ~20 s of imports, paid once)
+TWO_RANKS_SCRIPT = r"""
+import json, os, sys, torch
 from erpo import distributed as D
+from erpo.train.update_step import entropy_pool
+from erpo_kernels import erpo_loss
+from advantage_ranks import all_cases
 assert D.init_distributed("gloo")
 r = D.rank()
+lines = {}
+
 total = D.all_reduce_sum(torch.tensor([1.0, 10.0]) * (r + 1))
 count = D.all_reduce_sum(r + 5)
 largest = D.all_reduce_max(torch.tensor([float(r), 5.0 - r]))
 most = D.all_reduce_max(r + 5)
 objs = D.all_gather_object({"rank": r})
 D.barrier()
-line = f"{r} {D.world_size()} {D.is_main()} {total.tolist()} {count} {largest.tolist()} {most} {objs}"
-D.destroy_distributed()
-assert not D.is_initialized()
-with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
-    f.write(line)
-"""
+lines["reductions"] = f"{r} {D.world_size()} {D.is_main()} {total.tolist()} {count} {largest.tolist()} {most} {objs}"
 
-
-def run_two_ranks(tmp_path, source: str) -> list[str]:
-    """Run `source` (a script given its output folder) on a real 2-rank gloo group under torchrun; each rank's
-    rank-R.txt."""
-    script = tmp_path / "script.py"
-    script.write_text(source)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), str(tmp_path)]
-    proc = run_group(cmd, env, RANKS_LIMIT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
-
-
-def test_two_process_reductions(tmp_path):
-    """A real 2-rank gloo group under torchrun (the deepspeed launcher is exercised end to end in
-    tests/distributed/test_multirank.py)."""
-    lines = run_two_ranks(tmp_path, REDUCE_SCRIPT)
-    objs = "[{'rank': 0}, {'rank': 1}]"
-    assert lines == [f"0 2 True [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}", f"1 2 False [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}"]
-
-
-ENTROPY_FILTER_SCRIPT = r"""
-import os, sys, torch
-from erpo import distributed as D
-from erpo.train.update_step import entropy_pool
-from erpo_kernels import erpo_loss
-assert D.init_distributed("gloo")
-r = D.rank()
 cat = D.all_gather_cat(torch.arange(r + 2, dtype=torch.float32))   # lengths 2 and 3
 # 4 response rows per rank (2 samples of a 1-token query and 2 response tokens): rank 0's rows are near-uniform
 # (high entropy), rank 1's peaked (low entropy), so the global median keeps all of rank 0's rows, none of rank 1's
@@ -196,44 +162,57 @@ def kept(gather):
     out = erpo_loss(logits, torch.zeros(6, dtype=torch.long), kind, sample, advantages=torch.tensor([1.0, -1.0]),
                     qkl_coef=0.0, top_entropy_quantile=0.5, top_entropy_gather=gather, backend="torch")
     return int(out.metrics["kept_tokens"])
-line = f"{cat.tolist()} {kept(entropy_pool(1.0))} {kept(None)} {kept(entropy_pool(float(r == 0)))}"
+lines["entropy"] = f"{cat.tolist()} {kept(entropy_pool(1.0))} {kept(None)} {kept(entropy_pool(float(r == 0)))}"
+
+lines["advantages"] = all_cases()
+
 D.destroy_distributed()
-with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
-    f.write(line)
+lines["destroyed"] = not D.is_initialized()
+with open(os.path.join(sys.argv[1], f"rank-{r}.json"), "w") as f:
+    json.dump(lines, f)
 """
 
 
-def test_entropy_filter_quantile_is_global_over_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """TWO_RANKS_SCRIPT on a real 2-rank gloo group under torchrun: each rank's entries, in rank order."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    script = root / "script.py"
+    script.write_text(TWO_RANKS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=worker_pythonpath(), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), str(root)]
+    proc = run_group(cmd, env, RANKS_LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((root / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_process_reductions(two_ranks):
+    """A real 2-rank gloo group under torchrun (the deepspeed launcher is exercised end to end in
+    tests/distributed/test_multirank.py): the reductions, then the group destroyed."""
+    objs = "[{'rank': 0}, {'rank': 1}]"
+    assert [rank["reductions"] for rank in two_ranks] == [
+        f"0 2 True [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}", f"1 2 False [3.0, 30.0] 11 [1.0, 5.0] 6 {objs}"]
+    assert [rank["destroyed"] for rank in two_ranks] == [True, True]
+
+
+def test_entropy_filter_quantile_is_global_over_ranks(two_ranks):
     """`erpo train`'s entropy filter (top_entropy_quantile) takes its quantile over every rank's response rows, as
     TRL's (update_step.entropy_pool over D.all_gather_cat, which concatenates tensors of different lengths): rank 0
     (high entropies) keeps all 4 rows and rank 1 none, where a per-rank quantile keeps 2 of 4 on each; a stand-in
     micro-batch (rank 1, weight 0) adds no entropies, so the pool is rank 0's (2 kept there, none on rank 1)."""
-    lines = run_two_ranks(tmp_path, ENTROPY_FILTER_SCRIPT)
-    assert lines == ["[0.0, 1.0, 0.0, 1.0, 2.0] 4 2 2", "[0.0, 1.0, 0.0, 1.0, 2.0] 0 2 0"]
+    assert [rank["entropy"] for rank in two_ranks] == ["[0.0, 1.0, 0.0, 1.0, 2.0] 4 2 2",
+                                                       "[0.0, 1.0, 0.0, 1.0, 2.0] 0 2 0"]
 
 
-ADVANTAGES_SCRIPT = r"""
-import json, os, sys
-sys.path.insert(0, os.environ["ERPO_TEST_SUPPORT"])
-from erpo import distributed as D
-from advantage_ranks import all_cases
-assert D.init_distributed("gloo")
-r = D.rank()
-line = json.dumps(all_cases())
-D.destroy_distributed()
-with open(os.path.join(sys.argv[1], f"rank-{r}.txt"), "w") as f:
-    f.write(line)
-"""
-
-
-def test_rollout_advantages_do_not_depend_on_the_world_size(tmp_path, monkeypatch):
+def test_rollout_advantages_do_not_depend_on_the_world_size(two_ranks):
     """`erpo train`'s rollout stage on 2 ranks (each holds 3 of the 6 prompt groups) gives every sample the
     advantage one process gives it, for every estimator and scale_rewards: the batch std ("batch") and REINFORCE's
     batch mean are over both ranks' rewards, as TRL's and verl's over the global batch (they were per rank), and a
     sample no reward function scored is left out of them on every rank."""
     one_rank = all_cases()
-    monkeypatch.setenv("ERPO_TEST_SUPPORT", str(REPO / "tests" / "support"))
-    ranks = [json.loads(line) for line in run_two_ranks(tmp_path, ADVANTAGES_SCRIPT)]
+    ranks = [rank["advantages"] for rank in two_ranks]
     for estimator, scale in CASES:
         case = f"{estimator}/{scale}"
         assert one_rank[case] == pytest.approx(expected_single_process(estimator, scale), abs=1e-6), case
@@ -249,11 +228,11 @@ def test_all_gather_cat_single_process_and_bad_input():
 
 
 def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in D.LAUNCHER_VARIABLES:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MASTER_PORT", "29123")
     D.set_launcher_env()
-    assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")] == \
+    assert [os.environ[k] for k in D.LAUNCHER_VARIABLES] == \
         ["0", "0", "1", "127.0.0.1", "29123"]
     monkeypatch.delenv("MASTER_PORT")
     D.set_launcher_env()
