@@ -2,8 +2,6 @@
 lm_head and DeepSpeed its gradient. One SGD step on 2 CPU ranks (gloo) under ZeRO-3 equals the same step under
 ZeRO-0, for an untied biased lm_head and for an lm_head tied to the input embedding (tests/workers/zero3_worker.py does
 the step)."""
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,15 +12,11 @@ from torchrun import run_worker
 WORKER = WORKERS / "zero3_worker.py"
 
 
-def run_step(tmp_path: Path, zero_stage: int) -> dict:
-    return run_worker(WORKER, tmp_path / f"zero{zero_stage}.pt", "--zero-stage", str(zero_stage))
-
-
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
+    """Rank 0's results by ZeRO stage (0, then 3, in one torchrun job) and by tied."""
     pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
-    tmp_path = tmp_path_factory.mktemp("zero3")
-    return {stage: run_step(tmp_path, stage) for stage in (0, 3)}
+    return run_worker(WORKER, tmp_path_factory.mktemp("zero3") / "steps.pt", "--zero-stages", "0", "3")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -1,5 +1,6 @@
-"""One SGD step with the fused-linear ERPO loss under DeepSpeed (ZeRO stage from the command line), launched by
-tests/distributed/test_zero3.py through torchrun with 2 CPU processes (gloo).
+"""One SGD step with the fused-linear ERPO loss under DeepSpeed, for each ZeRO stage of the command line in turn (one
+launch, its imports paid once), launched by tests/distributed/test_zero3.py through torchrun with 2 CPU processes
+(gloo).
 
 For a tiny LM with an untied biased lm_head and one whose lm_head is tied to the input embedding, every rank
 computes hidden states on its own rows, the fused loss with `whole_lm_head` (ZeRO-3: `gathered_lm_head`),
@@ -82,12 +83,12 @@ def backward_outside_block(engine, batch) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--zero-stage", type=int, required=True)
+    parser.add_argument("--zero-stages", type=int, nargs="+", required=True, help="run in this order")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     skip_cpu_shm_op()   # DeepSpeed's comm layer without its shared-memory op: nothing to build on the CPU
     deepspeed.init_distributed(dist_backend="gloo")
-    result = {tied: one_step(tied, args.zero_stage) for tied in (False, True)}
+    result = {stage: {tied: one_step(tied, stage) for tied in (False, True)} for stage in args.zero_stages}
     finish_worker(result, args.out)
 
 
