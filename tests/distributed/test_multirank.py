@@ -1,16 +1,18 @@
 """Data-parallel correctness under DeepSpeed on CPU (gloo): one ERPO update on 2 ranks equals 1 rank.
 
-Each case launches tests/workers/multirank_worker.py with torchrun (2 processes) on a tiny Qwen2 model saved
-locally and compares it with the same update done in this process by plain torch on the whole batch.
+The cases run in one launch of tests/workers/multirank_worker.py with torchrun (2 processes) on a tiny Qwen2 model
+saved locally; each is compared with the same update done in this process by plain torch on the whole batch.
 The 2-rank run also checks the frozen reference model (a partitioned inference engine at ZeRO-3), the vLLM
 weight sync against a fake vLLM, the DeepSpeed checkpoint round trip (model, ZeRO optimizer state, LR
 scheduler, RNG) and the ZeRO-3 gathered Hugging Face export. The later tests run `erpo train` itself under
-the deepspeed launcher and torchrun: exact resume, a SIGKILLed launcher (its ranks run on; a second writer is
-refused), a SIGKILLed rank (the job ends; a truncated shard of rank 1 is skipped on resume) and a full disk on rank
-1 during a save (every rank stops in one line; the previous checkpoint resumes exactly).
+the deepspeed launcher and torchrun: a SIGKILLed launcher (its ranks run on; a second writer is refused), a SIGKILLed
+rank (the job ends; a truncated shard of rank 1 is skipped on resume) and a full disk on rank 1 during a save of the
+deepspeed launcher's run resumed under torchrun (every rank stops in one line; the previous checkpoint resumes
+exactly).
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,13 +72,20 @@ def setup(tmp_path_factory):
     return root
 
 
-def launch(root: Path, nproc: int, zero_stage: int, loss_agg: str, tag: str, checkpoint: bool) -> dict:
-    """Run the worker under torchrun with `nproc` CPU processes; rank 0's results."""
-    args = ["--zero-stage", str(zero_stage), "--model-dir", str(root / "model"), "--batch", str(root / "batch.pt"),
-            "--loss-agg", loss_agg]
-    if checkpoint:
-        args += ["--ckpt-dir", str(root / f"{tag}-ckpt")]
-    return run_worker(WORKER, root / f"{tag}.pt", *args, nproc=nproc)
+# The cases of test_two_ranks_match_one_rank, in the order one 2-rank job runs them (ZeRO-3's partitioned model
+# creation last: it leaves DeepSpeed's patches in the process)
+UPDATE_CASES = [(2, "token-mean"), (3, "seq-mean-token-mean")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_updates(setup) -> dict:
+    """Every UPDATE_CASES case's update on 2 ranks, in one torchrun job of tests/workers/multirank_worker.py: rank 0's
+    results by case ("STAGE:LOSS_AGG"), each case's checkpoint and export in setup/zSTAGE-ckpt."""
+    # the ZeRO-3 case's partitioned creation (transformers' HfDeepSpeedConfig) needs it
+    pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
+    cases = [arg for stage, loss_agg in UPDATE_CASES for arg in ("--case", f"{stage}:{loss_agg}")]
+    return run_worker(WORKER, setup / "updates.pt", *cases, "--model-dir", str(setup / "model"), "--batch",
+                      str(setup / "batch.pt"), "--ckpt-root", str(setup), nproc=2)
 
 
 def assert_params_close(actual: dict, expected: dict, atol: float, rtol: float):
@@ -99,14 +108,11 @@ def single_process_update(root: Path, loss_agg: str) -> dict:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("zero_stage,loss_agg", [(2, "token-mean"), (3, "seq-mean-token-mean")])
-def test_two_ranks_match_one_rank(setup, zero_stage, loss_agg):
-    if zero_stage == 3:
-        # transformers' HfDeepSpeedConfig (partitioned creation) needs it
-        pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
+@pytest.mark.parametrize("zero_stage,loss_agg", UPDATE_CASES)
+def test_two_ranks_match_one_rank(setup, two_rank_updates, zero_stage, loss_agg):
     initial = AutoModelForCausalLM.from_pretrained(setup / "model").state_dict()
     one = single_process_update(setup, loss_agg)
-    two = launch(setup, 2, zero_stage, loss_agg, f"z{zero_stage}-2rank", checkpoint=True)
+    two = two_rank_updates[f"{zero_stage}:{loss_agg}"]
 
     # The update is real (not a no-op) and the same on both layouts.
     moved = max((one["params"][k] - initial[k]).abs().max().item() for k in initial)
@@ -134,7 +140,7 @@ def test_two_ranks_match_one_rank(setup, zero_stage, loss_agg):
     assert max((two["step2"][k] - two["params"][k]).abs().max().item() for k in initial) > 1e-4
 
     # ZeRO-gathered export loads in transformers with the trained weights.
-    exported = AutoModelForCausalLM.from_pretrained(setup / f"z{zero_stage}-2rank-ckpt" / "final").state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(setup / f"z{zero_stage}-ckpt" / "final").state_dict()
     assert_params_close(exported, two["step2_resumed"], atol=0.0, rtol=0.0)
 
 
@@ -253,14 +259,6 @@ def test_erpo_train_under_deepspeed_launcher_zero3(two_step_run):
     assert all(p.numel() > 0 for p in final.parameters())      # gathered, not ZeRO-3 placeholders
 
 
-def test_two_rank_zero3_resume_is_exact(two_step_run, three_step_run):
-    """Resuming the 2-step run to 3 steps (under torchrun) logs what an uninterrupted 3-step run logs:
-    DeepSpeed's partitioned model/optimizer/scheduler state, every rank's RNG and the data position."""
-    root = two_step_run
-    erpo_train_2ranks("torchrun", root / "run", root / "cache", "--max-steps", "3", "--resume")
-    assert_same_metrics(metrics_by_step(root / "run"), metrics_by_step(three_step_run.dir))
-
-
 def test_killing_the_launcher_leaves_its_ranks_running_and_a_second_writer_out(three_step_run):
     """torchrun SIGKILLed: its ranks do not die with it (they finished the run: see the fixture), so a re-submitted
     `erpo train --resume` meanwhile must not write the same directory: refused in one line naming rank 0."""
@@ -302,15 +300,18 @@ def test_a_killed_rank_ends_the_job_and_a_truncated_shard_of_rank_1_is_skipped(t
 
 def test_a_full_disk_on_rank_1_stops_every_rank_in_one_line_and_the_previous_checkpoint_resumes(two_step_run,
                                                                                                   three_step_run):
-    """Rank 1 alone finds the disk full while DeepSpeed writes its ZeRO optimizer shard of checkpoint step 3
-    (ENOSPC injected into its torch.save): the ranks agree after the save's writes, so none waits in a collective for
-    a rank that gave up. Each rank's stderr (torchrun --redirects keeps them apart) holds one line and no traceback:
-    rank 1 the file and the cause, rank 0 that the save stopped on rank 1; the half-written step-3 is removed, the
-    lock released, torchrun reports the failed ranks (its own ChildFailedError report, the only traceback), and
-    --resume from step 2 then logs what the uninterrupted run logs."""
+    """The 2-step run (a copy) resumed to 3 steps under torchrun, where rank 1 alone finds the disk full while
+    DeepSpeed writes its ZeRO optimizer shard of checkpoint step 3 (ENOSPC injected into its torch.save): the ranks
+    agree after the save's writes, so none waits in a collective for a rank that gave up. Each rank's stderr (torchrun
+    --redirects keeps them apart) holds one line and no traceback: rank 1 the file and the cause, rank 0 that the save
+    stopped on rank 1; the half-written step-3 is removed, the lock released, torchrun reports the failed ranks (its
+    own ChildFailedError report, the only traceback). --resume from step 2 then logs what the uninterrupted 3-step run
+    logs: the exact resume of ZeRO-3 on 2 ranks (DeepSpeed's partitioned model/optimizer/scheduler state, every rank's
+    RNG and the data position, saved under the deepspeed launcher, loaded under torchrun)."""
     root = two_step_run
     run, logs = root / "full-disk", root / "full-disk-logs"
-    cmd, env = train_command_2ranks("torchrun", run, root / "cache", "--max-steps", "3")
+    shutil.copytree(root / "run", run)
+    cmd, env = train_command_2ranks("torchrun", run, root / "cache", "--max-steps", "3", "--resume")
     module = cmd.index("erpo") - 1   # `-m erpo` becomes the script that injects the fault, each rank's stderr a file
     cmd[module:module + 2] = ["--log-dir", str(logs), "--redirects", "2", str(WORKERS / "enospc_rank_train.py")]
     env.update(ERPO_TEST_ENOSPC_RANK="1", ERPO_TEST_ENOSPC_STEP="3")
