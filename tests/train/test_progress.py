@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from erpo.cli.commands import main
 from erpo.progress import LogProgress, progress_seconds
 from terminal import TerminalRun
 from test_resume import env, small_run_args
@@ -20,7 +21,9 @@ def train_command(out: Path, cache: Path) -> list[str]:
             *small_run_args(cache), "logging.progress_bar=true", "reference.batch_size=8"]
 
 
-def test_without_a_terminal_every_phase_logs_plain_progress_lines(tmp_path):
+def test_without_a_terminal_every_phase_logs_plain_progress_lines(tmp_path, monkeypatch, capsys, caplog):
+    """`erpo train` in a process with stderr to a pipe; then `erpo eval` of its model in this process (stderr
+    captured: no terminal either), its progress the records of erpo's logger."""
     out = tmp_path / "run"
     log_env = dict(env(), ERPO_PROGRESS_SECONDS="0")
     train = subprocess.run(train_command(out, tmp_path / "cache"), env=log_env, capture_output=True, text=True,
@@ -33,12 +36,14 @@ def test_without_a_terminal_every_phase_logs_plain_progress_lines(tmp_path):
         assert counts and counts[-1].split("/")[0] == counts[-1].split("/")[1], (phase, train.stderr[-3000:])
     assert "tiny theta0 SFT: 5/5 step (100%)" in train.stderr and "erpo train: 2/4 step (50%)" in train.stderr
 
-    evaluation = subprocess.run([sys.executable, "-m", "erpo", "eval", "--model", str(out), "--temperatures", "1.0",
-                                 "--k", "2", "--max-new-tokens", "4", "--output-dir", str(tmp_path / "eval")],
-                                env=log_env, capture_output=True, text=True, timeout=300)
-    assert evaluation.returncode == 0, evaluation.stderr[-4000:]
-    assert "\r" not in evaluation.stderr
-    assert " erpo: run | synthetic | T=1: 64/64 problem (100%)" in evaluation.stderr, evaluation.stderr[-3000:]
+    monkeypatch.setenv("ERPO_PROGRESS_SECONDS", "0")
+    caplog.set_level("INFO", logger="erpo")
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out), "--temperatures", "1.0", "--k", "2", "--max-new-tokens", "4",
+                 "--output-dir", str(tmp_path / "eval")]) == 0
+    assert "\r" not in capsys.readouterr().err   # no tqdm bar
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("run | synthetic | T=1: 64/64 problem (100%)") for line in lines), lines[-20:]
 
 
 def test_on_a_terminal_the_phases_show_progress_bars(tmp_path):
