@@ -94,17 +94,18 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_resum
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning_and_the_run_still_matches(runs):
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning_and_the_run_still_matches(runs, caplog):
     root, _ = runs
     run = root / "truncated"
     shutil.copytree(root / "pristine", run)
     truncate(run / "checkpoints" / "step-2" / "optimizer.pt")
-    proc = erpo_train(run, root / "cache", "--max-steps", "3", "--resume")
-    warnings = [line for line in proc.stderr.splitlines() if "damaged" in line]
-    assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
-    assert f"checkpoint {run / 'checkpoints' / 'step-2'} is damaged (optimizer.pt: " in warnings[0]
-    assert "moved to damaged-step-2; resuming from an older one" in warnings[0]
-    assert f"resumed from {run / 'checkpoints' / 'step-1'}" in proc.stderr
+    caplog.set_level("INFO", logger="erpo")
+    erpo_train_here(run, root / "cache", "--max-steps", "3", "--resume")   # what it reads is the files, not a process
+    warnings = [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert [r.levelname for r in warnings] == ["WARNING"], [r.getMessage() for r in warnings]
+    assert f"checkpoint {run / 'checkpoints' / 'step-2'} is damaged (optimizer.pt: " in warnings[0].getMessage()
+    assert "moved to damaged-step-2; resuming from an older one" in warnings[0].getMessage()
+    assert any(f"resumed from {run / 'checkpoints' / 'step-1'}" in r.getMessage() for r in caplog.records)
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["damaged-step-2", "step-2", "step-3"]
 
