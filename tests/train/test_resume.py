@@ -10,9 +10,10 @@ The LR schedule is constant (trainer.min_lr_ratio=1) because a cosine schedule's
 --max-steps, which legitimately differs between the two halves of the interrupted run; with a cosine schedule
 such a resume is refused. Every checkpoint holds a Hugging Face export of its model (`step-N/hf/`).
 
-The resumes, and the runs stopped by a signal, are processes of their own (`erpo_train`), as a user starts them;
-the runs that only give them what to match or what to resume from run `erpo train` in this process
-(`erpo_train_here`: the same command line, without a child's 5 s of imports).
+The resume after two steps, and the runs stopped by a signal, are processes of their own (`erpo_train`), as a user
+starts them; the runs that only give them what to match or what to resume from, and the resume of the SIGTERMed run
+(what it checks is the checkpoint the signal left), run `erpo train` in this process (`erpo_train_here`: the same
+command line, without a child's 5 s of imports).
 """
 import functools
 import json
@@ -196,7 +197,9 @@ def test_resume_refuses_another_training_set(uninterrupted, capsys, caplog):
 def test_sigterm_saves_and_resume_matches(uninterrupted):
     """A real SIGTERM to a real `erpo train` inside rollout step 2 of 4: the run is held in that step's reward until
     the signal has been sent (so no machine is fast enough to finish first); the step finishes, is saved and logged,
-    the run exits 0, and `--resume` in a new process logs and exports what the uninterrupted run did."""
+    the run exits 0, and `--resume` (in this process: what it reads is the checkpoint the signal left;
+    test_stop_after_two_steps_then_resume_matches resumes in a new process) logs and exports what the uninterrupted
+    run did."""
     root = uninterrupted
     run, hold = root / "sigterm", root / "sigterm-hold"
     proc = start_held_run(run, root / "cache", hold, "--max-steps", "4", step=2)
@@ -212,6 +215,6 @@ def test_sigterm_saves_and_resume_matches(uninterrupted):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert not (run / "final").exists()
     assert max(r["rollout_step"] for r in metrics_by_step(run).values()) == 2   # the signalled step was finished
-    erpo_train(run, root / "cache", "--max-steps", "4", "--resume", sets=HELD_REWARD)   # nothing held: no folder
+    erpo_train_here(run, root / "cache", "--max-steps", "4", "--resume", sets=HELD_REWARD)   # nothing held: no folder
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert_same_model(run / "final", root / "full" / "final")

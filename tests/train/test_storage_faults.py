@@ -26,7 +26,6 @@ from test_resume import (
     HELD_REWARD,
     assert_same_metrics,
     env,
-    erpo_train,
     erpo_train_here,
     small_run_args,
     start_held_run,
@@ -123,7 +122,7 @@ def test_no_intact_checkpoint_is_one_line_and_exit_1(runs, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
 
-def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys):
+def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys, caplog):
     root, _ = runs
     run = root / "locked"
     # alive, holding the lock and making no progress until killed: step-1 is saved, step 2 cannot end
@@ -138,8 +137,9 @@ def test_a_second_writer_is_refused_until_the_first_is_killed(runs, capsys):
         first.kill()
         first.stderr.close()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
-    third = erpo_train(run, root / "cache", "--max-steps", "3", "--resume", sets=HELD_REWARD)   # nothing held
-    [takeover] = [line for line in third.stderr.splitlines() if "taking over the lock" in line]
+    caplog.set_level("INFO", logger="erpo")
+    erpo_train_here(run, root / "cache", "--max-steps", "3", "--resume", sets=HELD_REWARD)   # nothing held
+    [takeover] = [r.getMessage() for r in caplog.records if "taking over the lock" in r.getMessage()]
     assert f"(its process {first.pid} is gone)" in takeover
     assert_same_metrics(metrics_by_step(run), metrics_by_step(root / "full"))
     assert not (run / "run.lock").exists()
