@@ -14,7 +14,6 @@ from paths import worker_pythonpath
 from process_group import run_group
 from torchrun import RANKS_LIMIT_S, free_port
 
-
 # ---------------------------------------------------------------------------------------------- shard
 
 @pytest.mark.parametrize("num_groups,group_size,world", [(8, 4, 2), (7, 3, 3), (5, 1, 5), (10, 2, 4)])
