@@ -300,23 +300,6 @@ def hf_deepspeed_config(ds_config: dict):
     return HfDeepSpeedConfig(ds_config)
 
 
-@contextlib.contextmanager
-def torch_linear_put_back():
-    """Inside, whatever DeepSpeed does to `torch.nn.functional.linear`; on leaving, the function it was before.
-
-    DeepSpeed ZeRO-3 (`zero.Init`: a model created partitioned, `hf_deepspeed_config`; `deepspeed.initialize` at
-    stage 3) replaces it with its memory-efficient linear (`zero3_linear_wrap`: the matmul, then the bias added) and
-    never puts it back ("This will persist unless manually reset"). Every nn.Linear of every model in the process
-    then computes through it, with other roundings (a bf16 forward under autocast differs in the last bits, and by
-    the batch's padding): a reference cache or an evaluation scored in the same process after a ZeRO-3 run would
-    not be what a fresh process scores. Usable as a decorator."""
-    linear = torch.nn.functional.linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = linear
-
-
 def prepare_reference_model(model: torch.nn.Module, ds_config: dict):
     """A frozen reference model laid out for `ds_config`'s ZeRO stage.
 

@@ -33,6 +33,7 @@ from erpo.tasks.rewards import load_reward_function
 from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
+from erpo.train.process_state import left_as_found
 from erpo.train.rollout_stage import filtered_step_warning, rollout_stage
 from erpo.train.run_dir import check_resumed_training_set, check_run_dir, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir
@@ -91,7 +92,7 @@ class Run:
 
 
 def seed_everything(cfg: Config) -> None:
-    """Seed Python, NumPy and torch with trainer.seed and set torch's CPU threads."""
+    """Seed Python, NumPy and torch with trainer.seed and set torch's CPU threads (put back when `train` ends)."""
     if cfg.trainer.cpu_threads:
         torch.set_num_threads(cfg.trainer.cpu_threads)
     random.seed(cfg.trainer.seed)
@@ -218,13 +219,13 @@ def finish_run(cfg: Config, run: Run) -> None:
         log.info("training curves: %s", png)
 
 
-@D.torch_linear_put_back()
+@left_as_found()
 def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
     """Run ERPO (or a baseline, per cfg.algorithm) and return the output dir. Writes config.yaml,
     reference_cache.json, metrics.jsonl, tb/, checkpoints/, final/ and plots/training.png there, holding its
-    run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.train.run_lock). The
-    process's `torch.nn.functional.linear`, which DeepSpeed ZeRO-3 replaces, is what it was before once it returns
-    or raises (`D.torch_linear_put_back`)."""
+    run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.train.run_lock). Once it
+    returns or raises, the process's `torch.nn.functional.linear` (which DeepSpeed ZeRO-3 replaces), CPU threads and
+    launcher variables are as they were before (`left_as_found`)."""
     run = start_run(cfg, resume, force)
     t, state, sampler, model = cfg.trainer, run.state, run.sampler, run.updater.model
     metrics = MetricsWriter(cfg, run.out_dir, resume=resume, total_steps=t.max_steps * updates_per_rollout(cfg),

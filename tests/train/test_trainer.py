@@ -678,9 +678,8 @@ def test_vllm_sleep_mode_sleeps_between_rollouts(tmp_path, cache_dir, monkeypatc
     assert calls == step1 + step2
 
 
-def test_offload_settings_reach_the_deepspeed_config(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)    # deepspeed_config_for fills them for a one-rank group
+def test_offload_settings_reach_the_deepspeed_config(no_launcher_variables):
+    # deepspeed_config_for fills the launcher variables for a one-rank group: the fixture takes them away after
     off = deepspeed_config_for(resolve(apply_overrides(Config(), ["trainer.zero_stage=3"])))
     assert "offload_optimizer" not in off["zero_optimization"] and "offload_param" not in off["zero_optimization"]
     cfg = resolve(apply_overrides(Config(), ["trainer.zero_stage=3", "trainer.offload_optimizer=true",
@@ -733,6 +732,51 @@ def test_zero3_models_are_born_partitioned_and_grpo_matches_plain_torch(tmp_path
     assert b["qkl"] == pytest.approx(0.0, abs=1e-6) and b["policy_kl"] == pytest.approx(0.0, abs=1e-6)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("ending, caller_sets", [("returns", ()), ("raises", ("MASTER_ADDR", "MASTER_PORT"))],
+                         ids=["returns", "raises-beside-the-callers-port"])
+def test_train_leaves_the_process_as_found(tmp_path, cache_dir, monkeypatch, no_launcher_variables, ending,
+                                           caller_sets):
+    """train() from Python (a notebook, a script that then launches a job), one DeepSpeed ZeRO-3 rank on 2 threads in
+    a process without a process group: once it returns or raises, torch.nn.functional.linear and the caller's threads
+    are as before, the launcher variables the run filled are gone (a process launched next would inherit MASTER_PORT,
+    bound by this one's group) with the group, and those the caller set (its own free port) keep the caller's
+    values."""
+    pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
+    pytest.importorskip("accelerate", exc_type=ModuleNotFoundError)
+    from erpo import distributed as D
+    from torchrun import free_port
+    assert not D.is_initialized()
+    caller = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key in caller_sets:
+        monkeypatch.setenv(key, caller[key])
+    before = {key: os.environ.get(key) for key in D.LAUNCHER_VARIABLES}
+    threads, linear, inside = torch.get_num_threads(), torch.nn.functional.linear, []
+    stage = trainer_module.rollout_stage
+
+    def recording_stage(*args, **kwargs):
+        inside.append(({key: os.environ.get(key) for key in D.LAUNCHER_VARIABLES}, torch.get_num_threads(),
+                       torch.nn.functional.linear is linear, D.is_initialized()))
+        if ending == "raises":
+            raise RuntimeError("the rollout failed")
+        return stage(*args, **kwargs)
+    monkeypatch.setattr(trainer_module, "rollout_stage", recording_stage)
+    cfg = small_cfg(tmp_path / "run", cache_dir, "trainer.updater=deepspeed", "trainer.zero_stage=3",
+                    f"trainer.cpu_threads={threads + 1}", "trainer.max_steps=1", "trainer.save_hf=false")
+    if ending == "raises":
+        with pytest.raises(RuntimeError, match="the rollout failed"):
+            train(cfg)
+    else:
+        train(cfg)
+    (env, run_threads, torch_linear, group), = inside   # during the run: a one-rank group, its threads, ZeRO-3's linear
+    port = env.pop("MASTER_PORT")
+    assert port == before["MASTER_PORT"] if "MASTER_PORT" in caller_sets else port.isdigit()
+    filled = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert env == {**filled, **{key: before[key] for key in caller_sets if key != "MASTER_PORT"}}
+    assert run_threads == threads + 1 and not torch_linear and group
+    assert {key: os.environ.get(key) for key in D.LAUNCHER_VARIABLES} == before and not D.is_initialized()
+    assert torch.get_num_threads() == threads and torch.nn.functional.linear is linear
 
 
 def test_fresh_run_replaces_a_stale_metrics_log(tmp_path, cache_dir):
