@@ -143,10 +143,13 @@ def build_engine(model_dir: str, *, use_remove_padding: bool = True, use_dynamic
     class, for every model of that class in the process (`patch_forward_with_backends`); here the replacement is
     moved onto this engine's model (`confine_forward_patch`), so that the other engines and HF models of the same
     class in a test process keep their own forward, as a verl worker holds the actor's model alone."""
-    from verl.models.transformers import monkey_patch
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from erpo.process_state import variables_as_found
+
+    with variables_as_found(["TORCH_CUDA_ARCH_LIST"]):   # as erpo.integrations.verl_trainer imports verl's engine
+        from verl.models.transformers import monkey_patch
+        from verl.trainer.config import CheckpointConfig
+        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     init_process_group()
     fused = {} if fused_kernels is None else dict(use_fused_kernels=True,

@@ -187,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                          see=(command.prog,))
         (parser if early else command).error(f"unrecognized arguments: {' '.join(early or late)}")
     args.command_line = shlex.join(["erpo", *argv])
+    # A command runs (torch loads now). What it sets for itself and the libraries it calls is put back after it:
+    # main() called from Python (a notebook, a test) leaves the process's environment as it found it.
+    from erpo.process_state import variables_as_found
+    with variables_as_found(["LOCAL_RANK", "DS_ACCELERATOR"]):
+        return run_parsed(args)
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run the command `args` (parsed, its command line in `args.command_line`) as the `erpo` process does: the
+    user's errors, a missing package and a stop in one line on stderr; returns the exit status."""
     if hasattr(args, "local_rank"):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     debug = args.debug or os.environ.get("ERPO_DEBUG", "").strip() not in ("", "0")

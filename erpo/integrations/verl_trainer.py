@@ -20,9 +20,16 @@ from functools import partial
 
 import torch
 from omegaconf import OmegaConf, open_dict
-from verl.trainer.ppo.v1 import register_trainer
-from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.utils.config import omega_conf_to_dataclass
+
+from erpo.process_state import variables_as_found
+
+# verl's engine package, which its trainer imports, sets TORCH_CUDA_ARCH_LIST=8.0 on a machine without CUDA for its
+# Megatron engine's import and removes it only when that import succeeds: without Megatron it stayed set for the rest
+# of the process (this module is imported at `import verl`), and for every build or process started afterwards
+with variables_as_found(["TORCH_CUDA_ARCH_LIST"]):
+    from verl.trainer.ppo.v1 import register_trainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils.config import omega_conf_to_dataclass
 
 from erpo.integrations.query_reference import load_or_build_reference
 from erpo.integrations.template_date import DatedTemplate, DateSettings, date_dependence

@@ -24,6 +24,7 @@ from erpo.errors import UserError
 from erpo.models.export import HF_DIR, export_hf, is_hf_export, publish_hf
 from erpo.models.loading import device_for_rank, load_model, model_path_for, tokenizer_for
 from erpo.models.lora import MERGED_DIR, AdaptersDisabled, export_merged, held_parameters_line
+from erpo.process_state import left_as_found
 from erpo.reference.setup import precompute_reference
 from erpo.rollout import rollout_engine_for
 from erpo.sequences import logit_transforms
@@ -33,7 +34,6 @@ from erpo.tasks.rewards import load_reward_function
 from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
-from erpo.train.process_state import left_as_found
 from erpo.train.rollout_stage import filtered_step_warning, rollout_stage
 from erpo.train.run_dir import check_resumed_training_set, check_run_dir, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir

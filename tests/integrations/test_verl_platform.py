@@ -14,8 +14,10 @@ pytest.importorskip("bench.verl_engine", exc_type=ModuleNotFoundError)   # verl 
 
 
 def clean_env(tmp_path, **values) -> dict:
-    """This process's environment without verl's platform and plugin settings (verl's defaults), plus `values`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS")}
+    """This process's environment without verl's platform and plugin settings (verl's defaults) and without
+    TORCH_CUDA_ARCH_LIST, plus `values`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS", "TORCH_CUDA_ARCH_LIST")}
     return {**env, "PYTHONPATH": worker_pythonpath(), "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", **values}
 
 
@@ -50,7 +52,8 @@ import erpo.integrations.verl_trainer
 from verl.plugin.platform import get_platform
 from verl.workers.engine.fsdp import transformer_impl
 print('imported:', get_platform().device_name, transformer_impl.device_name,
-      os.environ.get('VERL_USE_EXTERNAL_PLUGINS'), os.environ.get('VERL_PLATFORM'))
+      os.environ.get('VERL_USE_EXTERNAL_PLUGINS'), os.environ.get('VERL_PLATFORM'),
+      os.environ.get('TORCH_CUDA_ARCH_LIST'))
 from erpo.models.tiny import build_tokenizer, save_model_dir
 from verl.models.transformers import monkey_patch
 from verl.utils import import_utils
@@ -78,8 +81,9 @@ def verl_first(tmp_path_factory) -> list[list[str]]:
 
 def test_verl_imported_first_keeps_the_cpu_platform_and_the_environment(verl_first):
     """bench.verl_engine first, then erpo's verl plugin (which imports verl's engine modules): they keep device "cpu";
-    the environment verl reads its plugin setting from is as it was (a child verl loads its plugins)."""
-    assert verl_first[0] == ["cpu", "cpu", "None", "None"]
+    the environment verl reads its plugin setting from is as it was (a child verl loads its plugins), and verl's
+    engine import, which sets TORCH_CUDA_ARCH_LIST for its Megatron engine, leaves it unset without Megatron."""
+    assert verl_first[0] == ["cpu", "cpu", "None", "None", "None"]
 
 
 def test_building_an_engine_leaves_the_environment_and_verl_as_they_were(verl_first):

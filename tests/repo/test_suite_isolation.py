@@ -61,6 +61,19 @@ def test_libraries_keep_their_user_files_under_the_sessions_user_folder(tmp_path
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
 
 
+def two_files_in_one_process(tmp_path, leaks: str, next_file: str) -> subprocess.CompletedProcess:
+    """pytest with tests/conftest.py as a plugin on `leaks` (test_a_leaks.py), then `next_file` (test_b_next.py), in
+    one process, as a pytest-xdist worker runs them; lines not cut."""
+    (tmp_path / "test_a_leaks.py").write_text(leaks)
+    (tmp_path / "test_b_next.py").write_text(next_file)
+    path = os.pathsep.join([str(TESTS), str(SUPPORT), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-p", "conftest", f"--rootdir={tmp_path}", f"--basetemp={tmp_path / 'run'}",
+                           "test_a_leaks.py", "test_b_next.py"],
+                          cwd=tmp_path, env=dict(os.environ, COLUMNS="1000", PYTHONPATH=path), capture_output=True,
+                          text=True, timeout=300)
+
+
 LEAVES_LINEAR_REPLACED = """import torch
 
 
@@ -90,16 +103,42 @@ def test_a_file_that_leaves_a_torch_function_replaced_fails_and_the_next_file_do
     in a pytest-xdist worker, and a later file's bf16 forwards changed): the file that leaves torch's linear replaced
     errors at its last test's teardown, naming it; what monkeypatch restores, and a name only added, are no change;
     the next file in the same process passes."""
-    (tmp_path / "test_a_leaks.py").write_text(LEAVES_LINEAR_REPLACED)
-    (tmp_path / "test_b_next.py").write_text(LEAVES_NOTHING)
-    path = os.pathsep.join([str(TESTS), str(SUPPORT), str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, COLUMNS="1000", PYTHONPATH=path)   # tests/conftest.py as a plugin; lines not cut
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-p", "conftest", f"--rootdir={tmp_path}", f"--basetemp={tmp_path / 'run'}",
-                           "test_a_leaks.py", "test_b_next.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = two_files_in_one_process(tmp_path, LEAVES_LINEAR_REPLACED, LEAVES_NOTHING)
     assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
     errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
     assert errors == ["ERROR test_a_leaks.py::test_restores_what_it_replaces - Failed: test_a_leaks.py left "
                       "process-wide state changed for the next file in this process: torch.nn.functional.linear: "
                       "torch._C._nn.linear -> test_a_leaks.linear"], done.stdout[-3000:]
+
+
+LEAVES_A_VARIABLE_SET = """import os
+
+
+def test_leaves_a_variable_set():
+    os.environ["ERPO_TESTS_LEFT_SET"] = "29500"
+
+
+def test_sets_and_removes_with_monkeypatch(monkeypatch):
+    monkeypatch.setenv("ERPO_TESTS_PUT_BACK", "1")
+    monkeypatch.delenv("HOME")
+"""
+
+READS_THE_ENVIRONMENT = """import os
+
+
+def test_finds_no_variable_left():
+    assert "ERPO_TESTS_PUT_BACK" not in os.environ and "HOME" in os.environ
+"""
+
+
+def test_a_file_that_leaves_an_environment_variable_set_fails_and_the_next_file_does_not(tmp_path):
+    """The environment is watched too (tests/support/process_globals.py), a variable a file adds included: as an
+    in-process `erpo train` once left MASTER_PORT set and a later file's child `erpo train` failed on the bound port.
+    The file that sets a variable for good errors at its last test's teardown, naming it; what monkeypatch sets or
+    removes and puts back is no change; the next file in the same process passes."""
+    done = two_files_in_one_process(tmp_path, LEAVES_A_VARIABLE_SET, READS_THE_ENVIRONMENT)
+    assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
+    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
+    assert errors == ["ERROR test_a_leaks.py::test_sets_and_removes_with_monkeypatch - Failed: test_a_leaks.py left "
+                      "process-wide state changed for the next file in this process: "
+                      "os.environ.ERPO_TESTS_LEFT_SET: (none) -> '29500'"], done.stdout[-3000:]

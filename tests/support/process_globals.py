@@ -6,13 +6,29 @@ changes what the next files compute. Once, DeepSpeed ZeRO-3's `torch.nn.function
 Watched: torch.nn.functional's and torch's functions, the methods of torch.Tensor and torch.nn.Module, transformers'
 attention registry, torch's numeric switches. A name a file adds is not a change (DeepSpeed's `zero.Init` leaves
 its `_old_init` on nn.Module, unused), nor the inherited method put back into a class's own dict (its
-`nn.Module.__init_subclass__`); a watched name whose object is another one, or gone, is."""
+`nn.Module.__init_subclass__`); a watched name whose object is another one, or gone, is.
+
+And the whole environment (`os.environ`), where a variable a file adds is a change too: the next files, and every
+process they launch, read it. Once, an in-process `erpo train` left MASTER_PORT set, and a later file's child `erpo
+train` bound the port again (EADDRINUSE); verl's engine import left TORCH_CUDA_ARCH_LIST=8.0 for every later build.
+All of it rather than a list of the variables known to matter: what a leak changes is not known in advance. Not
+watched (`LIBRARY_VARIABLES`): pytest's own PYTEST_CURRENT_TEST, and what a library sets once for the rest of the
+process on its first use, wherever that falls in the suite."""
+import os
 import sys
 
 import torch
 from torch._dynamo.mutation_guard import install_generation_tagging_init
 
 MISSING = object()
+# set by pytest for each test's phase, and by a library once for the rest of the process on its first use
+LIBRARY_VARIABLES = {
+    "PYTEST_CURRENT_TEST": "pytest: the running test and phase",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "`import deepspeed` (setdefault: torch's CUDA check through NVML)",
+    "TORCHINDUCTOR_CACHE_DIR": "torch.compile's first compilation: where Inductor caches, made absolute",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "torch.compile's first compilation: Inductor's own bookkeeping",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "`import verl` (setdefault)",
+}
 # What torch does once per process, before any file's snapshot: importing torch._dynamo (above) wraps
 # torch.manual_seed, and the first torch.compile patches nn.Module.__init__ / __setstate__ (this call)
 install_generation_tagging_init()
@@ -63,6 +79,7 @@ def process_globals() -> dict[str, dict]:
         "torch.nn.Module": class_members(torch.nn.Module),
         "switches": torch_switches(),
     }
+    state["os.environ"] = {name: value for name, value in os.environ.items() if name not in LIBRARY_VARIABLES}
     modeling_utils = sys.modules.get("transformers.modeling_utils")   # only once a file has imported transformers
     if modeling_utils is not None:
         registry = modeling_utils.ALL_ATTENTION_FUNCTIONS
@@ -72,12 +89,14 @@ def process_globals() -> dict[str, dict]:
 
 def changed_globals(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
     """'namespace.name: before -> after' for each watched name of `before` that `after` holds as another object
-    or value (`same_object`), or no longer holds. A namespace `before` lacks is skipped."""
+    or value (`same_object`), or no longer holds, and for each environment variable `after` adds. A namespace
+    `before` lacks is skipped."""
     changes = []
     for space, names in before.items():
         now = after.get(space, {})
-        for name, value in names.items():
-            current = now.get(name, MISSING)
+        added = [name for name in now if name not in names] if space == "os.environ" else []
+        for name in [*names, *added]:
+            value, current = names.get(name, MISSING), now.get(name, MISSING)
             if not same_object(current, value):
                 changes.append(f"{space}.{name}: {describe(value)} -> {describe(current)}")
     return changes
@@ -96,6 +115,6 @@ def same_object(a, b) -> bool:
 def describe(value) -> str:
     """A function as module.qualname, anything else as its repr."""
     if value is MISSING:
-        return "(gone)"
+        return "(none)"
     name = getattr(value, "__qualname__", None)
     return f"{getattr(value, '__module__', None) or '?'}.{name}" if name else repr(value)

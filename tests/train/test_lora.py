@@ -189,11 +189,8 @@ def test_hf_rollout_samples_from_the_adapted_model(base_dir, tokenizer):
     assert not torch.allclose(scored_token_logp(load_base(base_dir), batch)[response], sampled, atol=1e-2)
 
 
-def test_vllm_sync_loads_merged_weights(base_dir, monkeypatch):
+def test_vllm_sync_loads_merged_weights(base_dir, monkeypatch, no_launcher_variables):
     fake_vllm.install(monkeypatch)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
     model = adapted(base_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine = VLLMRollout(base_dir)

@@ -117,9 +117,6 @@ def test_vllm_engine_holds_the_merged_policy(tmp_path, cache_dir, kept_updater, 
     """rollout.engine=vllm (a recording fake): after the optimizer steps the engine holds every weight of the plain
     model with the trained adapters merged in (what sampling then uses), under the plain model's names."""
     fake_vllm.install(monkeypatch)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):   # VLLMRollout sets them
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
     cfg = lora_cfg(tmp_path / "run", cache_dir, "rollout.engine=vllm", "trainer.max_steps=1")
     train(cfg)
     loaded = fake_vllm.LLM.instances[-1].model.loaded
