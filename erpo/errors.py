@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT   # 130: what a shell reports for a command ended by Ctrl-C
 TERMINATED_EXIT_STATUS = 128 + signal.SIGTERM   # 143: ... and by SIGTERM
@@ -21,6 +21,20 @@ class UserError(ValueError):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def setting_name(names: Mapping[str, str] | None, keyword: str) -> str:
+    """The setting a function takes as `keyword`, as its caller's user spelled it, for an error message:
+    `names[keyword]` where the caller gave it (`erpo eval`'s `--gpu-memory-utilization`, the trainer's
+    `rollout.gpu_memory_utilization`), else the keyword itself (a call from Python)."""
+    return (names or {}).get(keyword, keyword)
+
+
+def setting_value(names: Mapping[str, str] | None, keyword: str, value: object) -> str:
+    """The setting `keyword` with its `value` as its caller's user wrote it: `--engine vllm` for an option,
+    `engine=vllm` for a keyword (or `rollout.engine=vllm` for a config key)."""
+    name = setting_name(names, keyword)
+    return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
 
 
 class MissingInputError(UserError, FileNotFoundError):

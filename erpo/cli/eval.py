@@ -8,9 +8,10 @@ import sys
 from erpo.errors import UserError
 from erpo.eval.defaults import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURES, TEMPERATURE_GRIDS
 
-# `check_eval_arguments`' arguments -> the options they come from, which its errors name
+# the keywords of `evaluate` and the functions it calls -> the options they come from, which their errors name
 OPTION_NAMES = {"k": "--k", "temperatures": "--temperatures", "pass_ks": "--pass-k", "batch_size": "--batch-size",
-                "top_p": "--top-p", "gpu_memory_utilization": "--gpu-memory-utilization"}
+                "top_p": "--top-p", "gpu_memory_utilization": "--gpu-memory-utilization", "model_path": "--model",
+                "engine": "--engine", "tensor_parallel_size": "--tensor-parallel-size"}
 
 
 def _numbers(text: str, name: str, kind: type) -> list:
@@ -132,7 +133,8 @@ def run_eval(args: argparse.Namespace) -> None:
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       templates=templates, engine=args.engine, device=device, dtype=args.dtype,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      tensor_parallel_size=args.tensor_parallel_size, progress=not args.no_progress)
+                      tensor_parallel_size=args.tensor_parallel_size, progress=not args.no_progress,
+                      names=OPTION_NAMES)
     for table in ("md", "history_md"):   # the history table too, when some --model is RUN_DIR@all
         if table in result["paths"]:
             with open(result["paths"][table], encoding="utf-8") as handle:

@@ -19,10 +19,12 @@ import dataclasses
 import datetime
 import gc
 import os
+from collections.abc import Mapping
 
 import torch
 
 from erpo.config import check_gpu_memory_utilization
+from erpo.errors import setting_name
 from erpo.eval.defaults import DEFAULT_MAX_NEW_TOKENS
 from erpo.eval.metrics import default_pass_ks
 from erpo.eval.model_specs import ModelSpec, prompt_settings
@@ -40,8 +42,8 @@ def check_eval_arguments(*, k: int, temperatures: list[float], pass_ks: list[int
     argument to its name there, e.g. {"k": "--k"} for `erpo eval`; the keyword itself where absent); return sorted
     unique temperatures and the Pass@k budgets (default: powers of two up to k; k itself is always included).
     gpu_memory_utilization: vLLM's share of each GPU, checked before any engine is built (None: no vLLM to run)."""
-    name = {key: key for key in ("k", "temperatures", "pass_ks", "batch_size", "top_p", "gpu_memory_utilization")
-            } | (names or {})
+    name = {key: setting_name(names, key)
+            for key in ("k", "temperatures", "pass_ks", "batch_size", "top_p", "gpu_memory_utilization")}
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{name['k']} must be an integer >= 1 (samples per problem), got {k!r}")
     if not temperatures:
@@ -66,18 +68,20 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = 8, seed: int = 0,
              templates: dict[str, str] | None = None, engine: str = "auto", device: str = "cpu",
              dtype: str = "auto", gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-             progress: bool = True) -> dict:
+             progress: bool = True, names: Mapping[str, str] | None = None) -> dict:
     """Evaluate every model on every benchmark at every temperature; write and return the results.
 
     Returns ``{"rows": [...], "paths": {"md", "json", "csv", "png"}}`` (plus "history_md", "history_csv" and
     "history_png" when some models form a run's history). Rows hold per-temperature,
     benchmark-average and temperature-range scores (see ``aggregate``). Every model gets the same response
     budget `max_new_tokens`; `templates` maps model labels to their prompt templates (`parse_templates`).
+    A bad setting is a ValueError naming it as `names` maps these keywords (`erpo eval`: its options, {"k": "--k",
+    "model_path": "--model", ...}), else by the keyword.
     """
 
     temperatures, pass_ks = check_eval_arguments(k=k, temperatures=temperatures, pass_ks=pass_ks,
                                                  batch_size=batch_size, top_p=top_p,
-                                                 gpu_memory_utilization=gpu_memory_utilization)
+                                                 gpu_memory_utilization=gpu_memory_utilization, names=names)
     metric_keys = None
     per_temperature = []
     model_lines = []
@@ -85,7 +89,7 @@ def evaluate(models: list[ModelSpec], benchmarks: list[Benchmark], *, temperatur
         settings = prompt_settings(model, (templates or {}).get(model.label), max_new_tokens)
         rollout, tokenizer = build_engine(model.path, engine=engine, device=device, dtype=dtype, seed=seed,
                                          batch_size=batch_size, gpu_memory_utilization=gpu_memory_utilization,
-                                         tensor_parallel_size=tensor_parallel_size)
+                                         tensor_parallel_size=tensor_parallel_size, names=names)
         model_lines.append(f"{model.label} = {model.path} (template {settings.template!r}, chat template "
                            f"{settings.use_chat_template}, max_new_tokens {settings.max_new_tokens}, "
                            f"{type(rollout).__name__})")

@@ -6,9 +6,11 @@ import hashlib
 import importlib.util
 import json
 import logging
+from collections.abc import Mapping
 
 import torch
 
+from erpo.errors import UserError, setting_name, setting_value
 from erpo.eval.model_specs import PromptSettings
 from erpo.eval.problem_sets import Benchmark, problem_as_asked
 from erpo.eval.sample_cache import append_lines, cache_path, chunk_seed, read_cache
@@ -23,28 +25,32 @@ log = logging.getLogger("erpo")
 
 
 def build_engine(model_path: str, *, engine: str, device: str, dtype: str, seed: int, batch_size: int,
-                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1):
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                 names: Mapping[str, str] | None = None):
     """(RolloutEngine, tokenizer) for one model: vLLM when installed (engine auto/vllm), else HF generate.
 
     batch_size: prompts per HF generate call. gpu_memory_utilization: vLLM's share of each GPU.
     tensor_parallel_size: GPUs vLLM shards the model over (its own worker processes; vLLM only).
+    names: how the caller's user spells these keywords (`erpo eval`: {"engine": "--engine", ...}), which the errors
+    (a UserError, also a ValueError) use; a keyword absent names itself (`erpo.errors.setting_name`).
     """
     if engine not in ("auto", "hf", "vllm"):
-        raise ValueError(f"--engine must be auto, hf or vllm, got {engine!r}")
+        raise UserError(f"{setting_name(names, 'engine')} must be auto, hf or vllm, got {engine!r}")
     adapter = is_adapter_dir(model_path)
     if adapter and engine == "vllm":
-        raise ValueError(f"--model {model_path} is a LoRA adapter, which --engine vllm does not load: pass the merged "
-                         f"model ({MERGED_DIR}/ of a run trained with model.lora.export_merged=true) or --engine hf")
+        raise UserError(f"{setting_value(names, 'model_path', model_path)} is a LoRA adapter, which "
+                        f"{setting_value(names, 'engine', 'vllm')} does not load: pass the merged model "
+                        f"({MERGED_DIR}/ of a run trained with model.lora.export_merged=true) or "
+                        f"{setting_value(names, 'engine', 'hf')}")
     use_vllm = engine == "vllm" or (engine == "auto" and not adapter and importlib.util.find_spec("vllm") is not None)
     if tensor_parallel_size > 1 and not use_vllm:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs the vLLM engine (--engine vllm, "
-                         "pip install 'erpo[vllm]')")
+        raise UserError(f"{setting_value(names, 'tensor_parallel_size', tensor_parallel_size)} needs the vLLM engine "
+                        f"({setting_value(names, 'engine', 'vllm')}, pip install 'erpo[vllm]')")
     tokenizer = load_tokenizer(model_path)  # exactly as the trainer loads it
     if use_vllm:
         vllm = make_rollout_engine("vllm", model_path=model_path, dtype=dtype, seed=seed,
                                    gpu_memory_utilization=gpu_memory_utilization,
-                                   tensor_parallel_size=tensor_parallel_size, colocated=False,
-                                   memory_setting="--gpu-memory-utilization")
+                                   tensor_parallel_size=tensor_parallel_size, colocated=False, names=names)
         return vllm, tokenizer
     model = load_causal_lm(model_path, dtype="auto" if dtype == "auto" else getattr(torch, dtype), device=device)
     return make_rollout_engine("hf", model_path=model_path, model=model, tokenizer=tokenizer,

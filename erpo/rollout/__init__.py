@@ -5,6 +5,7 @@ for (`rollout.engine` / `erpo eval --engine`: hf | vllm)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -15,23 +16,25 @@ from erpo.rollout.vllm import VLLMRollout
 
 log = logging.getLogger("erpo")
 VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "tensor_parallel_size", "enable_sleep_mode")  # rollout.*
+# the engine's keywords as a training run's user spells them, in its errors: the config keys
+CONFIG_NAMES = {key: f"rollout.{key}" for key in VLLM_ONLY_SETTINGS}
 
 
 def make_rollout_engine(engine: str, *, model_path: str, model=None, tokenizer=None, batch_size: int = 1,
                         dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
                         max_model_len: int | None = None, colocated: bool = True,
-                        memory_setting: str = "rollout.gpu_memory_utilization"):
+                        names: Mapping[str, str] | None = None):
     """A rollout engine: "hf" generates with `model` / `tokenizer` in `batch_size` prompts per call; "vllm" loads
-    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's, `memory_setting` the
-    name gpu_memory_utilization's errors give it; colocated=False lets vLLM start its own tensor-parallel workers, for
-    evaluation outside a training run)."""
+    `model_path` into vLLM (dtype a name such as "bfloat16"; the remaining options are vLLM's, `names` how the
+    caller's user spells them, which its errors use (`VLLMRollout`); colocated=False lets vLLM start its own
+    tensor-parallel workers, for evaluation outside a training run)."""
     if engine == "vllm":
         llm_kwargs = {"max_model_len": max_model_len} if max_model_len is not None else None
         return VLLMRollout(model_path, tensor_parallel_size=tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
                            enable_sleep_mode=enable_sleep_mode, llm_kwargs=llm_kwargs, colocated=colocated,
-                           memory_setting=memory_setting)
+                           names=names)
     return HFRollout(model, tokenizer, batch_size=batch_size)
 
 
@@ -55,4 +58,4 @@ def rollout_engine_for(cfg: Config, model, tokenizer, model_path: str):
                                dtype="bfloat16" if torch_dtype(cfg) == torch.bfloat16 else "float32",
                                seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                                tensor_parallel_size=r.tensor_parallel_size, enable_sleep_mode=r.enable_sleep_mode,
-                               max_model_len=cfg.data.max_prompt_length + r.max_new_tokens)
+                               max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, names=CONFIG_NAMES)

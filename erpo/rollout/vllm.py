@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from erpo import distributed as D
 from erpo.config import check_vllm_temperature
-from erpo.errors import MissingPackageError
+from erpo.errors import MissingPackageError, setting_name, setting_value
 from erpo.models.lora import inference_weights
 from erpo.rollout.engine import RolloutBatch, RolloutEngine
 
@@ -75,7 +76,9 @@ class VLLMRollout(RolloutEngine):
     in the launcher's processes (external_launcher, the training layouts above); False lets vLLM start its own
     workers for one calling process (evaluation). gpu_memory_utilization: fraction of
     each GPU vLLM may take (weights + KV cache), leave the rest to training: in (0, 1], as the caller checked it
-    (`erpo.config.check_gpu_memory_utilization`); `memory_setting` names it as its user gave it.
+    (`erpo.config.check_gpu_memory_utilization`). names: how the caller's user spells these keywords, which the
+    errors use (`erpo eval`: {"gpu_memory_utilization": "--gpu-memory-utilization", ...}; a training run: the config
+    keys, `rollout.gpu_memory_utilization`); a keyword absent names itself (`erpo.errors.setting_name`).
     enable_sleep_mode/sleep_level: `sleep()` frees the KV cache (level 1 also offloads weights to CPU; level 2, the
     default, discards them and
     the next `sync_weights` reloads them: the trainer overwrites every weight after each update anyway, so
@@ -87,9 +90,8 @@ class VLLMRollout(RolloutEngine):
     (max_model_len, enforce_eager, ...).
 
     Create the engine before the trainer allocates GPU memory (DeepSpeed, optimizer states): vLLM reserves
-    gpu_memory_utilization x total memory up front, and the constructor raises a ValueError naming
-    `memory_setting` (rollout.gpu_memory_utilization, erpo eval's --gpu-memory-utilization) when less than that is
-    free.
+    gpu_memory_utilization x total memory up front, and the constructor raises a ValueError naming that setting
+    (through `names`) when less than that is free.
     """
 
     seeding = "vllm-2"   # `request_seed`'s hash of (seed, rank, prompt); 1 was linear offsets of the seed
@@ -98,17 +100,18 @@ class VLLMRollout(RolloutEngine):
                  dtype: str = "bfloat16", seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, sleep_level: int = 2,
                  logprobs_mode: str | None = "processed_logprobs", colocated: bool = True,
-                 llm_kwargs: dict | None = None, memory_setting: str = "rollout.gpu_memory_utilization"):
+                 llm_kwargs: dict | None = None, names: Mapping[str, str] | None = None):
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+            raise ValueError(f"{setting_name(names, 'tensor_parallel_size')} must be an int >= 1, "
+                             f"got {tensor_parallel_size!r}")
         if colocated and D.world_size() % tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size "
-                             f"{D.world_size()}")
+            raise ValueError(f"{setting_value(names, 'tensor_parallel_size', tensor_parallel_size)} must divide the "
+                             f"world size {D.world_size()}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         vllm = import_vllm()
-        check_free_gpu_memory(gpu_memory_utilization, memory_setting)
+        check_free_gpu_memory(gpu_memory_utilization, setting_name(names, "gpu_memory_utilization"))
         self.sampling_params_cls = vllm.SamplingParams
         self.tensor_parallel_size = tensor_parallel_size
         self.colocated = colocated

@@ -140,7 +140,7 @@ def test_paper_temperature_grid():
 
 
 def test_tensor_parallel_needs_vllm(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs the vLLM engine"):
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 needs the vLLM engine \(engine=vllm, "):   # keywords
         evaluation.build_engine(tiny_model_dir, engine="hf", device="cpu", dtype="auto", seed=0, batch_size=1,
                                 tensor_parallel_size=2)
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import fake_vllm
 from erpo.cli.args import shipped_config
+from erpo.cli.eval import OPTION_NAMES
 from erpo.config import Config, LoraConfig, apply_overrides, load_config, resolve
 from erpo.eval.evaluate import evaluate
 from erpo.eval.model_specs import parse_models, resolve_model
@@ -227,8 +228,12 @@ def test_eval_accepts_an_adapter_dir(base_dir, tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(engine.model(input_ids=ids).logits, model(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="LoRA adapter, which --engine vllm does not load"):
+    with pytest.raises(ValueError, match=r"is a LoRA adapter, which engine=vllm does not load: .* or engine=hf$"):
         build_engine(adapter_dir, engine="vllm", device="cpu", dtype="float32", seed=0, batch_size=4)
+    with pytest.raises(ValueError, match=r"^--model \S+ is a LoRA adapter, which --engine vllm does not load: .* or "
+                                         r"--engine hf$"):   # as erpo eval's user spelled them
+        build_engine(adapter_dir, engine="vllm", device="cpu", dtype="float32", seed=0, batch_size=4,
+                     names=OPTION_NAMES)
 
 
 def test_eval_cache_refuses_samples_of_an_adapter_with_another_alpha(base_dir, tokenizer, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 import fake_vllm
 from erpo import distributed as D
+from erpo.cli.eval import OPTION_NAMES
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.rollout import vllm as rollout_vllm
 from erpo.rollout.engine import RolloutEngine
@@ -273,11 +274,15 @@ def test_apply_model_is_preferred_over_the_attribute_chain(monkeypatch):
 def test_engine_refuses_when_gpu_memory_is_taken(vllm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * 2**30, 80 * 2**30))
-    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization <= 0.37"):
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.5 asks vLLM .* set gpu_memory_utilization "
+                                         r"<= 0.37$"):   # from Python: the keyword
         VLLMRollout("m", gpu_memory_utilization=0.5)
+    from erpo.rollout import CONFIG_NAMES
+    with pytest.raises(ValueError, match=r"set rollout.gpu_memory_utilization <= 0.37$"):   # a training run's
+        VLLMRollout("m", gpu_memory_utilization=0.5, names=CONFIG_NAMES)
     with pytest.raises(ValueError, match=r"^--gpu-memory-utilization=0.5 asks vLLM .* set --gpu-memory-utilization "
                                          r"<= 0.37$"):   # erpo eval's engine: its user's option
-        VLLMRollout("m", gpu_memory_utilization=0.5, colocated=False, memory_setting="--gpu-memory-utilization")
+        VLLMRollout("m", gpu_memory_utilization=0.5, colocated=False, names=OPTION_NAMES)
     assert VLLMRollout("m", gpu_memory_utilization=0.3).llm.kwargs["gpu_memory_utilization"] == 0.3
 
 

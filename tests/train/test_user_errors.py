@@ -412,6 +412,8 @@ def test_eval_on_a_device_this_machine_lacks_is_one_line(capsys, tmp_path, devic
      "--gpu-memory-utilization must be a fraction in (0, 1] (vLLM's share of each GPU's memory), got 1.5"),
     (["--engine", "vllm", "--gpu-memory-utilization", "0"],   # the trainer's rollout.gpu_memory_utilization
      "--gpu-memory-utilization must be a fraction in (0, 1] (vLLM's share of each GPU's memory), got 0.0"),
+    (["--engine", "hf", "--tensor-parallel-size", "2"],   # checked by the engine's builder (a traceback before)
+     "--tensor-parallel-size 2 needs the vLLM engine (--engine vllm, pip install 'erpo[vllm]')"),
 ])
 def test_eval_sampling_options_are_named_as_typed(capsys, tmp_path, options, message):
     """`erpo eval`'s sampling checks name the option the user typed (`--k`, not the library's `k`), in one line, with
