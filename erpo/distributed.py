@@ -233,10 +233,11 @@ def deepspeed_config(zero_stage: int = 2, bf16: bool = True, offload_optimizer: 
     gradient norm (None or 0: off); micro_batch: sequences per rank per forward; grad_accum: micro-batches
     per optimizer step. optimizer: DeepSpeed optimizer section, e.g. {"type": "AdamW", "params": {"lr":
     1e-6, "weight_decay": 0.0}}; with offload_optimizer DeepSpeed wants it here (it then runs its CPU Adam)
-    rather than a client torch optimizer. On a machine without CUDA and without offload_optimizer, an Adam / AdamW
-    section gets `"torch_adam": true` (unless it sets it): DeepSpeed then steps torch.optim.AdamW, the same algorithm,
-    instead of JIT-building its fused_adam C++ op (minutes of CPU, and a compiler); on CUDA the section is kept as
-    given (FusedAdam, or DeepSpeedCPUAdam under offload). ZeRO-3 gathers 16-bit weights on save so exports are whole.
+    rather than a client torch optimizer. On a machine without CUDA an Adam / AdamW section gets `"torch_adam": true`
+    (unless it sets it): DeepSpeed then steps torch.optim.AdamW, the same algorithm, instead of JIT-building its
+    fused_adam C++ op, or under offload_optimizer its cpu_adam op (minutes of CPU, and a compiler; there the states
+    are on the CPU either way); on CUDA the section is kept as given (FusedAdam, or DeepSpeedCPUAdam under offload).
+    ZeRO-3 gathers 16-bit weights on save so exports are whole.
     """
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
@@ -274,7 +275,7 @@ def deepspeed_config(zero_stage: int = 2, bf16: bool = True, offload_optimizer: 
     }
     if optimizer is not None:
         adam = str(optimizer["type"]).lower() in ("adam", "adamw")
-        if adam and not offload_optimizer and not torch.cuda.is_available():
+        if adam and not torch.cuda.is_available():
             optimizer = {**optimizer, "params": {"torch_adam": True, **optimizer.get("params", {})}}
         config["optimizer"] = optimizer
     return config

@@ -16,17 +16,19 @@ from test_resume import env, small_run_args
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.0}}
 
 
-def test_a_deepspeed_training_run_on_the_cpu_builds_no_op(tmp_path):
-    """`erpo train` at ZeRO-2 in one process on the CPU (DeepSpeed's engine, its comm layer and its AdamW) with an
-    empty TORCH_EXTENSIONS_DIR of its own: the run finishes, the folder is still empty (an op DeepSpeed built or began
-    to build would be in it), and the optimizer its checkpoint holds is torch's AdamW (its parameter group's keys are
-    torch.optim.AdamW's options; FusedAdam's are lr, bias_correction, betas, eps and weight_decay)."""
+@pytest.mark.parametrize("offload", ["false", "true"], ids=["on-the-device", "optimizer-offloaded"])
+def test_a_deepspeed_training_run_on_the_cpu_builds_no_op(tmp_path, offload):
+    """`erpo train` at ZeRO-2 in one process on the CPU (DeepSpeed's engine, its comm layer and its AdamW), with and
+    without `trainer.offload_optimizer`, with an empty TORCH_EXTENSIONS_DIR of its own: the run finishes, the folder is
+    still empty (an op DeepSpeed built or began to build would be in it: fused_adam, or cpu_adam under offload), and
+    the optimizer its checkpoint holds is torch's AdamW (its parameter group's keys are torch.optim.AdamW's options;
+    FusedAdam's are lr, bias_correction, betas, eps and weight_decay; DeepSpeedCPUAdam's add amsgrad)."""
     pytest.importorskip("deepspeed", exc_type=ModuleNotFoundError)
     extensions = tmp_path / "torch_extensions"
     extensions.mkdir()
     cmd = [sys.executable, "-m", "erpo", "train", "--output-dir", str(tmp_path / "run"),
            *small_run_args(tmp_path / "cache"), "trainer.updater=deepspeed", "trainer.zero_stage=2",
-           "trainer.max_steps=1"]
+           "trainer.max_steps=1", f"trainer.offload_optimizer={offload}"]
     # a whole group: without the fix DeepSpeed's build goes on in compilers of its own after a timeout
     done = run_group(cmd, dict(env(), TORCH_EXTENSIONS_DIR=str(extensions)), timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -40,8 +42,9 @@ def test_a_deepspeed_training_run_on_the_cpu_builds_no_op(tmp_path):
 @pytest.mark.parametrize("cuda", [False, True])
 def test_adam_is_torchs_without_cuda_and_deepspeeds_with_it(monkeypatch, cuda):
     """The optimizer section `deepspeed_config` writes: without CUDA an Adam / AdamW section asks for torch's
-    optimizer (a `torch_adam` the caller set is kept); with CUDA, under optimizer offload (DeepSpeedCPUAdam) and for
-    other optimizers, the section is the caller's as given. The caller's dict is never changed."""
+    optimizer, under optimizer offload too (a `torch_adam` the caller set is kept); with CUDA (FusedAdam, or
+    DeepSpeedCPUAdam under offload) and for other optimizers, the section is the caller's as given. The caller's dict
+    is never changed."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     given = {"type": "AdamW", "params": dict(ADAMW["params"])}
     section = D.deepspeed_config(2, bf16=False, optimizer=given)["optimizer"]
@@ -49,7 +52,7 @@ def test_adam_is_torchs_without_cuda_and_deepspeeds_with_it(monkeypatch, cuda):
     assert given == ADAMW
     adam = D.deepspeed_config(3, bf16=False, optimizer={"type": "adam", "params": {"lr": 1e-3}})["optimizer"]
     assert adam["params"] == ({"lr": 1e-3} if cuda else {"torch_adam": True, "lr": 1e-3})
-    assert D.deepspeed_config(2, offload_optimizer=True, optimizer=given)["optimizer"] == ADAMW
+    assert D.deepspeed_config(2, offload_optimizer=True, optimizer=given)["optimizer"] == section
     kept = {"type": "AdamW", "params": {"torch_adam": False, "lr": 1e-3}}
     assert D.deepspeed_config(2, optimizer=kept)["optimizer"] == kept
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
