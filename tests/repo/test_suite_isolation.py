@@ -61,17 +61,20 @@ def test_libraries_keep_their_user_files_under_the_sessions_user_folder(tmp_path
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
 
 
-def two_files_in_one_process(tmp_path, leaks: str, next_file: str) -> subprocess.CompletedProcess:
-    """pytest with tests/conftest.py as a plugin on `leaks` (test_a_leaks.py), then `next_file` (test_b_next.py), in
-    one process, as a pytest-xdist worker runs them; lines not cut."""
+def leak_errors(tmp_path, leaks: str, next_file: str) -> list[str]:
+    """The ERROR lines of pytest with tests/conftest.py as a plugin on `leaks` (test_a_leaks.py: two tests), then
+    `next_file` (test_b_next.py: one test), in one process, as a pytest-xdist worker runs them (lines not cut), once
+    its summary says 3 passed and 1 error: the leaking file's, at its last teardown."""
     (tmp_path / "test_a_leaks.py").write_text(leaks)
     (tmp_path / "test_b_next.py").write_text(next_file)
     path = os.pathsep.join([str(TESTS), str(SUPPORT), str(REPO), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            "-p", "conftest", f"--rootdir={tmp_path}", f"--basetemp={tmp_path / 'run'}",
                            "test_a_leaks.py", "test_b_next.py"],
                           cwd=tmp_path, env=dict(os.environ, COLUMNS="1000", PYTHONPATH=path), capture_output=True,
                           text=True, timeout=300)
+    assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
 
 
 LEAVES_LINEAR_REPLACED = """import torch
@@ -103,12 +106,10 @@ def test_a_file_that_leaves_a_torch_function_replaced_fails_and_the_next_file_do
     in a pytest-xdist worker, and a later file's bf16 forwards changed): the file that leaves torch's linear replaced
     errors at its last test's teardown, naming it; what monkeypatch restores, and a name only added, are no change;
     the next file in the same process passes."""
-    done = two_files_in_one_process(tmp_path, LEAVES_LINEAR_REPLACED, LEAVES_NOTHING)
-    assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
-    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
-    assert errors == ["ERROR test_a_leaks.py::test_restores_what_it_replaces - Failed: test_a_leaks.py left "
-                      "process-wide state changed for the next file in this process: torch.nn.functional.linear: "
-                      "torch._C._nn.linear -> test_a_leaks.linear"], done.stdout[-3000:]
+    assert leak_errors(tmp_path, LEAVES_LINEAR_REPLACED, LEAVES_NOTHING) == [
+        "ERROR test_a_leaks.py::test_restores_what_it_replaces - Failed: test_a_leaks.py left process-wide state "
+        "changed for the next file in this process: torch.nn.functional.linear: torch._C._nn.linear -> "
+        "test_a_leaks.linear"]
 
 
 LEAVES_A_VARIABLE_SET = """import os
@@ -136,9 +137,6 @@ def test_a_file_that_leaves_an_environment_variable_set_fails_and_the_next_file_
     in-process `erpo train` once left MASTER_PORT set and a later file's child `erpo train` failed on the bound port.
     The file that sets a variable for good errors at its last test's teardown, naming it; what monkeypatch sets or
     removes and puts back is no change; the next file in the same process passes."""
-    done = two_files_in_one_process(tmp_path, LEAVES_A_VARIABLE_SET, READS_THE_ENVIRONMENT)
-    assert done.stdout.splitlines()[-1].startswith("3 passed, 1 error"), done.stdout[-3000:] + done.stderr
-    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR ")]
-    assert errors == ["ERROR test_a_leaks.py::test_sets_and_removes_with_monkeypatch - Failed: test_a_leaks.py left "
-                      "process-wide state changed for the next file in this process: "
-                      "os.environ.ERPO_TESTS_LEFT_SET: (none) -> '29500'"], done.stdout[-3000:]
+    assert leak_errors(tmp_path, LEAVES_A_VARIABLE_SET, READS_THE_ENVIRONMENT) == [
+        "ERROR test_a_leaks.py::test_sets_and_removes_with_monkeypatch - Failed: test_a_leaks.py left process-wide "
+        "state changed for the next file in this process: os.environ.ERPO_TESTS_LEFT_SET: (none) -> '29500'"]
