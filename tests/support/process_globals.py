@@ -28,6 +28,7 @@ LIBRARY_VARIABLES = {
     "TORCHINDUCTOR_CACHE_DIR": "torch.compile's first compilation: where Inductor caches, made absolute",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "torch.compile's first compilation: Inductor's own bookkeeping",
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "`import verl` (setdefault)",
+    "VLLM_LOGGING_LEVEL": "`import trl` where vLLM is installed (its default kept: setdefault in effect)",
 }
 # What torch does once per process, before any file's snapshot: importing torch._dynamo (above) wraps
 # torch.manual_seed, and the first torch.compile patches nn.Module.__init__ / __setstate__ (this call)
