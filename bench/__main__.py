@@ -14,8 +14,8 @@ import torch
 from .provenance import provenance
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SMOKE_ROWS = 128
-SMOKE_ROWS_PER_SAMPLE = 32
+SMOKE_ROWS = 64
+SMOKE_ROWS_PER_SAMPLE = 16
 
 
 def _csv(text: str) -> list:

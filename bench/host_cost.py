@@ -128,13 +128,13 @@ class CudaBinding:
         return statistics.median(samples[1:]) / 1e3
 
 
-def binding_costs(recorded, reps: int) -> list:
+def binding_costs(recorded, checks: dict, reps: int) -> list:
     """[{"kernel", "parameters", "pointers", "us", "globals", "globals_us"}] for each launch of `recorded`
     (StubbedTriton's), in launch order: its tensor arguments (on CUDA the C launcher's `data_ptr()` and
     `cuPointerGetAttribute` each, not timed here), the binding's microseconds (`CudaBinding`), and the global values
-    its compiled kernel checks on each launch with that check's microseconds (`bench.kernel_globals`)."""
+    its compiled kernel checks on each launch with that check's microseconds (`checks`: `global_checks` of these
+    launches' kernels, and maybe of others)."""
     binding = CudaBinding()
-    checks = global_checks([kernel for kernel, _, _ in recorded], reps)
     return [{"kernel": kernel.fn.__name__, "parameters": binding.binder(kernel)[2],
              "pointers": sum(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())),
              "us": binding.time_us(kernel, args, kwargs, reps), "globals": len(checks[_reference(kernel)]["globals"]),
@@ -190,20 +190,26 @@ def timed_phases(phases, spent: dict):
                                for phase, module, attribute in phases], wrap)
 
 
-def measure(prepared, phases, reps: int, warmup: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd), the Triton launches
-    per call, BINDING: the Triton launches' binding on a CUDA target and GLOBALS: their compiled kernels' checks of
-    global values (`binding_costs` on the last call's launches, their sums in "us", each in "binding"), for
-    `prepared` (bench.contenders.Prepared) with `phases` wrapped and Triton stubbed. On CUDA nothing is stubbed
-    (module docstring): launches None, BINDING, GLOBALS and "binding" absent."""
+def measure(prepared, phases, reps: int, warmup: int, device: torch.device = torch.device("cpu")) -> tuple:
+    """(result, launches): median microseconds per call of each phase, "entry", BACKWARD and "total" (fwd+bwd) in
+    result["us"] and the Triton launches per call, for `prepared` (bench.contenders.Prepared) with `phases` wrapped
+    and Triton stubbed, and the last call's launches (StubbedTriton's `recorded`, for `add_binding`). On CUDA nothing
+    is stubbed (module docstring): launches None."""
     if device.type == "cuda":
-        return {"us": _phase_medians(prepared, phases, reps, warmup, device), "triton_launches": None}
+        return {"us": _phase_medians(prepared, phases, reps, warmup, device), "triton_launches": None}, None
     with StubbedTriton() as stub:
         us = _phase_medians(prepared, phases, reps, warmup, device, stub)
-    binding = binding_costs(stub.recorded, reps)
-    us[BINDING] = sum(launch["us"] for launch in binding)
-    us[GLOBALS] = sum(launch["globals_us"] for launch in binding)
-    return {"us": us, "triton_launches": stub.launches_per_call, "binding": binding}
+    return {"us": us, "triton_launches": stub.launches_per_call}, stub.recorded
+
+
+def add_binding(result: dict, recorded, checks: dict, reps: int) -> None:
+    """Into a CPU `measure` result: BINDING, the Triton launches' binding on a CUDA target, and GLOBALS, their
+    compiled kernels' checks of global values (`binding_costs` on its `recorded` launches, with `checks` from
+    `global_checks`: their sums in "us", each launch in "binding")."""
+    binding = binding_costs(recorded, checks, reps)
+    result["us"][BINDING] = sum(launch["us"] for launch in binding)
+    result["us"][GLOBALS] = sum(launch["globals_us"] for launch in binding)
+    result["binding"] = binding
 
 
 def _phase_medians(prepared, phases, reps: int, warmup: int, device: torch.device, stub=None) -> dict:
@@ -251,17 +257,24 @@ def build(num_rows: int, vocab: int, rows_per_sample: int, device: torch.device 
 
 def run(num_rows: int, vocab: int, rows_per_sample: int, reps: int, warmup: int, contenders=("erpo", "liger"),
         device: torch.device = torch.device("cpu")):
-    """{contender: measure(...)} on one problem; a contender that is not installed maps to its reason."""
+    """{contender: measure(...)'s result} on one problem, on the CPU with its launches' binding and global-value
+    checks (`add_binding`; every contender's kernels in one `global_checks` process); a contender that is not
+    installed maps to its reason."""
     from .contenders import CONTENDERS
     problem = build(num_rows, vocab, rows_per_sample, device)
-    results = {}
+    results, recorded = {}, {}
     for key in contenders:
         contender = next(c for c in CONTENDERS if c.key == key and c.path == "logits")
         missing = contender.requirement(device)
         if missing is not None:
             results[key] = f"{missing[0]}: {missing[1]}"
             continue
-        results[key] = measure(contender.prepare(problem), PHASES[key], reps, warmup, device)
+        results[key], launches = measure(contender.prepare(problem), PHASES[key], reps, warmup, device)
+        if launches is not None:
+            recorded[key] = launches
+    checks = global_checks([kernel for launches in recorded.values() for kernel, _, _ in launches], reps)
+    for key, launches in recorded.items():
+        add_binding(results[key], launches, checks, reps)
     return results
 
 

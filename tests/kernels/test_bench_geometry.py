@@ -19,8 +19,9 @@ from bench.run import BenchConfig, run_benchmark
 from erpo_kernels import fused_linear_loss
 from erpo_kernels import triton_logits_gemm as gemm
 
-KEY = "erpo-geom-32-64"  # chunks of 32 rows, groups of 64: 4 chunks and 2 groups in the 128 rows below
-ROWS, PER_SAMPLE = 128, 64
+KEY = "erpo-geom-16-32"  # chunks of 16 rows, groups of 32: 4 chunks and 2 groups in the 64 rows below
+KEY_KNOBS = (16, 32)
+ROWS, PER_SAMPLE = 64, 32
 
 
 def knobs() -> tuple:
@@ -103,7 +104,7 @@ def test_every_call_of_a_bench_run_has_the_geometry_and_then_the_library_s_again
                                                                                  (KEY, "ok", True)]
     assert rows[1]["tolerance"] == rows[0]["tolerance"] == {"loss_atol": OURS.loss_atol, "loss_rtol": OURS.loss_rtol,
                                                             "grad_rtol": OURS.grad_rtol}
-    geometry = (32, 64)
+    geometry = KEY_KNOBS
     # each one's check, then their timed calls in turns (bench.timing.time_in_turns), each under its own knobs: a
     # round is erpo's fwd and fwd+bwd, then the contender's (no warm-up here; no peak memory off CUDA)
     assert calls == [library, geometry] + [library, library, geometry, geometry] * 2
@@ -150,7 +151,7 @@ def test_the_knobs_are_put_back_when_a_call_fails(calls, monkeypatch):
     monkeypatch.setattr(erpo_kernels, "fused_linear_erpo_loss", failing)
     (row,) = run_benchmark(_config([KEY]), log=lambda text: None)["rows"]
     assert row["status"] == "error" and "a call of the contender failed" in row["detail"]
-    assert calls == [(32, 64)] and knobs() == library
+    assert calls == [KEY_KNOBS] and knobs() == library
 
     class Stopped(BaseException):
         """Not a result the bench reports: it leaves the run."""
@@ -184,7 +185,7 @@ def test_ours_under_the_geometry_gives_ours_loss_and_gradients(monkeypatch):
             value = prepared.run()
             results[contender.key] = (plan.chunk_rows, plan.group_rows,
                                       (value.detach(), *torch.autograd.grad(value, prepared.inputs)))
-    assert results["erpo"][:2] == (ROWS, ROWS) and results[KEY][:2] == (32, 64)
+    assert results["erpo"][:2] == (ROWS, ROWS) and results[KEY][:2] == KEY_KNOBS
     for ours, other in zip(results["erpo"][2], results[KEY][2]):
         torch.testing.assert_close(other, ours, rtol=1e-5, atol=1e-6)
 
@@ -206,8 +207,8 @@ def test_an_epilogue_key_names_its_config_and_launch(key, epilogue):
 
 @pytest.mark.cpu_only  # ours in Triton's interpreter on the CPU on any machine (pytest.ini)
 def test_an_epilogue_contender_runs_its_config_and_launch_in_each_of_its_calls(monkeypatch):
-    """A bf16 bench run of erpo-epi-32x128x32-w4-s2-persistent5-tma (D = 64, V = 1000: 4 x 8 tiles on 5 programs):
-    every epilogue GEMM of its calls (its check, its fwd and fwd+bwd) at that config and launch with
+    """A bf16 bench run of erpo-epi-32x128x32-w4-s2-persistent5-tma (D = 64, V = 1000, 64 rows: 2 x 8 tiles on 5
+    programs): every epilogue GEMM of its calls (its check, its fwd and fwd+bwd) at that config and launch with
     EPILOGUE_ROW_PASS on; the library's LOSS_CONFIGS, LOSS_LAUNCH and EPILOGUE_ROW_PASS back after the run; its row
     correct within ours' tolerance."""
     key = "erpo-epi-32x128x32-w4-s2-persistent5-tma"

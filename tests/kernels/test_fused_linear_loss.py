@@ -566,22 +566,22 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
 
 @pytest.mark.usefixtures("dlogits_over_logits")
 def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
-    """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 12 chunks of whole samples: a + b x chunks
+    """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 6 chunks of whole samples: a + b x chunks
     exactly, b small (the logits GEMM, the two row kernels writing straight into the call's vectors, the hidden rows
     d weight reads, d hidden, d weight and d bias, and the objective's gradient in two launches: its sample kernel
     on the chunk's samples, its gradient kernel on the chunk's rows), one host sync
     (the chunk plan reads token_kind and sample_index together; the layout goes back without a wait). a is the
     device's own: on CUDA one more, the copy of the plan's read into pinned memory."""
-    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    batch = packed_batch([(1, 2)] * 6, device)  # 6 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     counts, names = {}, {}
-    for rows in (48, 24, 12, 4):
-        hidden, weight, bias = leaves(*linear(48, torch.float32, device))
+    for rows in (24, 12, 8, 4):
+        hidden, weight, bias = leaves(*linear(24, torch.float32, device))
         with LaunchCounter() as counter:
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    validate=False, workspace_bytes=budget_for(rows, torch.float32, device),
                                    qkl_coef=0.5, ratio_level="sequence", **inputs).loss.backward()
-        chunks = 48 // rows
+        chunks = 24 // rows
         # the chunk plan's one read of the layout (on CUDA a wait for its copy to pinned memory)
         assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
         # once over every sample for the global factors, once per chunk on its samples, once for the value

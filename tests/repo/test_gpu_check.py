@@ -104,7 +104,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
     key = why.split(":")[0]
     assert (f",{key} --progress " in commands[f"bench 1: {gpu_check.BENCH_RUNS[0].name}"]) == (key != "none")
     # the merged table, in the summary without its columns' legend
-    assert "| V=1000 | 128 | torch | erpo | ok |" in summary and "### Columns" not in summary
+    assert "| V=1000 | 64 | torch | erpo | ok |" in summary and "### Columns" not in summary
     # its last section, bench.decide's: the dry run's smoke rows and tier decide nothing (the probes' JSON files, read
     # in the work folder, pick or not on the CPU's times; bench 1's candidates run on the fused path only)
     decisions = summary[summary.index("\n## Decisions\n"):]
@@ -123,7 +123,7 @@ def test_dry_run_writes_each_stages_results(tmp_path):
         in stage_log
     logits = summary[summary.index("## Logits check"):summary.index("## Training")]
     assert "Node tests" not in logits  # the one-node loss's tests run in the kernel tier, not in logits_gpu_check.sh
-    assert "| logits | V=1000 | 128 | erpo | ok |" in logits and "| logits | V=1000 | 128 | erpo-log2 | ok |" in logits
+    assert "| logits | V=1000 | 64 | erpo | ok |" in logits and "| logits | V=1000 | 64 | erpo-log2 | ok |" in logits
     assert "| phase (host us per fwd+bwd, median) | erpo | liger |" in logits
     assert "- profile: erpo: wall " in logits
 
