@@ -123,10 +123,10 @@ def quiet_third_party_output() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
     logging.getLogger("huggingface_hub").propagate = False
     try:
-        import huggingface_hub.utils
+        from huggingface_hub.utils import disable_progress_bars  # a lazy module: its tqdm loads here
     except ImportError:
         return
-    huggingface_hub.utils.disable_progress_bars()
+    disable_progress_bars()
     hf_logging = sys.modules.get("transformers.utils.logging")
     if hf_logging is not None:
         hf_logging.disable_progress_bar()
@@ -141,12 +141,11 @@ def run_command(args: argparse.Namespace) -> int:
         if args.command == "train":
             from erpo.train.preflight import check_run
             checked = check_run(cfg, resume=args.resume)
-        else:   # train logs it itself, once its output directory is checked
-            from erpo.config import run_summary
+        else:
             from erpo.reference.cache_path import checked_cache_path
             cache_path = checked_cache_path(cfg)
-            log.info("erpo %s: %s", args.command, run_summary(cfg))
         from erpo import distributed
+        from erpo.config import run_summary
         from erpo.reference.setup import precompute_reference
         from erpo.storage_errors import stop_on_storage_failure
         from erpo.train import loop
@@ -156,7 +155,8 @@ def run_command(args: argparse.Namespace) -> int:
                                              advice="fix the storage (space, permissions), then run again; --resume "
                                                     "continues from the newest checkpoint"):
                     loop.train(cfg, resume=args.resume, force=args.force, checked=checked)
-            else:
+            else:   # its summary once its modules have loaded (train logs its own, once its output dir is checked)
+                log.info("erpo %s: %s", args.command, run_summary(cfg))
                 _, path, _ = precompute_reference(cfg, overwrite=args.overwrite, cache_path=cache_path)
                 print(path)
         finally:
