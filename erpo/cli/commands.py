@@ -115,39 +115,49 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_third_party_output() -> None:
     """Hide what users did not ask for: HF's weight loading / shard writing bars, the second copy of each
     huggingface_hub warning (its own handler and the root logger's), and DeepSpeed's "Setting accelerator to CPU"
-    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay."""
+    notice on a machine without CUDA. Our progress bar, our log lines and the libraries' warnings stay. Imports
+    torch and huggingface_hub, not transformers: transformers takes its bars' setting from huggingface_hub's when it
+    loads (its `utils.logging`), and is told here only when it is loaded already."""
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # said, not auto-detected: DeepSpeed has nothing to warn about
     logging.getLogger("huggingface_hub").propagate = False
     try:
-        import huggingface_hub.utils
-        import transformers.utils.logging as hf_logging
+        from huggingface_hub.utils import disable_progress_bars  # a lazy module: its tqdm loads here
     except ImportError:
         return
-    hf_logging.disable_progress_bar()
-    huggingface_hub.utils.disable_progress_bars()
+    disable_progress_bars()
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; returns the exit status."""
-    from erpo import distributed  # the trainer's modules load here: `erpo --help` needs none of them
     if args.command in ("train", "precompute-ref"):
+        # what the config alone decides is checked before the trainer's modules load (transformers' modeling code:
+        # seconds of imports), so that a mistake there is one line at once
+        cfg = config_from_args(args)
+        if args.command == "train":
+            from erpo.train.preflight import check_run
+            checked = check_run(cfg, resume=args.resume)
+        else:
+            from erpo.reference.cache_path import checked_cache_path
+            cache_path = checked_cache_path(cfg)
+        from erpo import distributed
         from erpo.config import run_summary
         from erpo.reference.setup import precompute_reference
         from erpo.storage_errors import stop_on_storage_failure
         from erpo.train import loop
-        cfg = config_from_args(args)
-        if args.command == "precompute-ref":   # train logs it itself, once its output directory is checked
-            log.info("erpo %s: %s", args.command, run_summary(cfg))
         try:
             if args.command == "train":   # a refused read or write (metrics, export) is one line, as a save's is
                 with stop_on_storage_failure("a file operation", cfg.output_dir,
                                              advice="fix the storage (space, permissions), then run again; --resume "
                                                     "continues from the newest checkpoint"):
-                    loop.train(cfg, resume=args.resume, force=args.force)
-            else:
-                _, path, _ = precompute_reference(cfg, overwrite=args.overwrite)
+                    loop.train(cfg, resume=args.resume, force=args.force, checked=checked)
+            else:   # its summary once its modules have loaded (train logs its own, once its output dir is checked)
+                log.info("erpo %s: %s", args.command, run_summary(cfg))
+                _, path, _ = precompute_reference(cfg, overwrite=args.overwrite, cache_path=cache_path)
                 print(path)
         finally:
             distributed.destroy_distributed()  # every rank, also after an error (a live group can abort at exit)

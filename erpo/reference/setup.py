@@ -19,16 +19,11 @@ from erpo.reference.cache import (
     template_id,
     with_temperature,
 )
+from erpo.reference.cache_path import checked_cache_path
 from erpo.sequences import model_precision, scoring_precision
-from erpo.storage_errors import file_in_the_way
 from erpo.tasks.data import PromptSet, dataset_rows_digest, load_prompt_set
 
 log = logging.getLogger("erpo")
-
-
-def reference_cache_path(cfg: Config) -> str:
-    """reference.cache_path, by default OUTPUT_DIR/reference_cache.json."""
-    return cfg.reference.cache_path or os.path.join(cfg.output_dir, "reference_cache.json")
 
 
 def run_precision(cfg: Config, model_path: str, model=None) -> str:
@@ -54,24 +49,17 @@ def reference_identity(cfg: Config, model_path: str, tokenizer, model=None) -> d
 
 
 def precompute_reference(cfg: Config, *, overwrite: bool = False, model=None, model_path: str | None = None,
-                         tokenizer=None, prompt_set: PromptSet | None = None
+                         tokenizer=None, prompt_set: PromptSet | None = None, cache_path: str | None = None
                          ) -> tuple[ReferenceCache, str, tuple[torch.Tensor, torch.Tensor]]:
-    """Load the reference cache at `reference_cache_path(cfg)` and check it against this run, or build it with
-    theta0 when it does not exist (or `overwrite`). Returns (cache, path, (ell_theta0 [Q], w [Q])): the cache's
-    fp32 values for the prompt set's Q prompts (`cache.lookup`); w(q) relative to this prompt set
-    (`reweight_for_training_set`) when the cache was built with other prompts too."""
+    """Load the reference cache at `cache_path` (`checked_cache_path(cfg)`'s, checked here when not given) and check
+    it against this run, or build it with theta0 when it does not exist (or `overwrite`). Returns (cache, path,
+    (ell_theta0 [Q], w [Q])): the cache's fp32 values for the prompt set's Q prompts (`cache.lookup`); w(q) relative
+    to this prompt set (`reweight_for_training_set`) when the cache was built with other prompts too."""
+    path = cache_path or checked_cache_path(cfg)   # before the SFT warm start, the tokenizer and the data
     D.init_distributed()
     model_path = model_path or model_path_for(cfg)
     tokenizer = tokenizer or tokenizer_for(cfg, model_path)
     prompt_set = prompt_set or load_prompt_set(cfg, tokenizer)
-    path = reference_cache_path(cfg)
-    if os.path.isdir(path):
-        raise UserError(f"reference.cache_path {path}: is a directory; give the cache file's path, e.g. "
-                        f"{os.path.join(path, 'reference_cache.json')}")
-    blocking = file_in_the_way(os.path.dirname(os.path.abspath(path)))
-    if blocking is not None:   # found now, not by the save after ell_theta0(q) was computed
-        raise UserError(f"reference.cache_path {path}: {blocking} is a file, not a directory; give a cache path (or "
-                        "an --output-dir) where a directory can be made")
     if os.path.exists(path) and not overwrite:
         try:
             cache = ReferenceCache.load(path)

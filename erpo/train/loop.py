@@ -30,12 +30,12 @@ from erpo.rollout import rollout_engine_for
 from erpo.sequences import logit_transforms
 from erpo.storage_errors import stop_on_storage_failure
 from erpo.tasks.data import PromptSet, load_prompt_set, prompt_set_identity
-from erpo.tasks.rewards import load_reward_function
 from erpo.tasks.trainer_progress import TrainerProgress
 from erpo.train.checkpoint import CheckpointManager
 from erpo.train.metrics import MetricsWriter
+from erpo.train.preflight import CheckedRun, check_run
 from erpo.train.rollout_stage import filtered_step_warning, rollout_stage
-from erpo.train.run_dir import check_resumed_training_set, check_run_dir, schedule_mismatch
+from erpo.train.run_dir import check_resumed_training_set, schedule_mismatch
 from erpo.train.run_lock import RunLock, hold_run_dir
 from erpo.train.step_plan import old_logprobs, plan_query_weights, plan_step
 from erpo.train.stop import GracefulStop
@@ -152,17 +152,16 @@ def restore_state(cfg: Config, checkpoints: CheckpointManager, updater: Updater,
     return state
 
 
-def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
-    """Check the output dir, set up ranks and seeds, lock the output dir (`force`: take the lock from a run that
-    may be alive), load the data, models, reference cache and rollout engine, and restore the newest intact
-    checkpoint when resuming."""
-    check_run_dir(cfg, resume=resume)
+def start_run(cfg: Config, resume: bool, force: bool = False, checked: CheckedRun | None = None) -> Run:
+    """Check what the config alone decides (`checked`: `preflight.check_run`'s, run here when not given), set up
+    ranks and seeds, lock the output dir (`force`: take the lock from a run that may be alive), load the data,
+    models, reference cache and rollout engine, and restore the newest intact checkpoint when resuming."""
+    checked = checked or check_run(cfg, resume=resume)
     out_dir = Path(cfg.output_dir)
     log.info("erpo train: %s (resolved config: %s)", run_summary(cfg), out_dir / "config.yaml")
     checkpoints = CheckpointManager(out_dir, keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every)
     D.init_distributed()
     seed_everything(cfg)
-    reward_fns = [load_reward_function(spec) for spec in cfg.reward.functions]   # a mistyped one stops before any model
     model_path = model_path_for(cfg)   # a mistyped model name stops here, before the run directory is written
     tokenizer = tokenizer_for(cfg, model_path)
     lock = hold_run_dir(out_dir, force=force)   # before anything is written there; released at the end or exit
@@ -179,7 +178,8 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
     engine = rollout_engine_for(cfg, None, tokenizer, model_path) if cfg.rollout.engine == "vllm" else None
     updater, ref_model = build_models(cfg, model_path, device)
     cache, cache_path, (ref_query_logp, static_weight) = precompute_reference(
-        cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps)
+        cfg, model=updater.module, model_path=model_path, tokenizer=tokenizer, prompt_set=ps,
+        cache_path=checked.cache_path)
     engine = engine or rollout_engine_for(cfg, updater.module, tokenizer, model_path)
     schedule_steps = cfg.trainer.max_steps * updates_per_rollout(cfg)
     state = TrainState(reference_cache_id=cache.cache_id, lr_schedule_steps=schedule_steps, training_set=training_set)
@@ -190,7 +190,7 @@ def start_run(cfg: Config, resume: bool, force: bool = False) -> Run:
         sampler = PromptSampler(len(ps.prompt_ids), cfg.trainer.seed, record["epoch"], record["cursor"])
         engine.sync_weights(updater.module)
     return Run(out_dir=out_dir, checkpoints=checkpoints, tokenizer=tokenizer, prompts=ps, updater=updater,
-               ref_model=ref_model, engine=engine, reward_fns=reward_fns, ref_query_logp=ref_query_logp,
+               ref_model=ref_model, engine=engine, reward_fns=checked.reward_fns, ref_query_logp=ref_query_logp,
                static_weight=static_weight, state=state, sampler=sampler, device=device, lock=lock,
                logit_options=logit_transforms(updater.model))
 
@@ -220,13 +220,14 @@ def finish_run(cfg: Config, run: Run) -> None:
 
 
 @left_as_found()
-def train(cfg: Config, *, resume: bool = False, force: bool = False) -> str:
-    """Run ERPO (or a baseline, per cfg.algorithm) and return the output dir. Writes config.yaml,
+def train(cfg: Config, *, resume: bool = False, force: bool = False, checked: CheckedRun | None = None) -> str:
+    """Run ERPO (or a baseline, per cfg.algorithm) and return the output dir (`checked`: `preflight.check_run`'s for
+    this config and `resume`, where its caller ran it before loading this module). Writes config.yaml,
     reference_cache.json, metrics.jsonl, tb/, checkpoints/, final/ and plots/training.png there, holding its
     run.lock meanwhile (`force`: take it over from a run that may still be alive, see erpo.train.run_lock). Once it
     returns or raises, the process's `torch.nn.functional.linear` (which DeepSpeed ZeRO-3 replaces), CPU threads and
     launcher variables are as they were before (`left_as_found`)."""
-    run = start_run(cfg, resume, force)
+    run = start_run(cfg, resume, force, checked)
     t, state, sampler, model = cfg.trainer, run.state, run.sampler, run.updater.model
     metrics = MetricsWriter(cfg, run.out_dir, resume=resume, total_steps=t.max_steps * updates_per_rollout(cfg),
                             done_steps=state.opt_step)

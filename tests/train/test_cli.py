@@ -10,6 +10,7 @@ import pytest
 from erpo.cli.args import config_from_args, shipped_config
 from erpo.cli.commands import build_parser, main
 from paths import worker_pythonpath
+from test_user_errors import fake_run
 
 
 def test_train_flags_map_onto_the_config(tmp_path):
@@ -103,6 +104,54 @@ print("loaded:", *sorted({name.split(".")[0] for name in sys.modules} & set(sys.
     assert done.stdout.splitlines()[-1] == "loaded:", done.stdout.splitlines()[-1]
 
 
+# What `erpo train` and `erpo precompute-ref` load only once the config and what it alone decides are checked: the
+# trainer's modules and transformers (its modeling code pulls in torch._dynamo: most of the seconds before a run).
+TRAINER_MODULES = ("erpo.train.loop", "erpo.reference.setup", "erpo.models.loading", "transformers")
+
+
+def test_a_mistake_the_config_decides_is_one_line_before_the_trainer_loads(tmp_path):
+    """A config mistake, a run directory that cannot start the run, a reference cache path that cannot hold the
+    cache and a reward function that cannot be loaded: each one line with its exit status, in a fresh process that
+    has loaded none of TRAINER_MODULES when it answers (`erpo.cli` main, one command after another), and no log line
+    before it."""
+    finished = fake_run(tmp_path / "finished", finished=True)
+    run, cache_dir = tmp_path / "run", tmp_path / "cache_dir"
+    cache_dir.mkdir()
+    cases = [  # (argv, exit status, the line's start)
+        (["train", "--set", "trainer.lr=abc"], 2,
+         "erpo train: config error: config key 'trainer.lr': expected a number, got 'abc'"),
+        (["train", "--config", str(tmp_path / "nonexist.yaml")], 2,
+         f"erpo train: config error: --config {tmp_path / 'nonexist.yaml'}: no such file, and not a shipped config"),
+        (["train", "--output-dir", str(finished)], 1, f"erpo train: --output-dir {finished}: holds a finished run"),
+        (["train", "--output-dir", str(run), "--resume"], 1, "erpo train: --resume: no complete checkpoint under"),
+        (["train", "--output-dir", str(run), "--set", f"reference.cache_path={cache_dir}"], 1,
+         f"erpo train: reference.cache_path {cache_dir}: is a directory; give the cache file's path"),
+        (["train", "--output-dir", str(run), "--set", f"reward.functions=[{tmp_path / 'nofile.py'}:score]"], 1,
+         f"erpo train: reward function '{tmp_path / 'nofile.py'}:score': no such file"),
+        (["precompute-ref", "--output-dir", str(run), "--set", f"reference.cache_path={cache_dir}"], 1,
+         f"erpo precompute-ref: reference.cache_path {cache_dir}: is a directory; give the cache file's path"),
+    ]
+    code = """
+import contextlib, io, json, logging, sys
+logging.basicConfig(stream=sys.stderr)   # erpo's log lines, if any, go to this process's stderr
+from erpo.cli import main
+answers = []
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        status = main(argv)
+    answers.append([status, err.getvalue(), [name for name in json.loads(sys.argv[2]) if name in sys.modules]])
+print(json.dumps(answers))
+"""
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([argv for argv, _, _ in cases]),
+                           json.dumps(TRAINER_MODULES)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**without_interpreter(os.environ), "PYTHONPATH": worker_pythonpath()})  # this erpo
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    for (argv, status, start), (got_status, err, loaded) in zip(cases, json.loads(done.stdout), strict=True):
+        assert (got_status, loaded) == (status, []), (argv, got_status, loaded, err)
+        assert err.startswith(start) and err.count("\n") == 1, (argv, err)
+    assert not run.exists()
+
+
 def test_a_fresh_machine_s_first_line_is_not_matplotlib_s(tmp_path):
     """matplotlib builds its font cache on its first import (here: a new MPLCONFIGDIR), logging "generated new
     fontManager" at INFO; the CLI quiets it before any command imports matplotlib (here `erpo plot`)."""
@@ -146,12 +195,15 @@ def test_shipped_config_paths():
 
 @pytest.fixture
 def fake_training(monkeypatch):
-    """erpo.train.loop.train replaced by a recorder (optionally raising) and the process-group teardown recorded."""
+    """erpo.train.loop.train and the checks before it (`preflight.check_run`, what it hands train: "checked")
+    replaced by recorders, train optionally raising, and the process-group teardown recorded."""
     import erpo.distributed
     import erpo.train.loop
+    import erpo.train.preflight
     calls = {"train": [], "destroy": 0, "raise": None}
 
-    def train(cfg, resume=False, force=False):
+    def train(cfg, resume=False, force=False, checked=None):
+        assert checked == ("checked", cfg.output_dir, resume)
         calls["train"].append((cfg.output_dir, resume, os.environ.get("LOCAL_RANK")))
         if calls["raise"]:
             raise calls["raise"]
@@ -159,6 +211,7 @@ def fake_training(monkeypatch):
     def destroy():
         calls["destroy"] += 1
     monkeypatch.setattr(erpo.train.loop, "train", train)
+    monkeypatch.setattr(erpo.train.preflight, "check_run", lambda cfg, resume: ("checked", cfg.output_dir, resume))
     monkeypatch.setattr(erpo.distributed, "destroy_distributed", destroy)
     monkeypatch.setenv("LOCAL_RANK", "0")   # recorded first: teardown then removes the LOCAL_RANK the CLI sets from
     monkeypatch.delenv("LOCAL_RANK")        # --local_rank, which would otherwise reach later tests

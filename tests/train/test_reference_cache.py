@@ -16,6 +16,7 @@ from erpo.errors import Terminated, UserError
 from erpo.models.fingerprint import fingerprint_cache_path, model_fingerprint, tokenizer_fingerprint
 from erpo.models.tiny import build_model, build_tokenizer
 from erpo.reference.cache import ReferenceCache, build_reference_cache, compute_query_logp, prompt_hash
+from erpo.reference.cache_path import reference_cache_path
 from erpo.tasks.data import PromptSet
 from erpo_kernels import query_weights
 
@@ -346,7 +347,7 @@ def test_a_stop_while_scoring_names_the_reference_cache_and_writes_nothing(setup
     with pytest.raises(stop) as stopped_here:
         reference_setup.precompute_reference(cfg, model=model, model_path=str(tmp_path / "m"), tokenizer=tokenizer,
                                              prompt_set=prompt_set)
-    path = reference_setup.reference_cache_path(cfg)
+    path = reference_cache_path(cfg)
     how = "stopped (SIGTERM)" if stop is Terminated else "interrupted (Ctrl-C)"
     assert stop_line("train", stopped_here.value) == (
         f"erpo train: {how} during the reference cache's ell_theta0(q); nothing was written to {path} (the same "
