@@ -178,6 +178,9 @@ def assert_same_loss(ours, expected, dtype=torch.float32):
 
 # Samples of 4 to 13 rows (query and response rows), some without query or without response rows.
 SAMPLES = [(3, 5), (0, 4), (6, 7), (2, 0), (1, 2), (4, 9), (0, 6), (0, 3), (2, 2)]
+# The host-order and host-layout tests' batch: 28 rows in 3 samples; chunks of 10 rows keep every query and response
+# set whole, chunks of 6 split sample 2's 7 response rows (a pre-pass).
+ORDER_SAMPLES = SAMPLES[:3]
 
 
 def option_id(options):
@@ -249,9 +252,9 @@ def test_nonfinite_padding_row_does_not_poison_the_gradients(dtype, fp32, monkey
     to the one with that row zeroed (d hidden's GEMM, in hidden's dtype or in fp32 with GRAD_HIDDEN_FP32, does not
     read its output's old contents)."""
     monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", fp32)
-    batch = packed_batch(SAMPLES, device)
+    batch = packed_batch(SAMPLES[:3], device)
     hidden, weight, bias = linear(len(batch["targets"]), dtype, device)
-    padding = int((batch["token_kind"] == 0).nonzero()[2])
+    padding = int((batch["token_kind"] == 0).nonzero()[1])  # row 13, the last of the chunk of rows 9 to 13
     results = []
     for filler in (0.0, float("nan")):
         h = hidden.clone()
@@ -540,17 +543,15 @@ def test_dlogits_store_groups_chunks_with_the_same_gradients(backend, monkeypatc
     assert max(recorder.logits_gemm_rows) == 4 and max(recorder.group_rows) == 16
     assert sum(recorder.group_rows) == len(batch["targets"]) and len(recorder.group_rows) < len(chunks) / 3
     assert 0.5 * budget < recorder.peak_workspace <= budget
+    grouped, expected = fused_and_logits_path(batch, tensors, backend, rows=4, workspace_bytes=budget, **options)
+    assert_same_loss(grouped, expected, dtype=torch.bfloat16)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
-    grads = []
-    for workspace_bytes in (budget, budget_for(4, torch.bfloat16, device, backend)):
-        ours = leaves(*tensors)
-        fused_linear_erpo_loss(ours[0], ours[1], *(batch[k] for k in ROW_TENSORS), bias=ours[2], backend=backend,
-                               workspace_bytes=workspace_bytes, **inputs, **options).loss.backward()
-        grads.append([t.grad for t in ours])
-    for grouped, alone in zip(*grads):
-        torch.testing.assert_close(grouped, alone, rtol=1e-2, atol=1e-5)
-    assert_same_loss(*fused_and_logits_path(batch, tensors, backend, rows=4, workspace_bytes=budget, **options),
-                     dtype=torch.bfloat16)
+    alone = leaves(*tensors)  # the same chunks with their dlogits over their logits
+    fused_linear_erpo_loss(alone[0], alone[1], *(batch[k] for k in ROW_TENSORS), bias=alone[2], backend=backend,
+                           workspace_bytes=budget_for(4, torch.bfloat16, device, backend), **inputs,
+                           **options).loss.backward()
+    for got, want in zip(grouped[1], alone):
+        torch.testing.assert_close(got, want.grad, rtol=1e-2, atol=1e-5)
 
 
 @pytest.mark.usefixtures("dlogits_over_logits")
@@ -566,22 +567,22 @@ def test_two_row_pass_launches_and_three_gemms_per_chunk(device):
 
 @pytest.mark.usefixtures("dlogits_over_logits")
 def test_triton_chunks_cost_a_constant_plus_a_few_launches_each(device):
-    """Launches per fwd+bwd (validate=False, LaunchCounter) at 1 to 6 chunks of whole samples: a + b x chunks
+    """Launches per fwd+bwd (validate=False, LaunchCounter) at 1, 2 and 4 chunks of whole samples: a + b x chunks
     exactly, b small (the logits GEMM, the two row kernels writing straight into the call's vectors, the hidden rows
     d weight reads, d hidden, d weight and d bias, and the objective's gradient in two launches: its sample kernel
     on the chunk's samples, its gradient kernel on the chunk's rows), one host sync
     (the chunk plan reads token_kind and sample_index together; the layout goes back without a wait). a is the
     device's own: on CUDA one more, the copy of the plan's read into pinned memory."""
-    batch = packed_batch([(1, 2)] * 6, device)  # 6 samples of 4 rows (the last a padding row)
+    batch = packed_batch([(1, 2)] * 4, device)  # 4 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     counts, names = {}, {}
-    for rows in (24, 12, 8, 4):
-        hidden, weight, bias = leaves(*linear(24, torch.float32, device))
+    for rows in (16, 8, 4):
+        hidden, weight, bias = leaves(*linear(16, torch.float32, device))
         with LaunchCounter() as counter:
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    validate=False, workspace_bytes=budget_for(rows, torch.float32, device),
                                    qkl_coef=0.5, ratio_level="sequence", **inputs).loss.backward()
-        chunks = 24 // rows
+        chunks = 16 // rows
         # the chunk plan's one read of the layout (on CUDA a wait for its copy to pinned memory)
         assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
         # once over every sample for the global factors, once per chunk on its samples, once for the value
@@ -617,12 +618,12 @@ def test_a_fwd_bwd_makes_no_fill_and_no_constant_tensor(dtype, validate, bias, d
     the value checks' buffer (`full`), the read's copy (`cat`), the GEMMs, d bias's column sums and additions, the
     loss's addition of the anchor and autograd's seed (`ones_like`, loss.backward()'s); on CUDA also the copies to
     and from host memory (the layout's upload, the read's copy), which the CPU makes without a launch."""
-    batch = packed_batch([(1, 2)] * 12, device)
+    batch = packed_batch([(1, 2)] * 8, device)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
-    hidden, weight, b = leaves(*linear(48, dtype, device, bias=bias))
+    hidden, weight, b = leaves(*linear(32, dtype, device, bias=bias))
     with LaunchCounter() as counter:
         fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=b, backend="triton",
-                               validate=validate, workspace_bytes=budget_for(12, dtype, device), qkl_coef=0.5,
+                               validate=validate, workspace_bytes=budget_for(8, dtype, device), qkl_coef=0.5,
                                **inputs).loss.backward()
     aten = {name.removeprefix("aten.") for name in counter.names if name.startswith("aten.")}
     gemms = {"mm", "addmm", "addmm_"}
@@ -635,24 +636,24 @@ def test_a_fwd_bwd_makes_no_fill_and_no_constant_tensor(dtype, validate, bias, d
 
 
 def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
-    """bf16, 12 chunks of 4 rows with their dlogits in a store of 48, 24 or 16 rows, or over their logits: launches
-    per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the d weight GEMM and d bias: the hidden
-    rows that d weight reads are written chunk by chunk), one host sync."""
+    """bf16, 8 chunks of 4 rows with their dlogits in a store of 32, 16 or 12 rows (the last group 8), or over their
+    logits: launches per fwd+bwd are a + c x groups exactly, c small (the d hidden GEMM, the d weight GEMM and d
+    bias: the hidden rows that d weight reads are written chunk by chunk), one host sync."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
     monkeypatch.setattr(chunked, "GROUP_ROWS", None)  # the stores the budgets hold, whatever the session's cap
-    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    batch = packed_batch([(1, 2)] * 8, device)  # 8 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     counts = {}
-    for groups, budget in ((1, budget_for_groups(4, 48, torch.bfloat16, device)),
-                           (3, budget_for_groups(4, 16, torch.bfloat16, device)),
-                           (2, budget_for_groups(4, 24, torch.bfloat16, device)),
-                           (12, budget_for(4, torch.bfloat16, device))):
-        hidden, weight, bias = leaves(*linear(48, torch.bfloat16, device))
+    for groups, budget in ((1, budget_for_groups(4, 32, torch.bfloat16, device)),
+                           (3, budget_for_groups(4, 12, torch.bfloat16, device)),
+                           (2, budget_for_groups(4, 16, torch.bfloat16, device)),
+                           (8, budget_for(4, torch.bfloat16, device))):
+        hidden, weight, bias = leaves(*linear(32, torch.bfloat16, device))
         with LaunchCounter() as counter:
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    validate=False, workspace_bytes=budget, qkl_coef=0.5, **inputs).loss.backward()
         assert counter.syncs == 1 and set(counter.sync_names) <= {"Tensor.cpu", "event.synchronize"}
-        assert counter.names["triton._objective_grad_kernel"] == 12  # one per chunk, whatever the groups
+        assert counter.names["triton._objective_grad_kernel"] == 8  # one per chunk, whatever the groups
         counts[groups] = counter.launches
     per_group = counts[2] - counts[1]
     assert all(launches == counts[1] + per_group * (groups - 1) for groups, launches in counts.items()), counts
@@ -661,24 +662,24 @@ def test_triton_groups_cost_a_few_launches_each(monkeypatch, device):
 
 def test_fp32_dhidden_keeps_the_calls_launches_and_host_reads(monkeypatch, device):
     """GRAD_HIDDEN_FP32 changes what d hidden's GEMM writes, not what a fwd+bwd launches or reads (LaunchCounter,
-    validate=False): bf16, 12 chunks of 4 rows in 3 groups of 16 rows, the same launches by name both ways (d hidden's
+    validate=False): bf16, 8 chunks of 4 rows in 2 groups of 16 rows, the same launches by name both ways (d hidden's
     GEMM is aten's addmm, counted with the `addmm_` of the CPU's fp32 path: on CUDA the fp32 output is cuBLAS's own,
     `out_dtype`, and the CPU's copies of its operands to fp32, `fused_linear_loss.cpu_fp32_operand`, which CUDA does
     not make, the counter leaves out; the bf16 bias's cast to fp32, CUDA's too, it counts: once per call, not once for
-    each of the 13 logits GEMMs), one `_scale_kernel` pass per gradient and the call's one host read."""
+    each of the 9 logits GEMMs), one `_scale_kernel` pass per gradient and the call's one host read."""
     monkeypatch.setattr(chunked, "LOGITS_ROWS", 4)
-    batch = packed_batch([(1, 2)] * 12, device)  # 12 samples of 4 rows (the last a padding row)
+    batch = packed_batch([(1, 2)] * 8, device)  # 8 samples of 4 rows (the last a padding row)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     counts = []
     for fp32 in (False, True):
         monkeypatch.setattr(chunked, "GRAD_HIDDEN_FP32", fp32)
-        hidden, weight, bias = leaves(*linear(48, torch.bfloat16, device))
+        hidden, weight, bias = leaves(*linear(32, torch.bfloat16, device))
         with LaunchCounter() as counter:
             fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias, backend="triton",
                                    validate=False, workspace_bytes=budget_for_groups(4, 16, torch.bfloat16, device),
                                    qkl_coef=0.5, **inputs).loss.backward()
         assert hidden.grad.dtype == torch.bfloat16 and counter.names["triton._scale_kernel"] == 3
-        # the bias's cast: one for the call's 13 logits GEMMs (the first chunk's in halves, one a chunk after), made
+        # the bias's cast: one for the call's 9 logits GEMMs (the first chunk's in halves, one a chunk after), made
         # with its logits buffer (none where the epilogue's GEMM, with EPILOGUE_ROW_PASS, reads the bias as it is)
         assert counter.names.get("aten.to", 0) == (0 if chunked.EPILOGUE_ROW_PASS else 1)
         gemms = counter.names.pop("aten.addmm_", 0)
@@ -702,7 +703,7 @@ def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
     the copy is checked against the rows. Launches: with validate=False the read's fewer, 1 on the CPU (the
     concatenation of the rows for it) and 2 on CUDA (its copy into pinned memory too); with True 6 more (the copy's
     comparison with the rows, and its place in the read), on CUDA perhaps 7 (its upload)."""
-    batch = packed_batch(SAMPLES, device)
+    batch = packed_batch(ORDER_SAMPLES, device)
     inputs = {k: v for k, v in batch.items() if k not in ROW_TENSORS}
     results = []
     for host_layout in (None, host_layout_of(batch)):
@@ -712,7 +713,7 @@ def test_a_host_layout_spares_the_chunk_plan_its_read(validate, device):
                 counter.host_memory(host_layout)  # on the CPU, else taken for a device tensor
             out = fused_linear_erpo_loss(hidden, weight, *(batch[k] for k in ROW_TENSORS), bias=bias,
                                          backend="triton", validate=validate, host_layout=host_layout,
-                                         workspace_bytes=budget_for(12, torch.float32, device), qkl_coef=0.5,
+                                         workspace_bytes=budget_for(6, torch.float32, device), qkl_coef=0.5,
                                          ratio_level="sequence", **inputs)
             out.loss.backward()
         results.append((counter.syncs, counter.launches, out.loss, out.token_logp, hidden.grad, weight.grad,
@@ -770,7 +771,7 @@ def test_the_op_s_read_waits_after_the_gemms_it_can_queue(rows, prepass, device)
     upload), so that the chunk loop follows the read at once; without it no launch but the plan's comes between the
     read and the chunk loop, the first chunk's forward row kernel last, before the objective's setup. On CUDA the
     read waits for the code's copy alone (`validation.read_later`), not for those GEMMs."""
-    batch = packed_batch(SAMPLES, device)
+    batch = packed_batch(ORDER_SAMPLES, device)
     layout = host_layout_of(batch)
     gemm, forward = logits_gemm_launch(), forward_row_launch()
     objective_setup = [("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")]
@@ -824,7 +825,7 @@ def test_the_op_makes_before_its_read_all_that_needs_no_layout(rows, prepass, de
     read and the first chunk's objective come the plan's GEMMs (with a pre-pass its three vectors too), the groups'
     buffers (after the pre-pass: the workspace budget does not hold its gathered rows beside them) and the first
     chunk's forward row kernel, nothing else."""
-    batch = packed_batch(SAMPLES, device)
+    batch = packed_batch(ORDER_SAMPLES, device)
     order = launches_and_read(batch, rows, counter=AllocationsInOrder(), gradients=True)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
     gemm, forward = logits_gemm_launch(), forward_row_launch()
@@ -855,7 +856,7 @@ def test_after_the_read_the_host_works_behind_the_launches_it_does_not_feed(rows
     its work that feeds neither (the groups' buffers, the chunk layout and its staging buffer), and the layout's
     upload, which the sample kernel reads, is the last thing before that kernel: no launch, allocation or read
     between them (the GPU profile's gaps after the read, bench/RESULTS.md "Host order of the default fused call")."""
-    batch = packed_batch(SAMPLES, device)
+    batch = packed_batch(ORDER_SAMPLES, device)
     counter = AllocationsInOrder()
     upload = chunk_objective.host_to_device
 
@@ -884,7 +885,7 @@ def test_the_global_factors_are_queued_before_the_read_but_with_the_entropy_filt
     kernel, which would replace some of those entropies, follows them (without the filter the plan queues it before
     the objective's setup). Either way before the first chunk's own sample kernel."""
     options = dict(top_entropy_quantile=0.5, entropy_coef=0.05, entropy_agg="token-mean") if entropy_filter else {}
-    order = launches_and_read(packed_batch(SAMPLES, device), 10, **options)
+    order = launches_and_read(packed_batch(ORDER_SAMPLES, device), 10, **options)
     read = next(i for i, (kind, _) in enumerate(order) if kind == "sync")
     sample, finish = ("launch", "triton._objective_sample_kernel"), ("launch", "triton._objective_finish_kernel")
     forward = forward_row_launch()

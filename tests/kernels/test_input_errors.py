@@ -4,15 +4,14 @@ what to do (both run as a user runs them: a fresh interpreter)."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from erpo_kernels import erpo_loss, fused_linear_erpo_loss
 from interpreter_as_gpu import NUMPY_SCALAR_ERROR
+from paths import worker_pythonpath
 
-REPO = Path(__file__).resolve().parents[2]
 N, V, D = 6, 11, 8
 
 
@@ -57,7 +56,7 @@ def test_a_length_error_blames_the_wrong_argument(path, shapes, options, message
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    environment.update(env, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    environment.update(env, PYTHONPATH=worker_pythonpath())  # this checkout, interpreter patched as the suite's
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=environment)
 
 
