@@ -7,14 +7,16 @@ TESTS = Path(__file__).resolve().parents[1]
 # fresh-clone suite runs of 2026-11-28 (`.ci/run`: serial, top 80, at 47c4860; parallel, top 60, at 94d0d14; parallel,
 # top 30, at fac3d38; a test's latest listed time wins): a lower bound of each file's
 # time (its tests under those lists' cut are not counted), in seconds, beside each file. The files of 30 s or more;
-# the others follow in pytest's order, the short tail that evens out the two workers' ends.
+# the others follow in pytest's order, the short tail that evens out the two workers' ends. Moved since, by each file
+# alone in one process (`/usr/bin/time` user+sys, `pytest -p no:xdist`, session of 2026-11-28 13:42): fused_linear_loss
+# up (375 CPU-s after its trim; multirank 404, gpu_check 243, epilogue_row_pass 150 beside it); the rest as measured.
 FILES_FIRST = (
-    "distributed/test_multirank.py",           # 762: its first 2-rank job waits for DeepSpeed's CPU op build (324)
+    "distributed/test_multirank.py",           # 762 then (with a DeepSpeed op build since gone); 404 CPU-s alone
+    "kernels/test_fused_linear_loss.py",       # 110 (375 CPU-s alone, above)
     "repo/test_gpu_check.py",                  # 275: the dry run 237
     "kernels/test_epilogue_row_pass.py",       # 163
     "distributed/test_distributed.py",         # 158
     "kernels/test_bench_geometry.py",          # 113
-    "kernels/test_fused_linear_loss.py",       # 110
     "train/test_interrupt.py",                 # 106
     "integrations/test_verl_platform.py",      # 85
     "kernels/test_bench_smoke.py",             # 80
