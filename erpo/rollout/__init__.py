@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from erpo.config import Config, RolloutConfig
+from erpo.errors import setting_value
 from erpo.models.loading import torch_dtype
 from erpo.rollout.hf import HFRollout
 from erpo.rollout.vllm import VLLMRollout
@@ -45,8 +46,8 @@ def warn_vllm_only_settings(rollout: RolloutConfig) -> None:
     defaults = RolloutConfig()
     for key in VLLM_ONLY_SETTINGS:
         if getattr(rollout, key) != getattr(defaults, key):
-            log.warning("rollout.%s=%s is ignored by the %s engine (vLLM only: rollout.engine=vllm)", key,
-                        getattr(rollout, key), rollout.engine)
+            log.warning("%s is ignored by the %s engine (vLLM only: rollout.engine=vllm)",
+                        setting_value(CONFIG_NAMES, key, getattr(rollout, key)), rollout.engine)
 
 
 def rollout_engine_for(cfg: Config, model, tokenizer, model_path: str):
