@@ -134,6 +134,17 @@ def _interpreter_patches_once_per_launch():
         yield
 
 
+@pytest.fixture
+def no_launcher_variables(monkeypatch):
+    """The launcher variables (erpo.distributed.LAUNCHER_VARIABLES) unset, as in a process no launcher started; what
+    the test, or the code it runs, sets of them is put back after it."""
+    from erpo.distributed import LAUNCHER_VARIABLES
+
+    for key in LAUNCHER_VARIABLES:
+        monkeypatch.setenv(key, "")   # records the value, or its absence, for the teardown (a bare delenv would not)
+        monkeypatch.delenv(key)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -226,9 +226,7 @@ def test_all_gather_cat_single_process_and_bad_input():
         D.all_gather_cat(values.reshape(1, 2))
 
 
-def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch):
-    for key in D.LAUNCHER_VARIABLES:
-        monkeypatch.delenv(key, raising=False)
+def test_set_launcher_env_keeps_a_launchers_values_and_fills_a_single_process(monkeypatch, no_launcher_variables):
     monkeypatch.setenv("MASTER_PORT", "29123")
     D.set_launcher_env()
     assert [os.environ[k] for k in D.LAUNCHER_VARIABLES] == \

@@ -7,13 +7,3 @@ import pytest
 def pytest_itemcollected(item):
     item.add_marker(pytest.mark.train)
 
-
-@pytest.fixture
-def no_launcher_variables(monkeypatch):
-    """The launcher variables (erpo.distributed.LAUNCHER_VARIABLES) unset, as in a process no launcher started; what
-    the test, or the code it runs, sets of them is put back after it."""
-    from erpo.distributed import LAUNCHER_VARIABLES
-
-    for key in LAUNCHER_VARIABLES:
-        monkeypatch.setenv(key, "")   # records the value, or its absence, for the teardown (a bare delenv would not)
-        monkeypatch.delenv(key)
