@@ -17,19 +17,12 @@ from erpo.rollout import vllm as rollout_vllm
 from erpo.rollout.engine import RolloutEngine
 from erpo.rollout.vllm import VLLMRollout, sampled_logprobs
 
-LAUNCHER_VARIABLES = D.LAUNCHER_VARIABLES
-
 REPO = Path(__file__).resolve().parents[2]
 
 
-
-
 @pytest.fixture(autouse=True)
-def isolated_launcher_env(monkeypatch):
-    """VLLMRollout fills the launcher variables for vLLM; undo that after each test."""
-    for key in LAUNCHER_VARIABLES:
-        monkeypatch.setenv(key, "")   # records the original value (or its absence) for teardown
-        monkeypatch.delenv(key)
+def _no_launcher_variables(no_launcher_variables):
+    """VLLMRollout fills the launcher variables for vLLM: each test starts without them and they are put back."""
 
 
 @pytest.fixture
